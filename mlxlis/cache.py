@@ -43,3 +43,131 @@ class KVCache:
     @property
     def state(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]
+
+
+def window_mask(q_start: int, t: int, k_start: int, k_len: int, window: int | None) -> mx.array:
+    """Boolean (t, k_len) mask from absolute positions: query p sees keys in (p − window, p]
+    (transformers' sliding rule `kv_idx > q_idx - sliding_window`); window None = causal."""
+    q = mx.arange(q_start, q_start + t)[:, None]
+    k = mx.arange(k_start, k_start + k_len)[None, :]
+    keep = k <= q
+    if window is not None:
+        keep = keep & (k > q - window)
+    return keep
+
+
+class RotatingKVCache:
+    """Keys/values of the last `window` positions only, for sliding-window layers.
+
+    Single-token steps write into a ring of `window` slots; the ring's order does not matter
+    because every slot is visible to the new query. A multi-token chunk is attended against
+    the ring (oldest first) plus the chunk, under a mask from absolute positions (`mask`);
+    then the newest `window` of them are kept. Memory: `window` positions, plus one chunk
+    while it is being attended.
+    """
+
+    step = 256
+
+    def __init__(self, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"sliding window must be positive, got {window}")
+        self.window = window
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0  # positions seen so far
+        self._size = 0  # valid slots (≤ window)
+        self._idx = 0  # ring slot the next single-token write goes to (the oldest when full)
+
+    def _ordered(self) -> tuple[mx.array, mx.array] | None:
+        """Valid keys/values, oldest first."""
+        if self.keys is None or self._size == 0:
+            return None
+        if self._size < self.window or self._idx == 0:
+            return self.keys[..., : self._size, :], self.values[..., : self._size, :]
+        i = self._idx
+        return (mx.concatenate([self.keys[..., i:, :], self.keys[..., :i, :]], axis=2),
+                mx.concatenate([self.values[..., i:, :], self.values[..., :i, :]], axis=2))
+
+    def mask(self, t: int) -> mx.array | None:
+        """Mask for the next update of `t` positions (call it before update_and_fetch)."""
+        if t == 1:
+            return None  # a single query sees every slot the ring holds after the write
+        return window_mask(self.offset, t, self.offset - self._size, self._size + t, self.window)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        # keys/values: (B, n_kv_heads, T, head_dim)
+        t = keys.shape[2]
+        self.offset += t
+        if t == 1:
+            return self._write_one(keys, values)
+        old = self._ordered()
+        if old is not None:
+            keys = mx.concatenate([old[0], keys], axis=2)
+            values = mx.concatenate([old[1], values], axis=2)
+        # keep the newest `window` positions, oldest first (a copy, so the chunk can be freed)
+        self.keys = mx.array(keys[..., -self.window :, :])
+        self.values = mx.array(values[..., -self.window :, :])
+        self._size = self.keys.shape[2]
+        self._idx = self._size % self.window
+        return keys, values  # (B, n_kv_heads, size_before + T, head_dim), oldest first
+
+    def _write_one(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self._size < self.window:  # still filling: append, growing in blocks up to window
+            cap = 0 if self.keys is None else self.keys.shape[2]
+            if self._size == cap:
+                b, h, _, d = keys.shape
+                grow = min(self.step, self.window - cap)
+                k_new = mx.zeros((b, h, grow, d), keys.dtype)
+                v_new = mx.zeros((b, h, grow, values.shape[3]), values.dtype)
+                if self.keys is None:
+                    self.keys, self.values = k_new, v_new
+                else:
+                    self.keys = mx.concatenate([self.keys[..., :cap, :], k_new], axis=2)
+                    self.values = mx.concatenate([self.values[..., :cap, :], v_new], axis=2)
+            i = self._size
+            self._size += 1
+        else:
+            i = self._idx
+        self.keys[..., i : i + 1, :] = keys
+        self.values[..., i : i + 1, :] = values
+        self._idx = (i + 1) % self.window
+        return self.keys[..., : self._size, :], self.values[..., : self._size, :]
+
+    @property
+    def trimmable(self) -> int:
+        """How many of the newest positions `trim` can forget and still be exact afterwards.
+
+        Once positions have rotated out, after trimming n the cache must still hold the
+        window − 1 positions before the new end; it holds `_size − n` of them."""
+        if self._size == self.offset:  # nothing rotated out yet
+            return self.offset
+        return max(0, self._size - self.window + 1)
+
+    def trim(self, n: int) -> int:
+        """Forget the last `n` positions; returns how many were forgotten: all of `n` (or every
+        position, as KVCache does when n > offset), or 0, leaving the cache untouched, when
+        positions needed afterwards have already rotated out (re-prefill in that case)."""
+        if self._size == self.offset:
+            n = min(n, self.offset)
+        elif n > self.trimmable:
+            return 0
+        if n <= 0:
+            return 0
+        old = self._ordered()
+        if old is not None:
+            self.keys = old[0][..., : self._size - n, :]
+            self.values = old[1][..., : self._size - n, :]
+        self._size -= n
+        self._idx = self._size % self.window
+        self.offset -= n
+        return n
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+
+def trimmable(caches: list) -> int:
+    """How many newest positions every cache of a model can forget exactly (`trim` limit)."""
+    return min((c.trimmable if isinstance(c, RotatingKVCache) else c.offset for c in caches),
+               default=0)

@@ -193,20 +193,20 @@ def diagnose_missing_template(
 
 def _ways_out(cause: int, family: _Family | None) -> list[str]:
     raw = "  --no-chat                   raw prompting: text for the model to continue"
-    path = (
-        "  --chat-template PATH        a .jinja file (or tokenizer_config.json) with its template"
-    )
-    named: list[str] = []
-    if family is not None:
+    path = "  --chat-template PATH        a .jinja file (or tokenizer_config.json) with its template"
+    builtins = "  --chat-template NAME        a built-in format (chatml, gemma, llama2, llama3)"
+    if family is None:
+        named = [builtins + ", if the model card names it"]
+    else:
         when = {1: "only if this is in fact a chat finetune", 4: "the parent family's format"}
         hint = when.get(cause, f"if the model card confirms the {family.label} format")
         named = [f"  --chat-template {family.builtin:<12}{hint}"]
-    others = "  (built-in names: chatml, gemma, llama2, llama3)"
+    poor = " (poor results for a chat model)"
     if cause == 1:
         return [raw, *named, path]
     if cause == 2:
-        fetch = "  fetch the missing file into the model folder (re-download the model), or"
-        return [fetch, path, *named, raw + " (poor results for a chat model)"]
+        fetch = "  fetch the missing file into the model folder (re-download it), or"
+        return [fetch, path, *named, raw + poor]
     if cause == 4:
-        return [*named, path, raw, others]
-    return [path, *named, others, raw + " (poor results for a chat model)"]
+        return [*named, path, raw]
+    return [path, *named, raw + poor]

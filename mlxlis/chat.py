@@ -1,0 +1,130 @@
+"""ChatSession: a multi-turn conversation that reuses the KV cache between turns.
+
+Before each turn the whole conversation is rendered with the model's chat template and
+tokenized; the cache keeps the longest common token prefix with what it already holds and only
+the rest is prefilled. When the conversation no longer fits in the context, the turn is refused
+with a ContextLimitError (no silent truncation); `reset()` starts over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from .errors import ContextLimitError
+from .generate import Event, generate
+
+
+@dataclass
+class Turn:
+    role: str
+    content: str
+    stopped: bool = False  # an assistant reply cut short by the user
+
+    def message(self) -> dict:
+        return {"role": self.role, "content": self.content}
+
+
+@dataclass
+class ChatSession:
+    model: object
+    system: str | None = None
+    sampling: dict = field(default_factory=dict)
+    context_limit: int | None = None
+    turns: list[Turn] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.context_limit is None:
+            self.context_limit = self.model.context_length
+        self._cache: list | None = None
+        self._cached: list[int] = []  # token ids whose K/V the cache holds, in order
+        self.last_prompt_tokens = 0
+        self.last_reused_tokens = 0
+
+    # --- conversation ---
+    @property
+    def messages(self) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [t.message() for t in self.turns]
+
+    def reset(self) -> None:
+        """Forget the conversation and the cache (the system prompt stays)."""
+        self.turns.clear()
+        self._cache, self._cached = None, []
+
+    def set_system(self, text: str | None) -> None:
+        self.system = text or None
+
+    def render(self, add_generation_prompt: bool = True) -> str:
+        """The exact text the model sees next (special tokens included)."""
+        return self.model.render_chat(self.messages, add_generation_prompt=add_generation_prompt)
+
+    def prompt_preview(self, pending_user: str | None = None) -> str:
+        """What the model would receive if `pending_user` were sent now."""
+        if pending_user is None:
+            return self.render()
+        self.turns.append(Turn("user", pending_user))
+        try:
+            return self.render()
+        finally:
+            self.turns.pop()
+
+    @property
+    def context_used(self) -> int:
+        return len(self._cached)
+
+    # --- generation ---
+    def send(self, text: str, should_stop: Callable[[], bool] | None = None,
+             **sampling) -> Iterator[Event]:
+        """Add a user message and stream the assistant's reply (appended when it ends)."""
+        self.turns.append(Turn("user", text))
+        try:
+            ids = self.model.tokenizer.encode(self.render(), special=True)
+            self._check_fits(ids)
+        except Exception:
+            self.turns.pop()  # a refused turn leaves the conversation as it was
+            raise
+        yield from self._reply(ids, should_stop, {**self.sampling, **sampling})
+
+    def _check_fits(self, ids: list[int]) -> None:
+        if len(ids) >= self.context_limit:
+            raise ContextLimitError(
+                f"the conversation needs {len(ids)} tokens but the context holds "
+                f"{self.context_limit}; start a new session (/clear) or shorten it",
+                field="context")
+
+    def _reply(self, ids: list[int], should_stop, sampling: dict) -> Iterator[Event]:
+        cache, reuse = self._reusable(ids)
+        max_tokens = min(sampling.pop("max_tokens", 512), self.context_limit - len(ids))
+        self.last_prompt_tokens, self.last_reused_tokens = len(ids), reuse
+        self._cache, self._cached = cache, list(ids[:reuse])  # consistent even if interrupted
+        text: list[str] = []
+        final: Event | None = None
+        try:
+            for ev in generate(self.model, ids[reuse:], max_tokens=max_tokens, cache=cache,
+                               history=ids[:reuse], should_stop=should_stop, **sampling):
+                text.append(ev.text)
+                if ev.finish_reason is not None:
+                    final = ev
+                yield ev
+        finally:
+            stopped = final is None or final.finish_reason == "cancelled"
+            if final is not None:
+                self._cached = list(ids[:reuse]) + final.fed
+            else:  # the consumer abandoned the stream mid-way: the cache state is unknown
+                self._cache, self._cached = None, []
+            self.turns.append(Turn("assistant", "".join(text), stopped=stopped))
+
+    def _reusable(self, ids: list[int]) -> tuple[list, int]:
+        """A cache holding the longest common prefix of `ids` (at least one id left to feed)."""
+        common = 0
+        for a, b in zip(self._cached, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)
+        if self._cache is not None and common > 0:
+            drop = len(self._cached) - common
+            if all(c.trim(drop) == drop for c in self._cache):
+                return self._cache, common
+        return self.model.make_cache(), 0
