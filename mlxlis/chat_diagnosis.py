@@ -193,7 +193,7 @@ def diagnose_missing_template(
 
 def _ways_out(cause: int, family: _Family | None) -> list[str]:
     raw = "  --no-chat                   raw prompting: text for the model to continue"
-    path = "  --chat-template PATH        a .jinja file (or tokenizer_config.json) with its template"
+    path = "  --chat-template PATH        a .jinja file (or tokenizer_config.json) holding it"
     builtins = "  --chat-template NAME        a built-in format (chatml, gemma, llama2, llama3)"
     if family is None:
         named = [builtins + ", if the model card names it"]

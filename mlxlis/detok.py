@@ -1,15 +1,22 @@
-"""Ids back to text: per-token byte tables for GGUF / SentencePiece vocabularies, and streaming.
+"""The per-token side of a vocabulary, and ids back to text.
 
-A GGUF vocabulary is decoded the way llama.cpp's `token_to_piece` does it: every token maps to
-a fixed byte string (byte-level BPE spelling undone, SentencePiece's "▁" turned back into a
-space, `<0xAB>` byte tokens into that byte), and the text is the UTF-8 decoding of their
-concatenation. `StreamDecoder` works on any `Tokenizer` through its `decode`.
+- `Splitter` / `TableVocab`: a GGUF or SentencePiece vocabulary as token texts + types; special
+  and user-defined token text is cut out of the input before the model encoder sees it.
+- `PieceTable`: ids -> text the way llama.cpp's `token_to_piece` does it: every token maps to
+  fixed bytes (byte-level BPE spelling undone, SentencePiece's "▁" turned back into a space,
+  `<0xAB>` byte tokens into that byte); the text is the UTF-8 decoding of their concatenation.
+- `StreamDecoder`: streaming detokenisation for any `Tokenizer`, through its `decode`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import TokenizerError
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
@@ -36,7 +43,7 @@ _UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
 
 
 class PieceTable:
-    """Token id -> the bytes it stands for, computed lazily (a 262k vocabulary costs nothing up front).
+    """Token id -> the bytes it stands for, computed lazily (free to build for 262k tokens).
 
     byte_level: GPT-2 style vocabulary (normal tokens spelled in the byte alphabet); otherwise
     SentencePiece style. Control / unknown / unused tokens are rendered as their text unless
@@ -86,7 +93,7 @@ class PieceTable:
         for i in ids:
             i = int(i)
             if i < 0 or i >= n:
-                raise IndexError(f"token id {i} is outside the vocabulary (size {n})")
+                raise TokenizerError(f"token id {i} is outside the vocabulary (size {n})")
             if i in skip:
                 continue
             piece = self.piece(i)
@@ -96,49 +103,162 @@ class PieceTable:
         return b"".join(parts).decode("utf-8", errors="replace")
 
 
+# llama.cpp's end-of-generation texts (llama-vocab.cpp `special_eog_ids`): stop tokens, since a
+# GGUF rarely carries tokenizer.ggml.eot_token_id (Gemma's <end_of_turn> is found this way).
+EOG_TEXTS = frozenset(
+    "<|eot_id|> <|im_end|> <|end|> <end_of_turn> <|endoftext|> <|eom_id|> <EOT> _<EOT> "
+    "<|end_of_text|> <end_of_utterance>".split()
+)
+
+
+class Splitter:
+    """Cuts special-token text out of a string (leftmost, longest match) with a character trie."""
+
+    def __init__(self, always: dict[str, int], special: dict[str, int]):
+        self._tables = {False: always, True: {**special, **always}}
+        self._built: dict[bool, tuple[dict, re.Pattern[str]] | None] = {}
+
+    def _get(self, special: bool) -> tuple[dict, re.Pattern[str]] | None:
+        if special not in self._built:  # built on first use: Gemma has 6k control tokens
+            trie: dict = {}
+            for text, i in self._tables[special].items():
+                node = trie
+                for ch in text:
+                    node = node.setdefault(ch, {})
+                node[""] = i  # "" is never a character: it marks where a token ends
+            starts = re.compile("[" + "".join(re.escape(c) for c in trie) + "]")
+            self._built[special] = (trie, starts) if trie else None
+        return self._built[special]
+
+    def split(self, text: str, special: bool) -> list[str | int]:
+        """Text pieces (str) and token ids (int), in order."""
+        built = self._get(special)
+        if built is None:
+            return [text]
+        trie, starts = built
+        out: list[str | int] = []
+        pos = i = 0
+        while (m := starts.search(text, i)) is not None:
+            j = k = m.start()
+            node, best = trie, None
+            while k < len(text) and (node := node.get(text[k])) is not None:
+                k += 1
+                if "" in node:
+                    best = (k, node[""])
+            if best is None:
+                i = j + 1
+                continue
+            out += [text[pos:j], best[1]] if j > pos else [best[1]]
+            pos = i = best[0]
+        return out + [text[pos:]] if pos < len(text) else out
+
+
+class TableVocab:
+    """A vocabulary of token texts + types (GGUF, tokenizer.model) and a plain-text encoder.
+
+    Special / user-defined token text is cut out before `plain` sees the text, as llama.cpp's
+    `tokenizer_st_partition` does: user-defined tokens always, control tokens with special=True.
+    """
+
+    def __init__(
+        self,
+        tokens: list[str],
+        types: list[int],
+        plain: Callable[[str], list[int]],
+        pieces: PieceTable,
+        user_text: Callable[[str], str] = str,
+    ):
+        t = np.asarray(types)
+        ids = np.flatnonzero
+        self.vocab_size = len(tokens)
+        self._tokens, self._plain, self._pieces = tokens, plain, pieces
+        self.special_tokens = {tokens[i]: int(i) for i in ids((t == CONTROL) | (t == UNKNOWN))}
+        for i, tok in enumerate(tokens):  # llama.cpp makes these control whatever their type
+            if tok in EOG_TEXTS:
+                self.special_tokens.setdefault(tok, i)
+        always = {user_text(tokens[i]): int(i) for i in ids(t == USER_DEFINED)}
+        self._splitter = Splitter(always, self.special_tokens)
+        self.special_ids = frozenset(self.special_tokens.values()) | set(ids(t == UNUSED).tolist())
+        self._ids: dict[str, int] | None = None
+
+    def encode(self, text: str, special: bool) -> list[int]:
+        ids: list[int] = []
+        for part in self._splitter.split(text, special):
+            if isinstance(part, int):
+                ids.append(part)
+            else:
+                ids += self._plain(part)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool) -> str:
+        return self._pieces.decode(ids, self.special_ids if skip_special else frozenset())
+
+    def id_to_token(self, i: int) -> str:
+        return self._tokens[i]
+
+    def token_to_id(self, text: str) -> int | None:
+        if self._ids is None:
+            self._ids = {t: i for i, t in enumerate(self._tokens)}
+        return self._ids.get(text)
+
+
 class StreamDecoder:
     """Streaming detokenisation: `add(id)` returns the text that token completed.
 
-    Decodes only a small window of recent ids: the ids since the last emitted text (`_pending`)
-    and the few before them (`_context`), and emits the part of decode(context + pending) past
-    decode(context). Text ending in U+FFFD is held back (an unfinished UTF-8 character, e.g.
-    an emoji split over byte-fallback tokens) until a later token completes it, or `flush()`.
+    Decodes only a small window: the ids since the last fully emitted text (`_pending`) after
+    the last two ids before them (`_context`), and emits the part of decode(context + pending)
+    past decode(context). A window whose text ends in U+FFFD (an unfinished UTF-8 character,
+    e.g. an emoji split over byte-fallback tokens) emits only what precedes the U+FFFD run and
+    waits for the next token; `flush()` gives whatever is left, broken bytes included.
 
-    Leading-space rules (SentencePiece's dummy prefix, the `Strip` decoder of tokenizer.json)
-    apply to the first visible token of a decode call, so a window that starts mid-stream would
-    lose the space of its first word. Mid-stream windows therefore start with a fixed anchor
-    token (the encoding of "a"), which takes that first-token treatment in both decodes.
+    Leading-space rules (SentencePiece's dummy prefix, tokenizer.json's `Strip` decoder) apply
+    to the first visible token of a decode call, so a window starting mid-stream would drop the
+    space of its first word. Until text has been emitted the window is the whole stream; after
+    that it starts with a fixed anchor (the ids of "a"), which takes the first-token treatment
+    in both decodes and leaves the window's own spaces alone.
     """
 
     def __init__(self, tok: Tokenizer, *, skip_special: bool = False):
         self._tok = tok
         self._skip = skip_special
-        self._anchor = tok.encode("a", add_bos=False)
-        self._at_start = True  # nothing emitted yet and no context: decode as from the start
+        self._anchor = tok.encode("a", add_bos=False, add_eos=False)
+        self._from_start = True  # no visible text yet: the window is the whole stream
         self._context: list[int] = []
         self._pending: list[int] = []
+        self._sent = 0  # chars of the pending text already emitted
 
-    def _decode(self, ids: list[int]) -> str:
-        if self._at_start:
-            return self._tok.decode(ids, skip_special=self._skip)
-        return self._tok.decode(self._anchor + ids, skip_special=self._skip)
+    def _new_text(self) -> str:
+        prefix = [] if self._from_start else self._anchor
+        before = self._tok.decode(prefix + self._context, skip_special=self._skip)
+        after = self._tok.decode(prefix + self._context + self._pending, skip_special=self._skip)
+        return after[len(before) :]
 
     def add(self, token_id: int) -> str:
         self._pending.append(int(token_id))
-        before = self._decode(self._context)
-        after = self._decode(self._context + self._pending)
-        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
-            return ""
-        self._context = self._pending[-2:] if len(self._pending) > 1 else self._pending
+        new = self._new_text()
+        if new.endswith("\ufffd"):
+            stable = len(new.rstrip("\ufffd"))
+            out = new[self._sent : stable]
+            self._sent = max(self._sent, stable)
+            return out
+        out = new[self._sent :]
+        window = self._context + self._pending
+        if self._from_start and not (self._sent or out):
+            self._context = window  # still invisible (e.g. a skipped BOS): keep it all
+        else:
+            self._context = window[-2:]
+            self._from_start = False
         self._pending = []
-        self._at_start = False
-        return after[len(before):]
+        self._sent = 0
+        return out
 
     def flush(self) -> str:
-        """Everything still held back (a trailing U+FFFD stays if the bytes really are broken)."""
+        """Whatever is held back (a trailing U+FFFD stays if the bytes really are broken)."""
         if not self._pending:
             return ""
-        before = self._decode(self._context)
-        after = self._decode(self._context + self._pending)
+        out = self._new_text()[self._sent :]
+        self._context = (self._context + self._pending)[-2:]
         self._pending = []
-        return after[len(before):] if after.startswith(before) else after
+        self._sent = 0
+        self._from_start = False
+        return out

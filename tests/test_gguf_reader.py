@@ -132,7 +132,8 @@ def test_synthetic_file_reads_back_what_gguf_writer_wrote(good: Path):
         assert all(t.offset % 32 == 0 for t in f.tensors.values())
         assert np.array_equal(f.raw("t.aa").view(np.float32), np.arange(32, dtype=np.float32))
         assert np.array_equal(f.raw("t.bb"), Q8_BYTES.reshape(-1))
-        assert np.array_equal(f.raw("t.cc").view(np.float16), np.linspace(-1, 1, 5, dtype=np.float16))
+        halves = np.linspace(-1, 1, 5, dtype=np.float16)
+        assert np.array_equal(f.raw("t.cc").view(np.float16), halves)
 
 
 @pytest.mark.real

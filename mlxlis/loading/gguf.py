@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,11 +52,11 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 # GGUF metadata value types.
 T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL = range(8)
 T_STRING, T_ARRAY, T_UINT64, T_INT64, T_FLOAT64 = range(8, 13)
-_SCALARS: dict[int, str] = {  # value type -> little-endian numpy/struct code
-    T_UINT8: "<u1", T_INT8: "<i1", T_UINT16: "<u2", T_INT16: "<i2", T_UINT32: "<u4",
-    T_INT32: "<i4", T_FLOAT32: "<f4", T_UINT64: "<u8", T_INT64: "<i8", T_FLOAT64: "<f8",
+_SCALARS: dict[int, str] = {  # value type -> struct code (also a fixed-size numpy code)
+    T_UINT8: "B", T_INT8: "b", T_UINT16: "H", T_INT16: "h", T_UINT32: "I", T_INT32: "i",
+    T_FLOAT32: "f", T_UINT64: "Q", T_INT64: "q", T_FLOAT64: "d",
 }  # fmt: skip
-_STRUCTS = {t: struct.Struct("<" + np.dtype(c).char) for t, c in _SCALARS.items()}
+_STRUCTS = {t: struct.Struct("<" + c) for t, c in _SCALARS.items()}
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
@@ -128,8 +129,8 @@ class _Parser:
         if count > limits.GGUF_MAX_ARRAY_LEN:
             raise self.fail(f"array length {count} exceeds the limit", field)
         if itype in _SCALARS or itype == T_BOOL:
-            code = _SCALARS.get(itype, "<u1")
-            start = self.need(count * np.dtype(code).itemsize, field)
+            code = np.dtype("<" + _SCALARS.get(itype, "B"))
+            start = self.need(count * code.itemsize, field)
             arr = np.frombuffer(self.buf, code, count, start).copy()  # copy: don't pin the mmap
             if itype == T_BOOL:
                 if count and arr.max() > 1:
@@ -196,12 +197,11 @@ class GGUFFile:
         self.version = p.u32("version")
         if self.version not in SUPPORTED_VERSIONS:
             swapped = int.from_bytes(self.version.to_bytes(4, "little"), "big")
-            why = "big-endian GGUF" if swapped in SUPPORTED_VERSIONS else "GGUF version"
-            raise UnsupportedFormatError(
-                f"{why} {swapped if swapped in SUPPORTED_VERSIONS else self.version} is not "
-                f"supported (supported versions: {SUPPORTED_VERSIONS}, little-endian)",
-                path=self.path, field="version",
-            )  # fmt: skip
+            if swapped in SUPPORTED_VERSIONS:
+                msg = f"big-endian GGUF (v{swapped}) is not supported"
+            else:
+                msg = f"GGUF version {self.version} is not supported (only 2 and 3)"
+            raise UnsupportedFormatError(msg, path=self.path, field="version")
         n_tensors = p.u64("tensor_count")
         n_kv = p.u64("kv_count")
         if n_tensors > limits.GGUF_MAX_TENSORS:
@@ -325,7 +325,7 @@ def _read_tensor_info(p: _Parser, i: int) -> tuple[str, tuple[int, ...], int, in
     return name, dims, type_id, rel
 
 
-def _check_overlaps(tensors: Any, path: Path) -> None:
+def _check_overlaps(tensors: Iterable[GGUFTensor], path: Path) -> None:
     spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors if t.nbytes)
     for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
         if start < end:

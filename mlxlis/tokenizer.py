@@ -1,0 +1,407 @@
+"""Tokenizers from a model folder (tokenizer.json / tokenizer.model) or a GGUF vocabulary.
+
+Which library runs what, and why:
+- tokenizer.json: `tokenizers`, whose own format it is (added tokens, post-processor and all).
+- GGUF "gpt2" (byte-level BPE): a `tokenizers` BPE model built from tokens + merges, behind the
+  split regexes llama.cpp uses for the file's `tokenizer.ggml.pre`.
+- GGUF "llama" and tokenizer.model: `sentencepiece`. For a GGUF we build a ModelProto of type
+  BPE from tokens / scores / types, because llama.cpp's SPM tokenizer *is* SentencePiece's BPE
+  (merge the adjacent pair whose merged piece scores highest, leftmost on ties; characters with
+  no piece fall back to <0xXX> byte pieces): sentencepiece runs that algorithm natively, with
+  no merge list to re-derive (transformers derives one, ~10 s for Gemma; the proto takes ~0.5 s).
+- Special / user-defined token text is cut out first (`detok.TableVocab`), as llama.cpp does;
+  ids -> text for GGUF / SentencePiece vocabularies is `detok.PieceTable`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+from sentencepiece import SentencePieceProcessor
+from sentencepiece import sentencepiece_model_pb2 as spm_pb2
+
+from . import detok as tt  # token types: tt.CONTROL, ...
+from .detok import EOG_TEXTS, PieceTable, StreamDecoder, TableVocab
+from .errors import TokenizerError
+
+__all__ = ["StreamDecoder", "Tokenizer", "spm_proto"]
+
+# llama.cpp's pre-tokenizer split regexes (llama-vocab.cpp), applied in turn, matches isolated.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}" + _TAIL
+_QWEN2 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" + _TAIL
+_PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "exaone4"), (_GPT2,)),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell"), (r"\p{N}", _GPT2)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), (_QWEN2,)),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), (_LLAMA3,)),
+    **dict.fromkeys(("dbrx", "smaug-bpe"), (_LLAMA3,)),
+}
+# llama.cpp: a whole pre-split word that is itself a token is taken as is (llama-3 vocabularies).
+_IGNORE_MERGES = frozenset(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"))
+# Qwen's own tokenizer NFC-normalises its input (transformers' Qwen2Tokenizer does; llama.cpp
+# does not): "e" + U+0301 is then one token, as the model was trained.
+_NFC = frozenset(("qwen2", "deepseek-r1-qwen"))
+
+
+class _JsonBackend:
+    """tokenizer.json through `tokenizers`, its added-token handling included."""
+
+    def __init__(self, tk: tokenizers.Tokenizer):
+        tk.no_truncation()
+        tk.no_padding()
+        self._tk = tk
+        self._lock = threading.Lock()  # encode_special_tokens is a flag on the shared object
+        self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
+        added = tk.get_added_tokens_decoder()
+        self.special_tokens = {t.content: i for i, t in added.items() if t.special}
+        self.id_to_token, self.token_to_id = tk.id_to_token, tk.token_to_id
+
+    def encode(self, text: str, special: bool, add_special_tokens: bool = False) -> list[int]:
+        with self._lock:
+            self._tk.encode_special_tokens = not special
+            return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool) -> str:
+        ids = [int(i) for i in ids]
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise TokenizerError(f"a token id in {ids} is outside the vocabulary")
+        return self._tk.decode(ids, skip_special_tokens=skip_special)
+
+
+_Backend = TableVocab | _JsonBackend
+
+
+class Tokenizer:
+    """Text <-> ids for one model, with its BOS / EOS conventions.
+
+    encode(special=False) reads special-token text ("<|im_start|>") as plain text; user-defined
+    tokens (GGUF type 4, tokenizer.json's non-special added tokens) are matched whole either
+    way, as llama.cpp and transformers do. Generation stops on `stop_ids` (eos_ids + eot_ids).
+    """
+
+    def __init__(
+        self,
+        backend: _Backend,
+        *,
+        bos_id: int | None,
+        eos_ids: Sequence[int],
+        eot_ids: Sequence[int] = (),
+        pad_id: int | None = None,
+        add_bos: bool = False,
+        add_eos: bool = False,
+        source: str = "",
+    ):
+        self._backend = backend
+        self.vocab_size: int = backend.vocab_size
+        self.special_tokens: dict[str, int] = dict(backend.special_tokens)
+        self.bos_id, self.pad_id = bos_id, pad_id
+        self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
+        self.eot_ids = tuple(i for i in dict.fromkeys(eot_ids) if i not in self.eos_ids)
+        self.add_bos = bool(add_bos) and bos_id is not None
+        self.add_eos = bool(add_eos) and bool(self.eos_ids)
+        self.bos_token = None if bos_id is None else self.id_to_token(bos_id)
+        self.eos_token = self.id_to_token(self.eos_ids[0]) if self.eos_ids else None
+        self.source = source  # the file or folder the vocabulary came from
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return frozenset(self.eos_ids + self.eot_ids)
+
+    def encode(
+        self,
+        text: str,
+        special: bool = False,
+        add_bos: bool | None = None,
+        add_eos: bool | None = None,
+    ) -> list[int]:
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode expects str, got {type(text).__name__}", path=self.source)
+        ids = self._backend.encode(text, special)
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            if not (special and ids[:1] == [self.bos_id]):
+                ids.insert(0, self.bos_id)
+        if (self.add_eos if add_eos is None else add_eos) and self.eos_ids:
+            if not (special and ids[-1:] == [self.eos_ids[0]]):
+                ids.append(self.eos_ids[0])
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        return self._backend.decode(ids, skip_special)
+
+    def id_to_token(self, i: int) -> str:
+        if not 0 <= int(i) < self.vocab_size:
+            raise TokenizerError(f"token id {i} is outside the vocabulary ({self.vocab_size})")
+        return self._backend.id_to_token(int(i)) or ""
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.source!r}, vocab_size={self.vocab_size})"
+
+    @classmethod
+    def from_folder(cls, folder: Path | str) -> Tokenizer:
+        """tokenizer.json (else tokenizer.model) plus the HF config files beside it."""
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise TokenizerError("not a folder", path=folder)
+        cfg_path = folder / "tokenizer_config.json"
+        cfg, smap = _read_json(cfg_path), _read_json(folder / "special_tokens_map.json")
+        gen, conf = (_read_json(folder / n) for n in ("generation_config.json", "config.json"))
+        if (folder / "tokenizer.json").is_file():
+            backend: _Backend = _load_json(folder / "tokenizer.json")
+        elif (folder / "tokenizer.model").is_file():
+            backend = _load_spm(folder / "tokenizer.model", cfg)
+        else:
+            raise TokenizerError(
+                "missing, as is tokenizer.model", path=folder, field="tokenizer.json"
+            )
+        for i, spec in (cfg.get("added_tokens_decoder") or {}).items():
+            if isinstance(spec, dict) and spec.get("special") and "content" in spec:
+                backend.special_tokens.setdefault(spec["content"], int(i))
+
+        def token_id(key: str) -> int | None:
+            text = _token_text(cfg, key, cfg_path)
+            text = text or _token_text(smap, key, folder / "special_tokens_map.json")
+            return backend.token_to_id(text) if text else None
+
+        text_conf = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else {}
+        bos_ids = [token_id("bos_token"), *_ids(gen, "bos_token_id"), *_ids(conf, "bos_token_id")]
+        bos_id = next((i for i in bos_ids if i is not None), None)
+        eos_ids = [i for i in (token_id("eos_token"),) if i is not None]
+        eos_ids += [i for src in (gen, conf, text_conf) for i in _ids(src, "eos_token_id")]
+        if isinstance(backend, _JsonBackend):  # does the post-processor add them?
+            plain, full = backend.encode("a", False), backend.encode("a", False, True)
+            auto_bos = len(full) > len(plain) and bos_id is not None and full[0] == bos_id
+            auto_eos = len(full) > len(plain) and full[-1] in eos_ids and plain[-1:] != full[-1:]
+        else:  # transformers' LlamaTokenizer / GemmaTokenizer default for a tokenizer.model
+            auto_bos, auto_eos = bos_id is not None, False
+        return cls(
+            backend,
+            bos_id=bos_id,
+            eos_ids=eos_ids,
+            pad_id=token_id("pad_token"),
+            add_bos=_flag(cfg, "add_bos_token", auto_bos, cfg_path),
+            add_eos=_flag(cfg, "add_eos_token", auto_eos, cfg_path),
+            source=str(folder),
+        )
+
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any], path: Path | str) -> Tokenizer:
+        """From a GGUF's `tokenizer.ggml.*` metadata; `path` is named in messages."""
+        path = Path(path)
+        # L-6: a missing tokenizer.ggml.model means GPT-2 byte-level BPE, the GGUF spec's own
+        # default -- the one deliberate guess (a wrong one garbles the first decode, loudly).
+        kind = metadata.get("tokenizer.ggml.model", "gpt2")
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not tokens or not isinstance(tokens[0], str):
+            raise TokenizerError("missing or not a string array", path=path, field=_K + "tokens")
+        types = _array(metadata, "token_type", len(tokens), path)
+        types = [tt.NORMAL] * len(tokens) if types is None else np.asarray(types).tolist()
+
+        def special_id(key: str, default: int | None = None) -> int | None:
+            v = metadata.get(_K + key, default)
+            if v is not None and (not isinstance(v, int | np.integer) or not 0 <= v < len(tokens)):
+                raise TokenizerError(f"{v!r} is not a token id", path=path, field=_K + key)
+            return None if v is None else int(v)
+
+        if kind == "gpt2":
+            pre = metadata.get(_K + "pre")
+            backend = _gguf_bpe(metadata, tokens, types, pre, path)
+            bos_id, eos_id = special_id("bos_token_id"), special_id("eos_token_id")
+            add_bos = pre in _IGNORE_MERGES  # llama.cpp: llama-3 style vocabularies add BOS
+        elif kind == "llama":  # llama.cpp's SPM defaults: <unk> 0, <s> 1, </s> 2, add BOS
+            bos_id, eos_id = special_id("bos_token_id", 1), special_id("eos_token_id", 2)
+            backend = _gguf_spm(metadata, tokens, types, special_id("unknown_token_id", 0), path)
+            add_bos = True
+        else:
+            msg = f"unsupported tokenizer model {kind!r} (supported: gpt2, llama)"
+            raise TokenizerError(msg, path=path, field=_K + "model")
+        eot_ids = [special_id("eot_token_id"), special_id("eom_token_id")]
+        eot_ids += sorted(i for t, i in backend.special_tokens.items() if t in EOG_TEXTS)
+        return cls(
+            backend,
+            bos_id=bos_id,
+            eos_ids=[] if eos_id is None else [eos_id],
+            eot_ids=[i for i in eot_ids if i is not None],
+            pad_id=special_id("padding_token_id"),
+            add_bos=bool(metadata.get(_K + "add_bos_token", add_bos)),
+            add_eos=bool(metadata.get(_K + "add_eos_token", False)),
+            source=str(path),
+        )
+
+
+_K = "tokenizer.ggml."
+
+
+def _gguf_bpe(
+    metadata: dict[str, Any], tokens: list[str], types: list[int], pre: Any, path: Path
+) -> TableVocab:
+    if pre is None:  # as llama.cpp: "missing pre-tokenizer type, using: 'default'"
+        warnings.warn(f"{path}: no {_K}pre; using llama.cpp's 'default' split", stacklevel=3)
+        pre = "default"
+    if pre not in _PRE_SPLITS:
+        msg = f"unknown pre-tokenizer {pre!r} (known: {', '.join(sorted(_PRE_SPLITS))})"
+        raise TokenizerError(msg, path=path, field=_K + "pre")
+    merges = metadata.get(_K + "merges")
+    if not isinstance(merges, list) or not merges:
+        raise TokenizerError("a gpt2 vocabulary needs merges", path=path, field=_K + "merges")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise TokenizerError("duplicate tokens", path=path, field=_K + "tokens")
+    try:
+        pairs = [tuple(m.split(" ")) for m in merges]
+        bpe = tokenizers.models.BPE(vocab, pairs, ignore_merges=pre in _IGNORE_MERGES)
+    except Exception as e:
+        raise TokenizerError(f"bad merges: {e}", path=path, field=_K + "merges") from e
+    tk = tokenizers.Tokenizer(bpe)
+    pt = tokenizers.pre_tokenizers
+    splits = [pt.Split(tokenizers.Regex(r), "isolated") for r in _PRE_SPLITS[pre]]
+    tk.pre_tokenizer = pt.Sequence([*splits, pt.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre in _NFC:
+        tk.normalizer = tokenizers.normalizers.NFC()
+    plain = PieceTable(tokens, types, byte_level=True)
+    return TableVocab(tokens, types, lambda s: tk.encode(s, add_special_tokens=False).ids, plain)
+
+
+def _gguf_spm(
+    metadata: dict[str, Any], tokens: list[str], types: list[int], unk_id: int | None, path: Path
+) -> TableVocab:
+    scores = _array(metadata, "scores", len(tokens), path)
+    scores = [0.0] * len(tokens) if scores is None else np.asarray(scores, np.float32).tolist()
+    dummy = bool(metadata.get(_K + "add_space_prefix", True))  # llama.cpp's SPM default
+    proto = spm_proto(tokens, scores, types, unk_id=unk_id, add_dummy_prefix=dummy, path=path)
+    sp = SentencePieceProcessor()
+    sp.LoadFromSerializedProto(proto.SerializeToString())
+    pieces = PieceTable(tokens, types, byte_level=False, strip_dummy_space=dummy)
+    return TableVocab(tokens, types, sp.encode, pieces)
+
+
+def spm_proto(
+    tokens: list[str],
+    scores: Sequence[float],
+    types: list[int],
+    *,
+    unk_id: int | None,
+    add_dummy_prefix: bool,
+    path: Path | str = "",
+) -> spm_pb2.ModelProto:
+    """A SentencePiece BPE model equal to a GGUF "llama" vocabulary (save it as tokenizer.model)."""
+    if unk_id is None:  # sentencepiece needs exactly one unknown piece
+        raise TokenizerError("no unknown token", path=path, field=_K + "unknown_token_id")
+    proto = spm_pb2.ModelProto()
+    ts, ns = proto.trainer_spec, proto.normalizer_spec
+    ts.model_type, ts.vocab_size = spm_pb2.TrainerSpec.BPE, len(tokens)
+    ts.unk_id, ts.unk_piece = unk_id, tokens[unk_id]
+    ns.name = "identity"  # llama.cpp only escapes spaces: no NFKC, no whitespace collapsing
+    ns.add_dummy_prefix = add_dummy_prefix
+    ns.remove_extra_whitespaces, ns.escape_whitespaces = False, True
+    kinds = np.array(types)
+    kinds[(kinds < tt.NORMAL) | (kinds > tt.BYTE)] = (
+        tt.NORMAL
+    )  # undefined types: normal, as llama.cpp
+    kinds[kinds == tt.UNKNOWN] = tt.CONTROL
+    kinds[unk_id] = tt.UNKNOWN
+    ts.byte_fallback = int((kinds == tt.BYTE).sum()) == 256
+    pieces = list(tokens)
+    for i in np.flatnonzero(kinds == tt.USER_DEFINED).tolist():  # sentencepiece matches them in
+        if " " in pieces[i]:  # space-escaped text: Gemma's "  " must read "▁▁" there
+            pieces[i] = pieces[i].replace(" ", "\u2581")
+    for i in (i for i, p in enumerate(pieces) if not p):
+        pieces[i] = f"[EMPTY_{i}]"  # llama.cpp's name for them; sentencepiece refuses ""
+    add = proto.pieces.add
+    for piece, score, kind in zip(pieces, scores, kinds.tolist(), strict=True):
+        add(piece=piece, score=score, type=kind)
+    return proto
+
+
+def _load_json(path: Path) -> _JsonBackend:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"cannot read: {e}", path=path) from e
+    spec = _read_json(path, text=text)
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
+        raise TokenizerError("missing or not an object", path=path, field="model")
+    try:
+        return _JsonBackend(tokenizers.Tokenizer.from_str(text))
+    except Exception as e:  # tokenizers names the field in backquotes: "missing field `vocab`"
+        m = re.search(r"`(\w+)`", str(e))
+        raise TokenizerError(f"cannot load: {e}", path=path, field=m[1] if m else "model") from e
+
+
+def _load_spm(path: Path, cfg: dict[str, Any]) -> TableVocab:
+    proto, sp = spm_pb2.ModelProto(), SentencePieceProcessor()
+    try:
+        data = path.read_bytes()
+        proto.ParseFromString(data)
+        sp.LoadFromSerializedProto(data)
+    except Exception as e:
+        raise TokenizerError(f"not a SentencePiece model: {e}", path=path, field="pieces") from e
+    tokens = [p.piece for p in proto.pieces]
+    types = [int(p.type) for p in proto.pieces]
+    for key, spec in (cfg.get("added_tokens_decoder") or {}).items():  # ids past the model's
+        i = int(key)
+        if isinstance(spec, dict) and i >= len(tokens) and isinstance(spec.get("content"), str):
+            tokens += [""] * (i + 1 - len(tokens))
+            types += [tt.UNUSED] * (i + 1 - len(types))
+            tokens[i] = spec["content"]
+            types[i] = tt.CONTROL if spec.get("special") else tt.USER_DEFINED
+    dummy = proto.normalizer_spec.add_dummy_prefix
+    pieces = PieceTable(tokens, types, byte_level=False, strip_dummy_space=dummy)
+    return TableVocab(tokens, types, sp.encode, pieces, lambda t: t.replace("\u2581", " "))
+
+
+def _read_json(path: Path, *, text: str | None = None) -> Any:
+    """A JSON file's content ({} if absent); a dict unless `text` (already read) is given."""
+    if text is None and not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8") if text is None else text)
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"cannot read: {e}", path=path) from e
+    except json.JSONDecodeError as e:
+        where = f"line {e.lineno} column {e.colno}"
+        raise TokenizerError(f"not valid JSON ({e.msg})", path=path, field=where) from e
+    if text is None and not isinstance(data, dict):
+        raise TokenizerError("not a JSON object", path=path)
+    return data
+
+
+def _token_text(cfg: dict[str, Any], key: str, path: Path) -> str | None:
+    """bos_token / eos_token as HF writes them: a string, {"content": ...} or null."""
+    v = cfg.get(key)
+    v = v.get("content") if isinstance(v, dict) else v
+    if v is not None and not isinstance(v, str):
+        raise TokenizerError(f"expected a string or {{content: ...}}, not {v!r}", path, field=key)
+    return v or None
+
+
+def _ids(cfg: dict[str, Any], key: str) -> list[int]:
+    v = cfg.get(key)
+    vs = v if isinstance(v, list) else [v]
+    return [i for i in vs if isinstance(i, int) and not isinstance(i, bool)]
+
+
+def _flag(cfg: dict[str, Any], key: str, default: bool, path: Path) -> bool:
+    v = cfg.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise TokenizerError(f"expected true or false, got {v!r}", path=path, field=key)
+    return v
+
+
+def _array(metadata: dict[str, Any], key: str, n: int, path: Path) -> Any:
+    v = metadata.get(_K + key)
+    if v is not None and len(v) != n:
+        raise TokenizerError(f"{len(v)} entries for {n} tokens", path=path, field=_K + key)
+    return v

@@ -1,0 +1,168 @@
+"""`make bench`: mlxlis vs mlx-lm (and llama.cpp when installed) on each catalog model.
+
+Engines run alternately, each measurement in a fresh process, best of `--rounds`. mlx-lm cannot
+read GGUF, so it gets Hugging Face-layout safetensors copies of the same weights written by
+`mlxlis convert --dequantize`: float16 (as such checkpoints ship) and the dtype mlxlis uses on
+this device. Prints a Markdown table with ratios and writes JSON to bench-results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import mlxlis  # noqa: E402  (preloads the BLAS first)
+from mlxlis import catalog  # noqa: E402
+from mlxlis.device import blas_in_use, default_dtype_name, device_name  # noqa: E402
+
+PROMPT_TOKENS = 512
+TEXT = ("The history of computing is a story of abstraction layered upon abstraction. "
+        "Early machines were programmed by rewiring; later, stored programs let the same "
+        "hardware do many things. Compilers, operating systems and networks followed. ") * 40
+
+
+def memory_bandwidth_gbs() -> float:
+    """Read bandwidth: sum a 512 MiB float32 array (best of 3), in GB/s."""
+    import numpy as np
+
+    a = np.ones(128 * 2**20, np.float32)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.nbytes / best / 1e9
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights read to decode one token: every parameter, except that an untied
+    embedding contributes one row (a lookup), not the whole table."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    total = sum(v.nbytes for _, v in tree_flatten(model.net.parameters()))
+    if not model.config.tie_word_embeddings:
+        emb = model.net.model.embed_tokens
+        size = sum(v.nbytes for _, v in tree_flatten(emb.parameters()))
+        rows = model.config.vocab_size
+        total -= size - size // rows
+    del nn
+    return total
+
+
+def hf_copy(name: str, dtype: str, root: Path) -> Path:
+    from mlxlis.convert import convert
+
+    out = root / f"{name}-{dtype}"
+    if not (out / "config.json").is_file():
+        convert(str(catalog.model_path(name)), out, dtype=dtype, dequantize=True, force=True)
+    return out
+
+
+def run(engine: str, path: Path, ids_file: Path, dtype: str | None) -> dict:
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_worker.py"), engine, str(path),
+           str(ids_file)] + ([dtype] if dtype else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        return {"error": (res.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def best(results: list[dict]) -> dict:
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return results[0]
+    pick = {}
+    for key in ("load_s", "ttft_s", "load_peak_rss", "peak_rss"):
+        pick[key] = min(r[key] for r in ok)
+    for key in ("decode_tps", "prefill_tps"):
+        pick[key] = max(r[key] for r in ok)
+    return pick
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--models", nargs="*", default=list(catalog.CATALOG))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cache", default=str(catalog.store_dir().parent / "bench"))
+    ap.add_argument("--out", default=str(ROOT / "bench-results"))
+    a = ap.parse_args()
+    try:
+        import llama_cpp  # noqa: F401
+        have_llama = True
+    except ImportError:
+        have_llama = False
+    import mlx.core as mx
+
+    dev_dtype = default_dtype_name()
+    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+               "platform": platform.platform(), "blas": blas_in_use, "device": device_name(),
+               "mlx": mx.__version__, "mlxlis_dtype": dev_dtype,
+               "bandwidth_gbs": round(memory_bandwidth_gbs(), 1)}
+    print("machine:", json.dumps(machine), flush=True)
+    rows = []
+    cache = Path(a.cache)
+    for name in a.models:
+        gguf = catalog.pull(name)
+        model = mlxlis.load(gguf)
+        text_ids = model.tokenizer.encode(TEXT)[:PROMPT_TOKENS]
+        bpt = weight_bytes_per_token(model)
+        del model
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(text_ids, f)
+            ids_file = Path(f.name)
+        engines = {"mlxlis (GGUF)": ("mlxlis", gguf, None),
+                   "mlx-lm (fp16 copy)": ("mlx-lm", hf_copy(name, "float16", cache), None)}
+        if dev_dtype != "float16":
+            engines[f"mlx-lm ({dev_dtype} copy)"] = ("mlx-lm", hf_copy(name, dev_dtype, cache), None)
+            engines[f"mlxlis ({dev_dtype} copy)"] = ("mlxlis", hf_copy(name, dev_dtype, cache), None)
+        if have_llama:
+            engines["llama.cpp (GGUF)"] = ("llama.cpp", gguf, None)
+        results: dict[str, list[dict]] = {k: [] for k in engines}
+        for _ in range(a.rounds):  # alternate engines within each round
+            for label, (engine, path, dtype) in engines.items():
+                results[label].append(run(engine, path, ids_file, dtype))
+                print(f"  {name} {label}: {results[label][-1]}", flush=True)
+        for label in engines:
+            rows.append({"model": name, "engine": label, "bytes_per_token": bpt,
+                         **best(results[label])})
+    print_table(rows, machine)
+    out = Path(a.out)
+    out.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (out / f"bench-{stamp}.json").write_text(json.dumps({"machine": machine, "rows": rows},
+                                                        indent=1))
+    return 0
+
+
+def print_table(rows: list[dict], machine: dict) -> None:
+    bw = machine["bandwidth_gbs"] * 1e9
+    print("\n| model | engine | load s | TTFT s | prefill tok/s | decode tok/s | vs mlx-lm fp16 "
+          "| of decode limit | peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['model']} | {r['engine']} | error: {r['error']} |||||||")
+            continue
+        ref = next((x for x in rows if x["model"] == r["model"]
+                    and x["engine"] == "mlx-lm (fp16 copy)" and "error" not in x), None)
+        ratio = f"{r['decode_tps'] / ref['decode_tps']:.2f}×" if ref else "–"
+        limit = bw / r["bytes_per_token"]
+        print(f"| {r['model']} | {r['engine']} | {r['load_s']:.2f} | {r['ttft_s']:.2f} | "
+              f"{r['prefill_tps']:.0f} | {r['decode_tps']:.1f} | {ratio} | "
+              f"{r['decode_tps'] / limit:.0%} of {limit:.0f} | {r['peak_rss'] / 2**20:.0f} |")
+    print("\ndecode limit = measured read bandwidth ÷ bytes of mlxlis' weights read per token")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,692 @@
+"""The chat app (tui/) driven by Textual's Pilot against a scripted fake engine.
+
+The fake model has describe()/render_chat/tokenizer; the fake session streams scripted Events
+with small sleeps and honours should_stop exactly as mlxlis.ChatSession does. These tests prove
+the UI's behaviour (streaming, keys, stop, commands, errors, persistence), not the engine's:
+tests/test_tui_real.py runs the same flow with real models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from mlxlis import Event, Stats
+from mlxlis.chat import Turn
+from mlxlis.errors import ContextLimitError, ModelNotFoundError, NoChatTemplateError
+from tui.app import ChatApp, parse_args
+from tui.commands import CommandError, parse_command, parse_params
+from tui.engine import Options
+from tui.screens import PreviewScreen
+from tui.store import atomic_write, data_dir, list_records
+from tui.widgets import Bubble, Diagnosis, Loading, Note
+
+# ---------------------------------------------------------------- the scripted fake engine
+
+DIAGNOSIS = ("fake-model carries no chat template anywhere (no chat_template.jinja, no "
+             "tokenizer_config.json entry, no GGUF tokenizer.chat_template).\nLikely cause: a "
+             "base model. Use --no-chat for raw completion, or --chat-template FILE|NAME.")
+
+
+class FakeTokenizer:
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class FakeModel:
+    context_length = 4096
+
+    def __init__(self, template: str | None = "fake:chatml"):
+        self.template_source = template
+        self.tokenizer = FakeTokenizer()
+
+    def describe(self) -> dict:
+        return {"model": "fake-model.gguf", "family": "llama", "format": "gguf",
+                "quant": "4-bit g32×30", "dtype": "float32", "device": "cpu",
+                "blas": "none", "template": self.template_source or "none"}
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.template_source is None:
+            raise NoChatTemplateError(self.missing_template_diagnosis())
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+    def missing_template_diagnosis(self) -> str:
+        return DIAGNOSIS
+
+    def make_cache(self) -> list:
+        return []
+
+
+def default_script(text: str) -> list[str]:
+    return ["Hello", " **world**", "!", " You", " said:", f" {text}"]
+
+
+class FakeSession:
+    """Mimics mlxlis.ChatSession: send() yields Events, appends the assistant Turn at the end."""
+
+    def __init__(self, model, system, *, script=default_script, delay: float = 0.005,
+                 fail: BaseException | None = None, fail_after: int = 0):
+        self.model, self.system = model, system
+        self.turns: list[Turn] = []
+        self.context_limit = model.context_length
+        self.context_used = 0
+        self.last_prompt_tokens = 0
+        self.script, self.delay = script, delay
+        self.fail, self.fail_after = fail, fail_after
+        self.calls: list[tuple[str, dict]] = []
+        self.after_stop = 0  # tokens produced after should_stop first returned True
+
+    @property
+    def messages(self) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [t.message() for t in self.turns]
+
+    def reset(self) -> None:
+        self.turns.clear()
+        self.context_used = 0
+
+    def set_system(self, text):
+        self.system = text or None
+
+    def prompt_preview(self, pending_user=None) -> str:
+        if pending_user is None:
+            return self.model.render_chat(self.messages)
+        self.turns.append(Turn("user", pending_user))
+        try:
+            return self.model.render_chat(self.messages)
+        finally:
+            self.turns.pop()
+
+    def send(self, text: str, should_stop=None, **sampling):
+        self.calls.append((text, dict(sampling)))
+        self.turns.append(Turn("user", text))
+        if self.fail is not None and self.fail_after == 0:
+            self.turns.pop()
+            raise self.fail
+        ids = self.model.tokenizer.encode(self.model.render_chat(self.messages))
+        self.last_prompt_tokens = len(ids)
+        stats = Stats(prompt_tokens=len(ids), prompt_seconds=0.01, time_to_first_token=0.01)
+        out: list[str] = []
+        reason = "stop"
+        stop_seen = False
+        try:
+            pieces = self.script(text)[: sampling.get("max_tokens", 256)]
+            for i, piece in enumerate(pieces):
+                if self.fail is not None and i == self.fail_after:
+                    raise self.fail
+                time.sleep(self.delay)
+                stats.generated_tokens = i + 1
+                stats.decode_seconds = 0.001 * (i + 1)
+                if stop_seen:
+                    self.after_stop += 1
+                out.append(piece)
+                yield Event(i, piece, stats)
+                if should_stop is not None and should_stop():
+                    stop_seen = True
+                    reason = "cancelled"
+                    break
+            else:
+                if len(pieces) == sampling.get("max_tokens", 256):
+                    reason = "length"
+            stats.peak_memory = 123 * 2**20
+            self.context_used = len(ids) + len(out)
+            yield Event(None, "", stats, finish_reason=reason)
+        finally:
+            self.turns.append(Turn("assistant", "".join(out), stopped=reason == "cancelled"))
+
+
+def fake_generate(calls: list):
+    """A stand-in for mlxlis.generate (raw mode) that records what it was fed."""
+
+    def generate(model, ids, max_tokens=64, should_stop=None, **kw):
+        calls.append((list(ids), max_tokens, kw))
+        stats = Stats(prompt_tokens=len(ids), prompt_seconds=0.01, time_to_first_token=0.01)
+        for i, piece in enumerate([" there", " was", " a", " fox."][:max_tokens]):
+            time.sleep(0.005)
+            stats.generated_tokens = i + 1
+            stats.decode_seconds = 0.001 * (i + 1)
+            yield Event(i, piece, stats)
+        yield Event(None, "", stats, finish_reason="stop")
+
+    return generate
+
+
+# ---------------------------------------------------------------- harness
+
+SIZE = (110, 40)
+
+
+async def wait_for(pilot, predicate, timeout: float = 5.0, what: str = "condition") -> None:
+    """Poll `predicate` while letting the app run; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.05)
+
+
+def make_app(tmp_path: Path, *, model=None, session_kw: dict | None = None,
+             options: Options | None = None, **kw) -> ChatApp:
+    """A ChatApp on the fake engine; app.sessions lists the sessions it made, app.notes the
+    notifications it showed as (severity, message)."""
+    sessions: list[FakeSession] = []
+
+    def factory(m, system):
+        s = FakeSession(m, system, **(session_kw or {}))
+        sessions.append(s)
+        return s
+
+    if "load" not in kw:
+        kw["model"] = model or FakeModel()
+    app = ChatApp(options or Options(), session_factory=factory, data_dir=tmp_path / "data",
+                  **kw)
+    app.sessions = sessions
+    app.notes = []
+    real_notify = app.notify
+
+    def notify(message, *a, severity="information", **k):
+        app.notes.append((severity, str(message)))
+        return real_notify(message, *a, severity=severity, **k)
+
+    app.notify = notify
+    return app
+
+
+def run(app: ChatApp, scenario) -> None:
+    """Run `scenario(pilot)` inside app.run_test() (plain sync test: no async plugin needed)."""
+
+    async def main():
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None or app.notes, what="load")
+            await scenario(pilot)
+
+    asyncio.run(main())
+
+
+async def type_text(pilot, app: ChatApp, text: str) -> None:
+    app.prompt_input.insert(text)
+    await pilot.pause()
+
+
+async def send(pilot, app: ChatApp, text: str, timeout: float = 5.0) -> None:
+    """Type `text`, press Enter and wait until the reply has finished."""
+    before = len(app.engine.turns)
+    await type_text(pilot, app, text)
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: len(app.engine.turns) >= before + 2 and not app.generating,
+                   timeout, what=f"reply to {text!r}")
+    await pilot.pause()
+
+
+def bubbles(app: ChatApp, role: str | None = None) -> list[Bubble]:
+    return [b for b in app.query(Bubble) if role is None or b.role == role]
+
+
+def reply_text(app: ChatApp) -> str:
+    return bubbles(app, "assistant")[-1].markdown.source
+
+
+def errors(app: ChatApp) -> list[str]:
+    return [m for sev, m in app.notes if sev == "error"]
+
+
+# ---------------------------------------------------------------- chat flow
+
+
+def test_enter_sends_and_reply_streams_as_markdown(tmp_path):
+    """Typing + Enter sends the text to the session; the scripted reply streams into a Markdown
+    bubble, the input is cleared, and the status line shows tok/s and context use."""
+    app = make_app(tmp_path)
+
+    async def scenario(pilot):
+        header = str(app.query_one("#model-header").render())
+        assert "fake-model.gguf" in header and "template: fake:chatml" in header
+        await pilot.press(*"hi")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.engine.turns) == 2 and not app.generating)
+        await pilot.pause()
+        assert app.sessions[0].calls[0][0] == "hi"
+        assert [b.role for b in bubbles(app)] == ["user", "assistant"]
+        assert reply_text(app) == "Hello **world**! You said: hi"
+        assert app.prompt_input.text == ""
+        status = str(app.query_one("#status").render())
+        assert "tok/s" in status and "context" in status and "/4096" in status
+        assert "peak 123 MiB" in status
+        assert not bubbles(app, "assistant")[0].stopped
+
+    run(app, scenario)
+
+
+def test_shift_enter_and_ctrl_j_insert_newlines_without_sending(tmp_path):
+    """Shift+Enter (Textual 8 reports it as "shift+enter") and Ctrl+J insert a newline and do
+    not send; Enter then sends the multi-line text exactly."""
+    app = make_app(tmp_path)
+
+    async def scenario(pilot):
+        await pilot.press("a", "shift+enter", "b", "ctrl+j", "c")
+        await pilot.pause()
+        assert app.prompt_input.text == "a\nb\nc"
+        assert app.sessions[0].calls == [] and bubbles(app) == []
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.engine.turns) == 2 and not app.generating)
+        assert app.sessions[0].calls[0][0] == "a\nb\nc"
+
+    run(app, scenario)
+
+
+def test_escape_stops_midstream_keeps_partial_reply_and_next_turn_works(tmp_path):
+    """Esc mid-stream stops within a couple of tokens (through should_stop); the partial reply
+    stays, marked stopped, in the pane and the session; the next turn runs normally."""
+    long = lambda text: [f" w{i}" for i in range(400)]  # noqa: E731
+    app = make_app(tmp_path, session_kw=dict(script=long, delay=0.01))
+
+    async def scenario(pilot):
+        await type_text(pilot, app, "tell me a long story")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.generating and len(app._reply_text) >= 2,
+                       what="first streamed text")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.generating, what="stop")
+        await pilot.pause()
+        session = app.sessions[0]
+        assert session.after_stop == 0  # should_stop was honoured at the next token
+        turn = session.turns[-1]
+        assert turn.role == "assistant" and turn.stopped
+        assert 0 < len(turn.content.split()) < 400
+        reply = bubbles(app, "assistant")[-1]
+        assert reply.stopped and reply.markdown.source == turn.content
+        assert "■ stopped" in str(reply.query(".marker").last().render())
+        # a next turn works, with the stopped reply still in the conversation
+        session.script = default_script
+        await send(pilot, app, "again")
+        assert reply_text(app) == "Hello **world**! You said: again"
+        assert [t.role for t in session.turns] == ["user", "assistant"] * 2
+        assert not session.turns[-1].stopped
+
+    run(app, scenario)
+
+
+def test_ctrl_c_stops_generation(tmp_path):
+    """Ctrl+C stops a reply (a priority binding, so the focused TextArea's copy doesn't eat
+    it), and the app keeps running."""
+    long = lambda text: [f" w{i}" for i in range(400)]  # noqa: E731
+    app = make_app(tmp_path, session_kw=dict(script=long, delay=0.01))
+
+    async def scenario(pilot):
+        await type_text(pilot, app, "go")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app._reply_text) >= 1, what="streaming")
+        await pilot.press("ctrl+c")
+        await wait_for(pilot, lambda: not app.generating, what="stop")
+        assert app.sessions[0].turns[-1].stopped and app.is_running
+
+    run(app, scenario)
+
+
+def test_text_typed_during_generation_is_not_lost(tmp_path):
+    """Enter while a reply streams refuses to send and keeps the typed text; once the reply is
+    done, Enter sends it."""
+    slow = lambda text: [f" w{i}" for i in range(30)]  # noqa: E731
+    app = make_app(tmp_path, session_kw=dict(script=slow, delay=0.02))
+
+    async def scenario(pilot):
+        await type_text(pilot, app, "first")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.generating)
+        await type_text(pilot, app, "second")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.prompt_input.text == "second"
+        assert any("stays in the input" in m for _, m in app.notes)
+        await wait_for(pilot, lambda: not app.generating, what="first reply")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.engine.turns) == 4 and not app.generating)
+        assert [c[0] for c in app.sessions[0].calls] == ["first", "second"]
+
+    run(app, scenario)
+
+
+def test_view_follows_the_stream(tmp_path):
+    """The conversation is anchored while a long reply streams: it ends scrolled to the bottom."""
+    long = lambda text: [f"line {i}\n\n" for i in range(80)]  # noqa: E731
+    app = make_app(tmp_path, session_kw=dict(script=long, delay=0.001))
+
+    async def scenario(pilot):
+        await send(pilot, app, "lines please")
+        conv = app.conversation
+        await wait_for(pilot, lambda: conv.max_scroll_y > 0 and conv.scroll_y >= conv.max_scroll_y,
+                       what="scrolled to the end")
+
+    run(app, scenario)
+
+
+# ---------------------------------------------------------------- commands
+
+
+def test_system_temp_and_params_commands_reach_the_session(tmp_path):
+    """/system sets the session's system prompt (seen in the rendered prompt); /temp and /params
+    change the sampling passed to the next send; a bad /params is refused, text kept."""
+    app = make_app(tmp_path)
+
+    async def scenario(pilot):
+        session = app.sessions[0]
+        for cmd in ("/system Be brief.", "/temp 0.7", "/params top_p=0.9 max_tokens=20 seed=3"):
+            await type_text(pilot, app, cmd)
+            await pilot.press("enter")
+            await pilot.pause()
+            assert app.prompt_input.text == "", cmd
+        assert session.system == "Be brief."
+        assert "<|im_start|>system\nBe brief.<|im_end|>" in session.prompt_preview("x")
+        notes = [n.source for n in app.query(Note)]
+        assert any("top_p=0.9" in n and "max_tokens=20" in n for n in notes)
+        await send(pilot, app, "hello")
+        sampling = session.calls[-1][1]
+        assert sampling["temperature"] == 0.7 and sampling["top_p"] == 0.9
+        assert sampling["max_tokens"] == 20 and sampling["seed"] == 3
+        await type_text(pilot, app, "/params top_p=7")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.prompt_input.text == "/params top_p=7"
+        assert any("top_p must be" in m for m in errors(app))
+        assert app.engine.sampling["top_p"] == 0.9
+
+    run(app, scenario)
+
+
+def test_clear_starts_a_new_conversation(tmp_path):
+    """/clear empties the session and the pane (the system prompt stays)."""
+    app = make_app(tmp_path, options=Options(system="sys"))
+
+    async def scenario(pilot):
+        await send(pilot, app, "one")
+        assert len(app.engine.turns) == 2
+        first_id = app.record_id
+        await type_text(pilot, app, "/clear")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.engine.turns == [] and bubbles(app) == []
+        assert app.engine.system == "sys" and app.record_id != first_id
+
+    run(app, scenario)
+
+
+def test_save_writes_markdown_atomically(tmp_path):
+    """/save PATH writes the conversation as Markdown (no temp file left behind)."""
+    app = make_app(tmp_path)
+    out = tmp_path / "out" / "chat.md"
+
+    async def scenario(pilot):
+        await send(pilot, app, "save me")
+        await type_text(pilot, app, f"/save {out}")
+        await pilot.press("enter")
+        await wait_for(pilot, out.exists, what="saved file")
+
+    run(app, scenario)
+    text = out.read_text()
+    assert "## User\n\nsave me" in text
+    assert "## Assistant\n\nHello **world**! You said: save me" in text
+    assert sorted(p.name for p in out.parent.iterdir()) == ["chat.md"]
+
+
+def test_help_and_preview_show_the_exact_prompt(tmp_path):
+    """/help lists the commands; F2 shows the exact rendered prompt for the typed message with
+    its special tokens; /preview shows the prompt as it stands; Esc closes the preview."""
+    app = make_app(tmp_path, options=Options(system="S"))
+
+    async def scenario(pilot):
+        await type_text(pilot, app, "/help")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert "/params" in app.query(Note).last().source
+        await type_text(pilot, app, "what is <b>?")
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: isinstance(app.screen, PreviewScreen), what="preview")
+        shown = app.screen.query_one("#preview-text").text
+        assert shown == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nwhat is <b>?"
+                         "<|im_end|>\n<|im_start|>assistant\n")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not isinstance(app.screen, PreviewScreen))
+        assert app.prompt_input.text == "what is <b>?"  # previewing doesn't consume the text
+        app.prompt_input.clear()
+        await type_text(pilot, app, "/preview")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, PreviewScreen))
+        assert app.screen.query_one("#preview-text").text == app.sessions[0].prompt_preview()
+
+    run(app, scenario)
+
+
+def test_conversations_persist_and_reopen(tmp_path):
+    """Each finished turn is saved as JSON in the data dir; /history lists it and /open N
+    restores its turns (stopped flags included) into a fresh session and the pane."""
+    app = make_app(tmp_path)
+
+    async def scenario(pilot):
+        await send(pilot, app, "remember this")
+        saved = list((tmp_path / "data").glob("*.json"))
+        assert len(saved) == 1
+        rec = json.loads(saved[0].read_text())
+        assert [t["role"] for t in rec["turns"]] == ["user", "assistant"]
+        await type_text(pilot, app, "/clear")
+        await pilot.press("enter")
+        await pilot.pause()
+        await type_text(pilot, app, "/history")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert "1. " in app.query(Note).last().source
+        assert "remember this" in app.query(Note).last().source
+        await type_text(pilot, app, "/open 1")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(bubbles(app)) == 2, what="restored bubbles")
+        assert [(t.role, t.content) for t in app.engine.turns] == [
+            ("user", "remember this"), ("assistant", "Hello **world**! You said: remember this")]
+        assert bubbles(app, "assistant")[0].markdown.source.endswith("remember this")
+        await send(pilot, app, "and more")  # the reopened conversation continues
+        assert len(app.engine.turns) == 4
+        await type_text(pilot, app, "/open 9")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.prompt_input.text == "/open 9" and any("/open N" in m for m in errors(app))
+
+    run(app, scenario)
+
+
+def test_unknown_command_is_refused_and_double_slash_escapes(tmp_path):
+    """An unknown /command is refused with the text kept; "//x" sends "/x" as a message."""
+    app = make_app(tmp_path)
+
+    async def scenario(pilot):
+        await type_text(pilot, app, "/nope")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.prompt_input.text == "/nope" and any("unknown command" in m for m in errors(app))
+        app.prompt_input.clear()
+        await send(pilot, app, "//usr/bin")
+        assert app.sessions[0].calls[-1][0] == "/usr/bin"
+
+    run(app, scenario)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_engine_error_becomes_notification_and_text_is_kept(tmp_path):
+    """A session that raises an MlxlisError (context full) gives an error notification; the app
+    stays up, nothing is left in the pane or session, and the typed text is back in the input."""
+    app = make_app(tmp_path, session_kw=dict(
+        fail=ContextLimitError("the conversation needs 5000 tokens", field="context")))
+
+    async def scenario(pilot):
+        await type_text(pilot, app, "too long")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: errors(app), what="error notification")
+        await wait_for(pilot, lambda: not app.generating and app.prompt_input.text)
+        assert "5000 tokens" in errors(app)[0]
+        assert app.is_running and bubbles(app) == [] and app.engine.turns == []
+        assert app.prompt_input.text == "too long"
+
+    run(app, scenario)
+
+
+def test_midstream_error_keeps_partial_reply(tmp_path):
+    """An error after some tokens (e.g. out of memory) is notified; the partial reply stays,
+    marked as stopped, and the session stays consistent for the next turn."""
+    app = make_app(tmp_path, session_kw=dict(fail=MemoryError("metal heap"), fail_after=2))
+
+    async def scenario(pilot):
+        await type_text(pilot, app, "boom")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: errors(app) and not app.generating, what="error")
+        assert "out of memory" in errors(app)[0]
+        assert bubbles(app, "assistant")[0].stopped
+        assert reply_text(app) == "Hello **world**"
+        app.sessions[0].fail = None
+        await send(pilot, app, "ok now")
+        assert reply_text(app).endswith("ok now")
+
+    run(app, scenario)
+
+
+def test_load_failure_is_notified_and_typing_survives(tmp_path):
+    """A model that fails to load is an error notification, not a crash; Enter then refuses to
+    send (the model is not loaded) and keeps the text."""
+
+    def load(options, progress):
+        raise ModelNotFoundError("no such file or folder", path="nowhere.gguf")
+
+    app = make_app(tmp_path, load=load)
+
+    async def scenario(pilot):
+        await wait_for(pilot, lambda: errors(app))
+        assert "nowhere.gguf" in errors(app)[0]
+        await type_text(pilot, app, "hello?")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.prompt_input.text == "hello?" and app.is_running
+        assert "failed to load" in str(app.query_one("#model-header").render())
+
+    run(app, scenario)
+
+
+def test_model_loads_in_a_worker_with_visible_progress(tmp_path):
+    """The UI is up (loading panel with the pull progress) while the model loads in a thread;
+    once loaded the header shows model, family, format + quant, dtype, device and template."""
+    gate = __import__("threading").Event()
+
+    def load(options, progress):
+        progress("downloading part 1", 0, 2)
+        gate.wait(5)
+        return FakeModel()
+
+    app = make_app(tmp_path, load=load)
+
+    async def main():
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: "downloading part 1 (0/2)" in str(
+                app.query_one("#loading-stage").render()), what="progress shown")
+            assert app.engine is None and app.query(Loading)
+            gate.set()
+            await wait_for(pilot, lambda: app.engine is not None, what="loaded")
+            await pilot.pause()
+            header = str(app.query_one("#model-header").render())
+            for part in ("fake-model.gguf", "llama", "gguf 4-bit g32×30", "float32", "cpu",
+                         "template: fake:chatml"):
+                assert part in header
+            assert not app.query(Loading)
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------- templates and raw mode
+
+
+def test_model_without_template_shows_diagnosis_and_refuses_to_send(tmp_path):
+    """Chat mode on a model with no chat template never chats: the pane shows the diagnosis
+    and the ways out (--no-chat, --chat-template), and Enter sends nothing, keeping the text."""
+    app = make_app(tmp_path, model=FakeModel(template=None))
+
+    async def scenario(pilot):
+        await pilot.pause()
+        panel = str(app.query_one(Diagnosis).render())
+        assert "base model" in panel and "--no-chat" in panel and "--chat-template" in panel
+        assert "NONE" in str(app.query_one("#model-header").render())
+        await type_text(pilot, app, "hello")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.sessions[0].calls == [] and bubbles(app) == []
+        assert app.prompt_input.text == "hello"
+        await pilot.press("f2")  # the preview explains instead of showing a guessed prompt
+        await pilot.pause()
+        assert not isinstance(app.screen, PreviewScreen)
+        assert any("no chat template" in m for m in errors(app))
+
+    run(app, scenario)
+
+
+def test_no_chat_mode_is_a_raw_completion_pad(tmp_path):
+    """--no-chat: the header says raw completion, the text is fed as is (tokenizer.encode of
+    exactly the typed text, no template) to generate, and the continuation is shown."""
+    calls: list = []
+    model = FakeModel(template=None)
+    app = make_app(tmp_path, model=model, options=Options(no_chat=True),
+                   generate=fake_generate(calls))
+
+    async def scenario(pilot):
+        assert "RAW COMPLETION" in str(app.query_one("#model-header").render())
+        assert not app.query(Diagnosis)
+        await send(pilot, app, "Once upon a time")
+        assert calls[0][0] == model.tokenizer.encode("Once upon a time")
+        assert reply_text(app) == " there was a fox."
+        assert bubbles(app, "user")[0].query_one("Label").render().plain == "Prompt"
+        await type_text(pilot, app, "The end")
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: isinstance(app.screen, PreviewScreen))
+        assert app.screen.query_one("#preview-text").text == "The end"
+
+    run(app, scenario)
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def test_parse_command_and_params():
+    """Commands and parameters parse and validate (aliases, none seed, errors name the field)."""
+    assert parse_command("hello") is None and parse_command("//x") is None
+    assert parse_command("/params top_p=0.9") == ("params", "top_p=0.9")
+    assert parse_params("temp=0.5 max-tokens=9 seed=none") == {
+        "temperature": 0.5, "max_tokens": 9, "seed": None}
+    for bad in ("top_p", "top_k=-1", "max_tokens=0", "bogus=1", "min_p=x"):
+        with pytest.raises(CommandError):
+            parse_params(bad)
+    with pytest.raises(CommandError):
+        parse_command("/nope")
+
+
+def test_atomic_write_and_records(tmp_path, monkeypatch):
+    """Conversations live in $MLXLIS_DATA/conversations; atomic_write leaves only the final
+    file; list_records skips unreadable files."""
+    monkeypatch.setenv("MLXLIS_DATA", str(tmp_path / "d"))
+    assert data_dir() == tmp_path / "d" / "conversations"
+    monkeypatch.delenv("MLXLIS_DATA")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "x"))
+    assert data_dir() == tmp_path / "x" / "mlxlis" / "conversations"
+    atomic_write(tmp_path / "a.json", json.dumps({"id": "a", "turns": [], "updated": 1}))
+    (tmp_path / "broken.json").write_text("{not json")
+    assert [r["id"] for r in list_records(tmp_path)] == ["a"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "broken.json"]
+
+
+def test_main_argument_parsing():
+    """`mlxlis chat` flags map onto Options (model, template, --no-chat, system, sampling)."""
+    o = parse_args(["-m", "x.gguf", "--no-chat", "--system", "s", "--temp", "0.5",
+                    "--max-tokens", "9", "--chat-template", "chatml"])
+    assert (o.model, o.no_chat, o.system, o.chat_template) == ("x.gguf", True, "s", "chatml")
+    assert o.sampling["temperature"] == 0.5 and o.sampling["max_tokens"] == 9

@@ -1,0 +1,131 @@
+"""The chat app end to end with real catalog models (skipped when a model is not pulled).
+
+Unlike tests/test_tui.py these go through the real engine: the app's own load worker
+(mlxlis.load), mlxlis.ChatSession with its KV cache, the model's own chat template. They prove
+the app works on real models; they do not check the text is right (see the parity tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_tui import SIZE, bubbles, reply_text, wait_for
+
+from mlxlis import catalog
+from tui.app import ChatApp
+from tui.engine import SAMPLING_DEFAULTS, Options
+from tui.screens import PreviewScreen
+from tui.widgets import Diagnosis
+
+pytestmark = pytest.mark.real
+
+
+def pulled(name: str):
+    return pytest.mark.skipif(not catalog.is_pulled(name),
+                              reason=f"{name} not pulled (mlxlis pull {name})")
+
+
+def real_app(tmp_path, model: str, **sampling) -> ChatApp:
+    opts = Options(model=model, sampling={**SAMPLING_DEFAULTS, "temperature": 0.0, **sampling})
+    app = ChatApp(opts, data_dir=tmp_path / "conversations")
+    app.notes = []
+    real_notify = app.notify
+
+    def notify(message, *a, severity="information", **k):
+        app.notes.append((severity, str(message)))
+        return real_notify(message, *a, severity=severity, **k)
+
+    app.notify = notify
+    return app
+
+
+def run(app: ChatApp, scenario) -> None:
+    async def main():
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None or app.notes, timeout=120,
+                           what="model load")
+            assert app.engine is not None, app.notes
+            await scenario(pilot)
+
+    asyncio.run(main())
+
+
+@pulled("smollm2-135m")
+def test_smollm2_chat_reply_status_and_stop(tmp_path):
+    """SmolLM2 (ChatML template from the GGUF): greedy 8-token reply appears and the status
+    line shows tok/s; the preview shows the ChatML prompt; Esc stops a long reply, keeping it
+    marked stopped, and the real ChatSession (KV cache) takes a next turn."""
+    app = real_app(tmp_path, "smollm2-135m", max_tokens=8)
+
+    async def scenario(pilot):
+        assert "template: gguf" in str(app.query_one("#model-header").render())
+        app.prompt_input.insert("What is the capital of France?")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.engine.turns) == 2 and not app.generating,
+                       timeout=60, what="first reply")
+        await pilot.pause()
+        assert reply_text(app).strip(), "empty reply"
+        status = str(app.query_one("#status").render())
+        assert "tok/s" in status and " 0.0 tok/s" not in status, status
+        used, limit = app.engine.context
+        assert 0 < used < limit and f"context {used}/{limit}" in status
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: isinstance(app.screen, PreviewScreen))
+        assert "<|im_start|>assistant" in app.screen.query_one("#preview-text").text
+        await pilot.press("escape")
+        # a long reply, stopped with Esc after the first streamed text
+        app.engine.sampling["max_tokens"] = 200
+        app.prompt_input.insert("Write a long poem about the sea.")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app._reply_text, timeout=60, what="streaming")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.generating, timeout=30, what="stop")
+        assert app.engine.turns[-1].stopped and bubbles(app, "assistant")[-1].stopped
+        app.engine.sampling["max_tokens"] = 4
+        app.prompt_input.insert("Thanks!")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.engine.turns) == 6 and not app.generating,
+                       timeout=60, what="turn after stop")
+        assert not app.engine.turns[-1].stopped
+        assert not [m for sev, m in app.notes if sev == "error"], app.notes
+
+    run(app, scenario)
+
+
+@pulled("gemma3-270m")
+def test_gemma3_base_model_shows_diagnosis_and_does_not_send(tmp_path):
+    """Gemma 3 270M is a base model with no chat template: in chat mode the app shows the
+    diagnosis with the --no-chat way out and refuses to send (the text stays)."""
+    app = real_app(tmp_path, "gemma3-270m", max_tokens=4)
+
+    async def scenario(pilot):
+        await pilot.pause()
+        panel = str(app.query_one(Diagnosis).render())
+        assert "--no-chat" in panel and "--chat-template" in panel
+        app.prompt_input.insert("Hello")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.engine.turns == [] and bubbles(app) == []
+        assert app.prompt_input.text == "Hello"
+
+    run(app, scenario)
+
+
+@pulled("gemma3-270m")
+def test_gemma3_no_chat_pad_completes_raw_text(tmp_path):
+    """--no-chat on the Gemma 3 base model: the header says raw completion and the typed text
+    is continued (fed as is through mlxlis.generate)."""
+    app = real_app(tmp_path, "gemma3-270m", max_tokens=4)
+    app.options.no_chat = True
+
+    async def scenario(pilot):
+        assert "RAW COMPLETION" in str(app.query_one("#model-header").render())
+        app.prompt_input.insert("The capital of France is")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.engine.turns) == 2 and not app.generating,
+                       timeout=60, what="completion")
+        await pilot.pause()
+        assert reply_text(app).strip() and not app.query(Diagnosis)
+
+    run(app, scenario)

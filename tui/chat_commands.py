@@ -1,0 +1,146 @@
+"""The slash commands and the F1 / F2 actions, mixed into ChatApp.
+
+A command that fails raises (CommandError, OSError, an engine error): the app shows it as a
+notification and the typed text stays in the input. A command that succeeds clears the input.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .commands import HELP, CommandError, format_params, param_value, parse_command, parse_params
+from .screens import PreviewScreen
+from .store import atomic_write, list_records, new_id, summary, to_markdown
+from .widgets import Bubble, Note
+
+# commands that change the conversation wait until a reply is finished
+MUTATING = {"system", "clear", "open"}
+
+
+class CommandsMixin:
+    """Needs from the app: engine, generating, conversation, prompt_input, data_dir,
+    record_id, show_welcome(), update_status(), notify(), push_screen()."""
+
+    async def run_command_text(self, text: str) -> bool:
+        """Run `text` if it is a /command (True), else False (a message to send)."""
+        parsed = parse_command(text)
+        if parsed is None:
+            return False
+        name, arg = parsed
+        if name != "help" and self.engine is None:
+            raise CommandError(f"/{name}: the model is not loaded yet")
+        if name in MUTATING and self.generating:
+            raise CommandError(f"/{name} waits until the reply is finished (Esc stops it)")
+        await getattr(self, f"cmd_{name}")(arg)
+        self.prompt_input.clear()
+        return True
+
+    async def add_note(self, markdown: str) -> None:
+        await self.conversation.mount(Note(markdown))
+        self.conversation.scroll_end(animate=False)
+
+    # --- F1 / F2 ---
+    async def action_help(self) -> None:
+        await self.cmd_help("")
+
+    def action_preview(self, pending: str | None = None) -> None:
+        if self.engine is None:
+            self.notify("the model is not loaded yet", severity="warning")
+            return
+        if pending is None:
+            typed = self.prompt_input.text
+            if typed.strip() and parse_command_safe(typed) is None:
+                pending = typed[1:] if typed.startswith("//") else typed
+        try:
+            prompt = self.engine.preview(pending)
+            n = self.engine.count_tokens(prompt) if prompt else 0
+        except Exception as e:  # noqa: BLE001 — e.g. NoChatTemplateError, a template bug
+            self.notify(str(e), title="no prompt to preview", severity="error", timeout=15)
+            return
+        if self.engine.raw:
+            title = f"Raw completion: this text is fed as is ({n} tokens), no chat template"
+        else:
+            what = "with your typed message" if pending else "as it stands (nothing typed)"
+            title = (f"Exact prompt the model receives next, {what} — {n} tokens — "
+                     f"template: {self.engine.template_source}")
+        self.push_screen(PreviewScreen(title, prompt))
+
+    # --- commands ---
+    async def cmd_help(self, arg: str) -> None:
+        await self.add_note(HELP)
+
+    async def cmd_preview(self, arg: str) -> None:
+        self.action_preview(arg or None)
+
+    async def cmd_system(self, arg: str) -> None:
+        if not arg:
+            current = self.engine.system
+            await self.add_note(f"**System prompt:** {current}" if current
+                                else "*No system prompt.* `/system TEXT` sets one.")
+            return
+        self.engine.set_system(None if arg == "-" else arg)
+        if self.engine.raw:
+            self.notify("raw completion has no system role: the system prompt is only kept "
+                        "in the saved record", severity="warning")
+        else:
+            self.notify("system prompt cleared" if arg == "-" else "system prompt set")
+
+    async def cmd_clear(self, arg: str) -> None:
+        self.engine.reset()
+        await self.conversation.remove_children()
+        self.record_id = new_id()
+        await self.show_welcome()
+        self.update_status()
+        self.notify("new conversation")
+
+    async def cmd_temp(self, arg: str) -> None:
+        if not arg:
+            raise CommandError("usage: /temp X (e.g. /temp 0.7; 0 = greedy)")
+        self.engine.sampling["temperature"] = param_value("temperature", arg)
+        self.update_status()
+        self.notify(f"temperature = {self.engine.sampling['temperature']}")
+
+    async def cmd_params(self, arg: str) -> None:
+        if arg:
+            self.engine.sampling.update(parse_params(arg))
+            self.update_status()
+        await self.add_note("**Sampling:** " + format_params(self.engine.sampling))
+
+    async def cmd_save(self, arg: str) -> None:
+        path = Path(arg).expanduser() if arg else Path.cwd() / f"mlxlis-chat-{self.record_id}.md"
+        atomic_write(path, to_markdown(self.engine.record(self.record_id)))
+        self.notify(f"saved {path}")
+
+    async def cmd_history(self, arg: str) -> None:
+        records = list_records(self.data_dir)
+        if not records:
+            await self.add_note("*No saved conversations yet.*")
+            return
+        lines = [f"{i}. {summary(r)}" for i, r in enumerate(records[:30], 1)]
+        await self.add_note("**Saved conversations** (`/open N`)\n\n" + "\n".join(lines))
+
+    async def cmd_open(self, arg: str) -> None:
+        records = list_records(self.data_dir)
+        try:
+            rec = records[int(arg) - 1]
+            if int(arg) < 1:
+                raise IndexError
+        except (ValueError, IndexError):
+            raise CommandError(f"usage: /open N with N from /history (1..{len(records)})") from None
+        self.engine.restore(rec)
+        self.record_id = rec["id"]
+        await self.conversation.remove_children()
+        await self.show_welcome()
+        raw = self.engine.raw
+        await self.conversation.mount_all(
+            Bubble(t.role, t.content, raw=raw, stopped=t.stopped) for t in self.engine.turns)
+        self.conversation.scroll_end(animate=False)
+        self.update_status()
+        self.notify(f"reopened: {summary(rec)}")
+
+
+def parse_command_safe(text: str):
+    try:
+        return parse_command(text)
+    except CommandError:
+        return ("?", "")

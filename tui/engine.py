@@ -1,0 +1,195 @@
+"""The app's only door into mlxlis: load a model, then chat (ChatSession) or complete raw text.
+
+Everything the UI needs from the engine goes through `Engine`, built from an already loaded
+model; tests build it around a fake model and a fake session factory / generate function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlxlis
+from mlxlis import catalog
+from mlxlis.chat import Turn
+from mlxlis.errors import ContextLimitError
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total), as catalog.pull reports
+
+SAMPLING_DEFAULTS = dict(max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                         repetition_penalty=1.0, seed=None)
+
+
+@dataclass
+class Options:
+    """What `mlxlis chat` was asked for on the command line."""
+
+    model: str = catalog.DEFAULT_MODEL
+    dtype: str | None = None
+    dequantize: bool = False
+    chat_template: str | None = None
+    system: str | None = None
+    no_chat: bool = False
+    sampling: dict = field(default_factory=lambda: dict(SAMPLING_DEFAULTS))
+
+
+def load_model(options: Options, progress: Progress):
+    """Pull a catalog model if it is not in the store yet (reporting progress), then load it."""
+    name = options.model
+    if name in catalog.CATALOG and not Path(name).exists() and not catalog.is_pulled(name):
+        catalog.pull(name, progress)
+    progress("loading weights", 0, 0)
+    return mlxlis.load(name, options.dtype, dequantize=options.dequantize,
+                       chat_template=options.chat_template)
+
+
+class RawPad:
+    """--no-chat: each text is fed as is (no template) and the continuation streamed back.
+
+    Same surface as ChatSession (send, turns, reset, prompt_preview, context_*), so the UI
+    does not care which one it drives. Earlier turns are kept for display and saving only.
+    """
+
+    def __init__(self, model, generate: Callable[..., Iterator] | None = None):
+        self.model = model
+        self.system: str | None = None
+        self.turns: list[Turn] = []
+        self.context_limit = model.context_length
+        self.context_used = 0
+        self.last_prompt_tokens = 0
+        self._generate = generate or mlxlis.generate
+
+    def reset(self) -> None:
+        self.turns.clear()
+        self.context_used = 0
+
+    def set_system(self, text: str | None) -> None:
+        self.system = text or None  # kept for the record; raw completion has no system role
+
+    def prompt_preview(self, pending_user: str | None = None) -> str:
+        return pending_user or ""
+
+    def send(self, text: str, should_stop=None, **sampling) -> Iterator:
+        ids = self.model.tokenizer.encode(text)
+        if len(ids) >= self.context_limit:
+            raise ContextLimitError(f"the text needs {len(ids)} tokens but the context holds "
+                                    f"{self.context_limit}", field="context")
+        sampling = dict(sampling)
+        max_tokens = min(sampling.pop("max_tokens", 256), self.context_limit - len(ids))
+        self.last_prompt_tokens = len(ids)
+        self.turns.append(Turn("user", text))
+        out: list[str] = []
+        final = None
+        try:
+            for ev in self._generate(self.model, ids, max_tokens=max_tokens,
+                                     should_stop=should_stop, **sampling):
+                out.append(ev.text)
+                if ev.finish_reason is not None:
+                    final = ev
+                yield ev
+        finally:
+            stopped = final is None or final.finish_reason == "cancelled"
+            self.context_used = len(ids) + (final.stats.generated_tokens if final else 0)
+            self.turns.append(Turn("assistant", "".join(out), stopped=stopped))
+
+
+def default_session(model, system: str | None):
+    return mlxlis.ChatSession(model, system=system)
+
+
+class Engine:
+    """One loaded model behind the operations the app performs."""
+
+    def __init__(self, model, options: Options, *,
+                 session_factory: Callable[[object, str | None], object] | None = None,
+                 generate: Callable[..., Iterator] | None = None):
+        self.model = model
+        self.raw = options.no_chat
+        self.sampling = {**SAMPLING_DEFAULTS, **options.sampling}
+        if self.raw:
+            self.session = RawPad(model, generate)
+            self.session.set_system(options.system)
+        else:
+            self.session = (session_factory or default_session)(model, options.system)
+        self.info = dict(model.describe())
+
+    # --- what the header shows ---
+    @property
+    def template_source(self) -> str | None:
+        return getattr(self.model, "template_source", None)
+
+    @property
+    def blocked(self) -> bool:
+        """Chat mode on a model without a chat template: refuse to send (seeds L-4)."""
+        return not self.raw and self.template_source is None
+
+    def diagnosis(self) -> str:
+        return self.model.missing_template_diagnosis()
+
+    def header(self) -> str:
+        i = self.info
+        fmt = " ".join(x for x in (i.get("format"), i.get("quant")) if x)
+        parts = [i.get("model", "?"), i.get("family", "?"), fmt, i.get("dtype", "?"),
+                 i.get("device", "?")]
+        if self.raw:
+            tail = "RAW COMPLETION (--no-chat): text is fed as is, no chat template"
+        else:
+            tail = f"template: {self.template_source or 'NONE — chat disabled'}"
+        return " · ".join(p for p in parts if p) + "\n" + tail
+
+    # --- the conversation ---
+    @property
+    def system(self) -> str | None:
+        return self.session.system
+
+    def set_system(self, text: str | None) -> None:
+        self.session.set_system(text)
+
+    @property
+    def turns(self) -> list:
+        return self.session.turns
+
+    @property
+    def context(self) -> tuple[int, int]:
+        return self.session.context_used, self.session.context_limit
+
+    def streaming_context(self, generated: int) -> int:
+        return getattr(self.session, "last_prompt_tokens", 0) + generated
+
+    def send(self, text: str, should_stop: Callable[[], bool]) -> Iterator:
+        return self.session.send(text, should_stop=should_stop, **self.sampling)
+
+    def rollback(self, text: str) -> None:
+        """Undo a turn that failed before producing anything, so it can be sent again."""
+        turns = self.session.turns
+        if len(turns) >= 2 and turns[-1].role == "assistant" and not turns[-1].content \
+                and turns[-2].role == "user" and turns[-2].content == text:
+            del turns[-2:]
+        elif turns and turns[-1].role == "user" and turns[-1].content == text:
+            del turns[-1]
+
+    def preview(self, pending: str | None = None) -> str:
+        return self.session.prompt_preview(pending)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.model.tokenizer.encode(text, special=not self.raw))
+
+    def reset(self) -> None:
+        self.session.reset()
+
+    def restore(self, record: dict) -> None:
+        """A fresh conversation holding a saved record's turns (the cache is rebuilt lazily)."""
+        self.session.reset()
+        self.session.set_system(record.get("system"))
+        self.session.turns.extend(
+            Turn(t["role"], t.get("content", ""), bool(t.get("stopped")))
+            for t in record["turns"] if t.get("role") in ("user", "assistant"))
+
+    def record(self, rec_id: str) -> dict:
+        mode = "raw" if self.raw else "chat"
+        return {"id": rec_id, "model": self.info.get("model"), "mode": mode,
+                "template": self.template_source, "system": self.system,
+                "sampling": dict(self.sampling),
+                "turns": [{"role": t.role, "content": t.content, "stopped": t.stopped}
+                          for t in self.session.turns]}

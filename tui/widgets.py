@@ -1,0 +1,121 @@
+"""The app's widgets: the prompt input, conversation bubbles, notes and the diagnosis panel."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual import events
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.message import Message
+from textual.widgets import Label, Markdown, ProgressBar, Static, TextArea
+
+# Terminals report Shift+Enter as "shift+enter" only with the kitty keyboard protocol; many
+# send a plain Enter for it. Ctrl+J (a raw line feed) and Alt+Enter work everywhere.
+NEWLINE_KEYS = ("shift+enter", "ctrl+j", "alt+enter", "newline")
+
+
+class PromptInput(TextArea):
+    """Multi-line input: Enter submits, Shift+Enter / Ctrl+J / Alt+Enter insert a newline."""
+
+    class Submitted(Message):
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.text = text
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Submitted(self.text))
+            return
+        if event.key in NEWLINE_KEYS:
+            event.stop()
+            event.prevent_default()
+            start, end = self.selection
+            self.replace("\n", start, end, maintain_selection_offset=False)
+            return
+        await super()._on_key(event)
+
+    def restore(self, text: str) -> None:
+        """Put text back (after a refused send) without losing what was typed since."""
+        current = self.text
+        self.text = text if not current.strip() else text + "\n" + current
+        self.move_cursor(self.document.end)
+
+
+class Bubble(Vertical):
+    """One message: a role label and the body (user text verbatim, replies as Markdown)."""
+
+    def __init__(self, role: str, text: str = "", *, raw: bool = False, stopped: bool = False):
+        super().__init__(classes=f"bubble {role}")
+        self.role = role
+        self.text = text
+        self.raw = raw
+        self._stopped = stopped
+
+    def compose(self) -> ComposeResult:
+        if self.role == "user":
+            yield Label("Prompt" if self.raw else "You", classes="role")
+            yield Static(Text(self.text), classes="body")
+        else:
+            yield Label("Completion" if self.raw else "Assistant", classes="role")
+            yield Markdown(self.text, classes="body")
+            if self._stopped:
+                yield Label("■ stopped", classes="marker")
+
+    @property
+    def markdown(self) -> Markdown:
+        return self.query_one(Markdown)
+
+    def mark(self, text: str, kind: str = "stopped") -> None:
+        """Add a marker under a reply: "■ stopped", "max_tokens reached", an error."""
+        if kind == "stopped":
+            self._stopped = True
+        self.mount(Label(Text(text), classes=f"marker {kind}"))
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+
+class Note(Markdown):
+    """Output of a command (help, params, history) shown in the conversation pane."""
+
+    def __init__(self, text: str):
+        super().__init__(text, classes="note")
+
+
+class Diagnosis(Static):
+    """Chat mode on a model with no template: why, and the explicit ways out (seeds L-4)."""
+
+    def __init__(self, diagnosis: str):
+        text = Text()
+        text.append("No chat template — chat is disabled, nothing will be sent.\n\n", "bold")
+        text.append(diagnosis.rstrip() + "\n\n")
+        text.append("Ways out:\n", "bold")
+        text.append("  mlxlis chat --no-chat -m MODEL       raw completion: your text is fed "
+                    "as is and continued\n")
+        text.append("  mlxlis chat --chat-template FILE|NAME -m MODEL   use a template you "
+                    "choose (e.g. chatml, gemma)\n")
+        super().__init__(text, classes="diagnosis")
+
+
+class Loading(Vertical):
+    """Shown while the model is fetched and loaded."""
+
+    def __init__(self, name: str):
+        super().__init__(id="loading")
+        self.model_name = name
+
+    def compose(self) -> ComposeResult:
+        yield Label(Text(f"Loading {self.model_name} …"), id="loading-stage")
+        yield ProgressBar(total=None, show_eta=False, id="loading-bar")
+
+    def progress(self, stage: str, done: int, total: int) -> None:
+        label = f"{self.model_name}: {stage}" + (f" ({done}/{total})" if total else " …")
+        self.query_one("#loading-stage", Label).update(Text(label))
+        bar = self.query_one(ProgressBar)
+        if total:
+            bar.update(total=total, progress=done)
+        else:
+            bar.update(total=None)
