@@ -14,7 +14,7 @@ from collections.abc import Callable
 from . import catalog
 from .errors import MlxlisError
 
-SUBCOMMANDS = ("chat", "inspect", "pull", "models")
+SUBCOMMANDS = ("chat", "inspect", "pull", "models", "convert")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -137,6 +137,30 @@ def run_models(argv: list[str]) -> int:
     return 0
 
 
+def run_convert(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="mlxlis convert",
+        description="Write a GGUF (or folder) as an MLX / Hugging Face folder that mlx-lm loads; "
+        "quantized blocks are kept as they are (no requantisation).",
+    )
+    p.add_argument("source", help="a .gguf file, model folder or catalog name")
+    p.add_argument("--output", "-o", required=True, help="destination folder")
+    p.add_argument("--dtype", default=None, help="compute dtype of dense tensors and scales")
+    p.add_argument("--dequantize", action="store_true", help="write every weight dense")
+    p.add_argument("--force", action="store_true", help="replace an existing destination")
+    p.add_argument("--debug", action="store_true")
+    a = p.parse_args(argv)
+
+    def go() -> int:
+        from .convert import convert
+
+        out = convert(a.source, a.output, dtype=a.dtype, dequantize=a.dequantize, force=a.force)
+        print(out)
+        return 0
+
+    return _guard(a.debug, go)
+
+
 def run_chat(argv: list[str]) -> int:
     try:
         from tui.app import main as tui_main
@@ -172,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SUBCOMMANDS:
         cmd, rest = argv[0], argv[1:]
         return {"chat": run_chat, "inspect": run_inspect, "pull": run_pull,
-                "models": run_models}[cmd](rest)
+                "models": run_models, "convert": run_convert}[cmd](rest)
     a = one_shot_parser().parse_args(argv)
     return _guard(a.debug, lambda: run_one_shot(a))
 

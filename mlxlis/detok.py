@@ -1,7 +1,8 @@
-"""The per-token side of a vocabulary, and ids back to text.
+"""The vocabulary backends a `Tokenizer` drives, and ids back to text.
 
-- `Splitter` / `TableVocab`: a GGUF or SentencePiece vocabulary as token texts + types; special
-  and user-defined token text is cut out of the input before the model encoder sees it.
+- `TableVocab`: a GGUF or SentencePiece vocabulary as token texts + types; `Splitter` cuts
+  special and user-defined token text out of the input before the model encoder sees it.
+- `JsonVocab`: a tokenizer.json through the `tokenizers` library.
 - `PieceTable`: ids -> text the way llama.cpp's `token_to_piece` does it: every token maps to
   fixed bytes (byte-level BPE spelling undone, SentencePiece's "▁" turned back into a space,
   `<0xAB>` byte tokens into that byte); the text is the UTF-8 decoding of their concatenation.
@@ -11,8 +12,9 @@
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -126,8 +128,8 @@ class Splitter:
                 for ch in text:
                     node = node.setdefault(ch, {})
                 node[""] = i  # "" is never a character: it marks where a token ends
-            starts = re.compile("[" + "".join(re.escape(c) for c in trie) + "]")
-            self._built[special] = (trie, starts) if trie else None
+            starts = "[" + "".join(re.escape(c) for c in trie) + "]"
+            self._built[special] = (trie, re.compile(starts)) if trie else None
         return self._built[special]
 
     def split(self, text: str, special: bool) -> list[str | int]:
@@ -158,6 +160,7 @@ class TableVocab:
 
     Special / user-defined token text is cut out before `plain` sees the text, as llama.cpp's
     `tokenizer_st_partition` does: user-defined tokens always, control tokens with special=True.
+    `user_defined` replaces the user-defined table (a tokenizer.model matches its own).
     """
 
     def __init__(
@@ -166,7 +169,7 @@ class TableVocab:
         types: list[int],
         plain: Callable[[str], list[int]],
         pieces: PieceTable,
-        user_text: Callable[[str], str] = str,
+        user_defined: dict[str, int] | None = None,
     ):
         t = np.asarray(types)
         ids = np.flatnonzero
@@ -176,8 +179,9 @@ class TableVocab:
         for i, tok in enumerate(tokens):  # llama.cpp makes these control whatever their type
             if tok in EOG_TEXTS:
                 self.special_tokens.setdefault(tok, i)
-        always = {user_text(tokens[i]): int(i) for i in ids(t == USER_DEFINED)}
-        self._splitter = Splitter(always, self.special_tokens)
+        if user_defined is None:
+            user_defined = {tokens[i]: int(i) for i in ids(t == USER_DEFINED)}
+        self._splitter = Splitter(user_defined, self.special_tokens)
         self.special_ids = frozenset(self.special_tokens.values()) | set(ids(t == UNUSED).tolist())
         self._ids: dict[str, int] | None = None
 
@@ -200,6 +204,31 @@ class TableVocab:
         if self._ids is None:
             self._ids = {t: i for i, t in enumerate(self._tokens)}
         return self._ids.get(text)
+
+
+class JsonVocab:
+    """tokenizer.json through `tokenizers`, its added-token handling included."""
+
+    def __init__(self, tk: Any):
+        tk.no_truncation()
+        tk.no_padding()
+        self._tk = tk
+        self._lock = threading.Lock()  # encode_special_tokens is a flag on the shared object
+        self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
+        added = tk.get_added_tokens_decoder()
+        self.special_tokens = {t.content: i for i, t in added.items() if t.special}
+        self.id_to_token, self.token_to_id = tk.id_to_token, tk.token_to_id
+
+    def encode(self, text: str, special: bool, add_special_tokens: bool = False) -> list[int]:
+        with self._lock:
+            self._tk.encode_special_tokens = not special
+            return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool) -> str:
+        ids = [int(i) for i in ids]
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise TokenizerError(f"a token id in {ids} is outside the vocabulary")
+        return self._tk.decode(ids, skip_special_tokens=skip_special)
 
 
 class StreamDecoder:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +28,7 @@ from sentencepiece import SentencePieceProcessor
 from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 
 from . import detok as tt  # token types: tt.CONTROL, ...
-from .detok import EOG_TEXTS, PieceTable, StreamDecoder, TableVocab
+from .detok import EOG_TEXTS, JsonVocab, PieceTable, StreamDecoder, TableVocab
 from .errors import TokenizerError
 
 __all__ = ["StreamDecoder", "Tokenizer", "spm_proto"]
@@ -54,32 +53,7 @@ _IGNORE_MERGES = frozenset(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtr
 _NFC = frozenset(("qwen2", "deepseek-r1-qwen"))
 
 
-class _JsonBackend:
-    """tokenizer.json through `tokenizers`, its added-token handling included."""
-
-    def __init__(self, tk: tokenizers.Tokenizer):
-        tk.no_truncation()
-        tk.no_padding()
-        self._tk = tk
-        self._lock = threading.Lock()  # encode_special_tokens is a flag on the shared object
-        self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
-        added = tk.get_added_tokens_decoder()
-        self.special_tokens = {t.content: i for i, t in added.items() if t.special}
-        self.id_to_token, self.token_to_id = tk.id_to_token, tk.token_to_id
-
-    def encode(self, text: str, special: bool, add_special_tokens: bool = False) -> list[int]:
-        with self._lock:
-            self._tk.encode_special_tokens = not special
-            return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def decode(self, ids: Sequence[int], skip_special: bool) -> str:
-        ids = [int(i) for i in ids]
-        if any(not 0 <= i < self.vocab_size for i in ids):
-            raise TokenizerError(f"a token id in {ids} is outside the vocabulary")
-        return self._tk.decode(ids, skip_special_tokens=skip_special)
-
-
-_Backend = TableVocab | _JsonBackend
+_Backend = TableVocab | JsonVocab
 
 
 class Tokenizer:
@@ -156,10 +130,11 @@ class Tokenizer:
         cfg_path = folder / "tokenizer_config.json"
         cfg, smap = _read_json(cfg_path), _read_json(folder / "special_tokens_map.json")
         gen, conf = (_read_json(folder / n) for n in ("generation_config.json", "config.json"))
+        sp_ids: tuple[int | None, int | None] = (None, None)  # tokenizer.model's own bos / eos
         if (folder / "tokenizer.json").is_file():
             backend: _Backend = _load_json(folder / "tokenizer.json")
         elif (folder / "tokenizer.model").is_file():
-            backend = _load_spm(folder / "tokenizer.model", cfg)
+            backend, sp_ids = _load_spm(folder / "tokenizer.model", cfg)
         else:
             raise TokenizerError(
                 "missing, as is tokenizer.model", path=folder, field="tokenizer.json"
@@ -175,10 +150,11 @@ class Tokenizer:
 
         text_conf = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else {}
         bos_ids = [token_id("bos_token"), *_ids(gen, "bos_token_id"), *_ids(conf, "bos_token_id")]
-        bos_id = next((i for i in bos_ids if i is not None), None)
+        bos_id = next((i for i in [*bos_ids, sp_ids[0]] if i is not None), None)
         eos_ids = [i for i in (token_id("eos_token"),) if i is not None]
         eos_ids += [i for src in (gen, conf, text_conf) for i in _ids(src, "eos_token_id")]
-        if isinstance(backend, _JsonBackend):  # does the post-processor add them?
+        eos_ids += [sp_ids[1]] if not eos_ids and sp_ids[1] is not None else []
+        if isinstance(backend, JsonVocab):  # does the post-processor add them?
             plain, full = backend.encode("a", False), backend.encode("a", False, True)
             auto_bos = len(full) > len(plain) and bos_id is not None and full[0] == bos_id
             auto_eos = len(full) > len(plain) and full[-1] in eos_ids and plain[-1:] != full[-1:]
@@ -220,7 +196,8 @@ class Tokenizer:
             add_bos = pre in _IGNORE_MERGES  # llama.cpp: llama-3 style vocabularies add BOS
         elif kind == "llama":  # llama.cpp's SPM defaults: <unk> 0, <s> 1, </s> 2, add BOS
             bos_id, eos_id = special_id("bos_token_id", 1), special_id("eos_token_id", 2)
-            backend = _gguf_spm(metadata, tokens, types, special_id("unknown_token_id", 0), path)
+            unk_id = special_id("unknown_token_id", 0)
+            backend = _gguf_spm(metadata, tokens, types, (unk_id, bos_id, eos_id), path)
             add_bos = True
         else:
             msg = f"unsupported tokenizer model {kind!r} (supported: gpt2, llama)"
@@ -273,12 +250,15 @@ def _gguf_bpe(
 
 
 def _gguf_spm(
-    metadata: dict[str, Any], tokens: list[str], types: list[int], unk_id: int | None, path: Path
+    metadata: dict[str, Any], tokens: list[str], types: list[int], ids: tuple, path: Path
 ) -> TableVocab:
     scores = _array(metadata, "scores", len(tokens), path)
     scores = [0.0] * len(tokens) if scores is None else np.asarray(scores, np.float32).tolist()
     dummy = bool(metadata.get(_K + "add_space_prefix", True))  # llama.cpp's SPM default
-    proto = spm_proto(tokens, scores, types, unk_id=unk_id, add_dummy_prefix=dummy, path=path)
+    unk, bos, eos = ids
+    proto = spm_proto(
+        tokens, scores, types, unk_id=unk, bos_id=bos, eos_id=eos, add_dummy_prefix=dummy, path=path
+    )
     sp = SentencePieceProcessor()
     sp.LoadFromSerializedProto(proto.SerializeToString())
     pieces = PieceTable(tokens, types, byte_level=False, strip_dummy_space=dummy)
@@ -292,6 +272,8 @@ def spm_proto(
     *,
     unk_id: int | None,
     add_dummy_prefix: bool,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
     path: Path | str = "",
 ) -> spm_pb2.ModelProto:
     """A SentencePiece BPE model equal to a GGUF "llama" vocabulary (save it as tokenizer.model)."""
@@ -301,6 +283,15 @@ def spm_proto(
     ts, ns = proto.trainer_spec, proto.normalizer_spec
     ts.model_type, ts.vocab_size = spm_pb2.TrainerSpec.BPE, len(tokens)
     ts.unk_id, ts.unk_piece = unk_id, tokens[unk_id]
+    ts.bos_id, ts.eos_id, ts.pad_id = (
+        -1 if bos_id is None else bos_id,
+        -1 if eos_id is None else eos_id,
+        -1,
+    )
+    if bos_id is not None:
+        ts.bos_piece = tokens[bos_id]
+    if eos_id is not None:
+        ts.eos_piece = tokens[eos_id]
     ns.name = "identity"  # llama.cpp only escapes spaces: no NFKC, no whitespace collapsing
     ns.add_dummy_prefix = add_dummy_prefix
     ns.remove_extra_whitespaces, ns.escape_whitespaces = False, True
@@ -323,22 +314,22 @@ def spm_proto(
     return proto
 
 
-def _load_json(path: Path) -> _JsonBackend:
+def _load_json(path: Path) -> JsonVocab:
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"cannot read: {e}", path=path) from e
-    spec = _read_json(path, text=text)
-    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
-        raise TokenizerError("missing or not an object", path=path, field="model")
-    try:
-        return _JsonBackend(tokenizers.Tokenizer.from_str(text))
-    except Exception as e:  # tokenizers names the field in backquotes: "missing field `vocab`"
-        m = re.search(r"`(\w+)`", str(e))
+        return JsonVocab(tokenizers.Tokenizer.from_file(str(path)))
+    except Exception as e:  # find out what is wrong: unreadable, not JSON, or a bad field
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e2:
+            raise TokenizerError(f"cannot read: {e2}", path=path) from e2
+        spec = _read_json(path, text=text)
+        if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
+            raise TokenizerError("missing or not an object", path=path, field="model") from e
+        m = re.search(r"`(\w+)`", str(e))  # tokenizers names fields so: "missing field `vocab`"
         raise TokenizerError(f"cannot load: {e}", path=path, field=m[1] if m else "model") from e
 
 
-def _load_spm(path: Path, cfg: dict[str, Any]) -> TableVocab:
+def _load_spm(path: Path, cfg: dict[str, Any]) -> tuple[TableVocab, tuple[int | None, int | None]]:
     proto, sp = spm_pb2.ModelProto(), SentencePieceProcessor()
     try:
         data = path.read_bytes()
@@ -348,6 +339,7 @@ def _load_spm(path: Path, cfg: dict[str, Any]) -> TableVocab:
         raise TokenizerError(f"not a SentencePiece model: {e}", path=path, field="pieces") from e
     tokens = [p.piece for p in proto.pieces]
     types = [int(p.type) for p in proto.pieces]
+    added: dict[str, int] = {}  # sentencepiece matches its own user-defined pieces, not these
     for key, spec in (cfg.get("added_tokens_decoder") or {}).items():  # ids past the model's
         i = int(key)
         if isinstance(spec, dict) and i >= len(tokens) and isinstance(spec.get("content"), str):
@@ -355,9 +347,12 @@ def _load_spm(path: Path, cfg: dict[str, Any]) -> TableVocab:
             types += [tt.UNUSED] * (i + 1 - len(types))
             tokens[i] = spec["content"]
             types[i] = tt.CONTROL if spec.get("special") else tt.USER_DEFINED
+            if not spec.get("special"):
+                added[tokens[i]] = i
     dummy = proto.normalizer_spec.add_dummy_prefix
     pieces = PieceTable(tokens, types, byte_level=False, strip_dummy_space=dummy)
-    return TableVocab(tokens, types, sp.encode, pieces, lambda t: t.replace("\u2581", " "))
+    vocab = TableVocab(tokens, types, sp.encode, pieces, added)
+    return vocab, tuple(i if i >= 0 else None for i in (sp.bos_id(), sp.eos_id()))
 
 
 def _read_json(path: Path, *, text: str | None = None) -> Any:

@@ -258,7 +258,9 @@ def test_enter_sends_and_reply_streams_as_markdown(tmp_path):
         assert reply_text(app) == "Hello **world**! You said: hi"
         assert app.prompt_input.text == ""
         status = str(app.query_one("#status").render())
-        assert "tok/s" in status and "context" in status and "/4096" in status
+        used = app.sessions[0].context_used
+        assert used > 0 and f"ctx {used}/4096" in status
+        assert "833.3 tok/s" in status and "first token 10 ms" in status and "done" in status
         assert "peak 123 MiB" in status
         assert not bubbles(app, "assistant")[0].stopped
 
@@ -329,6 +331,28 @@ def test_ctrl_c_stops_generation(tmp_path):
         assert app.sessions[0].turns[-1].stopped and app.is_running
 
     run(app, scenario)
+
+
+def test_quit_while_generating_stops_the_worker(tmp_path):
+    """Ctrl+Q mid-reply exits promptly: the generating thread is told to stop instead of running
+    on to max_tokens (which would keep the process alive)."""
+    long = lambda text: [f" w{i}" for i in range(400)]  # noqa: E731
+    app = make_app(tmp_path, session_kw=dict(script=long, delay=0.02))
+
+    async def scenario(pilot):
+        await type_text(pilot, app, "go")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app._reply_text) >= 1, what="streaming")
+        await pilot.press("ctrl+q")
+
+    t0 = time.monotonic()
+    run(app, scenario)
+    assert time.monotonic() - t0 < 4  # the full script would take 8 s
+    deadline = time.monotonic() + 2
+    while not app.sessions[0].turns[-1:] or app.sessions[0].turns[-1].role != "assistant":
+        assert time.monotonic() < deadline, "worker still running"
+        time.sleep(0.02)
+    assert app.sessions[0].turns[-1].stopped
 
 
 def test_text_typed_during_generation_is_not_lost(tmp_path):
@@ -690,3 +714,25 @@ def test_main_argument_parsing():
                     "--max-tokens", "9", "--chat-template", "chatml"])
     assert (o.model, o.no_chat, o.system, o.chat_template) == ("x.gguf", True, "s", "chatml")
     assert o.sampling["temperature"] == 0.5 and o.sampling["max_tokens"] == 9
+
+
+def test_load_model_pulls_a_missing_catalog_model_with_progress(monkeypatch):
+    """load_model pulls a catalog model that is not in the store yet (reporting the pull's
+    progress) before mlxlis.load; a pulled one is loaded directly."""
+    import tui.engine as engine
+
+    seen, pulled = [], []
+    monkeypatch.setattr(engine.catalog, "is_pulled", lambda name: bool(pulled))
+
+    def pull(name, progress):
+        progress("downloading x", 0, 1)
+        pulled.append(name)
+
+    monkeypatch.setattr(engine.catalog, "pull", pull)
+    monkeypatch.setattr(engine.mlxlis, "load", lambda name, dtype, **kw: ("model", name, kw))
+    opts = Options(model="smollm2-135m", chat_template="chatml")
+    got = engine.load_model(opts, lambda *a: seen.append(a))
+    assert pulled == ["smollm2-135m"] and seen[0] == ("downloading x", 0, 1)
+    assert got == ("model", "smollm2-135m", {"dequantize": False, "chat_template": "chatml"})
+    engine.load_model(opts, lambda *a: seen.append(a))
+    assert pulled == ["smollm2-135m"]  # not pulled twice

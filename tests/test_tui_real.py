@@ -40,6 +40,18 @@ def real_app(tmp_path, model: str, **sampling) -> ChatApp:
     return app
 
 
+def errors(app: ChatApp) -> list[str]:
+    return [m for sev, m in app.notes if sev == "error"]
+
+
+async def wait_done(pilot, app: ChatApp, n_turns: int, timeout: float, what: str) -> None:
+    """Wait until the session holds `n_turns` turns and nothing streams; fail fast on an error."""
+    await wait_for(pilot, lambda: (len(app.engine.turns) == n_turns and not app.generating)
+                   or errors(app), timeout=timeout, what=what)
+    assert not errors(app), errors(app)
+    await pilot.pause()
+
+
 def run(app: ChatApp, scenario) -> None:
     async def main():
         async with app.run_test(size=SIZE) as pilot:
@@ -62,14 +74,12 @@ def test_smollm2_chat_reply_status_and_stop(tmp_path):
         assert "template: gguf" in str(app.query_one("#model-header").render())
         app.prompt_input.insert("What is the capital of France?")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: len(app.engine.turns) == 2 and not app.generating,
-                       timeout=60, what="first reply")
-        await pilot.pause()
+        await wait_done(pilot, app, 2, 60, "first reply")
         assert reply_text(app).strip(), "empty reply"
         status = str(app.query_one("#status").render())
         assert "tok/s" in status and " 0.0 tok/s" not in status, status
         used, limit = app.engine.context
-        assert 0 < used < limit and f"context {used}/{limit}" in status
+        assert 0 < used < limit and f"ctx {used}/{limit}" in status
         await pilot.press("f2")
         await wait_for(pilot, lambda: isinstance(app.screen, PreviewScreen))
         assert "<|im_start|>assistant" in app.screen.query_one("#preview-text").text
@@ -78,17 +88,17 @@ def test_smollm2_chat_reply_status_and_stop(tmp_path):
         app.engine.sampling["max_tokens"] = 200
         app.prompt_input.insert("Write a long poem about the sea.")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app._reply_text, timeout=60, what="streaming")
+        await wait_for(pilot, lambda: app._reply_text or errors(app), timeout=60,
+                       what="streaming")
         await pilot.press("escape")
         await wait_for(pilot, lambda: not app.generating, timeout=30, what="stop")
         assert app.engine.turns[-1].stopped and bubbles(app, "assistant")[-1].stopped
         app.engine.sampling["max_tokens"] = 4
         app.prompt_input.insert("Thanks!")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: len(app.engine.turns) == 6 and not app.generating,
-                       timeout=60, what="turn after stop")
+        await wait_done(pilot, app, 6, 60, "turn after stop")
         assert not app.engine.turns[-1].stopped
-        assert not [m for sev, m in app.notes if sev == "error"], app.notes
+        assert not errors(app), app.notes
 
     run(app, scenario)
 
@@ -123,9 +133,7 @@ def test_gemma3_no_chat_pad_completes_raw_text(tmp_path):
         assert "RAW COMPLETION" in str(app.query_one("#model-header").render())
         app.prompt_input.insert("The capital of France is")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: len(app.engine.turns) == 2 and not app.generating,
-                       timeout=60, what="completion")
-        await pilot.pause()
+        await wait_done(pilot, app, 2, 60, "completion")
         assert reply_text(app).strip() and not app.query(Diagnosis)
 
     run(app, scenario)

@@ -28,6 +28,7 @@ from .style import CSS as APP_CSS
 from .widgets import Bubble, Diagnosis, Loading, PromptInput
 
 FLUSH_SECONDS = 0.05  # the worker hands text to the UI at most ~20 times a second
+FINISH_NOTES = {"stop": "done", "cancelled": "stopped", "length": "max_tokens reached"}
 
 
 class Progress(Message):
@@ -100,7 +101,9 @@ class ChatApp(CommandsMixin, App[int]):
         yield Static(Text(f"mlxlis chat · loading {self.options.model} …"), id="model-header")
         with VerticalScroll(id="conversation"):
             yield Loading(self.options.model)
-        yield PromptInput(id="input", soft_wrap=True, show_line_numbers=False)
+        yield PromptInput(id="input", soft_wrap=True, show_line_numbers=False,
+                          placeholder="Message — Enter sends, Shift+Enter / Ctrl+J new line, "
+                                      "/help for commands")
         yield Static("", id="status")
         yield Footer()
 
@@ -148,6 +151,8 @@ class ChatApp(CommandsMixin, App[int]):
             self.notify(describe_error(e), title="could not start", severity="error", timeout=30)
             return
         self._set_header(self.engine.header())
+        if self.engine.raw:
+            self.prompt_input.placeholder = "Text to continue — fed as is, no chat template"
         await self.show_welcome()
         self.update_status()
 
@@ -248,7 +253,7 @@ class ChatApp(CommandsMixin, App[int]):
                         severity="error", timeout=15)
             if msg.produced == 0 and not "".join(self._reply_text).strip():
                 # nothing came back: undo the turn and give the text back to the user
-                self.engine.rollback(self._sent)
+                self.engine.rollback()
                 for w in (user, reply):
                     if w is not None:
                         await w.remove()
@@ -266,6 +271,13 @@ class ChatApp(CommandsMixin, App[int]):
         self.persist()
 
     # --- stopping ---
+    async def action_quit(self) -> None:
+        self._stop.set()  # a generating thread would otherwise run on to max_tokens
+        self.exit()
+
+    def on_unmount(self) -> None:
+        self._stop.set()
+
     def action_stop(self) -> None:
         if self.generating:
             self._stop.set()
@@ -292,16 +304,14 @@ class ChatApp(CommandsMixin, App[int]):
         if stats is not None:
             parts.append(f"first token {stats.time_to_first_token * 1000:.0f} ms")
             parts.append(f"{stats.decode_tps:.1f} tok/s")
-            if stats.prompt_tps:
-                parts.append(f"prompt {stats.prompt_tps:.0f} tok/s")
-        parts.append(f"context {used}/{limit}")
+        parts.append(f"ctx {used}/{limit}")
         if stats is not None and stats.peak_memory:
             parts.append(f"peak {stats.peak_memory / 2**20:.0f} MiB")
         p = self.engine.sampling
-        parts.append(f"temp {p['temperature']} · max {p['max_tokens']}")
+        parts.append(f"temp {p['temperature']}, max {p['max_tokens']}")
         if note:
-            parts.append(note)
-        self.query_one("#status", Static).update(Text(" · ".join(parts)))
+            parts.append(FINISH_NOTES.get(note, note))
+        self.query_one("#status", Static).update(Text(" │ ".join(parts)))
 
     def persist(self) -> None:
         if self.engine is None or not self.engine.turns:

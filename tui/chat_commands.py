@@ -61,7 +61,7 @@ class CommandsMixin:
             title = f"Raw completion: this text is fed as is ({n} tokens), no chat template"
         else:
             what = "with your typed message" if pending else "as it stands (nothing typed)"
-            title = (f"Exact prompt the model receives next, {what} — {n} tokens — "
+            title = (f"Exact prompt the model receives next, {what} — {n} tokens\n"
                      f"template: {self.engine.template_source}")
         self.push_screen(PreviewScreen(title, prompt))
 

@@ -25,8 +25,9 @@ ALIASES = {"temp": "temperature", "max": "max_tokens", "maxtokens": "max_tokens"
            "rep": "repetition_penalty", "repeat_penalty": "repetition_penalty"}
 
 HELP = """\
-**Keys** — Enter send · Shift+Enter / Ctrl+J / Alt+Enter new line · Esc or Ctrl+C stop the \
-reply · F1 help · F2 prompt preview · Ctrl+Q quit
+**Keys** — Enter send · Shift+Enter or Ctrl+J new line (Ctrl+J where the terminal sends a \
+plain Enter for Shift+Enter) · Esc or Ctrl+C stop the reply · F1 help · F2 prompt preview · \
+Ctrl+Q quit
 
 | command | what it does |
 |---|---|

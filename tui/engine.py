@@ -113,6 +113,7 @@ class Engine:
         else:
             self.session = (session_factory or default_session)(model, options.system)
         self.info = dict(model.describe())
+        self._turns_before = 0
 
     # --- what the header shows ---
     @property
@@ -158,16 +159,13 @@ class Engine:
         return getattr(self.session, "last_prompt_tokens", 0) + generated
 
     def send(self, text: str, should_stop: Callable[[], bool]) -> Iterator:
+        self._turns_before = len(self.session.turns)
         return self.session.send(text, should_stop=should_stop, **self.sampling)
 
-    def rollback(self, text: str) -> None:
-        """Undo a turn that failed before producing anything, so it can be sent again."""
-        turns = self.session.turns
-        if len(turns) >= 2 and turns[-1].role == "assistant" and not turns[-1].content \
-                and turns[-2].role == "user" and turns[-2].content == text:
-            del turns[-2:]
-        elif turns and turns[-1].role == "user" and turns[-1].content == text:
-            del turns[-1]
+    def rollback(self) -> None:
+        """Undo the last send when it failed before producing anything, so the text can be
+        sent again (ChatSession already dropped its cache state for an unfinished stream)."""
+        del self.session.turns[self._turns_before:]
 
     def preview(self, pending: str | None = None) -> str:
         return self.session.prompt_preview(pending)

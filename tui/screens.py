@@ -7,7 +7,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Label, TextArea
+from textual.widgets import Label, Static, TextArea
 
 
 class PreviewScreen(ModalScreen[None]):
@@ -30,7 +30,7 @@ class PreviewScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Label(Text(self.title_text), id="preview-title")
+            yield Static(Text(self.title_text), id="preview-title")
             yield TextArea(self.prompt, read_only=True, soft_wrap=True, id="preview-text",
                            show_line_numbers=True)
             yield Label("Esc / F2 to close — read-only, select to copy", id="preview-hint")

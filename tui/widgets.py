@@ -9,13 +9,15 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Label, Markdown, ProgressBar, Static, TextArea
 
-# Terminals report Shift+Enter as "shift+enter" only with the kitty keyboard protocol; many
-# send a plain Enter for it. Ctrl+J (a raw line feed) and Alt+Enter work everywhere.
-NEWLINE_KEYS = ("shift+enter", "ctrl+j", "alt+enter", "newline")
+# Textual 8 reports Shift+Enter as "shift+enter" where the terminal speaks the kitty keyboard
+# protocol (kitty, WezTerm, foot, Ghostty, iTerm2 with the option on) and as "shift+\r" under
+# xterm's modifyOtherKeys; other terminals send a plain Enter for it. Ctrl+J (a raw line feed)
+# arrives as "ctrl+j" in every terminal.
+NEWLINE_KEYS = ("shift+enter", "shift+\r", "ctrl+j", "alt+enter", "newline")
 
 
 class PromptInput(TextArea):
-    """Multi-line input: Enter submits, Shift+Enter / Ctrl+J / Alt+Enter insert a newline."""
+    """Multi-line input: Enter submits, Shift+Enter / Ctrl+J insert a newline."""
 
     class Submitted(Message):
         def __init__(self, text: str) -> None:
