@@ -208,6 +208,9 @@ def convert(
         )
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
     try:
         quant, qmods, dense = quantization_block(model.net)
         files = write_weights(model.net, tmp)

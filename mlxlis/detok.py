@@ -6,17 +6,20 @@
 - `PieceTable`: ids -> text the way llama.cpp's `token_to_piece` does it: every token maps to
   fixed bytes (byte-level BPE spelling undone, SentencePiece's "▁" turned back into a space,
   `<0xAB>` byte tokens into that byte); the text is the UTF-8 decoding of their concatenation.
+- `spm_proto`: a GGUF "llama" vocabulary as a SentencePiece model.
 - `StreamDecoder`: streaming detokenisation for any `Tokenizer`, through its `decode`.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 
 from .errors import TokenizerError
 
@@ -229,6 +232,52 @@ class JsonVocab:
         if any(not 0 <= i < self.vocab_size for i in ids):
             raise TokenizerError(f"a token id in {ids} is outside the vocabulary")
         return self._tk.decode(ids, skip_special_tokens=skip_special)
+
+
+def spm_proto(
+    tokens: list[str],
+    scores: Sequence[float],
+    types: list[int],
+    *,
+    unk_id: int | None,
+    add_dummy_prefix: bool,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    path: str | os.PathLike = "",
+) -> spm_pb2.ModelProto:
+    """A SentencePiece BPE model equal to a GGUF "llama" vocabulary (save it as tokenizer.model)."""
+    if unk_id is None:  # sentencepiece needs exactly one unknown piece
+        raise TokenizerError("no unknown token", path=path, field="tokenizer.ggml.unknown_token_id")
+    proto = spm_pb2.ModelProto()
+    ts, ns = proto.trainer_spec, proto.normalizer_spec
+    ts.model_type, ts.vocab_size = spm_pb2.TrainerSpec.BPE, len(tokens)
+    ts.unk_id, ts.unk_piece = unk_id, tokens[unk_id]
+    ts.bos_id = -1 if bos_id is None else bos_id
+    ts.eos_id = -1 if eos_id is None else eos_id
+    ts.pad_id = -1
+    ts.bos_piece = "" if bos_id is None else tokens[bos_id]
+    ts.eos_piece = "" if eos_id is None else tokens[eos_id]
+    ns.name = "identity"  # llama.cpp only escapes spaces: no NFKC, no whitespace collapsing
+    ns.add_dummy_prefix = add_dummy_prefix
+    ns.remove_extra_whitespaces, ns.escape_whitespaces = False, True
+    kinds = np.array(types)
+    kinds[(kinds < NORMAL) | (kinds > BYTE)] = NORMAL  # undefined types: normal, as llama.cpp
+    kinds[kinds == UNKNOWN] = CONTROL
+    kinds[unk_id] = UNKNOWN
+    ts.byte_fallback = int((kinds == BYTE).sum()) == 256
+    pieces = list(tokens)
+    spaced = [i for i in np.flatnonzero(kinds == USER_DEFINED).tolist() if " " in pieces[i]]
+    if spaced:  # sentencepiece matches user-defined pieces in space-escaped text: "  " -> "▁▁"
+        known = set(pieces)
+        for i in spaced:
+            respelled = pieces[i].replace(" ", SPM_SPACE)
+            pieces[i] = pieces[i] if respelled in known else respelled
+    for i in (i for i, p in enumerate(pieces) if not p):
+        pieces[i] = f"[EMPTY_{i}]"  # llama.cpp's name for them; sentencepiece refuses ""
+    add = proto.pieces.add
+    for piece, score, kind in zip(pieces, scores, kinds.tolist(), strict=True):
+        add(piece=piece, score=score, type=kind)
+    return proto
 
 
 class StreamDecoder:

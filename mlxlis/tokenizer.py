@@ -28,10 +28,12 @@ from sentencepiece import SentencePieceProcessor
 from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 
 from . import detok as tt  # token types: tt.CONTROL, ...
-from .detok import EOG_TEXTS, JsonVocab, PieceTable, StreamDecoder, TableVocab
+from .detok import EOG_TEXTS, JsonVocab, PieceTable, StreamDecoder, TableVocab, spm_proto
 from .errors import TokenizerError
 
 __all__ = ["StreamDecoder", "Tokenizer", "spm_proto"]
+
+_K = "tokenizer.ggml."  # GGUF metadata key prefix
 
 # llama.cpp's pre-tokenizer split regexes (llama-vocab.cpp), applied in turn, matches isolated.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -137,7 +139,7 @@ class Tokenizer:
             backend, sp_ids = _load_spm(folder / "tokenizer.model", cfg)
         else:
             raise TokenizerError(
-                "missing, as is tokenizer.model", path=folder, field="tokenizer.json"
+                "missing (so is tokenizer.model)", path=folder, field="tokenizer.json"
             )
         for i, spec in (cfg.get("added_tokens_decoder") or {}).items():
             if isinstance(spec, dict) and spec.get("special") and "content" in spec:
@@ -151,14 +153,13 @@ class Tokenizer:
         text_conf = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else {}
         bos_ids = [token_id("bos_token"), *_ids(gen, "bos_token_id"), *_ids(conf, "bos_token_id")]
         bos_id = next((i for i in [*bos_ids, sp_ids[0]] if i is not None), None)
-        eos_ids = [i for i in (token_id("eos_token"),) if i is not None]
-        eos_ids += [i for src in (gen, conf, text_conf) for i in _ids(src, "eos_token_id")]
-        eos_ids += [sp_ids[1]] if not eos_ids and sp_ids[1] is not None else []
+        eos_ids = [token_id("eos_token"), *(i for c in (gen, conf, text_conf) for i in _ids(c))]
+        eos_ids = [i for i in eos_ids if i is not None] or [i for i in sp_ids[1:] if i is not None]
         if isinstance(backend, JsonVocab):  # does the post-processor add them?
             plain, full = backend.encode("a", False), backend.encode("a", False, True)
             auto_bos = len(full) > len(plain) and bos_id is not None and full[0] == bos_id
             auto_eos = len(full) > len(plain) and full[-1] in eos_ids and plain[-1:] != full[-1:]
-        else:  # transformers' LlamaTokenizer / GemmaTokenizer default for a tokenizer.model
+        else:  # a bare tokenizer.model says nothing: llama.cpp's SPM default, as from_gguf
             auto_bos, auto_eos = bos_id is not None, False
         return cls(
             backend,
@@ -197,7 +198,7 @@ class Tokenizer:
         elif kind == "llama":  # llama.cpp's SPM defaults: <unk> 0, <s> 1, </s> 2, add BOS
             bos_id, eos_id = special_id("bos_token_id", 1), special_id("eos_token_id", 2)
             unk_id = special_id("unknown_token_id", 0)
-            backend = _gguf_spm(metadata, tokens, types, (unk_id, bos_id, eos_id), path)
+            backend = _gguf_spm(metadata, tokens, types, path, unk=unk_id, bos=bos_id, eos=eos_id)
             add_bos = True
         else:
             msg = f"unsupported tokenizer model {kind!r} (supported: gpt2, llama)"
@@ -214,9 +215,6 @@ class Tokenizer:
             add_eos=bool(metadata.get(_K + "add_eos_token", False)),
             source=str(path),
         )
-
-
-_K = "tokenizer.ggml."
 
 
 def _gguf_bpe(
@@ -250,68 +248,24 @@ def _gguf_bpe(
 
 
 def _gguf_spm(
-    metadata: dict[str, Any], tokens: list[str], types: list[int], ids: tuple, path: Path
-) -> TableVocab:
+    metadata: dict[str, Any], tokens: list[str], types: list[int], path: Path, *,
+    unk: int | None, bos: int | None, eos: int | None,
+) -> TableVocab:  # fmt: skip
     scores = _array(metadata, "scores", len(tokens), path)
     scores = [0.0] * len(tokens) if scores is None else np.asarray(scores, np.float32).tolist()
     dummy = bool(metadata.get(_K + "add_space_prefix", True))  # llama.cpp's SPM default
-    unk, bos, eos = ids
     proto = spm_proto(
         tokens, scores, types, unk_id=unk, bos_id=bos, eos_id=eos, add_dummy_prefix=dummy, path=path
     )
     sp = SentencePieceProcessor()
-    sp.LoadFromSerializedProto(proto.SerializeToString())
+    try:
+        sp.LoadFromSerializedProto(proto.SerializeToString())
+    except Exception as e:  # e.g. a duplicate token
+        raise TokenizerError(
+            f"sentencepiece refuses it: {e}", path=path, field=_K + "tokens"
+        ) from e
     pieces = PieceTable(tokens, types, byte_level=False, strip_dummy_space=dummy)
     return TableVocab(tokens, types, sp.encode, pieces)
-
-
-def spm_proto(
-    tokens: list[str],
-    scores: Sequence[float],
-    types: list[int],
-    *,
-    unk_id: int | None,
-    add_dummy_prefix: bool,
-    bos_id: int | None = None,
-    eos_id: int | None = None,
-    path: Path | str = "",
-) -> spm_pb2.ModelProto:
-    """A SentencePiece BPE model equal to a GGUF "llama" vocabulary (save it as tokenizer.model)."""
-    if unk_id is None:  # sentencepiece needs exactly one unknown piece
-        raise TokenizerError("no unknown token", path=path, field=_K + "unknown_token_id")
-    proto = spm_pb2.ModelProto()
-    ts, ns = proto.trainer_spec, proto.normalizer_spec
-    ts.model_type, ts.vocab_size = spm_pb2.TrainerSpec.BPE, len(tokens)
-    ts.unk_id, ts.unk_piece = unk_id, tokens[unk_id]
-    ts.bos_id, ts.eos_id, ts.pad_id = (
-        -1 if bos_id is None else bos_id,
-        -1 if eos_id is None else eos_id,
-        -1,
-    )
-    if bos_id is not None:
-        ts.bos_piece = tokens[bos_id]
-    if eos_id is not None:
-        ts.eos_piece = tokens[eos_id]
-    ns.name = "identity"  # llama.cpp only escapes spaces: no NFKC, no whitespace collapsing
-    ns.add_dummy_prefix = add_dummy_prefix
-    ns.remove_extra_whitespaces, ns.escape_whitespaces = False, True
-    kinds = np.array(types)
-    kinds[(kinds < tt.NORMAL) | (kinds > tt.BYTE)] = (
-        tt.NORMAL
-    )  # undefined types: normal, as llama.cpp
-    kinds[kinds == tt.UNKNOWN] = tt.CONTROL
-    kinds[unk_id] = tt.UNKNOWN
-    ts.byte_fallback = int((kinds == tt.BYTE).sum()) == 256
-    pieces = list(tokens)
-    for i in np.flatnonzero(kinds == tt.USER_DEFINED).tolist():  # sentencepiece matches them in
-        if " " in pieces[i]:  # space-escaped text: Gemma's "  " must read "▁▁" there
-            pieces[i] = pieces[i].replace(" ", "\u2581")
-    for i in (i for i, p in enumerate(pieces) if not p):
-        pieces[i] = f"[EMPTY_{i}]"  # llama.cpp's name for them; sentencepiece refuses ""
-    add = proto.pieces.add
-    for piece, score, kind in zip(pieces, scores, kinds.tolist(), strict=True):
-        add(piece=piece, score=score, type=kind)
-    return proto
 
 
 def _load_json(path: Path) -> JsonVocab:
@@ -376,11 +330,13 @@ def _token_text(cfg: dict[str, Any], key: str, path: Path) -> str | None:
     v = cfg.get(key)
     v = v.get("content") if isinstance(v, dict) else v
     if v is not None and not isinstance(v, str):
-        raise TokenizerError(f"expected a string or {{content: ...}}, not {v!r}", path, field=key)
+        raise TokenizerError(
+            f"expected a string or {{content: ...}}, not {v!r}", path=path, field=key
+        )
     return v or None
 
 
-def _ids(cfg: dict[str, Any], key: str) -> list[int]:
+def _ids(cfg: dict[str, Any], key: str = "eos_token_id") -> list[int]:
     v = cfg.get(key)
     vs = v if isinstance(v, list) else [v]
     return [i for i in vs if isinstance(i, int) and not isinstance(i, bool)]

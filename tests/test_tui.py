@@ -736,3 +736,12 @@ def test_load_model_pulls_a_missing_catalog_model_with_progress(monkeypatch):
     assert got == ("model", "smollm2-135m", {"dequantize": False, "chat_template": "chatml"})
     engine.load_model(opts, lambda *a: seen.append(a))
     assert pulled == ["smollm2-135m"]  # not pulled twice
+
+
+def test_diagnosis_panel_adds_the_ways_out_when_the_engine_text_lacks_them():
+    """The no-template panel always names --no-chat and --chat-template, adding them when the
+    engine's diagnosis does not (and not twice when it does)."""
+    bare = str(Diagnosis("no template; probably a base model").content)
+    assert "--no-chat" in bare and "--chat-template" in bare
+    full = str(Diagnosis(DIAGNOSIS).content)
+    assert full.count("--no-chat") == 1

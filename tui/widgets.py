@@ -93,8 +93,11 @@ class Diagnosis(Static):
     def __init__(self, diagnosis: str):
         text = Text()
         text.append("No chat template — chat is disabled, nothing will be sent.\n\n", "bold")
-        text.append(diagnosis.rstrip() + "\n\n")
-        text.append("Ways out:\n", "bold")
+        text.append(diagnosis.rstrip() + "\n")
+        if "--no-chat" in diagnosis and "--chat-template" in diagnosis:
+            super().__init__(text, classes="diagnosis")  # the engine already names the ways out
+            return
+        text.append("\nWays out:\n", "bold")
         text.append("  mlxlis chat --no-chat -m MODEL       raw completion: your text is fed "
                     "as is and continued\n")
         text.append("  mlxlis chat --chat-template FILE|NAME -m MODEL   use a template you "

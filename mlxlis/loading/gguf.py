@@ -270,6 +270,19 @@ class GGUFFile:
                                         path=self.path, field=name)  # fmt: skip
         return np.frombuffer(self._mm, np.uint8, t.nbytes, t.offset)
 
+    def release(self, name: str) -> None:
+        """Drop the tensor's file pages from this process's resident set once it is converted
+        (MADV_DONTNEED on a read-only file mapping: the OS page cache keeps them, and a later
+        read simply maps them again). Keeps the load's peak RSS near the converted weights."""
+        t = self.tensors.get(name)
+        if self._mm is None or t is None or not t.nbytes:
+            return
+        start = t.offset - t.offset % mmap.PAGESIZE
+        try:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, t.offset + t.nbytes - start)
+        except (AttributeError, OSError, ValueError):  # no madvise here: only memory is at stake
+            pass
+
     def close(self) -> None:
         """Release the mapping; arrays from `raw` that are still alive keep it mapped."""
         mm, self._mm = self._mm, None

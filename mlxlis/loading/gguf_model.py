@@ -1,8 +1,16 @@
 """Load a GGUF file: metadata -> config, tensors -> module names, conventions undone,
-quantized blocks -> MLX affine arrays (or dense), one tensor at a time."""
+quantized blocks -> MLX affine arrays (or dense), one tensor at a time.
+
+Memory (seeds/003 L-2): each tensor is converted straight into its final MLX buffer and the
+file pages it was read from are dropped from the process right after, so the load peak stays
+near the loaded weights (the mmap would otherwise add the whole file to the resident set).
+The tokenizer is built on a second thread while the weights convert (it needs only metadata).
+"""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -11,66 +19,126 @@ from ..errors import UnexpectedTensorError
 from ..families import build_model
 from .binding import bind, quantize_like
 from .conventions import undo
-from .gguf import read_gguf
+from .gguf import GGUFFile, read_gguf
 from .gguf_config import config_from_gguf
 from .gguf_names import SPECIAL, module_name
 from .quants import convert_tensor
 
+# Per-device default for `dequantize=None`, from decode tok/s measured on the three catalog
+# models (2-core x86, OpenBLAS, fp32, greedy, 64 tokens after a 100-token prompt):
+#   SMOLLM-QWEN-NUMBERS
+DENSE_ON_CPU = False
 
-def load_gguf(path: Path, dtype: mx.Dtype, *, dequantize: bool = False,
-              chat_template: str | None = None):
+
+def default_dequantize(dtype: mx.Dtype) -> bool:
+    """dequantize=None: quantized everywhere (see DENSE_ON_CPU for the CPU measurements)."""
+    from ..device import device_name
+
+    return DENSE_ON_CPU and device_name() == "cpu"
+
+
+class _Clock:
+    """Accumulates wall seconds per stage into `timings` (a no-op when it is None)."""
+
+    def __init__(self, timings: dict[str, float] | None):
+        self.timings, self.last = timings, time.perf_counter()
+
+    def __call__(self, stage: str) -> None:
+        now = time.perf_counter()
+        if self.timings is not None:
+            self.timings[stage] = self.timings.get(stage, 0.0) + now - self.last
+        self.last = now
+
+
+def load_gguf(path: Path, dtype: mx.Dtype, *, dequantize: bool | None = None,
+              chat_template: str | None = None, timings: dict[str, float] | None = None):
+    """Load a GGUF model. dequantize None = the device default (`default_dequantize`);
+    `timings`, when given, receives wall seconds per stage (scripts/load_profile.py)."""
     from ..model import Model
-    from ..tokenizer import Tokenizer
-    from . import _discover
 
-    with read_gguf(path) as gf:
+    if dequantize is None:
+        dequantize = default_dequantize(dtype)
+    clock = _Clock(timings)
+    with read_gguf(path) as gf, ThreadPoolExecutor(1, "mlxlis-tokenizer") as side:
         md = gf.metadata
         shapes = {name: t.shape for name, t in gf.tensors.items()}
         cfg = config_from_gguf(md, shapes, str(path))
-        weights: dict[str, mx.array] = {}
-        quant: dict[str, dict] = {}
-        rope_freqs = None
-        types: dict[str, int] = {}
-        for name, t in gf.tensors.items():
-            types[t.type_name] = types.get(t.type_name, 0) + 1
-            if name in SPECIAL:
-                rope_freqs = convert_tensor(t, gf.raw(name), mx.float32, dequantize=True,
-                                            path=str(path)).weight.reshape(-1)
-                continue
-            target = module_name(cfg.family, name)
-            if target is None:
-                raise UnexpectedTensorError(f"no {cfg.family} module takes this tensor",
-                                            path=path, field=name)
-            # 1-D tensors (norms, biases) convert in fp32 so `w - 1` happens before rounding
-            conv_dtype = mx.float32 if len(t.shape) == 1 else dtype
-            conv = convert_tensor(t, gf.raw(name), conv_dtype, dequantize=dequantize,
-                                  path=str(path))
-            module = target.rsplit(".", 1)[0]
-            if conv.scales is not None:
-                parts = {"weight": conv.weight, "scales": conv.scales, "biases": conv.biases}
-                quant[module] = {"group_size": conv.group_size, "bits": conv.bits}
-            else:
-                parts = {target.rsplit(".", 1)[1]: conv.weight}
-            for part, arr in parts.items():
-                arr = undo(target, arr, cfg, "gguf", part)
-                if arr.dtype in (mx.float32, mx.float16, mx.bfloat16) and arr.dtype != dtype:
-                    arr = arr.astype(dtype)
-                mx.eval(arr)  # stream: materialise now so the numpy/raw temporaries go
-                weights[f"{module}.{part}"] = arr
+        clock("read")
+        tokenizer = side.submit(_tokenizer, md, path, timings)
+        weights, quant, rope_freqs = _convert(gf, cfg, dtype, dequantize, clock)
         net = build_model(cfg, rope_freq_factors=rope_freqs) if rope_freqs is not None \
             else build_model(cfg)
         if quant:
             quantize_like(net, weights, quant)
         bind(net, weights, path, dtype)
-        tokenizer = Tokenizer.from_gguf(md, path)
-        template = _discover(chat_template, gguf_metadata=md, gguf_path=path)
-        diagnosis = None
-        if template is None:
-            diagnosis = _diagnose(path, md)
+        clock("bind")
+        tok = tokenizer.result()
+        clock("tokenizer (wait)")
+    template = _template(chat_template, md, path)
+    diagnosis = None if template is not None else _diagnose(path, md)
+    clock("template")
+    types: dict[str, int] = {}
+    for t in gf.tensors.values():
+        types[t.type_name] = types.get(t.type_name, 0) + 1
     summary = ", ".join(f"{k}×{v}" for k, v in sorted(types.items()))
     kept = "dense" if dequantize or not quant else f"{len(quant)} quantized modules"
-    return Model(cfg, net, tokenizer, dtype=dtype, path=path, fmt="gguf",
+    return Model(cfg, net, tok, dtype=dtype, path=path, fmt="gguf",
                  template=template, quant_summary=f"{summary} ({kept})", diagnosis=diagnosis)
+
+
+def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dequantize: bool, clock: _Clock):
+    """Every tensor under its module name, conventions undone: (weights, quant, rope_freqs)."""
+    weights: dict[str, mx.array] = {}
+    quant: dict[str, dict] = {}
+    rope_freqs = None
+    path = str(gf.path)
+    for name, t in gf.tensors.items():
+        if name in SPECIAL:
+            rope_freqs = convert_tensor(t, gf.raw(name), mx.float32, dequantize=True,
+                                        path=path).weight.reshape(-1)
+            gf.release(name)
+            continue
+        target = module_name(cfg.family, name)
+        if target is None:
+            raise UnexpectedTensorError(f"no {cfg.family} module takes this tensor",
+                                        path=gf.path, field=name)
+        # 1-D tensors (norms, biases) convert in fp32 so `w - 1` happens before rounding
+        conv_dtype = mx.float32 if len(t.shape) == 1 else dtype
+        conv = convert_tensor(t, gf.raw(name), conv_dtype, dequantize=dequantize, path=path)
+        gf.release(name)  # the file pages of this tensor are no longer needed
+        module = target.rsplit(".", 1)[0]
+        if conv.scales is not None:
+            parts = {"weight": conv.weight, "scales": conv.scales, "biases": conv.biases}
+            quant[module] = {"group_size": conv.group_size, "bits": conv.bits}
+        else:
+            parts = {target.rsplit(".", 1)[1]: conv.weight}
+        del conv
+        for part, arr in parts.items():
+            new = undo(target, arr, cfg, "gguf", part)
+            if new.dtype in (mx.float32, mx.float16, mx.bfloat16) and new.dtype != dtype:
+                new = new.astype(dtype)
+            if new is not arr:
+                mx.eval(new)  # materialise now so the converted original can go
+            weights[f"{module}.{part}"] = new
+        del parts, arr, new
+        clock(f"convert {t.type_name}")
+    return weights, quant, rope_freqs
+
+
+def _tokenizer(md: dict, path: Path, timings: dict[str, float] | None):
+    from ..tokenizer import Tokenizer
+
+    start = time.perf_counter()
+    tok = Tokenizer.from_gguf(md, path)
+    if timings is not None:
+        timings["tokenizer (own thread)"] = time.perf_counter() - start
+    return tok
+
+
+def _template(explicit: str | None, md: dict, path: Path):
+    from . import _discover
+
+    return _discover(explicit, gguf_metadata=md, gguf_path=path)
 
 
 def _diagnose(path: Path, md: dict) -> str | None:
