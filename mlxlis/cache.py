@@ -85,8 +85,10 @@ class RotatingKVCache:
         if self._size < self.window or self._idx == 0:
             return self.keys[..., : self._size, :], self.values[..., : self._size, :]
         i = self._idx
-        return (mx.concatenate([self.keys[..., i:, :], self.keys[..., :i, :]], axis=2),
-                mx.concatenate([self.values[..., i:, :], self.values[..., :i, :]], axis=2))
+        return (
+            mx.concatenate([self.keys[..., i:, :], self.keys[..., :i, :]], axis=2),
+            mx.concatenate([self.values[..., i:, :], self.values[..., :i, :]], axis=2),
+        )
 
     def mask(self, t: int) -> mx.array | None:
         """Mask for the next update of `t` positions (call it before update_and_fetch)."""
@@ -169,5 +171,6 @@ class RotatingKVCache:
 
 def trimmable(caches: list) -> int:
     """How many newest positions every cache of a model can forget exactly (`trim` limit)."""
-    return min((c.trimmable if isinstance(c, RotatingKVCache) else c.offset for c in caches),
-               default=0)
+    return min(
+        (c.trimmable if isinstance(c, RotatingKVCache) else c.offset for c in caches), default=0
+    )

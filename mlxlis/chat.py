@@ -74,8 +74,9 @@ class ChatSession:
         return len(self._cached)
 
     # --- generation ---
-    def send(self, text: str, should_stop: Callable[[], bool] | None = None,
-             **sampling) -> Iterator[Event]:
+    def send(
+        self, text: str, should_stop: Callable[[], bool] | None = None, **sampling
+    ) -> Iterator[Event]:
         """Add a user message and stream the assistant's reply (appended when it ends)."""
         self.turns.append(Turn("user", text))
         try:
@@ -91,7 +92,8 @@ class ChatSession:
             raise ContextLimitError(
                 f"the conversation needs {len(ids)} tokens but the context holds "
                 f"{self.context_limit}; start a new session (/clear) or shorten it",
-                field="context")
+                field="context",
+            )
 
     def _reply(self, ids: list[int], should_stop, sampling: dict) -> Iterator[Event]:
         cache, reuse = self._reusable(ids)
@@ -101,8 +103,15 @@ class ChatSession:
         text: list[str] = []
         final: Event | None = None
         try:
-            for ev in generate(self.model, ids[reuse:], max_tokens=max_tokens, cache=cache,
-                               history=ids[:reuse], should_stop=should_stop, **sampling):
+            for ev in generate(
+                self.model,
+                ids[reuse:],
+                max_tokens=max_tokens,
+                cache=cache,
+                history=ids[:reuse],
+                should_stop=should_stop,
+                **sampling,
+            ):
                 text.append(ev.text)
                 if ev.finish_reason is not None:
                     final = ev
@@ -118,7 +127,7 @@ class ChatSession:
     def _reusable(self, ids: list[int]) -> tuple[list, int]:
         """A cache holding the longest common prefix of `ids` (at least one id left to feed)."""
         common = 0
-        for a, b in zip(self._cached, ids):
+        for a, b in zip(self._cached, ids, strict=False):
             if a != b:
                 break
             common += 1

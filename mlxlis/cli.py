@@ -18,13 +18,26 @@ SUBCOMMANDS = ("chat", "inspect", "pull", "models", "convert")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default=catalog.DEFAULT_MODEL,
-                   help=f"model folder, .gguf file or catalog name (default {catalog.DEFAULT_MODEL})")
-    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)")
-    p.add_argument("--dequantize", action="store_true",
-                   help="make every quantized GGUF weight dense in the compute dtype")
-    p.add_argument("--chat-template", metavar="FILE|NAME", default=None,
-                   help="a .jinja file or a built-in template name, used instead of the model's")
+    p.add_argument(
+        "-m",
+        "--model",
+        default=catalog.DEFAULT_MODEL,
+        help=f"model folder, .gguf file or catalog name (default {catalog.DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)"
+    )
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="make every quantized GGUF weight dense in the compute dtype",
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE|NAME",
+        default=None,
+        help="a .jinja file or a built-in template name, used instead of the model's",
+    )
     p.add_argument("--verbose", "-v", action="store_true", help="model details and stats on stderr")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -40,18 +53,31 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_kwargs(a: argparse.Namespace) -> dict:
-    return dict(max_tokens=a.max_tokens, temperature=a.temp, top_p=a.top_p, top_k=a.top_k,
-                min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed)
+    return dict(
+        max_tokens=a.max_tokens,
+        temperature=a.temp,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        min_p=a.min_p,
+        repetition_penalty=a.repetition_penalty,
+        seed=a.seed,
+    )
 
 
 def one_shot_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="mlxlis", description="Run a GGUF or safetensors model on MLX. Subcommands: "
-        + ", ".join(SUBCOMMANDS) + " (mlxlis SUBCOMMAND --help).")
+        prog="mlxlis",
+        description="Run a GGUF or safetensors model on MLX. Subcommands: "
+        + ", ".join(SUBCOMMANDS)
+        + " (mlxlis SUBCOMMAND --help).",
+    )
     add_model_args(p)
     add_sampling_args(p)
-    p.add_argument("--no-chat", action="store_true",
-                   help="raw completion: the prompt is fed as is, no chat template")
+    p.add_argument(
+        "--no-chat",
+        action="store_true",
+        help="raw completion: the prompt is fed as is, no chat template",
+    )
     p.add_argument("--system", default=None, help="system message (chat mode)")
     p.add_argument("prompt", help="the prompt ('-' reads stdin)")
     return p
@@ -83,7 +109,7 @@ def run_one_shot(a: argparse.Namespace) -> int:
     if a.no_chat:
         ids = tok.encode(prompt)
     else:
-        messages = ([{"role": "system", "content": a.system}] if a.system else [])
+        messages = [{"role": "system", "content": a.system}] if a.system else []
         messages.append({"role": "user", "content": prompt})
         ids = tok.encode(model.render_chat(messages), special=True)
     final = None
@@ -94,10 +120,12 @@ def run_one_shot(a: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if a.verbose and final is not None:
         s = final.stats
-        say(f"prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tok/s; "
+        say(
+            f"prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tok/s; "
             f"generated: {s.generated_tokens} tokens, {s.decode_tps:.1f} tok/s; "
             f"first token {s.time_to_first_token * 1000:.0f} ms; "
-            f"peak memory {s.peak_memory / 2**20:.0f} MiB; finish: {final.finish_reason}")
+            f"peak memory {s.peak_memory / 2**20:.0f} MiB; finish: {final.finish_reason}"
+        )
     return 0
 
 
@@ -115,9 +143,11 @@ def _inspect(a: argparse.Namespace) -> int:
     model = load_model(a)
     print_details(model)
     c = model.config
-    say(f"   layers: {c.num_hidden_layers}, hidden {c.hidden_size}, heads {c.num_attention_heads}"
+    say(
+        f"   layers: {c.num_hidden_layers}, hidden {c.hidden_size}, heads {c.num_attention_heads}"
         f"/{c.num_key_value_heads} kv, head_dim {c.head_dim}, vocab {c.vocab_size}, "
-        f"context {c.max_position_embeddings}")
+        f"context {c.max_position_embeddings}"
+    )
     say(f"     rope: {c.rope}")
     return 0
 
@@ -195,8 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
         cmd, rest = argv[0], argv[1:]
-        return {"chat": run_chat, "inspect": run_inspect, "pull": run_pull,
-                "models": run_models, "convert": run_convert}[cmd](rest)
+        return {
+            "chat": run_chat,
+            "inspect": run_inspect,
+            "pull": run_pull,
+            "models": run_models,
+            "convert": run_convert,
+        }[cmd](rest)
     a = one_shot_parser().parse_args(argv)
     return _guard(a.debug, lambda: run_one_shot(a))
 

@@ -95,7 +95,7 @@ def _req(cfg: dict, key: str, path: str, typ: type = int) -> Any:
 
 
 def parse_rope(params: dict | None, theta: float | None, path: str, fld: str) -> RopeConfig:
-    """Build a RopeConfig from a classic `rope_scaling` dict or a transformers-5 `rope_parameters`."""
+    """A RopeConfig from a classic `rope_scaling` dict or a transformers-5 `rope_parameters`."""
     params = dict(params or {})
     theta = params.pop("rope_theta", theta)
     if theta is None:
@@ -126,7 +126,9 @@ def parse_rope(params: dict | None, theta: float | None, path: str, fld: str) ->
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
     except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"llama3 rope scaling lacks or mangles {e}", path=path, field=fld) from None
+        raise ConfigError(
+            f"llama3 rope scaling lacks or mangles {e}", path=path, field=fld
+        ) from None
 
 
 def _eos_list(value: Any, path: str, fld: str) -> tuple[int, ...]:
@@ -134,7 +136,9 @@ def _eos_list(value: Any, path: str, fld: str) -> tuple[int, ...]:
         return ()
     if isinstance(value, int) and not isinstance(value, bool):
         return (value,)
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
         return tuple(value)
     raise ConfigError(f"expected an int or a list of ints, got {value!r}", path=path, field=fld)
 
@@ -151,13 +155,18 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def config_from_hf(cfg: dict, path: str = "config.json", generation: dict | None = None) -> ModelConfig:
+def config_from_hf(
+    cfg: dict, path: str = "config.json", generation: dict | None = None
+) -> ModelConfig:
     """ModelConfig from a Hugging Face config.json dict (classic or transformers-5 keys)."""
     model_type = cfg.get("model_type")
     if model_type not in MODEL_TYPES:
         known = ", ".join(sorted(MODEL_TYPES))
-        raise UnsupportedError(f"model_type {model_type!r} is not supported (known: {known})",
-                               path=path, field="model_type")
+        raise UnsupportedError(
+            f"model_type {model_type!r} is not supported (known: {known})",
+            path=path,
+            field="model_type",
+        )
     family = MODEL_TYPES[model_type]
     quant = cfg.get("quantization", cfg.get("quantization_config"))
     if "text_config" in cfg:  # multimodal wrapper (gemma3): the decoder lives in text_config
@@ -168,12 +177,17 @@ def config_from_hf(cfg: dict, path: str = "config.json", generation: dict | None
     base = parse_family_config(family, cfg, base, path)
     eos = _eos_list(cfg.get("eos_token_id"), path, "eos_token_id")
     if generation and generation.get("eos_token_id") is not None:
-        eos = tuple(dict.fromkeys(eos + _eos_list(generation["eos_token_id"], path, "eos_token_id")))
+        eos = tuple(
+            dict.fromkeys(eos + _eos_list(generation["eos_token_id"], path, "eos_token_id"))
+        )
     bos = cfg.get("bos_token_id")
     if generation and generation.get("bos_token_id") is not None:
         bos = generation["bos_token_id"]
-    return base.with_(eos_token_ids=eos, bos_token_id=bos if isinstance(bos, int) else None,
-                      quantization=quant if isinstance(quant, dict) else None)
+    return base.with_(
+        eos_token_ids=eos,
+        bos_token_id=bos if isinstance(bos, int) else None,
+        quantization=quant if isinstance(quant, dict) else None,
+    )
 
 
 def _common(cfg: dict, family: str, path: str) -> ModelConfig:
@@ -181,8 +195,11 @@ def _common(cfg: dict, family: str, path: str) -> ModelConfig:
     heads = _req(cfg, "num_attention_heads", path)
     kv_heads = cfg.get("num_key_value_heads") or heads
     if not isinstance(kv_heads, int) or heads % kv_heads:
-        raise ConfigError(f"num_key_value_heads {kv_heads!r} must divide {heads}", path=path,
-                          field="num_key_value_heads")
+        raise ConfigError(
+            f"num_key_value_heads {kv_heads!r} must divide {heads}",
+            path=path,
+            field="num_key_value_heads",
+        )
     head_dim = cfg.get("head_dim") or hidden // heads
     layers = _req(cfg, "num_hidden_layers", path)
     rope_params = cfg.get("rope_parameters")

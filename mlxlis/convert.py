@@ -151,7 +151,7 @@ def write_weights(net: nn.Module, folder: Path, max_shard: int = MAX_SHARD_BYTES
         return ["model.safetensors"]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
-    for fname, shard in zip(names, shards):
+    for fname, shard in zip(names, shards, strict=True):
         mx.save_safetensors(str(folder / fname), shard, {"format": "mlx"})
         weight_map.update(dict.fromkeys(shard, fname))
     total = sum(a.nbytes for a in weights.values())

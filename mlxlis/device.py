@@ -75,12 +75,19 @@ def resolve_dtype(name: str | None):
 
     from .errors import UnsupportedError
 
-    aliases = {"fp32": "float32", "f32": "float32", "fp16": "float16", "f16": "float16",
-               "half": "float16", "bf16": "bfloat16"}
+    aliases = {
+        "fp32": "float32",
+        "f32": "float32",
+        "fp16": "float16",
+        "f16": "float16",
+        "half": "float16",
+        "bf16": "bfloat16",
+    }
     name = aliases.get(name, name) if name else default_dtype_name()
     if name not in DTYPES:
-        raise UnsupportedError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})",
-                               field="dtype")
+        raise UnsupportedError(
+            f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})", field="dtype"
+        )
     return getattr(mx, name)
 
 

@@ -57,18 +57,31 @@ def prefill(net, ids: Sequence[int], cache: list, step: int = 512) -> mx.array:
     return net(arr[:, start:], cache=cache, last_only=True)[:, -1, :].astype(mx.float32)
 
 
-def generate(model, ids: Sequence[int], max_tokens: int = 64, temperature: float = 0.0, *,
-             top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-             repetition_penalty: float = 1.0, repetition_context: int = 64,
-             seed: int | None = None, stop_ids: set[int] | None = None, cache: list | None = None,
-             history: Sequence[int] = (), prefill_step: int = 512,
-             should_stop: Callable[[], bool] | None = None) -> Iterator[Event]:
+def generate(
+    model,
+    ids: Sequence[int],
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    *,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    repetition_context: int = 64,
+    seed: int | None = None,
+    stop_ids: set[int] | None = None,
+    cache: list | None = None,
+    history: Sequence[int] = (),
+    prefill_step: int = 512,
+    should_stop: Callable[[], bool] | None = None,
+) -> Iterator[Event]:
     """Stream tokens after `ids`. With `cache`, `ids` are the tokens not yet in it and `history`
     the ones that are (for the repetition penalty)."""
     from .tokenizer import StreamDecoder
 
-    params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty,
-                            repetition_context, seed)
+    params = SamplingParams(
+        temperature, top_k, top_p, min_p, repetition_penalty, repetition_context, seed
+    )
     sampler = make_sampler(params)
     if not ids:
         from .errors import MlxlisError
@@ -84,8 +97,9 @@ def generate(model, ids: Sequence[int], max_tokens: int = 64, temperature: float
 
     def pick(logits: mx.array) -> mx.array:
         if repetition_penalty != 1.0:
-            logits = apply_repetition_penalty(logits, recent[-repetition_context:],
-                                              repetition_penalty)
+            logits = apply_repetition_penalty(
+                logits, recent[-repetition_context:], repetition_penalty
+            )
         return sampler(logits)
 
     def step(token: mx.array) -> mx.array:

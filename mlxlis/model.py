@@ -14,9 +14,19 @@ from .errors import NoChatTemplateError
 
 
 class Model:
-    def __init__(self, config: ModelConfig, net: nn.Module, tokenizer: Any, *, dtype: mx.Dtype,
-                 path: Path, fmt: str, template: Any = None, quant_summary: str = "",
-                 diagnosis: str | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        net: nn.Module,
+        tokenizer: Any,
+        *,
+        dtype: mx.Dtype,
+        path: Path,
+        fmt: str,
+        template: Any = None,
+        quant_summary: str = "",
+        diagnosis: str | None = None,
+    ):
         self.config = config
         self.net = net
         self.tokenizer = tokenizer
@@ -61,8 +71,12 @@ class Model:
         if self.template is None:
             raise NoChatTemplateError(self.missing_template_diagnosis(), path=self.path)
         tok = self.tokenizer
-        return self.template.render(messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=tok.bos_token, eos_token=tok.eos_token)
+        return self.template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=tok.bos_token,
+            eos_token=tok.eos_token,
+        )
 
     def missing_template_diagnosis(self) -> str:
         if self._diagnosis is not None:
@@ -71,17 +85,25 @@ class Model:
             from .chat_template import diagnose_missing_template
         except ImportError:
             return "the model has no chat template; use --no-chat or --chat-template"
-        return diagnose_missing_template(model_name=self.name,
-                                         folder=self.path if self.path.is_dir() else None,
-                                         gguf_metadata=None)
+        return diagnose_missing_template(
+            model_name=self.name,
+            folder=self.path if self.path.is_dir() else None,
+            gguf_metadata=None,
+        )
 
     def describe(self) -> dict[str, str]:
         from .device import blas_in_use, device_name
 
-        return {"model": self.name, "family": self.config.family, "format": self.format,
-                "quant": self.quant_summary, "dtype": str(self.dtype).replace("mlx.core.", ""),
-                "device": device_name(), "blas": blas_in_use,
-                "template": self.template_source or "none"}
+        return {
+            "model": self.name,
+            "family": self.config.family,
+            "format": self.format,
+            "quant": self.quant_summary,
+            "dtype": str(self.dtype).replace("mlx.core.", ""),
+            "device": device_name(),
+            "blas": blas_in_use,
+            "template": self.template_source or "none",
+        }
 
 
 def _quant_summary(net: nn.Module) -> str:

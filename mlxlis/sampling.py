@@ -29,12 +29,14 @@ class SamplingParams:
     def validate(self) -> SamplingParams:
         from .errors import MlxlisError
 
-        checks = [(self.temperature >= 0, "temperature must be ≥ 0"),
-                  (self.top_k >= 0, "top_k must be ≥ 0"),
-                  (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-                  (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
-                  (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-                  (self.repetition_context >= 0, "repetition_context must be ≥ 0")]
+        checks = [
+            (self.temperature >= 0, "temperature must be ≥ 0"),
+            (self.top_k >= 0, "top_k must be ≥ 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (self.repetition_context >= 0, "repetition_context must be ≥ 0"),
+        ]
         for ok, msg in checks:
             if not ok:
                 raise MlxlisError(msg, field="sampling")

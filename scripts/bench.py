@@ -26,9 +26,11 @@ from mlxlis import catalog  # noqa: E402
 from mlxlis.device import blas_in_use, default_dtype_name, device_name  # noqa: E402
 
 PROMPT_TOKENS = 512
-TEXT = ("The history of computing is a story of abstraction layered upon abstraction. "
-        "Early machines were programmed by rewiring; later, stored programs let the same "
-        "hardware do many things. Compilers, operating systems and networks followed. ") * 40
+TEXT = (
+    "The history of computing is a story of abstraction layered upon abstraction. "
+    "Early machines were programmed by rewiring; later, stored programs let the same "
+    "hardware do many things. Compilers, operating systems and networks followed. "
+) * 40
 
 
 def memory_bandwidth_gbs() -> float:
@@ -70,8 +72,13 @@ def hf_copy(name: str, dtype: str, root: Path) -> Path:
 
 
 def run(engine: str, path: Path, ids_file: Path, dtype: str | None) -> dict:
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_worker.py"), engine, str(path),
-           str(ids_file)] + ([dtype] if dtype else [])
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench_worker.py"),
+        engine,
+        str(path),
+        str(ids_file),
+    ] + ([dtype] if dtype else [])
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
         return {"error": (res.stderr.strip().splitlines() or ["failed"])[-1]}
@@ -99,16 +106,23 @@ def main() -> int:
     a = ap.parse_args()
     try:
         import llama_cpp  # noqa: F401
+
         have_llama = True
     except ImportError:
         have_llama = False
     import mlx.core as mx
 
     dev_dtype = default_dtype_name()
-    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-               "platform": platform.platform(), "blas": blas_in_use, "device": device_name(),
-               "mlx": mx.__version__, "mlxlis_dtype": dev_dtype,
-               "bandwidth_gbs": round(memory_bandwidth_gbs(), 1)}
+    machine = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "blas": blas_in_use,
+        "device": device_name(),
+        "mlx": mx.__version__,
+        "mlxlis_dtype": dev_dtype,
+        "bandwidth_gbs": round(memory_bandwidth_gbs(), 1),
+    }
     print("machine:", json.dumps(machine), flush=True)
     rows = []
     cache = Path(a.cache)
@@ -121,11 +135,21 @@ def main() -> int:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(text_ids, f)
             ids_file = Path(f.name)
-        engines = {"mlxlis (GGUF)": ("mlxlis", gguf, None),
-                   "mlx-lm (fp16 copy)": ("mlx-lm", hf_copy(name, "float16", cache), None)}
+        engines = {
+            "mlxlis (GGUF)": ("mlxlis", gguf, None),
+            "mlx-lm (fp16 copy)": ("mlx-lm", hf_copy(name, "float16", cache), None),
+        }
         if dev_dtype != "float16":
-            engines[f"mlx-lm ({dev_dtype} copy)"] = ("mlx-lm", hf_copy(name, dev_dtype, cache), None)
-            engines[f"mlxlis ({dev_dtype} copy)"] = ("mlxlis", hf_copy(name, dev_dtype, cache), None)
+            engines[f"mlx-lm ({dev_dtype} copy)"] = (
+                "mlx-lm",
+                hf_copy(name, dev_dtype, cache),
+                None,
+            )
+            engines[f"mlxlis ({dev_dtype} copy)"] = (
+                "mlxlis",
+                hf_copy(name, dev_dtype, cache),
+                None,
+            )
         if have_llama:
             engines["llama.cpp (GGUF)"] = ("llama.cpp", gguf, None)
         results: dict[str, list[dict]] = {k: [] for k in engines}
@@ -134,33 +158,47 @@ def main() -> int:
                 results[label].append(run(engine, path, ids_file, dtype))
                 print(f"  {name} {label}: {results[label][-1]}", flush=True)
         for label in engines:
-            rows.append({"model": name, "engine": label, "bytes_per_token": bpt,
-                         **best(results[label])})
+            rows.append(
+                {"model": name, "engine": label, "bytes_per_token": bpt, **best(results[label])}
+            )
     print_table(rows, machine)
     out = Path(a.out)
     out.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    (out / f"bench-{stamp}.json").write_text(json.dumps({"machine": machine, "rows": rows},
-                                                        indent=1))
+    (out / f"bench-{stamp}.json").write_text(
+        json.dumps({"machine": machine, "rows": rows}, indent=1)
+    )
     return 0
 
 
 def print_table(rows: list[dict], machine: dict) -> None:
     bw = machine["bandwidth_gbs"] * 1e9
-    print("\n| model | engine | load s | TTFT s | prefill tok/s | decode tok/s | vs mlx-lm fp16 "
-          "| of decode limit | peak MiB |")
+    print(
+        "\n| model | engine | load s | TTFT s | prefill tok/s | decode tok/s | vs mlx-lm fp16 "
+        "| of decode limit | peak MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['model']} | {r['engine']} | error: {r['error']} |||||||")
             continue
-        ref = next((x for x in rows if x["model"] == r["model"]
-                    and x["engine"] == "mlx-lm (fp16 copy)" and "error" not in x), None)
+        ref = next(
+            (
+                x
+                for x in rows
+                if x["model"] == r["model"]
+                and x["engine"] == "mlx-lm (fp16 copy)"
+                and "error" not in x
+            ),
+            None,
+        )
         ratio = f"{r['decode_tps'] / ref['decode_tps']:.2f}×" if ref else "–"
         limit = bw / r["bytes_per_token"]
-        print(f"| {r['model']} | {r['engine']} | {r['load_s']:.2f} | {r['ttft_s']:.2f} | "
-              f"{r['prefill_tps']:.0f} | {r['decode_tps']:.1f} | {ratio} | "
-              f"{r['decode_tps'] / limit:.0%} of {limit:.0f} | {r['peak_rss'] / 2**20:.0f} |")
+        print(
+            f"| {r['model']} | {r['engine']} | {r['load_s']:.2f} | {r['ttft_s']:.2f} | "
+            f"{r['prefill_tps']:.0f} | {r['decode_tps']:.1f} | {ratio} | "
+            f"{r['decode_tps'] / limit:.0%} of {limit:.0f} | {r['peak_rss'] / 2**20:.0f} |"
+        )
     print("\ndecode limit = measured read bandwidth ÷ bytes of mlxlis' weights read per token")
 
 

@@ -31,8 +31,11 @@ def timed_stream(stream, n: int) -> dict:
         if count >= n:
             break
     t_end = time.perf_counter()
-    return {"ttft_s": t_first - t0, "decode_tps": (count - 1) / (t_end - t_first),
-            "generated": count}
+    return {
+        "ttft_s": t_first - t0,
+        "decode_tps": (count - 1) / (t_end - t_first),
+        "generated": count,
+    }
 
 
 def bench_mlxlis(path: str, ids: list[int], dtype: str | None) -> dict:
@@ -42,8 +45,11 @@ def bench_mlxlis(path: str, ids: list[int], dtype: str | None) -> dict:
     model = mlxlis.load(path, dtype)
     load_s = time.perf_counter() - t
     load_rss = rss_peak()
-    stream = (e for e in mlxlis.generate(model, ids, max_tokens=DECODE_TOKENS, stop_ids=set())
-              if e.token is not None)
+    stream = (
+        e
+        for e in mlxlis.generate(model, ids, max_tokens=DECODE_TOKENS, stop_ids=set())
+        if e.token is not None
+    )
     out = timed_stream(stream, DECODE_TOKENS)
     out["prefill_tps"] = _prefill_tps_mlxlis(model, ids)
     return {"load_s": load_s, "load_peak_rss": load_rss, **out, "dtype": str(model.dtype)}
@@ -91,8 +97,13 @@ def bench_llama_cpp(path: str, ids: list[int], dtype: str | None) -> dict:
     from llama_cpp import Llama
 
     t = time.perf_counter()
-    llm = Llama(model_path=path, n_ctx=len(ids) + DECODE_TOKENS + 8, n_threads=os.cpu_count(),
-                verbose=False, logits_all=False)
+    llm = Llama(
+        model_path=path,
+        n_ctx=len(ids) + DECODE_TOKENS + 8,
+        n_threads=os.cpu_count(),
+        verbose=False,
+        logits_all=False,
+    )
     load_s = time.perf_counter() - t
     load_rss = rss_peak()
     out = timed_stream(llm.generate(ids, temp=0.0, top_k=1, reset=True), DECODE_TOKENS)

@@ -25,20 +25,48 @@ CORPUS = (
 
 TINY = {
     # GQA, untied head, transformers-5 rope_parameters with a non-default θ
-    "llama": dict(kind="llama", hidden_size=64, intermediate_size=144, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, rope_theta=100000.0,
-                  tie_word_embeddings=False, max_position_embeddings=512),
+    "llama": dict(
+        kind="llama",
+        hidden_size=64,
+        intermediate_size=144,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=100000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+    ),
     # tied head + Llama 3 RoPE scaling
-    "llama3_tied": dict(kind="llama", hidden_size=64, intermediate_size=144, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=1, rope_theta=500000.0,
-                        tie_word_embeddings=True, max_position_embeddings=512,
-                        rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                      "original_max_position_embeddings": 64}),
+    "llama3_tied": dict(
+        kind="llama",
+        hidden_size=64,
+        intermediate_size=144,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     # q/k/v bias, tied
-    "qwen2": dict(kind="qwen2", hidden_size=64, intermediate_size=144, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0,
-                  tie_word_embeddings=True, max_position_embeddings=512),
+    "qwen2": dict(
+        kind="qwen2",
+        hidden_size=64,
+        intermediate_size=144,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    ),
 }
 
 
@@ -51,11 +79,14 @@ def train_tokenizer(folder: Path, vocab_size: int = 400) -> int:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([CORPUS], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
-                                   eos_token="<|im_end|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>"
+    )
     fast.save_pretrained(folder)
     return len(fast)
 
@@ -86,8 +117,9 @@ def build_tiny(folder: Path, spec: dict, seed: int = 0):
     folder.mkdir(parents=True, exist_ok=True)
     vocab = train_tokenizer(folder)
     cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
-    model_cls = {"llama": transformers.LlamaForCausalLM,
-                 "qwen2": transformers.Qwen2ForCausalLM}[kind]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[
+        kind
+    ]
     cfg = cfg_cls(vocab_size=vocab, bos_token_id=0, eos_token_id=2, **spec)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)

@@ -78,8 +78,14 @@ def test_context_limit_is_explicit(chat_model):
 def test_cancel_keeps_partial_reply_and_next_turn_works(chat_model):
     session = mlxlis.ChatSession(chat_model)
     seen = []
-    events = list(session.send("Count with me", max_tokens=20, stop_ids=set(),
-                               should_stop=lambda: len(seen.append(1) or seen) >= 3))
+    events = list(
+        session.send(
+            "Count with me",
+            max_tokens=20,
+            stop_ids=set(),
+            should_stop=lambda: len(seen.append(1) or seen) >= 3,
+        )
+    )
     assert events[-1].finish_reason == "cancelled"
     assert session.turns[-1].stopped and session.turns[-1].role == "assistant"
     assert session.context_used == len(session._cached) > 0

@@ -67,8 +67,8 @@ def test_mlx_lm_loads_converted(converted, name):
     """mlx-lm reads the quantization block (per-module bits) and gets the same logits
     (tolerance 1e-3: two implementations of the same quantized matmuls) and the same greedy
     text."""
-    from mlx_lm import stream_generate as mlx_lm_stream
     from mlx_lm import load as mlx_lm_load
+    from mlx_lm import stream_generate as mlx_lm_stream
 
     out, model = converted(name)
     theirs, tok = mlx_lm_load(str(out))
@@ -80,8 +80,11 @@ def test_mlx_lm_loads_converted(converted, name):
     # the same greedy tokens, hence the same text (mlx-lm's streaming detokenizer trims the
     # first token's leading space, so the ids are compared and decoded by one tokenizer)
     their_ids = [r.token for r in mlx_lm_stream(theirs, tok, ids, max_tokens=12)]
-    our_ids = [e.token for e in mlxlis.generate(model, ids, max_tokens=12, stop_ids=set())
-               if e.token is not None]
+    our_ids = [
+        e.token
+        for e in mlxlis.generate(model, ids, max_tokens=12, stop_ids=set())
+        if e.token is not None
+    ]
     n = min(len(their_ids), len(our_ids))
     assert n >= 1 and their_ids[:n] == our_ids[:n]
     assert model.tokenizer.decode(our_ids[:n]) == tok.decode(their_ids[:n])
@@ -124,7 +127,8 @@ def test_interrupted_conversion_leaves_nothing(tiny, tmp_path):
         "def slow(m, f):\n"
         "    orig(m, f); print('writing', flush=True); import time; time.sleep(60)\n"
         "c.write_tokenizer = slow\n"
-        f"c.convert({str(folder)!r}, {str(tmp_path / 'out')!r}, dtype='float32')\n")
+        f"c.convert({str(folder)!r}, {str(tmp_path / 'out')!r}, dtype='float32')\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "writing"
     proc.send_signal(2)

@@ -127,8 +127,11 @@ def test_generation_stops_on_eos(tiny):
     folder, _ = tiny("llama")
     model = mlxlis.load(folder, "float32")
     prompt = trajectory(10, vocab=model.config.vocab_size)
-    free = [e.token for e in mlxlis.generate(model, prompt, max_tokens=8, stop_ids=set())
-            if e.token is not None]
+    free = [
+        e.token
+        for e in mlxlis.generate(model, prompt, max_tokens=8, stop_ids=set())
+        if e.token is not None
+    ]
     stop_at = free[3]
     events = list(mlxlis.generate(model, prompt, max_tokens=8, stop_ids={stop_at}))
     got = [e.token for e in events if e.token is not None]

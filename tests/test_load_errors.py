@@ -41,22 +41,45 @@ def tensors_of(folder: Path) -> dict[str, np.ndarray]:
 
 BAD_FILES = {
     "truncated_length": (lambda p: p.write_bytes(b"\x10\x00"), errors.FileFormatError, "8-byte"),
-    "header_past_eof": (lambda p: raw_safetensors(p, {}, length=10**6), errors.FileFormatError,
-                        "header length"),
+    "header_past_eof": (
+        lambda p: raw_safetensors(p, {}, length=10**6),
+        errors.FileFormatError,
+        "header length",
+    ),
     "bad_json": (lambda p: raw_safetensors(p, b"{not json"), errors.FileFormatError, "JSON"),
-    "outside_file": (lambda p: raw_safetensors(
-        p, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8),
-        errors.FileFormatError, "outside"),
-    "overlap": (lambda p: raw_safetensors(
-        p, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12),
-        errors.FileFormatError, "overlaps"),
-    "size_mismatch": (lambda p: raw_safetensors(
-        p, {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8),
-        errors.FileFormatError, "expected 12"),
-    "unknown_dtype": (lambda p: raw_safetensors(
-        p, {"a": {"dtype": "F7", "shape": [2], "data_offsets": [0, 2]}}, b"\0" * 2),
-        errors.UnsupportedError, "unknown dtype"),
+    "outside_file": (
+        lambda p: raw_safetensors(
+            p, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8
+        ),
+        errors.FileFormatError,
+        "outside",
+    ),
+    "overlap": (
+        lambda p: raw_safetensors(
+            p,
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            b"\0" * 12,
+        ),
+        errors.FileFormatError,
+        "overlaps",
+    ),
+    "size_mismatch": (
+        lambda p: raw_safetensors(
+            p, {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8
+        ),
+        errors.FileFormatError,
+        "expected 12",
+    ),
+    "unknown_dtype": (
+        lambda p: raw_safetensors(
+            p, {"a": {"dtype": "F7", "shape": [2], "data_offsets": [0, 2]}}, b"\0" * 2
+        ),
+        errors.UnsupportedError,
+        "unknown dtype",
+    ),
 }
 
 
@@ -111,9 +134,11 @@ def test_pickle_files_refused(tmp_path, suffix):
 
 CONFIG_EDITS = {
     "unknown_model_type": ({"model_type": "gpt_neox"}, errors.UnsupportedError, "model_type"),
-    "unsupported_rope": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
-                                              "rope_theta": 1e4}},
-                         errors.UnsupportedError, "yarn"),
+    "unsupported_rope": (
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+        errors.UnsupportedError,
+        "yarn",
+    ),
     "missing_hidden": ({"hidden_size": None}, errors.ConfigError, "hidden_size"),
     "bad_kv_heads": ({"num_key_value_heads": 3}, errors.ConfigError, "num_key_value_heads"),
 }
@@ -144,8 +169,9 @@ def test_unknown_dtype_and_missing_path(ckpt, tmp_path):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlxlis.cli", *args], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxlis.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.parametrize("case", ["bad_json", "outside_file", "unknown_dtype"])
@@ -155,7 +181,11 @@ def test_cli_reports_bad_file_in_one_line(ckpt, case):
     res = run_cli("-m", str(ckpt), "--no-chat", "Hello")
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mlxlis: error:") and "model.safetensors" in lines[0]
+    assert (
+        len(lines) == 1
+        and lines[0].startswith("mlxlis: error:")
+        and "model.safetensors" in lines[0]
+    )
     assert "Traceback" not in res.stderr and res.stdout == ""
 
 

@@ -27,8 +27,15 @@ def test_mlx_lm_quantized_checkpoint(tiny, tmp_path, recipe):
     cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
     (src / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "q"
-    convert(str(src), str(out), quantize=True, q_group_size=32, q_bits=4, dtype="float32",
-            quant_predicate=recipe)
+    convert(
+        str(src),
+        str(out),
+        quantize=True,
+        q_group_size=32,
+        q_bits=4,
+        dtype="float32",
+        quant_predicate=recipe,
+    )
     qcfg = json.loads((out / "config.json").read_text())["quantization"]
     if recipe:  # the recipe really wrote per-layer overrides
         assert any(isinstance(v, dict) for v in qcfg.values())

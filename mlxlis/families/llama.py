@@ -91,8 +91,9 @@ class Model(nn.Module):
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.model.layers]
 
-    def __call__(self, inputs: mx.array, cache: list[KVCache] | None = None,
-                 last_only: bool = False) -> mx.array:
+    def __call__(
+        self, inputs: mx.array, cache: list[KVCache] | None = None, last_only: bool = False
+    ) -> mx.array:
         h = self.model.embed_tokens(inputs)
         # (B, T, hidden); "causal" aligns to the newest keys, so chunked prefill works with a cache
         mask = "causal" if inputs.shape[1] > 1 else None

@@ -46,5 +46,12 @@ class Rope(nn.Module):
             self.base = None
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
-        return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=self.scale,
-                            offset=offset, freqs=self._periods)
+        return mx.fast.rope(
+            x,
+            self.dims,
+            traditional=False,
+            base=self.base,
+            scale=self.scale,
+            offset=offset,
+            freqs=self._periods,
+        )

@@ -24,27 +24,38 @@ def resolve(path_or_name: str | Path, pull: bool = True) -> Path:
         if p.is_file() and p.suffix.lower() in PICKLE_SUFFIXES:
             raise UnsupportedFormatError(
                 "pickled PyTorch checkpoints are refused (never unpickled); convert to "
-                "safetensors or GGUF", path=p)
+                "safetensors or GGUF",
+                path=p,
+            )
         if p.is_dir() and not any(p.glob("*.safetensors")):
             if any(q.suffix in PICKLE_SUFFIXES for q in p.iterdir()):
                 raise UnsupportedFormatError(
                     "folder holds only pickled PyTorch weights (refused, never unpickled); "
-                    "convert to safetensors", path=p)
+                    "convert to safetensors",
+                    path=p,
+                )
         return p
     if str(path_or_name) in catalog.CATALOG:
         if not catalog.is_pulled(str(path_or_name)):
             if not pull:
-                raise ModelNotFoundError("not pulled yet; run `mlxlis pull NAME`",
-                                         path=str(path_or_name))
+                raise ModelNotFoundError(
+                    "not pulled yet; run `mlxlis pull NAME`", path=str(path_or_name)
+                )
             catalog.pull(str(path_or_name))
         return catalog.model_path(str(path_or_name))
     raise ModelNotFoundError(
         f"no such file or folder, and not a catalog name ({', '.join(catalog.CATALOG)})",
-        path=str(path_or_name))
+        path=str(path_or_name),
+    )
 
 
-def load(path_or_name: str | Path, dtype: str | mx.Dtype | None = None, *,
-         dequantize: bool = False, chat_template: str | None = None):
+def load(
+    path_or_name: str | Path,
+    dtype: str | mx.Dtype | None = None,
+    *,
+    dequantize: bool = False,
+    chat_template: str | None = None,
+):
     """Load a model folder, GGUF file or catalog name. dtype None = the device default."""
     from ..model import Model
 
@@ -56,11 +67,14 @@ def load(path_or_name: str | Path, dtype: str | mx.Dtype | None = None, *,
         return load_gguf(path, dt, dequantize=dequantize, chat_template=chat_template)
     if path.is_file():
         raise UnsupportedFormatError("expected a model folder or a .gguf file", path=path)
-    return load_folder(path, dt, chat_template=chat_template, dequantize=dequantize, model_cls=Model)
+    return load_folder(
+        path, dt, chat_template=chat_template, dequantize=dequantize, model_cls=Model
+    )
 
 
-def load_folder(folder: Path, dtype: mx.Dtype, *, chat_template: str | None, dequantize: bool,
-                model_cls):
+def load_folder(
+    folder: Path, dtype: mx.Dtype, *, chat_template: str | None, dequantize: bool, model_cls
+):
     cfg_path = folder / "config.json"
     gen_path = folder / "generation_config.json"
     generation = read_json(gen_path) if gen_path.is_file() else None

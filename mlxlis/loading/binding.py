@@ -35,8 +35,13 @@ def quantize_like(model: nn.Module, weights: dict[str, mx.array], quant: dict | 
     nn.quantize(model, class_predicate=predicate)
 
 
-def bind(model: nn.Module, weights: dict[str, mx.array], path: Path | str, dtype: mx.Dtype,
-         ignore: tuple[str, ...] = ()) -> None:
+def bind(
+    model: nn.Module,
+    weights: dict[str, mx.array],
+    path: Path | str,
+    dtype: mx.Dtype,
+    ignore: tuple[str, ...] = (),
+) -> None:
     """Check names and shapes against the model, cast floats to `dtype`, load, materialise.
 
     Arrays are popped from `weights` as they are bound so the caller's references drop.
@@ -47,20 +52,24 @@ def bind(model: nn.Module, weights: dict[str, mx.array], path: Path | str, dtype
     missing = sorted(set(expected) - set(weights))
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise MissingTensorError(f"missing tensors: {', '.join(missing[:5])}{more}", path=path,
-                                 field=missing[0])
+        raise MissingTensorError(
+            f"missing tensors: {', '.join(missing[:5])}{more}", path=path, field=missing[0]
+        )
     unexpected = sorted(set(weights) - set(expected))
     if unexpected:
         more = f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
-        raise UnexpectedTensorError(f"unexpected tensors: {', '.join(unexpected[:5])}{more}",
-                                    path=path, field=unexpected[0])
+        raise UnexpectedTensorError(
+            f"unexpected tensors: {', '.join(unexpected[:5])}{more}", path=path, field=unexpected[0]
+        )
     items = []
     for name, ref in expected.items():
         arr = weights.pop(name)
         if tuple(arr.shape) != tuple(ref.shape):
             raise ShapeMismatchError(
                 f"shape {tuple(arr.shape)} in the file, model expects {tuple(ref.shape)}",
-                path=path, field=name)
+                path=path,
+                field=name,
+            )
         if arr.dtype in FLOAT_DTYPES and ref.dtype in FLOAT_DTYPES and arr.dtype != dtype:
             arr = arr.astype(dtype)
         items.append((name, arr))
