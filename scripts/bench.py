@@ -46,22 +46,6 @@ def memory_bandwidth_gbs() -> float:
     return a.nbytes / best / 1e9
 
 
-def weight_bytes_per_token(model) -> int:
-    """Bytes of weights read to decode one token: every parameter, except that an untied
-    embedding contributes one row (a lookup), not the whole table."""
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-
-    total = sum(v.nbytes for _, v in tree_flatten(model.net.parameters()))
-    if not model.config.tie_word_embeddings:
-        emb = model.net.model.embed_tokens
-        size = sum(v.nbytes for _, v in tree_flatten(emb.parameters()))
-        rows = model.config.vocab_size
-        total -= size - size // rows
-    del nn
-    return total
-
-
 def hf_copy(name: str, dtype: str, root: Path) -> Path:
     from mlxlis.convert import convert
 
@@ -90,7 +74,7 @@ def best(results: list[dict]) -> dict:
     if not ok:
         return results[0]
     pick = {}
-    for key in ("load_s", "ttft_s", "load_peak_rss", "peak_rss"):
+    for key in ("load_s", "ttft_s", "load_peak_rss", "peak_rss", "bytes_per_token"):
         pick[key] = min(r[key] for r in ok)
     for key in ("decode_tps", "prefill_tps"):
         pick[key] = max(r[key] for r in ok)
@@ -130,7 +114,6 @@ def main() -> int:
         gguf = catalog.pull(name)
         model = mlxlis.load(gguf)
         text_ids = model.tokenizer.encode(TEXT)[:PROMPT_TOKENS]
-        bpt = weight_bytes_per_token(model)
         del model
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(text_ids, f)
@@ -158,9 +141,7 @@ def main() -> int:
                 results[label].append(run(engine, path, ids_file, dtype))
                 print(f"  {name} {label}: {results[label][-1]}", flush=True)
         for label in engines:
-            rows.append(
-                {"model": name, "engine": label, "bytes_per_token": bpt, **best(results[label])}
-            )
+            rows.append({"model": name, "engine": label, **best(results[label])})
     print_table(rows, machine)
     out = Path(a.out)
     out.mkdir(exist_ok=True)

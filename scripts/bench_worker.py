@@ -11,12 +11,27 @@ import resource
 import sys
 import time
 
+import mlxlis  # noqa: F401  (preloads the system BLAS: every engine measured gets the same one)
+
 DECODE_TOKENS = 128
 
 
 def rss_peak() -> int:
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r if sys.platform == "darwin" else r * 1024
+
+
+def weight_bytes_per_token(net) -> int:
+    """Bytes of weights read to decode one token: every parameter, except that an untied
+    embedding table contributes one row (a lookup), not the whole table."""
+    from mlx.utils import tree_flatten
+
+    total = sum(v.nbytes for _, v in tree_flatten(net.parameters()))
+    if hasattr(net, "lm_head"):  # untied: the embedding is only indexed
+        emb = net.model.embed_tokens
+        size = sum(v.nbytes for _, v in tree_flatten(emb.parameters()))
+        total -= size - size // emb.weight.shape[0]
+    return total
 
 
 def timed_stream(stream, n: int) -> dict:
@@ -39,8 +54,6 @@ def timed_stream(stream, n: int) -> dict:
 
 
 def bench_mlxlis(path: str, ids: list[int], dtype: str | None) -> dict:
-    import mlxlis
-
     t = time.perf_counter()
     model = mlxlis.load(path, dtype)
     load_s = time.perf_counter() - t
@@ -52,13 +65,19 @@ def bench_mlxlis(path: str, ids: list[int], dtype: str | None) -> dict:
     )
     out = timed_stream(stream, DECODE_TOKENS)
     out["prefill_tps"] = _prefill_tps_mlxlis(model, ids)
-    return {"load_s": load_s, "load_peak_rss": load_rss, **out, "dtype": str(model.dtype)}
+    return {
+        "load_s": load_s,
+        "load_peak_rss": load_rss,
+        **out,
+        "dtype": str(model.dtype),
+        "bytes_per_token": weight_bytes_per_token(model.net),
+    }
 
 
 def _prefill_tps_mlxlis(model, ids: list[int]) -> float:
-    import mlx.core as mx
-
     from mlxlis.generate import prefill
+
+    import mlx.core as mx
 
     best = 0.0
     for _ in range(2):
@@ -88,7 +107,12 @@ def bench_mlx_lm(path: str, ids: list[int], dtype: str | None) -> dict:
         mx.eval(model(prompt[None], cache=cache)[:, -1])
         best = max(best, len(ids) / (time.perf_counter() - t))
     out["prefill_tps"] = best
-    return {"load_s": load_s, "load_peak_rss": load_rss, **out}
+    return {
+        "load_s": load_s,
+        "load_peak_rss": load_rss,
+        **out,
+        "bytes_per_token": weight_bytes_per_token(model),
+    }
 
 
 def bench_llama_cpp(path: str, ids: list[int], dtype: str | None) -> dict:
@@ -111,7 +135,8 @@ def bench_llama_cpp(path: str, ids: list[int], dtype: str | None) -> dict:
     t = time.perf_counter()
     llm.eval(ids)
     out["prefill_tps"] = len(ids) / (time.perf_counter() - t)
-    return {"load_s": load_s, "load_peak_rss": load_rss, **out}
+    size = os.path.getsize(path)  # approximation: the whole file (its embedding included)
+    return {"load_s": load_s, "load_peak_rss": load_rss, **out, "bytes_per_token": size}
 
 
 ENGINES = {"mlxlis": bench_mlxlis, "mlx-lm": bench_mlx_lm, "llama.cpp": bench_llama_cpp}

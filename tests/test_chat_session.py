@@ -7,12 +7,12 @@ the whole rendered conversation.
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import mlxlis
 from mlxlis.errors import ContextLimitError, NoChatTemplateError
 from mlxlis.generate import prefill
+
+import numpy as np
+import pytest
 
 
 @pytest.fixture(scope="module")

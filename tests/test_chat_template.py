@@ -11,8 +11,6 @@ import json
 import time
 from pathlib import Path
 
-import pytest
-
 from mlxlis import catalog
 from mlxlis.chat_template import (
     BUILTIN_TEMPLATES,
@@ -23,6 +21,8 @@ from mlxlis.chat_template import (
     end_of_turn_tokens,
 )
 from mlxlis.errors import TemplateError
+
+import pytest
 
 # Tokens the reference tokenizer carries for each template: (bos, eos).
 SPECIALS = {

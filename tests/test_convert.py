@@ -12,13 +12,13 @@ import json
 import subprocess
 import sys
 
-import mlx.core as mx
-import numpy as np
-import pytest
-
 import mlxlis
 from mlxlis import catalog
 from mlxlis.errors import MlxlisError
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 PROMPT = "The capital of France is"
 

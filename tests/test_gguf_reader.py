@@ -11,10 +11,6 @@ import struct
 import time
 from pathlib import Path
 
-import numpy as np
-import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
-
 from mlxlis import catalog
 from mlxlis.errors import (
     FileFormatError,
@@ -25,6 +21,10 @@ from mlxlis.errors import (
 )
 from mlxlis.loading import limits
 from mlxlis.loading.gguf import GGML_TYPES, read_gguf
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
 
 REAL = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
 

@@ -7,13 +7,13 @@ Self-consistency: the KV-cache paths against our own full forward.
 
 from __future__ import annotations
 
+import mlxlis
+
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 from conftest import trajectory
-
-import mlxlis
 
 NAMES = ["llama", "llama3_tied", "qwen2"]
 

@@ -10,12 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlxlis
+from mlxlis import errors
+
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
-
-import mlxlis
-from mlxlis import errors
 
 
 def raw_safetensors(path: Path, header: dict | bytes, data: bytes = b"", length: int | None = None):

@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import shutil
 
+import mlxlis
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import trajectory
-
-import mlxlis
 
 
 @pytest.mark.parametrize("recipe", [None, "mixed_3_6"])

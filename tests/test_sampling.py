@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
-import numpy as np
-import pytest
-
 from mlxlis.sampling import (
     SamplingParams,
     _min_p,
@@ -14,6 +10,10 @@ from mlxlis.sampling import (
     apply_repetition_penalty,
     make_sampler,
 )
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 rng = np.random.default_rng(0)
 LOGITS = rng.normal(0, 2, size=(1, 50)).astype(np.float32)

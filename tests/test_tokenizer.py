@@ -18,13 +18,13 @@ import unicodedata
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
-import pytest
-
 from mlxlis import catalog
 from mlxlis.detok import BYTE, CONTROL, NORMAL, StreamDecoder, bytes_to_unicode
 from mlxlis.errors import TokenizerError
 from mlxlis.tokenizer import Tokenizer, spm_proto
+
+import numpy as np
+import pytest
 
 REAL = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
 

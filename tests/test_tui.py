@@ -13,11 +13,12 @@ import json
 import time
 from pathlib import Path
 
-import pytest
-
 from mlxlis import Event, Stats
 from mlxlis.chat import Turn
 from mlxlis.errors import ContextLimitError, ModelNotFoundError, NoChatTemplateError
+
+import pytest
+
 from tui.app import ChatApp, parse_args
 from tui.commands import CommandError, parse_command, parse_params
 from tui.engine import Options

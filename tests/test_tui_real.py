@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 
+from mlxlis import catalog
+
 import pytest
 from test_tui import SIZE, bubbles, reply_text, wait_for
 
-from mlxlis import catalog
 from tui.app import ChatApp
 from tui.engine import SAMPLING_DEFAULTS, Options
 from tui.screens import PreviewScreen

@@ -53,9 +53,13 @@ class Converted:
 
 
 def convert_tensor(
-    t: GGUFTensor, raw: np.ndarray, dtype: mx.Dtype, *, dequantize: bool = False, path: str = ""
+    t: GGUFTensor, raw: np.ndarray, dtype: mx.Dtype, *, dequantize: bool = False, path: str = "",
+    out: tuple[mx.array, ...] = (),
 ) -> Converted:
-    """Convert one GGUF tensor (its raw bytes) to MLX: quantized (see module doc) or dense."""
+    """Convert one GGUF tensor (its raw bytes) to MLX: quantized (see module doc) or dense.
+
+    `out`: the buffers from `allocate(t, dequantize=...)`, when the caller made them early.
+    """
     if t.ggml_type not in GGML_TYPES:
         raise UnsupportedQuantError(f"unknown ggml type id {t.ggml_type}", path=path, field=t.name)
     if raw.dtype != np.uint8 or raw.size != t.nbytes:
@@ -63,32 +67,51 @@ def convert_tensor(
                               path=path, field=t.name)  # fmt: skip
     if t.type_name in QUANTIZABLE:
         if dequantize or len(t.shape) < 2:  # dense: MLX's own dequantization of the exact form
-            q = _quantized(t, raw, mx.float32)
+            q = _quantized(t, raw, mx.float32, ())
             w, s, m = (a.reshape(-1, a.shape[-1]) for a in (q.weight, q.scales, q.biases))
             w = mx.dequantize(w, s, m, group_size=GROUP, bits=q.bits)
             w = w.reshape(t.shape).astype(dtype)
-            del q
+            del q, s, m
             mx.eval(w)
             return Converted(w)
-        return _quantized(t, raw, dtype)
-    return Converted(_dense(t, raw, dtype, path))
+        return _quantized(t, raw, dtype, out)
+    return Converted(_dense(t, raw, dtype, path, out))
+
+
+def allocate(t: GGUFTensor, *, dequantize: bool = False) -> tuple[mx.array, ...]:
+    """The output buffers `convert_tensor` will fill for `t`, not yet evaluated.
+
+    A loader can create them all first and `mx.async_eval` them, so that MLX allocates and
+    zero-fills the memory on its own thread while earlier tensors convert.
+    """
+    name = t.type_name
+    if name in QUANTIZABLE:
+        if dequantize or len(t.shape) < 2:
+            return ()  # temporaries of the dense path: made when needed
+        rows, cols = math.prod(t.shape[:-1]), t.shape[-1]
+        return (mx.zeros((rows, cols * _BITS[name] // 32), mx.uint32),
+                mx.zeros((rows, cols // GROUP), mx.float32),
+                mx.zeros((rows, cols // GROUP), mx.float32))  # fmt: skip
+    if name in ("F32", "F16", "BF16") or t.ggml_type not in GGML_TYPES:
+        return ()
+    return (mx.zeros(t.shape, mx.float32),)
 
 
 # --- output buffers and chunking ---
 
 
-def _buffer(shape: tuple[int, ...], dtype: mx.Dtype) -> tuple[mx.array, np.ndarray]:
-    """A new, materialised MLX array and a writable numpy view of its memory.
+def _writable(a: mx.array) -> np.ndarray:
+    """Materialise a fresh MLX array and return a writable numpy view of its memory.
 
     Documented MLX behaviour (usage/numpy: "writing to the view is reflected in the original
-    array"); filling it in place saves a copy and a second allocation of every weight.
+    array"); filling the final buffers in place saves a copy and a second allocation of every
+    weight. Only arrays made here by `mx.zeros` (never shared) are written this way.
     """
-    a = mx.zeros(shape, dtype)
     mx.eval(a)
     view = np.array(a, copy=False)
-    if not (view.flags.writeable and view.flags.c_contiguous) or view.shape != tuple(shape):
+    if not (view.flags.writeable and view.flags.c_contiguous):
         raise RuntimeError("MLX did not expose a writable contiguous buffer")  # a bug, not input
-    return a, view
+    return view
 
 
 def _workers() -> int:
@@ -181,19 +204,20 @@ def _pack5(codes: np.ndarray, out32: np.ndarray) -> None:
         codes &= keep
         codes |= t
     g4, n = codes.shape[0] // 4, codes.shape[1]
-    x = codes.reshape(g4, 4, n)  # four 40-bit values make five 32-bit words
-    out = out32.reshape(n, g4, 5).transpose(1, 2, 0)  # (g4, 5, n) view
-    z = t[:g4]
+    x = codes.reshape(g4, 4, n)  # four 40-bit values make 160 bits: bytes 0-7, 8-15, 16-19
+    out = out32.view(np.uint8).reshape(n, g4, 20)
+    z, y = t[:g4], t[g4 : 2 * g4]
     np.left_shift(x[:, 1], _U64(40), out=z)
     z |= x[:, 0]
-    out[:, 0] = z  # (setitem truncates to the low 32 bits)
-    out[:, 1] = z >> _U64(32)
+    out[:, :, 0:8].view("<u8")[..., 0].T[...] = z  # (g4, n) strided views of the output
     np.right_shift(x[:, 1], _U64(24), out=z)
-    z |= x[:, 2] << _U64(16)
-    z |= x[:, 3] << _U64(56)
-    out[:, 2] = z
-    out[:, 3] = z >> _U64(32)
-    out[:, 4] = x[:, 3] >> _U64(8)
+    np.left_shift(x[:, 2], _U64(16), out=y)
+    z |= y
+    np.left_shift(x[:, 3], _U64(56), out=y)
+    z |= y
+    out[:, :, 8:16].view("<u8")[..., 0].T[...] = z
+    np.right_shift(x[:, 3], _U64(8), out=z)
+    out[:, :, 16:20].view("<u4")[..., 0].T[...] = z  # (setitem keeps the low 32 bits)
 
 
 def _spread_bits(h: np.ndarray) -> np.ndarray:
@@ -324,15 +348,14 @@ _KERNELS: dict[str, Kernel] = {
 }  # fmt: skip
 
 
-def _quantized(t: GGUFTensor, raw: np.ndarray, dtype: mx.Dtype) -> Converted:
+def _quantized(t: GGUFTensor, raw: np.ndarray, dtype: mx.Dtype,
+               out: tuple[mx.array, ...]) -> Converted:  # fmt: skip
     _, block, type_size = GGML_TYPES[t.ggml_type]
     bits = _BITS[t.type_name]
     cols = t.shape[-1]
-    rows = math.prod(t.shape[:-1])
-    n_blocks = rows * cols // block
-    w, wv = _buffer((rows, cols * bits // 32), mx.uint32)
-    s, sv = _buffer((rows, cols // GROUP), mx.float32)
-    m, mv = _buffer((rows, cols // GROUP), mx.float32)
+    n_blocks = t.nbytes // type_size
+    w, s, m = out or allocate(t.__class__(t.name, t.ggml_type, t.type_name, (1, raw.size // (
+        type_size * cols // block) * cols) if len(t.shape) < 2 else t.shape, 0, t.nbytes))
     # every block fills its own slots of the outputs, so blocks convert independently
     blocks = raw.reshape(n_blocks, type_size)
     wv, sv, mv = (v.reshape(n_blocks, -1) for v in (wv, sv, mv))
