@@ -1,4 +1,4 @@
-"""Why a model has no chat template (LESSONS L-4): four causes, four different fixes.
+"""Why a model has no chat template: four causes, four different fixes.
 
 1. a base / pretrained model: no template by design, raw prompting (`--no-chat`) is right;
 2. a template that exists but was not downloaded / picked up: fetch the file;
@@ -138,7 +138,7 @@ def _base_models(meta: dict) -> list[str]:
 def diagnose_missing_template(
     *, model_name: str, folder: Path | None, gguf_metadata: dict | None
 ) -> str:
-    """The L-4 diagnosis for a model with no chat template: a one-line summary, then the
+    """The diagnosis for a model with no chat template: a one-line summary, then the
     evidence, what it means, and the explicit ways out (`--no-chat`, `--chat-template`)."""
     meta = gguf_metadata or {}
     folder = Path(folder) if folder is not None else None
@@ -185,7 +185,7 @@ def diagnose_missing_template(
     )
     lines.append("Evidence:")
     lines += [f"  - {e}" for e in evidence]
-    lines.append(f"Cause {cause} of 4 (LESSONS L-4). {_MEANING[cause]}")
+    lines.append(f"Cause {cause} of 4. {_MEANING[cause]}")
     lines.append("Ways out (mlxlis never picks a template for you):")
     lines += _ways_out(cause, family)
     return "\n".join(lines)

@@ -1,10 +1,10 @@
 """Chat templates: find one (never guess), render it safely, and explain when there is none.
 
-Sources, first found wins (DESIGN.md "Chat templates"): `--chat-template FILE|NAME` ›
+Sources, first found wins: `--chat-template FILE|NAME` ›
 `chat_template.jinja` › `tokenizer_config.json` "chat_template" › GGUF `tokenizer.chat_template`.
 Rendering matches transformers' `apply_chat_template(..., tokenize=False)` output, inside the
 sandbox of `chat_sandbox`. With no template, `diagnose_missing_template` names the likely cause
-among the four of LESSONS L-4 and the explicit ways out.
+among the four possible causes and the explicit ways out.
 """
 
 from __future__ import annotations

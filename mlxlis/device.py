@@ -1,6 +1,6 @@
 """Device and dtype policy, and the CPU BLAS.
 
-Metal -> float16 (fast, and reductions upcast, seeds L-5), CUDA -> bfloat16, CPU -> float32
+Metal -> float16 (fast, and reductions upcast), CUDA -> bfloat16, CPU -> float32
 (MLX's CPU float16 matmul is emulated and ~30x slower; float32 goes through BLAS).
 
 On Linux the mlx[cpu] wheel resolves BLAS symbols at load time; a system OpenBLAS loaded with

@@ -175,7 +175,7 @@ class Tokenizer:
     def from_gguf(cls, metadata: dict[str, Any], path: Path | str) -> Tokenizer:
         """From a GGUF's `tokenizer.ggml.*` metadata; `path` is named in messages."""
         path = Path(path)
-        # L-6: a missing tokenizer.ggml.model means GPT-2 byte-level BPE, the GGUF spec's own
+        # a missing tokenizer.ggml.model means GPT-2 byte-level BPE, the GGUF spec's own
         # default -- the one deliberate guess (a wrong one garbles the first decode, loudly).
         kind = metadata.get("tokenizer.ggml.model", "gpt2")
         tokens = metadata.get("tokenizer.ggml.tokens")

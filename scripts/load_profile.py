@@ -1,6 +1,7 @@
 """Where does loading a GGUF model go? Per-stage wall time, peak memory and weight bytes.
 
-    .venv/bin/python scripts/load_profile.py [NAME|PATH ...] [--dequantize] [--repeat N] [--cprofile]
+    .venv/bin/python scripts/load_profile.py [NAME|PATH ...] [--dequantize | --quantized]
+                                             [--repeat N] [--cprofile]
 
 Each load runs in a fresh process (peak RSS is per process): the stages are read (header,
 metadata, config), convert by GGUF type (including undoing conventions), bind (model build,
@@ -22,6 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import mlxlis  # noqa: E402,F401  (preloads the BLAS before anything imports mlx.core)
+
 MB = 1e6
 
 
@@ -34,15 +37,14 @@ def _rss_bytes() -> int:
 
 def child(name: str, dequantize: bool | None, cprofile: bool) -> dict:
     """Runs in the fresh process: one load, measured."""
-    import mlxlis  # noqa: F401  (preloads the BLAS first)
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     import mlxlis.chat_template  # noqa: F401  (imports belong to the baseline, not the load)
     import mlxlis.tokenizer  # noqa: F401
     from mlxlis.device import resolve_dtype
     from mlxlis.loading import resolve
     from mlxlis.loading.gguf_model import load_gguf
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
 
     path = resolve(name)
     if path.suffix.lower() != ".gguf":

@@ -1,6 +1,6 @@
 """ChatSession: KV reuse across turns, stop tokens, BOS handling, context limit, cancellation.
 
-KV reuse is checked as self-consistency at the logits level (seeds L-7): the logits after
+KV reuse is checked as self-consistency at the logits level: the logits after
 prefilling only the new suffix onto the reused cache equal those of a fresh full forward over
 the whole rendered conversation.
 """

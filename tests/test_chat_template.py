@@ -1,4 +1,4 @@
-"""mlxlis.chat_template: transformers parity, discovery order, the sandbox, the L-4 diagnosis.
+"""mlxlis.chat_template: transformers parity, discovery order, the sandbox, the missing-template diagnosis.
 
 The reference rendering is transformers' own `apply_chat_template(tokenize=False)` on a minimal
 PreTrainedTokenizerFast whose chat_template (and bos/eos) we set. Real GGUF metadata is read with
@@ -325,7 +325,7 @@ def test_errors_name_source_and_line():
         found.render(ONE)
 
 
-# ---------------------------------------------------------------- L-4 diagnosis
+# ---------------------------------------------------------------- missing-template diagnosis
 
 
 @pytest.mark.real

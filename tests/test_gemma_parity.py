@@ -2,9 +2,9 @@
 
 Reference parity: tiny random checkpoints built with transformers' own Gemma classes (eager
 attention, fp32), written by save_pretrained (transformers-5 keys), compared with transformers'
-forward as logits along one fixed trajectory (seeds L-7), at 64 tokens: more than 3 × the
-sliding window of 8, so every sliding layer clips (L-8).
-Self-consistency (L-9: proves only that our paths agree): token-by-token decode and chunked
+forward as logits along one fixed trajectory, at 64 tokens: more than 3 × the
+sliding window of 8, so every sliding layer clips (short prompts hide window bugs).
+Self-consistency (proves only that our paths agree): token-by-token decode and chunked
 prefill through KVCache / RotatingKVCache against our own full forward, at the same length.
 """
 

@@ -1,7 +1,7 @@
 """Llama / Qwen2 forward pass against transformers (reference parity) and against itself.
 
 Reference parity: tiny random checkpoints written by transformers' save_pretrained, compared
-with transformers' own forward in fp32 as logits along one fixed trajectory (seeds L-7).
+with transformers' own forward in fp32 as logits along one fixed trajectory.
 Self-consistency: the KV-cache paths against our own full forward.
 """
 

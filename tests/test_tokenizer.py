@@ -1,7 +1,7 @@
 """Tokenizer tests: GGUF vocabularies, folders (tokenizer.json / .model), streaming, errors.
 
 Reference: transformers' own GGUF-built tokenizers (`AutoTokenizer.from_pretrained(dir,
-gguf_file=...)`), which matched llama.cpp's ids on every string tried (DESIGN.md). Building them
+gguf_file=...)`), which matched llama.cpp's ids on every string tried. Building them
 takes ~30 s for the three models, so each is built once, saved with `save_pretrained` into the
 pytest cache (keyed by model file size / mtime and the transformers version), and reloaded from
 there (~5 s for all three). The saved folder is also the input of the from_folder tests.
@@ -385,7 +385,7 @@ def tiny_gpt2_metadata(**extra) -> dict:
 
 
 def test_tiny_gpt2_vocabulary_and_missing_model_key():
-    """L-6: without tokenizer.ggml.model the vocabulary is read as GPT-2 BPE (documented
+    """Without tokenizer.ggml.model the vocabulary is read as GPT-2 BPE (documented
     default); merges apply, control text splits only with special=True, decode round-trips."""
     tok = Tokenizer.from_gguf(tiny_gpt2_metadata(**{"tokenizer.ggml.model": None}), "tiny.gguf")
     n = len(bytes_to_unicode())

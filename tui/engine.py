@@ -122,7 +122,7 @@ class Engine:
 
     @property
     def blocked(self) -> bool:
-        """Chat mode on a model without a chat template: refuse to send (seeds L-4)."""
+        """Chat mode on a model without a chat template: refuse to send."""
         return not self.raw and self.template_source is None
 
     def diagnosis(self) -> str:

@@ -88,7 +88,7 @@ class Note(Markdown):
 
 
 class Diagnosis(Static):
-    """Chat mode on a model with no template: why, and the explicit ways out (seeds L-4)."""
+    """Chat mode on a model with no template: why, and the explicit ways out."""
 
     def __init__(self, diagnosis: str):
         text = Text()

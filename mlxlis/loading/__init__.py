@@ -81,6 +81,8 @@ def load_folder(
     cfg = config_from_hf(read_json(cfg_path), str(cfg_path), generation)
     weights = load_tensors(folder)
     net = build_model(cfg)
+    if hasattr(net, "sanitize"):  # family-specific renames (e.g. multimodal Gemma 3 prefixes)
+        weights = net.sanitize(weights)
     quantized = any(k.endswith(".scales") for k in weights)
     if quantized:
         quantize_like(net, weights, cfg.quantization)

@@ -60,7 +60,8 @@ def config_from_gguf(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...
     rope = RopeConfig(theta=theta)
     scaling = md.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
-        rope = RopeConfig(theta=theta, type="linear", factor=m.get("rope.scaling.factor", 1.0, float))
+        factor = m.get("rope.scaling.factor", 1.0, float)
+        rope = RopeConfig(theta=theta, type="linear", factor=factor)
     elif scaling not in ("none", None):
         raise UnsupportedError(f"rope scaling {scaling!r} is not implemented", path=path,
                                field=f"{arch}.rope.scaling.type")

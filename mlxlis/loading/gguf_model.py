@@ -22,7 +22,7 @@ from .conventions import undo
 from .gguf import GGUFFile, read_gguf
 from .gguf_config import config_from_gguf
 from .gguf_names import SPECIAL, module_name
-from .quants import convert_tensor
+from .quants import allocate, convert_tensor
 
 # Per-device default for `dequantize=None`, from decode tok/s measured on the three catalog
 # models (2-core x86, OpenBLAS, fp32, greedy, 64 tokens after a 100-token prompt):
@@ -92,19 +92,31 @@ def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dequantize: bool, clock: _Clock
     quant: dict[str, dict] = {}
     rope_freqs = None
     path = str(gf.path)
-    for name, t in gf.tensors.items():
+    targets = {}
+    for name in gf.tensors:
+        targets[name] = None if name in SPECIAL else module_name(cfg.family, name)
+        if targets[name] is None and name not in SPECIAL:
+            raise UnexpectedTensorError(f"no {cfg.family} module takes this tensor",
+                                        path=gf.path, field=name)
+    # Each tensor's final buffers are allocated and zero-filled on MLX's own thread while the
+    # tensor before it converts (mx.async_eval of one tensor's buffers at a time: a long list
+    # blocks on MLX's cap on in-flight tasks). They are the loaded weights: no extra memory.
+    names = list(gf.tensors)
+    buffers = {name: allocate(t, dequantize=dequantize) for name, t in gf.tensors.items()
+               if name not in SPECIAL}
+    for i, (name, t) in enumerate(gf.tensors.items()):
+        if i + 1 < len(names) and buffers.get(names[i + 1]):
+            mx.async_eval(buffers[names[i + 1]])
         if name in SPECIAL:
             rope_freqs = convert_tensor(t, gf.raw(name), mx.float32, dequantize=True,
                                         path=path).weight.reshape(-1)
             gf.release(name)
             continue
-        target = module_name(cfg.family, name)
-        if target is None:
-            raise UnexpectedTensorError(f"no {cfg.family} module takes this tensor",
-                                        path=gf.path, field=name)
+        target = targets[name]
         # 1-D tensors (norms, biases) convert in fp32 so `w - 1` happens before rounding
         conv_dtype = mx.float32 if len(t.shape) == 1 else dtype
-        conv = convert_tensor(t, gf.raw(name), conv_dtype, dequantize=dequantize, path=path)
+        conv = convert_tensor(t, gf.raw(name), conv_dtype, dequantize=dequantize, path=path,
+                              out=buffers.pop(name, ()))
         gf.release(name)  # the file pages of this tensor are no longer needed
         module = target.rsplit(".", 1)[0]
         if conv.scales is not None:

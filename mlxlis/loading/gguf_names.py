@@ -40,7 +40,8 @@ for _family, _block in (("llama", _LLAMA_BLOCK), ("qwen2", _LLAMA_BLOCK),
                         ("gemma", _LLAMA_BLOCK), ("gemma2", _GEMMA2_BLOCK),
                         ("gemma3", _GEMMA3_BLOCK)):
     table = {f"{k}.{{p}}": f"{v}.{{p}}" for k, v in _TOP.items()}
-    table.update({f"blk.{{i}}.{k}.{{p}}": f"model.layers.{{i}}.{v}.{{p}}" for k, v in _block.items()})
+    table.update({f"blk.{{i}}.{k}.{{p}}": f"model.layers.{{i}}.{v}.{{p}}"
+                  for k, v in _block.items()})
     TABLES[_family] = table
 
 # GGUF tensors that are not module parameters (used by the loader directly)

@@ -18,6 +18,31 @@ a MemoryError or a hang.
 | GGUF_MAX_ELEMENTS          | 2**40       | elements in one tensor       | real ≤ 2**32          |
 | GGUF_MAX_ALIGNMENT         | 2**20       | `general.alignment` (2**k)   | the default is 32     |
 | SAFETENSORS_MAX_HEADER     | 100_000_000 | safetensors header bytes     | safetensors' own cap  |
+| SAFETENSORS_MAX_TENSORS    | 2**20       | entries in one header        | real: a few 1000      |
+| SAFETENSORS_MAX_DIMS       | 8           | rank of a safetensors tensor | decoders use ≤ 4      |
+| SAFETENSORS_MAX_ELEMENTS   | 2**40       | elements in one tensor       | real ≤ 2**32          |
+| SAFETENSORS_MAX_FILES      | 4096        | shards of one folder/source  | real ≤ 200            |
+| JSON_MAX_DEPTH             | 64          | nesting of any JSON we parse | real files: ≤ 6       |
+| CONFIG_JSON_MAX_BYTES      | 2**24       | config.json, generation_ and | real ≤ 100 KB         |
+|                            |             | special_tokens_map.json      |                       |
+| INDEX_JSON_MAX_BYTES       | 2**26       | model.safetensors.index.json | real ≤ 10 MB (MoE)    |
+| TOKENIZER_CONFIG_MAX_BYTES | 2**26       | tokenizer_config.json        | ≤ 5 MB (added tokens) |
+| TOKENIZER_JSON_MAX_BYTES   | 2**28       | tokenizer.json (size only)   | real ≤ 35 MB          |
+| CONFIG_MAX_LAYERS          | 1024        | num_hidden_layers            | real ≤ 126            |
+| CONFIG_MAX_DIM             | 2**20       | hidden/intermediate sizes,   | real ≤ 53248          |
+|                            |             | heads, head_dim              |                       |
+| CONFIG_MAX_VOCAB           | 2**22       | vocab_size                   | real ≤ 262144         |
+| MANIFEST_MAX_BYTES         | 2**23       | a binding manifest file      | flat JSON, 10k params |
+|                            |             |                              | ≈ 1 MB                |
+| MANIFEST_MAX_DEPTH         | 16          | manifest nesting             | the format needs 4    |
+| MANIFEST_MAX_NODES         | 2**20       | YAML events / JSON values    | ≈ 3 per binding       |
+| MANIFEST_MAX_STRING        | 4096        | a path, key, name or glob    | tensor names ≤ 200 B  |
+| MANIFEST_MAX_BINDINGS      | 2**20       | bindings after `{i}`         | ≤ parameters of the   |
+|                            |             | expansion                    | model                 |
+| MANIFEST_MAX_SOURCES       | 64          | named sources                | real: 1–3             |
+
+Timing: every check above is made before the data it bounds is allocated or parsed, so the work
+a hostile file causes is linear in the bytes actually read, which are themselves bounded here.
 """
 
 from __future__ import annotations
@@ -34,3 +59,21 @@ GGUF_MAX_DIM = (1 << 31) - 1
 GGUF_MAX_ELEMENTS = 1 << 40
 GGUF_MAX_ALIGNMENT = 1 << 20
 SAFETENSORS_MAX_HEADER = 100_000_000
+SAFETENSORS_MAX_TENSORS = 1 << 20
+SAFETENSORS_MAX_DIMS = 8
+SAFETENSORS_MAX_ELEMENTS = 1 << 40
+SAFETENSORS_MAX_FILES = 4096
+JSON_MAX_DEPTH = 64
+CONFIG_JSON_MAX_BYTES = 1 << 24
+INDEX_JSON_MAX_BYTES = 1 << 26
+TOKENIZER_CONFIG_MAX_BYTES = 1 << 26
+TOKENIZER_JSON_MAX_BYTES = 1 << 28
+CONFIG_MAX_LAYERS = 1024
+CONFIG_MAX_DIM = 1 << 20
+CONFIG_MAX_VOCAB = 1 << 22
+MANIFEST_MAX_BYTES = 1 << 23
+MANIFEST_MAX_DEPTH = 16
+MANIFEST_MAX_NODES = 1 << 20
+MANIFEST_MAX_STRING = 4096
+MANIFEST_MAX_BINDINGS = 1 << 20
+MANIFEST_MAX_SOURCES = 64

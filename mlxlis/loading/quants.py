@@ -88,10 +88,7 @@ def allocate(t: GGUFTensor, *, dequantize: bool = False) -> tuple[mx.array, ...]
     if name in QUANTIZABLE:
         if dequantize or len(t.shape) < 2:
             return ()  # temporaries of the dense path: made when needed
-        rows, cols = math.prod(t.shape[:-1]), t.shape[-1]
-        return (mx.zeros((rows, cols * _BITS[name] // 32), mx.uint32),
-                mx.zeros((rows, cols // GROUP), mx.float32),
-                mx.zeros((rows, cols // GROUP), mx.float32))  # fmt: skip
+        return _quantized_buffers(t)
     if name in ("F32", "F16", "BF16") or t.ggml_type not in GGML_TYPES:
         return ()
     return (mx.zeros(t.shape, mx.float32),)
@@ -348,24 +345,29 @@ _KERNELS: dict[str, Kernel] = {
 }  # fmt: skip
 
 
+def _quantized_buffers(t: GGUFTensor) -> tuple[mx.array, mx.array, mx.array]:
+    rows, cols = math.prod(t.shape[:-1]), t.shape[-1]  # 1-D: one row
+    return (mx.zeros((rows, cols * _BITS[t.type_name] // 32), mx.uint32),
+            mx.zeros((rows, cols // GROUP), mx.float32),
+            mx.zeros((rows, cols // GROUP), mx.float32))  # fmt: skip
+
+
 def _quantized(t: GGUFTensor, raw: np.ndarray, dtype: mx.Dtype,
                out: tuple[mx.array, ...]) -> Converted:  # fmt: skip
     _, block, type_size = GGML_TYPES[t.ggml_type]
     bits = _BITS[t.type_name]
     cols = t.shape[-1]
     n_blocks = t.nbytes // type_size
-    w, s, m = out or allocate(t.__class__(t.name, t.ggml_type, t.type_name, (1, raw.size // (
-        type_size * cols // block) * cols) if len(t.shape) < 2 else t.shape, 0, t.nbytes))
+    w, s, m = out or _quantized_buffers(t)
     # every block fills its own slots of the outputs, so blocks convert independently
     blocks = raw.reshape(n_blocks, type_size)
-    wv, sv, mv = (v.reshape(n_blocks, -1) for v in (wv, sv, mv))
+    wv, sv, mv = (_writable(a).reshape(n_blocks, -1) for a in (w, s, m))
     kernel = _KERNELS[t.type_name]
 
     def chunk(i: int, j: int) -> None:
         kernel(blocks[i:j], wv[i:j], sv[i:j], mv[i:j])
 
     _for_chunks(n_blocks, max(1, CHUNK_ELEMENTS // block), chunk)
-    del wv, sv, mv
     lead = t.shape[:-1]
     w = w.reshape(*lead, cols * bits // 32)
     s = s.reshape(*lead, cols // GROUP)
@@ -430,39 +432,40 @@ _DENSE_DECODERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 
 
 def _dense_blocks(t: GGUFTensor, raw: np.ndarray, dtype: mx.Dtype,
-                  fn: Callable[[np.ndarray], np.ndarray]) -> mx.array:  # fmt: skip
+                  fn: Callable[[np.ndarray], np.ndarray],
+                  out: tuple[mx.array, ...]) -> mx.array:  # fmt: skip
     """fn: blocks (n, type_size) uint8 -> (n, block) float32 values, written into the output."""
     _, block, type_size = GGML_TYPES[t.ggml_type]
-    out, view = _buffer(t.shape, mx.float32)
+    (dense,) = out or (mx.zeros(t.shape, mx.float32),)
     n_blocks = raw.size // type_size
-    blocks, values = raw.reshape(n_blocks, type_size), view.reshape(n_blocks, block)
+    blocks, values = raw.reshape(n_blocks, type_size), _writable(dense).reshape(n_blocks, block)
 
     def chunk(i: int, j: int) -> None:
         values[i:j] = fn(blocks[i:j])
 
     _for_chunks(n_blocks, max(1, CHUNK_ELEMENTS // block), chunk)
-    del view, values
     if dtype != mx.float32:
-        out = out.astype(dtype)
-        mx.eval(out)
-    return out
+        dense = dense.astype(dtype)
+        mx.eval(dense)
+    return dense
 
 
-def _dense(t: GGUFTensor, raw: np.ndarray, dtype: mx.Dtype, path: str) -> mx.array:
+def _dense(t: GGUFTensor, raw: np.ndarray, dtype: mx.Dtype, path: str,
+           out: tuple[mx.array, ...]) -> mx.array:  # fmt: skip
     name = t.type_name
     if name in ("F32", "F16"):
-        out = mx.array(raw.view("<f4" if name == "F32" else "<f2").reshape(t.shape))
-        out = out.astype(dtype)
+        dense = mx.array(raw.view("<f4" if name == "F32" else "<f2").reshape(t.shape))
+        dense = dense.astype(dtype)
     elif name == "BF16":
-        out = mx.array(raw.view("<u2").reshape(t.shape)).view(mx.bfloat16).astype(dtype)
+        dense = mx.array(raw.view("<u2").reshape(t.shape)).view(mx.bfloat16).astype(dtype)
     elif name == "F64":
-        return _dense_blocks(t, raw, dtype, lambda b: b.view("<f8").astype(np.float32))
+        return _dense_blocks(t, raw, dtype, lambda b: b.view("<f8").astype(np.float32), out)
     elif name in _DENSE_DECODERS:
-        return _dense_blocks(t, raw, dtype, _DENSE_DECODERS[name])
+        return _dense_blocks(t, raw, dtype, _DENSE_DECODERS[name], out)
     else:  # IQ*, TQ*, MXFP4, ...: gguf-py's dequantizer when it has one
-        return _dense_blocks(t, raw, dtype, _gguf_dequantizer(t, path))
-    mx.eval(out)
-    return out
+        return _dense_blocks(t, raw, dtype, _gguf_dequantizer(t, path), out)
+    mx.eval(dense)
+    return dense
 
 
 def _gguf_dequantizer(t: GGUFTensor, path: str) -> Callable[[np.ndarray], np.ndarray]:
