@@ -9,7 +9,6 @@ among the four possible causes and the explicit ways out.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -54,6 +53,13 @@ class ChatTemplate:
     key: str | None = field(default=None, compare=False)  # the field inside that file
 
     def __post_init__(self) -> None:
+        from .loading import limits
+
+        if len(self.text) > limits.CHAT_TEMPLATE_MAX_CHARS:
+            raise self._error(
+                f"template of {len(self.text)} characters is over the limit of "
+                f"{limits.CHAT_TEMPLATE_MAX_CHARS}"
+            )
         self._compiled()
 
     def _error(self, message: str) -> TemplateError:
@@ -66,6 +72,13 @@ class ChatTemplate:
             raise self._error(f"template syntax error on line {e.lineno}: {e.message}") from None
         except jinja2.TemplateError as e:  # e.g. SecurityError from the compile-time checks
             raise self._error(f"template refused: {e}") from None
+        except (RecursionError, SyntaxError, MemoryError, ValueError, OverflowError) as e:
+            # untrusted text: nesting past the parser's recursion or Python's block/indent
+            # limits (`{% for %}` 21 deep), or a literal Python cannot compile
+            raise self._error(
+                f"template cannot be compiled ({type(e).__name__}: {e}); "
+                "it is nested too deeply or too large"
+            ) from None
 
     def render(
         self,
@@ -154,18 +167,23 @@ def _as_text(value: Any) -> str | None:
 
 
 def _read_text(path: Path) -> str:
+    from .loading import limits
+    from .loading.validate import read_bytes
+
+    raw = read_bytes(path, limits.CHAT_TEMPLATE_MAX_CHARS * 4, TemplateError, "chat template")
     try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
         raise TemplateError(f"cannot read chat template: {e}", path=path) from None
 
 
 def _template_from_config(path: Path, source: str) -> ChatTemplate | None:
     """The "chat_template" of a JSON config: a string, or a list of {"name", "template"}."""
-    try:
-        config = json.loads(_read_text(path))
-    except json.JSONDecodeError as e:
-        raise TemplateError(f"not valid JSON (line {e.lineno}): {e.msg}", path=path) from None
+    from .loading import limits
+    from .loading.validate import read_json_file
+
+    # bounded like every JSON mlxlis parses: size before parsing, nesting after
+    config = read_json_file(path, limits.TOKENIZER_CONFIG_MAX_BYTES, TemplateError, what=path.name)
     value = config.get("chat_template") if isinstance(config, dict) else None
     if isinstance(value, list):
         named = {

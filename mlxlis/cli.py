@@ -30,13 +30,42 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dequantize",
         action="store_true",
-        help="make every quantized GGUF weight dense in the compute dtype",
+        default=None,
+        help="make every quantized GGUF weight dense in the compute dtype "
+        "(default: per device — dense on CPU when it fits, quantized on Metal/CUDA)",
+    )
+    p.add_argument(
+        "--quantized",
+        dest="dequantize",
+        action="store_false",
+        help="keep GGUF quantized blocks quantized (exact MLX affine arrays) on any device",
     )
     p.add_argument(
         "--chat-template",
         metavar="FILE|NAME",
         default=None,
         help="a .jinja file or a built-in template name, used instead of the model's",
+    )
+    p.add_argument(
+        "--bindings",
+        metavar="FILE",
+        default=None,
+        help="binding manifest (JSON or YAML) mapping the model's parameter paths to the "
+        "checkpoint's tensor names (safetensors folders)",
+    )
+    strictness = p.add_mutually_exclusive_group()
+    strictness.add_argument(
+        "--strict",
+        dest="strict",
+        action="store_true",
+        default=True,
+        help="tensors that no parameter takes are an error (default)",
+    )
+    strictness.add_argument(
+        "--lenient",
+        dest="strict",
+        action="store_false",
+        help="ignore tensors that no parameter takes (listed on stderr with --verbose)",
     )
     p.add_argument("--verbose", "-v", action="store_true", help="model details and stats on stderr")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -88,9 +117,34 @@ def say(*parts: object) -> None:
 
 
 def load_model(a: argparse.Namespace):
-    from . import load
+    import warnings
 
-    return load(a.model, a.dtype, dequantize=a.dequantize, chat_template=a.chat_template)
+    from . import load
+    from .loading.manifest import UnboundTensorsWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnboundTensorsWarning)
+        model = load(
+            a.model,
+            a.dtype,
+            dequantize=a.dequantize,
+            chat_template=a.chat_template,
+            bindings=getattr(a, "bindings", None),
+            strict=getattr(a, "strict", True),
+        )
+    for w in caught:
+        if isinstance(w.message, UnboundTensorsWarning):
+            tensors = w.message.tensors
+            if getattr(a, "verbose", False):
+                say(f"mlxlis: --lenient: {len(tensors)} tensors bound to no parameter, ignored:")
+                for source, key in tensors:
+                    say(f"  {key} ({source})")
+            else:
+                say(f"mlxlis: --lenient: ignored {len(tensors)} tensors bound to no parameter "
+                    "(--verbose lists them)")  # fmt: skip
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return model
 
 
 def print_details(model) -> None:

@@ -6,13 +6,13 @@ model code reads fields instead of branching on the family name.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, UnsupportedError
+from .loading import limits
 
 # model_type in config.json -> family implemented here
 MODEL_TYPES: dict[str, str] = {
@@ -81,7 +81,7 @@ class ModelConfig:
         return replace(self, **changes)
 
 
-def _req(cfg: dict, key: str, path: str, typ: type = int) -> Any:
+def _req(cfg: dict, key: str, path: str, typ: type = int, limit: int | None = None) -> Any:
     if key not in cfg or cfg[key] is None:
         raise ConfigError("required field missing", path=path, field=key)
     value = cfg[key]
@@ -89,18 +89,26 @@ def _req(cfg: dict, key: str, path: str, typ: type = int) -> Any:
         raise ConfigError(f"expected an integer, got {value!r}", path=path, field=key)
     if typ is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
         raise ConfigError(f"expected a number, got {value!r}", path=path, field=key)
-    if typ in (int, float) and value <= 0:
+    if typ in (int, float) and not value > 0:  # NaN fails too
         raise ConfigError(f"must be positive, got {value!r}", path=path, field=key)
+    if limit is not None and value > limit:
+        raise ConfigError(f"{value!r} exceeds the limit of {limit}", path=path, field=key)
     return value
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def parse_rope(params: dict | None, theta: float | None, path: str, fld: str) -> RopeConfig:
     """A RopeConfig from a classic `rope_scaling` dict or a transformers-5 `rope_parameters`."""
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError(f"expected an object, got {params!r}"[:200], path=path, field=fld)
     params = dict(params or {})
     theta = params.pop("rope_theta", theta)
     if theta is None:
         theta = 10000.0
-    if not isinstance(theta, (int, float)) or theta <= 0:
+    if not _number(theta) or theta <= 0:
         raise ConfigError(f"bad rope theta {theta!r}", path=path, field=fld)
     rtype = params.get("rope_type", params.get("type", "default")) or "default"
     if rtype not in ROPE_TYPES:
@@ -112,7 +120,7 @@ def parse_rope(params: dict | None, theta: float | None, path: str, fld: str) ->
     if rtype == "default":
         return RopeConfig(theta=float(theta))
     factor = params.get("factor")
-    if not isinstance(factor, (int, float)) or factor <= 0:
+    if not _number(factor) or factor <= 0:
         raise ConfigError(f"rope type {rtype} needs a positive factor", path=path, field=fld)
     if rtype == "linear":
         return RopeConfig(theta=float(theta), type="linear", factor=float(factor))
@@ -125,7 +133,7 @@ def parse_rope(params: dict | None, theta: float | None, path: str, fld: str) ->
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise ConfigError(
             f"llama3 rope scaling lacks or mangles {e}", path=path, field=fld
         ) from None
@@ -144,12 +152,10 @@ def _eos_list(value: Any, path: str, fld: str) -> tuple[int, ...]:
 
 
 def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError("file not found", path=path) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"invalid JSON ({e})", path=path) from None
+    """A config JSON file, bounded: its size before parsing, its nesting after."""
+    from .loading.validate import read_json_file
+
+    data = read_json_file(path, limits.CONFIG_JSON_MAX_BYTES, ConfigError, what=Path(path).name)
     if not isinstance(data, dict):
         raise ConfigError("expected a JSON object", path=path)
     return data
@@ -159,8 +165,12 @@ def config_from_hf(
     cfg: dict, path: str = "config.json", generation: dict | None = None
 ) -> ModelConfig:
     """ModelConfig from a Hugging Face config.json dict (classic or transformers-5 keys)."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"expected a JSON object, got {type(cfg).__name__}", path=path)
+    if generation is not None and not isinstance(generation, dict):
+        raise ConfigError("generation config is not a JSON object", path=path)
     model_type = cfg.get("model_type")
-    if model_type not in MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         known = ", ".join(sorted(MODEL_TYPES))
         raise UnsupportedError(
             f"model_type {model_type!r} is not supported (known: {known})",
@@ -170,11 +180,18 @@ def config_from_hf(
     family = MODEL_TYPES[model_type]
     quant = cfg.get("quantization", cfg.get("quantization_config"))
     if "text_config" in cfg:  # multimodal wrapper (gemma3): the decoder lives in text_config
-        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", model_type)}
+        text = cfg["text_config"]
+        if not isinstance(text, dict):
+            raise ConfigError("expected an object", path=path, field="text_config")
+        cfg = {**text, "model_type": text.get("model_type", model_type)}
     from .families import parse_family_config  # late import: families import config
 
     base = _common(cfg, family, path)
-    base = parse_family_config(family, cfg, base, path)
+    try:
+        base = parse_family_config(family, cfg, base, path)
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
+        # config.json is untrusted: a value of the wrong type is a bad file, not a crash
+        raise ConfigError(f"malformed value ({type(e).__name__}: {e})"[:300], path=path) from None
     eos = _eos_list(cfg.get("eos_token_id"), path, "eos_token_id")
     if generation and generation.get("eos_token_id") is not None:
         eos = tuple(
@@ -191,17 +208,32 @@ def config_from_hf(
 
 
 def _common(cfg: dict, family: str, path: str) -> ModelConfig:
-    hidden = _req(cfg, "hidden_size", path)
-    heads = _req(cfg, "num_attention_heads", path)
+    hidden = _req(cfg, "hidden_size", path, limit=limits.CONFIG_MAX_DIM)
+    heads = _req(cfg, "num_attention_heads", path, limit=limits.CONFIG_MAX_DIM)
     kv_heads = cfg.get("num_key_value_heads") or heads
-    if not isinstance(kv_heads, int) or heads % kv_heads:
+    if (
+        not isinstance(kv_heads, int)
+        or isinstance(kv_heads, bool)
+        or not 0 < kv_heads <= heads
+        or heads % kv_heads
+    ):
         raise ConfigError(
             f"num_key_value_heads {kv_heads!r} must divide {heads}",
             path=path,
             field="num_key_value_heads",
         )
     head_dim = cfg.get("head_dim") or hidden // heads
-    layers = _req(cfg, "num_hidden_layers", path)
+    if (
+        not isinstance(head_dim, int)
+        or isinstance(head_dim, bool)
+        or not 0 < head_dim <= limits.CONFIG_MAX_DIM
+    ):
+        raise ConfigError(
+            f"head_dim {head_dim!r} must be a positive integer ≤ {limits.CONFIG_MAX_DIM}",
+            path=path,
+            field="head_dim",
+        )
+    layers = _req(cfg, "num_hidden_layers", path, limit=limits.CONFIG_MAX_LAYERS)
     rope_params = cfg.get("rope_parameters")
     if isinstance(rope_params, dict) and "full_attention" in rope_params:
         rope_params = rope_params["full_attention"]  # per layer type (Gemma 3): global layers
@@ -209,22 +241,36 @@ def _common(cfg: dict, family: str, path: str) -> ModelConfig:
         rope = parse_rope(rope_params, cfg.get("rope_theta"), path, "rope_parameters")
     else:
         rope = parse_rope(cfg.get("rope_scaling"), cfg.get("rope_theta"), path, "rope_scaling")
+    eps = cfg.get("rms_norm_eps")
+    eps = 1e-6 if eps is None else eps
+    if not _number(eps) or eps < 0:
+        raise ConfigError(f"expected a small positive number, got {eps!r}"[:200], path=path,
+                          field="rms_norm_eps")  # fmt: skip
+    max_pos = cfg.get("max_position_embeddings") or 4096
+    if isinstance(max_pos, float) and max_pos.is_integer():
+        max_pos = int(max_pos)
+    if not isinstance(max_pos, int) or isinstance(max_pos, bool) or not 0 < max_pos < 2**31:
+        raise ConfigError(f"expected a positive integer, got {max_pos!r}"[:200], path=path,
+                          field="max_position_embeddings")  # fmt: skip
+    act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+    if not isinstance(act, str):
+        raise ConfigError(f"expected a string, got {act!r}"[:200], path=path, field="hidden_act")
     return ModelConfig(
         family=family,
-        vocab_size=_req(cfg, "vocab_size", path),
+        vocab_size=_req(cfg, "vocab_size", path, limit=limits.CONFIG_MAX_VOCAB),
         hidden_size=hidden,
-        intermediate_size=_req(cfg, "intermediate_size", path),
+        intermediate_size=_req(cfg, "intermediate_size", path, limit=limits.CONFIG_MAX_DIM),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(eps),
         rope=rope,
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+        max_position_embeddings=max_pos,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.startswith("gemma"))),
         attention_bias=bool(cfg.get("attention_bias", False)),
         o_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        hidden_act=str(cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"),
+        hidden_act=act,
         source=path,
     )

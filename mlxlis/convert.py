@@ -12,8 +12,12 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -253,11 +257,34 @@ def _verify(model, folder: Path) -> None:
         )
 
 
+@contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold Ctrl+C until the block ends (main thread only), then raise it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda sig, frame: caught.append(sig))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def _publish(tmp: Path, output: Path) -> None:
-    if output.exists():
-        old = output.with_name(f".{output.name}.old-{os.getpid()}")
+    """Move the finished folder into place; an existing destination is swapped out and only
+    deleted once the new one is in place (restored if the swap fails)."""
+    if not output.exists():
+        os.rename(tmp, output)
+        return
+    old = output.with_name(f".{output.name}.old-{os.getpid()}")
+    with _sigint_deferred():
         os.rename(output, old)
-        os.rename(tmp, output)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, output)
+        try:
+            os.rename(tmp, output)
+        except BaseException:
+            os.rename(old, output)
+            raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -9,6 +9,9 @@ quantize, bind), tokenizer (built on its own thread while the weights convert: i
 the time the loader waited for it) and template. Memory: peak RSS of the process before and
 after the load (ru_maxrss), MLX's peak, and the final weight bytes; the goal (seeds/003 L-2) is
 peak RSS ≤ 1.3 × weights + 200 MB. With no NAME, every pulled catalog model.
+
+--decode also measures greedy decode speed after the load (64 tokens after a ~100-token
+prompt, best of ROUNDS), the figure behind the per-device dense/quantized default in gguf_model.py.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import mlxlis  # noqa: E402,F401  (preloads the BLAS before anything imports mlx.core)
+import mlxlis  # noqa: E402  (preloads the BLAS before anything imports mlx.core)
 
 MB = 1e6
 
@@ -35,7 +38,22 @@ def _rss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
-def child(name: str, dequantize: bool | None, cprofile: bool) -> dict:
+PROMPT = ("The history of computing is a story of abstraction layered upon abstraction. Early "
+          "machines were programmed by rewiring; later, stored programs let the same hardware do "
+          "many things. Compilers, operating systems and networks followed, each hiding ") * 3
+
+
+def decode_tps(model, rounds: int = 3) -> tuple[float, float]:
+    """Best (prompt tok/s, decode tok/s) of greedy generation: 64 tokens after 100."""
+    ids = model.tokenizer.encode(PROMPT)[:100]
+    prompt = decode = 0.0
+    for _ in range(rounds):
+        stats = list(mlxlis.generate(model, ids, max_tokens=64, stop_ids=set()))[-1].stats
+        prompt, decode = max(prompt, stats.prompt_tps), max(decode, stats.decode_tps)
+    return prompt, decode
+
+
+def child(name: str, dequantize: bool | None, cprofile: bool, decode: int) -> dict:
     """Runs in the fresh process: one load, measured."""
     import mlxlis.chat_template  # noqa: F401  (imports belong to the baseline, not the load)
     import mlxlis.tokenizer  # noqa: F401
@@ -67,9 +85,12 @@ def child(name: str, dequantize: bool | None, cprofile: bool) -> dict:
         prof.disable()
         pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(20)
     weights = sum(v.nbytes for _, v in tree_flatten(model.net.parameters()))
-    return {"name": name, "wall": wall, "cpu": cpu, "timings": timings,
-            "base_rss": base_rss, "peak_rss": _rss_bytes(), "mx_peak": mx.get_peak_memory(),
-            "weights": weights, "quant": model.quant_summary}
+    out = {"name": name, "wall": wall, "cpu": cpu, "timings": timings,
+           "base_rss": base_rss, "peak_rss": _rss_bytes(), "mx_peak": mx.get_peak_memory(),
+           "weights": weights, "quant": model.quant_summary}
+    if decode:
+        out["prompt_tps"], out["decode_tps"] = decode_tps(model, decode)
+    return out
 
 
 def report(r: dict) -> None:
@@ -82,6 +103,9 @@ def report(r: dict) -> None:
     print(f"  weights {r['weights'] / MB:.0f} MB; peak RSS {r['peak_rss'] / MB:.0f} MB "
           f"(before load {r['base_rss'] / MB:.0f} MB), MLX peak {r['mx_peak'] / MB:.0f} MB; "
           f"goal ≤ {goal / MB:.0f} MB: {'ok' if r['peak_rss'] <= goal else 'OVER'}")
+    if "decode_tps" in r:
+        print(f"  prompt {r['prompt_tps']:.1f} tok/s, decode {r['decode_tps']:.1f} tok/s "
+              "(greedy, 64 tokens after 100)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,10 +116,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="load quantized even where the device default is dense")
     p.add_argument("--repeat", type=int, default=1, help="loads per model; the fastest is shown")
     p.add_argument("--cprofile", action="store_true", help="cProfile top 20 on stderr")
+    p.add_argument("--decode", type=int, nargs="?", const=3, default=0, metavar="ROUNDS",
+                   help="also measure decode tok/s (best of ROUNDS generations, default 3)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(child(a.names[0], a.dequantize, a.cprofile)))
+        print(json.dumps(child(a.names[0], a.dequantize, a.cprofile, a.decode)))
         return 0
     names = a.names
     if not names:
@@ -104,13 +130,18 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in catalog.CATALOG if catalog.is_pulled(n)]
     flags = [] if a.dequantize is None else ["--dequantize" if a.dequantize else "--quantized"]
     flags += ["--cprofile"] if a.cprofile else []
+    flags += [f"--decode={a.decode}"] if a.decode else []
     for name in names:
         runs = []
         for _ in range(a.repeat):
             out = subprocess.run([sys.executable, __file__, "--child", name, *flags],
                                  check=True, stdout=subprocess.PIPE, text=True)
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        report(min(runs, key=lambda r: r["wall"]))
+        best = min(runs, key=lambda r: r["wall"])
+        if a.decode:
+            best["decode_tps"] = max(r["decode_tps"] for r in runs)
+            best["prompt_tps"] = max(r["prompt_tps"] for r in runs)
+        report(best)
     return 0
 
 

@@ -734,7 +734,8 @@ def test_load_model_pulls_a_missing_catalog_model_with_progress(monkeypatch):
     opts = Options(model="smollm2-135m", chat_template="chatml")
     got = engine.load_model(opts, lambda *a: seen.append(a))
     assert pulled == ["smollm2-135m"] and seen[0] == ("downloading x", 0, 1)
-    assert got == ("model", "smollm2-135m", {"dequantize": False, "chat_template": "chatml"})
+    assert got == ("model", "smollm2-135m", {"dequantize": None, "chat_template": "chatml",
+                                             "bindings": None, "strict": True})
     engine.load_model(opts, lambda *a: seen.append(a))
     assert pulled == ["smollm2-135m"]  # not pulled twice
 

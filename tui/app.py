@@ -335,7 +335,7 @@ def parse_args(argv: list[str]) -> Options:
     a = p.parse_args(argv)
     return Options(model=a.model, dtype=a.dtype, dequantize=a.dequantize,
                    chat_template=a.chat_template, system=a.system, no_chat=a.no_chat,
-                   sampling=sampling_kwargs(a))
+                   sampling=sampling_kwargs(a), bindings=a.bindings, strict=a.strict)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,10 +27,12 @@ class Options:
 
     model: str = catalog.DEFAULT_MODEL
     dtype: str | None = None
-    dequantize: bool = False
+    dequantize: bool | None = None  # None: the device's default
     chat_template: str | None = None
     system: str | None = None
     no_chat: bool = False
+    bindings: str | None = None
+    strict: bool = True
     sampling: dict = field(default_factory=lambda: dict(SAMPLING_DEFAULTS))
 
 
@@ -41,7 +43,8 @@ def load_model(options: Options, progress: Progress):
         catalog.pull(name, progress)
     progress("loading weights", 0, 0)
     return mlxlis.load(name, options.dtype, dequantize=options.dequantize,
-                       chat_template=options.chat_template)
+                       chat_template=options.chat_template, bindings=options.bindings,
+                       strict=options.strict)
 
 
 class RawPad:

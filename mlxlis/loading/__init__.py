@@ -1,4 +1,10 @@
-"""Resolve a path or catalog name and load it into a ready Model."""
+"""Resolve a path or catalog name and load it into a ready Model.
+
+Safetensors folders bind through a binding manifest (`manifest.py`): the one given with
+`bindings=` (a JSON/YAML file or a dict), else the identity manifest (every parameter to the
+tensor of the same name). Either way the whole mapping is validated from the headers before a
+tensor is read; `strict=False` turns tensors no parameter takes into a warning.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +15,11 @@ import mlx.core as mx
 from .. import catalog
 from ..config import config_from_hf, read_json
 from ..device import resolve_dtype
-from ..errors import ModelNotFoundError, UnsupportedFormatError
+from ..errors import BindingError, ModelNotFoundError, UnsupportedFormatError
 from ..families import build_model
-from .binding import bind, quantize_like
-from .safetensors import load_tensors
+from .binding import bind
+from .manifest import as_manifest, plan_bindings
+from .validate import check_folder_json
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
@@ -53,43 +60,70 @@ def load(
     path_or_name: str | Path,
     dtype: str | mx.Dtype | None = None,
     *,
-    dequantize: bool = False,
+    dequantize: bool | None = None,
     chat_template: str | None = None,
+    bindings: str | Path | dict | None = None,
+    strict: bool = True,
 ):
-    """Load a model folder, GGUF file or catalog name. dtype None = the device default."""
+    """Load a model folder, GGUF file or catalog name. dtype None = the device default.
+
+    `dequantize` (GGUF): True = every weight dense, False = quantized blocks kept as MLX
+    quantized arrays, None = per device (dense matmul weights on CPU when they fit comfortably,
+    quantized on Metal / CUDA; measurements in gguf_model.py).
+
+    `bindings`: a binding manifest (JSON/YAML file path, or a dict) mapping the model's
+    parameter paths to the checkpoint's tensor keys (see `mlxlis.loading.manifest`).
+    `strict`: tensors no parameter takes are an error (default); False warns
+    (`UnboundTensorsWarning`) and ignores them. Both apply to safetensors folders.
+    """
     from ..model import Model
 
     dt = dtype if isinstance(dtype, mx.Dtype) else resolve_dtype(dtype)
+    manifest = as_manifest(bindings)  # a bad manifest fails before anything else is read
     path = resolve(path_or_name)
     if path.is_file() and path.suffix.lower() == ".gguf":
         from .gguf_model import load_gguf
 
+        if bindings is not None:
+            raise BindingError(
+                "binding manifests apply to safetensors folders, not GGUF files", path=path
+            )
         return load_gguf(path, dt, dequantize=dequantize, chat_template=chat_template)
     if path.is_file():
         raise UnsupportedFormatError("expected a model folder or a .gguf file", path=path)
     return load_folder(
-        path, dt, chat_template=chat_template, dequantize=dequantize, model_cls=Model
+        path,
+        dt,
+        chat_template=chat_template,
+        dequantize=dequantize,
+        model_cls=Model,
+        bindings=manifest,
+        strict=strict,
     )
 
 
 def load_folder(
-    folder: Path, dtype: mx.Dtype, *, chat_template: str | None, dequantize: bool, model_cls
+    folder: Path,
+    dtype: mx.Dtype,
+    *,
+    chat_template: str | None,
+    dequantize: bool,
+    model_cls,
+    bindings=None,
+    strict: bool = True,
 ):
+    manifest = as_manifest(bindings)
     cfg_path = folder / "config.json"
     gen_path = folder / "generation_config.json"
     generation = read_json(gen_path) if gen_path.is_file() else None
     cfg = config_from_hf(read_json(cfg_path), str(cfg_path), generation)
-    weights = load_tensors(folder)
     net = build_model(cfg)
-    if hasattr(net, "sanitize"):  # family-specific renames (e.g. multimodal Gemma 3 prefixes)
-        weights = net.sanitize(weights)
-    quantized = any(k.endswith(".scales") for k in weights)
-    if quantized:
-        quantize_like(net, weights, cfg.quantization)
-    ignore = tuple(k for k in weights if k.endswith("rotary_emb.inv_freq"))
-    if cfg.tie_word_embeddings:
-        ignore += ("lm_head.weight",)  # some tied checkpoints still carry a copy
-    bind(net, weights, folder, dtype, ignore=ignore)
+    # validates names, dtypes and shapes from the headers (family renames such as Gemma 3's
+    # multimodal prefixes via net.sanitize), and quantizes the modules whose scales are bound
+    plan = plan_bindings(net, cfg, manifest, folder, strict=strict)
+    bind(net, plan.load(), plan.origin or folder, dtype)
+    quantized = bool(plan.quantized)
+    check_folder_json(folder)  # bounds the tokenizer's JSON files before they are parsed
     from ..tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(folder)

@@ -1,4 +1,8 @@
-"""Bind tensors (already under module names) to a family model: checks, casts, quantization."""
+"""Bind tensors (already under module names) to a family model: checks, casts, quantization.
+
+Which tensor feeds which parameter is decided and validated beforehand by `manifest.py`
+(binding manifests, §10.2–10.5); `bind` is the last step and re-checks names and shapes.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +12,24 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..errors import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from ..errors import ConfigError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
-def quantize_like(model: nn.Module, weights: dict[str, mx.array], quant: dict | None) -> None:
+def quantize_like(
+    model: nn.Module,
+    weights: dict[str, mx.array],
+    quant: dict | None,
+    path: Path | str = "config.json",
+) -> None:
     """Turn the Linear/Embedding modules whose tensors arrive with `.scales` into quantized ones.
 
     `quant` is config.json's "quantization" block: defaults plus per-module overrides
     ({"bits", "group_size"} or False), as mlx_lm.convert writes it.
     """
     quant = quant or {}
+    _check_quant(quant, path)
     default = {k: quant[k] for k in ("group_size", "bits", "mode") if k in quant}
 
     def predicate(path: str, module: nn.Module) -> bool | dict:
@@ -33,6 +43,26 @@ def quantize_like(model: nn.Module, weights: dict[str, mx.array], quant: dict | 
         return default or True
 
     nn.quantize(model, class_predicate=predicate)
+
+
+def _check_quant(quant: dict, path: Path | str) -> None:
+    """Types and signs of a quantization block before MLX sees it: MLX rejects unsupported
+    values with a ValueError, but a group_size of 0 kills the process (integer division)."""
+    blocks = [("quantization", quant)]
+    blocks += [(f"quantization.{k}", v) for k, v in quant.items() if isinstance(v, dict)]
+    for where, block in blocks:
+        for key in ("group_size", "bits"):
+            v = block.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ConfigError(
+                    f"{key} must be a positive integer, got {v!r}"[:200],
+                    path=path,
+                    field=f"{where}.{key}",
+                )
+        mode = block.get("mode")
+        if mode is not None and not isinstance(mode, str):
+            raise ConfigError(f"mode must be a string, got {mode!r}"[:200], path=path,
+                              field=f"{where}.mode")  # fmt: skip
 
 
 def bind(
@@ -62,6 +92,9 @@ def bind(
             f"unexpected tensors: {', '.join(unexpected[:5])}{more}", path=path, field=unexpected[0]
         )
     items = []
+    # one cast per source array (an embedding and head sharing one tensor); the source array is
+    # kept in the entry so its id cannot be reused while the cache lives
+    cast: dict[int, tuple[mx.array, mx.array]] = {}
     for name, ref in expected.items():
         arr = weights.pop(name)
         if tuple(arr.shape) != tuple(ref.shape):
@@ -71,8 +104,11 @@ def bind(
                 field=name,
             )
         if arr.dtype in FLOAT_DTYPES and ref.dtype in FLOAT_DTYPES and arr.dtype != dtype:
-            arr = arr.astype(dtype)
+            if id(arr) not in cast:
+                cast[id(arr)] = (arr, arr.astype(dtype))
+            arr = cast[id(arr)][1]
         items.append((name, arr))
+    del cast
     model.update(tree_unflatten(items))
     del items
     mx.eval(model.parameters())

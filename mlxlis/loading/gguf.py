@@ -270,16 +270,24 @@ class GGUFFile:
                                         path=self.path, field=name)  # fmt: skip
         return np.frombuffer(self._mm, np.uint8, t.nbytes, t.offset)
 
-    def release(self, name: str) -> None:
-        """Drop the tensor's file pages from this process's resident set once it is converted
-        (MADV_DONTNEED on a read-only file mapping: the OS page cache keeps them, and a later
-        read simply maps them again). Keeps the load's peak RSS near the converted weights."""
+    def release(self, name: str, start: int = 0, stop: int | None = None) -> None:
+        """Drop the tensor's file pages (or those wholly inside its bytes [start, stop)) from
+        this process's resident set once they are converted: MADV_DONTNEED on a read-only file
+        mapping, so the OS page cache keeps them and a later read maps them again. Keeps the
+        load's peak RSS near the converted weights."""
         t = self.tensors.get(name)
         if self._mm is None or t is None or not t.nbytes:
             return
-        start = t.offset - t.offset % mmap.PAGESIZE
+        page = mmap.PAGESIZE
+        if stop is None:  # the whole tensor, with the pages it shares with its neighbours
+            lo, hi = t.offset + start - (t.offset + start) % page, t.offset + t.nbytes
+        else:
+            lo = -(-(t.offset + start) // page) * page
+            hi = (t.offset + min(stop, t.nbytes)) // page * page
+        if hi <= lo:
+            return
         try:
-            self._mm.madvise(mmap.MADV_DONTNEED, start, t.offset + t.nbytes - start)
+            self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
         except (AttributeError, OSError, ValueError):  # no madvise here: only memory is at stake
             pass
 

@@ -9,6 +9,8 @@ The tokenizer is built on a second thread while the weights convert (it needs on
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,19 +24,42 @@ from .conventions import undo
 from .gguf import GGUFFile, read_gguf
 from .gguf_config import config_from_gguf
 from .gguf_names import SPECIAL, module_name
-from .quants import allocate, convert_tensor
+from .quants import QUANTIZABLE, allocate, convert_tensor
 
-# Per-device default for `dequantize=None`, from decode tok/s measured on the three catalog
-# models (2-core x86, OpenBLAS, fp32, greedy, 64 tokens after a 100-token prompt):
-#   SMOLLM-QWEN-NUMBERS
-DENSE_ON_CPU = False
+# dequantize=None, the per-device default. Measured on the three catalog models (2-core x86
+# VM shared with other jobs, OpenBLAS, fp32, greedy; prompt tok/s over 100 tokens / decode
+# tok/s over 64; scripts/load_profile.py --decode):
+#                      quantized      dense
+#   SmolLM2 Q4_1       12 / 7.1       210 / 9.8
+#   GEMMA-NUMBERS
+#   QWEN-NUMBERS
+# MLX's CPU quantized matmul has no BLAS path: prompt processing is ~15x slower than dense fp32
+# and decoding is no faster. So on CPU every matmul weight goes dense when the dense weights fit
+# comfortably; an untied embedding (a row lookup, never a matmul) stays quantized. On Metal and
+# CUDA quantized kernels are the fast path: quantized. dequantize=True / False force either.
+CPU_DENSE_FRACTION = 0.5  # dense on CPU while the dense weights need ≤ this much of free memory
 
 
-def default_dequantize(dtype: mx.Dtype) -> bool:
-    """dequantize=None: quantized everywhere (see DENSE_ON_CPU for the CPU measurements)."""
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation (Linux MemAvailable), else physical RAM."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def dense_by_default(dense_bytes: int) -> bool:
+    """dequantize=None: dense on CPU when `dense_bytes` fit comfortably, quantized elsewhere."""
     from ..device import device_name
 
-    return DENSE_ON_CPU and device_name() == "cpu"
+    return device_name() == "cpu" and dense_bytes <= CPU_DENSE_FRACTION * available_memory()
 
 
 class _Clock:
@@ -52,12 +77,11 @@ class _Clock:
 
 def load_gguf(path: Path, dtype: mx.Dtype, *, dequantize: bool | None = None,
               chat_template: str | None = None, timings: dict[str, float] | None = None):
-    """Load a GGUF model. dequantize None = the device default (`default_dequantize`);
-    `timings`, when given, receives wall seconds per stage (scripts/load_profile.py)."""
+    """Load a GGUF model. dequantize: True = every weight dense, False = quantized blocks kept,
+    None = the per-device default (see CPU_DENSE_FRACTION); `timings`, when given, receives
+    wall seconds per stage (scripts/load_profile.py)."""
     from ..model import Model
 
-    if dequantize is None:
-        dequantize = default_dequantize(dtype)
     clock = _Clock(timings)
     with read_gguf(path) as gf, ThreadPoolExecutor(1, "mlxlis-tokenizer") as side:
         md = gf.metadata
@@ -65,7 +89,8 @@ def load_gguf(path: Path, dtype: mx.Dtype, *, dequantize: bool | None = None,
         cfg = config_from_gguf(md, shapes, str(path))
         clock("read")
         tokenizer = side.submit(_tokenizer, md, path, timings)
-        weights, quant, rope_freqs = _convert(gf, cfg, dtype, dequantize, clock)
+        dense = _dense_policy(gf, cfg, dtype, dequantize)
+        weights, quant, rope_freqs = _convert(gf, cfg, dtype, dense, clock)
         net = build_model(cfg, rope_freq_factors=rope_freqs) if rope_freqs is not None \
             else build_model(cfg)
         if quant:
@@ -81,13 +106,32 @@ def load_gguf(path: Path, dtype: mx.Dtype, *, dequantize: bool | None = None,
     for t in gf.tensors.values():
         types[t.type_name] = types.get(t.type_name, 0) + 1
     summary = ", ".join(f"{k}×{v}" for k, v in sorted(types.items()))
-    kept = "dense" if dequantize or not quant else f"{len(quant)} quantized modules"
+    kept = f"{len(quant)} quantized modules" if quant else "dense"
+    if quant and any(dense(n) for n in gf.tensors if _quantizable(gf.tensors[n])):
+        kept += ", the rest dense"
     return Model(cfg, net, tok, dtype=dtype, path=path, fmt="gguf",
                  template=template, quant_summary=f"{summary} ({kept})", diagnosis=diagnosis)
 
 
-def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dequantize: bool, clock: _Clock):
-    """Every tensor under its module name, conventions undone: (weights, quant, rope_freqs)."""
+def _quantizable(t) -> bool:
+    return t.type_name in QUANTIZABLE and len(t.shape) > 1
+
+
+def _dense_policy(gf: GGUFFile, cfg, dtype: mx.Dtype, dequantize: bool | None):
+    """GGUF tensor name -> convert it dense? (only quantized-form tensors are affected)."""
+    if dequantize is not None:
+        return lambda name: dequantize
+    lookup = "token_embd.weight" if not cfg.tie_word_embeddings else None  # never a matmul
+    dense_bytes = sum(math.prod(t.shape) * dtype.size for n, t in gf.tensors.items()
+                      if _quantizable(t) and n != lookup)  # fmt: skip
+    if not dense_by_default(dense_bytes):
+        return lambda name: False
+    return lambda name: name != lookup
+
+
+def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dense, clock: _Clock):
+    """Every tensor under its module name, conventions undone: (weights, quant, rope_freqs).
+    dense(name): convert that tensor dense (else quantized where MLX can hold it)."""
     weights: dict[str, mx.array] = {}
     quant: dict[str, dict] = {}
     rope_freqs = None
@@ -102,7 +146,7 @@ def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dequantize: bool, clock: _Clock
     # tensor before it converts (mx.async_eval of one tensor's buffers at a time: a long list
     # blocks on MLX's cap on in-flight tasks). They are the loaded weights: no extra memory.
     names = list(gf.tensors)
-    buffers = {name: allocate(t, dequantize=dequantize) for name, t in gf.tensors.items()
+    buffers = {name: allocate(t, dequantize=dense(name)) for name, t in gf.tensors.items()
                if name not in SPECIAL}
     for i, (name, t) in enumerate(gf.tensors.items()):
         if i + 1 < len(names) and buffers.get(names[i + 1]):
@@ -115,8 +159,9 @@ def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dequantize: bool, clock: _Clock
         target = targets[name]
         # 1-D tensors (norms, biases) convert in fp32 so `w - 1` happens before rounding
         conv_dtype = mx.float32 if len(t.shape) == 1 else dtype
-        conv = convert_tensor(t, gf.raw(name), conv_dtype, dequantize=dequantize, path=path,
-                              out=buffers.pop(name, ()))
+        conv = convert_tensor(t, gf.raw(name), conv_dtype, dequantize=dense(name), path=path,
+                              out=buffers.pop(name, ()),
+                              done=lambda i, j, name=name: gf.release(name, i, j))
         gf.release(name)  # the file pages of this tensor are no longer needed
         module = target.rsplit(".", 1)[0]
         if conv.scales is not None:

@@ -32,6 +32,8 @@ a MemoryError or a hang.
 | CONFIG_MAX_DIM             | 2**20       | hidden/intermediate sizes,   | real ≤ 53248          |
 |                            |             | heads, head_dim              |                       |
 | CONFIG_MAX_VOCAB           | 2**22       | vocab_size                   | real ≤ 262144         |
+| CHAT_TEMPLATE_MAX_CHARS    | 2**20       | a chat template's text (its  | real ≤ 50 KB          |
+|                            |             | file: 4 bytes a character)   |                       |
 | MANIFEST_MAX_BYTES         | 2**23       | a binding manifest file      | flat JSON, 10k params |
 |                            |             |                              | ≈ 1 MB                |
 | MANIFEST_MAX_DEPTH         | 16          | manifest nesting             | the format needs 4    |
@@ -71,6 +73,7 @@ TOKENIZER_JSON_MAX_BYTES = 1 << 28
 CONFIG_MAX_LAYERS = 1024
 CONFIG_MAX_DIM = 1 << 20
 CONFIG_MAX_VOCAB = 1 << 22
+CHAT_TEMPLATE_MAX_CHARS = 1 << 20
 MANIFEST_MAX_BYTES = 1 << 23
 MANIFEST_MAX_DEPTH = 16
 MANIFEST_MAX_NODES = 1 << 20

@@ -7,8 +7,8 @@ are only read from disk when the model materialises them.
 
 from __future__ import annotations
 
-import json
 import math
+import stat
 import struct
 from pathlib import Path
 
@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from ..errors import FileFormatError, UnsupportedError
 from . import limits
+from .validate import loads_json, read_json_file
 
 DTYPE_SIZES = {
     "F64": 8,
@@ -32,13 +33,16 @@ DTYPE_SIZES = {
     "BOOL": 1,
 }
 SUPPORTED_DTYPES = ("F32", "F16", "BF16", "U32", "I32", "U8")
-MAX_DIMS = 8  # safetensors tensors of rank > 8 do not occur in decoders
+MAX_DIMS = limits.SAFETENSORS_MAX_DIMS  # tensors of rank > 8 do not occur in decoders
 
 
 def read_header(path: Path) -> dict[str, dict]:
     """Parse and validate one safetensors header; returns {name: {dtype, shape, data_offsets}}."""
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise FileFormatError("not a regular file", path=path)
+        size = st.st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -53,16 +57,35 @@ def read_header(path: Path) -> dict[str, dict]:
                 )
             raw = f.read(n)
     except OSError as e:
-        raise FileFormatError(f"cannot read ({e.strerror})", path=path) from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FileFormatError(
-            f"header is not valid JSON ({e})", path=path, field="header"
-        ) from None
+        raise FileFormatError(f"cannot read ({e.strerror or e})", path=path) from None
+    if len(raw) < n:
+        raise FileFormatError("file shrank while its header was read", path=path, field="header")
+    # duplicate names and NaN are refused: MLX's own parser must see the header we checked
+    header = loads_json(
+        raw,
+        path=path,
+        error=FileFormatError,
+        field="header",
+        max_depth=limits.JSON_MAX_DEPTH,
+        unique_keys=True,
+        strict_numbers=True,
+    )
     if not isinstance(header, dict):
         raise FileFormatError("header is not a JSON object", path=path, field="header")
-    header.pop("__metadata__", None)
+    meta = header.pop("__metadata__", None)
+    if meta is not None and (
+        not isinstance(meta, dict)
+        or not all(isinstance(v, str) for v in meta.values())
+    ):
+        raise FileFormatError(
+            "__metadata__ must map strings to strings", path=path, field="__metadata__"
+        )
+    if len(header) > limits.SAFETENSORS_MAX_TENSORS:
+        raise FileFormatError(
+            f"{len(header)} tensors exceeds the limit of {limits.SAFETENSORS_MAX_TENSORS}",
+            path=path,
+            field="header",
+        )
     data_size = size - 8 - n
     spans = []
     for name, entry in header.items():
@@ -81,6 +104,8 @@ def _check_entry(path: Path, name: str, entry: object, data_size: int) -> None:
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
         raise FileFormatError("entry lacks dtype/shape/data_offsets", path=path, field=name)
     dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str):
+        raise FileFormatError(f"dtype {dtype!r} is not a string", path=path, field=name)
     if dtype not in DTYPE_SIZES:
         raise UnsupportedError(f"unknown dtype {dtype!r}", path=path, field=name)
     if dtype not in SUPPORTED_DTYPES:
@@ -98,6 +123,12 @@ def _check_entry(path: Path, name: str, entry: object, data_size: int) -> None:
         )
     ):
         raise FileFormatError(f"bad shape {shape!r}", path=path, field=name)
+    if math.prod(shape) > limits.SAFETENSORS_MAX_ELEMENTS:
+        raise FileFormatError(
+            f"shape {shape} exceeds {limits.SAFETENSORS_MAX_ELEMENTS} elements",
+            path=path,
+            field=name,
+        )
     if (
         not isinstance(offs, list)
         or len(offs) != 2
@@ -124,17 +155,32 @@ def weight_files(folder: Path) -> list[Path]:
     """model.safetensors, or the shards listed by model.safetensors.index.json."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            data = json.loads(index.read_text(encoding="utf-8"))
-            files = sorted(set(data["weight_map"].values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+        data = read_json_file(
+            index, limits.INDEX_JSON_MAX_BYTES, FileFormatError, what="safetensors index"
+        )
+        wmap = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
             raise FileFormatError(
-                "invalid index (needs a weight_map object)", path=index, field="weight_map"
-            ) from None
+                "invalid index (needs a weight_map object of file names)",
+                path=index,
+                field="weight_map",
+            )
+        files = sorted(set(wmap.values()))
+        if len(files) > limits.SAFETENSORS_MAX_FILES:
+            raise FileFormatError(
+                f"{len(files)} shards exceeds the limit of {limits.SAFETENSORS_MAX_FILES}",
+                path=index,
+                field="weight_map",
+            )
         paths = []
+        root = folder.resolve()
         for name in files:
+            if "\0" in name or not name.endswith(".safetensors"):
+                raise FileFormatError(
+                    f"shard {name!r} is not a .safetensors file", path=index, field="weight_map"
+                )
             p = (folder / name).resolve()
-            if not isinstance(name, str) or p.parent != folder.resolve() or not p.is_file():
+            if p.parent != root or not p.is_file():
                 raise FileFormatError(f"shard {name!r} is missing", path=index, field="weight_map")
             paths.append(p)
         return paths
@@ -142,6 +188,12 @@ def weight_files(folder: Path) -> list[Path]:
     if single.is_file():
         return [single]
     others = sorted(folder.glob("*.safetensors"))
+    if len(others) > limits.SAFETENSORS_MAX_FILES:
+        raise FileFormatError(
+            f"{len(others)} .safetensors files exceeds the limit of "
+            f"{limits.SAFETENSORS_MAX_FILES}",
+            path=folder,
+        )
     if others:
         return others
     raise FileFormatError("no model.safetensors or model.safetensors.index.json", path=folder)
@@ -153,12 +205,17 @@ def load_tensors(folder: Path) -> dict[str, mx.array]:
     owner: dict[str, Path] = {}
     for path in weight_files(folder):
         header = read_header(path)
-        arrays = mx.load(str(path))
+        try:
+            arrays = mx.load(str(path))
+        except (RuntimeError, ValueError, OSError) as e:
+            raise FileFormatError(f"cannot load: {e}", path=path) from None
         for name in header:
             if name in tensors:
                 raise FileFormatError(
                     f"tensor also present in {owner[name].name}", path=path, field=name
                 )
+            if name not in arrays:  # MLX read the header differently from this validator
+                raise FileFormatError("tensor missing from MLX's reading", path=path, field=name)
             tensors[name] = arrays[name]
             owner[name] = path
     return tensors

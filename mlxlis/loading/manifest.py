@@ -1,0 +1,784 @@
+"""Binding manifests (seeds §10.2–10.5): which checkpoint tensor feeds which model parameter.
+
+Parameter paths are the family modules' names, which equal the Hugging Face names
+(`model.embed_tokens.weight`, `model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`, ...).
+A manifest maps some of them to tensor keys; a parameter the manifest does not name binds to
+the tensor of the same name (§10.2). Without a manifest every parameter binds by name.
+
+Two forms, one meaning (both accepted as JSON or YAML):
+
+* flat: ``{"model.embed_tokens.weight": "transformer.wte.weight", ...}``: expanded paths
+  to keys in the model folder's safetensors (model.safetensors, the index's shards, or every
+  ``*.safetensors``);
+* rich (§10.2's YAML)::
+
+      sources:
+        main: {type: safetensors, files: "weights-*.safetensors"}
+      bindings:
+        "model.embed_tokens.weight": {source: main, key: "transformer.wte.weight"}
+        "model.layers.{i}.self_attn.q_proj.weight":
+          source: main
+          key: "transformer.h.{i}.attn.q.weight"
+
+  `sources` (optional) names safetensors file sets; `files` is a glob or a list of globs,
+  relative to the manifest's folder (the model folder for a manifest passed as a dict), never
+  absolute or climbing with `..`, matching only `.safetensors` files; without `files` a source
+  is the model folder's weights. With no `sources` there is one, `model`: the model folder.
+  A binding is `{source, key}` (`source` defaults to the first source) or just the key.
+  Parameters the manifest does not name bind by name in the first source.
+
+`{i}` in a path stands for every layer index 0..num_hidden_layers-1 and is replaced by the
+same index in the key. There is no other placeholder, no arithmetic, no condition, no
+transformation: manifests are not programs (§10.3). Unknown fields, tags, anchors, aliases,
+duplicate keys and non-string keys are refused (§10.4); so are manifests past the size,
+nesting and count limits of `limits.py`.
+
+Validation (§10.5), all from the safetensors headers and the model's parameter table, before
+any tensor is read: every parameter bound to a tensor that exists; no parameter bound twice;
+no tensor bound to two parameters, except the embedding and the output head
+(`model.embed_tokens.*` and `lm_head.*`) of an untied model, which may share one tensor (a
+checkpoint that stores the shared matrix once); rank and every dimension equal to the
+parameter's; float tensors (F32/F16/BF16) for float parameters and the exact integer dtype for
+packed quantized weights, whose `weight`, `scales` (and `biases`) must be bound together;
+and no tensor left over: strict (the default) makes leftovers an error, lenient reports them
+with an `UnboundTensorsWarning` and in `BindingPlan.unbound`. Always ignored: unbound
+`*.rotary_emb.inv_freq` tensors (recomputed), and in a tied model an unbound `lm_head.*`
+copy. Every failure is a `BindingError` subclass naming the parameter, the key, what was
+expected and what was found.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..errors import (
+    BindingError,
+    ConfigError,
+    FileFormatError,
+    MissingTensorError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+    UnsupportedError,
+)
+from . import limits
+from .safetensors import read_header, weight_files
+from .validate import count_nodes, depth_exceeds, loads_json, read_bytes
+
+# ---------------------------------------------------------------- errors
+
+
+class ManifestError(BindingError):
+    """The manifest itself is malformed: syntax, tags, anchors, unknown fields, limits."""
+
+
+class UnknownParameterError(BindingError):
+    """The manifest binds a parameter the model does not have."""
+
+
+class BindingMissingError(BindingError, MissingTensorError):
+    """A parameter's tensor is not in its source."""
+
+
+class DuplicateBindingError(BindingError):
+    """One parameter bound twice, or one tensor bound to two parameters."""
+
+
+class BindingShapeError(BindingError, ShapeMismatchError):
+    """Rank or a dimension differs from the parameter's."""
+
+
+class BindingDtypeError(BindingError):
+    """A tensor's dtype cannot feed the parameter (int for float, wrong packed type)."""
+
+
+class QuantTripletError(BindingError):
+    """A quantized weight without its scales / biases, or scales without their weight."""
+
+
+class UnexpectedBindingError(BindingError, UnexpectedTensorError):
+    """Strict mode: source tensors no parameter takes."""
+
+
+class UnboundTensorsWarning(UserWarning):
+    """Lenient mode: source tensors no parameter takes (listed in `.tensors`)."""
+
+    def __init__(self, message: str, tensors: list[tuple[str, str]]):
+        super().__init__(message)
+        self.tensors = tensors
+
+
+# ---------------------------------------------------------------- the manifest
+
+DEFAULT_SOURCE = "model"
+INDEX = "{i}"
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+\Z")
+_RICH_KEYS = ("sources", "bindings")
+_SOURCE_KEYS = ("type", "files")
+_BINDING_KEYS = ("source", "key")
+_TIED = ("model.embed_tokens.", "lm_head.")
+_QUANT_PARTS = ("weight", "scales", "biases")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    name: str
+    files: tuple[str, ...] | None  # globs; None: the model folder's weights
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, schema-checked manifest (templates not yet expanded)."""
+
+    entries: tuple[tuple[str, str, str], ...]  # (path template, source name, key template)
+    sources: tuple[SourceSpec, ...]  # the first one is the default source
+    origin: str | None  # the file errors name; None for the implicit identity manifest
+    base: Path | None  # folder the globs are relative to; None: the model folder
+
+    @property
+    def default_source(self) -> str:
+        return self.sources[0].name
+
+
+IDENTITY = Manifest((), (SourceSpec(DEFAULT_SOURCE, None),), None, None)
+
+
+def as_manifest(bindings: Any) -> Manifest:
+    """None (bind by name), a manifest file path, or a manifest as a dict."""
+    if bindings is None:
+        return IDENTITY
+    if isinstance(bindings, Manifest):
+        return bindings
+    if isinstance(bindings, (str, Path)):
+        return read_manifest(bindings)
+    if isinstance(bindings, dict):
+        origin = "<bindings dict>"
+        if depth_exceeds(bindings, limits.MANIFEST_MAX_DEPTH):
+            raise ManifestError(
+                f"nested deeper than {limits.MANIFEST_MAX_DEPTH} levels", path=origin
+            )
+        if count_nodes(bindings, limits.MANIFEST_MAX_NODES) > limits.MANIFEST_MAX_NODES:
+            raise ManifestError(f"more than {limits.MANIFEST_MAX_NODES} values", path=origin)
+        return manifest_from_data(bindings, origin=origin, base=None)
+    raise ManifestError(
+        f"bindings must be a file path or a dict, not {type(bindings).__name__}",
+        path="<bindings>",
+    )
+
+
+def read_manifest(path: str | Path) -> Manifest:
+    """Parse a manifest file: .json as JSON, .yaml/.yml as safe YAML, otherwise by content."""
+    path = Path(path).expanduser()
+    raw = read_bytes(path, limits.MANIFEST_MAX_BYTES, ManifestError, "binding manifest")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"not UTF-8 (byte {e.start})", path=path) from None
+    suffix = path.suffix.lower()
+    if suffix == ".json" or (suffix not in (".yaml", ".yml") and text.lstrip()[:1] == "{"):
+        data = parse_json(text, str(path))
+    else:
+        data = parse_yaml(text, str(path))
+    return manifest_from_data(data, origin=str(path), base=path.parent)
+
+
+def parse_json(text: str, origin: str) -> Any:
+    data = loads_json(
+        text,
+        path=origin,
+        error=ManifestError,
+        max_depth=limits.MANIFEST_MAX_DEPTH,
+        unique_keys=True,
+        strict_numbers=True,
+    )
+    if count_nodes(data, limits.MANIFEST_MAX_NODES) > limits.MANIFEST_MAX_NODES:
+        raise ManifestError(f"more than {limits.MANIFEST_MAX_NODES} values", path=origin)
+    return data
+
+
+_UNSET = object()
+
+
+def parse_yaml(text: str, origin: str) -> Any:
+    """The safe YAML subset of §10.4, built from parser events (no constructor ever runs):
+    plain or quoted scalars, mappings with unique string keys, sequences; one document.
+    Any tag (`!!python/...`, `!foo`, even `!!str`), anchor, alias or merge key is refused at
+    the first event that carries it, so an anchor bomb costs nothing."""
+    try:
+        import yaml
+        from yaml.resolver import Resolver
+    except ImportError:  # pragma: no cover - pyyaml is a dependency
+        raise UnsupportedError("YAML manifests need PyYAML", path=origin) from None
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    resolver = Resolver()
+    stack: list[list[Any]] = []  # [container, pending mapping key]
+    root: Any = _UNSET
+    documents = nodes = 0
+
+    def fail(message: str, event: Any = None) -> ManifestError:
+        mark = getattr(event, "start_mark", None)
+        field = f"line {mark.line + 1}" if mark is not None else None
+        return ManifestError(message, path=origin, field=field)
+
+    def add(value: Any, event: Any, container: bool) -> None:
+        nonlocal root
+        if not stack:
+            root = value
+            return
+        top = stack[-1]
+        if isinstance(top[0], list):
+            top[0].append(value)
+        elif top[1] is _UNSET:
+            if container:
+                raise fail("mapping keys must be strings, not mappings or sequences", event)
+            if not isinstance(value, str):
+                raise fail(f"mapping keys must be strings, not {value!r}", event)
+            if value in top[0]:
+                raise fail(f"duplicate key {value!r}", event)
+            top[1] = value
+        else:
+            top[0][top[1]] = value
+            top[1] = _UNSET
+
+    def scalar(event: Any) -> Any:
+        value = event.value
+        if len(value) > limits.MANIFEST_MAX_STRING:
+            raise fail(f"a scalar of {len(value)} characters (limit "
+                       f"{limits.MANIFEST_MAX_STRING})", event)  # fmt: skip
+        if not event.implicit[0]:  # quoted: a string
+            return value
+        tag = resolver.resolve(yaml.ScalarNode, value, (True, False))
+        if tag.endswith(":merge"):
+            raise fail("merge keys (<<) are not allowed", event)
+        if tag.endswith((":null", ":bool", ":int", ":float")):
+            try:
+                node = yaml.ScalarNode(tag, value)
+                return yaml.constructor.SafeConstructor().construct_object(node)
+            except (ValueError, OverflowError, yaml.YAMLError):
+                return value
+        return value  # str, and timestamps etc. kept as their text
+
+    try:
+        for event in yaml.parse(text, Loader=loader):
+            nodes += 1
+            if nodes > limits.MANIFEST_MAX_NODES:
+                raise fail(f"more than {limits.MANIFEST_MAX_NODES} YAML nodes")
+            if isinstance(event, yaml.AliasEvent):
+                raise fail(f"aliases (*{event.anchor}) are not allowed in manifests", event)
+            if getattr(event, "anchor", None) is not None:
+                raise fail(f"anchors (&{event.anchor}) are not allowed in manifests", event)
+            if isinstance(event, yaml.NodeEvent) and getattr(event, "tag", None) is not None:
+                raise fail(
+                    f"tag {event.tag!r} is not allowed (manifests hold only plain scalars, "
+                    "mappings and sequences)",
+                    event,
+                )
+            if isinstance(event, yaml.DocumentStartEvent):
+                documents += 1
+                if documents > 1:
+                    raise fail("more than one YAML document", event)
+            elif isinstance(event, yaml.ScalarEvent):
+                add(scalar(event), event, False)
+            elif isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                new: Any = {} if isinstance(event, yaml.MappingStartEvent) else []
+                add(new, event, True)
+                stack.append([new, _UNSET])
+                if len(stack) > limits.MANIFEST_MAX_DEPTH:
+                    raise fail(f"nested deeper than {limits.MANIFEST_MAX_DEPTH} levels", event)
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                stack.pop()
+    except yaml.YAMLError as e:
+        raise ManifestError(f"invalid YAML ({_one_line(e)})", path=origin) from None
+    except RecursionError:  # pragma: no cover - the event parser is iterative
+        raise ManifestError("invalid YAML (nested too deeply)", path=origin) from None
+    if root is _UNSET:
+        raise ManifestError("empty manifest", path=origin)
+    return root
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())[:300]
+
+
+def manifest_from_data(data: Any, *, origin: str, base: Path | None) -> Manifest:
+    """Check the schema of a parsed manifest (flat or rich form) and return it."""
+
+    def fail(message: str, where: str | None = None) -> ManifestError:
+        return ManifestError(message, path=origin, field=where)
+
+    if not isinstance(data, dict):
+        raise fail(f"a manifest is a mapping (JSON object / YAML mapping), not "
+                   f"{type(data).__name__}")  # fmt: skip
+    for k in data:
+        if not isinstance(k, str):
+            raise fail(f"keys must be strings, not {k!r}")
+    rich = any(k in data for k in _RICH_KEYS)
+    if not rich:
+        sources: tuple[SourceSpec, ...] = (SourceSpec(DEFAULT_SOURCE, None),)
+        raw_bindings: dict = data
+    else:
+        unknown = sorted(set(data) - set(_RICH_KEYS))
+        if unknown:
+            raise fail(f"unknown field {unknown[0]!r} (a manifest has only "
+                       f"{', '.join(_RICH_KEYS)})", unknown[0])  # fmt: skip
+        sources = _sources(data.get("sources"), fail)
+        raw_bindings = data.get("bindings", {})
+        if raw_bindings is None:
+            raw_bindings = {}
+        if not isinstance(raw_bindings, dict):
+            raise fail(f"must be a mapping of parameter paths, not {_kind(raw_bindings)}",
+                       "bindings")  # fmt: skip
+    if len(raw_bindings) > limits.MANIFEST_MAX_BINDINGS:
+        raise fail(f"{len(raw_bindings)} bindings (limit {limits.MANIFEST_MAX_BINDINGS})")
+    names = [s.name for s in sources]
+    entries = []
+    for path, value in raw_bindings.items():
+        _check_text(path, "parameter path", path, fail)
+        if isinstance(value, str):
+            source, key = names[0], value
+        elif rich and isinstance(value, dict):
+            bad = sorted(str(k) for k in value if k not in _BINDING_KEYS)
+            if bad:
+                raise fail(f"unknown field {bad[0]!r} in a binding (a binding has only "
+                           f"{', '.join(_BINDING_KEYS)}; manifests are not programs)",
+                           path)  # fmt: skip
+            if "key" not in value:
+                raise fail("binding lacks its `key`", path)
+            key, source = value["key"], value.get("source", names[0])
+            if not isinstance(source, str) or source not in names:
+                raise fail(f"source {source!r} is not declared (sources: "
+                           f"{', '.join(names)})", path)  # fmt: skip
+        elif not rich and isinstance(value, dict):
+            raise fail("the flat form maps parameter paths to tensor-key strings; put "
+                       "{source, key} entries under `bindings:`", path)  # fmt: skip
+        else:
+            raise fail(f"expected a tensor key string, found {_kind(value)}", path)
+        _check_text(key, "tensor key", path, fail)
+        if INDEX in key and INDEX not in path:
+            raise fail(f"key {key!r} uses {INDEX} but the parameter path does not", path)
+        entries.append((path, source, key))
+    return Manifest(tuple(entries), sources, origin, base)
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, (dict, list)):
+        return "a mapping" if isinstance(value, dict) else "a sequence"
+    return f"{type(value).__name__} {value!r}"[:80]
+
+
+def _check_text(value: Any, what: str, where: str, fail: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise fail(f"{what} must be a non-empty string, found {_kind(value)}", where)
+    if len(value) > limits.MANIFEST_MAX_STRING:
+        raise fail(f"{what} of {len(value)} characters (limit {limits.MANIFEST_MAX_STRING})",
+                   where[:80])  # fmt: skip
+    if any(ord(c) < 32 for c in value):
+        raise fail(f"{what} {value!r} holds a control character", where)
+    rest = value.replace(INDEX, "")
+    if "{" in rest or "}" in rest:
+        raise fail(f"{what} {value!r}: the only placeholder is {INDEX} (no expressions)", where)
+
+
+def _sources(raw: Any, fail: Any) -> tuple[SourceSpec, ...]:
+    if raw is None:
+        return (SourceSpec(DEFAULT_SOURCE, None),)
+    if not isinstance(raw, dict) or not raw:
+        raise fail(f"must be a non-empty mapping of source names, not {_kind(raw)}", "sources")
+    if len(raw) > limits.MANIFEST_MAX_SOURCES:
+        raise fail(f"{len(raw)} sources (limit {limits.MANIFEST_MAX_SOURCES})", "sources")
+    out = []
+    for name, spec in raw.items():
+        where = f"sources.{name}"[:80]
+        if not isinstance(name, str) or not _SOURCE_NAME.match(name) or len(name) > 128:
+            raise fail(f"source name {name!r} must be letters, digits, '_', '.' or '-'", where)
+        if not isinstance(spec, dict):
+            raise fail(f"a source is a mapping with type and files, not {_kind(spec)}", where)
+        bad = sorted(str(k) for k in spec if k not in _SOURCE_KEYS)
+        if bad:
+            raise fail(f"unknown field {bad[0]!r} (a source has only "
+                       f"{', '.join(_SOURCE_KEYS)}; manifests are not programs)",
+                       where)  # fmt: skip
+        if spec.get("type") != "safetensors":
+            raise fail(f"type {spec.get('type')!r} is not supported (only safetensors)", where)
+        files = spec.get("files")
+        if files is None:
+            out.append(SourceSpec(name, None))
+            continue
+        globs = [files] if isinstance(files, str) else files
+        if not isinstance(globs, list) or not globs or len(globs) > limits.SAFETENSORS_MAX_FILES:
+            raise fail(f"files must be a glob or a non-empty list of globs, not "
+                       f"{_kind(files)}", where)  # fmt: skip
+        for g in globs:
+            _check_glob(g, where, fail)
+        out.append(SourceSpec(name, tuple(globs)))
+    return tuple(out)
+
+
+def _check_glob(g: Any, where: str, fail: Any) -> None:
+    if not isinstance(g, str) or not g or len(g) > limits.MANIFEST_MAX_STRING:
+        raise fail(f"a files glob must be a non-empty string, found {_kind(g)}", where)
+    if "\\" in g or "\0" in g or any(ord(c) < 32 for c in g):
+        raise fail(f"files glob {g!r} holds a backslash or control character", where)
+    p = PurePosixPath(g)
+    if not p.parts:  # "." or "./": Path.glob raises IndexError on it
+        raise fail(f"files glob {g!r} names no file", where)
+    if p.is_absolute() or g.startswith("~") or ".." in p.parts:
+        raise fail(f"files glob {g!r} must stay inside the manifest's folder (relative, "
+                   "no '..')", where)  # fmt: skip
+
+
+# ---------------------------------------------------------------- sources
+
+
+@dataclass
+class _Source:
+    name: str
+    files: list[Path]
+    tensors: dict[str, tuple[Path, dict]]  # key -> (file, header entry)
+
+
+def _open_source(spec: SourceSpec, manifest: Manifest, folder: Path) -> _Source:
+    if spec.files is None:
+        files = weight_files(folder)
+    else:
+        base = manifest.base or folder
+        found: dict[Path, None] = {}
+        for g in spec.files:
+            matches = []
+            try:
+                for p in base.glob(g):
+                    if len(found) + len(matches) >= limits.SAFETENSORS_MAX_FILES:
+                        raise ManifestError(f"files match more than "
+                                            f"{limits.SAFETENSORS_MAX_FILES} files",
+                                            path=manifest.origin,
+                                            field=f"sources.{spec.name}")  # fmt: skip
+                    matches.append(p)
+            except (ValueError, OSError, IndexError) as e:  # pathlib refuses it, unreadable dir
+                raise ManifestError(f"files glob {g!r}: {e}", path=manifest.origin,
+                                    field=f"sources.{spec.name}") from None  # fmt: skip
+            if not matches:
+                raise ManifestError(f"files glob {g!r} matches nothing in {base}",
+                                    path=manifest.origin, field=f"sources.{spec.name}")  # fmt: skip
+            for p in sorted(matches):
+                if not p.is_file() or p.suffix != ".safetensors":
+                    raise ManifestError(f"{p.name} matched by {g!r} is not a .safetensors file "
+                                        "(other formats are never read)", path=manifest.origin,
+                                        field=f"sources.{spec.name}")  # fmt: skip
+                found[p] = None
+        files = list(found)
+    tensors: dict[str, tuple[Path, dict]] = {}
+    for path in files:
+        header = read_header(path)
+        for key, entry in header.items():
+            if key in tensors:
+                raise FileFormatError(
+                    f"tensor also present in {tensors[key][0].name}", path=path, field=key
+                )
+            tensors[key] = (path, entry)
+    return _Source(spec.name, files, tensors)
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Binding:
+    param: str
+    source: str
+    key: str
+    file: Path
+    explicit: bool  # named by the manifest (else bound by name)
+
+
+@dataclass
+class BindingPlan:
+    """The validated bindings: every model parameter to one tensor of one file."""
+
+    bindings: dict[str, Binding]
+    unbound: list[tuple[str, str]] = field(default_factory=list)  # (source, key), lenient
+    quantized: list[str] = field(default_factory=list)  # module paths made quantized
+    origin: str | None = None
+
+    def load(self) -> dict[str, mx.array]:
+        """Lazy arrays under parameter names (nothing is read until evaluated)."""
+        by_file: dict[Path, list[Binding]] = defaultdict(list)
+        for b in self.bindings.values():
+            by_file[b.file].append(b)
+        out: dict[str, mx.array] = {}
+        for path, group in by_file.items():
+            try:
+                arrays = mx.load(str(path))
+            except (RuntimeError, ValueError, OSError) as e:
+                raise FileFormatError(f"cannot load: {e}", path=path) from None
+            for b in group:
+                if b.key not in arrays:  # MLX read the header differently from the validator
+                    raise FileFormatError("tensor missing from MLX's reading", path=path,
+                                          field=b.key)  # fmt: skip
+                out[b.param] = arrays[b.key]
+        return out
+
+
+def _expand(manifest: Manifest, layers: int) -> dict[str, tuple[str, str]]:
+    """param path -> (source, key), templates expanded over the layer indices."""
+    templated = sum(1 for p, _, _ in manifest.entries if INDEX in p)
+    if templated * layers + len(manifest.entries) > limits.MANIFEST_MAX_BINDINGS:
+        raise ManifestError(f"{templated} templates × {layers} layers exceed "
+                            f"{limits.MANIFEST_MAX_BINDINGS} bindings",
+                            path=manifest.origin)  # fmt: skip
+    out: dict[str, tuple[str, str]] = {}
+    origin: dict[str, str] = {}
+    for path_t, source, key_t in manifest.entries:
+        indices = range(layers) if INDEX in path_t else (None,)
+        for i in indices:
+            path = path_t if i is None else path_t.replace(INDEX, str(i))
+            key = key_t if i is None else key_t.replace(INDEX, str(i))
+            if path in out:
+                raise DuplicateBindingError(
+                    f"parameter bound twice in the manifest: to {out[path][1]!r} (by "
+                    f"{origin[path]!r}) and to {key!r} (by {path_t!r})",
+                    path=manifest.origin,
+                    field=path,
+                )
+            out[path] = (source, key)
+            origin[path] = path_t
+    return out
+
+
+def _quantizable(net: nn.Module) -> set[str]:
+    return {name for name, m in net.named_modules() if hasattr(m, "to_quantized")}
+
+
+def _float(dtype: mx.Dtype) -> bool:
+    return dtype in (mx.float32, mx.float16, mx.bfloat16)
+
+
+ST_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32,
+             "I32": mx.int32, "U8": mx.uint8}  # fmt: skip
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).replace("mlx.core.", "")
+
+
+def _more(items: list, n: int = 5) -> str:
+    return f" (+{len(items) - n} more)" if len(items) > n else ""
+
+
+def plan_bindings(
+    net: nn.Module,
+    cfg: Any,
+    manifest: Manifest,
+    folder: Path,
+    *,
+    strict: bool = True,
+) -> BindingPlan:
+    """Validate `manifest` against the model and the sources' headers; quantize the modules
+    whose scales are bound (mutates `net`); return the plan. Reads headers only."""
+    from .binding import quantize_like
+
+    folder = Path(folder)
+    where = manifest.origin or str(folder)  # what errors about the mapping name
+    sources = {spec.name: _open_source(spec, manifest, folder) for spec in manifest.sources}
+    default = sources[manifest.default_source]
+    explicit = _expand(manifest, cfg.num_hidden_layers)
+    # by-name lookups go through the family's own renames (net.sanitize, e.g. the prefixes of
+    # multimodal Gemma 3 checkpoints), applied to the names only; what it drops is ignored
+    by_name: dict[str, str] = {k: k for k in default.tensors}
+    sanitize = getattr(net, "sanitize", None)
+    if callable(sanitize):
+        by_name = {k: v for k, v in sanitize(by_name).items() if v in default.tensors}
+    dropped = set(default.tensors) - set(by_name.values())
+
+    # quantized modules: those whose `.scales` is bound, by the manifest or by name
+    quantizable = _quantizable(net)
+    scaled = []
+    for m in sorted(quantizable):
+        p = f"{m}.scales"
+        if (p in explicit and explicit[p][1] in sources[explicit[p][0]].tensors) or (
+            p not in explicit and p in by_name
+        ):
+            scaled.append(p)
+    if scaled:
+        try:
+            quantize_like(net, dict.fromkeys(scaled), cfg.quantization, folder / "config.json")
+        except ConfigError:
+            raise
+        except (ValueError, TypeError, KeyError, ArithmeticError, RuntimeError) as e:
+            raise ConfigError(
+                f"cannot quantize as the checkpoint's quantization block says: {e}",
+                path=folder / "config.json",
+                field="quantization",
+            ) from None
+    modules = dict(net.named_modules())
+    quantized = sorted(m for m in quantizable if "scales" in modules.get(m, {}))
+    expected = dict(tree_flatten(net.parameters()))
+
+    # parameters the model does not have
+    unknown = [p for p in explicit if p not in expected]
+    if unknown:
+        p = unknown[0]
+        module, _, part = p.rpartition(".")
+        if part in ("scales", "biases") and module in quantizable and module not in quantized:
+            raise QuantTripletError(
+                f"{p} is bound but {module}.scales is not (or its tensor "
+                f"{explicit.get(module + '.scales', ('', module + '.scales'))[1]!r} is "
+                "absent): a quantized weight needs weight, scales and biases bound together",
+                path=where,
+                field=p,
+            )
+        if cfg.tie_word_embeddings and p.startswith("lm_head."):
+            hint = " (the model ties lm_head to model.embed_tokens: tie_word_embeddings)"
+        else:
+            close = difflib.get_close_matches(p, list(expected), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UnknownParameterError(
+            f"the model ({cfg.family}) has no such parameter{hint}; "
+            f"{len(unknown)} unknown in all",
+            path=where,
+            field=p,
+        )
+
+    # resolve every parameter: the manifest's binding, else the tensor of the same name
+    bindings: dict[str, Binding] = {}
+    missing: list[tuple[str, str, str, bool]] = []
+    for p in expected:
+        source, key = explicit.get(p) or (default.name, by_name.get(p, p))
+        src = sources[source]
+        hit = src.tensors.get(key)
+        if hit is None:
+            missing.append((p, source, key, p in explicit))
+        else:
+            bindings[p] = Binding(p, source, key, hit[0], p in explicit)
+    if missing:
+        missing_params = {m[0] for m in missing}
+        for module in quantized:
+            parts = [f"{module}.{s}" for s in _QUANT_PARTS if f"{module}.{s}" in expected]
+            absent = [q for q in parts if q in missing_params]
+            if absent and len(absent) < len(parts):
+                q = absent[0]
+                source, key = explicit.get(q) or (default.name, by_name.get(q, q))
+                raise QuantTripletError(
+                    f"quantized {module}: expected tensor {key!r} in source {source!r} for "
+                    f"{q}, found none ({', '.join(parts)} must be bound together)",
+                    path=where,
+                    field=q,
+                )
+        p, source, key, named = missing[0]
+        how = "bound by the manifest" if named else "not in the manifest, so bound by name"
+        listing = ", ".join(m[0] for m in missing[:5]) + _more(missing)
+        raise BindingMissingError(
+            f"missing tensors: {listing}; first: expected tensor {key!r} in source {source!r} "
+            f"({_files(sources[source])}; {how}), found none",
+            path=where,
+            field=p,
+        )
+
+    # one tensor, one parameter (the embedding and the head may share one)
+    users: dict[tuple[Path, str], list[str]] = defaultdict(list)
+    for b in bindings.values():
+        users[(b.file, b.key)].append(b.param)
+    for (file, key), params in users.items():
+        if len(params) > 1 and not _tied_pair(params):
+            raise DuplicateBindingError(
+                f"tensor {key!r} ({file.name}) is bound to {' and '.join(params)}; a tensor "
+                "feeds one parameter (only model.embed_tokens and lm_head may share one)",
+                path=where,
+                field=params[1],
+            )
+
+    # dtype, rank, dimensions
+    for p, ref in expected.items():
+        b = bindings[p]
+        entry = sources[b.source].tensors[b.key][1]
+        st = entry["dtype"]
+        dt = ST_DTYPES.get(st)
+        shape = tuple(entry["shape"])
+        module, _, part = p.rpartition(".")
+        if _float(ref.dtype):
+            ok = dt is not None and _float(dt)
+            want = "a float tensor (F32, F16 or BF16)"
+        else:
+            ok = dt == ref.dtype
+            want = f"{_dtype_name(ref.dtype)} (a packed quantized weight)"
+        if not ok:
+            hint = ""
+            if part == "weight" and module in quantizable and module not in quantized:
+                hint = f"; a packed quantized weight needs {module}.scales and biases bound too"
+            raise BindingDtypeError(
+                f"tensor {b.key!r} in {b.file.name} is {st}, expected {want}{hint}",
+                path=where,
+                field=p,
+            )
+        want_shape = tuple(ref.shape)
+        if len(shape) != len(want_shape):
+            raise BindingShapeError(
+                f"tensor {b.key!r} in {b.file.name} has rank {len(shape)} (shape {shape}), "
+                f"expected rank {len(want_shape)} (shape {want_shape})",
+                path=where,
+                field=p,
+            )
+        if shape != want_shape:
+            raise BindingShapeError(
+                f"tensor {b.key!r} in {b.file.name} has shape {shape}, model expects "
+                f"{want_shape}",
+                path=where,
+                field=p,
+            )
+
+    # tensors no parameter takes
+    taken = set(users)
+    by_name_of = {raw: name for name, raw in by_name.items()}
+    unbound = []
+    for src in sources.values():
+        for key, (file, _) in src.tensors.items():
+            if (file, key) in taken or key.endswith("rotary_emb.inv_freq"):
+                continue
+            if src is default and key in dropped:
+                continue  # dropped on purpose by the family (e.g. a vision tower)
+            if cfg.tie_word_embeddings and by_name_of.get(key, key).startswith("lm_head."):
+                continue  # some tied checkpoints still carry a copy of the head
+            unbound.append((src.name, key))
+    unbound = sorted(set(unbound))
+    if unbound:
+        listing = ", ".join(f"{k} ({s})" for s, k in unbound[:5]) + _more(unbound)
+        if strict:
+            raise UnexpectedBindingError(
+                f"unexpected tensors (bound to no parameter; lenient mode ignores them): "
+                f"{listing}",
+                path=where,
+                field=unbound[0][1],
+            )
+        warnings.warn(
+            UnboundTensorsWarning(
+                f"{where}: {len(unbound)} tensors bound to no parameter, ignored: {listing}",
+                unbound,
+            ),
+            stacklevel=3,
+        )
+    return BindingPlan(bindings, unbound, quantized, manifest.origin)
+
+
+def _files(src: _Source) -> str:
+    names = [f.name for f in src.files]
+    return ", ".join(names[:3]) + _more(names, 3)
+
+
+def _tied_pair(params: list[str]) -> bool:
+    if len(params) != 2:
+        return False
+    a, b = sorted(params, key=lambda p: not p.startswith(_TIED[0]))
+    return a.startswith(_TIED[0]) and b.startswith(_TIED[1]) and (
+        a[len(_TIED[0]) :] == b[len(_TIED[1]) :]
+    )
+

@@ -1,0 +1,338 @@
+"""Converter conventions (mlxlis.loading.conventions) and GGUF name tables (gguf_names).
+
+Reference parity: the un-permute against llama.cpp's own `permute` formula (copied below from
+convert_hf_to_gguf.py), on dense rows and on MLX-quantized rows; and, on the full load path, a
+tiny llama GGUF written here with gguf-py's GGUFWriter the way llama.cpp's converter writes one
+(Q/K permuted, F32 or Q8_0 blocks) against transformers' logits for the original model. The
+name tables are checked against every tensor of the real models and against the model's own
+parameter names; bad files must fail naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlxlis
+import mlxlis.device
+from mlxlis import catalog
+from mlxlis.config import ModelConfig, RopeConfig
+from mlxlis.errors import MissingTensorError, UnexpectedTensorError
+from mlxlis.families import FAMILIES, build_model
+from mlxlis.loading import gguf_model
+from mlxlis.loading.conventions import CONVENTIONS, undo, unpermute_rows
+from mlxlis.loading.gguf import read_gguf
+from mlxlis.loading.gguf_config import config_from_gguf
+from mlxlis.loading.gguf_names import SPECIAL, TABLES, module_name
+
+import gguf
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+import torch
+from conftest import build_tiny, trajectory
+from mlx.utils import tree_flatten
+
+REAL = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """convert_hf_to_gguf.py, LlamaModel.permute (the reference, verbatim up to numpy)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape))  # fmt: skip
+
+
+def config(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 16) -> ModelConfig:
+    return ModelConfig(family=family, vocab_size=64, hidden_size=heads * head_dim,
+                       intermediate_size=64, num_hidden_layers=1, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-6,
+                       rope=RopeConfig(theta=10000.0))  # fmt: skip
+
+
+# --- un-permute ---
+
+
+@pytest.mark.parametrize("n_heads,head_dim", [(1, 8), (2, 8), (3, 64), (4, 16), (9, 64),
+                                              (14, 64), (32, 4)])  # fmt: skip
+def test_unpermute_inverts_llama_cpp_permute(n_heads: int, head_dim: int):
+    """Reference parity: unpermute_rows(permute(w)) == w exactly, for weights and 1-D biases."""
+    rng = np.random.default_rng(n_heads * head_dim)
+    for shape in ((n_heads * head_dim, 48), (n_heads * head_dim,)):
+        w = rng.standard_normal(shape).astype(np.float32)
+        permuted = llama_cpp_permute(w, n_heads, None)
+        assert not np.array_equal(permuted, w) or head_dim == 2  # the permute does move rows
+        got = np.array(unpermute_rows(mx.array(permuted), n_heads))
+        assert np.array_equal(got, w)
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_unpermute_commutes_with_dequantize(bits: int):
+    """Rows are independent in MLX's quantized layout: un-permuting the packed codes, scales
+    and biases and then dequantizing equals dequantizing and then un-permuting."""
+    n_heads, head_dim = 6, 16
+    w = mx.array(np.random.default_rng(bits).standard_normal((n_heads * head_dim, 128)),
+                 dtype=mx.float32)  # fmt: skip
+    q = mx.quantize(w, group_size=32, bits=bits)
+    kw = dict(group_size=32, bits=bits)
+    after = mx.dequantize(*(unpermute_rows(a, n_heads) for a in q), **kw)
+    before = unpermute_rows(mx.dequantize(*q, **kw), n_heads)
+    assert mx.array_equal(after, before).item()
+
+
+def test_undo_unpermutes_q_with_heads_and_k_with_kv_heads():
+    """Through the CONVENTIONS table: Q un-permuted with n_heads, K with n_kv_heads (llama.cpp
+    permutes K with n_head_kv), V and O untouched; on each part of a quantized tensor."""
+    cfg = config("llama", heads=8, kv_heads=2, head_dim=16)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((128, 32)).astype(np.float32)
+    k = rng.standard_normal((32, 32)).astype(np.float32)
+    fq = llama_cpp_permute(q, 8, 8)
+    fk = llama_cpp_permute(k, 8, 2)
+    for part in ("weight", "scales", "biases", "bias"):
+        got_q = undo(f"model.layers.0.self_attn.q_proj.{part}", mx.array(fq), cfg, "gguf", part)
+        got_k = undo(f"model.layers.0.self_attn.k_proj.{part}", mx.array(fk), cfg, "gguf", part)
+        assert np.array_equal(np.array(got_q), q) and np.array_equal(np.array(got_k), k)
+    for name in ("self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.up_proj.weight"):
+        got = undo(f"model.layers.0.{name}", mx.array(fq), cfg, "gguf", "weight")
+        assert np.array_equal(np.array(got), fq)
+    for family in ("qwen2", "gemma", "gemma2", "gemma3"):  # llama.cpp permutes llama only
+        got = undo("model.layers.0.self_attn.q_proj.weight", mx.array(fq),
+                   config(family, heads=8, kv_heads=2), "gguf", "weight")  # fmt: skip
+        assert np.array_equal(np.array(got), fq)
+
+
+# --- Gemma norms ---
+
+GEMMA_NORMS = ["model.norm.weight", "model.layers.3.input_layernorm.weight",
+               "model.layers.3.post_attention_layernorm.weight",
+               "model.layers.3.pre_feedforward_layernorm.weight",
+               "model.layers.3.post_feedforward_layernorm.weight",
+               "model.layers.3.self_attn.q_norm.weight", "model.layers.3.self_attn.k_norm.weight"]
+NOT_NORMS = ["model.embed_tokens.weight", "lm_head.weight",
+             "model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.q_proj.bias",
+             "model.layers.3.mlp.down_proj.weight", "model.layers.3.self_attn.o_proj.weight"]
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3", "llama", "qwen2"])
+def test_gemma_norm_minus_one_exactly_where_it_belongs(family: str):
+    """llama.cpp adds 1 to every Gemma *norm.weight (q/k norms included): the loader subtracts
+    it from each of them for gemma/gemma2/gemma3, from nothing else, and never for llama/qwen2."""
+    cfg = config(family)
+    w = mx.array(np.linspace(-2, 3, 16, dtype=np.float32))
+    gemma = family.startswith("gemma")
+    for name in GEMMA_NORMS:
+        got = undo(name, w, cfg, "gguf", "weight")
+        assert mx.array_equal(got, w - 1 if gemma else w).item(), name
+    for name in NOT_NORMS:
+        if family == "llama" and "q_proj" in name:
+            continue  # un-permuted, tested above
+        assert mx.array_equal(undo(name, w, cfg, "gguf", "weight"), w).item(), name
+
+
+def test_conventions_table_covers_every_gguf_family():
+    """(family, "gguf") for each supported family; qwen2 has none; other formats have none."""
+    assert {f for f, fmt in CONVENTIONS if fmt == "gguf"} == set(FAMILIES) == {
+        "llama", "qwen2", "gemma", "gemma2", "gemma3"}  # fmt: skip
+    assert CONVENTIONS[("qwen2", "gguf")] == ()
+    assert {fmt for _, fmt in CONVENTIONS} == {"gguf"}
+    w = mx.array(np.ones((64, 8), np.float32))
+    for family in FAMILIES:  # safetensors checkpoints are in the HF convention already
+        for name in ("model.norm.weight", "model.layers.0.self_attn.q_proj.weight"):
+            assert undo(name, w, config(family), "safetensors", "weight") is w
+
+
+# --- name tables ---
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", REAL)
+def test_every_tensor_of_the_real_models_maps(name: str):
+    """Each GGUF tensor has a row (or is SPECIAL) and the mapped names are exactly the names of
+    the family model's parameters (tied: no lm_head)."""
+    if not catalog.is_pulled(name):
+        pytest.skip(f"{name} not pulled (make models)")
+    with read_gguf(catalog.model_path(name)) as f:
+        shapes = {n: t.shape for n, t in f.tensors.items()}
+        cfg = config_from_gguf(f.metadata, shapes, str(f.path))
+        mapped = {n: module_name(cfg.family, n) for n in f.tensors if n not in SPECIAL}
+    assert all(mapped.values()), [n for n, m in mapped.items() if m is None]
+    params = {k for k, _ in tree_flatten(build_model(cfg).parameters())}
+    assert set(mapped.values()) == params
+
+
+def test_name_tables_have_every_family():
+    assert set(TABLES) == set(FAMILIES)
+    assert module_name("llama", "blk.7.attn_q.bias") == "model.layers.7.self_attn.q_proj.bias"
+    k_norm = module_name("gemma3", "blk.0.attn_k_norm.weight")
+    assert k_norm == "model.layers.0.self_attn.k_norm.weight"
+    ffn_norm = module_name("gemma2", "blk.1.ffn_norm.weight")
+    assert ffn_norm == "model.layers.1.pre_feedforward_layernorm.weight"
+    assert module_name("llama", "blk.0.attn_q_norm.weight") is None  # no such llama module
+    assert module_name("llama", "blk.0.nonsense.weight") is None
+
+
+# --- a synthetic llama GGUF, written as llama.cpp's converter writes it ---
+
+TINY_LLAMA = dict(kind="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+                  max_position_embeddings=256)  # fmt: skip
+BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(hf: str) -> str:
+    """HF tensor name -> llama.cpp's, written out here independently of gguf_names.TABLES."""
+    stem, part = hf.rsplit(".", 1)
+    if stem in TOP:
+        return f"{TOP[stem]}.{part}"
+    _, _, i, rest = stem.split(".", 3)
+    return f"blk.{i}.{BLOCK[rest]}.{part}"
+
+
+def write_llama_gguf(path: Path, ref, folder: Path, qtype: str = "F32", drop: tuple = (),
+                     extra: tuple = ()) -> dict[str, np.ndarray]:  # fmt: skip
+    """Write `ref` (a transformers llama) as a GGUF; returns the HF state dict the file holds
+    (the original weights, or their Q8_0 round trip)."""
+    cfg = ref.config
+    sd = {k: v.detach().float().numpy() for k, v in ref.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)  # llama.cpp omits output.weight when tied
+    w = gguf.GGUFWriter(str(path), "llama")
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    tokens = [t for t, _ in vocab] + [t for t in specials if t not in tok["model"]["vocab"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in specials else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    held = {}
+    for hf, t in sd.items():
+        if hf in drop:
+            continue
+        if qtype == "Q8_0" and t.ndim == 2:
+            data = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)  # rows independent
+            held[hf] = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q8_0)
+            raw_dtype = gguf.GGMLQuantizationType.Q8_0
+        else:
+            data, held[hf], raw_dtype = t, t, None
+        if hf.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
+        elif hf.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
+        w.add_tensor(gguf_name(hf), data, raw_dtype=raw_dtype)
+    for name in extra:
+        w.add_tensor(name, np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
+
+
+@pytest.fixture(scope="module")
+def tiny_llamas(tmp_path_factory):
+    """untied and tied tiny llamas built by transformers (+ their tokenizer folders)."""
+    out = {}
+    for tied in (False, True):
+        folder = tmp_path_factory.mktemp(f"llama_tied{tied}")
+        out[tied] = (folder, build_tiny(folder, {**TINY_LLAMA, "tie_word_embeddings": tied}))
+    return out
+
+
+@pytest.mark.parametrize("qtype,tied", [("F32", False), ("Q8_0", True), ("Q8_0", False)])
+def test_synthetic_llama_gguf_matches_transformers(tiny_llamas, tmp_path, qtype, tied):
+    """Reference parity on the whole GGUF path, the independent test of the un-permute: a tiny
+    llama written with Q/K permuted as llama.cpp does (F32, or Q8_0 blocks kept quantized) loads
+    and gives transformers' logits for the model holding the same weights (fp32, 40 tokens)."""
+    folder, ref = tiny_llamas[tied]
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    held = write_llama_gguf(path, ref, folder, qtype)
+    model = mlxlis.load(path, "float32", dequantize=False)
+    assert model.config.tie_word_embeddings == tied
+    assert ("lm_head" in model.net) != tied
+    if qtype == "Q8_0":
+        assert "8-bit" in mlxlis.model._quant_summary(model.net)
+    ref = ref.__class__(ref.config).eval()
+    ref.load_state_dict({k: torch.from_numpy(v) for k, v in held.items()}, strict=not tied)
+    if tied:
+        ref.tie_weights()
+    ids = trajectory(40, vocab=model.config.vocab_size)
+    with torch.no_grad():
+        theirs = ref(torch.tensor([ids])).logits[0].numpy()
+    ours = np.array(model.logits(ids))
+    delta = np.abs(ours - theirs).max()
+    assert delta < 1e-4 * max(1.0, np.abs(theirs).max()), f"max |Δ| = {delta}"
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+def test_unknown_tensor_is_refused_by_name(tiny_llamas, tmp_path):
+    folder, ref = tiny_llamas[False]
+    path = tmp_path / "extra.gguf"
+    write_llama_gguf(path, ref, folder, extra=("blk.0.attn_mystery.weight",))
+    with pytest.raises(UnexpectedTensorError) as info:
+        mlxlis.load(path, "float32")
+    assert info.value.field == "blk.0.attn_mystery.weight"
+    assert "blk.0.attn_mystery.weight" in str(info.value) and str(path) in str(info.value)
+
+
+def test_missing_tensor_is_refused_by_module_name(tiny_llamas, tmp_path):
+    folder, ref = tiny_llamas[False]
+    path = tmp_path / "missing.gguf"
+    write_llama_gguf(path, ref, folder, drop=("model.layers.1.mlp.up_proj.weight",))
+    with pytest.raises(MissingTensorError) as info:
+        mlxlis.load(path, "float32")
+    assert info.value.field == "model.layers.1.mlp.up_proj.weight"
+    assert "model.layers.1.mlp.up_proj.weight" in str(info.value)
+
+
+def kinds(model) -> dict[str, str]:
+    return {name: type(m).__name__ for name, m in model.net.named_modules()
+            if isinstance(m, (nn.Linear, nn.Embedding, nn.QuantizedLinear, nn.QuantizedEmbedding))}
+
+
+def test_default_is_dense_matmuls_on_cpu_quantized_elsewhere(tiny_llamas, tmp_path, monkeypatch):
+    """dequantize=None (the default): on CPU every matmul weight is dense (MLX's CPU quantized
+    matmul is ~15x slower at prompt processing) but an untied embedding, a row lookup, stays
+    quantized; tied, it is the head and goes dense. Quantized when the dense weights would not
+    fit comfortably, and on Metal / CUDA. False and True force either way."""
+    monkeypatch.setattr(mlxlis.device, "device_name", lambda: "cpu")
+    for tied in (False, True):
+        folder, ref = tiny_llamas[tied]
+        path = tmp_path / f"q8-{tied}.gguf"
+        write_llama_gguf(path, ref, folder, "Q8_0")
+        got = kinds(mlxlis.load(path, "float32"))
+        embed = got.pop("model.embed_tokens")
+        assert embed == ("Embedding" if tied else "QuantizedEmbedding")
+        assert set(got.values()) == {"Linear"}
+        forced = kinds(mlxlis.load(path, "float32", dequantize=False))
+        assert set(forced.values()) <= {"QuantizedLinear", "QuantizedEmbedding"}
+        dense = kinds(mlxlis.load(path, "float32", dequantize=True))
+        assert set(dense.values()) == {"Linear", "Embedding"}
+    monkeypatch.setattr(gguf_model, "available_memory", lambda: 10_000)  # too little to spare
+    assert set(kinds(mlxlis.load(path, "float32")).values()) == {"QuantizedLinear",
+                                                                  "QuantizedEmbedding"}
+    monkeypatch.undo()
+    monkeypatch.setattr(mlxlis.device, "device_name", lambda: "metal")
+    assert set(kinds(mlxlis.load(path, "float32")).values()) == {"QuantizedLinear",
+                                                                  "QuantizedEmbedding"}

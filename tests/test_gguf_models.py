@@ -1,0 +1,152 @@
+"""The real catalog GGUF models against transformers' own GGUF loader (reference parity).
+
+For each model: our logits (quantized blocks kept as MLX affine arrays, fp32 activations) vs
+transformers' (its GGUF loader dequantizes with gguf-py; fp32) on one ~24-token prompt; our
+tokenizer's ids vs transformers' GGUF tokenizer; dense (dequantize=True) vs quantized logits
+(self-consistency: the same weights, so equal up to fp32 summation order); the tied head of
+SmolLM2 / Gemma 3 is one array, Qwen2.5's file has its own output.weight; Gemma 3's vocabulary
+size comes from token_embd's shape. transformers is slow to load GGUF (13 s SmolLM2, ~50 s
+Qwen, ~75 s Gemma 3 with its tokenizer), so each reference is built once per module and only
+its logits are kept.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlxlis
+from mlxlis import catalog
+from mlxlis.families import FAMILIES
+from mlxlis.loading.gguf import read_gguf
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+import torch
+from mlx.utils import tree_flatten
+
+pytestmark = pytest.mark.real
+
+REAL = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
+PROMPT = ("The history of computing is a story of abstraction layered upon abstraction: "
+          "early machines were programmed by rewiring them.")  # fmt: skip
+SAMPLE = ("Hello, world! The quick brown fox jumps over 13 lazy dogs in 2024.\n"
+          "def add(a, b):\n    return a + b  # sum\n"
+          "Émile a vu un cœur brûlé. 日本語のテキスト。 Привет, мир! 🙂🚀 naïve café   spaces")
+
+
+@dataclass
+class Real:
+    name: str
+    path: Path
+    model: object  # mlxlis Model, quantized, fp32
+    ids: list[int]
+    theirs: np.ndarray  # transformers' logits for `ids`
+    their_tokens: list[int]  # transformers' ids for SAMPLE (no special tokens)
+
+
+@pytest.fixture(scope="module", params=REAL)
+def real(request) -> Real:
+    name = request.param
+    if not catalog.is_pulled(name):
+        pytest.skip(f"{name} not pulled (make models)")
+    if catalog.CATALOG[name].family not in FAMILIES:
+        pytest.skip(f"family {catalog.CATALOG[name].family} is not implemented yet")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = catalog.model_path(name)
+    model = mlxlis.load(name, "float32", dequantize=False)
+    ids = model.tokenizer.encode(PROMPT)
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                               dtype=torch.float32).eval()  # fmt: skip
+    with torch.no_grad():
+        theirs = ref(torch.tensor([ids])).logits[0].float().numpy()
+    del ref
+    gc.collect()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    their_tokens = tok(SAMPLE, add_special_tokens=False)["input_ids"]
+    del tok
+    gc.collect()
+    return Real(name, path, model, ids, theirs, their_tokens)
+
+
+def test_logits_match_transformers_gguf_loader(real: Real):
+    """Reference parity, fp32: max |Δ| < 1e-3 × max |logit| over a ~24-token prompt, and the
+    same argmax at every position (measured: SmolLM2 ~2e-4, Qwen2.5 ~5e-5, Gemma 3 ~7e-5
+    absolute, on logit scales of ~20-30)."""
+    assert 16 <= len(real.ids) <= 40
+    ours = np.array(real.model.logits(real.ids))
+    assert ours.shape == real.theirs.shape
+    scale = np.abs(real.theirs).max()
+    delta = np.abs(ours - real.theirs).max()
+    print(f"{real.name}: max |Δ| {delta:.3g} on logit scale {scale:.3g} ({len(real.ids)} tokens)")
+    assert delta < 1e-3 * scale, f"{real.name}: max |Δ| = {delta:.3g}, scale {scale:.3g}"
+    assert (ours.argmax(-1) == real.theirs.argmax(-1)).all()
+
+
+def test_dequantized_equals_quantized(real: Real):
+    """Self-consistency: dequantize=True holds the same weights dense, so the logits agree to
+    fp32 summation order (max |Δ| < 1e-4 × max |logit|)."""
+    quantized = np.array(real.model.logits(real.ids))
+    dense = mlxlis.load(real.name, "float32", dequantize=True)
+    assert "dense" in dense.quant_summary
+    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+                   for _, m in dense.net.named_modules())  # fmt: skip
+    got = np.array(dense.logits(real.ids))
+    del dense
+    gc.collect()
+    delta = np.abs(got - quantized).max()
+    print(f"{real.name}: dense vs quantized max |Δ| {delta:.3g}")
+    assert delta < 1e-4 * np.abs(quantized).max(), f"max |Δ| = {delta:.3g}"
+    assert (got.argmax(-1) == quantized.argmax(-1)).all()
+
+
+def test_tokenizer_ids_match_transformers(real: Real):
+    """Reference parity: our GGUF tokenizer's ids for a mixed sample (code, accents, CJK,
+    Cyrillic, emoji, digits, runs of spaces) equal transformers' GGUF tokenizer's."""
+    ours = real.model.tokenizer.encode(SAMPLE, add_bos=False, add_eos=False)
+    assert ours == real.their_tokens
+
+
+def test_head_is_tied_exactly_when_the_file_has_no_output(real: Real):
+    """llama.cpp omits output.weight when tied: then the head is the embedding itself (one
+    array, used through as_linear, no lm_head), else the file's own output.weight is bound."""
+    with read_gguf(real.path) as f:
+        has_output = "output.weight" in f.tensors
+    net = real.model.net
+    names = {k for k, _ in tree_flatten(net.parameters())}
+    assert real.model.config.tie_word_embeddings == (not has_output)
+    assert has_output == (real.name == "qwen2.5-coder-0.5b")
+    if has_output:
+        assert "lm_head" in net and "lm_head.weight" in names
+        assert net.lm_head.weight is not net.model.embed_tokens.weight
+        return
+    assert "lm_head" not in net and not any(n.startswith("lm_head") for n in names)
+    emb = net.model.embed_tokens
+    calls = []
+    as_linear = emb.as_linear
+
+    def counting(x: mx.array) -> mx.array:
+        calls.append(x.shape)
+        return as_linear(x)
+
+    emb.as_linear = counting  # an instance attribute shadows the method for this call
+    try:
+        logits = real.model.logits(real.ids[:4])
+    finally:
+        del emb.as_linear
+    assert len(calls) == 1 and logits.shape[-1] == real.model.config.vocab_size
+
+
+def test_vocab_size_is_token_embd_rows(real: Real):
+    """The embedding's row count is the vocabulary (Gemma 3's converter trims the rows to the
+    real vocabulary, so the tensor, not metadata, is the truth)."""
+    with read_gguf(real.path) as f:
+        rows = f.tensors["token_embd.weight"].shape[0]
+        n_tokens = len(f.metadata["tokenizer.ggml.tokens"])
+    assert real.model.config.vocab_size == rows == real.theirs.shape[-1]
+    if real.name == "gemma3-270m":
+        assert rows == n_tokens == 262144
