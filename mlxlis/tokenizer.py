@@ -141,9 +141,9 @@ class Tokenizer:
             raise TokenizerError(
                 "missing (so is tokenizer.model)", path=folder, field="tokenizer.json"
             )
-        for i, spec in (cfg.get("added_tokens_decoder") or {}).items():
-            if isinstance(spec, dict) and spec.get("special") and "content" in spec:
-                backend.special_tokens.setdefault(spec["content"], int(i))
+        for i, spec in _added_tokens(cfg, cfg_path):
+            if spec.get("special") and isinstance(spec.get("content"), str):
+                backend.special_tokens.setdefault(spec["content"], i)
 
         def token_id(key: str) -> int | None:
             text = _token_text(cfg, key, cfg_path)
@@ -268,6 +268,22 @@ def _gguf_spm(
     return TableVocab(tokens, types, sp.encode, pieces)
 
 
+def _added_tokens(cfg: dict[str, Any], path: Path) -> list[tuple[int, dict]]:
+    """tokenizer_config.json's added_tokens_decoder as (id, spec), ids checked and bounded."""
+    from .loading.limits import CONFIG_MAX_VOCAB
+
+    table = cfg.get("added_tokens_decoder") or {}
+    if not isinstance(table, dict):
+        raise TokenizerError("expected an object", path=path, field="added_tokens_decoder")
+    out = []
+    for key, spec in table.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < CONFIG_MAX_VOCAB):
+            raise TokenizerError(f"bad token id {key!r}", path=path, field="added_tokens_decoder")
+        if isinstance(spec, dict):
+            out.append((int(key), spec))
+    return out
+
+
 def _load_json(path: Path) -> JsonVocab:
     try:
         return JsonVocab(tokenizers.Tokenizer.from_file(str(path)))
@@ -294,9 +310,8 @@ def _load_spm(path: Path, cfg: dict[str, Any]) -> tuple[TableVocab, tuple[int | 
     tokens = [p.piece for p in proto.pieces]
     types = [int(p.type) for p in proto.pieces]
     added: dict[str, int] = {}  # sentencepiece matches its own user-defined pieces, not these
-    for key, spec in (cfg.get("added_tokens_decoder") or {}).items():  # ids past the model's
-        i = int(key)
-        if isinstance(spec, dict) and i >= len(tokens) and isinstance(spec.get("content"), str):
+    for i, spec in _added_tokens(cfg, path):  # ids past the model's
+        if i >= len(tokens) and isinstance(spec.get("content"), str):
             tokens += [""] * (i + 1 - len(tokens))
             types += [tt.UNUSED] * (i + 1 - len(types))
             tokens[i] = spec["content"]

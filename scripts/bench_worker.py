@@ -17,8 +17,19 @@ DECODE_TOKENS = 128
 
 
 def rss_peak() -> int:
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r if sys.platform == "darwin" else r * 1024
+    """Peak resident memory of this process in bytes.
+
+    Linux: VmHWM (the mm's high-water mark; ru_maxrss would carry over the parent's size
+    across fork + exec). macOS: ru_maxrss (bytes there).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def weight_bytes_per_token(net) -> int:
