@@ -107,14 +107,23 @@ def test_undo_unpermutes_q_with_heads_and_k_with_kv_heads():
 
 # --- Gemma norms ---
 
-GEMMA_NORMS = ["model.norm.weight", "model.layers.3.input_layernorm.weight",
-               "model.layers.3.post_attention_layernorm.weight",
-               "model.layers.3.pre_feedforward_layernorm.weight",
-               "model.layers.3.post_feedforward_layernorm.weight",
-               "model.layers.3.self_attn.q_norm.weight", "model.layers.3.self_attn.k_norm.weight"]
-NOT_NORMS = ["model.embed_tokens.weight", "lm_head.weight",
-             "model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.q_proj.bias",
-             "model.layers.3.mlp.down_proj.weight", "model.layers.3.self_attn.o_proj.weight"]
+GEMMA_NORMS = [
+    "model.norm.weight",
+    "model.layers.3.input_layernorm.weight",
+    "model.layers.3.post_attention_layernorm.weight",
+    "model.layers.3.pre_feedforward_layernorm.weight",
+    "model.layers.3.post_feedforward_layernorm.weight",
+    "model.layers.3.self_attn.q_norm.weight",
+    "model.layers.3.self_attn.k_norm.weight",
+]
+NOT_NORMS = [
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+    "model.layers.3.self_attn.q_proj.weight",
+    "model.layers.3.self_attn.q_proj.bias",
+    "model.layers.3.mlp.down_proj.weight",
+    "model.layers.3.self_attn.o_proj.weight",
+]
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3", "llama", "qwen2"])
@@ -180,10 +189,17 @@ def test_name_tables_have_every_family():
 TINY_LLAMA = dict(kind="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
                   max_position_embeddings=256)  # fmt: skip
-BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
-         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-         "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+BLOCK = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
@@ -307,8 +323,11 @@ def test_missing_tensor_is_refused_by_module_name(tiny_llamas, tmp_path):
 
 
 def kinds(model) -> dict[str, str]:
-    return {name: type(m).__name__ for name, m in model.net.named_modules()
-            if isinstance(m, (nn.Linear, nn.Embedding, nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    return {
+        name: type(m).__name__
+        for name, m in model.net.named_modules()
+        if isinstance(m, (nn.Linear, nn.Embedding, nn.QuantizedLinear, nn.QuantizedEmbedding))
+    }
 
 
 def test_default_is_dense_matmuls_on_cpu_quantized_elsewhere(tiny_llamas, tmp_path, monkeypatch):
@@ -330,9 +349,39 @@ def test_default_is_dense_matmuls_on_cpu_quantized_elsewhere(tiny_llamas, tmp_pa
         dense = kinds(mlxlis.load(path, "float32", dequantize=True))
         assert set(dense.values()) == {"Linear", "Embedding"}
     monkeypatch.setattr(gguf_model, "available_memory", lambda: 10_000)  # too little to spare
-    assert set(kinds(mlxlis.load(path, "float32")).values()) == {"QuantizedLinear",
-                                                                  "QuantizedEmbedding"}
+    assert set(kinds(mlxlis.load(path, "float32")).values()) == {
+        "QuantizedLinear",
+        "QuantizedEmbedding",
+    }
     monkeypatch.undo()
     monkeypatch.setattr(mlxlis.device, "device_name", lambda: "metal")
-    assert set(kinds(mlxlis.load(path, "float32")).values()) == {"QuantizedLinear",
-                                                                  "QuantizedEmbedding"}
+    assert set(kinds(mlxlis.load(path, "float32")).values()) == {
+        "QuantizedLinear",
+        "QuantizedEmbedding",
+    }
+
+
+def test_loads_from_several_threads(tiny_llamas, tmp_path):
+    """MLX streams belong to a thread: loads on two successive worker threads (as the TUI's
+    loader does) and on the main thread all work and agree."""
+    import threading
+
+    folder, ref = tiny_llamas[False]
+    path = tmp_path / "threads.gguf"
+    write_llama_gguf(path, ref, folder, "Q8_0")
+    ids = trajectory(8, vocab=400)
+    got: list = []
+
+    def load() -> None:
+        try:
+            got.append(np.array(mlxlis.load(path, "float32", dequantize=False).logits(ids)))
+        except Exception as e:  # surfaced below
+            got.append(e)
+
+    for _ in range(2):
+        t = threading.Thread(target=load)
+        t.start()
+        t.join()
+    load()
+    assert all(isinstance(g, np.ndarray) for g in got), got
+    assert all(np.array_equal(g, got[0]) for g in got)

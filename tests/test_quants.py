@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import math
 
+from mlxlis import catalog
+from mlxlis.errors import FileFormatError, UnsupportedQuantError
+from mlxlis.loading import quants
+from mlxlis.loading.gguf import GGML_TYPES, GGUFTensor, read_gguf
+from mlxlis.loading.quants import QUANTIZABLE, convert_tensor, pack_codes
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
-
-from mlxlis import catalog
-from mlxlis.errors import FileFormatError, UnsupportedQuantError
-from mlxlis.loading import quants
-from mlxlis.loading.gguf import GGML_TYPES, GGUFTensor, read_gguf
-from mlxlis.loading.quants import QUANTIZABLE, convert_tensor, pack_codes
 
 F16_FIELDS = {  # byte offsets of the fp16 scale fields inside one block
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
@@ -200,3 +200,22 @@ def test_real_tensors_bit_exact(name: str):
             quantized = t.type_name in QUANTIZABLE and len(t.shape) > 1
             assert (c.scales is not None) == quantized, t.name
             assert np.array_equal(unpacked(c), reference(t, raw)), (t.name, t.type_name)
+
+
+@pytest.mark.parametrize("name,dequantize", [("Q5_0", False), ("Q4_K", False), ("Q8_0", True),
+                                             ("Q6_K", False)])  # fmt: skip
+def test_threaded_chunks_equal_serial(name: str, dequantize: bool, small_chunks, monkeypatch):
+    """Self-consistency: a tensor's chunks converted on 3 threads (machines with > 2 cores)
+    give the same bits as on one, and `done` is told of every raw byte exactly once."""
+    t = tensor(name, (16, 512))
+    raw = random_raw(t)
+    serial = convert_tensor(t, raw, mx.float32, dequantize=dequantize)
+    monkeypatch.setattr(quants, "_workers", lambda: 3)
+    spans: list[tuple[int, int]] = []
+    threaded = convert_tensor(t, raw, mx.float32, dequantize=dequantize,
+                              done=lambda i, j: spans.append((i, j)))  # fmt: skip
+    for a, b in ((serial.weight, threaded.weight), (serial.scales, threaded.scales)):
+        assert (a is None) == (b is None) and (a is None or mx.array_equal(a, b).item())
+    spans.sort()
+    assert len(spans) > 3 and spans[0][0] == 0 and spans[-1][1] == t.nbytes
+    assert all(j == k for (_, j), (k, _) in zip(spans, spans[1:], strict=False))

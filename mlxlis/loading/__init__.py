@@ -64,8 +64,12 @@ def load(
     chat_template: str | None = None,
     bindings: str | Path | dict | None = None,
     strict: bool = True,
+    input_major: bool | None = None,
 ):
     """Load a model folder, GGUF file or catalog name. dtype None = the device default.
+
+    `input_major`: store dense matmul weights input-major after loading (mlxlis.layout);
+    None = on CPU. False keeps the Hugging Face layout (what `convert` writes out).
 
     `dequantize` (GGUF): True = every weight dense, False = quantized blocks kept as MLX
     quantized arrays, None = per device (dense matmul weights on CPU when they fit comfortably,
@@ -88,10 +92,11 @@ def load(
             raise BindingError(
                 "binding manifests apply to safetensors folders, not GGUF files", path=path
             )
-        return load_gguf(path, dt, dequantize=dequantize, chat_template=chat_template)
+        model = load_gguf(path, dt, dequantize=dequantize, chat_template=chat_template)
+        return _layout(model, input_major)
     if path.is_file():
         raise UnsupportedFormatError("expected a model folder or a .gguf file", path=path)
-    return load_folder(
+    model = load_folder(
         path,
         dt,
         chat_template=chat_template,
@@ -100,6 +105,15 @@ def load(
         bindings=manifest,
         strict=strict,
     )
+    return _layout(model, input_major)
+
+
+def _layout(model, input_major: bool | None):
+    from ..layout import to_input_major, wants_input_major
+
+    if input_major or (input_major is None and wants_input_major(model.net)):
+        to_input_major(model.net)
+    return model
 
 
 def load_folder(

@@ -9,8 +9,13 @@ import numpy as np
 from ..config import ModelConfig, RopeConfig
 from ..errors import ConfigError, UnsupportedError
 
-ARCHS = {"llama": "llama", "qwen2": "qwen2", "gemma": "gemma", "gemma2": "gemma2",
-         "gemma3": "gemma3"}
+ARCHS = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+}
 
 _MISSING = object()
 
@@ -28,30 +33,39 @@ class _Meta:
             return default
         if isinstance(value, np.ndarray):  # per-layer arrays: we need them uniform
             if value.size == 0 or not (value == value.flat[0]).all():
-                raise UnsupportedError("per-layer values that differ are not supported",
-                                       path=self.path, field=full)
+                raise UnsupportedError(
+                    "per-layer values that differ are not supported", path=self.path, field=full
+                )
             value = value.flat[0].item()
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not ok or (kind is int and float(value) != int(value)):
-            raise ConfigError(f"expected a {kind.__name__}, got {value!r}", path=self.path,
-                              field=full)
+            raise ConfigError(
+                f"expected a {kind.__name__}, got {value!r}", path=self.path, field=full
+            )
         return kind(value)
 
 
-def config_from_gguf(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
-                     path: str) -> ModelConfig:
+def config_from_gguf(
+    md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], path: str
+) -> ModelConfig:
     arch = md.get("general.architecture")
     if arch not in ARCHS:
-        raise UnsupportedError(f"architecture {arch!r} is not supported (supported: "
-                               f"{', '.join(ARCHS)})", path=path, field="general.architecture")
+        raise UnsupportedError(
+            f"architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})",
+            path=path,
+            field="general.architecture",
+        )
     family = ARCHS[arch]
     m = _Meta(md, arch, path)
     hidden = m.get("embedding_length")
     heads = m.get("attention.head_count")
     kv_heads = m.get("attention.head_count_kv", heads)
     if kv_heads <= 0 or heads % kv_heads:
-        raise ConfigError(f"head_count_kv {kv_heads} must divide head_count {heads}", path=path,
-                          field=f"{arch}.attention.head_count_kv")
+        raise ConfigError(
+            f"head_count_kv {kv_heads} must divide head_count {heads}",
+            path=path,
+            field=f"{arch}.attention.head_count_kv",
+        )
     head_dim = m.get("attention.key_length", hidden // heads)
     if "token_embd.weight" not in tensor_shapes:
         raise ConfigError("tensor token_embd.weight missing", path=path, field="token_embd.weight")
@@ -63,8 +77,11 @@ def config_from_gguf(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...
         factor = m.get("rope.scaling.factor", 1.0, float)
         rope = RopeConfig(theta=theta, type="linear", factor=factor)
     elif scaling not in ("none", None):
-        raise UnsupportedError(f"rope scaling {scaling!r} is not implemented", path=path,
-                               field=f"{arch}.rope.scaling.type")
+        raise UnsupportedError(
+            f"rope scaling {scaling!r} is not implemented",
+            path=path,
+            field=f"{arch}.rope.scaling.type",
+        )
     eos = md.get("tokenizer.ggml.eos_token_id")
     bos = md.get("tokenizer.ggml.bos_token_id")
     cfg = ModelConfig(
@@ -100,18 +117,22 @@ def _gemma(cfg: ModelConfig, m: _Meta, arch: str) -> ModelConfig:
         window = m.get("attention.sliding_window", 4096)
         changes.update(
             sliding_window=window,
-            layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention"
-                              for i in range(n)),
+            layer_types=tuple(
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)
+            ),
             attn_logit_softcapping=m.get("attn_logit_softcapping", 50.0, float),
-            final_logit_softcapping=m.get("final_logit_softcapping", 30.0, float))
+            final_logit_softcapping=m.get("final_logit_softcapping", 30.0, float),
+        )
     elif arch == "gemma3":
         window = m.get("attention.sliding_window", 512)
         # llama.cpp's Gemma 3: 5 sliding layers then 1 global, local RoPE base 10 000
         changes.update(
             sliding_window=window,
-            layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                              for i in range(n)),
-            rope_local=RopeConfig(theta=10000.0))
+            layer_types=tuple(
+                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)
+            ),
+            rope_local=RopeConfig(theta=10000.0),
+        )
     if (arch, n) in (("gemma2", 46), ("gemma3", 62)):  # the 27B models
         changes["query_pre_attn_scalar"] = float(cfg.hidden_size // cfg.num_attention_heads)
     return cfg.with_(**changes)

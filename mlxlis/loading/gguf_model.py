@@ -5,6 +5,7 @@ Memory (seeds/003 L-2): each tensor is converted straight into its final MLX buf
 file pages it was read from are dropped from the process right after, so the load peak stays
 near the loaded weights (the mmap would otherwise add the whole file to the resident set).
 The tokenizer is built on a second thread while the weights convert (it needs only metadata).
+Which tensors stay quantized by default depends on the device: see `dense_by_default`.
 """
 
 from __future__ import annotations
@@ -26,18 +27,22 @@ from .gguf_config import config_from_gguf
 from .gguf_names import SPECIAL, module_name
 from .quants import QUANTIZABLE, allocate, convert_tensor
 
-# dequantize=None, the per-device default. Measured on the three catalog models (2-core x86
-# VM shared with other jobs, OpenBLAS, fp32, greedy; prompt tok/s over 100 tokens / decode
-# tok/s over 64; scripts/load_profile.py --decode):
-#                      quantized      dense
-#   SmolLM2 Q4_1       12 / 7.1       210 / 9.8
-#   GEMMA-NUMBERS
-#   QWEN-NUMBERS
-# MLX's CPU quantized matmul has no BLAS path: prompt processing is ~15x slower than dense fp32
-# and decoding is no faster. So on CPU every matmul weight goes dense when the dense weights fit
-# comfortably; an untied embedding (a row lookup, never a matmul) stays quantized. On Metal and
-# CUDA quantized kernels are the fast path: quantized. dequantize=True / False force either.
+# dequantize=None, the per-device default. Measured on the three catalog models (2-core x86 VM
+# shared with other jobs, OpenBLAS, fp32, greedy; prompt tok/s over 100 tokens / decode tok/s
+# over 64; best of 2; `scripts/load_profile.py NAME [--quantized|--dequantize] --decode`):
+#                              quantized     dense          weights q / dense
+#   SmolLM2-135M Q4_1          12 / 6.8      172-259 / 6.6-8.3   115 MB / 538 MB
+#   Gemma 3 270M Q4_K_M        14 / 3.3      215-233 / 4.5-5.4   332 MB / 1.07 GB
+#   Qwen2.5-Coder-0.5B Q4_K_M  3.8 / 2.0     120-126 / 4.6       760 MB / 2.1 GB (*)
+# (*) embedding kept quantized. MLX's CPU quantized matmul has no BLAS path: prompt processing
+# is 15-30x slower than dense fp32, and decoding is no faster (up to 2.3x slower). So on CPU
+# every matmul weight goes dense when the dense weights fit comfortably; an untied embedding (a
+# row lookup, never a matmul) stays quantized; a quantized head instead cost Qwen2.5 30% of
+# its decode speed. The price is memory and load time (Qwen2.5: 2.1-2.9 s instead of 1.8-2.2 s
+# here), repaid many times over by the first prompt. On Metal and CUDA the quantized kernels
+# are the fast path, so quantized. dequantize=True / False force either way.
 CPU_DENSE_FRACTION = 0.5  # dense on CPU while the dense weights need ≤ this much of free memory
+PREFETCH_BYTES = 256 << 20  # output buffers allocated ahead of the conversion
 
 
 def available_memory() -> int:
@@ -75,8 +80,14 @@ class _Clock:
         self.last = now
 
 
-def load_gguf(path: Path, dtype: mx.Dtype, *, dequantize: bool | None = None,
-              chat_template: str | None = None, timings: dict[str, float] | None = None):
+def load_gguf(
+    path: Path,
+    dtype: mx.Dtype,
+    *,
+    dequantize: bool | None = None,
+    chat_template: str | None = None,
+    timings: dict[str, float] | None = None,
+):
     """Load a GGUF model. dequantize: True = every weight dense, False = quantized blocks kept,
     None = the per-device default (see CPU_DENSE_FRACTION); `timings`, when given, receives
     wall seconds per stage (scripts/load_profile.py)."""
@@ -91,8 +102,11 @@ def load_gguf(path: Path, dtype: mx.Dtype, *, dequantize: bool | None = None,
         tokenizer = side.submit(_tokenizer, md, path, timings)
         dense = _dense_policy(gf, cfg, dtype, dequantize)
         weights, quant, rope_freqs = _convert(gf, cfg, dtype, dense, clock)
-        net = build_model(cfg, rope_freq_factors=rope_freqs) if rope_freqs is not None \
+        net = (
+            build_model(cfg, rope_freq_factors=rope_freqs)
+            if rope_freqs is not None
             else build_model(cfg)
+        )
         if quant:
             quantize_like(net, weights, quant)
         bind(net, weights, path, dtype)
@@ -109,8 +123,17 @@ def load_gguf(path: Path, dtype: mx.Dtype, *, dequantize: bool | None = None,
     kept = f"{len(quant)} quantized modules" if quant else "dense"
     if quant and any(dense(n) for n in gf.tensors if _quantizable(gf.tensors[n])):
         kept += ", the rest dense"
-    return Model(cfg, net, tok, dtype=dtype, path=path, fmt="gguf",
-                 template=template, quant_summary=f"{summary} ({kept})", diagnosis=diagnosis)
+    return Model(
+        cfg,
+        net,
+        tok,
+        dtype=dtype,
+        path=path,
+        fmt="gguf",
+        template=template,
+        quant_summary=f"{summary} ({kept})",
+        diagnosis=diagnosis,
+    )
 
 
 def _quantizable(t) -> bool:
@@ -140,28 +163,46 @@ def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dense, clock: _Clock):
     for name in gf.tensors:
         targets[name] = None if name in SPECIAL else module_name(cfg.family, name)
         if targets[name] is None and name not in SPECIAL:
-            raise UnexpectedTensorError(f"no {cfg.family} module takes this tensor",
-                                        path=gf.path, field=name)
-    # Each tensor's final buffers are allocated and zero-filled on MLX's own thread while the
-    # tensor before it converts (mx.async_eval of one tensor's buffers at a time: a long list
-    # blocks on MLX's cap on in-flight tasks). They are the loaded weights: no extra memory.
+            raise UnexpectedTensorError(
+                f"no {cfg.family} module takes this tensor", path=gf.path, field=name
+            )
+    # The final buffers are allocated and zero-filled on MLX's own thread while earlier tensors
+    # convert: mx.async_eval keeps up to PREFETCH_BYTES of them ahead (a few tensors at a time:
+    # a long list blocks on MLX's cap on in-flight tasks). They are the loaded weights, so this
+    # costs no extra memory.
     names = list(gf.tensors)
-    buffers = {name: allocate(t, dequantize=dense(name)) for name, t in gf.tensors.items()
-               if name not in SPECIAL}
+    buffers = {
+        name: allocate(t, dequantize=dense(name))
+        for name, t in gf.tensors.items()
+        if name not in SPECIAL
+    }
+    ahead, started = 0, 0  # bytes started and not yet converted; tensors started
     for i, (name, t) in enumerate(gf.tensors.items()):
-        if i + 1 < len(names) and buffers.get(names[i + 1]):
-            mx.async_eval(buffers[names[i + 1]])
+        ahead -= sum(a.nbytes for a in buffers.get(name, ()))
+        while started < len(names) and (started <= i or ahead < PREFETCH_BYTES):
+            out = buffers.get(names[started], ())
+            if out:
+                mx.async_eval(out)
+                ahead += sum(a.nbytes for a in out)
+            started += 1
         if name in SPECIAL:
-            rope_freqs = convert_tensor(t, gf.raw(name), mx.float32, dequantize=True,
-                                        path=path).weight.reshape(-1)
+            rope_freqs = convert_tensor(
+                t, gf.raw(name), mx.float32, dequantize=True, path=path
+            ).weight.reshape(-1)
             gf.release(name)
             continue
         target = targets[name]
         # 1-D tensors (norms, biases) convert in fp32 so `w - 1` happens before rounding
         conv_dtype = mx.float32 if len(t.shape) == 1 else dtype
-        conv = convert_tensor(t, gf.raw(name), conv_dtype, dequantize=dense(name), path=path,
-                              out=buffers.pop(name, ()),
-                              done=lambda i, j, name=name: gf.release(name, i, j))
+        conv = convert_tensor(
+            t,
+            gf.raw(name),
+            conv_dtype,
+            dequantize=dense(name),
+            path=path,
+            out=buffers.pop(name, ()),
+            done=lambda i, j, name=name: gf.release(name, i, j),
+        )
         gf.release(name)  # the file pages of this tensor are no longer needed
         module = target.rsplit(".", 1)[0]
         if conv.scales is not None:

@@ -26,8 +26,11 @@ _GEMMA2_BLOCK = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 
-_GEMMA3_BLOCK = {**_GEMMA2_BLOCK, "attn_q_norm": "self_attn.q_norm",
-                 "attn_k_norm": "self_attn.k_norm"}
+_GEMMA3_BLOCK = {
+    **_GEMMA2_BLOCK,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
 
 _TOP = {
     "token_embd": "model.embed_tokens",
@@ -36,12 +39,17 @@ _TOP = {
 }
 
 TABLES: dict[str, dict[str, str]] = {}
-for _family, _block in (("llama", _LLAMA_BLOCK), ("qwen2", _LLAMA_BLOCK),
-                        ("gemma", _LLAMA_BLOCK), ("gemma2", _GEMMA2_BLOCK),
-                        ("gemma3", _GEMMA3_BLOCK)):
+for _family, _block in (
+    ("llama", _LLAMA_BLOCK),
+    ("qwen2", _LLAMA_BLOCK),
+    ("gemma", _LLAMA_BLOCK),
+    ("gemma2", _GEMMA2_BLOCK),
+    ("gemma3", _GEMMA3_BLOCK),
+):
     table = {f"{k}.{{p}}": f"{v}.{{p}}" for k, v in _TOP.items()}
-    table.update({f"blk.{{i}}.{k}.{{p}}": f"model.layers.{{i}}.{v}.{{p}}"
-                  for k, v in _block.items()})
+    table.update(
+        {f"blk.{{i}}.{k}.{{p}}": f"model.layers.{{i}}.{v}.{{p}}" for k, v in _block.items()}
+    )
     TABLES[_family] = table
 
 # GGUF tensors that are not module parameters (used by the loader directly)

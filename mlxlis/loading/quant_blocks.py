@@ -114,8 +114,8 @@ def _q5_codes(b: np.ndarray, qh: int, qs: int) -> np.ndarray:
     """Q5_0/Q5_1 -> (4, n) words: code j = nibble j of qs (low nibbles 0..15, high 16..31),
     bit j of the uint32 qh as bit 4."""
     n = b.shape[0]
-    codes = np.empty((4, n), np.uint64)  # word g: codes 8g..8g+7
-    lo, hi = _plane(b, qs), _plane(b, qs + 8)
+    codes = np.empty((4, n), np.uint64)
+    lo, hi = _plane(b, qs), _plane(b, qs + 8)  # word g: codes 8g..8g+7
     np.bitwise_and(lo, _LOW_NIBBLES, out=codes[0])
     np.bitwise_and(hi, _LOW_NIBBLES, out=codes[1])
     np.right_shift(lo, _U64(4), out=codes[2])
@@ -188,6 +188,7 @@ class Affine:
     pack: Callable[[np.ndarray, np.ndarray], None]  # blocks, w32 (n, words per block)
     codes: Callable[[np.ndarray], np.ndarray]  # blocks -> (n, block) uint8 codes
     scales: Callable[[np.ndarray, np.ndarray, np.ndarray], None]  # blocks, s, m (n, groups)
+    offset: int | None = None  # k when the value is d·(q − k): scale d, bias −k·d
 
 
 def _q8_0_pack(b: np.ndarray, w32: np.ndarray) -> None:
@@ -203,14 +204,15 @@ def _q4_k_pack(b: np.ndarray, w32: np.ndarray) -> None:
 
 AFFINE: dict[str, Affine] = {
     "Q4_0": Affine(4, lambda b, w: _pack4(b[:, 2:18], w), lambda b: _nibble_codes(b[:, 2:18]),
-                   _scale_d(0, -8)),
+                   _scale_d(0, -8), offset=8),
     "Q4_1": Affine(4, lambda b, w: _pack4(b[:, 4:20], w), lambda b: _nibble_codes(b[:, 4:20]),
                    _scale_dm),
     "Q5_0": Affine(5, lambda b, w: _pack5(_q5_codes(b, 2, 6), w),
-                   lambda b: _bytes(_q5_codes(b, 2, 6)), _scale_d(0, -16)),
+                   lambda b: _bytes(_q5_codes(b, 2, 6)), _scale_d(0, -16), offset=16),
     "Q5_1": Affine(5, lambda b, w: _pack5(_q5_codes(b, 4, 8), w),
                    lambda b: _bytes(_q5_codes(b, 4, 8)), _scale_dm),
-    "Q8_0": Affine(8, _q8_0_pack, lambda b: b[:, 2:34] ^ np.uint8(0x80), _scale_d(0, -128)),
+    "Q8_0": Affine(8, _q8_0_pack, lambda b: b[:, 2:34] ^ np.uint8(0x80), _scale_d(0, -128),
+                   offset=128),
     "Q4_K": Affine(4, _q4_k_pack,
                    lambda b: _nibble_codes(b[:, 16:144].reshape(-1, 32)).reshape(-1, 256),
                    _scale_k),
@@ -220,17 +222,24 @@ AFFINE: dict[str, Affine] = {
 
 
 def affine_dense(kind: Affine, b: np.ndarray, out: np.ndarray) -> None:
-    """out (n, block) float32 = scale·q + bias, in float32 as MLX's dequantize computes it
-    (scale·q is exact there, so one rounding, fused or not)."""
+    """out (n, block) float32 = scale·q + bias, bit for bit as MLX's dequantize computes it:
+    scale·q is exact in float32, so the sum rounds once, fused or not; and for d·(q − k) types
+    d·(q − k) is that same exact value, one pass shorter."""
     n = b.shape[0]
-    groups = out.shape[1] // 32
-    s = np.empty((n, groups, 1), np.float32)
-    m = np.empty((n, groups, 1), np.float32)
-    kind.scales(b, s[..., 0], m[..., 0])
-    o = out.reshape(n, groups, 32)
-    o[...] = kind.codes(b).reshape(n, groups, 32)
-    o *= s
-    o += m
+    rows = n * (out.shape[1] // 32)  # one row per group of 32
+    s = np.empty((rows, 1), np.float32)
+    m = np.empty((rows, 1), np.float32)
+    kind.scales(b, s.reshape(n, -1), m.reshape(n, -1))
+    o = out.reshape(rows, 32)
+    codes = kind.codes(b).reshape(rows, 32)
+    if kind.offset is not None:
+        codes -= np.uint8(kind.offset)  # wraps: as int8 this is q − k
+        o[...] = codes.view(np.int8)
+        o *= s
+    else:
+        o[...] = codes
+        o *= s
+        o += m
 
 
 # --- dense-only K-quants (16-element sub-blocks; MLX has no group 16) ---

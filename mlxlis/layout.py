@@ -1,0 +1,82 @@
+"""Input-major weight layout for CPU decoding.
+
+MLX computes `x @ W.T` for a Linear; on CPU that is a BLAS sgemm with a transposed operand,
+which for the single-row products of decoding packs the weight on every call. Storing the
+weight input-major, (in, out) contiguous, and computing `x @ W_t` measured 1.3–1.6× faster on
+a 2-core x86 CPU (49152×576 head: 27 ms -> 17 ms; SmolLM2 decode 7.8 -> 10.2 tok/s under the
+same load), with prefill unchanged. A tied embedding is stored once, input-major too: lookups
+gather columns, the head is a plain product (one array, never two).
+
+Applied after binding, so checkpoint names and shapes are checked in the Hugging Face layout;
+the swapped modules hold `weight_t`, so nothing reads them as HF-shaped by mistake.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class InputMajorLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight_t = mx.contiguous(linear.weight.T)  # (in, out)
+        if "bias" in linear:
+            self.bias = linear.bias
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = x @ self.weight_t
+        return y + self.bias if "bias" in self else y
+
+
+class InputMajorEmbedding(nn.Module):
+    """A tied embedding stored (hidden, vocab): the head's product needs no transpose."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.weight_t = mx.contiguous(embedding.weight.T)  # (hidden, vocab)
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        # (hidden, *ids.shape) -> (*ids.shape, hidden)
+        return mx.moveaxis(mx.take(self.weight_t, ids, axis=1), 0, -1)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return x @ self.weight_t
+
+
+def to_input_major(net: nn.Module) -> int:
+    """Swap every dense Linear (and a tied dense embedding) for its input-major form, one
+    module at a time so the transient copy is one tensor. Returns how many were swapped."""
+    tied = bool(getattr(getattr(net, "config", None), "tie_word_embeddings", False))
+
+    def swap(child: object) -> nn.Module | None:
+        if type(child) is nn.Linear:
+            new: nn.Module = InputMajorLinear(child)
+        elif tied and type(child) is nn.Embedding:
+            new = InputMajorEmbedding(child)
+        else:
+            return None
+        mx.eval(new.parameters())
+        return new
+
+    swapped = 0
+    for _, parent in net.named_modules():
+        for key, child in list(parent.children().items()):
+            items = child if isinstance(child, list) else [child]
+            for i, item in enumerate(items):
+                new = swap(item)
+                if new is None:
+                    continue
+                if isinstance(child, list):
+                    child[i] = new
+                else:
+                    setattr(parent, key, new)
+                swapped += 1
+    return swapped
+
+
+def wants_input_major(net: nn.Module) -> bool:
+    """The CPU default: any dense Linear left to swap."""
+    return mx.default_device() == mx.cpu and any(
+        type(m) is nn.Linear for _, m in net.named_modules()
+    )
