@@ -248,7 +248,7 @@ def _verify(model, folder: Path) -> None:
     from . import load
 
     ids = model.tokenizer.encode("Verification: the quick brown fox.")[:16] or [0]
-    again = load(folder, model.dtype)
+    again = load(folder, model.dtype, input_major=False)
     a, b = model.logits(ids), again.logits(ids)
     if not bool(mx.array_equal(a, b)):
         delta = float(mx.abs(a - b).max())

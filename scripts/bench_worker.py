@@ -1,19 +1,22 @@
 """One benchmark measurement in a fresh process (so peak memory is this engine's alone).
 
-usage: bench_worker.py ENGINE MODEL_PATH PROMPT_IDS_JSON [DTYPE]
+usage: bench_worker.py ENGINE MODEL_PATH PROMPT_IDS_JSON DECODE_TOKENS
 ENGINE: mlxlis | mlx-lm | llama.cpp. Prints one JSON object.
+
+One pass: load; prefill all prompt ids but the last into the cache (prefill tok/s); then
+stream greedy tokens from the last id (time to first token = prefill + first step; decode
+tok/s over tokens 2..N).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
 
 import mlxlis  # noqa: F401  (preloads the system BLAS: every engine measured gets the same one)
-
-DECODE_TOKENS = 128
 
 
 def rss_peak() -> int:
@@ -45,61 +48,61 @@ def weight_bytes_per_token(net) -> int:
     return total
 
 
-def timed_stream(stream, n: int) -> dict:
-    """TTFT = time to the first token (prefill + first step); decode = tokens 2..n."""
-    t0 = time.perf_counter()
+def measure(prefill, stream, n_prompt: int, n_decode: int, t0: float) -> dict:
+    prefill()
+    t1 = time.perf_counter()
     t_first = None
     count = 0
-    for _ in stream:
+    for _ in stream():
         count += 1
         if t_first is None:
             t_first = time.perf_counter()
-        if count >= n:
+        if count >= n_decode:
             break
     t_end = time.perf_counter()
     return {
+        "prefill_tps": (n_prompt - 1) / (t1 - t0),
         "ttft_s": t_first - t0,
         "decode_tps": (count - 1) / (t_end - t_first),
         "generated": count,
     }
 
 
-def bench_mlxlis(path: str, ids: list[int], dtype: str | None) -> dict:
+def bench_mlxlis(path: str, ids: list[int], n: int) -> dict:
+    from mlxlis.generate import generate, prefill
+
+    import mlx.core as mx
+
     t = time.perf_counter()
-    model = mlxlis.load(path, dtype)
-    load_s = time.perf_counter() - t
-    load_rss = rss_peak()
-    stream = (
-        e
-        for e in mlxlis.generate(model, ids, max_tokens=DECODE_TOKENS, stop_ids=set())
-        if e.token is not None
+    model = mlxlis.load(path)
+    load_s, load_rss = time.perf_counter() - t, rss_peak()
+    cache = model.make_cache()
+
+    def stream():
+        return (
+            e
+            for e in generate(
+                model, ids[-1:], max_tokens=n, stop_ids=set(), cache=cache, history=ids[:-1]
+            )
+            if e.token is not None
+        )
+
+    out = measure(
+        lambda: mx.eval(prefill(model.net, ids[:-1], cache)),
+        stream,
+        len(ids),
+        n,
+        time.perf_counter(),
     )
-    out = timed_stream(stream, DECODE_TOKENS)
-    out["prefill_tps"] = _prefill_tps_mlxlis(model, ids)
     return {
         "load_s": load_s,
         "load_peak_rss": load_rss,
         **out,
-        "dtype": str(model.dtype),
         "bytes_per_token": weight_bytes_per_token(model.net),
     }
 
 
-def _prefill_tps_mlxlis(model, ids: list[int]) -> float:
-    from mlxlis.generate import prefill
-
-    import mlx.core as mx
-
-    best = 0.0
-    for _ in range(2):
-        cache = model.make_cache()
-        t = time.perf_counter()
-        mx.eval(prefill(model.net, ids, cache))
-        best = max(best, len(ids) / (time.perf_counter() - t))
-    return best
-
-
-def bench_mlx_lm(path: str, ids: list[int], dtype: str | None) -> dict:
+def bench_mlx_lm(path: str, ids: list[int], n: int) -> dict:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step
@@ -107,17 +110,22 @@ def bench_mlx_lm(path: str, ids: list[int], dtype: str | None) -> dict:
 
     t = time.perf_counter()
     model, _ = load(path)
-    load_s = time.perf_counter() - t
-    load_rss = rss_peak()
+    load_s, load_rss = time.perf_counter() - t, rss_peak()
+    cache = make_prompt_cache(model)
     prompt = mx.array(ids)
-    out = timed_stream(generate_step(prompt, model, max_tokens=DECODE_TOKENS), DECODE_TOKENS)
-    best = 0.0
-    for _ in range(2):
-        cache = make_prompt_cache(model)
-        t = time.perf_counter()
-        mx.eval(model(prompt[None], cache=cache)[:, -1])
-        best = max(best, len(ids) / (time.perf_counter() - t))
-    out["prefill_tps"] = best
+
+    def prefill():
+        for i in range(0, len(ids) - 1, 2048):  # mlx-lm's own prefill step size
+            model(prompt[None, i : min(i + 2048, len(ids) - 1)], cache=cache)
+            mx.eval([c.state for c in cache])
+
+    out = measure(
+        prefill,
+        lambda: generate_step(prompt[-1:], model, max_tokens=n, prompt_cache=cache),
+        len(ids),
+        n,
+        time.perf_counter(),
+    )
     return {
         "load_s": load_s,
         "load_peak_rss": load_rss,
@@ -126,26 +134,19 @@ def bench_mlx_lm(path: str, ids: list[int], dtype: str | None) -> dict:
     }
 
 
-def bench_llama_cpp(path: str, ids: list[int], dtype: str | None) -> dict:
-    import os
-
+def bench_llama_cpp(path: str, ids: list[int], n: int) -> dict:
     from llama_cpp import Llama
 
     t = time.perf_counter()
-    llm = Llama(
-        model_path=path,
-        n_ctx=len(ids) + DECODE_TOKENS + 8,
-        n_threads=os.cpu_count(),
-        verbose=False,
-        logits_all=False,
+    llm = Llama(model_path=path, n_ctx=len(ids) + n + 8, n_threads=os.cpu_count(), verbose=False)
+    load_s, load_rss = time.perf_counter() - t, rss_peak()
+    out = measure(
+        lambda: llm.eval(ids[:-1]),
+        lambda: llm.generate(ids[-1:], temp=0.0, top_k=1, reset=False),
+        len(ids),
+        n,
+        time.perf_counter(),
     )
-    load_s = time.perf_counter() - t
-    load_rss = rss_peak()
-    out = timed_stream(llm.generate(ids, temp=0.0, top_k=1, reset=True), DECODE_TOKENS)
-    llm.reset()
-    t = time.perf_counter()
-    llm.eval(ids)
-    out["prefill_tps"] = len(ids) / (time.perf_counter() - t)
     size = os.path.getsize(path)  # approximation: the whole file (its embedding included)
     return {"load_s": load_s, "load_peak_rss": load_rss, **out, "bytes_per_token": size}
 
@@ -153,9 +154,9 @@ def bench_llama_cpp(path: str, ids: list[int], dtype: str | None) -> dict:
 ENGINES = {"mlxlis": bench_mlxlis, "mlx-lm": bench_mlx_lm, "llama.cpp": bench_llama_cpp}
 
 if __name__ == "__main__":
-    engine, path, ids_json = sys.argv[1:4]
-    dtype = sys.argv[4] if len(sys.argv) > 4 else None
-    ids = json.loads(open(ids_json).read())
-    result = ENGINES[engine](path, ids, dtype)
+    engine, path, ids_json, n_decode = sys.argv[1:5]
+    with open(ids_json) as f:
+        prompt_ids = json.load(f)
+    result = ENGINES[engine](path, prompt_ids, int(n_decode))
     result["peak_rss"] = rss_peak()
     print(json.dumps(result))

@@ -334,28 +334,29 @@ def test_default_is_dense_matmuls_on_cpu_quantized_elsewhere(tiny_llamas, tmp_pa
     """dequantize=None (the default): on CPU every matmul weight is dense (MLX's CPU quantized
     matmul is ~15x slower at prompt processing) but an untied embedding, a row lookup, stays
     quantized; tied, it is the head and goes dense. Quantized when the dense weights would not
-    fit comfortably, and on Metal / CUDA. False and True force either way."""
+    fit comfortably, and on Metal / CUDA. False and True force either way. (Loaded in the HF
+    layout: the CPU's input-major swap of dense modules is tested in test_layout.py.)"""
     monkeypatch.setattr(mlxlis.device, "device_name", lambda: "cpu")
     for tied in (False, True):
         folder, ref = tiny_llamas[tied]
         path = tmp_path / f"q8-{tied}.gguf"
         write_llama_gguf(path, ref, folder, "Q8_0")
-        got = kinds(mlxlis.load(path, "float32"))
+        got = kinds(mlxlis.load(path, "float32", input_major=False))
         embed = got.pop("model.embed_tokens")
         assert embed == ("Embedding" if tied else "QuantizedEmbedding")
         assert set(got.values()) == {"Linear"}
-        forced = kinds(mlxlis.load(path, "float32", dequantize=False))
+        forced = kinds(mlxlis.load(path, "float32", dequantize=False, input_major=False))
         assert set(forced.values()) <= {"QuantizedLinear", "QuantizedEmbedding"}
-        dense = kinds(mlxlis.load(path, "float32", dequantize=True))
+        dense = kinds(mlxlis.load(path, "float32", dequantize=True, input_major=False))
         assert set(dense.values()) == {"Linear", "Embedding"}
     monkeypatch.setattr(gguf_model, "available_memory", lambda: 10_000)  # too little to spare
-    assert set(kinds(mlxlis.load(path, "float32")).values()) == {
+    assert set(kinds(mlxlis.load(path, "float32", input_major=False)).values()) == {
         "QuantizedLinear",
         "QuantizedEmbedding",
     }
     monkeypatch.undo()
     monkeypatch.setattr(mlxlis.device, "device_name", lambda: "metal")
-    assert set(kinds(mlxlis.load(path, "float32")).values()) == {
+    assert set(kinds(mlxlis.load(path, "float32", input_major=False)).values()) == {
         "QuantizedLinear",
         "QuantizedEmbedding",
     }
