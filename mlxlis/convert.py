@@ -84,7 +84,8 @@ def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str
         }
     if cfg.family.startswith("gemma"):
         out["hidden_activation"] = cfg.hidden_act
-        out["query_pre_attn_scalar"] = cfg.query_pre_attn_scalar
+        q = cfg.query_pre_attn_scalar
+        out["query_pre_attn_scalar"] = int(q) if q is not None and float(q).is_integer() else q
     if cfg.family in ("gemma2", "gemma3"):
         out["sliding_window"] = cfg.sliding_window
         out["layer_types"] = list(cfg.layer_types)

@@ -15,12 +15,33 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+
+# A tied embedding above this size keeps its row-major layout: its transpose costs more load
+# time (≈1.3 s for Gemma 3's 671 MB table) than the "ready in 2 s" budget leaves.
+MAX_EMBEDDING_TRANSPOSE_BYTES = 256 * 2**20
+
+
+def transposed(w: mx.array) -> mx.array:
+    """W.T as a new contiguous array. MLX's strided copy of a large transpose is slow (5 s for
+    671 MB here), so numpy-typed arrays are copied in row blocks straight into the new MLX
+    buffer (0.25 s for 113 MB), through MLX's documented writable numpy view."""
+    if w.dtype not in (mx.float32, mx.float16):
+        return mx.contiguous(w.T)
+    out = mx.zeros((w.shape[1], w.shape[0]), w.dtype)
+    mx.eval(out, w)
+    dst, src = np.array(out, copy=False), np.array(w, copy=False)
+    if not dst.flags.writeable:
+        return mx.contiguous(w.T)
+    for i in range(0, src.shape[0], 64):  # 64 rows: a block that stays in cache
+        dst[:, i : i + 64] = src[i : i + 64].T
+    return out
 
 
 class InputMajorLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.weight_t = mx.contiguous(linear.weight.T)  # (in, out)
+        self.weight_t = transposed(linear.weight)  # (in, out)
         if "bias" in linear:
             self.bias = linear.bias
 
@@ -34,7 +55,7 @@ class InputMajorEmbedding(nn.Module):
 
     def __init__(self, embedding: nn.Embedding):
         super().__init__()
-        self.weight_t = mx.contiguous(embedding.weight.T)  # (hidden, vocab)
+        self.weight_t = transposed(embedding.weight)  # (hidden, vocab)
 
     def __call__(self, ids: mx.array) -> mx.array:
         # (hidden, *ids.shape) -> (*ids.shape, hidden)
@@ -52,7 +73,11 @@ def to_input_major(net: nn.Module) -> int:
     def swap(child: object) -> nn.Module | None:
         if type(child) is nn.Linear:
             new: nn.Module = InputMajorLinear(child)
-        elif tied and type(child) is nn.Embedding:
+        elif (
+            tied
+            and type(child) is nn.Embedding
+            and child.weight.nbytes <= MAX_EMBEDDING_TRANSPOSE_BYTES
+        ):
             new = InputMajorEmbedding(child)
         else:
             return None

@@ -190,6 +190,11 @@ def make_app(tmp_path: Path, *, model=None, session_kw: dict | None = None,
     app = ChatApp(options or Options(), session_factory=factory, data_dir=tmp_path / "data",
                   **kw)
     app.sessions = sessions
+    return record_notes(app)
+
+
+def record_notes(app: ChatApp) -> ChatApp:
+    """Keep every notification as (severity, text) in app.notes, for assertions."""
     app.notes = []
     real_notify = app.notify
 

@@ -12,7 +12,7 @@ import asyncio
 from mlxlis import catalog
 
 import pytest
-from test_tui import SIZE, bubbles, reply_text, wait_for
+from test_tui import SIZE, bubbles, record_notes, reply_text, wait_for
 
 from tui.app import ChatApp
 from tui.engine import SAMPLING_DEFAULTS, Options
@@ -29,16 +29,7 @@ def pulled(name: str):
 
 def real_app(tmp_path, model: str, **sampling) -> ChatApp:
     opts = Options(model=model, sampling={**SAMPLING_DEFAULTS, "temperature": 0.0, **sampling})
-    app = ChatApp(opts, data_dir=tmp_path / "conversations")
-    app.notes = []
-    real_notify = app.notify
-
-    def notify(message, *a, severity="information", **k):
-        app.notes.append((severity, str(message)))
-        return real_notify(message, *a, severity=severity, **k)
-
-    app.notify = notify
-    return app
+    return record_notes(ChatApp(opts, data_dir=tmp_path / "conversations"))
 
 
 def errors(app: ChatApp) -> list[str]:
