@@ -17,9 +17,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-# A tied embedding above this size keeps its row-major layout: its transpose costs more load
-# time (≈1.3 s for Gemma 3's 671 MB table) than the "ready in 2 s" budget leaves.
-MAX_EMBEDDING_TRANSPOSE_BYTES = 256 * 2**20
+# A weight above this size keeps its row-major layout: its transpose costs more load time
+# (≈1.3 s for Gemma 3's 671 MB tied table) than the "ready in 2 s" budget leaves.
+MAX_TRANSPOSE_BYTES = 256 * 2**20
 
 
 def transposed(w: mx.array) -> mx.array:
@@ -71,12 +71,12 @@ def to_input_major(net: nn.Module) -> int:
     tied = bool(getattr(getattr(net, "config", None), "tie_word_embeddings", False))
 
     def swap(child: object) -> nn.Module | None:
-        if type(child) is nn.Linear:
+        if type(child) is nn.Linear and child.weight.nbytes <= MAX_TRANSPOSE_BYTES:
             new: nn.Module = InputMajorLinear(child)
         elif (
             tied
             and type(child) is nn.Embedding
-            and child.weight.nbytes <= MAX_EMBEDDING_TRANSPOSE_BYTES
+            and child.weight.nbytes <= MAX_TRANSPOSE_BYTES
         ):
             new = InputMajorEmbedding(child)
         else:
@@ -101,7 +101,7 @@ def to_input_major(net: nn.Module) -> int:
 
 
 def wants_input_major(net: nn.Module) -> bool:
-    """The CPU default: any dense Linear left to swap."""
+    """The CPU default: any dense Linear to swap."""
     return mx.default_device() == mx.cpu and any(
         type(m) is nn.Linear for _, m in net.named_modules()
     )
