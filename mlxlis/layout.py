@@ -1,14 +1,16 @@
-"""Input-major weight layout for CPU decoding.
+"""Input-major weight layout for CPU decoding (opt-in: `mlxlis.load(..., input_major=True)`).
 
-MLX computes `x @ W.T` for a Linear; on CPU that is a BLAS sgemm with a transposed operand,
-which for the single-row products of decoding packs the weight on every call. Storing the
-weight input-major, (in, out) contiguous, and computing `x @ W_t` measured 1.3–1.6× faster on
-a 2-core x86 CPU (49152×576 head: 27 ms -> 17 ms; SmolLM2 decode 7.8 -> 10.2 tok/s under the
-same load), with prefill unchanged. A tied embedding is stored once, input-major too: lookups
-gather columns, the head is a plain product (one array, never two).
+MLX computes `x @ W.T` for a Linear; on CPU that is a BLAS sgemm with a transposed operand.
+Storing the weight input-major, (in, out) contiguous, and computing `x @ W_t` made a single
+49152×576 head product 1.6× faster in isolation (27 ms -> 17 ms, 2-core x86, OpenBLAS). End to
+end it did not pay: SmolLM2 decoded at 10.2–11.3 tok/s either way, and Qwen2.5 dropped from
+3.7–4.2 to 2.6–2.7 tok/s with 4–5 s more load time. So it is off by default; it stays
+available, and tested, for machines where it measures faster.
 
-Applied after binding, so checkpoint names and shapes are checked in the Hugging Face layout;
-the swapped modules hold `weight_t`, so nothing reads them as HF-shaped by mistake.
+A tied embedding is stored once, input-major too: lookups gather columns, the head is a plain
+product (one array, never two). Applied after binding, so checkpoint names and shapes are
+checked in the Hugging Face layout; the swapped modules hold `weight_t`, so nothing reads them
+as HF-shaped by mistake.
 """
 
 from __future__ import annotations
@@ -65,13 +67,13 @@ class InputMajorEmbedding(nn.Module):
         return x @ self.weight_t
 
 
-def to_input_major(net: nn.Module) -> int:
+def to_input_major(net: nn.Module, linears: bool = True) -> int:
     """Swap every dense Linear (and a tied dense embedding) for its input-major form, one
     module at a time so the transient copy is one tensor. Returns how many were swapped."""
     tied = bool(getattr(getattr(net, "config", None), "tie_word_embeddings", False))
 
     def swap(child: object) -> nn.Module | None:
-        if type(child) is nn.Linear and child.weight.nbytes <= MAX_TRANSPOSE_BYTES:
+        if linears and type(child) is nn.Linear and child.weight.nbytes <= MAX_TRANSPOSE_BYTES:
             new: nn.Module = InputMajorLinear(child)
         elif (
             tied
@@ -98,10 +100,3 @@ def to_input_major(net: nn.Module) -> int:
                     setattr(parent, key, new)
                 swapped += 1
     return swapped
-
-
-def wants_input_major(net: nn.Module) -> bool:
-    """The CPU default: any dense Linear to swap."""
-    return mx.default_device() == mx.cpu and any(
-        type(m) is nn.Linear for _, m in net.named_modules()
-    )

@@ -14,18 +14,18 @@ import importlib.util
 import json
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
-import pytest
-import torch
-from conftest import randomize, train_tokenizer, trajectory
-
 from mlxlis.cache import KVCache, RotatingKVCache, trimmable, window_mask
 from mlxlis.config import config_from_hf, read_json
 from mlxlis.errors import MissingTensorError
 from mlxlis.families import build_model
 from mlxlis.loading.binding import bind
 from mlxlis.loading.safetensors import load_tensors
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from conftest import randomize, train_tokenizer, trajectory
 
 WINDOW = 8
 N = 64  # > 3 × WINDOW and ≥ 40
