@@ -81,10 +81,8 @@ class Model:
     def missing_template_diagnosis(self) -> str:
         if self._diagnosis is not None:
             return self._diagnosis
-        try:
-            from .chat_template import diagnose_missing_template
-        except ImportError:
-            return "the model has no chat template; use --no-chat or --chat-template"
+        from .chat_template import diagnose_missing_template
+
         return diagnose_missing_template(
             model_name=self.name,
             folder=self.path if self.path.is_dir() else None,

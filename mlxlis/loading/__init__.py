@@ -147,10 +147,8 @@ def load_folder(
 
 
 def _discover(explicit: str | None, **kwargs):
-    try:
-        from ..chat_template import discover_template
-    except ImportError:  # templates module not present yet
-        return None
+    from ..chat_template import discover_template
+
     kwargs.setdefault("folder", None)
     kwargs.setdefault("gguf_metadata", None)
     kwargs.setdefault("gguf_path", None)

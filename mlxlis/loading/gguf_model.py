@@ -239,9 +239,7 @@ def _template(explicit: str | None, md: dict, path: Path):
     return _discover(explicit, gguf_metadata=md, gguf_path=path)
 
 
-def _diagnose(path: Path, md: dict) -> str | None:
-    try:
-        from ..chat_template import diagnose_missing_template
-    except ImportError:
-        return None
+def _diagnose(path: Path, md: dict) -> str:
+    from ..chat_template import diagnose_missing_template
+
     return diagnose_missing_template(model_name=path.name, folder=None, gguf_metadata=md)
