@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 models: install
-	$(PY) -m mlxlis.catalog
+	$(VENV)/bin/mlxlis pull
 
 test: install models
 	$(PY) -m pytest -q

