@@ -205,7 +205,7 @@ def convert(
     if output.exists() and not force:
         raise MlxlisError("destination exists (use --force to replace it)", path=output)
     model = load(source, dtype, dequantize=dequantize, input_major=False)  # HF layout out
-    if getattr(model.net, "rope_freq_factors", None) is not None:
+    if getattr(model.net, "_rope_freq_factors", None) is not None:
         raise UnsupportedError(
             "rope_freqs (Llama 3 scaling baked into the GGUF) cannot be "
             "expressed in config.json yet",

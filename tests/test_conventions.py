@@ -213,7 +213,8 @@ def gguf_name(hf: str) -> str:
 
 
 def write_llama_gguf(path: Path, ref, folder: Path, qtype: str = "F32", drop: tuple = (),
-                     extra: tuple = ()) -> dict[str, np.ndarray]:  # fmt: skip
+                     extra: tuple = (), rope_freqs: np.ndarray | None = None,
+                     ) -> dict[str, np.ndarray]:  # fmt: skip
     """Write `ref` (a transformers llama) as a GGUF; returns the HF state dict the file holds
     (the original weights, or their Q8_0 round trip)."""
     cfg = ref.config
@@ -259,6 +260,8 @@ def write_llama_gguf(path: Path, ref, folder: Path, qtype: str = "F32", drop: tu
         w.add_tensor(gguf_name(hf), data, raw_dtype=raw_dtype)
     for name in extra:
         w.add_tensor(name, np.zeros((4, 32), np.float32))
+    if rope_freqs is not None:  # Llama 3 scaling as llama.cpp stores it: one factor per pair
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -386,3 +389,18 @@ def test_loads_from_several_threads(tiny_llamas, tmp_path):
     load()
     assert all(isinstance(g, np.ndarray) for g in got), got
     assert all(np.array_equal(g, got[0]) for g in got)
+
+
+def test_convert_refuses_rope_freqs(tiny_llamas, tmp_path):
+    """A GGUF carrying rope_freqs (RoPE frequencies config.json cannot express) is refused by
+    convert rather than written without them; nothing is left behind."""
+    from mlxlis.convert import convert
+    from mlxlis.errors import UnsupportedError
+
+    folder, ref = tiny_llamas[False]
+    head_dim = ref.config.hidden_size // ref.config.num_attention_heads
+    path = tmp_path / "freqs.gguf"
+    write_llama_gguf(path, ref, folder, rope_freqs=np.linspace(1, 8, head_dim // 2))
+    with pytest.raises(UnsupportedError, match="rope_freqs"):
+        convert(path, tmp_path / "out", dtype="float32")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["freqs.gguf"]

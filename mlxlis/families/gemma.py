@@ -149,6 +149,7 @@ class Model(nn.Module):
     def __init__(self, cfg: ModelConfig, rope_freq_factors: mx.array | None = None):
         super().__init__()
         self.config = cfg
+        self._rope_freq_factors = rope_freq_factors  # GGUF rope_freqs; a buffer, not a parameter
         rope = Rope(cfg.head_dim, cfg.rope, rope_freq_factors)  # global (full-attention) layers
         local = Rope(cfg.head_dim, cfg.rope_local) if cfg.rope_local is not None else rope
         # underscore: plain data, not part of the parameter tree

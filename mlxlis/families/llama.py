@@ -83,6 +83,7 @@ class Model(nn.Module):
     def __init__(self, cfg: ModelConfig, rope_freq_factors: mx.array | None = None):
         super().__init__()
         self.config = cfg
+        self._rope_freq_factors = rope_freq_factors  # GGUF rope_freqs; a buffer, not a parameter
         rope = Rope(cfg.head_dim, cfg.rope, rope_freq_factors)  # one module, shared by layers
         self.model = LlamaModel(cfg, rope)
         if not cfg.tie_word_embeddings:
