@@ -59,8 +59,7 @@ class Model:
 
     def stop_ids(self) -> set[int]:
         """EOS ids from config and tokenizer, plus the template's end-of-turn tokens."""
-        ids = set(self.config.eos_token_ids) | set(getattr(self.tokenizer, "eos_ids", ()))
-        ids |= set(getattr(self.tokenizer, "eot_ids", ()) or ())
+        ids = set(self.config.eos_token_ids) | set(self.tokenizer.stop_ids)
         if self.template is not None:
             from .chat_template import end_of_turn_tokens
 
