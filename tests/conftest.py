@@ -116,10 +116,13 @@ def build_tiny(folder: Path, spec: dict, seed: int = 0):
     kind = spec.pop("kind")
     folder.mkdir(parents=True, exist_ok=True)
     vocab = train_tokenizer(folder)
-    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
-    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[
-        kind
-    ]
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    }[kind]
     cfg = cfg_cls(vocab_size=vocab, bos_token_id=0, eos_token_id=2, **spec)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)

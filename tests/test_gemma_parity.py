@@ -10,70 +10,72 @@ prefill through KVCache / RotatingKVCache against our own full forward, at the s
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
+import mlxlis
 from mlxlis.cache import KVCache, RotatingKVCache, trimmable, window_mask
 from mlxlis.config import config_from_hf, read_json
 from mlxlis.errors import MissingTensorError
-from mlxlis.families import build_model
-from mlxlis.loading.binding import bind
-from mlxlis.loading.safetensors import load_tensors
 
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from conftest import randomize, train_tokenizer, trajectory
+from conftest import build_tiny, randomize, trajectory
 
 WINDOW = 8
 N = 64  # > 3 × WINDOW and ≥ 40
-COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
-              max_position_embeddings=512, tie_word_embeddings=True)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
 SPECS = {
     # MQA, tanh GELU, non-default θ
-    "gemma": dict(COMMON, num_hidden_layers=2, num_key_value_heads=1,
-                  hidden_act="gelu_pytorch_tanh", rope_theta=20000.0),
+    "gemma": dict(
+        COMMON,
+        num_hidden_layers=2,
+        num_key_value_heads=1,
+        hidden_act="gelu_pytorch_tanh",
+        rope_theta=20000.0,
+    ),
     # alternating sliding/full (the classic pattern), both softcaps biting, exact GELU,
     # query_pre_attn_scalar ≠ head_dim
-    "gemma2": dict(COMMON, num_hidden_layers=4, num_key_value_heads=2, hidden_activation="gelu",
-                   sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-                   final_logit_softcapping=3.0),
+    "gemma2": dict(
+        COMMON,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        hidden_activation="gelu",
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+    ),
     # q/k norms, mixed layer_types, local θ for sliding layers, global θ + linear scaling
-    "gemma3": dict(COMMON, num_hidden_layers=4, num_key_value_heads=2,
-                   hidden_activation="gelu_pytorch_tanh", sliding_window=WINDOW,
-                   query_pre_attn_scalar=24,
-                   layer_types=["sliding_attention", "full_attention", "sliding_attention",
-                                "sliding_attention"],
-                   rope_parameters={
-                       "full_attention": {"rope_type": "linear", "factor": 4.0,
-                                          "rope_theta": 200000.0},
-                       "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}),
+    "gemma3": dict(
+        COMMON,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=24,
+        layer_types=[
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+        ],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 200000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+        },
+    ),
 }
 NAMES = list(SPECS)
-
-
-def _classes(name: str):
-    import transformers as tf
-
-    return {"gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
-            "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
-            "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[name]
-
-
-def build(folder: Path, name: str, seed: int = 0):
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = train_tokenizer(folder)
-    cfg_cls, model_cls = _classes(name)
-    cfg = cfg_cls(vocab_size=vocab, bos_token_id=0, eos_token_id=2, pad_token_id=0, **SPECS[name])
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = model_cls(cfg).eval()
-    randomize(model, seed)  # norms 1 + N(0, 0.1): x̂·(1 + w) ≈ 2x̂, so the +1 matters
-    model.tie_weights()
-    model.save_pretrained(folder)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -84,26 +86,16 @@ def tiny_gemma(tmp_path_factory):
     def get(name: str):
         if name not in built:
             folder = tmp_path_factory.mktemp(name)
-            built[name] = (folder, build(folder, name))
+            # norms 1 + N(0, 0.1) (conftest.randomize): x̂·(1 + w) ≈ 2x̂, so the +1 matters
+            spec = {"kind": name, "pad_token_id": 0, **SPECS[name]}
+            built[name] = (folder, build_tiny(folder, spec))
         return built[name]
 
     return get
 
 
 def load_net(folder: Path, dtype=mx.float32):
-    """The model network: through mlxlis.load once the tokenizer module exists, else bound
-    directly from the folder's config.json and safetensors."""
-    if importlib.util.find_spec("mlxlis.tokenizer") is not None:
-        import mlxlis
-
-        return mlxlis.load(folder, dtype).net
-    cfg = config_from_hf(read_json(folder / "config.json"), str(folder / "config.json"))
-    net = build_model(cfg)
-    weights = load_tensors(folder)
-    if hasattr(net, "sanitize"):
-        weights = net.sanitize(weights)
-    bind(net, weights, folder, dtype, ignore=("lm_head.weight",))
-    return net
+    return mlxlis.load(folder, dtype).net
 
 
 def ours(net, ids: list[int]) -> np.ndarray:
@@ -152,8 +144,10 @@ def test_cache_paths_equal_full_forward(tiny_gemma, name):
             assert c.keys.shape[2] == WINDOW
     for chunk in (3, 8, 13):
         cache = net.make_cache()
-        outs = [np.array(net(mx.array([ids[s : s + chunk]]), cache=cache)[0])
-                for s in range(0, len(ids), chunk)]
+        outs = [
+            np.array(net(mx.array([ids[s : s + chunk]]), cache=cache)[0])
+            for s in range(0, len(ids), chunk)
+        ]
         assert np.abs(np.concatenate(outs) - full).max() < 1e-4, chunk
     cache = net.make_cache()
     outs = [np.array(net(mx.array([ids[s : s + 13]]), cache=cache)[0]) for s in range(0, 39, 13)]
@@ -169,9 +163,13 @@ def test_window_mask_matches_transformers_rule():
     queries start at an offset into a longer key range."""
     from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
-    theirs = sdpa_mask(batch_size=1, q_length=20, kv_length=20,
-                       mask_function=sliding_window_causal_mask_function(WINDOW),
-                       allow_is_causal_skip=False)[0, 0].numpy()
+    theirs = sdpa_mask(
+        batch_size=1,
+        q_length=20,
+        kv_length=20,
+        mask_function=sliding_window_causal_mask_function(WINDOW),
+        allow_is_causal_skip=False,
+    )[0, 0].numpy()
     assert (np.array(window_mask(0, 20, 0, 20, WINDOW)) == theirs).all()
     mine = np.array(window_mask(15, 5, 8, 12, WINDOW))  # queries 15..19, keys 8..19
     assert (mine == theirs[15:20, 8:20]).all()
@@ -211,9 +209,13 @@ def test_gemma3_classic_keys_parse_like_transformers5(tiny_gemma):
     t5 = read_json(folder / "config.json")
     assert "full_attention" in t5["rope_parameters"] and "rope_theta" not in t5
     classic = {k: v for k, v in t5.items() if k not in ("rope_parameters", "layer_types")}
-    classic.update(rope_theta=200000.0, rope_local_base_freq=5000.0,
-                   rope_scaling={"rope_type": "linear", "factor": 4.0},
-                   sliding_window_pattern=2, num_hidden_layers=4)
+    classic.update(
+        rope_theta=200000.0,
+        rope_local_base_freq=5000.0,
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+        sliding_window_pattern=2,
+        num_hidden_layers=4,
+    )
     a, b = config_from_hf(t5), config_from_hf(classic)
     assert a.rope == b.rope and a.rope.type == "linear" and a.rope.factor == 4.0
     assert a.rope.theta == 200000.0 and a.rope_local == b.rope_local
@@ -221,9 +223,11 @@ def test_gemma3_classic_keys_parse_like_transformers5(tiny_gemma):
     assert b.layer_types == ("sliding_attention", "full_attention") * 2
     assert a.sliding_window == b.sliding_window == WINDOW
     # defaults when the keys are absent, as transformers' Gemma3TextConfig has them
-    bare = {k: v for k, v in classic.items()
-            if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling",
-                         "sliding_window_pattern")}
+    bare = {
+        k: v
+        for k, v in classic.items()
+        if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling", "sliding_window_pattern")
+    }
     c = config_from_hf(bare)
     assert (c.rope.theta, c.rope_local.theta) == (1e6, 1e4)
     assert c.layer_types.count("full_attention") == 0  # 4 layers: the 6th would be global
@@ -245,8 +249,9 @@ def test_float16_close_to_float32(tiny_gemma, name):
     clear = (top2[:, 1] - top2[:, 0]) > 0.05
     assert (f32.argmax(-1)[clear] == f16.argmax(-1)[clear]).all()
     delta = np.abs(f16 - f32).max()
-    theirs = np.abs(reference_logits(copy.deepcopy(ref).half(), ids)
-                    - reference_logits(ref, ids)).max()
+    theirs = np.abs(
+        reference_logits(copy.deepcopy(ref).half(), ids) - reference_logits(ref, ids)
+    ).max()
     assert delta < 0.1 and delta < 1.5 * theirs + 0.01, (delta, theirs)
 
 
@@ -297,14 +302,29 @@ def test_multimodal_gemma3_checkpoint_names(tiny_gemma, tmp_path):
     import transformers as tf
 
     folder, _ = tiny_gemma("gemma3")
-    text = tf.Gemma3TextConfig(**{k: v for k, v in read_json(folder / "config.json").items()
-                                  if k not in ("architectures", "transformers_version",
-                                               "model_type", "dtype")})
-    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, image_size=28, patch_size=14)
-    cfg = tf.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                          mm_tokens_per_image=4, image_token_index=5, boi_token_index=6,
-                          eoi_token_index=7)
+    text = tf.Gemma3TextConfig(
+        **{
+            k: v
+            for k, v in read_json(folder / "config.json").items()
+            if k not in ("architectures", "transformers_version", "model_type", "dtype")
+        }
+    )
+    vision = tf.SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    cfg = tf.Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=5,
+        boi_token_index=6,
+        eoi_token_index=7,
+    )
     cfg._attn_implementation = "eager"
     cfg.text_config._attn_implementation = "eager"
     torch.manual_seed(0)
