@@ -16,7 +16,12 @@ import resource
 import sys
 import time
 
-import mlxlis  # noqa: F401  (preloads the system BLAS: every engine measured gets the same one)
+if sys.argv[1:2] != ["mlxlis"]:
+    # peers get the same system OpenBLAS (faster than MLX's bundled BLAS), not mlxlis's own
+    # matrix-vector dispatch (mlxlis/_blas_dispatch.c), which is part of what is measured
+    os.environ["MLXLIS_BLAS_GEMV"] = "0"
+
+import mlxlis  # noqa: E402  (preloads the system BLAS before mlx.core)
 
 
 def rss_peak() -> int:
