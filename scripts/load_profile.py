@@ -9,7 +9,7 @@ quantize, bind), tokenizer (built on its own thread while the weights convert: i
 the time the loader waited for it) and template. A convert stage includes any wait for MLX to
 allocate that tensor's buffers (queued ahead on MLX's own thread). Memory: peak RSS of the
 process before and after the load (ru_maxrss), MLX's peak, and the final weight bytes; the goal
-(seeds/003 L-2) is peak RSS ≤ 1.3 × weights + 200 MB. With no NAME, every pulled catalog model.
+is peak RSS ≤ 1.3 × weights + 200 MB. With no NAME, every pulled catalog model.
 
 --decode also measures prompt and decode speed after the load (greedy, 64 tokens after a
 ~100-token prompt, best of ROUNDS): the figures behind the per-device default in gguf_model.py.

@@ -1,4 +1,4 @@
-"""Binding manifests (seeds §10.2–10.5): a checkpoint whose tensor names differ from the model's
+"""Binding manifests a checkpoint whose tensor names differ from the model's
 loads through a JSON or YAML manifest with logits bit-identical to the original; every
 validation failure is a named BindingError; YAML is parsed in a safe subset (no tags, no
 anchors) and manifests are not programs."""
@@ -52,7 +52,7 @@ RENAMES = {
 
 
 def flat_manifest() -> dict[str, str]:
-    """§10.2's flat form: expanded paths (lm_head.weight left out: it binds by name)."""
+    """The flat form: expanded paths (lm_head.weight left out: it binds by name)."""
     out = {}
     for path, key in RENAMES.items():
         for i in range(LAYERS) if "{i}" in path else (None,):
@@ -61,7 +61,7 @@ def flat_manifest() -> dict[str, str]:
 
 
 YAML_MANIFEST = """\
-# the renamed checkpoint, in the rich form of §10.2
+# the renamed checkpoint, in the rich form
 sources:
   gpt:
     type: safetensors
@@ -204,7 +204,7 @@ def test_shared_embedding_and_head(llama, tmp_path):
     assert mx.array_equal(net.lm_head.weight, net.model.embed_tokens.weight)
 
 
-# ---------------------------------------------------------------- validation (§10.5)
+# ---------------------------------------------------------------- validation
 
 
 def test_missing_tensor_names_parameter_and_key(renamed):
@@ -333,7 +333,7 @@ def test_identity_manifest_lenient(llama, tmp_path, original_logits):
     assert np.array_equal(logits_of(model), original_logits)
 
 
-# ---------------------------------------------------------------- manifest syntax (§10.3, §10.4)
+# ---------------------------------------------------------------- manifest syntax
 
 PWNED = "/tmp/mlxlis-manifest-pwned"
 

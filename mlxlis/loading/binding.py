@@ -1,7 +1,7 @@
 """Bind tensors (already under module names) to a family model: checks, casts, quantization.
 
 Which tensor feeds which parameter is decided and validated beforehand by `manifest.py`
-(binding manifests, §10.2–10.5); `bind` is the last step and re-checks names and shapes.
+(binding manifests); `bind` is the last step and re-checks names and shapes.
 """
 
 from __future__ import annotations

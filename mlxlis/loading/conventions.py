@@ -1,4 +1,4 @@
-"""Undo what converters folded into the weights (seeds/003 L-1), as named pure functions.
+"""Undo what converters folded into the weights, as named pure functions.
 
 Which functions apply is data: CONVENTIONS[(family, format)]. The file format says whether a
 convention was applied; tensor values are never used to guess it.

@@ -1,7 +1,7 @@
 """Load a GGUF file: metadata -> config, tensors -> module names, conventions undone,
 quantized blocks -> MLX affine arrays (or dense), one tensor at a time.
 
-Memory (seeds/003 L-2): each tensor is converted straight into its final MLX buffer and the
+Memory: each tensor is converted straight into its final MLX buffer and the
 file pages it was read from are dropped from the process right after, so the load peak stays
 near the loaded weights (the mmap would otherwise add the whole file to the resident set).
 The tokenizer is built on a second thread while the weights convert (it needs only metadata).

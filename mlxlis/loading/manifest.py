@@ -1,16 +1,16 @@
-"""Binding manifests (seeds §10.2–10.5): which checkpoint tensor feeds which model parameter.
+"""Binding manifests: which checkpoint tensor feeds which model parameter.
 
 Parameter paths are the family modules' names, which equal the Hugging Face names
 (`model.embed_tokens.weight`, `model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`, ...).
 A manifest maps some of them to tensor keys; a parameter the manifest does not name binds to
-the tensor of the same name (§10.2). Without a manifest every parameter binds by name.
+the tensor of the same name. Without a manifest every parameter binds by name.
 
 Two forms, one meaning (both accepted as JSON or YAML):
 
 * flat: ``{"model.embed_tokens.weight": "transformer.wte.weight", ...}``: expanded paths
   to keys in the model folder's safetensors (model.safetensors, the index's shards, or every
   ``*.safetensors``);
-* rich (§10.2's YAML)::
+* rich (YAML)::
 
       sources:
         main: {type: safetensors, files: "weights-*.safetensors"}
@@ -29,11 +29,11 @@ Two forms, one meaning (both accepted as JSON or YAML):
 
 `{i}` in a path stands for every layer index 0..num_hidden_layers-1 and is replaced by the
 same index in the key. There is no other placeholder, no arithmetic, no condition, no
-transformation: manifests are not programs (§10.3). Unknown fields, tags, anchors, aliases,
-duplicate keys and non-string keys are refused (§10.4); so are manifests past the size,
+transformation: manifests are not programs. Unknown fields, tags, anchors, aliases,
+duplicate keys and non-string keys are refused; so are manifests past the size,
 nesting and count limits of `limits.py`.
 
-Validation (§10.5), all from the safetensors headers and the model's parameter table, before
+Validation, all from the safetensors headers and the model's parameter table, before
 any tensor is read: every parameter bound to a tensor that exists; no parameter bound twice;
 no tensor bound to two parameters, except the embedding and the output head
 (`model.embed_tokens.*` and `lm_head.*`) of an untied model, which may share one tensor (a
@@ -209,7 +209,7 @@ _UNSET = object()
 
 
 def parse_yaml(text: str, origin: str) -> Any:
-    """The safe YAML subset of §10.4, built from parser events (no constructor ever runs):
+    """The safe YAML subset, built from parser events (no constructor ever runs):
     plain or quoted scalars, mappings with unique string keys, sequences; one document.
     Any tag (`!!python/...`, `!foo`, even `!!str`), anchor, alias or merge key is refused at
     the first event that carries it, so an anchor bomb costs nothing."""
