@@ -4,8 +4,10 @@ Public API: load, generate, ChatSession, errors.
 """
 
 from .device import preload_blas as _preload_blas
+from .device import tune_malloc as _tune_malloc
 
 _preload_blas()  # must run before anything imports mlx.core (see device.py)
+_tune_malloc()
 
 from . import errors  # noqa: E402
 from .errors import MlxlisError  # noqa: E402

@@ -53,6 +53,17 @@ def memory_bandwidth_gbs() -> float:
     return a.nbytes / best / 1e9
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def hf_copy(name: str, dtype: str, root: Path) -> Path:
     from mlxlis.convert import convert
 
@@ -111,7 +122,7 @@ def main() -> int:
 
     dev_dtype = default_dtype_name()
     machine = {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "platform": platform.platform(),
         "blas": blas_in_use,
@@ -201,7 +212,9 @@ def print_table(rows: list[dict], machine: dict) -> None:
             f"{r['decode_tps'] / limit:.0%} of {limit:.0f} | {r['peak_rss'] / 2**20:.0f} |"
         )
     print(
-        "\ndecode limit = measured read bandwidth ÷ bytes of that engine's weights read per token"
+        "\ndecode limit = measured read bandwidth (every core) ÷ bytes of that engine's weights "
+        "read per token.\nmlx-lm runs on the same system BLAS as mlxlis (faster than its bundled "
+        "one) but without mlxlis's own CPU kernels (gemv dispatch, fastmath)."
     )
 
 

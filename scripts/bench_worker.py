@@ -18,8 +18,10 @@ import time
 
 if sys.argv[1:2] != ["mlxlis"]:
     # peers get the same system OpenBLAS (faster than MLX's bundled BLAS), not mlxlis's own
-    # matrix-vector dispatch (mlxlis/_blas_dispatch.c), which is part of what is measured
+    # matrix-vector dispatch (mlxlis/_blas_dispatch.c) nor its allocator setting, which are
+    # part of what is measured
     os.environ["MLXLIS_BLAS_GEMV"] = "0"
+    os.environ["MLXLIS_MALLOC_TUNE"] = "0"
 
 import mlxlis  # noqa: E402  (preloads the system BLAS before mlx.core)
 

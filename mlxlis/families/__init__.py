@@ -9,6 +9,7 @@ import mlx.nn as nn
 from ..config import ModelConfig, RopeConfig, parse_rope
 from ..errors import ConfigError, UnsupportedError
 from . import gemma, llama
+from .activations import GATED
 
 
 def _llama_config(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
@@ -53,7 +54,7 @@ def _gemma_config(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         act = "gelu_pytorch_tanh" if act == "gelu" else act
     else:
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in gemma.ACTIVATIONS:
+    if act not in GATED:
         raise UnsupportedError(f"activation {act!r} is not implemented", path=path,
                                field="hidden_activation")
     n = base.num_hidden_layers

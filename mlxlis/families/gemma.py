@@ -16,13 +16,9 @@ import mlx.nn as nn
 
 from ..cache import KVCache, RotatingKVCache, window_mask
 from ..config import ModelConfig
+from .activations import gated
+from .attention import attend
 from .rope import Rope
-
-ACTIVATIONS = {
-    "gelu_pytorch_tanh": nn.gelu_approx,  # 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
-    "gelu_new": nn.gelu_approx,
-    "gelu": nn.gelu,  # exact, erf-based
-}
 
 Cache = KVCache | RotatingKVCache
 
@@ -76,28 +72,8 @@ class Attention(nn.Module):
         k = self.rope(k, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        if self.softcap is None:  # fused SDPA: GQA without repeating K/V, softmax in float32
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        else:
-            out = self._softcapped(q, k, v, mask)
+        out = attend(q, k, v, self.scale, mask, self.softcap)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
-
-    def _softcapped(self, q: mx.array, k: mx.array, v: mx.array,
-                    mask: str | mx.array | None) -> mx.array:
-        """Explicit attention for Gemma 2: tanh(s / c)·c on the scores before the mask and the
-        softmax (the fused kernel has no softcap)."""
-        b, h, t, hd = q.shape
-        n_kv, n_k = k.shape[1], k.shape[2]
-        q = q.reshape(b, n_kv, h // n_kv, t, hd)  # (B, n_kv_heads, group, T, head_dim)
-        scores = (q @ k[:, :, None].swapaxes(-1, -2)) * self.scale  # (B, n_kv, group, T, K)
-        scores = softcap(scores, self.softcap)
-        if isinstance(mask, str):  # "causal", aligned to the newest keys as the fused kernel does
-            mask = window_mask(n_k - t, t, 0, n_k, None)
-        if mask is not None:
-            scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
-        probs = mx.softmax(scores, axis=-1, precise=True)
-        out = probs @ v[:, :, None]  # (B, n_kv, group, T, head_dim)
-        return out.reshape(b, h, t, hd)
 
 
 class MLP(nn.Module):
@@ -107,10 +83,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
-        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.act = gated(cfg.hidden_act)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))  # GeGLU
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))  # GeGLU
 
 
 class DecoderLayer(nn.Module):

@@ -11,6 +11,8 @@ import mlx.nn as nn
 
 from ..cache import KVCache
 from ..config import ModelConfig
+from .activations import gated
+from .attention import attend
 from .rope import Rope
 
 
@@ -39,8 +41,7 @@ class Attention(nn.Module):
         k = self.rope(k, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        # fused SDPA: GQA without repeating K/V, softmax reduced in float32
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = attend(q, k, v, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
 
@@ -51,9 +52,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+        self.act = gated("silu")
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))  # SwiGLU
 
 
 class DecoderLayer(nn.Module):
