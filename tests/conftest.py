@@ -148,6 +148,11 @@ def tiny(tmp_path_factory):
     return get
 
 
+# Prefix for a child Python that a test interrupts with SIGINT: a shell that starts a job in
+# the background makes it ignore SIGINT, and Python then installs no KeyboardInterrupt handler.
+CTRL_C_CHILD = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+
+
 def trajectory(n: int = 72, seed: int = 1, vocab: int = 400) -> list[int]:
     """A fixed pseudo-random token trajectory (the same ids fed to both implementations)."""
     import random

@@ -24,6 +24,7 @@ from mlxlis import catalog
 from mlxlis.errors import MlxlisError
 
 import pytest
+from conftest import CTRL_C_CHILD
 
 CHUNK = 1 << 22  # catalog.pull's read size: the payload spans two chunks
 PAYLOAD = (bytes(range(256)) * (CHUNK // 256 + 8))[: CHUNK + 2048]
@@ -141,7 +142,7 @@ def test_pull_checksum_or_pip_failure_leaves_nothing(store, monkeypatch):
 def run_until(code: str, marker: str, env: dict | None = None) -> subprocess.Popen:
     """Start `code` in a subprocess and return once it printed `marker` (it then sleeps)."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, "-c", CTRL_C_CHILD + textwrap.dedent(code)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -19,6 +19,7 @@ from mlxlis.errors import MlxlisError
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import CTRL_C_CHILD
 
 PROMPT = "The capital of France is"
 
@@ -129,7 +130,9 @@ def test_interrupted_conversion_leaves_nothing(tiny, tmp_path):
         "c.write_tokenizer = slow\n"
         f"c.convert({str(folder)!r}, {str(tmp_path / 'out')!r}, dtype='float32')\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CTRL_C_CHILD + code], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "writing"
     proc.send_signal(2)
     proc.wait(timeout=60)
