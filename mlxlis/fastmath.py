@@ -10,7 +10,7 @@ here, and is accurate to within 1 ulp of float64 exp (MLX's own CPU exp: up to 6
 exp: Cody–Waite range reduction x = n·ln2 + r (|r| ≤ ln2/2, ln2 split in two so n·ln2_hi is
 exact), the classic Cephes degree-7 polynomial for e^r, and 2^n assembled in the exponent bits.
 Inputs below −86 give 0 (the true value is < 4.5e-38, at the bottom of the normal range), so
-masked scores (−inf) contribute exactly nothing; above 88.72, inf; NaN stays NaN.
+masked scores (−inf) contribute exactly nothing; above ln(FLT_MAX), inf; NaN stays NaN.
 
 Only for the CPU, and only when MLX can compile there (its CPU `compile` builds kernels with
 the system C++ compiler at first use): `enabled()` probes once. MLXLIS_FAST_MATH=0 turns it off.
@@ -29,7 +29,7 @@ LOG2E = 1.4426950408889634
 LN2_HI = 0.693145751953125  # ln 2 to 16 bits: n · LN2_HI is exact for |n| < 2^8
 LN2_LO = 1.428606765330187045e-06  # ln 2 − LN2_HI
 ROUND = 12582912.0  # 1.5 · 2^23: (t + ROUND) − ROUND rounds t to an integer, branch-free
-LOW, HIGH = -86.0, 88.72  # flush-to-zero below, inf above
+LOW, HIGH = -86.0, 88.72284  # flush-to-zero below; above ln(FLT_MAX) = 88.7228391, inf
 # Cephes expf polynomial: e^r ≈ 1 + r + r²·P(r) on |r| ≤ ln2/2
 P = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
      5.0000001201e-1)  # fmt: skip

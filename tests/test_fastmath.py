@@ -54,6 +54,11 @@ def test_exp_special_values():
     assert got[:3].tolist() == [0.0, 0.0, 0.0]  # masked scores add exactly nothing
     assert got[3] == 1.0 and got[4] == 1.0
     assert np.isposinf(got[5]) and np.isposinf(got[6]) and np.isnan(got[7])
+    # the top of the float32 range: finite up to ln(FLT_MAX) = 88.7228391, inf past it
+    top = np.array([88.722, 88.7228], np.float32)
+    got = np.array(fastmath.exp(mx.array(top)))
+    assert np.all(ulp_error(got, np.exp(top.astype(np.float64))) <= 1.0)
+    assert np.isposinf(np.array(fastmath.exp(mx.array([88.72285], dtype=mx.float32)))).all()
     # float16 input is computed in float32 (the range-reduction constants need it)
     assert np.array(fastmath.exp(mx.array([1.0, -20.0], dtype=mx.float16))).dtype == np.float32
 

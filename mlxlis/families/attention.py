@@ -50,9 +50,11 @@ def _explicit(q, k, v, scale, mask, softcap, fast) -> mx.array:
     b, h, t, hd = q.shape
     n_kv, s = k.shape[1], k.shape[2]
     q = q.reshape(b, n_kv, h // n_kv, t, hd)  # (B, n_kv_heads, group, T, head_dim)
-    scores = (q * mx.array(scale, q.dtype)) @ k[:, :, None].swapaxes(-1, -2)  # (B, kv, g, T, S)
-    if softcap is not None:  # Gemma 2: tanh(s / c)·c before the mask and the softmax
-        scores = mx.tanh(scores / softcap) * softcap
+    kt = k[:, :, None].swapaxes(-1, -2)
+    if softcap is None:  # scale q, the smaller operand, as the fused kernel does
+        scores = (q * mx.array(scale, q.dtype)) @ kt  # (B, n_kv, group, T, S)
+    else:  # Gemma 2 as transformers: scale the scores, then tanh(s / c)·c, then mask, softmax
+        scores = mx.tanh((q @ kt) * scale / softcap) * softcap
     if isinstance(mask, str):  # "causal", aligned to the newest keys as the fused kernel does
         mask = window_mask(s - t, t, 0, s, None) if t > 1 else None
     if mask is not None:
