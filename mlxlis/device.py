@@ -148,6 +148,18 @@ def resolve_dtype(name: str | None):
     return getattr(mx, name)
 
 
+def proc_bytes(path: str, key: str) -> int | None:
+    """A "Key:  N kB" line of a Linux /proc file (meminfo, self/status) in bytes, else None."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def peak_memory_bytes() -> int:
     """Peak MLX memory (device allocator) or the process peak RSS, whichever is larger."""
     import resource

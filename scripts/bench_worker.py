@@ -32,14 +32,10 @@ def rss_peak() -> int:
     Linux: VmHWM (the mm's high-water mark; ru_maxrss would carry over the parent's size
     across fork + exec). macOS: ru_maxrss (bytes there).
     """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    from mlxlis.device import proc_bytes
+
+    peak = proc_bytes("/proc/self/status", "VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def weight_bytes_per_token(net) -> int:

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from ..cache import KVCache, RotatingKVCache, window_mask
 from ..config import ModelConfig
 from .activations import gated
-from .attention import attend
+from .attention import attend, softcap
 from .rope import Rope
 
 Cache = KVCache | RotatingKVCache
@@ -36,10 +36,6 @@ class RMSNorm(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         w = 1.0 + self.weight.astype(mx.float32)
         return mx.fast.rms_norm(x.astype(mx.float32), w, self.eps).astype(self.weight.dtype)
-
-
-def softcap(x: mx.array, cap: float) -> mx.array:
-    return mx.tanh(x / cap) * cap
 
 
 class Attention(nn.Module):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..device import proc_bytes
 from ..errors import UnexpectedTensorError
 from ..families import build_model
 from .binding import bind, quantize_like
@@ -47,13 +48,9 @@ PREFETCH_BYTES = 256 << 20  # output buffers allocated ahead of the conversion
 
 def available_memory() -> int:
     """Bytes of memory available to a new allocation (Linux MemAvailable), else physical RAM."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    available = proc_bytes("/proc/meminfo", "MemAvailable")
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
