@@ -2,37 +2,48 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+RUNTIME := $(VENV)/.installed-runtime
+TESTDEPS := $(VENV)/.installed-test
 
-.PHONY: install test test-fast lint chat bench models fuzz clean
+.PHONY: install install-test test test-fast lint chat bench models fuzz clean
 
-install: $(STAMP)
+# `make chat` installs only what the app needs; `make test` adds the test extras
+install: $(RUNTIME)
 
-$(STAMP): pyproject.toml setup.py mlxlis/_blas_dispatch.c
+install-test: $(TESTDEPS)
+
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+
+$(RUNTIME): pyproject.toml setup.py mlxlis/_blas_dispatch.c | $(VENV)/bin/python
+	$(PY) -m pip install -q -e .
+	touch $(RUNTIME)
+
+$(TESTDEPS): $(RUNTIME)
 	$(PY) -m pip install -q -e '.[test]'
-	touch $(STAMP)
+	touch $(TESTDEPS)
 
 models: install
 	$(VENV)/bin/mlxlis pull
 
-test: install models
+test: install-test models
 	$(PY) -m pytest -q
 
-test-fast: install
+test-fast: install-test
 	$(PY) -m pytest -q -m "not real"
 
-lint: install
+lint: install-test
 	$(VENV)/bin/ruff check mlxlis tui tests scripts
 
-chat: install models
+# the app fetches the default model itself (with progress) the first time
+chat: install
 	$(VENV)/bin/mlxlis chat
 
-bench: install models
+bench: install-test models
 	$(PY) scripts/bench.py
 
-fuzz: install
+fuzz: install-test
 	MLXLIS_FUZZ_EXAMPLES=5000 $(PY) -m pytest -q tests -k fuzz
 
 clean:

@@ -1,13 +1,13 @@
 """mlxlis: open a GGUF or safetensors model, run exactly that model on MLX.
 
-Public API: load, generate, ChatSession, errors.
+Public API: load, generate, ChatSession, SamplingParams, errors. Importing mlxlis chooses the
+BLAS MLX's Linux CPU backend calls (it must happen before mlx.core loads); nothing else
+process-wide changes until an application calls `mlxlis.device.setup_process()`.
 """
 
-from .device import preload_blas as _preload_blas
-from .device import tune_malloc as _tune_malloc
+from .blas import preload as _preload_blas
 
-_preload_blas()  # must run before anything imports mlx.core (see device.py)
-_tune_malloc()
+_preload_blas()  # must run before anything imports mlx.core (see blas.py)
 
 from . import errors  # noqa: E402
 from .errors import MlxlisError  # noqa: E402

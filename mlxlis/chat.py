@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .errors import ContextLimitError
 from .generate import Event, generate
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -29,7 +30,7 @@ class Turn:
 class ChatSession:
     model: object
     system: str | None = None
-    sampling: dict = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     context_limit: int | None = None
     turns: list[Turn] = field(default_factory=list)
 
@@ -75,9 +76,17 @@ class ChatSession:
 
     # --- generation ---
     def send(
-        self, text: str, should_stop: Callable[[], bool] | None = None, **sampling
+        self,
+        text: str,
+        should_stop: Callable[[], bool] | None = None,
+        *,
+        stop_ids: set[int] | None = None,
+        **sampling,
     ) -> Iterator[Event]:
-        """Add a user message and stream the assistant's reply (appended when it ends)."""
+        """Add a user message and stream the assistant's reply (appended when it ends);
+        `sampling` keywords override the session's SamplingParams for this turn, `stop_ids`
+        the model's end-of-turn tokens."""
+        params = self.sampling.replace(**sampling)  # a bad value is refused before the turn
         self.turns.append(Turn("user", text))
         try:
             ids = self.model.tokenizer.encode(self.render(), special=True)
@@ -85,7 +94,7 @@ class ChatSession:
         except Exception:
             self.turns.pop()  # a refused turn leaves the conversation as it was
             raise
-        yield from self._reply(ids, should_stop, {**self.sampling, **sampling})
+        yield from self._reply(ids, should_stop, params, stop_ids)
 
     def _check_fits(self, ids: list[int]) -> None:
         if len(ids) >= self.context_limit:
@@ -95,9 +104,11 @@ class ChatSession:
                 field="context",
             )
 
-    def _reply(self, ids: list[int], should_stop, sampling: dict) -> Iterator[Event]:
+    def _reply(
+        self, ids: list[int], should_stop, params: SamplingParams, stop_ids: set[int] | None
+    ) -> Iterator[Event]:
         cache, reuse = self._reusable(ids)
-        max_tokens = min(sampling.pop("max_tokens", 512), self.context_limit - len(ids))
+        max_tokens = min(params.max_tokens, self.context_limit - len(ids))
         self.last_prompt_tokens, self.last_reused_tokens = len(ids), reuse
         self._cache, self._cached = cache, list(ids[:reuse])  # consistent even if interrupted
         text: list[str] = []
@@ -106,11 +117,12 @@ class ChatSession:
             for ev in generate(
                 self.model,
                 ids[reuse:],
+                params,
                 max_tokens=max_tokens,
                 cache=cache,
                 history=ids[:reuse],
                 should_stop=should_stop,
-                **sampling,
+                stop_ids=stop_ids,
             ):
                 text.append(ev.text)
                 if ev.finish_reason is not None:

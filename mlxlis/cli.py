@@ -71,26 +71,41 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
+# flag -> SamplingParams field; defaults, ranges and help come from mlxlis.sampling
+SAMPLING_FLAGS = {
+    "--max-tokens": "max_tokens",
+    "--temp": "temperature",
+    "--top-p": "top_p",
+    "--top-k": "top_k",
+    "--min-p": "min_p",
+    "--repetition-penalty": "repetition_penalty",
+    "--seed": "seed",
+}
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    from .sampling import FIELDS, SamplingParams
+
+    defaults = SamplingParams()
+    for flag, name in SAMPLING_FLAGS.items():
+        what = FIELDS[name][2]
+        p.add_argument(flag, dest=name, default=None, metavar="X",
+                       help=f"{what}; default {getattr(defaults, name)}")  # fmt: skip
 
 
-def sampling_kwargs(a: argparse.Namespace) -> dict:
-    return dict(
-        max_tokens=a.max_tokens,
-        temperature=a.temp,
-        top_p=a.top_p,
-        top_k=a.top_k,
-        min_p=a.min_p,
-        repetition_penalty=a.repetition_penalty,
-        seed=a.seed,
-    )
+def sampling_params(p: argparse.ArgumentParser, a: argparse.Namespace):
+    """SamplingParams from the flags; a bad value ends the command (exit 2) naming the flag."""
+    from .sampling import SamplingError, SamplingParams, parse_value
+
+    changes = {}
+    for flag, name in SAMPLING_FLAGS.items():
+        raw = getattr(a, name)
+        if raw is not None:
+            try:
+                changes[name] = parse_value(name, raw)
+            except SamplingError as e:
+                p.exit(2, f"{p.prog}: error: {flag}: {str(e).split(': ', 1)[1]}\n")
+    return SamplingParams(**changes)
 
 
 def one_shot_parser() -> argparse.ArgumentParser:
@@ -152,7 +167,7 @@ def print_details(model) -> None:
         say(f"{k:>9}: {v}")
 
 
-def run_one_shot(a: argparse.Namespace) -> int:
+def run_one_shot(a: argparse.Namespace, params) -> int:
     from .generate import generate
 
     prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
@@ -167,7 +182,7 @@ def run_one_shot(a: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": prompt})
         ids = tok.encode(model.render_chat(messages), special=True)
     final = None
-    for ev in generate(model, ids, **sampling_kwargs(a)):
+    for ev in generate(model, ids, params):
         sys.stdout.write(ev.text)
         sys.stdout.flush()
         final = ev
@@ -276,6 +291,9 @@ def _guard(debug: bool, fn: Callable[[], int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .device import setup_process
+
+    setup_process()  # an application's process-wide settings (device.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
         cmd, rest = argv[0], argv[1:]
@@ -286,8 +304,10 @@ def main(argv: list[str] | None = None) -> int:
             "models": run_models,
             "convert": run_convert,
         }[cmd](rest)
-    a = one_shot_parser().parse_args(argv)
-    return _guard(a.debug, lambda: run_one_shot(a))
+    p = one_shot_parser()
+    a = p.parse_args(argv)
+    params = sampling_params(p, a)
+    return _guard(a.debug, lambda: run_one_shot(a, params))
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def write_weights(net: nn.Module, folder: Path, max_shard: int = MAX_SHARD_BYTES
 
 def write_tokenizer(model, folder: Path) -> None:
     """Tokenizer files: copied from a folder source; from a GGUF, built by transformers' own GGUF
-    tokenizer conversion (a reference implementation, already a dependency of mlx-lm)."""
+    tokenizer conversion (the optional `convert` extra)."""
     src = model.path
     if src.is_dir():
         for name in (
@@ -182,7 +182,14 @@ def write_tokenizer(model, folder: Path) -> None:
             if (src / name).is_file():
                 shutil.copy2(src / name, folder / name)
         return
-    from transformers import AutoTokenizer
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise MlxlisError(
+            "converting a GGUF needs transformers for its tokenizer files: "
+            "pip install 'mlxlis[convert]'",
+            path=src,
+        ) from None
 
     tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     if model.template is not None:

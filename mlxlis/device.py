@@ -1,84 +1,17 @@
-"""Device and dtype policy, and the CPU BLAS.
+"""Device and dtype policy, and the process-wide settings an application opts into.
 
-Metal -> float16 (fast, and reductions upcast), CUDA -> bfloat16, CPU -> float32
-(MLX's CPU float16 matmul is emulated and ~30x slower; float32 goes through BLAS).
-
-On Linux the mlx[cpu] wheel resolves BLAS symbols at load time; a system OpenBLAS loaded with
-RTLD_GLOBAL *before* mlx.core is imported takes precedence over the slow bundled reference BLAS
-(measured: 1024² fp32 matmul 0.26 s -> 0.009 s on a 2-core x86 machine). Matrix-vector
-products (decoding) additionally go through sgemv via the small compiled dispatch in
-_blas_dispatch.c when it was built.
+The device: the GPU when MLX has one that works (Metal on macOS, CUDA), else the CPU;
+`MLXLIS_DEVICE=cpu|gpu` overrides. GitHub's macOS runners, for one, may expose no usable
+Metal device. The dtype: Metal -> float16 (fast, and reductions upcast), CUDA -> bfloat16,
+CPU -> float32 (MLX's CPU float16 matmul is emulated and ~30x slower; float32 goes through
+BLAS, see blas.py).
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
-
-_BLAS_CANDIDATES = (
-    "libopenblas.so.0",
-    "libopenblasp-r0.so",
-    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
-    "/usr/lib64/libopenblas.so.0",
-)
-
-blas_in_use: str = "platform default"
-gemv_dispatch: ctypes.CDLL | None = None  # mlxlis/_blas_dispatch.c, when built and loaded
-
-
-def preload_blas() -> str:
-    """Load a system OpenBLAS globally (Linux only, before mlx.core). Returns a description.
-
-    With the compiled gemv dispatch (built at install when a C compiler is present), it is
-    loaded globally first so that MLX's cblas_sgemm resolves to it; it sends matrix-vector
-    products to OpenBLAS's sgemv (1.75x decode on a 135M model here) and the rest to sgemm.
-    MLXLIS_BLAS_GEMV=0 leaves it out.
-    """
-    global blas_in_use, gemv_dispatch
-    if not sys.platform.startswith("linux") or os.environ.get("MLXLIS_NO_OPENBLAS"):
-        blas_in_use = "Accelerate (macOS)" if sys.platform == "darwin" else "bundled"
-        return blas_in_use
-    if "mlx.core" in sys.modules:
-        blas_in_use = "bundled (mlx.core was imported before mlxlis; OpenBLAS not preloaded)"
-        return blas_in_use
-    found = ctypes.util.find_library("openblas")
-    for name in ((found,) if found else ()) + _BLAS_CANDIDATES:
-        try:
-            blas = ctypes.CDLL(name)  # local first: the dispatch must come before it globally
-        except OSError:
-            continue
-        gemv_dispatch = _load_gemv_dispatch(blas)
-        ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)  # promotes the loaded library to global
-        blas_in_use = f"OpenBLAS ({name})" + (" + gemv dispatch" if gemv_dispatch else "")
-        return blas_in_use
-    blas_in_use = "bundled reference BLAS (install libopenblas0 for ~30x faster CPU matmul)"
-    return blas_in_use
-
-
-def _load_gemv_dispatch(blas: ctypes.CDLL) -> ctypes.CDLL | None:
-    if os.environ.get("MLXLIS_BLAS_GEMV", "1") == "0":
-        return None
-    from importlib.machinery import EXTENSION_SUFFIXES
-    from pathlib import Path
-
-    here = Path(__file__).parent
-    for suffix in EXTENSION_SUFFIXES:
-        path = here / f"_blas_dispatch{suffix}"
-        if not path.is_file():
-            continue
-        try:
-            sgemm, sgemv = blas.cblas_sgemm, blas.cblas_sgemv
-            lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-            lib.mlxlis_gemv_calls.restype = ctypes.c_long
-            as_ptr = ctypes.c_void_p
-            lib.mlxlis_blas_init(ctypes.cast(sgemm, as_ptr), ctypes.cast(sgemv, as_ptr))
-        except (OSError, AttributeError):  # not built for this platform, or a stale build
-            return None
-        return lib
-    return None
 
 
 def tune_malloc() -> bool:
@@ -102,6 +35,42 @@ def tune_malloc() -> bool:
     mapped = mallopt(m_mmap_threshold, 32 << 20)
     trimmed = mallopt(m_trim_threshold, 256 << 20)
     return bool(mapped and trimmed)
+
+
+def setup_process() -> None:
+    """What the mlxlis commands (CLI, chat app, server) set for their own process: the
+    allocator tuning below. A library user may call it too; `import mlxlis` changes nothing
+    process-wide apart from choosing the BLAS (blas.py)."""
+    tune_malloc()
+
+
+def gpu_available() -> bool:
+    import mlx.core as mx
+
+    try:
+        if sys.platform == "darwin":
+            return bool(mx.metal.is_available())
+        return _is_cuda()
+    except Exception:  # noqa: BLE001 — a backend that cannot answer has no usable GPU
+        return False
+
+
+def select_device() -> str:
+    """Make MLX's default device the one to use ("gpu" or "cpu") and return it."""
+    import mlx.core as mx
+
+    from .errors import UnsupportedError
+
+    want = os.environ.get("MLXLIS_DEVICE", "").lower() or None
+    if want not in (None, "cpu", "gpu"):
+        raise UnsupportedError(f"MLXLIS_DEVICE must be cpu or gpu, not {want!r}",
+                               field="MLXLIS_DEVICE")  # fmt: skip
+    if want == "gpu" and not gpu_available():
+        raise UnsupportedError("MLXLIS_DEVICE=gpu but MLX reports no usable GPU here",
+                               field="MLXLIS_DEVICE")  # fmt: skip
+    use = want or ("gpu" if gpu_available() else "cpu")
+    mx.set_default_device(mx.gpu if use == "gpu" else mx.cpu)
+    return use
 
 
 def device_name() -> str:

@@ -45,8 +45,15 @@ class Event:
     fed: list[int] = field(default_factory=list)  # final event: ids appended to the cache
 
 
-def prefill(net, ids: Sequence[int], cache: list, step: int = 512) -> mx.array:
-    """Run `ids` through the model into `cache`; returns (1, vocab) float32 logits of the last."""
+def prefill(
+    net,
+    ids: Sequence[int],
+    cache: list,
+    step: int = 512,
+    should_stop: Callable[[], bool] | None = None,
+) -> mx.array | None:
+    """Run `ids` through the model into `cache`; returns (1, vocab) float32 logits of the last,
+    or None when `should_stop()` turned true between chunks."""
     arr = mx.array(list(ids), dtype=mx.int32)[None]
     n = arr.shape[1]
     start = 0
@@ -54,35 +61,33 @@ def prefill(net, ids: Sequence[int], cache: list, step: int = 512) -> mx.array:
         net(arr[:, start : start + step], cache=cache, last_only=True)
         mx.eval([c.state for c in cache])
         start += step
+        if should_stop is not None and should_stop():
+            return None
     return net(arr[:, start:], cache=cache, last_only=True)[:, -1, :].astype(mx.float32)
 
 
 def generate(
     model,
     ids: Sequence[int],
-    max_tokens: int = 64,
-    temperature: float = 0.0,
+    params: SamplingParams | None = None,
     *,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
-    repetition_context: int = 64,
-    seed: int | None = None,
     stop_ids: set[int] | None = None,
     cache: list | None = None,
     history: Sequence[int] = (),
     prefill_step: int = 512,
     should_stop: Callable[[], bool] | None = None,
+    **sampling: object,
 ) -> Iterator[Event]:
-    """Stream tokens after `ids`. With `cache`, `ids` are the tokens not yet in it and `history`
-    the ones that are (for the repetition penalty)."""
+    """Stream tokens after `ids`, sampled as `params` says with `sampling` keywords (max_tokens,
+    temperature, top_p, ...: SamplingParams' fields) applied on top; a bad value raises
+    SamplingError before anything runs. With `cache`, `ids` are the tokens not yet in it and
+    `history` the ones that are (for the repetition penalty)."""
     from .tokenizer import StreamDecoder
 
-    params = SamplingParams(
-        temperature, top_k, top_p, min_p, repetition_penalty, repetition_context, seed
-    )
+    params = (params or SamplingParams()).replace(**sampling)
     sampler = make_sampler(params)
+    max_tokens = params.max_tokens
+    repetition_penalty, repetition_context = params.repetition_penalty, params.repetition_context
     if not ids:
         from .errors import MlxlisError
 
@@ -107,7 +112,14 @@ def generate(
         return pick(logits.astype(mx.float32))
 
     t0 = time.perf_counter()
-    y = pick(prefill(net, ids, cache, prefill_step))
+    before = cache[0].offset if cache else 0
+    logits = prefill(net, ids, cache, prefill_step, should_stop)
+    if logits is None:  # stopped during a long prompt: only whole chunks reached the cache
+        stats.prompt_seconds = time.perf_counter() - t0
+        done = cache[0].offset - before if cache else 0
+        yield Event(None, "", stats, finish_reason="cancelled", fed=list(ids[:done]))
+        return
+    y = pick(logits)
     mx.async_eval(y)
     reason = "length"
     t_first = None

@@ -89,7 +89,8 @@ class Model:
         )
 
     def describe(self) -> dict[str, str]:
-        from .device import blas_in_use, device_name
+        from .blas import state as blas
+        from .device import device_name
 
         return {
             "model": self.name,
@@ -98,7 +99,7 @@ class Model:
             "quant": self.quant_summary,
             "dtype": str(self.dtype).replace("mlx.core.", ""),
             "device": device_name(),
-            "blas": blas_in_use,
+            "blas": blas.name,
             "template": self.template_source or "none",
         }
 

@@ -7,17 +7,53 @@ logits and are compiled once per setting.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 import mlx.core as mx
 
+from .errors import MlxlisError
+
 NEG_INF = float("-inf")
+
+
+def _seed(text: str) -> int | None:
+    return None if text.strip().lower() in ("none", "random", "") else int(text)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# name -> (parse typed text, check a value, what a good value is): the one definition of every
+# sampling parameter, used by the library, the CLI, the chat app's /params and the server
+FIELDS: dict[str, tuple[Callable[[str], object], Callable[[object], bool], str]] = {
+    "max_tokens": (int, lambda v: _is_int(v) and v > 0, "an integer > 0"),
+    "temperature": (float, lambda v: _is_num(v) and v >= 0, "a number >= 0 (0 = greedy)"),
+    "top_p": (float, lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1] (1 = off)"),
+    "top_k": (int, lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = off)"),
+    "min_p": (float, lambda v: _is_num(v) and 0 <= v < 1, "a number in [0, 1) (0 = off)"),
+    "repetition_penalty": (float, lambda v: _is_num(v) and v > 0, "a number > 0 (1 = off)"),
+    "repetition_context": (int, lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "seed": (_seed, lambda v: v is None or (_is_int(v) and v >= 0),
+             "an integer >= 0, or none"),
+}
+ALIASES = {"temp": "temperature", "max": "max_tokens", "maxtokens": "max_tokens",
+           "rep": "repetition_penalty", "repeat_penalty": "repetition_penalty"}
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How tokens are picked and how many; the defaults here are the defaults everywhere."""
+
+    max_tokens: int = 512
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -27,20 +63,59 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> SamplingParams:
-        from .errors import MlxlisError
-
-        checks = [
-            (self.temperature >= 0, "temperature must be ≥ 0"),
-            (self.top_k >= 0, "top_k must be ≥ 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (0 <= self.min_p < 1, "min_p must be in [0, 1)"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (self.repetition_context >= 0, "repetition_context must be ≥ 0"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise MlxlisError(msg, field="sampling")
+        """Self, or a SamplingError naming the first bad field."""
+        for name, (_, check, what) in FIELDS.items():
+            value = getattr(self, name)
+            if not check(value):
+                raise SamplingError(f"must be {what}, not {value!r}", field=name)
         return self
+
+    def replace(self, **changes: object) -> SamplingParams:
+        """A validated copy with `changes` (names as the fields, or their ALIASES)."""
+        changes = {canonical(k): v for k, v in changes.items()}
+        return dataclasses.replace(self, **changes).validate()
+
+    def with_text(self, assignments: str) -> SamplingParams:
+        """Apply "top_p=0.9 max_tokens=200" as typed by a user: all or nothing."""
+        changes: dict[str, object] = {}
+        for item in assignments.split():
+            key, eq, raw = item.partition("=")
+            if not eq:
+                raise SamplingError(f"expected name=value, got {item!r} (e.g. top_p=0.9)",
+                                    field="sampling")  # fmt: skip
+            name = canonical(key)
+            changes[name] = parse_value(name, raw)
+        return self.replace(**changes)
+
+    def as_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+class SamplingError(MlxlisError):
+    """A sampling parameter out of its range, of the wrong type or unknown."""
+
+
+def canonical(name: str) -> str:
+    """The field name for a typed name or alias; SamplingError if there is none."""
+    key = name.strip().lower().replace("-", "_")
+    key = ALIASES.get(key, key)
+    if key not in FIELDS:
+        raise SamplingError(f"unknown sampling parameter (known: {', '.join(FIELDS)})",
+                            field=name)  # fmt: skip
+    return key
+
+
+def parse_value(name: str, raw: str) -> object:
+    """One typed value, parsed and checked against its field."""
+    name = canonical(name)
+    parse, check, what = FIELDS[name]
+    try:
+        value = parse(raw)
+    except ValueError:
+        raise SamplingError(f"must be {what}, not {raw!r}", field=name) from None
+    if not check(value):
+        raise SamplingError(f"must be {what}, not {raw!r}", field=name)
+    return value
 
 
 @partial(mx.compile, shapeless=True)

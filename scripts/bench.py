@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mlxlis import catalog  # noqa: E402  (importing mlxlis preloads the BLAS first)
-from mlxlis.device import blas_in_use, default_dtype_name, device_name  # noqa: E402
+from mlxlis.blas import state as blas_state  # noqa: E402
+from mlxlis.device import default_dtype_name, device_name  # noqa: E402
 
 PROMPT_TOKENS = 512
 DECODE_TOKENS = 128
@@ -137,7 +138,7 @@ def main() -> int:
         "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "platform": platform.platform(),
-        "blas": blas_in_use,
+        "blas": blas_state.name,
         "device": device_name(),
         "mlx": mx.__version__,
         "mlxlis_dtype": dev_dtype,

@@ -11,25 +11,25 @@ from __future__ import annotations
 import shutil
 import sys
 
-from mlxlis import device
+from mlxlis import blas
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or not device.blas_in_use.startswith("OpenBLAS"),
-    reason="the dispatch is built for Linux with a system OpenBLAS",
+    not sys.platform.startswith("linux") or "gemv dispatch" not in blas.state.name,
+    reason="the dispatch routes Linux CPU matmuls to an OpenBLAS (wheel or system)",
 )
 
 
 @pytest.fixture(scope="module")
 def lib():
-    if device.gemv_dispatch is None:
+    if blas.state.dispatch is None:
         if shutil.which("cc") or shutil.which("gcc"):
             pytest.fail("a C compiler is present but the gemv dispatch was not built/loaded")
         pytest.skip("no C compiler: the optional dispatch was not built")
-    return device.gemv_dispatch
+    return blas.state.dispatch
 
 
 def check(lib, fn, *arrays, k: int, expect_gemv: bool) -> None:

@@ -16,11 +16,12 @@ from pathlib import Path
 from mlxlis import Event, Stats
 from mlxlis.chat import Turn
 from mlxlis.errors import ContextLimitError, ModelNotFoundError, NoChatTemplateError
+from mlxlis.sampling import SamplingError, SamplingParams
 
 import pytest
 
 from tui.app import ChatApp, parse_args
-from tui.commands import CommandError, parse_command, parse_params
+from tui.commands import CommandError, parse_command
 from tui.engine import Options
 from tui.screens import PreviewScreen
 from tui.store import atomic_write, data_dir, list_records
@@ -421,12 +422,15 @@ def test_system_temp_and_params_commands_reach_the_session(tmp_path):
         sampling = session.calls[-1][1]
         assert sampling["temperature"] == 0.7 and sampling["top_p"] == 0.9
         assert sampling["max_tokens"] == 20 and sampling["seed"] == 3
-        await type_text(pilot, app, "/params top_p=7")
-        await pilot.press("enter")
-        await pilot.pause()
-        assert app.prompt_input.text == "/params top_p=7"
-        assert any("top_p must be" in m for m in errors(app))
-        assert app.engine.sampling["top_p"] == 0.9
+        for bad, field in (("/params top_p=7", "top_p"), ("/params min_p=1", "min_p"),
+                           ("/temp -1", "temperature")):
+            app.prompt_input.clear()
+            await type_text(pilot, app, bad)
+            await pilot.press("enter")
+            await pilot.pause()
+            assert app.prompt_input.text == bad  # refused where typed, the text kept
+            assert any(f"{field}: must be" in m for m in errors(app)), bad
+        assert app.engine.sampling.top_p == 0.9 and app.engine.sampling.min_p == 0.0
 
     run(app, scenario)
 
@@ -691,11 +695,11 @@ def test_parse_command_and_params():
     """Commands and parameters parse and validate (aliases, none seed, errors name the field)."""
     assert parse_command("hello") is None and parse_command("//x") is None
     assert parse_command("/params top_p=0.9") == ("params", "top_p=0.9")
-    assert parse_params("temp=0.5 max-tokens=9 seed=none") == {
-        "temperature": 0.5, "max_tokens": 9, "seed": None}
-    for bad in ("top_p", "top_k=-1", "max_tokens=0", "bogus=1", "min_p=x"):
-        with pytest.raises(CommandError):
-            parse_params(bad)
+    got = SamplingParams(seed=4).with_text("temp=0.5 max-tokens=9 seed=none")
+    assert got == SamplingParams(temperature=0.5, max_tokens=9, seed=None)
+    for bad in ("top_p", "top_k=-1", "max_tokens=0", "bogus=1", "min_p=x", "min_p=1"):
+        with pytest.raises(SamplingError):
+            SamplingParams().with_text(bad)
     with pytest.raises(CommandError):
         parse_command("/nope")
 
@@ -719,7 +723,7 @@ def test_main_argument_parsing():
     o = parse_args(["-m", "x.gguf", "--no-chat", "--system", "s", "--temp", "0.5",
                     "--max-tokens", "9", "--chat-template", "chatml"])
     assert (o.model, o.no_chat, o.system, o.chat_template) == ("x.gguf", True, "s", "chatml")
-    assert o.sampling["temperature"] == 0.5 and o.sampling["max_tokens"] == 9
+    assert o.sampling.temperature == 0.5 and o.sampling.max_tokens == 9
 
 
 def test_load_model_pulls_a_missing_catalog_model_with_progress(monkeypatch):

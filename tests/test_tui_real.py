@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 
 from mlxlis import catalog
+from mlxlis.sampling import SamplingParams
 
 import pytest
 from test_tui import SIZE, bubbles, record_notes, reply_text, wait_for
 
 from tui.app import ChatApp
-from tui.engine import SAMPLING_DEFAULTS, Options
+from tui.engine import Options
 from tui.screens import PreviewScreen
 from tui.widgets import Diagnosis
 
@@ -28,7 +29,7 @@ def pulled(name: str):
 
 
 def real_app(tmp_path, model: str, **sampling) -> ChatApp:
-    opts = Options(model=model, sampling={**SAMPLING_DEFAULTS, "temperature": 0.0, **sampling})
+    opts = Options(model=model, sampling=SamplingParams(temperature=0.0, **sampling))
     return record_notes(ChatApp(opts, data_dir=tmp_path / "conversations"))
 
 
@@ -77,7 +78,7 @@ def test_smollm2_chat_reply_status_and_stop(tmp_path):
         assert "<|im_start|>assistant" in app.screen.query_one("#preview-text").text
         await pilot.press("escape")
         # a long reply, stopped with Esc after the first streamed text
-        app.engine.sampling["max_tokens"] = 200
+        app.engine.sampling = app.engine.sampling.replace(max_tokens=200)
         app.prompt_input.insert("Write a long poem about the sea.")
         await pilot.press("enter")
         await wait_for(pilot, lambda: app._reply_text or errors(app), timeout=60,
@@ -85,7 +86,7 @@ def test_smollm2_chat_reply_status_and_stop(tmp_path):
         await pilot.press("escape")
         await wait_for(pilot, lambda: not app.generating, timeout=30, what="stop")
         assert app.engine.turns[-1].stopped and bubbles(app, "assistant")[-1].stopped
-        app.engine.sampling["max_tokens"] = 4
+        app.engine.sampling = app.engine.sampling.replace(max_tokens=4)
         app.prompt_input.insert("Thanks!")
         await pilot.press("enter")
         await wait_done(pilot, app, 6, 60, "turn after stop")

@@ -9,12 +9,14 @@ puts the text back into the input, and every engine error becomes a notification
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 import time
 from collections.abc import Callable
 
+from mlxlis.mlx_thread import shared as mlx_thread
+
 from rich.text import Text
-from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
@@ -27,6 +29,7 @@ from .store import new_id, save_record
 from .style import CSS as APP_CSS
 from .widgets import Bubble, Diagnosis, Loading, PromptInput
 
+QUIT_WAIT_SECONDS = 10.0  # a reply stops at its next token or prefill chunk
 FLUSH_SECONDS = 0.05  # the worker hands text to the UI at most ~20 times a second
 FINISH_NOTES = {"stop": "done", "cancelled": "stopped", "length": "max_tokens reached"}
 
@@ -123,8 +126,10 @@ class ChatApp(CommandsMixin, App[int]):
             self._load_worker()
 
     # --- loading ---
-    @work(thread=True, exclusive=True, group="load")
     def _load_worker(self) -> None:
+        mlx_thread().submit(self._load_job)
+
+    def _load_job(self) -> None:
         def progress(stage: str, done: int, total: int) -> None:
             self.post_message(Progress(stage, done, total))
 
@@ -211,8 +216,12 @@ class ChatApp(CommandsMixin, App[int]):
         self.update_status(note="generating…")
         self._generate_worker(text)
 
-    @work(thread=True, exclusive=True, group="generate")
     def _generate_worker(self, text: str) -> None:
+        # MLX work runs on the process's one MLX thread (see mlxlis.mlx_thread: a worker thread
+        # that exits during shutdown aborts the process)
+        mlx_thread().submit(lambda: self._generate_job(text))
+
+    def _generate_job(self, text: str) -> None:
         buf: list[str] = []
         produced, last_flush, stats, reason = 0, time.monotonic(), None, None
         try:
@@ -308,7 +317,7 @@ class ChatApp(CommandsMixin, App[int]):
         if stats is not None and stats.peak_memory:
             parts.append(f"peak {stats.peak_memory / 2**20:.0f} MiB")
         p = self.engine.sampling
-        parts.append(f"temp {p['temperature']}, max {p['max_tokens']}")
+        parts.append(f"temp {p.temperature}, max {p.max_tokens}")
         if note:
             parts.append(FINISH_NOTES.get(note, note))
         self.query_one("#status", Static).update(Text(" │ ".join(parts)))
@@ -323,7 +332,7 @@ class ChatApp(CommandsMixin, App[int]):
 
 
 def parse_args(argv: list[str]) -> Options:
-    from mlxlis.cli import add_model_args, add_sampling_args, sampling_kwargs
+    from mlxlis.cli import add_model_args, add_sampling_args, sampling_params
 
     p = argparse.ArgumentParser(prog="mlxlis chat",
                                 description="Chat with a model in the terminal.")
@@ -335,7 +344,7 @@ def parse_args(argv: list[str]) -> Options:
     a = p.parse_args(argv)
     return Options(model=a.model, dtype=a.dtype, dequantize=a.dequantize,
                    chat_template=a.chat_template, system=a.system, no_chat=a.no_chat,
-                   sampling=sampling_kwargs(a), bindings=a.bindings, strict=a.strict)
+                   sampling=sampling_params(p, a), bindings=a.bindings, strict=a.strict)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,9 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     options = parse_args(list(sys.argv[1:] if argv is None else argv))
     app = ChatApp(options)
     result = app.run()
-    if app.return_code not in (0, None):
-        return 1
-    return result or 0
+    code = 1 if app.return_code not in (0, None) else (result or 0)
+    # Quitting set the stop flag, so a reply ends at its next token. A load cannot be stopped:
+    # leave without shutting the interpreter down around it (see mlxlis.mlx_thread).
+    if not mlx_thread().wait_idle(timeout=QUIT_WAIT_SECONDS):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

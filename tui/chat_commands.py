@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .commands import HELP, CommandError, format_params, param_value, parse_command, parse_params
+from mlxlis.sampling import parse_value
+
+from .commands import HELP, CommandError, format_params, parse_command
 from .screens import PreviewScreen
 from .store import atomic_write, list_records, new_id, summary, to_markdown
 from .widgets import Bubble, Note
@@ -96,13 +98,14 @@ class CommandsMixin:
     async def cmd_temp(self, arg: str) -> None:
         if not arg:
             raise CommandError("usage: /temp X (e.g. /temp 0.7; 0 = greedy)")
-        self.engine.sampling["temperature"] = param_value("temperature", arg)
+        self.engine.sampling = self.engine.sampling.replace(
+            temperature=parse_value("temperature", arg))
         self.update_status()
-        self.notify(f"temperature = {self.engine.sampling['temperature']}")
+        self.notify(f"temperature = {self.engine.sampling.temperature}")
 
     async def cmd_params(self, arg: str) -> None:
         if arg:
-            self.engine.sampling.update(parse_params(arg))
+            self.engine.sampling = self.engine.sampling.with_text(arg)  # refused if any is bad
             self.update_status()
         await self.add_note("**Sampling:** " + format_params(self.engine.sampling))
 

@@ -1,28 +1,14 @@
 """Slash commands typed in the input: parsing and validation (no UI here).
 
-`parse_command` splits "/name args"; `parse_params` turns "top_p=0.9 max_tokens=200" into a
-validated dict of sampling parameters (the names mlxlis.generate and ChatSession take).
+`parse_command` splits "/name args"; sampling parameters ("/params top_p=0.9") are parsed and
+checked by mlxlis.sampling.SamplingParams, the one definition the CLI and library use too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from mlxlis.sampling import SamplingParams
 
 COMMANDS = ("system", "clear", "temp", "params", "save", "help", "preview", "history", "open")
-
-# name -> (parser, check, description); the names are mlxlis.generate's keyword arguments
-PARAMS: dict[str, tuple[Callable[[str], object], Callable[[object], bool], str]] = {
-    "max_tokens": (int, lambda v: v > 0, "an integer > 0"),
-    "temperature": (float, lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
-    "top_p": (float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "top_k": (int, lambda v: v >= 0, "an integer >= 0 (0 = off)"),
-    "min_p": (float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    "repetition_penalty": (float, lambda v: v > 0, "a number > 0 (1 = off)"),
-    "seed": (lambda s: None if s.lower() in ("none", "random", "") else int(s),
-             lambda v: v is None or v >= 0, "an integer >= 0, or none"),
-}
-ALIASES = {"temp": "temperature", "max": "max_tokens", "maxtokens": "max_tokens",
-           "rep": "repetition_penalty", "repeat_penalty": "repetition_penalty"}
 
 HELP = """\
 **Keys** — Enter send · Shift+Enter or Ctrl+J new line (Ctrl+J where the terminal sends a \
@@ -61,32 +47,5 @@ def parse_command(text: str) -> tuple[str, str] | None:
     return name, rest.strip()
 
 
-def param_value(name: str, raw: str) -> object:
-    """Parse and check one parameter value; raises CommandError naming the parameter."""
-    name = ALIASES.get(name.lower().replace("-", "_"), name.lower().replace("-", "_"))
-    if name not in PARAMS:
-        raise CommandError(f"unknown parameter {name!r} (known: {', '.join(PARAMS)})")
-    parse, check, what = PARAMS[name]
-    try:
-        value = parse(raw)
-    except ValueError:
-        raise CommandError(f"{name} must be {what}, not {raw!r}") from None
-    if not check(value):
-        raise CommandError(f"{name} must be {what}, not {raw!r}")
-    return value
-
-
-def parse_params(args: str) -> dict:
-    """"top_p=0.9 max_tokens=200" -> {"top_p": 0.9, "max_tokens": 200}; all or nothing."""
-    out: dict = {}
-    for item in args.split():
-        key, eq, raw = item.partition("=")
-        if not eq:
-            raise CommandError(f"expected name=value, got {item!r} (e.g. /params top_p=0.9)")
-        name = ALIASES.get(key.lower().replace("-", "_"), key.lower().replace("-", "_"))
-        out[name] = param_value(name, raw)
-    return out
-
-
-def format_params(params: dict) -> str:
-    return " · ".join(f"{k}={params.get(k)}" for k in PARAMS)
+def format_params(params: SamplingParams) -> str:
+    return " · ".join(f"{k}={v}" for k, v in params.as_dict().items())

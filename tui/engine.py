@@ -14,11 +14,10 @@ import mlxlis
 from mlxlis import catalog
 from mlxlis.chat import Turn
 from mlxlis.errors import ContextLimitError
+from mlxlis.sampling import SamplingParams
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total), as catalog.pull reports
 
-SAMPLING_DEFAULTS = dict(max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
-                         repetition_penalty=1.0, seed=None)
 
 
 @dataclass
@@ -33,7 +32,7 @@ class Options:
     no_chat: bool = False
     bindings: str | None = None
     strict: bool = True
-    sampling: dict = field(default_factory=lambda: dict(SAMPLING_DEFAULTS))
+    sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
 def load_model(options: Options, progress: Progress):
@@ -79,7 +78,8 @@ class RawPad:
             raise ContextLimitError(f"the text needs {len(ids)} tokens but the context holds "
                                     f"{self.context_limit}", field="context")
         sampling = dict(sampling)
-        max_tokens = min(sampling.pop("max_tokens", 256), self.context_limit - len(ids))
+        max_tokens = min(sampling.pop("max_tokens", SamplingParams.max_tokens),
+                         self.context_limit - len(ids))
         self.last_prompt_tokens = len(ids)
         self.turns.append(Turn("user", text))
         out: list[str] = []
@@ -109,7 +109,7 @@ class Engine:
                  generate: Callable[..., Iterator] | None = None):
         self.model = model
         self.raw = options.no_chat
-        self.sampling = {**SAMPLING_DEFAULTS, **options.sampling}
+        self.sampling = options.sampling.validate()
         if self.raw:
             self.session = RawPad(model, generate)
             self.session.set_system(options.system)
@@ -163,7 +163,7 @@ class Engine:
 
     def send(self, text: str, should_stop: Callable[[], bool]) -> Iterator:
         self._turns_before = len(self.session.turns)
-        return self.session.send(text, should_stop=should_stop, **self.sampling)
+        return self.session.send(text, should_stop=should_stop, **self.sampling.as_dict())
 
     def rollback(self) -> None:
         """Undo the last send when it failed before producing anything, so the text can be
@@ -191,6 +191,6 @@ class Engine:
         mode = "raw" if self.raw else "chat"
         return {"id": rec_id, "model": self.info.get("model"), "mode": mode,
                 "template": self.template_source, "system": self.system,
-                "sampling": dict(self.sampling),
+                "sampling": self.sampling.as_dict(),
                 "turns": [{"role": t.role, "content": t.content, "stopped": t.stopped}
                           for t in self.session.turns]}

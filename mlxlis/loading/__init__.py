@@ -80,8 +80,10 @@ def load(
     `strict`: tensors no parameter takes are an error (default); False warns
     (`UnboundTensorsWarning`) and ignores them. Both apply to safetensors folders.
     """
+    from ..device import select_device
     from ..model import Model
 
+    select_device()  # the GPU when MLX has a usable one, else the CPU; MLXLIS_DEVICE overrides
     dt = dtype if isinstance(dtype, mx.Dtype) else resolve_dtype(dtype)
     manifest = as_manifest(bindings)  # a bad manifest fails before anything else is read
     path = resolve(path_or_name)

@@ -1,0 +1,178 @@
+"""Which BLAS MLX's Linux CPU backend calls, chosen before mlx.core is imported.
+
+The mlx[cpu] wheel links a bundled reference BLAS (a 1024² float32 matmul: 0.26 s here, 30x
+slower than OpenBLAS). Two faster ones can take its place:
+
+- `scipy-openblas32` (a Linux dependency of mlxlis, so every install has it): OpenBLAS as a
+  wheel, with its symbols renamed `scipy_cblas_*`. Loading it is not enough, since MLX asks
+  for `cblas_sgemm`; the small compiled dispatch (`_blas_dispatch.c`, built at install when a
+  C compiler is present) defines `cblas_sgemm`, is loaded globally before mlx.core, and
+  forwards to the wheel's sgemm (and sends matrix-vector products to its sgemv).
+- a system OpenBLAS (`apt-get install libopenblas0-pthread`): loaded globally, its own
+  `cblas_sgemm` takes precedence; with the dispatch in front, matrix-vector products go to its
+  sgemv (OpenBLAS before 0.3.27 packs the whole weight matrix for them in sgemm).
+
+`MLXLIS_BLAS=auto|wheel|system|bundled` chooses (auto: the order in `AUTO_ORDER`, measured in
+the README's speed section); `MLXLIS_BLAS_GEMV=0` keeps matrix-vector products in sgemm.
+Without a C compiler the wheel cannot be routed: a system OpenBLAS still can, else MLX runs its
+bundled BLAS, slower, and `describe()` says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+SYSTEM_CANDIDATES = (
+    "libopenblas.so.0",
+    "libopenblasp-r0.so",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+)
+CHOICES = ("auto", "wheel", "system", "bundled")
+AUTO_ORDER = ("wheel", "system")  # the wheel's OpenBLAS 0.3.34 was as fast or faster here
+
+
+@dataclass
+class BlasState:
+    name: str = "platform default"  # what MLX's float32 matmuls run on, in words
+    dispatch: ctypes.CDLL | None = None  # the loaded _blas_dispatch, when it routes
+    notice: str | None = None  # why a faster path is not in use, for --verbose
+
+
+state = BlasState()
+
+
+def preload() -> BlasState:
+    """Choose and load the BLAS (Linux only; must run before mlx.core is imported)."""
+    if not sys.platform.startswith("linux"):
+        state.name = "Accelerate (macOS)" if sys.platform == "darwin" else "platform default"
+        return state
+    if "mlx.core" in sys.modules:
+        state.name = "bundled reference BLAS"
+        state.notice = "mlx.core was imported before mlxlis, so no faster BLAS could be loaded"
+        return state
+    choice = os.environ.get("MLXLIS_BLAS", "auto").lower()
+    if os.environ.get("MLXLIS_NO_OPENBLAS"):  # older spelling of MLXLIS_BLAS=bundled
+        choice = "bundled"
+    if choice not in CHOICES:
+        choice = "auto"
+        state.notice = f"MLXLIS_BLAS must be one of {', '.join(CHOICES)}; using auto"
+    order = AUTO_ORDER if choice == "auto" else (choice,)
+    misses: list[str] = []
+    for kind in order:
+        if kind == "bundled":
+            break
+        loaded = _load_wheel(misses) if kind == "wheel" else _load_system(misses)
+        if loaded:
+            return state
+    state.name = "bundled reference BLAS"
+    if choice != "bundled":
+        state.notice = "; ".join(misses) + " — CPU matmuls run on MLX's slow bundled BLAS"
+    return state
+
+
+def _load_wheel(misses: list[str]) -> bool:
+    lib_path = _wheel_library()
+    if lib_path is None:
+        misses.append("scipy-openblas32 is not installed")
+        return False
+    dispatch = _dispatch_library()
+    if dispatch is None:
+        misses.append("the BLAS dispatch was not built (no C compiler at install), so the "
+                      "scipy-openblas32 wheel cannot be routed")  # fmt: skip
+        return False
+    try:
+        blas = ctypes.CDLL(str(lib_path))
+        sgemm, sgemv = blas.scipy_cblas_sgemm, blas.scipy_cblas_sgemv
+    except (OSError, AttributeError) as e:
+        misses.append(f"scipy-openblas32 did not load ({e})")
+        return False
+    gemv = os.environ.get("MLXLIS_BLAS_GEMV", "1") != "0"
+    if not _init_dispatch(dispatch, sgemm, sgemv if gemv else None):
+        misses.append("the BLAS dispatch did not load (a stale build?)")
+        return False
+    state.name = f"OpenBLAS {_wheel_version()} (scipy-openblas32 wheel)" + (
+        " + gemv dispatch" if gemv else ""
+    )
+    return True
+
+
+def _load_system(misses: list[str]) -> bool:
+    found = ctypes.util.find_library("openblas")
+    for name in ((found,) if found else ()) + SYSTEM_CANDIDATES:
+        try:
+            blas = ctypes.CDLL(name)  # local first: the dispatch must come before it globally
+        except OSError:
+            continue
+        routed = False
+        dispatch = _dispatch_library()
+        if dispatch is not None and os.environ.get("MLXLIS_BLAS_GEMV", "1") != "0":
+            try:
+                routed = _init_dispatch(dispatch, blas.cblas_sgemm, blas.cblas_sgemv)
+            except AttributeError:
+                routed = False
+        ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)  # promotes the loaded library to global
+        state.name = f"system OpenBLAS ({name})" + (" + gemv dispatch" if routed else "")
+        return True
+    misses.append("no system OpenBLAS")
+    return False
+
+
+def _init_dispatch(lib: ctypes.CDLL, sgemm, sgemv) -> bool:
+    """Hand the dispatch its sgemm (and sgemv, or None for no matrix-vector routing), then
+    make its cblas_sgemm visible to mlx.core."""
+    try:
+        lib.mlxlis_gemv_calls.restype = ctypes.c_long
+        as_ptr = ctypes.c_void_p
+        lib.mlxlis_blas_init(
+            ctypes.cast(sgemm, as_ptr), ctypes.cast(sgemv, as_ptr) if sgemv else None
+        )
+        ctypes.CDLL(lib._name, mode=ctypes.RTLD_GLOBAL)
+    except (OSError, AttributeError):
+        return False
+    state.dispatch = lib
+    return True
+
+
+def _dispatch_library() -> ctypes.CDLL | None:
+    from importlib.machinery import EXTENSION_SUFFIXES
+
+    here = Path(__file__).parent
+    for suffix in EXTENSION_SUFFIXES:
+        path = here / f"_blas_dispatch{suffix}"
+        if path.is_file():
+            try:
+                return ctypes.CDLL(str(path))  # local until initialised
+            except OSError:
+                return None
+    return None
+
+
+def _wheel_library() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("scipy_openblas32")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    lib = Path(next(iter(spec.submodule_search_locations))) / "lib" / "libscipy_openblas.so"
+    return lib if lib.is_file() else None
+
+
+def _wheel_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return ".".join(version("scipy-openblas32").split(".")[:3])
+    except Exception:  # noqa: BLE001 — only a label
+        return ""
+
+
+def gemv_calls() -> int:
+    """Products the dispatch has sent to sgemv so far (0 without the dispatch)."""
+    return int(state.dispatch.mlxlis_gemv_calls()) if state.dispatch is not None else 0
