@@ -12,8 +12,11 @@ slower than OpenBLAS). Two faster ones can take its place:
   `cblas_sgemm` takes precedence; with the dispatch in front, matrix-vector products go to its
   sgemv (OpenBLAS before 0.3.27 packs the whole weight matrix for them in sgemm).
 
-`MLXLIS_BLAS=auto|wheel|system|bundled` chooses (auto: the order in `AUTO_ORDER`, measured in
-the README's speed section); `MLXLIS_BLAS_GEMV=0` keeps matrix-vector products in sgemm.
+`MLXLIS_BLAS=auto|wheel|system|bundled` chooses; auto takes a system OpenBLAS of at least
+`SYSTEM_PREFERRED` when one is installed, else the wheel (measured on a 2-core x86 machine,
+`scripts/blas_table.py`: the system 0.3.21 decoded the catalog models 6-15% faster than the
+wheel's 0.3.34, prefill equal within noise; see the README's speed section).
+`MLXLIS_BLAS_GEMV=0` keeps matrix-vector products in sgemm.
 Without a C compiler the wheel cannot be routed: a system OpenBLAS still can, else MLX runs its
 bundled BLAS, slower, and `describe()` says so.
 """
@@ -35,7 +38,7 @@ SYSTEM_CANDIDATES = (
     "/usr/lib64/libopenblas.so.0",
 )
 CHOICES = ("auto", "wheel", "system", "bundled")
-AUTO_ORDER = ("wheel", "system")  # the wheel's OpenBLAS 0.3.34 was as fast or faster here
+SYSTEM_PREFERRED = (0, 3, 21)  # a system OpenBLAS this recent decoded faster than the wheel
 
 
 @dataclass
@@ -63,14 +66,16 @@ def preload() -> BlasState:
     if choice not in CHOICES:
         choice = "auto"
         state.notice = f"MLXLIS_BLAS must be one of {', '.join(CHOICES)}; using auto"
-    order = AUTO_ORDER if choice == "auto" else (choice,)
     misses: list[str] = []
-    for kind in order:
-        if kind == "bundled":
-            break
-        loaded = _load_wheel(misses) if kind == "wheel" else _load_system(misses)
-        if loaded:
-            return state
+    if choice == "auto":
+        loaded = (_load_system(misses, SYSTEM_PREFERRED) or _load_wheel(misses)
+                  or _load_system(misses))  # fmt: skip
+    elif choice == "bundled":
+        loaded = False
+    else:
+        loaded = _load_wheel(misses) if choice == "wheel" else _load_system(misses)
+    if loaded:
+        return state
     state.name = "bundled reference BLAS"
     if choice != "bundled":
         state.notice = "; ".join(misses) + " — CPU matmuls run on MLX's slow bundled BLAS"
@@ -103,13 +108,17 @@ def _load_wheel(misses: list[str]) -> bool:
     return True
 
 
-def _load_system(misses: list[str]) -> bool:
+def _load_system(misses: list[str], at_least: tuple[int, ...] = ()) -> bool:
     found = ctypes.util.find_library("openblas")
     for name in ((found,) if found else ()) + SYSTEM_CANDIDATES:
         try:
             blas = ctypes.CDLL(name)  # local first: the dispatch must come before it globally
         except OSError:
             continue
+        version = _openblas_version(blas)
+        if version < at_least:
+            misses.append(f"system OpenBLAS {_dotted(version)} is older than preferred")
+            return False
         routed = False
         dispatch = _dispatch_library()
         if dispatch is not None and os.environ.get("MLXLIS_BLAS_GEMV", "1") != "0":
@@ -118,10 +127,27 @@ def _load_system(misses: list[str]) -> bool:
             except AttributeError:
                 routed = False
         ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)  # promotes the loaded library to global
-        state.name = f"system OpenBLAS ({name})" + (" + gemv dispatch" if routed else "")
+        state.name = f"system OpenBLAS {_dotted(version)} ({name})" + (
+            " + gemv dispatch" if routed else ""
+        )
         return True
-    misses.append("no system OpenBLAS")
+    if "no system OpenBLAS" not in misses:
+        misses.append("no system OpenBLAS")
     return False
+
+
+def _openblas_version(lib: ctypes.CDLL) -> tuple[int, ...]:
+    """(0, 3, 21) from openblas_get_config() ("OpenBLAS 0.3.21 DYNAMIC_ARCH ..."), else ()."""
+    try:
+        lib.openblas_get_config.restype = ctypes.c_char_p
+        words = lib.openblas_get_config().decode("ascii", "replace").split()
+        return tuple(int(p) for p in words[1].split(".")[:3])
+    except (AttributeError, IndexError, ValueError, OSError):
+        return ()
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version)) or "(version unknown)"
 
 
 def _init_dispatch(lib: ctypes.CDLL, sgemm, sgemv) -> bool:

@@ -163,8 +163,12 @@ def load_model(a: argparse.Namespace):
 
 
 def print_details(model) -> None:
+    from .blas import state as blas
+
     for k, v in model.describe().items():
         say(f"{k:>9}: {v}")
+    if blas.notice:
+        say(f"   notice: {blas.notice}")
 
 
 def run_one_shot(a: argparse.Namespace, params) -> int:
@@ -199,9 +203,14 @@ def run_one_shot(a: argparse.Namespace, params) -> int:
 
 
 def run_inspect(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mlxlis inspect", description="Load a model and describe it.")
+    p = argparse.ArgumentParser(
+        prog="mlxlis inspect",
+        description="Load a model and describe it on stdout (--json: the stable shape "
+        "documented in mlxlis/report.py).",
+    )
     add_model_args(p)
     p.add_argument("model_pos", nargs="?", help="model (same as -m)")
+    p.add_argument("--json", action="store_true", help="one JSON object for scripts")
     a = p.parse_args(argv)
     if a.model_pos:
         a.model = a.model_pos
@@ -209,15 +218,12 @@ def run_inspect(argv: list[str]) -> int:
 
 
 def _inspect(a: argparse.Namespace) -> int:
-    model = load_model(a)
-    print_details(model)
-    c = model.config
-    say(
-        f"   layers: {c.num_hidden_layers}, hidden {c.hidden_size}, heads {c.num_attention_heads}"
-        f"/{c.num_key_value_heads} kv, head_dim {c.head_dim}, vocab {c.vocab_size}, "
-        f"context {c.max_position_embeddings}"
-    )
-    say(f"     rope: {c.rope}")
+    import json
+
+    from .report import format_report, model_report
+
+    report = model_report(load_model(a))
+    print(json.dumps(report, indent=2) if a.json else format_report(report), flush=True)
     return 0
 
 

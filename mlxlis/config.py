@@ -81,7 +81,7 @@ class ModelConfig:
         return replace(self, **changes)
 
 
-def _req(cfg: dict, key: str, path: str, typ: type = int, limit: int | None = None) -> Any:
+def _req(cfg: dict, key: str, path: str, typ: type = int) -> Any:
     if key not in cfg or cfg[key] is None:
         raise ConfigError("required field missing", path=path, field=key)
     value = cfg[key]
@@ -91,8 +91,6 @@ def _req(cfg: dict, key: str, path: str, typ: type = int, limit: int | None = No
         raise ConfigError(f"expected a number, got {value!r}", path=path, field=key)
     if typ in (int, float) and not value > 0:  # NaN fails too
         raise ConfigError(f"must be positive, got {value!r}", path=path, field=key)
-    if limit is not None and value > limit:
-        raise ConfigError(f"{value!r} exceeds the limit of {limit}", path=path, field=key)
     return value
 
 
@@ -208,32 +206,30 @@ def config_from_hf(
 
 
 def _common(cfg: dict, family: str, path: str) -> ModelConfig:
-    hidden = _req(cfg, "hidden_size", path, limit=limits.CONFIG_MAX_DIM)
-    heads = _req(cfg, "num_attention_heads", path, limit=limits.CONFIG_MAX_DIM)
+    hidden = _req(cfg, "hidden_size", path)
+    heads = _req(cfg, "num_attention_heads", path)
     kv_heads = cfg.get("num_key_value_heads") or heads
-    if (
-        not isinstance(kv_heads, int)
-        or isinstance(kv_heads, bool)
-        or not 0 < kv_heads <= heads
-        or heads % kv_heads
-    ):
+    max_pos = cfg.get("max_position_embeddings") or 4096
+    if isinstance(max_pos, float) and max_pos.is_integer():
+        max_pos = int(max_pos)
+    sizes = {  # the bounds GGUF metadata gets too (limits.check_sizes)
+        "hidden_size": ("hidden_size", hidden),
+        "num_attention_heads": ("num_attention_heads", heads),
+        "num_key_value_heads": ("num_key_value_heads", kv_heads),
+        "intermediate_size": ("intermediate_size", _req(cfg, "intermediate_size", path)),
+        "num_hidden_layers": ("num_hidden_layers", _req(cfg, "num_hidden_layers", path)),
+        "vocab_size": ("vocab_size", _req(cfg, "vocab_size", path)),
+        "max_position_embeddings": ("max_position_embeddings", max_pos),
+    }
+    limits.check_sizes(sizes, path)
+    if not kv_heads <= heads or heads % kv_heads:
         raise ConfigError(
             f"num_key_value_heads {kv_heads!r} must divide {heads}",
             path=path,
             field="num_key_value_heads",
         )
     head_dim = cfg.get("head_dim") or hidden // heads
-    if (
-        not isinstance(head_dim, int)
-        or isinstance(head_dim, bool)
-        or not 0 < head_dim <= limits.CONFIG_MAX_DIM
-    ):
-        raise ConfigError(
-            f"head_dim {head_dim!r} must be a positive integer ≤ {limits.CONFIG_MAX_DIM}",
-            path=path,
-            field="head_dim",
-        )
-    layers = _req(cfg, "num_hidden_layers", path, limit=limits.CONFIG_MAX_LAYERS)
+    limits.check_sizes({"head_dim": ("head_dim", head_dim)}, path)
     rope_params = cfg.get("rope_parameters")
     if isinstance(rope_params, dict) and "full_attention" in rope_params:
         rope_params = rope_params["full_attention"]  # per layer type (Gemma 3): global layers
@@ -246,27 +242,21 @@ def _common(cfg: dict, family: str, path: str) -> ModelConfig:
     if not _number(eps) or eps < 0:
         raise ConfigError(f"expected a small positive number, got {eps!r}"[:200], path=path,
                           field="rms_norm_eps")  # fmt: skip
-    max_pos = cfg.get("max_position_embeddings") or 4096
-    if isinstance(max_pos, float) and max_pos.is_integer():
-        max_pos = int(max_pos)
-    if not isinstance(max_pos, int) or isinstance(max_pos, bool) or not 0 < max_pos < 2**31:
-        raise ConfigError(f"expected a positive integer, got {max_pos!r}"[:200], path=path,
-                          field="max_position_embeddings")  # fmt: skip
     act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
     if not isinstance(act, str):
         raise ConfigError(f"expected a string, got {act!r}"[:200], path=path, field="hidden_act")
     return ModelConfig(
         family=family,
-        vocab_size=_req(cfg, "vocab_size", path, limit=limits.CONFIG_MAX_VOCAB),
+        vocab_size=sizes["vocab_size"][1],
         hidden_size=hidden,
-        intermediate_size=_req(cfg, "intermediate_size", path, limit=limits.CONFIG_MAX_DIM),
-        num_hidden_layers=layers,
+        intermediate_size=sizes["intermediate_size"][1],
+        num_hidden_layers=sizes["num_hidden_layers"][1],
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(eps),
         rope=rope,
-        max_position_embeddings=max_pos,
+        max_position_embeddings=int(max_pos),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.startswith("gemma"))),
         attention_bias=bool(cfg.get("attention_bias", False)),
         o_bias=bool(cfg.get("attention_bias", False)),

@@ -207,11 +207,15 @@ def convert(
 ) -> Path:
     """Convert `source` (GGUF file, folder or catalog name) into the folder `output`."""
     from . import load
+    from .loading import resolve
 
     output = Path(output).expanduser().resolve()
     if output.exists() and not force:
         raise MlxlisError("destination exists (use --force to replace it)", path=output)
-    model = load(source, dtype, dequantize=dequantize, input_major=False)  # HF layout out
+    path = resolve(source)
+    is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
+    # GGUF blocks stay quantized unless asked; a folder's weights are written as stored
+    model = load(path, dtype, dequantize=dequantize if is_gguf or dequantize else None)
     if getattr(model.net, "_rope_freq_factors", None) is not None:
         raise UnsupportedError(
             "rope_freqs (Llama 3 scaling baked into the GGUF) cannot be "
@@ -256,7 +260,7 @@ def _verify(model, folder: Path) -> None:
     from . import load
 
     ids = model.tokenizer.encode("Verification: the quick brown fox.")[:16] or [0]
-    again = load(folder, model.dtype, input_major=False)
+    again = load(folder, model.dtype)
     a, b = model.logits(ids), again.logits(ids)
     if not bool(mx.array_equal(a, b)):
         delta = float(mx.abs(a - b).max())

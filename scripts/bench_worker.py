@@ -17,13 +17,15 @@ import sys
 import time
 
 if sys.argv[1:2] != ["mlxlis"]:
-    # peers get the same system OpenBLAS (faster than MLX's bundled BLAS), not mlxlis's own
-    # matrix-vector dispatch (mlxlis/_blas_dispatch.c) nor its allocator setting, which are
+    # peers get the same OpenBLAS sgemm (far faster than MLX's bundled BLAS), not mlxlis's own
+    # matrix-vector routing (mlxlis/_blas_dispatch.c) nor its allocator setting, which are
     # part of what is measured
     os.environ["MLXLIS_BLAS_GEMV"] = "0"
-    os.environ["MLXLIS_MALLOC_TUNE"] = "0"
 
-import mlxlis  # noqa: E402  (preloads the system BLAS before mlx.core)
+import mlxlis  # noqa: E402  (chooses the BLAS before mlx.core loads)
+
+if sys.argv[1:2] == ["mlxlis"]:
+    mlxlis.device.setup_process()  # as the mlxlis commands do
 
 
 def rss_peak() -> int:

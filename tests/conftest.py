@@ -8,7 +8,11 @@ a small byte-level BPE tokenizer trained here with `tokenizers`.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -159,3 +163,46 @@ def trajectory(n: int = 72, seed: int = 1, vocab: int = 400) -> list[int]:
 
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+# -- real catalog models, each reference built once per session -----------------------------
+# Several test modules compare against the same references; building each once keeps the suite
+# fast without dropping a comparison.
+
+_SHARED = Path(tempfile.mkdtemp(prefix="mlxlis-test-shared-"))
+atexit.register(shutil.rmtree, _SHARED, ignore_errors=True)
+
+
+def need_pulled(name: str) -> Path:
+    from mlxlis import catalog
+
+    if not catalog.is_pulled(name):
+        pytest.skip(f"{name} not pulled (make models)")
+    return catalog.model_path(name)
+
+
+@functools.cache
+def hf_gguf_tokenizer_dir(name: str) -> Path:
+    """transformers' own GGUF-built tokenizer for a catalog model, saved with save_pretrained
+    (its GGUF conversion takes 4-19 s; loading the saved folder, well under a second)."""
+    from transformers import AutoTokenizer
+
+    path = need_pulled(name)
+    out = _SHARED / f"hf-tokenizer-{name}"
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(out)
+    return out
+
+
+@functools.cache
+def gguf_py_reader(name: str):
+    """gguf-py's GGUFReader on a catalog model (an independent reader: 3-12 s on these files)."""
+    from gguf import GGUFReader
+
+    return GGUFReader(need_pulled(name))
+
+
+@functools.cache
+def real_quantized(name: str):
+    """mlxlis.load(name, float32, quantized blocks kept): the form the parity tests check."""
+    need_pulled(name)
+    return mlxlis.load(name, "float32", dequantize=False)

@@ -7,11 +7,11 @@ gguf-py's GGUFReader (slow: ~10 s a file), kept in pytest's cache between runs.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
 
-from mlxlis import catalog
 from mlxlis.chat_template import (
     BUILTIN_TEMPLATES,
     ChatTemplate,
@@ -23,6 +23,7 @@ from mlxlis.chat_template import (
 from mlxlis.errors import TemplateError
 
 import pytest
+from conftest import gguf_py_reader
 
 # Tokens the reference tokenizer carries for each template: (bos, eos).
 SPECIALS = {
@@ -67,18 +68,11 @@ def assert_parity(template: ChatTemplate, specials: tuple[str, str]) -> None:
             assert ours == ref, (template.source, name, agp)
 
 
-def gguf_facts(name: str, cache: pytest.Cache | None) -> dict:
-    """A real model's GGUF metadata via GGUFReader (without scores/types/merges), plus its
-    control/user-defined tokens as {token: id}; skips when the model is not pulled."""
-    if not catalog.is_pulled(name):
-        pytest.skip(f"{name} not pulled (make models)")
-    path = catalog.model_path(name)
-    key = f"mlxlis/gguf_facts/{name}/{path.stat().st_size}/{path.stat().st_mtime_ns}"
-    if cache is not None and (hit := cache.get(key, None)) is not None:
-        return hit
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
+@functools.cache
+def gguf_facts(name: str) -> dict:
+    """A real model's GGUF metadata via gguf-py's GGUFReader (without scores/types/merges),
+    plus its control/user-defined tokens as {token: id}; skips when the model is not pulled."""
+    reader = gguf_py_reader(name)
     meta: dict = {}
     for k, f in reader.fields.items():
         if not k.startswith("GGUF.") and k.rsplit(".", 1)[-1] not in (
@@ -91,15 +85,12 @@ def gguf_facts(name: str, cache: pytest.Cache | None) -> dict:
     kinds = [int(types.parts[i][0]) for i in types.data]
     tokens = meta["tokenizer.ggml.tokens"]
     special = {t: i for i, (t, k) in enumerate(zip(tokens, kinds, strict=True)) if k in (3, 4)}
-    facts = {"meta": meta, "special": special}
-    if cache is not None:
-        cache.set(key, facts)
-    return facts
+    return {"meta": meta, "special": special}
 
 
 @pytest.fixture
-def facts(request: pytest.FixtureRequest):
-    return lambda name: gguf_facts(name, getattr(request.config, "cache", None))
+def facts():
+    return gguf_facts
 
 
 # ---------------------------------------------------------------- parity with transformers

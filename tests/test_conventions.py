@@ -338,7 +338,7 @@ def test_default_is_dense_matmuls_on_cpu_quantized_elsewhere(tiny_llamas, tmp_pa
     matmul is ~15x slower at prompt processing) but an untied embedding, a row lookup, stays
     quantized; tied, it is the head and goes dense. Quantized when the dense weights would not
     fit comfortably, and on Metal / CUDA. False and True force either way. (Loaded in the HF
-    layout: the CPU's input-major swap of dense modules is tested in test_layout.py.)"""
+    layout.)"""
     monkeypatch.setattr(mlxlis.device, "device_name", lambda: "cpu")
     for tied in (False, True):
         folder, ref = tiny_llamas[tied]

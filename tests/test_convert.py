@@ -19,7 +19,7 @@ from mlxlis.errors import MlxlisError
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import CTRL_C_CHILD
+from conftest import CTRL_C_CHILD, real_quantized
 
 PROMPT = "The capital of France is"
 
@@ -39,7 +39,7 @@ def converted(tmp_path_factory):
             from mlxlis.convert import convert
 
             out = convert(name, tmp_path_factory.mktemp("conv") / name, dtype="float32")
-            made[name] = (out, mlxlis.load(name, "float32", dequantize=False))
+            made[name] = (out, real_quantized(name))  # shared with test_gguf_models
         return made[name]
 
     return get

@@ -6,8 +6,8 @@ tokenizer's ids vs transformers' GGUF tokenizer; dense (dequantize=True) vs quan
 (self-consistency: the same weights, so equal up to fp32 summation order); the tied head of
 SmolLM2 / Gemma 3 is one array, Qwen2.5's file has its own output.weight; Gemma 3's vocabulary
 size comes from token_embd's shape. transformers is slow to load GGUF (13 s SmolLM2, ~50 s
-Qwen, ~75 s Gemma 3 with its tokenizer), so each reference is built once per module and only
-its logits are kept.
+Qwen, ~75 s Gemma 3 with its tokenizer), so each reference is built once per session (the
+tokenizer in conftest, shared with test_tokenizer) and only its logits are kept.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
+from conftest import hf_gguf_tokenizer_dir, real_quantized
 from mlx.utils import tree_flatten
 
 pytestmark = pytest.mark.real
@@ -61,7 +62,7 @@ def real(request) -> Real:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = catalog.model_path(name)
-    model = mlxlis.load(name, "float32", dequantize=False)
+    model = real_quantized(name)
     ids = model.tokenizer.encode(PROMPT)
     ours = np.array(model.logits(ids))
     ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
@@ -70,7 +71,7 @@ def real(request) -> Real:
         theirs = ref(torch.tensor([ids])).logits[0].float().numpy()
     del ref
     gc.collect()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = AutoTokenizer.from_pretrained(hf_gguf_tokenizer_dir(name))  # built from the GGUF
     their_tokens = tok(SAMPLE, add_special_tokens=False)["input_ids"]
     del tok
     gc.collect()

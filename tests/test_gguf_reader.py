@@ -24,6 +24,7 @@ from mlxlis.loading.gguf import GGML_TYPES, read_gguf
 
 import numpy as np
 import pytest
+from conftest import gguf_py_reader
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
 
 REAL = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
@@ -143,10 +144,8 @@ def test_real_model_matches_gguf_reader(name: str):
     value, every tensor's name/type/shape/offset/size and its bytes."""
     if not catalog.is_pulled(name):
         pytest.skip(f"{name} not pulled (make models)")
-    from gguf import GGUFReader
-
     path = catalog.model_path(name)
-    ref = GGUFReader(path)
+    ref = gguf_py_reader(name)  # gguf-py's GGUFReader, shared with test_chat_template
     with read_gguf(path) as f:
         fields = {k: v for k, v in ref.fields.items() if not k.startswith("GGUF.")}
         assert list(f.metadata) == list(fields)

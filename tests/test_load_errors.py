@@ -203,3 +203,49 @@ def test_cli_one_shot_prints_continuation(tiny):
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() != ""
     assert "tok/s" in res.stderr and "family: llama" in res.stderr
+
+
+# the same sizes, as config.json and as GGUF metadata spell them: one bound for both formats
+SIZES = [  # (config.json key, GGUF key, a value past the bound or not positive)
+    ("num_hidden_layers", "llama.block_count", 20_000),
+    ("num_hidden_layers", "llama.block_count", 3_000_000),
+    ("hidden_size", "llama.embedding_length", 1 << 21),
+    ("intermediate_size", "llama.feed_forward_length", 1 << 30),
+    ("num_attention_heads", "llama.attention.head_count", 0),
+    ("max_position_embeddings", "llama.context_length", 1 << 40),
+]
+
+
+def sized_gguf(path: Path, override: dict[str, int]) -> Path:
+    """A small llama GGUF (written by gguf-py) whose metadata sizes are `override`n."""
+    from gguf import GGUFValueType, GGUFWriter
+
+    meta = {"llama.block_count": 2, "llama.embedding_length": 8, "llama.feed_forward_length": 16,
+            "llama.attention.head_count": 2, "llama.context_length": 64, **override}
+    w = GGUFWriter(str(path), "llama")
+    for key, value in meta.items():
+        kind = GGUFValueType.UINT64 if value >= 2**32 else GGUFValueType.UINT32
+        w.add_key_value(key, value, kind)
+    w.add_tensor("token_embd.weight", np.zeros((10, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize(("hf_key", "gguf_key", "value"), SIZES)
+def test_sizes_bounded_alike_in_config_json_and_gguf(ckpt, tmp_path, hf_key, gguf_key, value):
+    """Every size a model file states is checked against limits.SIZE_BOUNDS before anything is
+    built from it, for both formats: a GGUF with block_count 3 000 000 used to run for minutes
+    building layers. The error names the file and the key as that file spells it."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg[hf_key] = value
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(errors.ConfigError, match=hf_key) as info:
+        mlxlis.load(ckpt, "float32")
+    assert "config.json" in str(info.value)
+    path = sized_gguf(tmp_path / "sized.gguf", {gguf_key: value})
+    with pytest.raises(errors.ConfigError, match=gguf_key.replace(".", r"\.")) as info:
+        mlxlis.load(path, "float32")
+    assert str(path) in str(info.value)

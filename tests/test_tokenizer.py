@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
-import tempfile
 import time
 import unicodedata
 from pathlib import Path
@@ -25,6 +23,7 @@ from mlxlis.tokenizer import Tokenizer, spm_proto
 
 import numpy as np
 import pytest
+from conftest import hf_gguf_tokenizer_dir
 
 REAL = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
 
@@ -86,24 +85,6 @@ def gguf_metadata(path: Path) -> dict:
     return md
 
 
-def reference_dir(name: str, cache_root: Path) -> Path:
-    """transformers' GGUF-built tokenizer for `name`, saved with save_pretrained (cached)."""
-    import transformers
-
-    path = catalog.model_path(name)
-    st = path.stat()
-    out = cache_root / f"{name}-{st.st_size}-{int(st.st_mtime)}-tf{transformers.__version__}"
-    if not (out / "tokenizer.json").is_file():
-        tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        tmp = Path(tempfile.mkdtemp(dir=cache_root))
-        tok.save_pretrained(tmp)
-        try:
-            tmp.rename(out)
-        except OSError:  # another run got there first
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
 def ref_ids(ref, text: str, special: bool, add_special: bool = False) -> list[int]:
     return ref(text, add_special_tokens=add_special, split_special_tokens=not special)["input_ids"]
 
@@ -130,21 +111,19 @@ def stream(tok: Tokenizer, ids: list[int], **kw) -> list[str]:
 
 
 @pytest.fixture(scope="module", params=REAL)
-def real(request, tmp_path_factory):
+def real(request):
     name = request.param
     if not catalog.is_pulled(name):
         pytest.skip(f"{name} is not pulled (make models)")
     from transformers import AutoTokenizer
 
-    cache = getattr(request.config, "cache", None)
-    root = cache.mkdir("mlxlis-tokenizer-ref") if cache else tmp_path_factory.mktemp("ref")
     path = catalog.model_path(name)
     t0 = time.perf_counter()
     md = gguf_metadata(path)
     t1 = time.perf_counter()
     ours = Tokenizer.from_gguf(md, path)
     t2 = time.perf_counter()
-    ref_folder = reference_dir(name, Path(root))
+    ref_folder = hf_gguf_tokenizer_dir(name)  # transformers' GGUF-built tokenizer, saved
     ref = AutoTokenizer.from_pretrained(ref_folder)
     return SimpleNamespace(name=name, md=md, ours=ours, ref=ref, folder=ref_folder,
                            read_s=t1 - t0, build_s=t2 - t1)  # fmt: skip

@@ -8,6 +8,7 @@ import mlx.nn as nn
 
 from ..config import ModelConfig, RopeConfig, parse_rope
 from ..errors import ConfigError, UnsupportedError
+from ..loading.limits import check_sizes
 from . import gemma, llama
 from .activations import GATED
 
@@ -70,6 +71,8 @@ def _gemma_config(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
             raise ConfigError(f"bad pattern {pattern!r}", path=path, field="sliding_window_pattern")
         layer_types = tuple(LAYER_TYPES[(i + 1) % pattern != 0] for i in range(n))
     window = _positive(cfg, "sliding_window", dflt["sliding_window"], path)
+    if window is not None:
+        check_sizes({"sliding_window": ("sliding_window", window)}, path)
     if "sliding_attention" in layer_types and window is None:
         raise ConfigError("sliding-window layers need a sliding_window", path=path,
                           field="sliding_window")

@@ -15,7 +15,7 @@ import mlx.core as mx
 from .. import catalog
 from ..config import config_from_hf, read_json
 from ..device import resolve_dtype
-from ..errors import BindingError, ModelNotFoundError, UnsupportedFormatError
+from ..errors import BindingError, ModelNotFoundError, UnsupportedError, UnsupportedFormatError
 from ..families import build_model
 from .binding import bind
 from .manifest import as_manifest, plan_bindings
@@ -64,12 +64,8 @@ def load(
     chat_template: str | None = None,
     bindings: str | Path | dict | None = None,
     strict: bool = True,
-    input_major: bool = False,
 ):
     """Load a model folder, GGUF file or catalog name. dtype None = the device default.
-
-    `input_major`: store dense matmul weights input-major after loading (mlxlis.layout; an
-    opt-in: measured no faster end to end on this CPU). Default: the Hugging Face layout.
 
     `dequantize` (GGUF): True = every weight dense, False = quantized blocks kept as MLX
     quantized arrays, None = per device (dense matmul weights on CPU when they fit comfortably,
@@ -94,28 +90,18 @@ def load(
             raise BindingError(
                 "binding manifests apply to safetensors folders, not GGUF files", path=path
             )
-        model = load_gguf(path, dt, dequantize=dequantize, chat_template=chat_template)
-        return _layout(model, input_major)
+        return load_gguf(path, dt, dequantize=dequantize, chat_template=chat_template)
     if path.is_file():
         raise UnsupportedFormatError("expected a model folder or a .gguf file", path=path)
-    model = load_folder(
-        path,
-        dt,
-        chat_template=chat_template,
-        dequantize=dequantize,
-        model_cls=Model,
-        bindings=manifest,
-        strict=strict,
+    if dequantize is not None:
+        raise UnsupportedError(
+            "--dequantize / --quantized apply to GGUF files; a folder's weights load as stored",
+            path=path,
+            field="dequantize",
+        )
+    return load_folder(
+        path, dt, chat_template=chat_template, model_cls=Model, bindings=manifest, strict=strict
     )
-    return _layout(model, input_major)
-
-
-def _layout(model, input_major: bool):
-    from ..layout import to_input_major
-
-    if input_major:
-        to_input_major(model.net)
-    return model
 
 
 def load_folder(
@@ -123,7 +109,6 @@ def load_folder(
     dtype: mx.Dtype,
     *,
     chat_template: str | None,
-    dequantize: bool,
     model_cls,
     bindings=None,
     strict: bool = True,

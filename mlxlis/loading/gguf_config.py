@@ -8,6 +8,7 @@ import numpy as np
 
 from ..config import ModelConfig, RopeConfig
 from ..errors import ConfigError, UnsupportedError
+from .limits import check_sizes
 
 ARCHS = {
     "llama": "llama",
@@ -57,19 +58,34 @@ def config_from_gguf(
         )
     family = ARCHS[arch]
     m = _Meta(md, arch, path)
+    if "token_embd.weight" not in tensor_shapes:
+        raise ConfigError("tensor token_embd.weight missing", path=path, field="token_embd.weight")
+
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
     hidden = m.get("embedding_length")
     heads = m.get("attention.head_count")
     kv_heads = m.get("attention.head_count_kv", heads)
-    if kv_heads <= 0 or heads % kv_heads:
+    sizes = {  # every size, bounded before anything is computed or built from it
+        "hidden_size": (key("embedding_length"), hidden),
+        "num_attention_heads": (key("attention.head_count"), heads),
+        "num_key_value_heads": (key("attention.head_count_kv"), kv_heads),
+        "intermediate_size": (key("feed_forward_length"), m.get("feed_forward_length")),
+        "num_hidden_layers": (key("block_count"), m.get("block_count")),
+        "max_position_embeddings": (key("context_length"), m.get("context_length", 4096)),
+        # Gemma 3 trims embedding rows: the tensor is the truth
+        "vocab_size": ("token_embd.weight", tensor_shapes["token_embd.weight"][0]),
+    }
+    check_sizes(sizes, path)
+    if heads % kv_heads:
         raise ConfigError(
             f"head_count_kv {kv_heads} must divide head_count {heads}",
             path=path,
-            field=f"{arch}.attention.head_count_kv",
+            field=key("attention.head_count_kv"),
         )
     head_dim = m.get("attention.key_length", hidden // heads)
-    if "token_embd.weight" not in tensor_shapes:
-        raise ConfigError("tensor token_embd.weight missing", path=path, field="token_embd.weight")
-    vocab = tensor_shapes["token_embd.weight"][0]  # Gemma 3 trims rows: the tensor is the truth
+    check_sizes({"head_dim": (key("attention.key_length"), head_dim)}, path)
     theta = m.get("rope.freq_base", 10000.0, float)
     rope = RopeConfig(theta=theta)
     scaling = md.get(f"{arch}.rope.scaling.type", "none")
@@ -86,16 +102,16 @@ def config_from_gguf(
     bos = md.get("tokenizer.ggml.bos_token_id")
     cfg = ModelConfig(
         family=family,
-        vocab_size=vocab,
+        vocab_size=sizes["vocab_size"][1],
         hidden_size=hidden,
-        intermediate_size=m.get("feed_forward_length"),
-        num_hidden_layers=m.get("block_count"),
+        intermediate_size=sizes["intermediate_size"][1],
+        num_hidden_layers=sizes["num_hidden_layers"][1],
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=m.get("attention.layer_norm_rms_epsilon", 1e-6, float),
         rope=rope,
-        max_position_embeddings=m.get("context_length", 4096),
+        max_position_embeddings=sizes["max_position_embeddings"][1],
         tie_word_embeddings="output.weight" not in tensor_shapes,  # llama.cpp omits it when tied
         attention_bias="blk.0.attn_q.bias" in tensor_shapes,
         o_bias="blk.0.attn_output.bias" in tensor_shapes,
@@ -113,8 +129,11 @@ def _gemma(cfg: ModelConfig, m: _Meta, arch: str) -> ModelConfig:
     changes: dict[str, Any] = {"hidden_act": "gelu_pytorch_tanh"}
     # llama.cpp: the 27B models scale by hidden/heads (below), every other size by head_dim
     changes["query_pre_attn_scalar"] = float(cfg.head_dim)
+    if arch in ("gemma2", "gemma3"):
+        default = 4096 if arch == "gemma2" else 512
+        window = m.get("attention.sliding_window", default)
+        check_sizes({"sliding_window": (f"{arch}.attention.sliding_window", window)}, m.path)
     if arch == "gemma2":
-        window = m.get("attention.sliding_window", 4096)
         changes.update(
             sliding_window=window,
             layer_types=tuple(
@@ -124,7 +143,6 @@ def _gemma(cfg: ModelConfig, m: _Meta, arch: str) -> ModelConfig:
             final_logit_softcapping=m.get("final_logit_softcapping", 30.0, float),
         )
     elif arch == "gemma3":
-        window = m.get("attention.sliding_window", 512)
         # llama.cpp's Gemma 3: 5 sliding layers then 1 global, local RoPE base 10 000
         changes.update(
             sliding_window=window,

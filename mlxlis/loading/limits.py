@@ -32,6 +32,8 @@ a MemoryError or a hang.
 | CONFIG_MAX_DIM             | 2**20       | hidden/intermediate sizes,   | real ≤ 53248          |
 |                            |             | heads, head_dim              |                       |
 | CONFIG_MAX_VOCAB           | 2**22       | vocab_size                   | real ≤ 262144         |
+| CONFIG_MAX_CONTEXT         | 2**26       | context length, sliding      | real ≤ 10**7          |
+|                            |             | window                       |                       |
 | CHAT_TEMPLATE_MAX_CHARS    | 2**20       | a chat template's text (its  | real ≤ 50 KB          |
 |                            |             | file: 4 bytes a character)   |                       |
 | MANIFEST_MAX_BYTES         | 2**23       | a binding manifest file      | flat JSON, 10k params |
@@ -42,6 +44,9 @@ a MemoryError or a hang.
 | MANIFEST_MAX_BINDINGS      | 2**20       | bindings after `{i}`         | ≤ parameters of the   |
 |                            |             | expansion                    | model                 |
 | MANIFEST_MAX_SOURCES       | 64          | named sources                | real: 1–3             |
+
+The CONFIG_* bounds apply to config.json and GGUF metadata alike, through `check_sizes`, which
+both config readers call before anything is built from the sizes.
 
 Timing: every check above is made before the data it bounds is allocated or parsed, so the work
 a hostile file causes is linear in the bytes actually read, which are themselves bounded here.
@@ -73,6 +78,7 @@ TOKENIZER_JSON_MAX_BYTES = 1 << 28
 CONFIG_MAX_LAYERS = 1024
 CONFIG_MAX_DIM = 1 << 20
 CONFIG_MAX_VOCAB = 1 << 22
+CONFIG_MAX_CONTEXT = 1 << 26
 CHAT_TEMPLATE_MAX_CHARS = 1 << 20
 MANIFEST_MAX_BYTES = 1 << 23
 MANIFEST_MAX_DEPTH = 16
@@ -80,3 +86,31 @@ MANIFEST_MAX_NODES = 1 << 20
 MANIFEST_MAX_STRING = 4096
 MANIFEST_MAX_BINDINGS = 1 << 20
 MANIFEST_MAX_SOURCES = 64
+
+# ModelConfig field -> its bound, for every size a model file states
+SIZE_BOUNDS = {
+    "num_hidden_layers": CONFIG_MAX_LAYERS,
+    "hidden_size": CONFIG_MAX_DIM,
+    "intermediate_size": CONFIG_MAX_DIM,
+    "num_attention_heads": CONFIG_MAX_DIM,
+    "num_key_value_heads": CONFIG_MAX_DIM,
+    "head_dim": CONFIG_MAX_DIM,
+    "vocab_size": CONFIG_MAX_VOCAB,
+    "max_position_embeddings": CONFIG_MAX_CONTEXT,
+    "sliding_window": CONFIG_MAX_CONTEXT,
+}
+
+
+def check_sizes(sizes: dict[str, tuple[str, object]], path: str) -> None:
+    """Each `field: (key in the file, value)` must be an integer in 1..its bound; else a
+    ConfigError naming the file and the key as the file spells it."""
+    from ..errors import ConfigError
+
+    for name, (key, value) in sizes.items():
+        bound = SIZE_BOUNDS[name]
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= bound:
+            raise ConfigError(
+                f"must be an integer from 1 to {bound}, got {value!r}"[:200], path=path, field=key
+            )

@@ -1,0 +1,92 @@
+"""`mlxlis inspect`: what a loaded model is, as text for people and JSON for scripts.
+
+The JSON shape (`schema` 1) is stable: keys are only ever added, never renamed or removed.
+
+    {"schema": 1,
+     "model": "SmolLM2-135M-Instruct.Q4_1.gguf", "path": "/…/SmolLM2-135M-Instruct.Q4_1.gguf",
+     "format": "gguf", "family": "llama",
+     "quant": "F32×61, Q4_1×210, Q8_0×1 (dense)",   # tensor types in the file, and the form used
+     "dtype": "float32", "device": "cpu", "blas": "OpenBLAS 0.3.34 (…)",
+     "template": "gguf:tokenizer.chat_template",    # or null: no chat template
+     "config": {"layers": 30, "hidden_size": 576, "intermediate_size": 1536,
+                "attention_heads": 9, "kv_heads": 3, "head_dim": 64, "vocab_size": 49152,
+                "context_length": 8192, "tie_word_embeddings": true,
+                "rope": {"theta": 100000.0, "type": "default", "factor": 1.0},
+                "sliding_window": null, "layer_types": []},
+     "weights": {"arrays": 272, "bytes": 538000000},  # as held in memory after loading
+     "stop_ids": [2]}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx.utils import tree_flatten
+
+SCHEMA = 1
+
+
+def model_report(model) -> dict[str, Any]:
+    """The inspect report of a loaded Model (see the module docstring for the shape)."""
+    d = model.describe()
+    c = model.config
+    arrays = tree_flatten(model.net.parameters())
+    seen: dict[int, int] = {}
+    for _, a in arrays:
+        seen[id(a)] = a.nbytes  # a tied embedding and head are one array, counted once
+    return {
+        "schema": SCHEMA,
+        "model": d["model"],
+        "path": str(model.path),
+        "format": d["format"],
+        "family": d["family"],
+        "quant": d["quant"],
+        "dtype": d["dtype"],
+        "device": d["device"],
+        "blas": d["blas"],
+        "template": model.template_source,
+        "config": {
+            "layers": c.num_hidden_layers,
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "attention_heads": c.num_attention_heads,
+            "kv_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim,
+            "vocab_size": c.vocab_size,
+            "context_length": c.max_position_embeddings,
+            "tie_word_embeddings": c.tie_word_embeddings,
+            "rope": {"theta": c.rope.theta, "type": c.rope.type, "factor": c.rope.factor},
+            "sliding_window": c.sliding_window,
+            "layer_types": list(c.layer_types),
+        },
+        "weights": {"arrays": len(seen), "bytes": sum(seen.values())},
+        "stop_ids": sorted(model.stop_ids()),
+    }
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """The report as aligned lines of text."""
+    c = r["config"]
+    rope = c["rope"]
+    rope_text = f"θ {rope['theta']:g}" + (
+        f", {rope['type']} ×{rope['factor']:g}" if rope["type"] != "default" else ""
+    )
+    window = f", sliding window {c['sliding_window']}" if c["sliding_window"] else ""
+    rows = [
+        ("model", r["model"]),
+        ("path", r["path"]),
+        ("family", r["family"]),
+        ("format", r["format"]),
+        ("quant", r["quant"]),
+        ("dtype", f"{r['dtype']} on {r['device']}"),
+        ("blas", r["blas"]),
+        ("template", r["template"] or "none (chat needs --chat-template, or use --no-chat)"),
+        ("layers", f"{c['layers']}, hidden {c['hidden_size']}, mlp {c['intermediate_size']}"),
+        ("heads", f"{c['attention_heads']} ({c['kv_heads']} kv), head_dim {c['head_dim']}"),
+        ("vocab", str(c["vocab_size"])),
+        ("context", f"{c['context_length']}{window}"),
+        ("rope", rope_text),
+        ("weights", f"{r['weights']['bytes'] / 2**20:.0f} MiB in {r['weights']['arrays']} arrays"),
+        ("stop ids", ", ".join(map(str, r["stop_ids"]))),
+    ]
+    return "\n".join(f"{k:>9}: {v}" for k, v in rows)
