@@ -13,8 +13,18 @@ from . import errors  # noqa: E402
 from .errors import MlxlisError  # noqa: E402
 from .generate import Event, Stats, generate  # noqa: E402
 from .loading import load  # noqa: E402
+from .sampling import SamplingParams  # noqa: E402
 
-__all__ = ["load", "generate", "Event", "Stats", "MlxlisError", "errors", "ChatSession"]
+__all__ = [
+    "load",
+    "generate",
+    "Event",
+    "Stats",
+    "SamplingParams",
+    "MlxlisError",
+    "errors",
+    "ChatSession",
+]
 __version__ = "0.1.0"
 
 

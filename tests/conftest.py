@@ -12,9 +12,13 @@ import atexit
 import functools
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -181,16 +185,69 @@ def need_pulled(name: str) -> Path:
     return catalog.model_path(name)
 
 
-@functools.cache
+REAL_MODELS = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")
+NEEDS_HF_REFERENCES = ("test_gguf_models.py", "test_tokenizer.py")
+_references: subprocess.Popen | None = None
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Start building transformers' references in the background (tests/hf_references.py)
+    when tests that compare against them were collected; they run meanwhile on the other core."""
+    global _references
+    from mlxlis import catalog
+
+    if not any(Path(str(item.fspath)).name in NEEDS_HF_REFERENCES for item in items):
+        return
+    names = [n for n in REAL_MODELS if catalog.is_pulled(n)]
+    if names:
+        script = Path(__file__).with_name("hf_references.py")
+        log = open(_SHARED / "hf-references.log", "wb")  # noqa: SIM115 — the child's stderr
+        _references = subprocess.Popen([sys.executable, str(script), str(_SHARED), *names],
+                                       stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def pytest_unconfigure(config) -> None:
+    if _references is not None and _references.poll() is None:
+        _references.kill()
+        _references.wait()
+
+
+def _wait_for(path: Path, name: str) -> Path:
+    """A reference file of the background builder, built here if no builder runs."""
+    import hf_references
+
+    if _references is None:
+        hf_references.build(_SHARED, name)
+    failed = _SHARED / f"failed-{name}.json"
+    while not path.exists() and not failed.exists():
+        if _references.poll() is not None:
+            break
+        time.sleep(0.2)
+    if failed.exists():
+        pytest.fail(f"transformers' reference for {name} failed: {failed.read_text()}")
+    if not path.exists():
+        log = (_SHARED / "hf-references.log").read_text(errors="replace")[-2000:]
+        pytest.fail(f"the reference builder ended without {path.name}:\n{log}")
+    return path
+
+
 def hf_gguf_tokenizer_dir(name: str) -> Path:
     """transformers' own GGUF-built tokenizer for a catalog model, saved with save_pretrained
     (its GGUF conversion takes 4-19 s; loading the saved folder, well under a second)."""
-    from transformers import AutoTokenizer
+    import hf_references
 
-    path = need_pulled(name)
-    out = _SHARED / f"hf-tokenizer-{name}"
-    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(out)
-    return out
+    need_pulled(name)
+    return _wait_for(hf_references.tokenizer_dir(_SHARED, name), name)
+
+
+def hf_logits(name: str) -> tuple[list[int], np.ndarray]:
+    """(ids, transformers' float32 logits) for hf_references.PROMPT, ids from mlxlis' GGUF
+    tokenizer."""
+    import hf_references
+
+    need_pulled(name)
+    with np.load(_wait_for(hf_references.logits_file(_SHARED, name), name)) as z:
+        return z["ids"].tolist(), z["logits"]
 
 
 @functools.cache

