@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 RUNTIME := $(VENV)/.installed-runtime
 TESTDEPS := $(VENV)/.installed-test
 
-.PHONY: install install-test test test-fast lint chat bench models fuzz clean
+.PHONY: install install-test test test-fast lint chat bench models fuzz mutants clean
 
 # `make chat` installs only what the app needs; `make test` adds the test extras
 install: $(RUNTIME)
@@ -42,6 +42,10 @@ chat: install
 
 bench: install-test models
 	$(PY) scripts/bench.py
+
+# does the suite notice small wrong changes to the numerics? (before a refactor, after a family)
+mutants: install-test models
+	$(PY) scripts/mutants.py
 
 fuzz: install-test
 	MLXLIS_FUZZ_EXAMPLES=5000 $(PY) -m pytest -q tests -k fuzz

@@ -9,6 +9,7 @@ a small byte-level BPE tokenizer trained here with `tokenizers`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import shutil
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -263,3 +265,24 @@ def real_quantized(name: str):
     """mlxlis.load(name, float32, quantized blocks kept): the form the parity tests check."""
     need_pulled(name)
     return mlxlis.load(name, "float32", dequantize=False)
+
+
+@contextlib.contextmanager
+def memory_bound(limit: int, what: str = "") -> Iterator[None]:
+    """Assert the Python (and numpy) memory allocated inside the block peaks below `limit`
+    bytes: a work bound that, unlike a wall-clock limit, does not depend on the machine or on
+    what else runs on it. A parser that expanded a bomb or read a huge file would cross it."""
+    import tracemalloc
+
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    try:
+        yield
+    finally:
+        peak = tracemalloc.get_traced_memory()[1] - base
+        if not was_tracing:
+            tracemalloc.stop()
+    assert peak < limit, f"{what}: peak {peak / 2**20:.1f} MiB over {limit / 2**20:.1f} MiB"

@@ -1,5 +1,5 @@
 """Fuzzing the untrusted-input parsers: any input gives a result or an MlxlisError, never another
-exception, a hang or a crash, and each example finishes within a time budget.
+exception, a hang or a crash, and each example stays within a memory (work) bound.
 
 Targets: safetensors headers (read_header / load_tensors), GGUF headers and metadata
 (read_gguf), binding manifests (JSON, YAML, and their validation against a tiny model), chat
@@ -19,7 +19,6 @@ import shutil
 import signal
 import struct
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -28,14 +27,18 @@ from mlxlis.errors import MlxlisError
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import memory_bound
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 EXAMPLES = int(os.environ.get("MLXLIS_FUZZ_EXAMPLES", "100"))
 LONG_RUN = "MLXLIS_FUZZ_EXAMPLES" in os.environ
-BUDGET_S = 2.0  # per example
-HANG_S = 20.0  # an example still running after this is reported as a hang
+# Python memory one example may allocate: the inputs are a few KB and the largest peak measured
+# over the derandomised examples was under 2 MiB; a parser that trusted a size field would
+# allocate far more (sizes up to 2**64 are drawn).
+MEMORY_BUDGET = 32 << 20
+HANG_S = 60.0  # a safety net, not a speed check: a runaway example fails instead of hanging
 CORPUS = Path(__file__).parent / "fuzz_corpus"
 
 FUZZ = settings(
@@ -70,17 +73,14 @@ def hang_guard(seconds: float = HANG_S) -> Iterator[None]:
 
 def survives(fn: Callable[[], object], what: str = "") -> object:
     """Run `fn`: a result or an MlxlisError is fine; anything else fails the test, and so does
-    taking longer than BUDGET_S."""
-    start = time.perf_counter()
+    allocating more than MEMORY_BUDGET."""
     result: object = None
-    with hang_guard():
+    with hang_guard(), memory_bound(MEMORY_BUDGET, what):
         try:
             result = fn()
         except MlxlisError as e:
             result = e
             str(e)  # the message itself must build
-    elapsed = time.perf_counter() - start
-    assert elapsed < BUDGET_S, f"{what}: {elapsed:.2f} s > {BUDGET_S} s budget"
     return result
 
 

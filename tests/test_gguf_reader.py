@@ -8,7 +8,6 @@ patched byte by byte at positions located in the written bytes.
 from __future__ import annotations
 
 import struct
-import time
 from pathlib import Path
 
 from mlxlis import catalog
@@ -24,7 +23,7 @@ from mlxlis.loading.gguf import GGML_TYPES, read_gguf
 
 import numpy as np
 import pytest
-from conftest import gguf_py_reader
+from conftest import gguf_py_reader, memory_bound
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
 
 REAL = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
@@ -168,14 +167,17 @@ def test_real_model_matches_gguf_reader(name: str):
 
 
 @pytest.mark.real
-def test_opening_the_262k_vocabulary_is_fast():
-    """Speed guard (gguf-py takes ~7.5 s on this file; we take ~0.1 s uncontended)."""
+def test_opening_the_262k_vocabulary_is_lean():
+    """A work bound for the 262 144-token vocabulary (the time is in `make bench`): reading
+    Gemma 3's metadata allocates 24 MiB of Python objects here (the strings themselves);
+    gguf-py's reader, which makes numpy views per field part, allocates 654 MiB."""
     if not catalog.is_pulled("gemma3-270m"):
         pytest.skip("gemma3-270m not pulled (make models)")
-    t0 = time.perf_counter()
-    with read_gguf(catalog.model_path("gemma3-270m")) as f:
+    path = catalog.model_path("gemma3-270m")
+    with read_gguf(path):
+        pass  # first use imports and sets up what the reader needs, outside the bound
+    with memory_bound(64 << 20, "metadata"), read_gguf(path) as f:
         assert len(f.metadata["tokenizer.ggml.tokens"]) == 262144
-    assert time.perf_counter() - t0 < 2.0
 
 
 # --- malformed files ------------------------------------------------------------------------

@@ -53,7 +53,11 @@ def read_bytes(
                 f"{what} is {st.st_size} bytes, over the limit of {limit} bytes", path=path
             )
         with open(path, "rb") as f:
-            raw = f.read(limit + 1)
+            # read(n) allocates n bytes up front: ask for what stat saw (plus one to notice
+            # growth), and only for a file that grew since, for the rest up to the limit
+            raw = f.read(st.st_size + 1)
+            if len(raw) > st.st_size:
+                raw += f.read(limit + 1 - len(raw))
     except FileNotFoundError:
         raise error("file not found", path=path) from None
     except OSError as e:

@@ -1,0 +1,175 @@
+"""The mutation check: does the test suite notice a small wrong change to the numerics?
+
+usage: python scripts/mutants.py [--only ID ...] [--list]
+
+Each mutant below is one deliberate bug (a snippet of a source file replaced by another). For
+each, the tree is copied to a temporary folder, the mutant applied there, and the named tests
+run on the copy; a mutant is killed when they fail. The same tests first run on an unmutated
+copy and must pass, else a "kill" would prove nothing. Exit status 0 only when every mutant is
+killed. Run it before a refactor and after adding a family (`make mutants`); it is not part of
+`make test`. A mutant whose snippet is no longer in the source is reported as stale (the list
+must follow the code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    file: str  # relative to the repository root
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest paths / node ids expected to kill it
+    what: str
+
+
+MUTANTS = (
+    Mutant("rope-freqs-divide", "mlxlis/families/rope.py",
+           "periods = periods * freq_factors.astype(mx.float32)",
+           "periods = periods / freq_factors.astype(mx.float32)",
+           ("tests/test_gguf_tiny.py",),
+           "GGUF rope_freqs applied by dividing the wavelengths instead of multiplying"),
+    Mutant("gemma2-sliding-flip", "mlxlis/loading/gguf_config.py",
+           '"sliding_attention" if i % 2 == 0 else "full_attention"',
+           '"sliding_attention" if i % 2 == 1 else "full_attention"',
+           ("tests/test_gguf_tiny.py",),
+           "Gemma 2 GGUF: which layers are sliding flipped"),
+    Mutant("gemma3-local-rope", "mlxlis/loading/gguf_config.py",
+           "rope_local=RopeConfig(theta=10000.0)",
+           "rope_local=RopeConfig(theta=1000000.0)",
+           ("tests/test_gguf_tiny.py",),
+           "Gemma 3 GGUF local RoPE base 1e4 -> 1e6"),
+    Mutant("temperature-multiplies", "mlxlis/sampling.py",
+           "logits = logits * inv_t",
+           "logits = logits * params.temperature",
+           ("tests/test_sampling.py",),
+           "sampling temperature multiplies instead of divides"),
+    Mutant("top-p-skipped", "mlxlis/sampling.py",
+           "logits = _top_p(logits, top_p)",
+           "logits = logits",
+           ("tests/test_sampling.py",),
+           "top-p filter skipped in the sampler"),
+    Mutant("chatml-newline", "mlxlis/templates/chatml.jinja",
+           "message['content'] + '<|im_end|>' + '\\n'",
+           "message['content'] + '<|im_end|>' + ' '",
+           ("tests/test_chat_template.py",),
+           "built-in chatml template: a newline replaced by a space"),
+    Mutant("qk-unpermute", "mlxlis/loading/conventions.py",
+           "w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)",
+           "w.reshape(n_heads, 2, rows // n_heads // 2, *rest).swapaxes(1, 2).reshape(w.shape)",
+           ("tests/test_conventions.py",),
+           "Llama Q/K un-permute applies llama.cpp's permute instead of its inverse"),
+    Mutant("gemma-norm-offset", "mlxlis/loading/conventions.py",
+           "return w.astype(mx.float32) - 1.0",
+           "return w.astype(mx.float32)",
+           ("tests/test_gguf_tiny.py",),
+           "Gemma GGUF norm weights keep llama.cpp's +1"),
+    Mutant("window-off-by-one", "mlxlis/cache.py",
+           "keep = keep & (k > q - window)",
+           "keep = keep & (k >= q - window)",
+           ("tests/test_gemma_parity.py",),
+           "sliding window one key too wide"),
+    Mutant("q4k-scale-min-swap", "mlxlis/loading/quant_blocks.py",
+           "np.multiply(d, sc.astype(np.float32), out=s)\n"
+           "    np.multiply(dmin, mn.astype(np.float32), out=m)",
+           "np.multiply(d, mn.astype(np.float32), out=s)\n"
+           "    np.multiply(dmin, sc.astype(np.float32), out=m)",
+           ("tests/test_quants.py",),
+           "Q4_K/Q5_K sub-block scales and mins swapped"),
+    Mutant("rmsnorm-eps", "mlxlis/families/llama.py",
+           "self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)",
+           "self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=1e-2)",
+           ("tests/test_llama_parity.py",),
+           "RMSNorm eps not taken from the config (Llama input norm)"),
+)  # fmt: skip
+
+IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache",
+                                "bench-results", "*.egg-info", "build", "dist")  # fmt: skip
+
+
+def copy_tree(dest: Path) -> Path:
+    shutil.copytree(ROOT, dest, ignore=IGNORE, symlinks=True)
+    return dest
+
+
+def run_tests(tree: Path, tests: tuple[str, ...]) -> tuple[int, str]:
+    """pytest on `tree` (its own mlxlis first on sys.path); returns (exit status, last line)."""
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    res = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
+    lines = (res.stdout + res.stderr).strip().splitlines()
+    return res.returncode, lines[-1] if lines else ""
+
+
+def check_isolation(tree: Path) -> None:
+    """The copy's mlxlis, not the installed one, is what the tests import there."""
+    out = subprocess.run([sys.executable, "-c", "import mlxlis; print(mlxlis.__file__)"],
+                         cwd=tree, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    if not out.startswith(str(tree)):
+        sys.exit(f"mutants: the copy imports mlxlis from {out}, not from {tree}")
+
+
+def apply(tree: Path, m: Mutant) -> bool:
+    path = tree / m.file
+    text = path.read_text()
+    if text.count(m.old) != 1:
+        return False
+    path.write_text(text.replace(m.old, m.new))
+    return True
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", help="mutant ids to run (default: all)")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    a = ap.parse_args()
+    chosen = [m for m in MUTANTS if not a.only or m.id in a.only]
+    if a.list or not chosen:
+        for m in MUTANTS:
+            print(f"{m.id:<24} {m.file:<34} {m.what}")
+        return 0 if a.list else 2
+    rows, ok = [], True
+    with tempfile.TemporaryDirectory(prefix="mlxlis-mutants-") as tmp:
+        base = copy_tree(Path(tmp) / "base")
+        check_isolation(base)
+        for tests in sorted({m.tests for m in chosen}):
+            status, last = run_tests(base, tests)
+            if status != 0:
+                print(f"baseline fails for {' '.join(tests)}: {last}")
+                return 1
+        for m in chosen:
+            tree = Path(tmp) / m.id
+            copy_tree(tree)
+            t0 = time.perf_counter()
+            if not apply(tree, m):
+                result, detail = "STALE", f"snippet not found once in {m.file}"
+                ok = False
+            else:
+                status, detail = run_tests(tree, m.tests)
+                result = "killed" if status == 1 else ("SURVIVED" if status == 0 else "ERROR")
+                ok &= result == "killed"
+            shutil.rmtree(tree, ignore_errors=True)
+            rows.append((m, result, detail, time.perf_counter() - t0))
+            print(f"{m.id:<24} {result:<8} {time.perf_counter() - t0:5.1f} s  {detail}",
+                  flush=True)  # fmt: skip
+    print()
+    print("| mutant | what | tests | result |")
+    print("|---|---|---|---|")
+    for m, result, _, _ in rows:
+        print(f"| {m.id} | {m.what} | {' '.join(m.tests)} | {result} |")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
