@@ -24,6 +24,9 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Parity bounds are measured against float32 references on the CPU; tests that need a GPU
+# (test_device.py) ask for it themselves.
+os.environ.setdefault("MLXLIS_DEVICE", "cpu")
 
 import mlxlis  # noqa: E402,F401  (preloads the BLAS before anything imports mlx.core)
 
@@ -45,6 +48,17 @@ TINY = {
         rope_theta=100000.0,
         tie_word_embeddings=False,
         max_position_embeddings=512,
+    ),
+    # a long context: replies that run long enough to be stopped (the chat process tests)
+    "llama_long": dict(
+        kind="llama",
+        hidden_size=64,
+        intermediate_size=144,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=1 << 17,
     ),
     # tied head + Llama 3 RoPE scaling
     "llama3_tied": dict(

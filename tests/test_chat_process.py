@@ -26,11 +26,7 @@ from mlxlis import catalog
 
 import pytest
 
-pytestmark = [
-    pytest.mark.real,
-    pytest.mark.skipif(not catalog.is_pulled("smollm2-135m"), reason="smollm2-135m not pulled"),
-]
-
+SMOLLM2 = pytest.mark.skipif(not catalog.is_pulled("smollm2-135m"), reason="not pulled")
 ANSI = re.compile(rb"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07]*\x07|[@-Z\\-_])")
 LEAVE_ALT_SCREEN = b"\x1b[?1049l"
 CTRL_Q, CTRL_C, ENTER = b"\x11", b"\x03", b"\r"  # not Esc: a lone ESC byte is ambiguous
@@ -40,13 +36,13 @@ class Chat:
     """`mlxlis chat` on a pty. Textual draws on stderr, so "nothing on stderr" means nothing
     is printed after the app leaves the terminal's alternate screen."""
 
-    def __init__(self, tmp_path: Path, *args: str):
+    def __init__(self, tmp_path: Path, *args: str, model: str = "smollm2-135m"):
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
         env = {**os.environ, "TERM": "xterm-256color", "MLXLIS_DATA": str(tmp_path / "data")}
         exe = Path(sys.executable).with_name("mlxlis")
         self.proc = subprocess.Popen(
-            [str(exe), "chat", "-m", "smollm2-135m", *args], stdin=slave, stdout=slave,
+            [str(exe), "chat", "-m", model, *args], stdin=slave, stdout=slave,
             stderr=slave, env=env, cwd=tmp_path, close_fds=True,
             start_new_session=True)
         os.close(slave)
@@ -92,8 +88,8 @@ def launch(tmp_path):
     """Start `mlxlis chat` with arguments; every process is killed at teardown, pass or fail."""
     started: list[Chat] = []
 
-    def start(*args: str) -> Chat:
-        started.append(Chat(tmp_path, *args))
+    def start(*args: str, model: str = "smollm2-135m") -> Chat:
+        started.append(Chat(tmp_path, *args, model=model))
         return started[-1]
 
     yield start
@@ -109,11 +105,34 @@ def replies_done(n: int, chat: Chat, timeout: float = 180) -> None:
     chat.wait_for(r"peak \d+ MiB", n, timeout)
 
 
-def loaded(chat: Chat) -> None:
-    chat.wait_for(r"template: gguf:tokenizer\.chat_template", timeout=120)
+def loaded(chat: Chat, template: str = r"gguf:tokenizer\.chat_template") -> None:
+    chat.wait_for(f"template: {template}", timeout=120)
     chat.pump(0.5)
 
 
+def test_tiny_model_send_stop_quit(launch, tiny):
+    """The same on a tiny random checkpoint (loads in milliseconds; runs without the catalog
+    models): a reply stopped mid-way, a finished one, then quit: status 0, nothing printed."""
+    folder, _ = tiny("llama_long")  # a context of 131 072: the first reply runs until stopped
+    chat = launch("--chat-template", "chatml", "--max-tokens", "100000", "--temp", "1",
+                  "--seed", "3", model=str(folder))  # fmt: skip
+    loaded(chat, "builtin:chatml")
+    chat.send(b"Hello" + ENTER)
+    chat.wait_for(r"generating…")
+    chat.pump(0.5)
+    chat.send(CTRL_C)
+    chat.wait_for(r"■ stopped")
+    chat.send(b"/params max_tokens=5" + ENTER)
+    chat.pump(0.5)
+    chat.send(b"Again" + ENTER)
+    replies_done(2, chat)
+    chat.pump(0.5)
+    chat.send(CTRL_Q)
+    assert chat.finish() == (0, "")
+
+
+@pytest.mark.real
+@SMOLLM2
 def test_quit_after_a_finished_reply_exits_0(launch):
     chat = launch("--max-tokens", "12")
     loaded(chat)
@@ -124,6 +143,8 @@ def test_quit_after_a_finished_reply_exits_0(launch):
     assert chat.finish() == (0, "")
 
 
+@pytest.mark.real
+@SMOLLM2
 def test_quit_during_a_reply_exits_0(launch):
     chat = launch("--max-tokens", "2000", "--temp", "0.8", "--seed", "1")
     loaded(chat)
@@ -134,6 +155,8 @@ def test_quit_during_a_reply_exits_0(launch):
     assert chat.finish() == (0, "")
 
 
+@pytest.mark.real
+@SMOLLM2
 def test_quit_after_a_stopped_reply_and_several_turns_exits_0(launch):
     chat = launch("--max-tokens", "400", "--temp", "0.8", "--seed", "2")
     loaded(chat)

@@ -41,7 +41,7 @@ def test_second_turn_reuses_cache_and_matches_fresh_forward(chat_model):
     assert reuse > 0
     reused = np.array(prefill(chat_model.net, ids[reuse:], cache))
     fresh = np.array(chat_model.logits(ids))[-1]
-    assert np.abs(reused[0] - fresh).max() < 1e-4
+    assert np.abs(reused[0] - fresh).max() < 1e-5  # measured 6.9e-7
 
 
 def test_reply_tokens_equal_fresh_generation(chat_model):

@@ -109,16 +109,18 @@ def reference_logits(ref, ids: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_match_transformers_fp32(tiny_gemma, name):
-    """Reference parity past the window: full-forward logits equal transformers' within 1e-3 at
+    """Reference parity past the window: full-forward logits equal transformers' within 2e-4 at
     64 tokens (8 × the sliding window): (1 + w) norms, √hidden embedding scale, GeGLU, tied
-    head, sandwich norms, both softcaps, query_pre_attn_scalar, q/k norms, local/global RoPE."""
+    head, sandwich norms, both softcaps, query_pre_attn_scalar, q/k norms, local/global RoPE.
+    Measured on the CPU: 4.6e-6 (Gemma), 6.0e-6 (Gemma 2), 2.0e-5 (Gemma 3); the bound is 10x
+    the largest."""
     folder, ref = tiny_gemma(name)
     net = load_net(folder)
     ids = trajectory(N, vocab=net.config.vocab_size)
     a, b = ours(net, ids), reference_logits(ref, ids)
     assert a.shape == b.shape
     delta = np.abs(a - b).max()
-    assert delta < 1e-3, f"max |Δ| = {delta}"
+    assert delta < 2e-4, f"max |Δ| = {delta}"
     assert np.abs(b).max() > 1.0  # the logits are not trivially flat
 
 
@@ -127,7 +129,9 @@ def test_cache_paths_equal_full_forward(tiny_gemma, name):
     """Self-consistency at 64 tokens: token-by-token decode, chunked prefill (3, 8, 13 — chunks
     straddling the window) and decode after a chunked prefill all give the full forward's
     logits; last_only gives the last row. The decode is also checked against transformers'
-    logits, so the rotating cache is reference-exact past the window too."""
+    logits, so the rotating cache is reference-exact past the window too. (Measured: cache
+    paths 4.7e-6 to 1.9e-5 from the full forward, bound 1e-4; decode vs transformers as the
+    full forward, bound 2e-4.)"""
     folder, ref = tiny_gemma(name)
     net = load_net(folder)
     ids = trajectory(N, vocab=net.config.vocab_size)
@@ -138,7 +142,7 @@ def test_cache_paths_equal_full_forward(tiny_gemma, name):
         assert any(isinstance(c, KVCache) for c in cache)
     steps = np.stack([np.array(net(mx.array([[t]]), cache=cache)[0, -1]) for t in ids])
     assert np.abs(steps - full).max() < 1e-4
-    assert np.abs(steps - reference_logits(ref, ids)).max() < 1e-3
+    assert np.abs(steps - reference_logits(ref, ids)).max() < 2e-4
     for c in cache:  # memory stays bounded by the window on sliding layers
         if isinstance(c, RotatingKVCache):
             assert c.keys.shape[2] == WINDOW
@@ -343,4 +347,4 @@ def test_multimodal_gemma3_checkpoint_names(tiny_gemma, tmp_path):
     assert net.config.family == "gemma3" and net.config.sliding_window == WINDOW
     ids = trajectory(N, vocab=net.config.vocab_size)
     delta = np.abs(ours(net, ids) - reference_logits(ref, ids)).max()
-    assert delta < 1e-3, f"max |Δ| = {delta}"
+    assert delta < 2e-4, f"max |Δ| = {delta}"  # measured 1.8e-5

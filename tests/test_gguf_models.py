@@ -70,22 +70,24 @@ def real(request) -> Real:
 
 
 def test_logits_match_transformers_gguf_loader(real: Real):
-    """Reference parity, fp32: max |Δ| < 1e-3 × max |logit| over a ~24-token prompt, and the
-    same argmax at every position (measured: SmolLM2 1.2e-4, Qwen2.5 5.0e-5, Gemma 3 5.7e-5
-    absolute, on logit scales of 36, 22 and 28)."""
+    """Reference parity, fp32: max |Δ| < 3e-5 × max |logit| over a ~24-token prompt, and the
+    same argmax at every position. Measured: SmolLM2 7.0e-5 (1.2e-4 on another x86 machine),
+    Qwen2.5 6.6e-5, Gemma 3 6.5e-5 absolute, on logit scales of 36, 22 and 28: at most 3.4e-6
+    of the scale, so the bound is about 9x."""
     assert 16 <= len(real.ids) <= 40
     ours = real.ours
     assert ours.shape == real.theirs.shape
     scale = np.abs(real.theirs).max()
     delta = np.abs(ours - real.theirs).max()
     print(f"{real.name}: max |Δ| {delta:.3g} on logit scale {scale:.3g} ({len(real.ids)} tokens)")
-    assert delta < 1e-3 * scale, f"{real.name}: max |Δ| = {delta:.3g}, scale {scale:.3g}"
+    assert delta < 3e-5 * scale, f"{real.name}: max |Δ| = {delta:.3g}, scale {scale:.3g}"
     assert (ours.argmax(-1) == real.theirs.argmax(-1)).all()
 
 
 def test_dequantized_equals_quantized(real: Real):
     """Self-consistency: dequantize=True holds the same weights dense, so the logits agree to
-    fp32 summation order (max |Δ| < 1e-4 × max |logit|)."""
+    fp32 summation order (max |Δ| < 3e-5 × max |logit|; measured 5.6e-5 to 7.0e-5 absolute,
+    at most 2.6e-6 of the scale)."""
     quantized = real.ours
     dense = mlxlis.load(real.name, "float32", dequantize=True)
     assert "dense" in dense.quant_summary
@@ -96,7 +98,7 @@ def test_dequantized_equals_quantized(real: Real):
     gc.collect()
     delta = np.abs(got - quantized).max()
     print(f"{real.name}: dense vs quantized max |Δ| {delta:.3g}")
-    assert delta < 1e-4 * np.abs(quantized).max(), f"max |Δ| = {delta:.3g}"
+    assert delta < 3e-5 * np.abs(quantized).max(), f"max |Δ| = {delta:.3g}"
     assert (got.argmax(-1) == quantized.argmax(-1)).all()
 
 

@@ -25,8 +25,9 @@ def reference_logits(ref, ids: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_match_transformers_fp32(tiny, name):
-    """Reference parity: our full-forward logits equal transformers' within 1e-3 over 80 tokens
-    (GQA, untied/tied head, llama3 RoPE scaling, q/k/v bias, transformers-5 rope_parameters)."""
+    """Reference parity: our full-forward logits equal transformers' within 3e-5 over 80 tokens
+    (GQA, untied/tied head, llama3 RoPE scaling, q/k/v bias, transformers-5 rope_parameters).
+    Measured on the CPU: 1.5e-6 to 2.0e-6; the bound is 15x that."""
     folder, ref = tiny(name)
     model = mlxlis.load(folder, "float32")
     ids = trajectory(80, vocab=model.config.vocab_size)
@@ -34,7 +35,7 @@ def test_logits_match_transformers_fp32(tiny, name):
     theirs = reference_logits(ref, ids)
     assert ours.shape == theirs.shape
     delta = np.abs(ours - theirs).max()
-    assert delta < 1e-3, f"max |Δ| = {delta}"
+    assert delta < 3e-5, f"max |Δ| = {delta}"
     assert np.abs(theirs).max() > 1.0  # the logits are not trivially flat
 
 
@@ -53,26 +54,28 @@ def test_transformers5_rope_base_is_read(tiny):
 @pytest.mark.parametrize("name", NAMES)
 def test_cached_decode_equals_full_forward(tiny, name):
     """Self-consistency: token-by-token decode with the KV cache (crossing the 256-slot growth
-    step) and chunked prefill (3, 8, 13) give the full forward's logits."""
+    step) and chunked prefill (3, 8, 13) give the full forward's logits (measured max |Δ|
+    2.1e-6; bound 3e-5)."""
     folder, _ = tiny(name)
     model = mlxlis.load(folder, "float32")
     ids = trajectory(300, vocab=model.config.vocab_size)
     full = np.array(model.logits(ids))
     cache = model.make_cache()
     steps = [np.array(model.net(mx.array([[t]]), cache=cache)[0, -1]) for t in ids]
-    assert np.abs(np.stack(steps) - full).max() < 1e-4
+    assert np.abs(np.stack(steps) - full).max() < 3e-5
     for chunk in (3, 8, 13):
         cache = model.make_cache()
         outs = []
         for s in range(0, len(ids), chunk):
             outs.append(np.array(model.net(mx.array([ids[s : s + chunk]]), cache=cache)[0]))
-        assert np.abs(np.concatenate(outs) - full).max() < 1e-4, chunk
+        assert np.abs(np.concatenate(outs) - full).max() < 3e-5, chunk
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_float16_close_to_float32(tiny, name):
     """float16 weights/activations stay near float32: wherever the fp32 top-2 gap exceeds 0.05
-    the fp16 top-1 agrees, and max |Δ| stays below 0.05 on these logits (|logit| ≲ 4)."""
+    the fp16 top-1 agrees, and max |Δ| stays below 0.05 on these logits (|logit| ≲ 4; measured
+    0.0037 to 0.0044, so the bound is 11-13x)."""
     folder, _ = tiny(name)
     ids = trajectory(80, vocab=400)
     f32 = np.array(mlxlis.load(folder, "float32").logits(ids))
@@ -88,7 +91,8 @@ def test_float16_close_to_float32(tiny, name):
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_logits_match_mlx_lm(tiny, name, tmp_path):
     """Second, independent reference: mlx-lm's implementation on the same weights agrees.
-    mlx-lm reads only classic config keys, so it gets a copy with rope_theta spelled out."""
+    mlx-lm reads only classic config keys, so it gets a copy with rope_theta spelled out.
+    Measured max |Δ| 1.1e-6 to 1.4e-6; bound 2e-5."""
     import json
     import shutil
 
@@ -104,7 +108,7 @@ def test_logits_match_mlx_lm(tiny, name, tmp_path):
     ids = trajectory(72, vocab=400)
     theirs = np.array(their_model(mx.array([ids]))[0].astype(mx.float32))
     ours = np.array(mlxlis.load(folder, "float32").logits(ids))
-    assert np.abs(ours - theirs).max() < 1e-3
+    assert np.abs(ours - theirs).max() < 2e-5
 
 
 def test_greedy_generation_follows_argmax(tiny):

@@ -45,4 +45,4 @@ def test_mlx_lm_quantized_checkpoint(tiny, tmp_path, recipe):
     model = mlxlis.load(out, "float32")
     assert "quantized" in model.format and "bit" in model.quant_summary
     ours = np.array(model.logits(ids))
-    assert np.abs(ours - theirs).max() < 1e-4
+    assert np.abs(ours - theirs).max() < 2e-5  # measured 1.4e-6
