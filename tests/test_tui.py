@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from mlxlis import Event, Stats
 from mlxlis.chat import Turn
 from mlxlis.errors import ContextLimitError, ModelNotFoundError, NoChatTemplateError
+from mlxlis.mlx_thread import shared as mlx_thread
 from mlxlis.sampling import SamplingError, SamplingParams
 
 import pytest
@@ -75,16 +78,19 @@ class FakeSession:
     """Mimics mlxlis.ChatSession: send() yields Events, appends the assistant Turn at the end."""
 
     def __init__(self, model, system, *, script=default_script, delay: float = 0.005,
-                 fail: BaseException | None = None, fail_after: int = 0):
+                 fail: BaseException | None = None, fail_after: int = 0,
+                 step: Callable[[int], None] | None = None):
         self.model, self.system = model, system
         self.turns: list[Turn] = []
         self.context_limit = model.context_length
         self.context_used = 0
         self.last_prompt_tokens = 0
         self.script, self.delay = script, delay
+        self.step = step  # called before token i instead of sleeping `delay`, when given
         self.fail, self.fail_after = fail, fail_after
         self.calls: list[tuple[str, dict]] = []
         self.after_stop = 0  # tokens produced after should_stop first returned True
+        self.last_stats: Stats | None = None  # the Stats of the last Event yielded
 
     @property
     def messages(self) -> list[dict]:
@@ -124,12 +130,16 @@ class FakeSession:
             for i, piece in enumerate(pieces):
                 if self.fail is not None and i == self.fail_after:
                     raise self.fail
-                time.sleep(self.delay)
+                if self.step is not None:
+                    self.step(i)
+                else:
+                    time.sleep(self.delay)
                 stats.generated_tokens = i + 1
                 stats.decode_seconds = 0.001 * (i + 1)
                 if stop_seen:
                     self.after_stop += 1
                 out.append(piece)
+                self.last_stats = stats
                 yield Event(i, piece, stats)
                 if should_stop is not None and should_stop():
                     stop_seen = True
@@ -140,6 +150,7 @@ class FakeSession:
                     reason = "length"
             stats.peak_memory = 123 * 2**20
             self.context_used = len(ids) + len(out)
+            self.last_stats = stats
             yield Event(None, "", stats, finish_reason=reason)
         finally:
             self.turns.append(Turn("assistant", "".join(out), stopped=reason == "cancelled"))
@@ -267,8 +278,13 @@ def test_enter_sends_and_reply_streams_as_markdown(tmp_path):
         status = str(app.query_one("#status").render())
         used = app.sessions[0].context_used
         assert used > 0 and f"ctx {used}/4096" in status
-        assert "833.3 tok/s" in status and "first token 10 ms" in status and "done" in status
-        assert "peak 123 MiB" in status
+        # the figures of the engine's last Stats, formatted as update_status promises
+        stats = app.sessions[0].last_stats
+        assert stats is not None and stats.generated_tokens == len(default_script("hi"))
+        assert stats.decode_tps > 0 and stats.peak_memory > 0
+        assert f"{stats.decode_tps:.1f} tok/s" in status
+        assert f"first token {stats.time_to_first_token * 1000:.0f} ms" in status
+        assert f"peak {stats.peak_memory / 2**20:.0f} MiB" in status and "done" in status
         assert not bubbles(app, "assistant")[0].stopped
 
     run(app, scenario)
@@ -341,25 +357,47 @@ def test_ctrl_c_stops_generation(tmp_path):
 
 
 def test_quit_while_generating_stops_the_worker(tmp_path):
-    """Ctrl+Q mid-reply exits promptly: the generating thread is told to stop instead of running
-    on to max_tokens (which would keep the process alive)."""
-    long = lambda text: [f" w{i}" for i in range(400)]  # noqa: E731
-    app = make_app(tmp_path, session_kw=dict(script=long, delay=0.02))
+    """Ctrl+Q mid-reply exits without waiting for the generating thread, and that thread is told
+    to stop instead of running on to max_tokens (which would keep the process alive).
+
+    Proved by order of events, not by time: the worker is held inside token `held` (after a chunk
+    has reached the UI) until the app has exited, so the exit cannot have waited for it; once
+    released it finishes that one token and stops: held + 1 of the 400 scripted tokens, the turn
+    marked stopped, and no token produced after should_stop turned true."""
+    held, total = 5, 400
+    reached, release = threading.Event(), threading.Event()
+    released: list[bool] = []  # False would mean the 10 s safety net ran out, not the test
+
+    def step(i: int) -> None:
+        if i < held:
+            time.sleep(0.02)  # >= 0.06 s before token 2 ends: a chunk is flushed (FLUSH_SECONDS)
+        elif i == held:
+            reached.set()
+            released.append(release.wait(10))  # the test releases it below
+
+    long = lambda text: [f" w{i}" for i in range(total)]  # noqa: E731
+    app = make_app(tmp_path, session_kw=dict(script=long, step=step))
 
     async def scenario(pilot):
         await type_text(pilot, app, "go")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: len(app._reply_text) >= 1, what="streaming")
+        await wait_for(pilot, lambda: reached.is_set() and len(app._reply_text) >= 1,
+                       what="worker held mid-reply with text streamed")
         await pilot.press("ctrl+q")
 
-    t0 = time.monotonic()
-    run(app, scenario)
-    assert time.monotonic() - t0 < 4  # the full script would take 8 s
-    deadline = time.monotonic() + 2
-    while not app.sessions[0].turns[-1:] or app.sessions[0].turns[-1].role != "assistant":
-        assert time.monotonic() < deadline, "worker still running"
-        time.sleep(0.02)
-    assert app.sessions[0].turns[-1].stopped
+    try:
+        run(app, scenario)
+        assert not app.is_running
+        assert reached.is_set() and not release.is_set()  # the exit did not wait for the worker
+        assert app.sessions[0].turns[-1].role == "user"  # the reply is still being generated
+    finally:
+        release.set()
+        assert mlx_thread().wait_idle(timeout=10), "worker still running after its release"
+    session = app.sessions[0]
+    turn = session.turns[-1]
+    assert released == [True] and turn.role == "assistant" and turn.stopped
+    assert turn.content.split() == [f"w{i}" for i in range(held + 1)]  # work: 6 of 400 tokens
+    assert session.after_stop == 0
 
 
 def test_text_typed_during_generation_is_not_lost(tmp_path):
