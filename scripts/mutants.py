@@ -105,11 +105,13 @@ def copy_tree(dest: Path) -> Path:
 
 
 def run_tests(tree: Path, tests: tuple[str, ...]) -> tuple[int, str]:
-    """pytest on `tree` (its own mlxlis first on sys.path); returns (exit status, last line)."""
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    """pytest on `tree` (its own mlxlis first on sys.path); returns (exit status, the first
+    failing test, or the summary line)."""
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider", *tests]
     res = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
     lines = (res.stdout + res.stderr).strip().splitlines()
-    return res.returncode, lines[-1] if lines else ""
+    failed = [ln.split()[1] for ln in lines if ln.startswith("FAILED ")]
+    return res.returncode, failed[0] if failed else (lines[-1] if lines else "")
 
 
 def check_isolation(tree: Path) -> None:
@@ -164,10 +166,10 @@ def main() -> int:
             print(f"{m.id:<24} {result:<8} {time.perf_counter() - t0:5.1f} s  {detail}",
                   flush=True)  # fmt: skip
     print()
-    print("| mutant | what | tests | result |")
+    print("| mutant | what | result | killed by |")
     print("|---|---|---|---|")
-    for m, result, _, _ in rows:
-        print(f"| {m.id} | {m.what} | {' '.join(m.tests)} | {result} |")
+    for m, result, detail, _ in rows:
+        print(f"| {m.id} | {m.what} | {result} | {detail if result == 'killed' else ''} |")
     return 0 if ok else 1
 
 
