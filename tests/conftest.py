@@ -312,3 +312,31 @@ def llama_cpp_reference(relpath: str) -> Path:
     if not path.is_file():
         pytest.skip(f"{relpath}: llama.cpp references not fetched (scripts/fetch_references.py)")
     return path
+
+
+def add_bpe_tokenizer(w, folder: Path, cfg) -> None:
+    """The tiny folder's byte-level BPE vocabulary as GGUF `tokenizer.ggml.*` metadata, on a
+    gguf-py GGUFWriter `w` (what llama.cpp's converter writes for a gpt2-style vocabulary)."""
+    import json
+
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    tokens = [t for t, _ in vocab] + [t for t in specials if t not in tok["model"]["vocab"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in specials else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+
+
+def add_gguf_sizes(w, cfg) -> None:
+    """The size keys every llama.cpp converter writes, from a transformers config."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)

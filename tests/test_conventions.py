@@ -10,7 +10,6 @@ parameter names; bad files must fail naming the tensor.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlxlis
@@ -31,7 +30,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
-from conftest import build_tiny, trajectory
+from conftest import add_bpe_tokenizer, add_gguf_sizes, build_tiny, trajectory
 from mlx.utils import tree_flatten
 
 REAL = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
@@ -223,26 +222,11 @@ def write_llama_gguf(path: Path, ref, folder: Path, qtype: str = "F32", drop: tu
         sd.pop("lm_head.weight", None)  # llama.cpp omits output.weight when tied
     w = gguf.GGUFWriter(str(path), "llama")
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_gguf_sizes(w, cfg)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {t["content"]: t["id"] for t in tok["added_tokens"]}
-    tokens = [t for t, _ in vocab] + [t for t in specials if t not in tok["model"]["vocab"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in specials else 1 for t in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_id)
+    add_bpe_tokenizer(w, folder, cfg)
     held = {}
     for hf, t in sd.items():
         if hf in drop:

@@ -21,7 +21,6 @@ here, since the tokenizer is not what these tests are about.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import build_tiny, trajectory
+from conftest import add_bpe_tokenizer, add_gguf_sizes, build_tiny, trajectory
 from test_conventions import write_llama_gguf
 
 # --- Llama 3 RoPE scaling as llama.cpp stores it: rope_freqs.weight ---
@@ -204,33 +203,13 @@ def gemma_gguf_name(arch: str, hf: str) -> str:
     return f"blk.{i}.{name}.{part}"
 
 
-def add_bpe_tokenizer(w: gguf.GGUFWriter, folder: Path, cfg) -> None:
-    """The tiny folder's byte-level BPE vocabulary as GGUF `tokenizer.ggml.*` metadata."""
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {t["content"]: t["id"] for t in tok["added_tokens"]}
-    tokens = [t for t, _ in vocab] + [t for t in specials if t not in tok["model"]["vocab"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in specials else 1 for t in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_id)
-
-
 def write_gemma_gguf(path: Path, ref, folder: Path, arch: str) -> None:
     """Write transformers Gemma model `ref` as llama.cpp's Gemma converters do (F32): the keys
     of GemmaModel / Gemma2Model / Gemma3Model.set_gguf_parameters, lm_head skipped (tied),
     `data + 1` for every tensor whose HF name ends in norm.weight, no Q/K permute."""
     cfg = ref.config
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_gguf_sizes(w, cfg)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
