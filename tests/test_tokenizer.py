@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 import unicodedata
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +22,7 @@ from mlxlis.tokenizer import Tokenizer, spm_proto
 
 import numpy as np
 import pytest
-from conftest import hf_gguf_tokenizer_dir
+from conftest import hf_gguf_tokenizer_dir, memory_bound
 
 REAL = ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"]
 
@@ -118,15 +117,11 @@ def real(request):
     from transformers import AutoTokenizer
 
     path = catalog.model_path(name)
-    t0 = time.perf_counter()
     md = gguf_metadata(path)
-    t1 = time.perf_counter()
     ours = Tokenizer.from_gguf(md, path)
-    t2 = time.perf_counter()
     ref_folder = hf_gguf_tokenizer_dir(name)  # transformers' GGUF-built tokenizer, saved
     ref = AutoTokenizer.from_pretrained(ref_folder)
-    return SimpleNamespace(name=name, md=md, ours=ours, ref=ref, folder=ref_folder,
-                           read_s=t1 - t0, build_s=t2 - t1)  # fmt: skip
+    return SimpleNamespace(name=name, md=md, ours=ours, ref=ref, folder=ref_folder)
 
 
 # -- GGUF vocabularies vs transformers -----------------------------------------------------
@@ -203,10 +198,13 @@ def test_gguf_special_tokens_and_stop_ids(real):
 
 
 @pytest.mark.real
-def test_gguf_build_time(real):
-    """Building the tokenizer from metadata is fast enough for a < 2 s model load (measured)."""
-    print(f"{real.name}: metadata {real.read_s:.2f} s, tokenizer build {real.build_s:.2f} s")
-    assert real.build_s < 2.0
+def test_gguf_build_is_lean(real):
+    """A work bound on building the tokenizer from metadata (its time is part of the load time
+    `make bench` measures): the Python memory it allocates peaks at 12 / 26 / 38 MiB for
+    SmolLM2 / Gemma 3 / Qwen2.5 here; a dense merge table or a per-token copy of the
+    vocabulary would cross 160 MiB."""
+    with memory_bound(160 << 20, real.name):
+        Tokenizer.from_gguf(real.md, catalog.model_path(real.name))
 
 
 # -- folders -------------------------------------------------------------------------------
