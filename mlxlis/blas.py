@@ -78,7 +78,8 @@ def preload() -> BlasState:
         return state
     state.name = "bundled reference BLAS"
     if choice != "bundled":
-        state.notice = "; ".join(misses) + " — CPU matmuls run on MLX's slow bundled BLAS"
+        slow = "; ".join(misses) + " — CPU matmuls run on MLX's slow bundled BLAS"
+        state.notice = f"{state.notice}; {slow}" if state.notice else slow
     return state
 
 
@@ -117,7 +118,8 @@ def _load_system(misses: list[str], at_least: tuple[int, ...] = ()) -> bool:
             continue
         version = _openblas_version(blas)
         if version < at_least:
-            misses.append(f"system OpenBLAS {_dotted(version)} is older than preferred")
+            misses.append(f"system OpenBLAS {_dotted(version)} is not known to be at least "
+                          f"{_dotted(at_least)}")  # fmt: skip
             return False
         routed = False
         dispatch = _dispatch_library()

@@ -35,6 +35,9 @@ class ChatSession:
     turns: list[Turn] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"ChatSession(sampling=...) takes a SamplingParams, not "
+                            f"{type(self.sampling).__name__}")  # fmt: skip
         if self.context_limit is None:
             self.context_limit = self.model.context_length
         self._cache: list | None = None

@@ -221,7 +221,10 @@ def _common(cfg: dict, family: str, path: str) -> ModelConfig:
         "vocab_size": ("vocab_size", _req(cfg, "vocab_size", path)),
         "max_position_embeddings": ("max_position_embeddings", max_pos),
     }
-    limits.check_sizes(sizes, path)
+    size = limits.check_sizes(sizes, path)  # integers from here on
+    hidden, heads, kv_heads = size["hidden_size"], size["num_attention_heads"], size[
+        "num_key_value_heads"
+    ]
     if not kv_heads <= heads or heads % kv_heads:
         raise ConfigError(
             f"num_key_value_heads {kv_heads!r} must divide {heads}",
@@ -229,7 +232,7 @@ def _common(cfg: dict, family: str, path: str) -> ModelConfig:
             field="num_key_value_heads",
         )
     head_dim = cfg.get("head_dim") or hidden // heads
-    limits.check_sizes({"head_dim": ("head_dim", head_dim)}, path)
+    head_dim = limits.check_sizes({"head_dim": ("head_dim", head_dim)}, path)["head_dim"]
     rope_params = cfg.get("rope_parameters")
     if isinstance(rope_params, dict) and "full_attention" in rope_params:
         rope_params = rope_params["full_attention"]  # per layer type (Gemma 3): global layers
@@ -247,16 +250,16 @@ def _common(cfg: dict, family: str, path: str) -> ModelConfig:
         raise ConfigError(f"expected a string, got {act!r}"[:200], path=path, field="hidden_act")
     return ModelConfig(
         family=family,
-        vocab_size=sizes["vocab_size"][1],
+        vocab_size=size["vocab_size"],
         hidden_size=hidden,
-        intermediate_size=sizes["intermediate_size"][1],
-        num_hidden_layers=sizes["num_hidden_layers"][1],
+        intermediate_size=size["intermediate_size"],
+        num_hidden_layers=size["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(eps),
         rope=rope,
-        max_position_embeddings=int(max_pos),
+        max_position_embeddings=size["max_position_embeddings"],
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.startswith("gemma"))),
         attention_bias=bool(cfg.get("attention_bias", False)),
         o_bias=bool(cfg.get("attention_bias", False)),

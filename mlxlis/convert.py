@@ -182,19 +182,24 @@ def write_tokenizer(model, folder: Path) -> None:
             if (src / name).is_file():
                 shutil.copy2(src / name, folder / name)
         return
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise MlxlisError(
-            "converting a GGUF needs transformers for its tokenizer files: "
-            "pip install 'mlxlis[convert]'",
-            path=src,
-        ) from None
+    _need_transformers(src)
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     if model.template is not None:
         tok.chat_template = model.template.text
     tok.save_pretrained(str(folder))
+
+
+def _need_transformers(src: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise MlxlisError(
+            "converting a GGUF needs transformers for its tokenizer files: "
+            "pip install 'mlxlis[convert]'",
+            path=src,
+        )
 
 
 def convert(
@@ -214,6 +219,8 @@ def convert(
         raise MlxlisError("destination exists (use --force to replace it)", path=output)
     path = resolve(source)
     is_gguf = path.is_file() and path.suffix.lower() == ".gguf"
+    if is_gguf:
+        _need_transformers(path)  # before any work: the tokenizer files are written last
     # GGUF blocks stay quantized unless asked; a folder's weights are written as stored
     model = load(path, dtype, dequantize=dequantize if is_gguf or dequantize else None)
     if getattr(model.net, "_rope_freq_factors", None) is not None:

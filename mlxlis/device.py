@@ -38,7 +38,7 @@ def tune_malloc() -> bool:
 
 
 def setup_process() -> None:
-    """What the mlxlis commands (CLI, chat app, server) set for their own process: the
+    """What the mlxlis commands (the CLI and the chat app) set for their own process: the
     allocator tuning below. A library user may call it too; `import mlxlis` changes nothing
     process-wide apart from choosing the BLAS (blas.py)."""
     tune_malloc()

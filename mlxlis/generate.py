@@ -84,6 +84,11 @@ def generate(
     `history` the ones that are (for the repetition penalty)."""
     from .tokenizer import StreamDecoder
 
+    if params is not None and not isinstance(params, SamplingParams):
+        raise TypeError(
+            f"generate(model, ids, params): params is a SamplingParams, not {params!r}; "
+            "pass max_tokens=, temperature=, ... as keywords"
+        )
     params = (params or SamplingParams()).replace(**sampling)
     sampler = make_sampler(params)
     max_tokens = params.max_tokens

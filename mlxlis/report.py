@@ -7,6 +7,7 @@ The JSON shape (`schema` 1) is stable: keys are only ever added, never renamed o
      "format": "gguf", "family": "llama",
      "quant": "F32×61, Q4_1×210, Q8_0×1 (dense)",   # tensor types in the file, and the form used
      "dtype": "float32", "device": "cpu", "blas": "OpenBLAS 0.3.34 (…)",
+     "blas_notice": null,                           # or why a faster BLAS is not in use
      "template": "gguf:tokenizer.chat_template",    # or null: no chat template
      "config": {"layers": 30, "hidden_size": 576, "intermediate_size": 1536,
                 "attention_heads": 9, "kv_heads": 3, "head_dim": 64, "vocab_size": 49152,
@@ -28,6 +29,8 @@ SCHEMA = 1
 
 def model_report(model) -> dict[str, Any]:
     """The inspect report of a loaded Model (see the module docstring for the shape)."""
+    from .blas import state as blas
+
     d = model.describe()
     c = model.config
     arrays = tree_flatten(model.net.parameters())
@@ -44,6 +47,7 @@ def model_report(model) -> dict[str, Any]:
         "dtype": d["dtype"],
         "device": d["device"],
         "blas": d["blas"],
+        "blas_notice": blas.notice,  # why a faster BLAS is not in use, or null
         "template": model.template_source,
         "config": {
             "layers": c.num_hidden_layers,
@@ -79,7 +83,7 @@ def format_report(r: dict[str, Any]) -> str:
         ("format", r["format"]),
         ("quant", r["quant"]),
         ("dtype", f"{r['dtype']} on {r['device']}"),
-        ("blas", r["blas"]),
+        ("blas", r["blas"] + (f" ({r['blas_notice']})" if r.get("blas_notice") else "")),
         ("template", r["template"] or "none (chat needs --chat-template, or use --no-chat)"),
         ("layers", f"{c['layers']}, hidden {c['hidden_size']}, mlp {c['intermediate_size']}"),
         ("heads", f"{c['attention_heads']} ({c['kv_heads']} kv), head_dim {c['head_dim']}"),

@@ -33,7 +33,7 @@ def _is_num(v: object) -> bool:
 
 
 # name -> (parse typed text, check a value, what a good value is): the one definition of every
-# sampling parameter, used by the library, the CLI, the chat app's /params and the server
+# sampling parameter, used by the library, the CLI and the chat app's /params
 FIELDS: dict[str, tuple[Callable[[str], object], Callable[[object], bool], str]] = {
     "max_tokens": (int, lambda v: _is_int(v) and v > 0, "an integer > 0"),
     "temperature": (float, lambda v: _is_num(v) and v >= 0, "a number >= 0 (0 = greedy)"),
@@ -41,9 +41,9 @@ FIELDS: dict[str, tuple[Callable[[str], object], Callable[[object], bool], str]]
     "top_k": (int, lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = off)"),
     "min_p": (float, lambda v: _is_num(v) and 0 <= v < 1, "a number in [0, 1) (0 = off)"),
     "repetition_penalty": (float, lambda v: _is_num(v) and v > 0, "a number > 0 (1 = off)"),
-    "repetition_context": (int, lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    "seed": (_seed, lambda v: v is None or (_is_int(v) and v >= 0),
-             "an integer >= 0, or none"),
+    "repetition_context": (int, lambda v: _is_int(v) and v > 0, "an integer > 0"),
+    "seed": (_seed, lambda v: v is None or (_is_int(v) and 0 <= v < 2**64),
+             "an integer in [0, 2**64), or none"),
 }
 ALIASES = {"temp": "temperature", "max": "max_tokens", "maxtokens": "max_tokens",
            "rep": "repetition_penalty", "repeat_penalty": "repetition_penalty"}

@@ -204,11 +204,13 @@ def need_pulled(name: str) -> Path:
 REAL_MODELS = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")
 NEEDS_HF_REFERENCES = ("test_gguf_models.py", "test_tokenizer.py")
 _references: subprocess.Popen | None = None
+REFERENCE_TIMEOUT_S = 1800.0
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection: only for tests that will run
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Start building transformers' references in the background (tests/hf_references.py)
-    when tests that compare against them were collected; they run meanwhile on the other core."""
+    when tests that compare against them were selected; the session runs on beside it."""
     global _references
     from mlxlis import catalog
 
@@ -235,9 +237,14 @@ def _wait_for(path: Path, name: str) -> Path:
     if _references is None:
         hf_references.build(_SHARED, name)
     failed = _SHARED / f"failed-{name}.json"
+    deadline = time.monotonic() + REFERENCE_TIMEOUT_S
     while not path.exists() and not failed.exists():
         if _references.poll() is not None:
             break
+        if time.monotonic() > deadline:  # a hang guard, not a speed check
+            _references.kill()
+            log = (_SHARED / "hf-references.log").read_text(errors="replace")[-2000:]
+            pytest.fail(f"the reference builder hung on {name}:\n{log}")
         time.sleep(0.2)
     if failed.exists():
         pytest.fail(f"transformers' reference for {name} failed: {failed.read_text()}")

@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     import torch
 
-    torch.set_num_threads(1)  # the test session runs beside this process on the other core
+    torch.set_num_threads(1)  # leave the other cores to the test session running beside it
     for name in names:
         try:
             build(out, name)

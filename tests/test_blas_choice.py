@@ -26,7 +26,6 @@ PROBE = """
 import numpy as np
 import mlxlis
 from mlxlis import blas
-from mlxlis import blas
 import mlx.core as mx
 rng = np.random.default_rng(0)
 a, b = rng.standard_normal((64, 96), np.float32), rng.standard_normal((96, 48), np.float32)

@@ -32,11 +32,6 @@ def test_cpu_override_and_default_dtype(monkeypatch):
     assert mx.default_device() == mx.cpu and device.default_dtype_name() == "float32"
 
 
-def test_no_override_picks_what_mlx_offers(monkeypatch):
-    monkeypatch.delenv("MLXLIS_DEVICE", raising=False)
-    assert device.select_device() == ("gpu" if HAS_GPU else "cpu")
-
-
 def test_bad_override_is_refused(monkeypatch):
     monkeypatch.setenv("MLXLIS_DEVICE", "tpu")
     with pytest.raises(UnsupportedError, match="MLXLIS_DEVICE"):

@@ -237,8 +237,8 @@ def sized_gguf(path: Path, override: dict[str, int]) -> Path:
 @pytest.mark.parametrize(("hf_key", "gguf_key", "value"), SIZES)
 def test_sizes_bounded_alike_in_config_json_and_gguf(ckpt, tmp_path, hf_key, gguf_key, value):
     """Every size a model file states is checked against limits.SIZE_BOUNDS before anything is
-    built from it, for both formats: a GGUF with block_count 3 000 000 used to run for minutes
-    building layers. The error names the file and the key as that file spells it."""
+    built from it, for both formats (unbounded, a GGUF with block_count 3 000 000 would spend
+    minutes building layers). The error names the file and the key as that file spells it."""
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg[hf_key] = value
     (ckpt / "config.json").write_text(json.dumps(cfg))
@@ -249,3 +249,32 @@ def test_sizes_bounded_alike_in_config_json_and_gguf(ckpt, tmp_path, hf_key, ggu
     with pytest.raises(errors.ConfigError, match=gguf_key.replace(".", r"\.")) as info:
         mlxlis.load(path, "float32")
     assert str(path) in str(info.value)
+
+
+def test_integral_float_sizes_load_as_integers(ckpt):
+    """config.json written by some tools spells sizes as floats (16.0): they load as integers
+    (a float head_dim used to reach MLX's initialisers and fail there)."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["num_key_value_heads"] = float(cfg["num_key_value_heads"])
+    cfg["head_dim"] = float(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    model = mlxlis.load(ckpt, "float32")
+    c = model.config
+    assert type(c.num_key_value_heads) is int and type(c.head_dim) is int
+    assert model.logits([1, 2, 3]).shape == (3, c.vocab_size)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_gguf_non_finite_size_is_a_config_error(tmp_path, value):
+    from gguf import GGUFValueType, GGUFWriter
+
+    path = tmp_path / "nonfinite.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_key_value("llama.embedding_length", value, GGUFValueType.FLOAT32)  # read first
+    w.add_tensor("token_embd.weight", np.zeros((10, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(errors.ConfigError, match=r"llama\.embedding_length"):
+        mlxlis.load(path, "float32")

@@ -196,6 +196,9 @@ def test_filters_through_make_sampler(setting: dict, reference, size: int):
         (dict(top_k=-2), "top_k"),
         (dict(top_k=2.5), "top_k"),
         (dict(max_tokens=0), "max_tokens"),
+        (dict(repetition_context=0), "repetition_context"),  # history[-0:] is all of it
+        (dict(seed=2**64), "seed"),  # past MLX's 64-bit key
+        (dict(seed=-1), "seed"),
     ],
 )
 def test_bad_params_rejected(bad: dict, field: str):
@@ -209,3 +212,18 @@ def test_bad_params_rejected(bad: dict, field: str):
     with pytest.raises(SamplingError) as e:
         make_sampler(SamplingParams(**bad))
     assert e.value.field == field
+
+
+def test_generate_takes_sampling_params_or_keywords(tiny):
+    """generate(model, ids, 64) (the older positional max_tokens) is refused with a TypeError
+    that says what to pass; keywords and a SamplingParams both work and agree."""
+    import mlxlis
+
+    folder, _ = tiny("llama")
+    model = mlxlis.load(folder, "float32")
+    with pytest.raises(TypeError, match="SamplingParams"):
+        next(mlxlis.generate(model, [1, 2, 3], 64))
+    a = [e.token for e in mlxlis.generate(model, [1, 2, 3], max_tokens=5, stop_ids=set())]
+    b = [e.token for e in mlxlis.generate(model, [1, 2, 3], SamplingParams(max_tokens=5),
+                                          stop_ids=set())]  # fmt: skip
+    assert a == b and len(a) == 6  # five tokens and the final event

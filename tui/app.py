@@ -1,9 +1,10 @@
 """`mlxlis chat`: the Textual chat app (a raw-completion pad with --no-chat).
 
-The model loads in a worker thread while the UI is already up; replies are generated in a
-worker thread and streamed to a Markdown widget in batches. Esc / Ctrl+C stop a reply through
-ChatSession's `should_stop`. Nothing the user typed is ever dropped: a refused or failed send
-puts the text back into the input, and every engine error becomes a notification.
+The model loads on mlxlis's one MLX thread (mlxlis.mlx_thread) while the UI is already up;
+replies are generated there too and streamed to a Markdown widget in batches. Esc / Ctrl+C
+stop a reply through ChatSession's `should_stop`. Nothing the user typed is ever dropped: a
+refused or failed send puts the text back into the input, and every engine error becomes a
+notification.
 """
 
 from __future__ import annotations
@@ -357,10 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     code = 1 if app.return_code not in (0, None) else (result or 0)
     # Quitting set the stop flag, so a reply ends at its next token. A load cannot be stopped:
     # leave without shutting the interpreter down around it (see mlxlis.mlx_thread).
-    if not mlx_thread().wait_idle(timeout=QUIT_WAIT_SECONDS):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if not mlx_thread().wait_idle(timeout=0.5):
+        print("mlxlis chat: waiting for the model to stop…", file=sys.stderr, flush=True)
+        if not mlx_thread().wait_idle(timeout=QUIT_WAIT_SECONDS):
+            print("mlxlis chat: quit without waiting for it", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(code)
     return code
 
 

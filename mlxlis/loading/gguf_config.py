@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ class _Meta:
                 )
             value = value.flat[0].item()
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value)  # inf / NaN: int() would raise
         if not ok or (kind is int and float(value) != int(value)):
             raise ConfigError(
                 f"expected a {kind.__name__}, got {value!r}", path=self.path, field=full
@@ -77,7 +79,8 @@ def config_from_gguf(
         # Gemma 3 trims embedding rows: the tensor is the truth
         "vocab_size": ("token_embd.weight", tensor_shapes["token_embd.weight"][0]),
     }
-    check_sizes(sizes, path)
+    size = check_sizes(sizes, path)
+    heads, kv_heads = size["num_attention_heads"], size["num_key_value_heads"]
     if heads % kv_heads:
         raise ConfigError(
             f"head_count_kv {kv_heads} must divide head_count {heads}",
@@ -102,16 +105,16 @@ def config_from_gguf(
     bos = md.get("tokenizer.ggml.bos_token_id")
     cfg = ModelConfig(
         family=family,
-        vocab_size=sizes["vocab_size"][1],
-        hidden_size=hidden,
-        intermediate_size=sizes["intermediate_size"][1],
-        num_hidden_layers=sizes["num_hidden_layers"][1],
+        vocab_size=size["vocab_size"],
+        hidden_size=size["hidden_size"],
+        intermediate_size=size["intermediate_size"],
+        num_hidden_layers=size["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=m.get("attention.layer_norm_rms_epsilon", 1e-6, float),
         rope=rope,
-        max_position_embeddings=sizes["max_position_embeddings"][1],
+        max_position_embeddings=size["max_position_embeddings"],
         tie_word_embeddings="output.weight" not in tensor_shapes,  # llama.cpp omits it when tied
         attention_bias="blk.0.attn_q.bias" in tensor_shapes,
         o_bias="blk.0.attn_output.bias" in tensor_shapes,

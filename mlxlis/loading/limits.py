@@ -101,11 +101,13 @@ SIZE_BOUNDS = {
 }
 
 
-def check_sizes(sizes: dict[str, tuple[str, object]], path: str) -> None:
-    """Each `field: (key in the file, value)` must be an integer in 1..its bound; else a
-    ConfigError naming the file and the key as the file spells it."""
+def check_sizes(sizes: dict[str, tuple[str, object]], path: str) -> dict[str, int]:
+    """Each `field: (key in the file, value)` must be an integer in 1..its bound (a float with
+    an integral value counts); returns `field: int`, else raises a ConfigError naming the file
+    and the key as the file spells it."""
     from ..errors import ConfigError
 
+    out: dict[str, int] = {}
     for name, (key, value) in sizes.items():
         bound = SIZE_BOUNDS[name]
         if isinstance(value, float) and value.is_integer():
@@ -114,3 +116,5 @@ def check_sizes(sizes: dict[str, tuple[str, object]], path: str) -> None:
             raise ConfigError(
                 f"must be an integer from 1 to {bound}, got {value!r}"[:200], path=path, field=key
             )
+        out[name] = value
+    return out
