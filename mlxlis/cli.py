@@ -12,100 +12,10 @@ import traceback
 from collections.abc import Callable
 
 from . import catalog
+from .cli_args import add_model_args, add_sampling_args, sampling_params
 from .errors import MlxlisError
 
 SUBCOMMANDS = ("chat", "inspect", "pull", "models", "convert")
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "-m",
-        "--model",
-        default=catalog.DEFAULT_MODEL,
-        help=f"model folder, .gguf file or catalog name (default {catalog.DEFAULT_MODEL})",
-    )
-    p.add_argument(
-        "--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)"
-    )
-    p.add_argument(
-        "--dequantize",
-        action="store_true",
-        default=None,
-        help="make every quantized GGUF weight dense in the compute dtype "
-        "(default: per device — dense on CPU when it fits, quantized on Metal/CUDA)",
-    )
-    p.add_argument(
-        "--quantized",
-        dest="dequantize",
-        action="store_false",
-        help="keep GGUF quantized blocks quantized (exact MLX affine arrays) on any device",
-    )
-    p.add_argument(
-        "--chat-template",
-        metavar="FILE|NAME",
-        default=None,
-        help="a .jinja file or a built-in template name, used instead of the model's",
-    )
-    p.add_argument(
-        "--bindings",
-        metavar="FILE",
-        default=None,
-        help="binding manifest (JSON or YAML) mapping the model's parameter paths to the "
-        "checkpoint's tensor names (safetensors folders)",
-    )
-    strictness = p.add_mutually_exclusive_group()
-    strictness.add_argument(
-        "--strict",
-        dest="strict",
-        action="store_true",
-        default=True,
-        help="tensors that no parameter takes are an error (default)",
-    )
-    strictness.add_argument(
-        "--lenient",
-        dest="strict",
-        action="store_false",
-        help="ignore tensors that no parameter takes (listed on stderr with --verbose)",
-    )
-    p.add_argument("--verbose", "-v", action="store_true", help="model details and stats on stderr")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-
-
-# flag -> SamplingParams field; defaults, ranges and help come from mlxlis.sampling
-SAMPLING_FLAGS = {
-    "--max-tokens": "max_tokens",
-    "--temp": "temperature",
-    "--top-p": "top_p",
-    "--top-k": "top_k",
-    "--min-p": "min_p",
-    "--repetition-penalty": "repetition_penalty",
-    "--seed": "seed",
-}
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    from .sampling import FIELDS, SamplingParams
-
-    defaults = SamplingParams()
-    for flag, name in SAMPLING_FLAGS.items():
-        what = FIELDS[name][2]
-        p.add_argument(flag, dest=name, default=None, metavar="X",
-                       help=f"{what}; default {getattr(defaults, name)}")  # fmt: skip
-
-
-def sampling_params(p: argparse.ArgumentParser, a: argparse.Namespace):
-    """SamplingParams from the flags; a bad value ends the command (exit 2) naming the flag."""
-    from .sampling import SamplingError, SamplingParams, parse_value
-
-    changes = {}
-    for flag, name in SAMPLING_FLAGS.items():
-        raw = getattr(a, name)
-        if raw is not None:
-            try:
-                changes[name] = parse_value(name, raw)
-            except SamplingError as e:
-                p.exit(2, f"{p.prog}: error: {flag}: {str(e).split(': ', 1)[1]}\n")
-    return SamplingParams(**changes)
 
 
 def one_shot_parser() -> argparse.ArgumentParser:

@@ -333,7 +333,7 @@ class ChatApp(CommandsMixin, App[int]):
 
 
 def parse_args(argv: list[str]) -> Options:
-    from mlxlis.cli import add_model_args, add_sampling_args, sampling_params
+    from mlxlis.cli_args import add_model_args, add_sampling_args, sampling_params
 
     p = argparse.ArgumentParser(prog="mlxlis chat",
                                 description="Chat with a model in the terminal.")
