@@ -9,8 +9,8 @@
  *
  * Loaded with RTLD_GLOBAL before mlx.core (mlxlis/blas.py), so MLX's cblas_sgemm resolves
  * here; mlxlis_blas_init hands over the real sgemm and sgemv (a system OpenBLAS's, or the
- * scipy-openblas32 wheel's scipy_cblas_* ones, whose prefixed names MLX cannot reach itself). Products with M = 1 or N = 1
- * go to sgemv, everything else to sgemm unchanged. No Python API: loaded with ctypes.
+ * scipy-openblas32 wheel's scipy_cblas_* ones, whose prefixed names MLX cannot reach itself).
+ * Products with M = 1 or N = 1 go to sgemv, everything else to sgemm unchanged. No Python API: loaded with ctypes.
  */
 #include <dlfcn.h>
 

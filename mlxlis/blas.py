@@ -99,7 +99,7 @@ def _load_wheel(misses: list[str]) -> bool:
     except (OSError, AttributeError) as e:
         misses.append(f"scipy-openblas32 did not load ({e})")
         return False
-    gemv = os.environ.get("MLXLIS_BLAS_GEMV", "1") != "0"
+    gemv = _gemv_wanted()
     if not _init_dispatch(dispatch, sgemm, sgemv if gemv else None):
         misses.append("the BLAS dispatch did not load (a stale build?)")
         return False
@@ -123,7 +123,7 @@ def _load_system(misses: list[str], at_least: tuple[int, ...] = ()) -> bool:
             return False
         routed = False
         dispatch = _dispatch_library()
-        if dispatch is not None and os.environ.get("MLXLIS_BLAS_GEMV", "1") != "0":
+        if dispatch is not None and _gemv_wanted():
             try:
                 routed = _init_dispatch(dispatch, blas.cblas_sgemm, blas.cblas_sgemv)
             except AttributeError:
@@ -136,6 +136,10 @@ def _load_system(misses: list[str], at_least: tuple[int, ...] = ()) -> bool:
     if "no system OpenBLAS" not in misses:
         misses.append("no system OpenBLAS")
     return False
+
+
+def _gemv_wanted() -> bool:
+    return os.environ.get("MLXLIS_BLAS_GEMV", "1") != "0"
 
 
 def _openblas_version(lib: ctypes.CDLL) -> tuple[int, ...]:
@@ -200,7 +204,3 @@ def _wheel_version() -> str:
     except Exception:  # noqa: BLE001 — only a label
         return ""
 
-
-def gemv_calls() -> int:
-    """Products the dispatch has sent to sgemv so far (0 without the dispatch)."""
-    return int(state.dispatch.mlxlis_gemv_calls()) if state.dispatch is not None else 0

@@ -73,12 +73,8 @@ def load_model(a: argparse.Namespace):
 
 
 def print_details(model) -> None:
-    from .blas import state as blas
-
     for k, v in model.describe().items():
         say(f"{k:>9}: {v}")
-    if blas.notice:
-        say(f"   notice: {blas.notice}")
 
 
 def run_one_shot(a: argparse.Namespace, params) -> int:

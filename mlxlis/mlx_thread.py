@@ -50,10 +50,6 @@ class MlxThread:
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
-    @property
-    def ident(self) -> int | None:
-        return self._thread.ident
-
     def _run(self) -> None:
         while True:
             fn, fut = self._jobs.get()

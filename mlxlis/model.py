@@ -89,10 +89,11 @@ class Model:
         )
 
     def describe(self) -> dict[str, str]:
+        """What runs, in words; "notice" only when a faster BLAS could not be used."""
         from .blas import state as blas
         from .device import device_name
 
-        return {
+        details = {
             "model": self.name,
             "family": self.config.family,
             "format": self.format,
@@ -102,6 +103,9 @@ class Model:
             "blas": blas.name,
             "template": self.template_source or "none",
         }
+        if blas.notice:
+            details["notice"] = blas.notice
+        return details
 
 
 def _quant_summary(net: nn.Module) -> str:

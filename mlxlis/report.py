@@ -29,8 +29,6 @@ SCHEMA = 1
 
 def model_report(model) -> dict[str, Any]:
     """The inspect report of a loaded Model (see the module docstring for the shape)."""
-    from .blas import state as blas
-
     d = model.describe()
     c = model.config
     arrays = tree_flatten(model.net.parameters())
@@ -47,7 +45,7 @@ def model_report(model) -> dict[str, Any]:
         "dtype": d["dtype"],
         "device": d["device"],
         "blas": d["blas"],
-        "blas_notice": blas.notice,  # why a faster BLAS is not in use, or null
+        "blas_notice": d.get("notice"),  # why a faster BLAS is not in use, or null
         "template": model.template_source,
         "config": {
             "layers": c.num_hidden_layers,

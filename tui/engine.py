@@ -140,10 +140,8 @@ class Engine:
             tail = "RAW COMPLETION (--no-chat): text is fed as is, no chat template"
         else:
             tail = f"template: {self.template_source or 'NONE — chat disabled'}"
-        from mlxlis.blas import state as blas
-
-        if blas.notice:  # a slow CPU path is worth saying where the user looks
-            tail += f"\nslow BLAS: {blas.notice}"
+        if i.get("notice"):  # a slow CPU path is worth saying where the user looks
+            tail += f"\nslow BLAS: {i['notice']}"
         return " · ".join(p for p in parts if p) + "\n" + tail
 
     # --- the conversation ---
