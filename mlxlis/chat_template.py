@@ -53,7 +53,7 @@ class ChatTemplate:
     key: str | None = field(default=None, compare=False)  # the field inside that file
 
     def __post_init__(self) -> None:
-        from .loading import limits
+        from . import limits
 
         if len(self.text) > limits.CHAT_TEMPLATE_MAX_CHARS:
             raise self._error(
@@ -167,7 +167,7 @@ def _as_text(value: Any) -> str | None:
 
 
 def _read_text(path: Path) -> str:
-    from .loading import limits
+    from . import limits
     from .loading.validate import read_bytes
 
     raw = read_bytes(path, limits.CHAT_TEMPLATE_MAX_CHARS * 4, TemplateError, "chat template")
@@ -179,7 +179,7 @@ def _read_text(path: Path) -> str:
 
 def _template_from_config(path: Path, source: str) -> ChatTemplate | None:
     """The "chat_template" of a JSON config: a string, or a list of {"name", "template"}."""
-    from .loading import limits
+    from . import limits
     from .loading.validate import read_json_file
 
     # bounded like every JSON mlxlis parses: size before parsing, nesting after

@@ -1,7 +1,8 @@
 """ModelConfig: one frozen description of a decoder, from config.json or GGUF metadata.
 
-Per-family differences are data here (bias on q/k/v, tying, rope θ, norms, softcaps), so the
-model code reads fields instead of branching on the family name.
+Per-family differences are data here (bias on q/k/v, tying, rope θ, norms, softcaps, experts),
+so the network code reads fields instead of branching on the family name. Which family reads
+which keys lives in that family's module (`mlxlis/families/`); this module knows no family.
 """
 
 from __future__ import annotations
@@ -11,19 +12,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from . import limits
 from .errors import ConfigError, UnsupportedError
-from .loading import limits
-
-# model_type in config.json -> family implemented here
-MODEL_TYPES: dict[str, str] = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "qwen2",
-    "gemma": "gemma",
-    "gemma2": "gemma2",
-    "gemma3_text": "gemma3",
-    "gemma3": "gemma3",
-}
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -58,30 +48,46 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Gemma family fields (defaults are the Llama behaviour)
+    # block structure (defaults are the Llama behaviour)
+    norm: str = "rms"  # "rms" | "rms_plus_one" (Gemma: x̂·(1 + w), computed in float32)
+    qk_norm: bool = False  # RMSNorm over head_dim on each head's q and k before RoPE
+    sandwich_norms: bool = False  # also norm each sublayer's output (Gemma 2/3)
+    embed_scale: bool = False  # embeddings × √hidden (Gemma)
+    residual_f32: bool = False  # residual stream in float32 whatever the compute dtype (Gemma)
+    # sliding-window attention and softcaps (Gemma 2/3)
     rope_local: RopeConfig | None = None  # RoPE of sliding-window layers (Gemma 3)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # mixture of experts (Qwen3-MoE); sparse_layers[i]: layer i's MLP is the expert block
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum 1
+    sparse_layers: tuple[bool, ...] = ()
     # MLX quantization from config.json ({"group_size", "bits", per-layer overrides}) or None
     quantization: dict[str, Any] | None = field(default=None, compare=False)
     source: str = ""
 
     @property
     def attn_scale(self) -> float:
-        base = self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_dim
-        return 1.0 / math.sqrt(base)
+        if self.query_pre_attn_scalar:  # Gemma 2/3 scale by a configured constant
+            return 1.0 / math.sqrt(self.query_pre_attn_scalar)
+        return self.head_dim**-0.5
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def is_sparse(self, layer: int) -> bool:
+        return bool(self.sparse_layers) and self.sparse_layers[layer]
 
     def with_(self, **changes: Any) -> ModelConfig:
         return replace(self, **changes)
 
 
-def _req(cfg: dict, key: str, path: str, typ: type = int) -> Any:
+def required(cfg: dict, key: str, path: str, typ: type = int) -> Any:
     if key not in cfg or cfg[key] is None:
         raise ConfigError("required field missing", path=path, field=key)
     value = cfg[key]
@@ -94,7 +100,7 @@ def _req(cfg: dict, key: str, path: str, typ: type = int) -> Any:
     return value
 
 
-def _number(value: Any) -> bool:
+def number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -106,7 +112,7 @@ def parse_rope(params: dict | None, theta: float | None, path: str, fld: str) ->
     theta = params.pop("rope_theta", theta)
     if theta is None:
         theta = 10000.0
-    if not _number(theta) or theta <= 0:
+    if not number(theta) or theta <= 0:
         raise ConfigError(f"bad rope theta {theta!r}", path=path, field=fld)
     rtype = params.get("rope_type", params.get("type", "default")) or "default"
     if rtype not in ROPE_TYPES:
@@ -118,7 +124,7 @@ def parse_rope(params: dict | None, theta: float | None, path: str, fld: str) ->
     if rtype == "default":
         return RopeConfig(theta=float(theta))
     factor = params.get("factor")
-    if not _number(factor) or factor <= 0:
+    if not number(factor) or factor <= 0:
         raise ConfigError(f"rope type {rtype} needs a positive factor", path=path, field=fld)
     if rtype == "linear":
         return RopeConfig(theta=float(theta), type="linear", factor=float(factor))
@@ -137,7 +143,7 @@ def parse_rope(params: dict | None, theta: float | None, path: str, fld: str) ->
         ) from None
 
 
-def _eos_list(value: Any, path: str, fld: str) -> tuple[int, ...]:
+def eos_list(value: Any, path: str, fld: str) -> tuple[int, ...]:
     if value is None:
         return ()
     if isinstance(value, int) and not isinstance(value, bool):
@@ -159,55 +165,11 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def config_from_hf(
-    cfg: dict, path: str = "config.json", generation: dict | None = None
-) -> ModelConfig:
-    """ModelConfig from a Hugging Face config.json dict (classic or transformers-5 keys)."""
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"expected a JSON object, got {type(cfg).__name__}", path=path)
-    if generation is not None and not isinstance(generation, dict):
-        raise ConfigError("generation config is not a JSON object", path=path)
-    model_type = cfg.get("model_type")
-    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
-        known = ", ".join(sorted(MODEL_TYPES))
-        raise UnsupportedError(
-            f"model_type {model_type!r} is not supported (known: {known})",
-            path=path,
-            field="model_type",
-        )
-    family = MODEL_TYPES[model_type]
-    quant = cfg.get("quantization", cfg.get("quantization_config"))
-    if "text_config" in cfg:  # multimodal wrapper (gemma3): the decoder lives in text_config
-        text = cfg["text_config"]
-        if not isinstance(text, dict):
-            raise ConfigError("expected an object", path=path, field="text_config")
-        cfg = {**text, "model_type": text.get("model_type", model_type)}
-    from .families import parse_family_config  # late import: families import config
-
-    base = _common(cfg, family, path)
-    try:
-        base = parse_family_config(family, cfg, base, path)
-    except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
-        # config.json is untrusted: a value of the wrong type is a bad file, not a crash
-        raise ConfigError(f"malformed value ({type(e).__name__}: {e})"[:300], path=path) from None
-    eos = _eos_list(cfg.get("eos_token_id"), path, "eos_token_id")
-    if generation and generation.get("eos_token_id") is not None:
-        eos = tuple(
-            dict.fromkeys(eos + _eos_list(generation["eos_token_id"], path, "eos_token_id"))
-        )
-    bos = cfg.get("bos_token_id")
-    if generation and generation.get("bos_token_id") is not None:
-        bos = generation["bos_token_id"]
-    return base.with_(
-        eos_token_ids=eos,
-        bos_token_id=bos if isinstance(bos, int) else None,
-        quantization=quant if isinstance(quant, dict) else None,
-    )
-
-
-def _common(cfg: dict, family: str, path: str) -> ModelConfig:
-    hidden = _req(cfg, "hidden_size", path)
-    heads = _req(cfg, "num_attention_heads", path)
+def base_config(cfg: dict, family: str, path: str) -> ModelConfig:
+    """The fields every decoder shares, from config.json keys (classic or transformers 5); a
+    family's module refines the result."""
+    hidden = required(cfg, "hidden_size", path)
+    heads = required(cfg, "num_attention_heads", path)
     kv_heads = cfg.get("num_key_value_heads") or heads
     max_pos = cfg.get("max_position_embeddings") or 4096
     if isinstance(max_pos, float) and max_pos.is_integer():
@@ -216,9 +178,9 @@ def _common(cfg: dict, family: str, path: str) -> ModelConfig:
         "hidden_size": ("hidden_size", hidden),
         "num_attention_heads": ("num_attention_heads", heads),
         "num_key_value_heads": ("num_key_value_heads", kv_heads),
-        "intermediate_size": ("intermediate_size", _req(cfg, "intermediate_size", path)),
-        "num_hidden_layers": ("num_hidden_layers", _req(cfg, "num_hidden_layers", path)),
-        "vocab_size": ("vocab_size", _req(cfg, "vocab_size", path)),
+        "intermediate_size": ("intermediate_size", required(cfg, "intermediate_size", path)),
+        "num_hidden_layers": ("num_hidden_layers", required(cfg, "num_hidden_layers", path)),
+        "vocab_size": ("vocab_size", required(cfg, "vocab_size", path)),
         "max_position_embeddings": ("max_position_embeddings", max_pos),
     }
     size = limits.check_sizes(sizes, path)  # integers from here on
@@ -242,7 +204,7 @@ def _common(cfg: dict, family: str, path: str) -> ModelConfig:
         rope = parse_rope(cfg.get("rope_scaling"), cfg.get("rope_theta"), path, "rope_scaling")
     eps = cfg.get("rms_norm_eps")
     eps = 1e-6 if eps is None else eps
-    if not _number(eps) or eps < 0:
+    if not number(eps) or eps < 0:
         raise ConfigError(f"expected a small positive number, got {eps!r}"[:200], path=path,
                           field="rms_norm_eps")  # fmt: skip
     act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
@@ -260,7 +222,7 @@ def _common(cfg: dict, family: str, path: str) -> ModelConfig:
         rms_norm_eps=float(eps),
         rope=rope,
         max_position_embeddings=size["max_position_embeddings"],
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.startswith("gemma"))),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),
         o_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),

@@ -27,15 +27,9 @@ from mlx.utils import tree_flatten
 
 from .config import ModelConfig
 from .errors import MlxlisError, UnsupportedError
+from .families import family
 
 MAX_SHARD_BYTES = 5 * 2**30
-HF_MODEL_TYPES = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "gemma": "gemma",
-    "gemma2": "gemma2",
-    "gemma3": "gemma3_text",
-}
 
 
 def sha256_file(path: Path) -> str:
@@ -48,9 +42,10 @@ def sha256_file(path: Path) -> str:
 
 def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str, Any]:
     """config.json in the classic keys that mlx-lm and transformers both read."""
+    spec = family(cfg.family)
     out: dict[str, Any] = {
-        "architectures": [_arch_name(cfg.family)],
-        "model_type": HF_MODEL_TYPES[cfg.family],
+        "architectures": [spec.export_architecture],
+        "model_type": spec.export_model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -69,8 +64,6 @@ def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str
         if len(cfg.eos_token_ids) != 1
         else cfg.eos_token_ids[0],
     }
-    if cfg.family == "llama":
-        out["attention_bias"] = cfg.attention_bias
     if cfg.rope.type == "linear":
         out["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope.factor}
     elif cfg.rope.type == "llama3":
@@ -82,43 +75,11 @@ def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str
             "high_freq_factor": r.high_freq_factor,
             "original_max_position_embeddings": r.original_max_position_embeddings,
         }
-    if cfg.family.startswith("gemma"):
-        out["hidden_activation"] = cfg.hidden_act
-        q = cfg.query_pre_attn_scalar
-        out["query_pre_attn_scalar"] = int(q) if q is not None and float(q).is_integer() else q
-    if cfg.family in ("gemma2", "gemma3"):
-        out["sliding_window"] = cfg.sliding_window
-        out["layer_types"] = list(cfg.layer_types)
-        if cfg.family == "gemma2":
-            out["attn_logit_softcapping"] = cfg.attn_logit_softcapping
-            out["final_logit_softcapping"] = cfg.final_logit_softcapping
-        else:
-            out["rope_local_base_freq"] = cfg.rope_local.theta if cfg.rope_local else 10000.0
-            pattern = _pattern(cfg.layer_types)
-            if pattern:
-                out["sliding_window_pattern"] = pattern
+    out.update(spec.export_config(cfg))
     if quant:
         out["quantization"] = quant
         out["quantization_config"] = quant
     return out
-
-
-def _pattern(layer_types: tuple[str, ...]) -> int | None:
-    """The period n of 'n-1 sliding then 1 full', if the layers follow one."""
-    for n in range(1, len(layer_types) + 1):
-        if all((t == "full_attention") == ((i + 1) % n == 0) for i, t in enumerate(layer_types)):
-            return n
-    return None
-
-
-def _arch_name(family: str) -> str:
-    return {
-        "llama": "LlamaForCausalLM",
-        "qwen2": "Qwen2ForCausalLM",
-        "gemma": "GemmaForCausalLM",
-        "gemma2": "Gemma2ForCausalLM",
-        "gemma3": "Gemma3ForCausalLM",
-    }[family]
 
 
 def quantization_block(net: nn.Module) -> tuple[dict | None, list[str], list[str]]:

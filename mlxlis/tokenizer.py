@@ -9,8 +9,8 @@ Which library runs what, and why:
   (merge the adjacent pair whose merged piece scores highest, leftmost on ties; characters with
   no piece fall back to <0xXX> byte pieces): sentencepiece runs that algorithm natively, with
   no merge list to re-derive (transformers derives one, ~10 s for Gemma; the proto takes ~0.5 s).
-- Special / user-defined token text is cut out first (`detok.TableVocab`), as llama.cpp does;
-  ids -> text for GGUF / SentencePiece vocabularies is `detok.PieceTable`.
+- Special / user-defined token text is cut out first (`vocab.TableVocab`), as llama.cpp does;
+  ids -> text for GGUF / SentencePiece vocabularies is `vocab.PieceTable`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import tokenizers
 from sentencepiece import SentencePieceProcessor
 from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 
-from . import detok as tt  # token types: tt.CONTROL, ...
-from .detok import EOG_TEXTS, JsonVocab, PieceTable, StreamDecoder, TableVocab, spm_proto
+from . import vocab as tt  # token types: tt.CONTROL, ...
 from .errors import TokenizerError
+from .vocab import EOG_TEXTS, JsonVocab, PieceTable, StreamDecoder, TableVocab, spm_proto
 
 __all__ = ["StreamDecoder", "Tokenizer", "spm_proto"]
 
@@ -270,7 +270,7 @@ def _gguf_spm(
 
 def _added_tokens(cfg: dict[str, Any], path: Path) -> list[tuple[int, dict]]:
     """tokenizer_config.json's added_tokens_decoder as (id, spec), ids checked and bounded."""
-    from .loading.limits import CONFIG_MAX_VOCAB
+    from .limits import CONFIG_MAX_VOCAB
 
     table = cfg.get("added_tokens_decoder") or {}
     if not isinstance(table, dict):

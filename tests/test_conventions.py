@@ -1,4 +1,5 @@
-"""Converter conventions (mlxlis.loading.conventions) and GGUF name tables (gguf_names).
+"""Converter conventions (mlxlis.families.conventions, declared per family) and the families'
+GGUF name tables (`Family.gguf_block`).
 
 Reference parity: the un-permute against llama.cpp's own `permute` formula (copied below from
 convert_hf_to_gguf.py), on dense rows and on MLX-quantized rows; and, on the full load path, a
@@ -17,12 +18,12 @@ import mlxlis.device
 from mlxlis import catalog
 from mlxlis.config import ModelConfig, RopeConfig
 from mlxlis.errors import MissingTensorError, UnexpectedTensorError
-from mlxlis.families import FAMILIES, build_model
+from mlxlis.families import REGISTRY, build_model, conventions, family
+from mlxlis.families.conventions import unpermute_rows
 from mlxlis.loading import gguf_model
-from mlxlis.loading.conventions import CONVENTIONS, undo, unpermute_rows
 from mlxlis.loading.gguf import read_gguf
 from mlxlis.loading.gguf_config import config_from_gguf
-from mlxlis.loading.gguf_names import SPECIAL, TABLES, module_name
+from mlxlis.loading.gguf_model import SPECIAL
 
 import gguf
 import mlx.core as mx
@@ -43,6 +44,24 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -
     return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
             .swapaxes(1, 2)
             .reshape(weights.shape))  # fmt: skip
+
+
+def undo(name: str, arr: mx.array, cfg: ModelConfig, part: str) -> mx.array:
+    return family(cfg.family).undo(name, arr, cfg, part)
+
+
+def module_name(fam: str, gguf_name: str) -> str | None:
+    return family(fam).gguf_module_name(gguf_name)
+
+
+def permuted_by_llama_cpp(fam: str) -> bool:
+    """llama.cpp's converter permutes Q/K for its `llama` architecture only (LlamaModel)."""
+    return "llama" in REGISTRY[fam].gguf_archs
+
+
+def norms_plus_one_in_gguf(fam: str) -> bool:
+    """llama.cpp's Gemma 1/2/3 converters add 1 to every norm weight."""
+    return any(a in ("gemma", "gemma2", "gemma3") for a in REGISTRY[fam].gguf_archs)
 
 
 def config(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 16) -> ModelConfig:
@@ -92,16 +111,16 @@ def test_undo_unpermutes_q_with_heads_and_k_with_kv_heads():
     fq = llama_cpp_permute(q, 8, 8)
     fk = llama_cpp_permute(k, 8, 2)
     for part in ("weight", "scales", "biases", "bias"):
-        got_q = undo(f"model.layers.0.self_attn.q_proj.{part}", mx.array(fq), cfg, "gguf", part)
-        got_k = undo(f"model.layers.0.self_attn.k_proj.{part}", mx.array(fk), cfg, "gguf", part)
+        got_q = undo(f"model.layers.0.self_attn.q_proj.{part}", mx.array(fq), cfg, part)
+        got_k = undo(f"model.layers.0.self_attn.k_proj.{part}", mx.array(fk), cfg, part)
         assert np.array_equal(np.array(got_q), q) and np.array_equal(np.array(got_k), k)
     for name in ("self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.up_proj.weight"):
-        got = undo(f"model.layers.0.{name}", mx.array(fq), cfg, "gguf", "weight")
+        got = undo(f"model.layers.0.{name}", mx.array(fq), cfg, "weight")
         assert np.array_equal(np.array(got), fq)
-    for family in ("qwen2", "gemma", "gemma2", "gemma3"):  # llama.cpp permutes llama only
+    for fam in REGISTRY:  # llama.cpp permutes llama only
         got = undo("model.layers.0.self_attn.q_proj.weight", mx.array(fq),
-                   config(family, heads=8, kv_heads=2), "gguf", "weight")  # fmt: skip
-        assert np.array_equal(np.array(got), fq)
+                   config(fam, heads=8, kv_heads=2), "weight")  # fmt: skip
+        assert np.array_equal(np.array(got), q if permuted_by_llama_cpp(fam) else fq), fam
 
 
 # --- Gemma norms ---
@@ -125,32 +144,34 @@ NOT_NORMS = [
 ]
 
 
-@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3", "llama", "qwen2"])
-def test_gemma_norm_minus_one_exactly_where_it_belongs(family: str):
+@pytest.mark.parametrize("fam", list(REGISTRY))
+def test_gemma_norm_minus_one_exactly_where_it_belongs(fam: str):
     """llama.cpp adds 1 to every Gemma *norm.weight (q/k norms included): the loader subtracts
-    it from each of them for gemma/gemma2/gemma3, from nothing else, and never for llama/qwen2."""
-    cfg = config(family)
+    it from each of them for gemma/gemma2/gemma3, from nothing else, and never for the others."""
+    cfg = config(fam)
     w = mx.array(np.linspace(-2, 3, 16, dtype=np.float32))
-    gemma = family.startswith("gemma")
+    gemma = norms_plus_one_in_gguf(fam)
     for name in GEMMA_NORMS:
-        got = undo(name, w, cfg, "gguf", "weight")
+        got = undo(name, w, cfg, "weight")
         assert mx.array_equal(got, w - 1 if gemma else w).item(), name
     for name in NOT_NORMS:
-        if family == "llama" and "q_proj" in name:
+        if permuted_by_llama_cpp(fam) and "q_proj" in name:
             continue  # un-permuted, tested above
-        assert mx.array_equal(undo(name, w, cfg, "gguf", "weight"), w).item(), name
+        assert mx.array_equal(undo(name, w, cfg, "weight"), w).item(), name
 
 
-def test_conventions_table_covers_every_gguf_family():
-    """(family, "gguf") for each supported family; qwen2 has none; other formats have none."""
-    assert {f for f, fmt in CONVENTIONS if fmt == "gguf"} == set(FAMILIES) == {
-        "llama", "qwen2", "gemma", "gemma2", "gemma3"}  # fmt: skip
-    assert CONVENTIONS[("qwen2", "gguf")] == ()
-    assert {fmt for _, fmt in CONVENTIONS} == {"gguf"}
-    w = mx.array(np.ones((64, 8), np.float32))
-    for family in FAMILIES:  # safetensors checkpoints are in the HF convention already
-        for name in ("model.norm.weight", "model.layers.0.self_attn.q_proj.weight"):
-            assert undo(name, w, config(family), "safetensors", "weight") is w
+def test_every_family_declares_exactly_llama_cpps_conventions():
+    """Each family's GGUF conventions are what llama.cpp's converter did to its architecture:
+    the Q/K un-permute for llama, the norm offset for Gemma 1/2/3, nothing for the rest."""
+    for fam, spec in REGISTRY.items():
+        want = []
+        if permuted_by_llama_cpp(fam):
+            want += ["UNPERMUTE_Q", "UNPERMUTE_K"]
+        if norms_plus_one_in_gguf(fam):
+            want += ["NORM_MINUS_ONE"]
+        names = {id(getattr(conventions, n)): n
+                 for n in ("UNPERMUTE_Q", "UNPERMUTE_K", "NORM_MINUS_ONE")}  # fmt: skip
+        assert [names[id(x)] for x in spec.gguf_conventions] == want, fam
 
 
 # --- name tables ---
@@ -172,8 +193,7 @@ def test_every_tensor_of_the_real_models_maps(name: str):
     assert set(mapped.values()) == params
 
 
-def test_name_tables_have_every_family():
-    assert set(TABLES) == set(FAMILIES)
+def test_name_tables():
     assert module_name("llama", "blk.7.attn_q.bias") == "model.layers.7.self_attn.q_proj.bias"
     k_norm = module_name("gemma3", "blk.0.attn_k_norm.weight")
     assert k_norm == "model.layers.0.self_attn.k_norm.weight"

@@ -315,8 +315,7 @@ def test_fuzz_manifest_json(work, value, raw, use_raw):
 @pytest.fixture(scope="module")
 def tiny_model(work) -> tuple[Path, dict]:
     """A 2-layer model folder (config.json + model.safetensors, names as the family's)."""
-    from mlxlis.config import config_from_hf
-    from mlxlis.families import build_model
+    from mlxlis.families import build_model, config_from_hf
 
     from mlx.utils import tree_flatten
 
@@ -387,8 +386,7 @@ def check_plan(
 ) -> None:
     import warnings
 
-    from mlxlis.config import config_from_hf
-    from mlxlis.families import build_model
+    from mlxlis.families import build_model, config_from_hf
     from mlxlis.loading.manifest import as_manifest, plan_bindings
 
     def run() -> None:
@@ -553,7 +551,7 @@ def configs(draw) -> tuple[object, object]:
 
 
 def check_config(cfg: object, generation: object) -> None:
-    from mlxlis.config import config_from_hf
+    from mlxlis.families import config_from_hf
 
     survives(lambda: config_from_hf(cfg, "config.json", generation), "config")  # type: ignore[arg-type]
 

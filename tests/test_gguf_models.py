@@ -19,7 +19,7 @@ from pathlib import Path
 
 import mlxlis
 from mlxlis import catalog
-from mlxlis.families import FAMILIES
+from mlxlis.families import REGISTRY
 from mlxlis.loading.gguf import read_gguf
 
 import mlx.core as mx
@@ -56,7 +56,7 @@ def real(request) -> Real:
     name = request.param
     if not catalog.is_pulled(name):
         pytest.skip(f"{name} not pulled (make models)")
-    if catalog.CATALOG[name].family not in FAMILIES:
+    if catalog.CATALOG[name].family not in REGISTRY:
         pytest.skip(f"family {catalog.CATALOG[name].family} is not implemented yet")
     from transformers import AutoTokenizer
 

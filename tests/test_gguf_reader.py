@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from mlxlis import catalog
+from mlxlis import catalog, limits
 from mlxlis.errors import (
     FileFormatError,
     MlxlisError,
@@ -18,7 +18,6 @@ from mlxlis.errors import (
     UnsupportedFormatError,
     UnsupportedQuantError,
 )
-from mlxlis.loading import limits
 from mlxlis.loading.gguf import GGML_TYPES, read_gguf
 
 import numpy as np

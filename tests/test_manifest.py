@@ -13,8 +13,8 @@ import warnings
 from pathlib import Path
 
 import mlxlis
-from mlxlis import errors
-from mlxlis.loading import limits, manifest
+from mlxlis import errors, limits
+from mlxlis.loading import manifest
 from mlxlis.loading.manifest import (
     BindingDtypeError,
     BindingMissingError,

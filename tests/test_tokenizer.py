@@ -16,9 +16,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from mlxlis import catalog
-from mlxlis.detok import BYTE, CONTROL, NORMAL, StreamDecoder, bytes_to_unicode
 from mlxlis.errors import TokenizerError
 from mlxlis.tokenizer import Tokenizer, spm_proto
+from mlxlis.vocab import BYTE, CONTROL, NORMAL, StreamDecoder, bytes_to_unicode
 
 import numpy as np
 import pytest

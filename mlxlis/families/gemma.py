@@ -1,188 +1,237 @@
-"""Gemma 1, 2 and 3 (text) decoders: one forward pass, the differences are ModelConfig fields.
+"""Gemma 1, 2 and 3 (text): three families on the shared decoder, their differences as data.
 
-Module attribute names equal the Hugging Face tensor names, so a checkpoint binds by name.
   Gemma 1: pre-norm blocks, GeGLU, x̂·(1 + w) RMSNorm, embedding × √hidden, tied head.
-  Gemma 2: + sandwich norms (post-attention / pre- and post-feed-forward), attention-logit and
-           final-logit softcaps, scale 1/√query_pre_attn_scalar, sliding-window layers.
-  Gemma 3: + q_norm / k_norm over head_dim, a local RoPE base for sliding layers, global RoPE
-           with linear scaling for full layers, usually no softcaps.
-Sliding layers see keys in (p − window, p] (transformers' `kv_idx > q_idx - sliding_window`).
+  Gemma 2: + sandwich norms, attention-logit and final-logit softcaps,
+           scale 1/√query_pre_attn_scalar, every other layer sliding-window.
+  Gemma 3: + q/k norms, 5 sliding layers per global one, a local RoPE base for sliding layers,
+           global RoPE with linear scaling, usually no softcaps.
+HF `gemma` / `gemma2` / `gemma3_text` (and the multimodal `gemma3`, whose language model is
+read and vision tower dropped); GGUF `gemma` / `gemma2` / `gemma3`. llama.cpp's converter adds
+1 to every norm weight (Gemma computes x̂·(1 + w)); the loader subtracts it.
 """
 
 from __future__ import annotations
 
-import mlx.core as mx
-import mlx.nn as nn
+from dataclasses import dataclass
+from typing import Any
 
-from ..cache import KVCache, RotatingKVCache, window_mask
-from ..config import ModelConfig
-from .activations import gated
-from .attention import attend, softcap
-from .rope import Rope
+from ..config import ModelConfig, RopeConfig, parse_rope
+from ..errors import ConfigError, UnsupportedError
+from ..limits import check_sizes
+from .activations import GATED
+from .base import GGUF_LLAMA_BLOCK, Family, GGUFMeta
+from .conventions import NORM_MINUS_ONE
+from .decoder import Decoder
 
-Cache = KVCache | RotatingKVCache
-
-
-class RMSNorm(nn.Module):
-    """Gemma's RMSNorm: x̂·(1 + w), reduced and multiplied in float32, cast after the multiply
-    (as transformers' GemmaRMSNorm; casting before the multiply, as plain RMSNorm does, or
-    forming 1 + w in float16 changes about a third of the float16 outputs by one ulp)."""
-
-    def __init__(self, dims: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = mx.zeros((dims,))
-
-    def __call__(self, x: mx.array) -> mx.array:
-        w = 1.0 + self.weight.astype(mx.float32)
-        return mx.fast.rms_norm(x.astype(mx.float32), w, self.eps).astype(self.weight.dtype)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: Rope):
-        super().__init__()
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv_heads = cfg.num_key_value_heads
-        self.scale = cfg.attn_scale  # 1/√query_pre_attn_scalar (Gemma 2/3) or 1/√head_dim
-        self.softcap = cfg.attn_logit_softcapping
-        d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=cfg.o_bias)
-        if cfg.family == "gemma3":
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.rope = rope
+@dataclass(frozen=True)
+class _Version:
+    """What one Gemma generation is: transformers' defaults for keys a config may omit, and the
+    structure llama.cpp assumes for its GGUF architecture."""
 
-    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: Cache | None) -> mx.array:
-        b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        # q: (B, n_heads, T, head_dim); k, v: (B, n_kv_heads, T, head_dim)
-        if "q_norm" in self:
-            q, k = self.q_norm(q), self.k_norm(k)
-        offset = cache.offset if cache is not None else 0
-        q = self.rope(q, offset)
-        k = self.rope(k, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = attend(q, k, v, self.scale, mask, self.softcap)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+    hf_act_key: str  # Gemma 1 reads hidden_act (its legacy "gelu" is the tanh GELU)
+    query_pre_attn_scalar: float | None  # None: the scale is 1/√head_dim, not configurable
+    attn_softcap: float | None
+    final_softcap: float | None
+    sliding_window: int | None  # transformers' default
+    pattern: int | None  # classic configs: every pattern-th layer is global; None: no sliding
+    gguf_window: int = 0  # llama.cpp's default window
+    local_rope: bool = False  # a separate RoPE base for sliding layers (Gemma 3)
+    sandwich: bool = False
+    qk_norm: bool = False
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
-        self.act = gated(cfg.hidden_act)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))  # GeGLU
+_V1 = _Version("hidden_act", None, None, None, None, None)
+_V2 = _Version("hidden_activation", 256, 50.0, 30.0, 4096, 2, gguf_window=4096, sandwich=True)
+_V3 = _Version("hidden_activation", 256, None, None, 4096, 6, gguf_window=512, local_rope=True,
+               sandwich=True, qk_norm=True)  # fmt: skip
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: Rope):
-        super().__init__()
-        eps = cfg.rms_norm_eps
-        self.self_attn = Attention(cfg, rope)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.sandwich = cfg.family != "gemma"  # Gemma 2/3 also norm each sublayer's output
-        if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
-
-    def __call__(self, h: mx.array, mask: str | mx.array | None, cache: Cache | None) -> mx.array:
-        # h is the float32 residual stream; the sublayers run in the compute dtype
-        if not self.sandwich:
-            h = h + self.self_attn(self.input_layernorm(h), mask, cache)
-            return h + self.mlp(self.post_attention_layernorm(h))
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), mask, cache))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+def _positive(cfg: dict, key: str, default: Any, path: str) -> float | None:
+    value = cfg.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"expected a positive number or null, got {value!r}", path=path,
+                          field=key)  # fmt: skip
+    return value
 
 
-class GemmaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, ropes: list[Rope]):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = [DecoderLayer(cfg, ropes[i]) for i in range(cfg.num_hidden_layers)]
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+def _structure(v: _Version) -> dict[str, Any]:
+    return dict(norm="rms_plus_one", embed_scale=True, residual_f32=True,
+                sandwich_norms=v.sandwich, qk_norm=v.qk_norm)  # fmt: skip
 
 
-class Model(nn.Module):
-    """inputs (B, T) token ids -> logits (B, T, vocab) in the compute dtype (T = 1 if last_only)."""
+def _act(cfg: dict, v: _Version, path: str) -> str:
+    if v.hf_act_key == "hidden_act":
+        act = cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        act = "gelu_pytorch_tanh" if act == "gelu" else act
+    else:
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in GATED:
+        raise UnsupportedError(f"activation {act!r} is not implemented", path=path,
+                               field=v.hf_act_key)  # fmt: skip
+    return act
 
-    def __init__(self, cfg: ModelConfig, rope_freq_factors: mx.array | None = None):
-        super().__init__()
-        self.config = cfg
-        self._rope_freq_factors = rope_freq_factors  # GGUF rope_freqs; a buffer, not a parameter
-        rope = Rope(cfg.head_dim, cfg.rope, rope_freq_factors)  # global (full-attention) layers
-        local = Rope(cfg.head_dim, cfg.rope_local) if cfg.rope_local is not None else rope
-        # underscore: plain data, not part of the parameter tree
-        self._sliding = tuple(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))
-        self.model = GemmaModel(cfg, [local if s else rope for s in self._sliding])
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def make_cache(self) -> list[Cache]:
-        w = self.config.sliding_window
-        return [RotatingKVCache(w) if s else KVCache() for s in self._sliding]
+def _layer_types(cfg: dict, v: _Version, n: int, path: str) -> tuple[str, ...]:
+    if v.pattern is None:
+        return ()
+    if cfg.get("layer_types") is not None:
+        types = tuple(cfg["layer_types"])
+        if len(types) != n or any(t not in LAYER_TYPES for t in types):
+            raise ConfigError(f"expected {n} of {LAYER_TYPES}, got {cfg['layer_types']!r}",
+                              path=path, field="layer_types")  # fmt: skip
+        return types
+    pattern = cfg.get("sliding_window_pattern", v.pattern)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise ConfigError(f"bad pattern {pattern!r}", path=path, field="sliding_window_pattern")
+    return tuple(LAYER_TYPES[(i + 1) % pattern != 0] for i in range(n))
 
-    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Multimodal Gemma 3 checkpoints: keep the language model's tensors under our names
-        (hub `language_model.model.*`, transformers-5 `model.language_model.*`), drop vision."""
-        renames = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                   ("language_model.lm_head.", "lm_head."))
-        vision = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                  "model.multi_modal_projector.")
-        out = {}
-        for name, arr in weights.items():
-            if name.startswith(vision):
-                continue
-            for old, new in renames:
-                if name.startswith(old):
-                    name = new + name[len(old):]
-                    break
-            out[name] = arr
+
+def _ropes(cfg: dict, path: str) -> tuple[RopeConfig, RopeConfig]:
+    """Gemma 3: global θ (+ linear scaling) for full layers, a local θ for sliding ones."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        rope = parse_rope(params.get("full_attention"), cfg.get("rope_theta", 1e6), path,
+                          "rope_parameters.full_attention")  # fmt: skip
+        local = parse_rope(params.get("sliding_attention"), cfg.get("rope_local_base_freq", 1e4),
+                           path, "rope_parameters.sliding_attention")  # fmt: skip
+        return rope, local
+    if params is not None:
+        rope = parse_rope(params, cfg.get("rope_theta", 1e6), path, "rope_parameters")
+    else:
+        rope = parse_rope(cfg.get("rope_scaling"), cfg.get("rope_theta", 1e6), path,
+                          "rope_scaling")  # fmt: skip
+    theta = _positive(cfg, "rope_local_base_freq", 1e4, path)
+    return rope, RopeConfig(theta=float(theta or 1e4))
+
+
+def _hf_parser(v: _Version):
+    def parse(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
+        if cfg.get("use_bidirectional_attention"):
+            raise UnsupportedError("bidirectional (embedding) Gemma models are not implemented",
+                                   path=path, field="use_bidirectional_attention")  # fmt: skip
+        layer_types = _layer_types(cfg, v, base.num_hidden_layers, path)
+        window = _positive(cfg, "sliding_window", v.sliding_window, path)
+        if window is not None:
+            check_sizes({"sliding_window": ("sliding_window", window)}, path)
+        if "sliding_attention" in layer_types and window is None:
+            raise ConfigError("sliding-window layers need a sliding_window", path=path,
+                              field="sliding_window")  # fmt: skip
+        rope, rope_local = _ropes(cfg, path) if v.local_rope else (base.rope, None)
+        qpas = _positive(cfg, "query_pre_attn_scalar", v.query_pre_attn_scalar, path)
+        return base.with_(
+            **_structure(v),
+            hidden_act=_act(cfg, v, path),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            rope=rope,
+            rope_local=rope_local,
+            layer_types=layer_types,
+            sliding_window=int(window) if window is not None and layer_types else None,
+            query_pre_attn_scalar=(
+                float(qpas) if qpas is not None and v.query_pre_attn_scalar else None
+            ),
+            attn_logit_softcapping=_positive(cfg, "attn_logit_softcapping", v.attn_softcap,
+                                             path),  # fmt: skip
+            final_logit_softcapping=_positive(cfg, "final_logit_softcapping", v.final_softcap,
+                                              path),  # fmt: skip
+        )
+
+    return parse
+
+
+def _gguf_parser(v: _Version, big_layers: int):
+    """llama.cpp's reading of a Gemma GGUF; `big_layers`: the block count of the 27B model."""
+
+    def parse(cfg: ModelConfig, m: GGUFMeta) -> ModelConfig:
+        n = cfg.num_hidden_layers
+        # llama.cpp: the 27B models scale by hidden/heads, every other size by head_dim
+        qpas = cfg.head_dim if n != big_layers else cfg.hidden_size // cfg.num_attention_heads
+        changes: dict[str, Any] = dict(_structure(v), hidden_act="gelu_pytorch_tanh",
+                                       query_pre_attn_scalar=float(qpas))  # fmt: skip
+        if v.pattern is not None:
+            window = m.get("attention.sliding_window", v.gguf_window)
+            check_sizes({"sliding_window": (m.key("attention.sliding_window"), window)}, m.path)
+            # llama.cpp: Gemma 2 slides on even layers; Gemma 3 on 5 of every 6
+            types = tuple(LAYER_TYPES[(i + 1) % v.pattern != 0] for i in range(n))
+            changes.update(sliding_window=window, layer_types=types)
+        if v.attn_softcap is not None:
+            changes.update(
+                attn_logit_softcapping=m.get("attn_logit_softcapping", v.attn_softcap, float),
+                final_logit_softcapping=m.get("final_logit_softcapping", v.final_softcap, float),
+            )
+        if v.local_rope:
+            changes["rope_local"] = RopeConfig(theta=10000.0)  # llama.cpp's local base
+        return cfg.with_(**changes)
+
+    return parse
+
+
+def _export(v: _Version):
+    def export(cfg: ModelConfig) -> dict[str, Any]:
+        q = cfg.query_pre_attn_scalar
+        out: dict[str, Any] = {
+            "hidden_activation": cfg.hidden_act,
+            "query_pre_attn_scalar": int(q) if q is not None and float(q).is_integer() else q,
+        }
+        if v.pattern is not None:
+            out["sliding_window"] = cfg.sliding_window
+            out["layer_types"] = list(cfg.layer_types)
+        if v.attn_softcap is not None:
+            out["attn_logit_softcapping"] = cfg.attn_logit_softcapping
+            out["final_logit_softcapping"] = cfg.final_logit_softcapping
+        if v.local_rope:
+            out["rope_local_base_freq"] = cfg.rope_local.theta if cfg.rope_local else 10000.0
+            pattern = _pattern(cfg.layer_types)
+            if pattern:
+                out["sliding_window_pattern"] = pattern
         return out
 
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None,
-                 last_only: bool = False) -> mx.array:
-        cfg = self.config
-        t = inputs.shape[1]
-        h = self.model.embed_tokens(inputs)
-        # the normalizer √hidden is rounded to the compute dtype first, as transformers does
-        h = h * mx.array(cfg.hidden_size**0.5, mx.float32).astype(h.dtype)
-        # The residual stream is kept in float32 whatever the compute dtype: Gemma's outgrows
-        # float16's 65 504 (Gemma 3 270M reaches 1.04e5 within 300 tokens; a float16 residual
-        # turned all of its logits NaN, clipping adds to ±65 504 as mlx-lm does left them off by
-        # up to 15.7). Sublayers read it through the float32 RMSNorm and run in the compute
-        # dtype; the cost is one (B, T, hidden) float32 array.
-        h = h.astype(mx.float32)
-        full_mask = "causal" if t > 1 else None  # aligned to the newest keys: works with a cache
-        sliding_mask = None
-        if any(self._sliding):
-            i = self._sliding.index(True)
-            if cache is not None:
-                sliding_mask = cache[i].mask(t)
-            elif t > 1:
-                sliding_mask = window_mask(0, t, 0, t, cfg.sliding_window)
-        for i, layer in enumerate(self.model.layers):
-            mask = sliding_mask if self._sliding[i] else full_mask
-            h = layer(h, mask, cache[i] if cache is not None else None)
-        if last_only:  # prefill/decode need only the newest position's logits
-            h = h[:, -1:, :]
-        h = self.model.norm(h)
-        if cfg.tie_word_embeddings:
-            logits = self.model.embed_tokens.as_linear(h)
-        else:
-            logits = self.lm_head(h)
-        if cfg.final_logit_softcapping is not None:
-            logits = softcap(logits, cfg.final_logit_softcapping)
-        return logits
+    return export
+
+
+def _pattern(layer_types: tuple[str, ...]) -> int | None:
+    """The period n of 'n-1 sliding then 1 full', if the layers follow one."""
+    for n in range(1, len(layer_types) + 1):
+        if all((t == "full_attention") == ((i + 1) % n == 0) for i, t in enumerate(layer_types)):
+            return n
+    return None
+
+
+_GEMMA2_BLOCK = {
+    **GGUF_LLAMA_BLOCK,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA3_BLOCK = {**_GEMMA2_BLOCK, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # noqa: E501
+
+GEMMA = Family(
+    name="gemma", hf_model_types=("gemma",), gguf_archs=("gemma",),
+    parse_hf=_hf_parser(_V1), parse_gguf=_gguf_parser(_V1, 0), network=Decoder,
+    gguf_conventions=(NORM_MINUS_ONE,),
+    export_model_type="gemma", export_architecture="GemmaForCausalLM", export_config=_export(_V1),
+)  # fmt: skip
+GEMMA2 = Family(
+    name="gemma2", hf_model_types=("gemma2",), gguf_archs=("gemma2",),
+    parse_hf=_hf_parser(_V2), parse_gguf=_gguf_parser(_V2, 46), network=Decoder,
+    gguf_block=_GEMMA2_BLOCK, gguf_conventions=(NORM_MINUS_ONE,),
+    export_model_type="gemma2", export_architecture="Gemma2ForCausalLM",
+    export_config=_export(_V2),
+)  # fmt: skip
+GEMMA3 = Family(
+    name="gemma3", hf_model_types=("gemma3_text", "gemma3"), gguf_archs=("gemma3",),
+    parse_hf=_hf_parser(_V3), parse_gguf=_gguf_parser(_V3, 62), network=Decoder,
+    gguf_block=_GEMMA3_BLOCK, gguf_conventions=(NORM_MINUS_ONE,),  # q_norm / k_norm included
+    export_model_type="gemma3_text", export_architecture="Gemma3ForCausalLM",
+    export_config=_export(_V3),
+    # multimodal checkpoints: the hub's `language_model.model.*`, transformers 5's
+    # `model.language_model.*`; the vision tower and projector are dropped
+    hf_renames=(("language_model.model.", "model."), ("model.language_model.", "model."),
+                ("language_model.lm_head.", "lm_head.")),
+    hf_dropped=("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                "model.multi_modal_projector."),
+)  # fmt: skip

@@ -13,10 +13,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from .. import catalog
-from ..config import config_from_hf, read_json
+from ..config import read_json
 from ..device import resolve_dtype
 from ..errors import BindingError, ModelNotFoundError, UnsupportedError, UnsupportedFormatError
-from ..families import build_model
+from ..families import build_model, config_from_hf
 from .binding import bind
 from .manifest import as_manifest, plan_bindings
 from .validate import check_folder_json

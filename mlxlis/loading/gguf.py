@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import limits
 from ..errors import (
     FileFormatError,
     MissingTensorError,
@@ -29,7 +30,6 @@ from ..errors import (
     UnsupportedFormatError,
     UnsupportedQuantError,
 )
-from . import limits
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

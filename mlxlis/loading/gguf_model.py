@@ -20,12 +20,10 @@ import mlx.core as mx
 
 from ..device import proc_bytes
 from ..errors import UnexpectedTensorError
-from ..families import build_model
+from ..families import build_model, family
 from .binding import bind, quantize_like
-from .conventions import undo
 from .gguf import GGUFFile, read_gguf
 from .gguf_config import config_from_gguf
-from .gguf_names import SPECIAL, module_name
 from .quants import QUANTIZABLE, allocate, convert_tensor
 
 # dequantize=None, the per-device default. Measured on the three catalog models (2-core x86 VM
@@ -42,6 +40,7 @@ from .quants import QUANTIZABLE, allocate, convert_tensor
 # its decode speed. The price is memory and load time (Qwen2.5: 2.1-2.9 s instead of 1.8-2.2 s
 # here), repaid many times over by the first prompt. On Metal and CUDA the quantized kernels
 # are the fast path, so quantized. dequantize=True / False force either way.
+SPECIAL = {"rope_freqs.weight"}  # GGUF tensors that are not parameters (read by the loader)
 CPU_DENSE_FRACTION = 0.5  # dense on CPU while the dense weights need ≤ this much of free memory
 PREFETCH_BYTES = 256 << 20  # output buffers allocated ahead of the conversion
 
@@ -156,9 +155,10 @@ def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dense, clock: _Clock):
     quant: dict[str, dict] = {}
     rope_freqs = None
     path = str(gf.path)
+    spec = family(cfg.family)
     targets = {}
     for name in gf.tensors:
-        targets[name] = None if name in SPECIAL else module_name(cfg.family, name)
+        targets[name] = None if name in SPECIAL else spec.gguf_module_name(name)
         if targets[name] is None and name not in SPECIAL:
             raise UnexpectedTensorError(
                 f"no {cfg.family} module takes this tensor", path=gf.path, field=name
@@ -209,7 +209,7 @@ def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dense, clock: _Clock):
             parts = {target.rsplit(".", 1)[1]: conv.weight}
         del conv
         for part, arr in parts.items():
-            new = undo(target, arr, cfg, "gguf", part)
+            new = spec.undo(target, arr, cfg, part)
             if new.dtype in (mx.float32, mx.float16, mx.bfloat16) and new.dtype != dtype:
                 new = new.astype(dtype)
             if new is not arr:

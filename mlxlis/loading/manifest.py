@@ -61,6 +61,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .. import limits
 from ..errors import (
     BindingError,
     ConfigError,
@@ -70,7 +71,6 @@ from ..errors import (
     UnexpectedTensorError,
     UnsupportedError,
 )
-from . import limits
 from .safetensors import read_header, weight_files
 from .validate import count_nodes, depth_exceeds, loads_json, read_bytes
 
@@ -499,6 +499,10 @@ class Binding:
     key: str
     file: Path
     explicit: bool  # named by the manifest (else bound by name)
+    # a stacked expert parameter: its per-expert tensors in expert order (`key` is the first)
+    # and the file of each (a layer's experts may span shards)
+    parts: tuple[str, ...] = ()
+    part_files: tuple[Path, ...] = ()
 
 
 @dataclass
@@ -512,20 +516,28 @@ class BindingPlan:
 
     def load(self) -> dict[str, mx.array]:
         """Lazy arrays under parameter names (nothing is read until evaluated)."""
-        by_file: dict[Path, list[Binding]] = defaultdict(list)
+        files: dict[Path, None] = {}
         for b in self.bindings.values():
-            by_file[b.file].append(b)
-        out: dict[str, mx.array] = {}
-        for path, group in by_file.items():
+            files.update(dict.fromkeys(b.part_files or (b.file,)))
+        loaded: dict[Path, dict[str, mx.array]] = {}
+        for path in files:
             try:
-                arrays = mx.load(str(path))
+                loaded[path] = mx.load(str(path))
             except (RuntimeError, ValueError, OSError) as e:
                 raise FileFormatError(f"cannot load: {e}", path=path) from None
-            for b in group:
-                if b.key not in arrays:  # MLX read the header differently from the validator
-                    raise FileFormatError("tensor missing from MLX's reading", path=path,
-                                          field=b.key)  # fmt: skip
-                out[b.param] = arrays[b.key]
+
+        def tensor(path: Path, key: str) -> mx.array:
+            if key not in loaded[path]:  # MLX read the header differently from the validator
+                raise FileFormatError("tensor missing from MLX's reading", path=path, field=key)
+            return loaded[path][key]
+
+        out: dict[str, mx.array] = {}
+        for b in self.bindings.values():
+            if b.parts:  # (n_experts, out, in) from n_experts (out, in) tensors
+                experts = zip(b.part_files, b.parts, strict=True)
+                out[b.param] = mx.stack([tensor(f, k) for f, k in experts])
+            else:
+                out[b.param] = tensor(b.file, b.key)
         return out
 
 
@@ -649,13 +661,22 @@ def plan_bindings(
             field=p,
         )
 
-    # resolve every parameter: the manifest's binding, else the tensor of the same name
+    # resolve every parameter: the manifest's binding, else the tensor of the same name, else
+    # (stacked experts) the per-expert tensors of the Hugging Face layout, all in one file
+    stacks = net.expert_stacks() if callable(getattr(net, "expert_stacks", None)) else {}
     bindings: dict[str, Binding] = {}
     missing: list[tuple[str, str, str, bool]] = []
     for p in expected:
         source, key = explicit.get(p) or (default.name, by_name.get(p, p))
         src = sources[source]
         hit = src.tensors.get(key)
+        if hit is None and p not in explicit and p in stacks:
+            parts = tuple(by_name.get(k, k) for k in stacks[p])
+            hits = [default.tensors.get(k) for k in parts]
+            if all(hits):
+                files = tuple(h[0] for h in hits)
+                bindings[p] = Binding(p, default.name, parts[0], files[0], False, parts, files)
+                continue
         if hit is None:
             missing.append((p, source, key, p in explicit))
         else:
@@ -687,7 +708,8 @@ def plan_bindings(
     # one tensor, one parameter (the embedding and the head may share one)
     users: dict[tuple[Path, str], list[str]] = defaultdict(list)
     for b in bindings.values():
-        users[(b.file, b.key)].append(b.param)
+        for file, key in zip(b.part_files or (b.file,), b.parts or (b.key,), strict=True):
+            users[(file, key)].append(b.param)
     for (file, key), params in users.items():
         if len(params) > 1 and not _tied_pair(params):
             raise DuplicateBindingError(
@@ -704,6 +726,9 @@ def plan_bindings(
         st = entry["dtype"]
         dt = ST_DTYPES.get(st)
         shape = tuple(entry["shape"])
+        if b.parts:  # each expert's tensor: the parameter's shape without the expert axis
+            _check_parts(b, sources[b.source], ref, where)
+            shape = (len(b.parts), *shape)
         module, _, part = p.rpartition(".")
         if _float(ref.dtype):
             ok = dt is not None and _float(dt)
@@ -767,6 +792,22 @@ def plan_bindings(
             stacklevel=3,
         )
     return BindingPlan(bindings, unbound, quantized, manifest.origin)
+
+
+def _check_parts(b: Binding, src: _Source, ref: mx.array, where: str) -> None:
+    """Every per-expert tensor of a stacked binding has the same dtype and the shape of one
+    expert's slice of the parameter."""
+    first = src.tensors[b.key][1]
+    for key in b.parts:
+        entry = src.tensors[key][1]
+        if entry["dtype"] != first["dtype"] or tuple(entry["shape"]) != tuple(ref.shape[1:]):
+            raise BindingShapeError(
+                f"expert tensor {key!r} in {src.tensors[key][0].name} is {entry['dtype']} "
+                f"{tuple(entry['shape'])}, expected {first['dtype']} {tuple(ref.shape[1:])} "
+                f"(one expert of {b.param}, shape {tuple(ref.shape)})",
+                path=where,
+                field=b.param,
+            )
 
 
 def _files(src: _Source) -> str:

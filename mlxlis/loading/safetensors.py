@@ -14,8 +14,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .. import limits
 from ..errors import FileFormatError, UnsupportedError
-from . import limits
 from .validate import loads_json, read_json_file
 
 DTYPE_SIZES = {

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import limits
 from ..errors import ConfigError, MlxlisError
-from . import limits
 
 ErrorType = Callable[..., MlxlisError]
 

@@ -32,6 +32,7 @@ a MemoryError or a hang.
 | CONFIG_MAX_DIM             | 2**20       | hidden/intermediate sizes,   | real ≤ 53248          |
 |                            |             | heads, head_dim              |                       |
 | CONFIG_MAX_VOCAB           | 2**22       | vocab_size                   | real ≤ 262144         |
+| CONFIG_MAX_EXPERTS         | 2**14       | experts, experts per token   | real ≤ 512            |
 | CONFIG_MAX_CONTEXT         | 2**26       | context length, sliding      | real ≤ 10**7          |
 |                            |             | window                       |                       |
 | CHAT_TEMPLATE_MAX_CHARS    | 2**20       | a chat template's text (its  | real ≤ 50 KB          |
@@ -78,6 +79,7 @@ TOKENIZER_JSON_MAX_BYTES = 1 << 28
 CONFIG_MAX_LAYERS = 1024
 CONFIG_MAX_DIM = 1 << 20
 CONFIG_MAX_VOCAB = 1 << 22
+CONFIG_MAX_EXPERTS = 1 << 14
 CONFIG_MAX_CONTEXT = 1 << 26
 CHAT_TEMPLATE_MAX_CHARS = 1 << 20
 MANIFEST_MAX_BYTES = 1 << 23
@@ -98,6 +100,10 @@ SIZE_BOUNDS = {
     "vocab_size": CONFIG_MAX_VOCAB,
     "max_position_embeddings": CONFIG_MAX_CONTEXT,
     "sliding_window": CONFIG_MAX_CONTEXT,
+    "num_experts": CONFIG_MAX_EXPERTS,
+    "num_experts_per_tok": CONFIG_MAX_EXPERTS,
+    "moe_intermediate_size": CONFIG_MAX_DIM,
+    "decoder_sparse_step": CONFIG_MAX_LAYERS,
 }
 
 
@@ -105,7 +111,7 @@ def check_sizes(sizes: dict[str, tuple[str, object]], path: str) -> dict[str, in
     """Each `field: (key in the file, value)` must be an integer in 1..its bound (a float with
     an integral value counts); returns `field: int`, else raises a ConfigError naming the file
     and the key as the file spells it."""
-    from ..errors import ConfigError
+    from .errors import ConfigError
 
     out: dict[str, int] = {}
     for name, (key, value) in sizes.items():

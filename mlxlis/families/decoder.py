@@ -1,0 +1,132 @@
+"""The decoder-only transformer the Llama, Qwen2/3 and Gemma 1/2/3 families share.
+
+One forward pass; what differs between the families is ModelConfig data:
+  Llama/Qwen2: pre-norm blocks, SwiGLU, RMSNorm x̂·w, tied or untied head, q/k/v bias (Qwen2).
+  Qwen3:       + RMSNorm over head_dim on q and k before RoPE; Qwen3-MoE: + expert MLPs.
+  Gemma 1:     GeGLU, x̂·(1 + w) RMSNorm, embedding × √hidden, float32 residual, tied head.
+  Gemma 2:     + sandwich norms, attention-logit and final-logit softcaps,
+               scale 1/√query_pre_attn_scalar, sliding-window layers.
+  Gemma 3:     + q/k norms, a local RoPE base for sliding layers, usually no softcaps.
+Sliding layers see keys in (p − window, p] (transformers' `kv_idx > q_idx - sliding_window`).
+Module attribute names equal the Hugging Face tensor names, so a checkpoint binds by name.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import KVCache, RotatingKVCache, window_mask
+from ..config import ModelConfig
+from .attention import softcap
+from .experts import SparseMoE
+from .layers import MLP, Attention, Cache, Mask, norm
+from .rope import Rope
+
+if TYPE_CHECKING:
+    from .base import Family
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: Rope, layer: int):
+        super().__init__()
+        d = cfg.hidden_size
+        self.self_attn = Attention(cfg, rope)
+        self.mlp = SparseMoE(cfg) if cfg.is_sparse(layer) else MLP(cfg)
+        self.input_layernorm = norm(cfg, d)
+        self.post_attention_layernorm = norm(cfg, d)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:  # Gemma 2/3 also norm each sublayer's output
+            self.pre_feedforward_layernorm = norm(cfg, d)
+            self.post_feedforward_layernorm = norm(cfg, d)
+
+    def __call__(self, h: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
+        if not self.sandwich:
+            h = h + self.self_attn(self.input_layernorm(h), mask, cache)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), mask, cache))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, ropes: list[Rope]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = [DecoderLayer(cfg, ropes[i], i) for i in range(cfg.num_hidden_layers)]
+        self.norm = norm(cfg, cfg.hidden_size)
+
+
+class Decoder(nn.Module):
+    """inputs (B, T) token ids -> logits (B, T, vocab) in the compute dtype (T = 1 if last_only)."""
+
+    def __init__(self, cfg: ModelConfig, family: Family,
+                 rope_freq_factors: mx.array | None = None):  # fmt: skip
+        super().__init__()
+        self.config = cfg
+        self._family = family  # underscores: plain data, not part of the parameter tree
+        self._rope_freq_factors = rope_freq_factors  # GGUF rope_freqs: a buffer, not a parameter
+        rope = Rope(cfg.head_dim, cfg.rope, rope_freq_factors)  # one module, shared by layers
+        local = Rope(cfg.head_dim, cfg.rope_local) if cfg.rope_local is not None else rope
+        self._sliding = tuple(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))
+        self.model = DecoderModel(cfg, [local if s else rope for s in self._sliding])
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def make_cache(self) -> list[Cache]:
+        w = self.config.sliding_window
+        return [RotatingKVCache(w) if s else KVCache() for s in self._sliding]
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Checkpoint names under ours: the family's renames applied, its dropped names gone."""
+        out = {}
+        for name, arr in weights.items():
+            ours = self._family.hf_name(name)
+            if ours is not None:
+                out[ours] = arr
+        return out
+
+    def expert_stacks(self) -> dict[str, list[str]]:
+        """Stacked expert parameters -> the per-expert checkpoint tensors, in expert order (the
+        Hugging Face layout `mlp.experts.{e}.gate_proj.weight`); empty for a dense model."""
+        stacks: dict[str, list[str]] = {}
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                stacks.update(layer.mlp.expert_stacks(f"model.layers.{i}.mlp"))
+        return stacks
+
+    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None,
+                 last_only: bool = False) -> mx.array:  # fmt: skip
+        cfg = self.config
+        t = inputs.shape[1]
+        h = self.model.embed_tokens(inputs)  # (B, T, hidden)
+        if cfg.embed_scale:  # √hidden is rounded to the compute dtype first, as transformers does
+            h = h * mx.array(cfg.hidden_size**0.5, mx.float32).astype(h.dtype)
+        if cfg.residual_f32:
+            # Gemma's residual stream outgrows float16's 65 504 (Gemma 3 270M reaches 1.04e5
+            # within 300 tokens; a float16 residual turned all of its logits NaN, clipping adds
+            # to ±65 504 as mlx-lm does left them off by up to 15.7). Sublayers read it through
+            # the float32 RMSNorm and run in the compute dtype.
+            h = h.astype(mx.float32)
+        full_mask = "causal" if t > 1 else None  # aligned to the newest keys: works with a cache
+        sliding_mask = None
+        if any(self._sliding):
+            i = self._sliding.index(True)
+            if cache is not None:
+                sliding_mask = cache[i].mask(t)
+            elif t > 1:
+                sliding_mask = window_mask(0, t, 0, t, cfg.sliding_window)
+        for i, layer in enumerate(self.model.layers):
+            mask = sliding_mask if self._sliding[i] else full_mask
+            h = layer(h, mask, cache[i] if cache is not None else None)
+        if last_only:  # prefill/decode need only the newest position's logits
+            h = h[:, -1:, :]
+        h = self.model.norm(h)
+        if cfg.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_linear(h)
+        else:
+            logits = self.lm_head(h)
+        if cfg.final_logit_softcapping is not None:
+            logits = softcap(logits, cfg.final_logit_softcapping)
+        return logits

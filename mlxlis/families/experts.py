@@ -1,0 +1,108 @@
+"""Mixture-of-experts MLP (Qwen3-MoE): a router over stacked SwiGLU experts.
+
+The experts' weights are stacked, (n_experts, out, in) per projection, under mlx-lm's
+`switch_mlp` names; each token runs only its top-k experts through `mx.gather_mm` /
+`mx.gather_qmm`, which read only the selected experts' matrices. Checkpoints in the Hugging
+Face layout (one tensor per expert) are stacked at load (`SparseMoE.expert_stacks`).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import ModelConfig
+from .activations import gated
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class SwitchLinear(nn.Module):
+    """n_experts linear maps without bias; x (..., 1, in) and indices (...) -> (..., 1, out)."""
+
+    def __init__(self, n_experts: int, in_dims: int, out_dims: int):
+        super().__init__()
+        self.weight = mx.zeros((n_experts, out_dims, in_dims))
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices)
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None,
+                     mode: str = "affine") -> QuantizedSwitchLinear:  # fmt: skip
+        """The nn.quantize hook: the same experts, quantized (as nn.Linear.to_quantized)."""
+        return QuantizedSwitchLinear.from_dense(self, group_size or 64, bits or 4, mode)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """SwitchLinear over MLX affine-quantized experts: weight (E, out, in·bits/32) uint32,
+    scales and biases (E, out, in/group_size)."""
+
+    def __init__(self, n_experts: int, in_dims: int, out_dims: int, group_size: int = 64,
+                 bits: int = 4, mode: str = "affine"):  # fmt: skip
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.weight, self.scales, self.biases = mx.quantize(
+            mx.zeros((n_experts, out_dims, in_dims)), group_size, bits, mode=mode
+        )
+        self.freeze()
+
+    @classmethod
+    def from_dense(cls, dense: SwitchLinear, group_size: int, bits: int,
+                   mode: str) -> QuantizedSwitchLinear:  # fmt: skip
+        n, out_dims, in_dims = dense.weight.shape
+        q = cls(n, in_dims, out_dims, group_size, bits, mode)
+        q.weight, q.scales, q.biases = mx.quantize(dense.weight, group_size, bits, mode=mode)
+        return q
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices,
+                             transpose=True, group_size=self.group_size, bits=self.bits,
+                             mode=self.mode)  # fmt: skip
+
+
+class SwitchGLU(nn.Module):
+    """The experts: down(act(gate(x)) · up(x)) with each token's own k experts."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = SwitchLinear(e, d, f)
+        self.up_proj = SwitchLinear(e, d, f)
+        self.down_proj = SwitchLinear(e, f, d)
+        self.act = gated(cfg.hidden_act)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        x = x[..., None, None, :]  # (B, T, 1, 1, hidden): one row per token, broadcast over k
+        h = self.act(self.gate_proj(x, indices), self.up_proj(x, indices))  # (B, T, k, 1, F)
+        return self.down_proj(h, indices)[..., 0, :]  # (B, T, k, hidden)
+
+
+class SparseMoE(nn.Module):
+    """Router softmax over all experts (float32), the top k kept, renormalised to sum 1 when
+    norm_topk_prob (as transformers' Qwen3MoeTopKRouter), the experts' outputs weighted."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.switch_mlp = SwitchGLU(cfg)
+
+    def expert_stacks(self, prefix: str) -> dict[str, list[str]]:
+        n = self.gate.weight.shape[0]
+        return {
+            f"{prefix}.switch_mlp.{p}.weight": [
+                f"{prefix}.experts.{e}.{p}.weight" for e in range(n)
+            ]
+            for p in PROJECTIONS
+        }
+
+    def __call__(self, x: mx.array) -> mx.array:
+        k = self.top_k
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1, precise=True)  # (B, T, E)
+        inds = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]  # (B, T, k), any order
+        weights = mx.take_along_axis(probs, inds, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        y = self.switch_mlp(x, mx.stop_gradient(inds))  # (B, T, k, hidden)
+        return (y * weights.astype(y.dtype)[..., None]).sum(axis=-2)

@@ -1,0 +1,95 @@
+"""The building blocks the decoder families share: norms, one Attention, the gated MLP.
+
+Module attribute names equal the Hugging Face tensor names, so a checkpoint binds by name. Every
+per-family difference is a ModelConfig field read here (bias, q/k norm, scale, softcap).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import KVCache, RotatingKVCache
+from ..config import ModelConfig
+from .activations import gated
+from .attention import attend
+from .rope import Rope
+
+Cache = KVCache | RotatingKVCache
+Mask = str | mx.array | None
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x̂·(1 + w), reduced and multiplied in float32, cast after the multiply
+    (as transformers' GemmaRMSNorm; casting before the multiply, as plain RMSNorm does, or
+    forming 1 + w in float16 changes about a third of the float16 outputs by one ulp)."""
+
+    def __init__(self, dims: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = mx.zeros((dims,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        w = 1.0 + self.weight.astype(mx.float32)
+        return mx.fast.rms_norm(x.astype(mx.float32), w, self.eps).astype(self.weight.dtype)
+
+
+def norm(cfg: ModelConfig, dims: int) -> nn.Module:
+    """The family's RMSNorm over `dims` (cfg.norm: "rms" x̂·w, "rms_plus_one" x̂·(1 + w))."""
+    if cfg.norm == "rms_plus_one":
+        return GemmaRMSNorm(dims, cfg.rms_norm_eps)
+    return nn.RMSNorm(dims, eps=cfg.rms_norm_eps)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped K/V heads; options from the config: q/k/v and o bias,
+    q/k RMSNorm over head_dim before RoPE (Qwen3, Gemma 3), the scale (1/√head_dim or
+    1/√query_pre_attn_scalar), a logit softcap (Gemma 2). A sliding window is the mask's and
+    the cache's business, not this module's."""
+
+    def __init__(self, cfg: ModelConfig, rope: Rope):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.scale = cfg.attn_scale
+        self.softcap = cfg.attn_logit_softcapping
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = norm(cfg, hd)
+            self.k_norm = norm(cfg, hd)
+        self.rope = rope
+
+    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        # q: (B, n_heads, T, head_dim); k, v: (B, n_kv_heads, T, head_dim)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        offset = cache.offset if cache is not None else 0
+        q = self.rope(q, offset)
+        k = self.rope(k, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = attend(q, k, v, self.scale, mask, self.softcap)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """down(act(gate(x)) · up(x)): SwiGLU (Llama, Qwen) or GeGLU (Gemma) by cfg.hidden_act."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
+        super().__init__()
+        d, f = cfg.hidden_size, hidden or cfg.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+        self.act = gated(cfg.hidden_act)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
