@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 from .config import ModelConfig
 from .errors import MlxlisError, UnsupportedError
 from .families import family
+from .families.experts import QuantizedSwitchLinear, SwitchLinear
 
 MAX_SHARD_BYTES = 5 * 2**30
 
@@ -88,9 +89,9 @@ def quantization_block(net: nn.Module) -> tuple[dict | None, list[str], list[str
     qmods: dict[str, tuple[int, int]] = {}
     dense: list[str] = []
     for name, m in net.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
             qmods[name] = (m.group_size, m.bits)
-        elif isinstance(m, (nn.Linear, nn.Embedding)):
+        elif isinstance(m, (nn.Linear, nn.Embedding, SwitchLinear)):
             dense.append(name)
     if not qmods:
         return None, [], sorted(dense)

@@ -109,11 +109,13 @@ class Model:
 
 
 def _quant_summary(net: nn.Module) -> str:
+    from .families.experts import QuantizedSwitchLinear, SwitchLinear
+
     counts: dict[str, int] = {}
     for _, m in net.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
             key = f"{m.bits}-bit g{m.group_size}"
-        elif isinstance(m, (nn.Linear, nn.Embedding)):
+        elif isinstance(m, (nn.Linear, nn.Embedding, SwitchLinear)):
             key = "dense"
         else:
             continue

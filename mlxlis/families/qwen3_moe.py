@@ -35,6 +35,8 @@ def _experts(sizes: dict[str, tuple[str, Any]], path: str) -> dict[str, int]:
 
 def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     base = qwen3_hf(cfg, base, path)
+    if "num_experts" not in cfg and "num_local_experts" in cfg:
+        cfg = {**cfg, "num_experts": cfg["num_local_experts"]}  # transformers 5 saves this name
     size = _experts({k: (k, cfg.get(k, v)) for k, v in HF_DEFAULTS.items()}, path)
     dense = cfg.get("mlp_only_layers") or []
     n = base.num_hidden_layers
