@@ -13,7 +13,9 @@ The JSON shape (`schema` 1) is stable: keys are only ever added, never renamed o
                 "attention_heads": 9, "kv_heads": 3, "head_dim": 64, "vocab_size": 49152,
                 "context_length": 8192, "tie_word_embeddings": true,
                 "rope": {"theta": 100000.0, "type": "default", "factor": 1.0},
-                "sliding_window": null, "layer_types": []},
+                "sliding_window": null, "layer_types": [],
+                "experts": null},                  # MoE: {"count", "per_token", "width",
+                                                   #       "sparse_layers", "norm_topk_prob"}
      "weights": {"arrays": 272, "bytes": 538000000},  # as held in memory after loading
      "stop_ids": [2]}
 """
@@ -60,6 +62,15 @@ def model_report(model) -> dict[str, Any]:
             "rope": {"theta": c.rope.theta, "type": c.rope.type, "factor": c.rope.factor},
             "sliding_window": c.sliding_window,
             "layer_types": list(c.layer_types),
+            "experts": {
+                "count": c.num_experts,
+                "per_token": c.num_experts_per_tok,
+                "width": c.moe_intermediate_size,
+                "sparse_layers": [i for i, s in enumerate(c.sparse_layers) if s],
+                "norm_topk_prob": c.norm_topk_prob,
+            }
+            if c.num_experts
+            else None,
         },
         "weights": {"arrays": len(seen), "bytes": sum(seen.values())},
         "stop_ids": sorted(model.stop_ids()),
@@ -85,6 +96,7 @@ def format_report(r: dict[str, Any]) -> str:
         ("template", r["template"] or "none (chat needs --chat-template, or use --no-chat)"),
         ("layers", f"{c['layers']}, hidden {c['hidden_size']}, mlp {c['intermediate_size']}"),
         ("heads", f"{c['attention_heads']} ({c['kv_heads']} kv), head_dim {c['head_dim']}"),
+        *_experts_row(c.get("experts")),
         ("vocab", str(c["vocab_size"])),
         ("context", f"{c['context_length']}{window}"),
         ("rope", rope_text),
@@ -92,3 +104,11 @@ def format_report(r: dict[str, Any]) -> str:
         ("stop ids", ", ".join(map(str, r["stop_ids"]))),
     ]
     return "\n".join(f"{k:>9}: {v}" for k, v in rows)
+
+
+def _experts_row(e: dict[str, Any] | None) -> list[tuple[str, str]]:
+    if not e:
+        return []
+    n = len(e["sparse_layers"])
+    return [("experts", f"{e['per_token']} of {e['count']} per token, width {e['width']}, "
+                        f"in {n} layer{'s' if n != 1 else ''}")]  # fmt: skip

@@ -247,7 +247,8 @@ def test_convert_round_trip_and_mlx_lm(files, case, tmp_path):
 
 
 def test_inspect_names_the_family_and_the_experts(files):
-    """`mlxlis inspect --json` on the MoE file reports the family and its quant types."""
+    """`mlxlis inspect --json` on the MoE file reports the family, its quant types and the
+    experts as the file's metadata states them (expert_count 8, expert_used_count 2)."""
     path, _, _ = files("qwen3moe-k")
     out = subprocess.run([sys.executable, "-m", "mlxlis", "inspect", str(path), "--json"],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -255,6 +256,11 @@ def test_inspect_names_the_family_and_the_experts(files):
     report = json.loads(out.stdout)
     assert report["family"] == "qwen3_moe"
     assert "Q4_K" in report["quant"] and "Q6_K" in report["quant"], report["quant"]
+    assert report["config"]["experts"] == {"count": 8, "per_token": 2, "width": 256,
+                                           "sparse_layers": [0, 1], "norm_topk_prob": True}
+    text = subprocess.run([sys.executable, "-m", "mlxlis", "inspect", str(path)],
+                          capture_output=True, text=True, timeout=300).stdout  # fmt: skip
+    assert "experts: 2 of 8 per token, width 256, in 2 layers" in text
 
 
 def test_expert_tensor_shapes_follow_llama_cpp(files):
