@@ -9,6 +9,7 @@ among the four possible causes and the explicit ways out.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -79,6 +80,15 @@ class ChatTemplate:
                 f"template cannot be compiled ({type(e).__name__}: {e}); "
                 "it is nested too deeply or too large"
             ) from None
+
+    @functools.cached_property
+    def variables(self) -> frozenset[str]:
+        """The names the template reads from its context (e.g. "enable_thinking"), as jinja2's
+        parser finds them: variables the template uses without setting them itself."""
+        from jinja2 import meta
+
+        tree = chat_sandbox.ChatSandbox().parse(self.text)
+        return frozenset(meta.find_undeclared_variables(tree))
 
     def render(
         self,

@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Callable
 
 from . import catalog
-from .cli_args import add_model_args, add_sampling_args, sampling_params
+from .cli_args import add_model_args, add_sampling_args, add_thinking_args, sampling_params
 from .errors import MlxlisError
 
 SUBCOMMANDS = ("chat", "inspect", "pull", "models", "convert")
@@ -33,6 +33,7 @@ def one_shot_parser() -> argparse.ArgumentParser:
         help="raw completion: the prompt is fed as is, no chat template",
     )
     p.add_argument("--system", default=None, help="system message (chat mode)")
+    add_thinking_args(p)
     p.add_argument("prompt", help="the prompt ('-' reads stdin)")
     return p
 
@@ -77,26 +78,73 @@ def print_details(model) -> None:
         say(f"{k:>9}: {v}")
 
 
-def run_one_shot(a: argparse.Namespace, params) -> int:
-    from .generate import generate
+def chat_prompt(model, user: str, system: str | None = None, thinking: bool | None = None) -> str:
+    """The one-shot prompt: `user` (after `system`) through the model's chat template, with
+    enable_thinking=`thinking` when it is set and the template has that switch."""
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": user})
+    variables = {}
+    if thinking is not None:
+        if model.supports_thinking:
+            variables["enable_thinking"] = thinking
+        else:
+            flag = "--think" if thinking else "--no-think"
+            say(f"mlxlis: note: {flag}: the chat template has no enable_thinking switch; "
+                "the prompt is the same without it")  # fmt: skip
+    return model.render_chat(messages, **variables)
 
+
+def stream_reply(model, ids: list[int], params, prompt: str | None, show_reasoning: bool):
+    """Generate: the answer to stdout, the reasoning (`<think>` block) to stderr, dimmed when
+    stderr is a terminal; `prompt` None (raw completion) prints everything to stdout. Returns
+    the final Event."""
+    from .generate import generate
+    from .reasoning import ANSWER, ReasoningSplitter
+
+    splitter = None if prompt is None else ReasoningSplitter.for_prompt(model.tokenizer, prompt)
+    tty = sys.stderr.isatty()
+    in_reasoning = False
+    final = None
+    for ev in generate(model, ids, params):
+        if splitter is None:
+            parts = [(ANSWER, ev.text)]
+        else:
+            parts = splitter.feed(ev.text, ev.token)
+            if ev.finish_reason is not None:
+                parts += splitter.flush()
+        final = ev
+        for kind, text in parts:
+            if kind == ANSWER:
+                if in_reasoning:
+                    sys.stderr.write("\x1b[0m\n" if tty else "\n")
+                    in_reasoning = False
+                sys.stdout.write(text)
+            elif show_reasoning:
+                if not in_reasoning:
+                    sys.stderr.write("\x1b[2m" if tty else "")
+                    in_reasoning = True
+                sys.stderr.write(text)
+        sys.stderr.flush()
+        sys.stdout.flush()
+    if in_reasoning:
+        sys.stderr.write("\x1b[0m\n" if tty else "\n")
+    sys.stdout.write("\n")
+    return final
+
+
+def run_one_shot(a: argparse.Namespace, params) -> int:
     prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
     model = load_model(a)
     if a.verbose:
         print_details(model)
     tok = model.tokenizer
     if a.no_chat:
+        text = None
         ids = tok.encode(prompt)
     else:
-        messages = [{"role": "system", "content": a.system}] if a.system else []
-        messages.append({"role": "user", "content": prompt})
-        ids = tok.encode(model.render_chat(messages), special=True)
-    final = None
-    for ev in generate(model, ids, params):
-        sys.stdout.write(ev.text)
-        sys.stdout.flush()
-        final = ev
-    sys.stdout.write("\n")
+        text = chat_prompt(model, prompt, a.system, a.thinking)
+        ids = tok.encode(text, special=True)
+    final = stream_reply(model, ids, params, text, show_reasoning=a.thinking is not False)
     if a.verbose and final is not None:
         s = final.stats
         say(
@@ -219,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     p = one_shot_parser()
     a = p.parse_args(argv)
     params = sampling_params(p, a)
+    if a.no_chat and a.thinking is not None:
+        flag = "--think" if a.thinking else "--no-think"
+        p.exit(2, f"{p.prog}: error: {flag} sets the chat template's enable_thinking; "
+                  "--no-chat uses no template\n")  # fmt: skip
     return _guard(a.debug, lambda: run_one_shot(a, params))
 
 

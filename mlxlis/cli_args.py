@@ -1,6 +1,6 @@
 """Command-line options shared by the mlxlis commands and the chat app (`mlxlis chat`): the
-model options and the sampling flags, whose defaults, ranges and help come from
-mlxlis.sampling."""
+model options, --think / --no-think and the sampling flags, whose defaults, ranges and help
+come from mlxlis.sampling."""
 
 from __future__ import annotations
 
@@ -61,6 +61,28 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--verbose", "-v", action="store_true", help="model details and stats on stderr")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def add_thinking_args(p: argparse.ArgumentParser) -> None:
+    """--think / --no-think: the chat template's `enable_thinking` (dest `thinking`: True,
+    False, or None for the template's default)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--think",
+        dest="thinking",
+        action="store_const",
+        const=True,
+        default=None,
+        help="reasoning models: pass enable_thinking=true to the chat template",
+    )
+    g.add_argument(
+        "--no-think",
+        dest="thinking",
+        action="store_const",
+        const=False,
+        help="reasoning models: pass enable_thinking=false to the chat template and show no "
+        "reasoning",
+    )
 
 
 # flag -> SamplingParams field; defaults, ranges and help come from mlxlis.sampling

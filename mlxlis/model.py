@@ -66,7 +66,21 @@ class Model:
             ids |= set(end_of_turn_tokens(self.template.text, self.tokenizer.special_tokens))
         return ids
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads (empty without a template)."""
+        return self.template.variables if self.template is not None else frozenset()
+
+    @property
+    def supports_thinking(self) -> bool:
+        """The chat template has Qwen3's reasoning switch, the `enable_thinking` variable."""
+        return "enable_thinking" in self.template_variables
+
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_vars: Any
+    ) -> str:
+        """The prompt text for `messages`; `template_vars` reach the template as variables
+        (e.g. enable_thinking=False)."""
         if self.template is None:
             raise NoChatTemplateError(self.missing_template_diagnosis(), path=self.path)
         tok = self.tokenizer
@@ -75,6 +89,7 @@ class Model:
             add_generation_prompt=add_generation_prompt,
             bos_token=tok.bos_token,
             eos_token=tok.eos_token,
+            **template_vars,
         )
 
     def missing_template_diagnosis(self) -> str:

@@ -94,8 +94,16 @@ TINY = {
 }
 
 
-def train_tokenizer(folder: Path, vocab_size: int = 400) -> int:
-    """A byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json); returns its size."""
+def train_tokenizer(
+    folder: Path,
+    vocab_size: int = 400,
+    *,
+    extra_special: tuple[str, ...] = (),
+    corpus: tuple[str, ...] = (CORPUS,),
+) -> int:
+    """A byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json); returns its size.
+    `extra_special` are added special tokens after the three ChatML ones (ids 3, 4, ...);
+    `corpus` the texts it is trained on."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -104,10 +112,10 @@ def train_tokenizer(folder: Path, vocab_size: int = 400) -> int:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator([CORPUS], trainer)
+    tok.train_from_iterator(list(corpus), trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>"
     )
@@ -131,15 +139,16 @@ def randomize(model, seed: int = 0) -> None:
                 p.copy_(0.08 * noise)
 
 
-def build_tiny(folder: Path, spec: dict, seed: int = 0):
-    """Write a tiny random checkpoint to `folder`; returns the transformers model (fp32, eval)."""
+def build_tiny(folder: Path, spec: dict, seed: int = 0, tokenizer_kw: dict | None = None):
+    """Write a tiny random checkpoint to `folder`; returns the transformers model (fp32, eval).
+    `tokenizer_kw` go to train_tokenizer."""
     import torch
     import transformers
 
     spec = dict(spec)
     kind = spec.pop("kind")
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = train_tokenizer(folder)
+    vocab = train_tokenizer(folder, **(tokenizer_kw or {}))
     cfg_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),

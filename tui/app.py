@@ -1,15 +1,14 @@
 """`mlxlis chat`: the Textual chat app (a raw-completion pad with --no-chat).
 
 The model loads on mlxlis's one MLX thread (mlxlis.mlx_thread) while the UI is already up;
-replies are generated there too and streamed to a Markdown widget in batches. Esc / Ctrl+C
-stop a reply through ChatSession's `should_stop`. Nothing the user typed is ever dropped: a
-refused or failed send puts the text back into the input, and every engine error becomes a
-notification.
+replies are generated there too and streamed to a Markdown widget in batches, a reasoning
+model's `<think>` block to a collapsible block above it. Esc / Ctrl+C stop a reply through
+ChatSession's `should_stop`. Nothing the user typed is ever dropped: a refused or failed send
+puts the text back into the input, and every engine error becomes a notification.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import threading
 import time
@@ -25,7 +24,7 @@ from textual.message import Message
 from textual.widgets import Footer, Markdown, Static
 
 from .chat_commands import CommandsMixin
-from .engine import Engine, Options, load_model
+from .engine import Engine, Options, load_model, parse_args
 from .store import new_id, save_record
 from .style import CSS as APP_CSS
 from .widgets import Bubble, Diagnosis, Loading, PromptInput
@@ -48,9 +47,12 @@ class Loaded(Message):
 
 
 class Chunk(Message):
-    def __init__(self, text: str, stats, context: int):
+    """Streamed text: `text` the answer, `reasoning` the reasoning (`thought`: its tokens)."""
+
+    def __init__(self, text: str, stats, context: int, reasoning: str = "", thought: int = 0):
         super().__init__()
         self.text, self.stats, self.context = text, stats, context
+        self.reasoning, self.thought = reasoning, thought
 
 
 class Finished(Message):
@@ -224,28 +226,38 @@ class ChatApp(CommandsMixin, App[int]):
 
     def _generate_job(self, text: str) -> None:
         buf: list[str] = []
-        produced, last_flush, stats, reason = 0, time.monotonic(), None, None
+        thought: list[str] = []  # reasoning text since the last flush
+        produced, last_flush, stats, reason, n_thought = 0, time.monotonic(), None, None, 0
         try:
             for ev in self.engine.send(text, self._stop.is_set):
-                stats = ev.stats
+                stats, n_thought = ev.stats, ev.reasoning_tokens
                 if ev.token is not None:
                     produced += 1
                 if ev.finish_reason is not None:
                     reason = ev.finish_reason
-                buf.append(ev.text)
+                buf.append(ev.answer)
+                thought.append(ev.reasoning)
                 now = time.monotonic()
                 if now - last_flush >= FLUSH_SECONDS or reason is not None:
                     ctx = self.engine.streaming_context(stats.generated_tokens)
-                    self.post_message(Chunk("".join(buf), stats, ctx))
+                    self.post_message(Chunk("".join(buf), stats, ctx, "".join(thought), n_thought))
                     buf.clear()
+                    thought.clear()
                     last_flush = now
             self.post_message(Finished(reason, stats, produced))
         except BaseException as e:  # noqa: BLE001 — every engine error becomes a notification
-            if buf:
-                self.post_message(Chunk("".join(buf), stats, 0))
+            if buf or thought:
+                self.post_message(Chunk("".join(buf), stats, 0, "".join(thought), n_thought))
             self.post_message(Finished(None, stats, produced, error=e))
 
     async def on_chunk(self, msg: Chunk) -> None:
+        reply = self._reply
+        if reply is not None:
+            reply.reasoning_tokens = msg.thought
+            if msg.reasoning:
+                await reply.add_reasoning(msg.reasoning)
+            if msg.text:
+                reply.answer_started()  # the reasoning block folds away
         if self._stream is not None and msg.text:
             self._reply_text.append(msg.text)
             await self._stream.write(msg.text)
@@ -258,6 +270,8 @@ class ChatApp(CommandsMixin, App[int]):
         self.generating = False
         reply, user = self._reply, self._user
         self._reply = self._user = None
+        if reply is not None:
+            reply.reply_ended()
         if msg.error is not None:
             self.notify(describe_error(msg.error), title=type(msg.error).__name__,
                         severity="error", timeout=15)
@@ -319,6 +333,8 @@ class ChatApp(CommandsMixin, App[int]):
             parts.append(f"peak {stats.peak_memory / 2**20:.0f} MiB")
         p = self.engine.sampling
         parts.append(f"temp {p.temperature}, max {p.max_tokens}")
+        if self.engine.thinking_supported:
+            parts.append(f"think {self.engine.thinking_label()}")
         if note:
             parts.append(FINISH_NOTES.get(note, note))
         self.query_one("#status", Static).update(Text(" │ ".join(parts)))
@@ -330,22 +346,6 @@ class ChatApp(CommandsMixin, App[int]):
             save_record(self.engine.record(self.record_id), self.data_dir)
         except OSError as e:
             self.notify(f"could not save the conversation: {e}", severity="warning")
-
-
-def parse_args(argv: list[str]) -> Options:
-    from mlxlis.cli_args import add_model_args, add_sampling_args, sampling_params
-
-    p = argparse.ArgumentParser(prog="mlxlis chat",
-                                description="Chat with a model in the terminal.")
-    add_model_args(p)
-    add_sampling_args(p)
-    p.add_argument("--system", default=None, help="system message")
-    p.add_argument("--no-chat", action="store_true",
-                   help="raw completion pad: text is fed as is, no chat template")
-    a = p.parse_args(argv)
-    return Options(model=a.model, dtype=a.dtype, dequantize=a.dequantize,
-                   chat_template=a.chat_template, system=a.system, no_chat=a.no_chat,
-                   sampling=sampling_params(p, a), bindings=a.bindings, strict=a.strict)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from mlxlis.sampling import parse_value
 
-from .commands import HELP, CommandError, format_params, parse_command
+from .commands import HELP, CommandError, format_params, parse_command, parse_thinking
 from .screens import PreviewScreen
 from .store import atomic_write, list_records, new_id, summary, to_markdown
 from .widgets import Bubble, Note
@@ -107,7 +107,23 @@ class CommandsMixin:
         if arg:
             self.engine.sampling = self.engine.sampling.with_text(arg)  # refused if any is bad
             self.update_status()
-        await self.add_note("**Sampling:** " + format_params(self.engine.sampling))
+        note = "**Sampling:** " + format_params(self.engine.sampling)
+        if self.engine.thinking_supported:
+            note += f"\n\n**Thinking:** {self.engine.thinking_label()} (`/think`)"
+        await self.add_note(note)
+
+    async def cmd_think(self, arg: str) -> None:
+        if not self.engine.thinking_supported:
+            what = "raw completion uses no template" if self.engine.raw else (
+                "this model's chat template has no thinking switch (enable_thinking)")
+            raise CommandError(f"/think: {what}")
+        if not arg:
+            await self.add_note(f"**Thinking:** {self.engine.thinking_label()} — `/think on`, "
+                                "`/think off`, or `/think default` (the template decides)")
+            return
+        self.engine.thinking = parse_thinking(arg)
+        self.update_status()
+        self.notify(f"thinking: {self.engine.thinking_label()} (from the next message)")
 
     async def cmd_save(self, arg: str) -> None:
         path = Path(arg).expanduser() if arg else Path.cwd() / f"mlxlis-chat-{self.record_id}.md"
@@ -136,7 +152,8 @@ class CommandsMixin:
         await self.show_welcome()
         raw = self.engine.raw
         await self.conversation.mount_all(
-            Bubble(t.role, t.content, raw=raw, stopped=t.stopped) for t in self.engine.turns)
+            Bubble(t.role, t.content, raw=raw, stopped=t.stopped, reasoning=t.reasoning)
+            for t in self.engine.turns)
         self.conversation.scroll_end(animate=False)
         self.update_status()
         self.notify(f"reopened: {summary(rec)}")

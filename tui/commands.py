@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from mlxlis.sampling import SamplingParams
 
-COMMANDS = ("system", "clear", "temp", "params", "save", "help", "preview", "history", "open")
+COMMANDS = ("system", "clear", "temp", "params", "think", "save", "help", "preview", "history",
+            "open")
 
 HELP = """\
 **Keys** — Enter send · Shift+Enter or Ctrl+J new line (Ctrl+J where the terminal sends a \
@@ -21,6 +22,8 @@ Ctrl+Q quit
 | `/clear` | start a new conversation (the system prompt stays) |
 | `/temp X` | set the sampling temperature (0 = greedy) |
 | `/params [k=v ...]` | show/set max_tokens, temp, top_p, top_k, min_p, repetition_penalty, seed |
+| `/think on` · `off` · `default` | reasoning models: the template's thinking switch \
+(`enable_thinking`) for the next messages; `/think` shows it |
 | `/save [PATH]` | write the conversation as Markdown |
 | `/preview` | the exact prompt the model receives next, special tokens included |
 | `/history` | list saved conversations |
@@ -49,3 +52,14 @@ def parse_command(text: str) -> tuple[str, str] | None:
 
 def format_params(params: SamplingParams) -> str:
     return " · ".join(f"{k}={v}" for k, v in params.as_dict().items())
+
+
+THINKING_WORDS = {"on": True, "off": False, "default": None}
+
+
+def parse_thinking(arg: str) -> bool | None:
+    """/think's argument: on -> True, off -> False, default -> None (the template decides)."""
+    word = arg.strip().lower()
+    if word not in THINKING_WORDS:
+        raise CommandError(f"/think takes on, off or default, not {arg.strip()!r}")
+    return THINKING_WORDS[word]

@@ -6,13 +6,14 @@ model; tests build it around a fake model and a fake session factory / generate 
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlxlis
 from mlxlis import catalog
-from mlxlis.chat import Turn
+from mlxlis.chat import ChatEvent, Turn
 from mlxlis.errors import ContextLimitError
 from mlxlis.sampling import SamplingParams
 
@@ -33,6 +34,31 @@ class Options:
     bindings: str | None = None
     strict: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    thinking: bool | None = None  # --think / --no-think; None: the template's default
+
+
+def parse_args(argv: list[str]) -> Options:
+    """Options from `mlxlis chat`'s command line."""
+    from mlxlis.cli_args import (
+        add_model_args,
+        add_sampling_args,
+        add_thinking_args,
+        sampling_params,
+    )
+
+    p = argparse.ArgumentParser(prog="mlxlis chat",
+                                description="Chat with a model in the terminal.")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--no-chat", action="store_true",
+                   help="raw completion pad: text is fed as is, no chat template")
+    add_thinking_args(p)
+    a = p.parse_args(argv)
+    return Options(model=a.model, dtype=a.dtype, dequantize=a.dequantize,
+                   chat_template=a.chat_template, system=a.system, no_chat=a.no_chat,
+                   sampling=sampling_params(p, a), bindings=a.bindings, strict=a.strict,
+                   thinking=a.thinking)
 
 
 def load_model(options: Options, progress: Progress):
@@ -115,6 +141,8 @@ class Engine:
             self.session.set_system(options.system)
         else:
             self.session = (session_factory or default_session)(model, options.system)
+            if options.thinking is not None:
+                self.thinking = options.thinking
         self.info = dict(model.describe())
         self._turns_before = 0
 
@@ -163,9 +191,29 @@ class Engine:
     def streaming_context(self, generated: int) -> int:
         return getattr(self.session, "last_prompt_tokens", 0) + generated
 
-    def send(self, text: str, should_stop: Callable[[], bool]) -> Iterator:
+    # --- reasoning models ---
+    @property
+    def thinking_supported(self) -> bool:
+        """The chat template has the enable_thinking switch (Qwen3-style reasoning)."""
+        return not self.raw and bool(getattr(self.model, "supports_thinking", False))
+
+    @property
+    def thinking(self) -> bool | None:
+        return getattr(self.session, "thinking", None)
+
+    @thinking.setter
+    def thinking(self, value: bool | None) -> None:
+        self.session.thinking = value
+
+    def thinking_label(self) -> str:
+        return {True: "on", False: "off", None: "default"}[self.thinking]
+
+    def send(self, text: str, should_stop: Callable[[], bool]) -> Iterator[ChatEvent]:
+        """The reply's events, each split into reasoning and answer (all answer when the
+        session does not split)."""
         self._turns_before = len(self.session.turns)
-        return self.session.send(text, should_stop=should_stop, **self.sampling.as_dict())
+        stream = self.session.send(text, should_stop=should_stop, **self.sampling.as_dict())
+        return (ev if isinstance(ev, ChatEvent) else ChatEvent.of(ev) for ev in stream)
 
     def rollback(self) -> None:
         """Undo the last send when it failed before producing anything, so the text can be
@@ -186,7 +234,7 @@ class Engine:
         self.session.reset()
         self.session.set_system(record.get("system"))
         self.session.turns.extend(
-            Turn(t["role"], t.get("content", ""), bool(t.get("stopped")))
+            Turn(t["role"], t.get("content", ""), bool(t.get("stopped")), _reasoning(t))
             for t in record["turns"] if t.get("role") in ("user", "assistant"))
 
     def record(self, rec_id: str) -> dict:
@@ -194,5 +242,16 @@ class Engine:
         return {"id": rec_id, "model": self.info.get("model"), "mode": mode,
                 "template": self.template_source, "system": self.system,
                 "sampling": self.sampling.as_dict(),
-                "turns": [{"role": t.role, "content": t.content, "stopped": t.stopped}
-                          for t in self.session.turns]}
+                "turns": [_turn_record(t) for t in self.session.turns]}
+
+
+def _turn_record(turn: Turn) -> dict:
+    rec = {"role": turn.role, "content": turn.content, "stopped": turn.stopped}
+    if turn.reasoning is not None:
+        rec["reasoning"] = turn.reasoning
+    return rec
+
+
+def _reasoning(turn: dict) -> str | None:
+    value = turn.get("reasoning")
+    return value if isinstance(value, str) else None

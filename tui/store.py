@@ -104,5 +104,9 @@ def to_markdown(rec: dict) -> str:
             title = "Completion" if raw else "Assistant"
         if t.get("stopped"):
             title += " (stopped)"
-        lines += [f"## {title}", "", t.get("content", ""), ""]
+        lines += [f"## {title}", ""]
+        if t.get("reasoning"):
+            quoted = "\n".join("> " + line for line in str(t["reasoning"]).splitlines())
+            lines += ["> *Thinking:*", ">", quoted, ""]
+        lines += [t.get("content", ""), ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -32,6 +32,18 @@ CSS = """
     margin: 0;
 }
 .bubble Markdown { padding: 0 1; }
+.bubble .thinking {
+    height: auto;
+    margin: 0 0 0 1;
+    padding: 0;
+    border: none;
+    background: transparent;
+}
+.bubble .thinking .reasoning-text {
+    color: $text-muted;
+    text-style: italic;
+    padding: 0 1;
+}
 .marker {
     color: $warning;
     text-style: italic;

@@ -1,4 +1,5 @@
-"""The app's widgets: the prompt input, conversation bubbles, notes and the diagnosis panel."""
+"""The app's widgets: the prompt input, conversation bubbles (with a reply's reasoning block),
+notes and the diagnosis panel."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.message import Message
-from textual.widgets import Label, Markdown, ProgressBar, Static, TextArea
+from textual.widgets import Collapsible, Label, Markdown, ProgressBar, Static, TextArea
 
 # Textual 8 reports Shift+Enter as "shift+enter" where the terminal speaks the kitty keyboard
 # protocol (kitty, WezTerm, foot, Ghostty, iTerm2 with the option on) and as "shift+\r" under
@@ -45,15 +46,41 @@ class PromptInput(TextArea):
         self.move_cursor(self.document.end)
 
 
-class Bubble(Vertical):
-    """One message: a role label and the body (user text verbatim, replies as Markdown)."""
+class Thinking(Collapsible):
+    """A reply's reasoning (its `<think>` block), apart from the answer: open under "Thinking…"
+    while it streams, collapsed to "Thought for N tokens" once the answer starts."""
 
-    def __init__(self, role: str, text: str = "", *, raw: bool = False, stopped: bool = False):
+    def __init__(self, text: str = "", *, streaming: bool = True):
+        self.text = text
+        self.streaming = streaming
+        super().__init__(Static(Text(text), classes="reasoning-text"), collapsed=not streaming,
+                         title="Thinking…" if streaming else "Thought", classes="thinking")
+
+    def append(self, text: str) -> None:
+        self.text += text
+        self.query_one(".reasoning-text", Static).update(Text(self.text))
+
+    def finish(self, tokens: int, *, collapse: bool) -> None:
+        """The reasoning ended (the answer started, or the reply stopped inside it)."""
+        self.streaming = False
+        self.title = f"Thought for {tokens} token{'s' if tokens != 1 else ''}"
+        if collapse:
+            self.collapsed = True
+
+
+class Bubble(Vertical):
+    """One message: a role label and the body (user text verbatim, replies as Markdown, after
+    their reasoning block when the model reasoned)."""
+
+    def __init__(self, role: str, text: str = "", *, raw: bool = False, stopped: bool = False,
+                 reasoning: str | None = None):
         super().__init__(classes=f"bubble {role}")
         self.role = role
         self.text = text
         self.raw = raw
         self._stopped = stopped
+        self._reasoning = reasoning
+        self.reasoning_tokens = 0  # as the stream last reported
 
     def compose(self) -> ComposeResult:
         if self.role == "user":
@@ -61,6 +88,8 @@ class Bubble(Vertical):
             yield Static(Text(self.text), classes="body")
         else:
             yield Label("Completion" if self.raw else "Assistant", classes="role")
+            if self._reasoning is not None:
+                yield Thinking(self._reasoning, streaming=False)
             yield Markdown(self.text, classes="body")
             if self._stopped:
                 yield Label("■ stopped", classes="marker")
@@ -68,6 +97,30 @@ class Bubble(Vertical):
     @property
     def markdown(self) -> Markdown:
         return self.query_one(Markdown)
+
+    @property
+    def thinking(self) -> Thinking | None:
+        found = self.query(Thinking)
+        return found.first() if found else None
+
+    async def add_reasoning(self, text: str) -> None:
+        """Stream reasoning text into the block above the answer (created on first use)."""
+        block = self.thinking
+        if block is None:
+            block = Thinking()
+            await self.mount(block, before=self.markdown)
+        block.append(text)
+
+    def answer_started(self) -> None:
+        block = self.thinking
+        if block is not None and block.streaming:
+            block.finish(self.reasoning_tokens, collapse=True)
+
+    def reply_ended(self) -> None:
+        """A reply that stopped inside its reasoning keeps the block open, titled."""
+        block = self.thinking
+        if block is not None and block.streaming:
+            block.finish(self.reasoning_tokens, collapse=False)
 
     def mark(self, text: str, kind: str = "stopped") -> None:
         """Add a marker under a reply: "■ stopped", "max_tokens reached", an error."""

@@ -1,0 +1,192 @@
+"""Reasoning ("thinking") split from the answer in a reply's stream: `<think>…</think>`.
+
+Qwen3-style models open their reply with `<think>`, reason, close with `</think>` and then
+answer; some templates (Qwen3.5, DeepSeek-R1) put `<think>\\n` at the end of the generation
+prompt, so the reply starts inside the reasoning with no opening tag. `ReasoningSplitter`
+turns decoded pieces into ("reasoning", text) / ("answer", text) segments:
+
+- the tags are matched by token id when the tokenizer has each as a single token (its
+  special / added tokens), else by text, held back while a piece could be the start of a tag;
+- an opening tag counts only before any visible answer text, a closing tag only inside the
+  reasoning: later tags are answer text (text matching) or dropped (ids);
+- the tags never show; whitespace around the reasoning and right after `</think>` is dropped.
+
+A reply without tags is all answer, byte for byte.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+OPEN_TAG, CLOSE_TAG = "<think>", "</think>"
+REASONING, ANSWER = "reasoning", "answer"
+
+Segment = tuple[str, str]  # (REASONING | ANSWER, text)
+
+_START, _THINK, _AFTER, _ANSWER = "start", "reasoning", "after", "answer"
+
+
+def tag_ids(tokenizer: Any, tags: tuple[str, str] = (OPEN_TAG, CLOSE_TAG)) -> dict[int, str]:
+    """{id: tag} when every tag is one token of `tokenizer` (e.g. added special tokens), else {}."""
+    found: dict[int, str] = {}
+    for tag in tags:
+        ids = tokenizer.encode(tag, special=True, add_bos=False, add_eos=False)
+        if len(ids) != 1 or tokenizer.decode(ids) != tag:
+            return {}
+        found[ids[0]] = tag
+    return found
+
+
+def starts_in_reasoning(prompt: str, open_tag: str = OPEN_TAG) -> bool:
+    """True when the rendered prompt ends inside an open reasoning block (`…<think>\\n`)."""
+    return prompt.rstrip().endswith(open_tag)
+
+
+def ends_after_reasoning(prompt: str, close_tag: str = CLOSE_TAG) -> bool:
+    """True when the prompt ends right after a closed block (`<think>\\n\\n</think>\\n\\n`)."""
+    return prompt.rstrip().endswith(close_tag)
+
+
+class ReasoningSplitter:
+    """Feed `(text, token)` per generated token; get the segments that text completes."""
+
+    def __init__(
+        self,
+        *,
+        ids: dict[int, str] | None = None,
+        in_reasoning: bool = False,
+        after_reasoning: bool = False,
+        open_tag: str = OPEN_TAG,
+        close_tag: str = CLOSE_TAG,
+    ):
+        self.open_tag, self.close_tag = open_tag, close_tag
+        self._ids = dict(ids or {})
+        self._state = _THINK if in_reasoning else _AFTER if after_reasoning else _START
+        self._buf = ""  # text held back: leading whitespace, or what may be part of a tag
+        self._ws = ""  # reasoning whitespace held until more reasoning text follows it
+        self._reasoned = False  # some reasoning text was emitted in this block
+        self.saw_reasoning = in_reasoning  # a reasoning block was opened (by tag or prompt)
+        # tokens generated inside the reasoning, tags excluded (when matched by id)
+        self.reasoning_tokens = 0
+
+    @classmethod
+    def for_prompt(cls, tokenizer: Any, prompt: str) -> ReasoningSplitter:
+        """A splitter for the reply to `prompt`, with `tokenizer`'s tag ids when it has them."""
+        return cls(
+            ids=tag_ids(tokenizer),
+            in_reasoning=starts_in_reasoning(prompt),
+            after_reasoning=ends_after_reasoning(prompt),
+        )
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._state == _THINK
+
+    def feed(self, text: str, token: int | None = None) -> list[Segment]:
+        """The segments completed by one generated piece (its token id when known)."""
+        out: list[Segment] = []
+        tag = self._ids.get(token) if token is not None else None
+        if tag is not None:
+            self._text(text[: -len(tag)] if text.endswith(tag) else text, out)
+            self._tag(tag, out)
+            return out
+        self._text(text, out)
+        if token is not None and (self._state == _THINK or any(k == REASONING for k, _ in out)):
+            self.reasoning_tokens += 1
+        return out
+
+    def flush(self) -> list[Segment]:
+        """Whatever is held back at the end of the reply."""
+        out: list[Segment] = []
+        buf, self._buf = self._buf, ""
+        if self._state == _START and buf:
+            out.append((ANSWER, buf))
+        elif self._state == _THINK and buf:
+            self._reason(buf, out)
+        self._ws = ""
+        return out
+
+    # --- internals ---
+    def _tag(self, tag: str, out: list[Segment]) -> None:
+        if tag == self.open_tag and self._state == _START:
+            self._open()
+        elif tag == self.close_tag and self._state in (_START, _THINK):
+            self._close(out)
+        # any other tag (a second <think>, a tag inside the answer) is dropped
+
+    def _open(self) -> None:
+        self._state, self._buf, self._ws, self._reasoned = _THINK, "", "", False
+        self.saw_reasoning = True
+
+    def _close(self, out: list[Segment]) -> None:
+        if self._state == _THINK and self._buf:
+            self._reason(self._buf, out)
+        # (before any answer text, a bare </think> drops the whitespace held so far)
+        self._state, self._buf, self._ws = _AFTER, "", ""
+
+    def _text(self, text: str, out: list[Segment]) -> None:
+        while text:
+            if self._state == _ANSWER:
+                out.append((ANSWER, text))
+                return
+            if self._state == _AFTER:
+                text = text.lstrip()
+                if text:
+                    self._state = _ANSWER
+                continue
+            if self._state == _START:
+                text = self._start(text, out)
+            else:
+                text = self._think(text, out)
+
+    def _start(self, text: str, out: list[Segment]) -> str:
+        """Before any answer text: whitespace and a possible opening tag are held."""
+        buf = self._buf + text
+        body = buf.lstrip()
+        if not self._ids and body.startswith(self.open_tag):
+            self._open()
+            return body[len(self.open_tag) :]
+        if not body or (not self._ids and self.open_tag.startswith(body)):
+            self._buf = buf
+            return ""
+        self._buf, self._state = "", _ANSWER
+        return buf
+
+    def _think(self, text: str, out: list[Segment]) -> str:
+        buf = self._buf + text
+        self._buf = ""
+        if self._ids:  # tags come as tokens: all text here is reasoning
+            self._reason(buf, out)
+            return ""
+        at = buf.find(self.close_tag)
+        if at >= 0:
+            self._reason(buf[:at], out)
+            self._close(out)
+            return buf[at + len(self.close_tag) :]
+        keep = _partial_suffix(buf, self.close_tag)
+        self._buf = buf[len(buf) - keep :] if keep else ""
+        self._reason(buf[: len(buf) - keep], out)
+        return ""
+
+    def _reason(self, text: str, out: list[Segment]) -> None:
+        text = self._ws + text
+        if not self._reasoned:
+            text = text.lstrip()
+        body = text.rstrip()
+        self._ws = text[len(body) :]
+        if body:
+            out.append((REASONING, body))
+            self._reasoned = True
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag`."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def join(segments: list[Segment], kind: str) -> str:
+    """The text of the segments of one kind (REASONING or ANSWER), in order."""
+    return "".join(text for k, text in segments if k == kind)
