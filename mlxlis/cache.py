@@ -1,4 +1,10 @@
-"""KV caches: a preallocated cache grown in steps, and a rotating one for sliding-window layers."""
+"""Per-layer caches: KV caches (a preallocated one grown in steps, a rotating one for
+sliding-window layers) and the recurrent state of linear-attention layers.
+
+Reusing a common prefix (ChatSession) asks each cache how far back it can go exactly
+(`rewind_to`): a KV cache to any position it holds, a rotating one while the positions it
+needs have not rotated out, a recurrent state only to a position it kept a snapshot of
+(`RecurrentCache.snapshot`, taken at the end of each prompt)."""
 
 from __future__ import annotations
 
@@ -169,8 +175,66 @@ class RotatingKVCache:
         return [] if self.keys is None else [self.keys, self.values]
 
 
+class RecurrentCache:
+    """A linear-attention layer's state: the last kernel−1 inputs of its convolution and the
+    (B, heads, k_dim, v_dim) recurrent state, after `offset` tokens. A recurrent state cannot
+    forget tokens: to go back, it restores a snapshot taken at that position (the newest
+    SNAPSHOTS are kept; each costs one copy of the state)."""
+
+    SNAPSHOTS = 2
+
+    def __init__(self) -> None:
+        self.conv_state: mx.array | None = None
+        self.recurrent: mx.array | None = None
+        self.offset = 0
+        self._snapshots: list[tuple[int, mx.array | None, mx.array | None]] = []
+
+    def snapshot(self) -> None:
+        """Remember the state at the current position (arrays are immutable: no copy)."""
+        self._snapshots = [s for s in self._snapshots if s[0] != self.offset]
+        self._snapshots.append((self.offset, self.conv_state, self.recurrent))
+        del self._snapshots[: -self.SNAPSHOTS]
+
+    @property
+    def trimmable(self) -> int:
+        return 0
+
+    def rewind_point(self, position: int) -> int:
+        """The latest position ≤ `position` this cache can return to exactly."""
+        if position >= self.offset:
+            return self.offset
+        return max((p for p, _, _ in self._snapshots if p <= position), default=0)
+
+    def trim(self, n: int) -> int:
+        """Go back `n` tokens if a snapshot sits exactly there; returns n, or 0 (untouched)."""
+        if n <= 0:
+            return 0
+        target = self.offset - n
+        for p, conv, state in self._snapshots:
+            if p == target:
+                self.conv_state, self.recurrent, self.offset = conv, state, p
+                self._snapshots = [s for s in self._snapshots if s[0] <= p]
+                return n
+        return 0
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (self.conv_state, self.recurrent) if a is not None]
+
+
+def rewind_point(cache, position: int) -> int:
+    """The latest position ≤ `position` that one layer's cache can be trimmed back to."""
+    if isinstance(cache, RecurrentCache):
+        return cache.rewind_point(position)
+    if isinstance(cache, RotatingKVCache):
+        return position if cache.offset - position <= cache.trimmable else 0
+    return min(position, cache.offset)
+
+
 def trimmable(caches: list) -> int:
     """How many newest positions every cache of a model can forget exactly (`trim` limit)."""
     return min(
-        (c.trimmable if isinstance(c, RotatingKVCache) else c.offset for c in caches), default=0
-    )
+        (c.trimmable if isinstance(c, (RotatingKVCache, RecurrentCache)) else c.offset
+         for c in caches),
+        default=0,
+    )  # fmt: skip

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .cache import rewind_point
 from .errors import ContextLimitError
 from .generate import Event, generate
 from .reasoning import ANSWER, REASONING, ReasoningSplitter, join
@@ -201,7 +202,12 @@ class ChatSession:
             common += 1
         common = min(common, len(ids) - 1)
         if self._cache is not None and common > 0:
-            drop = len(self._cached) - common
-            if all(c.trim(drop) == drop for c in self._cache):
-                return self._cache, common
+            # the latest position every layer can return to exactly: any for a KV cache, a
+            # snapshot (end of an earlier prompt) for a recurrent state (hybrid models)
+            target = common
+            while (back := min(rewind_point(c, target) for c in self._cache)) != target:
+                target = back
+            drop = len(self._cached) - target
+            if target > 0 and all(c.trim(drop) == drop for c in self._cache):
+                return self._cache, target
         return self.model.make_cache(), 0

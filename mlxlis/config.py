@@ -54,10 +54,13 @@ class ModelConfig:
     sandwich_norms: bool = False  # also norm each sublayer's output (Gemma 2/3)
     embed_scale: bool = False  # embeddings × √hidden (Gemma)
     residual_f32: bool = False  # residual stream in float32 whatever the compute dtype (Gemma)
+    attn_output_gate: bool = False  # q_proj also yields a per-head gate: out · sigmoid(gate)
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of each head (None: all)
     # sliding-window attention and softcaps (Gemma 2/3)
     rope_local: RopeConfig | None = None  # RoPE of sliding-window layers (Gemma 3)
     sliding_window: int | None = None
-    layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer
+    # per layer: "full_attention" | "sliding_attention" | "linear_attention" (Gated DeltaNet)
+    layer_types: tuple[str, ...] = ()
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
@@ -67,6 +70,13 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum 1
     sparse_layers: tuple[bool, ...] = ()
+    shared_expert_intermediate_size: int = 0  # a shared expert beside the routed ones (> 0)
+    # Gated DeltaNet (linear attention) layers (Qwen3.5)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
     # MLX quantization from config.json ({"group_size", "bits", per-layer overrides}) or None
     quantization: dict[str, Any] | None = field(default=None, compare=False)
     source: str = ""
@@ -79,6 +89,9 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
     def is_sparse(self, layer: int) -> bool:
         return bool(self.sparse_layers) and self.sparse_layers[layer]

@@ -77,6 +77,10 @@ def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str
             "original_max_position_embeddings": r.original_max_position_embeddings,
         }
     out.update(spec.export_config(cfg))
+    if spec.export_wrapper:  # readers know this family under its multimodal wrapper type only
+        out = {"architectures": out.pop("architectures"), "model_type": spec.export_wrapper,
+               "tie_word_embeddings": out["tie_word_embeddings"],
+               "eos_token_id": out["eos_token_id"], "text_config": out}  # fmt: skip
     if quant:
         out["quantization"] = quant
         out["quantization_config"] = quant

@@ -63,7 +63,11 @@ def prefill(
         start += step
         if should_stop is not None and should_stop():
             return None
-    return net(arr[:, start:], cache=cache, last_only=True)[:, -1, :].astype(mx.float32)
+    logits = net(arr[:, start:], cache=cache, last_only=True)[:, -1, :].astype(mx.float32)
+    for c in cache:  # recurrent states cannot be trimmed: keep one at the end of the prompt
+        if hasattr(c, "snapshot"):
+            c.snapshot()
+    return logits
 
 
 def generate(

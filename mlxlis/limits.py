@@ -104,6 +104,13 @@ SIZE_BOUNDS = {
     "num_experts_per_tok": CONFIG_MAX_EXPERTS,
     "moe_intermediate_size": CONFIG_MAX_DIM,
     "decoder_sparse_step": CONFIG_MAX_LAYERS,
+    "shared_expert_intermediate_size": CONFIG_MAX_DIM,
+    "linear_num_key_heads": CONFIG_MAX_DIM,
+    "linear_num_value_heads": CONFIG_MAX_DIM,
+    "linear_key_head_dim": CONFIG_MAX_DIM,
+    "linear_value_head_dim": CONFIG_MAX_DIM,
+    "linear_conv_kernel_dim": CONFIG_MAX_DIM,
+    "rotary_dim": CONFIG_MAX_DIM,
 }
 
 

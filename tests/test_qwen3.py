@@ -214,6 +214,7 @@ def test_bad_expert_config_and_tensors_are_named(qwen, tmp_path):
     with pytest.raises(MlxlisError) as e:
         mlxlis.load(bad, "float32")
     assert e.value.field == "model.layers.2.mlp.switch_mlp.down_proj.weight"
+    assert key in str(e.value) and "1 of 8 experts absent" in str(e.value)
     save_file({**tensors, key: tensors[key][:, :-1]}, str(bad / "model.safetensors"))
     with pytest.raises(MlxlisError) as e:
         mlxlis.load(bad, "float32")

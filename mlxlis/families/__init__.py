@@ -14,13 +14,19 @@ from .gemma import GEMMA, GEMMA2, GEMMA3
 from .llama import LLAMA
 from .qwen2 import QWEN2
 from .qwen3 import QWEN3
+from .qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from .qwen3_moe import QWEN3_MOE
 
 REGISTRY: dict[str, Family] = {
-    f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA, GEMMA2, GEMMA3)
+    f.name: f
+    for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, GEMMA, GEMMA2, GEMMA3)
 }
 HF_MODEL_TYPES: dict[str, Family] = {t: f for f in REGISTRY.values() for t in f.hf_model_types}
 GGUF_ARCHS: dict[str, Family] = {a: f for f in REGISTRY.values() for a in f.gguf_archs}
+
+
+# keys a multimodal wrapper may hold outside its text_config (Qwen3.5: tie_word_embeddings)
+_OUTER_KEYS = ("tie_word_embeddings", "eos_token_id", "bos_token_id")
 
 
 def family(name: str) -> Family:
@@ -54,12 +60,13 @@ def config_from_hf(
         )
     spec = HF_MODEL_TYPES[model_type]
     quant = cfg.get("quantization", cfg.get("quantization_config"))
-    if "text_config" in cfg:  # multimodal wrapper (gemma3): the decoder lives in text_config
+    if "text_config" in cfg:  # multimodal wrapper: the decoder lives in text_config
         text = cfg["text_config"]
         if not isinstance(text, dict):
             raise ConfigError("expected an object", path=path, field="text_config")
-        cfg = {**text, "model_type": text.get("model_type", model_type)}
-    base = base_config(cfg, spec.name, path)
+        outer = {k: cfg[k] for k in _OUTER_KEYS if k in cfg}  # some wrappers keep these outside
+        cfg = {**outer, **text, "model_type": text.get("model_type", model_type)}
+    base = base_config({**spec.hf_defaults, **cfg}, spec.name, path)
     try:
         base = spec.parse_hf(cfg, base, path)
     except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
@@ -71,6 +78,10 @@ def config_from_hf(
     bos = cfg.get("bos_token_id")
     if generation and generation.get("bos_token_id") is not None:
         bos = generation["bos_token_id"]
+    if isinstance(quant, dict):  # per-module overrides are keyed by checkpoint module paths
+        quant = {(spec.hf_name(k) if isinstance(v, (dict, bool)) else k): v
+                 for k, v in quant.items()}  # fmt: skip
+        quant.pop(None, None)  # overrides of dropped modules (a vision tower)
     return base.with_(
         eos_token_ids=eos,
         bos_token_id=bos if isinstance(bos, int) else None,

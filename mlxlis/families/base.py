@@ -59,6 +59,14 @@ class Family:
     export_model_type: str = ""
     export_architecture: str = ""
     export_config: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
+    export_wrapper: str = ""  # write config.json as this wrapper type around a text_config
+    # safetensors saved by mlx-lm after its sanitize: tensors of these name suffixes come in
+    # its layout (transposed by these axes into ours), and these conventions undo what it
+    # folded into the values; the layout is the sign a folder was saved so
+    mlx_layouts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    mlx_conventions: tuple[Convention, ...] = ()
+    # config.json keys the shared parser needs that this family's configs may omit
+    hf_defaults: dict[str, Any] = field(default_factory=dict)
     # checkpoint name prefixes renamed to ours, and prefixes dropped (e.g. a vision tower)
     hf_renames: tuple[tuple[str, str], ...] = ()
     hf_dropped: tuple[str, ...] = ()
@@ -86,9 +94,10 @@ class Family:
                 return new + name[len(old):]
         return name
 
-    def undo(self, name: str, arr: mx.array, cfg: ModelConfig, part: str) -> mx.array:
-        """Apply every GGUF convention of this family that matches module tensor `name`."""
-        for applies, fn in self.gguf_conventions:
+    def undo(self, name: str, arr: mx.array, cfg: ModelConfig, part: str,
+             conventions: tuple[Convention, ...] | None = None) -> mx.array:  # fmt: skip
+        """Apply every convention (default: the GGUF ones) that matches module tensor `name`."""
+        for applies, fn in self.gguf_conventions if conventions is None else conventions:
             if applies(name):
                 arr = fn(arr, cfg, part)
         return arr

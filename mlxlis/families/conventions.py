@@ -44,3 +44,14 @@ def _is_norm(name: str) -> bool:
 UNPERMUTE_Q: Convention = (_is_q, lambda w, c, _: unpermute_rows(w, c.num_attention_heads))
 UNPERMUTE_K: Convention = (_is_k, lambda w, c, _: unpermute_rows(w, c.num_key_value_heads))
 NORM_MINUS_ONE: Convention = (_is_norm, lambda w, c, _: gemma_norm_minus_one(w))
+
+
+def _is_zero_centred_norm(name: str) -> bool:
+    return name.endswith("norm.weight") and ".linear_attn.norm." not in name
+
+
+# Qwen3.5: llama.cpp and mlx-lm add 1 to the zero-centred norms, not to DeltaNet's gated norm
+ZERO_CENTRED_NORM_MINUS_ONE: Convention = (
+    _is_zero_centred_norm,
+    lambda w, c, _: gemma_norm_minus_one(w),
+)

@@ -7,6 +7,8 @@ One forward pass; what differs between the families is ModelConfig data:
   Gemma 2:     + sandwich norms, attention-logit and final-logit softcaps,
                scale 1/√query_pre_attn_scalar, sliding-window layers.
   Gemma 3:     + q/k norms, a local RoPE base for sliding layers, usually no softcaps.
+  Qwen3.5:     Gated DeltaNet layers (deltanet.py) between gated full-attention layers with
+               partial RoPE, x̂·(1 + w) norms; Qwen3.5-MoE: + a shared expert.
 Sliding layers see keys in (p − window, p] (transformers' `kv_idx > q_idx - sliding_window`).
 Module attribute names equal the Hugging Face tensor names, so a checkpoint binds by name.
 """
@@ -18,10 +20,11 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import KVCache, RotatingKVCache, window_mask
+from ..cache import KVCache, RecurrentCache, RotatingKVCache, window_mask
 from ..config import ModelConfig
 from .attention import softcap
-from .experts import SparseMoE
+from .deltanet import GatedDeltaNet
+from .experts import ExpertSource, SparseMoE
 from .layers import MLP, Attention, Cache, Mask, norm
 from .rope import Rope
 
@@ -33,7 +36,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: Rope, layer: int):
         super().__init__()
         d = cfg.hidden_size
-        self.self_attn = Attention(cfg, rope)
+        self.linear = cfg.is_linear(layer)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = Attention(cfg, rope)
         self.mlp = SparseMoE(cfg) if cfg.is_sparse(layer) else MLP(cfg)
         self.input_layernorm = norm(cfg, d)
         self.post_attention_layernorm = norm(cfg, d)
@@ -43,6 +50,9 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = norm(cfg, d)
 
     def __call__(self, h: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
+        if self.linear:
+            h = h + self.linear_attn(self.input_layernorm(h), None, cache)
+            return h + self.mlp(self.post_attention_layernorm(h))
         if not self.sandwich:
             h = h + self.self_attn(self.input_layernorm(h), mask, cache)
             return h + self.mlp(self.post_attention_layernorm(h))
@@ -67,7 +77,8 @@ class Decoder(nn.Module):
         self.config = cfg
         self._family = family  # underscores: plain data, not part of the parameter tree
         self._rope_freq_factors = rope_freq_factors  # GGUF rope_freqs: a buffer, not a parameter
-        rope = Rope(cfg.head_dim, cfg.rope, rope_freq_factors)  # one module, shared by layers
+        # one module, shared by layers; partial RoPE turns the first rotary_dim dims only
+        rope = Rope(cfg.rotary_dim or cfg.head_dim, cfg.rope, rope_freq_factors)
         local = Rope(cfg.head_dim, cfg.rope_local) if cfg.rope_local is not None else rope
         self._sliding = tuple(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))
         self.model = DecoderModel(cfg, [local if s else rope for s in self._sliding])
@@ -75,8 +86,9 @@ class Decoder(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def make_cache(self) -> list[Cache]:
-        w = self.config.sliding_window
-        return [RotatingKVCache(w) if s else KVCache() for s in self._sliding]
+        cfg, w = self.config, self.config.sliding_window
+        return [RecurrentCache() if cfg.is_linear(i) else RotatingKVCache(w) if s else KVCache()
+                for i, s in enumerate(self._sliding)]  # fmt: skip
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Checkpoint names under ours: the family's renames applied, its dropped names gone."""
@@ -87,10 +99,10 @@ class Decoder(nn.Module):
                 out[ours] = arr
         return out
 
-    def expert_stacks(self) -> dict[str, list[str]]:
-        """Stacked expert parameters -> the per-expert checkpoint tensors, in expert order (the
-        Hugging Face layout `mlp.experts.{e}.gate_proj.weight`); empty for a dense model."""
-        stacks: dict[str, list[str]] = {}
+    def expert_stacks(self) -> dict[str, ExpertSource]:
+        """Stacked expert parameters -> where Hugging Face checkpoints keep them (per-expert
+        tensors or fused ones, see experts.py); empty for a dense model."""
+        stacks: dict[str, ExpertSource] = {}
         for i, layer in enumerate(self.model.layers):
             if isinstance(layer.mlp, SparseMoE):
                 stacks.update(layer.mlp.expert_stacks(f"model.layers.{i}.mlp"))

@@ -3,18 +3,34 @@
 The experts' weights are stacked, (n_experts, out, in) per projection, under mlx-lm's
 `switch_mlp` names; each token runs only its top-k experts through `mx.gather_mm` /
 `mx.gather_qmm`, which read only the selected experts' matrices. Checkpoints in the Hugging
-Face layout (one tensor per expert) are stacked at load (`SparseMoE.expert_stacks`).
+Face layouts load too (`SparseMoE.expert_stacks`): one tensor per expert (stacked at load), or
+the fused 3-D `experts.gate_up_proj` (E, 2·F, hidden; gate rows then up rows) and
+`experts.down_proj` (E, hidden, F) that Qwen3.5-MoE checkpoints ship (sliced at load).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import ModelConfig
 from .activations import gated
+from .layers import MLP
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ExpertSource:
+    """Where a stacked expert parameter may come from in a Hugging Face checkpoint: the
+    per-expert tensors `parts` (in expert order), or the fused tensor `fused` (its `half`
+    along axis 1: 0 = first, 1 = second, None = all of it)."""
+
+    parts: tuple[str, ...]
+    fused: str
+    half: int | None
 # from this many (token, expert) pairs on, rows are sorted by expert first, so each expert's
 # rows are contiguous (measured on CPU, 128 tokens × top-2 of 32: 2.7× faster than unsorted)
 SORT_FROM = 64
@@ -93,7 +109,8 @@ class SwitchGLU(nn.Module):
 
 class SparseMoE(nn.Module):
     """Router softmax over all experts (float32), the top k kept, renormalised to sum 1 when
-    norm_topk_prob (as transformers' Qwen3MoeTopKRouter), the experts' outputs weighted."""
+    norm_topk_prob (as transformers' Qwen3MoeTopKRouter), the experts' outputs weighted; plus,
+    when configured, a shared expert every token runs, scaled by sigmoid(shared_expert_gate)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -101,13 +118,20 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
         self.switch_mlp = SwitchGLU(cfg)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
-    def expert_stacks(self, prefix: str) -> dict[str, list[str]]:
+    def expert_stacks(self, prefix: str) -> dict[str, ExpertSource]:
         n = self.gate.weight.shape[0]
+        fused = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                 "down_proj": ("down_proj", None)}  # fmt: skip
         return {
-            f"{prefix}.switch_mlp.{p}.weight": [
-                f"{prefix}.experts.{e}.{p}.weight" for e in range(n)
-            ]
+            f"{prefix}.switch_mlp.{p}.weight": ExpertSource(
+                tuple(f"{prefix}.experts.{e}.{p}.weight" for e in range(n)),
+                f"{prefix}.experts.{fused[p][0]}",
+                fused[p][1],
+            )
             for p in PROJECTIONS
         }
 
@@ -119,4 +143,7 @@ class SparseMoE(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         y = self.switch_mlp(x, mx.stop_gradient(inds))  # (B, T, k, hidden)
-        return (y * weights.astype(y.dtype)[..., None]).sum(axis=-2)
+        y = (y * weights.astype(y.dtype)[..., None]).sum(axis=-2)
+        if "shared_expert" in self:
+            y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y

@@ -9,13 +9,13 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import KVCache, RotatingKVCache
+from ..cache import KVCache, RecurrentCache, RotatingKVCache
 from ..config import ModelConfig
 from .activations import gated
 from .attention import attend
 from .rope import Rope
 
-Cache = KVCache | RotatingKVCache
+Cache = KVCache | RotatingKVCache | RecurrentCache
 Mask = str | mx.array | None
 
 
@@ -44,8 +44,9 @@ def norm(cfg: ModelConfig, dims: int) -> nn.Module:
 class Attention(nn.Module):
     """Multi-head attention with grouped K/V heads; options from the config: q/k/v and o bias,
     q/k RMSNorm over head_dim before RoPE (Qwen3, Gemma 3), the scale (1/√head_dim or
-    1/√query_pre_attn_scalar), a logit softcap (Gemma 2). A sliding window is the mask's and
-    the cache's business, not this module's."""
+    1/√query_pre_attn_scalar), a logit softcap (Gemma 2), a sigmoid output gate carried by a
+    doubled q_proj (Qwen3.5: per head, head_dim query values then head_dim gate values).
+    A sliding window is the mask's and the cache's business, not this module's."""
 
     def __init__(self, cfg: ModelConfig, rope: Rope):
         super().__init__()
@@ -54,7 +55,9 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale
         self.softcap = cfg.attn_logit_softcapping
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=cfg.attention_bias)
+        self.gated = cfg.attn_output_gate
+        q_out = self.n_heads * hd * (2 if self.gated else 1)
+        self.q_proj = nn.Linear(d, q_out, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=cfg.o_bias)
@@ -65,7 +68,10 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.n_heads, -1).transpose(0, 2, 1, 3)
+        q = self.q_proj(x).reshape(b, t, self.n_heads, -1)
+        if self.gated:  # (B, T, n_heads, 2·head_dim): each head's query, then its gate
+            q, gate = mx.split(q, 2, axis=-1)
+        q = q.transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         # q: (B, n_heads, T, head_dim); k, v: (B, n_kv_heads, T, head_dim)
@@ -77,7 +83,10 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = attend(q, k, v, self.scale, mask, self.softcap)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+        out = out.transpose(0, 2, 1, 3)  # (B, T, n_heads, head_dim)
+        if self.gated:
+            out = out * mx.sigmoid(gate)
+        return self.o_proj(out.reshape(b, t, -1))
 
 
 class MLP(nn.Module):

@@ -16,7 +16,7 @@ from .. import catalog
 from ..config import read_json
 from ..device import resolve_dtype
 from ..errors import BindingError, ModelNotFoundError, UnsupportedError, UnsupportedFormatError
-from ..families import build_model, config_from_hf
+from ..families import build_model, config_from_hf, family
 from .binding import bind
 from .manifest import as_manifest, plan_bindings
 from .validate import check_folder_json
@@ -119,10 +119,15 @@ def load_folder(
     generation = read_json(gen_path) if gen_path.is_file() else None
     cfg = config_from_hf(read_json(cfg_path), str(cfg_path), generation)
     net = build_model(cfg)
+    spec = family(cfg.family)
     # validates names, dtypes and shapes from the headers (family renames such as Gemma 3's
     # multimodal prefixes via net.sanitize), and quantizes the modules whose scales are bound
-    plan = plan_bindings(net, cfg, manifest, folder, strict=strict)
-    bind(net, plan.load(), plan.origin or folder, dtype)
+    plan = plan_bindings(net, cfg, manifest, folder, strict=strict, layouts=spec.mlx_layouts)
+    weights = plan.load()
+    if plan.relaid:  # saved by mlx-lm after its sanitize: undo what that folded in
+        weights = {n: spec.undo(n, a, cfg, n.rsplit(".", 1)[1], spec.mlx_conventions)
+                   for n, a in weights.items()}  # fmt: skip
+    bind(net, weights, plan.origin or folder, dtype)
     quantized = bool(plan.quantized)
     check_folder_json(folder)  # bounds the tokenizer's JSON files before they are parsed
     from ..tokenizer import Tokenizer

@@ -53,7 +53,7 @@ import difflib
 import re
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -503,6 +503,8 @@ class Binding:
     # and the file of each (a layer's experts may span shards)
     parts: tuple[str, ...] = ()
     part_files: tuple[Path, ...] = ()
+    axes: tuple[int, ...] | None = None  # transposed at load (another converter's layout)
+    half: int | None = None  # this half of the tensor's axis 1 (fused gate_up experts)
 
 
 @dataclass
@@ -513,6 +515,7 @@ class BindingPlan:
     unbound: list[tuple[str, str]] = field(default_factory=list)  # (source, key), lenient
     quantized: list[str] = field(default_factory=list)  # module paths made quantized
     origin: str | None = None
+    relaid: list[str] = field(default_factory=list)  # parameters bound through `layouts`
 
     def load(self) -> dict[str, mx.array]:
         """Lazy arrays under parameter names (nothing is read until evaluated)."""
@@ -538,6 +541,11 @@ class BindingPlan:
                 out[b.param] = mx.stack([tensor(f, k) for f, k in experts])
             else:
                 out[b.param] = tensor(b.file, b.key)
+            if b.half is not None:  # (E, 2·F, in) -> gate rows, then up rows
+                n = out[b.param].shape[1] // 2
+                out[b.param] = out[b.param][:, b.half * n : (b.half + 1) * n]
+            if b.axes is not None:
+                out[b.param] = out[b.param].transpose(b.axes)
         return out
 
 
@@ -594,9 +602,12 @@ def plan_bindings(
     folder: Path,
     *,
     strict: bool = True,
+    layouts: dict[str, tuple[int, ...]] | None = None,
 ) -> BindingPlan:
     """Validate `manifest` against the model and the sources' headers; quantize the modules
-    whose scales are bound (mutates `net`); return the plan. Reads headers only."""
+    whose scales are bound (mutates `net`); return the plan. Reads headers only. `layouts`:
+    parameter name suffix -> axes; a tensor whose shape is the parameter's only after that
+    transpose (another converter's layout, e.g. mlx-lm's conv1d) binds, transposed at load."""
     from .binding import quantize_like
 
     folder = Path(folder)
@@ -662,7 +673,7 @@ def plan_bindings(
         )
 
     # resolve every parameter: the manifest's binding, else the tensor of the same name, else
-    # (stacked experts) the per-expert tensors of the Hugging Face layout, all in one file
+    # (stacked experts) the Hugging Face layouts: per-expert tensors (any shards), or fused
     stacks = net.expert_stacks() if callable(getattr(net, "expert_stacks", None)) else {}
     bindings: dict[str, Binding] = {}
     missing: list[tuple[str, str, str, bool]] = []
@@ -671,11 +682,9 @@ def plan_bindings(
         src = sources[source]
         hit = src.tensors.get(key)
         if hit is None and p not in explicit and p in stacks:
-            parts = tuple(by_name.get(k, k) for k in stacks[p])
-            hits = [default.tensors.get(k) for k in parts]
-            if all(hits):
-                files = tuple(h[0] for h in hits)
-                bindings[p] = Binding(p, default.name, parts[0], files[0], False, parts, files)
+            found = _expert_binding(p, stacks[p], by_name, default, where)
+            if found is not None:
+                bindings[p] = found
                 continue
         if hit is None:
             missing.append((p, source, key, p in explicit))
@@ -709,7 +718,7 @@ def plan_bindings(
     users: dict[tuple[Path, str], list[str]] = defaultdict(list)
     for b in bindings.values():
         for file, key in zip(b.part_files or (b.file,), b.parts or (b.key,), strict=True):
-            users[(file, key)].append(b.param)
+            users[(file, key if b.half is None else f"{key}[half {b.half}]")].append(b.param)
     for (file, key), params in users.items():
         if len(params) > 1 and not _tied_pair(params):
             raise DuplicateBindingError(
@@ -720,6 +729,7 @@ def plan_bindings(
             )
 
     # dtype, rank, dimensions
+    relaid: list[str] = []
     for p, ref in expected.items():
         b = bindings[p]
         entry = sources[b.source].tensors[b.key][1]
@@ -729,6 +739,8 @@ def plan_bindings(
         if b.parts:  # each expert's tensor: the parameter's shape without the expert axis
             _check_parts(b, sources[b.source], ref, where)
             shape = (len(b.parts), *shape)
+        elif b.half is not None and len(shape) == 3 and shape[1] % 2 == 0:
+            shape = (shape[0], shape[1] // 2, shape[2])
         module, _, part = p.rpartition(".")
         if _float(ref.dtype):
             ok = dt is not None and _float(dt)
@@ -746,6 +758,13 @@ def plan_bindings(
                 field=p,
             )
         want_shape = tuple(ref.shape)
+        axes = next((a for sfx, a in (layouts or {}).items() if p.endswith(sfx)), None)
+        if axes and shape != want_shape and len(shape) == len(axes) and tuple(
+            shape[i] for i in axes
+        ) == want_shape:
+            bindings[p] = b = replace(b, axes=axes)
+            relaid.append(p)
+            shape = want_shape
         if len(shape) != len(want_shape):
             raise BindingShapeError(
                 f"tensor {b.key!r} in {b.file.name} has rank {len(shape)} (shape {shape}), "
@@ -762,7 +781,7 @@ def plan_bindings(
             )
 
     # tensors no parameter takes
-    taken = set(users)
+    taken = {(f, k.split("[half ")[0]) for f, k in users}  # a fused tensor bound by halves
     by_name_of = {raw: name for name, raw in by_name.items()}
     unbound = []
     for src in sources.values():
@@ -791,7 +810,31 @@ def plan_bindings(
             ),
             stacklevel=3,
         )
-    return BindingPlan(bindings, unbound, quantized, manifest.origin)
+    return BindingPlan(bindings, unbound, quantized, manifest.origin, relaid)
+
+
+def _expert_binding(p: str, lay, by_name: dict[str, str], src: _Source,
+                    where: str) -> Binding | None:  # fmt: skip
+    """A stacked expert parameter bound by a Hugging Face layout (`lay`, an ExpertSource):
+    every per-expert tensor, else the fused tensor; None when neither is there. Some experts
+    present and others not is an error naming the first missing one."""
+    parts = tuple(by_name.get(k, k) for k in lay.parts)
+    hits = [src.tensors.get(k) for k in parts]
+    if all(hits):
+        files = tuple(h[0] for h in hits)
+        return Binding(p, src.name, parts[0], files[0], False, parts, files)
+    fused = by_name.get(lay.fused, lay.fused)
+    if fused in src.tensors:
+        return Binding(p, src.name, fused, src.tensors[fused][0], False, half=lay.half)
+    if any(hits):
+        gone = next(k for k, h in zip(parts, hits, strict=True) if h is None)
+        raise BindingMissingError(
+            f"expert tensor {gone!r} missing ({sum(h is None for h in hits)} of {len(parts)} "
+            f"experts absent; {_files(src)}): every expert of {p} is needed",
+            path=where,
+            field=p,
+        )
+    return None
 
 
 def _check_parts(b: Binding, src: _Source, ref: mx.array, where: str) -> None:
