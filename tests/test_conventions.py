@@ -60,8 +60,16 @@ def permuted_by_llama_cpp(fam: str) -> bool:
 
 
 def norms_plus_one_in_gguf(fam: str) -> bool:
-    """llama.cpp's Gemma 1/2/3 converters add 1 to every norm weight."""
-    return any(a in ("gemma", "gemma2", "gemma3") for a in REGISTRY[fam].gguf_archs)
+    """llama.cpp's Gemma 1/2/3 converters add 1 to every norm weight; its Qwen3.5 converter
+    (Qwen3NextModel) to every norm but DeltaNet's gated one (not in GEMMA_NORMS below)."""
+    archs = ("gemma", "gemma2", "gemma3", "qwen35", "qwen35moe")
+    return any(a in archs for a in REGISTRY[fam].gguf_archs)
+
+
+def qwen35_layout(fam: str) -> bool:
+    """llama.cpp's Qwen3.5 converter also reorders value heads, stores −exp(A_log), squeezes
+    conv1d: a convention set of its own (test_qwen3_5_gguf.py checks it against a file)."""
+    return any(a in ("qwen35", "qwen35moe") for a in REGISTRY[fam].gguf_archs)
 
 
 def config(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 16) -> ModelConfig:
@@ -162,8 +170,12 @@ def test_gemma_norm_minus_one_exactly_where_it_belongs(fam: str):
 
 def test_every_family_declares_exactly_llama_cpps_conventions():
     """Each family's GGUF conventions are what llama.cpp's converter did to its architecture:
-    the Q/K un-permute for llama, the norm offset for Gemma 1/2/3, nothing for the rest."""
+    the Q/K un-permute for llama, the norm offset for Gemma 1/2/3, Qwen3.5's own set, nothing
+    for the rest."""
     for fam, spec in REGISTRY.items():
+        if qwen35_layout(fam):
+            assert spec.gguf_conventions == conventions.QWEN35_GGUF, fam
+            continue
         want = []
         if permuted_by_llama_cpp(fam):
             want += ["UNPERMUTE_Q", "UNPERMUTE_K"]

@@ -70,14 +70,23 @@ class Family:
     # checkpoint name prefixes renamed to ours, and prefixes dropped (e.g. a vision tower)
     hf_renames: tuple[tuple[str, str], ...] = ()
     hf_dropped: tuple[str, ...] = ()
+    # GGUF tensors the model does not use (e.g. a multi-token-prediction head), by name + config
+    gguf_ignored: Callable[[str, ModelConfig], bool] | None = None
 
     def gguf_module_name(self, gguf_name: str) -> str | None:
-        """The module tensor name for a GGUF tensor, or None when no row takes it."""
+        """The module tensor name for a GGUF tensor, or None when no row takes it. A row keyed
+        `name.part` (or a bare `name`, for tensors llama.cpp writes without a suffix) maps to
+        a whole parameter path; a row keyed `name` maps to a module whose `part` it feeds."""
         m = _BLOCK_RE.match(gguf_name)
         if m:
             i, key, part = m.groups()
+            if f"{key}.{part}" in self.gguf_block:
+                return f"model.layers.{int(i)}.{self.gguf_block[f'{key}.{part}']}"
             target = self.gguf_block.get(key)
             return f"model.layers.{int(i)}.{target}.{part}" if target else None
+        m = _BARE_RE.match(gguf_name)
+        if m and f"{m.group(2)}." in self.gguf_block:
+            return f"model.layers.{int(m.group(1))}.{self.gguf_block[m.group(2) + '.']}"
         m = _TOP_RE.match(gguf_name)
         if m:
             key, part = m.groups()
@@ -105,6 +114,7 @@ class Family:
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 _TOP_RE = re.compile(r"^([^.]+)\.(weight|bias)$")
+_BARE_RE = re.compile(r"^blk\.(\d+)\.([^.]+)$")  # e.g. Qwen3.5's blk.N.ssm_a
 
 _MISSING = object()
 

@@ -22,7 +22,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..limits import check_sizes
 from .base import Family, GGUFMeta
-from .conventions import ZERO_CENTRED_NORM_MINUS_ONE
+from .conventions import QWEN35_GGUF, ZERO_CENTRED_NORM_MINUS_ONE
 from .decoder import Decoder
 from .llama import check_act
 
@@ -92,9 +92,74 @@ def _hf_parser(moe: bool):
     return parse
 
 
-def _gguf_unsupported(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
-    raise ConfigError("Qwen3.5 GGUF files are not supported yet", path=meta.path,
-                      field="general.architecture")  # fmt: skip
+def _gguf_parser(moe: bool):
+    """llama.cpp's reading of qwen35 / qwen35moe (src/models/qwen35*.cpp): the ssm.* keys give
+    the DeltaNet sizes (one state size for k and v heads), attention.recurrent_layers or
+    full_attention_interval the layer types; block_count counts the MTP layers too."""
+
+    def parse(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
+        mtp = m.get("nextn_predict_layers", 0)
+        n = base.num_hidden_layers - mtp
+        if not 0 < n:
+            raise ConfigError(f"{mtp} prediction layers of {base.num_hidden_layers}",
+                              path=m.path, field=m.key("nextn_predict_layers"))  # fmt: skip
+        vh = m.get("ssm.time_step_rank")
+        size = check_sizes({
+            "linear_conv_kernel_dim": (m.key("ssm.conv_kernel"), m.get("ssm.conv_kernel")),
+            "linear_key_head_dim": (m.key("ssm.state_size"), m.get("ssm.state_size")),
+            "linear_num_key_heads": (m.key("ssm.group_count"), m.get("ssm.group_count")),
+            "linear_num_value_heads": (m.key("ssm.time_step_rank"), vh),
+            "linear_value_head_dim": (m.key("ssm.inner_size"), m.get("ssm.inner_size") // vh),
+            "rotary_dim": (m.key("rope.dimension_count"), m.get("rope.dimension_count")),
+        }, m.path)  # fmt: skip
+        flags = m.md.get(m.key("attention.recurrent_layers"))
+        if flags is not None:
+            types = tuple(LAYER_TYPES[not bool(f)] for f in list(flags)[:n])
+        else:
+            types = _layer_types({"full_attention_interval": m.get("full_attention_interval", 4)},
+                                 n, m.path)  # fmt: skip
+        if len(types) != n:
+            raise ConfigError(f"expected {n} flags", path=m.path,
+                              field=m.key("attention.recurrent_layers"))  # fmt: skip
+        changes: dict[str, Any] = dict(
+            num_hidden_layers=n, norm="rms_plus_one", qk_norm=True, attn_output_gate=True,
+            layer_types=types, **size)  # fmt: skip
+        if moe:
+            changes.update(
+                num_experts=m.get("expert_count"), num_experts_per_tok=m.get("expert_used_count"),
+                moe_intermediate_size=m.get("expert_feed_forward_length"),
+                shared_expert_intermediate_size=m.get("expert_shared_feed_forward_length", 0),
+                norm_topk_prob=True, sparse_layers=(True,) * n)  # fmt: skip
+        return base.with_(**changes)
+
+    return parse
+
+
+def _mtp_tensor(name: str, cfg: ModelConfig) -> bool:
+    """The multi-token-prediction blocks llama.cpp appends after the model's layers."""
+    parts = name.split(".")
+    return parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= cfg.num_hidden_layers
+
+
+# llama.cpp's names (gguf-py TensorNameMap for QWEN35 / QWEN35MOE); rows keyed "name.part" or
+# "name." map to whole parameter paths
+GGUF_BLOCK = {
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d", "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a.": "linear_attn.A_log", "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj", "ffn_down_exps": "mlp.switch_mlp.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}  # fmt: skip
 
 
 def _export(moe: bool):
@@ -133,14 +198,16 @@ _MLX = dict(mlx_layouts={"linear_attn.conv1d.weight": (0, 2, 1)},
 
 QWEN3_5 = Family(
     name="qwen3_5", hf_model_types=("qwen3_5", "qwen3_5_text"), gguf_archs=("qwen35",),
-    parse_hf=_hf_parser(False), parse_gguf=_gguf_unsupported, network=Decoder,
+    parse_hf=_hf_parser(False), parse_gguf=_gguf_parser(False), network=Decoder,
+    gguf_block=GGUF_BLOCK, gguf_conventions=QWEN35_GGUF, gguf_ignored=_mtp_tensor,
     export_model_type="qwen3_5_text", export_architecture="Qwen3_5ForCausalLM",
     export_wrapper="qwen3_5",  # mlx-lm reads the wrapper type only
     export_config=_export(False), hf_renames=_RENAMES, hf_dropped=_DROPPED, **_MLX,
 )  # fmt: skip
 QWEN3_5_MOE = Family(
     name="qwen3_5_moe", hf_model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
-    gguf_archs=("qwen35moe",), parse_hf=_hf_parser(True), parse_gguf=_gguf_unsupported,
+    gguf_archs=("qwen35moe",), parse_hf=_hf_parser(True), parse_gguf=_gguf_parser(True),
+    gguf_block=GGUF_BLOCK, gguf_conventions=QWEN35_GGUF, gguf_ignored=_mtp_tensor,
     network=Decoder, export_model_type="qwen3_5_moe_text", export_wrapper="qwen3_5_moe",
     export_architecture="Qwen3_5MoeForCausalLM", export_config=_export(True),
     hf_renames=_RENAMES, hf_dropped=_DROPPED, **_MLX,

@@ -12,6 +12,13 @@ from ..families.base import GGUFMeta
 from ..limits import check_sizes
 
 
+def _ff(m: GGUFMeta) -> Any:
+    """feed_forward_length; an all-experts model (Qwen3.5-MoE) may state only its experts'."""
+    if not m.has("feed_forward_length") and m.has("expert_feed_forward_length"):
+        return m.get("expert_feed_forward_length")
+    return m.get("feed_forward_length")  # required: a ConfigError naming it when absent
+
+
 def config_from_gguf(
     md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], path: str
 ) -> ModelConfig:
@@ -37,7 +44,7 @@ def config_from_gguf(
         "hidden_size": (key("embedding_length"), hidden),
         "num_attention_heads": (key("attention.head_count"), heads),
         "num_key_value_heads": (key("attention.head_count_kv"), kv_heads),
-        "intermediate_size": (key("feed_forward_length"), m.get("feed_forward_length")),
+        "intermediate_size": (key("feed_forward_length"), _ff(m)),
         "num_hidden_layers": (key("block_count"), m.get("block_count")),
         "max_position_embeddings": (key("context_length"), m.get("context_length", 4096)),
         # Gemma 3 trims embedding rows: the tensor is the truth

@@ -156,8 +156,11 @@ def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dense, clock: _Clock):
     rope_freqs = None
     path = str(gf.path)
     spec = family(cfg.family)
+    ignored = {n for n in gf.tensors if spec.gguf_ignored and spec.gguf_ignored(n, cfg)}
     targets = {}
     for name in gf.tensors:
+        if name in ignored:
+            continue
         targets[name] = None if name in SPECIAL else spec.gguf_module_name(name)
         if targets[name] is None and name not in SPECIAL:
             raise UnexpectedTensorError(
@@ -167,14 +170,15 @@ def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dense, clock: _Clock):
     # convert: mx.async_eval keeps up to PREFETCH_BYTES of them ahead (a few tensors at a time:
     # a long list blocks on MLX's cap on in-flight tasks). They are the loaded weights, so this
     # costs no extra memory.
-    names = list(gf.tensors)
+    names = [n for n in gf.tensors if n not in ignored]
     buffers = {
         name: allocate(t, dequantize=dense(name))
         for name, t in gf.tensors.items()
-        if name not in SPECIAL
+        if name not in SPECIAL and name not in ignored
     }
     ahead, started = 0, 0  # bytes started and not yet converted; tensors started
-    for i, (name, t) in enumerate(gf.tensors.items()):
+    for i, name in enumerate(names):
+        t = gf.tensors[name]
         ahead -= sum(a.nbytes for a in buffers.get(name, ()))
         while started < len(names) and (started <= i or ahead < PREFETCH_BYTES):
             out = buffers.get(names[started], ())
