@@ -84,14 +84,14 @@ def chat_prompt(model, user: str, system: str | None = None, thinking: bool | No
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": user})
     variables = {}
-    if thinking is not None:
-        if model.supports_thinking:
-            variables["enable_thinking"] = thinking
-        else:
-            flag = "--think" if thinking else "--no-think"
-            say(f"mlxlis: note: {flag}: the chat template has no enable_thinking switch; "
-                "the prompt is the same without it")  # fmt: skip
-    return model.render_chat(messages, **variables)
+    if thinking is not None and model.supports_thinking:
+        variables["enable_thinking"] = thinking
+    prompt = model.render_chat(messages, **variables)  # no template: the one error line only
+    if thinking is not None and not model.supports_thinking:
+        flag = "--think" if thinking else "--no-think"
+        say(f"mlxlis: note: {flag}: the chat template has no enable_thinking switch; "
+            "the prompt is the same without it")  # fmt: skip
+    return prompt
 
 
 def stream_reply(model, ids: list[int], params, prompt: str | None, show_reasoning: bool):
@@ -105,29 +105,32 @@ def stream_reply(model, ids: list[int], params, prompt: str | None, show_reasoni
     tty = sys.stderr.isatty()
     in_reasoning = False
     final = None
-    for ev in generate(model, ids, params):
-        if splitter is None:
-            parts = [(ANSWER, ev.text)]
-        else:
-            parts = splitter.feed(ev.text, ev.token)
-            if ev.finish_reason is not None:
-                parts += splitter.flush()
-        final = ev
-        for kind, text in parts:
-            if kind == ANSWER:
-                if in_reasoning:
-                    sys.stderr.write("\x1b[0m\n" if tty else "\n")
-                    in_reasoning = False
-                sys.stdout.write(text)
-            elif show_reasoning:
-                if not in_reasoning:
-                    sys.stderr.write("\x1b[2m" if tty else "")
-                    in_reasoning = True
-                sys.stderr.write(text)
-        sys.stderr.flush()
-        sys.stdout.flush()
-    if in_reasoning:
-        sys.stderr.write("\x1b[0m\n" if tty else "\n")
+    try:
+        for ev in generate(model, ids, params):
+            if splitter is None:
+                parts = [(ANSWER, ev.text)]
+            else:
+                parts = splitter.feed(ev.text, ev.token)
+                if ev.finish_reason is not None:
+                    parts += splitter.flush()
+            final = ev
+            for kind, text in parts:
+                if kind == ANSWER:
+                    if in_reasoning:
+                        sys.stderr.write("\x1b[0m\n" if tty else "\n")
+                        in_reasoning = False
+                    sys.stdout.write(text)
+                elif show_reasoning:
+                    if not in_reasoning:
+                        sys.stderr.write("\x1b[2m" if tty else "")
+                        in_reasoning = True
+                    sys.stderr.write(text)
+            sys.stderr.flush()
+            sys.stdout.flush()
+    finally:  # Ctrl+C inside the reasoning must not leave the terminal dimmed
+        if in_reasoning:
+            sys.stderr.write("\x1b[0m\n" if tty else "\n")
+            sys.stderr.flush()
     sys.stdout.write("\n")
     return final
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mlxlis.errors import MlxlisError
+from mlxlis.families import HF_MODEL_TYPES
 
 import mlx.core as mx
 import numpy as np
@@ -514,12 +515,19 @@ CONFIG_KEYS = [
     "sliding_window", "sliding_window_pattern", "query_pre_attn_scalar",
     "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
     "use_bidirectional_attention",
+    # experts and hybrid layers (Qwen3-MoE, Qwen3.5)
+    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers", "use_sliding_window", "full_attention_interval",
+    "partial_rotary_factor", "linear_num_key_heads", "linear_num_value_heads",
+    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
 ]  # fmt: skip
+MODEL_TYPES = sorted(HF_MODEL_TYPES)  # every registered family
 BASE_CONFIG = dict(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32,
                    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                    rope_theta=10000.0)  # fmt: skip
-CONFIG_VALUES = JSONISH | st.sampled_from(
-    ["llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3", "gemma3_text",
+CONFIG_VALUES = JSONISH | st.sampled_from(MODEL_TYPES) | st.sampled_from(
+    ["false", [0, 1, 99], ["linear_attention", "full_attention"], 0.25,
      {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
       "original_max_position_embeddings": 8192},
      {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": [], "high_freq_factor": 4.0,
@@ -536,8 +544,7 @@ def configs(draw) -> tuple[object, object]:
         cfg: object = draw(JSONISH)
     else:
         cfg = dict(BASE_CONFIG)
-        cfg["model_type"] = draw(st.sampled_from(
-            ["llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3", "gemma3_text"]))
+        cfg["model_type"] = draw(st.sampled_from(MODEL_TYPES))
         for key in draw(st.lists(st.sampled_from(CONFIG_KEYS), max_size=5)):
             if draw(st.integers(0, 5)) == 0:
                 cfg.pop(key, None)

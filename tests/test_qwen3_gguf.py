@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import mlxlis
+from mlxlis.families import family
 from mlxlis.families.experts import QuantizedSwitchLinear
 
 import gguf
@@ -151,6 +152,8 @@ def k_types(name: str) -> Q:
     return Q.Q8_0
 
 
+BOUND = {"qwen3-q8_0": 3e-5, "qwen3-tied-f32": 3e-5, "qwen3moe-q8_0": 1e-4,
+         "qwen3moe-k": 1e-4}  # fmt: skip
 CASES = {  # file -> (tiny model, tensor types)
     "qwen3-q8_0": ("qwen3", lambda n: Q.Q8_0),
     "qwen3-tied-f32": ("qwen3_tied", lambda n: Q.F32),
@@ -189,14 +192,15 @@ def files(tmp_path_factory):
 def test_gguf_matches_transformers_on_the_files_weights(files, case, dequantize):
     """Reference parity on the whole GGUF path, quantized blocks kept (dequantize=False: the
     expert tensors run through gather_qmm) and the CPU default (dense): transformers on the
-    dequantized weights, 64 tokens, float32; bound 1e-4 (measured 2.0e-6 dense Qwen3,
-    1.1e-5 Q8_0 MoE, 3.0e-5 K-quant MoE at |logit| ≤ 6.5)."""
+    dequantized weights, 64 tokens, float32; bounds per file about 15x the measured max |Δ|
+    (2.0e-6 dense Qwen3, 2.3e-6 tied F32), at most 1e-4 (1.1e-5 Q8_0 MoE, 3.0e-5 K-quant MoE
+    at |logit| 6.5)."""
     path, twin, _ = files(case)
     model = mlxlis.load(path, "float32", dequantize=dequantize)
     ids = trajectory(64, vocab=model.config.vocab_size)
     ours, theirs = np.array(model.logits(ids)), reference_logits(twin, ids)
     delta = np.abs(ours - theirs).max()
-    assert delta < 1e-4, f"max |Δ| = {delta}"
+    assert delta < BOUND[case], f"max |Δ| = {delta}"
     assert np.abs(theirs).max() > 0.5
     if "moe" in case:
         assert model.config.family == "qwen3_moe" and all(model.config.sparse_layers)
@@ -240,7 +244,7 @@ def test_convert_round_trip_and_mlx_lm(files, case, tmp_path):
     ids = trajectory(40, vocab=src.config.vocab_size)
     assert bool(mx.array_equal(again.logits(ids), src.logits(ids)))
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == src.config.family
+    assert cfg["model_type"] == family(src.config.family).export_model_type
     theirs_model, _ = mlx_lm_load(str(out))  # classic keys, as convert writes them
     theirs = np.array(theirs_model(mx.array([ids]))[0].astype(mx.float32))
     assert np.abs(np.array(again.logits(ids)) - theirs).max() < 1e-4

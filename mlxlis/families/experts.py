@@ -61,21 +61,31 @@ class QuantizedSwitchLinear(nn.Module):
                  bits: int = 4, mode: str = "affine"):  # fmt: skip
         super().__init__()
         self.group_size, self.bits, self.mode = group_size, bits, mode
-        self.weight, self.scales, self.biases = mx.quantize(
-            mx.zeros((n_experts, out_dims, in_dims)), group_size, bits, mode=mode
-        )
+        self._set(mx.quantize(mx.zeros((n_experts, out_dims, in_dims)), group_size, bits,
+                              mode=mode))  # fmt: skip
         self.freeze()
+
+    def _set(self, packed: tuple) -> None:
+        """mx.quantize's output: (weight, scales, biases), or (weight, scales) in the modes
+        without biases (mxfp4, nvfp4, ...), as nn.QuantizedLinear holds them."""
+        self.weight, self.scales = packed[0], packed[1]
+        if len(packed) > 2:
+            self.biases = packed[2]
 
     @classmethod
     def from_dense(cls, dense: SwitchLinear, group_size: int, bits: int,
                    mode: str) -> QuantizedSwitchLinear:  # fmt: skip
         n, out_dims, in_dims = dense.weight.shape
         q = cls(n, in_dims, out_dims, group_size, bits, mode)
-        q.weight, q.scales, q.biases = mx.quantize(dense.weight, group_size, bits, mode=mode)
+        q.unfreeze()
+        if "biases" in q:
+            del q["biases"]
+        q._set(mx.quantize(dense.weight, group_size, bits, mode=mode))
+        q.freeze()
         return q
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices,
+        return mx.gather_qmm(x, self.weight, self.scales, self.get("biases"), rhs_indices=indices,
                              transpose=True, group_size=self.group_size, bits=self.bits,
                              mode=self.mode, sorted_indices=sorted_indices)  # fmt: skip
 

@@ -33,6 +33,13 @@ def _experts(sizes: dict[str, tuple[str, Any]], path: str) -> dict[str, int]:
     return size
 
 
+def _flag(cfg: dict, key: str, path: str) -> bool:
+    value = cfg.get(key, False)
+    if not isinstance(value, bool):  # a string "false" must not read as true
+        raise ConfigError(f"expected true or false, got {value!r}"[:200], path=path, field=key)
+    return value
+
+
 def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     base = qwen3_hf(cfg, base, path)
     if "num_experts" not in cfg and "num_local_experts" in cfg:
@@ -52,7 +59,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         num_experts=size["num_experts"],
         num_experts_per_tok=size["num_experts_per_tok"],
         moe_intermediate_size=size["moe_intermediate_size"],
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        norm_topk_prob=_flag(cfg, "norm_topk_prob", path),
         sparse_layers=sparse,
     )
 
