@@ -118,7 +118,7 @@ MUTANTS = (
            "if not self.norm_topk_prob:",
            ("tests/test_qwen3.py",),
            "MoE top-k probabilities renormalised exactly when the config says not to"),
-    Mutant("experts-stacked-reversed", "mlxlis/loading/manifest.py",
+    Mutant("experts-stacked-reversed", "mlxlis/loading/plan.py",
            "parts = tuple(by_name.get(k, k) for k in lay.parts)",
            "parts = tuple(by_name.get(k, k) for k in reversed(lay.parts))",
            ("tests/test_qwen3.py",),

@@ -388,7 +388,8 @@ def check_plan(
     import warnings
 
     from mlxlis.families import build_model, config_from_hf
-    from mlxlis.loading.manifest import as_manifest, plan_bindings
+    from mlxlis.loading.manifest import as_manifest
+    from mlxlis.loading.plan import plan_bindings
 
     def run() -> None:
         cfg = config_from_hf(dict(cfg_dict, quantization=quant))

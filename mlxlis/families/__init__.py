@@ -1,6 +1,6 @@
 """The family registry: every implemented family, listed once, and the lookups built from it.
 
-Adding a family is one module that builds a `Family` (see base.py) plus one line below.
+Adding a family is one module that builds a `Family` (see base.py), imported and listed below.
 """
 
 from __future__ import annotations

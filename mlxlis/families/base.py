@@ -147,10 +147,6 @@ class GGUFMeta:
                     "per-layer values that differ are not supported", path=self.path, field=full
                 )
             value = value.flat[0].item()
-        if kind is bool:
-            if not isinstance(value, bool):
-                raise ConfigError(f"expected a bool, got {value!r}", path=self.path, field=full)
-            return value
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         ok = ok and math.isfinite(value)  # inf / NaN: int() would raise
         if not ok or (kind is int and float(value) != int(value)):

@@ -9,17 +9,28 @@ tensor is read; `strict=False` turns tensors no parameter takes into a warning.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from .. import catalog
 from ..config import read_json
 from ..device import resolve_dtype
-from ..errors import BindingError, ModelNotFoundError, UnsupportedError, UnsupportedFormatError
+from ..errors import (
+    BindingError,
+    ModelNotFoundError,
+    TokenizerError,
+    UnsupportedError,
+    UnsupportedFormatError,
+)
 from ..families import build_model, config_from_hf, family
 from .binding import bind
-from .manifest import as_manifest, plan_bindings
+from .manifest import as_manifest
+from .plan import plan_bindings
 from .validate import check_folder_json
+
+if TYPE_CHECKING:
+    from ..tokenizer import Tokenizer
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
@@ -90,6 +101,13 @@ def load(
             raise BindingError(
                 "binding manifests apply to safetensors folders, not GGUF files", path=path
             )
+        if _gguf_tensor_count(path) == 0:
+            raise UnsupportedFormatError(
+                "a vocabulary-only GGUF (no tensors): open its tokenizer with "
+                "mlxlis.load_tokenizer(path)",
+                path=path,
+                field="tensor_count",
+            )
         return load_gguf(path, dt, dequantize=dequantize, chat_template=chat_template)
     if path.is_file():
         raise UnsupportedFormatError("expected a model folder or a .gguf file", path=path)
@@ -102,6 +120,44 @@ def load(
     return load_folder(
         path, dt, chat_template=chat_template, model_cls=Model, bindings=manifest, strict=strict
     )
+
+
+def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
+    """A model's tokenizer alone, the one `load(path_or_name).tokenizer` would be: from a GGUF
+    file's metadata (no tensor is read; a vocabulary-only GGUF such as llama.cpp's
+    ggml-vocab-*.gguf too), a folder's tokenizer files (tokenizer.json, else tokenizer.model,
+    with tokenizer_config.json and the config files beside them) or a catalog name."""
+    from ..tokenizer import Tokenizer
+    from .validate import read_json_file
+
+    path = resolve(path_or_name)
+    if path.is_dir():
+        check_folder_json(path)
+        for name in ("config.json", "generation_config.json"):  # from_folder reads them too
+            if (path / name).is_file():
+                read_json_file(path / name, error=TokenizerError, what=name)
+        return Tokenizer.from_folder(path)
+    if path.suffix.lower() != ".gguf":
+        raise UnsupportedFormatError(
+            "expected a .gguf file or a folder with tokenizer.json / tokenizer.model", path=path
+        )
+    from .gguf import read_gguf
+
+    with read_gguf(path) as gf:
+        return Tokenizer.from_gguf(gf.metadata, path)
+
+
+def _gguf_tensor_count(path: Path) -> int | None:
+    """The tensor count in a GGUF header (magic, u32 version, u64 tensor count), None when the
+    header is unreadable (the full reader then says what is wrong)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return None
+    if len(head) < 16 or head[:4] != b"GGUF":
+        return None
+    return int.from_bytes(head[8:16], "little")
 
 
 def load_folder(
