@@ -26,6 +26,7 @@ class Model:
         template: Any = None,
         quant_summary: str = "",
         diagnosis: str | None = None,
+        skipped: list[str] | None = None,
     ):
         self.config = config
         self.net = net
@@ -36,6 +37,7 @@ class Model:
         self.template = template
         self.quant_summary = quant_summary or _quant_summary(net)
         self._diagnosis = diagnosis
+        self.skipped = sorted(skipped or [])  # file tensors not used (a vision tower, an MTP head)
 
     @property
     def name(self) -> str:
@@ -118,9 +120,18 @@ class Model:
             "blas": blas.name,
             "template": self.template_source or "none",
         }
+        if self.skipped:
+            details["skipped"] = skipped_summary(self.skipped)
         if blas.notice:
             details["notice"] = blas.notice
         return details
+
+
+def skipped_summary(names: list[str]) -> str:
+    """'N tensors not used (prefix.*, ...)': what a text-only load left out of the file."""
+    groups = sorted({".".join(n.split(".")[:2]) + ".*" for n in names})
+    shown = ", ".join(groups[:4]) + (f", +{len(groups) - 4} more" if len(groups) > 4 else "")
+    return f"{len(names)} tensors not used ({shown}): text only"
 
 
 def _quant_summary(net: nn.Module) -> str:

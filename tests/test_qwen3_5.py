@@ -122,7 +122,7 @@ def test_logits_match_transformers_fp32(qwen35, name):
 def test_multimodal_wrapper_reads_the_language_model(qwen35, tmp_path):
     """A Qwen3_5ForConditionalGeneration-style folder (text_config, tie flag outside it,
     model.language_model.* names, a vision tower and an mtp head) loads the language model and
-    skips the rest: the same logits as the text-only folder."""
+    skips the rest, saying so: the same logits as the text-only folder."""
     from safetensors.numpy import load_file, save_file
 
     folder, _ = qwen35("qwen3_5_alt")
@@ -141,8 +141,11 @@ def test_multimodal_wrapper_reads_the_language_model(qwen35, tmp_path):
     save_file(tensors, str(wrapped / "model.safetensors"), {"format": "pt"})
     ids = trajectory(40, vocab=400)
     a = np.array(mlxlis.load(folder, "float32").logits(ids))
-    b = np.array(mlxlis.load(wrapped, "float32").logits(ids))
-    assert np.array_equal(a, b)
+    model = mlxlis.load(wrapped, "float32")
+    assert np.array_equal(a, np.array(model.logits(ids)))
+    assert model.skipped == ["model.visual.patch_embed.proj.weight", "mtp.fc.weight"]
+    said = model.describe()["skipped"]  # what --verbose, inspect and the app show
+    assert "2 tensors not used" in said and "model.visual.*" in said and "mtp.fc.*" in said
 
 
 def fuse_experts(folder: Path) -> None:

@@ -247,6 +247,8 @@ def test_gguf_matches_transformers(models, arch, qtype, tmp_path):
     for dequantize in (False, True):
         model = mlxlis.load(path, "float32", dequantize=dequantize)
         assert model.config.num_hidden_layers == ref.config.num_hidden_layers  # MTP not a layer
+        n = ref.config.num_hidden_layers
+        assert model.skipped and all(k.startswith(f"blk.{n}.") for k in model.skipped)
         assert model.config.layer_types == tuple(ref.config.layer_types)
         delta = np.abs(np.array(model.logits(ids)) - theirs).max()
         assert delta < 1e-4, f"{dequantize}: max |Δ| = {delta}"

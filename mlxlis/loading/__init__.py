@@ -191,7 +191,8 @@ def load_folder(
     tokenizer = Tokenizer.from_folder(folder)
     template = _discover(chat_template, folder=folder)
     fmt = "safetensors (MLX quantized)" if quantized else "safetensors"
-    return model_cls(cfg, net, tokenizer, dtype=dtype, path=folder, fmt=fmt, template=template)
+    return model_cls(cfg, net, tokenizer, dtype=dtype, path=folder, fmt=fmt, template=template,
+                     skipped=plan.dropped)  # fmt: skip
 
 
 def _discover(explicit: str | None, **kwargs):

@@ -97,7 +97,7 @@ def load_gguf(
         clock("read")
         tokenizer = side.submit(_tokenizer, md, path, timings)
         dense = _dense_policy(gf, cfg, dtype, dequantize)
-        weights, quant, rope_freqs = _convert(gf, cfg, dtype, dense, clock)
+        weights, quant, rope_freqs, ignored = _convert(gf, cfg, dtype, dense, clock)
         net = (
             build_model(cfg, rope_freq_factors=rope_freqs)
             if rope_freqs is not None
@@ -129,6 +129,7 @@ def load_gguf(
         template=template,
         quant_summary=f"{summary} ({kept})",
         diagnosis=diagnosis,
+        skipped=sorted(ignored),
     )
 
 
@@ -149,7 +150,8 @@ def _dense_policy(gf: GGUFFile, cfg, dtype: mx.Dtype, dequantize: bool | None):
 
 
 def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dense, clock: _Clock):
-    """Every tensor under its module name, conventions undone: (weights, quant, rope_freqs).
+    """Every tensor under its module name, conventions undone: (weights, quant, rope_freqs,
+    names of the tensors the family ignores).
     dense(name): convert that tensor dense (else quantized where MLX can hold it)."""
     weights: dict[str, mx.array] = {}
     quant: dict[str, dict] = {}
@@ -221,7 +223,7 @@ def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dense, clock: _Clock):
             weights[f"{module}.{part}"] = new
         del parts, arr, new
         clock(f"convert {t.type_name}")
-    return weights, quant, rope_freqs
+    return weights, quant, rope_freqs, ignored
 
 
 def _tokenizer(md: dict, path: Path, timings: dict[str, float] | None):

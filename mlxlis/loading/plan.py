@@ -115,6 +115,7 @@ class BindingPlan:
     quantized: list[str] = field(default_factory=list)  # module paths made quantized
     origin: str | None = None
     relaid: list[str] = field(default_factory=list)  # parameters bound through `layouts`
+    dropped: list[str] = field(default_factory=list)  # checkpoint tensors the family skips
 
     def load(self) -> dict[str, mx.array]:
         """Lazy arrays under parameter names (nothing is read until evaluated)."""
@@ -409,7 +410,7 @@ def plan_bindings(
             ),
             stacklevel=3,
         )
-    return BindingPlan(bindings, unbound, quantized, manifest.origin, relaid)
+    return BindingPlan(bindings, unbound, quantized, manifest.origin, relaid, sorted(dropped))
 
 
 def _expert_binding(p: str, lay, by_name: dict[str, str], src: _Source,
