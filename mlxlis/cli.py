@@ -12,7 +12,13 @@ import traceback
 from collections.abc import Callable
 
 from . import catalog
-from .cli_args import add_model_args, add_sampling_args, add_thinking_args, sampling_params
+from .cli_args import (
+    add_model_args,
+    add_sampling_args,
+    add_thinking_args,
+    check_thinking,
+    sampling_params,
+)
 from .errors import MlxlisError
 
 SUBCOMMANDS = ("chat", "inspect", "pull", "models", "convert")
@@ -270,10 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     p = one_shot_parser()
     a = p.parse_args(argv)
     params = sampling_params(p, a)
-    if a.no_chat and a.thinking is not None:
-        flag = "--think" if a.thinking else "--no-think"
-        p.exit(2, f"{p.prog}: error: {flag} sets the chat template's enable_thinking; "
-                  "--no-chat uses no template\n")  # fmt: skip
+    check_thinking(p, a)
     return _guard(a.debug, lambda: run_one_shot(a, params))
 
 

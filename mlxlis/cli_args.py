@@ -85,6 +85,14 @@ def add_thinking_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check_thinking(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """--think / --no-think need a chat template: refused (exit 2) with --no-chat."""
+    if getattr(a, "no_chat", False) and a.thinking is not None:
+        flag = "--think" if a.thinking else "--no-think"
+        p.exit(2, f"{p.prog}: error: {flag} sets the chat template's enable_thinking; "
+                  "--no-chat uses no template\n")  # fmt: skip
+
+
 # flag -> SamplingParams field; defaults, ranges and help come from mlxlis.sampling
 SAMPLING_FLAGS = {
     "--max-tokens": "max_tokens",

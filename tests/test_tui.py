@@ -762,6 +762,9 @@ def test_main_argument_parsing():
                     "--max-tokens", "9", "--chat-template", "chatml"])
     assert (o.model, o.no_chat, o.system, o.chat_template) == ("x.gguf", True, "s", "chatml")
     assert o.sampling.temperature == 0.5 and o.sampling.max_tokens == 9
+    with pytest.raises(SystemExit) as e:  # as the one-shot command: --think needs a template
+        parse_args(["-m", "x.gguf", "--no-chat", "--think"])
+    assert e.value.code == 2
 
 
 def test_load_model_pulls_a_missing_catalog_model_with_progress(monkeypatch):

@@ -43,6 +43,7 @@ def parse_args(argv: list[str]) -> Options:
         add_model_args,
         add_sampling_args,
         add_thinking_args,
+        check_thinking,
         sampling_params,
     )
 
@@ -55,6 +56,7 @@ def parse_args(argv: list[str]) -> Options:
                    help="raw completion pad: text is fed as is, no chat template")
     add_thinking_args(p)
     a = p.parse_args(argv)
+    check_thinking(p, a)
     return Options(model=a.model, dtype=a.dtype, dequantize=a.dequantize,
                    chat_template=a.chat_template, system=a.system, no_chat=a.no_chat,
                    sampling=sampling_params(p, a), bindings=a.bindings, strict=a.strict,
