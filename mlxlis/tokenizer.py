@@ -2,13 +2,9 @@
 
 Which library runs what, and why:
 - tokenizer.json: `tokenizers`, whose own format it is (added tokens, post-processor and all).
-- GGUF "gpt2" (byte-level BPE): a `tokenizers` BPE model built from tokens + merges, behind the
-  split regexes llama.cpp uses for the file's `tokenizer.ggml.pre`.
-- GGUF "llama" and tokenizer.model: `sentencepiece`. For a GGUF we build a ModelProto of type
-  BPE from tokens / scores / types, because llama.cpp's SPM tokenizer *is* SentencePiece's BPE
-  (merge the adjacent pair whose merged piece scores highest, leftmost on ties; characters with
-  no piece fall back to <0xXX> byte pieces): sentencepiece runs that algorithm natively, with
-  no merge list to re-derive (transformers derives one, ~10 s for Gemma; the proto takes ~0.5 s).
+- tokenizer.model: `sentencepiece`, whose own format it is.
+- GGUF vocabularies ("gpt2", "llama", "gemma4"): the encoders llama.cpp would run, built in
+  `vocab_gguf` (the proto for a "llama" one takes ~0.5 s, Gemma 4's BPE ~1.2 s).
 - Special / user-defined token text is cut out first (`vocab.TableVocab`), as llama.cpp does;
   ids -> text for GGUF / SentencePiece vocabularies is `vocab.PieceTable`.
 """
@@ -17,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,29 +25,10 @@ from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 from . import vocab as tt  # token types: tt.CONTROL, ...
 from .errors import TokenizerError
 from .vocab import EOG_TEXTS, JsonVocab, PieceTable, StreamDecoder, TableVocab, spm_proto
+from .vocab_gguf import IGNORE_MERGES, array, gguf_bpe, gguf_gemma4, gguf_spm
+from .vocab_gguf import K as _K  # GGUF metadata key prefix
 
 __all__ = ["StreamDecoder", "Tokenizer", "spm_proto"]
-
-_K = "tokenizer.ggml."  # GGUF metadata key prefix
-
-# llama.cpp's pre-tokenizer split regexes (llama-vocab.cpp), applied in turn, matches isolated.
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_LLAMA3 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}" + _TAIL
-_QWEN2 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" + _TAIL
-_PRE_SPLITS: dict[str, tuple[str, ...]] = {
-    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
-    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "exaone4"), (_GPT2,)),
-    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell"), (r"\p{N}", _GPT2)),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), (_QWEN2,)),
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), (_LLAMA3,)),
-    **dict.fromkeys(("dbrx", "smaug-bpe"), (_LLAMA3,)),
-}
-# llama.cpp: a whole pre-split word that is itself a token is taken as is (llama-3 vocabularies).
-_IGNORE_MERGES = frozenset(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"))
-# Qwen's own tokenizer NFC-normalises its input (transformers' Qwen2Tokenizer does; llama.cpp
-# does not): "e" + U+0301 is then one token, as the model was trained.
-_NFC = frozenset(("qwen2", "deepseek-r1-qwen"))
 
 
 _Backend = TableVocab | JsonVocab
@@ -112,8 +88,13 @@ class Tokenizer:
                 ids.append(self.eos_ids[0])
         return ids
 
-    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        return self._backend.decode(ids, skip_special)
+    def decode(
+        self, ids: Sequence[int], skip_special: bool = False, clean_spaces: bool = True
+    ) -> str:
+        """ids -> text. clean_spaces: apply the vocabulary's own clean-up pass where it has one
+        (llama.cpp's detokenize does for Gemma 4 GGUF vocabularies: " ," -> "," and so on);
+        False gives the tokens' pieces as they are, which is what streaming shows."""
+        return self._backend.decode(ids, skip_special, clean_spaces)
 
     def id_to_token(self, i: int) -> str:
         if not 0 <= int(i) < self.vocab_size:
@@ -181,7 +162,7 @@ class Tokenizer:
         tokens = metadata.get("tokenizer.ggml.tokens")
         if not isinstance(tokens, list) or not tokens or not isinstance(tokens[0], str):
             raise TokenizerError("missing or not a string array", path=path, field=_K + "tokens")
-        types = _array(metadata, "token_type", len(tokens), path)
+        types = array(metadata, "token_type", len(tokens), path)
         types = [tt.NORMAL] * len(tokens) if types is None else np.asarray(types).tolist()
 
         def special_id(key: str, default: int | None = None) -> int | None:
@@ -190,19 +171,24 @@ class Tokenizer:
                 raise TokenizerError(f"{v!r} is not a token id", path=path, field=_K + key)
             return None if v is None else int(v)
 
+        bos_id, eos_id = special_id("bos_token_id"), special_id("eos_token_id")
         if kind == "gpt2":
             pre = metadata.get(_K + "pre")
-            backend = _gguf_bpe(metadata, tokens, types, pre, path)
-            bos_id, eos_id = special_id("bos_token_id"), special_id("eos_token_id")
-            add_bos = pre in _IGNORE_MERGES  # llama.cpp: llama-3 style vocabularies add BOS
+            backend = gguf_bpe(metadata, tokens, types, pre, path)
+            add_bos = pre in IGNORE_MERGES  # llama.cpp: llama-3 style vocabularies add BOS
         elif kind == "llama":  # llama.cpp's SPM defaults: <unk> 0, <s> 1, </s> 2, add BOS
             bos_id, eos_id = special_id("bos_token_id", 1), special_id("eos_token_id", 2)
             unk_id = special_id("unknown_token_id", 0)
-            backend = _gguf_spm(metadata, tokens, types, path, unk=unk_id, bos=bos_id, eos=eos_id)
+            backend = gguf_spm(metadata, tokens, types, path, unk=unk_id, bos=bos_id, eos=eos_id)
+            add_bos = True
+        elif kind == "gemma4":
+            backend = gguf_gemma4(metadata, tokens, types, path)
             add_bos = True
         else:
-            msg = f"unsupported tokenizer model {kind!r} (supported: gpt2, llama)"
+            msg = f"unsupported tokenizer model {kind!r} (supported: gpt2, llama, gemma4)"
             raise TokenizerError(msg, path=path, field=_K + "model")
+        add_bos = bool(metadata.get(_K + "add_bos_token", add_bos))
+        add_bos |= kind == "gemma4"  # llama.cpp overrides a false add_bos_token for Gemma 4
         eot_ids = [special_id("eot_token_id"), special_id("eom_token_id")]
         eot_ids += sorted(i for t, i in backend.special_tokens.items() if t in EOG_TEXTS)
         return cls(
@@ -211,61 +197,10 @@ class Tokenizer:
             eos_ids=[] if eos_id is None else [eos_id],
             eot_ids=[i for i in eot_ids if i is not None],
             pad_id=special_id("padding_token_id"),
-            add_bos=bool(metadata.get(_K + "add_bos_token", add_bos)),
+            add_bos=add_bos,
             add_eos=bool(metadata.get(_K + "add_eos_token", False)),
             source=str(path),
         )
-
-
-def _gguf_bpe(
-    metadata: dict[str, Any], tokens: list[str], types: list[int], pre: Any, path: Path
-) -> TableVocab:
-    if pre is None:  # as llama.cpp: "missing pre-tokenizer type, using: 'default'"
-        warnings.warn(f"{path}: no {_K}pre; using llama.cpp's 'default' split", stacklevel=3)
-        pre = "default"
-    if pre not in _PRE_SPLITS:
-        msg = f"unknown pre-tokenizer {pre!r} (known: {', '.join(sorted(_PRE_SPLITS))})"
-        raise TokenizerError(msg, path=path, field=_K + "pre")
-    merges = metadata.get(_K + "merges")
-    if not isinstance(merges, list) or not merges:
-        raise TokenizerError("a gpt2 vocabulary needs merges", path=path, field=_K + "merges")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise TokenizerError("duplicate tokens", path=path, field=_K + "tokens")
-    try:
-        pairs = [tuple(m.split(" ")) for m in merges]
-        bpe = tokenizers.models.BPE(vocab, pairs, ignore_merges=pre in _IGNORE_MERGES)
-    except Exception as e:
-        raise TokenizerError(f"bad merges: {e}", path=path, field=_K + "merges") from e
-    tk = tokenizers.Tokenizer(bpe)
-    pt = tokenizers.pre_tokenizers
-    splits = [pt.Split(tokenizers.Regex(r), "isolated") for r in _PRE_SPLITS[pre]]
-    tk.pre_tokenizer = pt.Sequence([*splits, pt.ByteLevel(add_prefix_space=False, use_regex=False)])
-    if pre in _NFC:
-        tk.normalizer = tokenizers.normalizers.NFC()
-    plain = PieceTable(tokens, types, byte_level=True)
-    return TableVocab(tokens, types, lambda s: tk.encode(s, add_special_tokens=False).ids, plain)
-
-
-def _gguf_spm(
-    metadata: dict[str, Any], tokens: list[str], types: list[int], path: Path, *,
-    unk: int | None, bos: int | None, eos: int | None,
-) -> TableVocab:  # fmt: skip
-    scores = _array(metadata, "scores", len(tokens), path)
-    scores = [0.0] * len(tokens) if scores is None else np.asarray(scores, np.float32).tolist()
-    dummy = bool(metadata.get(_K + "add_space_prefix", True))  # llama.cpp's SPM default
-    proto = spm_proto(
-        tokens, scores, types, unk_id=unk, bos_id=bos, eos_id=eos, add_dummy_prefix=dummy, path=path
-    )
-    sp = SentencePieceProcessor()
-    try:
-        sp.LoadFromSerializedProto(proto.SerializeToString())
-    except Exception as e:  # e.g. a duplicate token
-        raise TokenizerError(
-            f"sentencepiece refuses it: {e}", path=path, field=_K + "tokens"
-        ) from e
-    pieces = PieceTable(tokens, types, byte_level=False, strip_dummy_space=dummy)
-    return TableVocab(tokens, types, sp.encode, pieces)
 
 
 def _added_tokens(cfg: dict[str, Any], path: Path) -> list[tuple[int, dict]]:
@@ -363,11 +298,4 @@ def _flag(cfg: dict[str, Any], key: str, default: bool, path: Path) -> bool:
         return default
     if not isinstance(v, bool):
         raise TokenizerError(f"expected true or false, got {v!r}", path=path, field=key)
-    return v
-
-
-def _array(metadata: dict[str, Any], key: str, n: int, path: Path) -> Any:
-    v = metadata.get(_K + key)
-    if v is not None and len(v) != n:
-        raise TokenizerError(f"{len(v)} entries for {n} tokens", path=path, field=_K + key)
     return v

@@ -5,7 +5,8 @@
 - `JsonVocab`: a tokenizer.json through the `tokenizers` library.
 - `PieceTable`: ids -> text the way llama.cpp's `token_to_piece` does it: every token maps to
   fixed bytes (byte-level BPE spelling undone, SentencePiece's "▁" turned back into a space,
-  `<0xAB>` byte tokens into that byte); the text is the UTF-8 decoding of their concatenation.
+  `<0xAB>` byte tokens into that byte); the text is the UTF-8 decoding of their concatenation,
+  after llama.cpp's `clean_spaces` pass where the vocabulary has one (`clean_spaces`).
 - `spm_proto`: a GGUF "llama" vocabulary as a SentencePiece model.
 - `StreamDecoder`: streaming detokenisation for any `Tokenizer`, through its `decode`.
 """
@@ -55,6 +56,8 @@ class PieceTable:
     skipped; user-defined tokens are raw text in both styles (as llama.cpp stores them).
     strip_dummy_space: drop the one space SentencePiece's add_dummy_prefix put before the first
     visible word, as sentencepiece's own decoder does.
+    clean_spaces: `decode` applies llama.cpp's detokenize clean-up (see `clean_spaces`) unless
+    told not to.
     """
 
     def __init__(
@@ -64,11 +67,13 @@ class PieceTable:
         *,
         byte_level: bool,
         strip_dummy_space: bool = False,
+        clean_spaces: bool = False,
     ):
         self._tokens = tokens
         self._types = types
         self._byte_level = byte_level
         self._strip = strip_dummy_space
+        self._clean = clean_spaces
         self._cache: dict[int, bytes] = {}
 
     def piece(self, i: int) -> bytes:
@@ -92,7 +97,9 @@ class PieceTable:
             return bytes((int(tok[3:5], 16),))
         return tok.replace(SPM_SPACE, " ").encode("utf-8")
 
-    def decode(self, ids: Sequence[int], skip: frozenset[int] | set[int] = frozenset()) -> str:
+    def decode(
+        self, ids: Sequence[int], skip: frozenset[int] | set[int] = frozenset(), clean: bool = True
+    ) -> str:
         n = len(self._tokens)
         parts: list[bytes] = []
         for i in ids:
@@ -105,14 +112,26 @@ class PieceTable:
             if self._strip and not parts and self._types[i] == NORMAL and piece[:1] == b" ":
                 piece = piece[1:]
             parts.append(piece)
-        return b"".join(parts).decode("utf-8", errors="replace")
+        text = b"".join(parts)
+        if self._clean and clean:
+            text = clean_spaces(text)
+        return text.decode("utf-8", errors="replace")
+
+
+def clean_spaces(text: bytes) -> bytes:
+    """llama.cpp's `clean_spaces` (llama_vocab::impl::detokenize), its three passes over the
+    bytes in order: drop a space before ? ! . , -- then " ' " becomes "'" (left to right, a
+    match's closing space never opens the next) -- then drop a space before 's 'm 're 've."""
+    text = re.sub(rb" (?=[?!.,])", b"", text)
+    text = re.sub(rb" ' ", b"'", text)
+    return re.sub(rb" (?='[sm]|'re|'ve)", b"", text)
 
 
 # llama.cpp's end-of-generation texts (llama-vocab.cpp `special_eog_ids`): stop tokens, since a
 # GGUF rarely carries tokenizer.ggml.eot_token_id (Gemma's <end_of_turn> is found this way).
 EOG_TEXTS = frozenset(
     "<|eot_id|> <|im_end|> <|end|> <end_of_turn> <|endoftext|> <|eom_id|> <EOT> _<EOT> "
-    "<|end_of_text|> <end_of_utterance>".split()
+    "<|end_of_text|> <end_of_utterance> <eos> <turn|> <|tool_response>".split()
 )
 
 
@@ -182,8 +201,9 @@ class TableVocab:
         for i, tok in enumerate(tokens):  # llama.cpp makes these control whatever their type
             if tok in EOG_TEXTS:
                 self.special_tokens.setdefault(tok, i)
-        if user_defined is None:
+        if user_defined is None:  # ... so a user-defined one is no longer cut out of plain text
             user_defined = {tokens[i]: int(i) for i in ids(t == USER_DEFINED)}
+            user_defined = {k: i for k, i in user_defined.items() if k not in EOG_TEXTS}
         self._splitter = Splitter(user_defined, self.special_tokens)
         self.special_ids = frozenset(self.special_tokens.values()) | set(ids(t == UNUSED).tolist())
         self._ids: dict[str, int] | None = None
@@ -197,8 +217,8 @@ class TableVocab:
                 ids += self._plain(part)
         return ids
 
-    def decode(self, ids: Sequence[int], skip_special: bool) -> str:
-        return self._pieces.decode(ids, self.special_ids if skip_special else frozenset())
+    def decode(self, ids: Sequence[int], skip_special: bool, clean: bool = True) -> str:
+        return self._pieces.decode(ids, self.special_ids if skip_special else frozenset(), clean)
 
     def id_to_token(self, i: int) -> str:
         return self._tokens[i]
@@ -227,8 +247,8 @@ class JsonVocab:
             self._tk.encode_special_tokens = not special
             return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int], skip_special: bool) -> str:
-        ids = [int(i) for i in ids]
+    def decode(self, ids: Sequence[int], skip_special: bool, clean: bool = True) -> str:
+        ids = [int(i) for i in ids]  # `clean`: tokenizer.json's decoder has no such pass
         if any(not 0 <= i < self.vocab_size for i in ids):
             raise TokenizerError(f"a token id in {ids} is outside the vocabulary")
         return self._tk.decode(ids, skip_special_tokens=skip_special)
@@ -294,6 +314,9 @@ class StreamDecoder:
     space of its first word. Until text has been emitted the window is the whole stream; after
     that it starts with a fixed anchor (the ids of "a"), which takes the first-token treatment
     in both decodes and leaves the window's own spaces alone.
+
+    The text is the tokens' own pieces, without a vocabulary's clean-up pass (llama.cpp streams
+    `token_to_piece` too): that pass looks across token boundaries, so it cannot be streamed.
     """
 
     def __init__(self, tok: Tokenizer, *, skip_special: bool = False):
@@ -307,8 +330,11 @@ class StreamDecoder:
 
     def _new_text(self) -> str:
         prefix = [] if self._from_start else self._anchor
-        before = self._tok.decode(prefix + self._context, skip_special=self._skip)
-        after = self._tok.decode(prefix + self._context + self._pending, skip_special=self._skip)
+
+        def text(ids: list[int]) -> str:
+            return self._tok.decode(prefix + ids, skip_special=self._skip, clean_spaces=False)
+
+        before, after = text(self._context), text(self._context + self._pending)
         return after[len(before) :]
 
     def add(self, token_id: int) -> str:
