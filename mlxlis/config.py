@@ -77,6 +77,9 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    # Gemma 4: the per-layer structure the fields above do not describe (per-type head dims and
+    # KV heads, KV sharing, per-layer embeddings, ...), a frozen families.gemma4_net.Structure
+    gemma4: Any = None
     # MLX quantization from config.json ({"group_size", "bits", per-layer overrides}) or None
     quantization: dict[str, Any] | None = field(default=None, compare=False)
     source: str = ""
@@ -211,6 +214,12 @@ def base_config(cfg: dict, family: str, path: str) -> ModelConfig:
     rope_params = cfg.get("rope_parameters")
     if isinstance(rope_params, dict) and "full_attention" in rope_params:
         rope_params = rope_params["full_attention"]  # per layer type (Gemma 3): global layers
+        # a type only its family implements (Gemma 4's "proportional"): the family parses it
+        if isinstance(rope_params, dict) and rope_params.get("rope_type") not in (
+            None,
+            *ROPE_TYPES,
+        ):
+            rope_params = {"rope_theta": rope_params.get("rope_theta")}
     if rope_params is not None:
         rope = parse_rope(rope_params, cfg.get("rope_theta"), path, "rope_parameters")
     else:

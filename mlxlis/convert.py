@@ -191,8 +191,8 @@ def convert(
     model = load(path, dtype, dequantize=dequantize if is_gguf or dequantize else None)
     if getattr(model.net, "_rope_freq_factors", None) is not None:
         raise UnsupportedError(
-            "rope_freqs (Llama 3 scaling baked into the GGUF) cannot be "
-            "expressed in config.json yet",
+            "rope_freqs (per-frequency RoPE factors stored as a tensor: Llama 3 scaling, "
+            "Gemma 4's proportional RoPE) cannot be expressed in config.json yet",
             path=model.path,
         )
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -111,6 +111,12 @@ SIZE_BOUNDS = {
     "linear_value_head_dim": CONFIG_MAX_DIM,
     "linear_conv_kernel_dim": CONFIG_MAX_DIM,
     "rotary_dim": CONFIG_MAX_DIM,
+    # Gemma 4
+    "global_head_dim": CONFIG_MAX_DIM,
+    "num_global_key_value_heads": CONFIG_MAX_DIM,
+    "hidden_size_per_layer_input": CONFIG_MAX_DIM,
+    "vocab_size_per_layer_input": CONFIG_MAX_VOCAB,
+    "num_kv_shared_layers": CONFIG_MAX_LAYERS,
 }
 
 

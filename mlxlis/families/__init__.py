@@ -11,6 +11,7 @@ from ..config import ModelConfig, base_config, eos_list
 from ..errors import ConfigError, UnsupportedError
 from .base import Family
 from .gemma import GEMMA, GEMMA2, GEMMA3
+from .gemma4 import GEMMA4
 from .llama import LLAMA
 from .qwen2 import QWEN2
 from .qwen3 import QWEN3
@@ -19,7 +20,7 @@ from .qwen3_moe import QWEN3_MOE
 
 REGISTRY: dict[str, Family] = {
     f.name: f
-    for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, GEMMA, GEMMA2, GEMMA3)
+    for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, GEMMA, GEMMA2, GEMMA3, GEMMA4)
 }
 HF_MODEL_TYPES: dict[str, Family] = {t: f for f in REGISTRY.values() for t in f.hf_model_types}
 GGUF_ARCHS: dict[str, Family] = {a: f for f in REGISTRY.values() for a in f.gguf_archs}

@@ -72,11 +72,18 @@ class Family:
     hf_dropped: tuple[str, ...] = ()
     # GGUF tensors the model does not use (e.g. a multi-token-prediction head), by name + config
     gguf_ignored: Callable[[str, ModelConfig], bool] | None = None
+    # GGUF names the block/top tables cannot express (a family's own mapping, tried first)
+    gguf_names: Callable[[str], str | None] | None = None
+    # `{arch}.*` keys llama.cpp reads per layer that parse_gguf reads whole (the shared fields
+    # take layer 0's value)
+    gguf_per_layer_keys: tuple[str, ...] = ()
 
     def gguf_module_name(self, gguf_name: str) -> str | None:
         """The module tensor name for a GGUF tensor, or None when no row takes it. A row keyed
         `name.part` (or a bare `name`, for tensors llama.cpp writes without a suffix) maps to
         a whole parameter path; a row keyed `name` maps to a module whose `part` it feeds."""
+        if self.gguf_names is not None and (own := self.gguf_names(gguf_name)) is not None:
+            return own
         m = _BLOCK_RE.match(gguf_name)
         if m:
             i, key, part = m.groups()

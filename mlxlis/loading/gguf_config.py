@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..config import ModelConfig, RopeConfig
 from ..errors import ConfigError, UnsupportedError
 from ..families import GGUF_ARCHS
@@ -30,7 +32,12 @@ def config_from_gguf(
             field="general.architecture",
         )
     spec = GGUF_ARCHS[arch]
-    m = GGUFMeta(md, arch, path, tensor_shapes)
+    # keys a family reads per layer itself (Gemma 4: head_count_kv, feed_forward_length): the
+    # shared fields take layer 0's value, the family's parser gets the whole array
+    keys = {f"{arch}.{k}" for k in spec.gguf_per_layer_keys}
+    per_layer = {k: v.flat[0].item() for k, v in md.items()
+                 if k in keys and isinstance(v, np.ndarray) and v.size}  # fmt: skip
+    m = GGUFMeta({**md, **per_layer}, arch, path, tensor_shapes)
     if "token_embd.weight" not in tensor_shapes:
         raise ConfigError("tensor token_embd.weight missing", path=path, field="token_embd.weight")
 
@@ -93,4 +100,4 @@ def config_from_gguf(
         eos_token_ids=(eos,) if isinstance(eos, int) else (),
         source=path,
     )
-    return spec.parse_gguf(cfg, m)
+    return spec.parse_gguf(cfg, GGUFMeta(md, arch, path, tensor_shapes) if per_layer else m)

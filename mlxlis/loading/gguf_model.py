@@ -141,12 +141,14 @@ def _dense_policy(gf: GGUFFile, cfg, dtype: mx.Dtype, dequantize: bool | None):
     """GGUF tensor name -> convert it dense? (only quantized-form tensors are affected)."""
     if dequantize is not None:
         return lambda name: dequantize
-    lookup = "token_embd.weight" if not cfg.tie_word_embeddings else None  # never a matmul
+    # row lookups, never matmuls: an untied embedding, Gemma 4's per-layer embedding table
+    lookup = {n for n in gf.tensors if n.endswith("token_embd.weight")
+              and (n != "token_embd.weight" or not cfg.tie_word_embeddings)}  # fmt: skip
     dense_bytes = sum(math.prod(t.shape) * dtype.size for n, t in gf.tensors.items()
-                      if _quantizable(t) and n != lookup)  # fmt: skip
+                      if _quantizable(t) and n not in lookup)  # fmt: skip
     if not dense_by_default(dense_bytes):
         return lambda name: False
-    return lambda name: name != lookup
+    return lambda name: name not in lookup
 
 
 def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dense, clock: _Clock):
