@@ -47,7 +47,7 @@ chat: install
 bench: install-test models
 	$(PY) scripts/bench.py
 	$(PY) scripts/bench_moe.py
-	$(PY) scripts/bench_hybrid.py
+	$(PY) scripts/bench_families.py
 
 # does the suite notice small wrong changes to the numerics? (before a refactor, after a family)
 mutants: install-test models references

@@ -1,0 +1,156 @@
+"""`make bench` (new families): Qwen3.5- and Gemma 4-shaped models, mlxlis against mlx-lm.
+
+Random float32 models with real head shapes at a small width: a Qwen3.5 (3 Gated DeltaNet
+layers per gated-attention layer; 16 key / 32 value heads of 128 for DeltaNet, 8 query / 2 KV
+heads of 256, a quarter rotated) and a Gemma 4 E2B-like (sliding and full layers with head
+dims 256 / 512, per-layer input embeddings, the last layers KV-shared with double-wide MLPs,
+proportional RoPE). Each is written once as a Hugging Face folder (config.json as `convert`
+writes it); each engine loads it in a fresh process (mlxlis first, so both run on the same
+BLAS) and runs a PROMPT-token prefill and DECODE greedy steps, best of --rounds. Prints a
+Markdown table and writes bench-results/families.json.
+
+usage: python scripts/bench_families.py [--layers N] [--hidden N] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT, DECODE = 256, 64
+
+WORKER = r"""
+import json, sys, time
+sys.path.insert(0, {root!r})
+engine, folder = sys.argv[1], sys.argv[2]
+import mlxlis
+from mlxlis.device import select_device, setup_process
+import mlx.core as mx
+setup_process(); select_device()
+if engine == "mlxlis":
+    net = mlxlis.load(folder, "float32").net
+    make_cache = net.make_cache
+else:
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+    net, _ = load_model(__import__("pathlib").Path(folder))
+    make_cache = lambda: make_prompt_cache(net)
+def step(x, cache):
+    out = net(x, cache=cache)
+    return out[:, -1, :]
+ids = mx.random.randint(0, 1000, (1, {prompt}))
+best = (0.0, 0.0)
+for _ in range(3):
+    cache = make_cache()
+    t0 = time.perf_counter(); logits = step(ids, cache); mx.eval(logits)
+    prefill = {prompt} / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range({decode}):
+        logits = step(logits.argmax(-1).reshape(1, 1), cache); mx.eval(logits)
+    best = max(best[0], prefill), max(best[1], {decode} / (time.perf_counter() - t0))
+print(json.dumps(best))
+"""
+
+
+def raw_configs(layers: int, hidden: int) -> dict[str, dict]:
+    s, f = "sliding_attention", "full_attention"
+    return {
+        "qwen3.5": {"model_type": "qwen3_5_text", "vocab_size": 32000, "hidden_size": hidden,
+                    "intermediate_size": 3 * hidden, "num_hidden_layers": layers,
+                    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+                    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                    "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                    "linear_conv_kernel_dim": 4,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+                                        "partial_rotary_factor": 0.25},
+                    "tie_word_embeddings": True, "max_position_embeddings": 4096},
+        "gemma4": {"model_type": "gemma4_text", "vocab_size": 32000, "hidden_size": hidden,
+                   "intermediate_size": 3 * hidden, "num_hidden_layers": layers,
+                   "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256,
+                   "global_head_dim": 512, "sliding_window": 512,
+                   "layer_types": [f if (i + 1) % 4 == 0 else s for i in range(layers)],
+                   "num_kv_shared_layers": layers // 4, "hidden_size_per_layer_input": 256,
+                   "vocab_size_per_layer_input": 32000, "use_double_wide_mlp": True,
+                   "final_logit_softcapping": 30.0, "tie_word_embeddings": True,
+                   "rope_parameters": {s: {"rope_type": "default", "rope_theta": 10000.0},
+                                       f: {"rope_type": "proportional", "rope_theta": 1e6,
+                                           "partial_rotary_factor": 0.25}},
+                   "max_position_embeddings": 4096},
+    }  # fmt: skip
+
+
+def write_model(folder: Path, raw: dict) -> None:
+    """Random weights under Hugging Face names, config.json as `convert` writes it."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    sys.path.insert(0, str(ROOT))
+    from mlxlis.convert import hf_config
+    from mlxlis.families import build_model, config_from_hf
+
+    folder.mkdir()
+    cfg = config_from_hf(raw)
+    net = build_model(cfg)
+    mx.random.seed(0)
+    params = {k: (mx.random.normal(v.shape) * 0.02 if v.ndim > 1 else mx.ones(v.shape) * 0.5)
+              for k, v in tree_flatten(net.parameters())}  # fmt: skip
+    for k in params:
+        if k.endswith("A_log"):
+            params[k] = mx.log(mx.random.uniform(0.5, 4.0, params[k].shape))
+    mx.save_safetensors(str(folder / "model.safetensors"), params, {"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(hf_config(cfg, mx.float32, None)))
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())  # mlxlis opens a folder with its tokenizer; any will do
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["a small text for a tokenizer"] * 4, trainers.BpeTrainer())
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def run(engine: str, folder: Path) -> tuple[float, float]:
+    code = WORKER.format(root=str(ROOT), prompt=PROMPT, decode=DECODE)
+    out = subprocess.run([sys.executable, "-c", code, engine, str(folder)], capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mlxlis-bench-families-") as tmp:
+        for model, raw in raw_configs(args.layers, args.hidden).items():
+            folder = Path(tmp) / model
+            write_model(folder, raw)
+            best: dict[str, tuple[float, float]] = {}
+            for _ in range(args.rounds):  # alternate the engines, best of rounds
+                for engine in ("mlxlis", "mlx-lm"):
+                    p, d = run(engine, folder)
+                    old = best.get(engine, (0.0, 0.0))
+                    best[engine] = (max(old[0], p), max(old[1], d))
+            for engine, (p, d) in best.items():
+                rows.append({"model": model, "engine": engine, "prefill_tok_s": round(p, 1),
+                             "decode_tok_s": round(d, 1)})  # fmt: skip
+    print(f"| model ({args.layers} layers, hidden {args.hidden}, float32) | engine | "
+          f"prefill tok/s ({PROMPT}) | decode tok/s ({DECODE}) |")  # fmt: skip
+    print("|---|---|---|---|")
+    for r in rows:
+        base = next(b for b in rows if b["model"] == r["model"] and b["engine"] == "mlx-lm")
+        p, d = r["prefill_tok_s"], r["decode_tok_s"]
+        print(f"| {r['model']} | {r['engine']} | {p} ({p / base['prefill_tok_s']:.2f}×) "
+              f"| {d} ({d / base['decode_tok_s']:.2f}×) |")  # fmt: skip
+    out = ROOT / "bench-results"
+    out.mkdir(exist_ok=True)
+    (out / "families.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
