@@ -149,9 +149,15 @@ def write_tokenizer(model, folder: Path) -> None:
                 shutil.copy2(src / name, folder / name)
         return
     _need_transformers(src)
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    except Exception:  # noqa: BLE001 — any failure of transformers' config reader
+        # transformers reads the model's config first to choose the tokenizer class, and its
+        # GGUF config reader lags new architectures (Gemma 4's per-layer arrays): the generic
+        # fast tokenizer reads the same vocabulary without it
+        tok = PreTrainedTokenizerFast.from_pretrained(str(src.parent), gguf_file=src.name)
     if model.template is not None:
         tok.chat_template = model.template.text
     tok.save_pretrained(str(folder))

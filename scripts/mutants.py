@@ -178,6 +178,11 @@ MUTANTS = (
            "weights = weights",
            ("tests/test_gemma4.py::test_logits_match_transformers_fp32",),
            "Gemma 4: the top-k router weights not renormalised"),
+    Mutant("gemma4-gguf-rope-freqs-ignored", "mlxlis/families/gemma4_gguf.py",
+           "return cfg.with_(gemma4=replace(cfg.gemma4, full_rotated=turned)), None",
+           "return cfg.with_(gemma4=replace(cfg.gemma4, full_rotated=None)), None",
+           ("tests/test_gemma4_gguf.py",),
+           "Gemma 4 GGUF: rope_freqs read as config but every pair turned"),
 )  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache",

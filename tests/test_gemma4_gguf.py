@@ -267,15 +267,24 @@ def test_written_file_reads_back_as_llama_cpp_expects(files):
     assert list(freqs) == [1.0] * 4 + [1e30] * 12
 
 
-def test_convert_of_a_gguf_is_refused_by_name(files, tmp_path):
-    """The full layers' proportional RoPE exists in a GGUF only as rope_freqs values, which
-    config.json cannot state yet: `convert` refuses, naming the reason, and writes nothing."""
+def test_convert_round_trip_and_mlx_lm(files, tmp_path):
+    """The full layers' proportional RoPE, a rope_freqs tensor in the GGUF (1 for the turned
+    pairs, 1e30 for the rest), is read as config, so `convert` writes it into config.json: the
+    folder reloads bit for bit and mlx-lm loads it to the same logits (bound 1e-4)."""
     from mlxlis.convert import convert
 
+    from mlx_lm import load as mlx_lm_load
+
     path, _, _ = files("e2b-q8_0")
-    with pytest.raises(UnsupportedError, match="rope_freqs"):
-        convert(path, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    src = mlxlis.load(path, "float32", dequantize=False)
+    assert src.config.gemma4.full_rotated == 4  # [1.0] * 4 + [1e30] * 12
+    out = convert(path, tmp_path / "out", dtype="float32")
+    again = mlxlis.load(out, "float32")
+    ids = trajectory(40, vocab=src.config.vocab_size)
+    assert bool(mx.array_equal(again.logits(ids), src.logits(ids)))
+    theirs, _ = mlx_lm_load(str(out))
+    delta = np.abs(np.array(theirs(mx.array([ids]))[0]) - np.array(again.logits(ids))).max()
+    assert delta < 1e-4, delta
 
 
 BAD = [  # (metadata change, error class, field it names)

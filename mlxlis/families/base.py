@@ -24,6 +24,8 @@ from ..errors import ConfigError, UnsupportedError
 # `part` being "weight" | "scales" | "biases" | "bias" (the array being transformed).
 Convention = tuple[Callable[[str], bool], Callable[[mx.array, ModelConfig, str], mx.array]]
 
+RopeFreqsHook = Callable[[ModelConfig, mx.array], tuple[ModelConfig, "mx.array | None"]]
+
 # llama.cpp's names for the tensors outside the blocks (every family shares them)
 GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -77,6 +79,9 @@ class Family:
     # `{arch}.*` keys llama.cpp reads per layer that parse_gguf reads whole (the shared fields
     # take layer 0's value)
     gguf_per_layer_keys: tuple[str, ...] = ()
+    # a `rope_freqs` tensor the family can state as config instead (then `convert` can write
+    # it): (cfg, factors) -> (cfg, the factors still needed or None)
+    gguf_rope_freqs: RopeFreqsHook | None = None
 
     def gguf_module_name(self, gguf_name: str) -> str | None:
         """The module tensor name for a GGUF tensor, or None when no row takes it. A row keyed

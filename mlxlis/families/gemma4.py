@@ -265,6 +265,7 @@ GEMMA4 = Family(
     gguf_block=gemma4_gguf.GGUF_BLOCK, gguf_names=gemma4_gguf.gguf_name,
     # llama.cpp reads these per layer (get_key_or_arr); parse_gguf reads the whole arrays
     gguf_per_layer_keys=("attention.head_count_kv", "feed_forward_length"),
+    gguf_rope_freqs=gemma4_gguf.rope_freqs_as_config,
     gguf_ignored=gemma4_gguf.unused_kv, export_model_type="gemma4_text",
     export_architecture="Gemma4ForCausalLM", export_config=export, hf_defaults=HF_DEFAULTS,
     hf_renames=(("model.language_model.", "model."), ("language_model.model.", "model."),

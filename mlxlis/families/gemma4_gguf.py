@@ -13,6 +13,7 @@ router.scale and per_expert_scale become `blk.N.ffn_gate_inp.scale` / `blk.N.ffn
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -187,3 +188,14 @@ def gguf_name(gguf_name: str) -> str | None:
     if hit and (hit.group(2), hit.group(3)) in GGUF_EXTRA:
         return f"model.layers.{int(hit.group(1))}.{GGUF_EXTRA[hit.group(2), hit.group(3)]}"
     return GGUF_TOP.get(gguf_name)
+
+
+def rope_freqs_as_config(cfg: ModelConfig, factors) -> tuple[ModelConfig, Any]:
+    """llama.cpp's converter states the full layers' proportional RoPE as factors: 1 for the
+    first pairs (turned), 1e30 for the rest (still). That pattern is config (`full_rotated`),
+    so the loaded model and a `convert`ed folder say it the same way; anything else stays."""
+    f = np.asarray(factors, dtype=np.float64)
+    turned = int(np.argmax(f != 1.0)) if (f != 1.0).any() else f.size
+    if (f[:turned] == 1.0).all() and (f[turned:] >= 1e29).all():
+        return cfg.with_(gemma4=replace(cfg.gemma4, full_rotated=turned)), None
+    return cfg, factors

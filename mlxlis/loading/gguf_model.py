@@ -98,6 +98,9 @@ def load_gguf(
         tokenizer = side.submit(_tokenizer, md, path, timings)
         dense = _dense_policy(gf, cfg, dtype, dequantize)
         weights, quant, rope_freqs, ignored = _convert(gf, cfg, dtype, dense, clock)
+        spec = family(cfg.family)
+        if rope_freqs is not None and spec.gguf_rope_freqs is not None:
+            cfg, rope_freqs = spec.gguf_rope_freqs(cfg, rope_freqs)
         net = (
             build_model(cfg, rope_freq_factors=rope_freqs)
             if rope_freqs is not None
