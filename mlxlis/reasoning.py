@@ -1,9 +1,10 @@
-"""Reasoning ("thinking") split from the answer in a reply's stream: `<think>…</think>`.
+"""Reasoning ("thinking") split from the answer in a reply's stream.
 
 Qwen3-style models open their reply with `<think>`, reason, close with `</think>` and then
 answer; some templates (Qwen3.5, DeepSeek-R1) put `<think>\\n` at the end of the generation
-prompt, so the reply starts inside the reasoning with no opening tag. `ReasoningSplitter`
-turns decoded pieces into ("reasoning", text) / ("answer", text) segments:
+prompt, so the reply starts inside the reasoning with no opening tag. Gemma 4 reasons in a
+channel: `<|channel>thought\\n…<channel|>` (STYLES: the tag pairs and the channel label).
+`ReasoningSplitter` turns decoded pieces into ("reasoning", text) / ("answer", text) segments:
 
 - the tags are matched by token id when the tokenizer has each as a single token (its
   special / added tokens), else by text, held back while a piece could be the start of a tag;
@@ -19,6 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 OPEN_TAG, CLOSE_TAG = "<think>", "</think>"
+# (open tag, close tag, label right after the open tag that is not reasoning text)
+STYLES = ((OPEN_TAG, CLOSE_TAG, ""), ("<|channel>", "<channel|>", "thought"))
 REASONING, ANSWER = "reasoning", "answer"
 
 Segment = tuple[str, str]  # (REASONING | ANSWER, text)
@@ -58,8 +61,10 @@ class ReasoningSplitter:
         after_reasoning: bool = False,
         open_tag: str = OPEN_TAG,
         close_tag: str = CLOSE_TAG,
+        label: str = "",
     ):
-        self.open_tag, self.close_tag = open_tag, close_tag
+        self.open_tag, self.close_tag, self.label = open_tag, close_tag, label
+        self._label = ""  # the channel label still expected at the start of the reasoning
         self._ids = dict(ids or {})
         self._state = _THINK if in_reasoning else _AFTER if after_reasoning else _START
         self._buf = ""  # text held back: leading whitespace, or what may be part of a tag
@@ -71,11 +76,21 @@ class ReasoningSplitter:
 
     @classmethod
     def for_prompt(cls, tokenizer: Any, prompt: str) -> ReasoningSplitter:
-        """A splitter for the reply to `prompt`, with `tokenizer`'s tag ids when it has them."""
+        """A splitter for the reply to `prompt`, with `tokenizer`'s tag ids when it has them:
+        the first style whose two tags are tokens of the vocabulary, else `<think>` as text."""
+        style, ids = STYLES[0], {}
+        for candidate in STYLES:
+            if found := tag_ids(tokenizer, candidate[:2]):
+                style, ids = candidate, found
+                break
+        open_tag, close_tag, label = style
         return cls(
-            ids=tag_ids(tokenizer),
-            in_reasoning=starts_in_reasoning(prompt),
-            after_reasoning=ends_after_reasoning(prompt),
+            ids=ids,
+            in_reasoning=starts_in_reasoning(prompt, open_tag),
+            after_reasoning=ends_after_reasoning(prompt, close_tag),
+            open_tag=open_tag,
+            close_tag=close_tag,
+            label=label,
         )
 
     @property
@@ -116,6 +131,7 @@ class ReasoningSplitter:
 
     def _open(self) -> None:
         self._state, self._buf, self._ws, self._reasoned = _THINK, "", "", False
+        self._label = self.label
         self.saw_reasoning = True
 
     def _close(self, out: list[Segment]) -> None:
@@ -155,6 +171,15 @@ class ReasoningSplitter:
     def _think(self, text: str, out: list[Segment]) -> str:
         buf = self._buf + text
         self._buf = ""
+        if self._label:  # a channel's name ("thought") opens it: not reasoning text
+            body = buf.lstrip()
+            if body.startswith(self._label):
+                buf, self._label = body[len(self._label) :], ""
+            elif self._label.startswith(body):
+                self._buf = buf
+                return ""
+            else:
+                self._label = ""
         if self._ids:  # tags come as tokens: all text here is reasoning
             self._reason(buf, out)
             return ""
