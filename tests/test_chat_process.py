@@ -158,7 +158,9 @@ def test_quit_during_a_reply_exits_0(launch):
     chat.wait_for(r"generating…")
     chat.pump(1.0)
     chat.send(CTRL_Q)
-    assert chat.finish() == (0, "")
+    code, err = chat.finish()
+    # a token that takes over 0.5 s on a busy machine makes quit say that it waits for it
+    assert code == 0 and err in ("", "mlxlis chat: waiting for the model to stop…"), err
 
 
 @pytest.mark.real
