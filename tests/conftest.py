@@ -139,9 +139,15 @@ def randomize(model, seed: int = 0) -> None:
                 p.copy_(0.08 * noise)
 
 
-def build_tiny(folder: Path, spec: dict, seed: int = 0, tokenizer_kw: dict | None = None):
-    """Write a tiny random checkpoint to `folder`; returns the transformers model (fp32, eval).
-    `tokenizer_kw` go to train_tokenizer."""
+# transformers model types whose text-only config has another name
+TEXT_KINDS = {"gemma3": "gemma3_text"}
+
+
+def build_tiny(folder: Path, spec: dict, seed: int = 0, tokenizer_kw: dict | None = None,
+               adjust=None, **config_kw):  # fmt: skip
+    """Write a tiny random checkpoint of `spec` ("kind": a transformers model type, the rest
+    config keys) to `folder`; returns the transformers model (fp32, eval). `tokenizer_kw` go
+    to train_tokenizer; `adjust(model)` changes weights after randomize (before saving)."""
     import torch
     import transformers
 
@@ -149,22 +155,32 @@ def build_tiny(folder: Path, spec: dict, seed: int = 0, tokenizer_kw: dict | Non
     kind = spec.pop("kind")
     folder.mkdir(parents=True, exist_ok=True)
     vocab = train_tokenizer(folder, **(tokenizer_kw or {}))
-    cfg_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
-        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
-        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
-    }[kind]
-    cfg = cfg_cls(vocab_size=vocab, bos_token_id=0, eos_token_id=2, **spec)
+    cfg = transformers.AutoConfig.for_model(TEXT_KINDS.get(kind, kind), vocab_size=vocab,
+                                            bos_token_id=0, eos_token_id=2, **config_kw,
+                                            **spec)  # fmt: skip
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = model_cls(cfg).eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     randomize(model, seed)
+    if adjust is not None:
+        adjust(model)
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model.save_pretrained(folder)
     return model
+
+
+def tiny_models(tmp_path_factory, specs: dict[str, dict], build=build_tiny):
+    """get(name) -> (folder, transformers model) of specs[name], built once."""
+    built: dict[str, tuple[Path, object]] = {}
+
+    def get(name: str):
+        if name not in built:
+            folder = tmp_path_factory.mktemp(name)
+            built[name] = (folder, build(folder, specs[name]))
+        return built[name]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from conftest import randomize, train_tokenizer, trajectory
+from conftest import build_tiny, randomize, tiny_models, train_tokenizer, trajectory
 
 S, F = "sliding_attention", "full_attention"
 COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, head_dim=16,
@@ -75,21 +75,8 @@ NAMES = list(SPECS)
 
 def build(folder: Path, spec: dict, seed: int = 0):
     """A tiny random gemma4_text checkpoint written by transformers; the model (fp32, eval)."""
-    import transformers
-
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = train_tokenizer(folder)
-    cfg = transformers.AutoConfig.for_model("gemma4_text", vocab_size=vocab, bos_token_id=0,
-                                            eos_token_id=2, pad_token_id=1, **COMMON, **spec)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    randomize(model, seed)
-    scalar_noise(model, seed)
-    if cfg.tie_word_embeddings:
-        model.tie_weights()
-    model.save_pretrained(folder)
-    return model
+    return build_tiny(folder, {"kind": "gemma4_text", **COMMON, **spec}, seed,
+                      adjust=lambda m: scalar_noise(m, seed), pad_token_id=1)  # fmt: skip
 
 
 def scalar_noise(model, seed: int) -> None:
@@ -103,15 +90,7 @@ def scalar_noise(model, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory):
-    built: dict[str, tuple[Path, object]] = {}
-
-    def get(name: str):
-        if name not in built:
-            folder = tmp_path_factory.mktemp(name)
-            built[name] = (folder, build(folder, SPECS[name]))
-        return built[name]
-
-    return get
+    return tiny_models(tmp_path_factory, SPECS, build)
 
 
 def reference_logits(ref, ids: list[int]) -> np.ndarray:

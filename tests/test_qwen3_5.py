@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from conftest import randomize, train_tokenizer, trajectory
+from conftest import build_tiny, tiny_models, trajectory
 
 COMMON = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
               linear_key_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=512,
@@ -66,36 +66,12 @@ def realistic(model) -> None:
 
 
 def build(folder: Path, spec: dict):
-    import transformers
-
-    spec = dict(spec)
-    kind = spec.pop("kind")
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = train_tokenizer(folder)
-    cfg = transformers.AutoConfig.for_model(kind, vocab_size=vocab, bos_token_id=0,
-                                            eos_token_id=2, **spec)  # fmt: skip
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    randomize(model, 0)
-    realistic(model)
-    if cfg.tie_word_embeddings:
-        model.tie_weights()
-    model.save_pretrained(folder)
-    return model
+    return build_tiny(folder, spec, adjust=realistic)
 
 
 @pytest.fixture(scope="module")
 def qwen35(tmp_path_factory):
-    built: dict[str, tuple[Path, object]] = {}
-
-    def get(name: str):
-        if name not in built:
-            folder = tmp_path_factory.mktemp(name)
-            built[name] = (folder, build(folder, SPECS[name]))
-        return built[name]
-
-    return get
+    return tiny_models(tmp_path_factory, SPECS, build)
 
 
 def reference_logits(ref, ids: list[int]) -> np.ndarray:
