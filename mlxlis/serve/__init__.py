@@ -1,0 +1,1 @@
+"""`mlxlis serve`: an OpenAI-compatible HTTP server over the serving engine (engine.py)."""

@@ -1,0 +1,151 @@
+"""The serving engine (mlxlis/serve/engine.py) without HTTP.
+
+Self-consistency against mlxlis.generate, the reference for one prompt: greedy requests
+interleaved step by step (8 at once, different prompt lengths, one longer than Gemma 3's
+sliding window, on Llama, Qwen2, Gemma 3 and the hybrid Qwen3.5) produce exactly the tokens
+each produces alone through `generate`; a prompt sharing a prefix with a finished request
+reuses its caches (cached_tokens > 0) and still produces exactly a fresh run's tokens;
+stop strings are cut across token boundaries and never emitted; cancellation, a full queue and
+shutdown end streams as documented; memory held by the prefix cache stays within its bound.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlxlis
+from mlxlis.sampling import SamplingParams
+from mlxlis.serve.engine import Engine, GenRequest, PrefixCache, QueueFullError, StopMatcher
+
+import mlx.core as mx
+import pytest
+from conftest import trajectory
+from test_qwen3_5 import SPECS as QWEN35_SPECS
+from test_qwen3_5 import build as build_qwen35
+
+GEMMA3 = dict(kind="gemma3", hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+              max_position_embeddings=512)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(tiny, tmp_path_factory):
+    from conftest import build_tiny
+
+    out = {"llama": tiny("llama")[0], "qwen2": tiny("qwen2")[0]}
+    folder = tmp_path_factory.mktemp("gemma3")
+    build_tiny(folder, GEMMA3)
+    out["gemma3"] = folder
+    folder = tmp_path_factory.mktemp("qwen3_5")
+    build_qwen35(folder, QWEN35_SPECS["qwen3_5"])
+    out["qwen3_5"] = folder
+    return {k: mlxlis.load(v, "float32") for k, v in out.items()}
+
+
+def alone(model, ids: list[int], n: int) -> list[int]:
+    events = mlxlis.generate(model, ids, max_tokens=n, stop_ids=set())
+    return [e.token for e in events if e.token is not None]
+
+
+def tokens(stream) -> list[int]:
+    return [e.token for e in stream if e.token is not None]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3", "qwen3_5"])
+def test_interleaved_requests_equal_each_alone(models, name):
+    """8 greedy requests at once (prompts of 3 to 40 tokens: past the Gemma 3 window of 8,
+    past its 256-slot growth only with generation) give each request generate's tokens."""
+    model = models[name]
+    rng = random.Random(0)
+    prompts = [trajectory(rng.randint(3, 40), seed=i, vocab=model.config.vocab_size)
+               for i in range(8)]  # fmt: skip
+    engine = Engine(model, max_active=8, prefix_cache_bytes=0)
+    try:
+        streams = [engine.submit(GenRequest(p, SamplingParams(max_tokens=16))) for p in prompts]
+        got = [tokens(s) for s in streams]
+    finally:
+        engine.shutdown()
+    assert got == [alone(model, p, 16) for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_prefix_cache_reuse_equals_a_fresh_run(models, name):
+    """A second prompt extending the first request's prompt and reply takes that request's
+    caches (rewound: KV trimmed, recurrent states from their snapshot) and reports the reused
+    tokens; its tokens equal generate's on the whole prompt."""
+    model = models[name]
+    engine = Engine(model, prefix_cache_bytes=1 << 30)
+    try:
+        first = trajectory(30, seed=3, vocab=model.config.vocab_size)
+        reply = tokens(engine.submit(GenRequest(first, SamplingParams(max_tokens=8))))
+        second = first + reply + trajectory(10, seed=4, vocab=model.config.vocab_size)
+        events = list(engine.submit(GenRequest(second, SamplingParams(max_tokens=12))))
+    finally:
+        engine.shutdown()
+    assert events[-1].usage.cached_tokens >= len(first)
+    assert [e.token for e in events if e.token is not None] == alone(model, second, 12)
+
+
+def test_stop_strings_across_token_boundaries_never_emitted():
+    """A stop string split over pieces is found; text that only begins like one is held back,
+    then released when it turns out not to be one."""
+    m = StopMatcher(("STOP", "\n\n"))
+    out = [m.feed(t) for t in ("Hello S", "T", "ill here", " and ST", "OP now")]
+    assert out == [("Hello ", False), ("", False), ("STill here", False), (" and ", False),
+                   ("", True)]  # fmt: skip
+    m = StopMatcher(("\n\n",))
+    assert m.feed("a\n") == ("a", False) and m.feed("b") == ("\nb", False)
+
+
+def test_engine_cuts_stop_strings(models):
+    """The engine ends the request where the stop text (made of this model's own output)
+    begins and emits none of it."""
+    model = models["llama"]
+    ids = trajectory(12, seed=5, vocab=model.config.vocab_size)
+    text = model.tokenizer.decode(alone(model, ids, 10))
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    engine = Engine(model)
+    try:
+        events = list(engine.submit(GenRequest(ids, SamplingParams(max_tokens=10),
+                                               stop_strings=(stop,))))  # fmt: skip
+    finally:
+        engine.shutdown()
+    out = "".join(e.text for e in events)
+    assert events[-1].finish_reason == "stop" and stop not in out and text.startswith(out)
+    assert out == text[: text.find(stop)]
+
+
+def test_cancel_full_queue_and_shutdown(models):
+    """A cancelled request ends with "cancelled" while the others run on; beyond max_queued
+    waiting requests submit raises QueueFullError; shutdown ends the rest with "error"."""
+    model = models["llama"]
+    engine = Engine(model, max_active=1, max_queued=2)
+    ids = trajectory(8, vocab=model.config.vocab_size)
+    long = GenRequest(ids, SamplingParams(max_tokens=400))
+    a = engine.submit(long)
+    a.cancel()
+    assert [e.finish_reason for e in a][-1] == "cancelled"
+    running = iter(engine.submit(long))
+    assert next(running).token is not None  # admitted: it runs, the queue is empty
+    waiting = [engine.submit(long), engine.submit(long)]
+    with pytest.raises(QueueFullError):
+        engine.submit(long)
+    engine.shutdown()
+    assert list(running)[-1].finish_reason == "error"
+    assert all([e for e in w][-1].finish_reason == "error" for w in waiting)
+
+
+def test_prefix_cache_stays_within_its_bound(models):
+    """The prefix cache never holds more bytes than its bound, however many requests end."""
+    model = models["llama"]
+    one = model.make_cache()
+    model.net(mx.array([trajectory(20)]), cache=one)
+    size = sum(a.nbytes for c in one for a in c.state)
+    cache = PrefixCache(max_bytes=3 * size)
+    for i in range(10):
+        c = model.make_cache()
+        model.net(mx.array([trajectory(20, seed=i)]), cache=c)
+        cache.put(trajectory(20, seed=i), c)
+        assert cache.bytes <= 3 * size
+    assert 0 < cache.bytes
