@@ -222,6 +222,15 @@ class RecurrentCache:
         return [a for a in (self.conv_state, self.recurrent) if a is not None]
 
 
+class CacheBatch:
+    """One layer's caches of several sequences decoding together, one token each (the
+    serving engine's batched step): the layer runs its projections on the whole batch and its
+    attention / recurrence on each sequence's own cache, so each row equals its lone run."""
+
+    def __init__(self, caches: list) -> None:
+        self.caches = caches
+
+
 def rewind_point(cache, position: int) -> int:
     """The latest position ≤ `position` that one layer's cache can be trimmed back to."""
     if isinstance(cache, RecurrentCache):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import KVCache, RecurrentCache, RotatingKVCache, window_mask
+from ..cache import CacheBatch, KVCache, RecurrentCache, RotatingKVCache, window_mask
 from ..config import ModelConfig
 from .attention import softcap
 from .deltanet import GatedDeltaNet
@@ -108,6 +108,14 @@ class Decoder(nn.Module):
                 stacks.update(layer.mlp.expert_stacks(f"model.layers.{i}.mlp"))
         return stacks
 
+    def decode_batch(self, tokens: list[int], caches: list[list[Cache]]) -> mx.array:
+        """One token for each of B sequences, each with its own caches: (B, vocab) logits.
+        The projections and MLPs run on the batch (the weights read once); attention and
+        recurrences on each sequence's cache, as its lone step would."""
+        inputs = mx.array(tokens, dtype=mx.int32)[:, None]  # (B, 1)
+        per_layer = [CacheBatch([c[i] for c in caches]) for i in range(len(self.model.layers))]
+        return self(inputs, per_layer)[:, -1, :]
+
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None,
                  last_only: bool = False) -> mx.array:  # fmt: skip
         cfg = self.config
@@ -125,7 +133,9 @@ class Decoder(nn.Module):
         sliding_mask = None
         if any(self._sliding):
             i = self._sliding.index(True)
-            if cache is not None:
+            if isinstance(cache[i] if cache is not None else None, CacheBatch):
+                sliding_mask = None  # one new token per sequence sees its whole ring
+            elif cache is not None:
                 sliding_mask = cache[i].mask(t)
             elif t > 1:
                 sliding_mask = window_mask(0, t, 0, t, cfg.sliding_window)

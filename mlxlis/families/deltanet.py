@@ -19,7 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import RecurrentCache
+from ..cache import CacheBatch, RecurrentCache
 from ..config import ModelConfig
 
 CHUNK = 64  # tokens per chunk of the chunked form (transformers' and FLA's default)
@@ -124,7 +124,9 @@ class GatedDeltaNet(nn.Module):
         y = sum(xp[:, j : j + t] * w[:, j] for j in range(self.kernel))
         return nn.silu(y)
 
-    def __call__(self, x: mx.array, mask, cache: RecurrentCache | None) -> mx.array:
+    def __call__(self, x: mx.array, mask, cache: RecurrentCache | CacheBatch | None) -> mx.array:
+        if isinstance(cache, CacheBatch):  # sequences decoding together: their states stacked
+            return self._batch(x, cache.caches)
         b, t, _ = x.shape
         qkv = self._conv(self.in_proj_qkv(x), cache)  # (B, T, 2·key_dim + value_dim)
         kd = self.hk * self.dk
@@ -157,3 +159,16 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(b, t, self.hv, self.dv)
         o = self.norm(o.astype(x.dtype), z).reshape(b, t, -1)
         return self.out_proj(o)
+
+    def _batch(self, x: mx.array, caches: list[RecurrentCache]) -> mx.array:
+        """One token for each of B sequences (x: (B, 1, hidden)), each with its own state."""
+        if any(c.recurrent is None for c in caches):
+            return mx.concatenate([self(x[i : i + 1], None, c) for i, c in enumerate(caches)])
+        both = RecurrentCache()
+        both.conv_state = mx.concatenate([c.conv_state for c in caches])
+        both.recurrent = mx.concatenate([c.recurrent for c in caches])
+        out = self(x, None, both)
+        for i, c in enumerate(caches):
+            c.conv_state, c.recurrent = both.conv_state[i : i + 1], both.recurrent[i : i + 1]
+            c.offset += 1
+        return out

@@ -9,13 +9,13 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import KVCache, RecurrentCache, RotatingKVCache
+from ..cache import CacheBatch, KVCache, RecurrentCache, RotatingKVCache
 from ..config import ModelConfig
 from .activations import gated
 from .attention import attend
 from .rope import Rope
 
-Cache = KVCache | RotatingKVCache | RecurrentCache
+Cache = KVCache | RotatingKVCache | RecurrentCache | CacheBatch
 Mask = str | mx.array | None
 
 
@@ -77,16 +77,24 @@ class Attention(nn.Module):
         # q: (B, n_heads, T, head_dim); k, v: (B, n_kv_heads, T, head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
+        if isinstance(cache, CacheBatch):  # one token per sequence, each on its own cache
+            out = mx.concatenate([self._attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], None, c)
+                                  for i, c in enumerate(cache.caches)])  # fmt: skip
+        else:
+            out = self._attend(q, k, v, mask, cache)
+        out = out.transpose(0, 2, 1, 3)  # (B, T, n_heads, head_dim)
+        if self.gated:
+            out = out * mx.sigmoid(gate)
+        return self.o_proj(out.reshape(b, t, -1))
+
+
+    def _attend(self, q, k, v, mask: Mask, cache: Cache | None) -> mx.array:
         offset = cache.offset if cache is not None else 0
         q = self.rope(q, offset)
         k = self.rope(k, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = attend(q, k, v, self.scale, mask, self.softcap)
-        out = out.transpose(0, 2, 1, 3)  # (B, T, n_heads, head_dim)
-        if self.gated:
-            out = out * mx.sigmoid(gate)
-        return self.o_proj(out.reshape(b, t, -1))
+        return attend(q, k, v, self.scale, mask, self.softcap)
 
 
 class MLP(nn.Module):

@@ -2,13 +2,17 @@
 
 `Engine.submit(GenRequest)` returns a `Stream` of `GenEvent`s (iterate it, or `async for` it
 when submitted with an event loop). One scheduler loop runs on the process's MLX thread: each
-round gives every active request one unit of work — a prompt chunk (PREFILL_CHUNK tokens) or
-one decoded token — so a long prompt never stalls the streams already running, and a request
-that is cancelled (client gone) leaves at the next round. At most `max_active` requests run;
+round gives every active request one unit of work — the requests that are decoding get one
+token each from a single batched forward pass (the weights read once for all of them), a
+request still reading its prompt gets one chunk (PREFILL_CHUNK tokens) — so a long prompt
+never stalls the streams already running, and a request that is cancelled (client gone)
+leaves at the next round. At most `max_active` requests run;
 `max_queued` more may wait (beyond that `submit` raises QueueFullError: HTTP 429).
 
-Each request keeps its own per-layer caches, built and advanced exactly as `mlxlis.generate`
-does for a single prompt, so its tokens are those it gets alone. The prefix cache keeps the
+Each request keeps its own per-layer caches, built and advanced as `mlxlis.generate` does
+for a single prompt; in the batched step only the projections and MLPs see the batch, each
+sequence's attention and recurrence run on its own cache, so its greedy tokens are those it
+gets alone (up to the last bits of a batched vs a single-row matmul). The prefix cache keeps the
 caches of recent requests (LRU, bounded in bytes): a new prompt takes over the one sharing
 its longest prefix, rewound to that prefix (`mlxlis.cache.rewind_point`: KV caches to any
 position, recurrent states to a snapshot), and prefills only the rest.
@@ -253,16 +257,37 @@ class Engine:
                 while self._queue and len(self._active) < self.max_active:
                     self._active.append(self._queue.pop(0))
                 active = list(self._active)
+            ready = [a for a in active if a.next_token is not None and not a.todo
+                     and not a.stream.cancelled.is_set()]  # fmt: skip
+            if len(ready) > 1 and hasattr(self.model.net, "decode_batch"):
+                self._run(ready, self._decode_batch)
+                active = [a for a in active if a not in ready]
             for a in active:
-                try:
-                    done = self._step(a)
-                except Exception as e:  # noqa: BLE001 — one request's failure ends it alone
-                    a.stream._put(GenEvent("", finish_reason="error", usage=a.usage,
-                                           error=f"{type(e).__name__}: {e}"))  # fmt: skip
-                    done = True
-                if done:
-                    with self._cv:
-                        self._active.remove(a)
+                self._run([a], lambda one: [self._step(one[0])])
+
+    def _run(self, group: list[_Active], work) -> None:
+        """`work(group)` -> done flags; a failure ends the group's requests with "error"."""
+        try:
+            done = work(group)
+        except Exception as e:  # noqa: BLE001 — a failure ends these requests, not the server
+            for a in group:
+                a.stream._put(GenEvent("", finish_reason="error", usage=a.usage,
+                                       error=f"{type(e).__name__}: {e}"))  # fmt: skip
+            done = [True] * len(group)
+        with self._cv:
+            for a, d in zip(group, done, strict=True):
+                if d:
+                    self._active.remove(a)
+
+    def _decode_batch(self, group: list[_Active]) -> list[bool]:
+        """One token for every request of `group` in one forward pass (weights read once)."""
+        logits = self.model.net.decode_batch([a.next_token for a in group],
+                                             [a.caches for a in group]).astype(mx.float32)
+        done = []
+        for i, a in enumerate(group):
+            a.fed.append(a.next_token)
+            done.append(self._emit(a, logits[i : i + 1]))
+        return done
 
     def _step(self, a: _Active) -> bool:
         """One unit of work for `a`; True when it has finished."""
