@@ -1,4 +1,4 @@
-"""Command line: `mlxlis [-m MODEL] [--no-chat] PROMPT`, `mlxlis chat`, `inspect`, `pull`.
+"""Command line: `mlxlis [-m MODEL] [--no-chat] PROMPT`, `mlxlis chat`, `serve`, `inspect`, `pull`.
 
 Exit codes: 0 success, 2 bad input / unsupported / no template (message on stderr, no
 traceback unless --debug), 1 a bug, 130 interrupted.
@@ -7,6 +7,7 @@ traceback unless --debug), 1 a bug, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from .cli_args import (
 )
 from .errors import MlxlisError
 
-SUBCOMMANDS = ("chat", "inspect", "pull", "models", "convert")
+SUBCOMMANDS = ("chat", "serve", "inspect", "pull", "models", "convert")
 
 
 def one_shot_parser() -> argparse.ArgumentParser:
@@ -238,6 +239,60 @@ def run_chat(argv: list[str]) -> int:
     return tui_main(argv)
 
 
+def serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlxlis serve",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
+        "/v1/completions, /v1/models, /health). The sampling flags set the defaults of "
+        "requests that leave a value out.",
+    )
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free one)")
+    p.add_argument("--max-batch", type=int, default=8, metavar="N",
+                   help="requests generating at once (default 8)")  # fmt: skip
+    p.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests waiting for a place; more get HTTP 429 (default 64)")  # fmt: skip
+    p.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="prompt + completion tokens per request (default: the model's "
+                   "context length)")  # fmt: skip
+    p.add_argument("--api-key", default=os.environ.get("MLXLIS_API_KEY"), metavar="KEY",
+                   help="require `Authorization: Bearer KEY` (default: $MLXLIS_API_KEY; "
+                   "none: no key)")  # fmt: skip
+    return p
+
+
+SERVE_BOUNDS = {"port": (0, 65535), "max_batch": (1, None), "max_queue": (1, None),
+                "max_context": (1, None)}  # fmt: skip
+
+
+def run_serve(argv: list[str]) -> int:
+    p = serve_parser()
+    a = p.parse_args(argv)
+    params = sampling_params(p, a)
+    for name, (low, high) in SERVE_BOUNDS.items():
+        value = getattr(a, name)
+        if value is not None and (value < low or (high is not None and value > high)):
+            flag = "--" + name.replace("_", "-")
+            p.exit(2, f"{p.prog}: error: {flag}: out of range: {value}\n")
+
+    def go() -> int:
+        from . import mlx_thread
+        from .serve.server import ServeOptions, serve
+
+        # the model is built on the thread the engine runs on (MLX streams are per thread)
+        model = mlx_thread.shared().submit(lambda: load_model(a)).result()
+        if a.verbose:
+            print_details(model)
+        name = a.model if not os.path.exists(a.model) else os.path.basename(
+            os.path.normpath(a.model))  # fmt: skip
+        return serve(model, ServeOptions(name, a.host, a.port, a.max_batch, a.max_queue,
+                                         a.max_context, a.api_key or None, a.verbose, params))
+
+    return _guard(a.debug, go)
+
+
 def _guard(debug: bool, fn: Callable[[], int]) -> int:
     try:
         return fn()
@@ -268,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd, rest = argv[0], argv[1:]
         return {
             "chat": run_chat,
+            "serve": run_serve,
             "inspect": run_inspect,
             "pull": run_pull,
             "models": run_models,

@@ -215,7 +215,11 @@ class Engine:
         with self._cv:
             if self._stopping:
                 raise MlxlisError("the server is shutting down")
-            if len(self._queue) >= self.max_queued:
+            self._queue = [a for a in self._queue if not a.stream.cancelled.is_set()
+                           or a.stream._put(GenEvent("", finish_reason="cancelled",
+                                                     usage=a.usage))]  # fmt: skip
+            # places: the free running ones plus the waiting room (not yet admitted counts)
+            if len(self._queue) + len(self._active) >= self.max_active + self.max_queued:
                 raise QueueFullError(f"{len(self._queue)} requests are waiting already")
             self._queue.append(self._new(req, stream))
             self._cv.notify()
@@ -254,6 +258,9 @@ class Engine:
                                                error="the server is shutting down"))  # fmt: skip
                     self._queue, self._active = [], []
                     return
+                for a in [a for a in self._queue if a.stream.cancelled.is_set()]:
+                    self._queue.remove(a)  # left while waiting: its place is free at once
+                    a.stream._put(GenEvent("", finish_reason="cancelled", usage=a.usage))
                 while self._queue and len(self._active) < self.max_active:
                     self._active.append(self._queue.pop(0))
                 active = list(self._active)

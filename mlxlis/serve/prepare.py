@@ -1,0 +1,243 @@
+"""An API request -> the engine's GenRequest: the prompt rendered and tokenized, the sampling
+values checked, the context bounded. Every refusal is an APIError naming the field."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import MlxlisError, NoChatTemplateError, TemplateError
+from ..sampling import SamplingError, SamplingParams
+from .engine import GenRequest
+from .openai_format import MAX_TOP_LOGPROBS, APIError
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
+from .tools import tool_names
+
+MAX_STOP_STRINGS = 16
+# template variables a request may not set through chat_template_kwargs (render_chat's own)
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+@dataclass(frozen=True)
+class Target:
+    """What requests are prepared for: the model, the server's sampling defaults, the context
+    bound (--max-context) and the model's stop ids."""
+
+    model: Any
+    defaults: SamplingParams
+    max_context: int
+    stop_ids: frozenset[int]
+
+
+@dataclass
+class Prepared:
+    gen: GenRequest
+    prompt: str | None  # the rendered chat prompt (where a reply's reasoning starts), or None
+    tools: frozenset[str] | None  # the offered tools' names: tool calls are parsed; None: no
+
+
+def bad(message: str, param: str | None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def sampling(
+    req: _Sampling, defaults: SamplingParams, max_field: str, max_tokens: int | None
+) -> SamplingParams:
+    """The request's sampling values over the server's defaults (max_tokens set later)."""
+    if req.n is not None and req.n != 1:
+        raise bad(f"n: only n=1 is supported, not {req.n}", "n")
+    changes: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
+        value = getattr(req, name)
+        if value is not None:
+            changes[name] = value
+    if changes.get("top_k") == -1:  # vLLM's and llama.cpp's "off"
+        changes["top_k"] = 0
+    if max_tokens is not None:
+        changes["max_tokens"] = max_tokens
+    try:
+        return defaults.replace(**changes)
+    except SamplingError as e:
+        param = max_field if e.field == "max_tokens" else e.field
+        raise bad(f"{param}: {str(e).split(': ', 1)[-1]}", param) from None
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad(f"stop: at most {MAX_STOP_STRINGS} stop strings, not {len(stops)}", "stop")
+    return tuple(s for s in stops if s)
+
+
+def bound_context(
+    ids: list[int], params: SamplingParams, explicit: bool, max_context: int, param: str
+) -> SamplingParams:
+    """Refuse a prompt that does not fit (never truncate); without an explicit max_tokens,
+    the default is cut to what is left of the context."""
+    n = len(ids)
+    if explicit and n + params.max_tokens > max_context:
+        raise bad(
+            f"This model's maximum context length is {max_context} tokens. However, you "
+            f"requested {n + params.max_tokens} tokens ({n} in the prompt, "
+            f"{params.max_tokens} in the completion). Reduce the prompt or max_tokens.",
+            param,
+            "context_length_exceeded",
+        )
+    if n >= max_context:
+        raise bad(
+            f"This model's maximum context length is {max_context} tokens. However, your "
+            f"prompt has {n} tokens, which leaves no room for a completion.",
+            param,
+            "context_length_exceeded",
+        )
+    if not explicit and n + params.max_tokens > max_context:
+        params = params.replace(max_tokens=max_context - n)
+    return params
+
+
+def message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
+    """One message as chat templates expect it (tool-call arguments as objects, as in
+    transformers' convention; "developer" is OpenAI's newer name for "system")."""
+    if isinstance(m.content, list):
+        parts = []
+        for j, part in enumerate(m.content):
+            if part.type != "text" or part.text is None:
+                raise bad(
+                    f"messages[{i}].content[{j}]: only text content is supported, not "
+                    f"{part.type!r}",
+                    f"messages[{i}].content[{j}].type",
+                )
+            parts.append(part.text)
+        content = "".join(parts)
+    else:
+        content = m.content or ""
+    out: dict[str, Any] = {
+        "role": "system" if m.role == "developer" else m.role,
+        "content": content,
+    }
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content is not None:
+        out["reasoning_content"] = m.reasoning_content
+    if m.tool_calls:
+        calls = []
+        for c in m.tool_calls:
+            args: Any = c.function.arguments
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    pass  # the template gets the text as it came
+            calls.append(
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": args},
+                }
+            )
+        out["tool_calls"] = calls
+    return out
+
+
+def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
+    model = t.model
+    if not req.messages:
+        raise bad("messages: at least one message is required", "messages")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad('response_format: only {"type": "text"} is supported', "response_format")
+    top: int | None = None
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad(
+                f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], not {req.top_logprobs}",
+                "top_logprobs",
+            )
+        if req.top_logprobs and not req.logprobs:
+            raise bad("top_logprobs: needs logprobs=true", "top_logprobs")
+    if req.logprobs:
+        top = req.top_logprobs or 0
+    max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    explicit = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
+    params = sampling(req, t.defaults, max_field, explicit)
+    stops = stop_strings(req.stop)
+
+    variables = dict(req.chat_template_kwargs or {})
+    if clash := sorted(RESERVED_TEMPLATE_VARS & variables.keys()):
+        raise bad(f"chat_template_kwargs: {', '.join(clash)} cannot be set", "chat_template_kwargs")
+    choice = req.tool_choice
+    if isinstance(choice, dict) or choice not in (None, "auto", "none"):
+        raise bad('tool_choice: only "auto" and "none" are supported', "tool_choice")
+    tools = None
+    if req.tools and choice != "none":
+        variables["tools"] = req.tools
+        tools = tool_names(req.tools)
+    messages = [message_dict(m, i) for i, m in enumerate(req.messages)]
+    try:
+        prompt = model.render_chat(messages, add_generation_prompt=True, **variables)
+    except NoChatTemplateError:
+        raise bad(model.missing_template_diagnosis(), "messages", "no_chat_template") from None
+    except TemplateError as e:
+        raise bad(f"the chat template refused the messages: {e}", "messages") from None
+    ids = encode(model, prompt, special=True)
+    params = bound_context(ids, params, explicit is not None, t.max_context, "messages")
+    gen = GenRequest(
+        ids,
+        params,
+        stop_ids=frozenset() if req.ignore_eos else t.stop_ids,
+        stop_strings=stops,
+        top_logprobs=top,
+    )
+    return Prepared(gen, prompt, tools)
+
+
+def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
+    model = t.model
+    if req.echo:
+        raise bad("echo: not supported", "echo")
+    if req.suffix:
+        raise bad("suffix: not supported", "suffix")
+    if req.best_of is not None and req.best_of != 1:
+        raise bad(f"best_of: only 1 is supported, not {req.best_of}", "best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise bad(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}], not {req.logprobs}", "logprobs")
+    params = sampling(req, t.defaults, "max_tokens", req.max_tokens)
+    stops = stop_strings(req.stop)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad(f"prompt: one prompt per request, not {len(prompt)}", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = encode(model, prompt, special=False)
+    else:
+        vocab = model.tokenizer.vocab_size
+        if bad_ids := [t for t in prompt if not 0 <= t < vocab]:
+            raise bad(
+                f"prompt: token id {bad_ids[0]} is outside the vocabulary ({vocab})", "prompt"
+            )
+        ids = list(prompt)
+    if not ids:
+        raise bad("prompt: empty", "prompt")
+    params = bound_context(ids, params, req.max_tokens is not None, t.max_context, "prompt")
+    gen = GenRequest(
+        ids,
+        params,
+        stop_ids=frozenset() if req.ignore_eos else t.stop_ids,
+        stop_strings=stops,
+        top_logprobs=req.logprobs,
+    )
+    return Prepared(gen, None, None)
+
+
+def encode(model: Any, text: str, *, special: bool) -> list[int]:
+    try:
+        return model.tokenizer.encode(text, special=special)
+    except MlxlisError as e:
+        raise bad(
+            f"the prompt could not be tokenized: {e}", "messages" if special else "prompt", None
+        ) from None

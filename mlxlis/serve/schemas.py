@@ -1,0 +1,110 @@
+"""Request bodies of the OpenAI API, as pydantic models: types only, strictly (no "1" for 1).
+
+Ranges are checked where they are defined once, `mlxlis.SamplingParams` (prepare.py), so the
+server refuses exactly what the CLI and the library refuse. Fields the API has and mlxlis
+does not use (presence_penalty, user, ...) and unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: str = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class _Sampling(_Body):
+    """What chat and completion requests share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # not in OpenAI's API; vLLM's and llama.cpp's (-1 = off)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's: generate past end-of-sequence tokens (benchmarks)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+# every field name a request can have, nested ones included: the parts of a validation error's
+# location that name the offending field (the others name a union member's type)
+FIELD_NAMES = frozenset(
+    name
+    for m in (
+        StreamOptions,
+        ContentPart,
+        ToolCallFunction,
+        ToolCall,
+        ChatMessage,
+        ChatCompletionRequest,
+        CompletionRequest,
+    )
+    for name in m.model_fields
+)
+
+
+def param_path(loc: tuple[str | int, ...]) -> str | None:
+    """The field a pydantic error location points at, as OpenAI writes it: messages[0].role."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in FIELD_NAMES:
+            out += f".{part}" if out else part
+    return out or None

@@ -1,0 +1,133 @@
+"""`mlxlis serve`: the engine and the HTTP API on uvicorn, started and stopped cleanly.
+
+Ctrl+C / SIGTERM: the engine is shut down first (every unfinished request ends with an error
+event, so the open streams close), then uvicorn closes the connections and the process exits
+with status 0. One log line per request goes to stderr (app.Run.close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from .. import __version__
+from ..errors import MlxlisError
+from ..sampling import SamplingParams
+from .app import State, create_app, log
+from .engine import Engine
+from .prepare import Target
+
+SHUTDOWN_WAIT_S = 10.0  # the most an in-flight step may delay the exit
+
+
+@dataclass
+class ServeOptions:
+    name: str  # what /v1/models lists: the -m argument as given (a path: its last part)
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_batch: int = 8
+    max_queue: int = 64
+    max_context: int | None = None
+    api_key: str | None = None
+    verbose: bool = False
+    defaults: SamplingParams = SamplingParams()
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: State):
+        super().__init__(config)
+        self.state = state
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.state.stopping = True
+        await asyncio.get_running_loop().run_in_executor(None, stop_engine, self.state.engine)
+        await super().shutdown(sockets)
+
+
+def stop_engine(engine: Engine) -> None:
+    try:
+        engine.shutdown(timeout=SHUTDOWN_WAIT_S)
+    except TimeoutError:
+        log.warning("the engine did not stop within %.0f s", SHUTDOWN_WAIT_S)
+
+
+def fingerprint(model: Any) -> str:
+    """system_fingerprint: changes when the weights, their form or mlxlis change."""
+    d = model.describe()
+    key = "|".join([__version__, str(model.path), d["dtype"], d["quant"], d["template"]])
+    return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise MlxlisError(
+            f"cannot listen on {host}:{port}: {e.strerror or e}", field="--port"
+        ) from None
+
+
+def setup_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("mlxlis serve: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG if verbose else logging.INFO)
+    log.propagate = False
+
+
+def serve(model: Any, opts: ServeOptions) -> int:
+    """Serve `model` until Ctrl+C / SIGTERM; returns the exit status."""
+    setup_logging(opts.verbose)
+    context = model.context_length
+    if opts.max_context is not None:
+        if opts.max_context > context:
+            raise MlxlisError(
+                f"{opts.max_context} is over the model's context length ({context})",
+                field="--max-context",
+            )
+        context = opts.max_context
+    names = {opts.name, model.name, str(model.path)}
+    target = Target(model, opts.defaults, context, frozenset(model.stop_ids()))
+    sock = listen(opts.host, opts.port)
+    engine = Engine(model, max_active=opts.max_batch, max_queued=opts.max_queue)
+    state = State(target, engine, opts.name, frozenset(names), fingerprint(model), opts.api_key)
+    config = uvicorn.Config(
+        create_app(state),
+        log_level="info" if opts.verbose else "warning",
+        access_log=opts.verbose,
+        lifespan="off",
+        timeout_graceful_shutdown=int(SHUTDOWN_WAIT_S),
+    )
+    server = _Server(config, state)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    log.info(
+        "%s on %s (batch %d, queue %d, context %d%s)",
+        opts.name,
+        url,
+        opts.max_batch,
+        opts.max_queue,
+        context,
+        ", API key required" if opts.api_key else "",
+    )
+    # uvicorn re-raises the signal that stopped it once it is done, with the handlers it found:
+    # these make that a clean exit (status 0) instead of a death by SIGTERM / KeyboardInterrupt
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        state.worker.shutdown(wait=False)
+        if not state.stopping:  # uvicorn failed before a signal: the engine still runs
+            stop_engine(engine)
+    log.info("stopped")
+    return 0

@@ -1,0 +1,104 @@
+"""`mlxlis serve` as a real process, its limits and its end: an API key, a model without a
+chat template, a full queue (429) and SIGTERM while a reply streams. One tiny-model server
+(no template, --api-key, --max-batch 1 --max-queue 1) for the module; the SIGTERM test comes
+last and ends it."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+
+import mlxlis
+
+import openai
+import pytest
+from serve_process import STARTUP_S, ServeProcess, events
+
+KEY = "test-key-123"
+LONG = {"prompt": "Hello", "ignore_eos": True, "max_tokens": 100_000, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    (tmp / "llama_long").symlink_to(tiny("llama_long")[0])  # served as "llama_long"
+    srv = ServeProcess(tmp, "-m", str(tmp / "llama_long"), "--max-batch", "1", "--max-queue",
+                       "1", api_key=KEY)  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def test_bad_flags_exit_2(server):
+    """Out-of-range flags, and a --max-context over the model's own, end `mlxlis serve` with
+    status 2 and one line naming the flag (before anything listens)."""
+    for flags, flag in ((["--max-batch", "0"], "--max-batch"), (["--port", "70000"], "--port"),
+                        (["-m", server.model, "--max-context", "999999999"], "--max-context")):
+        r = subprocess.run([sys.executable, "-m", "mlxlis", "serve", *flags],
+                           capture_output=True, text=True, timeout=STARTUP_S)
+        assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_api_key_is_required(server):
+    """With --api-key, a request without `Authorization: Bearer KEY` or with another key gets
+    401 invalid_api_key; the right key is served; /health needs no key."""
+    with pytest.raises(openai.AuthenticationError) as e:
+        server.client(api_key="wrong").models.list()
+    assert e.value.body["code"] == "invalid_api_key"
+    status, body = server.request("GET", "/v1/models", headers={"Authorization": ""})
+    assert status == 401 and body["error"]["type"] == "invalid_request_error"
+    status, _ = server.request("POST", "/v1/completions", {"prompt": "Hi"},
+                               headers={"Authorization": "Basic " + KEY})  # fmt: skip
+    assert status == 401
+    assert [m.id for m in server.client().models.list().data] == ["llama_long"]
+    assert server.request("GET", "/health", headers={"Authorization": ""})[0] == 200
+
+
+def test_chat_without_template_is_400_with_the_diagnosis(server):
+    """A model without a chat template answers a chat request with a 400 whose message is
+    the diagnosis `mlxlis chat` prints (no template is guessed); /v1/completions still
+    works on the same model."""
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="llama_long", max_tokens=2,
+                                       messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
+    diagnosis = mlxlis.load(server.model, "float32").missing_template_diagnosis()
+    assert e.value.body["message"] == diagnosis and e.value.body["code"] == "no_chat_template"
+    r = client.completions.create(model="llama_long", prompt="Hi", max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_full_queue_is_429(server):
+    """With --max-batch 1 --max-queue 1, a third request while one runs and one waits gets
+    429 (the client sees RateLimitError); once both leave, the engine holds nothing and the
+    next request is served."""
+    running, resp = server.open_stream("/v1/completions", LONG)
+    next(events(resp))  # it generates: it holds the one place
+    waiting, _ = server.open_stream("/v1/completions", LONG)  # headers: it was queued
+    with pytest.raises(openai.RateLimitError) as e:
+        server.client().completions.create(model="llama_long", prompt="Hi", max_tokens=2)
+    assert e.value.status_code == 429 and e.value.body["code"] == "rate_limit_exceeded"
+    for conn in (running, waiting):
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+    server.wait_idle()
+    r = server.client().completions.create(model="llama_long", prompt="Hi", max_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
+def test_sigterm_mid_stream_ends_streams_and_exits_cleanly(server):
+    """SIGTERM while a reply streams: the stream ends with an error event (the openai client
+    raises APIError saying the server is shutting down), the process exits with status 0,
+    and its log says it stopped. (Runs last: it ends the module's server.)"""
+    stream = server.client().completions.create(model="llama_long", prompt="Hello", stream=True,
+                                                max_tokens=100_000, extra_body={"ignore_eos": True})
+    got = 0
+    with pytest.raises(openai.APIError) as e:
+        for _ in stream:
+            got += 1
+            if got == 5:
+                server.proc.send_signal(signal.SIGTERM)
+    assert "shutting down" in str(e.value)
+    assert server.stop() == 0
+    assert server.log().rstrip().endswith("mlxlis serve: stopped"), server.log()[-2000:]

@@ -1,0 +1,89 @@
+"""`mlxlis serve` on catalog models, through the official `openai` client: SmolLM2 answers a
+question through its own template, streamed and whole alike, and reuses the prefix cache on
+the second turn; Qwen2.5-Coder's template takes `tools` and its call comes back as
+message.tool_calls (whole) and delta.tool_calls (streamed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import need_pulled
+from serve_process import ServeProcess
+
+pytestmark = pytest.mark.real
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]  # fmt: skip
+
+
+def serve(name: str, tmp_path_factory):
+    need_pulled(name)
+    srv = ServeProcess(tmp_path_factory.mktemp(name), "-m", name)
+    return srv, srv.client()
+
+
+@pytest.fixture(scope="module")
+def smollm(tmp_path_factory):
+    srv, client = serve("smollm2-135m", tmp_path_factory)
+    yield client
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    srv, client = serve("qwen2.5-coder-0.5b", tmp_path_factory)
+    yield client
+    assert srv.stop() == 0, srv.log()
+
+
+def test_smollm_knows_paris_streamed_or_not(smollm):
+    """SmolLM2 (ChatML template from its GGUF) answers "What is the capital of France?" with
+    Paris; the streamed reply is the same text (greedy), ending with finish_reason "stop"."""
+    r = smollm.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=40)
+    text = r.choices[0].message.content
+    assert "Paris" in text and r.choices[0].finish_reason == "stop"
+    chunks = list(smollm.chat.completions.create(model="smollm2-135m", messages=QUESTION,
+                                                 max_tokens=40, stream=True))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+
+
+def test_smollm_second_turn_is_cached(smollm):
+    """A second turn that repeats the first turn's conversation reports cached prompt tokens
+    (the prefix cache): at least the whole first prompt."""
+    first = smollm.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=40)
+    messages = [*QUESTION, {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And of Italy?"}]  # fmt: skip
+    second = smollm.chat.completions.create(model="smollm2-135m", messages=messages,
+                                            max_tokens=20)  # fmt: skip
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+
+
+def test_qwen_tool_call(qwen):
+    """Qwen2.5-Coder gets the tool list through its own template and asks for
+    get_weather(city="Paris"): message.tool_calls with finish_reason "tool_calls", the same
+    call streamed as delta.tool_calls; the tool's result renders back through the template
+    and the model answers in text."""
+    ask = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+    r = qwen.chat.completions.create(model="qwen2.5-coder-0.5b", messages=ask, tools=WEATHER,
+                                     max_tokens=60)  # fmt: skip
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c.message
+    (call,) = c.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    chunks = list(qwen.chat.completions.create(model="qwen2.5-coder-0.5b", messages=ask,
+                                               tools=WEATHER, max_tokens=60, stream=True))
+    deltas = [d for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
+        (0, "get_weather", {"city": "Paris"})]  # fmt: skip
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    follow = [*ask, c.message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'}]  # fmt: skip
+    answer = qwen.chat.completions.create(model="qwen2.5-coder-0.5b", messages=follow,
+                                          tools=WEATHER, max_tokens=40)  # fmt: skip
+    assert answer.choices[0].message.content and answer.choices[0].finish_reason == "stop"
