@@ -35,7 +35,8 @@ def attend(
 ) -> mx.array:
     """q: (B, n_heads, T, head_dim); k, v: (B, n_kv_heads, S, head_dim), newest keys last when
     mask is "causal" (aligned to the newest keys, so chunks after a cache work); an array mask
-    is boolean (T, S), True = attend. Returns (B, n_heads, T, head_dim)."""
+    is boolean (T, S), or (B, 1, T, S) per sequence, True = attend. Returns
+    (B, n_heads, T, head_dim)."""
     fast = fastmath.enabled()
     if cap is None and not fast:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
@@ -63,6 +64,8 @@ def _explicit(q, k, v, scale, mask, cap, fast) -> mx.array:
     if isinstance(mask, str):  # "causal", aligned to the newest keys as the fused kernel does
         mask = window_mask(s - t, t, 0, s, None) if t > 1 else None
     if mask is not None:
+        if mask.ndim == 4:  # per sequence (B, 1, T, S): broadcast over the KV groups
+            mask = mask[:, :, None]
         scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
     if fast:
         probs = fastmath.softmax(scores).astype(v.dtype)

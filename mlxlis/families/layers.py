@@ -78,8 +78,7 @@ class Attention(nn.Module):
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         if isinstance(cache, CacheBatch):  # one token per sequence, each on its own cache
-            out = mx.concatenate([self._attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], None, c)
-                                  for i, c in enumerate(cache.caches)])  # fmt: skip
+            out = self._attend_batch(q, k, v, cache.caches)
         else:
             out = self._attend(q, k, v, mask, cache)
         out = out.transpose(0, 2, 1, 3)  # (B, T, n_heads, head_dim)
@@ -95,6 +94,26 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         return attend(q, k, v, self.scale, mask, self.softcap)
+
+
+    def _attend_batch(self, q, k, v, caches: list) -> mx.array:
+        """One new token per sequence (q, k, v: (B, heads, 1, head_dim)): RoPE at each one's
+        own position, each cache updated, then one attention over the keys padded on the
+        right to the longest (the padding masked: each row sees exactly its own keys, in the
+        order and places its lone step sees them)."""
+        offsets = mx.array([c.offset for c in caches])
+        q, k = self.rope(q, offsets), self.rope(k, offsets)
+        kv = [c.update_and_fetch(k[i : i + 1], v[i : i + 1]) for i, c in enumerate(caches)]
+        s = max(kk.shape[2] for kk, _ in kv)
+
+        def pad(x: mx.array) -> mx.array:
+            return mx.pad(x, [(0, 0), (0, 0), (0, s - x.shape[2]), (0, 0)])
+
+        keys = mx.concatenate([pad(kk) for kk, _ in kv])  # (B, n_kv_heads, S, head_dim)
+        values = mx.concatenate([pad(vv) for _, vv in kv])
+        lengths = mx.array([kk.shape[2] for kk, _ in kv])
+        mask = (mx.arange(s)[None] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
+        return attend(q, keys, values, self.scale, mask, self.softcap)
 
 
 class MLP(nn.Module):
