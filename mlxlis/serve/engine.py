@@ -215,9 +215,7 @@ class Engine:
         with self._cv:
             if self._stopping:
                 raise MlxlisError("the server is shutting down")
-            self._queue = [a for a in self._queue if not a.stream.cancelled.is_set()
-                           or a.stream._put(GenEvent("", finish_reason="cancelled",
-                                                     usage=a.usage))]  # fmt: skip
+            self._drop_cancelled()
             # places: the free running ones plus the waiting room (not yet admitted counts)
             if len(self._queue) + len(self._active) >= self.max_active + self.max_queued:
                 raise QueueFullError(f"{len(self._queue)} requests are waiting already")
@@ -237,6 +235,12 @@ class Engine:
         """(running, waiting)."""
         with self._cv:
             return len(self._active), len(self._queue)
+
+    def _drop_cancelled(self) -> None:
+        """Requests cancelled while waiting leave the queue at once (called under the lock)."""
+        for a in [a for a in self._queue if a.stream.cancelled.is_set()]:
+            self._queue.remove(a)
+            a.stream._put(GenEvent("", finish_reason="cancelled", usage=a.usage))
 
     # --- the MLX thread's side ---
     def _new(self, req: GenRequest, stream: Stream) -> _Active:
@@ -258,9 +262,7 @@ class Engine:
                                                error="the server is shutting down"))  # fmt: skip
                     self._queue, self._active = [], []
                     return
-                for a in [a for a in self._queue if a.stream.cancelled.is_set()]:
-                    self._queue.remove(a)  # left while waiting: its place is free at once
-                    a.stream._put(GenEvent("", finish_reason="cancelled", usage=a.usage))
+                self._drop_cancelled()
                 while self._queue and len(self._active) < self.max_active:
                     self._active.append(self._queue.pop(0))
                 active = list(self._active)
