@@ -240,6 +240,37 @@ def rewind_point(cache, position: int) -> int:
     return min(position, cache.offset)
 
 
+def common_prefix(a, b) -> int:
+    """How many leading ids two sequences share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def rewind(caches: list, held: int, position: int) -> int:
+    """Trim a model's caches, which hold `held` tokens, back to the latest position ≤
+    `position` every layer can return to exactly (any for a KV cache, a snapshot for a
+    recurrent state); returns that position, or 0 when none above 0 could be reached."""
+    target = position
+    while (back := min(rewind_point(c, target) for c in caches)) != target:
+        target = back
+    drop = held - target
+    if target <= 0 or not all(c.trim(drop) == drop for c in caches):
+        return 0
+    return target
+
+
+def snapshot(caches: list) -> None:
+    """At the end of a prompt: recurrent states cannot be trimmed, so each keeps a snapshot
+    there (the position a later prompt sharing this one can return to)."""
+    for c in caches:
+        if isinstance(c, RecurrentCache):
+            c.snapshot()
+
+
 def trimmable(caches: list) -> int:
     """How many newest positions every cache of a model can forget exactly (`trim` limit)."""
     return min(

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .cache import rewind_point
+from .cache import common_prefix, rewind
 from .errors import ContextLimitError
 from .generate import Event, generate
 from .reasoning import ANSWER, REASONING, ReasoningSplitter, join
@@ -195,19 +195,9 @@ class ChatSession:
 
     def _reusable(self, ids: list[int]) -> tuple[list, int]:
         """A cache holding the longest common prefix of `ids` (at least one id left to feed)."""
-        common = 0
-        for a, b in zip(self._cached, ids, strict=False):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(ids) - 1)
+        common = min(common_prefix(self._cached, ids), len(ids) - 1)
         if self._cache is not None and common > 0:
-            # the latest position every layer can return to exactly: any for a KV cache, a
-            # snapshot (end of an earlier prompt) for a recurrent state (hybrid models)
-            target = common
-            while (back := min(rewind_point(c, target) for c in self._cache)) != target:
-                target = back
-            drop = len(self._cached) - target
-            if target > 0 and all(c.trim(drop) == drop for c in self._cache):
-                return self._cache, target
+            reused = rewind(self._cache, len(self._cached), common)
+            if reused:
+                return self._cache, reused
         return self.model.make_cache(), 0

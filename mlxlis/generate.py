@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from .cache import snapshot
 from .device import peak_memory_bytes
 from .sampling import SamplingParams, apply_repetition_penalty, make_sampler
 
@@ -64,9 +65,7 @@ def prefill(
         if should_stop is not None and should_stop():
             return None
     logits = net(arr[:, start:], cache=cache, last_only=True)[:, -1, :].astype(mx.float32)
-    for c in cache:  # recurrent states cannot be trimmed: keep one at the end of the prompt
-        if hasattr(c, "snapshot"):
-            c.snapshot()
+    snapshot(cache)  # where a later prompt sharing this one can rewind recurrent states to
     return logits
 
 

@@ -158,7 +158,7 @@ MUTANTS = (
            "w = w.reshape(vh // kh, kh, width, *rest).reshape(vh * width, *rest)",
            ("tests/test_qwen3_5_gguf.py",),
            "Qwen3.5 GGUF: llama.cpp's tiled value-head order kept"),
-    Mutant("no-recurrent-snapshot", "mlxlis/generate.py",
+    Mutant("no-recurrent-snapshot", "mlxlis/cache.py",
            "            c.snapshot()",
            "            pass",
            ("tests/test_qwen3_5.py",),

@@ -185,16 +185,8 @@ def tiny_models(tmp_path_factory, specs: dict[str, dict], build=build_tiny):
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    """tiny(name) -> (folder, transformers model); built once per session."""
-    built: dict[str, tuple[Path, object]] = {}
-
-    def get(name: str):
-        if name not in built:
-            folder = tmp_path_factory.mktemp(name)
-            built[name] = (folder, build_tiny(folder, TINY[name]))
-        return built[name]
-
-    return get
+    """tiny(name) -> (folder, transformers model) of TINY[name]; built once per session."""
+    return tiny_models(tmp_path_factory, TINY)
 
 
 # Prefix for a child Python that a test interrupts with SIGINT: a shell that starts a job in

@@ -89,26 +89,36 @@ async def command(pilot, app: ChatApp, text: str) -> None:
     await pilot.pause()
 
 
-def test_reasoning_streams_in_a_block_that_collapses_when_the_answer_starts(tmp_path, thinker):
-    """While the reasoning streams it shows, open, in a Thinking block titled "Thinking…" and
-    the answer is empty; once the answer starts the block is collapsed, titled with the
-    reasoning's token count, and the answer widget holds the answer alone."""
+def held_app(tmp_path, thinker):
+    """The app whose sessions hold their reply partway (HeldSession); (app, its sessions)."""
     sessions: list[HeldSession] = []
 
     def factory(model, system):
         sessions.append(HeldSession(model, system=system))
         return sessions[-1]
 
-    app = thinking_app(tmp_path, thinker, session_factory=factory)
+    return thinking_app(tmp_path, thinker, session_factory=factory), sessions
+
+
+async def send_until_reasoning(pilot, app, session) -> None:
+    """Send "Hi" and wait until the held reply has streamed "The quick" into its block."""
+    app.prompt_input.insert("Hi")
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: session.held.is_set() and app.query(Thinking)
+                   and app.query_one(Thinking).text == "The quick",
+                   what="reasoning streamed")  # fmt: skip
+
+
+def test_reasoning_streams_in_a_block_that_collapses_when_the_answer_starts(tmp_path, thinker):
+    """While the reasoning streams it shows, open, in a Thinking block titled "Thinking…" and
+    the answer is empty; once the answer starts the block is collapsed, titled with the
+    reasoning's token count, and the answer widget holds the answer alone."""
+    app, sessions = held_app(tmp_path, thinker)
 
     async def scenario(pilot):
         session = sessions[0]
         try:
-            app.prompt_input.insert("Hi")
-            await pilot.press("enter")
-            await wait_for(pilot, lambda: session.held.is_set() and app.query(Thinking)
-                           and app.query_one(Thinking).text == "The quick",
-                           what="reasoning streamed")  # fmt: skip
+            await send_until_reasoning(pilot, app, session)
             reply, block = bubbles(app, "assistant")[-1], app.query_one(Thinking)
             assert reply.thinking is block
             assert not block.collapsed and block.title == "Thinking…"
@@ -130,22 +140,12 @@ def test_escape_inside_the_reasoning_stops_and_keeps_it_open(tmp_path, thinker):
     """Esc while the model reasons stops the reply at the next token: the block stays open,
     titled with the tokens spent, the answer is empty and the turn (marked stopped) keeps the
     partial reasoning; the next message gets a full reply."""
-    sessions: list[HeldSession] = []
-
-    def factory(model, system):
-        sessions.append(HeldSession(model, system=system))
-        return sessions[-1]
-
-    app = thinking_app(tmp_path, thinker, session_factory=factory)
+    app, sessions = held_app(tmp_path, thinker)
 
     async def scenario(pilot):
         session = sessions[0]
         try:
-            app.prompt_input.insert("Hi")
-            await pilot.press("enter")
-            await wait_for(pilot, lambda: session.held.is_set() and app.query(Thinking)
-                           and app.query_one(Thinking).text == "The quick",
-                           what="reasoning streamed")  # fmt: skip
+            await send_until_reasoning(pilot, app, session)
             await pilot.press("escape")
         finally:
             session.release.set()

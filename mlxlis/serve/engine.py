@@ -14,7 +14,7 @@ for a single prompt; in the batched step only the projections and MLPs see the b
 sequence's attention and recurrence run on its own cache, so its greedy tokens are those it
 gets alone (up to the last bits of a batched vs a single-row matmul). The prefix cache keeps the
 caches of recent requests (LRU, bounded in bytes): a new prompt takes over the one sharing
-its longest prefix, rewound to that prefix (`mlxlis.cache.rewind_point`: KV caches to any
+its longest prefix, rewound to that prefix (`mlxlis.cache.rewind`: KV caches to any
 position, recurrent states to a snapshot), and prefills only the rest.
 """
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .. import mlx_thread
-from ..cache import rewind_point
+from ..cache import common_prefix, rewind, snapshot
 from ..errors import MlxlisError
 from ..sampling import SamplingParams, apply_repetition_penalty, make_sampler
 from ..vocab import StreamDecoder
@@ -158,23 +158,13 @@ class PrefixCache:
         to that prefix (at least one id left to feed); (None, 0) when none helps."""
         best, best_n = None, 0
         for key, (held, _, _) in self._entries.items():
-            n = 0
-            for a, b in zip(held, ids, strict=False):
-                if a != b:
-                    break
-                n += 1
-            if n > best_n:
+            if (n := common_prefix(held, ids)) > best_n:
                 best, best_n = key, n
         if best is None:
             return None, 0
         held, caches, _ = self._entries.pop(best)
-        target = min(best_n, len(ids) - 1)
-        while (back := min(rewind_point(c, target) for c in caches)) != target:
-            target = back
-        drop = len(held) - target
-        if target <= 0 or not all(c.trim(drop) == drop for c in caches):
-            return None, 0
-        return caches, target
+        reused = rewind(caches, len(held), min(best_n, len(ids) - 1))
+        return (caches, reused) if reused else (None, 0)
 
 
 @dataclass
@@ -315,9 +305,7 @@ class Engine:
             if a.todo:
                 mx.eval([c.state for c in a.caches])
                 return False
-            for c in a.caches:  # as generate's prefill: a snapshot at the prompt's end
-                if hasattr(c, "snapshot"):
-                    c.snapshot()
+            snapshot(a.caches)  # as generate's prefill does
             return self._emit(a, out[:, -1, :].astype(mx.float32))
         out = net(mx.array([[a.next_token]], dtype=mx.int32), cache=a.caches, last_only=True)
         a.fed.append(a.next_token)
