@@ -233,6 +233,10 @@ BAD_CHAT = [  # (changes to a good chat body, the field the 400 must name)
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0].type"),
     ({"tool_choice": "required", "tools": []}, "tool_choice"),
+    ({"tool_choice": "sometimes", "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "g"}},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice.function.name"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
 ]

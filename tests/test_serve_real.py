@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 from conftest import need_pulled
 from serve_process import ServeProcess
@@ -61,6 +62,29 @@ def test_smollm_second_turn_is_cached(smollm):
                                             max_tokens=20)  # fmt: skip
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+
+
+def test_smollm_template_without_tools_refuses_them(smollm):
+    """SmolLM2's template has no place for tools: a request with tools gets a 400 naming
+    `tools` instead of a prompt that silently leaves them out."""
+    with pytest.raises(openai.BadRequestError) as e:
+        smollm.chat.completions.create(model="smollm2-135m", messages=QUESTION, tools=WEATHER,
+                                       max_tokens=5)  # fmt: skip
+    assert e.value.body["param"] == "tools", e.value.body
+
+
+def test_qwen_tool_choice_forces_a_call(qwen):
+    """tool_choice "required" and a named function make Qwen2.5-Coder call the tool even for
+    a message that asks for none: the reply is a parsed call of the offered tool."""
+    ask = [{"role": "user", "content": "Say hello."}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = qwen.chat.completions.create(model="qwen2.5-coder-0.5b", messages=ask,
+                                         tools=WEATHER, tool_choice=choice, max_tokens=40)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", (choice, c.message)
+        (call,) = c.message.tool_calls
+        assert call.function.name == "get_weather"
+        assert isinstance(json.loads(call.function.arguments), dict)
 
 
 def test_qwen_tool_call(qwen):

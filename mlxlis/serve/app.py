@@ -332,6 +332,8 @@ def create_app(state: State) -> FastAPI:
             prep.prompt,
             logprobs=bool(req.logprobs),
             tools=prep.tools,
+            tool_format=prep.tool_format,
+            forced=prep.forced,
         )
         run = submit(prep, head.id, request)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -12,6 +12,7 @@ from ..sampling import SamplingError, SamplingParams
 from .engine import GenRequest
 from .openai_format import MAX_TOP_LOGPROBS, APIError
 from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
+from .tool_formats import ToolFormat, for_template
 from .tools import tool_names
 
 MAX_STOP_STRINGS = 16
@@ -35,6 +36,8 @@ class Prepared:
     gen: GenRequest
     prompt: str | None  # the rendered chat prompt (where a reply's reasoning starts), or None
     tools: frozenset[str] | None  # the offered tools' names: tool calls are parsed; None: no
+    tool_format: ToolFormat | None = None  # how the template has the model write calls
+    forced: str = ""  # text the prompt ends with that opens a call (tool_choice), for the parser
 
 
 def bad(message: str, param: str | None, code: str | None = "invalid_value") -> APIError:
@@ -169,13 +172,19 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
     variables = dict(req.chat_template_kwargs or {})
     if clash := sorted(RESERVED_TEMPLATE_VARS & variables.keys()):
         raise bad(f"chat_template_kwargs: {', '.join(clash)} cannot be set", "chat_template_kwargs")
-    choice = req.tool_choice
-    if isinstance(choice, dict) or choice not in (None, "auto", "none"):
-        raise bad('tool_choice: only "auto" and "none" are supported', "tool_choice")
-    tools = None
-    if req.tools and choice != "none":
-        variables["tools"] = req.tools
-        tools = tool_names(req.tools)
+    tools, fmt, forced = None, None, ""
+    if req.tools and req.tool_choice != "none":
+        offered, name = tool_choice(req.tools, req.tool_choice)
+        if model.template is not None and "tools" not in model.template_variables:
+            raise bad("tools: the model's chat template does not take tools (it would leave "
+                      "them out of the prompt)", "tools")  # fmt: skip
+        variables["tools"] = offered
+        tools = tool_names(offered)
+        fmt = for_template(model.template.text if model.template is not None else "")
+        if req.tool_choice not in (None, "auto"):  # "required" or a named function
+            forced = fmt.forced(name)
+    elif req.tool_choice not in (None, "auto", "none"):
+        raise bad("tool_choice: needs tools", "tool_choice")
     messages = [message_dict(m, i) for i, m in enumerate(req.messages)]
     try:
         prompt = model.render_chat(messages, add_generation_prompt=True, **variables)
@@ -183,7 +192,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         raise bad(model.missing_template_diagnosis(), "messages", "no_chat_template") from None
     except TemplateError as e:
         raise bad(f"the chat template refused the messages: {e}", "messages") from None
-    ids = encode(model, prompt, special=True)
+    ids = encode(model, prompt + forced, special=True)
     params = bound_context(ids, params, explicit is not None, t.max_context, "messages")
     gen = GenRequest(
         ids,
@@ -192,7 +201,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         stop_strings=stops,
         top_logprobs=top,
     )
-    return Prepared(gen, prompt, tools)
+    return Prepared(gen, prompt, tools, fmt, forced)
 
 
 def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
@@ -232,6 +241,28 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
         top_logprobs=req.logprobs,
     )
     return Prepared(gen, None, None)
+
+
+def tool_choice(
+    tools: list[dict[str, Any]], choice: Any
+) -> tuple[list[dict[str, Any]], str | None]:
+    """(the tools the template is given, the function a call must name): "auto" / "required"
+    offer all; {"type": "function", "function": {"name": N}} offers N alone and forces it."""
+    if choice in (None, "auto"):
+        return tools, None
+    if choice == "required":  # with one tool offered, it is that tool's call that is required
+        names = tool_names(tools)
+        return tools, next(iter(names)) if len(names) == 1 else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or (isinstance(choice, dict) and choice.get("type") != "function"):
+        raise bad('tool_choice: "none", "auto", "required" or {"type": "function", '
+                  '"function": {"name": …}}', "tool_choice")  # fmt: skip
+    named = [t for t in tools if tool_names([t]) == {name}]
+    if not named:
+        raise bad(f"tool_choice.function.name: {name!r} is not among the tools",
+                  "tool_choice.function.name")  # fmt: skip
+    return named, name
 
 
 def encode(model: Any, text: str, *, special: bool) -> list[int]:

@@ -14,6 +14,7 @@ from typing import Any
 from ..reasoning import ANSWER, ReasoningSplitter
 from .engine import GenEvent
 from .openai_format import CompletionLogprobs, TokenText, chat_logprob
+from .tool_formats import HERMES, ToolFormat
 from .tools import ToolCallParser
 
 
@@ -42,9 +43,14 @@ class ChatReply:
         *,
         logprobs: bool,
         tools: frozenset[str] | None,
+        tool_format: ToolFormat | None = None,
+        forced: str = "",
     ):
         self.splitter = ReasoningSplitter.for_prompt(tokenizer, prompt)
-        self.tools = ToolCallParser(tools) if tools is not None else None
+        self.tools = None
+        if tools is not None:
+            self.tools = ToolCallParser(tools, tool_format or HERMES)
+            self.tools.feed(forced)  # the prompt opened the call (tool_choice): all of it held
         self.token_text = token_text
         self.want_logprobs = logprobs
         self.content, self.reasoning = "", ""

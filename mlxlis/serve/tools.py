@@ -1,53 +1,19 @@
-"""Tool calls in a reply, in the two forms templates ask for:
-
-- Qwen's (and Hermes') blocks, `<tool_call>{"name": …, "arguments": …}</tool_call>`, anywhere
-  in the answer;
-- a reply that is one JSON object `{"name": …, "arguments" | "parameters": …}` naming an
-  offered tool (Llama 3's form; small Qwen models answer so too).
+"""Tool calls in a reply, in the form the model's template asks for (tool_formats.py).
 
 `ToolCallParser` takes the answer text as it streams and splits it into plain text and
-parsed calls, in OpenAI's shape. A block is held back from its opening tag to its closing
-one, a reply that starts with `{` until it ends; what does not parse (not JSON, no name, a
-tool that was not offered) comes back as the text it was, never dropped, and so does a block
-the reply leaves open. Whitespace between calls is dropped.
+parsed calls, in OpenAI's shape. A call is held back from its opening tag to its closing one
+(to the end of the reply for formats without one), a reply that starts with `{` until it
+ends (Llama 3's bare JSON; small Qwen models answer so too, so every format takes it when it
+names an offered tool); what does not parse comes back as the text it was, never dropped, and
+so does a call the reply leaves open, unless what it holds is a whole call of an offered tool
+(models often end the reply where the closing tag would be). Whitespace between calls is dropped.
 """
 
 from __future__ import annotations
 
-import json
-import secrets
 from typing import Any
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-
-def parse_call(body: str, names: frozenset[str] | None = None) -> dict[str, Any] | None:
-    """{"id", "type": "function", "function": {"name", "arguments": JSON text}} or None;
-    `names`: the tools a call may name (None: any)."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    if names is not None and obj["name"] not in names:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if not isinstance(args, str):
-        args = json.dumps(args, ensure_ascii=False)
-    return {
-        "id": f"call_{secrets.token_hex(12)}",
-        "type": "function",
-        "function": {"name": obj["name"], "arguments": args},
-    }
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
+from .tool_formats import HERMES, ParsedCall, ToolFormat, parse_json
 
 
 def tool_names(tools: list[dict[str, Any]]) -> frozenset[str]:
@@ -60,15 +26,29 @@ def tool_names(tools: list[dict[str, Any]]) -> frozenset[str]:
     return frozenset(out)
 
 
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag`."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
 class ToolCallParser:
-    def __init__(self, names: frozenset[str] = frozenset()) -> None:
+    def __init__(self, names: frozenset[str] = frozenset(), fmt: ToolFormat = HERMES) -> None:
         self.names = names  # the offered tools: a bare-JSON reply must name one
+        self.fmt = fmt
         self.calls: list[dict[str, Any]] = []
-        self._buf = ""  # held: a possible start of OPEN, or an open block's body
+        self._buf = ""  # held: a possible start of the open tag, or an open call's body
         self._ws = ""  # whitespace held until text (emitted) or a call (dropped) follows
         self._inside = False
         self._json: str | None = None  # the reply so far, when it started with "{"
         self._started = False  # some answer text (not whitespace) was seen
+
+    def _call(self, parsed: ParsedCall) -> dict[str, Any]:
+        name, args, _ = parsed  # ids are the server's to give (unique; the format's shape)
+        return {"id": self.fmt.new_id(), "type": "function",
+                "function": {"name": name, "arguments": args}}  # fmt: skip
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """(plain text to show, calls completed by `text`)."""
@@ -77,48 +57,63 @@ class ToolCallParser:
             return "", []
         if not self._started and text.strip():
             self._started = True
-            if self.names and (self._ws + self._buf + text).lstrip().startswith("{"):
+            head = (self._ws + self._buf + text).lstrip()
+            if self.names and head.startswith(("{", "<|python_tag|>")):
                 self._json, self._ws, self._buf = self._ws + self._buf + text, "", ""
                 return "", []
+        if not self.fmt.open:  # json: nothing but a whole-reply call is a call
+            return self._text(text), []
+        op, cl = self.fmt.open, self.fmt.close
         out, new = "", []
         buf, self._buf = self._buf + text, ""
         while buf:
             if self._inside:
-                at = buf.find(CLOSE)
+                at = buf.find(cl) if cl is not None else -1
                 if at < 0:
                     self._buf = buf
                     break
-                body, buf = buf[:at], buf[at + len(CLOSE) :]
+                body, buf = buf[:at], buf[at + len(cl) :]
                 self._inside = False
-                call = parse_call(body)
-                if call is None:
-                    out += self._text(OPEN + body + CLOSE)
+                parsed = self.fmt.parse(body)
+                if parsed is None:
+                    out += self._text(op + body + cl)
                 else:
                     self._ws = ""
-                    new.append(call)
+                    new += [self._call(p) for p in parsed]
                 continue
-            at = buf.find(OPEN)
+            at = buf.find(op)
             if at < 0:
-                keep = _partial_suffix(buf, OPEN)
+                keep = _partial_suffix(buf, op)
                 out += self._text(buf[: len(buf) - keep])
                 self._buf = buf[len(buf) - keep :]
                 break
             out += self._text(buf[:at])
-            buf, self._inside = buf[at + len(OPEN) :], True
+            buf, self._inside = buf[at + len(op) :], True
         self.calls += new
         return out, new
 
     def flush(self) -> tuple[str, list[dict[str, Any]]]:
-        """What is held at the end of the reply: text (an unclosed block included) and, for
-        a reply that was one JSON object, the call."""
+        """What is held at the end of the reply: text (an unclosed call included) and the
+        calls that end with the reply (a bare-JSON reply, a format without a closing tag)."""
         if self._json is not None:
             reply, self._json = self._json, None
-            call = parse_call(reply, self.names)
-            if call is None:
+            parsed = parse_json(reply)
+            if parsed is None or parsed[0][0] not in self.names:
                 return reply, []
+            call = self._call(parsed[0])
             self.calls.append(call)
             return "", [call]
-        held = (OPEN if self._inside else "") + self._buf
+        if self._inside:  # a call the reply ended in: whole without its closing tag?
+            body, self._buf, self._inside = self._buf, "", False
+            parsed = self.fmt.parse(body)
+            if parsed is not None and (self.fmt.close is None
+                                       or all(p[0] in self.names for p in parsed)):  # fmt: skip
+                new = [self._call(p) for p in parsed]
+                self.calls += new
+                self._ws = ""
+                return "", new
+            self._buf = self.fmt.open + body
+        held = (self.fmt.open if self._inside else "") + self._buf
         self._buf, self._inside = "", False
         ws, self._ws = self._ws, ""
         if held:
