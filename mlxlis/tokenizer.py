@@ -101,6 +101,12 @@ class Tokenizer:
             raise TokenizerError(f"token id {i} is outside the vocabulary ({self.vocab_size})")
         return self._backend.id_to_token(int(i)) or ""
 
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token `i` stands for on its own (part of a UTF-8 character for some)."""
+        if not 0 <= int(i) < self.vocab_size:
+            raise TokenizerError(f"token id {i} is outside the vocabulary ({self.vocab_size})")
+        return self._backend.token_bytes(int(i))
+
     def __repr__(self) -> str:
         return f"Tokenizer({self.source!r}, vocab_size={self.vocab_size})"
 

@@ -223,6 +223,9 @@ class TableVocab:
     def id_to_token(self, i: int) -> str:
         return self._tokens[i]
 
+    def token_bytes(self, i: int) -> bytes:
+        return self._pieces.piece(i)
+
     def token_to_id(self, text: str) -> int | None:
         if self._ids is None:
             self._ids = {t: i for i, t in enumerate(self._tokens)}
@@ -241,6 +244,36 @@ class JsonVocab:
         added = tk.get_added_tokens_decoder()
         self.special_tokens = {t.content: i for i, t in added.items() if t.special}
         self.id_to_token, self.token_to_id = tk.id_to_token, tk.token_to_id
+        self._pieces: PieceTable | None = None
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token `i` stands for, read through the same tables as a GGUF vocabulary:
+        `tokenizers` only decodes whole sequences (a lone byte-fallback token gives U+FFFD)."""
+        if self._pieces is None:
+            self._pieces = self._piece_table()
+        return self._pieces.piece(i)
+
+    def _piece_table(self) -> PieceTable:
+        import json
+
+        spec = json.loads(self._tk.to_str())
+        decoders = [spec.get("decoder") or {}]
+        decoders += decoders[0].get("decoders") or []  # a Sequence decoder's parts
+        byte_level = any(d.get("type") == "ByteLevel" for d in decoders)
+        byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
+        added = self._tk.get_added_tokens_decoder()
+        tokens, types = [], []
+        for i in range(self.vocab_size):
+            tok = self._tk.id_to_token(i) or ""
+            if i in added:
+                kind = CONTROL if added[i].special else USER_DEFINED
+            elif byte_fallback and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", tok):
+                kind = BYTE
+            else:
+                kind = NORMAL
+            tokens.append(tok)
+            types.append(kind)
+        return PieceTable(tokens, types, byte_level=byte_level)
 
     def encode(self, text: str, special: bool, add_special_tokens: bool = False) -> list[int]:
         with self._lock:

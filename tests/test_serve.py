@@ -129,7 +129,8 @@ def test_stop_strings(client):
 
 def test_chat_logprobs(client):
     """logprobs with top_logprobs=3: one entry per generated token, each with three
-    alternatives in descending order, and (greedy) the chosen token is the most likely one."""
+    alternatives in descending order, and (greedy) the chosen token is the most likely one;
+    the tokens' bytes join into the reply."""
     r = chat(client, logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 12
@@ -137,7 +138,9 @@ def test_chat_logprobs(client):
         tops = [t.logprob for t in e.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True)
         assert e.logprob <= 0 and e.logprob == pytest.approx(tops[0], abs=1e-6)
-        assert e.bytes == list(e.token.encode())
+    # each token's own bytes, joined, are the reply (a token may hold part of a character)
+    joined = bytes(b for e in content for b in e.bytes)
+    assert joined.decode("utf-8", errors="replace") == r.choices[0].message.content
     chunks = [c.choices[0] for c in chat(client, logprobs=True, stream=True) if c.choices]
     streamed = [e for c in chunks for e in (c.logprobs.content if c.logprobs else [])]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)

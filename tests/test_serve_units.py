@@ -91,8 +91,8 @@ def test_chat_reply_splits_reasoning_content_and_calls(tokenizer):
     """A reply to a prompt that opens <think>: the text up to </think> is reasoning, the rest
     content, a tool call block a call; the deltas add up to the whole message."""
     prompt = "<|im_start|>assistant\n<think>\n"
-    reply = ChatReply(tokenizer, TokenText(tokenizer.decode), prompt, logprobs=True,
-                      tools=frozenset({"get_weather"}))  # fmt: skip
+    text = TokenText(tokenizer.decode, tokenizer.token_bytes)
+    reply = ChatReply(tokenizer, text, prompt, logprobs=True, tools=frozenset({"get_weather"}))
     pieces = ["Hm", "m.", "</think>", "\n\nSure", ".", *[CALL[i : i + 5] for i in range(0, 80, 5)]]
     deltas = [reply.feed(ev) for ev in events(tokenizer, pieces)]
     assert "".join(d.reasoning for d in deltas) == "Hmm." == reply.reasoning

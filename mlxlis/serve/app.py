@@ -56,7 +56,9 @@ class State:
 
     def __post_init__(self) -> None:
         tok = self.target.model.tokenizer
-        self.token_text = TokenText(lambda ids: tok.decode(ids, clean_spaces=False))
+        self.token_text = TokenText(
+            lambda ids: tok.decode(ids, clean_spaces=False), tok.token_bytes
+        )
 
 
 def validation_error(e: ValidationError) -> APIError:

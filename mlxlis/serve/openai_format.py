@@ -72,19 +72,24 @@ def usage_dict(u: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
 
 
 class TokenText:
-    """id -> the token's text as a client sees it (cached: top-k lists repeat ids)."""
+    """id -> the token's text as a client sees it, and its exact bytes (cached: top-k lists
+    repeat ids). A token holding part of a UTF-8 character reads as U+FFFD; its bytes are
+    the real ones, so a client can join them."""
 
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self._decode = decode
-        self._cache: dict[int, str] = {}
+    def __init__(self, decode: Callable[[list[int]], str], to_bytes: Callable[[int], bytes]):
+        self._decode, self._to_bytes = decode, to_bytes
+        self._cache: dict[int, tuple[str, list[int]]] = {}
 
-    def __call__(self, token: int) -> str:
-        text = self._cache.get(token)
-        if text is None:
+    def entry(self, token: int) -> tuple[str, list[int]]:
+        got = self._cache.get(token)
+        if got is None:
             if len(self._cache) > 65536:
                 self._cache.clear()
-            text = self._cache[token] = self._decode([token])
-        return text
+            got = self._cache[token] = (self._decode([token]), list(self._to_bytes(token)))
+        return got
+
+    def __call__(self, token: int) -> str:
+        return self.entry(token)[0]
 
 
 def chat_logprob(
@@ -93,8 +98,8 @@ def chat_logprob(
     """One entry of choices[].logprobs.content."""
 
     def entry(t: int, lp: float) -> dict[str, Any]:
-        s = text(t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        s, b = text.entry(t)
+        return {"token": s, "logprob": lp, "bytes": b}
 
     return {**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top or []]}
 
