@@ -260,11 +260,14 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("MLXLIS_API_KEY"), metavar="KEY",
                    help="require `Authorization: Bearer KEY` (default: $MLXLIS_API_KEY; "
                    "none: no key)")  # fmt: skip
+    p.add_argument("--prefix-cache-mb", type=int, default=1024, metavar="MB",
+                   help="memory for the KV caches of recent prompts, reused by requests that "
+                   "share their start (default 1024; 0: off)")  # fmt: skip
     return p
 
 
 SERVE_BOUNDS = {"port": (0, 65535), "max_batch": (1, None), "max_queue": (1, None),
-                "max_context": (1, None)}  # fmt: skip
+                "max_context": (1, None), "prefix_cache_mb": (0, 1 << 30)}  # fmt: skip
 
 
 def run_serve(argv: list[str]) -> int:
@@ -288,7 +291,8 @@ def run_serve(argv: list[str]) -> int:
         name = a.model if not os.path.exists(a.model) else os.path.basename(
             os.path.normpath(a.model))  # fmt: skip
         return serve(model, ServeOptions(name, a.host, a.port, a.max_batch, a.max_queue,
-                                         a.max_context, a.api_key or None, a.verbose, params))
+                                         a.max_context, a.api_key or None, a.verbose, params,
+                                         a.prefix_cache_mb))
 
     return _guard(a.debug, go)
 

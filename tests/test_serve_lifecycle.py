@@ -34,6 +34,7 @@ def test_bad_flags_exit_2(server):
     """Out-of-range flags, and a --max-context over the model's own, end `mlxlis serve` with
     status 2 and one line naming the flag (before anything listens)."""
     for flags, flag in ((["--max-batch", "0"], "--max-batch"), (["--port", "70000"], "--port"),
+                        (["--prefix-cache-mb", "-1"], "--prefix-cache-mb"),
                         (["-m", server.model, "--max-context", "999999999"], "--max-context")):
         r = subprocess.run([sys.executable, "-m", "mlxlis", "serve", *flags],
                            capture_output=True, text=True, timeout=STARTUP_S)

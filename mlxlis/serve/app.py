@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
+import mlx.core as mx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -310,6 +311,8 @@ def create_app(state: State) -> FastAPI:
             "model": state.model_id,
             "running": running,
             "waiting": waiting,
+            "prefix_cache_bytes": state.engine.prefix.bytes,
+            "memory_bytes": mx.get_active_memory(),  # MLX's arrays now (weights included)
         }
 
     @app.get("/v1/models", dependencies=auth)

@@ -140,18 +140,16 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[int, tuple[tuple[int, ...], list, int]] = OrderedDict()
         self._ids = itertools.count()
-
-    @property
-    def bytes(self) -> int:
-        return sum(e[2] for e in self._entries.values())
+        self.bytes = 0  # held now: a plain int, so other threads (/health) read it safely
 
     def put(self, ids: list[int], caches: list) -> None:
         size = sum(a.nbytes for c in caches for a in c.state)
         if not ids or size > self.max_bytes:
             return
         self._entries[next(self._ids)] = (tuple(ids), caches, size)
+        self.bytes += size
         while self.bytes > self.max_bytes:
-            self._entries.popitem(last=False)
+            self.bytes -= self._entries.popitem(last=False)[1][2]
 
     def take(self, ids: list[int]) -> tuple[list | None, int]:
         """The caches sharing the longest prefix with `ids` (removed from the store), rewound
@@ -162,7 +160,8 @@ class PrefixCache:
                 best, best_n = key, n
         if best is None:
             return None, 0
-        held, caches, _ = self._entries.pop(best)
+        held, caches, size = self._entries.pop(best)
+        self.bytes -= size
         reused = rewind(caches, len(held), min(best_n, len(ids) - 1))
         return (caches, reused) if reused else (None, 0)
 
