@@ -311,8 +311,45 @@ class GGUFFile:
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
-    """Open and validate a GGUF file (v2/v3, little-endian)."""
-    return GGUFFile(path)
+    """Open and validate a GGUF file (v2/v3, little-endian). Any part of a split GGUF
+    (`NAME-00001-of-00003.gguf`, ...) opens all its parts as one file (gguf_split.py)."""
+    gf = GGUFFile(path)
+    if "split.count" not in gf.metadata:
+        return gf
+    from .gguf_split import SplitGGUF, split_count
+
+    try:
+        count = split_count(gf)
+    except BaseException:
+        gf.close()
+        raise
+    return gf if count <= 1 else SplitGGUF(gf, count)  # type: ignore[return-value]
+
+
+def peek_metadata(path: str | Path, keys: Iterable[str]) -> dict[str, Any]:
+    """The values of `keys` in a GGUF file's metadata, reading only as far as the last of them
+    (a listing needs `general.architecture`, not the vocabulary behind it)."""
+    wanted, found = set(keys), {}
+    path = Path(path)
+    mm = _open_mmap(path)
+    try:
+        p = _Parser(mm, len(mm), path)
+        if mm[p.need(4, "magic") : 4] != GGUF_MAGIC:
+            raise p.fail("bad magic (not a GGUF file)", "magic")
+        if p.u32("version") not in SUPPORTED_VERSIONS:
+            raise UnsupportedFormatError("unsupported GGUF version", path=path, field="version")
+        p.u64("tensor_count")
+        n_kv = p.u64("kv_count")
+        for i in range(min(n_kv, limits.GGUF_MAX_KV)):
+            if not wanted - found.keys():
+                break
+            key = p.string(f"kv[{i}].key", limits.GGUF_MAX_KEY_BYTES)
+            value = p.value(p.u32(key), key)
+            if key in wanted:
+                found[key] = value
+    finally:
+        mm.close()
+    return found
 
 
 def _open_mmap(path: Path) -> mmap.mmap:
