@@ -144,6 +144,8 @@ class ChatApp(CommandsMixin, App[int]):
     def on_progress(self, msg: Progress) -> None:
         for w in self.query(Loading):
             w.progress(msg.stage, msg.done, msg.total)
+        if self.engine is None:  # downloads: file, bytes, speed and ETA where the user looks
+            self._set_header(f"mlxlis chat · loading {self.options.model} — {msg.stage}")
 
     async def on_loaded(self, msg: Loaded) -> None:
         await self.query(Loading).remove()

@@ -64,10 +64,15 @@ def parse_args(argv: list[str]) -> Options:
 
 
 def load_model(options: Options, progress: Progress):
-    """Pull a catalog model if it is not in the store yet (reporting progress), then load it."""
+    """Pull a catalog model if it is not in the store yet, or fetch a Hugging Face repo the
+    cache lacks (reporting progress: per file bytes, speed and ETA), then load it."""
     name = options.model
     if name in catalog.CATALOG and not Path(name).exists() and not catalog.is_pulled(name):
         catalog.pull(name, progress)
+    elif name not in catalog.CATALOG and not Path(name).expanduser().exists():
+        from mlxlis.loading import resolve
+
+        name = str(resolve(name, progress=progress))  # a Hub repo or a scanned name
     progress("loading weights", 0, 0)
     return mlxlis.load(name, options.dtype, dequantize=options.dequantize,
                        chat_template=options.chat_template, bindings=options.bindings,
