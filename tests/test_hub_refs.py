@@ -174,3 +174,28 @@ def test_an_existing_path_wins_over_a_repo_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert resolve("org/name") == Path("org/name")
     assert parse_ref("org/name") == HubRef("org/name")
+
+
+def test_the_hubs_xet_reporter_drives_one_line_per_file():
+    """huggingface_hub's own Xet download reporter, given mlxlis' bar class, folds its
+    transfer bar into the file's bar: the callback sees that file only, from 0 to its size."""
+    from mlxlis.hub.progress import bar_class
+
+    from huggingface_hub.utils._xet_progress_reporting import XetDownloadProgressReporter
+
+    class Report:  # what hf_xet reports for a group of files
+        total_bytes, total_bytes_completed, total_bytes_completion_rate = 100, 100, 5e6
+        total_transfer_bytes, total_transfer_bytes_completed = 60, 60
+        total_transfer_bytes_completion_rate = 3e6
+
+    seen = []
+    with XetDownloadProgressReporter(
+        reconstruction_desc="m.gguf",
+        total=100,
+        log_level=20,
+        tqdm_class=bar_class(lambda *a: seen.append(a)),
+    ) as r:
+        r.update_progress(Report())  # fmt: skip
+    assert [s[1:] for s in seen] == [(0, 100), (100, 100)]
+    assert seen[0][0] == "downloading m.gguf: 0 B of 100 B"
+    assert seen[1][0].startswith("downloaded m.gguf: 100 B in ")

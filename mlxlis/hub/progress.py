@@ -66,6 +66,14 @@ def bar_class(report: Progress) -> type[tqdm]:
             self._reported_done = False
             super().__init__(*args, **kwargs)
 
+        # Network bytes of a Xet transfer: with these two the hub folds its second
+        # ("Downloading bytes") bar into this one, so each file has one line.
+        def update_transfer(self, n: int) -> None:
+            pass
+
+        def set_transfer_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+            pass
+
         def display(self, msg=None, pos=None) -> bool:
             d = self.format_dict
             name = str(self.desc or "file").rsplit("/", 1)[-1]  # the hub may pass a URL
