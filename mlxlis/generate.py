@@ -2,6 +2,10 @@
 
 The prompt is prefilled in chunks into a preallocated KV cache; decoding is pipelined with
 `mx.async_eval` so the graph for token n+1 is built while token n is being computed.
+
+A model pipelined across ranks (mlxlis.distributed) runs this same loop on every rank: the
+last rank samples, the token comes back to all of them (`PipelineNet.share`) with rank 0's
+stop flag, so all ranks feed the same tokens and end at the same step.
 """
 
 from __future__ import annotations
@@ -54,15 +58,22 @@ def prefill(
     should_stop: Callable[[], bool] | None = None,
 ) -> mx.array | None:
     """Run `ids` through the model into `cache`; returns (1, vocab) float32 logits of the last,
-    or None when `should_stop()` turned true between chunks."""
+    or None when `should_stop()` turned true between chunks. Pipelined, a rank that is not the
+    last returns its final send instead of logits, and `should_stop` is not asked (the ranks
+    must run the same chunks)."""
     arr = mx.array(list(ids), dtype=mx.int32)[None]
     n = arr.shape[1]
     start = 0
+    pipe = _pipeline(net)
     while n - start > step:
-        net(arr[:, start : start + step], cache=cache, last_only=True)
-        mx.eval([c.state for c in cache])
+        out = net(arr[:, start : start + step], cache=cache, last_only=True)
+        if pipe is None:
+            mx.eval([c.state for c in cache])
+        else:  # a rank's send is its output: evaluated with the caches, so it passes it on
+            with pipe.ranks.waiting():
+                mx.eval(out if not pipe.is_last else [], [c.state for c in cache])
         start += step
-        if should_stop is not None and should_stop():
+        if pipe is None and should_stop is not None and should_stop():
             return None
     logits = net(arr[:, start:], cache=cache, last_only=True)[:, -1, :].astype(mx.float32)
     snapshot(cache)  # where a later prompt sharing this one can rewind recurrent states to
@@ -84,7 +95,30 @@ def generate(
     """Stream tokens after `ids`, sampled as `params` says with `sampling` keywords (max_tokens,
     temperature, top_p, ...: SamplingParams' fields) applied on top; a bad value raises
     SamplingError before anything runs. With `cache`, `ids` are the tokens not yet in it and
-    `history` the ones that are (for the repetition penalty)."""
+    `history` the ones that are (for the repetition penalty). Pipelined, a lost rank ends it
+    with RankLostError."""
+    pipe = _pipeline(model.net)
+    events = _stream(model, ids, params, stop_ids=stop_ids, cache=cache, history=history,
+                     prefill_step=prefill_step, should_stop=should_stop, **sampling)  # fmt: skip
+    if pipe is None:
+        yield from events
+        return
+    with pipe.ranks.translate():  # MLX raises a lost peer's error from any later evaluation
+        yield from events
+
+
+def _stream(
+    model,
+    ids: Sequence[int],
+    params: SamplingParams | None,
+    *,
+    stop_ids: set[int] | None,
+    cache: list | None,
+    history: Sequence[int],
+    prefill_step: int,
+    should_stop: Callable[[], bool] | None,
+    **sampling: object,
+) -> Iterator[Event]:
     from .tokenizer import StreamDecoder
 
     if params is not None and not isinstance(params, SamplingParams):
@@ -101,6 +135,7 @@ def generate(
 
         raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
     net = model.net
+    pipe = _pipeline(net)
     cache = cache if cache is not None else model.make_cache()
     stops = model.stop_ids() if stop_ids is None else stop_ids
     recent = list(history)[-repetition_context:] + list(ids)
@@ -108,16 +143,27 @@ def generate(
     stats = Stats(prompt_tokens=len(ids))
     fed = list(ids)
 
-    def pick(logits: mx.array) -> mx.array:
+    def pick(logits: mx.array, stop: bool = False) -> mx.array:
+        if pipe is not None and not pipe.is_last:  # the token comes from the last rank
+            return pipe.share(None, after=logits, stop=stop)
         if repetition_penalty != 1.0:
             logits = apply_repetition_penalty(
                 logits, recent[-repetition_context:], repetition_penalty
             )
-        return sampler(logits)
+        y = sampler(logits)
+        return y if pipe is None else pipe.share(y, after=logits, stop=stop)
 
-    def step(token: mx.array) -> mx.array:
+    def step(token: mx.array, stop: bool = False) -> mx.array:
         logits = net(token[:, None], cache=cache, last_only=True)[:, -1, :]
-        return pick(logits.astype(mx.float32))
+        return pick(logits.astype(mx.float32), stop)
+
+    def value(y: mx.array) -> tuple[int, bool]:
+        """The token, and (pipelined) whether rank 0 asked every rank to stop."""
+        if pipe is None:
+            return int(y.item()), False
+        with pipe.ranks.waiting():
+            token, stop = y.tolist()
+        return token, bool(stop)
 
     t0 = time.perf_counter()
     before = cache[0].offset if cache else 0
@@ -133,7 +179,10 @@ def generate(
     t_first = None
     n = 0
     while n < max_tokens:
-        token = int(y.item())
+        token, stopped = value(y)
+        if stopped:  # pipelined: rank 0 was asked to stop; this step's token is dropped
+            reason = "cancelled"
+            break
         if t_first is None:
             t_first = time.perf_counter()
             stats.time_to_first_token = stats.prompt_seconds = t_first - t0
@@ -143,17 +192,27 @@ def generate(
             reason = "stop"
             break
         recent.append(token)
+        # pipelined, rank 0 asks whether to stop before the next step starts and carries the
+        # answer in it: every rank then stops after that step, having run the same ones
+        stop = pipe is not None and should_stop is not None and should_stop()
         if n < max_tokens:
             fed.append(token)
-            nxt = step(y.reshape(1))
+            nxt = step(y[:1].reshape(1), stop)
             mx.async_eval(nxt)
         stats.decode_seconds = time.perf_counter() - t_first
         yield Event(token, decoder.add(token), stats)
-        if should_stop is not None and should_stop():
+        if pipe is None and should_stop is not None and should_stop():
             reason = "cancelled"
             break
         if n < max_tokens:
             y = nxt
+        elif stop:
+            reason = "cancelled"
     stats.decode_seconds = time.perf_counter() - (t_first or t0)
     stats.peak_memory = peak_memory_bytes()
     yield Event(None, decoder.flush(), stats, finish_reason=reason, fed=fed)
+
+
+def _pipeline(net):
+    """The PipelineNet when the model runs pipelined across ranks, else None."""
+    return net if getattr(net, "is_pipeline", False) else None

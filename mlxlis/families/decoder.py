@@ -61,34 +61,54 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, ropes: list[Rope]):
+    """The embedding, the blocks and the final norm; a pipeline stage holds only its share:
+    layers outside `held` are None (so parameter names keep their layer numbers), the
+    embedding where it embeds or (tied) projects, the norm where it heads."""
+
+    def __init__(self, cfg: ModelConfig, ropes: list[Rope], held: range,
+                 embeds: bool, heads: bool):  # fmt: skip
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = [DecoderLayer(cfg, ropes[i], i) for i in range(cfg.num_hidden_layers)]
-        self.norm = norm(cfg, cfg.hidden_size)
+        if embeds or (heads and cfg.tie_word_embeddings):
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = [DecoderLayer(cfg, ropes[i], i) if i in held else None
+                       for i in range(held.stop)]  # fmt: skip
+        if heads:
+            self.norm = norm(cfg, cfg.hidden_size)
 
 
 class Decoder(nn.Module):
-    """inputs (B, T) token ids -> logits (B, T, vocab) in the compute dtype (T = 1 if last_only)."""
+    """inputs (B, T) token ids -> logits (B, T, vocab) in the compute dtype (T = 1 if last_only).
+
+    A pipeline stage (`layers`, `embeds`, `heads`) holds a contiguous range of the blocks and
+    runs its part of the pass: `embed` (the first stage), `run_layers`, `head` (the last);
+    its caches are those of its own layers, in order."""
 
     def __init__(self, cfg: ModelConfig, family: Family,
-                 rope_freq_factors: mx.array | None = None):  # fmt: skip
+                 rope_freq_factors: mx.array | None = None, *, layers: range | None = None,
+                 embeds: bool = True, heads: bool = True):  # fmt: skip
         super().__init__()
         self.config = cfg
         self._family = family  # underscores: plain data, not part of the parameter tree
         self._rope_freq_factors = rope_freq_factors  # GGUF rope_freqs: a buffer, not a parameter
+        self._held = range(cfg.num_hidden_layers) if layers is None else layers
+        self._embeds, self._heads = embeds, heads
         # one module, shared by layers; partial RoPE turns the first rotary_dim dims only
         rope = Rope(cfg.rotary_dim or cfg.head_dim, cfg.rope, rope_freq_factors)
         local = Rope(cfg.head_dim, cfg.rope_local) if cfg.rope_local is not None else rope
-        self._sliding = tuple(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))
-        self.model = DecoderModel(cfg, [local if s else rope for s in self._sliding])
-        if not cfg.tie_word_embeddings:
+        self._sliding = tuple(cfg.is_sliding(i) for i in self._held)  # of the held layers
+        ropes = [local if cfg.is_sliding(i) else rope for i in range(cfg.num_hidden_layers)]
+        self.model = DecoderModel(cfg, ropes, self._held, embeds, heads)
+        if heads and not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def held_layers(self) -> range:
+        return self._held
 
     def make_cache(self) -> list[Cache]:
         cfg, w = self.config, self.config.sliding_window
         return [RecurrentCache() if cfg.is_linear(i) else RotatingKVCache(w) if s else KVCache()
-                for i, s in enumerate(self._sliding)]  # fmt: skip
+                for i, s in zip(self._held, self._sliding, strict=True)]  # fmt: skip
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Checkpoint names under ours: the family's renames applied, its dropped names gone."""
@@ -104,7 +124,7 @@ class Decoder(nn.Module):
         tensors or fused ones, see experts.py); empty for a dense model."""
         stacks: dict[str, ExpertSource] = {}
         for i, layer in enumerate(self.model.layers):
-            if isinstance(layer.mlp, SparseMoE):
+            if layer is not None and isinstance(layer.mlp, SparseMoE):
                 stacks.update(layer.mlp.expert_stacks(f"model.layers.{i}.mlp"))
         return stacks
 
@@ -113,13 +133,16 @@ class Decoder(nn.Module):
         The projections and MLPs run on the batch (the weights read once); attention and
         recurrences on each sequence's cache, as its lone step would."""
         inputs = mx.array(tokens, dtype=mx.int32)[:, None]  # (B, 1)
-        per_layer = [CacheBatch([c[i] for c in caches]) for i in range(len(self.model.layers))]
+        per_layer = [CacheBatch([c[i] for c in caches]) for i in range(len(self._held))]
         return self(inputs, per_layer)[:, -1, :]
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None,
                  last_only: bool = False) -> mx.array:  # fmt: skip
+        return self.head(self.run_layers(self.embed(inputs), cache), last_only)
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """(B, T) token ids -> (B, T, hidden), the residual stream's dtype (`hidden_dtype`)."""
         cfg = self.config
-        t = inputs.shape[1]
         h = self.model.embed_tokens(inputs)  # (B, T, hidden)
         if cfg.embed_scale:  # √hidden is rounded to the compute dtype first, as transformers does
             h = h * mx.array(cfg.hidden_size**0.5, mx.float32).astype(h.dtype)
@@ -129,6 +152,16 @@ class Decoder(nn.Module):
             # to ±65 504 as mlx-lm does left them off by up to 15.7). Sublayers read it through
             # the float32 RMSNorm and run in the compute dtype.
             h = h.astype(mx.float32)
+        return h
+
+    def hidden_dtype(self, dtype: mx.Dtype) -> mx.Dtype:
+        """The residual stream's dtype for compute dtype `dtype` (what passes between stages)."""
+        return mx.float32 if self.config.residual_f32 else dtype
+
+    def run_layers(self, h: mx.array, cache: list[Cache] | None = None) -> mx.array:
+        """The held blocks on the residual stream h (B, T, hidden); `cache`: one per held layer."""
+        cfg = self.config
+        t = h.shape[1]
         full_mask = "causal" if t > 1 else None  # aligned to the newest keys: works with a cache
         sliding_mask = None
         if any(self._sliding):
@@ -139,9 +172,15 @@ class Decoder(nn.Module):
                 sliding_mask = cache[i].mask(t)
             elif t > 1:
                 sliding_mask = window_mask(0, t, 0, t, cfg.sliding_window)
-        for i, layer in enumerate(self.model.layers):
-            mask = sliding_mask if self._sliding[i] else full_mask
-            h = layer(h, mask, cache[i] if cache is not None else None)
+        layers = self.model.layers
+        for j, i in enumerate(self._held):
+            mask = sliding_mask if self._sliding[j] else full_mask
+            h = layers[i](h, mask, cache[j] if cache is not None else None)
+        return h
+
+    def head(self, h: mx.array, last_only: bool = False) -> mx.array:
+        """Final norm and head: (B, T, hidden) -> logits (B, T, vocab) (T = 1 if last_only)."""
+        cfg = self.config
         if last_only:  # prefill/decode need only the newest position's logits
             h = h[:, -1:, :]
         h = self.model.norm(h)

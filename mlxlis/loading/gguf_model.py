@@ -83,10 +83,12 @@ def load_gguf(
     dequantize: bool | None = None,
     chat_template: str | None = None,
     timings: dict[str, float] | None = None,
+    pipeline=None,
 ):
     """Load a GGUF model. dequantize: True = every weight dense, False = quantized blocks kept,
     None = the per-device default (see CPU_DENSE_FRACTION); `timings`, when given, receives
-    wall seconds per stage (scripts/load_profile.py)."""
+    wall seconds per stage (scripts/load_profile.py). `pipeline` (mlxlis.distributed.Pipeline):
+    under a launcher, this rank's share of the layers is all that is read and built."""
     from ..model import Model
 
     clock = _Clock(timings)
@@ -96,16 +98,19 @@ def load_gguf(
         cfg = config_from_gguf(md, shapes, str(path))
         clock("read")
         tokenizer = side.submit(_tokenizer, md, path, timings)
-        dense = _dense_policy(gf, cfg, dtype, dequantize)
-        weights, quant, rope_freqs, ignored = _convert(gf, cfg, dtype, dense, clock)
+        part = None
+        if pipeline is not None:
+            part = pipeline.place(cfg, _module_sizes(gf, cfg), str(path))
+        held = part.holds if part is not None else None
+        dense = _dense_policy(gf, cfg, dtype, dequantize, part)
+        weights, quant, rope_freqs, ignored = _convert(gf, cfg, dtype, dense, clock, held)
         spec = family(cfg.family)
         if rope_freqs is not None and spec.gguf_rope_freqs is not None:
             cfg, rope_freqs = spec.gguf_rope_freqs(cfg, rope_freqs)
-        net = (
-            build_model(cfg, rope_freq_factors=rope_freqs)
-            if rope_freqs is not None
-            else build_model(cfg)
-        )
+        extras = {} if rope_freqs is None else {"rope_freq_factors": rope_freqs}
+        if part is not None:
+            extras.update(layers=part.layers, embeds=part.first, heads=part.last)
+        net = build_model(cfg, **extras)
         if quant:
             quantize_like(net, weights, quant)
         bind(net, weights, path, dtype)
@@ -124,7 +129,7 @@ def load_gguf(
         kept += ", the rest dense"
     return Model(
         cfg,
-        net,
+        net if part is None else pipeline.wrap(net, part, dtype),
         tok,
         dtype=dtype,
         path=path,
@@ -140,24 +145,45 @@ def _quantizable(t) -> bool:
     return t.type_name in QUANTIZABLE and len(t.shape) > 1
 
 
-def _dense_policy(gf: GGUFFile, cfg, dtype: mx.Dtype, dequantize: bool | None):
-    """GGUF tensor name -> convert it dense? (only quantized-form tensors are affected)."""
+def _dense_policy(gf: GGUFFile, cfg, dtype: mx.Dtype, dequantize: bool | None, part=None):
+    """GGUF tensor name -> convert it dense? (only quantized-form tensors are affected).
+    `part`: a pipeline rank's share, whose tensors alone count."""
     if dequantize is not None:
         return lambda name: dequantize
+    # a pipeline rank that embeds but does not head uses a tied embedding as a lookup only
+    tied_head = cfg.tie_word_embeddings and (part is None or part.last)
     # row lookups, never matmuls: an untied embedding, Gemma 4's per-layer embedding table
     lookup = {n for n in gf.tensors if n.endswith("token_embd.weight")
-              and (n != "token_embd.weight" or not cfg.tie_word_embeddings)}  # fmt: skip
+              and (n != "token_embd.weight" or not tied_head)}  # fmt: skip
+    family_ = family(cfg.family)
+    held = {n for n in gf.tensors if part is None or part.holds(
+        family_.gguf_module_name(n) or "")}  # fmt: skip
     dense_bytes = sum(math.prod(t.shape) * dtype.size for n, t in gf.tensors.items()
-                      if _quantizable(t) and n not in lookup)  # fmt: skip
+                      if _quantizable(t) and n not in lookup and n in held)  # fmt: skip
     if not dense_by_default(dense_bytes):
         return lambda name: False
     return lambda name: name not in lookup
 
 
-def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dense, clock: _Clock):
+def _module_sizes(gf: GGUFFile, cfg) -> dict[str, int]:
+    """Module tensor name -> its bytes in the file, for the tensors the model uses."""
+    spec = family(cfg.family)
+    sizes = {}
+    for name, t in gf.tensors.items():
+        if name in SPECIAL or (spec.gguf_ignored and spec.gguf_ignored(name, cfg)):
+            continue
+        target = spec.gguf_module_name(name)
+        if target is not None:
+            sizes[target] = t.nbytes
+    return sizes
+
+
+def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dense, clock: _Clock, held=None):
     """Every tensor under its module name, conventions undone: (weights, quant, rope_freqs,
     names of the tensors the family ignores).
-    dense(name): convert that tensor dense (else quantized where MLX can hold it)."""
+    dense(name): convert that tensor dense (else quantized where MLX can hold it).
+    held(module name): whether this pipeline rank reads it (None: every tensor); the others
+    are never read."""
     weights: dict[str, mx.array] = {}
     quant: dict[str, dict] = {}
     rope_freqs = None
@@ -173,15 +199,17 @@ def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dense, clock: _Clock):
             raise UnexpectedTensorError(
                 f"no {cfg.family} module takes this tensor", path=gf.path, field=name
             )
+    if held is not None:  # another rank's tensors: neither converted nor reported as skipped
+        targets = {n: t for n, t in targets.items() if t is None or held(t)}
     # The final buffers are allocated and zero-filled on MLX's own thread while earlier tensors
     # convert: mx.async_eval keeps up to PREFETCH_BYTES of them ahead (a few tensors at a time:
     # a long list blocks on MLX's cap on in-flight tasks). They are the loaded weights, so this
     # costs no extra memory.
-    names = [n for n in gf.tensors if n not in ignored]
+    names = [n for n in gf.tensors if n in targets]
     buffers = {
         name: allocate(t, dequantize=dense(name))
         for name, t in gf.tensors.items()
-        if name not in SPECIAL and name not in ignored
+        if name not in SPECIAL and name in targets
     }
     ahead, started = 0, 0  # bytes started and not yet converted; tensors started
     for i, name in enumerate(names):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -203,11 +204,14 @@ def plan_bindings(
     *,
     strict: bool = True,
     layouts: dict[str, tuple[int, ...]] | None = None,
+    held: Callable[[str], bool] | None = None,
 ) -> BindingPlan:
     """Validate `manifest` against the model and the sources' headers; quantize the modules
     whose scales are bound (mutates `net`); return the plan. Reads headers only. `layouts`:
     parameter name suffix -> axes; a tensor whose shape is the parameter's only after that
-    transpose (another converter's layout, e.g. mlx-lm's conv1d) binds, transposed at load."""
+    transpose (another converter's layout, e.g. mlx-lm's conv1d) binds, transposed at load.
+    `held(param)`: a pipeline rank's share (`net` holds only those layers); the tensors of the
+    other ranks' parameters are left to them, neither bound nor reported."""
     from .binding import quantize_like
 
     folder = Path(folder)
@@ -215,6 +219,10 @@ def plan_bindings(
     sources = {spec.name: _open_source(spec, manifest, folder) for spec in manifest.sources}
     default = sources[manifest.default_source]
     explicit = _expand(manifest, cfg.num_hidden_layers)
+    elsewhere: set[tuple[str, str]] = set()  # (source, key) another pipeline rank reads
+    if held is not None:
+        elsewhere = {v for p, v in explicit.items() if not held(p)}
+        explicit = {p: v for p, v in explicit.items() if held(p)}
     # by-name lookups go through the family's own renames (net.sanitize, e.g. the prefixes of
     # multimodal Gemma 3 checkpoints), applied to the names only; what it drops is ignored
     by_name: dict[str, str] = {k: k for k in default.tensors}
@@ -222,6 +230,9 @@ def plan_bindings(
     if callable(sanitize):
         by_name = {k: v for k, v in sanitize(by_name).items() if v in default.tensors}
     dropped = set(default.tensors) - set(by_name.values())
+    if held is not None:
+        elsewhere |= {(default.name, v) for k, v in by_name.items() if not held(k)}
+        by_name = {k: v for k, v in by_name.items() if held(k)}
 
     # quantized modules: those whose `.scales` is bound, by the manifest or by name
     quantizable = _quantizable(net)
@@ -390,6 +401,8 @@ def plan_bindings(
                 continue
             if src is default and key in dropped:
                 continue  # dropped on purpose by the family (e.g. a vision tower)
+            if (src.name, key) in elsewhere:
+                continue  # another pipeline rank's share
             if cfg.tie_word_embeddings and by_name_of.get(key, key).startswith("lm_head."):
                 continue  # some tied checkpoints still carry a copy of the head
             unbound.append((src.name, key))

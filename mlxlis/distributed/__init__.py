@@ -1,0 +1,85 @@
+"""Pipeline parallelism across the ranks of MLX's distributed layer (`mlx.launch`).
+
+Under a launcher with two or more ranks, `mlxlis.load` gives each rank a contiguous share of
+the layers (split.py), reads only that share's tensors from the file, and wraps the network in
+a `PipelineNet` (stage.py) that passes hidden states rank to rank; `generate` then runs the
+same loop on every rank, the sampled token coming back to all of them. group.py holds the
+ranks and the failure handling. Outside a launcher nothing here runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from ..errors import PipelineError, UnsupportedError
+from .group import Ranks, launched, world
+from .split import Part, check_fit, check_split, memory_budget, parse_split, plan_parts
+from .stage import PipelineNet
+
+__all__ = ["Pipeline", "PipelineNet", "Part", "Ranks", "launched", "world", "parse_split",
+           "plan_parts"]  # fmt: skip
+
+MiB = 1 << 20
+
+
+@dataclass
+class Pipeline:
+    """What a load needs to place one rank's share: the ranks (None: a lone process, where
+    only the split is checked) and the split asked for (None: balanced by weight bytes)."""
+
+    ranks: Ranks | None
+    split: Sequence[int] | None = None
+
+    @classmethod
+    def from_env(cls, split: str | Sequence[int] | None = None) -> Pipeline:
+        if isinstance(split, str):
+            split = parse_split(split)
+        return cls(world(), split)
+
+    def place(self, cfg: Any, sizes: Mapping[str, int], what: str) -> Part | None:
+        """This rank's Part for a model of config `cfg` whose module tensors take `sizes`
+        bytes; None in a lone process. Collective: every rank checks that all ranks read the
+        same model and that every share fits in its rank's memory, before any weight is read."""
+        layers = cfg.num_hidden_layers
+        if self.ranks is None:
+            if self.split is not None:
+                check_split(self.split, layers, 1)
+            return None
+        from ..families import family
+        from ..families.decoder import Decoder
+
+        if not issubclass(family(cfg.family).network, Decoder):
+            raise UnsupportedError(
+                f"{cfg.family} models have their own network, which does not run pipelined "
+                "across ranks yet; run it in one process",
+                path=what,
+            )
+        ranks = self.ranks
+        parts = plan_parts(sizes, layers, ranks.size, cfg.tie_word_embeddings, self.split)
+        part = parts[ranks.rank]
+        total = sum(sizes.values())
+        model_id = [layers, cfg.hidden_size, cfg.vocab_size, total // MiB, total % MiB]
+        rows = ranks.gather([*model_id, -(-part.nbytes // MiB), memory_budget() // MiB])
+        for r, row in enumerate(rows):
+            if row[:5] != model_id:
+                raise PipelineError(
+                    f"rank {r} opened a different model ({row[0]} layers, {row[3]} MiB of "
+                    f"weights) from rank {ranks.rank} ({layers} layers, {model_id[3]} MiB): "
+                    "every rank needs the same file",
+                    path=what,
+                )
+        check_fit([row[5] * MiB for row in rows], [row[6] * MiB for row in rows], what)
+        return part
+
+    def wrap(self, net: Any, part: Part, dtype: mx.Dtype) -> PipelineNet:
+        assert self.ranks is not None
+        return PipelineNet(net, self.ranks, part, dtype)
+
+    def ready(self) -> None:
+        """Every rank has loaded its share (an untimed wait: loads differ in length)."""
+        if self.ranks is not None:
+            self.ranks.barrier()
