@@ -49,15 +49,7 @@ class Pipeline:
             if self.split is not None:
                 check_split(self.split, layers, 1)
             return None
-        from ..families import family
-        from ..families.decoder import Decoder
-
-        if not issubclass(family(cfg.family).network, Decoder):
-            raise UnsupportedError(
-                f"{cfg.family} models have their own network, which does not run pipelined "
-                "across ranks yet; run it in one process",
-                path=what,
-            )
+        check_pipelinable(cfg, what)
         ranks = self.ranks
         parts = plan_parts(sizes, layers, ranks.size, cfg.tie_word_embeddings, self.split)
         part = parts[ranks.rank]
@@ -83,3 +75,16 @@ class Pipeline:
         """Every rank has loaded its share (an untimed wait: loads differ in length)."""
         if self.ranks is not None:
             self.ranks.barrier()
+
+
+def check_pipelinable(cfg: Any, what: str) -> None:
+    """UnsupportedError for a family whose network is not the shared Decoder."""
+    from ..families import family
+    from ..families.decoder import Decoder
+
+    if not issubclass(family(cfg.family).network, Decoder):
+        raise UnsupportedError(
+            f"{cfg.family} models have their own network, which does not run pipelined "
+            "across ranks yet; run it in one process",
+            path=what,
+        )

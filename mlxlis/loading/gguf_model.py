@@ -100,7 +100,7 @@ def load_gguf(
         tokenizer = side.submit(_tokenizer, md, path, timings)
         part = None
         if pipeline is not None:
-            part = pipeline.place(cfg, _module_sizes(gf, cfg), str(path))
+            part = pipeline.place(cfg, module_sizes(gf, cfg), str(path))
         held = part.holds if part is not None else None
         dense = _dense_policy(gf, cfg, dtype, dequantize, part)
         weights, quant, rope_freqs, ignored = _convert(gf, cfg, dtype, dense, clock, held)
@@ -165,7 +165,7 @@ def _dense_policy(gf: GGUFFile, cfg, dtype: mx.Dtype, dequantize: bool | None, p
     return lambda name: name not in lookup
 
 
-def _module_sizes(gf: GGUFFile, cfg) -> dict[str, int]:
+def module_sizes(gf: GGUFFile, cfg) -> dict[str, int]:
     """Module tensor name -> its bytes in the file, for the tensors the model uses."""
     spec = family(cfg.family)
     sizes = {}

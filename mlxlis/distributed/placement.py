@@ -1,0 +1,73 @@
+"""`mlxlis inspect MODEL --split N`: where N ranks would hold a model's layers and how many
+bytes of weights each would read, from the file's header alone (no weight is read)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import LayersSplitError
+from .split import Part, plan_parts
+
+
+def placement(path_or_name: str | Path, ranks: int,
+              split: Sequence[int] | None = None) -> tuple[Any, list[Part], int]:  # fmt: skip
+    """(config, every rank's Part, the model's weight bytes) for `ranks` ranks."""
+    from . import check_pipelinable
+
+    if ranks < 1:
+        raise LayersSplitError(f"the number of ranks must be at least 1, not {ranks}",
+                               field="--split")  # fmt: skip
+    cfg, sizes, path = _header(path_or_name)
+    check_pipelinable(cfg, str(path))
+    parts = plan_parts(sizes, cfg.num_hidden_layers, ranks, cfg.tie_word_embeddings, split)
+    return cfg, parts, sum(sizes.values())
+
+
+def _header(path_or_name: str | Path) -> tuple[Any, dict[str, int], Path]:
+    from ..loading import resolve
+
+    path = resolve(path_or_name)
+    if path.is_file():
+        from ..loading.gguf import read_gguf
+        from ..loading.gguf_config import config_from_gguf
+        from ..loading.gguf_model import module_sizes
+
+        with read_gguf(path) as gf:
+            shapes = {name: t.shape for name, t in gf.tensors.items()}
+            cfg = config_from_gguf(gf.metadata, shapes, str(path))
+            return cfg, module_sizes(gf, cfg), path
+    from ..config import read_json
+    from ..families import config_from_hf, family
+    from ..loading.safetensors import module_sizes as folder_sizes
+
+    cfg = config_from_hf(read_json(path / "config.json"), str(path / "config.json"))
+    return cfg, folder_sizes(path, family(cfg.family).hf_name), path
+
+
+def placement_report(path_or_name: str | Path, ranks: int,
+                     split: Sequence[int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The --split part of `inspect --json`: {"ranks", "weight_bytes", "parts": [{"rank",
+    "layers": [first, last], "count", "bytes", "embedding", "head"}]}."""
+    cfg, parts, total = placement(path_or_name, ranks, split)
+    return {
+        "ranks": ranks,
+        "layers": cfg.num_hidden_layers,
+        "weight_bytes": total,
+        "parts": [{"rank": p.rank, "layers": [p.start, p.stop - 1], "count": p.stop - p.start,
+                   "bytes": p.nbytes, "embedding": p.embeds, "head": p.last}
+                  for p in parts],  # fmt: skip
+    }
+
+
+def format_placement(r: dict[str, Any]) -> str:
+    mib = 2**20
+    rows = [f"{r['layers']} layers, {r['weight_bytes'] / mib:.0f} MiB of weights over "
+            f"{r['ranks']} rank{'s' if r['ranks'] != 1 else ''} (bytes as stored in the file):"]
+    for p in r["parts"]:
+        first, last = p["layers"]
+        also = [w for w, on in (("embedding", p["embedding"]), ("head", p["head"])) if on]
+        rows.append(f"  rank {p['rank']}: layers {first:>3}-{last:<3} ({p['count']:>3}) "
+                    f"{p['bytes'] / mib:>8.0f} MiB" + (f" with the {' and '.join(also)}" if also else ""))
+    return "\n".join(rows)
