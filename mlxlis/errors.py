@@ -81,3 +81,43 @@ class ModelNotFoundError(MlxlisError):
 
 class ContextLimitError(MlxlisError):
     """The conversation no longer fits in the model's context."""
+
+
+class PipelineError(MlxlisError):
+    """Running one model across several ranks (`mlx.launch`) failed or cannot start."""
+
+
+class LayersSplitError(PipelineError):
+    """A `--layers-split` that does not fit the model or the number of ranks."""
+
+
+class RankLostError(PipelineError):
+    """Another rank ended, disconnected or stopped answering during a pipelined run."""
+
+
+class DoesNotFitError(PipelineError):
+    """The model does not fit in the ranks' memory, even split across them."""
+
+
+class AmbiguousModelError(ModelNotFoundError):
+    """A model reference matches several models (e.g. GGUF quants); the message lists them."""
+
+
+class HubError(MlxlisError):
+    """A Hugging Face Hub repo could not be read, reached or downloaded."""
+
+
+class RepoAccessError(HubError, ModelNotFoundError):
+    """A Hub repo that does not exist, or is private or gated for this token."""
+
+
+class NotCachedError(HubError, ModelNotFoundError):
+    """Offline (or the Hub unreachable) and the model is not in the Hugging Face cache."""
+
+
+class IntegrityError(HubError):
+    """A downloaded file's SHA-256 differs from the one the Hub gives for it."""
+
+
+class DiskFullError(HubError):
+    """Not enough free disk space for a download."""
