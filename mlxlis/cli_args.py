@@ -14,7 +14,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "-m",
         "--model",
         default=catalog.DEFAULT_MODEL,
-        help=f"model folder, .gguf file or catalog name (default {catalog.DEFAULT_MODEL})",
+        help="model folder, .gguf file, catalog name, Hugging Face repo "
+        "ORG/NAME[:QUANT | /FILE.gguf][@REVISION] (fetched into the Hugging Face cache) or a "
+        "name `mlxlis models --scan` lists; a path that exists wins over a name "
+        f"(default {catalog.DEFAULT_MODEL})",
     )
     p.add_argument(
         "--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)"
@@ -59,8 +62,26 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="ignore tensors that no parameter takes (listed on stderr with --verbose)",
     )
+    p.add_argument(
+        "--layers-split",
+        metavar="N,N,...",
+        type=_layers_split,
+        default=None,
+        help="under mlx.launch: layers per rank, in rank order (e.g. 14,14; default: balanced "
+        "by weight bytes)",
+    )
     p.add_argument("--verbose", "-v", action="store_true", help="model details and stats on stderr")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _layers_split(text: str) -> list[int]:
+    from .distributed.split import parse_split
+    from .errors import LayersSplitError
+
+    try:
+        return parse_split(text)
+    except LayersSplitError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--layers-split: ")) from None
 
 
 def add_thinking_args(p: argparse.ArgumentParser) -> None:

@@ -41,7 +41,9 @@ class Model:
 
     @property
     def name(self) -> str:
-        return self.path.name
+        from .hub import display_name  # a Hugging Face cache snapshot is named by its repo
+
+        return display_name(self.path) or self.path.name
 
     @property
     def template_source(self) -> str | None:
@@ -51,11 +53,22 @@ class Model:
     def context_length(self) -> int:
         return self.config.max_position_embeddings
 
+    @property
+    def rank(self) -> int:
+        """This process's rank when the model runs pipelined under a launcher, else 0."""
+        return getattr(self.net, "rank", 0) if getattr(self.net, "is_pipeline", False) else 0
+
+    @property
+    def part(self):
+        """This rank's share of the layers (mlxlis.distributed.Part), None in one process."""
+        return self.net.part if getattr(self.net, "is_pipeline", False) else None
+
     def make_cache(self) -> list:
         return self.net.make_cache()
 
     def logits(self, ids: Sequence[int]) -> mx.array:
-        """[len(ids), vocab] float32 logits of one full forward pass, no cache."""
+        """[len(ids), vocab] float32 logits of one full forward pass, no cache (pipelined:
+        on the last rank; the others return their hidden states, passed on)."""
         out = self.net(mx.array([list(ids)], dtype=mx.int32))
         return out[0].astype(mx.float32)
 
@@ -122,6 +135,8 @@ class Model:
         }
         if self.skipped:
             details["skipped"] = skipped_summary(self.skipped)
+        if self.part is not None:
+            details["pipeline"] = self.part.describe()
         if blas.notice:
             details["notice"] = blas.notice
         return details

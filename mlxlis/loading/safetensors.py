@@ -179,8 +179,8 @@ def weight_files(folder: Path) -> list[Path]:
                 raise FileFormatError(
                     f"shard {name!r} is not a .safetensors file", path=index, field="weight_map"
                 )
-            p = (folder / name).resolve()
-            if p.parent != root or not p.is_file():
+            p = folder / name  # not resolved: the Hugging Face cache links shards to blobs
+            if p.parent.resolve() != root or not p.is_file():
                 raise FileFormatError(f"shard {name!r} is missing", path=index, field="weight_map")
             paths.append(p)
         return paths
@@ -219,3 +219,17 @@ def load_tensors(folder: Path) -> dict[str, mx.array]:
             tensors[name] = arrays[name]
             owner[name] = path
     return tensors
+
+
+def module_sizes(folder: Path, rename) -> dict[str, int]:
+    """Module tensor name -> bytes in the files, from the validated headers only (no tensor
+    read); `rename(checkpoint name)` gives the module name, None for a tensor the family
+    drops."""
+    sizes: dict[str, int] = {}
+    for path in weight_files(folder):
+        for key, entry in read_header(path).items():
+            name = rename(key)
+            if name is not None:
+                begin, end = entry["data_offsets"]
+                sizes[name] = end - begin
+    return sizes
