@@ -95,49 +95,79 @@ def generate(
     """Stream tokens after `ids`, sampled as `params` says with `sampling` keywords (max_tokens,
     temperature, top_p, ...: SamplingParams' fields) applied on top; a bad value raises
     SamplingError before anything runs. With `cache`, `ids` are the tokens not yet in it and
-    `history` the ones that are (for the repetition penalty). Pipelined, a lost rank ends it
-    with RankLostError."""
-    pipe = _pipeline(model.net)
-    events = _stream(model, ids, params, stop_ids=stop_ids, cache=cache, history=history,
-                     prefill_step=prefill_step, should_stop=should_stop, **sampling)  # fmt: skip
-    if pipe is None:
-        yield from events
-        return
-    with pipe.ranks.translate():  # MLX raises a lost peer's error from any later evaluation
-        yield from events
+    `history` the ones that are (for the repetition penalty).
 
-
-def _stream(
-    model,
-    ids: Sequence[int],
-    params: SamplingParams | None,
-    *,
-    stop_ids: set[int] | None,
-    cache: list | None,
-    history: Sequence[int],
-    prefill_step: int,
-    should_stop: Callable[[], bool] | None,
-    **sampling: object,
-) -> Iterator[Event]:
-    from .tokenizer import StreamDecoder
-
+    Pipelined across ranks, rank 0's call is the one every rank runs (mlxlis.distributed.follow:
+    the other ranks receive it, whether they called generate too or follow rank 0's app), and
+    a lost rank ends it with RankLostError."""
     if params is not None and not isinstance(params, SamplingParams):
         raise TypeError(
             f"generate(model, ids, params): params is a SamplingParams, not {params!r}; "
             "pass max_tokens=, temperature=, ... as keywords"
         )
     params = (params or SamplingParams()).replace(**sampling)
-    sampler = make_sampler(params)
-    max_tokens = params.max_tokens
-    repetition_penalty, repetition_context = params.repetition_penalty, params.repetition_context
     if not ids:
         from .errors import MlxlisError
 
         raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
+    stops = model.stop_ids() if stop_ids is None else stop_ids
+    pipe = _pipeline(model.net)
+    if pipe is None:
+        yield from _stream(model, ids, params, stops, cache, history, prefill_step, should_stop)
+        return
+    from .distributed.follow import Call, align, announce
+
+    before = cache[0].offset if cache else 0
+    call = announce(pipe.ranks, Call(list(ids), params, sorted(stops),
+                                     list(history)[-params.repetition_context:], before))
+    if pipe.rank != 0:  # rank 0's call: this rank's caches hold what rank 0's hold
+        cache = align(model, cache, call.before)
+    yield from pipelined(model, call, cache, prefill_step, should_stop)
+
+
+def pipelined(model, call, cache: list | None, prefill_step: int = 512,
+              should_stop: Callable[[], bool] | None = None) -> Iterator[Event]:  # fmt: skip
+    """One announced generation (a mlxlis.distributed.follow.Call) on this rank. When rank 0's
+    consumer leaves the stream before its end, the steps already sent go on with the stop flag
+    set until every rank has stopped with it."""
+    pipe = model.net
+    abandoned = False
+
+    def stop_asked() -> bool:
+        return abandoned or (should_stop is not None and should_stop())
+
+    events = _stream(model, call.ids, call.params, set(call.stops), cache, call.history,
+                     prefill_step, stop_asked)  # fmt: skip
+    with pipe.ranks.translate():  # MLX raises a lost peer's error from any later evaluation
+        try:
+            # not `yield from`: it would close `events`, which must go on to the stop below
+            for ev in events:  # noqa: UP028
+                yield ev
+        except GeneratorExit:
+            abandoned = True
+            for _ in events:
+                pass
+            raise
+
+
+def _stream(
+    model,
+    ids: Sequence[int],
+    params: SamplingParams,
+    stops: set[int],
+    cache: list | None,
+    history: Sequence[int],
+    prefill_step: int,
+    should_stop: Callable[[], bool] | None,
+) -> Iterator[Event]:
+    from .tokenizer import StreamDecoder
+
+    sampler = make_sampler(params)
+    max_tokens = params.max_tokens
+    repetition_penalty, repetition_context = params.repetition_penalty, params.repetition_context
     net = model.net
     pipe = _pipeline(net)
     cache = cache if cache is not None else model.make_cache()
-    stops = model.stop_ids() if stop_ids is None else stop_ids
     recent = list(history)[-repetition_context:] + list(ids)
     decoder = StreamDecoder(model.tokenizer)
     stats = Stats(prompt_tokens=len(ids))
@@ -178,36 +208,44 @@ def _stream(
     reason = "length"
     t_first = None
     n = 0
+    # Pipelined, rank 0's stop reaches the other ranks in the flag of the next step it starts;
+    # the step in flight when it was asked goes on, its token neither shown nor counted as
+    # generated (it is fed: `fed` is what the caches hold), and every rank ends together.
+    cancelling = False
     while n < max_tokens:
         token, stopped = value(y)
-        if stopped:  # pipelined: rank 0 was asked to stop; this step's token is dropped
+        if stopped:  # pipelined: rank 0 asked every rank to stop
             reason = "cancelled"
             break
         if t_first is None:
             t_first = time.perf_counter()
             stats.time_to_first_token = stats.prompt_seconds = t_first - t0
         n += 1
+        if cancelling:  # as the other ranks would: end here, or one more step to tell them
+            if token in stops or n >= max_tokens:
+                break
+            fed.append(token)
+            y = step(y[:1].reshape(1), stop=True)
+            mx.async_eval(y)
+            continue
         stats.generated_tokens = n
         if token in stops:
             reason = "stop"
             break
         recent.append(token)
-        # pipelined, rank 0 asks whether to stop before the next step starts and carries the
-        # answer in it: every rank then stops after that step, having run the same ones
-        stop = pipe is not None and should_stop is not None and should_stop()
         if n < max_tokens:
             fed.append(token)
-            nxt = step(y[:1].reshape(1), stop)
+            nxt = step(y[:1].reshape(1))
             mx.async_eval(nxt)
         stats.decode_seconds = time.perf_counter() - t_first
         yield Event(token, decoder.add(token), stats)
-        if pipe is None and should_stop is not None and should_stop():
+        if should_stop is not None and should_stop():
             reason = "cancelled"
-            break
+            if pipe is None or n >= max_tokens:
+                break
+            cancelling = True
         if n < max_tokens:
             y = nxt
-        elif stop:
-            reason = "cancelled"
     stats.decode_seconds = time.perf_counter() - (t_first or t0)
     stats.peak_memory = peak_memory_bytes()
     yield Event(None, decoder.flush(), stats, finish_reason=reason, fed=fed)

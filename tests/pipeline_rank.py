@@ -7,7 +7,8 @@ For each job ({"model", "prompt", "steps", "split"}) every rank loads its share 
 pieces `generate` uses (prefill, the PipelineNet, the shared token). The last rank writes the
 logits of each step to OUT_DIR/JOB-logits.npy; every rank writes OUT_DIR/JOB-rank-R.json with
 its part, the tokens and its memory: resident set before the load, and its peak (VmHWM, reset
-before each job) after the job.
+before each job) after the job. A job of "kind": "chat" runs `chat_turns` on rank 0 while the
+other ranks `follow` it, and writes rank 0's turns to OUT_DIR/JOB-rank-0.json.
 """
 
 from __future__ import annotations
@@ -66,6 +67,43 @@ def run(job: dict, out: Path) -> None:
     mx.clear_cache()
 
 
+def chat_turns(model, turns: list) -> list:
+    """A ChatSession through `turns` ([text, stop after k tokens, leave the stream after k
+    tokens]): each assistant turn's (text, stopped, prompt tokens reused, context used)."""
+    from mlxlis import ChatSession, SamplingParams
+
+    session = ChatSession(model, sampling=SamplingParams(max_tokens=8))
+    out = []
+    for text, stop_after, leave_after in turns:
+        seen = [0]
+        events = session.send(text, should_stop=lambda k=stop_after, seen=seen:
+                              k is not None and seen[0] >= k)  # fmt: skip
+        for ev in events:
+            seen[0] += ev.token is not None
+            if leave_after is not None and seen[0] >= leave_after:
+                events.close()
+                break
+        t = session.turns[-1]
+        out.append([t.content, t.stopped, session.last_reused_tokens, session.context_used])
+    return out
+
+
+def run_chat(job: dict, out: Path) -> None:
+    """Rank 0 chats (the app's part), the other ranks follow it (mlxlis chat under a launcher)."""
+    from mlxlis.distributed.follow import finish, follow
+
+    model = mlxlis.load(job["model"], "float32")
+    ranks = model.net.ranks
+    if ranks.rank != 0:
+        follow(model)
+        return
+    try:
+        turns = chat_turns(model, job["turns"])
+    finally:
+        finish(ranks)
+    (out / f"{job['name']}-rank-0.json").write_text(json.dumps(turns))
+
+
 def _arrays(net):
     from mlx.utils import tree_flatten
 
@@ -79,7 +117,7 @@ def main() -> None:
     jobs = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     for job in jobs:
-        run(job, out)
+        (run_chat if job.get("kind") == "chat" else run)(job, out)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,15 @@ def reference(model: str, prompt: str, steps: int) -> tuple[list[int], np.ndarra
     return tokens, np.stack(logits), weights
 
 
+CHAT = {"name": "chat", "kind": "chat", "model": "smollm2-135m", "turns": [
+    ["Hi there", None, None],
+    ["Name a colour.", 3, None],  # stopped after 3 tokens
+    ["Name a fruit.", None, 2],  # the consumer leaves the stream after 2 tokens
+    ["And a city?", None, None],  # fresh caches: the left stream's state was dropped
+    ["Thanks!", None, None],
+]}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tiny_job(tiny):
     """A safetensors folder with an untied head (tiny Llama, 3 layers)."""
@@ -93,7 +102,7 @@ def pipelined(tmp_path_factory, tiny_job):
     for job in JOBS:
         need_pulled(job["model"])
     tmp = tmp_path_factory.mktemp("pipeline")
-    jobs = json.dumps([*JOBS, tiny_job])
+    jobs = json.dumps([*JOBS, tiny_job, CHAT])
     return lambda n: _pipelined(n, tmp, jobs)
 
 
@@ -155,3 +164,25 @@ def test_cli_under_the_launcher_prints_the_lone_output_once(tmp_path):
     code, out, err = launch(2, MLXLIS, *args)
     assert code == 0 and err == "", err
     assert out == lone.stdout and out.strip()
+
+
+def test_chat_on_rank_0_drives_the_other_ranks(pipelined):
+    """A ChatSession on rank 0 while rank 1 follows it (what `mlxlis chat` does under the
+    launcher): five turns reusing the cache between them, one stopped by the user after 3
+    tokens, one left mid-stream by its consumer, give the replies, stops and reused prefixes
+    of a lone process's session (rank 0's cache may hold one token more after a stop: the
+    step that carried the stop to the others)."""
+    from mlxlis.distributed.group import set_blas_threads
+
+    from pipeline_rank import chat_turns
+
+    got = json.loads((pipelined(2) / "chat-rank-0.json").read_text())
+    before = set_blas_threads(1)
+    try:
+        want = chat_turns(mlxlis.load(CHAT["model"], "float32"), CHAT["turns"])
+    finally:
+        if before is not None:
+            set_blas_threads(before)
+    assert [t[:3] for t in got] == [t[:3] for t in json.loads(json.dumps(want))]
+    assert [t[1] for t in got] == [False, True, True, False, False]  # stopped
+    assert got[2][2] > 0 and got[3][2] == 0 and got[4][2] > 0  # prompt tokens reused

@@ -9,6 +9,7 @@ ranks and the failure handling. Outside a launcher nothing here runs.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,9 @@ class Pipeline:
 
     @classmethod
     def from_env(cls, split: str | Sequence[int] | None = None) -> Pipeline:
+        """The launched ranks (None outside a launcher) and `split`, else MLXLIS_LAYERS_SPLIT."""
+        if split is None:
+            split = os.environ.get("MLXLIS_LAYERS_SPLIT") or None
         if isinstance(split, str):
             split = parse_split(split)
         return cls(world(), split)

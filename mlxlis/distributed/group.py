@@ -63,6 +63,24 @@ class Ranks:
     def barrier(self) -> None:
         self.gather([1])
 
+    def broadcast(self, payload: bytes) -> bytes:
+        """Rank 0's `payload` on every rank (the others' are ignored): its length in a gather,
+        then its bytes in an all_sum to which the others add zeros."""
+        import numpy as np
+
+        mine = payload if self.rank == 0 else b""
+        n = self.gather([len(mine)])[0][0]
+        if n == 0:
+            return b""
+        if self.rank == 0:
+            part = mx.array(np.frombuffer(mine, dtype=np.uint8).astype(np.int32))
+        else:
+            part = mx.zeros((n,), dtype=mx.int32)
+        with self.translate():
+            total = mx.distributed.all_sum(part, group=self.group)
+            mx.eval(total)
+        return np.array(total).astype(np.uint8).tobytes()
+
     @contextlib.contextmanager
     def translate(self) -> Iterator[None]:
         """The backend's lost-peer RuntimeError as a RankLostError (other errors pass)."""

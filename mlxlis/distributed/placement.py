@@ -68,6 +68,7 @@ def format_placement(r: dict[str, Any]) -> str:
     for p in r["parts"]:
         first, last = p["layers"]
         also = [w for w, on in (("embedding", p["embedding"]), ("head", p["head"])) if on]
+        with_ = f" with the {' and '.join(also)}" if also else ""
         rows.append(f"  rank {p['rank']}: layers {first:>3}-{last:<3} ({p['count']:>3}) "
-                    f"{p['bytes'] / mib:>8.0f} MiB" + (f" with the {' and '.join(also)}" if also else ""))
+                    f"{p['bytes'] / mib:>8.0f} MiB{with_}")
     return "\n".join(rows)
