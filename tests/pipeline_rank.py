@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import mlxlis  # noqa: F401  (chooses the BLAS before mlx.core loads)
@@ -32,6 +33,7 @@ def reset_peak() -> None:
 
 
 def run(job: dict, out: Path) -> None:
+    start = time.perf_counter()
     reset_peak()
     before = proc_bytes("/proc/self/status", "VmRSS")
     model = mlxlis.load(job["model"], "float32", layers_split=job.get("split"))
@@ -59,6 +61,7 @@ def run(job: dict, out: Path) -> None:
         "part_bytes": part.nbytes, "ids": ids, "tokens": tokens,
         "rss_before": before, "peak_rss": proc_bytes("/proc/self/status", "VmHWM"),
         "weight_bytes": sum(v.nbytes for _, v in _arrays(net)),
+        "seconds": time.perf_counter() - start,
         "layers": sorted({int(k.split(".")[2]) for k, _ in _arrays(net)
                           if k.startswith("model.layers.")}),
     }  # fmt: skip

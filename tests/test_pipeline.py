@@ -10,6 +10,7 @@ the whole model; the CLI under `mlx.launch` prints exactly the lone CLI's output
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -29,28 +30,47 @@ pytestmark = pytest.mark.real
 
 HERE = Path(__file__).parent
 LONG = " ".join(f"Item {i}: the river carried {i % 7} boats past the old mill." for i in range(33))
-JOBS = [  # the largest model first: its memory is measured from a fresh process
-    {"name": "qwen", "model": "qwen2.5-coder-0.5b", "prompt": "def fibonacci(n):", "steps": 2},
-    {"name": "smol", "model": "smollm2-135m", "prompt": "The capital of France is", "steps": 2},
-    {"name": "gemma", "model": "gemma3-270m", "prompt": LONG, "steps": 2},
-]
+QWEN = {"name": "qwen", "model": "qwen2.5-coder-0.5b", "prompt": "def fibonacci(n):", "steps": 2}
+SMOL = {"name": "smol", "model": "smollm2-135m", "prompt": "The capital of France is", "steps": 2}
+GEMMA = {"name": "gemma", "model": "gemma3-270m", "prompt": LONG, "steps": 2}
+GEMMA_SHORT = {**GEMMA, "prompt": "The tallest mountain in the world is"}
+# the largest model first: its memory is measured from a fresh process; Gemma 3's prompt
+# longer than its window runs on 2 ranks (3 ranks get a short one: this machine has 2 cores)
+JOBS = {2: [QWEN, SMOL, GEMMA], 3: [QWEN, SMOL, GEMMA_SHORT]}
 STEP_BOUND = 1e-4
+
+
+@functools.cache
+def lone(model: str):
+    """The model in this (lone) process, loaded once."""
+    return mlxlis.load(model, "float32")
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """As each of two ranks on this 2-core machine has: the thread count moves float32 sums in
+    the last bits (Gemma 3's logits by up to 4.6e-4 over its long prompt)."""
+    from mlxlis.distributed.group import set_blas_threads
+
+    before = set_blas_threads(1)
+    try:
+        yield
+    finally:
+        if before is not None:
+            set_blas_threads(before)
 
 
 @functools.cache
 def reference(model: str, prompt: str, steps: int) -> tuple[list[int], np.ndarray, int]:
     """(greedy tokens, per-step float32 logits, weight bytes) of a lone process, with one
-    BLAS thread as each of two ranks on this 2-core machine has (the thread count moves
-    float32 sums in the last bits: Gemma 3's logits by up to 4.6e-4 over this prompt)."""
-    from mlxlis.distributed.group import set_blas_threads
+    BLAS thread as each rank has."""
     from mlxlis.generate import prefill
 
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    before = set_blas_threads(1)
-    try:
-        m = mlxlis.load(model, "float32")
+    with one_blas_thread():
+        m = lone(model)
         ids = m.tokenizer.encode(prompt)
         cache = m.make_cache()
         out = prefill(m.net, ids, cache)
@@ -62,9 +82,6 @@ def reference(model: str, prompt: str, steps: int) -> tuple[list[int], np.ndarra
                 step = mx.array([[tokens[-1]]], dtype=mx.int32)
                 out = m.net(step, cache=cache, last_only=True)[:, -1, :].astype(mx.float32)
         weights = sum({id(a): a.nbytes for _, a in tree_flatten(m.net.parameters())}.values())
-    finally:
-        if before is not None:
-            set_blas_threads(before)
     return tokens, np.stack(logits), weights
 
 
@@ -98,26 +115,30 @@ def _pipelined(n: int, tmp: Path, jobs_json: str) -> Path:
 
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory, tiny_job):
-    """n -> the folder where the ranks of one launch of n wrote their results."""
-    for job in JOBS:
+    """n -> the folder where the ranks of one launch of n wrote their results (2 ranks also
+    run the tiny safetensors model and the chat)."""
+    for job in JOBS[3]:
         need_pulled(job["model"])
     tmp = tmp_path_factory.mktemp("pipeline")
-    jobs = json.dumps([*JOBS, tiny_job, CHAT])
-    return lambda n: _pipelined(n, tmp, jobs)
+    return lambda n: _pipelined(n, tmp, json.dumps(jobs(n, tiny_job) + ([CHAT] if n == 2 else [])))
+
+
+def jobs(n: int, tiny_job: dict) -> list[dict]:
+    return JOBS[n] + ([tiny_job] if n == 2 else [])
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_pipelined_steps_equal_the_lone_process(pipelined, tiny_job, ranks):
-    """Each step's logits (prefill, then 3 greedy decode steps) from the last rank agree with a
+    """Each step's logits (prefill, then 2 greedy decode steps) from the last rank agree with a
     lone process within 1e-4 in float32 (they come out equal) and every rank received the same
-    greedy tokens; the parts cover the layers in order. Gemma 3's prompt (>512 tokens, two
-    prefill chunks) is longer than its sliding window."""
+    greedy tokens; the parts cover the layers in order. On 2 ranks Gemma 3's prompt (>512
+    tokens, two prefill chunks) is longer than its sliding window."""
     out = pipelined(ranks)
-    for job in [*JOBS, tiny_job]:
+    for job in jobs(ranks, tiny_job):
         tokens, logits, _ = reference(job["model"], job["prompt"], job["steps"])
         reports = [json.loads((out / f"{job['name']}-rank-{r}.json").read_text())
                    for r in range(ranks)]  # fmt: skip
-        if job["name"] == "gemma":
+        if job is GEMMA:  # longer than the sliding window
             assert len(reports[0]["ids"]) > 512
         got = np.load(out / f"{job['name']}-logits.npy")
         assert got.shape == logits.shape
@@ -139,7 +160,7 @@ def test_each_rank_holds_only_its_share(pipelined):
     here: rank 0 (layers 0-13) 0.89 GiB of arrays, peak RSS growth 1.02 GiB; rank 1 (layers
     14-23 and the 0.51 GiB head) 1.06 GiB, growth 1.19 GiB."""
     out = pipelined(2)
-    job = JOBS[0]
+    job = QWEN
     _, _, whole = reference(job["model"], job["prompt"], job["steps"])
     for r in range(2):
         rep = json.loads((out / f"qwen-rank-{r}.json").read_text())
@@ -172,17 +193,12 @@ def test_chat_on_rank_0_drives_the_other_ranks(pipelined):
     tokens, one left mid-stream by its consumer, give the replies, stops and reused prefixes
     of a lone process's session (rank 0's cache may hold one token more after a stop: the
     step that carried the stop to the others)."""
-    from mlxlis.distributed.group import set_blas_threads
 
     from pipeline_rank import chat_turns
 
     got = json.loads((pipelined(2) / "chat-rank-0.json").read_text())
-    before = set_blas_threads(1)
-    try:
-        want = chat_turns(mlxlis.load(CHAT["model"], "float32"), CHAT["turns"])
-    finally:
-        if before is not None:
-            set_blas_threads(before)
+    with one_blas_thread():
+        want = chat_turns(lone(CHAT["model"]), CHAT["turns"])
     assert [t[:3] for t in got] == [t[:3] for t in json.loads(json.dumps(want))]
     assert [t[1] for t in got] == [False, True, True, False, False]  # stopped
     assert got[2][2] > 0 and got[3][2] == 0 and got[4][2] > 0  # prompt tokens reused
