@@ -48,6 +48,7 @@ bench: install-test models
 	$(PY) scripts/bench.py
 	$(PY) scripts/bench_moe.py
 	$(PY) scripts/bench_families.py
+	$(PY) scripts/bench_pipeline.py
 
 # does the suite notice small wrong changes to the numerics? (before a refactor, after a family)
 mutants: install-test models references

@@ -302,7 +302,63 @@ def run_chat(argv: list[str]) -> int:
     except ImportError:
         say("mlxlis: error: the chat app is not installed (package `tui`)")
         return 2
+    from .distributed import launched
+
+    if launched():
+        return _chat_launched(argv, tui_main)
     return tui_main(argv)
+
+
+def _chat_launched(argv: list[str], tui_main: Callable[[list[str]], int]) -> int:
+    """`mlxlis chat` under mlx.launch: the app runs on rank 0, on the terminal of its machine;
+    the other ranks load their share and run each generation rank 0 announces."""
+    from .distributed import world
+    from .distributed.follow import finish, follow
+
+    p = argparse.ArgumentParser(prog="mlxlis chat", add_help=False)
+    add_model_args(p)
+    known, _ = p.parse_known_args(argv)
+    if known.layers_split:  # the app's loader reads it from there (mlxlis.distributed)
+        os.environ["MLXLIS_LAYERS_SPLIT"] = ",".join(map(str, known.layers_split))
+    ranks = None
+
+    def join() -> int:
+        nonlocal ranks
+        ranks = world()
+        return 0
+
+    if _guard(known.debug, join) != 0:
+        return 2
+    if ranks is not None and ranks.rank != 0:
+
+        def go() -> int:
+            from tui.engine import load_model as load_for_app
+            from tui.engine import parse_args
+
+            follow(load_for_app(parse_args(argv), lambda *_: None))
+            return 0
+
+        return _guard(known.debug, go)
+    _attach_terminal()
+    try:
+        return tui_main(argv)
+    finally:
+        finish(ranks)
+
+
+def _attach_terminal() -> None:
+    """Under mlx.launch stdin and stdout are the launcher's pipes: give the app the terminal
+    itself (/dev/tty) when this process has one (start the launcher with `< /dev/null` so it
+    does not read the keys too)."""
+    if sys.stdin.isatty():
+        return
+    try:
+        fd = os.open("/dev/tty", os.O_RDWR)
+    except OSError:
+        return
+    for std in (0, 1, 2):  # the app draws on stderr
+        os.dup2(fd, std)
+    os.close(fd)
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -348,8 +404,14 @@ def run_serve(argv: list[str]) -> int:
 
     def go() -> int:
         from . import mlx_thread
+        from .distributed import launched
         from .serve.server import ServeOptions, serve
 
+        if launched():  # the serving engine does not drive pipelined ranks yet
+            from .errors import UnsupportedError
+
+            raise UnsupportedError("mlxlis serve does not run under mlx.launch yet; serve the "
+                                   "model from one process", field="serve")  # fmt: skip
         # the model is built on the thread the engine runs on (MLX streams are per thread)
         model = mlx_thread.shared().submit(lambda: load_model(a)).result()
         if a.verbose:
