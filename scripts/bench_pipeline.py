@@ -12,7 +12,9 @@ For each rank count, in a fresh launch (best of --rounds):
   bytes     bytes passed between ranks per token: hidden_size × residual dtype size per hop,
             plus the 8-byte (token, stop flag) all_sum.
 Prints a Markdown table with what a Thunderbolt link would add per token, and writes
-bench-results/pipeline.json.
+bench-results/pipeline.json. With fewer cores than ranks the compute column grows too: a rank
+waiting for its input polls its sockets (MLX's ring backend; about half a core here) on the
+cores the computing rank needs.
 
 usage: python scripts/bench_pipeline.py [--model NAME] [--ranks 1,2,3] [--rounds N]
 """

@@ -157,8 +157,8 @@ def test_each_rank_holds_only_its_share(pipelined):
     one process). Each rank holds the arrays of its own layers only (the parts test checks
     which), plus the embedding on rank 0 (a lookup: kept quantized) and the tied head on rank 1
     (dense); its resident set peaks at about those arrays, far from the whole model. Measured
-    here: rank 0 (layers 0-13) 0.89 GiB of arrays, peak RSS growth 1.02 GiB; rank 1 (layers
-    14-23 and the 0.51 GiB head) 1.06 GiB, growth 1.19 GiB."""
+    here: rank 0 (layers 0-13) 0.89 GiB of arrays, peak RSS growth 1.03 GiB; rank 1 (layers
+    14-23 and the 0.51 GiB head) 1.06 GiB, growth 1.20 GiB."""
     out = pipelined(2)
     job = QWEN
     _, _, whole = reference(job["model"], job["prompt"], job["steps"])

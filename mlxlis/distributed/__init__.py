@@ -38,8 +38,8 @@ class Pipeline:
     @classmethod
     def from_env(cls, split: str | Sequence[int] | None = None) -> Pipeline:
         """The launched ranks (None outside a launcher) and `split`, else MLXLIS_LAYERS_SPLIT."""
-        if split is None:
-            split = os.environ.get("MLXLIS_LAYERS_SPLIT") or None
+        if split is None and os.environ.get("MLXLIS_LAYERS_SPLIT"):
+            split = parse_split(os.environ["MLXLIS_LAYERS_SPLIT"], "MLXLIS_LAYERS_SPLIT")
         if isinstance(split, str):
             split = parse_split(split)
         return cls(world(), split)
