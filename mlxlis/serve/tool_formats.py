@@ -49,34 +49,33 @@ def _mistral_id() -> str:  # Mistral's templates raise on any other id
     return "".join(secrets.choice(_ALNUM) for _ in range(9))
 
 
-def _arguments(obj: dict[str, Any], keys: tuple[str, ...]) -> str | None:
-    """The arguments of a JSON call object as JSON text (an object, or a JSON string of one)."""
-    args: Any = {}
-    for k in keys:
-        if k in obj:
-            args = obj[k]
-            break
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return json.dumps(args, ensure_ascii=False)
-
-
-def _json_object(body: str, keys: tuple[str, ...]) -> ParsedCall | None:
+def _loads(text: str) -> Any:
+    """JSON text -> value; None when it is not JSON."""
     try:
-        obj = json.loads(body)
+        return json.loads(text)
     except ValueError:
         return None
+
+
+def _object_text(args: Any) -> str | None:
+    """Call arguments as JSON text: an object, or a JSON string holding one; else None."""
+    if isinstance(args, str):
+        args = _loads(args)
+    return json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
+
+
+def _call(obj: Any, keys: tuple[str, ...]) -> ParsedCall | None:
+    """A call object {"name", "arguments" | "parameters" (the first of `keys` present), "id"?}."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
-    args = _arguments(obj, keys)
+    args = _object_text(next((obj[k] for k in keys if k in obj), {}))
     if args is None:
         return None
     return obj["name"], args, obj["id"] if isinstance(obj.get("id"), str) else None
+
+
+def _json_object(body: str, keys: tuple[str, ...]) -> ParsedCall | None:
+    return _call(_loads(body), keys)
 
 
 def parse_hermes(body: str) -> list[ParsedCall] | None:
@@ -95,13 +94,10 @@ def parse_mistral(body: str) -> list[ParsedCall] | None:
     by further [TOOL_CALLS] tags (with `[CALL_ID]id` before [ARGS] in some versions)."""
     body = body.strip()
     if body.startswith("["):
-        try:
-            items = json.loads(body)
-        except ValueError:
-            return None
+        items = _loads(body)
         if not isinstance(items, list) or not items:
             return None
-        calls = [_json_object(json.dumps(i), ("arguments", "parameters")) for i in items]
+        calls = [_call(i, ("arguments", "parameters")) for i in items]
         return None if None in calls else calls  # type: ignore[return-value]
     calls: list[ParsedCall] = []
     for part in body.split("[TOOL_CALLS]"):
@@ -110,10 +106,7 @@ def parse_mistral(body: str) -> list[ParsedCall] | None:
         name = name.strip()
         if not sep or not re.fullmatch(r"[\w.\-]+", name):
             return None
-        try:
-            obj = json.loads(args)
-        except ValueError:
-            return None
+        obj = _loads(args)
         if not isinstance(obj, dict):
             return None
         calls.append((name, json.dumps(obj, ensure_ascii=False), call_id.strip() or None))
