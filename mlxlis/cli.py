@@ -407,13 +407,13 @@ def run_serve(argv: list[str]) -> int:
         from .distributed import launched
         from .serve.server import ServeOptions, serve
 
-        if launched():  # the serving engine does not drive pipelined ranks yet
-            from .errors import UnsupportedError
-
-            raise UnsupportedError("mlxlis serve does not run under mlx.launch yet; serve the "
-                                   "model from one process", field="serve")  # fmt: skip
         # the model is built on the thread the engine runs on (MLX streams are per thread)
         model = mlx_thread.shared().submit(lambda: load_model(a)).result()
+        if launched() and model.rank != 0:  # rank 0 serves; the others run its steps
+            from .distributed.serving import follow_serving
+
+            mlx_thread.shared().submit(lambda: follow_serving(model)).result()
+            return 0
         if a.verbose:
             print_details(model)
         name = a.model if not os.path.exists(a.model) else os.path.basename(

@@ -177,6 +177,7 @@ def main() -> int:
             finally:
                 server.stop()
             rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)  # kept if a later model fails
     machine = {"cpu": cpu_name(), "cores": os.cpu_count(), "dtype": default_dtype_name()}
     out = Path(a.out)
     out.mkdir(exist_ok=True)

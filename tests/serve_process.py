@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import signal
 import subprocess
@@ -18,17 +19,24 @@ STOP_S = 60.0
 
 
 class ServeProcess:
-    def __init__(self, folder: Path, *args: str, api_key: str | None = None):
+    def __init__(self, folder: Path, *args: str, api_key: str | None = None, ranks: int = 1,
+                 env: dict[str, str] | None = None):  # fmt: skip
+        """`ranks` > 1: under `mlx.launch` (ring over loopback), in a session of its own."""
         self.api_key = api_key
         self.model = args[args.index("-m") + 1]
         self.log_path = folder / "serve.log"
         cmd = [sys.executable, "-m", "mlxlis", "serve", "--port", "0", *args]
         if api_key:
             cmd += ["--api-key", api_key]
+        if ranks > 1:
+            from launch import command
+
+            cmd = command(ranks, *cmd)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log
-            )
+                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                env={**os.environ, **(env or {})}, start_new_session=ranks > 1,
+            )  # fmt: skip
         self.port = self._wait_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
 

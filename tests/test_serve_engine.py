@@ -2,7 +2,8 @@
 
 Self-consistency against mlxlis.generate, the reference for one prompt: greedy requests
 interleaved step by step (8 at once, different prompt lengths, one longer than Gemma 3's
-sliding window, on Llama, Qwen2, Gemma 3 and the hybrid Qwen3.5) produce exactly the tokens
+sliding window, on Llama, Qwen2, Gemma 3, the hybrid Qwen3.5 and Gemma 4 with KV-shared
+layers and per-layer inputs) produce exactly the tokens
 each produces alone through `generate`; a prompt sharing a prefix with a finished request
 reuses its caches (cached_tokens > 0) and still produces exactly a fresh run's tokens;
 stop strings are cut across token boundaries and never emitted; cancellation, a full queue and
@@ -20,6 +21,8 @@ from mlxlis.serve.engine import Engine, GenRequest, PrefixCache, QueueFullError,
 import mlx.core as mx
 import pytest
 from conftest import trajectory
+from test_gemma4 import SPECS as GEMMA4_SPECS
+from test_gemma4 import build as build_gemma4
 from test_qwen3_5 import SPECS as QWEN35_SPECS
 from test_qwen3_5 import build as build_qwen35
 
@@ -40,6 +43,9 @@ def models(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3_5")
     build_qwen35(folder, QWEN35_SPECS["qwen3_5"])
     out["qwen3_5"] = folder
+    folder = tmp_path_factory.mktemp("gemma4")  # its own network: per-layer inputs, KV sharing
+    build_gemma4(folder, GEMMA4_SPECS["all"])
+    out["gemma4"] = folder
     return {k: mlxlis.load(v, "float32") for k, v in out.items()}
 
 
@@ -52,7 +58,7 @@ def tokens(stream) -> list[int]:
     return [e.token for e in stream if e.token is not None]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3", "qwen3_5"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3", "qwen3_5", "gemma4"])
 def test_interleaved_requests_equal_each_alone(models, name):
     """8 greedy requests at once (prompts of 3 to 40 tokens: past the Gemma 3 window of 8,
     past its 256-slot growth only with generation) give each request generate's tokens."""

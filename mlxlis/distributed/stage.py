@@ -21,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..cache import CacheBatch
 from .group import Ranks
 from .split import Part
 
@@ -85,7 +86,9 @@ class PipelineNet:
         return mx.distributed.all_sum(mine, group=self.ranks.group)
 
     def decode_batch(self, tokens: list[int], caches: list) -> mx.array:
-        from ..errors import UnsupportedError
-
-        raise UnsupportedError("batched decoding does not run pipelined across ranks",
-                               field="decode_batch")  # fmt: skip
+        """One token for each of B sequences, each with this rank's caches (the serving
+        engine's batched step): (B, vocab) logits on the last rank, the send elsewhere."""
+        inputs = mx.array(tokens, dtype=mx.int32)[:, None]  # (B, 1)
+        held = len(self.net.held_layers)
+        out = self(inputs, [CacheBatch([c[i] for c in caches]) for i in range(held)])
+        return out[:, -1, :] if self.is_last else out

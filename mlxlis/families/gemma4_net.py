@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import KVCache, RotatingKVCache, window_mask
+from ..cache import CacheBatch, KVCache, RotatingKVCache, window_mask
 from ..config import ModelConfig, RopeConfig
 from ..errors import ConfigError
 from .activations import gated
 from .attention import attend, softcap
 from .experts import SORT_FROM, ExpertSource, SwitchGLU, SwitchLinear
-from .layers import MLP, Mask
+from .layers import MLP, Mask, fetch_batch
 from .rope import Rope
 
 if TYPE_CHECKING:
@@ -119,22 +119,30 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=bias)
         self.rope = rope
 
-    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, offset: int,
-                 shared: tuple[mx.array, mx.array] | None) -> tuple[mx.array, tuple]:  # fmt: skip
+    def __call__(self, x: mx.array, mask: Mask, cache: Cache | CacheBatch | None,
+                 offset: int | mx.array, shared: tuple | None) -> tuple[mx.array, tuple]:
+        """offset: the position of x's first token (per sequence, (B,), for a CacheBatch);
+        shared: (keys, values, padding mask or None) an earlier layer attended over; returns
+        the output and this layer's own (keys, values, padding mask or None)."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(b, t, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset)  # (B, n_heads, T, head_dim)
+        padding = None  # a batch's (B, 1, 1, S) mask of its padded keys
         if shared is not None:
-            k, v = shared
+            k, v, padding = shared
+            mask = padding if padding is not None else mask
         else:
             k = self.k_proj(x).reshape(b, t, self.n_kv_heads, -1)
             v = k if self.k_eq_v else self.v_proj(x).reshape(b, t, self.n_kv_heads, -1)
             k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset)
             v = self.v_norm(v).transpose(0, 2, 1, 3)  # k, v: (B, n_kv_heads, T, head_dim)
-            if cache is not None:
+            if isinstance(cache, CacheBatch):  # one token per sequence (decode_batch)
+                k, v, padding = fetch_batch(cache.caches, k, v)
+                mask = padding
+            elif cache is not None:
                 k, v = cache.update_and_fetch(k, v)
         out = attend(q, k, v, 1.0, mask).transpose(0, 2, 1, 3)  # (B, T, n_heads, head_dim)
-        return self.o_proj(out.reshape(b, t, -1)), (k, v)
+        return self.o_proj(out.reshape(b, t, -1)), (k, v, padding)
 
 
 class Router(nn.Module):
@@ -299,6 +307,13 @@ class Gemma4(nn.Module):
                 stacks[f"{p}.switch_glu.{proj}.weight"] = ExpertSource(parts, f"{p}.{fused}", half)
         return stacks
 
+    def decode_batch(self, tokens: list[int], caches: list[list[Cache]]) -> mx.array:
+        """One token for each of B sequences, each with its own caches: (B, vocab) logits.
+        The projections and MLPs run on the batch; attention on each sequence's cache."""
+        inputs = mx.array(tokens, dtype=mx.int32)[:, None]  # (B, 1)
+        per_layer = [CacheBatch([c[j] for c in caches]) for j in range(len(self._own))]
+        return self(inputs, per_layer)[:, -1, :]
+
     def _per_layer_inputs(self, ids: mx.array, h: mx.array) -> mx.array:
         """(B, T, layers, per_layer_dim): the token's per-layer embedding (× √per_layer_dim)
         plus the normed projection of its embedding h (÷ √hidden), together × 1/√2."""
@@ -315,13 +330,17 @@ class Gemma4(nn.Module):
                  last_only: bool = False) -> mx.array:  # fmt: skip
         cfg, s, m = self.config, self.config.gemma4, self.model
         t = inputs.shape[1]
-        offset = cache[0].offset if cache else 0
+        batch = bool(cache) and isinstance(cache[0], CacheBatch)  # decode_batch's step
+        if batch:
+            offset = mx.array([c.offset for c in cache[0].caches])  # (B,) positions
+        else:
+            offset = cache[0].offset if cache else 0
         h = m.embed_tokens(inputs)  # (B, T, hidden); √hidden rounded to the dtype, as transformers
         h = h * mx.array(cfg.hidden_size**0.5, mx.float32).astype(h.dtype)
         per_layer = self._per_layer_inputs(inputs, h) if s.per_layer_dim else None
         h = h.astype(mx.float32)  # the residual stream (decoder.py: Gemma outgrows float16)
         masks: dict[bool, Mask] = {False: "causal" if t > 1 else None, True: None}
-        if any(self._sliding):
+        if any(self._sliding) and not batch:  # a batch masks per sequence (fetch_batch)
             first = next(i for i in self._own if self._sliding[i])
             masks[True] = cache[self._slot[first]].mask(t) if cache else (
                 window_mask(0, t, 0, t, cfg.sliding_window) if t > 1 else None)

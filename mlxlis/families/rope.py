@@ -41,6 +41,8 @@ class Rope(nn.Module):
             if periods is None:
                 periods = rope.theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
             periods = periods * freq_factors.astype(mx.float32)
+        if periods is not None:
+            mx.eval(periods)  # now, on the loading thread's stream: another thread may run it
         self._periods = periods  # underscore: a buffer, not a loadable parameter
         if periods is not None:
             self.base = None

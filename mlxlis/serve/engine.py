@@ -12,10 +12,11 @@ leaves at the next round. At most `max_active` requests run;
 Each request keeps its own per-layer caches, built and advanced as `mlxlis.generate` does
 for a single prompt; in the batched step only the projections and MLPs see the batch, each
 sequence's attention and recurrence run on its own cache, so its greedy tokens are those it
-gets alone (up to the last bits of a batched vs a single-row matmul). The prefix cache keeps the
-caches of recent requests (LRU, bounded in bytes): a new prompt takes over the one sharing
-its longest prefix, rewound to that prefix (`mlxlis.cache.rewind`: KV caches to any
-position, recurrent states to a snapshot), and prefills only the rest.
+gets alone (up to the last bits of a batched vs a single-row matmul). The prefix cache
+(prefix.py) keeps the caches of recent requests: a new prompt takes over the one sharing its
+longest prefix and prefills only the rest. Where the caches live and how a step runs is the
+Steps object's (steps.py): this process, or a pipeline of ranks under mlx.launch led from
+rank 0 (distributed/serving.py).
 """
 
 from __future__ import annotations
@@ -25,17 +26,20 @@ import itertools
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from .. import mlx_thread
-from ..cache import common_prefix, rewind, snapshot
-from ..errors import MlxlisError
+from ..errors import MlxlisError, PipelineError
 from ..sampling import SamplingParams, apply_repetition_penalty, make_sampler
 from ..vocab import StreamDecoder
+from .prefix import PrefixCache
+from .steps import LocalSteps
+
+__all__ = ["Engine", "GenEvent", "GenRequest", "PrefixCache", "QueueFullError", "Stream",
+           "StopMatcher", "Usage"]  # fmt: skip
 
 PREFILL_CHUNK = 256  # prompt tokens per round (the others decode one token meanwhile)
 
@@ -133,39 +137,6 @@ class StopMatcher:
         return held
 
 
-class PrefixCache:
-    """Caches of finished requests by the token ids they hold; LRU, at most `max_bytes`."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[int, tuple[tuple[int, ...], list, int]] = OrderedDict()
-        self._ids = itertools.count()
-        self.bytes = 0  # held now: a plain int, so other threads (/health) read it safely
-
-    def put(self, ids: list[int], caches: list) -> None:
-        size = sum(a.nbytes for c in caches for a in c.state)
-        if not ids or size > self.max_bytes:
-            return
-        self._entries[next(self._ids)] = (tuple(ids), caches, size)
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            self.bytes -= self._entries.popitem(last=False)[1][2]
-
-    def take(self, ids: list[int]) -> tuple[list | None, int]:
-        """The caches sharing the longest prefix with `ids` (removed from the store), rewound
-        to that prefix (at least one id left to feed); (None, 0) when none helps."""
-        best, best_n = None, 0
-        for key, (held, _, _) in self._entries.items():
-            if (n := common_prefix(held, ids)) > best_n:
-                best, best_n = key, n
-        if best is None:
-            return None, 0
-        held, caches, size = self._entries.pop(best)
-        self.bytes -= size
-        reused = rewind(caches, len(held), min(best_n, len(ids) - 1))
-        return (caches, reused) if reused else (None, 0)
-
-
 @dataclass
 class _Active:
     req: GenRequest
@@ -188,6 +159,9 @@ class Engine:
         self.model = model
         self.max_active, self.max_queued = max_active, max_queued
         self.prefix = PrefixCache(prefix_cache_bytes)
+        self.steps = steps_for(model, self.prefix)
+        self.fatal: str | None = None  # why the engine stopped on its own (a rank was lost)
+        self.on_fatal = None  # called with that message, from the MLX thread
         self._queue: list[_Active] = []
         self._active: list[_Active] = []
         self._cv = threading.Condition()
@@ -250,27 +224,55 @@ class Engine:
                         a.stream._put(GenEvent("", finish_reason="error", usage=a.usage,
                                                error="the server is shutting down"))  # fmt: skip
                     self._queue, self._active = [], []
-                    return
+                    break
                 self._drop_cancelled()
                 while self._queue and len(self._active) < self.max_active:
                     self._active.append(self._queue.pop(0))
                 active = list(self._active)
             ready = [a for a in active if a.next_token is not None and not a.todo
                      and not a.stream.cancelled.is_set()]  # fmt: skip
-            if len(ready) > 1 and hasattr(self.model.net, "decode_batch"):
-                self._run(ready, self._decode_batch)
-                active = [a for a in active if a not in ready]
-            for a in active:
-                self._run([a], lambda one: [self._step(one[0])])
+            try:
+                if len(ready) > 1 and self.steps.batches:
+                    self._run(ready, self._decode_batch)
+                    active = [a for a in active if a not in ready]
+                for a in active:
+                    self._run([a], lambda one: [self._step(one[0])])
+            except PipelineError as e:  # the ranks are out of step: nothing more can run
+                self._fail(str(e))
+                return
+        self._close_steps()
+
+    def _fail(self, message: str) -> None:
+        self.fatal = message
+        with self._cv:
+            self._stopping = True
+            for a in self._queue + self._active:
+                a.stream._put(GenEvent("", finish_reason="error", usage=a.usage, error=message))
+            self._queue, self._active = [], []
+        if self.on_fatal is not None:
+            self.on_fatal(message)
+
+    def _close_steps(self) -> None:
+        try:
+            self.steps.close()
+        except PipelineError as e:  # the other ranks are already gone
+            self.fatal = str(e)
+            if self.on_fatal is not None:
+                self.on_fatal(str(e))
 
     def _run(self, group: list[_Active], work) -> None:
         """`work(group)` -> done flags; a failure ends the group's requests with "error"."""
         try:
             done = work(group)
+        except PipelineError:
+            raise
         except Exception as e:  # noqa: BLE001 — a failure ends these requests, not the server
             for a in group:
                 a.stream._put(GenEvent("", finish_reason="error", usage=a.usage,
                                        error=f"{type(e).__name__}: {e}"))  # fmt: skip
+                if a.caches:  # left mid-step: not consistent
+                    self.steps.release(a.stream.id, None, a.caches)
+                    a.caches = []
             done = [True] * len(group)
         with self._cv:
             for a, d in zip(group, done, strict=True):
@@ -279,8 +281,8 @@ class Engine:
 
     def _decode_batch(self, group: list[_Active]) -> list[bool]:
         """One token for every request of `group` in one forward pass (weights read once)."""
-        logits = self.model.net.decode_batch([a.next_token for a in group],
-                                             [a.caches for a in group]).astype(mx.float32)
+        logits = self.steps.run([a.stream.id for a in group], [a.caches for a in group],
+                                [[a.next_token] for a in group], "decode")  # (B, vocab)
         done = []
         for i, a in enumerate(group):
             a.fed.append(a.next_token)
@@ -291,24 +293,19 @@ class Engine:
         """One unit of work for `a`; True when it has finished."""
         if a.stream.cancelled.is_set():
             return self._finish(a, "cancelled")
-        net = self.model.net
+        rid = a.stream.id
         if not a.caches:  # admitted: take a cached prefix if one helps
-            caches, reused = self.prefix.take(a.todo)
-            a.caches = caches if caches is not None else self.model.make_cache()
+            a.caches, reused = self.steps.admit(rid, a.todo)
             a.fed, a.todo = list(a.todo[:reused]), a.todo[reused:]
             a.usage.cached_tokens = reused
         if a.todo:  # prefill a chunk; the last one yields the first token's logits
             chunk, a.todo = a.todo[:PREFILL_CHUNK], a.todo[PREFILL_CHUNK:]
-            out = net(mx.array([chunk], dtype=mx.int32), cache=a.caches, last_only=True)
+            logits = self.steps.run([rid], [a.caches], [chunk], "chunk" if a.todo else "prompt")
             a.fed += chunk
-            if a.todo:
-                mx.eval([c.state for c in a.caches])
-                return False
-            snapshot(a.caches)  # as generate's prefill does
-            return self._emit(a, out[:, -1, :].astype(mx.float32))
-        out = net(mx.array([[a.next_token]], dtype=mx.int32), cache=a.caches, last_only=True)
+            return False if logits is None else self._emit(a, logits)
+        logits = self.steps.run([rid], [a.caches], [[a.next_token]], "decode")
         a.fed.append(a.next_token)
-        return self._emit(a, out[:, -1, :].astype(mx.float32))
+        return self._emit(a, logits)
 
     def _emit(self, a: _Active, logits: mx.array) -> bool:
         """Sample from `logits`, send the token's text; True when the request is done."""
@@ -349,7 +346,16 @@ class Engine:
     def _finish(self, a: _Active, reason: str) -> bool:
         tail = "" if reason == "stop" else a.stops.feed(a.decoder.flush())[0] + a.stops.flush()
         a.stream._put(GenEvent(tail, finish_reason=reason, usage=a.usage))
-        if a.caches and not a.todo:  # a consistent cache: keep it for a later prefix
-            self.prefix.put(a.fed, a.caches)
+        if a.caches:  # consistent (whole prompt fed): keep it for a later prefix
+            self.steps.release(a.stream.id, a.fed if not a.todo else None, a.caches)
         a.caches = []
         return True
+
+
+def steps_for(model, prefix: PrefixCache):
+    """Rank 0's LeaderSteps for a model pipelined across ranks, else LocalSteps."""
+    if getattr(model.net, "is_pipeline", False):
+        from ..distributed.serving import LeaderSteps
+
+        return LeaderSteps(model, prefix)
+    return LocalSteps(model, prefix)

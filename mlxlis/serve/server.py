@@ -110,6 +110,12 @@ def serve(model: Any, opts: ServeOptions) -> int:
         timeout_graceful_shutdown=int(SHUTDOWN_WAIT_S),
     )
     server = _Server(config, state)
+
+    def fatal(message: str) -> None:  # a pipeline rank was lost: nothing more can be served
+        log.error("error: %s", message)
+        server.should_exit = True
+
+    engine.on_fatal = fatal
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     log.info(
@@ -131,5 +137,7 @@ def serve(model: Any, opts: ServeOptions) -> int:
         state.worker.shutdown(wait=False)
         if not state.stopping:  # uvicorn failed before a signal: the engine still runs
             stop_engine(engine)
+    if engine.fatal:
+        return 1
     log.info("stopped")
     return 0
