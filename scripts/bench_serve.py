@@ -37,7 +37,7 @@ from bench import cpu_name, hf_copy  # noqa: E402
 
 CLIENTS = (1, 4, 8)
 REQUESTS_PER_CLIENT = 2
-MAX_TOKENS = 64
+MAX_TOKENS = 32
 PROMPT_WORDS = 100
 STARTUP_S = 300
 WORDS = ("river stone garden lantern harbour meadow violin copper orchard glacier thunder "

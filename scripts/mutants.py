@@ -183,6 +183,16 @@ MUTANTS = (
            "return cfg.with_(gemma4=replace(cfg.gemma4, full_rotated=None)), None",
            ("tests/test_gemma4_gguf.py",),
            "Gemma 4 GGUF: rope_freqs read as config but every pair turned"),
+    Mutant("batch-padding-seen", "mlxlis/families/layers.py",
+           "(mx.arange(s)[None] < lengths[:, None])",
+           "(mx.arange(s)[None] <= lengths[:, None])",
+           ("tests/test_serve_engine.py::test_interleaved_requests_equal_each_alone",),
+           "batched decode: a shorter sequence attends one padding key"),
+    Mutant("gemma4-shared-batch-unmasked", "mlxlis/families/gemma4_net.py",
+           "mask = padding if padding is not None else mask",
+           "mask = mask",
+           ("tests/test_serve_engine.py::test_interleaved_requests_equal_each_alone",),
+           "Gemma 4 batched decode: KV-shared layers attend the padding of shorter sequences"),
 )  # fmt: skip
 
 IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache",
