@@ -47,6 +47,18 @@ STORY = ("The history of computing is a story of abstraction layered upon abstra
          "many things. Compilers, operating systems and networks followed. ") * 22  # fmt: skip
 
 
+# mlx_lm.server with the OpenBLAS sgemm mlxlis gives itself (MLX's bundled BLAS is ~30x
+# slower: a 1 000-token prefill took minutes), not mlxlis's matrix-vector routing (measured
+# here as part of mlxlis), as bench_worker.py does for the single-stream benchmark
+MLX_LM_SERVER = """
+import os, runpy, sys
+os.environ["MLXLIS_BLAS_GEMV"] = "0"
+import mlxlis  # chooses the BLAS before mlx.core loads
+sys.argv = ["mlx_lm", "server", *sys.argv[1:]]
+runpy.run_module("mlx_lm", run_name="__main__")
+"""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,7 +81,7 @@ class Server:
                    "--max-batch", "8"]  # fmt: skip
         else:
             folder = hf_copy(name, default_dtype_name(), cache)
-            cmd = [py, "-m", "mlx_lm", "server", "--model", str(folder), "--port", str(self.port),
+            cmd = [py, "-c", MLX_LM_SERVER, "--model", str(folder), "--port", str(self.port),
                    "--log-level", "WARNING"]  # fmt: skip
         self.log = open(log, "wb")  # noqa: SIM115 — closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log, cwd=ROOT)

@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from .activations import gated
 from .attention import attend, softcap
 from .experts import SORT_FROM, ExpertSource, SwitchGLU, SwitchLinear
-from .layers import MLP, Mask, fetch_batch
+from .layers import MLP, Mask, attend_each
 from .rope import Rope
 
 if TYPE_CHECKING:
@@ -122,27 +122,28 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, mask: Mask, cache: Cache | CacheBatch | None,
                  offset: int | mx.array, shared: tuple | None) -> tuple[mx.array, tuple]:
         """offset: the position of x's first token (per sequence, (B,), for a CacheBatch);
-        shared: (keys, values, padding mask or None) an earlier layer attended over; returns
-        the output and this layer's own (keys, values, padding mask or None)."""
+        shared: what an earlier layer attended over, (keys, values, None) or, in a batch,
+        (.., .., the per-sequence (keys, values)); returns the output and this layer's own."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(b, t, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset)  # (B, n_heads, T, head_dim)
-        padding = None  # a batch's (B, 1, 1, S) mask of its padded keys
+        each = None  # decode_batch: the per-sequence (keys, values)
         if shared is not None:
-            k, v, padding = shared
-            mask = padding if padding is not None else mask
+            k, v, each = shared
         else:
             k = self.k_proj(x).reshape(b, t, self.n_kv_heads, -1)
             v = k if self.k_eq_v else self.v_proj(x).reshape(b, t, self.n_kv_heads, -1)
             k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset)
             v = self.v_norm(v).transpose(0, 2, 1, 3)  # k, v: (B, n_kv_heads, T, head_dim)
-            if isinstance(cache, CacheBatch):  # one token per sequence (decode_batch)
-                k, v, padding = fetch_batch(cache.caches, k, v)
-                mask = padding
-            elif cache is not None:
+            if cache is not None and not isinstance(cache, CacheBatch):
                 k, v = cache.update_and_fetch(k, v)
-        out = attend(q, k, v, 1.0, mask).transpose(0, 2, 1, 3)  # (B, T, n_heads, head_dim)
-        return self.o_proj(out.reshape(b, t, -1)), (k, v, padding)
+        if isinstance(cache, CacheBatch) or each is not None:  # one token per sequence
+            caches = cache.caches if isinstance(cache, CacheBatch) else None
+            out, each = attend_each(q, k, v, caches, 1.0, kvs=each)
+        else:
+            out = attend(q, k, v, 1.0, mask)
+        out = out.transpose(0, 2, 1, 3)  # (B, T, n_heads, head_dim)
+        return self.o_proj(out.reshape(b, t, -1)), (k, v, each)
 
 
 class Router(nn.Module):
@@ -340,7 +341,7 @@ class Gemma4(nn.Module):
         per_layer = self._per_layer_inputs(inputs, h) if s.per_layer_dim else None
         h = h.astype(mx.float32)  # the residual stream (decoder.py: Gemma outgrows float16)
         masks: dict[bool, Mask] = {False: "causal" if t > 1 else None, True: None}
-        if any(self._sliding) and not batch:  # a batch masks per sequence (fetch_batch)
+        if any(self._sliding) and not batch:  # a batch attends per sequence (attend_each)
             first = next(i for i in self._own if self._sliding[i])
             masks[True] = cache[self._slot[first]].mask(t) if cache else (
                 window_mask(0, t, 0, t, cfg.sliding_window) if t > 1 else None)

@@ -98,28 +98,26 @@ class Attention(nn.Module):
 
     def _attend_batch(self, q, k, v, caches: list) -> mx.array:
         """One new token per sequence (q, k, v: (B, heads, 1, head_dim)): RoPE at each one's
-        own position, each cache updated, then one attention over the keys (fetch_batch)."""
+        own position, then each attends over its own cache (attend_each)."""
         offsets = mx.array([c.offset for c in caches])
         q, k = self.rope(q, offsets), self.rope(k, offsets)
-        keys, values, mask = fetch_batch(caches, k, v)
-        return attend(q, keys, values, self.scale, mask, self.softcap)
+        return attend_each(q, k, v, caches, self.scale, self.softcap)[0]
 
 
-def fetch_batch(caches: list, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """Each sequence's cache updated with its row of k, v (B, n_kv_heads, 1, head_dim); their
-    keys and values padded on the right to the longest, S, and the (B, 1, 1, S) mask hiding
-    the padding: each row sees exactly its own keys, in the order and places its lone step
-    sees them (a sliding window's whole ring: one new token sees all of it)."""
-    kv = [c.update_and_fetch(k[i : i + 1], v[i : i + 1]) for i, c in enumerate(caches)]
-    s = max(kk.shape[2] for kk, _ in kv)
-
-    def pad(x: mx.array) -> mx.array:
-        return mx.pad(x, [(0, 0), (0, 0), (0, s - x.shape[2]), (0, 0)])
-
-    keys = mx.concatenate([pad(kk) for kk, _ in kv])  # (B, n_kv_heads, S, head_dim)
-    values = mx.concatenate([pad(vv) for _, vv in kv])
-    lengths = mx.array([kk.shape[2] for kk, _ in kv])
-    return keys, values, (mx.arange(s)[None] < lengths[:, None])[:, None, None, :]
+def attend_each(q: mx.array, k: mx.array | None, v: mx.array | None, caches: list | None,
+                scale: float, cap: float | None = None,
+                kvs: list | None = None) -> tuple[mx.array, list]:  # fmt: skip
+    """One new token per sequence, q: (B, heads, 1, head_dim): each sequence's cache updated
+    with its row of k, v (B, n_kv_heads, 1, head_dim) — or `kvs`, the per-sequence (keys,
+    values) an earlier layer attended over — then each query attends over exactly its own
+    keys, as its lone step does (a sliding window's whole ring: one new token sees all of it).
+    Per sequence, not padded into one tensor: copying every cache into a (B, …, S) batch cost
+    more than the attention (SmolLM2, 8 sequences of 600 tokens: 680 ms a step against 270).
+    Returns (B, heads, 1, head_dim) and the per-sequence (keys, values)."""
+    if kvs is None:
+        kvs = [c.update_and_fetch(k[i : i + 1], v[i : i + 1]) for i, c in enumerate(caches)]
+    outs = [attend(q[i : i + 1], kk, vv, scale, None, cap) for i, (kk, vv) in enumerate(kvs)]
+    return mx.concatenate(outs), kvs
 
 
 class MLP(nn.Module):
