@@ -8,7 +8,9 @@ greedy) one after another. Reported per engine x clients: aggregate generated to
 clients' tokens over the wall time, prefill included), p50/p95 time to first token; and the
 second turn of a conversation of about 1 000 tokens, whose prompt starts with the first
 turn's prompt and reply (the prefix cache's case): its TTFT against the first turn's.
-Prints a Markdown table and writes JSON to bench-results/.
+Prints a Markdown table and writes JSON to bench-results/. `--engines mlxlis@2` also serves
+under `mlx.launch` with the model pipelined across 2 ranks of this machine (loopback: the
+cost of the pipeline, not a speed-up).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import http.client
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -74,17 +77,21 @@ def prompt(i: int) -> str:
 class Server:
     def __init__(self, engine: str, name: str, cache: Path, log: Path):
         self.port = free_port()
-        self.model = name if engine == "mlxlis" else "default_model"  # mlx-lm: the one loaded
+        self.model = "default_model" if engine == "mlx_lm" else name  # mlx-lm: the one loaded
         py = sys.executable
-        if engine == "mlxlis":
+        if engine.startswith("mlxlis"):
             cmd = [py, "-m", "mlxlis", "serve", "-m", name, "--port", str(self.port),
                    "--max-batch", "8"]  # fmt: skip
+            if "@" in engine:  # mlxlis@N: pipelined across N ranks on this machine (loopback)
+                launcher = str(Path(py).with_name("mlx.launch"))
+                cmd = [launcher, "--backend", "ring", "-n", engine.split("@")[1], *cmd]
         else:
             folder = hf_copy(name, default_dtype_name(), cache)
             cmd = [py, "-c", MLX_LM_SERVER, "--model", str(folder), "--port", str(self.port),
                    "--log-level", "WARNING"]  # fmt: skip
         self.log = open(log, "wb")  # noqa: SIM115 — closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log, cwd=ROOT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log, cwd=ROOT,
+                                     start_new_session=True)  # stop() ends a launcher's ranks too
         deadline = time.monotonic() + STARTUP_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -126,11 +133,12 @@ class Server:
         return (ttft or 0.0), n, out, time.perf_counter() - t0
 
     def stop(self) -> None:
-        self.proc.terminate()
+        os.killpg(self.proc.pid, signal.SIGTERM)  # its session: a launcher and its ranks
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
         self.log.close()
 
 

@@ -26,7 +26,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -161,7 +161,7 @@ class Engine:
         self.prefix = PrefixCache(prefix_cache_bytes)
         self.steps = steps_for(model, self.prefix)
         self.fatal: str | None = None  # why the engine stopped on its own (a rank was lost)
-        self.on_fatal = None  # called with that message, from the MLX thread
+        self.on_fatal: Callable[[str], None] | None = None  # told it, on the MLX thread
         self._queue: list[_Active] = []
         self._active: list[_Active] = []
         self._cv = threading.Condition()
