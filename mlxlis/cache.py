@@ -250,13 +250,20 @@ def common_prefix(a, b) -> int:
     return n
 
 
-def rewind(caches: list, held: int, position: int) -> int:
-    """Trim a model's caches, which hold `held` tokens, back to the latest position ≤
-    `position` every layer can return to exactly (any for a KV cache, a snapshot for a
-    recurrent state); returns that position, or 0 when none above 0 could be reached."""
+def reachable(caches: list, position: int) -> int:
+    """The latest position ≤ `position` every one of `caches` can be trimmed back to exactly
+    (any for a KV cache, a snapshot for a recurrent state)."""
     target = position
     while (back := min(rewind_point(c, target) for c in caches)) != target:
         target = back
+    return target
+
+
+def rewind(caches: list, held: int, position: int) -> int:
+    """Trim a model's caches, which hold `held` tokens, back to the latest position ≤
+    `position` every layer can return to exactly (`reachable`); returns that position, or 0
+    when none above 0 could be reached."""
+    target = reachable(caches, position)
     drop = held - target
     if target <= 0 or not all(c.trim(drop) == drop for c in caches):
         return 0

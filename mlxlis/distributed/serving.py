@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
 
-from ..cache import rewind, rewind_point
+from ..cache import reachable, rewind
 from ..errors import PipelineError
 from ..serve.prefix import PrefixCache
 from ..serve.steps import LocalSteps, forward
@@ -113,10 +113,7 @@ def take(ranks: Ranks, caches: list, held: int, position: int) -> int:
     the entry is then dropped). Collective: the ranks trade their candidates until they agree."""
     target = position
     while True:
-        mine = target
-        while (back := min(rewind_point(c, mine) for c in caches)) != mine:
-            mine = back
-        low = min(row[0] for row in ranks.gather([mine]))
+        low = min(row[0] for row in ranks.gather([reachable(caches, target)]))
         if low == target:
             break
         target = low
