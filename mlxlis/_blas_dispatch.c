@@ -10,9 +10,13 @@
  * Loaded with RTLD_GLOBAL before mlx.core (mlxlis/blas.py), so MLX's cblas_sgemm resolves
  * here; mlxlis_blas_init hands over the real sgemm and sgemv (a system OpenBLAS's, or the
  * scipy-openblas32 wheel's scipy_cblas_* ones, whose prefixed names MLX cannot reach itself).
- * Products with M = 1 or N = 1 go to sgemv, everything else to sgemm unchanged. No Python API: loaded with ctypes.
+ * Products with M = 1 or N = 1 go to sgemv; those of 2..SKINNY_MAX rows by a weight matrix
+ * stored (n, k) to the skinny kernel (_skinny_gemm.c); everything else to sgemm unchanged.
+ * No Python API: loaded with ctypes.
  */
 #include <dlfcn.h>
+
+#include "_skinny_gemm.h"
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
                          const float *, int, float, float *, int);
@@ -23,14 +27,23 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 static sgemm_fn real_sgemm;
 static sgemv_fn real_sgemv;
-static long gemv_calls; /* products sent to sgemv (read by the tests) */
+static long gemv_calls, skinny_calls; /* products sent to sgemv / the kernel (for tests) */
+static int skinny; /* the skinny kernel is on */
 
-void mlxlis_blas_init(void *sgemm, void *sgemv) {
+enum { SKINNY_MAX = 16 }; /* from 17 rows up sgemm's packing pays for itself */
+
+/* sgemv NULL: no routing at all; skinny 0: none to the skinny kernel */
+void mlxlis_blas_init(void *sgemm, void *sgemv, int want_skinny) {
     real_sgemm = (sgemm_fn)sgemm;
     real_sgemv = (sgemv_fn)sgemv;
+    skinny = sgemv && want_skinny && mlxlis_skinny_supported();
 }
 
 long mlxlis_gemv_calls(void) { return __atomic_load_n(&gemv_calls, __ATOMIC_RELAXED); }
+
+long mlxlis_skinny_calls(void) { return __atomic_load_n(&skinny_calls, __ATOMIC_RELAXED); }
+
+int mlxlis_skinny_on(void) { return skinny; }
 
 static int max1(int n) { return n > 1 ? n : 1; }
 
@@ -65,6 +78,13 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
                 ? gemv(NO_TRANS, m, k, alpha, a, lda, b, tb == NO_TRANS ? ldb : 1, beta, c, ldc)
                 : gemv(TRANS, k, m, alpha, a, lda, b, tb == NO_TRANS ? ldb : 1, beta, c, ldc)))
             return;
+        /* C (m x n) = A (m x k, rows) B^T (B stored n x k): a batch of rows by a weight */
+        if (skinny && m <= SKINNY_MAX && ta == NO_TRANS && tb == TRANS && lda >= k &&
+            ldb >= k && ldc >= n &&
+            mlxlis_skinny_gemm(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) {
+            __atomic_fetch_add(&skinny_calls, 1, __ATOMIC_RELAXED);
+            return;
+        }
     }
     real_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }

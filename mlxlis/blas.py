@@ -16,7 +16,9 @@ slower than OpenBLAS). Two faster ones can take its place:
 `SYSTEM_PREFERRED` when one is installed, else the wheel (measured on a 2-core x86 machine,
 `scripts/blas_table.py`: the system 0.3.21 decoded the catalog models 6-15% faster than the
 wheel's 0.3.34, prefill equal within noise; see the README's speed section).
-`MLXLIS_BLAS_GEMV=0` keeps matrix-vector products in sgemm.
+`MLXLIS_BLAS_GEMV=0` keeps matrix-vector products in sgemm (and turns the dispatch off);
+`MLXLIS_BLAS_SKINNY=0` keeps the products of 2..16 rows by a weight matrix (a batched decoding
+step) in sgemm instead of the dispatch's own AVX2 kernel (`_skinny_gemm.c`).
 Without a C compiler the wheel cannot be routed: a system OpenBLAS still can, else MLX runs its
 bundled BLAS, slower, and `describe()` says so.
 """
@@ -103,9 +105,7 @@ def _load_wheel(misses: list[str]) -> bool:
     if not _init_dispatch(dispatch, sgemm, sgemv if gemv else None):
         misses.append("the BLAS dispatch did not load (a stale build?)")
         return False
-    state.name = f"OpenBLAS {_wheel_version()} (scipy-openblas32 wheel)" + (
-        " + gemv dispatch" if gemv else ""
-    )
+    state.name = f"OpenBLAS {_wheel_version()} (scipy-openblas32 wheel)" + _routes(gemv)
     return True
 
 
@@ -129,13 +129,18 @@ def _load_system(misses: list[str], at_least: tuple[int, ...] = ()) -> bool:
             except AttributeError:
                 routed = False
         ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)  # promotes the loaded library to global
-        state.name = f"system OpenBLAS {_dotted(version)} ({name})" + (
-            " + gemv dispatch" if routed else ""
-        )
+        state.name = f"system OpenBLAS {_dotted(version)} ({name})" + _routes(routed)
         return True
     if "no system OpenBLAS" not in misses:
         misses.append("no system OpenBLAS")
     return False
+
+
+def _routes(routed: bool) -> str:
+    """What the dispatch adds to the BLAS's name."""
+    if not routed:
+        return ""
+    return " + gemv dispatch" + (" + batch kernel" if state.dispatch.mlxlis_skinny_on() else "")
 
 
 def _gemv_wanted() -> bool:
@@ -162,8 +167,11 @@ def _init_dispatch(lib: ctypes.CDLL, sgemm, sgemv) -> bool:
     try:
         lib.mlxlis_gemv_calls.restype = ctypes.c_long
         as_ptr = ctypes.c_void_p
+        lib.mlxlis_skinny_calls.restype = ctypes.c_long
         lib.mlxlis_blas_init(
-            ctypes.cast(sgemm, as_ptr), ctypes.cast(sgemv, as_ptr) if sgemv else None
+            ctypes.cast(sgemm, as_ptr),
+            ctypes.cast(sgemv, as_ptr) if sgemv else None,
+            ctypes.c_int(os.environ.get("MLXLIS_BLAS_SKINNY", "1") != "0"),
         )
         ctypes.CDLL(lib._name, mode=ctypes.RTLD_GLOBAL)
     except (OSError, AttributeError):

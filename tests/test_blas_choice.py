@@ -64,7 +64,7 @@ def test_wheel_on_request():
     if not list(Path(mlxlis.__file__).parent.glob("_blas_dispatch*.so")):
         pytest.skip("the dispatch was not built here (no C compiler)")
     name, notice, ok, _ = probe({"MLXLIS_BLAS": "wheel"})
-    assert "scipy-openblas32" in name and name.endswith("+ gemv dispatch")
+    assert "scipy-openblas32" in name and "+ gemv dispatch" in name
     assert notice == "None" and ok == "True"
 
 

@@ -1,14 +1,22 @@
-"""The Linux CPU gemv dispatch (mlxlis/_blas_dispatch.c) against numpy in float64.
+"""The Linux CPU BLAS dispatch (mlxlis/_blas_dispatch.c, _skinny_gemm.c) against numpy in
+float64.
 
 Proves: every matrix-vector product shape MLX produces (M = 1 or N = 1, each operand plain or
-transposed, batched, with alpha/beta through addmm) is taken by the dispatch (its call counter
-moves) and matches the float64 product within the float32 rounding bound K·u·(|A|·|B|);
-products with M, N > 1 still go to sgemm (counter unchanged) and match the same bound.
+transposed, batched, with alpha/beta through addmm) is taken by the gemv route (its call
+counter moves); products of 2..16 rows by a weight stored (out, in) — a batched decoding
+step's projections — by the batch kernel, at every remainder of its 4-row x 3-column tiles and
+8-float vectors, with alpha/beta, with leading dimensions wider than the rows, split over any
+number of threads, and in a fork()ed child; everything else still goes to sgemm (no counter
+moves). Each result matches the float64 product within the float32 rounding bound
+K·u·(|A|·|B|).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import shutil
+import subprocess
 import sys
 
 from mlxlis import blas
@@ -33,17 +41,22 @@ def lib():
     return blas.state.dispatch
 
 
-def check(lib, fn, *arrays, k: int, expect_gemv: bool) -> None:
-    """fn on MLX arrays vs the same fn on float64 numpy arrays; k = the inner dimension."""
-    before = lib.mlxlis_gemv_calls()
+def check(lib, fn, *arrays, k: int, expect_gemv: bool = False, expect_kernel: bool = False):
+    """fn on MLX arrays vs the same fn on float64 numpy arrays; k = the inner dimension; which
+    route took it (gemv, the batch kernel, or neither: sgemm)."""
+    before = lib.mlxlis_gemv_calls(), lib.mlxlis_skinny_calls()
     got = fn(*(mx.array(a) for a in arrays))
     mx.eval(got)
-    moved = lib.mlxlis_gemv_calls() - before
-    want = fn(*(a.astype(np.float64) for a in arrays))
-    bound = fn(*(np.abs(a).astype(np.float64) for a in arrays))
-    err = np.abs(np.array(got, dtype=np.float64) - want)
+    gemv, kernel = lib.mlxlis_gemv_calls() - before[0], lib.mlxlis_skinny_calls() - before[1]
+    within_bound(np.array(got), fn(*(a.astype(np.float64) for a in arrays)),
+                 fn(*(np.abs(a).astype(np.float64) for a in arrays)), k)  # fmt: skip
+    assert (gemv > 0, kernel > 0) == (expect_gemv, expect_kernel), (gemv, kernel)
+
+
+def within_bound(got: np.ndarray, want: np.ndarray, bound: np.ndarray, k: int) -> None:
+    """|got - want| <= K·u·(|A|·|B|): what any float32 summation order guarantees."""
+    err = np.abs(got.astype(np.float64) - want)
     assert np.all(err <= k * 2.0**-24 * bound + 1e-30), float(err.max())
-    assert (moved > 0) == expect_gemv, moved
 
 
 rng = np.random.default_rng(0)
@@ -75,7 +88,7 @@ def test_batched_and_attention_shapes(lib):
     # decode attention: one query per head against the cached keys, (B, H, 1, D) @ (B, H, D, L)
     q, keys = r(1, 3, 1, 64), r(1, 3, 37, 64)
     check(lib, lambda q, k: q @ k.swapaxes(-1, -2), q, keys, k=64, expect_gemv=True)
-    check(lib, lambda x, w: x @ w.T, r(2, 1, 96), r(50, 96), k=96, expect_gemv=False)  # M = 2 rows
+    check(lib, lambda x, w: x @ w.T, r(2, 1, 96), r(50, 96), k=96, expect_kernel=True)  # 2 rows
 
 
 def test_alpha_beta(lib):
@@ -95,6 +108,94 @@ def test_alpha_beta(lib):
     )
 
 
-@pytest.mark.parametrize("m,k,n", [(2, 64, 64), (17, 576, 192), (512, 96, 3)])
+@pytest.mark.parametrize("m,k,n", [(17, 576, 192), (512, 96, 3), (4, 64, 64)])
 def test_general_products_stay_sgemm(lib, m, k, n):
-    check(lib, lambda a, w: a @ w.T, r(m, k), r(n, k), k=k, expect_gemv=False)
+    if m == 4:  # a weight stored (in, out): not the kernel's layout
+        check(lib, lambda a, w: a @ w, r(m, k), r(k, n), k=k)
+    else:
+        check(lib, lambda a, w: a @ w.T, r(m, k), r(n, k), k=k)
+
+
+needs_kernel = pytest.mark.skipif(
+    "batch kernel" not in blas.state.name, reason="no AVX2 + FMA here: the batch kernel is off"
+)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 7, 8, 11, 16])
+@pytest.mark.parametrize("k,n", [(1, 2), (7, 5), (8, 3), (9, 4), (576, 1536), (1000, 101)])
+def test_batch_rows_take_the_kernel(lib, m, k, n):
+    """Every remainder: m mod 4 (tile rows), n mod 3 (tile columns), k mod 8 (vector tail)."""
+    check(lib, lambda x, w: x @ w.T, r(m, k), r(n, k), k=k, expect_kernel=True)
+
+
+@needs_kernel
+def test_batch_kernel_alpha_beta_and_batches(lib):
+    c, x, w = r(3, 40), r(3, 24), r(40, 24)
+    check(lib, lambda c, x, w: (mx.addmm(c, x, w.T, alpha=0.5, beta=2.0)
+                                if isinstance(c, mx.array) else 2.0 * c + 0.5 * (x @ w.T)),
+          c, x, w, k=24, expect_kernel=True)  # fmt: skip
+    # a decoding batch as the network shapes it: (B, 1, hidden) by (out, hidden)
+    check(lib, lambda x, w: x @ w.T, r(8, 1, 576), r(192, 576), k=576, expect_kernel=True)
+
+
+def kernel_call(lib, a: np.ndarray, b: np.ndarray, c: np.ndarray, alpha=1.0, beta=0.0) -> int:
+    """mlxlis_skinny_gemm on numpy arrays whose rows may be wider than the product's (a[:, :k]
+    of a wider array: leading dimensions larger than the sizes)."""
+    f32p = ctypes.POINTER(ctypes.c_float)
+    lib.mlxlis_skinny_gemm.argtypes = [ctypes.c_int] * 3 + [ctypes.c_float, f32p, ctypes.c_int,
+        f32p, ctypes.c_int, ctypes.c_float, f32p, ctypes.c_int]  # fmt: skip
+    ptr = lambda x: x.ctypes.data_as(f32p)  # noqa: E731
+    (m, k), n = a.shape, b.shape[0]
+    return lib.mlxlis_skinny_gemm(m, n, k, alpha, ptr(a), a.strides[0] // 4, ptr(b),
+                                  b.strides[0] // 4, beta, ptr(c), c.strides[0] // 4)  # fmt: skip
+
+
+@needs_kernel
+def test_batch_kernel_wide_leading_dimensions(lib):
+    """Rows read and written through leading dimensions wider than k and n (the columns
+    beyond the product stay untouched)."""
+    a_full, b_full, c_full = r(6, 70), r(29, 90), r(6, 40)
+    a, b, c = a_full[:, :61], b_full[:, :61], c_full[:, :29]
+    before = c_full.copy()
+    assert kernel_call(lib, a, b, c, alpha=1.5, beta=-0.5) == 1
+    want = 1.5 * (a.astype(np.float64) @ b.T.astype(np.float64)) - 0.5 * before[:, :29]
+    bound = 1.5 * (np.abs(a).astype(np.float64) @ np.abs(b).T) + 0.5 * np.abs(before[:, :29])
+    within_bound(c, want, bound, 61 + 1)
+    assert np.array_equal(c_full[:, 29:], before[:, 29:])
+
+
+SHARES = """
+import ctypes, os, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_blas_dispatch import kernel_call, within_bound
+from mlxlis import blas
+lib = blas.state.dispatch
+rng = np.random.default_rng(1)
+for m, k, n in [(5, 33, 1), (8, 576, 7), (3, 100, 200), (16, 9, 1000)]:
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k)).astype(np.float32)
+    def run():
+        c = np.full((m, n), np.nan, np.float32)  # beta 0: never read
+        assert kernel_call(lib, a, b, c) == 1
+        within_bound(c, a.astype(np.float64) @ b.T.astype(np.float64),
+                     np.abs(a).astype(np.float64) @ np.abs(b).T.astype(np.float64), k)
+    run()
+    if os.fork() == 0:  # the child has none of the parent's workers: it starts its own
+        run()
+        os._exit(0)
+    assert os.wait()[1] == 0
+print("ok")
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", ["1", "3", "7"])
+def test_batch_kernel_shares_and_fork(threads):
+    """Shares of B's rows over 1, 3 or 7 threads (more shares than tiles for small n), before
+    and after fork() (a child process builds its own pool)."""
+    env = {**os.environ, "MLXLIS_SKINNY_THREADS": threads}
+    res = subprocess.run([sys.executable, "-c", SHARES, os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]

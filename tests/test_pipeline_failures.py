@@ -41,6 +41,21 @@ def _stdout_begins(p, timeout: float = 90) -> bytes:
     raise AssertionError(f"no output: {p.stderr.read().decode()[-2000:]}")
 
 
+def _stderr_until(p, text: str, timeout: float = 10) -> str:
+    """What the launcher relayed on stderr, read until `text` appears or `timeout` passes (the
+    launcher relays a rank's lines from a thread of its own, a little after that rank ends)."""
+    err = b""
+    deadline = time.monotonic() + timeout
+    while text.encode() not in err and time.monotonic() < deadline:
+        ready, _, _ = select.select([p.stderr], [], [], 0.1)
+        if ready:
+            data = os.read(p.stderr.fileno(), 65536)
+            if not data:
+                break
+            err += data
+    return err.decode(errors="replace")
+
+
 def test_killed_rank_ends_every_rank_with_a_clear_error():
     """SIGKILL on the middle one of 3 ranks while the reply streams: the launcher and both
     other ranks are gone within 10 s, and rank 0 said why on stderr."""
@@ -81,11 +96,14 @@ def test_frozen_rank_is_noticed_by_the_watchdog():
             time.sleep(0.05)
         took = time.monotonic() - frozen
         assert not alive(pids[0])
+        err = _stderr_until(p, WHY)
     finally:
         kill_all(p)  # the stopped rank ignores the launcher's SIGTERM until it is killed
-    err = p.stderr.read().decode()
     assert 1.5 < took < 6
-    assert "mlxlis: error: rank 0 of 2: no answer from the other ranks for 2 s" in err, err
+    assert WHY in err, err
+
+
+WHY = "mlxlis: error: rank 0 of 2: no answer from the other ranks for 2 s"
 
 
 @pytest.mark.parametrize("split", ["14,x", "0,30", "1.5,28", "15,,15", "-1,31"])
