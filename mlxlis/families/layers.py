@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import CacheBatch, KVCache, RecurrentCache, RotatingKVCache
+from ..cache import CacheBatch, KVBatch, KVCache, RecurrentCache, RotatingKVCache
 from ..config import ModelConfig
 from .activations import gated
 from .attention import attend
@@ -98,9 +98,13 @@ class Attention(nn.Module):
 
     def _attend_batch(self, q, k, v, caches: list) -> mx.array:
         """One new token per sequence (q, k, v: (B, heads, 1, head_dim)): RoPE at each one's
-        own position, then each attends over its own cache (attend_each)."""
+        own position, then each attends over its own keys: all at once over the caches stacked
+        (KVBatch, masked to each row's keys), else one by one (attend_each)."""
         offsets = mx.array([c.offset for c in caches])
         q, k = self.rope(q, offsets), self.rope(k, offsets)
+        if all(isinstance(c, (KVCache, RotatingKVCache)) for c in caches):
+            keys, values, mask = KVBatch.step_of(caches, k, v)
+            return attend(q, keys, values, self.scale, mask, self.softcap)
         return attend_each(q, k, v, caches, self.scale, self.softcap)[0]
 
 

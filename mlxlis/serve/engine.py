@@ -10,9 +10,11 @@ leaves at the next round. At most `max_active` requests run;
 `max_queued` more may wait (beyond that `submit` raises QueueFullError: HTTP 429).
 
 Each request keeps its own per-layer caches, built and advanced as `mlxlis.generate` does
-for a single prompt; in the batched step only the projections and MLPs see the batch, each
-sequence's attention and recurrence run on its own cache, so its greedy tokens are those it
-gets alone (up to the last bits of a batched vs a single-row matmul). The prefix cache
+for a single prompt. In the batched step the projections and MLPs run on the batch; the KV
+caches of the requests decoding together are stacked (cache.KVBatch, copied once when the
+batch's members change) so each layer attends once over all of them, masked to each row's own
+keys; recurrent states are stacked per step. A request's greedy tokens are those it gets
+alone (up to the last bits of a batched vs a single-row product). The prefix cache
 (prefix.py) keeps the caches of recent requests: a new prompt takes over the one sharing its
 longest prefix and prefills only the rest. Where the caches live and how a step runs is the
 Steps object's (steps.py): this process, or a pipeline of ranks under mlx.launch led from
