@@ -309,12 +309,14 @@ class KVBatch:
 
     step = 256  # capacity grows in blocks of this many slots
 
-    def __init__(self, caches: list) -> None:
+    def __init__(self, caches: list, k: mx.array, v: mx.array) -> None:
+        """Stack `caches`, whose new keys and values are shaped like k, v (B, kv, T, dim)."""
         self.members = list(caches)
-        first = next(c._keys for c in caches if c._keys is not None)  # (1, kv, cap, head_dim)
+        dtype = next((c._keys.dtype for c in caches if c._keys is not None), k.dtype)
         self.cap = -(-(max(c.held for c in caches) + 1) // self.step) * self.step
-        shape = (len(caches), first.shape[1], self.cap, first.shape[3])
-        self.keys, self.values = mx.zeros(shape, first.dtype), mx.zeros(shape, first.dtype)
+        b, h = len(caches), k.shape[1]
+        self.keys = mx.zeros((b, h, self.cap, k.shape[3]), dtype)
+        self.values = mx.zeros((b, h, self.cap, v.shape[3]), dtype)
         for row, c in enumerate(caches):
             n = c.held
             if n:
@@ -334,20 +336,22 @@ class KVBatch:
         ):
             for c in caches:
                 c._settle()
-            batch = cls(caches)
+            batch = cls(caches, k, v)
         return batch._step(k, v)
 
     def _step(self, k: mx.array, v: mx.array) -> tuple[mx.array, ...]:
         slots, valid = zip(*(c.claim_one() for c in self.members), strict=True)
         if max(slots) >= self.cap:
-            b, h, _, d = self.keys.shape
-            grow = mx.zeros((b, h, self.step, d), self.keys.dtype)
-            self.keys = mx.concatenate([self.keys, grow], axis=2)
-            self.values = mx.concatenate([self.values, grow], axis=2)
+            grow = [mx.zeros((*a.shape[:2], self.step, a.shape[3]), a.dtype)
+                    for a in (self.keys, self.values)]  # fmt: skip
+            self.keys = mx.concatenate([self.keys, grow[0]], axis=2)
+            self.values = mx.concatenate([self.values, grow[1]], axis=2)
             self.cap += self.step
-        at = mx.broadcast_to(mx.array(slots, mx.int32)[:, None, None, None], k.shape)
-        self.keys = mx.put_along_axis(self.keys, at, k.astype(self.keys.dtype), axis=2)
-        self.values = mx.put_along_axis(self.values, at, v.astype(self.values.dtype), axis=2)
+        at = mx.array(slots, mx.int32)[:, None, None, None]  # (B, 1, 1, 1): each row's slot
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, k.shape),
+                                      k.astype(self.keys.dtype), axis=2)  # fmt: skip
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, v.shape),
+                                        v.astype(self.values.dtype), axis=2)  # fmt: skip
         s = max(valid)
         mask = mx.arange(s)[None, :] < mx.array(valid)[:, None]  # (B, S)
         return self.keys[:, :, :s], self.values[:, :, :s], mask[:, None, None, :]
