@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import CacheBatch, KVCache, RotatingKVCache, window_mask
+from ..cache import CacheBatch, KVBatch, KVCache, RotatingKVCache, window_mask
 from ..config import ModelConfig, RopeConfig
 from ..errors import ConfigError
 from .activations import gated
 from .attention import attend, softcap
 from .experts import SORT_FROM, ExpertSource, SwitchGLU, SwitchLinear
-from .layers import MLP, Mask, attend_each
+from .layers import MLP, Mask
 from .rope import Rope
 
 if TYPE_CHECKING:
@@ -123,11 +123,11 @@ class Attention(nn.Module):
                  offset: int | mx.array, shared: tuple | None) -> tuple[mx.array, tuple]:
         """offset: the position of x's first token (per sequence, (B,), for a CacheBatch);
         shared: what an earlier layer attended over, (keys, values, None) or, in a batch,
-        (.., .., the per-sequence (keys, values)); returns the output and this layer's own."""
+        (stacked keys, values, their mask); returns the output and this layer's own."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(b, t, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset)  # (B, n_heads, T, head_dim)
-        each = None  # decode_batch: the per-sequence (keys, values)
+        each = None  # decode_batch: the mask of the stacked keys (KVBatch)
         if shared is not None:
             k, v, each = shared
         else:
@@ -138,8 +138,9 @@ class Attention(nn.Module):
             if cache is not None and not isinstance(cache, CacheBatch):
                 k, v = cache.update_and_fetch(k, v)
         if isinstance(cache, CacheBatch) or each is not None:  # one token per sequence
-            caches = cache.caches if isinstance(cache, CacheBatch) else None
-            out, each = attend_each(q, k, v, caches, 1.0, kvs=each)
+            if each is None:  # its own caches, stacked; a KV-shared layer reuses the stack
+                k, v, each = KVBatch.step_of(cache.caches, k, v)  # each: (B, 1, 1, S) mask
+            out = attend(q, k, v, 1.0, each)
         else:
             out = attend(q, k, v, 1.0, mask)
         out = out.transpose(0, 2, 1, 3)  # (B, T, n_heads, head_dim)
@@ -310,7 +311,7 @@ class Gemma4(nn.Module):
 
     def decode_batch(self, tokens: list[int], caches: list[list[Cache]]) -> mx.array:
         """One token for each of B sequences, each with its own caches: (B, vocab) logits.
-        The projections and MLPs run on the batch; attention on each sequence's cache."""
+        The projections and MLPs run on the batch; attention over the caches stacked."""
         inputs = mx.array(tokens, dtype=mx.int32)[:, None]  # (B, 1)
         per_layer = [CacheBatch([c[j] for c in caches]) for j in range(len(self._own))]
         return self(inputs, per_layer)[:, -1, :]
@@ -341,7 +342,7 @@ class Gemma4(nn.Module):
         per_layer = self._per_layer_inputs(inputs, h) if s.per_layer_dim else None
         h = h.astype(mx.float32)  # the residual stream (decoder.py: Gemma outgrows float16)
         masks: dict[bool, Mask] = {False: "causal" if t > 1 else None, True: None}
-        if any(self._sliding) and not batch:  # a batch attends per sequence (attend_each)
+        if any(self._sliding) and not batch:  # a batch's mask comes with its stacked keys
             first = next(i for i in self._own if self._sliding[i])
             masks[True] = cache[self._slot[first]].mask(t) if cache else (
                 window_mask(0, t, 0, t, cfg.sliding_window) if t > 1 else None)

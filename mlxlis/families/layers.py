@@ -98,30 +98,12 @@ class Attention(nn.Module):
 
     def _attend_batch(self, q, k, v, caches: list) -> mx.array:
         """One new token per sequence (q, k, v: (B, heads, 1, head_dim)): RoPE at each one's
-        own position, then each attends over its own keys: all at once over the caches stacked
-        (KVBatch, masked to each row's keys), else one by one (attend_each)."""
+        own position, then all attend at once over their caches stacked (KVBatch), each row
+        masked to its own keys."""
         offsets = mx.array([c.offset for c in caches])
         q, k = self.rope(q, offsets), self.rope(k, offsets)
-        if all(isinstance(c, (KVCache, RotatingKVCache)) for c in caches):
-            keys, values, mask = KVBatch.step_of(caches, k, v)
-            return attend(q, keys, values, self.scale, mask, self.softcap)
-        return attend_each(q, k, v, caches, self.scale, self.softcap)[0]
-
-
-def attend_each(q: mx.array, k: mx.array | None, v: mx.array | None, caches: list | None,
-                scale: float, cap: float | None = None,
-                kvs: list | None = None) -> tuple[mx.array, list]:  # fmt: skip
-    """One new token per sequence, q: (B, heads, 1, head_dim): each sequence's cache updated
-    with its row of k, v (B, n_kv_heads, 1, head_dim) — or `kvs`, the per-sequence (keys,
-    values) an earlier layer attended over — then each query attends over exactly its own
-    keys, as its lone step does (a sliding window's whole ring: one new token sees all of it).
-    Per sequence, not padded into one tensor: copying every cache into a (B, …, S) batch cost
-    more than the attention (SmolLM2, 8 sequences of 600 tokens: 680 ms a step against 270).
-    Returns (B, heads, 1, head_dim) and the per-sequence (keys, values)."""
-    if kvs is None:
-        kvs = [c.update_and_fetch(k[i : i + 1], v[i : i + 1]) for i, c in enumerate(caches)]
-    outs = [attend(q[i : i + 1], kk, vv, scale, None, cap) for i, (kk, vv) in enumerate(kvs)]
-    return mx.concatenate(outs), kvs
+        keys, values, mask = KVBatch.step_of(caches, k, v)
+        return attend(q, keys, values, self.scale, mask, self.softcap)
 
 
 class MLP(nn.Module):
