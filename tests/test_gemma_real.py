@@ -1,8 +1,10 @@
-"""The real Gemma 3 270M (GGUF Q4_K_M) past its 512-token sliding window, in float16.
+"""The real Gemma 3 270M (GGUF Q4_K_M) in float16, and its CLI.
 
-Its residual stream reaches ~1e5, beyond float16's 65 504: a float16 run must stay finite and
-close to float32 over a 600-token sequence. Self-consistency between dtypes of our own model
-(reference parity of this file against transformers is in test_gguf_models.py).
+Its residual stream reaches 1.04e5 at the first position (asserted from the float32 run),
+beyond float16's 65 504: a float16 run must stay finite and pick float32's greedy token
+wherever float32's choice is clear. Self-consistency between dtypes of our own model (reference
+parity of this file against transformers is in test_gguf_models.py; the sliding window against
+transformers in the Gemma parity tests).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ pytestmark = [pytest.mark.real, pytest.mark.slow]
 TEXT = (
     "The history of the Roman Empire spans many centuries, from the founding of the city to "
     "the fall of Constantinople. Its roads, laws and language shaped Europe for ever after. "
-) * 30
+) * 2
 
 
 def tail_logits(model, ids: list[int], tail: int) -> np.ndarray:
@@ -39,18 +41,22 @@ def ids():
     if not catalog.is_pulled("gemma3-270m"):
         pytest.skip("gemma3-270m not pulled (make models)")
     tok = mlxlis.load("gemma3-270m", "float32", dequantize=True).tokenizer
-    out = tok.encode(TEXT)[:600]
-    assert len(out) == 600
+    out = tok.encode(TEXT)[:32]
+    assert len(out) == 32
     return out
 
 
-def test_float16_finite_and_close_past_the_window(ids):
-    f32 = tail_logits(mlxlis.load("gemma3-270m", "float32", dequantize=True), ids, 48)
-    f16 = tail_logits(mlxlis.load("gemma3-270m", "float16", dequantize=True), ids, 48)
+def test_float16_finite_and_close_past_float16_range(ids):
+    f32_model = mlxlis.load("gemma3-270m", "float32", dequantize=True)
+    net = f32_model.net
+    residual = net.run_layers(net.embed(mx.array([ids])))  # (1, 32, hidden), before the norm
+    assert float(mx.abs(residual).max()) > 65504  # the case this test is about
+    f32 = tail_logits(f32_model, ids, 16)
+    f16 = tail_logits(mlxlis.load("gemma3-270m", "float16", dequantize=True), ids, 16)
     assert np.isfinite(f16).all()
     top2 = np.sort(f32, axis=-1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > 0.05
-    assert clear.sum() > 24
+    assert clear.sum() > 8
     assert (f32.argmax(-1)[clear] == f16.argmax(-1)[clear]).all()
 
 
