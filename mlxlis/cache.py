@@ -22,8 +22,7 @@ class _Lendable:
 
     @property
     def keys(self) -> mx.array | None:
-        if self._batch is not None:
-            self._batch.dissolve()
+        self._settle()
         return self._keys
 
     @keys.setter
@@ -32,8 +31,7 @@ class _Lendable:
 
     @property
     def values(self) -> mx.array | None:
-        if self._batch is not None:
-            self._batch.dissolve()
+        self._settle()
         return self._values
 
     @values.setter
@@ -41,6 +39,7 @@ class _Lendable:
         self._values = value
 
     def _settle(self) -> None:
+        """Take the buffers back from a batch holding them (every row of it goes back)."""
         if self._batch is not None:
             self._batch.dissolve()
 
@@ -303,9 +302,9 @@ class KVBatch:
     The caches lend their buffers (each is the row `_row`) and keep their own counters; the
     first use of one that is not this batch's step (a lone step, a trim, reading its state)
     hands every row back (`dissolve`). Stacking copies the caches once; then each step writes
-    one slot per row: a sequence's slot `held` (a KV cache's next position, a ring's next
-    slot), and attends over the first `held` slots of its row (a ring's order does not matter
-    to one query, as in RotatingKVCache)."""
+    one slot per row (the cache's `claim_one`: a KV cache's next position, a ring's next slot)
+    and each row attends over its first `held` slots (a ring's order does not matter to one
+    query, as in RotatingKVCache); the stack is padded to the longest row."""
 
     step = 256  # capacity grows in blocks of this many slots
 
