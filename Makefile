@@ -49,6 +49,7 @@ bench: install-test models
 	$(PY) scripts/bench_moe.py
 	$(PY) scripts/bench_families.py
 	$(PY) scripts/bench_pipeline.py
+	$(PY) scripts/bench_batch.py
 	$(PY) scripts/bench_serve.py
 
 # does the suite notice small wrong changes to the numerics? (before a refactor, after a family)

@@ -103,6 +103,8 @@ static AVX2 void rows(const job_t *p, int j_lo, int j_hi) {
 /* --- the pool: worker t (1..threads-1) takes share t of B's rows, the caller share 0 --- */
 static job_t job;
 static int threads, started, pending;
+static int limit; /* at most this many threads take a share (0: all); set_threads */
+static int sharing; /* threads taking a share of the current product */
 static unsigned long generation;
 static pthread_mutex_t busy = PTHREAD_MUTEX_INITIALIZER; /* one product at a time */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -110,9 +112,10 @@ static pthread_cond_t go = PTHREAD_COND_INITIALIZER, done = PTHREAD_COND_INITIAL
 
 static void share(int t) {
 #if HAVE_KERNEL
+    if (t >= sharing) return;
     /* shares of whole tiles, so only the last one has a ragged end */
     long tiles = (job.n + JT - 1) / JT;
-    int lo = (int)(tiles * t / threads) * JT, hi = (int)(tiles * (t + 1) / threads) * JT;
+    int lo = (int)(tiles * t / sharing) * JT, hi = (int)(tiles * (t + 1) / sharing) * JT;
     if (hi > job.n) hi = job.n;
     if (lo < hi) rows(&job, lo, hi);
 #else
@@ -164,6 +167,10 @@ static int start_pool(void) {
     return 1;
 }
 
+/* Use at most n threads (n < 1: every one), as the BLAS is told when several processes
+ * share a machine's cores (ranks of a pipeline on one host) */
+void mlxlis_skinny_set_threads(int n) { __atomic_store_n(&limit, n, __ATOMIC_RELAXED); }
+
 int mlxlis_skinny_supported(void) {
 #if HAVE_KERNEL
     __builtin_cpu_init();
@@ -178,6 +185,7 @@ int mlxlis_skinny_gemm(int m, int n, int k, float alpha, const float *a, int lda
     if (pthread_mutex_trylock(&busy) != 0) return 0; /* another thread's product is running */
     if (!started) start_pool();
     job = (job_t){a, b, c, m, n, k, lda, ldb, ldc, alpha, beta};
+    sharing = limit > 0 && limit < threads ? limit : threads;
     if (threads > 1) {
         pthread_mutex_lock(&mu);
         pending = threads - 1;

@@ -364,6 +364,9 @@ class KVBatch:
             if n:
                 c._keys = mx.contiguous(self.keys[row : row + 1, :, :n])
                 c._values = mx.contiguous(self.values[row : row + 1, :, :n])
+        # copied now: a copy left lazy would hold the whole stack alive (a cache kept by the
+        # prefix cache is not evaluated again until a later prompt takes it)
+        mx.eval([a for c in members for a in (c._keys, c._values) if a is not None])
         self.keys = self.values = None
 
 

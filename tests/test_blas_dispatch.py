@@ -181,7 +181,9 @@ for m, k, n in [(5, 33, 1), (8, 576, 7), (3, 100, 200), (16, 9, 1000)]:
         assert kernel_call(lib, a, b, c) == 1
         within_bound(c, a.astype(np.float64) @ b.T.astype(np.float64),
                      np.abs(a).astype(np.float64) @ np.abs(b).T.astype(np.float64), k)
-    run()
+    for limit in (1, 2, 0):  # at most 1 or 2 of the pool's threads share it, then all again
+        lib.mlxlis_skinny_set_threads(limit)
+        run()
     if os.fork() == 0:  # the child has none of the parent's workers: it starts its own
         run()
         os._exit(0)
@@ -193,8 +195,9 @@ print("ok")
 @needs_kernel
 @pytest.mark.parametrize("threads", ["1", "3", "7"])
 def test_batch_kernel_shares_and_fork(threads):
-    """Shares of B's rows over 1, 3 or 7 threads (more shares than tiles for small n), before
-    and after fork() (a child process builds its own pool)."""
+    """Shares of B's rows over 1, 3 or 7 threads (more shares than tiles for small n), with
+    fewer of them taking a share (as ranks sharing a machine's cores set), before and after
+    fork() (a child process builds its own pool)."""
     env = {**os.environ, "MLXLIS_SKINNY_THREADS": threads}
     res = subprocess.run([sys.executable, "-c", SHARES, os.path.dirname(__file__)], env=env,
                          capture_output=True, text=True, timeout=120)  # fmt: skip

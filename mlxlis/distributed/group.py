@@ -214,12 +214,15 @@ def share_cores(ranks_here: int) -> None:
 
 
 def set_blas_threads(threads: int) -> int | None:
-    """Set the thread count of the OpenBLAS that MLX calls (blas.py); returns the previous
-    count, or None when MLX runs another BLAS."""
+    """Set the thread count of the OpenBLAS that MLX calls (blas.py), and of the dispatch's
+    batch kernel; returns the previous OpenBLAS count, or None when MLX runs another BLAS."""
     import ctypes
     import ctypes.util
 
     from ..blas import _wheel_library, state
+
+    if state.dispatch is not None and hasattr(state.dispatch, "mlxlis_skinny_set_threads"):
+        state.dispatch.mlxlis_skinny_set_threads(int(threads))
 
     if state.name.startswith("OpenBLAS"):  # the scipy-openblas32 wheel
         lib, prefix = _wheel_library(), "scipy_openblas"
