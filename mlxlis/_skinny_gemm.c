@@ -31,6 +31,10 @@
 
 enum { MAX_THREADS = 64, MT = 4, JT = 3 }; /* a tile: MT rows of A by JT rows of B */
 
+/* products smaller than this (multiply-adds) run on the calling thread alone: waking the pool
+ * costs more than they do (a batched step's attention scores: 3 x 64 x ~100 per head group) */
+#define POOL_MIN_WORK (1L << 19)
+
 typedef struct {
     const float *a, *b;
     float *c;
@@ -186,7 +190,8 @@ int mlxlis_skinny_gemm(int m, int n, int k, float alpha, const float *a, int lda
     if (!started) start_pool();
     job = (job_t){a, b, c, m, n, k, lda, ldb, ldc, alpha, beta};
     sharing = limit > 0 && limit < threads ? limit : threads;
-    if (threads > 1) {
+    if ((long)m * n * k < POOL_MIN_WORK) sharing = 1;
+    if (sharing > 1) {
         pthread_mutex_lock(&mu);
         pending = threads - 1;
         generation++;
@@ -194,7 +199,7 @@ int mlxlis_skinny_gemm(int m, int n, int k, float alpha, const float *a, int lda
         pthread_mutex_unlock(&mu);
     }
     share(0);
-    if (threads > 1) {
+    if (sharing > 1) {
         pthread_mutex_lock(&mu);
         while (pending) pthread_cond_wait(&done, &mu);
         pthread_mutex_unlock(&mu);

@@ -173,7 +173,8 @@ from test_blas_dispatch import kernel_call, within_bound
 from mlxlis import blas
 lib = blas.state.dispatch
 rng = np.random.default_rng(1)
-for m, k, n in [(5, 33, 1), (8, 576, 7), (3, 100, 200), (16, 9, 1000)]:
+# small products run on the calling thread; from 2**19 multiply-adds the pool shares them
+for m, k, n in [(5, 33, 1), (3, 100, 200), (4, 576, 1536), (9, 300, 301), (16, 64, 1000)]:
     a = rng.standard_normal((m, k)).astype(np.float32)
     b = rng.standard_normal((n, k)).astype(np.float32)
     def run():
@@ -195,7 +196,7 @@ print("ok")
 @needs_kernel
 @pytest.mark.parametrize("threads", ["1", "3", "7"])
 def test_batch_kernel_shares_and_fork(threads):
-    """Shares of B's rows over 1, 3 or 7 threads (more shares than tiles for small n), with
+    """Shares of B's rows over 1, 3 or 7 threads (ragged shares for n = 301), with
     fewer of them taking a share (as ranks sharing a machine's cores set), before and after
     fork() (a child process builds its own pool)."""
     env = {**os.environ, "MLXLIS_SKINNY_THREADS": threads}
