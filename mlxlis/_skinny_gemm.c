@@ -175,10 +175,13 @@ static int start_pool(void) {
  * share a machine's cores (ranks of a pipeline on one host) */
 void mlxlis_skinny_set_threads(int n) { __atomic_store_n(&limit, n, __ATOMIC_RELAXED); }
 
+static int supported; /* set by mlxlis_skinny_supported: the kernel may run here */
+
 int mlxlis_skinny_supported(void) {
 #if HAVE_KERNEL
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return supported;
 #else
     return 0;
 #endif
@@ -186,6 +189,7 @@ int mlxlis_skinny_supported(void) {
 
 int mlxlis_skinny_gemm(int m, int n, int k, float alpha, const float *a, int lda,
                        const float *b, int ldb, float beta, float *c, int ldc) {
+    if (!supported) return 0; /* not checked, or no AVX2 + FMA on this CPU */
     if (pthread_mutex_trylock(&busy) != 0) return 0; /* another thread's product is running */
     if (!started) start_pool();
     job = (job_t){a, b, c, m, n, k, lda, ldb, ldc, alpha, beta};
