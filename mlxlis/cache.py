@@ -137,11 +137,15 @@ class RotatingKVCache(_Lendable):
 
     def claim_one(self) -> tuple[int, int]:
         """Bookkeeping of a one-token write done by a KVBatch: (the slot it goes to, valid
-        slots after it), as `_write_one` does."""
+        slots after it)."""
+        self.offset += 1
+        return self._next_slot()
+
+    def _next_slot(self) -> tuple[int, int]:
+        """Advance the ring by one position: (its slot, valid slots after it)."""
         i = self._size if self._size < self.window else self._idx
         self._size = min(self._size + 1, self.window)
         self._idx = (i + 1) % self.window
-        self.offset += 1
         return i, self._size
 
     def _ordered(self) -> tuple[mx.array, mx.array] | None:
@@ -193,14 +197,10 @@ class RotatingKVCache(_Lendable):
                 else:
                     self.keys = mx.concatenate([self.keys[..., :cap, :], k_new], axis=2)
                     self.values = mx.concatenate([self.values[..., :cap, :], v_new], axis=2)
-            i = self._size
-            self._size += 1
-        else:
-            i = self._idx
+        i, size = self._next_slot()
         self.keys[..., i : i + 1, :] = keys
         self.values[..., i : i + 1, :] = values
-        self._idx = (i + 1) % self.window
-        return self.keys[..., : self._size, :], self.values[..., : self._size, :]
+        return self.keys[..., :size, :], self.values[..., :size, :]
 
     @property
     def trimmable(self) -> int:

@@ -127,24 +127,21 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(b, t, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset)  # (B, n_heads, T, head_dim)
-        each = None  # decode_batch: the mask of the stacked keys (KVBatch)
+        stacked = None  # decode_batch: the (B, 1, 1, S) mask of the stacked keys (KVBatch)
         if shared is not None:
-            k, v, each = shared
+            k, v, stacked = shared
         else:
             k = self.k_proj(x).reshape(b, t, self.n_kv_heads, -1)
             v = k if self.k_eq_v else self.v_proj(x).reshape(b, t, self.n_kv_heads, -1)
             k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset)
             v = self.v_norm(v).transpose(0, 2, 1, 3)  # k, v: (B, n_kv_heads, T, head_dim)
-            if cache is not None and not isinstance(cache, CacheBatch):
+            if isinstance(cache, CacheBatch):  # one token per sequence: the caches stacked
+                k, v, stacked = KVBatch.step_of(cache.caches, k, v)
+            elif cache is not None:
                 k, v = cache.update_and_fetch(k, v)
-        if isinstance(cache, CacheBatch) or each is not None:  # one token per sequence
-            if each is None:  # its own caches, stacked; a KV-shared layer reuses the stack
-                k, v, each = KVBatch.step_of(cache.caches, k, v)  # each: (B, 1, 1, S) mask
-            out = attend(q, k, v, 1.0, each)
-        else:
-            out = attend(q, k, v, 1.0, mask)
+        out = attend(q, k, v, 1.0, stacked if stacked is not None else mask)
         out = out.transpose(0, 2, 1, 3)  # (B, T, n_heads, head_dim)
-        return self.o_proj(out.reshape(b, t, -1)), (k, v, each)
+        return self.o_proj(out.reshape(b, t, -1)), (k, v, stacked)
 
 
 class Router(nn.Module):
