@@ -16,7 +16,7 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(RUNTIME): pyproject.toml setup.py $(wildcard mlxlis/*.c mlxlis/*.h) | $(VENV)/bin/python
+$(RUNTIME): pyproject.toml setup.py $(wildcard mlxlis/runtime/*.c mlxlis/runtime/*.h) | $(VENV)/bin/python
 	$(PY) -m pip install -q -e .
 	touch $(RUNTIME)
 

@@ -1,5 +1,5 @@
-"""Build step for the one compiled piece: the Linux CPU BLAS dispatch (mlxlis/_blas_dispatch.c
-and its batch kernel, _skinny_gemm.c).
+"""Build step for the one compiled piece: the Linux CPU BLAS dispatch
+(mlxlis/runtime/_blas_dispatch.c and its batch kernel, _skinny_gemm.c).
 
 Optional: without a C compiler the package installs without it and CPU decoding runs through
 MLX's plain sgemm path (slower, same results). Everything else lives in pyproject.toml.
@@ -11,9 +11,9 @@ from setuptools import Extension, setup
 
 ext = [
     Extension(
-        "mlxlis._blas_dispatch",
-        sources=["mlxlis/_blas_dispatch.c", "mlxlis/_skinny_gemm.c"],
-        depends=["mlxlis/_skinny_gemm.h"],
+        "mlxlis.runtime._blas_dispatch",
+        sources=["mlxlis/runtime/_blas_dispatch.c", "mlxlis/runtime/_skinny_gemm.c"],
+        depends=["mlxlis/runtime/_skinny_gemm.h"],
         extra_compile_args=["-O2"],
         libraries=["dl", "pthread"],
         optional=True,

@@ -1,6 +1,6 @@
 """`python -m mlxlis ...`: the same as the `mlxlis` command."""
 
-from mlxlis.cli import main
+from mlxlis.commands.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

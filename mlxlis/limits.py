@@ -124,7 +124,7 @@ def check_sizes(sizes: dict[str, tuple[str, object]], path: str) -> dict[str, in
     """Each `field: (key in the file, value)` must be an integer in 1..its bound (a float with
     an integral value counts); returns `field: int`, else raises a ConfigError naming the file
     and the key as the file spells it."""
-    from .errors import ConfigError
+    from mlxlis.errors import ConfigError
 
     out: dict[str, int] = {}
     for name, (key, value) in sizes.items():

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mlxlis import catalog  # noqa: E402  (importing mlxlis preloads the BLAS first)
-from mlxlis.blas import state as blas_state  # noqa: E402
-from mlxlis.device import default_dtype_name, device_name  # noqa: E402
+from mlxlis.runtime.blas import state as blas_state  # noqa: E402
+from mlxlis.runtime.device import default_dtype_name, device_name  # noqa: E402
 
 PROMPT_TOKENS = 512
 DECODE_TOKENS = 128
@@ -57,7 +57,7 @@ def prompt_ids(gguf: Path) -> list[int]:
     """The prompt, tokenised by the file's own tokenizer. Only the tokenizer is built here:
     weights loaded in this process would take memory from every measured one (a 2 GB model held
     here made a worker's load 2.5x slower)."""
-    from mlxlis.loading.gguf import read_gguf
+    from mlxlis.loading.gguf_split import read_gguf
     from mlxlis.tokenizer import Tokenizer
 
     with read_gguf(gguf) as gf:
@@ -80,7 +80,7 @@ def hf_copy(name: str, dtype: str, root: Path) -> Path:
     """`mlxlis convert --dequantize` in a child process (kept out of this one's memory)."""
     out = root / f"{name}-{dtype}"
     if not (out / "config.json").is_file():
-        cmd = [sys.executable, "-m", "mlxlis.cli", "convert", str(catalog.model_path(name)),
+        cmd = [sys.executable, "-m", "mlxlis", "convert", str(catalog.model_path(name)),
                "-o", str(out), "--dtype", dtype, "--dequantize", "--force"]  # fmt: skip
         subprocess.run(cmd, check=True, cwd=ROOT)
     return out

@@ -28,7 +28,7 @@ TEXT = "The history of computing is long and varied, with many turns and returns
 def measure(name: str, batches: list[int]) -> dict[int, float]:
     """Seconds a step for each batch size (in this process)."""
     import mlxlis
-    from mlxlis.generate import prefill
+    from mlxlis.generation.steps import prefill
 
     import mlx.core as mx
 
@@ -62,7 +62,7 @@ def measure(name: str, batches: list[int]) -> dict[int, float]:
 
 
 def main() -> int:
-    from mlxlis import catalog
+    from mlxlis.loading import catalog
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="*", default=list(catalog.CATALOG))

@@ -29,7 +29,7 @@ import json, sys, time
 sys.path.insert(0, {root!r})
 engine, folder = sys.argv[1], sys.argv[2]
 import mlxlis
-from mlxlis.device import select_device, setup_process
+from mlxlis.runtime.device import select_device, setup_process
 import mlx.core as mx
 setup_process(); select_device()
 if engine == "mlxlis":
@@ -90,8 +90,8 @@ def write_model(folder: Path, raw: dict) -> None:
     from mlx.utils import tree_flatten
 
     sys.path.insert(0, str(ROOT))
-    from mlxlis.convert import hf_config
-    from mlxlis.families import build_model, config_from_hf
+    from mlxlis.commands.convert import hf_config
+    from mlxlis.models import build_model, config_from_hf
 
     folder.mkdir()
     cfg = config_from_hf(raw)

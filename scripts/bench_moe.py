@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import mlxlis  # noqa: E402,F401  (importing mlxlis preloads the BLAS first)
-from mlxlis.config import ModelConfig, RopeConfig  # noqa: E402
-from mlxlis.device import select_device, setup_process  # noqa: E402
-from mlxlis.families import build_model  # noqa: E402
+from mlxlis.models import build_model  # noqa: E402
+from mlxlis.models.config import ModelConfig, RopeConfig  # noqa: E402
+from mlxlis.runtime.device import select_device, setup_process  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_map  # noqa: E402

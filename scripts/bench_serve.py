@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from mlxlis import catalog  # noqa: E402  (importing mlxlis preloads the BLAS first)
-from mlxlis.device import default_dtype_name  # noqa: E402
+from mlxlis.runtime.device import default_dtype_name  # noqa: E402
 
 from bench import cpu_name, hf_copy  # noqa: E402
 

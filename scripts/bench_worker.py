@@ -25,7 +25,7 @@ if sys.argv[1:2] != ["mlxlis"]:
 import mlxlis  # noqa: E402  (chooses the BLAS before mlx.core loads)
 
 if sys.argv[1:2] == ["mlxlis"]:
-    mlxlis.device.setup_process()  # as the mlxlis commands do
+    mlxlis.runtime.device.setup_process()  # as the mlxlis commands do
 
 
 def rss_peak() -> int:
@@ -34,7 +34,7 @@ def rss_peak() -> int:
     Linux: VmHWM (the mm's high-water mark; ru_maxrss would carry over the parent's size
     across fork + exec). macOS: ru_maxrss (bytes there).
     """
-    from mlxlis.device import proc_bytes
+    from mlxlis.runtime.device import proc_bytes
 
     peak = proc_bytes("/proc/self/status", "VmHWM")
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -74,7 +74,8 @@ def measure(prefill, stream, n_prompt: int, n_decode: int, t0: float) -> dict:
 
 
 def bench_mlxlis(path: str, ids: list[int], n: int) -> dict:
-    from mlxlis.generate import generate, prefill
+    from mlxlis.generation.generate import generate
+    from mlxlis.generation.steps import prefill
 
     import mlx.core as mx
 

@@ -21,14 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from mlxlis import catalog  # noqa: E402
+from mlxlis.loading import catalog  # noqa: E402
 
 KINDS = ("wheel", "system", "bundled")
 
 
 def worker(kind: str, path: Path, ids_file: str, n_decode: int) -> dict:
     env = {**os.environ, "MLXLIS_BLAS": kind}
-    probe = subprocess.run([sys.executable, "-c", "import mlxlis.blas as b; print(b.state.name)"],
+    probe = subprocess.run([sys.executable, "-c", "import mlxlis.runtime.blas as b; print(b.state.name)"],
                            capture_output=True, text=True, env=env, cwd=ROOT)  # fmt: skip
     name = probe.stdout.strip()
     if kind != "bundled" and "bundled" in name:

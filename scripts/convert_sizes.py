@@ -10,8 +10,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mlxlis import catalog, load
-from mlxlis.convert import convert
+from mlxlis import load
+from mlxlis.commands.convert import convert
+from mlxlis.loading import catalog
 
 from mlx.utils import tree_flatten
 

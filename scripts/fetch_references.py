@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mlxlis import catalog  # noqa: E402
+from mlxlis.loading import catalog  # noqa: E402
 
 VERSION = "0.3.36"
 URL = (

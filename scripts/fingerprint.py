@@ -82,15 +82,13 @@ def greedy(model, ids: list[int], n: int, **kw) -> list[int]:
 
 
 def batched(model, prompts: list[list[int]], n: int) -> tuple[list[int], list[float]]:
-    try:
-        from mlxlis.serve.engine import Engine, GenRequest
-    except ImportError:
-        from mlxlis.generation import Engine, GenRequest  # type: ignore[no-redef]
-    from mlxlis.sampling import SamplingParams
+    from mlxlis.generation.core import Request
+    from mlxlis.generation.engine import Engine
+    from mlxlis.generation.sampling import SamplingParams
 
     engine = Engine(model, max_active=8, prefix_cache_bytes=0)
     try:
-        streams = [engine.submit(GenRequest(p, SamplingParams(max_tokens=n), top_logprobs=0))
+        streams = [engine.submit(Request(p, SamplingParams(max_tokens=n), top_logprobs=0))
                    for p in prompts]  # fmt: skip
         toks, logps = [], []
         for s in streams:

@@ -58,11 +58,11 @@ def decode_tps(model, rounds: int = 3) -> tuple[float, float]:
 
 def child(name: str, dequantize: bool | None, cprofile: bool, decode: int) -> dict:
     """Runs in the fresh process: one load, measured."""
-    import mlxlis.chat_template  # noqa: F401  (imports belong to the baseline, not the load)
+    import mlxlis.prompt.template  # noqa: F401  (imports belong to the baseline, not the load)
     import mlxlis.tokenizer  # noqa: F401
-    from mlxlis.device import resolve_dtype
-    from mlxlis.loading import resolve
-    from mlxlis.loading.gguf_model import load_gguf
+    from mlxlis.loading.resolve import resolve
+    from mlxlis.models.from_gguf import load_gguf
+    from mlxlis.runtime.device import resolve_dtype
 
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     names = a.names
     if not names:
-        from mlxlis import catalog
+        from mlxlis.loading import catalog
 
         names = [n for n in catalog.CATALOG if catalog.is_pulled(n)]
     flags = [] if a.dequantize is None else ["--dequantize" if a.dequantize else "--quantized"]

@@ -211,7 +211,7 @@ atexit.register(shutil.rmtree, _SHARED, ignore_errors=True)
 
 
 def need_pulled(name: str) -> Path:
-    from mlxlis import catalog
+    from mlxlis.loading import catalog
 
     if not catalog.is_pulled(name):
         pytest.skip(f"{name} not pulled (make models)")
@@ -229,7 +229,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     """Start building transformers' references in the background (tests/hf_references.py)
     when tests that compare against them were selected; the session runs on beside it."""
     global _references
-    from mlxlis import catalog
+    from mlxlis.loading import catalog
 
     if not any(Path(str(item.fspath)).name in NEEDS_HF_REFERENCES for item in items):
         return

@@ -30,8 +30,8 @@ def logits_file(out: Path, name: str) -> Path:
 
 def build(out: Path, name: str) -> None:
     """Write the tokenizer folder, then the logits (each atomically: temp name, rename)."""
-    from mlxlis import catalog
-    from mlxlis.loading.gguf import read_gguf
+    from mlxlis.loading import catalog
+    from mlxlis.loading.gguf_split import read_gguf
     from mlxlis.tokenizer import Tokenizer
 
     import numpy as np

@@ -3,12 +3,13 @@
     mlx.launch --backend ring -n N python tests/pipeline_rank.py JOBS.json OUT_DIR
 
 For each job ({"model", "prompt", "steps", "split"}) every rank loads its share with
-`mlxlis.load` (float32), prefills the prompt and takes `steps` greedy steps through the same
-pieces `generate` uses (prefill, the PipelineNet, the shared token). The last rank writes the
-logits of each step to OUT_DIR/JOB-logits.npy; every rank writes OUT_DIR/JOB-rank-R.json with
-its part, the tokens and its memory: resident set before the load, and its peak (VmHWM, reset
-before each job) after the job. A job of "kind": "chat" runs `chat_turns` on rank 0 while the
-other ranks `follow` it, and writes rank 0's turns to OUT_DIR/JOB-rank-0.json.
+`mlxlis.load` (float32); rank 0 runs `mlxlis.generate` (the generation core, its steps led
+from rank 0 and announced to the others) for `steps` + 1 greedy tokens while the other ranks
+`follow`. Rank 0 writes the logits of each step (the last rank's, as rank 0 samples them) to
+OUT_DIR/JOB-logits.npy; every rank writes OUT_DIR/JOB-rank-R.json with its part, the tokens
+(rank 0) and its memory: resident set before the load, and its peak (VmHWM, reset before each
+job) after the job. A job of "kind": "chat" runs `chat_turns` on rank 0 while the other ranks
+`follow` it, and writes rank 0's turns to OUT_DIR/JOB-rank-0.json.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import time
 from pathlib import Path
 
 import mlxlis  # noqa: F401  (chooses the BLAS before mlx.core loads)
-from mlxlis.device import proc_bytes
-from mlxlis.generate import prefill
+from mlxlis.distributed.leader import LeaderSteps, finish, follow, ranks_of
+from mlxlis.runtime.device import proc_bytes
 
 import mlx.core as mx
 import numpy as np
@@ -32,6 +33,18 @@ def reset_peak() -> None:
         f.write("5")
 
 
+class Recording(LeaderSteps):
+    """Rank 0's steps, keeping each step's logits (what the last rank sent back)."""
+
+    seen: list[np.ndarray] = []
+
+    def run(self, rids, caches, tokens, kind):
+        out = super().run(rids, caches, tokens, kind)
+        if out is not None:
+            Recording.seen.append(np.array(out[0]))
+        return out
+
+
 def run(job: dict, out: Path) -> None:
     start = time.perf_counter()
     reset_peak()
@@ -39,22 +52,18 @@ def run(job: dict, out: Path) -> None:
     model = mlxlis.load(job["model"], "float32", layers_split=job.get("split"))
     net = model.net
     ids = model.tokenizer.encode(job["prompt"])
-    cache = model.make_cache()
-    out_arr = prefill(net, ids, cache)  # the chunks generate uses
-    tokens, logits = [], []
-    for i in range(job["steps"] + 1):
-        y = None
-        if net.is_last:
-            logits.append(np.array(out_arr[0]))
-            y = mx.argmax(out_arr, axis=-1)
-        token = net.share(y, after=out_arr).tolist()[0]
-        tokens.append(token)
-        if i < job["steps"]:
-            step_in = mx.array([[token]], dtype=mx.int32)
-            out_arr = net(step_in, cache=cache, last_only=True)[:, -1, :].astype(mx.float32)
-    name = job["name"]
-    if net.is_last:
-        np.save(out / f"{name}-logits.npy", np.stack(logits))
+    tokens: list[int] = []
+    if model.rank == 0:
+        model.steps_factory = Recording
+        Recording.seen = []
+        try:
+            tokens = [e.token for e in mlxlis.generate(model, ids, max_tokens=job["steps"] + 1,
+                                                       stop_ids=set()) if e.token is not None]
+        finally:
+            finish(ranks_of(model))
+        np.save(out / f"{job['name']}-logits.npy", np.stack(Recording.seen))
+    else:
+        follow(model)
     part = net.part
     report = {
         "rank": part.rank, "size": part.size, "start": part.start, "stop": part.stop,
@@ -65,8 +74,8 @@ def run(job: dict, out: Path) -> None:
         "layers": sorted({int(k.split(".")[2]) for k, _ in _arrays(net)
                           if k.startswith("model.layers.")}),
     }  # fmt: skip
-    (out / f"{name}-rank-{part.rank}.json").write_text(json.dumps(report))
-    del model, net, cache, out_arr
+    (out / f"{job['name']}-rank-{part.rank}.json").write_text(json.dumps(report))
+    del model, net
     mx.clear_cache()
 
 
@@ -93,17 +102,14 @@ def chat_turns(model, turns: list) -> list:
 
 def run_chat(job: dict, out: Path) -> None:
     """Rank 0 chats (the app's part), the other ranks follow it (mlxlis chat under a launcher)."""
-    from mlxlis.distributed.follow import finish, follow
-
     model = mlxlis.load(job["model"], "float32")
-    ranks = model.net.ranks
-    if ranks.rank != 0:
+    if model.rank != 0:
         follow(model)
         return
     try:
         turns = chat_turns(model, job["turns"])
     finally:
-        finish(ranks)
+        finish(ranks_of(model))
     (out / f"{job['name']}-rank-0.json").write_text(json.dumps(turns))
 
 

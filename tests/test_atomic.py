@@ -20,8 +20,8 @@ import zipfile
 from dataclasses import replace
 from pathlib import Path
 
-from mlxlis import catalog
 from mlxlis.errors import MlxlisError
+from mlxlis.loading import catalog
 
 import pytest
 from conftest import CTRL_C_CHILD
@@ -200,7 +200,7 @@ def test_pull_sigint_mid_write_leaves_nothing(tmp_path):
         import hashlib, subprocess, sys, time, zipfile
         from dataclasses import replace
         from pathlib import Path
-        from mlxlis import catalog
+        from mlxlis.loading import catalog
 
         CHUNK = 1 << 22
         PAYLOAD = (bytes(range(256)) * (CHUNK // 256 + 8))[: CHUNK + 2048]
@@ -327,7 +327,7 @@ def previous(tmp_path):
 
 
 def test_convert_broken_mid_weights_keeps_previous(tiny, previous, monkeypatch):
-    from mlxlis import convert as conv
+    from mlxlis.commands import convert as conv
 
     folder, _ = tiny("llama")
     real = conv.mx.save_safetensors
@@ -346,7 +346,7 @@ def test_convert_broken_mid_weights_keeps_previous(tiny, previous, monkeypatch):
 
 
 def test_convert_ctrl_c_mid_write_keeps_previous(tiny, previous, monkeypatch):
-    from mlxlis import convert as conv
+    from mlxlis.commands import convert as conv
 
     folder, _ = tiny("llama")
 
@@ -364,7 +364,7 @@ def test_convert_ctrl_c_mid_write_keeps_previous(tiny, previous, monkeypatch):
 def test_convert_sigint_with_force_keeps_previous(tiny, previous):
     folder, _ = tiny("llama")
     code = f"""
-        import time, mlxlis.convert as c
+        import time, mlxlis.commands.convert as c
         orig = c.write_tokenizer
         def slow(m, f):
             orig(m, f); print("writing", flush=True); time.sleep(60)
@@ -378,7 +378,7 @@ def test_convert_sigint_with_force_keeps_previous(tiny, previous):
 
 
 def test_convert_force_publish_success_replaces_whole(tiny, previous):
-    from mlxlis.convert import convert
+    from mlxlis.commands.convert import convert
 
     folder, _ = tiny("llama")
     convert(folder, previous, dtype="float32", force=True)
@@ -387,7 +387,7 @@ def test_convert_force_publish_success_replaces_whole(tiny, previous):
 
 
 def test_convert_publish_interrupted_between_renames(tiny, previous, monkeypatch):
-    from mlxlis import convert as conv
+    from mlxlis.commands import convert as conv
 
     folder, _ = tiny("llama")
     real_rename = os.rename

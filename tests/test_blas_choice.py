@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import mlxlis
-from mlxlis import blas
+from mlxlis.runtime import blas
 
 import pytest
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 PROBE = """
 import numpy as np
 import mlxlis
-from mlxlis import blas
+from mlxlis.runtime import blas
 import mlx.core as mx
 rng = np.random.default_rng(0)
 a, b = rng.standard_normal((64, 96), np.float32), rng.standard_normal((96, 48), np.float32)

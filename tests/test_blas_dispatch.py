@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 
-from mlxlis import blas
+from mlxlis.runtime import blas
 
 import mlx.core as mx
 import numpy as np
@@ -170,7 +170,7 @@ import ctypes, os, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 from test_blas_dispatch import kernel_call, within_bound
-from mlxlis import blas
+from mlxlis.runtime import blas
 lib = blas.state.dispatch
 rng = np.random.default_rng(1)
 # small products run on the calling thread; from 2**19 multiply-adds the pool shares them

@@ -23,7 +23,7 @@ import termios
 import time
 from pathlib import Path
 
-from mlxlis import catalog
+from mlxlis.loading import catalog
 
 import pytest
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlxlis
 from mlxlis.errors import ContextLimitError, NoChatTemplateError
-from mlxlis.generate import prefill
+from mlxlis.generation.steps import prefill
 
 import numpy as np
 import pytest
@@ -35,9 +35,9 @@ def test_second_turn_reuses_cache_and_matches_fresh_forward(chat_model):
     list(session.send("Tell me more.", max_tokens=6))
     assert session.last_reused_tokens > 10  # the system + first exchange were not re-run
     # logits-level check of the reuse path on the next (third) prompt
-    session.turns.append(mlxlis.chat.Turn("user", "And then?"))
+    session.turns.append(mlxlis.generation.session.Turn("user", "And then?"))
     ids = chat_model.tokenizer.encode(session.render(), special=True)
-    cache, reuse = session._reusable(ids)
+    cache, reuse = session._prefix.take(ids)  # the caches the next turn would start from
     assert reuse > 0
     reused = np.array(prefill(chat_model.net, ids[reuse:], cache))
     fresh = np.array(chat_model.logits(ids))[-1]

@@ -12,7 +12,8 @@ import json
 import re
 from pathlib import Path
 
-from mlxlis.chat_template import (
+from mlxlis.errors import TemplateError
+from mlxlis.prompt.template import (
     BUILTIN_TEMPLATES,
     ChatTemplate,
     builtin_template,
@@ -20,7 +21,6 @@ from mlxlis.chat_template import (
     discover_template,
     end_of_turn_tokens,
 )
-from mlxlis.errors import TemplateError
 
 import pytest
 from conftest import gguf_py_reader, llama_cpp_reference, memory_bound
@@ -178,7 +178,7 @@ def test_helpers_match_transformers():
 
 def test_compiled_once():
     """A template's text is parsed and compiled once, however many ChatTemplates and renders."""
-    from mlxlis import chat_sandbox
+    from mlxlis.prompt import sandbox as chat_sandbox
 
     text = "{{ messages | length }} compiled-once"
     before = chat_sandbox.compile_template.cache_info().misses

@@ -86,7 +86,7 @@ def mmapped(n=30 << 20):
     libc.free(ctypes.c_void_p(p))
     return grew
 if sys.argv[1] == "setup":
-    mlxlis.device.setup_process()
+    mlxlis.runtime.device.setup_process()
 print(mmapped())
 """
 

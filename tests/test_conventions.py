@@ -14,16 +14,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlxlis
-import mlxlis.device
-from mlxlis import catalog
-from mlxlis.config import ModelConfig, RopeConfig
+import mlxlis.runtime.device
 from mlxlis.errors import MissingTensorError, UnexpectedTensorError
-from mlxlis.families import REGISTRY, build_model, conventions, family
-from mlxlis.families.conventions import unpermute_rows
-from mlxlis.loading import gguf_model
-from mlxlis.loading.gguf import read_gguf
-from mlxlis.loading.gguf_config import config_from_gguf
-from mlxlis.loading.gguf_model import SPECIAL
+from mlxlis.loading import catalog
+from mlxlis.loading.gguf_split import read_gguf
+from mlxlis.models import REGISTRY, build_model, conventions, family
+from mlxlis.models import from_gguf as gguf_model
+from mlxlis.models.config import ModelConfig, RopeConfig
+from mlxlis.models.conventions import unpermute_rows
+from mlxlis.models.from_gguf import SPECIAL
+from mlxlis.models.gguf_config import config_from_gguf
 
 import gguf
 import mlx.core as mx
@@ -307,7 +307,7 @@ def test_synthetic_llama_gguf_matches_transformers(tiny_llamas, tmp_path, qtype,
     assert model.config.tie_word_embeddings == tied
     assert ("lm_head" in model.net) != tied
     if qtype == "Q8_0":
-        assert "8-bit" in mlxlis.model._quant_summary(model.net)
+        assert "8-bit" in mlxlis.models.model._quant_summary(model.net)
     ref = ref.__class__(ref.config).eval()
     ref.load_state_dict({k: torch.from_numpy(v) for k, v in held.items()}, strict=not tied)
     if tied:
@@ -355,7 +355,7 @@ def test_default_is_dense_matmuls_on_cpu_quantized_elsewhere(tiny_llamas, tmp_pa
     quantized; tied, it is the head and goes dense. Quantized when the dense weights would not
     fit comfortably, and on Metal / CUDA. False and True force either way. (Loaded in the HF
     layout.)"""
-    monkeypatch.setattr(mlxlis.device, "device_name", lambda: "cpu")
+    monkeypatch.setattr(mlxlis.runtime.device, "device_name", lambda: "cpu")
     for tied in (False, True):
         folder, ref = tiny_llamas[tied]
         path = tmp_path / f"q8-{tied}.gguf"
@@ -374,7 +374,7 @@ def test_default_is_dense_matmuls_on_cpu_quantized_elsewhere(tiny_llamas, tmp_pa
         "QuantizedEmbedding",
     }
     monkeypatch.undo()
-    monkeypatch.setattr(mlxlis.device, "device_name", lambda: "metal")
+    monkeypatch.setattr(mlxlis.runtime.device, "device_name", lambda: "metal")
     assert set(kinds(mlxlis.load(path, "float32")).values()) == {
         "QuantizedLinear",
         "QuantizedEmbedding",
@@ -410,7 +410,7 @@ def test_loads_from_several_threads(tiny_llamas, tmp_path):
 def test_convert_refuses_rope_freqs(tiny_llamas, tmp_path):
     """A GGUF carrying rope_freqs (RoPE frequencies config.json cannot express) is refused by
     convert rather than written without them; nothing is left behind."""
-    from mlxlis.convert import convert
+    from mlxlis.commands.convert import convert
     from mlxlis.errors import UnsupportedError
 
     folder, ref = tiny_llamas[False]

@@ -13,8 +13,8 @@ import subprocess
 import sys
 
 import mlxlis
-from mlxlis import catalog
 from mlxlis.errors import MlxlisError
+from mlxlis.loading import catalog
 
 import mlx.core as mx
 import numpy as np
@@ -36,7 +36,7 @@ def converted(tmp_path_factory):
     def get(name: str):
         if name not in made:
             need(name)
-            from mlxlis.convert import convert
+            from mlxlis.commands.convert import convert
 
             out = convert(name, tmp_path_factory.mktemp("conv") / name, dtype="float32")
             made[name] = (out, real_quantized(name))  # shared with test_gguf_models
@@ -93,7 +93,7 @@ def test_mlx_lm_loads_converted(converted, name):
 
 
 def test_refuses_existing_destination(tiny, tmp_path):
-    from mlxlis.convert import convert
+    from mlxlis.commands.convert import convert
 
     folder, _ = tiny("llama")
     dest = tmp_path / "out"
@@ -107,7 +107,7 @@ def test_refuses_existing_destination(tiny, tmp_path):
 
 def test_failed_conversion_leaves_nothing(tiny, tmp_path, monkeypatch):
     """An error during writing (here: verification) leaves no destination and no temp folder."""
-    from mlxlis import convert as conv
+    from mlxlis.commands import convert as conv
 
     folder, _ = tiny("llama")
 
@@ -124,7 +124,7 @@ def test_interrupted_conversion_leaves_nothing(tiny, tmp_path):
     """Ctrl+C (SIGINT) in the middle of a conversion subprocess leaves nothing behind."""
     folder, _ = tiny("llama")
     code = (
-        "import sys, mlxlis.convert as c\n"
+        "import sys, mlxlis.commands.convert as c\n"
         "orig = c.write_tokenizer\n"
         "def slow(m, f):\n"
         "    orig(m, f); print('writing', flush=True); import time; time.sleep(60)\n"

@@ -8,8 +8,9 @@ builds, a macOS runner without Metal) the GPU test skips and says why.
 from __future__ import annotations
 
 import mlxlis
-from mlxlis import catalog, device
 from mlxlis.errors import UnsupportedError
+from mlxlis.loading import catalog
+from mlxlis.runtime import device
 
 import mlx.core as mx
 import numpy as np

@@ -13,9 +13,9 @@ from __future__ import annotations
 import shutil
 
 import mlxlis
-from mlxlis import fastmath
 from mlxlis.cache import window_mask
-from mlxlis.families import attention
+from mlxlis.models import attention
+from mlxlis.runtime import fastmath
 
 import mlx.core as mx
 import numpy as np
@@ -28,7 +28,7 @@ rng = np.random.default_rng(0)
 def need_fastmath():
     if not fastmath.enabled():
         if shutil.which("g++") or shutil.which("c++"):
-            from mlxlis.device import device_name
+            from mlxlis.runtime.device import device_name
 
             if device_name() == "cpu":
                 pytest.fail("a C++ compiler is present but fastmath is not enabled on the CPU")

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mlxlis.errors import MlxlisError
-from mlxlis.families import HF_MODEL_TYPES
+from mlxlis.models import HF_MODEL_TYPES
 
 import mlx.core as mx
 import numpy as np
@@ -215,7 +215,7 @@ def test_fuzz_safetensors(work, data):
 
 
 def check_gguf(folder: Path, data: bytes) -> None:
-    from mlxlis.loading.gguf import read_gguf
+    from mlxlis.loading.gguf_split import read_gguf
 
     path = folder / "fuzz.gguf"
     path.write_bytes(data)
@@ -316,7 +316,7 @@ def test_fuzz_manifest_json(work, value, raw, use_raw):
 @pytest.fixture(scope="module")
 def tiny_model(work) -> tuple[Path, dict]:
     """A 2-layer model folder (config.json + model.safetensors, names as the family's)."""
-    from mlxlis.families import build_model, config_from_hf
+    from mlxlis.models import build_model, config_from_hf
 
     from mlx.utils import tree_flatten
 
@@ -387,9 +387,9 @@ def check_plan(
 ) -> None:
     import warnings
 
-    from mlxlis.families import build_model, config_from_hf
     from mlxlis.loading.manifest import as_manifest
     from mlxlis.loading.plan import plan_bindings
+    from mlxlis.models import build_model, config_from_hf
 
     def run() -> None:
         cfg = config_from_hf(dict(cfg_dict, quantization=quant))
@@ -474,7 +474,7 @@ DANGEROUS = [
 
 
 def check_template(text: str) -> None:
-    from mlxlis.chat_template import ChatTemplate
+    from mlxlis.prompt.template import ChatTemplate
 
     messages = [
         {"role": "system", "content": "sys"},
@@ -559,7 +559,7 @@ def configs(draw) -> tuple[object, object]:
 
 
 def check_config(cfg: object, generation: object) -> None:
-    from mlxlis.families import config_from_hf
+    from mlxlis.models import config_from_hf
 
     survives(lambda: config_from_hf(cfg, "config.json", generation), "config")  # type: ignore[arg-type]
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import mlxlis
 from mlxlis.errors import ConfigError, MlxlisError, UnsupportedError
-from mlxlis.families.experts import QuantizedSwitchLinear
-from mlxlis.generate import prefill
+from mlxlis.generation.steps import prefill
+from mlxlis.models.experts import QuantizedSwitchLinear
 
 import mlx.core as mx
 import numpy as np
@@ -255,7 +255,7 @@ def test_convert_round_trip_and_mlx_lm(gemma4, name, tmp_path):
     same logits (measured 8.8e-6 e2b, 1.1e-5 moe; bound 2e-4); so does transformers where it
     can (e2b: measured 2.6e-5; bound 1e-4): it reads experts only in its fused layout, not in
     mlx-lm's switch_glu one that convert writes."""
-    from mlxlis.convert import convert
+    from mlxlis.commands.convert import convert
 
     from mlx_lm import load as mlx_lm_load
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import mlxlis
 from mlxlis.errors import ConfigError, MlxlisError, UnsupportedError
-from mlxlis.families.experts import QuantizedSwitchLinear
+from mlxlis.models.experts import QuantizedSwitchLinear
 
 import gguf
 import mlx.core as mx
@@ -271,7 +271,7 @@ def test_convert_round_trip_and_mlx_lm(files, tmp_path):
     """The full layers' proportional RoPE, a rope_freqs tensor in the GGUF (1 for the turned
     pairs, 1e30 for the rest), is read as config, so `convert` writes it into config.json: the
     folder reloads bit for bit and mlx-lm loads it to the same logits (bound 1e-4)."""
-    from mlxlis.convert import convert
+    from mlxlis.commands.convert import convert
 
     from mlx_lm import load as mlx_lm_load
 

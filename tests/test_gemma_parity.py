@@ -15,9 +15,9 @@ from pathlib import Path
 
 import mlxlis
 from mlxlis.cache import KVCache, RotatingKVCache, trimmable, window_mask
-from mlxlis.config import read_json
 from mlxlis.errors import MissingTensorError
-from mlxlis.families import config_from_hf
+from mlxlis.models import config_from_hf
+from mlxlis.models.config import read_json
 
 import mlx.core as mx
 import numpy as np

@@ -13,8 +13,8 @@ import subprocess
 import sys
 
 import mlxlis
-from mlxlis import catalog
-from mlxlis.generate import prefill
+from mlxlis.generation.steps import prefill
+from mlxlis.loading import catalog
 
 import mlx.core as mx
 import numpy as np
@@ -69,7 +69,7 @@ def test_cli_raw_completion_end_to_end():
         [
             sys.executable,
             "-m",
-            "mlxlis.cli",
+            "mlxlis",
             "-m",
             "gemma3-270m",
             "--no-chat",
@@ -94,7 +94,7 @@ def test_cli_chat_mode_without_template_is_refused():
     if not catalog.is_pulled("gemma3-270m"):
         pytest.skip("gemma3-270m not pulled")
     res = subprocess.run(
-        [sys.executable, "-m", "mlxlis.cli", "-m", "gemma3-270m", "Hello"],
+        [sys.executable, "-m", "mlxlis", "-m", "gemma3-270m", "Hello"],
         capture_output=True,
         text=True,
         timeout=600,

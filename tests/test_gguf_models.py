@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlxlis
-from mlxlis import catalog
-from mlxlis.families import REGISTRY
-from mlxlis.loading.gguf import read_gguf
+from mlxlis.loading import catalog
+from mlxlis.loading.gguf_split import read_gguf
+from mlxlis.models import REGISTRY
 
 import mlx.core as mx
 import mlx.nn as nn

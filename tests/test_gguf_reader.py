@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from mlxlis import catalog, limits
+from mlxlis import limits
 from mlxlis.errors import (
     FileFormatError,
     MlxlisError,
@@ -18,7 +18,9 @@ from mlxlis.errors import (
     UnsupportedFormatError,
     UnsupportedQuantError,
 )
-from mlxlis.loading.gguf import GGML_TYPES, read_gguf
+from mlxlis.loading import catalog
+from mlxlis.loading.gguf import GGML_TYPES
+from mlxlis.loading.gguf_split import read_gguf
 
 import numpy as np
 import pytest

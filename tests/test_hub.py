@@ -308,7 +308,7 @@ def test_resume_after_a_dropped_connection_and_after_ctrl_c(hub, tmp_path):
     assert sha(blobs / sha_a) == sha_a
 
     hub.stall[sha_b] = 15 << 20
-    code = CTRL_C_CHILD + "from mlxlis.cli import main; raise SystemExit(main())"
+    code = CTRL_C_CHILD + "from mlxlis.commands.cli import main; raise SystemExit(main())"
     proc = subprocess.Popen([sys.executable, "-c", code, "pull", "org/big-GGUF:Q4_0"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     partial = blobs / f"{sha_b}.incomplete"
@@ -350,7 +350,7 @@ def test_corrupted_download_is_deleted_and_disk_full_is_one_line(hub, files, tmp
 
     full = ("import shutil, collections; U = collections.namedtuple('U', 'total used free');"
             "shutil.disk_usage = lambda p: U(10**9, 10**9, 1000)\n"  # a full disk, as the OS says
-            "from mlxlis.cli import main; raise SystemExit(main())")  # fmt: skip
+            "from mlxlis.commands.cli import main; raise SystemExit(main())")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", full, "pull", "org/bad-GGUF:F32"], env=env,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     line = one_error_line(r)

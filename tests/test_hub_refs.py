@@ -7,10 +7,10 @@ import io
 from pathlib import Path
 
 from mlxlis.errors import AmbiguousModelError, HubError, ModelNotFoundError
-from mlxlis.hub import display_name
-from mlxlis.hub.progress import StderrProgress, done_line, progress_line
-from mlxlis.hub.refs import HubRef, parse_ref
-from mlxlis.hub.select import choice, gguf_models, quant_label, select
+from mlxlis.loading.hub import display_name
+from mlxlis.loading.hub.progress import StderrProgress, done_line, progress_line
+from mlxlis.loading.hub.refs import HubRef, parse_ref
+from mlxlis.loading.hub.select import choice, gguf_models, quant_label, select
 
 import pytest
 
@@ -167,7 +167,7 @@ def test_display_name_of_a_cache_snapshot():
 def test_an_existing_path_wins_over_a_repo_name(tmp_path, monkeypatch):
     """`ORG/NAME` that is also a relative folder here is that folder, with no Hub involved;
     the same text where no such folder exists is read as a repo reference."""
-    from mlxlis.loading import resolve
+    from mlxlis.loading.resolve import resolve
 
     (tmp_path / "org" / "name").mkdir(parents=True)
     (tmp_path / "org" / "name" / "model.safetensors").write_bytes(b"")
@@ -179,7 +179,7 @@ def test_an_existing_path_wins_over_a_repo_name(tmp_path, monkeypatch):
 def test_the_hubs_xet_reporter_drives_one_line_per_file():
     """huggingface_hub's own Xet download reporter, given mlxlis' bar class, folds its
     transfer bar into the file's bar: the callback sees that file only, from 0 to its size."""
-    from mlxlis.hub.progress import bar_class
+    from mlxlis.loading.hub.progress import bar_class
 
     from huggingface_hub.utils._xet_progress_reporting import XetDownloadProgressReporter
 

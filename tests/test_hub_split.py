@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlxlis
 from mlxlis.errors import FileFormatError, ModelNotFoundError
-from mlxlis.loading.gguf import read_gguf
+from mlxlis.loading.gguf_split import read_gguf
 
 import gguf
 import numpy as np

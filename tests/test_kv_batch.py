@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 
 from mlxlis.cache import KVBatch, KVCache, RotatingKVCache
-from mlxlis.families.attention import attend
+from mlxlis.models.attention import attend
 
 import mlx.core as mx
 import numpy as np

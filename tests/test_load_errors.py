@@ -170,7 +170,7 @@ def test_unknown_dtype_and_missing_path(ckpt, tmp_path):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "mlxlis.cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "mlxlis", *args], capture_output=True, text=True, timeout=300
     )
 
 

@@ -502,7 +502,7 @@ def test_deep_tokenizer_config_refused(llama, tmp_path):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "mlxlis.cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "mlxlis", *args], capture_output=True, text=True, timeout=300
     )
 
 

@@ -15,7 +15,7 @@ import select
 import signal
 import time
 
-from mlxlis.cli import main
+from mlxlis.commands.cli import main
 
 import pytest
 from conftest import need_pulled

@@ -41,12 +41,13 @@ def prompts(model) -> list[list[int]]:
 
 def lone(model, ids: list[int]) -> tuple[str, list[float]]:
     """(text, each token's logprob) of a greedy request alone on an in-process Engine."""
-    from mlxlis.sampling import SamplingParams
-    from mlxlis.serve.engine import Engine, GenRequest
+    from mlxlis.generation.core import Request
+    from mlxlis.generation.engine import Engine
+    from mlxlis.generation.sampling import SamplingParams
 
     engine = Engine(model, max_active=1)
     try:
-        req = GenRequest(ids, SamplingParams(max_tokens=TOKENS, temperature=0.0), top_logprobs=0)
+        req = Request(ids, SamplingParams(max_tokens=TOKENS, temperature=0.0), top_logprobs=0)
         events = list(engine.submit(req))
     finally:
         engine.shutdown()

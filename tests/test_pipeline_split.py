@@ -14,7 +14,7 @@ import itertools
 import json
 import random
 
-from mlxlis.cli import main
+from mlxlis.commands.cli import main
 from mlxlis.distributed.split import (
     Part,
     balanced_split,

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 
-from mlxlis import catalog
 from mlxlis.errors import FileFormatError, UnsupportedQuantError
-from mlxlis.loading import quants
-from mlxlis.loading.gguf import GGML_TYPES, GGUFTensor, read_gguf
+from mlxlis.loading import catalog, quants
+from mlxlis.loading.gguf import GGML_TYPES, GGUFTensor
+from mlxlis.loading.gguf_split import read_gguf
 from mlxlis.loading.quants import QUANTIZABLE, convert_tensor, pack_codes
 
 import mlx.core as mx

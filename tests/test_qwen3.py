@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlxlis
 from mlxlis.errors import ConfigError, MlxlisError
-from mlxlis.families.experts import QuantizedSwitchLinear
+from mlxlis.models.experts import QuantizedSwitchLinear
 
 import mlx.core as mx
 import numpy as np

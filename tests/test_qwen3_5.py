@@ -245,7 +245,7 @@ def test_chat_prefix_reuse_equals_fresh_run(qwen35):
 def test_convert_round_trip_and_mlx_lm(qwen35, tmp_path):
     """`convert` writes the hybrid model as a folder (Hugging Face layout) that reloads bit for
     bit and that mlx-lm loads to the same logits (bound 1e-4)."""
-    from mlxlis.convert import convert
+    from mlxlis.commands.convert import convert
 
     from mlx_lm import load as mlx_lm_load
 

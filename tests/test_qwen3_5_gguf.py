@@ -260,7 +260,7 @@ def test_convert_round_trip_and_mlx_lm(models, tmp_path):
     """`convert` turns the Q8_0 MoE file into a folder (blocks kept, llama.cpp's conventions
     undone, config.json under the qwen3_5_moe wrapper type): it reloads bit for bit and mlx-lm
     loads it to the same logits (measured 5.6e-6; bound 1e-4)."""
-    from mlxlis.convert import convert
+    from mlxlis.commands.convert import convert
 
     import mlx.core as mx
     from mlx_lm import load as mlx_lm_load

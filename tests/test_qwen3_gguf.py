@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 import mlxlis
-from mlxlis.families import family
-from mlxlis.families.experts import QuantizedSwitchLinear
+from mlxlis.models import family
+from mlxlis.models.experts import QuantizedSwitchLinear
 
 import gguf
 import mlx.core as mx
@@ -233,7 +233,7 @@ def test_convert_round_trip_and_mlx_lm(files, case, tmp_path):
     """`convert` writes the GGUF as an MLX folder (blocks kept: stacked quantized experts under
     mlx-lm's switch_mlp names): it reloads bit for bit, and mlx-lm loads it to the same logits
     (bound 1e-4)."""
-    from mlxlis.convert import convert
+    from mlxlis.commands.convert import convert
 
     from mlx_lm import load as mlx_lm_load
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 
 from mlxlis.errors import MlxlisError
-from mlxlis.sampling import (
+from mlxlis.generation.processors import apply_repetition_penalty
+from mlxlis.generation.sampling import (
     SamplingError,
     SamplingParams,
     _min_p,
     _top_k,
     _top_p,
-    apply_repetition_penalty,
     make_sampler,
 )
 

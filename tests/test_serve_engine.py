@@ -1,4 +1,4 @@
-"""The serving engine (mlxlis/serve/engine.py) without HTTP.
+"""The serving engine (mlxlis/generation/engine.py) without HTTP.
 
 Self-consistency against mlxlis.generate, the reference for one prompt: greedy requests
 interleaved step by step (8 at once, different prompt lengths, one longer than Gemma 3's
@@ -15,8 +15,11 @@ from __future__ import annotations
 import random
 
 import mlxlis
-from mlxlis.sampling import SamplingParams
-from mlxlis.serve.engine import Engine, GenRequest, PrefixCache, QueueFullError, StopMatcher
+from mlxlis.cache.prefix import PrefixCache
+from mlxlis.generation.core import Request
+from mlxlis.generation.engine import Engine, QueueFullError
+from mlxlis.generation.sampling import SamplingParams
+from mlxlis.generation.stops import StopMatcher
 
 import mlx.core as mx
 import pytest
@@ -68,7 +71,7 @@ def test_interleaved_requests_equal_each_alone(models, name):
                for i in range(8)]  # fmt: skip
     engine = Engine(model, max_active=8, prefix_cache_bytes=0)
     try:
-        streams = [engine.submit(GenRequest(p, SamplingParams(max_tokens=16))) for p in prompts]
+        streams = [engine.submit(Request(p, SamplingParams(max_tokens=16))) for p in prompts]
         got = [tokens(s) for s in streams]
     finally:
         engine.shutdown()
@@ -84,9 +87,9 @@ def test_prefix_cache_reuse_equals_a_fresh_run(models, name):
     engine = Engine(model, prefix_cache_bytes=1 << 30)
     try:
         first = trajectory(30, seed=3, vocab=model.config.vocab_size)
-        reply = tokens(engine.submit(GenRequest(first, SamplingParams(max_tokens=8))))
+        reply = tokens(engine.submit(Request(first, SamplingParams(max_tokens=8))))
         second = first + reply + trajectory(10, seed=4, vocab=model.config.vocab_size)
-        events = list(engine.submit(GenRequest(second, SamplingParams(max_tokens=12))))
+        events = list(engine.submit(Request(second, SamplingParams(max_tokens=12))))
     finally:
         engine.shutdown()
     assert events[-1].usage.cached_tokens >= len(first)
@@ -113,7 +116,7 @@ def test_engine_cuts_stop_strings(models):
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     engine = Engine(model)
     try:
-        events = list(engine.submit(GenRequest(ids, SamplingParams(max_tokens=10),
+        events = list(engine.submit(Request(ids, SamplingParams(max_tokens=10),
                                                stop_strings=(stop,))))  # fmt: skip
     finally:
         engine.shutdown()
@@ -128,7 +131,7 @@ def test_cancel_full_queue_and_shutdown(models):
     model = models["llama"]
     engine = Engine(model, max_active=1, max_queued=2)
     ids = trajectory(8, vocab=model.config.vocab_size)
-    long = GenRequest(ids, SamplingParams(max_tokens=400))
+    long = Request(ids, SamplingParams(max_tokens=400))
     a = engine.submit(long)
     a.cancel()
     assert [e.finish_reason for e in a][-1] == "cancelled"
@@ -173,7 +176,7 @@ def test_soak_with_random_cancellations_loses_nothing_and_leaks_nothing(models):
     for i in range(1000):
         prompt = trajectory(rng.randint(2, 24), seed=i, vocab=model.config.vocab_size)
         n = rng.randint(1, 6)
-        stream = engine.submit(GenRequest(prompt, SamplingParams(max_tokens=n)))
+        stream = engine.submit(Request(prompt, SamplingParams(max_tokens=n)))
         jobs.append((prompt, n, stream, rng.random() < 1 / 3))
         if jobs[-1][3]:
             stream.cancel()

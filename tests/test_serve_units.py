@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import mlxlis
-from mlxlis.sampling import SamplingParams
-from mlxlis.serve.engine import GenEvent, Usage
+from mlxlis.generation.events import Event, Usage
+from mlxlis.generation.sampling import SamplingParams
 from mlxlis.serve.openai_format import APIError, TokenText
 from mlxlis.serve.prepare import bound_context
 from mlxlis.serve.reply import ChatReply
@@ -82,9 +82,10 @@ def tokenizer(tiny):
     return mlxlis.load_tokenizer(tiny("llama")[0])
 
 
-def events(tokenizer, texts: list[str]) -> list[GenEvent]:
-    evs = [GenEvent(t, token=tokenizer.encode(t, add_bos=False)[0], logprob=-1.0) for t in texts]
-    return [*evs, GenEvent("", finish_reason="stop", usage=Usage())]
+def events(tokenizer, texts: list[str]) -> list[Event]:
+    u = Usage()
+    evs = [Event(tokenizer.encode(t, add_bos=False)[0], t, u, logprob=-1.0) for t in texts]
+    return [*evs, Event(None, "", u, finish_reason="stop")]
 
 
 def test_chat_reply_splits_reasoning_content_and_calls(tokenizer):

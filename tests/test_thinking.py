@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlxlis
-from mlxlis.chat_template import ChatTemplate, builtin_template
-from mlxlis.reasoning import ANSWER, REASONING, ReasoningSplitter, join, tag_ids
+from mlxlis.prompt.reasoning import ANSWER, REASONING, ReasoningSplitter, join, tag_ids
+from mlxlis.prompt.template import ChatTemplate, builtin_template
 
 import pytest
 from conftest import CORPUS, TINY, build_tiny, llama_cpp_reference
@@ -281,7 +281,7 @@ def test_cli_no_think_renders_the_empty_think_block(thinker, model):
     through the CLI's prompt function; same token count in the subprocess), and the model
     answers at once. On a template without the switch it says so on stderr and still hides
     the reasoning the model writes."""
-    from mlxlis.cli import chat_prompt
+    from mlxlis.commands.cli import chat_prompt
 
     expected = official(thinker.template, [user("Hi")], enable_thinking=False)
     assert chat_prompt(model, "Hi", thinking=False) == expected

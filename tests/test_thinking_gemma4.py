@@ -11,8 +11,8 @@ way test_thinking.py proves it for Qwen3's `<think>` tags.
 from __future__ import annotations
 
 import mlxlis
-from mlxlis.reasoning import ANSWER, REASONING, ReasoningSplitter, join
-from mlxlis.vocab import StreamDecoder
+from mlxlis.prompt.reasoning import ANSWER, REASONING, ReasoningSplitter, join
+from mlxlis.tokenizer import StreamDecoder
 
 from conftest import llama_cpp_reference
 from test_thinking import official, user

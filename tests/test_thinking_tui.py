@@ -16,7 +16,7 @@ import threading
 import time
 
 import mlxlis
-from mlxlis.sampling import SamplingParams
+from mlxlis.generation.sampling import SamplingParams
 
 import pytest
 from test_thinking import ANSWER_TEXT, REASONING_TEXT, build_thinker, official, user

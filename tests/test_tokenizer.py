@@ -15,10 +15,10 @@ import unicodedata
 from pathlib import Path
 from types import SimpleNamespace
 
-from mlxlis import catalog
 from mlxlis.errors import TokenizerError
-from mlxlis.tokenizer import Tokenizer, spm_proto
-from mlxlis.vocab import BYTE, CONTROL, NORMAL, StreamDecoder, bytes_to_unicode
+from mlxlis.loading import catalog
+from mlxlis.tokenizer import StreamDecoder, Tokenizer
+from mlxlis.tokenizer.vocab import BYTE, CONTROL, NORMAL, bytes_to_unicode, spm_proto
 
 import numpy as np
 import pytest
@@ -65,7 +65,7 @@ STREAM_TEXTS = [
 def gguf_metadata(path: Path) -> dict:
     """The `read_gguf(path).metadata` dict (mlxlis' reader; gguf-py's GGUFReader without it)."""
     try:
-        from mlxlis.loading.gguf import read_gguf
+        from mlxlis.loading.gguf_split import read_gguf
     except ImportError:
         read_gguf = None
     if read_gguf is not None:

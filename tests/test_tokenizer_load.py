@@ -20,7 +20,8 @@ from mlxlis.errors import (
     TokenizerError,
     UnsupportedFormatError,
 )
-from mlxlis.vocab import BYTE, CONTROL, NORMAL, USER_DEFINED, StreamDecoder
+from mlxlis.tokenizer import StreamDecoder
+from mlxlis.tokenizer.vocab import BYTE, CONTROL, NORMAL, USER_DEFINED
 
 import gguf
 import pytest

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 
-from mlxlis.chat_template import ChatTemplate
+from mlxlis.prompt.template import ChatTemplate
 from mlxlis.serve.tool_formats import for_template, parse_gemma4
 from mlxlis.serve.tools import ToolCallParser
 

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mlxlis import Event, Stats
-from mlxlis.chat import Turn
 from mlxlis.errors import ContextLimitError, ModelNotFoundError, NoChatTemplateError
-from mlxlis.mlx_thread import shared as mlx_thread
-from mlxlis.sampling import SamplingError, SamplingParams
+from mlxlis.generation.sampling import SamplingError, SamplingParams
+from mlxlis.generation.session import Turn
+from mlxlis.runtime.mlx_thread import shared as mlx_thread
 
 import pytest
 
@@ -121,7 +121,7 @@ class FakeSession:
             raise self.fail
         ids = self.model.tokenizer.encode(self.model.render_chat(self.messages))
         self.last_prompt_tokens = len(ids)
-        stats = Stats(prompt_tokens=len(ids), prompt_seconds=0.01, time_to_first_token=0.01)
+        stats = Stats(prompt_tokens=len(ids), time_to_first_token=0.01)
         out: list[str] = []
         reason = "stop"
         stop_seen = False
@@ -134,7 +134,7 @@ class FakeSession:
                     self.step(i)
                 else:
                     time.sleep(self.delay)
-                stats.generated_tokens = i + 1
+                stats.completion_tokens = i + 1
                 stats.decode_seconds = 0.001 * (i + 1)
                 if stop_seen:
                     self.after_stop += 1
@@ -161,10 +161,10 @@ def fake_generate(calls: list):
 
     def generate(model, ids, max_tokens=64, should_stop=None, **kw):
         calls.append((list(ids), max_tokens, kw))
-        stats = Stats(prompt_tokens=len(ids), prompt_seconds=0.01, time_to_first_token=0.01)
+        stats = Stats(prompt_tokens=len(ids), time_to_first_token=0.01)
         for i, piece in enumerate([" there", " was", " a", " fox."][:max_tokens]):
             time.sleep(0.005)
-            stats.generated_tokens = i + 1
+            stats.completion_tokens = i + 1
             stats.decode_seconds = 0.001 * (i + 1)
             yield Event(i, piece, stats)
         yield Event(None, "", stats, finish_reason="stop")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
-from mlxlis import catalog
-from mlxlis.sampling import SamplingParams
+from mlxlis.generation.sampling import SamplingParams
+from mlxlis.loading import catalog
 
 import pytest
 from test_tui import SIZE, bubbles, record_notes, reply_text, wait_for

@@ -16,9 +16,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import mlxlis
-from mlxlis.loading.gguf import read_gguf
+from mlxlis.loading.gguf_split import read_gguf
 from mlxlis.tokenizer import Tokenizer
-from mlxlis.vocab import BYTE, CONTROL, USER_DEFINED
+from mlxlis.tokenizer.vocab import BYTE, CONTROL, USER_DEFINED
 
 import pytest
 from conftest import llama_cpp_reference, memory_bound

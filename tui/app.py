@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from mlxlis.mlx_thread import shared as mlx_thread
+from mlxlis.runtime.mlx_thread import shared as mlx_thread
 
 from rich.text import Text
 from textual.app import App, ComposeResult
@@ -23,11 +23,11 @@ from textual.containers import VerticalScroll
 from textual.message import Message
 from textual.widgets import Footer, Markdown, Static
 
-from .chat_commands import CommandsMixin
-from .engine import Engine, Options, load_model, parse_args
-from .store import new_id, save_record
-from .style import CSS as APP_CSS
-from .widgets import Bubble, Diagnosis, Loading, PromptInput
+from tui.chat_commands import CommandsMixin
+from tui.engine import Engine, Options, load_model, parse_args
+from tui.store import new_id, save_record
+from tui.style import CSS as APP_CSS
+from tui.widgets import Bubble, Diagnosis, Loading, PromptInput
 
 QUIT_WAIT_SECONDS = 10.0  # a reply stops at its next token or prefill chunk
 FLUSH_SECONDS = 0.05  # the worker hands text to the UI at most ~20 times a second

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlxlis.sampling import parse_value
+from mlxlis.generation.sampling import parse_value
 
-from .commands import HELP, CommandError, format_params, parse_command, parse_thinking
-from .screens import PreviewScreen
-from .store import atomic_write, list_records, new_id, summary, to_markdown
-from .widgets import Bubble, Note
+from tui.commands import HELP, CommandError, format_params, parse_command, parse_thinking
+from tui.screens import PreviewScreen
+from tui.store import atomic_write, list_records, new_id, summary, to_markdown
+from tui.widgets import Bubble, Note
 
 # commands that change the conversation wait until a reply is finished
 MUTATING = {"system", "clear", "open"}

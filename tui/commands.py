@@ -6,7 +6,7 @@ checked by mlxlis.sampling.SamplingParams, the one definition the CLI and librar
 
 from __future__ import annotations
 
-from mlxlis.sampling import SamplingParams
+from mlxlis.generation.sampling import SamplingParams
 
 COMMANDS = ("system", "clear", "temp", "params", "think", "save", "help", "preview", "history",
             "open")

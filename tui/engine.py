@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlxlis
-from mlxlis import catalog
-from mlxlis.chat import ChatEvent, Turn
-from mlxlis.errors import ContextLimitError
-from mlxlis.sampling import SamplingParams
+from mlxlis.generation.context import fit_context
+from mlxlis.generation.events import Event
+from mlxlis.generation.sampling import SamplingParams
+from mlxlis.generation.session import Turn
+from mlxlis.loading import catalog
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total), as catalog.pull reports
 
@@ -39,7 +40,7 @@ class Options:
 
 def parse_args(argv: list[str]) -> Options:
     """Options from `mlxlis chat`'s command line."""
-    from mlxlis.cli_args import (
+    from mlxlis.commands.args import (
         add_model_args,
         add_sampling_args,
         add_thinking_args,
@@ -70,7 +71,7 @@ def load_model(options: Options, progress: Progress):
     if name in catalog.CATALOG and not Path(name).exists() and not catalog.is_pulled(name):
         catalog.pull(name, progress)
     elif name not in catalog.CATALOG and not Path(name).expanduser().exists():
-        from mlxlis.loading import resolve
+        from mlxlis.loading.resolve import resolve
 
         name = str(resolve(name, progress=progress))  # a Hub repo or a scanned name
     progress("loading weights", 0, 0)
@@ -107,12 +108,11 @@ class RawPad:
 
     def send(self, text: str, should_stop=None, **sampling) -> Iterator:
         ids = self.model.tokenizer.encode(text)
-        if len(ids) >= self.context_limit:
-            raise ContextLimitError(f"the text needs {len(ids)} tokens but the context holds "
-                                    f"{self.context_limit}", field="context")
         sampling = dict(sampling)
-        max_tokens = min(sampling.pop("max_tokens", SamplingParams.max_tokens),
-                         self.context_limit - len(ids))
+        limited = fit_context(len(ids), SamplingParams().replace(**sampling), self.context_limit,
+                              hint="start over (/clear) or shorten the text")
+        sampling.pop("max_tokens", None)
+        max_tokens = limited.max_tokens
         self.last_prompt_tokens = len(ids)
         self.turns.append(Turn("user", text))
         out: list[str] = []
@@ -215,12 +215,11 @@ class Engine:
     def thinking_label(self) -> str:
         return {True: "on", False: "off", None: "default"}[self.thinking]
 
-    def send(self, text: str, should_stop: Callable[[], bool]) -> Iterator[ChatEvent]:
+    def send(self, text: str, should_stop: Callable[[], bool]) -> Iterator[Event]:
         """The reply's events, each split into reasoning and answer (all answer when the
         session does not split)."""
         self._turns_before = len(self.session.turns)
-        stream = self.session.send(text, should_stop=should_stop, **self.sampling.as_dict())
-        return (ev if isinstance(ev, ChatEvent) else ChatEvent.of(ev) for ev in stream)
+        return self.session.send(text, should_stop=should_stop, **self.sampling.as_dict())
 
     def rollback(self) -> None:
         """Undo the last send when it failed before producing anything, so the text can be

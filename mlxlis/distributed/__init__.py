@@ -2,9 +2,10 @@
 
 Under a launcher with two or more ranks, `mlxlis.load` gives each rank a contiguous share of
 the layers (split.py), reads only that share's tensors from the file, and wraps the network in
-a `PipelineNet` (stage.py) that passes hidden states rank to rank; `generate` then runs the
-same loop on every rank, the sampled token coming back to all of them. group.py holds the
-ranks and the failure handling. Outside a launcher nothing here runs.
+a `PipelineNet` (stage.py) that passes hidden states rank to rank. Rank 0 runs the surface and
+its generation core, whose steps are LeaderSteps (leader.py): each step is announced to the
+other ranks, which `follow`. group.py holds the ranks and the failure handling. Outside a
+launcher nothing here runs. Imports the generation core and below; the core never imports this.
 """
 
 from __future__ import annotations
@@ -14,12 +15,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
+from mlxlis.distributed.group import Ranks, launched, world
+from mlxlis.distributed.split import (
+    Part,
+    check_fit,
+    check_split,
+    memory_budget,
+    parse_split,
+    plan_parts,
+)
+from mlxlis.distributed.stage import PipelineNet
+from mlxlis.errors import PipelineError, UnsupportedError
 
-from ..errors import PipelineError, UnsupportedError
-from .group import Ranks, launched, world
-from .split import Part, check_fit, check_split, memory_budget, parse_split, plan_parts
-from .stage import PipelineNet
+import mlx.core as mx
 
 __all__ = ["Pipeline", "PipelineNet", "Part", "Ranks", "launched", "world", "parse_split",
            "plan_parts"]  # fmt: skip
@@ -83,8 +91,8 @@ class Pipeline:
 
 def check_pipelinable(cfg: Any, what: str) -> None:
     """UnsupportedError for a family whose network is not the shared Decoder."""
-    from ..families import family
-    from ..families.decoder import Decoder
+    from mlxlis.models import family
+    from mlxlis.models.decoder import Decoder
 
     if not issubclass(family(cfg.family).network, Decoder):
         raise UnsupportedError(

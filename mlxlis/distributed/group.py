@@ -19,9 +19,9 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-import mlx.core as mx
+from mlxlis.errors import ConfigError, RankLostError
 
-from ..errors import ConfigError, RankLostError
+import mlx.core as mx
 
 # set by the launchers: mlx.launch (ring, jaccl, nccl) sets MLX_RANK; mpirun its own
 LAUNCH_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -219,7 +219,7 @@ def set_blas_threads(threads: int) -> int | None:
     import ctypes
     import ctypes.util
 
-    from ..blas import _wheel_library, state
+    from mlxlis.runtime.blas import _wheel_library, state
 
     if state.dispatch is not None and hasattr(state.dispatch, "mlxlis_skinny_set_threads"):
         state.dispatch.mlxlis_skinny_set_threads(int(threads))

@@ -7,14 +7,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import LayersSplitError
-from .split import Part, plan_parts
+from mlxlis.distributed.split import Part, plan_parts
+from mlxlis.errors import LayersSplitError
 
 
 def placement(path_or_name: str | Path, ranks: int,
               split: Sequence[int] | None = None) -> tuple[Any, list[Part], int]:  # fmt: skip
     """(config, every rank's Part, the model's weight bytes) for `ranks` ranks."""
-    from . import check_pipelinable
+    from mlxlis.distributed import check_pipelinable
 
     if ranks < 1:
         raise LayersSplitError(f"the number of ranks must be at least 1, not {ranks}",
@@ -26,21 +26,21 @@ def placement(path_or_name: str | Path, ranks: int,
 
 
 def _header(path_or_name: str | Path) -> tuple[Any, dict[str, int], Path]:
-    from ..loading import resolve
+    from mlxlis.loading.resolve import resolve
 
     path = resolve(path_or_name)
     if path.is_file():
-        from ..loading.gguf import read_gguf
-        from ..loading.gguf_config import config_from_gguf
-        from ..loading.gguf_model import module_sizes
+        from mlxlis.loading.gguf_split import read_gguf
+        from mlxlis.models.from_gguf import module_sizes
+        from mlxlis.models.gguf_config import config_from_gguf
 
         with read_gguf(path) as gf:
             shapes = {name: t.shape for name, t in gf.tensors.items()}
             cfg = config_from_gguf(gf.metadata, shapes, str(path))
             return cfg, module_sizes(gf, cfg), path
-    from ..config import read_json
-    from ..families import config_from_hf, family
-    from ..loading.safetensors import module_sizes as folder_sizes
+    from mlxlis.loading.safetensors import module_sizes as folder_sizes
+    from mlxlis.models import config_from_hf, family
+    from mlxlis.models.config import read_json
 
     cfg = config_from_hf(read_json(path / "config.json"), str(path / "config.json"))
     return cfg, folder_sizes(path, family(cfg.family).hf_name), path

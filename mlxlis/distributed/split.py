@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..errors import ConfigError, DoesNotFitError, LayersSplitError
+from mlxlis.errors import ConfigError, DoesNotFitError, LayersSplitError
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 HEAD_PREFIXES = ("model.norm.", "lm_head.")
@@ -185,10 +185,10 @@ def memory_budget() -> int:
     raw = os.environ.get("MLXLIS_MAX_MEMORY")
     if raw:
         return parse_bytes(raw, "MLXLIS_MAX_MEMORY")
-    import mlx.core as mx
+    from mlxlis.models.from_gguf import available_memory
+    from mlxlis.runtime.device import device_name
 
-    from ..device import device_name
-    from ..loading.gguf_model import available_memory
+    import mlx.core as mx
 
     if device_name() == "metal":
         info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()

@@ -2,36 +2,32 @@
 
 Rank 0 embeds the tokens and runs its layers; each later rank receives the hidden states of
 the rank before it (`mx.distributed.recv`), runs its layers and sends them on (`send`); the
-last rank applies the final norm and head. A prompt goes through in the chunks `prefill`
-cuts it into (512 tokens by default): rank r works on chunk k while rank r+1 runs chunk k-1;
-they are a lone process's chunks, so the sums and the logits are bit-identical to its (given
-the same BLAS thread count). The token the last rank samples comes back to every
-rank in one all_sum (the others add zeros), so every rank runs the same generation loop and
-stops at the same step. Everything is lazy MLX graph: a rank's sends and receives run in the
-order its graph evaluates them, and `share` depends on the send so no rank enters the all_sum
-before it has passed its hidden states on.
+last rank applies the final norm and head, and sends the logits back to rank 0, whose
+generation core samples them (leader.py). A prompt goes through in the generation core's
+chunks (512 tokens): rank r works on chunk k while rank r+1 runs chunk k-1; they are a lone
+process's chunks, so the sums and the logits are bit-identical to its (given the same BLAS
+thread count). Everything is lazy MLX graph: a rank's sends and receives run in the order its
+graph evaluates them.
 
 Bytes between ranks per token: hidden_size × the residual dtype's size per hop, plus the
-(2,) int32 all_sum that returns the token and rank 0's stop flag.
+logits (vocab × 4 bytes) from the last rank to rank 0.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import mlx.core as mx
+from mlxlis.cache import Cache, CacheBatch
+from mlxlis.distributed.group import Ranks
+from mlxlis.distributed.split import Part
 
-from ..cache import CacheBatch
-from .group import Ranks
-from .split import Part
+import mlx.core as mx
 
 
 class PipelineNet:
     """The network of a pipelined Model: called like the Decoder (inputs, cache, last_only),
     it returns logits on the last rank and, on the others, the send of its hidden states
     (an array whose evaluation passes them on). Other attributes are the Decoder's."""
-
-    is_pipeline = True
 
     def __init__(self, net: Any, ranks: Ranks, part: Part, dtype: mx.Dtype):
         self.net = net
@@ -72,23 +68,14 @@ class PipelineNet:
             return mx.distributed.send(h.astype(self.hidden_dtype), rank + 1, group=group)
         return self.net.head(h, last_only)
 
-    def share(self, token: mx.array | None, after: mx.array, stop: bool = False) -> mx.array:
-        """(2,) int32 on every rank: [the token the last rank sampled, rank 0's stop flag].
-        `token`: the last rank's (1,) sample (None elsewhere); `after`: this rank's output of
-        the step (its send), evaluated before the all_sum starts."""
-        flag = int(bool(stop) and self.is_first)
-        if token is not None:
-            mine = mx.concatenate([token.reshape(1).astype(mx.int32),
-                                   mx.array([flag], dtype=mx.int32)])  # fmt: skip
-        else:
-            mine = mx.array([0, flag], dtype=mx.int32)
-        mine = mx.depends(mine, after)
-        return mx.distributed.all_sum(mine, group=self.ranks.group)
+    @property
+    def heads(self) -> bool:
+        return self.part.last
 
-    def decode_batch(self, tokens: list[int], caches: list) -> mx.array:
-        """One token for each of B sequences, each with this rank's caches (the serving
-        engine's batched step): (B, vocab) logits on the last rank, the send elsewhere."""
-        inputs = mx.array(tokens, dtype=mx.int32)[:, None]  # (B, 1)
+    def decode_batch(self, tokens: mx.array, caches: list[list[Cache]]) -> mx.array:
+        """One token for each of B sequences (`tokens` (B,)), each with this rank's caches
+        (a batched step): (B, vocab) logits on the last rank, the send elsewhere."""
+        inputs = tokens.astype(mx.int32)[:, None]  # (B, 1)
         held = len(self.net.held_layers)
         out = self(inputs, [CacheBatch([c[i] for c in caches]) for i in range(held)])
         return out[:, -1, :] if self.is_last else out

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mlxlis.errors import ConfigError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-
-from ..errors import ConfigError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 

@@ -19,10 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from .. import limits
-from ..errors import (
+from mlxlis import limits
+from mlxlis.errors import (
     FileFormatError,
     MissingTensorError,
     MlxlisError,
@@ -30,6 +28,8 @@ from ..errors import (
     UnsupportedFormatError,
     UnsupportedQuantError,
 )
+
+import numpy as np
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -308,22 +308,6 @@ class GGUFFile:
 
     def __repr__(self) -> str:
         return f"GGUFFile({str(self.path)!r}, v{self.version}, {len(self.tensors)} tensors)"
-
-
-def read_gguf(path: str | Path) -> GGUFFile:
-    """Open and validate a GGUF file (v2/v3, little-endian). Any part of a split GGUF
-    (`NAME-00001-of-00003.gguf`, ...) opens all its parts as one file (gguf_split.py)."""
-    gf = GGUFFile(path)
-    if "split.count" not in gf.metadata:
-        return gf
-    from .gguf_split import SplitGGUF, split_count
-
-    try:
-        count = split_count(gf)
-    except BaseException:
-        gf.close()
-        raise
-    return gf if count <= 1 else SplitGGUF(gf, count)  # type: ignore[return-value]
 
 
 def peek_metadata(path: str | Path, keys: Iterable[str]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""A GGUF split into parts by llama.cpp's `gguf-split`, read as one file.
+"""Opening a GGUF (`read_gguf`): one file, or a GGUF split into parts by llama.cpp's
+`gguf-split`, read as one file.
 
 Layout (tools/gguf-split/gguf-split.cpp): the parts are named `PREFIX-00001-of-00003.gguf`, ...
 (`llama_split_path`, numbered from 1); each is a complete GGUF whose tensor offsets are relative
@@ -13,8 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..errors import FileFormatError, ModelNotFoundError
-from .gguf import GGUFFile, GGUFTensor
+from mlxlis.errors import FileFormatError, ModelNotFoundError
+from mlxlis.loading.gguf import GGUFFile, GGUFTensor
 
 SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
@@ -123,3 +124,17 @@ def _int(gf: GGUFFile, key: str, default: int) -> int:
         raise FileFormatError(f"must be a non-negative integer, got {value!r}", path=gf.path,
                               field=key)  # fmt: skip
     return value
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Open and validate a GGUF file (v2/v3, little-endian). Any part of a split GGUF
+    (`NAME-00001-of-00003.gguf`, ...) opens all its parts as one file (gguf_split.py)."""
+    gf = GGUFFile(path)
+    if "split.count" not in gf.metadata:
+        return gf
+    try:
+        count = split_count(gf)
+    except BaseException:
+        gf.close()
+        raise
+    return gf if count <= 1 else SplitGGUF(gf, count)  # type: ignore[return-value]

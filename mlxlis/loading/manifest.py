@@ -54,15 +54,15 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .. import limits
-from ..errors import (
+from mlxlis import limits
+from mlxlis.bounded import count_nodes, depth_exceeds, loads_json, read_bytes
+from mlxlis.errors import (
     BindingError,
     MissingTensorError,
     ShapeMismatchError,
     UnexpectedTensorError,
     UnsupportedError,
 )
-from .validate import count_nodes, depth_exceeds, loads_json, read_bytes
 
 # ---------------------------------------------------------------- errors
 

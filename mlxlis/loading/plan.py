@@ -14,13 +14,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten
-
-from .. import limits
-from ..errors import ConfigError, FileFormatError
-from .manifest import (
+from mlxlis import limits
+from mlxlis.errors import ConfigError, FileFormatError
+from mlxlis.loading.manifest import (
     _QUANT_PARTS,
     _TIED,
     INDEX,
@@ -36,7 +32,11 @@ from .manifest import (
     UnexpectedBindingError,
     UnknownParameterError,
 )
-from .safetensors import read_header, weight_files
+from mlxlis.loading.safetensors import read_header, weight_files
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 # ---------------------------------------------------------------- sources
 
@@ -212,7 +212,7 @@ def plan_bindings(
     transpose (another converter's layout, e.g. mlx-lm's conv1d) binds, transposed at load.
     `held(param)`: a pipeline rank's share (`net` holds only those layers); the tensors of the
     other ranks' parameters are left to them, neither bound nor reported."""
-    from .binding import quantize_like
+    from mlxlis.loading.binding import quantize_like
 
     folder = Path(folder)
     where = manifest.origin or str(folder)  # what errors about the mapping name

@@ -29,12 +29,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from mlxlis.errors import FileFormatError, UnsupportedQuantError
+from mlxlis.loading.gguf import GGML_TYPES, GGUFTensor
+from mlxlis.loading.quant_blocks import AFFINE, DENSE, Affine, affine_dense
+
 import mlx.core as mx
 import numpy as np
-
-from ..errors import FileFormatError, UnsupportedQuantError
-from .gguf import GGML_TYPES, GGUFTensor
-from .quant_blocks import AFFINE, DENSE, Affine, affine_dense
 
 GROUP = 32
 CHUNK_ELEMENTS = 1 << 17  # weights per conversion chunk: keeps the temporaries in cache

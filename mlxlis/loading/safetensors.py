@@ -12,11 +12,11 @@ import stat
 import struct
 from pathlib import Path
 
-import mlx.core as mx
+from mlxlis import limits
+from mlxlis.bounded import loads_json, read_json_file
+from mlxlis.errors import FileFormatError, UnsupportedError
 
-from .. import limits
-from ..errors import FileFormatError, UnsupportedError
-from .validate import loads_json, read_json_file
+import mlx.core as mx
 
 DTYPE_SIZES = {
     "F64": 8,

@@ -19,18 +19,27 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
+from mlxlis.errors import MlxlisError
+from mlxlis.generation.engine import Engine, QueueFullError, Stream
+from mlxlis.generation.events import Event
+from mlxlis.serve.openai_format import (
+    APIError,
+    Head,
+    TokenText,
+    error_body,
+    new_id,
+    sse,
+    usage_dict,
+)
+from mlxlis.serve.prepare import Prepared, Target, prepare_chat, prepare_completion
+from mlxlis.serve.reply import ChatReply, CompletionReply, finish_reason
+from mlxlis.serve.schemas import ChatCompletionRequest, CompletionRequest, param_path
+
 import mlx.core as mx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
-
-from ..errors import MlxlisError
-from .engine import Engine, GenEvent, QueueFullError, Stream
-from .openai_format import APIError, Head, TokenText, error_body, new_id, sse, usage_dict
-from .prepare import Prepared, Target, prepare_chat, prepare_completion
-from .reply import ChatReply, CompletionReply, finish_reason
-from .schemas import ChatCompletionRequest, CompletionRequest, param_path
 
 log = logging.getLogger("mlxlis.serve")
 MAX_BODY_BYTES = 8 << 20  # a request body; 100k tokens of text are < 1 MiB
@@ -111,7 +120,7 @@ class Run:
             pass
         self.stream.cancel()
 
-    async def events(self) -> AsyncIterator[GenEvent]:
+    async def events(self) -> AsyncIterator[Event]:
         async for ev in self.stream:
             if ev.token is not None:
                 self.tokens += 1
@@ -144,7 +153,7 @@ class Run:
         )
 
 
-def end_error(state: State, ev: GenEvent) -> APIError:
+def end_error(state: State, ev: Event) -> APIError:
     """The answer to a request the engine ended with an error (already logged)."""
     if state.stopping:
         e = APIError(
@@ -208,7 +217,7 @@ async def completion_stream(
         run.close()
 
 
-async def collect(run: Run, feed: Callable[[GenEvent], Any]) -> GenEvent:
+async def collect(run: Run, feed: Callable[[Event], Any]) -> Event:
     """Every event through `feed`; the last one (an error ends as an APIError)."""
     try:
         async for ev in run.events():
@@ -294,7 +303,7 @@ def create_app(state: State) -> FastAPI:
                     503, str(e), type="server_error", code="server_shutting_down"
                 ) from None
             raise APIError(400, str(e), param=getattr(e, "field", None)) from None
-        n = len(prep.gen.prompt_ids)
+        n = len(prep.gen.prompt)
         log.debug("%s %s prompt=%d %s", rid, request.url.path, n, prep.gen.params)
         return Run(state, rid, stream, request, n)
 

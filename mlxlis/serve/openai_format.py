@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import Usage
+from mlxlis.generation.events import Usage
 
 MAX_TOP_LOGPROBS = 20
 

@@ -1,4 +1,4 @@
-"""An API request -> the engine's GenRequest: the prompt rendered and tokenized, the sampling
+"""An API request -> the generation core's Request: the prompt rendered and tokenized, the sampling
 values checked, the context bounded. Every refusal is an APIError naming the field."""
 
 from __future__ import annotations
@@ -7,13 +7,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import MlxlisError, NoChatTemplateError, TemplateError
-from ..sampling import SamplingError, SamplingParams
-from .engine import GenRequest
-from .openai_format import MAX_TOP_LOGPROBS, APIError
-from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
-from .tool_formats import ToolFormat, for_template
-from .tools import tool_names
+from mlxlis.errors import MlxlisError, NoChatTemplateError, TemplateError
+from mlxlis.generation.context import ContextOverflow, fit_context
+from mlxlis.generation.core import Request
+from mlxlis.generation.sampling import SamplingError, SamplingParams
+from mlxlis.serve.openai_format import MAX_TOP_LOGPROBS, APIError
+from mlxlis.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
+from mlxlis.serve.tool_formats import ToolFormat, for_template
+from mlxlis.serve.tools import tool_names
 
 MAX_STOP_STRINGS = 16
 # template variables a request may not set through chat_template_kwargs (render_chat's own)
@@ -33,7 +34,7 @@ class Target:
 
 @dataclass
 class Prepared:
-    gen: GenRequest
+    gen: Request
     prompt: str | None  # the rendered chat prompt (where a reply's reasoning starts), or None
     tools: frozenset[str] | None  # the offered tools' names: tool calls are parsed; None: no
     tool_format: ToolFormat | None = None  # how the template has the model write calls
@@ -76,27 +77,19 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 def bound_context(
     ids: list[int], params: SamplingParams, explicit: bool, max_context: int, param: str
 ) -> SamplingParams:
-    """Refuse a prompt that does not fit (never truncate); without an explicit max_tokens,
-    the default is cut to what is left of the context."""
-    n = len(ids)
-    if explicit and n + params.max_tokens > max_context:
-        raise bad(
-            f"This model's maximum context length is {max_context} tokens. However, you "
-            f"requested {n + params.max_tokens} tokens ({n} in the prompt, "
-            f"{params.max_tokens} in the completion). Reduce the prompt or max_tokens.",
-            param,
-            "context_length_exceeded",
-        )
-    if n >= max_context:
-        raise bad(
-            f"This model's maximum context length is {max_context} tokens. However, your "
-            f"prompt has {n} tokens, which leaves no room for a completion.",
-            param,
-            "context_length_exceeded",
-        )
-    if not explicit and n + params.max_tokens > max_context:
-        params = params.replace(max_tokens=max_context - n)
-    return params
+    """The one context check (generation.context), its refusal worded as OpenAI words it."""
+    try:
+        return fit_context(len(ids), params, max_context, explicit=explicit, field=param)
+    except ContextOverflow as e:
+        if e.completion:
+            message = (f"However, you requested {e.prompt + e.completion} tokens ({e.prompt} "
+                       f"in the prompt, {e.completion} in the completion). Reduce the prompt "
+                       "or max_tokens.")  # fmt: skip
+        else:
+            message = (f"However, your prompt has {e.prompt} tokens, which leaves no room for "
+                       "a completion.")  # fmt: skip
+        raise bad(f"This model's maximum context length is {e.limit} tokens. {message}", param,
+                  "context_length_exceeded") from None  # fmt: skip
 
 
 def message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
@@ -194,7 +187,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         raise bad(f"the chat template refused the messages: {e}", "messages") from None
     ids = encode(model, prompt + forced, special=True)
     params = bound_context(ids, params, explicit is not None, t.max_context, "messages")
-    gen = GenRequest(
+    gen = Request(
         ids,
         params,
         stop_ids=frozenset() if req.ignore_eos else t.stop_ids,
@@ -233,7 +226,7 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
     if not ids:
         raise bad("prompt: empty", "prompt")
     params = bound_context(ids, params, req.max_tokens is not None, t.max_context, "prompt")
-    gen = GenRequest(
+    gen = Request(
         ids,
         params,
         stop_ids=frozenset() if req.ignore_eos else t.stop_ids,

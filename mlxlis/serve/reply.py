@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..reasoning import ANSWER, ReasoningSplitter
-from .engine import GenEvent
-from .openai_format import CompletionLogprobs, TokenText, chat_logprob
-from .tool_formats import HERMES, ToolFormat
-from .tools import ToolCallParser
+from mlxlis.generation.events import Event
+from mlxlis.prompt.reasoning import ANSWER, ReasoningSplitter
+from mlxlis.serve.openai_format import CompletionLogprobs, TokenText, chat_logprob
+from mlxlis.serve.tool_formats import HERMES, ToolFormat
+from mlxlis.serve.tools import ToolCallParser
 
 
 @dataclass
@@ -57,7 +57,7 @@ class ChatReply:
         self.logprobs: list[dict[str, Any]] = []
         self.tool_calls: list[dict[str, Any]] = []
 
-    def feed(self, ev: GenEvent) -> Delta:
+    def feed(self, ev: Event) -> Delta:
         d = Delta()
         parts = self.splitter.feed(ev.text, ev.token) if ev.text or ev.token is not None else []
         if ev.finish_reason is not None:
@@ -118,7 +118,7 @@ class CompletionReply:
         self.text = ""
         self.logprobs = CompletionLogprobs() if logprobs else None
 
-    def feed(self, ev: GenEvent) -> tuple[str, CompletionLogprobs | None]:
+    def feed(self, ev: Event) -> tuple[str, CompletionLogprobs | None]:
         """(the text one event adds, its logprobs when they were asked for)."""
         lp = None
         if self.logprobs is not None and ev.token is not None and ev.logprob is not None:

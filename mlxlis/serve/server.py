@@ -16,14 +16,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import uvicorn
+from mlxlis import __version__
+from mlxlis.errors import MlxlisError
+from mlxlis.generation.engine import Engine
+from mlxlis.generation.sampling import SamplingParams
+from mlxlis.serve.app import State, create_app, log
+from mlxlis.serve.prepare import Target
 
-from .. import __version__
-from ..errors import MlxlisError
-from ..sampling import SamplingParams
-from .app import State, create_app, log
-from .engine import Engine
-from .prepare import Target
+import uvicorn
 
 SHUTDOWN_WAIT_S = 10.0  # the most an in-flight step may delay the exit
 

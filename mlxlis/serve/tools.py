@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .tool_formats import HERMES, ParsedCall, ToolFormat, parse_json
+from mlxlis.serve.tool_formats import HERMES, ParsedCall, ToolFormat, parse_json
 
 
 def tool_names(tools: list[dict[str, Any]]) -> frozenset[str]:

@@ -1,0 +1,111 @@
+"""The public API's assembly: `load` (a reference resolved, the model built from its files,
+placed across the ranks under mlx.launch) and `load_tokenizer`. It sits above the pipeline
+layer, which it hands to the model builders as their Placement and to the generation core as
+the model's steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlxlis.bounded import check_folder_json, read_json_file
+from mlxlis.distributed import Pipeline
+from mlxlis.distributed.leader import LeaderSteps
+from mlxlis.errors import BindingError, TokenizerError, UnsupportedError, UnsupportedFormatError
+from mlxlis.loading.gguf_split import read_gguf
+from mlxlis.loading.manifest import as_manifest
+from mlxlis.loading.resolve import gguf_tensor_count, resolve
+from mlxlis.models.from_folder import load_folder
+from mlxlis.models.from_gguf import load_gguf
+from mlxlis.models.model import Model
+from mlxlis.runtime.device import resolve_dtype, select_device
+from mlxlis.tokenizer import Tokenizer
+
+import mlx.core as mx
+
+__all__ = ["load", "load_tokenizer"]
+
+
+def load(
+    path_or_name: str | Path,
+    dtype: str | mx.Dtype | None = None,
+    *,
+    dequantize: bool | None = None,
+    chat_template: str | None = None,
+    bindings: str | Path | dict | None = None,
+    strict: bool = True,
+    layers_split: str | list[int] | None = None,
+) -> Model:
+    """Load a model folder, GGUF file or catalog name. dtype None = the device default.
+
+    `dequantize` (GGUF): True = every weight dense, False = quantized blocks kept as MLX
+    quantized arrays, None = per device (dense matmul weights on CPU when they fit comfortably,
+    quantized on Metal / CUDA; measurements in models/from_gguf.py).
+
+    `bindings`: a binding manifest (JSON/YAML file path, or a dict) mapping the model's
+    parameter paths to the checkpoint's tensor keys (see `mlxlis.loading.manifest`).
+    `strict`: tensors no parameter takes are an error (default); False warns
+    (`UnboundTensorsWarning`) and ignores them. Both apply to safetensors folders.
+
+    Under `mlx.launch` with several ranks, each rank loads only its share of the layers and
+    the model runs pipelined (mlxlis.distributed); `layers_split` (e.g. "14,14": layers per
+    rank, in rank order) fixes the shares, else they are balanced by weight bytes.
+    """
+    select_device()  # the GPU when MLX has a usable one, else the CPU; MLXLIS_DEVICE overrides
+    dt = dtype if isinstance(dtype, mx.Dtype) else resolve_dtype(dtype)
+    manifest = as_manifest(bindings)  # a bad manifest fails before anything else is read
+    pipeline = Pipeline.from_env(layers_split)  # a bad split fails before the file is read
+    path = resolve(path_or_name)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        if bindings is not None:
+            raise BindingError(
+                "binding manifests apply to safetensors folders, not GGUF files", path=path
+            )
+        if gguf_tensor_count(path) == 0:
+            raise UnsupportedFormatError(
+                "a vocabulary-only GGUF (no tensors): open its tokenizer with "
+                "mlxlis.load_tokenizer(path)",
+                path=path,
+                field="tensor_count",
+            )
+        model = load_gguf(path, dt, dequantize=dequantize, chat_template=chat_template,
+                          placement=pipeline)  # fmt: skip
+        return _ready(model, pipeline)
+    if path.is_file():
+        raise UnsupportedFormatError("expected a model folder or a .gguf file", path=path)
+    if dequantize is not None:
+        raise UnsupportedError(
+            "--dequantize / --quantized apply to GGUF files; a folder's weights load as stored",
+            path=path,
+            field="dequantize",
+        )
+    model = load_folder(path, dt, chat_template=chat_template, bindings=manifest, strict=strict,
+                        placement=pipeline)
+    return _ready(model, pipeline)
+
+
+def _ready(model: Model, pipeline: Pipeline) -> Model:
+    """Every rank has its share; a pipelined model's generation steps are led from rank 0."""
+    if model.part is not None:
+        model.steps_factory = LeaderSteps
+    pipeline.ready()
+    return model
+
+
+def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
+    """A model's tokenizer alone, the one `load(path_or_name).tokenizer` would be: from a GGUF
+    file's metadata (no tensor is read; a vocabulary-only GGUF such as llama.cpp's
+    ggml-vocab-*.gguf too), a folder's tokenizer files (tokenizer.json, else tokenizer.model,
+    with tokenizer_config.json and the config files beside them) or a catalog name."""
+    path = resolve(path_or_name)
+    if path.is_dir():
+        check_folder_json(path)
+        for name in ("config.json", "generation_config.json"):  # from_folder reads them too
+            if (path / name).is_file():
+                read_json_file(path / name, error=TokenizerError, what=name)
+        return Tokenizer.from_folder(path)
+    if path.suffix.lower() != ".gguf":
+        raise UnsupportedFormatError(
+            "expected a .gguf file or a folder with tokenizer.json / tokenizer.model", path=path
+        )
+    with read_gguf(path) as gf:
+        return Tokenizer.from_gguf(gf.metadata, path)

@@ -1,0 +1,14 @@
+"""Per-layer caches and going back in them: KV caches (plain and sliding-window rings), the
+recurrent state of linear-attention layers, several sequences' caches batched for one
+decoding step, rewinding every kind to a position it can return to exactly, and the prefix
+cache that keeps finished requests' caches for later prompts sharing their start. Imports
+only the runtime and the errors: the networks build these, the generation core moves them."""
+
+from mlxlis.cache.base import Cache
+from mlxlis.cache.batch import CacheBatch, KVBatch
+from mlxlis.cache.kv import KVCache, RotatingKVCache, window_mask
+from mlxlis.cache.recurrent import RecurrentCache
+from mlxlis.cache.rewind import common_prefix, reachable, rewind, snapshot, trimmable
+
+__all__ = ["Cache", "CacheBatch", "KVBatch", "KVCache", "RecurrentCache", "RotatingKVCache",
+           "common_prefix", "reachable", "rewind", "snapshot", "trimmable", "window_mask"]

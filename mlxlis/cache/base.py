@@ -1,0 +1,36 @@
+"""What every per-layer cache is to the code above it (the prefix cache, rewinds, the
+generation core): a Protocol, so a new kind (a quantized KV cache, say) is one class."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import mlx.core as mx
+
+
+class Cache(Protocol):
+    """One layer's cache of one sequence."""
+
+    offset: int  # positions fed so far
+
+    @property
+    def state(self) -> list[mx.array]:
+        """The arrays it holds (to evaluate, or to count bytes)."""
+        ...
+
+    @property
+    def trimmable(self) -> int:
+        """How many of the newest positions `trim` can forget and stay exact."""
+        ...
+
+    def rewind_point(self, position: int) -> int:
+        """The latest position ≤ `position` it can be trimmed back to exactly (0: none)."""
+        ...
+
+    def trim(self, n: int) -> int:
+        """Forget the newest `n` positions; returns `n`, or 0 leaving it untouched."""
+        ...
+
+    def snapshot(self) -> None:
+        """Remember the current position as one to return to (recurrent states need it)."""
+        ...

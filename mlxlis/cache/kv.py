@@ -1,0 +1,256 @@
+"""KV caches: a preallocated one grown in steps (full attention) and a rotating one holding
+only the last `window` positions (sliding-window layers)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from mlxlis.cache.batch import KVBatch
+
+
+class _Lendable:
+    """A KV cache whose buffers a KVBatch may hold for a while (the serving engine's batched
+    decoding): reading them, or changing the cache any other way, takes them back first."""
+
+    _keys: mx.array | None = None
+    _values: mx.array | None = None
+    _batch: KVBatch | None = None  # holding this cache's keys/values as its row `_row`
+    _row = 0
+
+    @property
+    def keys(self) -> mx.array | None:
+        self._settle()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: mx.array | None) -> None:
+        self._keys = value
+
+    @property
+    def values(self) -> mx.array | None:
+        self._settle()
+        return self._values
+
+    @values.setter
+    def values(self, value: mx.array | None) -> None:
+        self._values = value
+
+    def _settle(self) -> None:
+        """Take the buffers back from a batch holding them (every row of it goes back)."""
+        if self._batch is not None:
+            self._batch.dissolve()
+
+
+class KVCache(_Lendable):
+    """Keys/values of every past position, preallocated in blocks of `step` positions."""
+
+    step = 256
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    @property
+    def held(self) -> int:
+        """Valid positions in the buffers (the first `held`)."""
+        return self.offset
+
+    def claim_one(self) -> tuple[int, int]:
+        """Bookkeeping of a one-token write done by a KVBatch: (the slot it goes to, valid
+        slots after it)."""
+        self.offset += 1
+        return self.offset - 1, self.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        # keys/values: (B, n_kv_heads, T, head_dim)
+        self._settle()
+        prev = self.offset
+        t = keys.shape[2]
+        if self.keys is None or prev + t > self.keys.shape[2]:
+            b, h, _, d = keys.shape
+            n_steps = (self.step + t - 1) // self.step
+            k_new = mx.zeros((b, h, n_steps * self.step, d), keys.dtype)
+            v_new = mx.zeros((b, h, n_steps * self.step, values.shape[3]), values.dtype)
+            if self.keys is not None:
+                self.keys = mx.concatenate([self.keys[..., :prev, :], k_new], axis=2)
+                self.values = mx.concatenate([self.values[..., :prev, :], v_new], axis=2)
+            else:
+                self.keys, self.values = k_new, v_new
+        self.offset += t
+        self.keys[..., prev : self.offset, :] = keys
+        self.values[..., prev : self.offset, :] = values
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    @property
+    def trimmable(self) -> int:
+        """Every position it holds can be forgotten exactly."""
+        return self.offset
+
+    def rewind_point(self, position: int) -> int:
+        """The latest position ≤ `position` this cache can be trimmed back to: any it holds."""
+        return min(position, self.offset)
+
+    def snapshot(self) -> None:
+        """Nothing to keep: a KV cache returns to any position it holds."""
+
+    def trim(self, n: int) -> int:
+        """Forget the last `n` positions (for reusing a common prefix); returns how many."""
+        self._settle()
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+
+def window_mask(q_start: int, t: int, k_start: int, k_len: int, window: int | None) -> mx.array:
+    """Boolean (t, k_len) mask from absolute positions: query p sees keys in (p − window, p]
+    (transformers' sliding rule `kv_idx > q_idx - sliding_window`); window None = causal."""
+    q = mx.arange(q_start, q_start + t)[:, None]
+    k = mx.arange(k_start, k_start + k_len)[None, :]
+    keep = k <= q
+    if window is not None:
+        keep = keep & (k > q - window)
+    return keep
+
+
+class RotatingKVCache(_Lendable):
+    """Keys/values of the last `window` positions only, for sliding-window layers.
+
+    Single-token steps write into a ring of `window` slots; the ring's order does not matter
+    because every slot is visible to the new query. A multi-token chunk is attended against
+    the ring (oldest first) plus the chunk, under a mask from absolute positions (`mask`);
+    then the newest `window` of them are kept. Memory: `window` positions, plus one chunk
+    while it is being attended.
+    """
+
+    step = 256
+
+    def __init__(self, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"sliding window must be positive, got {window}")
+        self.window = window
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0  # positions seen so far
+        self._size = 0  # valid slots (≤ window)
+        self._idx = 0  # ring slot the next single-token write goes to (the oldest when full)
+
+    @property
+    def held(self) -> int:
+        """Valid slots in the buffers (the first `held`, in ring order)."""
+        return self._size
+
+    def claim_one(self) -> tuple[int, int]:
+        """Bookkeeping of a one-token write done by a KVBatch: (the slot it goes to, valid
+        slots after it)."""
+        self.offset += 1
+        return self._next_slot()
+
+    def _next_slot(self) -> tuple[int, int]:
+        """Advance the ring by one position: (its slot, valid slots after it)."""
+        i = self._size if self._size < self.window else self._idx
+        self._size = min(self._size + 1, self.window)
+        self._idx = (i + 1) % self.window
+        return i, self._size
+
+    def _ordered(self) -> tuple[mx.array, mx.array] | None:
+        """Valid keys/values, oldest first."""
+        if self.keys is None or self._size == 0:
+            return None
+        if self._size < self.window or self._idx == 0:
+            return self.keys[..., : self._size, :], self.values[..., : self._size, :]
+        i = self._idx
+        return (
+            mx.concatenate([self.keys[..., i:, :], self.keys[..., :i, :]], axis=2),
+            mx.concatenate([self.values[..., i:, :], self.values[..., :i, :]], axis=2),
+        )
+
+    def mask(self, t: int) -> mx.array | None:
+        """Mask for the next update of `t` positions (call it before update_and_fetch)."""
+        if t == 1:
+            return None  # a single query sees every slot the ring holds after the write
+        return window_mask(self.offset, t, self.offset - self._size, self._size + t, self.window)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        # keys/values: (B, n_kv_heads, T, head_dim)
+        self._settle()
+        t = keys.shape[2]
+        self.offset += t
+        if t == 1:
+            return self._write_one(keys, values)
+        old = self._ordered()
+        if old is not None:
+            keys = mx.concatenate([old[0], keys], axis=2)
+            values = mx.concatenate([old[1], values], axis=2)
+        # keep the newest `window` positions, oldest first (a copy, so the chunk can be freed)
+        self.keys = mx.array(keys[..., -self.window :, :])
+        self.values = mx.array(values[..., -self.window :, :])
+        self._size = self.keys.shape[2]
+        self._idx = self._size % self.window
+        return keys, values  # (B, n_kv_heads, size_before + T, head_dim), oldest first
+
+    def _write_one(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self._size < self.window:  # still filling: append, growing in blocks up to window
+            cap = 0 if self.keys is None else self.keys.shape[2]
+            if self._size == cap:
+                b, h, _, d = keys.shape
+                grow = min(self.step, self.window - cap)
+                k_new = mx.zeros((b, h, grow, d), keys.dtype)
+                v_new = mx.zeros((b, h, grow, values.shape[3]), values.dtype)
+                if self.keys is None:
+                    self.keys, self.values = k_new, v_new
+                else:
+                    self.keys = mx.concatenate([self.keys[..., :cap, :], k_new], axis=2)
+                    self.values = mx.concatenate([self.values[..., :cap, :], v_new], axis=2)
+        i, size = self._next_slot()
+        self.keys[..., i : i + 1, :] = keys
+        self.values[..., i : i + 1, :] = values
+        return self.keys[..., :size, :], self.values[..., :size, :]
+
+    @property
+    def trimmable(self) -> int:
+        """How many of the newest positions `trim` can forget and still be exact afterwards.
+
+        Once positions have rotated out, after trimming n the cache must still hold the
+        window − 1 positions before the new end; it holds `_size − n` of them."""
+        if self._size == self.offset:  # nothing rotated out yet
+            return self.offset
+        return max(0, self._size - self.window + 1)
+
+    def rewind_point(self, position: int) -> int:
+        """`position` while what it needs there has not rotated out, else 0."""
+        return position if self.offset - position <= self.trimmable else 0
+
+    def snapshot(self) -> None:
+        """Nothing to keep: a ring returns to a position while it still holds its window."""
+
+    def trim(self, n: int) -> int:
+        """Forget the last `n` positions; returns how many were forgotten: all of `n` (or every
+        position, as KVCache does when n > offset), or 0, leaving the cache untouched, when
+        positions needed afterwards have already rotated out (re-prefill in that case)."""
+        self._settle()
+        if self._size == self.offset:
+            n = min(n, self.offset)
+        elif n > self.trimmable:
+            return 0
+        if n <= 0:
+            return 0
+        old = self._ordered()
+        if old is not None:
+            self.keys = old[0][..., : self._size - n, :]
+            self.values = old[1][..., : self._size - n, :]
+        self._size -= n
+        self._idx = self._size % self.window
+        self.offset -= n
+        return n
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]

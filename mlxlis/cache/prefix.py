@@ -1,0 +1,80 @@
+"""The prefix cache: the caches of finished requests, kept by the token ids they hold.
+
+A new prompt takes over the entry sharing its longest prefix, rewound to that prefix
+(`mlxlis.cache.rewind`: KV caches to any position, recurrent states to a snapshot), and
+prefills only the rest. LRU, at most `max_bytes` and `max_entries` (a ChatSession keeps one:
+its conversation).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable
+
+from mlxlis.cache.base import Cache
+from mlxlis.cache.rewind import common_prefix, rewind
+
+# (entry key, its caches, the ids they hold, the position wanted) -> the position reached
+Rewind = Callable[[int, list[Cache], int, int], int]
+# keys unique in the process: a pipeline's other ranks keep every prefix cache's entries by key
+_KEYS = itertools.count()
+
+
+def rewind_here(key: int, caches: list[Cache], held: int, position: int) -> int:
+    return rewind(caches, held, position)
+
+
+class PrefixCache:
+    """Caches of finished requests by the token ids they hold; LRU, at most `max_bytes`.
+    `on_drop(key)` hears of each entry evicted to make room (a pipeline's other ranks drop
+    their share of it too)."""
+
+    def __init__(self, max_bytes: int, on_drop: Callable[[int], None] | None = None,
+                 max_entries: int | None = None):  # fmt: skip
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.on_drop = on_drop
+        self._entries: OrderedDict[int, tuple[tuple[int, ...], list[Cache], int]] = OrderedDict()
+        self.bytes = 0  # held now: a plain int, so other threads (/health) read it safely
+
+    def put(self, ids: list[int], caches: list[Cache]) -> int | None:
+        """Keep `caches` (holding `ids`); their key, or None when they are not kept."""
+        size = sum(a.nbytes for c in caches for a in c.state)
+        if not ids or size > self.max_bytes:
+            return None
+        key = next(_KEYS)
+        self._entries[key] = (tuple(ids), caches, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes or (
+            self.max_entries is not None and len(self._entries) > self.max_entries
+        ):
+            old, (_, _, old_size) = self._entries.popitem(last=False)
+            self.bytes -= old_size
+            if self.on_drop is not None:
+                self.on_drop(old)
+        return key
+
+    def take(self, ids: list[int], rewind_to: Rewind = rewind_here
+             ) -> tuple[list[Cache] | None, int]:  # fmt: skip
+        """The caches sharing the longest prefix with `ids` (removed from the store), rewound
+        by `rewind_to` to that prefix (at least one id left to feed); (None, 0) when none
+        helps (the entry tried is dropped)."""
+        best, best_n = None, 0
+        for key, (held, _, _) in self._entries.items():
+            if (n := common_prefix(held, ids)) > best_n:
+                best, best_n = key, n
+        if best is None:
+            return None, 0
+        held, caches, size = self._entries.pop(best)
+        self.bytes -= size
+        reused = rewind_to(best, caches, len(held), min(best_n, len(ids) - 1))
+        return (caches, reused) if reused else (None, 0)
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        while self._entries:
+            key, (_, _, size) = self._entries.popitem(last=False)
+            self.bytes -= size
+            if self.on_drop is not None:
+                self.on_drop(key)

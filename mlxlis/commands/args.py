@@ -1,0 +1,151 @@
+"""Command-line options shared by the mlxlis commands and the chat app (`mlxlis chat`): the
+model options, --think / --no-think and the sampling flags, whose defaults, ranges and help
+come from mlxlis.sampling."""
+
+from __future__ import annotations
+
+import argparse
+
+from mlxlis.loading import catalog
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-m",
+        "--model",
+        default=catalog.DEFAULT_MODEL,
+        help="model folder, .gguf file, catalog name, Hugging Face repo "
+        "ORG/NAME[:QUANT | /FILE.gguf][@REVISION] (fetched into the Hugging Face cache) or a "
+        "name `mlxlis models --scan` lists; a path that exists wins over a name "
+        f"(default {catalog.DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)"
+    )
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        default=None,
+        help="make every quantized GGUF weight dense in the compute dtype "
+        "(default: per device — dense on CPU when it fits, quantized on Metal/CUDA)",
+    )
+    p.add_argument(
+        "--quantized",
+        dest="dequantize",
+        action="store_false",
+        help="keep GGUF quantized blocks quantized (exact MLX affine arrays) on any device",
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE|NAME",
+        default=None,
+        help="a .jinja file or a built-in template name, used instead of the model's",
+    )
+    p.add_argument(
+        "--bindings",
+        metavar="FILE",
+        default=None,
+        help="binding manifest (JSON or YAML) mapping the model's parameter paths to the "
+        "checkpoint's tensor names (safetensors folders)",
+    )
+    strictness = p.add_mutually_exclusive_group()
+    strictness.add_argument(
+        "--strict",
+        dest="strict",
+        action="store_true",
+        default=True,
+        help="tensors that no parameter takes are an error (default)",
+    )
+    strictness.add_argument(
+        "--lenient",
+        dest="strict",
+        action="store_false",
+        help="ignore tensors that no parameter takes (listed on stderr with --verbose)",
+    )
+    p.add_argument(
+        "--layers-split",
+        metavar="N,N,...",
+        type=_layers_split,
+        default=None,
+        help="under mlx.launch: layers per rank, in rank order (e.g. 14,14; default: balanced "
+        "by weight bytes)",
+    )
+    p.add_argument("--verbose", "-v", action="store_true", help="model details and stats on stderr")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _layers_split(text: str) -> list[int]:
+    from mlxlis.distributed.split import parse_split
+    from mlxlis.errors import LayersSplitError
+
+    try:
+        return parse_split(text)
+    except LayersSplitError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--layers-split: ")) from None
+
+
+def add_thinking_args(p: argparse.ArgumentParser) -> None:
+    """--think / --no-think: the chat template's `enable_thinking` (dest `thinking`: True,
+    False, or None for the template's default)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--think",
+        dest="thinking",
+        action="store_const",
+        const=True,
+        default=None,
+        help="reasoning models: pass enable_thinking=true to the chat template",
+    )
+    g.add_argument(
+        "--no-think",
+        dest="thinking",
+        action="store_const",
+        const=False,
+        help="reasoning models: pass enable_thinking=false to the chat template and show no "
+        "reasoning",
+    )
+
+
+def check_thinking(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """--think / --no-think need a chat template: refused (exit 2) with --no-chat."""
+    if getattr(a, "no_chat", False) and a.thinking is not None:
+        flag = "--think" if a.thinking else "--no-think"
+        p.exit(2, f"{p.prog}: error: {flag} sets the chat template's enable_thinking; "
+                  "--no-chat uses no template\n")  # fmt: skip
+
+
+# flag -> SamplingParams field; defaults, ranges and help come from mlxlis.sampling
+SAMPLING_FLAGS = {
+    "--max-tokens": "max_tokens",
+    "--temp": "temperature",
+    "--top-p": "top_p",
+    "--top-k": "top_k",
+    "--min-p": "min_p",
+    "--repetition-penalty": "repetition_penalty",
+    "--seed": "seed",
+}
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    from mlxlis.generation.sampling import FIELDS, SamplingParams
+
+    defaults = SamplingParams()
+    for flag, name in SAMPLING_FLAGS.items():
+        what = FIELDS[name][2]
+        p.add_argument(flag, dest=name, default=None, metavar="X",
+                       help=f"{what}; default {getattr(defaults, name)}")  # fmt: skip
+
+
+def sampling_params(p: argparse.ArgumentParser, a: argparse.Namespace):
+    """SamplingParams from the flags; a bad value ends the command (exit 2) naming the flag."""
+    from mlxlis.generation.sampling import SamplingError, SamplingParams, parse_value
+
+    changes = {}
+    for flag, name in SAMPLING_FLAGS.items():
+        raw = getattr(a, name)
+        if raw is not None:
+            try:
+                changes[name] = parse_value(name, raw)
+            except SamplingError as e:
+                p.exit(2, f"{p.prog}: error: {flag}: {str(e).split(': ', 1)[1]}\n")
+    return SamplingParams(**changes)

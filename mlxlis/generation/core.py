@@ -1,0 +1,254 @@
+"""THE generation core: per-request state and one step that every surface uses (the one-shot
+command, ChatSession, the chat app, the server's batched engine; a lone prompt is a batch of
+one).
+
+`Core.step(seqs)` gives each running sequence one unit of work, in this order:
+1. the decoding ones whose next token will be fed: one forward of all of them together (the
+   weights read once), queued with their sampled tokens still lazy (`mx.async_eval`), so the
+   device computes step t+1 while the host reads token t and turns it into text;
+2. every decoding sequence's sampled token read (one wait), checked (stop ids, stop strings,
+   max_tokens, cancellation) and emitted as an Event;
+3. the next token of each sequence going on sampled from step 1's logits: its logits
+   processors (the repetition penalty, masks) on its own row, then its own sampler;
+4. a sequence still reading its prompt gets one chunk (PREFILL_CHUNK tokens) — so a long
+   prompt never stalls the streams already running; its last chunk yields the first token.
+A sequence that ends hands its caches to the Steps object (`release`: kept for a later prompt
+sharing its start). Where the caches live and how a forward runs is the Steps object's
+(steps.py): this process, or the ranks of a pipeline led from rank 0.
+
+A failure inside a step ends the requests it concerned with an "error" event, not the others
+(a PipelineError, when the ranks can no longer agree, propagates: nothing more can run).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from mlxlis.cache import Cache
+from mlxlis.errors import MlxlisError, PipelineError
+from mlxlis.generation.events import Event, Usage
+from mlxlis.generation.processors import LogitsProcessor, processors_for
+from mlxlis.generation.sampling import SamplingParams, make_sampler
+from mlxlis.generation.steps import PREFILL_CHUNK, Steps
+from mlxlis.generation.stops import StopMatcher
+from mlxlis.models.model import Model
+from mlxlis.runtime.device import peak_memory_bytes
+from mlxlis.tokenizer import StreamDecoder
+
+import mlx.core as mx
+
+_IDS = itertools.count(1)  # request ids, unique in the process (a pipeline's ranks key by them)
+Emit = Callable[["Sequence", Event], None]
+
+
+@dataclass
+class Request:
+    """One generation: the prompt's token ids and how to continue it."""
+
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()  # matched across token boundaries, never emitted
+    top_logprobs: int | None = None  # None: no logprobs; 0..20: the chosen token's (+ top n)
+    processors: tuple[LogitsProcessor, ...] = ()  # applied after the sampling parameters' own
+
+
+class Sequence:
+    """A request's state in the core: its caches, what they hold, what is left to feed, the
+    sampled token not yet read, its sampler, processors, detokenizer and usage."""
+
+    def __init__(self, req: Request, model: Model, caches: list[Cache], held: Seq[int],
+                 todo: Seq[int], rid: int | None = None):  # fmt: skip
+        self.id = next(_IDS) if rid is None else rid
+        self.req = req
+        self.caches = caches
+        self.fed = list(held)  # ids the caches hold
+        self.todo = list(todo)  # prompt ids not prefilled yet
+        self.history = self.fed + self.todo  # the prompt, then each generated token
+        self.usage = Usage(prompt_tokens=len(self.history), cached_tokens=len(self.fed))
+        self.sampler = make_sampler(req.params)
+        self.processors = [*processors_for(req.params), *req.processors]
+        self.decoder = StreamDecoder(model.tokenizer)
+        self.stops = StopMatcher(req.stop_strings)
+        self.pending: mx.array | None = None  # (1,) the sampled token, not read yet
+        self.logprobs: mx.array | None = None  # (1, vocab) its step's log-probabilities
+        self.cancelled = False
+        self.done = False
+        self.t0 = time.perf_counter()
+
+    def sample(self, logits: mx.array) -> None:
+        """The next token from this sequence's row of logits (1, vocab), lazily."""
+        for process in self.processors:
+            logits = process(logits, self.history)
+        if self.req.top_logprobs is not None:
+            self.logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        self.pending = self.sampler(logits)
+        mx.async_eval(self.pending)
+
+    def goes_on(self) -> bool:
+        """Whether the pending token, once read, will be fed for another step."""
+        return not self.cancelled and self.usage.completion_tokens + 1 < self.req.params.max_tokens
+
+    def accept(self, token: int) -> list[Event]:
+        """The pending token read: its event, and the final one when it ends the request."""
+        self.pending = None
+        u = self.usage
+        now = time.perf_counter()
+        if u.completion_tokens == 0:
+            u.time_to_first_token = now - self.t0
+        u.completion_tokens += 1
+        u.decode_seconds = now - self.t0 - u.time_to_first_token
+        if token in self.req.stop_ids:
+            return [self.final("stop")]
+        self.history.append(token)
+        text, stopped = self.stops.feed(self.decoder.add(token))
+        logprob, top = self._logprobs(token)
+        events = [] if stopped and not text else [self._event(token, text, logprob, top)]
+        if stopped:
+            return [*events, self.final("stop", flush=False)]
+        if u.completion_tokens >= self.req.params.max_tokens:
+            return [*events, self.final("length")]
+        return events
+
+    def _logprobs(self, token: int) -> tuple[float | None, list[tuple[int, float]] | None]:
+        if self.logprobs is None:
+            return None, None
+        logp = self.logprobs[0]
+        top = None
+        if self.req.top_logprobs:
+            idx = mx.argsort(-logp)[: self.req.top_logprobs]
+            top = list(zip(idx.tolist(), logp[idx].tolist(), strict=True))
+        return float(logp[token].item()), top
+
+    def _event(self, token: int | None, text: str, logprob: float | None = None,
+               top: list[tuple[int, float]] | None = None) -> Event:  # fmt: skip
+        return Event(token, text, self.usage, logprob=logprob, top_logprobs=top)
+
+    def final(self, reason: str, flush: bool = True, error: str | None = None) -> Event:
+        """The last event: what the detokenizer and the stop matcher still hold (unless a stop
+        string ended it: what follows one is never shown)."""
+        self.done = True
+        self.pending = None
+        tail = self.stops.feed(self.decoder.flush())[0] + self.stops.flush() if flush else ""
+        self.usage.peak_memory = peak_memory_bytes()
+        if self.usage.completion_tokens == 0:
+            self.usage.time_to_first_token = time.perf_counter() - self.t0
+        ev = self._event(None, tail)
+        ev.finish_reason, ev.error, ev.fed = reason, error, list(self.fed)
+        return ev
+
+
+class Core:
+    """Runs the sequences of one model, a step at a time, through a Steps object."""
+
+    def __init__(self, model: Model, steps: Steps, chunk: int = PREFILL_CHUNK):
+        self.model = model
+        self.steps = steps
+        self.chunk = chunk
+
+    def start(self, req: Request, caches: list[Cache] | None = None, held: Seq[int] = ()
+              ) -> Sequence:  # fmt: skip
+        """A new sequence for `req`: its caches from the Steps object (a cached prefix taken when
+        one helps), or `caches` given holding the ids `held` (then `req.prompt` is what follows
+        them)."""
+        if not req.prompt:
+            raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
+        req.params.validate()
+        if caches is not None:
+            return Sequence(req, self.model, caches, held, req.prompt)
+        rid = next(_IDS)
+        caches, reused = self.steps.admit(rid, list(req.prompt))
+        return Sequence(req, self.model, caches, req.prompt[:reused], req.prompt[reused:], rid)
+
+    def step(self, seqs: list[Sequence], emit: Emit | None = None) -> list[tuple[Sequence, Event]]:
+        """One unit of work for each of `seqs` (see the module docstring); the events it made,
+        each also given to `emit` as soon as it is made (before a prompt chunk runs). A
+        sequence that has ended is `done` and its caches released."""
+        out: list[tuple[Sequence, Event]] = []
+        for s in seqs:
+            if s.cancelled and not s.done:
+                out.append((s, s.final("cancelled")))
+        live = [s for s in seqs if not s.done]
+        decoding = [s for s in live if s.pending is not None]
+        going = [s for s in decoding if s.goes_on()]
+        logits = None
+        if going:
+            try:
+                logits = self.steps.run([s.id for s in going], [s.caches for s in going],
+                                        mx.concatenate([s.pending for s in going]), "decode")
+                mx.async_eval(logits)
+            except PipelineError:
+                raise
+            except Exception as e:  # noqa: BLE001 — these requests fail, not the others
+                out += self._fail(going, e)
+                decoding = [s for s in decoding if not s.done]
+                going = []
+        if decoding:
+            tokens = mx.concatenate([s.pending for s in decoding]).tolist()
+            fed = {id(s) for s in going}
+            for s, token in zip(decoding, tokens, strict=True):
+                if id(s) in fed:
+                    s.fed.append(token)
+                out += [(s, ev) for ev in s.accept(token)]
+        for i, s in enumerate(going):
+            if not s.done:
+                s.sample(logits[i : i + 1])
+        self._deliver(out, 0, emit)
+        sent = len(out)
+        for s in live:
+            if not s.done and s.pending is None and s.todo:
+                out += self._prefill(s)
+        self._deliver(out, sent, emit)
+        return out
+
+    def _deliver(self, out: list[tuple[Sequence, Event]], start: int, emit: Emit | None) -> None:
+        """Release the caches of the sequences that ended, then hand on the events."""
+        for s, ev in out[start:]:
+            if ev.finish_reason is not None:
+                self._release(s, ev.finish_reason)
+        if emit is not None:
+            for s, ev in out[start:]:
+                emit(s, ev)
+
+    def _prefill(self, s: Sequence) -> list[tuple[Sequence, Event]]:
+        chunk, rest = s.todo[: self.chunk], s.todo[self.chunk :]
+        try:
+            logits = self.steps.run([s.id], [s.caches], mx.array(chunk, mx.int32),
+                                    "chunk" if rest else "prompt")  # fmt: skip
+            s.fed += chunk
+            s.todo = rest
+            if logits is not None:
+                s.sample(logits)
+        except PipelineError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            return self._fail([s], e)
+        return []
+
+    def _fail(self, seqs: list[Sequence], e: Exception) -> list[tuple[Sequence, Event]]:
+        out = []
+        for s in seqs:
+            ev = s.final("error", error=f"{type(e).__name__}: {e}")
+            s.fed = []  # left mid-step: the caches are not consistent
+            ev.fed = []
+            out.append((s, ev))
+        return out
+
+    def _release(self, s: Sequence, reason: str) -> None:
+        if s.caches is None:
+            return
+        ok = reason != "error"  # whole steps only (a prompt's chunks too): consistent
+        self.steps.release(s.id, s.fed if ok else None, s.caches)
+        s.caches = None
+
+    def cancel(self, s: Sequence) -> Event | None:
+        """End `s` now (its consumer left): its final event, or None when it had ended."""
+        if s.done:
+            return None
+        ev = s.final("cancelled")
+        self._release(s, "cancelled")
+        return ev

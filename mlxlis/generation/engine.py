@@ -1,0 +1,223 @@
+"""The serving engine: many requests over one model, on the generation core, step by step.
+
+`Engine.submit(Request)` returns a `Stream` of Events (iterate it, or `async for` it when
+submitted with an event loop). One scheduler loop runs on the process's MLX thread: each round
+is one `Core.step` over the running requests (the decoding ones get one token each from a
+single batched forward, a request still reading its prompt gets one chunk), so a long prompt
+never stalls the streams already running, and a request that is cancelled (client gone)
+leaves at the next round. At most `max_active` requests run; `max_queued` more may wait
+(beyond that `submit` raises QueueFullError: HTTP 429).
+
+A request's greedy tokens are those it gets alone (up to the last bits of a batched vs a
+single-row product). The prefix cache keeps the caches of finished requests: a new prompt
+takes over the one sharing its longest prefix and prefills only the rest. Where the caches
+live and how a step runs is the model's Steps (steps.py: this process, or a pipeline of ranks
+led from rank 0).
+
+An engine still running when the interpreter exits is shut down first (atexit): its loop on
+the MLX thread must not be torn down mid-step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import queue
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+
+from mlxlis.cache.prefix import PrefixCache
+from mlxlis.errors import MlxlisError, PipelineError
+from mlxlis.generation.core import Core, Request, Sequence
+from mlxlis.generation.events import Event, Usage
+from mlxlis.generation.steps import steps_for
+from mlxlis.models.model import Model
+from mlxlis.runtime import mlx_thread
+
+__all__ = ["Engine", "QueueFullError", "Stream"]
+
+
+class QueueFullError(MlxlisError):
+    """Too many requests waiting: try again later (HTTP 429)."""
+
+
+class Stream:
+    """The events of one request, in order; the last has a finish_reason."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None):
+        self.id = 0  # the core's request id, once admitted
+        self._loop = loop
+        self._sync: queue.Queue[Event] = queue.Queue()
+        self._async: asyncio.Queue[Event] | None = asyncio.Queue() if loop else None
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop generating (the client left); the stream ends with finish_reason "cancelled"."""
+        self.cancelled.set()
+
+    def _put(self, ev: Event) -> None:
+        if self._async is not None:
+            self._loop.call_soon_threadsafe(self._async.put_nowait, ev)
+        else:
+            self._sync.put(ev)
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            ev = self._sync.get()
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        assert self._async is not None, "submitted without an event loop: iterate it instead"
+        while True:
+            ev = await self._async.get()
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+
+def _ended(reason: str, error: str | None = None, usage: Usage | None = None) -> Event:
+    return Event(None, "", usage or Usage(), finish_reason=reason, error=error)
+
+
+class Engine:
+    def __init__(self, model: Model, *, max_active: int = 8, max_queued: int = 64,
+                 prefix_cache_bytes: int = 1 << 30):  # fmt: skip
+        self.model = model
+        self.max_active, self.max_queued = max_active, max_queued
+        self.prefix = PrefixCache(prefix_cache_bytes)
+        self.steps = steps_for(model, self.prefix)
+        self.core = Core(model, self.steps)
+        self.fatal: str | None = None  # why the engine stopped on its own (a rank was lost)
+        self.on_fatal: Callable[[str], None] | None = None  # told it, on the MLX thread
+        self._queue: list[tuple[Request, Stream]] = []
+        self._active: list[tuple[Sequence, Stream]] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._done = mlx_thread.shared().submit(self._loop)
+        _live.add(self)
+
+    # --- the caller's side ---
+    def submit(self, req: Request, loop: asyncio.AbstractEventLoop | None = None) -> Stream:
+        if not req.prompt:
+            raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
+        req.params.validate()
+        stream = Stream(loop)
+        with self._cv:
+            if self._stopping:
+                raise MlxlisError("the server is shutting down")
+            self._drop_cancelled()
+            # places: the free running ones plus the waiting room (not yet admitted counts)
+            if len(self._queue) + len(self._active) >= self.max_active + self.max_queued:
+                raise QueueFullError(f"{len(self._queue)} requests are waiting already")
+            self._queue.append((req, stream))
+            self._cv.notify()
+        return stream
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Finish every request with an "error" event and stop the loop."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._done.result(timeout)
+        _live.discard(self)
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        with self._cv:
+            return len(self._active), len(self._queue)
+
+    def _drop_cancelled(self) -> None:
+        """Requests cancelled while waiting leave the queue at once (called under the lock)."""
+        for req, stream in [q for q in self._queue if q[1].cancelled.is_set()]:
+            self._queue.remove((req, stream))
+            stream._put(_ended("cancelled", usage=Usage(prompt_tokens=len(req.prompt))))
+
+    # --- the MLX thread's side ---
+    def _loop(self) -> None:
+        try:
+            while self._round():
+                pass
+        finally:
+            self._close_steps()
+
+    def _round(self) -> bool:
+        """Admit what fits, run one core step; False once the engine is stopping."""
+        with self._cv:
+            while not self._queue and not self._active and not self._stopping:
+                self._cv.wait()
+            if self._stopping:
+                self._end_all("the server is shutting down")
+                return False
+            self._drop_cancelled()
+            waiting = []
+            while self._queue and len(self._active) + len(waiting) < self.max_active:
+                waiting.append(self._queue.pop(0))
+        try:
+            for req, stream in waiting:
+                self._admit(req, stream)
+            for seq, stream in self._active:
+                if stream.cancelled.is_set():
+                    seq.cancelled = True
+            streams = {id(seq): stream for seq, stream in self._active}
+            self.core.step([seq for seq, _ in self._active],
+                           lambda seq, ev: streams[id(seq)]._put(ev))  # fmt: skip
+        except PipelineError as e:  # the ranks are out of step: nothing more can run
+            self._fail(str(e))
+            return False
+        with self._cv:
+            self._active = [(s, st) for s, st in self._active if not s.done]
+        return True
+
+    def _admit(self, req: Request, stream: Stream) -> None:
+        try:
+            seq = self.core.start(req)
+        except PipelineError:
+            raise
+        except Exception as e:  # noqa: BLE001 — this request fails, not the server
+            stream._put(_ended("error", f"{type(e).__name__}: {e}"))
+            return
+        stream.id = seq.id
+        with self._cv:
+            self._active.append((seq, stream))
+
+    def _end_all(self, message: str) -> None:
+        """Under the lock: every request ends with an "error" event."""
+        for req, stream in self._queue:
+            stream._put(_ended("error", message, Usage(prompt_tokens=len(req.prompt))))
+        for seq, stream in self._active:
+            stream._put(_ended("error", message, seq.usage))
+        self._queue, self._active = [], []
+
+    def _fail(self, message: str) -> None:
+        self.fatal = message
+        with self._cv:
+            self._stopping = True
+            self._end_all(message)
+        if self.on_fatal is not None:
+            self.on_fatal(message)
+
+    def _close_steps(self) -> None:
+        try:
+            self.steps.close()
+        except PipelineError as e:  # the other ranks are already gone
+            self.fatal = str(e)
+            if self.on_fatal is not None:
+                self.on_fatal(str(e))
+
+
+# engines still running: shut down before the interpreter exits (an engine left running
+# through finalization ended the process with "terminate called without an active exception")
+_live: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live() -> None:
+    for engine in list(_live):
+        try:
+            engine.shutdown(timeout=5.0)
+        except Exception:  # noqa: BLE001, S110 — exiting anyway
+            pass

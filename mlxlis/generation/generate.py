@@ -1,0 +1,64 @@
+"""`mlxlis.generate`: one prompt through the generation core, as a generator of Events (the
+one-shot command and the app's raw pad consume it; ChatSession and the server drive the same
+core). A lone prompt is a batch of one: each `Core.step` queues the next forward before the
+current token is read, so the device computes token n+1 while the caller handles token n.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from mlxlis.cache import Cache
+from mlxlis.cache.prefix import PrefixCache
+from mlxlis.generation.core import PREFILL_CHUNK, Core, Request
+from mlxlis.generation.core import Sequence as Running
+from mlxlis.generation.events import Event
+from mlxlis.generation.sampling import SamplingParams
+from mlxlis.generation.steps import steps_for
+from mlxlis.models.model import Model
+
+
+def generate(
+    model: Model,
+    ids: Sequence[int],
+    params: SamplingParams | None = None,
+    *,
+    stop_ids: set[int] | None = None,
+    cache: list[Cache] | None = None,
+    history: Sequence[int] = (),
+    prefill_step: int = PREFILL_CHUNK,
+    should_stop: Callable[[], bool] | None = None,
+    **sampling: object,
+) -> Iterator[Event]:
+    """Stream tokens after `ids`, sampled as `params` says with `sampling` keywords (max_tokens,
+    temperature, top_p, ...: SamplingParams' fields) applied on top; a bad value raises
+    SamplingError before anything runs. With `cache`, `ids` are the tokens not yet in it and
+    `history` the ones that are (the repetition penalty sees them). `should_stop()` is asked
+    after each step (a prompt chunk, a token): true ends the stream with finish_reason
+    "cancelled". The final event's
+    `fed` lists every id the caches hold."""
+    if params is not None and not isinstance(params, SamplingParams):
+        raise TypeError(
+            f"generate(model, ids, params): params is a SamplingParams, not {params!r}; "
+            "pass max_tokens=, temperature=, ... as keywords"
+        )
+    params = (params or SamplingParams()).replace(**sampling)
+    stops = model.stop_ids() if stop_ids is None else stop_ids
+    req = Request(list(ids), params, frozenset(stops))
+    core = Core(model, steps_for(model, PrefixCache(0)), prefill_step)
+    seq = core.start(req, cache, history) if cache is not None else core.start(req)
+    yield from run(core, seq, should_stop)
+
+
+def run(core: Core, seq: Running, should_stop: Callable[[], bool] | None = None
+        ) -> Iterator[Event]:  # fmt: skip
+    """The events of one sequence, stepped alone until it ends; a consumer that leaves early
+    (the generator closed) ends it as cancelled, its caches released whole."""
+    try:
+        while not seq.done:
+            for _, ev in core.step([seq]):
+                yield ev
+            if should_stop is not None and not seq.done and should_stop():
+                seq.cancelled = True  # the next step ends it (its pending token unread)
+    finally:
+        core.cancel(seq)

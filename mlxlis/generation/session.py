@@ -1,0 +1,166 @@
+"""ChatSession: a multi-turn conversation that reuses the KV cache between turns.
+
+Before each turn the whole conversation is rendered with the model's chat template and
+tokenized; the caches of the previous turn (a prefix cache of one entry, the server's code)
+are rewound to the longest token prefix they share with it and only the rest is prefilled.
+When the conversation no longer fits in the context, the turn is refused with a
+ContextLimitError (no silent truncation); `reset()` starts over.
+
+Replies of reasoning models (`<think>…</think>`, see mlxlis.prompt.reasoning) stream as Events
+whose `reasoning` and `answer` say which part of each piece is which; the history keeps the answer as
+the message content and the reasoning as its `reasoning_content`, the field Qwen3-style
+templates read. `thinking` sets the template's `enable_thinking` switch when it has one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from mlxlis.cache.prefix import PrefixCache
+from mlxlis.generation.context import fit_context
+from mlxlis.generation.core import Core, Request
+from mlxlis.generation.events import Event
+from mlxlis.generation.generate import run
+from mlxlis.generation.sampling import SamplingParams
+from mlxlis.generation.steps import steps_for
+from mlxlis.models.model import Model
+from mlxlis.prompt.reasoning import ANSWER, REASONING, ReasoningSplitter, join
+
+
+@dataclass
+class Turn:
+    role: str
+    content: str
+    stopped: bool = False  # an assistant reply cut short by the user
+    reasoning: str | None = None  # an assistant reply's reasoning (the <think> block), if any
+
+    def message(self) -> dict:
+        msg = {"role": self.role, "content": self.content}
+        if self.reasoning is not None:
+            msg["reasoning_content"] = self.reasoning
+        return msg
+
+
+@dataclass
+class ChatSession:
+    model: Model
+    system: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    context_limit: int | None = None
+    turns: list[Turn] = field(default_factory=list)
+    thinking: bool | None = None  # enable_thinking for the template; None: its default
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"ChatSession(sampling=...) takes a SamplingParams, not "
+                            f"{type(self.sampling).__name__}")  # fmt: skip
+        if self.context_limit is None:
+            self.context_limit = self.model.context_length
+        # the conversation's caches between turns: a prefix cache of one entry, unbounded
+        self._prefix = PrefixCache(1 << 62, max_entries=1)
+        self._core = Core(self.model, steps_for(self.model, self._prefix))
+        self._cached: list[int] = []  # token ids the caches hold, in order
+        self.last_prompt_tokens = 0
+        self.last_reused_tokens = 0
+
+    # --- conversation ---
+    @property
+    def messages(self) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [t.message() for t in self.turns]
+
+    def reset(self) -> None:
+        """Forget the conversation and the cache (the system prompt stays)."""
+        self.turns.clear()
+        self._prefix.clear()
+        self._cached = []
+
+    def set_system(self, text: str | None) -> None:
+        self.system = text or None
+
+    @property
+    def template_vars(self) -> dict[str, Any]:
+        """Variables passed to the template on every render: `enable_thinking` when `thinking`
+        is set and the template reads it (a template without the switch never gets it)."""
+        if self.thinking is None or not getattr(self.model, "supports_thinking", False):
+            return {}
+        return {"enable_thinking": bool(self.thinking)}
+
+    def render(self, add_generation_prompt: bool = True) -> str:
+        """The exact text the model sees next (special tokens included)."""
+        return self.model.render_chat(
+            self.messages, add_generation_prompt=add_generation_prompt, **self.template_vars
+        )
+
+    def prompt_preview(self, pending_user: str | None = None) -> str:
+        """What the model would receive if `pending_user` were sent now."""
+        if pending_user is None:
+            return self.render()
+        self.turns.append(Turn("user", pending_user))
+        try:
+            return self.render()
+        finally:
+            self.turns.pop()
+
+    @property
+    def context_used(self) -> int:
+        return len(self._cached)
+
+    # --- generation ---
+    def send(
+        self,
+        text: str,
+        should_stop: Callable[[], bool] | None = None,
+        *,
+        stop_ids: set[int] | None = None,
+        **sampling,
+    ) -> Iterator[Event]:
+        """Add a user message and stream the assistant's reply (appended when it ends);
+        `sampling` keywords override the session's SamplingParams for this turn, `stop_ids`
+        the model's end-of-turn tokens."""
+        params = self.sampling.replace(**sampling)  # a bad value is refused before the turn
+        self.turns.append(Turn("user", text))
+        try:
+            prompt = self.render()
+            ids = self.model.tokenizer.encode(prompt, special=True)
+            params = fit_context(len(ids), params, self.context_limit,
+                                 hint="start a new session (/clear) or shorten it")
+        except Exception:
+            self.turns.pop()  # a refused turn leaves the conversation as it was
+            raise
+        splitter = ReasoningSplitter.for_prompt(self.model.tokenizer, prompt)
+        yield from self._reply(ids, should_stop, params, stop_ids, splitter)
+
+    def _reply(
+        self,
+        ids: list[int],
+        should_stop: Callable[[], bool] | None,
+        params: SamplingParams,
+        stop_ids: set[int] | None,
+        splitter: ReasoningSplitter,
+    ) -> Iterator[Event]:
+        stops = self.model.stop_ids() if stop_ids is None else stop_ids
+        seq = self._core.start(Request(ids, params, frozenset(stops)))
+        self.last_prompt_tokens, self.last_reused_tokens = len(ids), seq.usage.cached_tokens
+        self._cached = []  # until the reply ends, the caches are the reply's
+        segments: list = []
+        final: Event | None = None
+        try:
+            for ev in run(self._core, seq, should_stop):
+                parts = splitter.feed(ev.text, ev.token)
+                if ev.finish_reason is not None:
+                    final = ev
+                    parts += splitter.flush()
+                segments += parts
+                yield replace(ev, reasoning=join(parts, REASONING), answer=join(parts, ANSWER),
+                              reasoning_tokens=splitter.reasoning_tokens)  # fmt: skip
+        finally:
+            stopped = final is None or final.finish_reason == "cancelled"
+            if final is None:  # the consumer left mid-way: the core released the caches whole
+                segments += splitter.flush()
+            self._cached = list(seq.fed)
+            reasoning = join(segments, REASONING) if splitter.saw_reasoning else None
+            answer = join(segments, ANSWER)
+            self.turns.append(Turn("assistant", answer, stopped=stopped, reasoning=reasoning))

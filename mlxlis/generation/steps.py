@@ -1,0 +1,106 @@
+"""Where each request's caches live and how a step runs: the seam between the generation core
+and whatever runs the network.
+
+The core decides what runs (core.py); a Steps object runs it. `LocalSteps` keeps every cache in
+this process. A model pipelined across ranks comes with its own (the distributed layer's
+LeaderSteps, set by the loader as `Model.steps_factory`), which tells the other ranks each step
+before running its own share; the core never knows which it has.
+
+A step's `kind`: "chunk" (part of a prompt with more to come: nothing comes back), "prompt"
+(the prompt's last chunk: the first token's logits), "decode" (one token per sequence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from mlxlis.cache import Cache, snapshot
+from mlxlis.cache.prefix import PrefixCache
+from mlxlis.models.model import Model
+from mlxlis.models.network import Network
+
+import mlx.core as mx
+
+PREFILL_CHUNK = 512  # prompt tokens per step (a pipeline's ranks overlap on these chunks)
+
+
+class Steps(Protocol):
+    def admit(self, rid: int, ids: list[int]) -> tuple[list[Cache], int]:
+        """Caches for request `rid` whose prompt is `ids`: a prefix-cache entry rewound to the
+        longest prefix it shares with `ids`, else fresh ones; and how many ids they hold."""
+        ...
+
+    def run(self, rids: Sequence[int], caches: Sequence[list[Cache]], tokens: mx.array,
+            kind: str) -> mx.array | None:  # fmt: skip
+        """Feed `tokens` to the requests `rids`: a (1, T) prompt chunk for one request, or one
+        token each, (B,), to decode. (B, vocab) float32 logits of each one's newest position
+        (lazy), None for a "chunk"."""
+        ...
+
+    def release(self, rid: int, ids: list[int] | None, caches: list[Cache]) -> None:
+        """Request `rid` is over: keep its caches, which hold `ids`, for a later prefix (None:
+        they are not consistent, drop them)."""
+        ...
+
+    def close(self) -> None:
+        """Nothing more will run."""
+        ...
+
+
+class LocalSteps:
+    """Every request's caches in this process; finished ones go to the prefix cache."""
+
+    def __init__(self, model: Model, prefix: PrefixCache):
+        self.model = model
+        self.prefix = prefix
+
+    def admit(self, rid: int, ids: list[int]) -> tuple[list[Cache], int]:
+        caches, reused = self.prefix.take(ids)
+        return (caches, reused) if caches is not None else (self.model.make_cache(), 0)
+
+    def run(self, rids: Sequence[int], caches: Sequence[list[Cache]], tokens: mx.array,
+            kind: str) -> mx.array | None:  # fmt: skip
+        return forward(self.model.net, caches, tokens, kind)
+
+    def release(self, rid: int, ids: list[int] | None, caches: list[Cache]) -> None:
+        if ids:
+            self.prefix.put(ids, caches)
+
+    def close(self) -> None:
+        pass
+
+
+def steps_for(model: Model, prefix: PrefixCache) -> Steps:
+    """The model's own Steps (a pipelined model's), else LocalSteps."""
+    factory = model.steps_factory or LocalSteps
+    return factory(model, prefix)
+
+
+def forward(net: Network, caches: Sequence[list[Cache]], tokens: mx.array, kind: str):
+    """One step on this process's network (a lone one, or one rank's pipeline stage). A network
+    that heads gives logits as `Steps.run` says; a stage that does not gives the send of its
+    hidden states (evaluated here for a "chunk", which returns None)."""
+    if kind == "decode" and len(caches) > 1:
+        out = net.decode_batch(tokens, list(caches))  # (B, vocab) or a send
+        return out.astype(mx.float32) if net.heads else out
+    inputs = tokens.reshape(1, -1).astype(mx.int32)  # (1, T)
+    out = net(inputs, cache=caches[0], last_only=True)
+    if kind == "chunk":  # only the caches matter (and a stage's send)
+        mx.eval([c.state for c in caches[0]], [] if net.heads else out)
+        return None
+    if kind == "prompt":
+        snapshot(caches[0])  # a point recurrent layers can rewind to (a later prompt's prefix)
+    return out[:, -1, :].astype(mx.float32) if net.heads else out
+
+
+def prefill(net: Network, ids: Sequence[int], cache: list[Cache], step: int = PREFILL_CHUNK
+            ) -> mx.array:  # fmt: skip
+    """`ids` into `cache` through `forward` in chunks of `step`, as the core feeds a prompt
+    (for tools and tests that drive a network directly): (1, vocab) float32 logits of the
+    last position."""
+    for start in range(0, len(ids), step):
+        chunk = mx.array(list(ids[start : start + step]), mx.int32)
+        last = start + step >= len(ids)
+        out = forward(net, [cache], chunk, "prompt" if last else "chunk")
+    return out

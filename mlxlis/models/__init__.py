@@ -1,0 +1,96 @@
+"""The models: ModelConfig (config.py), one module per family with its GGUF names and
+conventions as data, the blocks they share (attention, rope, layers, experts, deltanet, the
+Decoder), the Protocols of a network and of a pipeline placement, the Model the public API
+hands out (model.py), and building one from a safetensors folder or a GGUF file (from_folder.py,
+from_gguf.py). Imports the cache, loading and lower layers.
+
+This module is the family registry: every implemented family, listed once, and the lookups
+built from it. Adding a family is one module that builds a `Family` (see base.py), imported
+and listed below.
+"""
+
+from __future__ import annotations
+
+from mlxlis.errors import ConfigError, UnsupportedError
+from mlxlis.models.base import Family
+from mlxlis.models.config import ModelConfig, base_config, eos_list
+from mlxlis.models.gemma import GEMMA, GEMMA2, GEMMA3
+from mlxlis.models.gemma4 import GEMMA4
+from mlxlis.models.llama import LLAMA
+from mlxlis.models.qwen2 import QWEN2
+from mlxlis.models.qwen3 import QWEN3
+from mlxlis.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE
+from mlxlis.models.qwen3_moe import QWEN3_MOE
+
+import mlx.nn as nn
+
+REGISTRY: dict[str, Family] = {
+    f.name: f
+    for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, GEMMA, GEMMA2, GEMMA3, GEMMA4)
+}
+HF_MODEL_TYPES: dict[str, Family] = {t: f for f in REGISTRY.values() for t in f.hf_model_types}
+GGUF_ARCHS: dict[str, Family] = {a: f for f in REGISTRY.values() for a in f.gguf_archs}
+
+
+# keys a multimodal wrapper may hold outside its text_config (Qwen3.5: tie_word_embeddings)
+_OUTER_KEYS = ("tie_word_embeddings", "eos_token_id", "bos_token_id")
+
+
+def family(name: str) -> Family:
+    """The family a ModelConfig names."""
+    return REGISTRY[name]
+
+
+def build_model(cfg: ModelConfig, **kwargs) -> nn.Module:
+    """The family's network for `cfg`, parameters not yet loaded; kwargs: loader extras
+    (`rope_freq_factors` from a GGUF)."""
+    spec = REGISTRY[cfg.family]
+    return spec.network(cfg, spec, **kwargs)
+
+
+def config_from_hf(
+    cfg: dict, path: str = "config.json", generation: dict | None = None
+) -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json dict (classic or transformers-5 keys) and,
+    when given, generation_config.json (its EOS ids join the config's)."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"expected a JSON object, got {type(cfg).__name__}", path=path)
+    if generation is not None and not isinstance(generation, dict):
+        raise ConfigError("generation config is not a JSON object", path=path)
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES:
+        known = ", ".join(sorted(HF_MODEL_TYPES))
+        raise UnsupportedError(
+            f"model_type {model_type!r} is not supported (known: {known})",
+            path=path,
+            field="model_type",
+        )
+    spec = HF_MODEL_TYPES[model_type]
+    quant = cfg.get("quantization", cfg.get("quantization_config"))
+    if "text_config" in cfg:  # multimodal wrapper: the decoder lives in text_config
+        text = cfg["text_config"]
+        if not isinstance(text, dict):
+            raise ConfigError("expected an object", path=path, field="text_config")
+        outer = {k: cfg[k] for k in _OUTER_KEYS if k in cfg}  # some wrappers keep these outside
+        cfg = {**outer, **text, "model_type": text.get("model_type", model_type)}
+    base = base_config({**spec.hf_defaults, **cfg}, spec.name, path)
+    try:
+        base = spec.parse_hf(cfg, base, path)
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
+        # config.json is untrusted: a value of the wrong type is a bad file, not a crash
+        raise ConfigError(f"malformed value ({type(e).__name__}: {e})"[:300], path=path) from None
+    eos = eos_list(cfg.get("eos_token_id"), path, "eos_token_id")
+    if generation and generation.get("eos_token_id") is not None:
+        eos = tuple(dict.fromkeys(eos + eos_list(generation["eos_token_id"], path, "eos_token_id")))
+    bos = cfg.get("bos_token_id")
+    if generation and generation.get("bos_token_id") is not None:
+        bos = generation["bos_token_id"]
+    if isinstance(quant, dict):  # per-module overrides are keyed by checkpoint module paths
+        quant = {(spec.hf_name(k) if isinstance(v, (dict, bool)) else k): v
+                 for k, v in quant.items()}  # fmt: skip
+        quant.pop(None, None)  # overrides of dropped modules (a vision tower)
+    return base.with_(
+        eos_token_ids=eos,
+        bos_token_id=bos if isinstance(bos, int) else None,
+        quantization=quant if isinstance(quant, dict) else None,
+    )

@@ -1,0 +1,168 @@
+"""What a family module declares (`Family`), and the GGUF metadata reader its parsers use.
+
+A family module (llama.py, gemma.py, qwen3.py, ...) builds one `Family` per model family it
+implements; `families/__init__.py` lists them. Everything the loaders, `convert` and `inspect`
+know about a family comes from here, so adding one touches no other module.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxlis.errors import ConfigError, UnsupportedError
+from mlxlis.models.config import ModelConfig
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+# A convention undone at load: (applies to this module tensor name?, transform(arr, cfg, part)),
+# `part` being "weight" | "scales" | "biases" | "bias" (the array being transformed).
+Convention = tuple[Callable[[str], bool], Callable[[mx.array, ModelConfig, str], mx.array]]
+
+RopeFreqsHook = Callable[[ModelConfig, mx.array], tuple[ModelConfig, "mx.array | None"]]
+
+# llama.cpp's names for the tensors outside the blocks (every family shares them)
+GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# llama.cpp's block tensor names -> module names under model.layers.{i}, the Llama layout
+GGUF_LLAMA_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything about one model family, as data and small functions."""
+
+    name: str  # ModelConfig.family
+    hf_model_types: tuple[str, ...]  # config.json model_type values read as this family
+    gguf_archs: tuple[str, ...]  # GGUF general.architecture values read as this family
+    # config.json dict + the shared fields (config.base_config) -> the family's ModelConfig
+    parse_hf: Callable[[dict, ModelConfig, str], ModelConfig]
+    # GGUF: the shared fields + metadata -> the family's ModelConfig
+    parse_gguf: Callable[[ModelConfig, GGUFMeta], ModelConfig]
+    network: type[nn.Module]  # built as network(cfg, family, **loader extras)
+    gguf_block: dict[str, str] = field(default_factory=lambda: dict(GGUF_LLAMA_BLOCK))
+    gguf_conventions: tuple[Convention, ...] = ()  # undone on GGUF tensors, in this order
+    # `convert`: config.json's model_type / architectures, and the family's own keys
+    export_model_type: str = ""
+    export_architecture: str = ""
+    export_config: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
+    export_wrapper: str = ""  # write config.json as this wrapper type around a text_config
+    # safetensors saved by mlx-lm after its sanitize: tensors of these name suffixes come in
+    # its layout (transposed by these axes into ours), and these conventions undo what it
+    # folded into the values; the layout is the sign a folder was saved so
+    mlx_layouts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    mlx_conventions: tuple[Convention, ...] = ()
+    # config.json keys the shared parser needs that this family's configs may omit
+    hf_defaults: dict[str, Any] = field(default_factory=dict)
+    # checkpoint name prefixes renamed to ours, and prefixes dropped (e.g. a vision tower)
+    hf_renames: tuple[tuple[str, str], ...] = ()
+    hf_dropped: tuple[str, ...] = ()
+    # GGUF tensors the model does not use (e.g. a multi-token-prediction head), by name + config
+    gguf_ignored: Callable[[str, ModelConfig], bool] | None = None
+    # GGUF names the block/top tables cannot express (a family's own mapping, tried first)
+    gguf_names: Callable[[str], str | None] | None = None
+    # `{arch}.*` keys llama.cpp reads per layer that parse_gguf reads whole (the shared fields
+    # take layer 0's value)
+    gguf_per_layer_keys: tuple[str, ...] = ()
+    # a `rope_freqs` tensor the family can state as config instead (then `convert` can write
+    # it): (cfg, factors) -> (cfg, the factors still needed or None)
+    gguf_rope_freqs: RopeFreqsHook | None = None
+
+    def gguf_module_name(self, gguf_name: str) -> str | None:
+        """The module tensor name for a GGUF tensor, or None when no row takes it. A row keyed
+        `name.part` (or a bare `name`, for tensors llama.cpp writes without a suffix) maps to
+        a whole parameter path; a row keyed `name` maps to a module whose `part` it feeds."""
+        if self.gguf_names is not None and (own := self.gguf_names(gguf_name)) is not None:
+            return own
+        m = _BLOCK_RE.match(gguf_name)
+        if m:
+            i, key, part = m.groups()
+            if f"{key}.{part}" in self.gguf_block:
+                return f"model.layers.{int(i)}.{self.gguf_block[f'{key}.{part}']}"
+            target = self.gguf_block.get(key)
+            return f"model.layers.{int(i)}.{target}.{part}" if target else None
+        m = _BARE_RE.match(gguf_name)
+        if m and f"{m.group(2)}." in self.gguf_block:
+            return f"model.layers.{int(m.group(1))}.{self.gguf_block[m.group(2) + '.']}"
+        m = _TOP_RE.match(gguf_name)
+        if m:
+            key, part = m.groups()
+            target = GGUF_TOP.get(key)
+            return f"{target}.{part}" if target else None
+        return None
+
+    def hf_name(self, name: str) -> str | None:
+        """A checkpoint tensor name under our module names; None for a dropped tensor."""
+        if name.startswith(self.hf_dropped):
+            return None
+        for old, new in self.hf_renames:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
+    def undo(self, name: str, arr: mx.array, cfg: ModelConfig, part: str,
+             conventions: tuple[Convention, ...] | None = None) -> mx.array:  # fmt: skip
+        """Apply every convention (default: the GGUF ones) that matches module tensor `name`."""
+        for applies, fn in self.gguf_conventions if conventions is None else conventions:
+            if applies(name):
+                arr = fn(arr, cfg, part)
+        return arr
+
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
+_TOP_RE = re.compile(r"^([^.]+)\.(weight|bias)$")
+_BARE_RE = re.compile(r"^blk\.(\d+)\.([^.]+)$")  # e.g. Qwen3.5's blk.N.ssm_a
+
+_MISSING = object()
+
+
+class GGUFMeta:
+    """Typed reads of `{arch}.*` metadata keys, each error naming the file and the key; the
+    tensor shapes by GGUF name (`shapes`), for what a file says only by its tensors."""
+
+    def __init__(self, md: dict[str, Any], arch: str, path: str,
+                 shapes: dict[str, tuple[int, ...]] | None = None):  # fmt: skip
+        self.md, self.arch, self.path = md, arch, path
+        self.shapes = shapes or {}
+
+    def key(self, name: str) -> str:
+        return f"{self.arch}.{name}"
+
+    def has(self, name: str) -> bool:
+        return self.key(name) in self.md
+
+    def get(self, name: str, default: Any = _MISSING, kind: type = int) -> Any:
+        full = self.key(name)
+        value = self.md.get(full, _MISSING)
+        if value is _MISSING:
+            if default is _MISSING:
+                raise ConfigError("required metadata key missing", path=self.path, field=full)
+            return default
+        if isinstance(value, np.ndarray):  # per-layer arrays: we need them uniform
+            if value.size == 0 or not (value == value.flat[0]).all():
+                raise UnsupportedError(
+                    "per-layer values that differ are not supported", path=self.path, field=full
+                )
+            value = value.flat[0].item()
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value)  # inf / NaN: int() would raise
+        if not ok or (kind is int and float(value) != int(value)):
+            raise ConfigError(
+                f"expected a {kind.__name__}, got {value!r}", path=self.path, field=full
+            )
+        return kind(value)

@@ -1,0 +1,253 @@
+"""ModelConfig: one frozen description of a decoder, from config.json or GGUF metadata.
+
+Per-family differences are data here (bias on q/k/v, tying, rope θ, norms, softcaps, experts),
+so the network code reads fields instead of branching on the family name. Which family reads
+which keys lives in that family's module (`mlxlis/families/`); this module knows no family.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from mlxlis import limits
+from mlxlis.errors import ConfigError, UnsupportedError
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    type: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # bias on o_proj (Llama's attention_bias also covers o_proj)
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # block structure (defaults are the Llama behaviour)
+    norm: str = "rms"  # "rms" | "rms_plus_one" (Gemma: x̂·(1 + w), computed in float32)
+    qk_norm: bool = False  # RMSNorm over head_dim on each head's q and k before RoPE
+    sandwich_norms: bool = False  # also norm each sublayer's output (Gemma 2/3)
+    embed_scale: bool = False  # embeddings × √hidden (Gemma)
+    residual_f32: bool = False  # residual stream in float32 whatever the compute dtype (Gemma)
+    attn_output_gate: bool = False  # q_proj also yields a per-head gate: out · sigmoid(gate)
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of each head (None: all)
+    # sliding-window attention and softcaps (Gemma 2/3)
+    rope_local: RopeConfig | None = None  # RoPE of sliding-window layers (Gemma 3)
+    sliding_window: int | None = None
+    # per layer: "full_attention" | "sliding_attention" | "linear_attention" (Gated DeltaNet)
+    layer_types: tuple[str, ...] = ()
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # mixture of experts (Qwen3-MoE); sparse_layers[i]: layer i's MLP is the expert block
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum 1
+    sparse_layers: tuple[bool, ...] = ()
+    shared_expert_intermediate_size: int = 0  # a shared expert beside the routed ones (> 0)
+    # Gated DeltaNet (linear attention) layers (Qwen3.5)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    # Gemma 4: the per-layer structure the fields above do not describe (per-type head dims and
+    # KV heads, KV sharing, per-layer embeddings, ...), a frozen families.gemma4_net.Structure
+    gemma4: Any = None
+    # MLX quantization from config.json ({"group_size", "bits", per-layer overrides}) or None
+    quantization: dict[str, Any] | None = field(default=None, compare=False)
+    source: str = ""
+
+    @property
+    def attn_scale(self) -> float:
+        if self.query_pre_attn_scalar:  # Gemma 2/3 scale by a configured constant
+            return 1.0 / math.sqrt(self.query_pre_attn_scalar)
+        return self.head_dim**-0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    def is_sparse(self, layer: int) -> bool:
+        return bool(self.sparse_layers) and self.sparse_layers[layer]
+
+    def with_(self, **changes: Any) -> ModelConfig:
+        return replace(self, **changes)
+
+
+def required(cfg: dict, key: str, path: str, typ: type = int) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise ConfigError("required field missing", path=path, field=key)
+    value = cfg[key]
+    if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"expected an integer, got {value!r}", path=path, field=key)
+    if typ is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"expected a number, got {value!r}", path=path, field=key)
+    if typ in (int, float) and not value > 0:  # NaN fails too
+        raise ConfigError(f"must be positive, got {value!r}", path=path, field=key)
+    return value
+
+
+def number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def parse_rope(params: dict | None, theta: float | None, path: str, fld: str) -> RopeConfig:
+    """A RopeConfig from a classic `rope_scaling` dict or a transformers-5 `rope_parameters`."""
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError(f"expected an object, got {params!r}"[:200], path=path, field=fld)
+    params = dict(params or {})
+    theta = params.pop("rope_theta", theta)
+    if theta is None:
+        theta = 10000.0
+    if not number(theta) or theta <= 0:
+        raise ConfigError(f"bad rope theta {theta!r}", path=path, field=fld)
+    rtype = params.get("rope_type", params.get("type", "default")) or "default"
+    if rtype not in ROPE_TYPES:
+        raise UnsupportedError(
+            f"rope type {rtype!r} is not implemented (supported: {', '.join(ROPE_TYPES)})",
+            path=path,
+            field=fld,
+        )
+    if rtype == "default":
+        return RopeConfig(theta=float(theta))
+    factor = params.get("factor")
+    if not number(factor) or factor <= 0:
+        raise ConfigError(f"rope type {rtype} needs a positive factor", path=path, field=fld)
+    if rtype == "linear":
+        return RopeConfig(theta=float(theta), type="linear", factor=float(factor))
+    try:
+        return RopeConfig(
+            theta=float(theta),
+            type="llama3",
+            factor=float(factor),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        raise ConfigError(
+            f"llama3 rope scaling lacks or mangles {e}", path=path, field=fld
+        ) from None
+
+
+def eos_list(value: Any, path: str, fld: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return tuple(value)
+    raise ConfigError(f"expected an int or a list of ints, got {value!r}", path=path, field=fld)
+
+
+def read_json(path: Path) -> dict:
+    """A config JSON file, bounded: its size before parsing, its nesting after."""
+    from mlxlis.bounded import read_json_file
+
+    data = read_json_file(path, limits.CONFIG_JSON_MAX_BYTES, ConfigError, what=Path(path).name)
+    if not isinstance(data, dict):
+        raise ConfigError("expected a JSON object", path=path)
+    return data
+
+
+def base_config(cfg: dict, family: str, path: str) -> ModelConfig:
+    """The fields every decoder shares, from config.json keys (classic or transformers 5); a
+    family's module refines the result."""
+    hidden = required(cfg, "hidden_size", path)
+    heads = required(cfg, "num_attention_heads", path)
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    max_pos = cfg.get("max_position_embeddings") or 4096
+    if isinstance(max_pos, float) and max_pos.is_integer():
+        max_pos = int(max_pos)
+    sizes = {  # the bounds GGUF metadata gets too (limits.check_sizes)
+        "hidden_size": ("hidden_size", hidden),
+        "num_attention_heads": ("num_attention_heads", heads),
+        "num_key_value_heads": ("num_key_value_heads", kv_heads),
+        "intermediate_size": ("intermediate_size", required(cfg, "intermediate_size", path)),
+        "num_hidden_layers": ("num_hidden_layers", required(cfg, "num_hidden_layers", path)),
+        "vocab_size": ("vocab_size", required(cfg, "vocab_size", path)),
+        "max_position_embeddings": ("max_position_embeddings", max_pos),
+    }
+    size = limits.check_sizes(sizes, path)  # integers from here on
+    hidden, heads, kv_heads = size["hidden_size"], size["num_attention_heads"], size[
+        "num_key_value_heads"
+    ]
+    if not kv_heads <= heads or heads % kv_heads:
+        raise ConfigError(
+            f"num_key_value_heads {kv_heads!r} must divide {heads}",
+            path=path,
+            field="num_key_value_heads",
+        )
+    head_dim = cfg.get("head_dim") or hidden // heads
+    head_dim = limits.check_sizes({"head_dim": ("head_dim", head_dim)}, path)["head_dim"]
+    rope_params = cfg.get("rope_parameters")
+    if isinstance(rope_params, dict) and "full_attention" in rope_params:
+        rope_params = rope_params["full_attention"]  # per layer type (Gemma 3): global layers
+        # a type only its family implements (Gemma 4's "proportional"): the family parses it
+        if isinstance(rope_params, dict) and rope_params.get("rope_type") not in (
+            None,
+            *ROPE_TYPES,
+        ):
+            rope_params = {"rope_theta": rope_params.get("rope_theta")}
+    if rope_params is not None:
+        rope = parse_rope(rope_params, cfg.get("rope_theta"), path, "rope_parameters")
+    else:
+        rope = parse_rope(cfg.get("rope_scaling"), cfg.get("rope_theta"), path, "rope_scaling")
+    eps = cfg.get("rms_norm_eps")
+    eps = 1e-6 if eps is None else eps
+    if not number(eps) or eps < 0:
+        raise ConfigError(f"expected a small positive number, got {eps!r}"[:200], path=path,
+                          field="rms_norm_eps")  # fmt: skip
+    act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+    if not isinstance(act, str):
+        raise ConfigError(f"expected a string, got {act!r}"[:200], path=path, field="hidden_act")
+    return ModelConfig(
+        family=family,
+        vocab_size=size["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=size["intermediate_size"],
+        num_hidden_layers=size["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(eps),
+        rope=rope,
+        max_position_embeddings=size["max_position_embeddings"],
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        o_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        hidden_act=act,
+        source=path,
+    )

@@ -1,0 +1,159 @@
+"""Mixture-of-experts MLP (Qwen3-MoE): a router over stacked SwiGLU experts.
+
+The experts' weights are stacked, (n_experts, out, in) per projection, under mlx-lm's
+`switch_mlp` names; each token runs only its top-k experts through `mx.gather_mm` /
+`mx.gather_qmm`, which read only the selected experts' matrices. Checkpoints in the Hugging
+Face layouts load too (`SparseMoE.expert_stacks`): one tensor per expert (stacked at load), or
+the fused 3-D `experts.gate_up_proj` (E, 2·F, hidden; gate rows then up rows) and
+`experts.down_proj` (E, hidden, F) that Qwen3.5-MoE checkpoints ship (sliced at load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxlis.models.activations import gated
+from mlxlis.models.config import ModelConfig
+from mlxlis.models.layers import MLP
+
+import mlx.core as mx
+import mlx.nn as nn
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ExpertSource:
+    """Where a stacked expert parameter may come from in a Hugging Face checkpoint: the
+    per-expert tensors `parts` (in expert order), or the fused tensor `fused` (its `half`
+    along axis 1: 0 = first, 1 = second, None = all of it)."""
+
+    parts: tuple[str, ...]
+    fused: str
+    half: int | None
+# from this many (token, expert) pairs on, rows are sorted by expert first, so each expert's
+# rows are contiguous (measured on CPU, 128 tokens × top-2 of 32: 2.7× faster than unsorted)
+SORT_FROM = 64
+
+
+class SwitchLinear(nn.Module):
+    """n_experts linear maps without bias; x (..., 1, in) and indices (...) -> (..., 1, out)."""
+
+    def __init__(self, n_experts: int, in_dims: int, out_dims: int):
+        super().__init__()
+        self.weight = mx.zeros((n_experts, out_dims, in_dims))
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices,
+                            sorted_indices=sorted_indices)  # fmt: skip
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None,
+                     mode: str = "affine") -> QuantizedSwitchLinear:  # fmt: skip
+        """The nn.quantize hook: the same experts, quantized (as nn.Linear.to_quantized)."""
+        return QuantizedSwitchLinear.from_dense(self, group_size or 64, bits or 4, mode)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """SwitchLinear over MLX affine-quantized experts: weight (E, out, in·bits/32) uint32,
+    scales and biases (E, out, in/group_size)."""
+
+    def __init__(self, n_experts: int, in_dims: int, out_dims: int, group_size: int = 64,
+                 bits: int = 4, mode: str = "affine"):  # fmt: skip
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self._set(mx.quantize(mx.zeros((n_experts, out_dims, in_dims)), group_size, bits,
+                              mode=mode))  # fmt: skip
+        self.freeze()
+
+    def _set(self, packed: tuple) -> None:
+        """mx.quantize's output: (weight, scales, biases), or (weight, scales) in the modes
+        without biases (mxfp4, nvfp4, ...), as nn.QuantizedLinear holds them."""
+        self.weight, self.scales = packed[0], packed[1]
+        if len(packed) > 2:
+            self.biases = packed[2]
+
+    @classmethod
+    def from_dense(cls, dense: SwitchLinear, group_size: int, bits: int,
+                   mode: str) -> QuantizedSwitchLinear:  # fmt: skip
+        n, out_dims, in_dims = dense.weight.shape
+        q = cls(n, in_dims, out_dims, group_size, bits, mode)
+        q.unfreeze()
+        if "biases" in q:
+            del q["biases"]
+        q._set(mx.quantize(dense.weight, group_size, bits, mode=mode))
+        q.freeze()
+        return q
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return mx.gather_qmm(x, self.weight, self.scales, self.get("biases"), rhs_indices=indices,
+                             transpose=True, group_size=self.group_size, bits=self.bits,
+                             mode=self.mode, sorted_indices=sorted_indices)  # fmt: skip
+
+
+class SwitchGLU(nn.Module):
+    """The experts: down(act(gate(x)) · up(x)) with each token's own k experts."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = SwitchLinear(e, d, f)
+        self.up_proj = SwitchLinear(e, d, f)
+        self.down_proj = SwitchLinear(e, f, d)
+        self.act = gated(cfg.hidden_act)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x (B, T, hidden), indices (B, T, k) -> (B, T, k, hidden)."""
+        if indices.size < SORT_FROM:
+            x = x[..., None, None, :]  # (B, T, 1, 1, hidden): one row per token, broadcast over k
+            h = self.act(self.gate_proj(x, indices), self.up_proj(x, indices))  # (B, T, k, 1, F)
+            return self.down_proj(h, indices)[..., 0, :]
+        b, t, k = indices.shape
+        flat = indices.reshape(-1)  # (B·T·k,)
+        order = mx.argsort(flat)  # the (token, expert) pairs grouped by expert
+        xs = x.reshape(b * t, 1, -1)[order // k]  # (B·T·k, 1, hidden), sorted by expert
+        idx = flat[order]
+        h = self.act(self.gate_proj(xs, idx, True), self.up_proj(xs, idx, True))  # (N, 1, F)
+        y = self.down_proj(h, idx, True)[mx.argsort(order)]  # back to (token, k) order
+        return y.reshape(b, t, k, -1)
+
+
+class SparseMoE(nn.Module):
+    """Router softmax over all experts (float32), the top k kept, renormalised to sum 1 when
+    norm_topk_prob (as transformers' Qwen3MoeTopKRouter), the experts' outputs weighted; plus,
+    when configured, a shared expert every token runs, scaled by sigmoid(shared_expert_gate)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.switch_mlp = SwitchGLU(cfg)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def expert_stacks(self, prefix: str) -> dict[str, ExpertSource]:
+        n = self.gate.weight.shape[0]
+        fused = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                 "down_proj": ("down_proj", None)}  # fmt: skip
+        return {
+            f"{prefix}.switch_mlp.{p}.weight": ExpertSource(
+                tuple(f"{prefix}.experts.{e}.{p}.weight" for e in range(n)),
+                f"{prefix}.experts.{fused[p][0]}",
+                fused[p][1],
+            )
+            for p in PROJECTIONS
+        }
+
+    def __call__(self, x: mx.array) -> mx.array:
+        k = self.top_k
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1, precise=True)  # (B, T, E)
+        inds = mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k]  # (B, T, k), any order
+        weights = mx.take_along_axis(probs, inds, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        y = self.switch_mlp(x, mx.stop_gradient(inds))  # (B, T, k, hidden)
+        y = (y * weights.astype(y.dtype)[..., None]).sum(axis=-2)
+        if "shared_expert" in self:
+            y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y

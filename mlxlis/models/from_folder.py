@@ -1,0 +1,68 @@
+"""A Hugging Face style safetensors folder (plain or MLX-quantized) as a Model.
+
+Safetensors folders bind through a binding manifest (`loading/manifest.py`): the one given
+with `bindings=` (a JSON/YAML file or a dict), else the identity manifest (every parameter to
+the tensor of the same name). Either way the whole mapping is validated from the headers
+before a tensor is read; `strict=False` turns tensors no parameter takes into a warning.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlxlis.bounded import check_folder_json
+from mlxlis.loading.binding import bind
+from mlxlis.loading.manifest import Manifest, as_manifest
+from mlxlis.loading.plan import plan_bindings
+from mlxlis.loading.safetensors import module_sizes
+from mlxlis.models import build_model, config_from_hf, family
+from mlxlis.models.config import read_json
+from mlxlis.models.model import Model
+from mlxlis.models.placement import Placement
+from mlxlis.prompt.template import discover_template
+from mlxlis.tokenizer import Tokenizer
+
+import mlx.core as mx
+
+
+def load_folder(
+    folder: Path,
+    dtype: mx.Dtype,
+    *,
+    chat_template: str | None,
+    bindings: Manifest | str | Path | dict | None = None,
+    strict: bool = True,
+    placement: Placement | None = None,
+) -> Model:
+    """A safetensors folder as a Model: config.json parsed by its family, the tensors bound
+    through the manifest (validated from the headers first), the tokenizer and the chat
+    template found beside them. Under a `placement` (a pipeline), this rank's share only."""
+    manifest = as_manifest(bindings)
+    cfg_path = folder / "config.json"
+    gen_path = folder / "generation_config.json"
+    generation = read_json(gen_path) if gen_path.is_file() else None
+    cfg = config_from_hf(read_json(cfg_path), str(cfg_path), generation)
+    spec = family(cfg.family)
+    part = None
+    if placement is not None:  # under a launcher: this rank's share of the layers only
+        part = placement.place(cfg, module_sizes(folder, spec.hf_name), str(folder))
+    stage = {} if part is None else dict(layers=part.layers, embeds=part.first, heads=part.last)
+    net = build_model(cfg, **stage)
+    # validates names, dtypes and shapes from the headers (family renames such as Gemma 3's
+    # multimodal prefixes via net.sanitize), and quantizes the modules whose scales are bound
+    plan = plan_bindings(net, cfg, manifest, folder, strict=strict, layouts=spec.mlx_layouts,
+                         held=part.holds if part is not None else None)  # fmt: skip
+    weights = plan.load()
+    if plan.relaid:  # saved by mlx-lm after its sanitize: undo what that folded in
+        weights = {n: spec.undo(n, a, cfg, n.rsplit(".", 1)[1], spec.mlx_conventions)
+                   for n, a in weights.items()}  # fmt: skip
+    bind(net, weights, plan.origin or folder, dtype)
+    quantized = bool(plan.quantized)
+    check_folder_json(folder)  # bounds the tokenizer's JSON files before they are parsed
+    tokenizer = Tokenizer.from_folder(folder)
+    template = discover_template(explicit=chat_template, folder=folder)
+    fmt = "safetensors (MLX quantized)" if quantized else "safetensors"
+    if part is not None:
+        net = placement.wrap(net, part, dtype)
+    return Model(cfg, net, tokenizer, dtype=dtype, path=folder, fmt=fmt, template=template,
+                 skipped=plan.dropped, part=part)

@@ -1,0 +1,278 @@
+"""Load a GGUF file: metadata -> config, tensors -> module names, conventions undone,
+quantized blocks -> MLX affine arrays (or dense), one tensor at a time.
+
+Memory: each tensor is converted straight into its final MLX buffer and the
+file pages it was read from are dropped from the process right after, so the load peak stays
+near the loaded weights (the mmap would otherwise add the whole file to the resident set).
+The tokenizer is built on a second thread while the weights convert (it needs only metadata).
+Which tensors stay quantized by default depends on the device: see `dense_by_default`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from mlxlis.errors import UnexpectedTensorError
+from mlxlis.loading.binding import bind, quantize_like
+from mlxlis.loading.gguf import GGUFFile
+from mlxlis.loading.gguf_split import read_gguf
+from mlxlis.loading.quants import QUANTIZABLE, allocate, convert_tensor
+from mlxlis.models import build_model, family
+from mlxlis.models.gguf_config import config_from_gguf
+from mlxlis.models.model import Model
+from mlxlis.models.placement import Placement
+from mlxlis.prompt.template import diagnose_missing_template, discover_template
+from mlxlis.runtime import device
+from mlxlis.runtime.device import proc_bytes
+from mlxlis.tokenizer import Tokenizer
+
+import mlx.core as mx
+
+# dequantize=None, the per-device default. Measured on the three catalog models (2-core x86 VM
+# shared with other jobs, OpenBLAS, fp32, greedy; prompt tok/s over 100 tokens / decode tok/s
+# over 64; best of 2; `scripts/load_profile.py NAME [--quantized|--dequantize] --decode`):
+#                              quantized     dense          weights q / dense
+#   SmolLM2-135M Q4_1          12 / 6.8      172-259 / 6.6-8.3   115 MB / 538 MB
+#   Gemma 3 270M Q4_K_M        14 / 3.3      215-233 / 4.5-5.4   332 MB / 1.07 GB
+#   Qwen2.5-Coder-0.5B Q4_K_M  3.8 / 2.0     120-126 / 4.6       760 MB / 2.1 GB (*)
+# (*) embedding kept quantized. MLX's CPU quantized matmul has no BLAS path: prompt processing
+# is 15-30x slower than dense fp32, and decoding is no faster (up to 2.3x slower). So on CPU
+# every matmul weight goes dense when the dense weights fit comfortably; an untied embedding (a
+# row lookup, never a matmul) stays quantized; a quantized head instead cost Qwen2.5 30% of
+# its decode speed. The price is memory and load time (Qwen2.5: 2.1-2.9 s instead of 1.8-2.2 s
+# here), repaid many times over by the first prompt. On Metal and CUDA the quantized kernels
+# are the fast path, so quantized. dequantize=True / False force either way.
+SPECIAL = {"rope_freqs.weight"}  # GGUF tensors that are not parameters (read by the loader)
+CPU_DENSE_FRACTION = 0.5  # dense on CPU while the dense weights need ≤ this much of free memory
+PREFETCH_BYTES = 256 << 20  # output buffers allocated ahead of the conversion
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation (Linux MemAvailable), else physical RAM."""
+    available = proc_bytes("/proc/meminfo", "MemAvailable")
+    if available is not None:
+        return available
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def dense_by_default(dense_bytes: int) -> bool:
+    """dequantize=None: dense on CPU when `dense_bytes` fit comfortably, quantized elsewhere."""
+    return device.device_name() == "cpu" and dense_bytes <= CPU_DENSE_FRACTION * available_memory()
+
+
+class _Clock:
+    """Accumulates wall seconds per stage into `timings` (a no-op when it is None)."""
+
+    def __init__(self, timings: dict[str, float] | None):
+        self.timings, self.last = timings, time.perf_counter()
+
+    def __call__(self, stage: str) -> None:
+        now = time.perf_counter()
+        if self.timings is not None:
+            self.timings[stage] = self.timings.get(stage, 0.0) + now - self.last
+        self.last = now
+
+
+def load_gguf(
+    path: Path,
+    dtype: mx.Dtype,
+    *,
+    dequantize: bool | None = None,
+    chat_template: str | None = None,
+    timings: dict[str, float] | None = None,
+    placement: Placement | None = None,
+) -> Model:
+    """Load a GGUF model. dequantize: True = every weight dense, False = quantized blocks kept,
+    None = the per-device default (see CPU_DENSE_FRACTION); `timings`, when given, receives
+    wall seconds per stage (scripts/load_profile.py). Under a `placement` (a pipeline, under a
+    launcher) this rank's share of the layers is all that is read and built."""
+    clock = _Clock(timings)
+    with read_gguf(path) as gf, ThreadPoolExecutor(1, "mlxlis-tokenizer") as side:
+        md = gf.metadata
+        shapes = {name: t.shape for name, t in gf.tensors.items()}
+        cfg = config_from_gguf(md, shapes, str(path))
+        clock("read")
+        tokenizer = side.submit(_tokenizer, md, path, timings)
+        part = None
+        if placement is not None:
+            part = placement.place(cfg, module_sizes(gf, cfg), str(path))
+        held = part.holds if part is not None else None
+        dense = _dense_policy(gf, cfg, dtype, dequantize, part)
+        weights, quant, rope_freqs, ignored = _convert(gf, cfg, dtype, dense, clock, held)
+        spec = family(cfg.family)
+        if rope_freqs is not None and spec.gguf_rope_freqs is not None:
+            cfg, rope_freqs = spec.gguf_rope_freqs(cfg, rope_freqs)
+        extras = {} if rope_freqs is None else {"rope_freq_factors": rope_freqs}
+        if part is not None:
+            extras.update(layers=part.layers, embeds=part.first, heads=part.last)
+        net = build_model(cfg, **extras)
+        if quant:
+            quantize_like(net, weights, quant)
+        bind(net, weights, path, dtype)
+        clock("bind")
+        tok = tokenizer.result()
+        clock("tokenizer (wait)")
+    template = _template(chat_template, md, path)
+    diagnosis = None if template is not None else _diagnose(path, md)
+    clock("template")
+    types: dict[str, int] = {}
+    for t in gf.tensors.values():
+        types[t.type_name] = types.get(t.type_name, 0) + 1
+    summary = ", ".join(f"{k}×{v}" for k, v in sorted(types.items()))
+    kept = f"{len(quant)} quantized modules" if quant else "dense"
+    if quant and any(dense(n) for n in gf.tensors if _quantizable(gf.tensors[n])):
+        kept += ", the rest dense"
+    return Model(
+        cfg,
+        net if part is None else placement.wrap(net, part, dtype),
+        tok,
+        dtype=dtype,
+        path=path,
+        fmt="gguf",
+        template=template,
+        quant_summary=f"{summary} ({kept})",
+        diagnosis=diagnosis,
+        skipped=sorted(ignored),
+        part=part,
+    )
+
+
+def _quantizable(t) -> bool:
+    return t.type_name in QUANTIZABLE and len(t.shape) > 1
+
+
+def _dense_policy(gf: GGUFFile, cfg, dtype: mx.Dtype, dequantize: bool | None, part=None):
+    """GGUF tensor name -> convert it dense? (only quantized-form tensors are affected).
+    `part`: a pipeline rank's share, whose tensors alone count."""
+    if dequantize is not None:
+        return lambda name: dequantize
+    # a pipeline rank that embeds but does not head uses a tied embedding as a lookup only
+    tied_head = cfg.tie_word_embeddings and (part is None or part.last)
+    # row lookups, never matmuls: an untied embedding, Gemma 4's per-layer embedding table
+    lookup = {n for n in gf.tensors if n.endswith("token_embd.weight")
+              and (n != "token_embd.weight" or not tied_head)}  # fmt: skip
+    family_ = family(cfg.family)
+    held = {n for n in gf.tensors if part is None or part.holds(
+        family_.gguf_module_name(n) or "")}  # fmt: skip
+    dense_bytes = sum(math.prod(t.shape) * dtype.size for n, t in gf.tensors.items()
+                      if _quantizable(t) and n not in lookup and n in held)  # fmt: skip
+    if not dense_by_default(dense_bytes):
+        return lambda name: False
+    return lambda name: name not in lookup
+
+
+def module_sizes(gf: GGUFFile, cfg) -> dict[str, int]:
+    """Module tensor name -> its bytes in the file, for the tensors the model uses."""
+    spec = family(cfg.family)
+    sizes = {}
+    for name, t in gf.tensors.items():
+        if name in SPECIAL or (spec.gguf_ignored and spec.gguf_ignored(name, cfg)):
+            continue
+        target = spec.gguf_module_name(name)
+        if target is not None:
+            sizes[target] = t.nbytes
+    return sizes
+
+
+def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dense, clock: _Clock, held=None):
+    """Every tensor under its module name, conventions undone: (weights, quant, rope_freqs,
+    names of the tensors the family ignores).
+    dense(name): convert that tensor dense (else quantized where MLX can hold it).
+    held(module name): whether this pipeline rank reads it (None: every tensor); the others
+    are never read."""
+    weights: dict[str, mx.array] = {}
+    quant: dict[str, dict] = {}
+    rope_freqs = None
+    path = str(gf.path)
+    spec = family(cfg.family)
+    ignored = {n for n in gf.tensors if spec.gguf_ignored and spec.gguf_ignored(n, cfg)}
+    targets = {}
+    for name in gf.tensors:
+        if name in ignored:
+            continue
+        targets[name] = None if name in SPECIAL else spec.gguf_module_name(name)
+        if targets[name] is None and name not in SPECIAL:
+            raise UnexpectedTensorError(
+                f"no {cfg.family} module takes this tensor", path=gf.path, field=name
+            )
+    if held is not None:  # another rank's tensors: neither converted nor reported as skipped
+        targets = {n: t for n, t in targets.items() if t is None or held(t)}
+    # The final buffers are allocated and zero-filled on MLX's own thread while earlier tensors
+    # convert: mx.async_eval keeps up to PREFETCH_BYTES of them ahead (a few tensors at a time:
+    # a long list blocks on MLX's cap on in-flight tasks). They are the loaded weights, so this
+    # costs no extra memory.
+    names = [n for n in gf.tensors if n in targets]
+    buffers = {
+        name: allocate(t, dequantize=dense(name))
+        for name, t in gf.tensors.items()
+        if name not in SPECIAL and name in targets
+    }
+    ahead, started = 0, 0  # bytes started and not yet converted; tensors started
+    for i, name in enumerate(names):
+        t = gf.tensors[name]
+        ahead -= sum(a.nbytes for a in buffers.get(name, ()))
+        while started < len(names) and (started <= i or ahead < PREFETCH_BYTES):
+            out = buffers.get(names[started], ())
+            if out:
+                mx.async_eval(out)
+                ahead += sum(a.nbytes for a in out)
+            started += 1
+        if name in SPECIAL:
+            rope_freqs = convert_tensor(
+                t, gf.raw(name), mx.float32, dequantize=True, path=path
+            ).weight.reshape(-1)
+            gf.release(name)
+            continue
+        target = targets[name]
+        # 1-D tensors (norms, biases) convert in fp32 so `w - 1` happens before rounding
+        conv_dtype = mx.float32 if len(t.shape) == 1 else dtype
+        conv = convert_tensor(
+            t,
+            gf.raw(name),
+            conv_dtype,
+            dequantize=dense(name),
+            path=path,
+            out=buffers.pop(name, ()),
+            done=lambda i, j, name=name: gf.release(name, i, j),
+        )
+        gf.release(name)  # the file pages of this tensor are no longer needed
+        module = target.rsplit(".", 1)[0]
+        if conv.scales is not None:
+            parts = {"weight": conv.weight, "scales": conv.scales, "biases": conv.biases}
+            quant[module] = {"group_size": conv.group_size, "bits": conv.bits}
+        else:
+            parts = {target.rsplit(".", 1)[1]: conv.weight}
+        del conv
+        for part, arr in parts.items():
+            new = spec.undo(target, arr, cfg, part)
+            if new.dtype in (mx.float32, mx.float16, mx.bfloat16) and new.dtype != dtype:
+                new = new.astype(dtype)
+            if new is not arr:
+                mx.eval(new)  # materialise now so the converted original can go
+            weights[f"{module}.{part}"] = new
+        del parts, arr, new
+        clock(f"convert {t.type_name}")
+    return weights, quant, rope_freqs, ignored
+
+
+def _tokenizer(md: dict, path: Path, timings: dict[str, float] | None):
+    start = time.perf_counter()
+    tok = Tokenizer.from_gguf(md, path)
+    if timings is not None:
+        timings["tokenizer (own thread)"] = time.perf_counter() - start
+    return tok
+
+
+def _template(explicit: str | None, md: dict, path: Path):
+    return discover_template(explicit=explicit, gguf_metadata=md, gguf_path=path)
+
+
+def _diagnose(path: Path, md: dict) -> str:
+    return diagnose_missing_template(model_name=path.name, folder=None, gguf_metadata=md)

@@ -1,0 +1,237 @@
+"""Gemma 1, 2 and 3 (text): three families on the shared decoder, their differences as data.
+
+  Gemma 1: pre-norm blocks, GeGLU, x̂·(1 + w) RMSNorm, embedding × √hidden, tied head.
+  Gemma 2: + sandwich norms, attention-logit and final-logit softcaps,
+           scale 1/√query_pre_attn_scalar, every other layer sliding-window.
+  Gemma 3: + q/k norms, 5 sliding layers per global one, a local RoPE base for sliding layers,
+           global RoPE with linear scaling, usually no softcaps.
+HF `gemma` / `gemma2` / `gemma3_text` (and the multimodal `gemma3`, whose language model is
+read and vision tower dropped); GGUF `gemma` / `gemma2` / `gemma3`. llama.cpp's converter adds
+1 to every norm weight (Gemma computes x̂·(1 + w)); the loader subtracts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlxlis.errors import ConfigError, UnsupportedError
+from mlxlis.limits import check_sizes
+from mlxlis.models.activations import GATED
+from mlxlis.models.base import GGUF_LLAMA_BLOCK, Family, GGUFMeta
+from mlxlis.models.config import ModelConfig, RopeConfig, parse_rope
+from mlxlis.models.conventions import NORM_MINUS_ONE
+from mlxlis.models.decoder import Decoder
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class _Version:
+    """What one Gemma generation is: transformers' defaults for keys a config may omit, and the
+    structure llama.cpp assumes for its GGUF architecture."""
+
+    hf_act_key: str  # Gemma 1 reads hidden_act (its legacy "gelu" is the tanh GELU)
+    query_pre_attn_scalar: float | None  # None: the scale is 1/√head_dim, not configurable
+    attn_softcap: float | None
+    final_softcap: float | None
+    sliding_window: int | None  # transformers' default
+    pattern: int | None  # classic configs: every pattern-th layer is global; None: no sliding
+    gguf_window: int = 0  # llama.cpp's default window
+    local_rope: bool = False  # a separate RoPE base for sliding layers (Gemma 3)
+    sandwich: bool = False
+    qk_norm: bool = False
+
+
+_V1 = _Version("hidden_act", None, None, None, None, None)
+_V2 = _Version("hidden_activation", 256, 50.0, 30.0, 4096, 2, gguf_window=4096, sandwich=True)
+_V3 = _Version("hidden_activation", 256, None, None, 4096, 6, gguf_window=512, local_rope=True,
+               sandwich=True, qk_norm=True)  # fmt: skip
+
+
+def _positive(cfg: dict, key: str, default: Any, path: str) -> float | None:
+    value = cfg.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"expected a positive number or null, got {value!r}", path=path,
+                          field=key)  # fmt: skip
+    return value
+
+
+def _structure(v: _Version) -> dict[str, Any]:
+    return dict(norm="rms_plus_one", embed_scale=True, residual_f32=True,
+                sandwich_norms=v.sandwich, qk_norm=v.qk_norm)  # fmt: skip
+
+
+def _act(cfg: dict, v: _Version, path: str) -> str:
+    if v.hf_act_key == "hidden_act":
+        act = cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        act = "gelu_pytorch_tanh" if act == "gelu" else act
+    else:
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in GATED:
+        raise UnsupportedError(f"activation {act!r} is not implemented", path=path,
+                               field=v.hf_act_key)  # fmt: skip
+    return act
+
+
+def _layer_types(cfg: dict, v: _Version, n: int, path: str) -> tuple[str, ...]:
+    if v.pattern is None:
+        return ()
+    if cfg.get("layer_types") is not None:
+        types = tuple(cfg["layer_types"])
+        if len(types) != n or any(t not in LAYER_TYPES for t in types):
+            raise ConfigError(f"expected {n} of {LAYER_TYPES}, got {cfg['layer_types']!r}",
+                              path=path, field="layer_types")  # fmt: skip
+        return types
+    pattern = cfg.get("sliding_window_pattern", v.pattern)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise ConfigError(f"bad pattern {pattern!r}", path=path, field="sliding_window_pattern")
+    return tuple(LAYER_TYPES[(i + 1) % pattern != 0] for i in range(n))
+
+
+def _ropes(cfg: dict, path: str) -> tuple[RopeConfig, RopeConfig]:
+    """Gemma 3: global θ (+ linear scaling) for full layers, a local θ for sliding ones."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        rope = parse_rope(params.get("full_attention"), cfg.get("rope_theta", 1e6), path,
+                          "rope_parameters.full_attention")  # fmt: skip
+        local = parse_rope(params.get("sliding_attention"), cfg.get("rope_local_base_freq", 1e4),
+                           path, "rope_parameters.sliding_attention")  # fmt: skip
+        return rope, local
+    if params is not None:
+        rope = parse_rope(params, cfg.get("rope_theta", 1e6), path, "rope_parameters")
+    else:
+        rope = parse_rope(cfg.get("rope_scaling"), cfg.get("rope_theta", 1e6), path,
+                          "rope_scaling")  # fmt: skip
+    theta = _positive(cfg, "rope_local_base_freq", 1e4, path)
+    return rope, RopeConfig(theta=float(theta or 1e4))
+
+
+def _hf_parser(v: _Version):
+    def parse(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
+        if cfg.get("use_bidirectional_attention"):
+            raise UnsupportedError("bidirectional (embedding) Gemma models are not implemented",
+                                   path=path, field="use_bidirectional_attention")  # fmt: skip
+        layer_types = _layer_types(cfg, v, base.num_hidden_layers, path)
+        window = _positive(cfg, "sliding_window", v.sliding_window, path)
+        if window is not None:
+            check_sizes({"sliding_window": ("sliding_window", window)}, path)
+        if "sliding_attention" in layer_types and window is None:
+            raise ConfigError("sliding-window layers need a sliding_window", path=path,
+                              field="sliding_window")  # fmt: skip
+        rope, rope_local = _ropes(cfg, path) if v.local_rope else (base.rope, None)
+        qpas = _positive(cfg, "query_pre_attn_scalar", v.query_pre_attn_scalar, path)
+        return base.with_(
+            **_structure(v),
+            hidden_act=_act(cfg, v, path),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            rope=rope,
+            rope_local=rope_local,
+            layer_types=layer_types,
+            sliding_window=int(window) if window is not None and layer_types else None,
+            query_pre_attn_scalar=(
+                float(qpas) if qpas is not None and v.query_pre_attn_scalar else None
+            ),
+            attn_logit_softcapping=_positive(cfg, "attn_logit_softcapping", v.attn_softcap,
+                                             path),  # fmt: skip
+            final_logit_softcapping=_positive(cfg, "final_logit_softcapping", v.final_softcap,
+                                              path),  # fmt: skip
+        )
+
+    return parse
+
+
+def _gguf_parser(v: _Version, big_layers: int):
+    """llama.cpp's reading of a Gemma GGUF; `big_layers`: the block count of the 27B model."""
+
+    def parse(cfg: ModelConfig, m: GGUFMeta) -> ModelConfig:
+        n = cfg.num_hidden_layers
+        # llama.cpp: the 27B models scale by hidden/heads, every other size by head_dim
+        qpas = cfg.head_dim if n != big_layers else cfg.hidden_size // cfg.num_attention_heads
+        changes: dict[str, Any] = dict(_structure(v), hidden_act="gelu_pytorch_tanh",
+                                       query_pre_attn_scalar=float(qpas))  # fmt: skip
+        if v.pattern is not None:
+            window = m.get("attention.sliding_window", v.gguf_window)
+            check_sizes({"sliding_window": (m.key("attention.sliding_window"), window)}, m.path)
+            # llama.cpp: Gemma 2 slides on even layers; Gemma 3 on 5 of every 6
+            types = tuple(LAYER_TYPES[(i + 1) % v.pattern != 0] for i in range(n))
+            changes.update(sliding_window=window, layer_types=types)
+        if v.attn_softcap is not None:
+            changes.update(
+                attn_logit_softcapping=m.get("attn_logit_softcapping", v.attn_softcap, float),
+                final_logit_softcapping=m.get("final_logit_softcapping", v.final_softcap, float),
+            )
+        if v.local_rope:
+            changes["rope_local"] = RopeConfig(theta=10000.0)  # llama.cpp's local base
+        return cfg.with_(**changes)
+
+    return parse
+
+
+def _export(v: _Version):
+    def export(cfg: ModelConfig) -> dict[str, Any]:
+        q = cfg.query_pre_attn_scalar
+        out: dict[str, Any] = {
+            "hidden_activation": cfg.hidden_act,
+            "query_pre_attn_scalar": int(q) if q is not None and float(q).is_integer() else q,
+        }
+        if v.pattern is not None:
+            out["sliding_window"] = cfg.sliding_window
+            out["layer_types"] = list(cfg.layer_types)
+        if v.attn_softcap is not None:
+            out["attn_logit_softcapping"] = cfg.attn_logit_softcapping
+            out["final_logit_softcapping"] = cfg.final_logit_softcapping
+        if v.local_rope:
+            out["rope_local_base_freq"] = cfg.rope_local.theta if cfg.rope_local else 10000.0
+            pattern = _pattern(cfg.layer_types)
+            if pattern:
+                out["sliding_window_pattern"] = pattern
+        return out
+
+    return export
+
+
+def _pattern(layer_types: tuple[str, ...]) -> int | None:
+    """The period n of 'n-1 sliding then 1 full', if the layers follow one."""
+    for n in range(1, len(layer_types) + 1):
+        if all((t == "full_attention") == ((i + 1) % n == 0) for i, t in enumerate(layer_types)):
+            return n
+    return None
+
+
+_GEMMA2_BLOCK = {
+    **GGUF_LLAMA_BLOCK,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA3_BLOCK = {**_GEMMA2_BLOCK, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # noqa: E501
+
+GEMMA = Family(
+    name="gemma", hf_model_types=("gemma",), gguf_archs=("gemma",),
+    parse_hf=_hf_parser(_V1), parse_gguf=_gguf_parser(_V1, 0), network=Decoder,
+    gguf_conventions=(NORM_MINUS_ONE,),
+    export_model_type="gemma", export_architecture="GemmaForCausalLM", export_config=_export(_V1),
+)  # fmt: skip
+GEMMA2 = Family(
+    name="gemma2", hf_model_types=("gemma2",), gguf_archs=("gemma2",),
+    parse_hf=_hf_parser(_V2), parse_gguf=_gguf_parser(_V2, 46), network=Decoder,
+    gguf_block=_GEMMA2_BLOCK, gguf_conventions=(NORM_MINUS_ONE,),
+    export_model_type="gemma2", export_architecture="Gemma2ForCausalLM",
+    export_config=_export(_V2),
+)  # fmt: skip
+GEMMA3 = Family(
+    name="gemma3", hf_model_types=("gemma3_text", "gemma3"), gguf_archs=("gemma3",),
+    parse_hf=_hf_parser(_V3), parse_gguf=_gguf_parser(_V3, 62), network=Decoder,
+    gguf_block=_GEMMA3_BLOCK, gguf_conventions=(NORM_MINUS_ONE,),  # q_norm / k_norm included
+    export_model_type="gemma3_text", export_architecture="Gemma3ForCausalLM",
+    export_config=_export(_V3),
+    # multimodal checkpoints: the hub's `language_model.model.*`, transformers 5's
+    # `model.language_model.*`; the vision tower and projector are dropped
+    hf_renames=(("language_model.model.", "model."), ("model.language_model.", "model."),
+                ("language_model.lm_head.", "lm_head.")),
+    hf_dropped=("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                "model.multi_modal_projector."),
+)  # fmt: skip

@@ -1,0 +1,121 @@
+"""The building blocks the decoder families share: norms, one Attention, the gated MLP.
+
+Module attribute names equal the Hugging Face tensor names, so a checkpoint binds by name. Every
+per-family difference is a ModelConfig field read here (bias, q/k norm, scale, softcap).
+"""
+
+from __future__ import annotations
+
+from mlxlis.cache import CacheBatch, KVBatch, KVCache, RecurrentCache, RotatingKVCache
+from mlxlis.models.activations import gated
+from mlxlis.models.attention import attend
+from mlxlis.models.config import ModelConfig
+from mlxlis.models.rope import Rope
+
+import mlx.core as mx
+import mlx.nn as nn
+
+Cache = KVCache | RotatingKVCache | RecurrentCache | CacheBatch
+Mask = str | mx.array | None
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x̂·(1 + w), reduced and multiplied in float32, cast after the multiply
+    (as transformers' GemmaRMSNorm; casting before the multiply, as plain RMSNorm does, or
+    forming 1 + w in float16 changes about a third of the float16 outputs by one ulp)."""
+
+    def __init__(self, dims: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = mx.zeros((dims,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        w = 1.0 + self.weight.astype(mx.float32)
+        return mx.fast.rms_norm(x.astype(mx.float32), w, self.eps).astype(self.weight.dtype)
+
+
+def norm(cfg: ModelConfig, dims: int) -> nn.Module:
+    """The family's RMSNorm over `dims` (cfg.norm: "rms" x̂·w, "rms_plus_one" x̂·(1 + w))."""
+    if cfg.norm == "rms_plus_one":
+        return GemmaRMSNorm(dims, cfg.rms_norm_eps)
+    return nn.RMSNorm(dims, eps=cfg.rms_norm_eps)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped K/V heads; options from the config: q/k/v and o bias,
+    q/k RMSNorm over head_dim before RoPE (Qwen3, Gemma 3), the scale (1/√head_dim or
+    1/√query_pre_attn_scalar), a logit softcap (Gemma 2), a sigmoid output gate carried by a
+    doubled q_proj (Qwen3.5: per head, head_dim query values then head_dim gate values).
+    A sliding window is the mask's and the cache's business, not this module's."""
+
+    def __init__(self, cfg: ModelConfig, rope: Rope):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.scale = cfg.attn_scale
+        self.softcap = cfg.attn_logit_softcapping
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.gated = cfg.attn_output_gate
+        q_out = self.n_heads * hd * (2 if self.gated else 1)
+        self.q_proj = nn.Linear(d, q_out, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = norm(cfg, hd)
+            self.k_norm = norm(cfg, hd)
+        self.rope = rope
+
+    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.n_heads, -1)
+        if self.gated:  # (B, T, n_heads, 2·head_dim): each head's query, then its gate
+            q, gate = mx.split(q, 2, axis=-1)
+        q = q.transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        # q: (B, n_heads, T, head_dim); k, v: (B, n_kv_heads, T, head_dim)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if isinstance(cache, CacheBatch):  # one token per sequence, each on its own cache
+            out = self._attend_batch(q, k, v, cache.caches)
+        else:
+            out = self._attend(q, k, v, mask, cache)
+        out = out.transpose(0, 2, 1, 3)  # (B, T, n_heads, head_dim)
+        if self.gated:
+            out = out * mx.sigmoid(gate)
+        return self.o_proj(out.reshape(b, t, -1))
+
+
+    def _attend(self, q, k, v, mask: Mask, cache: Cache | None) -> mx.array:
+        offset = cache.offset if cache is not None else 0
+        q = self.rope(q, offset)
+        k = self.rope(k, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        return attend(q, k, v, self.scale, mask, self.softcap)
+
+
+    def _attend_batch(self, q, k, v, caches: list) -> mx.array:
+        """One new token per sequence (q, k, v: (B, heads, 1, head_dim)): RoPE at each one's
+        own position, then all attend at once over their caches stacked (KVBatch), each row
+        masked to its own keys."""
+        offsets = mx.array([c.offset for c in caches])
+        q, k = self.rope(q, offsets), self.rope(k, offsets)
+        keys, values, mask = KVBatch.step_of(caches, k, v)
+        return attend(q, keys, values, self.scale, mask, self.softcap)
+
+
+class MLP(nn.Module):
+    """down(act(gate(x)) · up(x)): SwiGLU (Llama, Qwen) or GeGLU (Gemma) by cfg.hidden_act."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
+        super().__init__()
+        d, f = cfg.hidden_size, hidden or cfg.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+        self.act = gated(cfg.hidden_act)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))

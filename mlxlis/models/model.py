@@ -1,0 +1,163 @@
+"""The loaded model: network + config + tokenizer + chat template, behind the public API."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from mlxlis.cache import Cache
+from mlxlis.errors import NoChatTemplateError
+from mlxlis.loading.hub import display_name
+from mlxlis.models.config import ModelConfig
+from mlxlis.models.experts import QuantizedSwitchLinear, SwitchLinear
+from mlxlis.models.network import Network
+from mlxlis.models.placement import Share
+from mlxlis.prompt.template import ChatTemplate, diagnose_missing_template, end_of_turn_tokens
+from mlxlis.runtime import blas, device
+from mlxlis.tokenizer import Tokenizer
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# (model, prefix cache) -> the generation core's Steps for this model (mlxlis.generation.steps,
+# a layer above): set by the loader for a model pipelined across ranks, None for a lone one
+StepsFactory = Callable[[Any, Any], Any]
+
+
+class Model:
+    def __init__(
+        self,
+        config: ModelConfig,
+        net: Network,
+        tokenizer: Tokenizer,
+        *,
+        dtype: mx.Dtype,
+        path: Path,
+        fmt: str,
+        template: ChatTemplate | None = None,
+        quant_summary: str = "",
+        diagnosis: str | None = None,
+        skipped: list[str] | None = None,
+        part: Share | None = None,
+    ):
+        self.config = config
+        self.net = net
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.path = Path(path)
+        self.format = fmt
+        self.template = template
+        self.quant_summary = quant_summary or _quant_summary(net)
+        self._diagnosis = diagnosis
+        self.skipped = sorted(skipped or [])  # file tensors not used (a vision tower, an MTP head)
+        self.part = part  # this rank's share of the layers when pipelined, else None
+        self.steps_factory: StepsFactory | None = None  # None: steps in this process
+
+    @property
+    def name(self) -> str:
+        return display_name(self.path) or self.path.name  # a Hub snapshot: its repo's name
+
+    @property
+    def template_source(self) -> str | None:
+        return self.template.source if self.template is not None else None
+
+    @property
+    def context_length(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def rank(self) -> int:
+        """This process's rank when the model runs pipelined under a launcher, else 0."""
+        return self.part.rank if self.part is not None else 0
+
+    def make_cache(self) -> list[Cache]:
+        return self.net.make_cache()
+
+    def logits(self, ids: Sequence[int]) -> mx.array:
+        """[len(ids), vocab] float32 logits of one full forward pass, no cache (pipelined:
+        on the last rank; the others return their hidden states, passed on)."""
+        out = self.net(mx.array([list(ids)], dtype=mx.int32))
+        return out[0].astype(mx.float32)
+
+    def stop_ids(self) -> set[int]:
+        """EOS ids from config and tokenizer, plus the template's end-of-turn tokens."""
+        ids = set(self.config.eos_token_ids) | set(self.tokenizer.stop_ids)
+        if self.template is not None:
+            ids |= set(end_of_turn_tokens(self.template.text, self.tokenizer.special_tokens))
+        return ids
+
+    @property
+    def template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads (empty without a template)."""
+        return self.template.variables if self.template is not None else frozenset()
+
+    @property
+    def supports_thinking(self) -> bool:
+        """The chat template has Qwen3's reasoning switch, the `enable_thinking` variable."""
+        return "enable_thinking" in self.template_variables
+
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_vars: Any
+    ) -> str:
+        """The prompt text for `messages`; `template_vars` reach the template as variables
+        (e.g. enable_thinking=False)."""
+        if self.template is None:
+            raise NoChatTemplateError(self.missing_template_diagnosis(), path=self.path)
+        tok = self.tokenizer
+        return self.template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=tok.bos_token,
+            eos_token=tok.eos_token,
+            **template_vars,
+        )
+
+    def missing_template_diagnosis(self) -> str:
+        if self._diagnosis is not None:
+            return self._diagnosis
+        return diagnose_missing_template(
+            model_name=self.name,
+            folder=self.path if self.path.is_dir() else None,
+            gguf_metadata=None,
+        )
+
+    def describe(self) -> dict[str, str]:
+        """What runs, in words; "notice" only when a faster BLAS could not be used."""
+        details = {
+            "model": self.name,
+            "family": self.config.family,
+            "format": self.format,
+            "quant": self.quant_summary,
+            "dtype": str(self.dtype).replace("mlx.core.", ""),
+            "device": device.device_name(),
+            "blas": blas.state.name,
+            "template": self.template_source or "none",
+        }
+        if self.skipped:
+            details["skipped"] = skipped_summary(self.skipped)
+        if self.part is not None:
+            details["pipeline"] = self.part.describe()
+        if blas.state.notice:
+            details["notice"] = blas.state.notice
+        return details
+
+
+def skipped_summary(names: list[str]) -> str:
+    """'N tensors not used (prefix.*, ...)': what a text-only load left out of the file."""
+    groups = sorted({".".join(n.split(".")[:2]) + ".*" for n in names})
+    shown = ", ".join(groups[:4]) + (f", +{len(groups) - 4} more" if len(groups) > 4 else "")
+    return f"{len(names)} tensors not used ({shown}): text only"
+
+
+def _quant_summary(net: nn.Module) -> str:
+    counts: dict[str, int] = {}
+    for _, m in net.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
+            key = f"{m.bits}-bit g{m.group_size}"
+        elif isinstance(m, (nn.Linear, nn.Embedding, SwitchLinear)):
+            key = "dense"
+        else:
+            continue
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{k}×{v}" for k, v in sorted(counts.items())) or "dense"

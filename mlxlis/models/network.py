@@ -1,0 +1,36 @@
+"""What a family's network is to the code above it: a Protocol, so the generation core, the
+pipeline and the loaders never probe a network for attributes."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from mlxlis.cache import Cache
+from mlxlis.models.config import ModelConfig
+
+import mlx.core as mx
+
+
+class Network(Protocol):
+    """inputs (B, T) token ids -> logits (B, T, vocab) in the compute dtype (T = 1 with
+    last_only). A pipeline stage that does not head returns the send of its hidden states
+    instead (an array whose evaluation passes them to the next rank)."""
+
+    config: ModelConfig
+
+    @property
+    def heads(self) -> bool:
+        """Whether calls return logits (a whole network, or a pipeline's last stage)."""
+        ...
+
+    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None,
+                 last_only: bool = False) -> mx.array: ...  # fmt: skip
+
+    def make_cache(self) -> list[Cache]:
+        """One cache per layer this network holds (that keeps state), in order."""
+        ...
+
+    def decode_batch(self, tokens: mx.array, caches: list[list[Cache]]) -> mx.array:
+        """One token for each of B sequences (`tokens` (B,) int32), each with its own caches:
+        (B, vocab) logits (or a stage's send)."""
+        ...

@@ -1,0 +1,46 @@
+"""What building a model asks of a pipeline (the distributed layer, above this one, provides
+it): where this rank's share of the layers lies, and the network wrapped as a pipeline stage."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from mlxlis.models.config import ModelConfig
+from mlxlis.models.network import Network
+
+import mlx.core as mx
+
+
+class Share(Protocol):
+    """One rank's share of the layers: layers [start, stop), the embedding when first, the
+    final norm and head when last."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def first(self) -> bool: ...
+
+    @property
+    def last(self) -> bool: ...
+
+    @property
+    def layers(self) -> range: ...
+
+    def holds(self, name: str) -> bool:
+        """Whether module tensor `name` is this rank's to read."""
+        ...
+
+    def describe(self) -> str: ...
+
+
+class Placement(Protocol):
+    def place(self, cfg: ModelConfig, sizes: Mapping[str, int], what: str) -> Share | None:
+        """This rank's share for a model whose module tensors take `sizes` bytes (None: the
+        whole model, one process). Collective across the ranks."""
+        ...
+
+    def wrap(self, net: Network, share: Share, dtype: mx.Dtype) -> Network:
+        """`net` (built for `share` only) as the pipeline stage that passes activations on."""
+        ...

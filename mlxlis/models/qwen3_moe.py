@@ -1,0 +1,117 @@
+"""Qwen3-MoE: Qwen3's attention with mixture-of-experts MLPs (a router choosing the top k of
+num_experts SwiGLU experts per token, see experts.py) in the sparse layers.
+
+HF `qwen3_moe` (experts one tensor each: `mlp.experts.{e}.gate_proj.weight`, stacked at load;
+mlx-lm's stacked `mlp.switch_mlp.*` loads as it is), GGUF `qwen3moe` (stacked 3-D
+`ffn_{gate,up,down}_exps`, router `ffn_gate_inp`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlxlis.errors import ConfigError
+from mlxlis.limits import check_sizes
+from mlxlis.models.base import Family, GGUFMeta
+from mlxlis.models.config import ModelConfig
+from mlxlis.models.decoder import Decoder
+from mlxlis.models.qwen3 import GGUF_BLOCK as QWEN3_BLOCK
+from mlxlis.models.qwen3 import parse_gguf as qwen3_gguf
+from mlxlis.models.qwen3 import parse_hf as qwen3_hf
+
+# transformers' Qwen3MoeConfig defaults for keys a config.json may omit
+HF_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+               "decoder_sparse_step": 1}  # fmt: skip
+
+
+def _experts(sizes: dict[str, tuple[str, Any]], path: str) -> dict[str, int]:
+    size = check_sizes(sizes, path)
+    if size["num_experts_per_tok"] > size["num_experts"]:
+        key = sizes["num_experts_per_tok"][0]
+        raise ConfigError(f"{size['num_experts_per_tok']} experts per token of "
+                          f"{size['num_experts']}", path=path, field=key)  # fmt: skip
+    return size
+
+
+def _flag(cfg: dict, key: str, path: str) -> bool:
+    value = cfg.get(key, False)
+    if not isinstance(value, bool):  # a string "false" must not read as true
+        raise ConfigError(f"expected true or false, got {value!r}"[:200], path=path, field=key)
+    return value
+
+
+def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
+    base = qwen3_hf(cfg, base, path)
+    if "num_experts" not in cfg and "num_local_experts" in cfg:
+        cfg = {**cfg, "num_experts": cfg["num_local_experts"]}  # transformers 5 saves this name
+    size = _experts({k: (k, cfg.get(k, v)) for k, v in HF_DEFAULTS.items()}, path)
+    dense = cfg.get("mlp_only_layers") or []
+    n = base.num_hidden_layers
+    if not isinstance(dense, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in dense
+    ):
+        raise ConfigError(f"expected layer indices below {n}, got {dense!r}"[:200], path=path,
+                          field="mlp_only_layers")  # fmt: skip
+    step = size["decoder_sparse_step"]
+    # transformers: sparse unless listed in mlp_only_layers, on every step-th layer
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+    return base.with_(
+        num_experts=size["num_experts"],
+        num_experts_per_tok=size["num_experts_per_tok"],
+        moe_intermediate_size=size["moe_intermediate_size"],
+        norm_topk_prob=_flag(cfg, "norm_topk_prob", path),
+        sparse_layers=sparse,
+    )
+
+
+def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
+    base = qwen3_gguf(base, meta)
+    size = _experts({
+        "num_experts": (meta.key("expert_count"), meta.get("expert_count")),
+        "num_experts_per_tok": (meta.key("expert_used_count"), meta.get("expert_used_count")),
+        "moe_intermediate_size": (meta.key("expert_feed_forward_length"),
+                                  meta.get("expert_feed_forward_length")),
+    }, meta.path)  # fmt: skip
+    # a layer is sparse when the file has its router (llama.cpp's qwen3moe: every layer)
+    n = base.num_hidden_layers
+    sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in meta.shapes for i in range(n))
+    return base.with_(
+        num_experts=size["num_experts"],
+        num_experts_per_tok=size["num_experts_per_tok"],
+        moe_intermediate_size=size["moe_intermediate_size"],
+        norm_topk_prob=True,  # llama.cpp's qwen3moe graph always renormalises the top k
+        sparse_layers=sparse,
+    )
+
+
+def export(cfg: ModelConfig) -> dict:
+    return {
+        "attention_bias": cfg.attention_bias,
+        "use_sliding_window": False,
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i, s in enumerate(cfg.sparse_layers) if not s],
+    }
+
+
+QWEN3_MOE = Family(
+    name="qwen3_moe",
+    hf_model_types=("qwen3_moe",),
+    gguf_archs=("qwen3moe",),
+    parse_hf=parse_hf,
+    parse_gguf=parse_gguf,
+    network=Decoder,
+    gguf_block={
+        **QWEN3_BLOCK,
+        "ffn_gate_inp": "mlp.gate",  # the router
+        "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+        "ffn_up_exps": "mlp.switch_mlp.up_proj",
+        "ffn_down_exps": "mlp.switch_mlp.down_proj",
+    },
+    export_model_type="qwen3_moe",
+    export_architecture="Qwen3MoeForCausalLM",
+    export_config=export,
+)

@@ -1,0 +1,59 @@
+"""Rotary position embedding shared by every family: default, linear and llama3 scaling."""
+
+from __future__ import annotations
+
+import math
+
+from mlxlis.models.config import RopeConfig
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def rope_periods(rope: RopeConfig, dims: int) -> mx.array | None:
+    """Per-pair wavelengths (1 / inv_freq) for mx.fast.rope's `freqs`, or None for plain RoPE."""
+    if rope.type != "llama3":
+        return None
+    periods = rope.theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+    high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+    wavelens = 2 * math.pi * periods
+    # long wavelengths are slowed by `factor`; the band between is interpolated smoothly
+    periods = mx.where(wavelens > low_wavelen, periods * rope.factor, periods)
+    is_medium = (wavelens > high_wavelen) & (wavelens < low_wavelen)
+    smooth = (rope.original_max_position_embeddings / wavelens - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = periods / ((1 - smooth) / rope.factor + smooth)
+    return mx.where(is_medium, smoothed, periods)
+
+
+class Rope(nn.Module):
+    """RoPE in the rotate-half (non-interleaved) layout that HF checkpoints use."""
+
+    def __init__(self, dims: int, rope: RopeConfig, freq_factors: mx.array | None = None):
+        super().__init__()
+        self.dims = dims
+        self.base: float | None = rope.theta
+        self.scale = 1.0 / rope.factor if rope.type == "linear" else 1.0
+        periods = rope_periods(rope, dims)
+        if freq_factors is not None:  # GGUF rope_freqs: llama.cpp divides each inv_freq by it
+            if periods is None:
+                periods = rope.theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+            periods = periods * freq_factors.astype(mx.float32)
+        if periods is not None:
+            mx.eval(periods)  # now, on the loading thread's stream: another thread may run it
+        self._periods = periods  # underscore: a buffer, not a loadable parameter
+        if periods is not None:
+            self.base = None
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        return mx.fast.rope(
+            x,
+            self.dims,
+            traditional=False,
+            base=self.base,
+            scale=self.scale,
+            offset=offset,
+            freqs=self._periods,
+        )

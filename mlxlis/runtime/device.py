@@ -1,0 +1,143 @@
+"""Device and dtype policy, and the process-wide settings an application opts into.
+
+The device: the GPU when MLX has one that works (Metal on macOS, CUDA), else the CPU;
+`MLXLIS_DEVICE=cpu|gpu` overrides. GitHub's macOS runners, for one, may expose no usable
+Metal device. The dtype: Metal -> float16 (fast, and reductions upcast), CUDA -> bfloat16,
+CPU -> float32 (MLX's CPU float16 matmul is emulated and ~30x slower; float32 goes through
+BLAS, see blas.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+
+def tune_malloc() -> bool:
+    """glibc: serve allocations up to 32 MiB from the heap and return the heap's free top to
+    the kernel only past 256 MiB, instead of mapping fresh pages for each large buffer and
+    unmapping them on free.
+
+    MLX's compiled CPU kernels allocate their (B, T, ·) outputs anew on every call; with glibc's
+    defaults each one was new memory from the kernel: 14 000 page faults per call on a 4M-element
+    exp, half its time, on this (virtual) machine. The price: freed buffers stay in the process
+    for reuse (what is freed below a live allocation is never returned). Peak memory is
+    unchanged in the loads measured. MLXLIS_MALLOC_TUNE=0 leaves glibc's defaults.
+    """
+    if not sys.platform.startswith("linux") or os.environ.get("MLXLIS_MALLOC_TUNE") == "0":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mapped = mallopt(m_mmap_threshold, 32 << 20)
+    trimmed = mallopt(m_trim_threshold, 256 << 20)
+    return bool(mapped and trimmed)
+
+
+def setup_process() -> None:
+    """What the mlxlis commands (the CLI and the chat app) set for their own process: the
+    allocator tuning below. A library user may call it too; `import mlxlis` changes nothing
+    process-wide apart from choosing the BLAS (blas.py)."""
+    tune_malloc()
+
+
+def gpu_available() -> bool:
+    import mlx.core as mx
+
+    try:
+        if sys.platform == "darwin":
+            return bool(mx.metal.is_available())
+        return _is_cuda()
+    except Exception:  # noqa: BLE001 — a backend that cannot answer has no usable GPU
+        return False
+
+
+def select_device() -> str:
+    """Make MLX's default device the one to use ("gpu" or "cpu") and return it."""
+    from mlxlis.errors import UnsupportedError
+
+    import mlx.core as mx
+
+    want = os.environ.get("MLXLIS_DEVICE", "").lower() or None
+    if want not in (None, "cpu", "gpu"):
+        raise UnsupportedError(f"MLXLIS_DEVICE must be cpu or gpu, not {want!r}",
+                               field="MLXLIS_DEVICE")  # fmt: skip
+    if want == "gpu" and not gpu_available():
+        raise UnsupportedError("MLXLIS_DEVICE=gpu but MLX reports no usable GPU here",
+                               field="MLXLIS_DEVICE")  # fmt: skip
+    use = want or ("gpu" if gpu_available() else "cpu")
+    mx.set_default_device(mx.gpu if use == "gpu" else mx.cpu)
+    return use
+
+
+def device_name() -> str:
+    import mlx.core as mx
+
+    dev = mx.default_device()
+    if dev.type == mx.gpu:
+        return "cuda" if _is_cuda() else "metal"
+    return "cpu"
+
+
+def _is_cuda() -> bool:
+    import mlx.core as mx
+
+    return bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
+
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def default_dtype_name() -> str:
+    return {"metal": "float16", "cuda": "bfloat16", "cpu": "float32"}[device_name()]
+
+
+def resolve_dtype(name: str | None):
+    """mx.Dtype for a name ('float16', 'fp16', 'bf16', ...) or the device default for None."""
+    from mlxlis.errors import UnsupportedError
+
+    import mlx.core as mx
+
+    aliases = {
+        "fp32": "float32",
+        "f32": "float32",
+        "fp16": "float16",
+        "f16": "float16",
+        "half": "float16",
+        "bf16": "bfloat16",
+    }
+    name = aliases.get(name, name) if name else default_dtype_name()
+    if name not in DTYPES:
+        raise UnsupportedError(
+            f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})", field="dtype"
+        )
+    return getattr(mx, name)
+
+
+def proc_bytes(path: str, key: str) -> int | None:
+    """A "Key:  N kB" line of a Linux /proc file (meminfo, self/status) in bytes, else None."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def peak_memory_bytes() -> int:
+    """Peak MLX memory (device allocator) or the process peak RSS, whichever is larger."""
+    import resource
+
+    import mlx.core as mx
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss = rss if sys.platform == "darwin" else rss * 1024
+    try:
+        return max(int(mx.get_peak_memory()), rss)
+    except AttributeError:
+        return rss

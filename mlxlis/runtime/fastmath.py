@@ -1,0 +1,104 @@
+"""exp, softmax and the gated activations for MLX's CPU backend, as fused compiled kernels.
+
+MLX's CPU backend evaluates exp, sigmoid, tanh and erf one scalar at a time: 12–29 ns per
+float32 element on a 2-core x86 machine, against 0.6 ns for a multiply. In a 512-token prefill
+of SmolLM2-135M that made the attention softmax and SiLU about 70% of the time; the matmuls,
+through BLAS, were the rest. Written as plain arithmetic inside `mx.compile`, MLX fuses the
+whole function into one loop that the C++ compiler vectorises: exp costs ~3.5 ns per element
+here, and is accurate to within 1 ulp of float64 exp (MLX's own CPU exp: up to 64 ulp).
+
+exp: Cody–Waite range reduction x = n·ln2 + r (|r| ≤ ln2/2, ln2 split in two so n·ln2_hi is
+exact), the classic Cephes degree-7 polynomial for e^r, and 2^n assembled in the exponent bits.
+Inputs below −86 give 0 (the true value is < 4.5e-38, at the bottom of the normal range), so
+masked scores (−inf) contribute exactly nothing; above ln(FLT_MAX), inf; NaN stays NaN.
+
+Only for the CPU, and only when MLX can compile there (its CPU `compile` builds kernels with
+the system C++ compiler at first use): `enabled()` probes once. MLXLIS_FAST_MATH=0 turns it off.
+Metal and CUDA keep MLX's own kernels, which are fast there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import cache, partial
+
+import mlx.core as mx
+
+LOG2E = 1.4426950408889634
+LN2_HI = 0.693145751953125  # ln 2 to 16 bits: n · LN2_HI is exact for |n| < 2^8
+LN2_LO = 1.428606765330187045e-06  # ln 2 − LN2_HI
+ROUND = 12582912.0  # 1.5 · 2^23: (t + ROUND) − ROUND rounds t to an integer, branch-free
+LOW, HIGH = -86.0, 88.72284  # flush-to-zero below; above ln(FLT_MAX) = 88.7228391, inf
+# Cephes expf polynomial: e^r ≈ 1 + r + r²·P(r) on |r| ≤ ln2/2
+P = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+     5.0000001201e-1)  # fmt: skip
+GELU_C = math.sqrt(2.0 / math.pi)
+
+
+@partial(mx.compile, shapeless=True)
+def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
+    """e^x as m · 2^(n−1): (m, the int32 bits of 2^(n−1)). 2^n alone would overflow the
+    exponent field at n = 128 (x just below HIGH). The bit view cannot be compiled shapeless."""
+    xc = mx.clip(x, LOW, HIGH)
+    n = (xc * LOG2E + ROUND) - ROUND
+    r = (xc - n * LN2_HI) - n * LN2_LO
+    p = P[0]
+    for c in P[1:]:
+        p = p * r + c
+    m = (p * r * r + r + 1.0) * 2.0
+    m = mx.where(x < LOW, 0.0, mx.where(x > HIGH, math.inf, m))
+    return m, mx.left_shift(n.astype(mx.int32) + 126, 23)
+
+
+def exp(x: mx.array) -> mx.array:
+    """e^x in float32 (any float input; the constants need float32)."""
+    m, bits = _exp_parts(x.astype(mx.float32))
+    return m * bits.view(mx.float32)
+
+
+@partial(mx.compile, shapeless=True)
+def _gated(gate: mx.array, e: mx.array, up: mx.array) -> mx.array:
+    return gate / (1.0 + e) * up
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """silu(gate) · up, silu(g) = g / (1 + e^−g); computed in float32, returned in gate's dtype."""
+    g = gate.astype(mx.float32)
+    return _gated(g, exp(-g), up.astype(mx.float32)).astype(gate.dtype)
+
+
+@partial(mx.compile, shapeless=True)
+def _gelu_exponent(g: mx.array) -> mx.array:
+    return (-2.0 * GELU_C) * (g + 0.044715 * g * g * g)
+
+
+def geglu_tanh(gate: mx.array, up: mx.array) -> mx.array:
+    """gelu_tanh(gate) · up: 0.5·g·(1 + tanh(u)) = g / (1 + e^−2u), u = √(2/π)(g + 0.044715g³)."""
+    g = gate.astype(mx.float32)
+    return _gated(g, exp(_gelu_exponent(g)), up.astype(mx.float32)).astype(gate.dtype)
+
+
+def softmax(x: mx.array, axis: int = -1) -> mx.array:
+    """Softmax in float32 (the reductions stay MLX's; the exp is the one above)."""
+    x = x.astype(mx.float32)
+    e = exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+@cache
+def enabled() -> bool:
+    """True on the CPU when MLX's compiler works there (probed once) and not turned off."""
+    if os.environ.get("MLXLIS_FAST_MATH", "1") == "0":
+        return False
+    from mlxlis.runtime.device import device_name
+
+    if device_name() != "cpu":
+        return False
+    try:
+        x = mx.array([-math.inf, -1.0, 0.0, 1.0])
+        got = exp(x)
+        mx.eval(got)
+    except Exception:  # noqa: BLE001  (no C++ compiler, or MLX refused: keep MLX's own ops)
+        return False
+    return got.tolist()[0] == 0.0 and abs(got.tolist()[3] - math.e) < 1e-6
