@@ -130,7 +130,7 @@ def test_structure_follows_the_config(gemma4):
         assert ours.mlp.up_proj.weight.shape == tuple(theirs.mlp.up_proj.weight.shape), i
         assert ours.experts.switch_glu.gate_proj.weight.shape == (4, 32, 64)
     assert model.net.model.layers[2].self_attn.k_proj.weight.shape == (32, 64)  # 1 KV head of 32
-    assert model.config.gemma4.kv_source == (0, 1, 2, 1, 2)
+    assert model.config.family_config.kv_source == (0, 1, 2, 1, 2)
     assert len(model.make_cache()) == 3
 
 
@@ -241,7 +241,7 @@ def test_multimodal_wrapper_loads(tmp_path):
     assert any(k.startswith("model.vision_tower.") for k in keys)
     assert any(k.startswith("model.language_model.layers.") for k in keys)
     model = mlxlis.load(folder, "float32")
-    assert model.config.family == "gemma4" and model.config.gemma4.per_layer_dim == 16
+    assert model.config.family == "gemma4" and model.config.family_config.per_layer_dim == 16
     ids = trajectory(64, vocab=vocab)
     with torch.no_grad():
         theirs = ref(input_ids=torch.tensor([ids]), output_hidden_states=True).logits[0].numpy()

@@ -215,7 +215,7 @@ def test_gguf_matches_transformers_on_the_files_weights(files, case, dequantize)
     delta = np.abs(ours - theirs).max()
     assert delta < 1e-4, f"max |Δ| = {delta}"
     assert np.abs(theirs).max() > 0.5
-    s = model.config.gemma4
+    s = model.config.family_config
     assert model.config.layer_types == tuple(twin.config.layer_types)
     if case.startswith(("moe", "all")):
         experts = model.net.model.layers[0].experts.switch_glu
@@ -277,7 +277,7 @@ def test_convert_round_trip_and_mlx_lm(files, tmp_path):
 
     path, _, _ = files("e2b-q8_0")
     src = mlxlis.load(path, "float32", dequantize=False)
-    assert src.config.gemma4.full_rotated == 4  # [1.0] * 4 + [1e30] * 12
+    assert src.config.family_config.full_rotated == 4  # [1.0] * 4 + [1e30] * 12
     out = convert(path, tmp_path / "out", dtype="float32")
     again = mlxlis.load(out, "float32")
     ids = trajectory(40, vocab=src.config.vocab_size)

@@ -17,6 +17,7 @@ from mlxlis.generation.events import Event
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.session import Turn
 from mlxlis.loading import catalog
+from mlxlis.models.model import Model
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total), as catalog.pull reports
 
@@ -87,7 +88,7 @@ class RawPad:
     does not care which one it drives. Earlier turns are kept for display and saving only.
     """
 
-    def __init__(self, model, generate: Callable[..., Iterator] | None = None):
+    def __init__(self, model: Model, generate: Callable[..., Iterator] | None = None):
         self.model = model
         self.system: str | None = None
         self.turns: list[Turn] = []
@@ -130,14 +131,14 @@ class RawPad:
             self.turns.append(Turn("assistant", "".join(out), stopped=stopped))
 
 
-def default_session(model, system: str | None):
+def default_session(model: Model, system: str | None) -> mlxlis.ChatSession:
     return mlxlis.ChatSession(model, system=system)
 
 
 class Engine:
     """One loaded model behind the operations the app performs."""
 
-    def __init__(self, model, options: Options, *,
+    def __init__(self, model: Model, options: Options, *,
                  session_factory: Callable[[object, str | None], object] | None = None,
                  generate: Callable[..., Iterator] | None = None):
         self.model = model

@@ -21,7 +21,9 @@ from mlxlis.commands.args import (
 )
 from mlxlis.distributed.leader import finish, follow, ranks_of
 from mlxlis.errors import MlxlisError
+from mlxlis.generation.events import Event
 from mlxlis.generation.generate import generate
+from mlxlis.generation.sampling import SamplingParams
 from mlxlis.loading import catalog
 from mlxlis.models.model import Model
 from mlxlis.prompt.reasoning import ANSWER, ReasoningSplitter
@@ -85,12 +87,12 @@ def load_model(a: argparse.Namespace):
     return model
 
 
-def print_details(model) -> None:
+def print_details(model: Model) -> None:
     for k, v in model.describe().items():
         say(f"{k:>9}: {v}")
 
 
-def chat_prompt(model, user: str, system: str | None = None, thinking: bool | None = None) -> str:
+def chat_prompt(model: Model, user: str, system: str | None = None, thinking: bool | None = None) -> str:
     """The one-shot prompt: `user` (after `system`) through the model's chat template, with
     enable_thinking=`thinking` when it is set and the template has that switch."""
     messages = [{"role": "system", "content": system}] if system else []
@@ -106,7 +108,8 @@ def chat_prompt(model, user: str, system: str | None = None, thinking: bool | No
     return prompt
 
 
-def stream_reply(model, ids: list[int], params, prompt: str | None, show_reasoning: bool):
+def stream_reply(model: Model, ids: list[int], params: SamplingParams, prompt: str | None,
+                 show_reasoning: bool) -> Event | None:
     """Generate: the answer to stdout, the reasoning (`<think>` block) to stderr, dimmed when
     stderr is a terminal; `prompt` None (raw completion) prints everything to stdout. Returns
     the final Event."""
@@ -156,7 +159,7 @@ def run_one_shot(a: argparse.Namespace, params) -> int:
         finish(ranks_of(model))
 
 
-def _one_shot(a: argparse.Namespace, params, model: Model, prompt: str) -> int:
+def _one_shot(a: argparse.Namespace, params: SamplingParams, model: Model, prompt: str) -> int:
     if a.verbose:
         print_details(model)
     tok = model.tokenizer

@@ -25,6 +25,7 @@ from mlxlis.errors import MlxlisError, UnsupportedError
 from mlxlis.models import family
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.experts import QuantizedSwitchLinear, SwitchLinear
+from mlxlis.models.model import Model
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -132,7 +133,7 @@ def write_weights(net: nn.Module, folder: Path, max_shard: int = MAX_SHARD_BYTES
     return names + ["model.safetensors.index.json"]
 
 
-def write_tokenizer(model, folder: Path) -> None:
+def write_tokenizer(model: Model, folder: Path) -> None:
     """Tokenizer files: copied from a folder source; from a GGUF, built by transformers' own GGUF
     tokenizer conversion (the optional `convert` extra)."""
     src = model.path
@@ -242,7 +243,7 @@ def convert(
     return output
 
 
-def _verify(model, folder: Path) -> None:
+def _verify(model: Model, folder: Path) -> None:
     """Reopen the written folder; its logits must equal the source model's exactly."""
     from mlxlis import load
 

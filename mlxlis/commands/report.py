@@ -26,12 +26,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlxlis.models.model import Model
+
 from mlx.utils import tree_flatten
 
 SCHEMA = 1
 
 
-def model_report(model) -> dict[str, Any]:
+def model_report(model: Model) -> dict[str, Any]:
     """The inspect report of a loaded Model (see the module docstring for the shape)."""
     d = model.describe()
     c = model.config

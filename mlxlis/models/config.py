@@ -2,7 +2,7 @@
 
 Per-family differences are data here (bias on q/k/v, tying, rope θ, norms, softcaps, experts),
 so the network code reads fields instead of branching on the family name. Which family reads
-which keys lives in that family's module (`mlxlis/families/`); this module knows no family.
+which keys lives in that family's module (`mlxlis/models/`); this module knows no family.
 """
 
 from __future__ import annotations
@@ -10,12 +10,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from mlxlis import limits
 from mlxlis.errors import ConfigError, UnsupportedError
 
 ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class FamilyConfig:
+    """A family's own structure beyond ModelConfig's shared fields (Gemma 4's per-type head
+    dims, KV sharing, per-layer inputs, ...): a frozen dataclass in the family's module that
+    subclasses this, held in `ModelConfig.family_config` and read with `ModelConfig.own`."""
+
+
+F = TypeVar("F", bound=FamilyConfig)
 
 
 @dataclass(frozen=True)
@@ -77,9 +86,8 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
-    # Gemma 4: the per-layer structure the fields above do not describe (per-type head dims and
-    # KV heads, KV sharing, per-layer embeddings, ...), a frozen families.gemma4_net.Structure
-    gemma4: Any = None
+    # what the fields above do not describe, typed by the family (e.g. Gemma 4's Structure)
+    family_config: FamilyConfig | None = None
     # MLX quantization from config.json ({"group_size", "bits", per-layer overrides}) or None
     quantization: dict[str, Any] | None = field(default=None, compare=False)
     source: str = ""
@@ -101,6 +109,13 @@ class ModelConfig:
 
     def with_(self, **changes: Any) -> ModelConfig:
         return replace(self, **changes)
+
+    def own(self, kind: type[F]) -> F:
+        """The family's own config, which must be a `kind` (a bug in the family otherwise)."""
+        if not isinstance(self.family_config, kind):
+            raise TypeError(f"{self.family} config holds {type(self.family_config).__name__}, "
+                            f"not {kind.__name__}")
+        return self.family_config
 
 
 def required(cfg: dict, key: str, path: str, typ: type = int) -> Any:

@@ -22,6 +22,7 @@ from mlxlis.loading.gguf import GGUFFile
 from mlxlis.loading.gguf_split import read_gguf
 from mlxlis.loading.quants import QUANTIZABLE, allocate, convert_tensor
 from mlxlis.models import build_model, family
+from mlxlis.models.config import ModelConfig
 from mlxlis.models.gguf_config import config_from_gguf
 from mlxlis.models.model import Model
 from mlxlis.models.placement import Placement
@@ -148,7 +149,7 @@ def _quantizable(t) -> bool:
     return t.type_name in QUANTIZABLE and len(t.shape) > 1
 
 
-def _dense_policy(gf: GGUFFile, cfg, dtype: mx.Dtype, dequantize: bool | None, part=None):
+def _dense_policy(gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dequantize: bool | None, part=None):
     """GGUF tensor name -> convert it dense? (only quantized-form tensors are affected).
     `part`: a pipeline rank's share, whose tensors alone count."""
     if dequantize is not None:
@@ -168,7 +169,7 @@ def _dense_policy(gf: GGUFFile, cfg, dtype: mx.Dtype, dequantize: bool | None, p
     return lambda name: name not in lookup
 
 
-def module_sizes(gf: GGUFFile, cfg) -> dict[str, int]:
+def module_sizes(gf: GGUFFile, cfg: ModelConfig) -> dict[str, int]:
     """Module tensor name -> its bytes in the file, for the tensors the model uses."""
     spec = family(cfg.family)
     sizes = {}
@@ -181,7 +182,7 @@ def module_sizes(gf: GGUFFile, cfg) -> dict[str, int]:
     return sizes
 
 
-def _convert(gf: GGUFFile, cfg, dtype: mx.Dtype, dense, clock: _Clock, held=None):
+def _convert(gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dense, clock: _Clock, held=None):
     """Every tensor under its module name, conventions undone: (weights, quant, rope_freqs,
     names of the tensors the family ignores).
     dense(name): convert that tensor dense (else quantized where MLX can hold it).

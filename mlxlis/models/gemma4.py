@@ -199,7 +199,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     return base.with_(
         **STRUCTURE, **moe, hidden_act=act, head_dim=head, num_key_value_heads=kv,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)), rope=rope,
-        rope_local=local, layer_types=types, sliding_window=window, gemma4=structure,
+        rope_local=local, layer_types=types, sliding_window=window, family_config=structure,
         final_logit_softcapping=float(softcap) if softcap is not None else None,
     )  # fmt: skip
 
@@ -218,7 +218,7 @@ def _rope_out(theta: float, rotated: int | None, dims: int, factor: float) -> di
 
 
 def export(cfg: ModelConfig) -> dict[str, Any]:
-    s: Structure = cfg.gemma4
+    s: Structure = cfg.own(Structure)
     n, types = cfg.num_hidden_layers, cfg.layer_types
     shared = sum(src != i for i, src in enumerate(s.kv_source))
     double = s.intermediate_sizes != (cfg.intermediate_size,) * n

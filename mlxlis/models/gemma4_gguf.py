@@ -139,7 +139,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
         num_key_value_heads=kv_s, intermediate_size=ffn[0], layer_types=types,
         rope=RopeConfig(theta=base.rope.theta),
         rope_local=RopeConfig(theta=m.get("rope.freq_base_swa", 10000.0, float)),
-        sliding_window=window, gemma4=structure,
+        sliding_window=window, family_config=structure,
         final_logit_softcapping=m.get("final_logit_softcapping", 0.0, float) or None,  # 0: none
     )  # fmt: skip
 
@@ -151,7 +151,7 @@ def unused_kv(name: str, cfg: ModelConfig) -> bool:
     """K/V tensors of KV-shared layers: converted from hub checkpoints that carry them, unused
     (llama.cpp loads them as optional and never reads them)."""
     hit = _KV_TENSOR.match(name)
-    return bool(hit) and cfg.gemma4.kv_source[int(hit.group(1))] != int(hit.group(1))
+    return bool(hit) and cfg.own(Structure).kv_source[int(hit.group(1))] != int(hit.group(1))
 
 
 GGUF_BLOCK = {
@@ -197,5 +197,5 @@ def rope_freqs_as_config(cfg: ModelConfig, factors) -> tuple[ModelConfig, Any]:
     f = np.asarray(factors, dtype=np.float64)
     turned = int(np.argmax(f != 1.0)) if (f != 1.0).any() else f.size
     if (f[:turned] == 1.0).all() and (f[turned:] >= 1e29).all():
-        return cfg.with_(gemma4=replace(cfg.gemma4, full_rotated=turned)), None
+        return cfg.with_(family_config=replace(cfg.own(Structure), full_rotated=turned)), None
     return cfg, factors

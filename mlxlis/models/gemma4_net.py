@@ -20,7 +20,7 @@ from mlxlis.cache import CacheBatch, KVBatch, KVCache, RotatingKVCache, window_m
 from mlxlis.errors import ConfigError
 from mlxlis.models.activations import gated
 from mlxlis.models.attention import attend, softcap
-from mlxlis.models.config import ModelConfig, RopeConfig
+from mlxlis.models.config import FamilyConfig, ModelConfig, RopeConfig
 from mlxlis.models.experts import SORT_FROM, ExpertSource, SwitchGLU, SwitchLinear
 from mlxlis.models.layers import MLP, Mask
 from mlxlis.models.rope import Rope
@@ -36,8 +36,8 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclass(frozen=True)
-class Structure:
-    """What ModelConfig's shared fields do not say about a Gemma 4 (its `gemma4` field). The
+class Structure(FamilyConfig):
+    """What ModelConfig's shared fields do not say about a Gemma 4 (its `family_config`). The
     shared fields describe the sliding layers (head_dim, num_key_value_heads); RoPE: θ is
     cfg.rope's for full layers, cfg.rope_local's for sliding ones, each turning `*_rope_dims`
     dims, of which only the first `*_rotated` pairs of each half (proportional RoPE; None: all
@@ -102,7 +102,7 @@ def _rope(dims: int, theta: float, rotated: int | None, factor: float,
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: Rope):
         super().__init__()
-        s, full = cfg.gemma4, not cfg.is_sliding(layer)
+        s, full = cfg.own(Structure), not cfg.is_sliding(layer)
         d, eps, bias = cfg.hidden_size, cfg.rms_norm_eps, cfg.attention_bias
         hd = s.global_head_dim if full else cfg.head_dim
         self.n_heads = cfg.num_attention_heads
@@ -196,7 +196,7 @@ class FusedSwitchGLU(nn.Module):
 class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.switch_glu = FusedSwitchGLU(cfg) if cfg.gemma4.fused_gate_up else SwitchGLU(cfg)
+        self.switch_glu = FusedSwitchGLU(cfg) if cfg.own(Structure).fused_gate_up else SwitchGLU(cfg)
 
     def __call__(self, x: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
         y = self.switch_glu(x, inds)  # (B, T, k, hidden)
@@ -206,7 +206,7 @@ class Experts(nn.Module):
 class Gemma4Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: Rope):
         super().__init__()
-        d, eps, s = cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma4
+        d, eps, s = cfg.hidden_size, cfg.rms_norm_eps, cfg.own(Structure)
         self.self_attn = Attention(cfg, layer, rope)
         self.mlp = MLP(cfg, s.intermediate_sizes[layer])
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -244,7 +244,7 @@ class Gemma4Layer(nn.Module):
 class Gemma4Model(nn.Module):
     def __init__(self, cfg: ModelConfig, ropes: list[Rope]):
         super().__init__()
-        d, s, n = cfg.hidden_size, cfg.gemma4, cfg.num_hidden_layers
+        d, s, n = cfg.hidden_size, cfg.own(Structure), cfg.num_hidden_layers
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
         self.layers = [Gemma4Layer(cfg, i, ropes[i]) for i in range(n)]
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -260,7 +260,7 @@ class Gemma4(nn.Module):
     def __init__(self, cfg: ModelConfig, family: Family,
                  rope_freq_factors: mx.array | None = None):  # fmt: skip
         super().__init__()
-        self.config, s = cfg, cfg.gemma4
+        self.config, s = cfg, cfg.own(Structure)
         self._family = family  # underscores: plain data, not part of the parameter tree
         self._rope_freq_factors = rope_freq_factors  # GGUF: the full layers' RoPE (a buffer)
         full = _rope(s.full_rope_dims, cfg.rope.theta, s.full_rotated, s.full_rope_factor,
@@ -283,7 +283,7 @@ class Gemma4(nn.Module):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Checkpoint names under ours (the family's renames and drops); the K/V weights hub
         checkpoints keep for KV-shared layers are dropped, as transformers ignores them."""
-        out, source = {}, self.config.gemma4.kv_source
+        out, source = {}, self.config.own(Structure).kv_source
         for name, arr in weights.items():
             ours = self._family.hf_name(name)
             hit = _SHARED_KV.match(ours or "")
@@ -319,7 +319,7 @@ class Gemma4(nn.Module):
     def _per_layer_inputs(self, ids: mx.array, h: mx.array) -> mx.array:
         """(B, T, layers, per_layer_dim): the token's per-layer embedding (× √per_layer_dim)
         plus the normed projection of its embedding h (÷ √hidden), together × 1/√2."""
-        m, cfg, s = self.model, self.config, self.config.gemma4
+        m, cfg, s = self.model, self.config, self.config.own(Structure)
         b, t = ids.shape
         ids = mx.where(ids < s.per_layer_vocab, ids, 0)  # as Gemma 3n: ids past that table
         tok = m.embed_tokens_per_layer(ids)
@@ -330,7 +330,7 @@ class Gemma4(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None,
                  last_only: bool = False) -> mx.array:  # fmt: skip
-        cfg, s, m = self.config, self.config.gemma4, self.model
+        cfg, s, m = self.config, self.config.own(Structure), self.model
         t = inputs.shape[1]
         batch = bool(cache) and isinstance(cache[0], CacheBatch)  # decode_batch's step
         if batch:
