@@ -39,6 +39,7 @@ test-fast: install-test
 
 lint: install-test
 	$(VENV)/bin/ruff check mlxlis tui tests scripts
+	$(VENV)/bin/ruff format --check mlxlis tui tests scripts
 
 # the app fetches the default model itself (with progress) the first time
 chat: install

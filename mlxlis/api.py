@@ -67,8 +67,9 @@ def load(
                 path=path,
                 field="tensor_count",
             )
-        model = load_gguf(path, dt, dequantize=dequantize, chat_template=chat_template,
-                          placement=pipeline)  # fmt: skip
+        model = load_gguf(
+            path, dt, dequantize=dequantize, chat_template=chat_template, placement=pipeline
+        )
         return _ready(model, pipeline)
     if path.is_file():
         raise UnsupportedFormatError("expected a model folder or a .gguf file", path=path)
@@ -78,8 +79,9 @@ def load(
             path=path,
             field="dequantize",
         )
-    model = load_folder(path, dt, chat_template=chat_template, bindings=manifest, strict=strict,
-                        placement=pipeline)
+    model = load_folder(
+        path, dt, chat_template=chat_template, bindings=manifest, strict=strict, placement=pipeline
+    )
     return _ready(model, pipeline)
 
 

@@ -50,9 +50,7 @@ def read_bytes(
         if not stat.S_ISREG(st.st_mode):  # a FIFO or device would block or never end
             raise error(f"not a regular file ({what})", path=path)
         if st.st_size > limit:
-            raise error(
-                f"{what} is {st.st_size} bytes, over the limit of {limit} bytes", path=path
-            )
+            raise error(f"{what} is {st.st_size} bytes, over the limit of {limit} bytes", path=path)
         with open(path, "rb") as f:
             # read(n) allocates n bytes up front: ask for what stat saw (plus one to notice
             # growth), and only for a file that grew since, for the rest up to the limit
@@ -130,9 +128,7 @@ def loads_json(
     except ValueError as e:  # JSONDecodeError, integers over 4300 digits, NaN when refused
         raise error(f"invalid JSON ({e})", path=path, field=field) from None
     if depth_exceeds(obj, max_depth):
-        raise error(
-            f"invalid JSON (nested deeper than {max_depth} levels)", path=path, field=field
-        )
+        raise error(f"invalid JSON (nested deeper than {max_depth} levels)", path=path, field=field)
     return obj
 
 

@@ -80,8 +80,19 @@ def hf_copy(name: str, dtype: str, root: Path) -> Path:
     """`mlxlis convert --dequantize` in a child process (kept out of this one's memory)."""
     out = root / f"{name}-{dtype}"
     if not (out / "config.json").is_file():
-        cmd = [sys.executable, "-m", "mlxlis", "convert", str(catalog.model_path(name)),
-               "-o", str(out), "--dtype", dtype, "--dequantize", "--force"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlxlis",
+            "convert",
+            str(catalog.model_path(name)),
+            "-o",
+            str(out),
+            "--dtype",
+            dtype,
+            "--dequantize",
+            "--force",
+        ]
         subprocess.run(cmd, check=True, cwd=ROOT)
     return out
 

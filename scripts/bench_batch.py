@@ -81,9 +81,13 @@ def main() -> int:
             continue
         for kernel in ("1", "0"):
             env = {**os.environ, "MLXLIS_BLAS_SKINNY": kernel}
-            res = subprocess.run([sys.executable, __file__, "--worker", name, "--batches",
-                                  *map(str, args.batches)], env=env, capture_output=True,
-                                 text=True, check=True)  # fmt: skip
+            res = subprocess.run(
+                [sys.executable, __file__, "--worker", name, "--batches", *map(str, args.batches)],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             times = {int(k): v for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items()}
             label = "batch kernel" if kernel == "1" else "sgemm"
             cells = [f"{t * 1e3:.0f} ms ({b / t:.1f} tok/s)" for b, t in sorted(times.items())]

@@ -60,28 +60,53 @@ print(json.dumps(best))
 def raw_configs(layers: int, hidden: int) -> dict[str, dict]:
     s, f = "sliding_attention", "full_attention"
     return {
-        "qwen3.5": {"model_type": "qwen3_5_text", "vocab_size": 32000, "hidden_size": hidden,
-                    "intermediate_size": 3 * hidden, "num_hidden_layers": layers,
-                    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
-                    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-                    "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-                    "linear_conv_kernel_dim": 4,
-                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
-                                        "partial_rotary_factor": 0.25},
-                    "tie_word_embeddings": True, "max_position_embeddings": 4096},
-        "gemma4": {"model_type": "gemma4_text", "vocab_size": 32000, "hidden_size": hidden,
-                   "intermediate_size": 3 * hidden, "num_hidden_layers": layers,
-                   "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256,
-                   "global_head_dim": 512, "sliding_window": 512,
-                   "layer_types": [f if (i + 1) % 4 == 0 else s for i in range(layers)],
-                   "num_kv_shared_layers": layers // 4, "hidden_size_per_layer_input": 256,
-                   "vocab_size_per_layer_input": 32000, "use_double_wide_mlp": True,
-                   "final_logit_softcapping": 30.0, "tie_word_embeddings": True,
-                   "rope_parameters": {s: {"rope_type": "default", "rope_theta": 10000.0},
-                                       f: {"rope_type": "proportional", "rope_theta": 1e6,
-                                           "partial_rotary_factor": 0.25}},
-                   "max_position_embeddings": 4096},
-    }  # fmt: skip
+        "qwen3.5": {
+            "model_type": "qwen3_5_text",
+            "vocab_size": 32000,
+            "hidden_size": hidden,
+            "intermediate_size": 3 * hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e7,
+                "partial_rotary_factor": 0.25,
+            },
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 4096,
+        },
+        "gemma4": {
+            "model_type": "gemma4_text",
+            "vocab_size": 32000,
+            "hidden_size": hidden,
+            "intermediate_size": 3 * hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "global_head_dim": 512,
+            "sliding_window": 512,
+            "layer_types": [f if (i + 1) % 4 == 0 else s for i in range(layers)],
+            "num_kv_shared_layers": layers // 4,
+            "hidden_size_per_layer_input": 256,
+            "vocab_size_per_layer_input": 32000,
+            "use_double_wide_mlp": True,
+            "final_logit_softcapping": 30.0,
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                s: {"rope_type": "default", "rope_theta": 10000.0},
+                f: {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+            },
+            "max_position_embeddings": 4096,
+        },
+    }
 
 
 def write_model(folder: Path, raw: dict) -> None:
@@ -97,8 +122,10 @@ def write_model(folder: Path, raw: dict) -> None:
     cfg = config_from_hf(raw)
     net = build_model(cfg)
     mx.random.seed(0)
-    params = {k: (mx.random.normal(v.shape) * 0.02 if v.ndim > 1 else mx.ones(v.shape) * 0.5)
-              for k, v in tree_flatten(net.parameters())}  # fmt: skip
+    params = {
+        k: (mx.random.normal(v.shape) * 0.02 if v.ndim > 1 else mx.ones(v.shape) * 0.5)
+        for k, v in tree_flatten(net.parameters())
+    }
     for k in params:
         if k.endswith("A_log"):
             params[k] = mx.log(mx.random.uniform(0.5, 4.0, params[k].shape))
@@ -114,8 +141,12 @@ def write_model(folder: Path, raw: dict) -> None:
 
 def run(engine: str, folder: Path) -> tuple[float, float]:
     code = WORKER.format(root=str(ROOT), prompt=PROMPT, decode=DECODE)
-    out = subprocess.run([sys.executable, "-c", code, engine, str(folder)], capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code, engine, str(folder)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -137,16 +168,26 @@ def main() -> None:
                     old = best.get(engine, (0.0, 0.0))
                     best[engine] = (max(old[0], p), max(old[1], d))
             for engine, (p, d) in best.items():
-                rows.append({"model": model, "engine": engine, "prefill_tok_s": round(p, 1),
-                             "decode_tok_s": round(d, 1)})  # fmt: skip
-    print(f"| model ({args.layers} layers, hidden {args.hidden}, float32) | engine | "
-          f"prefill tok/s ({PROMPT}) | decode tok/s ({DECODE}) |")  # fmt: skip
+                rows.append(
+                    {
+                        "model": model,
+                        "engine": engine,
+                        "prefill_tok_s": round(p, 1),
+                        "decode_tok_s": round(d, 1),
+                    }
+                )
+    print(
+        f"| model ({args.layers} layers, hidden {args.hidden}, float32) | engine | "
+        f"prefill tok/s ({PROMPT}) | decode tok/s ({DECODE}) |"
+    )
     print("|---|---|---|---|")
     for r in rows:
         base = next(b for b in rows if b["model"] == r["model"] and b["engine"] == "mlx-lm")
         p, d = r["prefill_tok_s"], r["decode_tok_s"]
-        print(f"| {r['model']} | {r['engine']} | {p} ({p / base['prefill_tok_s']:.2f}×) "
-              f"| {d} ({d / base['decode_tok_s']:.2f}×) |")  # fmt: skip
+        print(
+            f"| {r['model']} | {r['engine']} | {p} ({p / base['prefill_tok_s']:.2f}×) "
+            f"| {d} ({d / base['decode_tok_s']:.2f}×) |"
+        )
     out = ROOT / "bench-results"
     out.mkdir(exist_ok=True)
     (out / "families.json").write_text(json.dumps(rows, indent=2))

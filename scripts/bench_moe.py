@@ -35,15 +35,29 @@ PROMPT, DECODE = 128, 64
 
 
 def config(kind: str, layers: int) -> ModelConfig:
-    common = dict(vocab_size=4096, hidden_size=HIDDEN, num_hidden_layers=layers,
-                  num_attention_heads=16, num_key_value_heads=4, head_dim=64, rms_norm_eps=1e-6,
-                  rope=RopeConfig(theta=1e6), qk_norm=True,
-                  max_position_embeddings=4096)  # fmt: skip
+    common = dict(
+        vocab_size=4096,
+        hidden_size=HIDDEN,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=1e6),
+        qk_norm=True,
+        max_position_embeddings=4096,
+    )
     if kind == "moe":
-        return ModelConfig(family="qwen3_moe", intermediate_size=TOP_K * EXPERT_WIDTH,
-                           num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-                           moe_intermediate_size=EXPERT_WIDTH, norm_topk_prob=True,
-                           sparse_layers=(True,) * layers, **common)  # fmt: skip
+        return ModelConfig(
+            family="qwen3_moe",
+            intermediate_size=TOP_K * EXPERT_WIDTH,
+            num_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            moe_intermediate_size=EXPERT_WIDTH,
+            norm_topk_prob=True,
+            sparse_layers=(True,) * layers,
+            **common,
+        )
     width = TOP_K * EXPERT_WIDTH if kind == "dense-active" else EXPERTS * EXPERT_WIDTH
     return ModelConfig(family="qwen3", intermediate_size=width, **common)
 
@@ -84,15 +98,25 @@ def main() -> None:
         net, params = build(kind, args.layers)
         measure(net)  # warm-up: compiled kernels, allocator
         best = [max(x) for x in zip(*(measure(net) for _ in range(args.rounds)), strict=True)]
-        rows.append({"model": kind, "params": params, "prefill_tok_s": round(best[0], 1),
-                     "decode_tok_s": round(best[1], 1)})  # fmt: skip
+        rows.append(
+            {
+                "model": kind,
+                "params": params,
+                "prefill_tok_s": round(best[0], 1),
+                "decode_tok_s": round(best[1], 1),
+            }
+        )
         del net
-    print(f"| model ({args.layers} layers, hidden {HIDDEN}) | params | prefill tok/s "
-          f"({PROMPT}) | decode tok/s ({DECODE}) |")  # fmt: skip
+    print(
+        f"| model ({args.layers} layers, hidden {HIDDEN}) | params | prefill tok/s "
+        f"({PROMPT}) | decode tok/s ({DECODE}) |"
+    )
     print("|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['params'] / 1e6:.0f} M | {r['prefill_tok_s']} | "
-              f"{r['decode_tok_s']} |")  # fmt: skip
+        print(
+            f"| {r['model']} | {r['params'] / 1e6:.0f} M | {r['prefill_tok_s']} | "
+            f"{r['decode_tok_s']} |"
+        )
     out = ROOT / "bench-results"
     out.mkdir(exist_ok=True)
     (out / "moe.json").write_text(json.dumps(rows, indent=2))

@@ -29,8 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT, DECODE = 512, 32
 # Thunderbolt links between Macs (ring backend over IP): usable bandwidth and a round trip
-LINKS = {"Thunderbolt 4 (~2.5 GB/s, ~50 µs)": (2.5e9, 50e-6),
-         "Thunderbolt 5 (~5 GB/s, ~30 µs)": (5e9, 30e-6)}  # fmt: skip
+LINKS = {
+    "Thunderbolt 4 (~2.5 GB/s, ~50 µs)": (2.5e9, 50e-6),
+    "Thunderbolt 5 (~5 GB/s, ~30 µs)": (5e9, 30e-6),
+}
 
 
 def rank_main(model: str, rounds: int) -> None:
@@ -63,19 +65,33 @@ def rank_main(model: str, rounds: int) -> None:
         out["decode"] = best
         out["step_ms"] = 1e3 / best if best else 0.0
         if ranks is not None:
-            out["bytes_per_token"] = (m.net.hidden_bytes_per_token() * (ranks.size - 1)
-                                      + m.config.vocab_size * 4)  # fmt: skip
+            out["bytes_per_token"] = (
+                m.net.hidden_bytes_per_token() * (ranks.size - 1) + m.config.vocab_size * 4
+            )
     finally:
         finish(ranks)
     print("RESULT " + json.dumps(out), flush=True)
 
 
 def launch(n: int, model: str, rounds: int) -> dict:
-    me = [sys.executable, str(Path(__file__).resolve()), "--rank-run", "--model", model,
-          "--rounds", str(rounds)]  # fmt: skip
+    me = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--rank-run",
+        "--model",
+        model,
+        "--rounds",
+        str(rounds),
+    ]
     if n > 1:
-        me = [str(Path(sys.executable).with_name("mlx.launch")), "--backend", "ring", "-n",
-              str(n), *me]  # fmt: skip
+        me = [
+            str(Path(sys.executable).with_name("mlx.launch")),
+            "--backend",
+            "ring",
+            "-n",
+            str(n),
+            *me,
+        ]
     env = {**os.environ, "MLXLIS_DEVICE": os.environ.get("MLXLIS_DEVICE", "cpu")}
     if n == 1:  # as many BLAS threads as each rank of the 2-rank run (pipeline.share_cores)
         env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 2)))
@@ -83,7 +99,7 @@ def launch(n: int, model: str, rounds: int) -> dict:
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if res.returncode != 0 or line is None:
         raise SystemExit(f"{n} ranks failed:\n{res.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def link_seconds(nbytes: int, hops: int, bandwidth: float, rtt: float) -> float:
@@ -94,16 +110,19 @@ def link_seconds(nbytes: int, hops: int, bandwidth: float, rtt: float) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| ranks | prefill tok/s (512-chunks) | (128-chunks) | decode tok/s | step ms | "
-           "bytes/token | " + " | ".join(f"{k} adds µs/token" for k in LINKS) + " |",
-           "|" + "---|" * (6 + len(LINKS))]  # fmt: skip
+    out = [
+        "| ranks | prefill tok/s (512-chunks) | (128-chunks) | decode tok/s | step ms | "
+        "bytes/token | " + " | ".join(f"{k} adds µs/token" for k in LINKS) + " |",
+        "|" + "---|" * (6 + len(LINKS)),
+    ]
     for r in rows:
         b = r.get("bytes_per_token", 0)
         hops = r["ranks"] - 1
         adds = [f"{link_seconds(b, hops, bw, rtt) * 1e6:.0f}" for bw, rtt in LINKS.values()]
-        out.append(f"| {r['ranks']} | {r['prefill_512']:.0f} | {r['prefill_128']:.0f} | "
-                   f"{r['decode']:.1f} | {r['step_ms']:.1f} | {b} | " + " | ".join(adds)
-                   + " |")  # fmt: skip
+        out.append(
+            f"| {r['ranks']} | {r['prefill_512']:.0f} | {r['prefill_128']:.0f} | "
+            f"{r['decode']:.1f} | {r['step_ms']:.1f} | {b} | " + " | ".join(adds) + " |"
+        )
     return "\n".join(out)
 
 
@@ -118,8 +137,10 @@ def main() -> None:
         rank_main(a.model, a.rounds)
         return
     rows = [launch(int(n), a.model, a.rounds) for n in a.ranks.split(",")]
-    print(f"{a.model}, float32, {PROMPT}-token prompt, {DECODE} decoded tokens, one machine "
-          f"({os.cpu_count()} cores):\n")  # fmt: skip
+    print(
+        f"{a.model}, float32, {PROMPT}-token prompt, {DECODE} decoded tokens, one machine "
+        f"({os.cpu_count()} cores):\n"
+    )
     print(table(rows))
     out = ROOT / "bench-results" / "pipeline.json"
     out.parent.mkdir(exist_ok=True)

@@ -43,11 +43,15 @@ REQUESTS_PER_CLIENT = 2
 MAX_TOKENS = 32
 PROMPT_WORDS = 100
 STARTUP_S = 300
-WORDS = ("river stone garden lantern harbour meadow violin copper orchard glacier thunder "
-         "pepper canyon marble feather compass velvet ember willow saddle").split()  # fmt: skip
-STORY = ("The history of computing is a story of abstraction layered upon abstraction. Early "
-         "machines were programmed by rewiring; later, stored programs let the same hardware do "
-         "many things. Compilers, operating systems and networks followed. ") * 22  # fmt: skip
+WORDS = (
+    "river stone garden lantern harbour meadow violin copper orchard glacier thunder "
+    "pepper canyon marble feather compass velvet ember willow saddle"
+).split()
+STORY = (
+    "The history of computing is a story of abstraction layered upon abstraction. Early "
+    "machines were programmed by rewiring; later, stored programs let the same hardware do "
+    "many things. Compilers, operating systems and networks followed. "
+) * 22
 
 
 # mlx_lm.server with the OpenBLAS sgemm mlxlis gives itself (MLX's bundled BLAS is ~30x
@@ -80,18 +84,38 @@ class Server:
         self.model = "default_model" if engine == "mlx_lm" else name  # mlx-lm: the one loaded
         py = sys.executable
         if engine.startswith("mlxlis"):
-            cmd = [py, "-m", "mlxlis", "serve", "-m", name, "--port", str(self.port),
-                   "--max-batch", "8"]  # fmt: skip
+            cmd = [
+                py,
+                "-m",
+                "mlxlis",
+                "serve",
+                "-m",
+                name,
+                "--port",
+                str(self.port),
+                "--max-batch",
+                "8",
+            ]
             if "@" in engine:  # mlxlis@N: pipelined across N ranks on this machine (loopback)
                 launcher = str(Path(py).with_name("mlx.launch"))
                 cmd = [launcher, "--backend", "ring", "-n", engine.split("@")[1], *cmd]
         else:
             folder = hf_copy(name, default_dtype_name(), cache)
-            cmd = [py, "-c", MLX_LM_SERVER, "--model", str(folder), "--port", str(self.port),
-                   "--log-level", "WARNING"]  # fmt: skip
+            cmd = [
+                py,
+                "-c",
+                MLX_LM_SERVER,
+                "--model",
+                str(folder),
+                "--port",
+                str(self.port),
+                "--log-level",
+                "WARNING",
+            ]
         self.log = open(log, "wb")  # noqa: SIM115 — closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log, cwd=ROOT,
-                                     start_new_session=True)  # stop() ends a launcher's ranks too
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=self.log, cwd=ROOT, start_new_session=True
+        )  # stop() ends a launcher's ranks too
         deadline = time.monotonic() + STARTUP_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -107,12 +131,22 @@ class Server:
 
     def complete(self, text: str, max_tokens: int = MAX_TOKENS) -> tuple[float, int, str, float]:
         """(TTFT s, tokens, text, total s) of one streamed greedy completion."""
-        body = {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": self.model,
+            "prompt": text,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         t0 = time.perf_counter()
-        conn.request("POST", "/v1/completions", json.dumps(body).encode(),
-                     {"Content-Type": "application/json"})  # fmt: skip
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         assert resp.status == 200, resp.read()
         ttft, n, out = None, 0, ""
@@ -162,9 +196,14 @@ def load(server: Server, clients: int) -> dict:
         t.join()
     wall = time.perf_counter() - t0
     q = statistics.quantiles(ttfts, n=20, method="inclusive")
-    return {"clients": clients, "tokens": tokens[0], "wall_s": wall,
-            "tok_s": tokens[0] / wall, "ttft_p50_s": statistics.median(ttfts),
-            "ttft_p95_s": q[18]}  # fmt: skip
+    return {
+        "clients": clients,
+        "tokens": tokens[0],
+        "wall_s": wall,
+        "tok_s": tokens[0] / wall,
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p95_s": q[18],
+    }
 
 
 def second_turn(server: Server) -> dict:
@@ -192,8 +231,12 @@ def main() -> int:
             server = Server(engine, name, Path(a.cache), logs / f"{name}-{engine}.log")
             try:
                 server.complete(prompt(0), 8)  # warm-up: compiled kernels, first buffers
-                row = {"model": name, "engine": engine, "loads": [load(server, c) for c in CLIENTS],
-                       "second_turn": second_turn(server)}  # fmt: skip
+                row = {
+                    "model": name,
+                    "engine": engine,
+                    "loads": [load(server, c) for c in CLIENTS],
+                    "second_turn": second_turn(server),
+                }
             finally:
                 server.stop()
             rows.append(row)
@@ -209,10 +252,14 @@ def main() -> int:
 
 
 def print_table(rows: list[dict], machine: dict) -> None:
-    print(f"\n{machine['cpu']}, {machine['cores']} cores, {machine['dtype']}; streamed "
-          f"completions of {MAX_TOKENS} tokens, {REQUESTS_PER_CLIENT} per client\n")  # fmt: skip
-    print("| model | engine | clients | tok/s (aggregate) | vs 1 client | TTFT p50 | TTFT p95 |"
-          " vs mlx_lm |")  # fmt: skip
+    print(
+        f"\n{machine['cpu']}, {machine['cores']} cores, {machine['dtype']}; streamed "
+        f"completions of {MAX_TOKENS} tokens, {REQUESTS_PER_CLIENT} per client\n"
+    )
+    print(
+        "| model | engine | clients | tok/s (aggregate) | vs 1 client | TTFT p50 | TTFT p95 |"
+        " vs mlx_lm |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     by = {(r["model"], r["engine"]): r for r in rows}
     for r in rows:
@@ -222,15 +269,19 @@ def print_table(rows: list[dict], machine: dict) -> None:
             vs = ""
             if r["engine"] != "mlx_lm" and other is not None:
                 vs = f"{ld['tok_s'] / other['loads'][i]['tok_s']:.2f}x"
-            print(f"| {r['model']} | {r['engine']} | {ld['clients']} | {ld['tok_s']:.1f} | "
-                  f"{ld['tok_s'] / one:.2f}x | {ld['ttft_p50_s']:.2f} s | "
-                  f"{ld['ttft_p95_s']:.2f} s | {vs} |")  # fmt: skip
+            print(
+                f"| {r['model']} | {r['engine']} | {ld['clients']} | {ld['tok_s']:.1f} | "
+                f"{ld['tok_s'] / one:.2f}x | {ld['ttft_p50_s']:.2f} s | "
+                f"{ld['ttft_p95_s']:.2f} s | {vs} |"
+            )
     print("\n| model | engine | first-turn TTFT (~1 000 tokens) | second-turn TTFT | ratio |")
     print("|---|---|---|---|---|")
     for r in rows:
         s = r["second_turn"]
-        print(f"| {r['model']} | {r['engine']} | {s['first_ttft_s']:.2f} s | "
-              f"{s['second_ttft_s']:.2f} s | {s['ratio']:.2f} |")
+        print(
+            f"| {r['model']} | {r['engine']} | {s['first_ttft_s']:.2f} s | "
+            f"{s['second_ttft_s']:.2f} s | {s['ratio']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

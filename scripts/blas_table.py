@@ -28,13 +28,24 @@ KINDS = ("wheel", "system", "bundled")
 
 def worker(kind: str, path: Path, ids_file: str, n_decode: int) -> dict:
     env = {**os.environ, "MLXLIS_BLAS": kind}
-    probe = subprocess.run([sys.executable, "-c", "import mlxlis.runtime.blas as b; print(b.state.name)"],
-                           capture_output=True, text=True, env=env, cwd=ROOT)  # fmt: skip
+    probe = subprocess.run(
+        [sys.executable, "-c", "import mlxlis.runtime.blas as b; print(b.state.name)"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     name = probe.stdout.strip()
     if kind != "bundled" and "bundled" in name:
         return {"blas": name, "error": "not available here"}
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_worker.py"), "mlxlis", str(path),
-           ids_file, str(n_decode)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench_worker.py"),
+        "mlxlis",
+        str(path),
+        ids_file,
+        str(n_decode),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if res.returncode != 0:
         return {"blas": name, "error": (res.stderr.strip().splitlines() or ["failed"])[-1]}

@@ -55,7 +55,7 @@ def fetch() -> Path:
         staged = Path(tmp) / "models"
         with tarfile.open(archive) as tar:
             for member in tar.getmembers():
-                rel = member.name[len(PREFIX):] if member.name.startswith(PREFIX) else None
+                rel = member.name[len(PREFIX) :] if member.name.startswith(PREFIX) else None
                 if rel and member.isfile() and rel.startswith(WANTED) and ".." not in rel:
                     target = staged / rel
                     target.parent.mkdir(parents=True, exist_ok=True)

@@ -46,8 +46,10 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
         "qwen2": (TINY["qwen2"], build_tiny),
         "qwen3": (QWEN3["qwen3"], build_tiny),
         "qwen3_moe": (QWEN3["qwen3_moe"], build_tiny),
-        **{g: ({"kind": g, "pad_token_id": 0, **GEMMA[g]}, build_tiny)
-           for g in ("gemma", "gemma2", "gemma3")},
+        **{
+            g: ({"kind": g, "pad_token_id": 0, **GEMMA[g]}, build_tiny)
+            for g in ("gemma", "gemma2", "gemma3")
+        },
         "qwen3_5": (Q35["qwen3_5"], build_q35),
         "qwen3_5_moe": (Q35["qwen3_5_moe"], build_q35),
         "gemma4": (G4["all"], build_g4),
@@ -77,8 +79,11 @@ def cached_decode(model, ids: list[int], split: int) -> np.ndarray:
 
 
 def greedy(model, ids: list[int], n: int, **kw) -> list[int]:
-    return [e.token for e in mlxlis.generate(model, ids, max_tokens=n, stop_ids=set(), **kw)
-            if e.token is not None]  # fmt: skip
+    return [
+        e.token
+        for e in mlxlis.generate(model, ids, max_tokens=n, stop_ids=set(), **kw)
+        if e.token is not None
+    ]
 
 
 def batched(model, prompts: list[list[int]], n: int) -> tuple[list[int], list[float]]:
@@ -88,8 +93,9 @@ def batched(model, prompts: list[list[int]], n: int) -> tuple[list[int], list[fl
 
     engine = Engine(model, max_active=8, prefix_cache_bytes=0)
     try:
-        streams = [engine.submit(Request(p, SamplingParams(max_tokens=n), top_logprobs=0))
-                   for p in prompts]  # fmt: skip
+        streams = [
+            engine.submit(Request(p, SamplingParams(max_tokens=n), top_logprobs=0)) for p in prompts
+        ]
         toks, logps = [], []
         for s in streams:
             for e in s:
@@ -106,8 +112,18 @@ def record(out: dict, key: str, model, vocab: int, long_n: int) -> None:
     out[f"{key}/logits"] = np.array(model.logits(ids))
     out[f"{key}/cached"] = cached_decode(model, ids, long_n // 2)
     out[f"{key}/greedy"] = np.array(greedy(model, ids, 24))
-    out[f"{key}/sampled"] = np.array(greedy(model, ids[:20], 24, temperature=0.8, top_p=0.9,
-                                            top_k=50, seed=3, repetition_penalty=1.1))
+    out[f"{key}/sampled"] = np.array(
+        greedy(
+            model,
+            ids[:20],
+            24,
+            temperature=0.8,
+            top_p=0.9,
+            top_k=50,
+            seed=3,
+            repetition_penalty=1.1,
+        )
+    )
     prompts = [trajectory(n, s, vocab) for s, n in enumerate((5, 17, 33, 9))]
     toks, logps = batched(model, prompts, 12)
     out[f"{key}/batched_tokens"] = np.array(toks)
@@ -153,8 +169,11 @@ def main() -> int:
             continue
         a, b = want[key], got[key]
         if a.shape != b.shape or a.dtype != b.dtype or a.tobytes() != b.tobytes():
-            diff = (float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
-                    if a.shape == b.shape else float("nan"))  # fmt: skip
+            diff = (
+                float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+                if a.shape == b.shape
+                else float("nan")
+            )
             print(f"DIFFERS {key}: shape {a.shape} vs {b.shape}, max |Δ| {diff:.3g}")
             bad += 1
     print(f"{len(want) - bad} of {len(want)} arrays bit-identical")

@@ -143,8 +143,14 @@ def randomize(model, seed: int = 0) -> None:
 TEXT_KINDS = {"gemma3": "gemma3_text"}
 
 
-def build_tiny(folder: Path, spec: dict, seed: int = 0, tokenizer_kw: dict | None = None,
-               adjust=None, **config_kw):  # fmt: skip
+def build_tiny(
+    folder: Path,
+    spec: dict,
+    seed: int = 0,
+    tokenizer_kw: dict | None = None,
+    adjust=None,
+    **config_kw,
+):
     """Write a tiny random checkpoint of `spec` ("kind": a transformers model type, the rest
     config keys) to `folder`; returns the transformers model (fp32, eval). `tokenizer_kw` go
     to train_tokenizer; `adjust(model)` changes weights after randomize (before saving)."""
@@ -155,9 +161,14 @@ def build_tiny(folder: Path, spec: dict, seed: int = 0, tokenizer_kw: dict | Non
     kind = spec.pop("kind")
     folder.mkdir(parents=True, exist_ok=True)
     vocab = train_tokenizer(folder, **(tokenizer_kw or {}))
-    cfg = transformers.AutoConfig.for_model(TEXT_KINDS.get(kind, kind), vocab_size=vocab,
-                                            bos_token_id=0, eos_token_id=2, **config_kw,
-                                            **spec)  # fmt: skip
+    cfg = transformers.AutoConfig.for_model(
+        TEXT_KINDS.get(kind, kind),
+        vocab_size=vocab,
+        bos_token_id=0,
+        eos_token_id=2,
+        **config_kw,
+        **spec,
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
@@ -237,8 +248,11 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     if names:
         script = Path(__file__).with_name("hf_references.py")
         log = open(_SHARED / "hf-references.log", "wb")  # noqa: SIM115 — the child's stderr
-        _references = subprocess.Popen([sys.executable, str(script), str(_SHARED), *names],
-                                       stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        _references = subprocess.Popen(
+            [sys.executable, str(script), str(_SHARED), *names],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def pytest_unconfigure(config) -> None:

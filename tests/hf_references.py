@@ -16,8 +16,10 @@ import os
 import sys
 from pathlib import Path
 
-PROMPT = ("The history of computing is a story of abstraction layered upon abstraction: "
-          "early machines were programmed by rewiring them.")  # fmt: skip
+PROMPT = (
+    "The history of computing is a story of abstraction layered upon abstraction: "
+    "early machines were programmed by rewiring them."
+)
 
 
 def tokenizer_dir(out: Path, name: str) -> Path:
@@ -49,8 +51,9 @@ def build(out: Path, name: str) -> None:
         return
     with read_gguf(path) as f:
         ids = Tokenizer.from_gguf(f.metadata, path).encode(PROMPT)
-    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                               dtype=torch.float32).eval()  # fmt: skip
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         logits = ref(torch.tensor([ids])).logits[0].float().numpy()
     tmp = out / f".tmp-logits-{name}.npz"

@@ -79,8 +79,14 @@ class HubServer:
     def cdn_url(self) -> str:
         return f"http://127.0.0.1:{self.cdn.server_address[1]}"
 
-    def add(self, repo_id: str, files: dict[str, bytes | Path], *,
-            refs: tuple[str, ...] = ("main",), gated: bool = False) -> str:  # fmt: skip
+    def add(
+        self,
+        repo_id: str,
+        files: dict[str, bytes | Path],
+        *,
+        refs: tuple[str, ...] = ("main",),
+        gated: bool = False,
+    ) -> str:
         """A commit of `files` (path -> bytes or a file to read); `refs` point to it. Returns
         its 40-hex commit id."""
         data = {p: (v.read_bytes() if isinstance(v, Path) else v) for p, v in files.items()}
@@ -98,8 +104,9 @@ class HubServer:
                 self._blobs[hashlib.sha256(b).hexdigest()] = b
         return commit
 
-    def add_folder(self, repo_id: str, folder: Path, extra: dict[str, bytes] | None = None,
-                   **kw) -> str:  # fmt: skip
+    def add_folder(
+        self, repo_id: str, folder: Path, extra: dict[str, bytes] | None = None, **kw
+    ) -> str:
         files: dict[str, bytes | Path] = {
             p.relative_to(folder).as_posix(): p for p in folder.rglob("*") if p.is_file()
         }
@@ -107,8 +114,11 @@ class HubServer:
 
     def requests(self, server: str | None = None, method: str | None = None) -> list[Request]:
         with self._lock:
-            return [r for r in self.log if (server is None or r.server == server)
-                    and (method is None or r.method == method)]  # fmt: skip
+            return [
+                r
+                for r in self.log
+                if (server is None or r.server == server) and (method is None or r.method == method)
+            ]
 
     def fetched(self) -> list[str]:
         """The SHA-256 of each file body the CDN sent (one per GET)."""
@@ -149,8 +159,15 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         auth = self.headers.get("Authorization")
         with self.state._lock:
-            self.state.log.append(Request(self.server_kind, self.command, url.path,
-                                          self.headers.get("Range"), auth is not None))  # fmt: skip
+            self.state.log.append(
+                Request(
+                    self.server_kind,
+                    self.command,
+                    url.path,
+                    self.headers.get("Range"),
+                    auth is not None,
+                )
+            )
         if self.server_kind == "cdn":
             return self._cdn(url.path, body)
         parts = [unquote(p) for p in url.path.split("/")[1:]]
@@ -189,9 +206,17 @@ class _Handler(BaseHTTPRequestHandler):
                     sha = hashlib.sha256(data).hexdigest()
                     entry["lfs"] = {"size": len(data), "sha256": sha, "pointerSize": 134}
             siblings.append(entry)
-        payload = {"_id": commit[:24], "id": repo_id, "modelId": repo_id, "sha": commit,
-                   "private": False, "gated": "manual" if repo.gated else False,
-                   "disabled": False, "tags": [], "siblings": siblings}  # fmt: skip
+        payload = {
+            "_id": commit[:24],
+            "id": repo_id,
+            "modelId": repo_id,
+            "sha": commit,
+            "private": False,
+            "gated": "manual" if repo.gated else False,
+            "disabled": False,
+            "tags": [],
+            "siblings": siblings,
+        }
         self._send(200, json.dumps(payload).encode(), {"Content-Type": "application/json"})
 
     def _resolve(self, repo_id: str, rev: str, path: str, body: bool) -> None:
@@ -207,14 +232,29 @@ class _Handler(BaseHTTPRequestHandler):
         if is_lfs(path, data):
             sha = hashlib.sha256(data).hexdigest()
             text = b"Found. Redirecting"
-            self._send(302, text if body else b"", {
-                "Location": f"{self.state.cdn_url}/lfs/{sha}?X-Amz-Signature=test",
-                "X-Repo-Commit": commit, "ETag": f'"{sha}"', "X-Linked-Etag": f'"{sha}"',
-                "X-Linked-Size": str(len(data))}, length=len(text))  # fmt: skip
+            self._send(
+                302,
+                text if body else b"",
+                {
+                    "Location": f"{self.state.cdn_url}/lfs/{sha}?X-Amz-Signature=test",
+                    "X-Repo-Commit": commit,
+                    "ETag": f'"{sha}"',
+                    "X-Linked-Etag": f'"{sha}"',
+                    "X-Linked-Size": str(len(data)),
+                },
+                length=len(text),
+            )
             return
         name = path.rsplit("/", 1)[-1]
-        self._bytes(data, body, {"X-Repo-Commit": commit, "ETag": f'"{git_blob_id(data)}"',
-                                 "Content-Disposition": f'inline; filename="{name}"'})  # fmt: skip
+        self._bytes(
+            data,
+            body,
+            {
+                "X-Repo-Commit": commit,
+                "ETag": f'"{git_blob_id(data)}"',
+                "Content-Disposition": f'inline; filename="{name}"',
+            },
+        )
 
     def _cdn(self, path: str, body: bool) -> None:
         sha = path.rsplit("/", 1)[-1]

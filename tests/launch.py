@@ -32,14 +32,27 @@ def free_port_base(n: int) -> int:
 
 
 def command(n: int, *args: str) -> list[str]:
-    return [LAUNCH, "--backend", "ring", "-n", str(n), "--starting-port",
-            str(free_port_base(n)), *args]  # fmt: skip
+    return [
+        LAUNCH,
+        "--backend",
+        "ring",
+        "-n",
+        str(n),
+        "--starting-port",
+        str(free_port_base(n)),
+        *args,
+    ]
 
 
 def start(n: int, *args: str, env: dict | None = None) -> subprocess.Popen:
     """The launcher in a session of its own (so a hang guard can end all of it)."""
-    return subprocess.Popen(command(n, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, **(env or {})}, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        command(n, *args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
 
 
 def run(n: int, *args: str, env: dict | None = None, timeout: float = 120) -> tuple[int, str, str]:

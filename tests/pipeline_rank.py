@@ -57,8 +57,11 @@ def run(job: dict, out: Path) -> None:
         model.steps_factory = Recording
         Recording.seen = []
         try:
-            tokens = [e.token for e in mlxlis.generate(model, ids, max_tokens=job["steps"] + 1,
-                                                       stop_ids=set()) if e.token is not None]
+            tokens = [
+                e.token
+                for e in mlxlis.generate(model, ids, max_tokens=job["steps"] + 1, stop_ids=set())
+                if e.token is not None
+            ]
         finally:
             finish(ranks_of(model))
         np.save(out / f"{job['name']}-logits.npy", np.stack(Recording.seen))
@@ -66,14 +69,21 @@ def run(job: dict, out: Path) -> None:
         follow(model)
     part = net.part
     report = {
-        "rank": part.rank, "size": part.size, "start": part.start, "stop": part.stop,
-        "part_bytes": part.nbytes, "ids": ids, "tokens": tokens,
-        "rss_before": before, "peak_rss": proc_bytes("/proc/self/status", "VmHWM"),
+        "rank": part.rank,
+        "size": part.size,
+        "start": part.start,
+        "stop": part.stop,
+        "part_bytes": part.nbytes,
+        "ids": ids,
+        "tokens": tokens,
+        "rss_before": before,
+        "peak_rss": proc_bytes("/proc/self/status", "VmHWM"),
         "weight_bytes": sum(v.nbytes for _, v in _arrays(net)),
         "seconds": time.perf_counter() - start,
-        "layers": sorted({int(k.split(".")[2]) for k, _ in _arrays(net)
-                          if k.startswith("model.layers.")}),
-    }  # fmt: skip
+        "layers": sorted(
+            {int(k.split(".")[2]) for k, _ in _arrays(net) if k.startswith("model.layers.")}
+        ),
+    }
     (out / f"{job['name']}-rank-{part.rank}.json").write_text(json.dumps(report))
     del model, net
     mx.clear_cache()
@@ -88,8 +98,9 @@ def chat_turns(model, turns: list) -> list:
     out = []
     for text, stop_after, leave_after in turns:
         seen = [0]
-        events = session.send(text, should_stop=lambda k=stop_after, seen=seen:
-                              k is not None and seen[0] >= k)  # fmt: skip
+        events = session.send(
+            text, should_stop=lambda k=stop_after, seen=seen: k is not None and seen[0] >= k
+        )
         for ev in events:
             seen[0] += ev.token is not None
             if leave_after is not None and seen[0] >= leave_after:

@@ -19,8 +19,14 @@ STOP_S = 60.0
 
 
 class ServeProcess:
-    def __init__(self, folder: Path, *args: str, api_key: str | None = None, ranks: int = 1,
-                 env: dict[str, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        folder: Path,
+        *args: str,
+        api_key: str | None = None,
+        ranks: int = 1,
+        env: dict[str, str] | None = None,
+    ):
         """`ranks` > 1: under `mlx.launch` (ring over loopback), in a session of its own."""
         self.api_key = api_key
         self.model = args[args.index("-m") + 1]
@@ -34,9 +40,13 @@ class ServeProcess:
             cmd = command(ranks, *cmd)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-                env={**os.environ, **(env or {})}, start_new_session=ranks > 1,
-            )  # fmt: skip
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                env={**os.environ, **(env or {})},
+                start_new_session=ranks > 1,
+            )
         self.port = self._wait_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
 
@@ -78,8 +88,9 @@ class ServeProcess:
             h["Authorization"] = f"Bearer {self.api_key}"
         return h
 
-    def request(self, method: str, path: str, body: Any = None,
-                headers: dict[str, str] | None = None) -> tuple[int, Any]:  # fmt: skip
+    def request(
+        self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
         """(status, parsed JSON body) of one raw request; `body` as bytes is sent as it is."""
         conn = self.connect()
         try:
@@ -90,8 +101,9 @@ class ServeProcess:
         finally:
             conn.close()
 
-    def open_stream(self, path: str, body: dict) -> tuple[http.client.HTTPConnection,
-                                                          http.client.HTTPResponse]:  # fmt: skip
+    def open_stream(
+        self, path: str, body: dict
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """A streaming request whose events the caller reads (`events`) and may abandon."""
         conn = self.connect()
         conn.request("POST", path, body=json.dumps(body).encode(), headers=self.headers())

@@ -415,12 +415,14 @@ def test_pull_never_runs_a_package_build(tmp_path, monkeypatch):
     marker = tmp_path / "setup-py-ran"
     src = tmp_path / "src" / "fake_pkg-1.0"
     src.mkdir(parents=True)
-    (src / "setup.py").write_text(textwrap.dedent(f"""
+    (src / "setup.py").write_text(
+        textwrap.dedent(f"""
         import pathlib
         pathlib.Path({str(marker)!r}).write_text("ran")
         from setuptools import setup
         setup(name="fake-pkg", version="1.0")
-    """))
+    """)
+    )
     (src / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: fake-pkg\nVersion: 1.0\n")
     index = tmp_path / "index"
     index.mkdir()

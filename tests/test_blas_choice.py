@@ -39,8 +39,14 @@ print(blas.state.name, "|", blas.state.notice, "|", ok, "|", mlxlis.__file__)
 
 
 def probe(env: dict, cwd: Path | None = None) -> list[str]:
-    res = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                         env={**os.environ, **env}, cwd=cwd, timeout=120)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        cwd=cwd,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     return [part.strip() for part in res.stdout.strip().split("|")]
 
@@ -89,10 +95,24 @@ def test_without_the_dispatch_everything_works_and_says_so(package_without_dispa
     assert name == "bundled reference BLAS" and ok == "True"
     assert "not built" in notice and "slow bundled BLAS" in notice
     res = subprocess.run(
-        [sys.executable, "-m", "mlxlis", "-m", str(folder), "--no-chat", "--max-tokens", "3",
-         "--verbose", "Hello"],
-        capture_output=True, text=True, cwd=root, timeout=120,
-        env={**os.environ, "MLXLIS_BLAS": "wheel", "PYTHONPATH": str(root)})  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mlxlis",
+            "-m",
+            str(folder),
+            "--no-chat",
+            "--max-tokens",
+            "3",
+            "--verbose",
+            "Hello",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=120,
+        env={**os.environ, "MLXLIS_BLAS": "wheel", "PYTHONPATH": str(root)},
+    )
     assert res.returncode == 0, res.stderr
     notices = [line for line in res.stderr.splitlines() if "notice:" in line]
     assert len(notices) == 1 and "not built" in notices[0], res.stderr

@@ -48,8 +48,12 @@ def check(lib, fn, *arrays, k: int, expect_gemv: bool = False, expect_kernel: bo
     got = fn(*(mx.array(a) for a in arrays))
     mx.eval(got)
     gemv, kernel = lib.mlxlis_gemv_calls() - before[0], lib.mlxlis_skinny_calls() - before[1]
-    within_bound(np.array(got), fn(*(a.astype(np.float64) for a in arrays)),
-                 fn(*(np.abs(a).astype(np.float64) for a in arrays)), k)  # fmt: skip
+    within_bound(
+        np.array(got),
+        fn(*(a.astype(np.float64) for a in arrays)),
+        fn(*(np.abs(a).astype(np.float64) for a in arrays)),
+        k,
+    )
     assert (gemv > 0, kernel > 0) == (expect_gemv, expect_kernel), (gemv, kernel)
 
 
@@ -132,9 +136,19 @@ def test_batch_rows_take_the_kernel(lib, m, k, n):
 @needs_kernel
 def test_batch_kernel_alpha_beta_and_batches(lib):
     c, x, w = r(3, 40), r(3, 24), r(40, 24)
-    check(lib, lambda c, x, w: (mx.addmm(c, x, w.T, alpha=0.5, beta=2.0)
-                                if isinstance(c, mx.array) else 2.0 * c + 0.5 * (x @ w.T)),
-          c, x, w, k=24, expect_kernel=True)  # fmt: skip
+    check(
+        lib,
+        lambda c, x, w: (
+            mx.addmm(c, x, w.T, alpha=0.5, beta=2.0)
+            if isinstance(c, mx.array)
+            else 2.0 * c + 0.5 * (x @ w.T)
+        ),
+        c,
+        x,
+        w,
+        k=24,
+        expect_kernel=True,
+    )
     # a decoding batch as the network shapes it: (B, 1, hidden) by (out, hidden)
     check(lib, lambda x, w: x @ w.T, r(8, 1, 576), r(192, 576), k=576, expect_kernel=True)
 
@@ -143,12 +157,31 @@ def kernel_call(lib, a: np.ndarray, b: np.ndarray, c: np.ndarray, alpha=1.0, bet
     """mlxlis_skinny_gemm on numpy arrays whose rows may be wider than the product's (a[:, :k]
     of a wider array: leading dimensions larger than the sizes)."""
     f32p = ctypes.POINTER(ctypes.c_float)
-    lib.mlxlis_skinny_gemm.argtypes = [ctypes.c_int] * 3 + [ctypes.c_float, f32p, ctypes.c_int,
-        f32p, ctypes.c_int, ctypes.c_float, f32p, ctypes.c_int]  # fmt: skip
+    lib.mlxlis_skinny_gemm.argtypes = [ctypes.c_int] * 3 + [
+        ctypes.c_float,
+        f32p,
+        ctypes.c_int,
+        f32p,
+        ctypes.c_int,
+        ctypes.c_float,
+        f32p,
+        ctypes.c_int,
+    ]
     ptr = lambda x: x.ctypes.data_as(f32p)  # noqa: E731
     (m, k), n = a.shape, b.shape[0]
-    return lib.mlxlis_skinny_gemm(m, n, k, alpha, ptr(a), a.strides[0] // 4, ptr(b),
-                                  b.strides[0] // 4, beta, ptr(c), c.strides[0] // 4)  # fmt: skip
+    return lib.mlxlis_skinny_gemm(
+        m,
+        n,
+        k,
+        alpha,
+        ptr(a),
+        a.strides[0] // 4,
+        ptr(b),
+        b.strides[0] // 4,
+        beta,
+        ptr(c),
+        c.strides[0] // 4,
+    )
 
 
 @needs_kernel
@@ -200,6 +233,11 @@ def test_batch_kernel_shares_and_fork(threads):
     fewer of them taking a share (as ranks sharing a machine's cores set), before and after
     fork() (a child process builds its own pool)."""
     env = {**os.environ, "MLXLIS_SKINNY_THREADS": threads}
-    res = subprocess.run([sys.executable, "-c", SHARES, os.path.dirname(__file__)], env=env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", SHARES, os.path.dirname(__file__)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]

@@ -43,9 +43,15 @@ class Chat:
         env = {**os.environ, "TERM": "xterm-256color", "MLXLIS_DATA": str(tmp_path / "data")}
         exe = Path(sys.executable).with_name("mlxlis")
         self.proc = subprocess.Popen(
-            [str(exe), "chat", "-m", model, *args], stdin=slave, stdout=slave,
-            stderr=slave, env=env, cwd=tmp_path, close_fds=True,
-            start_new_session=True)
+            [str(exe), "chat", "-m", model, *args],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            cwd=tmp_path,
+            close_fds=True,
+            start_new_session=True,
+        )
         os.close(slave)
         self.fd = master
         self.screen = b""
@@ -120,8 +126,17 @@ def test_tiny_model_send_stop_quit(launch, tiny):
     """The same on a tiny random checkpoint (loads in milliseconds; runs without the catalog
     models): a reply stopped mid-way, a finished one, then quit: status 0, nothing printed."""
     folder, _ = tiny("llama_long")  # a context of 131 072: the first reply runs until stopped
-    chat = launch("--chat-template", "chatml", "--max-tokens", "100000", "--temp", "1",
-                  "--seed", "3", model=str(folder))  # fmt: skip
+    chat = launch(
+        "--chat-template",
+        "chatml",
+        "--max-tokens",
+        "100000",
+        "--temp",
+        "1",
+        "--seed",
+        "3",
+        model=str(folder),
+    )
     loaded(chat, "builtin:chatml")
     chat.send(b"Hello" + ENTER)
     chat.wait_for(r"generating…")

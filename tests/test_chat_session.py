@@ -118,8 +118,16 @@ def test_stop_during_prefill_keeps_whole_chunks_and_a_consistent_cache(chat_mode
     ids = trajectory(20, vocab=chat_model.config.vocab_size)
     cache = chat_model.make_cache()
     checks: list[int] = []
-    events = list(mlxlis.generate(chat_model, ids, max_tokens=5, cache=cache, prefill_step=8,
-                                  should_stop=lambda: not checks.append(1)))  # fmt: skip
+    events = list(
+        mlxlis.generate(
+            chat_model,
+            ids,
+            max_tokens=5,
+            cache=cache,
+            prefill_step=8,
+            should_stop=lambda: not checks.append(1),
+        )
+    )
     assert len(checks) == 1  # stopped at the first check, after the first chunk
     (final,) = events
     assert final.token is None and final.finish_reason == "cancelled"

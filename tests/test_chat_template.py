@@ -335,8 +335,9 @@ def test_sandbox_stops_unbounded_work(payload: str):
     TemplateError at one of the sandbox's bounds (operations, sizes, recursion depth), within
     the memory bound, instead of eating the CPU or memory."""
     message = str(refuse(payload))
-    assert re.search(r"exceeded \d+ operations|over the limit|exceeded \d+ char|recursion",
-                     message), message  # fmt: skip
+    assert re.search(
+        r"exceeded \d+ operations|over the limit|exceeded \d+ char|recursion", message
+    ), message
 
 
 def test_errors_name_source_and_line():

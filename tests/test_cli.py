@@ -45,19 +45,36 @@ def test_inspect_reports_on_stdout_and_json_matches_config(tiny):
     assert report["schema"] == 1 and report["family"] == "llama"
     c = report["config"]
     assert (c["layers"], c["hidden_size"], c["intermediate_size"]) == (
-        cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"])
+        cfg["num_hidden_layers"],
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+    )
     assert (c["attention_heads"], c["kv_heads"], c["vocab_size"]) == (
-        cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"])
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["vocab_size"],
+    )
     assert c["rope"]["theta"] == cfg["rope_parameters"]["rope_theta"]
     assert c["context_length"] == cfg["max_position_embeddings"]
-    assert set(report) >= {"model", "path", "format", "quant", "dtype", "device", "blas",
-                           "template", "weights", "stop_ids"}
+    assert set(report) >= {
+        "model",
+        "path",
+        "format",
+        "quant",
+        "dtype",
+        "device",
+        "blas",
+        "template",
+        "weights",
+        "stop_ids",
+    }
     assert report["weights"]["bytes"] > 0
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--min-p", "1"), ("--top-p", "0"),
-                                             ("--temp", "-1"), ("--max-tokens", "0"),
-                                             ("--seed", "x")])
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--min-p", "1"), ("--top-p", "0"), ("--temp", "-1"), ("--max-tokens", "0"), ("--seed", "x")],
+)
 def test_bad_sampling_flag_refused_before_loading(flag, value, tmp_path):
     """The model path does not exist: a flag check that ran after loading would report that
     instead."""
@@ -93,9 +110,11 @@ print(mmapped())
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc allocator settings")
 def test_import_leaves_the_allocator_alone_setup_process_tunes_it():
-    plain = subprocess.run([sys.executable, "-c", MALLOPT_PROBE, "import"],
-                           capture_output=True, text=True, timeout=120)
+    plain = subprocess.run(
+        [sys.executable, "-c", MALLOPT_PROBE, "import"], capture_output=True, text=True, timeout=120
+    )
     assert plain.stdout.split() == ["True"], plain.stderr  # glibc's defaults kept
-    tuned = subprocess.run([sys.executable, "-c", MALLOPT_PROBE, "setup"],
-                           capture_output=True, text=True, timeout=120)
+    tuned = subprocess.run(
+        [sys.executable, "-c", MALLOPT_PROBE, "setup"], capture_output=True, text=True, timeout=120
+    )
     assert tuned.stdout.split() == ["False"], tuned.stderr  # now served from the heap

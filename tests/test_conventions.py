@@ -41,9 +41,11 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -
     """convert_hf_to_gguf.py, LlamaModel.permute (the reference, verbatim up to numpy)."""
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2)
-            .reshape(weights.shape))  # fmt: skip
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def undo(name: str, arr: mx.array, cfg: ModelConfig, part: str) -> mx.array:
@@ -73,17 +75,26 @@ def qwen35_layout(fam: str) -> bool:
 
 
 def config(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 16) -> ModelConfig:
-    return ModelConfig(family=family, vocab_size=64, hidden_size=heads * head_dim,
-                       intermediate_size=64, num_hidden_layers=1, num_attention_heads=heads,
-                       num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-6,
-                       rope=RopeConfig(theta=10000.0))  # fmt: skip
+    return ModelConfig(
+        family=family,
+        vocab_size=64,
+        hidden_size=heads * head_dim,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=10000.0),
+    )
 
 
 # --- un-permute ---
 
 
-@pytest.mark.parametrize("n_heads,head_dim", [(1, 8), (2, 8), (3, 64), (4, 16), (9, 64),
-                                              (14, 64), (32, 4)])  # fmt: skip
+@pytest.mark.parametrize(
+    "n_heads,head_dim", [(1, 8), (2, 8), (3, 64), (4, 16), (9, 64), (14, 64), (32, 4)]
+)
 def test_unpermute_inverts_llama_cpp_permute(n_heads: int, head_dim: int):
     """Reference parity: unpermute_rows(permute(w)) == w exactly, for weights and 1-D biases."""
     rng = np.random.default_rng(n_heads * head_dim)
@@ -100,8 +111,9 @@ def test_unpermute_commutes_with_dequantize(bits: int):
     """Rows are independent in MLX's quantized layout: un-permuting the packed codes, scales
     and biases and then dequantizing equals dequantizing and then un-permuting."""
     n_heads, head_dim = 6, 16
-    w = mx.array(np.random.default_rng(bits).standard_normal((n_heads * head_dim, 128)),
-                 dtype=mx.float32)  # fmt: skip
+    w = mx.array(
+        np.random.default_rng(bits).standard_normal((n_heads * head_dim, 128)), dtype=mx.float32
+    )
     q = mx.quantize(w, group_size=32, bits=bits)
     kw = dict(group_size=32, bits=bits)
     after = mx.dequantize(*(unpermute_rows(a, n_heads) for a in q), **kw)
@@ -126,8 +138,12 @@ def test_undo_unpermutes_q_with_heads_and_k_with_kv_heads():
         got = undo(f"model.layers.0.{name}", mx.array(fq), cfg, "weight")
         assert np.array_equal(np.array(got), fq)
     for fam in REGISTRY:  # llama.cpp permutes llama only
-        got = undo("model.layers.0.self_attn.q_proj.weight", mx.array(fq),
-                   config(fam, heads=8, kv_heads=2), "weight")  # fmt: skip
+        got = undo(
+            "model.layers.0.self_attn.q_proj.weight",
+            mx.array(fq),
+            config(fam, heads=8, kv_heads=2),
+            "weight",
+        )
         assert np.array_equal(np.array(got), q if permuted_by_llama_cpp(fam) else fq), fam
 
 
@@ -181,8 +197,9 @@ def test_every_family_declares_exactly_llama_cpps_conventions():
             want += ["UNPERMUTE_Q", "UNPERMUTE_K"]
         if norms_plus_one_in_gguf(fam):
             want += ["NORM_MINUS_ONE"]
-        names = {id(getattr(conventions, n)): n
-                 for n in ("UNPERMUTE_Q", "UNPERMUTE_K", "NORM_MINUS_ONE")}  # fmt: skip
+        names = {
+            id(getattr(conventions, n)): n for n in ("UNPERMUTE_Q", "UNPERMUTE_K", "NORM_MINUS_ONE")
+        }
         assert [names[id(x)] for x in spec.gguf_conventions] == want, fam
 
 
@@ -217,9 +234,16 @@ def test_name_tables():
 
 # --- a synthetic llama GGUF, written as llama.cpp's converter writes it ---
 
-TINY_LLAMA = dict(kind="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
-                  max_position_embeddings=256)  # fmt: skip
+TINY_LLAMA = dict(
+    kind="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+)
 BLOCK = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
@@ -243,9 +267,15 @@ def gguf_name(hf: str) -> str:
     return f"blk.{i}.{BLOCK[rest]}.{part}"
 
 
-def write_llama_gguf(path: Path, ref, folder: Path, qtype: str = "F32", drop: tuple = (),
-                     extra: tuple = (), rope_freqs: np.ndarray | None = None,
-                     ) -> dict[str, np.ndarray]:  # fmt: skip
+def write_llama_gguf(
+    path: Path,
+    ref,
+    folder: Path,
+    qtype: str = "F32",
+    drop: tuple = (),
+    extra: tuple = (),
+    rope_freqs: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
     """Write `ref` (a transformers llama) as a GGUF; returns the HF state dict the file holds
     (the original weights, or their Q8_0 round trip)."""
     cfg = ref.config

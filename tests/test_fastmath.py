@@ -135,8 +135,7 @@ def test_attention(t, offset, window, softcap):
     mask = "causal" if window is None and t > 1 else None
     if window is not None:
         mask = mx.array(keep)
-    got = np.array(attention.attend(mx.array(q), mx.array(k), mx.array(v), d**-0.5, mask,
-                                    softcap))  # fmt: skip
+    got = np.array(attention.attend(mx.array(q), mx.array(k), mx.array(v), d**-0.5, mask, softcap))
     want = reference_attention(q, k, v, d**-0.5, keep, softcap)
     assert np.abs(got - want).max() < 2e-6
     if softcap is None:

@@ -139,8 +139,9 @@ SCALARS = (
 )
 JSONISH = st.recursive(
     SCALARS,
-    lambda kids: st.lists(kids, max_size=4)
-    | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+    lambda kids: (
+        st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -180,20 +181,32 @@ def safetensors_files(draw) -> bytes:
             dt = draw(st.sampled_from([np.float32, np.float16, np.int32, np.uint8, np.uint32]))
             arrays[f"t{i}"] = np.ones(shape, dt)
         with tempfile.TemporaryDirectory() as d:
-            save_file(arrays, f"{d}/x.safetensors", metadata=draw(
-                st.none() | st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2)))
+            save_file(
+                arrays,
+                f"{d}/x.safetensors",
+                metadata=draw(
+                    st.none()
+                    | st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2)
+                ),
+            )
             data = Path(f"{d}/x.safetensors").read_bytes()
         return mutate(data, draw(MUTATIONS)) if draw(st.booleans()) else data
     if kind == 1:  # a structured header with random fields
-        entries = draw(st.dictionaries(
-            st.text(max_size=6),
-            st.fixed_dictionaries({}, optional={
-                "dtype": st.sampled_from(DTYPES) | JSONISH,
-                "shape": st.lists(st.integers(-2, 2**33), max_size=9) | JSONISH,
-                "data_offsets": st.lists(st.integers(-4, 2**65), max_size=3) | JSONISH,
-            }) | JSONISH,
-            max_size=4,
-        ))  # fmt: skip
+        entries = draw(
+            st.dictionaries(
+                st.text(max_size=6),
+                st.fixed_dictionaries(
+                    {},
+                    optional={
+                        "dtype": st.sampled_from(DTYPES) | JSONISH,
+                        "shape": st.lists(st.integers(-2, 2**33), max_size=9) | JSONISH,
+                        "data_offsets": st.lists(st.integers(-4, 2**65), max_size=3) | JSONISH,
+                    },
+                )
+                | JSONISH,
+                max_size=4,
+            )
+        )
         if draw(st.booleans()):
             entries["__metadata__"] = draw(JSONISH)
         blob = json.dumps(entries).encode()
@@ -289,13 +302,57 @@ def check_manifest_text(folder: Path, text: str, suffix: str) -> None:
 
 
 YAML_FRAGMENTS = [
-    "a", "b: ", "- ", "  ", "\n", ": ", "? ", "{", "}", "[", "]", ", ", "'q'", '"d\\x41"',
-    "&x ", "*x", "!!python/object/apply:os.system ", "!foo ", "!!str ", "!!int ", "! ",
-    "<<: ", "%TAG ! tag:x,2000:\n", "%YAML 1.1\n", "---\n", "...\n", "|\n  ", ">\n  ", "#c",
-    "sources:", "bindings:", "type: safetensors", "files: '*.safetensors'", "key: ", "source: ",
-    "model.layers.{i}.mlp.up_proj.weight", "{i}", "{i+1}", "0x1F", "1:2:3", ".inf", "~",
-    "null", "yes", "2001-12-14", "\t", "\x00", "\ufeff", "é", "\\",
-]  # fmt: skip
+    "a",
+    "b: ",
+    "- ",
+    "  ",
+    "\n",
+    ": ",
+    "? ",
+    "{",
+    "}",
+    "[",
+    "]",
+    ", ",
+    "'q'",
+    '"d\\x41"',
+    "&x ",
+    "*x",
+    "!!python/object/apply:os.system ",
+    "!foo ",
+    "!!str ",
+    "!!int ",
+    "! ",
+    "<<: ",
+    "%TAG ! tag:x,2000:\n",
+    "%YAML 1.1\n",
+    "---\n",
+    "...\n",
+    "|\n  ",
+    ">\n  ",
+    "#c",
+    "sources:",
+    "bindings:",
+    "type: safetensors",
+    "files: '*.safetensors'",
+    "key: ",
+    "source: ",
+    "model.layers.{i}.mlp.up_proj.weight",
+    "{i}",
+    "{i+1}",
+    "0x1F",
+    "1:2:3",
+    ".inf",
+    "~",
+    "null",
+    "yes",
+    "2001-12-14",
+    "\t",
+    "\x00",
+    "\ufeff",
+    "é",
+    "\\",
+]
 
 
 @FUZZ
@@ -322,58 +379,123 @@ def tiny_model(work) -> tuple[Path, dict]:
 
     folder = work / "tiny"
     folder.mkdir()
-    cfg = dict(model_type="llama", vocab_size=16, hidden_size=8, intermediate_size=16,
-               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-               tie_word_embeddings=False)  # fmt: skip
+    cfg = dict(
+        model_type="llama",
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
     (folder / "config.json").write_text(json.dumps(cfg))
     net = build_model(config_from_hf(cfg))
     tensors = {k: np.array(v) for k, v in tree_flatten(net.parameters())}
     tensors["extra.weight"] = np.zeros(3, np.float32)
     save_file(tensors, folder / "model.safetensors")
-    save_file({"x.weight": np.zeros((8, 8), np.float16), "x.int": np.zeros(8, np.int32),
-               "q.scales": np.ones((16, 1), np.float32), "q.packed": np.zeros((16, 1), np.uint32)},
-              folder / "other.safetensors")  # fmt: skip
+    save_file(
+        {
+            "x.weight": np.zeros((8, 8), np.float16),
+            "x.int": np.zeros(8, np.int32),
+            "q.scales": np.ones((16, 1), np.float32),
+            "q.packed": np.zeros((16, 1), np.uint32),
+        },
+        folder / "other.safetensors",
+    )
     return folder, cfg
 
 
 PARAMS = [
-    "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-    "model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
-    "model.layers.{i}.mlp.up_proj.weight", "model.layers.{i}.mlp.up_proj.scales",
-    "model.layers.{i}.mlp.up_proj.biases", "model.layers.0.input_layernorm.weight",
-    "model.layers.9.self_attn.q_proj.weight", "nope", "model.layers.{i}.{i}", "{j}", "",
-]  # fmt: skip
-KEYS = PARAMS + ["extra.weight", "x.weight", "x.int", "q.scales", "q.packed",
-                 "model.layers.{i}.self_attn.v_proj.weight"]  # fmt: skip
-QUANT_BLOCKS = st.none() | JSONISH | st.sampled_from([
-    {"group_size": 0, "bits": 4}, {"group_size": 32, "bits": 0}, {"group_size": "x"},
-    {"group_size": 32, "bits": 4, "mode": "mxfp4"}, {"group_size": 8, "bits": 4},
-    {"group_size": 32, "bits": 4, "model.layers.0.mlp.up_proj": False},
-    {"group_size": 32, "bits": 4, "model.layers.0.mlp.up_proj": {"group_size": 0}},
-])  # fmt: skip
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+    "model.norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight",
+    "model.layers.{i}.self_attn.k_proj.weight",
+    "model.layers.{i}.mlp.up_proj.weight",
+    "model.layers.{i}.mlp.up_proj.scales",
+    "model.layers.{i}.mlp.up_proj.biases",
+    "model.layers.0.input_layernorm.weight",
+    "model.layers.9.self_attn.q_proj.weight",
+    "nope",
+    "model.layers.{i}.{i}",
+    "{j}",
+    "",
+]
+KEYS = PARAMS + [
+    "extra.weight",
+    "x.weight",
+    "x.int",
+    "q.scales",
+    "q.packed",
+    "model.layers.{i}.self_attn.v_proj.weight",
+]
+QUANT_BLOCKS = (
+    st.none()
+    | JSONISH
+    | st.sampled_from(
+        [
+            {"group_size": 0, "bits": 4},
+            {"group_size": 32, "bits": 0},
+            {"group_size": "x"},
+            {"group_size": 32, "bits": 4, "mode": "mxfp4"},
+            {"group_size": 8, "bits": 4},
+            {"group_size": 32, "bits": 4, "model.layers.0.mlp.up_proj": False},
+            {"group_size": 32, "bits": 4, "model.layers.0.mlp.up_proj": {"group_size": 0}},
+        ]
+    )
+)
 SOURCE_NAMES = ["model", "other", "s", "bad name", ""]
 
 
 @st.composite
 def manifests(draw) -> object:
-    value = st.sampled_from(KEYS) | st.fixed_dictionaries(
-        {"key": st.sampled_from(KEYS)},
-        optional={"source": st.sampled_from(SOURCE_NAMES), "extra": JSONISH},
-    ) | JSONISH
-    bindings = draw(st.dictionaries(st.sampled_from(PARAMS) | st.text(max_size=6), value,
-                                    max_size=6))  # fmt: skip
+    value = (
+        st.sampled_from(KEYS)
+        | st.fixed_dictionaries(
+            {"key": st.sampled_from(KEYS)},
+            optional={"source": st.sampled_from(SOURCE_NAMES), "extra": JSONISH},
+        )
+        | JSONISH
+    )
+    bindings = draw(
+        st.dictionaries(st.sampled_from(PARAMS) | st.text(max_size=6), value, max_size=6)
+    )
     if draw(st.booleans()):
         return bindings  # the flat form (or garbage in it)
-    sources = draw(st.none() | st.dictionaries(
-        st.sampled_from(SOURCE_NAMES),
-        st.fixed_dictionaries({"type": st.sampled_from(["safetensors", "gguf"]) | JSONISH},
-                              optional={"files": st.sampled_from(
-                                  ["*.safetensors", "other.safetensors", "model.safetensors",
-                                   "*", "../*", "/etc/passwd", "**/*.safetensors", "nothing*",
-                                   ".", "./", "***", "[", "x/**/"]) | st.text(max_size=8)
-                                  | st.lists(st.sampled_from(["*.safetensors", "x"]), max_size=2)
-                                  | JSONISH}) | JSONISH,
-        max_size=3))  # fmt: skip
+    sources = draw(
+        st.none()
+        | st.dictionaries(
+            st.sampled_from(SOURCE_NAMES),
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["safetensors", "gguf"]) | JSONISH},
+                optional={
+                    "files": st.sampled_from(
+                        [
+                            "*.safetensors",
+                            "other.safetensors",
+                            "model.safetensors",
+                            "*",
+                            "../*",
+                            "/etc/passwd",
+                            "**/*.safetensors",
+                            "nothing*",
+                            ".",
+                            "./",
+                            "***",
+                            "[",
+                            "x/**/",
+                        ]
+                    )
+                    | st.text(max_size=8)
+                    | st.lists(st.sampled_from(["*.safetensors", "x"]), max_size=2)
+                    | JSONISH
+                },
+            )
+            | JSONISH,
+            max_size=3,
+        )
+    )
     out: dict = {"bindings": bindings}
     if sources is not None:
         out["sources"] = sources
@@ -406,11 +528,17 @@ def check_plan(
 @FUZZ
 @given(data=manifests(), strict=st.booleans(), quant=QUANT_BLOCKS)
 @example(data={"lm_head.weight": "model.embed_tokens.weight"}, strict=False, quant=None)
-@example(data={"bindings": {"model.layers.{i}.mlp.up_proj.scales": {"source": "other",
-                                                                   "key": "q.scales"}},
-               "sources": {"model": {"type": "safetensors"},
-                           "other": {"type": "safetensors", "files": "other.safetensors"}}},
-         strict=False, quant={"group_size": 0, "bits": 4})  # fmt: skip
+@example(
+    data={
+        "bindings": {"model.layers.{i}.mlp.up_proj.scales": {"source": "other", "key": "q.scales"}},
+        "sources": {
+            "model": {"type": "safetensors"},
+            "other": {"type": "safetensors", "files": "other.safetensors"},
+        },
+    },
+    strict=False,
+    quant={"group_size": 0, "bits": 4},
+)
 def test_fuzz_manifest_plan(tiny_model, data, strict, quant):
     folder, cfg = tiny_model
     check_plan(folder, cfg, data, strict, quant)
@@ -419,20 +547,122 @@ def test_fuzz_manifest_plan(tiny_model, data, strict, quant):
 # ---------------------------------------------------------------- 4. chat templates
 
 TEMPLATE_FRAGMENTS = [
-    "{{", "}}", "{%", "%}", "{#", "#}", "{%-", "-%}", " ", "\n", "x", "messages", "message",
-    "for m in messages", "endfor", "if", "elif", "else", "endif", "set", "ns", "=", "namespace(",
-    "(", ")", "[", "]", "{", "}", ",", ".", "|", ":", "~", "+", "-", "*", "**", "/", "//", "%",
-    "'a'", '"b"', "0", "1", "7", "99999999", "10**9", "9**9**9", "range(", "loop", "loop.index",
-    "recursive", "macro m()", "endmacro", "m()", "call", "endcall", "caller()", "raw", "endraw",
-    "filter upper", "endfilter", "include 'x'", "import 'os' as os", "extends 'b'", "block b",
-    "endblock", "self", "__class__", "__mro__", "__subclasses__()", "__globals__", "__init__",
-    "__builtins__", "cycler", "joiner", "lipsum", "dict", "raise_exception('no')",
-    "strftime_now('%Y')", "tojson", "tojson(indent=99999)", "join", "center(99999999)",
-    "format", "replace('', 'xx')", "batch(9999999)", "items()", "append(1)", "pop()",
-    "'%s' % ", "'{}'.format", "format_map", "content", "role", "add_generation_prompt",
-    "bos_token", "eos_token", "tools", "is defined", "is none", "not", "and", "or", "in",
-    "generation", "endgeneration", "break", "continue", "do", "with", "endwith", "true", "none",
-]  # fmt: skip
+    "{{",
+    "}}",
+    "{%",
+    "%}",
+    "{#",
+    "#}",
+    "{%-",
+    "-%}",
+    " ",
+    "\n",
+    "x",
+    "messages",
+    "message",
+    "for m in messages",
+    "endfor",
+    "if",
+    "elif",
+    "else",
+    "endif",
+    "set",
+    "ns",
+    "=",
+    "namespace(",
+    "(",
+    ")",
+    "[",
+    "]",
+    "{",
+    "}",
+    ",",
+    ".",
+    "|",
+    ":",
+    "~",
+    "+",
+    "-",
+    "*",
+    "**",
+    "/",
+    "//",
+    "%",
+    "'a'",
+    '"b"',
+    "0",
+    "1",
+    "7",
+    "99999999",
+    "10**9",
+    "9**9**9",
+    "range(",
+    "loop",
+    "loop.index",
+    "recursive",
+    "macro m()",
+    "endmacro",
+    "m()",
+    "call",
+    "endcall",
+    "caller()",
+    "raw",
+    "endraw",
+    "filter upper",
+    "endfilter",
+    "include 'x'",
+    "import 'os' as os",
+    "extends 'b'",
+    "block b",
+    "endblock",
+    "self",
+    "__class__",
+    "__mro__",
+    "__subclasses__()",
+    "__globals__",
+    "__init__",
+    "__builtins__",
+    "cycler",
+    "joiner",
+    "lipsum",
+    "dict",
+    "raise_exception('no')",
+    "strftime_now('%Y')",
+    "tojson",
+    "tojson(indent=99999)",
+    "join",
+    "center(99999999)",
+    "format",
+    "replace('', 'xx')",
+    "batch(9999999)",
+    "items()",
+    "append(1)",
+    "pop()",
+    "'%s' % ",
+    "'{}'.format",
+    "format_map",
+    "content",
+    "role",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+    "tools",
+    "is defined",
+    "is none",
+    "not",
+    "and",
+    "or",
+    "in",
+    "generation",
+    "endgeneration",
+    "break",
+    "continue",
+    "do",
+    "with",
+    "endwith",
+    "true",
+    "none",
+]
 
 DANGEROUS = [
     "{{ ''.__class__.__mro__[1].__subclasses__() }}",
@@ -508,35 +738,101 @@ def test_fuzz_dangerous_templates(i):
 # ---------------------------------------------------------------- 5. config.json
 
 CONFIG_KEYS = [
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
-    "rope_scaling", "rope_parameters", "max_position_embeddings", "tie_word_embeddings",
-    "attention_bias", "mlp_bias", "hidden_act", "hidden_activation", "bos_token_id",
-    "eos_token_id", "text_config", "quantization", "quantization_config", "layer_types",
-    "sliding_window", "sliding_window_pattern", "query_pre_attn_scalar",
-    "attn_logit_softcapping", "final_logit_softcapping", "rope_local_base_freq",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "hidden_act",
+    "hidden_activation",
+    "bos_token_id",
+    "eos_token_id",
+    "text_config",
+    "quantization",
+    "quantization_config",
+    "layer_types",
+    "sliding_window",
+    "sliding_window_pattern",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "rope_local_base_freq",
     "use_bidirectional_attention",
     # experts and hybrid layers (Qwen3-MoE, Qwen3.5)
-    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-    "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-    "mlp_only_layers", "use_sliding_window", "full_attention_interval",
-    "partial_rotary_factor", "linear_num_key_heads", "linear_num_value_heads",
-    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
-]  # fmt: skip
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "use_sliding_window",
+    "full_attention_interval",
+    "partial_rotary_factor",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+]
 MODEL_TYPES = sorted(HF_MODEL_TYPES)  # every registered family
-BASE_CONFIG = dict(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32,
-                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                   rope_theta=10000.0)  # fmt: skip
-CONFIG_VALUES = JSONISH | st.sampled_from(MODEL_TYPES) | st.sampled_from(
-    ["false", [0, 1, 99], ["linear_attention", "full_attention"], 0.25,
-     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-      "original_max_position_embeddings": 8192},
-     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": [], "high_freq_factor": 4.0,
-      "original_max_position_embeddings": float("inf")},
-     {"rope_type": "linear", "factor": float("nan")}, {"rope_type": "yarn"},
-     {"full_attention": {"rope_theta": 1e6}, "sliding_attention": 5},
-     ["full_attention", "sliding_attention"], "gelu_pytorch_tanh", 2**20 + 1, 1025, 0, -1]
-)  # fmt: skip
+BASE_CONFIG = dict(
+    model_type="llama",
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    rope_theta=10000.0,
+)
+CONFIG_VALUES = (
+    JSONISH
+    | st.sampled_from(MODEL_TYPES)
+    | st.sampled_from(
+        [
+            "false",
+            [0, 1, 99],
+            ["linear_attention", "full_attention"],
+            0.25,
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": [],
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": float("inf"),
+            },
+            {"rope_type": "linear", "factor": float("nan")},
+            {"rope_type": "yarn"},
+            {"full_attention": {"rope_theta": 1e6}, "sliding_attention": 5},
+            ["full_attention", "sliding_attention"],
+            "gelu_pytorch_tanh",
+            2**20 + 1,
+            1025,
+            0,
+            -1,
+        ]
+    )
+)
 
 
 @st.composite
@@ -553,8 +849,10 @@ def configs(draw) -> tuple[object, object]:
                 cfg[key] = draw(CONFIG_VALUES)
         if draw(st.integers(0, 5)) == 0:
             cfg = {"model_type": "gemma3", "text_config": cfg}
-    generation = draw(st.none() | st.dictionaries(
-        st.sampled_from(["eos_token_id", "bos_token_id"]), JSONISH, max_size=2))  # fmt: skip
+    generation = draw(
+        st.none()
+        | st.dictionaries(st.sampled_from(["eos_token_id", "bos_token_id"]), JSONISH, max_size=2)
+    )
     return cfg, generation
 
 

@@ -34,49 +34,105 @@ import torch
 from conftest import build_tiny, randomize, tiny_models, train_tokenizer, trajectory
 
 S, F = "sliding_attention", "full_attention"
-COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, head_dim=16,
-              sliding_window=8, max_position_embeddings=512, rms_norm_eps=1e-6)  # fmt: skip
-ROPE = {S: {"rope_type": "default", "rope_theta": 10000.0},
-        F: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    head_dim=16,
+    sliding_window=8,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+ROPE = {
+    S: {"rope_type": "default", "rope_theta": 10000.0},
+    F: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+}
 SPECS = {
     # E2B-like: per-layer inputs, the last 2 of 6 layers KV-shared with double-wide MLPs,
     # full layers of head_dim 32 (4 of 16 pairs turned), final softcap, tied
-    "e2b": dict(num_hidden_layers=6, num_key_value_heads=1, global_head_dim=32,
-                layer_types=[S, S, S, F, S, F], num_kv_shared_layers=2,
-                hidden_size_per_layer_input=16, vocab_size_per_layer_input=400,
-                use_double_wide_mlp=True, final_logit_softcapping=30.0, rope_parameters=ROPE,
-                tie_word_embeddings=True),
+    "e2b": dict(
+        num_hidden_layers=6,
+        num_key_value_heads=1,
+        global_head_dim=32,
+        layer_types=[S, S, S, F, S, F],
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=400,
+        use_double_wide_mlp=True,
+        final_logit_softcapping=30.0,
+        rope_parameters=ROPE,
+        tie_word_embeddings=True,
+    ),
     # 26B-A4B-like: MoE (top-2 of 4) beside the dense MLP, attention_k_eq_v with 1 global KV
     # head (2 on sliding layers), no per-layer inputs, 8 of 16 pairs turned, untied
-    "moe": dict(num_hidden_layers=4, num_key_value_heads=2, global_head_dim=32,
-                num_global_key_value_heads=1, attention_k_eq_v=True, layer_types=[S, F, S, F],
-                hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
-                top_k_experts=2, moe_intermediate_size=32, tie_word_embeddings=False,
-                rope_parameters={**ROPE, F: {**ROPE[F], "partial_rotary_factor": 0.5}}),
+    "moe": dict(
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        layer_types=[S, F, S, F],
+        hidden_size_per_layer_input=0,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        tie_word_embeddings=False,
+        rope_parameters={**ROPE, F: {**ROPE[F], "partial_rotary_factor": 0.5}},
+    ),
     # RoPE variants (Hugging Face only: llama.cpp's converter writes no RoPE factor): a
     # proportional factor on full layers, proportional RoPE on sliding layers too, 31B-like
     # attention_k_eq_v without global KV heads
-    "rope": dict(num_hidden_layers=4, num_key_value_heads=2, global_head_dim=24,
-                 attention_k_eq_v=True, layer_types=[S, F, S, F], hidden_size_per_layer_input=0,
-                 rope_parameters={S: {"rope_type": "proportional", "partial_rotary_factor": 0.5,
-                                      "rope_theta": 10000.0},
-                                  F: {"rope_type": "proportional", "factor": 2.0,
-                                      "partial_rotary_factor": 0.75, "rope_theta": 1e6}}),
+    "rope": dict(
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        global_head_dim=24,
+        attention_k_eq_v=True,
+        layer_types=[S, F, S, F],
+        hidden_size_per_layer_input=0,
+        rope_parameters={
+            S: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 10000.0},
+            F: {
+                "rope_type": "proportional",
+                "factor": 2.0,
+                "partial_rotary_factor": 0.75,
+                "rope_theta": 1e6,
+            },
+        },
+    ),
     # everything at once: per-layer inputs, KV sharing, double-wide, k_eq_v, MoE, softcap
-    "all": dict(num_hidden_layers=5, num_key_value_heads=2, global_head_dim=32,
-                num_global_key_value_heads=1, attention_k_eq_v=True, layer_types=[S, S, F, S, F],
-                num_kv_shared_layers=2, hidden_size_per_layer_input=16,
-                vocab_size_per_layer_input=400, use_double_wide_mlp=True,
-                enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
-                final_logit_softcapping=30.0, rope_parameters=ROPE, tie_word_embeddings=True),
-}  # fmt: skip
+    "all": dict(
+        num_hidden_layers=5,
+        num_key_value_heads=2,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        layer_types=[S, S, F, S, F],
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=400,
+        use_double_wide_mlp=True,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        final_logit_softcapping=30.0,
+        rope_parameters=ROPE,
+        tie_word_embeddings=True,
+    ),
+}
 NAMES = list(SPECS)
 
 
 def build(folder: Path, spec: dict, seed: int = 0):
     """A tiny random gemma4_text checkpoint written by transformers; the model (fp32, eval)."""
-    return build_tiny(folder, {"kind": "gemma4_text", **COMMON, **spec}, seed,
-                      adjust=lambda m: scalar_noise(m, seed), pad_token_id=1)  # fmt: skip
+    return build_tiny(
+        folder,
+        {"kind": "gemma4_text", **COMMON, **spec},
+        seed,
+        adjust=lambda m: scalar_noise(m, seed),
+        pad_token_id=1,
+    )
 
 
 def scalar_noise(model, seed: int) -> None:
@@ -174,8 +230,14 @@ def test_mlx_quantized_folder_matches_mlx_lm(gemma4, name, tmp_path):
 
     folder, _ = gemma4(name)
     out = tmp_path / "q4"
-    mlx_lm_convert(str(classic_copy(folder, tmp_path / "classic")), str(out), quantize=True,
-                   q_group_size=32, q_bits=4, dtype="float32")  # fmt: skip
+    mlx_lm_convert(
+        str(classic_copy(folder, tmp_path / "classic")),
+        str(out),
+        quantize=True,
+        q_group_size=32,
+        q_bits=4,
+        dtype="float32",
+    )
     model = mlxlis.load(out, "float32")
     assert model.format == "safetensors (MLX quantized)"
     if name == "moe":
@@ -205,8 +267,10 @@ def test_cached_decode_equals_full_forward(gemma4, name):
     assert np.abs(np.stack(steps) - full).max() < 3e-4
     for chunk in (5, 16):
         cache = model.make_cache()
-        outs = [np.array(model.net(mx.array([ids[s : s + chunk]]), cache=cache)[0])
-                for s in range(0, len(ids), chunk)]  # fmt: skip
+        outs = [
+            np.array(model.net(mx.array([ids[s : s + chunk]]), cache=cache)[0])
+            for s in range(0, len(ids), chunk)
+        ]
         assert np.abs(np.concatenate(outs) - full).max() < 3e-4, chunk
     cache = model.make_cache()
     last = np.array(prefill(model.net, ids, cache, step=40)[0])
@@ -224,10 +288,17 @@ def test_multimodal_wrapper_loads(tmp_path):
     folder = tmp_path / "mm"
     folder.mkdir()
     vocab = train_tokenizer(folder)
-    text = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=2, pad_token_id=1, **COMMON,
-                **SPECS["e2b"])  # fmt: skip
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    text = dict(
+        vocab_size=vocab, bos_token_id=0, eos_token_id=2, pad_token_id=1, **COMMON, **SPECS["e2b"]
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     cfg = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
     cfg.text_config._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -264,8 +335,9 @@ def test_convert_round_trip_and_mlx_lm(gemma4, name, tmp_path):
     src, again = mlxlis.load(folder, "float32"), mlxlis.load(out, "float32")
     ids = trajectory(40, vocab=400)
     assert bool(mx.array_equal(again.logits(ids), src.logits(ids)))
-    assert again.config == src.config.with_(source=again.config.source,
-                                            eos_token_ids=again.config.eos_token_ids)
+    assert again.config == src.config.with_(
+        source=again.config.source, eos_token_ids=again.config.eos_token_ids
+    )
     theirs_model, _ = mlx_lm_load(str(out))
     theirs = np.array(theirs_model(mx.array([ids]))[0].astype(mx.float32))
     assert np.abs(np.array(again.logits(ids)) - theirs).max() < 2e-4
@@ -277,19 +349,36 @@ def test_convert_round_trip_and_mlx_lm(gemma4, name, tmp_path):
 
 
 BAD = [  # (change to config.json, error class, field it names)
-    ({"rope_parameters": {**ROPE, F: {"rope_type": "yarn", "factor": 2.0}}}, UnsupportedError,
-     "rope_parameters.full_attention.rope_type"),
+    (
+        {"rope_parameters": {**ROPE, F: {"rope_type": "yarn", "factor": 2.0}}},
+        UnsupportedError,
+        "rope_parameters.full_attention.rope_type",
+    ),
     ({"num_kv_shared_layers": 6}, ConfigError, "num_kv_shared_layers"),
-    ({"per_layer_config": {"3": {"head_dim": 32, "intermediate_size": 8}}}, UnsupportedError,
-     "per_layer_config.3.intermediate_size"),
-    ({"per_layer_config": {"3": {"num_key_value_heads": 3}, "5": {"num_key_value_heads": 3}}},
-     ConfigError, "per_layer_config"),
+    (
+        {"per_layer_config": {"3": {"head_dim": 32, "intermediate_size": 8}}},
+        UnsupportedError,
+        "per_layer_config.3.intermediate_size",
+    ),
+    (
+        {"per_layer_config": {"3": {"num_key_value_heads": 3}, "5": {"num_key_value_heads": 3}}},
+        ConfigError,
+        "per_layer_config",
+    ),
     ({"per_layer_config": {"3": {"head_dim": 32}}}, UnsupportedError, "per_layer_config"),
-    ({"enable_moe_block": True, "num_experts": 2, "top_k_experts": 3,
-      "moe_intermediate_size": 8}, ConfigError, "top_k_experts"),
+    (
+        {
+            "enable_moe_block": True,
+            "num_experts": 2,
+            "top_k_experts": 3,
+            "moe_intermediate_size": 8,
+        },
+        ConfigError,
+        "top_k_experts",
+    ),
     ({"use_bidirectional_attention": "all"}, UnsupportedError, "use_bidirectional_attention"),
     ({"hidden_activation": "relu"}, UnsupportedError, "hidden_activation"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("change,error,field", BAD)

@@ -45,8 +45,14 @@ Q = gguf.GGMLQuantizationType
 def full_shape(hp: dict) -> tuple[int, int | None]:
     """(full head dim, full KV heads or None) as the converter finds them in config.json:
     global_* keys, else a full layer's per_layer_config (what transformers 5 saves)."""
-    full = next((v for i, v in (hp.get("per_layer_config") or {}).items()
-                 if hp["layer_types"][int(i)] == "full_attention"), {})  # fmt: skip
+    full = next(
+        (
+            v
+            for i, v in (hp.get("per_layer_config") or {}).items()
+            if hp["layer_types"][int(i)] == "full_attention"
+        ),
+        {},
+    )
     hd = hp.get("global_head_dim") or full.get("head_dim")
     return hd, hp.get("num_global_key_value_heads") or full.get("num_key_value_heads")
 
@@ -136,8 +142,15 @@ def encode(a: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
     return data, gguf.quants.dequantize(data, qtype).reshape(a.shape)
 
 
-def write_gguf(path: Path, ref, folder: Path, qtype: Q, fused: bool = True,
-               extra: dict | None = None, meta: dict | None = None) -> dict[str, torch.Tensor]:
+def write_gguf(
+    path: Path,
+    ref,
+    folder: Path,
+    qtype: Q,
+    fused: bool = True,
+    extra: dict | None = None,
+    meta: dict | None = None,
+) -> dict[str, torch.Tensor]:
     """`ref` as llama.cpp's converter writes it (matrices whose rows Q8_0 blocks fit in
     `qtype`, the rest F32), plus `extra` tensors and `meta` keys changed ((value, type), or None:
     removed); returns the state dict of the weights the file holds."""
@@ -150,8 +163,10 @@ def write_gguf(path: Path, ref, folder: Path, qtype: Q, fused: bool = True,
             w.add_key_value(key, *change)
     add_bpe_tokenizer(w, folder, ref.config)
     held: dict[str, list[np.ndarray]] = {}
-    for name, (a, sources) in {**gguf_tensors(ref, hp, fused), **{
-            k: (v, []) for k, v in (extra or {}).items()}}.items():  # fmt: skip
+    for name, (a, sources) in {
+        **gguf_tensors(ref, hp, fused),
+        **{k: (v, []) for k, v in (extra or {}).items()},
+    }.items():
         q = qtype if a.ndim > 1 and a.shape[-1] % 32 == 0 else Q.F32
         data, floats = encode(a, q)
         w.add_tensor(name, data, raw_dtype=None if q == Q.F32 else q)
@@ -161,8 +176,10 @@ def write_gguf(path: Path, ref, folder: Path, qtype: Q, fused: bool = True,
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return {k: torch.from_numpy(np.ascontiguousarray(np.concatenate(v, 1) if len(v) > 1 else v[0]))
-            for k, v in held.items()}  # fmt: skip
+    return {
+        k: torch.from_numpy(np.ascontiguousarray(np.concatenate(v, 1) if len(v) > 1 else v[0]))
+        for k, v in held.items()
+    }
 
 
 CASES = {  # file -> (tiny model, tensor type, experts fused as the converter writes them)
@@ -238,9 +255,11 @@ def test_unused_kv_of_shared_layers_is_ignored(files):
     """Hub checkpoints carry K/V weights for KV-shared layers and the converter writes them
     (llama.cpp loads them as optional, unused): such a file loads to the same logits."""
     rng = np.random.default_rng(0)
-    extra = {"blk.4.attn_k.weight": rng.standard_normal((16, 64)).astype(np.float32),
-             "blk.4.attn_v.weight": rng.standard_normal((16, 64)).astype(np.float32),
-             "blk.4.attn_k_norm.weight": np.ones(16, np.float32)}  # fmt: skip
+    extra = {
+        "blk.4.attn_k.weight": rng.standard_normal((16, 64)).astype(np.float32),
+        "blk.4.attn_v.weight": rng.standard_normal((16, 64)).astype(np.float32),
+        "blk.4.attn_k_norm.weight": np.ones(16, np.float32),
+    }
     plain, _, _ = files("e2b-f32")
     path, _, _ = files("e2b-f32", extra)
     ids = trajectory(40, vocab=400)
@@ -288,14 +307,23 @@ def test_convert_round_trip_and_mlx_lm(files, tmp_path):
 
 
 BAD = [  # (metadata change, error class, field it names)
-    ({"gemma4.attention.sliding_window_pattern": None}, ConfigError,
-     "gemma4.attention.sliding_window_pattern"),
-    ({"gemma4.attention.shared_kv_layers": (3, gguf.GGUFValueType.UINT32)}, UnsupportedError,
-     "gemma4.attention.shared_kv_layers"),
+    (
+        {"gemma4.attention.sliding_window_pattern": None},
+        ConfigError,
+        "gemma4.attention.sliding_window_pattern",
+    ),
+    (
+        {"gemma4.attention.shared_kv_layers": (3, gguf.GGUFValueType.UINT32)},
+        UnsupportedError,
+        "gemma4.attention.shared_kv_layers",
+    ),
     ({"gemma4.attention.key_length_swa": None}, ConfigError, "gemma4.attention.key_length_swa"),
-    ({"gemma4.rope.dimension_count": (30, gguf.GGUFValueType.UINT32)}, ConfigError,
-     "rope_freqs.weight"),
-]  # fmt: skip
+    (
+        {"gemma4.rope.dimension_count": (30, gguf.GGUFValueType.UINT32)},
+        ConfigError,
+        "rope_freqs.weight",
+    ),
+]
 
 
 @pytest.mark.parametrize("change,error,field", BAD)
@@ -322,6 +350,8 @@ def test_cached_decode_on_the_fused_experts_file(files):
     steps = [np.array(model.net(mx.array([[t]]), cache=cache)[0, -1]) for t in ids]
     assert np.abs(np.stack(steps) - full).max() < 3e-4
     cache = model.make_cache()
-    outs = [np.array(model.net(mx.array([ids[s : s + 24]]), cache=cache)[0])
-            for s in range(0, len(ids), 24)]  # fmt: skip
+    outs = [
+        np.array(model.net(mx.array([ids[s : s + 24]]), cache=cache)[0])
+        for s in range(0, len(ids), 24)
+    ]
     assert np.abs(np.concatenate(outs) - full).max() < 3e-4

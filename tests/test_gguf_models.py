@@ -91,8 +91,10 @@ def test_dequantized_equals_quantized(real: Real):
     quantized = real.ours
     dense = mlxlis.load(real.name, "float32", dequantize=True)
     assert "dense" in dense.quant_summary
-    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-                   for _, m in dense.net.named_modules())  # fmt: skip
+    assert not any(
+        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        for _, m in dense.net.named_modules()
+    )
     got = np.array(dense.logits(real.ids))
     del dense
     gc.collect()

@@ -84,8 +84,13 @@ def info_pos(path: Path, name: str) -> dict[str, int]:
     at = blob.index(struct.pack("<Q", len(name)) + name.encode(), blob.index(b"dup.bb")) + 8
     at += len(name)
     n_dims = struct.unpack_from("<I", blob, at)[0]
-    return {"name": at - len(name), "n_dims": at, "dims": at + 4, "type": at + 4 + 8 * n_dims,
-            "offset": at + 8 + 8 * n_dims}  # fmt: skip
+    return {
+        "name": at - len(name),
+        "n_dims": at,
+        "dims": at + 4,
+        "type": at + 4 + 8 * n_dims,
+        "offset": at + 8 + 8 * n_dims,
+    }
 
 
 def value_pos(path: Path, key: str) -> int:
@@ -230,11 +235,14 @@ def test_big_endian_file_is_refused(tmp_path: Path):
     assert "big-endian" in str(expect(path, UnsupportedFormatError, "version"))
 
 
-@pytest.mark.parametrize(("at", "field", "value"), [
-    (8, "tensor_count", limits.GGUF_MAX_TENSORS + 1),
-    (16, "kv_count", limits.GGUF_MAX_KV + 1),
-    (8, "tensor_count", 1000),  # within the limit, but the file ends first
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("at", "field", "value"),
+    [
+        (8, "tensor_count", limits.GGUF_MAX_TENSORS + 1),
+        (16, "kv_count", limits.GGUF_MAX_KV + 1),
+        (8, "tensor_count", 1000),  # within the limit, but the file ends first
+    ],
+)
 def test_counts_beyond_limits_or_file(good: Path, at: int, field: str, value: int):
     patch(good, at, struct.pack("<Q", value))
     expect(good, FileFormatError)
@@ -289,8 +297,9 @@ def test_duplicate_tensor_name(good: Path):
     assert "duplicate" in str(expect(good, FileFormatError, "t.aa"))
 
 
-@pytest.mark.parametrize(("n_dims", "dims"), [(5, None), (0, None), (2, (0, 2)),
-                                              (2, (64, 2**31)), (2, (63, 2))])  # fmt: skip
+@pytest.mark.parametrize(
+    ("n_dims", "dims"), [(5, None), (0, None), (2, (0, 2)), (2, (64, 2**31)), (2, (63, 2))]
+)
 def test_bad_dims(good: Path, n_dims: int, dims: tuple[int, int] | None):
     pos = info_pos(good, "t.bb")
     if dims is None:
@@ -333,9 +342,10 @@ def test_unknown_ggml_type_is_recorded_then_refused(good: Path):
         assert info.value.field == "t.bb" and str(good) in str(info.value)
 
 
-@pytest.mark.parametrize(("value", "vtype"), [(3, GGUFValueType.UINT32),
-                                              (0, GGUFValueType.UINT32),
-                                              (32, GGUFValueType.UINT64)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("value", "vtype"),
+    [(3, GGUFValueType.UINT32), (0, GGUFValueType.UINT32), (32, GGUFValueType.UINT64)],
+)
 def test_bad_alignment(tmp_path: Path, value: int, vtype: GGUFValueType):
     w = GGUFWriter(tmp_path / "a.gguf", "llama")
     w.add_key_value("general.alignment", value, vtype)

@@ -73,24 +73,36 @@ def files(tiny, tmp_path_factory) -> dict[str, Path]:
     cfg = json.loads((classic / "config.json").read_text())
     cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
     (classic / "config.json").write_text(json.dumps(cfg))
-    convert(str(classic), str(root / "mlx4"), quantize=True, q_group_size=32, q_bits=4,
-            dtype="float32")  # fmt: skip
+    convert(
+        str(classic), str(root / "mlx4"), quantize=True, q_group_size=32, q_bits=4, dtype="float32"
+    )
     write_llama_gguf(root / "tiny-llama-F32.gguf", ref, folder)
     for q in ("Q8_0", "Q4_0"):
-        requantize(root / "tiny-llama-F32.gguf", root / f"tiny-llama-{q}.gguf",
-                   gguf.GGMLQuantizationType[q])  # fmt: skip
+        requantize(
+            root / "tiny-llama-F32.gguf",
+            root / f"tiny-llama-{q}.gguf",
+            gguf.GGMLQuantizationType[q],
+        )
     (root / "split").mkdir()
     split_gguf(root / "tiny-llama-Q8_0.gguf", root / "split" / "tiny-llama-Q8_0", per_part=12)
-    return {"folder": folder, "sharded": root / "sharded", "mlx4": root / "mlx4",
-            "F32": root / "tiny-llama-F32.gguf", "Q8_0": root / "tiny-llama-Q8_0.gguf",
-            "Q4_0": root / "tiny-llama-Q4_0.gguf", "split": root / "split"}  # fmt: skip
+    return {
+        "folder": folder,
+        "sharded": root / "sharded",
+        "mlx4": root / "mlx4",
+        "F32": root / "tiny-llama-F32.gguf",
+        "Q8_0": root / "tiny-llama-Q8_0.gguf",
+        "Q4_0": root / "tiny-llama-Q4_0.gguf",
+        "split": root / "split",
+    }
 
 
 @pytest.fixture(scope="module")
 def expected(files) -> dict[str, np.ndarray]:
     """Logits of each set of files opened by path, here."""
-    return {k: np.array(mlxlis.load(files[k], "float32").logits(IDS))
-            for k in ("folder", "sharded", "mlx4", "F32", "Q8_0", "Q4_0")}  # fmt: skip
+    return {
+        k: np.array(mlxlis.load(files[k], "float32").logits(IDS))
+        for k in ("folder", "sharded", "mlx4", "F32", "Q8_0", "Q4_0")
+    }
 
 
 @pytest.fixture
@@ -101,27 +113,45 @@ def hub():
 
 
 def gguf_repo(hub: HubServer, files, repo: str = "org/tiny-GGUF", **kw) -> str:
-    return hub.add(repo, {"README.md": b"# tiny", "mmproj-tiny-f16.gguf": b"\0" * 64,
-                          **{f"tiny-llama-{q}.gguf": files[q] for q in ("F32", "Q8_0", "Q4_0")}},
-                   **kw)  # fmt: skip
+    return hub.add(
+        repo,
+        {
+            "README.md": b"# tiny",
+            "mmproj-tiny-f16.gguf": b"\0" * 64,
+            **{f"tiny-llama-{q}.gguf": files[q] for q in ("F32", "Q8_0", "Q4_0")},
+        },
+        **kw,
+    )
 
 
 # --- running mlxlis as the user does -------------------------------------------------------------
 
 
 def environ(hub: HubServer | None, home: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("HF_") and k != "TRANSFORMERS_OFFLINE"}  # fmt: skip
-    env.update(HF_HOME=str(home / "hf"), MLXLIS_DEVICE="cpu",
-               HF_ENDPOINT=hub.endpoint if hub else "http://127.0.0.1:9",  # port 9: refused
-               MLXLIS_LMSTUDIO_MODELS=str(home / "lmstudio"), LLAMA_CACHE=str(home / "llama.cpp"),
-               **extra)  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("HF_") and k != "TRANSFORMERS_OFFLINE"
+    }
+    env.update(
+        HF_HOME=str(home / "hf"),
+        MLXLIS_DEVICE="cpu",
+        HF_ENDPOINT=hub.endpoint if hub else "http://127.0.0.1:9",  # port 9: refused
+        MLXLIS_LMSTUDIO_MODELS=str(home / "lmstudio"),
+        LLAMA_CACHE=str(home / "llama.cpp"),
+        **extra,
+    )
     return env
 
 
 def cli(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlxlis", *args], env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "mlxlis", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def one_error_line(r: subprocess.CompletedProcess) -> str:
@@ -135,8 +165,13 @@ def one_error_line(r: subprocess.CompletedProcess) -> str:
 
 def logits_by_name(env: dict, refs: list[str], tmp: Path) -> tuple[list[np.ndarray], list[str]]:
     out = tmp / f"logits-{time.monotonic_ns()}.npz"
-    r = subprocess.run([sys.executable, "-c", LOGITS, json.dumps(refs), json.dumps(IDS), str(out)],
-                       env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", LOGITS, json.dumps(refs), json.dumps(IDS), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     with np.load(out) as z:
         return [z[f"arr_{i}"] for i in range(len(refs))], json.loads(r.stdout)
@@ -153,8 +188,11 @@ def sha(path: Path) -> str:
 def resolved(hub: HubServer) -> set[str]:
     """The repo files whose bytes were sent (git files by the Hub, LFS ones by the CDN)."""
     shas = set(hub.fetched())
-    out = {r.path.split("/resolve/", 1)[1].split("/", 1)[1] for r in hub.requests("hub", "GET")
-           if "/resolve/" in r.path}  # fmt: skip
+    out = {
+        r.path.split("/resolve/", 1)[1].split("/", 1)[1]
+        for r in hub.requests("hub", "GET")
+        if "/resolve/" in r.path
+    }
     for repo in hub.repos.values():
         for commit in repo.commits.values():
             out |= {p for p, b in commit.items() if hashlib.sha256(b).hexdigest() in shas}
@@ -172,9 +210,14 @@ def test_safetensors_and_mlx_repos_download_then_open_by_name(hub, files, expect
     the logits of the same files opened by path, with only the listing call made."""
     from huggingface_hub import scan_cache_dir
 
-    junk = {"pytorch_model.bin": b"\x80" * 99, "README.md": b"# m", "figure.png": b"png",
-            "onnx/model.onnx": b"onnx", "original/model.safetensors": b"st",
-            "consolidated.safetensors": b"a copy the index does not list"}  # fmt: skip
+    junk = {
+        "pytorch_model.bin": b"\x80" * 99,
+        "README.md": b"# m",
+        "figure.png": b"png",
+        "onnx/model.onnx": b"onnx",
+        "original/model.safetensors": b"st",
+        "consolidated.safetensors": b"a copy the index does not list",
+    }
     hub.add_folder("org/tiny-llama", files["sharded"], junk)
     hub.add_folder("mlx-community/tiny-llama-4bit", files["mlx4"], {"README.md": b"# 4bit"})
     env = environ(hub, tmp_path)
@@ -192,14 +235,17 @@ def test_safetensors_and_mlx_repos_download_then_open_by_name(hub, files, expect
     assert not info.warnings
 
     before = len(hub.log)
-    (st, mlx4), names = logits_by_name(env, ["org/tiny-llama", "mlx-community/tiny-llama-4bit"],
-                                       tmp_path)  # fmt: skip
+    (st, mlx4), names = logits_by_name(
+        env, ["org/tiny-llama", "mlx-community/tiny-llama-4bit"], tmp_path
+    )
     assert np.array_equal(st, expected["sharded"]) and np.array_equal(mlx4, expected["mlx4"])
     assert np.array_equal(expected["sharded"], expected["folder"])  # sharding changed nothing
     assert names == ["org/tiny-llama", "mlx-community/tiny-llama-4bit"]
     later = [q.path for q in hub.log[before:] if q.path != "/api/agent-harnesses"]
-    assert sorted(later) == ["/api/models/mlx-community/tiny-llama-4bit/revision/main",
-                             "/api/models/org/tiny-llama/revision/main"]  # fmt: skip
+    assert sorted(later) == [
+        "/api/models/mlx-community/tiny-llama-4bit/revision/main",
+        "/api/models/org/tiny-llama/revision/main",
+    ]
 
 
 def test_gguf_repos_fetch_only_the_chosen_model(hub, files, expected, tmp_path):
@@ -211,8 +257,12 @@ def test_gguf_repos_fetch_only_the_chosen_model(hub, files, expected, tmp_path):
     hub.add("org/split-GGUF", {**split, "tiny-llama-F32.gguf": files["F32"]})
     env = environ(hub, tmp_path)
     line = one_error_line(cli(env, "pull", "org/tiny-GGUF"))
-    assert "3 GGUF models in the repo; name one: org/tiny-GGUF:F32, org/tiny-GGUF:Q4_0, " \
-           "org/tiny-GGUF:Q8_0" in line and not hub.fetched()  # fmt: skip
+    assert (
+        "3 GGUF models in the repo; name one: org/tiny-GGUF:F32, org/tiny-GGUF:Q4_0, "
+        "org/tiny-GGUF:Q8_0"
+        in line
+        and not hub.fetched()
+    )
 
     r = cli(env, "pull", "org/tiny-GGUF:q8_0", "org/split-GGUF:Q8_0")
     assert r.returncode == 0, r.stderr
@@ -221,8 +271,11 @@ def test_gguf_repos_fetch_only_the_chosen_model(hub, files, expected, tmp_path):
     (q8, f32, parts), names = logits_by_name(env, refs, tmp_path)
     assert np.array_equal(q8, expected["Q8_0"]) and np.array_equal(parts, expected["Q8_0"])
     assert np.array_equal(f32, expected["F32"]) and not np.array_equal(q8, f32)
-    assert names == ["tiny-llama-Q8_0.gguf", "tiny-llama-F32.gguf",
-                     "tiny-llama-Q8_0-00001-of-00003.gguf"]  # fmt: skip
+    assert names == [
+        "tiny-llama-Q8_0.gguf",
+        "tiny-llama-F32.gguf",
+        "tiny-llama-Q8_0-00001-of-00003.gguf",
+    ]
     assert sha(files["Q4_0"]) not in hub.fetched()
 
 
@@ -234,8 +287,9 @@ def test_revision_pins_and_offline_reopening(hub, files, expected, tmp_path):
     hub.add("org/pinned-GGUF", {"tiny-F32.gguf": files["F32"]})
     refs = ["org/pinned-GGUF@v1", f"org/pinned-GGUF@{old}", "org/pinned-GGUF"]
     online, _ = logits_by_name(environ(hub, tmp_path), refs, tmp_path)
-    assert [np.array_equal(a, expected[k]) for a, k in zip(online, ["Q8_0", "Q8_0", "F32"],
-                                                           strict=True)] == [True] * 3  # fmt: skip
+    assert [
+        np.array_equal(a, expected[k]) for a, k in zip(online, ["Q8_0", "Q8_0", "F32"], strict=True)
+    ] == [True] * 3
     assert (cache(tmp_path, "org/pinned-GGUF") / "refs" / "v1").read_text() == old
     before = len(hub.log)
     offline, _ = logits_by_name(environ(hub, tmp_path, HF_HUB_OFFLINE="1"), refs, tmp_path)
@@ -309,8 +363,13 @@ def test_resume_after_a_dropped_connection_and_after_ctrl_c(hub, tmp_path):
 
     hub.stall[sha_b] = 15 << 20
     code = CTRL_C_CHILD + "from mlxlis.commands.cli import main; raise SystemExit(main())"
-    proc = subprocess.Popen([sys.executable, "-c", code, "pull", "org/big-GGUF:Q4_0"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "pull", "org/big-GGUF:Q4_0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     partial = blobs / f"{sha_b}.incomplete"
     deadline = time.monotonic() + 120
     while not (partial.is_file() and partial.stat().st_size >= CHUNK):
@@ -348,11 +407,18 @@ def test_corrupted_download_is_deleted_and_disk_full_is_one_line(hub, files, tmp
     assert cli(env, "pull", "org/bad-GGUF:Q8_0").returncode == 0
     assert sha(storage / "blobs" / sha(files["Q8_0"])) == sha(files["Q8_0"])
 
-    full = ("import shutil, collections; U = collections.namedtuple('U', 'total used free');"
-            "shutil.disk_usage = lambda p: U(10**9, 10**9, 1000)\n"  # a full disk, as the OS says
-            "from mlxlis.commands.cli import main; raise SystemExit(main())")  # fmt: skip
-    r = subprocess.run([sys.executable, "-c", full, "pull", "org/bad-GGUF:F32"], env=env,
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    full = (
+        "import shutil, collections; U = collections.namedtuple('U', 'total used free');"
+        "shutil.disk_usage = lambda p: U(10**9, 10**9, 1000)\n"  # a full disk, as the OS says
+        "from mlxlis.commands.cli import main; raise SystemExit(main())"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", full, "pull", "org/bad-GGUF:F32"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     line = one_error_line(r)
     assert "tiny-llama-F32.gguf needs " in line and "1000 are free" in line
 
@@ -364,14 +430,19 @@ def test_gated_missing_and_weightless_repos(hub, files, tmp_path):
     gguf_repo(hub, files, "org/gated-GGUF", gated=True)
     hub.add("org/pickles", {"config.json": b"{}", "pytorch_model.bin": b"\x80" * 64})
     env = environ(hub, tmp_path)
-    assert "gated repo: accept its terms at https://huggingface.co/org/gated-GGUF" in \
-        one_error_line(cli(env, "pull", "org/gated-GGUF:Q8_0"))  # fmt: skip
-    assert "org/nothing: no such model repo on the Hugging Face Hub" in \
-        one_error_line(cli(env, "-m", "org/nothing", "--no-chat", "hi"))  # fmt: skip
-    assert "org/pickles@v9: the repo has no revision v9" in \
-        one_error_line(cli(env, "pull", "org/pickles@v9"))  # fmt: skip
-    assert "only pickled PyTorch files (pytorch_model.bin)" in \
-        one_error_line(cli(env, "pull", "org/pickles"))  # fmt: skip
+    assert (
+        "gated repo: accept its terms at https://huggingface.co/org/gated-GGUF"
+        in one_error_line(cli(env, "pull", "org/gated-GGUF:Q8_0"))
+    )
+    assert "org/nothing: no such model repo on the Hugging Face Hub" in one_error_line(
+        cli(env, "-m", "org/nothing", "--no-chat", "hi")
+    )
+    assert "org/pickles@v9: the repo has no revision v9" in one_error_line(
+        cli(env, "pull", "org/pickles@v9")
+    )
+    assert "only pickled PyTorch files (pytorch_model.bin)" in one_error_line(
+        cli(env, "pull", "org/pickles")
+    )
     assert not hub.fetched()
     before = len(hub.log)
     r = cli(environ(hub, tmp_path, HF_TOKEN=hub.token), "pull", "org/gated-GGUF:Q8_0")
@@ -389,8 +460,10 @@ def test_models_lists_scans_and_rm_removes(hub, files, tmp_path):
     gguf_repo(hub, files)
     hub.add_folder("org/tiny-llama", files["folder"])
     env = environ(hub, tmp_path)
-    assert cli(env, "pull", "org/tiny-GGUF:Q8_0", "org/tiny-GGUF:F32", "org/tiny-llama"
-               ).returncode == 0  # fmt: skip
+    assert (
+        cli(env, "pull", "org/tiny-GGUF:Q8_0", "org/tiny-GGUF:F32", "org/tiny-llama").returncode
+        == 0
+    )
     lms = tmp_path / "lmstudio" / "pub" / "tiny-GGUF"
     lms.mkdir(parents=True)
     shutil.copy(files["Q4_0"], lms)
@@ -436,11 +509,18 @@ def test_chat_app_reports_download_progress(hub, files, tmp_path):
     'downloading FILE: … of …' while it runs and 'downloaded FILE: SIZE in …' with the byte
     counts of the file; the app shows each stage in its header while nothing is loaded."""
     gguf_repo(hub, files)
-    code = ("import json\nfrom tui.engine import Options, load_model\nseen = []\n"
-            "m = load_model(Options(model='org/tiny-GGUF:Q8_0'), lambda *a: seen.append(a))\n"
-            "print(json.dumps([seen, m.name]))")  # fmt: skip
-    r = subprocess.run([sys.executable, "-c", code], env=environ(hub, tmp_path),
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    code = (
+        "import json\nfrom tui.engine import Options, load_model\nseen = []\n"
+        "m = load_model(Options(model='org/tiny-GGUF:Q8_0'), lambda *a: seen.append(a))\n"
+        "print(json.dumps([seen, m.name]))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=environ(hub, tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     seen, name = json.loads(r.stdout)
     size = files["Q8_0"].stat().st_size

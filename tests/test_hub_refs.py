@@ -19,20 +19,33 @@ import pytest
     "text,expected",
     [
         ("mlx-community/Qwen3-4B-4bit", HubRef("mlx-community/Qwen3-4B-4bit")),
-        ("bartowski/Llama-3.2-3B-Instruct-GGUF:Q4_K_M",
-         HubRef("bartowski/Llama-3.2-3B-Instruct-GGUF", quant="Q4_K_M")),
-        ("org/repo/sub/m-Q8_0-00001-of-00002.gguf",
-         HubRef("org/repo", filename="sub/m-Q8_0-00001-of-00002.gguf")),
+        (
+            "bartowski/Llama-3.2-3B-Instruct-GGUF:Q4_K_M",
+            HubRef("bartowski/Llama-3.2-3B-Instruct-GGUF", quant="Q4_K_M"),
+        ),
+        (
+            "org/repo/sub/m-Q8_0-00001-of-00002.gguf",
+            HubRef("org/repo", filename="sub/m-Q8_0-00001-of-00002.gguf"),
+        ),
         ("org/repo@v1.0", HubRef("org/repo", revision="v1.0")),
         ("org/repo:q4_k_m@" + "a" * 40, HubRef("org/repo", quant="q4_k_m", revision="a" * 40)),
         ("org/repo@refs/pr/3:Q8_0", HubRef("org/repo", quant="Q8_0", revision="refs/pr/3")),
         # not references: paths, bare names, malformed repo ids
-        ("./org/repo", None), ("/abs/path", None), ("~/models/x", None), ("model.gguf", None),
-        ("smollm2-135m", None), ("org/x.gguf", None), ("org/repo/notes.txt", None),
-        ("org--x/repo", None), ("-org/repo", None), ("org/repo@", None), ("org/re po", None),
-        ("org/repo@a..b", None), ("org/repo/../x.gguf", None),
+        ("./org/repo", None),
+        ("/abs/path", None),
+        ("~/models/x", None),
+        ("model.gguf", None),
+        ("smollm2-135m", None),
+        ("org/x.gguf", None),
+        ("org/repo/notes.txt", None),
+        ("org--x/repo", None),
+        ("-org/repo", None),
+        ("org/repo@", None),
+        ("org/re po", None),
+        ("org/repo@a..b", None),
+        ("org/repo/../x.gguf", None),
     ],
-)  # fmt: skip
+)
 def test_parse_ref(text, expected):
     """Each reference form parses to its repo, quant, file and revision (the quant may come
     before or after @REV, a git ref holds no ':'); paths, catalog names and strings the Hub
@@ -49,19 +62,34 @@ def test_a_file_and_a_quant_together_is_an_error():
 
 
 HF_REPO = {  # a transformers repo as the Hub lists it
-    "config.json": 700, "generation_config.json": 100, "tokenizer.json": 9000,
-    "tokenizer_config.json": 300, "special_tokens_map.json": 90, "chat_template.jinja": 900,
-    "model-00001-of-00002.safetensors": 5, "model-00002-of-00002.safetensors": 5,
-    "model.safetensors.index.json": 60, "consolidated.safetensors": 10,
-    "pytorch_model.bin": 10, "README.md": 5, "figure.png": 5, "onnx/model.onnx": 5,
-    "original/model.safetensors": 5, ".gitattributes": 1,
-}  # fmt: skip
+    "config.json": 700,
+    "generation_config.json": 100,
+    "tokenizer.json": 9000,
+    "tokenizer_config.json": 300,
+    "special_tokens_map.json": 90,
+    "chat_template.jinja": 900,
+    "model-00001-of-00002.safetensors": 5,
+    "model-00002-of-00002.safetensors": 5,
+    "model.safetensors.index.json": 60,
+    "consolidated.safetensors": 10,
+    "pytorch_model.bin": 10,
+    "README.md": 5,
+    "figure.png": 5,
+    "onnx/model.onnx": 5,
+    "original/model.safetensors": 5,
+    ".gitattributes": 1,
+}
 
 GGUF_REPO = {
-    "README.md": 1, "m-Q4_K_M.gguf": 1, "m-Q4_K_S.gguf": 1, "m-IQ4_XS.gguf": 1,
-    "m-Q8_0.gguf": 1, "mmproj-m-f16.gguf": 1,
-    "m-BF16/m-BF16-00001-of-00002.gguf": 1, "m-BF16/m-BF16-00002-of-00002.gguf": 1,
-}  # fmt: skip
+    "README.md": 1,
+    "m-Q4_K_M.gguf": 1,
+    "m-Q4_K_S.gguf": 1,
+    "m-IQ4_XS.gguf": 1,
+    "m-Q8_0.gguf": 1,
+    "mmproj-m-f16.gguf": 1,
+    "m-BF16/m-BF16-00001-of-00002.gguf": 1,
+    "m-BF16/m-BF16-00002-of-00002.gguf": 1,
+}
 
 
 def test_safetensors_repo_takes_the_index_shards_and_the_folder_files():
@@ -74,9 +102,16 @@ def test_safetensors_repo_takes_the_index_shards_and_the_folder_files():
     shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     sel = select(ref, HF_REPO, shards)
     assert sel.kind == "safetensors" and sel.target == ""
-    assert set(sel.files) == {*shards, "model.safetensors.index.json", "config.json",
-                              "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                              "special_tokens_map.json", "chat_template.jinja"}  # fmt: skip
+    assert set(sel.files) == {
+        *shards,
+        "model.safetensors.index.json",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+    }
     with pytest.raises(HubError, match="lists model-00003-of-00003.safetensors, which the repo"):
         select(ref, HF_REPO, ["model-00003-of-00003.safetensors"])
     single = select(ref, {"config.json": 1, "model.safetensors": 1, "tokenizer.model": 1})
@@ -128,12 +163,23 @@ def test_repos_without_loadable_weights_say_why():
 def test_quant_labels_and_choice_names():
     """The quant a file name carries, as uploaders write it; choices fall back to the file
     path when two models carry the same quant."""
-    assert [quant_label(n) for n in ("Llama-3.2-3B-Instruct-Q4_K_M.gguf", "m.IQ2_XXS.gguf",
-            "x-UD-Q3_K_XL.gguf", "q8_0.gguf", "gpt-oss-20b-MXFP4.gguf", "plain.gguf")] == [
-        "Q4_K_M", "IQ2_XXS", "Q3_K_XL", "Q8_0", "MXFP4", None]  # fmt: skip
+    assert [
+        quant_label(n)
+        for n in (
+            "Llama-3.2-3B-Instruct-Q4_K_M.gguf",
+            "m.IQ2_XXS.gguf",
+            "x-UD-Q3_K_XL.gguf",
+            "q8_0.gguf",
+            "gpt-oss-20b-MXFP4.gguf",
+            "plain.gguf",
+        )
+    ] == ["Q4_K_M", "IQ2_XXS", "Q3_K_XL", "Q8_0", "MXFP4", None]
     models = gguf_models(["a-Q8_0.gguf", "b-Q8_0.gguf", "c-F16.gguf"])
     assert [choice("o/r", m, models) for m in models] == [
-        "o/r/a-Q8_0.gguf", "o/r/b-Q8_0.gguf", "o/r:F16"]  # fmt: skip
+        "o/r/a-Q8_0.gguf",
+        "o/r/b-Q8_0.gguf",
+        "o/r:F16",
+    ]
 
 
 def test_progress_lines_and_log_output():
@@ -195,7 +241,7 @@ def test_the_hubs_xet_reporter_drives_one_line_per_file():
         log_level=20,
         tqdm_class=bar_class(lambda *a: seen.append(a)),
     ) as r:
-        r.update_progress(Report())  # fmt: skip
+        r.update_progress(Report())
     assert [s[1:] for s in seen] == [(0, 100), (100, 100)]
     assert seen[0][0] == "downloading m.gguf: 0 B of 100 B"
     assert seen[1][0].startswith("downloaded m.gguf: 100 B in ")

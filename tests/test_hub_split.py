@@ -93,8 +93,11 @@ def split_gguf(src: Path, prefix: Path, per_part: int, no_tensor_first: bool = F
         groups.insert(0, [])
     paths = []
     for i, group in enumerate(groups):
-        split = [kv("split.no", U16, i), kv("split.count", U16, len(groups)),
-                 kv("split.tensors.count", I32, len(tensors))]  # fmt: skip
+        split = [
+            kv("split.no", U16, i),
+            kv("split.count", U16, len(groups)),
+            kv("split.tensors.count", I32, len(tensors)),
+        ]
         path = prefix.with_name(f"{prefix.name}-{i + 1:05d}-of-{len(groups):05d}.gguf")
         write_gguf(path, (kvs if i == 0 else []) + split, group)
         paths.append(path)

@@ -52,8 +52,9 @@ def check_steps(caches: list, twins: list, steps: int) -> None:
         b = len(caches)
         q, k, v = rand(b, KV * GROUP, 1, D), rand(b, KV, 1, D), rand(b, KV, 1, D)
         got = batch_step(caches, q, k, v)
-        want = mx.concatenate([lone_step(t, q[i : i + 1], k[i : i + 1], v[i : i + 1])
-                               for i, t in enumerate(twins)])  # fmt: skip
+        want = mx.concatenate(
+            [lone_step(t, q[i : i + 1], k[i : i + 1], v[i : i + 1]) for i, t in enumerate(twins)]
+        )
         # the same scores; the masked softmax sums over the padded row (zeros for the masked
         # slots), which may round its last bit differently from the unpadded one
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
@@ -89,8 +90,9 @@ def test_lone_step_trim_and_new_members_take_the_rows_back():
     check_steps(caches, twins, 3)
     # a lone step on one of them: every row goes back first, then it steps on its own
     q, k, v = rand(1, KV * GROUP, 1, D), rand(1, KV, 1, D), rand(1, KV, 1, D)
-    np.testing.assert_array_equal(np.array(lone_step(caches[1], q, k, v)),
-                                  np.array(lone_step(twins[1], q, k, v)))  # fmt: skip
+    np.testing.assert_array_equal(
+        np.array(lone_step(caches[1], q, k, v)), np.array(lone_step(twins[1], q, k, v))
+    )
     assert all(c._batch is None for c in caches)
     check_steps(caches, twins, 2)
     # a trim (a prefix reused) forgets positions of the handed-back row

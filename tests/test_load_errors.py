@@ -220,8 +220,14 @@ def sized_gguf(path: Path, override: dict[str, int]) -> Path:
     """A small llama GGUF (written by gguf-py) whose metadata sizes are `override`n."""
     from gguf import GGUFValueType, GGUFWriter
 
-    meta = {"llama.block_count": 2, "llama.embedding_length": 8, "llama.feed_forward_length": 16,
-            "llama.attention.head_count": 2, "llama.context_length": 64, **override}
+    meta = {
+        "llama.block_count": 2,
+        "llama.embedding_length": 8,
+        "llama.feed_forward_length": 16,
+        "llama.attention.head_count": 2,
+        "llama.context_length": 64,
+        **override,
+    }
     w = GGUFWriter(str(path), "llama")
     for key, value in meta.items():
         kind = GGUFValueType.UINT64 if value >= 2**32 else GGUFValueType.UINT32

@@ -166,8 +166,9 @@ def test_json_file_in_the_rich_form(renamed, original_logits):
     }
     path = renamed / "bindings.json"
     path.write_text(json.dumps(rich))
-    assert np.array_equal(logits_of(mlxlis.load(renamed, "float32", bindings=path)),
-                          original_logits)  # fmt: skip
+    assert np.array_equal(
+        logits_of(mlxlis.load(renamed, "float32", bindings=path)), original_logits
+    )
 
 
 def test_two_sources(llama, tmp_path, original_logits):
@@ -460,8 +461,10 @@ def test_manifest_size_limit(tmp_path, monkeypatch):
 
 
 def test_glob_matching_nothing_or_not_safetensors(renamed):
-    m = {"sources": {"s": {"type": "safetensors", "files": "nothing-*.safetensors"}},
-         "bindings": {}}  # fmt: skip
+    m = {
+        "sources": {"s": {"type": "safetensors", "files": "nothing-*.safetensors"}},
+        "bindings": {},
+    }
     with pytest.raises(ManifestError, match="matches nothing"):
         mlxlis.load(renamed, "float32", bindings=m)
     (renamed / "pytorch_model.bin").write_bytes(b"\x80\x04N.")

@@ -2,10 +2,11 @@
 loopback, on the three catalog models and a tiny safetensors checkpoint.
 
 Proves: with 2 and 3 ranks, each step's float32 logits (the last rank's, sent to rank 0,
-whose generation core samples them) equal a lone process's (same chunks, same BLAS thread count: the bound is 1e-4, the runs give 0) and the
-greedy tokens are identical, a Gemma 3 prompt longer than its 512-token window included; each
-rank builds only its own layers and its memory grows by about its share of the weights, not
-the whole model; the CLI under `mlx.launch` prints exactly the lone CLI's output, once.
+whose generation core samples them) equal a lone process's (same chunks, same BLAS thread
+count: the bound is 1e-4, the runs give 0) and the greedy tokens are identical, a Gemma 3
+prompt longer than its 512-token window included; each rank builds only its own layers and
+its memory grows by about its share of the weights, not the whole model; the CLI under
+`mlx.launch` prints exactly the lone CLI's output, once.
 """
 
 from __future__ import annotations
@@ -86,13 +87,18 @@ def reference(model: str, prompt: str, steps: int) -> tuple[list[int], np.ndarra
     return tokens, np.stack(logits), weights
 
 
-CHAT = {"name": "chat", "kind": "chat", "model": "smollm2-135m", "turns": [
-    ["Hi there", None, None],
-    ["Name a colour.", 3, None],  # stopped after 3 tokens
-    ["Name a fruit.", None, 2],  # the consumer leaves the stream after 2 tokens
-    ["And a city?", None, None],  # the left stream's caches were kept whole: reused
-    ["Thanks!", None, None],
-]}  # fmt: skip
+CHAT = {
+    "name": "chat",
+    "kind": "chat",
+    "model": "smollm2-135m",
+    "turns": [
+        ["Hi there", None, None],
+        ["Name a colour.", 3, None],  # stopped after 3 tokens
+        ["Name a fruit.", None, 2],  # the consumer leaves the stream after 2 tokens
+        ["And a city?", None, None],  # the left stream's caches were kept whole: reused
+        ["Thanks!", None, None],
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +114,9 @@ def _pipelined(n: int, tmp: Path, jobs_json: str) -> Path:
     out.mkdir()
     jobs = tmp / f"jobs-{n}.json"
     jobs.write_text(jobs_json)
-    code, _, err = launch(n, sys.executable, str(HERE / "pipeline_rank.py"), str(jobs),
-                          str(out), timeout=150)  # fmt: skip
+    code, _, err = launch(
+        n, sys.executable, str(HERE / "pipeline_rank.py"), str(jobs), str(out), timeout=150
+    )
     assert code == 0 and "Traceback" not in err, err[-3000:]
     return out
 
@@ -137,8 +144,9 @@ def test_pipelined_steps_equal_the_lone_process(pipelined, tiny_job, ranks):
     out = pipelined(ranks)
     for job in jobs(ranks, tiny_job):
         tokens, logits, _ = reference(job["model"], job["prompt"], job["steps"])
-        reports = [json.loads((out / f"{job['name']}-rank-{r}.json").read_text())
-                   for r in range(ranks)]  # fmt: skip
+        reports = [
+            json.loads((out / f"{job['name']}-rank-{r}.json").read_text()) for r in range(ranks)
+        ]
         if job is GEMMA:  # longer than the sliding window
             assert len(reports[0]["ids"]) > 512
         got = np.load(out / f"{job['name']}-logits.npy")
@@ -166,8 +174,10 @@ def test_each_rank_holds_only_its_share(pipelined):
         rep = json.loads((out / f"qwen-rank-{r}.json").read_text())
         grew = rep["peak_rss"] - rep["rss_before"]
         held = rep["weight_bytes"]
-        print(f"rank {r}: layers {rep['start']}-{rep['stop'] - 1}, arrays {held / 2**30:.2f} "
-              f"GiB of {whole / 2**30:.2f}, peak RSS growth {grew / 2**30:.2f} GiB")  # fmt: skip
+        print(
+            f"rank {r}: layers {rep['start']}-{rep['stop'] - 1}, arrays {held / 2**30:.2f} "
+            f"GiB of {whole / 2**30:.2f}, peak RSS growth {grew / 2**30:.2f} GiB"
+        )
         assert held < 0.6 * whole  # half the layers and one end, not the whole model
         # its resident set is about its arrays: the load's buffers and activations on top
         assert grew < 1.25 * held + (64 << 20)
@@ -177,10 +187,23 @@ def test_cli_under_the_launcher_prints_the_lone_output_once(tmp_path):
     """`mlx.launch -n 2 mlxlis -m M --no-chat --temp 0 PROMPT` writes exactly what the lone
     command writes, once (rank 1 prints nothing), and nothing on stderr."""
     need_pulled("smollm2-135m")
-    args = ["-m", "smollm2-135m", "--no-chat", "--temp", "0", "--max-tokens", "12",
-            "Three primary colours are"]  # fmt: skip
-    lone = subprocess.run([MLXLIS, *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})  # fmt: skip
+    args = [
+        "-m",
+        "smollm2-135m",
+        "--no-chat",
+        "--temp",
+        "0",
+        "--max-tokens",
+        "12",
+        "Three primary colours are",
+    ]
+    lone = subprocess.run(
+        [MLXLIS, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
+    )
     assert lone.returncode == 0, lone.stderr
     code, out, err = launch(2, MLXLIS, *args)
     assert code == 0 and err == "", err

@@ -77,16 +77,25 @@ def test_killed_rank_ends_every_rank_with_a_clear_error():
     assert took < 10
     lines = [ln for ln in err.splitlines() if ln.startswith("mlxlis: error: rank 0 of 3")]
     assert lines, err[-2000:]
-    assert any(why in lines[0] for why in ("lost the connection to another rank",
-                                           "stopped by the launcher"))  # fmt: skip
+    assert any(
+        why in lines[0]
+        for why in ("lost the connection to another rank", "stopped by the launcher")
+    )
 
 
 def test_frozen_rank_is_noticed_by_the_watchdog():
     """SIGSTOP on rank 1 of 2 (its sockets stay open, so nothing fails): rank 0's wait for the
     next token outlives MLXLIS_RANK_TIMEOUT=2 and its watchdog ends it with a clear line."""
     need_pulled("smollm2-135m")
-    p = start(2, MLXLIS, *ARGS, "--max-tokens", "3000", "Once upon a time",
-              env={"MLXLIS_RANK_TIMEOUT": "2"})  # fmt: skip
+    p = start(
+        2,
+        MLXLIS,
+        *ARGS,
+        "--max-tokens",
+        "3000",
+        "Once upon a time",
+        env={"MLXLIS_RANK_TIMEOUT": "2"},
+    )
     try:
         pids = ranks(p, 2)
         _stdout_begins(p)
@@ -116,10 +125,13 @@ def test_malformed_layers_split_is_refused_before_loading(split, capsys):
     assert "--layers-split" in err[-1] and "error" in err[-1]
 
 
-@pytest.mark.parametrize(("split", "says"), [
-    ("29", "29 adds up to 29 layers; the model has 30"),
-    ("15,15", "15,15 has 2 entries but this process runs alone"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("split", "says"),
+    [
+        ("29", "29 adds up to 29 layers; the model has 30"),
+        ("15,15", "15,15 has 2 entries but this process runs alone"),
+    ],
+)
 def test_layers_split_that_does_not_fit_the_model_is_refused(split, says, capsys):
     """A well-formed split the model or the number of ranks contradicts: exit 2, one line."""
     need_pulled("smollm2-135m")
@@ -132,8 +144,7 @@ def test_model_that_does_not_fit_even_split_says_so_before_loading():
     """MLXLIS_MAX_MEMORY=40M per rank and SmolLM2's 120 MiB of weights over 2 ranks: refused
     after reading the header only, rank 0's line naming both ranks' needs."""
     need_pulled("smollm2-135m")
-    code, out, err = launch(2, MLXLIS, *ARGS, "hi", env={"MLXLIS_MAX_MEMORY": "40M"},
-                            timeout=60)  # fmt: skip
+    code, out, err = launch(2, MLXLIS, *ARGS, "hi", env={"MLXLIS_MAX_MEMORY": "40M"}, timeout=60)
     assert out == ""
     lines = [ln for ln in err.splitlines() if "does not fit even split across 2 ranks" in ln]
     # rank 0's line is the one the user reads; the launcher may end rank 1 before it prints

@@ -33,9 +33,12 @@ TOKENS = 8
 
 def prompts(model) -> list[list[int]]:
     """Token-id prompts of different lengths, one longer than a prefill chunk (256)."""
-    texts = ["The capital of France is", "def add(a, b):\n    return",
-             "Once upon a time, in a small village,",
-             " ".join(f"Line {i}: the mill turned {i % 5} times." for i in range(40))]  # fmt: skip
+    texts = [
+        "The capital of France is",
+        "def add(a, b):\n    return",
+        "Once upon a time, in a small village,",
+        " ".join(f"Line {i}: the mill turned {i % 5} times." for i in range(40)),
+    ]
     return [model.tokenizer.encode(t) for t in texts]
 
 
@@ -55,8 +58,14 @@ def lone(model, ids: list[int]) -> tuple[str, list[float]]:
 
 
 def complete(client, ids: list[int]):
-    return client.completions.create(model=MODEL, prompt=ids, max_tokens=TOKENS, temperature=0,
-                                     logprobs=0, extra_body={"ignore_eos": True})  # fmt: skip
+    return client.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=TOKENS,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
 
 
 def test_server_under_the_launcher_answers_as_a_lone_engine(tmp_path):
@@ -64,8 +73,9 @@ def test_server_under_the_launcher_answers_as_a_lone_engine(tmp_path):
     # a hang guard far above a step's time: a rank's watchdog counts its own computing too, and
     # a busy 2-core machine running two ranks and a spinning launcher is slow (the kill below
     # closes sockets, which ends the ranks at once, not through the watchdog)
-    server = ServeProcess(tmp_path, "-m", MODEL, "--max-batch", "4", ranks=2,
-                          env={"MLXLIS_RANK_TIMEOUT": "120"})  # fmt: skip
+    server = ServeProcess(
+        tmp_path, "-m", MODEL, "--max-batch", "4", ranks=2, env={"MLXLIS_RANK_TIMEOUT": "120"}
+    )
     try:
         client = server.client()
         model = mlxlis.load(MODEL, "float32")
@@ -77,8 +87,9 @@ def test_server_under_the_launcher_answers_as_a_lone_engine(tmp_path):
         for ids, got, (text, logprobs) in zip(batch, served, expected, strict=True):
             choice = got.choices[0]
             assert choice.text == text, (len(ids), choice.text, text)
-            diff = max(abs(a - b) for a, b in zip(choice.logprobs.token_logprobs, logprobs,
-                                                   strict=True))  # fmt: skip
+            diff = max(
+                abs(a - b) for a, b in zip(choice.logprobs.token_logprobs, logprobs, strict=True)
+            )
             assert diff <= BOUND, (len(ids), diff)
 
         # the second turn of the first prompt: its start comes from the prefix cache
@@ -88,15 +99,25 @@ def test_server_under_the_launcher_answers_as_a_lone_engine(tmp_path):
         with one_blas_thread():
             text, logprobs = lone(model, turn)
         assert second.choices[0].text == text
-        assert max(abs(a - b) for a, b in zip(second.choices[0].logprobs.token_logprobs,
-                                              logprobs, strict=True)) <= BOUND  # fmt: skip
+        assert (
+            max(
+                abs(a - b)
+                for a, b in zip(second.choices[0].logprobs.token_logprobs, logprobs, strict=True)
+            )
+            <= BOUND
+        )
         assert server.wait_idle()["running"] == 0
 
         # a rank lost while serving ends the job, with rank 0 saying why
         pids = ranks(server.proc, 2)
-        stream = client.completions.create(model=MODEL, prompt=batch[2], max_tokens=200,
-                                           temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})  # fmt: skip
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=batch[2],
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         next(iter(stream))
         t0 = time.monotonic()
         import os
@@ -106,7 +127,8 @@ def test_server_under_the_launcher_answers_as_a_lone_engine(tmp_path):
         took = time.monotonic() - t0
         assert took < 10, took
         assert not alive(pids[0])
-        assert "rank 0 of 2" in server.log() and "lost the connection" in server.log(), \
-            server.log()[-2000:]  # fmt: skip
+        assert "rank 0 of 2" in server.log() and "lost the connection" in server.log(), (
+            server.log()[-2000:]
+        )
     finally:
         kill_all(server.proc)

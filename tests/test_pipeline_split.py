@@ -63,8 +63,7 @@ def test_balanced_split_is_optimal_on_random_sizes():
         first, last = rng.randint(0, 150), rng.randint(0, 150)
         split = balanced_split(per_layer, ranks, first, last)
         assert len(split) == ranks and min(split) >= 1 and sum(split) == n
-        assert load_of(split, per_layer, first, last) == brute_force(per_layer, ranks, first,
-                                                                     last)  # fmt: skip
+        assert load_of(split, per_layer, first, last) == brute_force(per_layer, ranks, first, last)
 
 
 def test_parts_route_each_tensor_to_the_ranks_that_use_it():
@@ -84,12 +83,15 @@ def test_parts_route_each_tensor_to_the_ranks_that_use_it():
         assert (first.nbytes, last.nbytes) == (37, 10 + 1 + 7)
 
 
-@pytest.mark.parametrize(("split", "layers", "ranks", "says"), [
-    ([10, 10, 10], 30, 2, "10,10,10 has 3 entries but 2 ranks run"),
-    ([15, 15], 30, 1, "has 2 entries but this process runs alone"),
-    ([14, 14], 30, 2, "14,14 adds up to 28 layers; the model has 30"),
-    ([30, 0], 30, 2, "every rank needs a positive whole number of layers"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("split", "layers", "ranks", "says"),
+    [
+        ([10, 10, 10], 30, 2, "10,10,10 has 3 entries but 2 ranks run"),
+        ([15, 15], 30, 1, "has 2 entries but this process runs alone"),
+        ([14, 14], 30, 2, "14,14 adds up to 28 layers; the model has 30"),
+        ([30, 0], 30, 2, "every rank needs a positive whole number of layers"),
+    ],
+)
 def test_check_split_names_what_is_wrong(split, layers, ranks, says):
     with pytest.raises(LayersSplitError, match=says) as e:
         check_split(split, layers, ranks)

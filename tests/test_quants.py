@@ -24,9 +24,18 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 F16_FIELDS = {  # byte offsets of the fp16 scale fields inside one block
-    "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
-    "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108], "IQ4_NL": [0],
-}  # fmt: skip
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+    "Q2_K": [80, 82],
+    "Q3_K": [108],
+    "IQ4_NL": [0],
+}
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5}
 # sane fp16 scales, including zero, -0, a subnormal and large values
 SPECIAL = np.array([0.0, -0.0, 6e-8, 3e-5, -1.5, 1000.0], dtype=np.float32)
@@ -35,8 +44,9 @@ SPECIAL = np.array([0.0, -0.0, 6e-8, 3e-5, -1.5, 1000.0], dtype=np.float32)
 def tensor(type_name: str, shape: tuple[int, ...]) -> GGUFTensor:
     type_id = GGMLQuantizationType[type_name].value
     _, block, size = GGML_TYPES[type_id]
-    return GGUFTensor("blk.0.test.weight", type_id, type_name, shape, 0,
-                      math.prod(shape) // block * size)  # fmt: skip
+    return GGUFTensor(
+        "blk.0.test.weight", type_id, type_name, shape, 0, math.prod(shape) // block * size
+    )
 
 
 def random_raw(t: GGUFTensor, seed: int = 0) -> np.ndarray:
@@ -202,8 +212,9 @@ def test_real_tensors_bit_exact(name: str):
             assert np.array_equal(unpacked(c), reference(t, raw)), (t.name, t.type_name)
 
 
-@pytest.mark.parametrize("name,dequantize", [("Q5_0", False), ("Q4_K", False), ("Q8_0", True),
-                                             ("Q6_K", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,dequantize", [("Q5_0", False), ("Q4_K", False), ("Q8_0", True), ("Q6_K", False)]
+)
 def test_threaded_chunks_equal_serial(name: str, dequantize: bool, small_chunks, monkeypatch):
     """Self-consistency: a tensor's chunks converted on 3 threads (machines with > 2 cores)
     give the same bits as on one, and `done` is told of every raw byte exactly once."""
@@ -212,8 +223,9 @@ def test_threaded_chunks_equal_serial(name: str, dequantize: bool, small_chunks,
     serial = convert_tensor(t, raw, mx.float32, dequantize=dequantize)
     monkeypatch.setattr(quants, "_workers", lambda: 3)
     spans: list[tuple[int, int]] = []
-    threaded = convert_tensor(t, raw, mx.float32, dequantize=dequantize,
-                              done=lambda i, j: spans.append((i, j)))  # fmt: skip
+    threaded = convert_tensor(
+        t, raw, mx.float32, dequantize=dequantize, done=lambda i, j: spans.append((i, j))
+    )
     for a, b in ((serial.weight, threaded.weight), (serial.scales, threaded.scales)):
         assert (a is None) == (b is None) and (a is None or mx.array_equal(a, b).item())
     spans.sort()

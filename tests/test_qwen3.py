@@ -32,29 +32,75 @@ from conftest import build_tiny, tiny_models, trajectory
 COMMON = dict(num_attention_heads=4, rope_theta=1000000.0, max_position_embeddings=512)
 SPECS = {
     # GQA 4/2, head_dim 32 ≠ 64 / 4, untied head
-    "qwen3": dict(kind="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, **COMMON),
+    "qwen3": dict(
+        kind="qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        **COMMON,
+    ),
     # one KV head, head_dim 24, tied head
-    "qwen3_tied": dict(kind="qwen3", hidden_size=64, intermediate_size=144,
-                       num_hidden_layers=2, num_key_value_heads=1, head_dim=24,
-                       tie_word_embeddings=True, **COMMON),
+    "qwen3_tied": dict(
+        kind="qwen3",
+        hidden_size=64,
+        intermediate_size=144,
+        num_hidden_layers=2,
+        num_key_value_heads=1,
+        head_dim=24,
+        tie_word_embeddings=True,
+        **COMMON,
+    ),
     # top-2 of 8 experts, layer 1 dense (mlp_only_layers), renormalised top-k, untied
-    "qwen3_moe": dict(kind="qwen3_moe", hidden_size=64, intermediate_size=96,
-                      moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
-                      num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True,
-                      num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, **COMMON),
+    "qwen3_moe": dict(
+        kind="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
+        norm_topk_prob=True,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        **COMMON,
+    ),
     # every second layer sparse (decoder_sparse_step), raw top-k probabilities, tied
-    "qwen3_moe_step": dict(kind="qwen3_moe", hidden_size=64, intermediate_size=96,
-                           moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                           num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=False,
-                           num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
-                           **COMMON),
+    "qwen3_moe_step": dict(
+        kind="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=4,
+        decoder_sparse_step=2,
+        norm_topk_prob=False,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=True,
+        **COMMON,
+    ),
     # all layers sparse, sizes that K-quant blocks (256 values) divide: the GGUF K-quant file
-    "qwen3_moe_k": dict(kind="qwen3_moe", hidden_size=256, intermediate_size=256,
-                        moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
-                        num_hidden_layers=2, norm_topk_prob=True, num_key_value_heads=2,
-                        head_dim=32, tie_word_embeddings=False, **COMMON),
-}  # fmt: skip
+    "qwen3_moe_k": dict(
+        kind="qwen3_moe",
+        hidden_size=256,
+        intermediate_size=256,
+        moe_intermediate_size=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        norm_topk_prob=True,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        **COMMON,
+    ),
+}
 NAMES = ["qwen3", "qwen3_tied", "qwen3_moe", "qwen3_moe_step"]
 
 
@@ -92,8 +138,10 @@ def test_logits_match_transformers_fp32(qwen, name):
 def test_sparse_layers_follow_the_config(qwen):
     """mlp_only_layers and decoder_sparse_step decide which layers have experts (as
     transformers' Qwen3MoeDecoderLayer); the per-expert checkpoint tensors were stacked."""
-    for name, want in (("qwen3_moe", (True, False, True)),
-                       ("qwen3_moe_step", (False, True, False, True))):  # fmt: skip
+    for name, want in (
+        ("qwen3_moe", (True, False, True)),
+        ("qwen3_moe_step", (False, True, False, True)),
+    ):
         folder, ref = qwen(name)
         model = mlxlis.load(folder, "float32")
         assert model.config.sparse_layers == want
@@ -139,8 +187,14 @@ def test_mlx_quantized_folder_matches_mlx_lm(qwen, name, tmp_path):
 
     folder, _ = qwen(name)
     out = tmp_path / "q4"
-    mlx_lm_convert(str(classic_copy(folder, tmp_path / "classic")), str(out), quantize=True,
-                   q_group_size=32, q_bits=4, dtype="float32")  # fmt: skip
+    mlx_lm_convert(
+        str(classic_copy(folder, tmp_path / "classic")),
+        str(out),
+        quantize=True,
+        q_group_size=32,
+        q_bits=4,
+        dtype="float32",
+    )
     model = mlxlis.load(out, "float32")
     assert model.format == "safetensors (MLX quantized)"
     if name == "qwen3_moe":
@@ -167,8 +221,10 @@ def test_cached_decode_equals_full_forward(qwen, name):
     assert np.abs(np.stack(steps) - full).max() < 3e-5
     for chunk in (5, 16):
         cache = model.make_cache()
-        outs = [np.array(model.net(mx.array([ids[s : s + chunk]]), cache=cache)[0])
-                for s in range(0, len(ids), chunk)]  # fmt: skip
+        outs = [
+            np.array(model.net(mx.array([ids[s : s + chunk]]), cache=cache)[0])
+            for s in range(0, len(ids), chunk)
+        ]
         assert np.abs(np.concatenate(outs) - full).max() < 3e-5, chunk
 
 
@@ -196,6 +252,4 @@ def test_bad_expert_config_and_tensors_are_named(qwen, tmp_path):
     save_file({**tensors, key: tensors[key][:, :-1]}, str(bad / "model.safetensors"))
     with pytest.raises(MlxlisError) as e:
         mlxlis.load(bad, "float32")
-    assert e.value.field == "model.layers.2.mlp.switch_mlp.down_proj.weight" and key in str(
-        e.value
-    )
+    assert e.value.field == "model.layers.2.mlp.switch_mlp.down_proj.weight" and key in str(e.value)

@@ -27,27 +27,61 @@ import pytest
 import torch
 from conftest import build_tiny, tiny_models, trajectory
 
-COMMON = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-              linear_key_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=512,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                               "partial_rotary_factor": 0.25})  # fmt: skip
+COMMON = dict(
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=512,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
 SPECS = {
     # layers L L L F (every 4th full), 4 value heads over 2 key heads, v_dim 24 ≠ k_dim 16
-    "qwen3_5": dict(kind="qwen3_5_text", hidden_size=64, intermediate_size=128,
-                    num_hidden_layers=4, linear_num_value_heads=4, linear_value_head_dim=24,
-                    tie_word_embeddings=False, **COMMON),
+    "qwen3_5": dict(
+        kind="qwen3_5_text",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        linear_num_value_heads=4,
+        linear_value_head_dim=24,
+        tie_word_embeddings=False,
+        **COMMON,
+    ),
     # explicit alternation F L F L L, one value head per key head, tied
-    "qwen3_5_alt": dict(kind="qwen3_5_text", hidden_size=64, intermediate_size=96,
-                        num_hidden_layers=5, linear_num_value_heads=2, linear_value_head_dim=16,
-                        layer_types=["full_attention", "linear_attention", "full_attention",
-                                     "linear_attention", "linear_attention"],
-                        tie_word_embeddings=True, **COMMON),
+    "qwen3_5_alt": dict(
+        kind="qwen3_5_text",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=5,
+        linear_num_value_heads=2,
+        linear_value_head_dim=16,
+        layer_types=[
+            "full_attention",
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "linear_attention",
+        ],
+        tie_word_embeddings=True,
+        **COMMON,
+    ),
     # MoE: top-2 of 8 routed experts plus a shared expert, layers L L L F
-    "qwen3_5_moe": dict(kind="qwen3_5_moe_text", hidden_size=64, num_hidden_layers=4,
-                        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                        shared_expert_intermediate_size=48, linear_num_value_heads=4,
-                        linear_value_head_dim=24, tie_word_embeddings=False, **COMMON),
-}  # fmt: skip
+    "qwen3_5_moe": dict(
+        kind="qwen3_5_moe_text",
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        linear_num_value_heads=4,
+        linear_value_head_dim=24,
+        tie_word_embeddings=False,
+        **COMMON,
+    ),
+}
 NAMES = list(SPECS)
 
 
@@ -106,12 +140,20 @@ def test_multimodal_wrapper_reads_the_language_model(qwen35, tmp_path):
     shutil.copytree(folder, wrapped)
     text = json.loads((folder / "config.json").read_text())
     tie = text.pop("tie_word_embeddings")
-    (wrapped / "config.json").write_text(json.dumps(
-        {"model_type": "qwen3_5", "tie_word_embeddings": tie,
-         "text_config": {**text, "model_type": "qwen3_5_text"},
-         "vision_config": {"depth": 1}}))  # fmt: skip
-    tensors = {k.replace("model.", "model.language_model.", 1): v
-               for k, v in load_file(str(folder / "model.safetensors")).items()}  # fmt: skip
+    (wrapped / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen3_5",
+                "tie_word_embeddings": tie,
+                "text_config": {**text, "model_type": "qwen3_5_text"},
+                "vision_config": {"depth": 1},
+            }
+        )
+    )
+    tensors = {
+        k.replace("model.", "model.language_model.", 1): v
+        for k, v in load_file(str(folder / "model.safetensors")).items()
+    }
     tensors["model.visual.patch_embed.proj.weight"] = np.zeros((4, 3), np.float32)
     tensors["mtp.fc.weight"] = np.zeros((64, 128), np.float32)
     save_file(tensors, str(wrapped / "model.safetensors"), {"format": "pt"})
@@ -134,9 +176,10 @@ def fuse_experts(folder: Path) -> None:
     layers = {k.split(".experts.")[0] for k in tensors if ".experts." in k}
     for prefix in layers:
         n = sum(1 for k in tensors if k.startswith(f"{prefix}.experts.") and "down" in k)
-        gate, up, down = (np.stack([tensors.pop(f"{prefix}.experts.{e}.{p}.weight")
-                                    for e in range(n)])
-                          for p in ("gate_proj", "up_proj", "down_proj"))  # fmt: skip
+        gate, up, down = (
+            np.stack([tensors.pop(f"{prefix}.experts.{e}.{p}.weight") for e in range(n)])
+            for p in ("gate_proj", "up_proj", "down_proj")
+        )
         tensors[f"{prefix}.experts.gate_up_proj"] = np.concatenate([gate, up], axis=1)
         tensors[f"{prefix}.experts.down_proj"] = down
     save_file(tensors, str(path), {"format": "pt"})
@@ -193,8 +236,14 @@ def test_mlx_lm_saved_folder_matches_mlx_lm(qwen35, name, tmp_path):
 
     folder, _ = qwen35(name)
     out = tmp_path / "q4"
-    mlx_lm_convert(str(mlx_lm_copy(folder, tmp_path / "copy")), str(out), quantize=True,
-                   q_group_size=32, q_bits=4, dtype="float32")  # fmt: skip
+    mlx_lm_convert(
+        str(mlx_lm_copy(folder, tmp_path / "copy")),
+        str(out),
+        quantize=True,
+        q_group_size=32,
+        q_bits=4,
+        dtype="float32",
+    )
     model = mlxlis.load(out, "float32")
     their_model, _ = mlx_lm_load(str(out))
     ids = trajectory(48, vocab=400)
@@ -218,8 +267,10 @@ def test_chunked_prefill_equals_step_decode_equals_full(qwen35, name):
     assert np.abs(np.stack(steps) - full).max() < 1e-4
     for chunk in (5, 16, 70):
         cache = model.make_cache()
-        outs = [np.array(model.net(mx.array([ids[s : s + chunk]]), cache=cache)[0])
-                for s in range(0, len(ids), chunk)]  # fmt: skip
+        outs = [
+            np.array(model.net(mx.array([ids[s : s + chunk]]), cache=cache)[0])
+            for s in range(0, len(ids), chunk)
+        ]
         assert np.abs(np.concatenate(outs) - full).max() < 1e-4, chunk
 
 
@@ -230,15 +281,17 @@ def test_chat_prefix_reuse_equals_fresh_run(qwen35):
     folder, _ = qwen35("qwen3_5")
     model = mlxlis.load(folder, "float32", chat_template="chatml")
     chat = mlxlis.ChatSession(model)
-    first = [e.token for e in chat.send("Hello there, how are you?", max_tokens=12)
-             if e.token is not None]  # fmt: skip
+    first = [
+        e.token
+        for e in chat.send("Hello there, how are you?", max_tokens=12)
+        if e.token is not None
+    ]
     second = [e.token for e in chat.send("Tell me more.", max_tokens=12) if e.token is not None]
     assert chat.last_reused_tokens > 0 and first
     fresh = mlxlis.ChatSession(model)
     fresh.turns = chat.turns[:-1]  # the conversation up to the second user message
     ids = model.tokenizer.encode(fresh.render(), special=True)
-    again = [e.token for e in mlxlis.generate(model, ids, max_tokens=12)
-             if e.token is not None]  # fmt: skip
+    again = [e.token for e in mlxlis.generate(model, ids, max_tokens=12) if e.token is not None]
     assert second == again
 
 

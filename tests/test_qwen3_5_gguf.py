@@ -33,28 +33,60 @@ Q = gguf.GGMLQuantizationType
 # whole Q8_0 blocks, so the value-head reorder moves whole blocks (real heads: 128)
 HEADS = {**COMMON, "linear_key_head_dim": 32, "linear_value_head_dim": 32}
 SPECS = {
-    "qwen35": dict(kind="qwen3_5_text", hidden_size=64, intermediate_size=128,
-                   num_hidden_layers=4, linear_num_value_heads=4, tie_word_embeddings=False,
-                   **HEADS),
-    "qwen35moe": dict(kind="qwen3_5_moe_text", hidden_size=64, num_hidden_layers=4,
-                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=64, linear_num_value_heads=4,
-                      tie_word_embeddings=True, **HEADS),
-}  # fmt: skip
-LINEAR = {"in_proj_qkv": "attn_qkv", "in_proj_z": "attn_gate", "in_proj_b": "ssm_beta",
-          "in_proj_a": "ssm_alpha", "out_proj": "ssm_out", "norm": "ssm_norm"}  # fmt: skip
-BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-         "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-         "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-         "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
-         "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-         "mlp.shared_expert.up_proj": "ffn_up_shexp",
-         "mlp.shared_expert.down_proj": "ffn_down_shexp",
-         "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
-         **{f"linear_attn.{k}": v for k, v in LINEAR.items()}}  # fmt: skip
-TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-       "lm_head.weight": "output.weight"}  # fmt: skip  # noqa: E501
+    "qwen35": dict(
+        kind="qwen3_5_text",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        linear_num_value_heads=4,
+        tie_word_embeddings=False,
+        **HEADS,
+    ),
+    "qwen35moe": dict(
+        kind="qwen3_5_moe_text",
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        linear_num_value_heads=4,
+        tie_word_embeddings=True,
+        **HEADS,
+    ),
+}
+LINEAR = {
+    "in_proj_qkv": "attn_qkv",
+    "in_proj_z": "attn_gate",
+    "in_proj_b": "ssm_beta",
+    "in_proj_a": "ssm_alpha",
+    "out_proj": "ssm_out",
+    "norm": "ssm_norm",
+}
+BLOCK = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    **{f"linear_attn.{k}": v for k, v in LINEAR.items()},
+}
+TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 def tile(a: np.ndarray, kh: int, vh: int, axis: int) -> np.ndarray:
@@ -99,7 +131,9 @@ def llama_cpp_tensors(ref) -> dict[str, np.ndarray]:
         elif rest == "mlp.experts.gate_up_proj":  # (E, 2·F, hidden): gate rows, then up rows
             f = a.shape[1] // 2
             out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = (
-                a[:, :f], a[:, f:])  # fmt: skip
+                a[:, :f],
+                a[:, f:],
+            )
         elif rest == "mlp.experts.down_proj":
             out[f"blk.{i}.ffn_down_exps.weight"] = a
         else:
@@ -134,8 +168,9 @@ def as_transformers(ref, held: dict[str, np.ndarray]) -> dict[str, torch.Tensor]
         _, _, i, rest = name.split(".", 3)
         stem, part = rest.rsplit(".", 1) if rest.count(".") else (rest, "")
         if rest == "mlp.experts.gate_up_proj":
-            sd[name] = np.concatenate([held[f"blk.{i}.ffn_gate_exps.weight"],
-                                       held[f"blk.{i}.ffn_up_exps.weight"]], 1)  # fmt: skip
+            sd[name] = np.concatenate(
+                [held[f"blk.{i}.ffn_gate_exps.weight"], held[f"blk.{i}.ffn_up_exps.weight"]], 1
+            )
             continue
         if rest == "mlp.experts.down_proj":
             sd[name] = held[f"blk.{i}.ffn_down_exps.weight"]
@@ -175,8 +210,9 @@ def write(path: Path, ref, folder: Path, qtype: Q, mtp: bool = True) -> dict[str
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     w.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_uint32("qwen35moe.ssm.conv_kernel" if moe else "qwen35.ssm.conv_kernel",
-                 c.linear_conv_kernel_dim)  # fmt: skip
+    w.add_uint32(
+        "qwen35moe.ssm.conv_kernel" if moe else "qwen35.ssm.conv_kernel", c.linear_conv_kernel_dim
+    )
     arch = "qwen35moe" if moe else "qwen35"
     w.add_uint32(f"{arch}.ssm.state_size", c.linear_key_head_dim)
     w.add_uint32(f"{arch}.ssm.group_count", c.linear_num_key_heads)
@@ -184,8 +220,10 @@ def write(path: Path, ref, folder: Path, qtype: Q, mtp: bool = True) -> dict[str
     w.add_uint32(f"{arch}.ssm.inner_size", c.linear_num_value_heads * c.linear_value_head_dim)
     w.add_uint32(f"{arch}.full_attention_interval", 4)
     w.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])  # the converter's default
-    w.add_array(f"{arch}.attention.recurrent_layers",
-                [t == "linear_attention" for t in c.layer_types] + [False] * int(mtp))  # fmt: skip
+    w.add_array(
+        f"{arch}.attention.recurrent_layers",
+        [t == "linear_attention" for t in c.layer_types] + [False] * int(mtp),
+    )
     if mtp:
         w.add_uint32(f"{arch}.nextn_predict_layers", 1)
     if moe:
@@ -200,11 +238,18 @@ def write(path: Path, ref, folder: Path, qtype: Q, mtp: bool = True) -> dict[str
         for k, v in list(tensors.items()):
             if k.startswith(f"blk.{full}."):
                 tensors[k.replace(f"blk.{full}.", f"blk.{n}.", 1)] = v
-        tensors[f"blk.{n}.nextn.eh_proj.weight"] = np.ones((c.hidden_size, 2 * c.hidden_size),
-                                                           np.float32)  # fmt: skip
+        tensors[f"blk.{n}.nextn.eh_proj.weight"] = np.ones(
+            (c.hidden_size, 2 * c.hidden_size), np.float32
+        )
     held = {}
-    forced_f32 = ("norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight",
-                  "ssm_conv1d.weight", "ssm_a", "ssm_dt.bias")  # as the converter forces
+    forced_f32 = (
+        "norm.weight",
+        "ffn_gate_inp.weight",
+        "ffn_gate_inp_shexp.weight",
+        "ssm_conv1d.weight",
+        "ssm_a",
+        "ssm_dt.bias",
+    )  # as the converter forces
     for name, a in tensors.items():
         if qtype == Q.F32 or a.ndim == 1 or name.endswith(forced_f32):
             data, raw = a.astype(np.float32), None

@@ -37,12 +37,19 @@ from test_qwen3 import SPECS, build, reference_logits
 
 Q = gguf.GGMLQuantizationType
 BLOCK = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
-}  # fmt: skip
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+}
 TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 K_FIELDS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of the fp16 scales in a block
 K_SCALE = {Q.Q4_K: 2e-4, Q.Q6_K: 3e-5}  # |w| ≲ 0.2 (Q4_K: d·63·15; Q6_K: d·128·32)
@@ -152,8 +159,7 @@ def k_types(name: str) -> Q:
     return Q.Q8_0
 
 
-BOUND = {"qwen3-q8_0": 3e-5, "qwen3-tied-f32": 3e-5, "qwen3moe-q8_0": 1e-4,
-         "qwen3moe-k": 1e-4}  # fmt: skip
+BOUND = {"qwen3-q8_0": 3e-5, "qwen3-tied-f32": 3e-5, "qwen3moe-q8_0": 1e-4, "qwen3moe-k": 1e-4}
 CASES = {  # file -> (tiny model, tensor types)
     "qwen3-q8_0": ("qwen3", lambda n: Q.Q8_0),
     "qwen3-tied-f32": ("qwen3_tied", lambda n: Q.F32),
@@ -254,16 +260,29 @@ def test_inspect_names_the_family_and_the_experts(files):
     """`mlxlis inspect --json` on the MoE file reports the family, its quant types and the
     experts as the file's metadata states them (expert_count 8, expert_used_count 2)."""
     path, _, _ = files("qwen3moe-k")
-    out = subprocess.run([sys.executable, "-m", "mlxlis", "inspect", str(path), "--json"],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "mlxlis", "inspect", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["family"] == "qwen3_moe"
     assert "Q4_K" in report["quant"] and "Q6_K" in report["quant"], report["quant"]
-    assert report["config"]["experts"] == {"count": 8, "per_token": 2, "width": 256,
-                                           "sparse_layers": [0, 1], "norm_topk_prob": True}
-    text = subprocess.run([sys.executable, "-m", "mlxlis", "inspect", str(path)],
-                          capture_output=True, text=True, timeout=300).stdout  # fmt: skip
+    assert report["config"]["experts"] == {
+        "count": 8,
+        "per_token": 2,
+        "width": 256,
+        "sparse_layers": [0, 1],
+        "norm_topk_prob": True,
+    }
+    text = subprocess.run(
+        [sys.executable, "-m", "mlxlis", "inspect", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout
     assert "experts: 2 of 8 per token, width 256, in 2 layers" in text
 
 

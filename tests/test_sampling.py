@@ -224,6 +224,8 @@ def test_generate_takes_sampling_params_or_keywords(tiny):
     with pytest.raises(TypeError, match="SamplingParams"):
         next(mlxlis.generate(model, [1, 2, 3], 64))
     a = [e.token for e in mlxlis.generate(model, [1, 2, 3], max_tokens=5, stop_ids=set())]
-    b = [e.token for e in mlxlis.generate(model, [1, 2, 3], SamplingParams(max_tokens=5),
-                                          stop_ids=set())]  # fmt: skip
+    b = [
+        e.token
+        for e in mlxlis.generate(model, [1, 2, 3], SamplingParams(max_tokens=5), stop_ids=set())
+    ]
     assert a == b and len(a) == 6  # five tokens and the final event

@@ -37,8 +37,17 @@ def server(tiny, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "llama_long").symlink_to(tiny("llama_long")[0])  # served as "llama_long"
     (tmp / "template.jinja").write_text(TEMPLATE)
-    srv = ServeProcess(tmp, "-m", str(tmp / "llama_long"), "--max-batch", "4", "--max-context",
-                       str(CONTEXT), "--chat-template", str(tmp / "template.jinja"))  # fmt: skip
+    srv = ServeProcess(
+        tmp,
+        "-m",
+        str(tmp / "llama_long"),
+        "--max-batch",
+        "4",
+        "--max-context",
+        str(CONTEXT),
+        "--chat-template",
+        str(tmp / "template.jinja"),
+    )
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -103,8 +112,9 @@ def test_completion_stream_whole_and_token_prompt(server, client):
     r = client.completions.create(model="llama_long", prompt="The quick brown", max_tokens=10)
     assert r.id.startswith("cmpl-") and r.object == "text_completion"
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 10
-    stream = client.completions.create(model="llama_long", prompt="The quick brown",
-                                       max_tokens=10, stream=True)  # fmt: skip
+    stream = client.completions.create(
+        model="llama_long", prompt="The quick brown", max_tokens=10, stream=True
+    )
     assert "".join(c.choices[0].text for c in stream) == r.choices[0].text
     ids = mlxlis.load_tokenizer(server.model).encode("The quick brown")
     by_ids = client.completions.create(model="llama_long", prompt=ids, max_tokens=10)
@@ -117,8 +127,11 @@ def test_stop_strings(client):
     emitted), streamed or not, with finish_reason "stop"; a stop string that never occurs
     changes nothing."""
     full = chat(client, max_tokens=40).choices[0].message.content
-    stop = next(full[i : i + 2] for i in range(4, len(full) - 2)
-                if "\ufffd" not in full[i : i + 2] and full[i : i + 2].strip())  # fmt: skip
+    stop = next(
+        full[i : i + 2]
+        for i in range(4, len(full) - 2)
+        if "\ufffd" not in full[i : i + 2] and full[i : i + 2].strip()
+    )
     want = full[: full.index(stop)]
     r = chat(client, max_tokens=40, stop=[stop, "never-in-noise"])
     assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
@@ -161,9 +174,11 @@ def test_second_turn_uses_the_prefix_cache(client):
     usage.prompt_tokens_details.cached_tokens is > 0 and below the prompt's length."""
     first = chat(client, messages=[{"role": "user", "content": "Tell me about Émile."}])
     assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
-    messages = [{"role": "user", "content": "Tell me about Émile."},
-                {"role": "assistant", "content": first.choices[0].message.content},
-                {"role": "user", "content": "And the fox?"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Tell me about Émile."},
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And the fox?"},
+    ]
     second = chat(client, messages=messages)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
@@ -178,8 +193,9 @@ def test_reasoning_content(client):
     assert r.choices[0].message.model_extra["reasoning_content"]
     assert r.choices[0].message.content == ""
     chunks = list(chat(client, extra_body=think, stream=True))
-    streamed = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or ""
-                       for c in chunks)  # fmt: skip
+    streamed = "".join(
+        c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks
+    )
     assert streamed == r.choices[0].message.model_extra["reasoning_content"]
     plain = chat(client)
     assert "reasoning_content" not in (plain.choices[0].message.model_extra or {})
@@ -190,25 +206,42 @@ def test_tools_reach_the_template(client):
     """`tools` are rendered by the template (the prompt grows by the tool list); an assistant
     tool call and a `tool` result message render back through it; tool_choice "none" leaves
     the tools out."""
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
     plain = chat(client, max_tokens=1)
     with_tools = chat(client, max_tokens=1, tools=tools)
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
     none = chat(client, max_tokens=1, tools=tools, tool_choice="none")
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
-    messages = HELLO + [{"role": "assistant", "content": None, "tool_calls": [call]},
-                        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})},
+    }
+    messages = HELLO + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
     assert chat(client, max_tokens=1, tools=tools, messages=messages).choices[0].message
 
 
 def test_unknown_fields_are_ignored(server):
     """Fields mlxlis does not know or use (user, presence_penalty, a made-up one) are
     ignored: the request succeeds."""
-    body = {"messages": HELLO, "max_tokens": 2, "user": "u1", "presence_penalty": 0.5,
-            "made_up_field": {"x": 1}}  # fmt: skip
+    body = {
+        "messages": HELLO,
+        "max_tokens": 2,
+        "user": "u1",
+        "presence_penalty": 0.5,
+        "made_up_field": {"x": 1},
+    }
     status, r = server.request("POST", "/v1/chat/completions", body)
     assert status == 200 and r["choices"][0]["finish_reason"] == "length"
 
@@ -233,13 +266,22 @@ BAD_CHAT = [  # (changes to a good chat body, the field the 400 must name)
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages[0].content[0].type"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        "messages[0].content[0].type",
+    ),
     ({"tool_choice": "required", "tools": []}, "tool_choice"),
-    ({"tool_choice": "sometimes", "tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "g"}},
-      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice.function.name"),
+    (
+        {"tool_choice": "sometimes", "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tool_choice",
+    ),
+    (
+        {
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        "tool_choice.function.name",
+    ),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
 ]
@@ -254,9 +296,11 @@ BAD_COMPLETION = [
 ]
 
 
-@pytest.mark.parametrize(("path", "changes", "param"),
-                         [("/v1/chat/completions", c, p) for c, p in BAD_CHAT]
-                         + [("/v1/completions", c, p) for c, p in BAD_COMPLETION])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "changes", "param"),
+    [("/v1/chat/completions", c, p) for c, p in BAD_CHAT]
+    + [("/v1/completions", c, p) for c, p in BAD_COMPLETION],
+)
 def test_bad_values_are_400_naming_the_field(server, path, changes, param):
     """A bad value (wrong type, out of range, unsupported n, malformed message) gets a 400
     with OpenAI's error body whose `param` names the field and whose message says what a

@@ -29,10 +29,18 @@ from test_gemma4 import build as build_gemma4
 from test_qwen3_5 import SPECS as QWEN35_SPECS
 from test_qwen3_5 import build as build_qwen35
 
-GEMMA3 = dict(kind="gemma3", hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-              layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-              max_position_embeddings=512)  # fmt: skip
+GEMMA3 = dict(
+    kind="gemma3",
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    sliding_window=8,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    max_position_embeddings=512,
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +75,9 @@ def test_interleaved_requests_equal_each_alone(models, name):
     past its 256-slot growth only with generation) give each request generate's tokens."""
     model = models[name]
     rng = random.Random(0)
-    prompts = [trajectory(rng.randint(3, 40), seed=i, vocab=model.config.vocab_size)
-               for i in range(8)]  # fmt: skip
+    prompts = [
+        trajectory(rng.randint(3, 40), seed=i, vocab=model.config.vocab_size) for i in range(8)
+    ]
     engine = Engine(model, max_active=8, prefix_cache_bytes=0)
     try:
         streams = [engine.submit(Request(p, SamplingParams(max_tokens=16))) for p in prompts]
@@ -76,6 +85,62 @@ def test_interleaved_requests_equal_each_alone(models, name):
     finally:
         engine.shutdown()
     assert got == [alone(model, p, 16) for p in prompts]
+
+
+def test_batched_rows_keep_their_own_processors_and_samplers(models):
+    """Requests with and without a repetition penalty, greedy and seeded sampling, decoding in
+    one batch: each gives what the same request gives alone through `generate` (self-
+    consistency of the batched step against the lone one: each row's processors and sampler
+    see its own logits and history)."""
+    model = models["llama"]
+    vocab = model.config.vocab_size
+    prompts = [trajectory(n, seed=30 + n, vocab=vocab) for n in (6, 11, 17, 9)]
+    params = [
+        SamplingParams(max_tokens=12),
+        SamplingParams(max_tokens=12, repetition_penalty=1.8, repetition_context=8),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=5),
+        SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=9, repetition_penalty=1.3),
+    ]
+    engine = Engine(model, max_active=4, prefix_cache_bytes=0)
+    try:
+        streams = [engine.submit(Request(p, q)) for p, q in zip(prompts, params, strict=True)]
+        got = [tokens(s) for s in streams]
+    finally:
+        engine.shutdown()
+    want = [
+        [e.token for e in mlxlis.generate(model, p, q, stop_ids=set()) if e.token is not None]
+        for p, q in zip(prompts, params, strict=True)
+    ]
+    assert got == want
+    assert want[0] != want[1]  # the penalty changed the second request's tokens
+
+
+ENGINE_LEFT_RUNNING = """
+import sys
+import mlxlis
+from mlxlis.generation.core import Request
+from mlxlis.generation.engine import Engine
+model = mlxlis.load(sys.argv[1], "float32")
+engine = Engine(model)
+stream = engine.submit(Request([1, 2, 3], mlxlis.SamplingParams(max_tokens=400)))
+next(iter(stream))  # decoding now; the process exits without engine.shutdown()
+print("leaving", flush=True)
+"""
+
+
+def test_an_engine_left_running_at_exit_ends_the_process_cleanly(tiny):
+    """A real process that exits while an Engine is still decoding (a failed test, a library
+    user without `shutdown()`) exits 0: the engine is shut down before the interpreter
+    finalizes, instead of MLX's thread being torn down mid-step ("terminate called without an
+    active exception", status 134)."""
+    import subprocess
+    import sys
+
+    folder, _ = tiny("llama")
+    out = subprocess.run([sys.executable, "-c", ENGINE_LEFT_RUNNING, str(folder)],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "leaving" in out.stdout and "terminate called" not in out.stderr
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_5"])
@@ -101,8 +166,13 @@ def test_stop_strings_across_token_boundaries_never_emitted():
     then released when it turns out not to be one."""
     m = StopMatcher(("STOP", "\n\n"))
     out = [m.feed(t) for t in ("Hello S", "T", "ill here", " and ST", "OP now")]
-    assert out == [("Hello ", False), ("", False), ("STill here", False), (" and ", False),
-                   ("", True)]  # fmt: skip
+    assert out == [
+        ("Hello ", False),
+        ("", False),
+        ("STill here", False),
+        (" and ", False),
+        ("", True),
+    ]
     m = StopMatcher(("\n\n",))
     assert m.feed("a\n") == ("a", False) and m.feed("b") == ("\nb", False)
 
@@ -116,8 +186,9 @@ def test_engine_cuts_stop_strings(models):
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     engine = Engine(model)
     try:
-        events = list(engine.submit(Request(ids, SamplingParams(max_tokens=10),
-                                               stop_strings=(stop,))))  # fmt: skip
+        events = list(
+            engine.submit(Request(ids, SamplingParams(max_tokens=10), stop_strings=(stop,)))
+        )
     finally:
         engine.shutdown()
     out = "".join(e.text for e in events)

@@ -24,8 +24,9 @@ LONG = {"prompt": "Hello", "ignore_eos": True, "max_tokens": 100_000, "stream": 
 def server(tiny, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "llama_long").symlink_to(tiny("llama_long")[0])  # served as "llama_long"
-    srv = ServeProcess(tmp, "-m", str(tmp / "llama_long"), "--max-batch", "1", "--max-queue",
-                       "1", api_key=KEY)  # fmt: skip
+    srv = ServeProcess(
+        tmp, "-m", str(tmp / "llama_long"), "--max-batch", "1", "--max-queue", "1", api_key=KEY
+    )
     yield srv
     srv.stop()
 
@@ -33,11 +34,18 @@ def server(tiny, tmp_path_factory):
 def test_bad_flags_exit_2(server):
     """Out-of-range flags, and a --max-context over the model's own, end `mlxlis serve` with
     status 2 and one line naming the flag (before anything listens)."""
-    for flags, flag in ((["--max-batch", "0"], "--max-batch"), (["--port", "70000"], "--port"),
-                        (["--prefix-cache-mb", "-1"], "--prefix-cache-mb"),
-                        (["-m", server.model, "--max-context", "999999999"], "--max-context")):
-        r = subprocess.run([sys.executable, "-m", "mlxlis", "serve", *flags],
-                           capture_output=True, text=True, timeout=STARTUP_S)
+    for flags, flag in (
+        (["--max-batch", "0"], "--max-batch"),
+        (["--port", "70000"], "--port"),
+        (["--prefix-cache-mb", "-1"], "--prefix-cache-mb"),
+        (["-m", server.model, "--max-context", "999999999"], "--max-context"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "mlxlis", "serve", *flags],
+            capture_output=True,
+            text=True,
+            timeout=STARTUP_S,
+        )
         assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
@@ -49,8 +57,9 @@ def test_api_key_is_required(server):
     assert e.value.body["code"] == "invalid_api_key"
     status, body = server.request("GET", "/v1/models", headers={"Authorization": ""})
     assert status == 401 and body["error"]["type"] == "invalid_request_error"
-    status, _ = server.request("POST", "/v1/completions", {"prompt": "Hi"},
-                               headers={"Authorization": "Basic " + KEY})  # fmt: skip
+    status, _ = server.request(
+        "POST", "/v1/completions", {"prompt": "Hi"}, headers={"Authorization": "Basic " + KEY}
+    )
     assert status == 401
     assert [m.id for m in server.client().models.list().data] == ["llama_long"]
     assert server.request("GET", "/health", headers={"Authorization": ""})[0] == 200
@@ -62,8 +71,9 @@ def test_chat_without_template_is_400_with_the_diagnosis(server):
     works on the same model."""
     client = server.client()
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="llama_long", max_tokens=2,
-                                       messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
+        client.chat.completions.create(
+            model="llama_long", max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
+        )
     diagnosis = mlxlis.load(server.model, "float32").missing_template_diagnosis()
     assert e.value.body["message"] == diagnosis and e.value.body["code"] == "no_chat_template"
     r = client.completions.create(model="llama_long", prompt="Hi", max_tokens=3)
@@ -92,8 +102,13 @@ def test_sigterm_mid_stream_ends_streams_and_exits_cleanly(server):
     """SIGTERM while a reply streams: the stream ends with an error event (the openai client
     raises APIError saying the server is shutting down), the process exits with status 0,
     and its log says it stopped. (Runs last: it ends the module's server.)"""
-    stream = server.client().completions.create(model="llama_long", prompt="Hello", stream=True,
-                                                max_tokens=100_000, extra_body={"ignore_eos": True})
+    stream = server.client().completions.create(
+        model="llama_long",
+        prompt="Hello",
+        stream=True,
+        max_tokens=100_000,
+        extra_body={"ignore_eos": True},
+    )
     got = 0
     with pytest.raises(openai.APIError) as e:
         for _ in stream:

@@ -15,10 +15,20 @@ from serve_process import ServeProcess
 pytestmark = pytest.mark.real
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-WEATHER = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}]  # fmt: skip
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 
 
 def serve(name: str, tmp_path_factory):
@@ -47,8 +57,11 @@ def test_smollm_knows_paris_streamed_or_not(smollm):
     r = smollm.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=40)
     text = r.choices[0].message.content
     assert "Paris" in text and r.choices[0].finish_reason == "stop"
-    chunks = list(smollm.chat.completions.create(model="smollm2-135m", messages=QUESTION,
-                                                 max_tokens=40, stream=True))  # fmt: skip
+    chunks = list(
+        smollm.chat.completions.create(
+            model="smollm2-135m", messages=QUESTION, max_tokens=40, stream=True
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
 
 
@@ -56,10 +69,12 @@ def test_smollm_second_turn_is_cached(smollm):
     """A second turn that repeats the first turn's conversation reports cached prompt tokens
     (the prefix cache): at least the whole first prompt."""
     first = smollm.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=40)
-    messages = [*QUESTION, {"role": "assistant", "content": first.choices[0].message.content},
-                {"role": "user", "content": "And of Italy?"}]  # fmt: skip
-    second = smollm.chat.completions.create(model="smollm2-135m", messages=messages,
-                                            max_tokens=20)  # fmt: skip
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    second = smollm.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=20)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
 
@@ -68,8 +83,9 @@ def test_smollm_template_without_tools_refuses_them(smollm):
     """SmolLM2's template has no place for tools: a request with tools gets a 400 naming
     `tools` instead of a prompt that silently leaves them out."""
     with pytest.raises(openai.BadRequestError) as e:
-        smollm.chat.completions.create(model="smollm2-135m", messages=QUESTION, tools=WEATHER,
-                                       max_tokens=5)  # fmt: skip
+        smollm.chat.completions.create(
+            model="smollm2-135m", messages=QUESTION, tools=WEATHER, max_tokens=5
+        )
     assert e.value.body["param"] == "tools", e.value.body
 
 
@@ -78,8 +94,13 @@ def test_qwen_tool_choice_forces_a_call(qwen):
     a message that asks for none: the reply is a parsed call of the offered tool."""
     ask = [{"role": "user", "content": "Say hello."}]
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        r = qwen.chat.completions.create(model="qwen2.5-coder-0.5b", messages=ask,
-                                         tools=WEATHER, tool_choice=choice, max_tokens=40)
+        r = qwen.chat.completions.create(
+            model="qwen2.5-coder-0.5b",
+            messages=ask,
+            tools=WEATHER,
+            tool_choice=choice,
+            max_tokens=40,
+        )
         c = r.choices[0]
         assert c.finish_reason == "tool_calls", (choice, c.message)
         (call,) = c.message.tool_calls
@@ -93,21 +114,30 @@ def test_qwen_tool_call(qwen):
     call streamed as delta.tool_calls; the tool's result renders back through the template
     and the model answers in text."""
     ask = [{"role": "user", "content": "What's the weather like in Paris today?"}]
-    r = qwen.chat.completions.create(model="qwen2.5-coder-0.5b", messages=ask, tools=WEATHER,
-                                     max_tokens=60)  # fmt: skip
+    r = qwen.chat.completions.create(
+        model="qwen2.5-coder-0.5b", messages=ask, tools=WEATHER, max_tokens=60
+    )
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None, c.message
     (call,) = c.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
-    chunks = list(qwen.chat.completions.create(model="qwen2.5-coder-0.5b", messages=ask,
-                                               tools=WEATHER, max_tokens=60, stream=True))
+    chunks = list(
+        qwen.chat.completions.create(
+            model="qwen2.5-coder-0.5b", messages=ask, tools=WEATHER, max_tokens=60, stream=True
+        )
+    )
     deltas = [d for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []]
     assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
-        (0, "get_weather", {"city": "Paris"})]  # fmt: skip
+        (0, "get_weather", {"city": "Paris"})
+    ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    follow = [*ask, c.message.model_dump(exclude_none=True),
-              {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'}]  # fmt: skip
-    answer = qwen.chat.completions.create(model="qwen2.5-coder-0.5b", messages=follow,
-                                          tools=WEATHER, max_tokens=40)  # fmt: skip
+    follow = [
+        *ask,
+        c.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'},
+    ]
+    answer = qwen.chat.completions.create(
+        model="qwen2.5-coder-0.5b", messages=follow, tools=WEATHER, max_tokens=40
+    )
     assert answer.choices[0].message.content and answer.choices[0].finish_reason == "stop"

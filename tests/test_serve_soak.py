@@ -26,9 +26,19 @@ WORDS = "the cat sat on a mat while rain fell over quiet hills and rivers".split
 def server(tiny, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("soak")
     (tmp / "llama_long").symlink_to(tiny("llama_long")[0])
-    srv = ServeProcess(tmp, "-m", str(tmp / "llama_long"), "--max-batch", "8", "--max-queue",
-                       str(REQUESTS), "--prefix-cache-mb", str(CACHE_MB), "--chat-template",
-                       "chatml")  # fmt: skip
+    srv = ServeProcess(
+        tmp,
+        "-m",
+        str(tmp / "llama_long"),
+        "--max-batch",
+        "8",
+        "--max-queue",
+        str(REQUESTS),
+        "--prefix-cache-mb",
+        str(CACHE_MB),
+        "--chat-template",
+        "chatml",
+    )
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -37,8 +47,12 @@ def body(i: int) -> tuple[dict, str | None]:
     """Request i (the same every time it is built) and how its client leaves, if it does."""
     rng = random.Random(i)
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
-    req = {"messages": [{"role": "user", "content": words}], "max_tokens": rng.randint(1, 12),
-           "temperature": 0, "stream": rng.random() < 0.5}  # fmt: skip
+    req = {
+        "messages": [{"role": "user", "content": words}],
+        "max_tokens": rng.randint(1, 12),
+        "temperature": 0,
+        "stream": rng.random() < 0.5,
+    }
     if req["stream"]:
         req["stream_options"] = {"include_usage": True}
     leave = None

@@ -41,12 +41,15 @@ def test_tool_call_blocks_parse_across_pieces(piece):
     assert calls[0]["type"] == "function" and calls[0]["id"] != calls[1]["id"]
 
 
-@pytest.mark.parametrize("reply", [
-    "<tool_call>not json</tool_call> after",  # not JSON
-    '<tool_call>{"arguments": {}}</tool_call>',  # no name
-    '<tool_call>{"name": "get_weather", "arg',  # left open
-    "a <tool b < tool_call> c <tool_cal",  # tag-like text
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "<tool_call>not json</tool_call> after",  # not JSON
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "get_weather", "arg',  # left open
+        "a <tool b < tool_call> c <tool_cal",  # tag-like text
+    ],
+)
 def test_what_does_not_parse_is_text(reply):
     """A block that is not JSON, names no function or is left open, and text that only
     looks like the start of a tag, come back as the very text the model wrote."""
@@ -71,7 +74,8 @@ def test_param_path_names_the_field():
     """pydantic error locations become OpenAI's param paths; union member names are left
     out."""
     assert param_path(("messages", 0, "content", "list[ContentPart]", 0, "type")) == (
-        "messages[0].content[0].type")  # fmt: skip
+        "messages[0].content[0].type"
+    )
     assert param_path(("stop", "str")) == "stop"
     assert param_path(("temperature",)) == "temperature"
     assert param_path(()) is None

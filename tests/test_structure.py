@@ -51,8 +51,9 @@ def imports(name: str) -> set[str]:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             # `from pkg import sub` names the submodule when there is one
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
-                       for a in node.names]  # fmt: skip
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names
+            ]
         else:
             continue
         for t in targets:
@@ -67,8 +68,16 @@ GRAPH = {name: imports(name) for name in MODULES}
 
 
 def layer(name: str) -> int:
-    best = max(((i, len(p)) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
-                if name == p or name.startswith(p + ".")), key=lambda x: x[1], default=None)  # fmt: skip
+    best = max(
+        (
+            (i, len(p))
+            for i, (_, prefixes) in enumerate(LAYERS)
+            for p in prefixes
+            if name == p or name.startswith(p + ".")
+        ),
+        key=lambda x: x[1],
+        default=None,
+    )
     assert best is not None, f"{name} belongs to no layer: add it to LAYERS and the README map"
     return best[0]
 
@@ -120,8 +129,12 @@ def test_no_import_circles():
 
 
 def test_no_layer_imports_a_layer_above_it():
-    bad = sorted(f"{a} ({LAYERS[layer(a)][0]}) imports {b} ({LAYERS[layer(b)][0]})"
-                 for a, deps in GRAPH.items() for b in deps if layer(b) > layer(a))  # fmt: skip
+    bad = sorted(
+        f"{a} ({LAYERS[layer(a)][0]}) imports {b} ({LAYERS[layer(b)][0]})"
+        for a, deps in GRAPH.items()
+        for b in deps
+        if layer(b) > layer(a)
+    )
     assert bad == []
 
 

@@ -52,16 +52,24 @@ def build_thinker(folder: Path) -> Thinker:
 
     template = llama_cpp_reference(QWEN3).read_text()
     # "\n\n" after "</think>" must be one token (as in Qwen's vocabulary): a corpus that has it
-    tokenizer_kw = dict(extra_special=("<think>", "</think>"),
-                        corpus=(CORPUS,) + ("Hello, world!\n\n",) * 40)  # fmt: skip
+    tokenizer_kw = dict(
+        extra_special=("<think>", "</think>"), corpus=(CORPUS,) + ("Hello, world!\n\n",) * 40
+    )
     net = build_tiny(folder, TINY["llama"], tokenizer_kw=tokenizer_kw)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
 
     def ids(text: str) -> list[int]:
         return tok.encode(text).ids
 
-    chain = [*ids("\n"), *ids("<think>"), *ids(REASONING_TEXT), *ids("</think>"), *ids("\n\n"),
-             *ids(ANSWER_TEXT), *ids("<|im_end|>")]  # fmt: skip
+    chain = [
+        *ids("\n"),
+        *ids("<think>"),
+        *ids(REASONING_TEXT),
+        *ids("</think>"),
+        *ids("\n\n"),
+        *ids(ANSWER_TEXT),
+        *ids("<|im_end|>"),
+    ]
     assert len(chain) == 13 and len(set(chain)) == len(chain), chain  # one successor each
     with torch.no_grad():
         for name, p in net.named_parameters():
@@ -90,13 +98,14 @@ def model(thinker):
     return mlxlis.load(thinker.folder, "float32")
 
 
-def official(template: str, messages: list[dict], add_generation_prompt: bool = True,
-             **variables) -> str:  # fmt: skip
+def official(
+    template: str, messages: list[dict], add_generation_prompt: bool = True, **variables
+) -> str:
     """The template rendered by jinja2 itself, as transformers' apply_chat_template sets it up."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(template).render(messages=messages,
-                                            add_generation_prompt=add_generation_prompt,
-                                            **variables)  # fmt: skip
+    return env.from_string(template).render(
+        messages=messages, add_generation_prompt=add_generation_prompt, **variables
+    )
 
 
 def user(text: str) -> dict:
@@ -140,8 +149,13 @@ def test_splitter_without_opening_tag_after_a_think_prompt():
 def test_splitter_without_tags_is_all_answer_byte_for_byte():
     """No tags: every byte is answer, leading whitespace and tag-like text included; a <think>
     after the answer has started is answer text."""
-    for pieces in (["  ", "<", "b>hi</b>"], ["\n", "<thi", "s is not a tag"],
-                   ["A ", "<think>", " B </think>"], ["<thin"], [" "]):  # fmt: skip
+    for pieces in (
+        ["  ", "<", "b>hi</b>"],
+        ["\n", "<thi", "s is not a tag"],
+        ["A ", "<think>", " B </think>"],
+        ["<thin"],
+        [" "],
+    ):
         assert split_all(ReasoningSplitter(), pieces) == ("", "".join(pieces)), pieces
 
 
@@ -150,8 +164,10 @@ def test_splitter_matches_tags_by_token_id(model):
     text that merely looks like a tag is not a tag when the vocabulary has the real ones."""
     tok = model.tokenizer
     ids = tag_ids(tok)
-    assert ids == {tok.special_tokens["<think>"]: "<think>", tok.special_tokens["</think>"]:
-                   "</think>"}  # fmt: skip
+    assert ids == {
+        tok.special_tokens["<think>"]: "<think>",
+        tok.special_tokens["</think>"]: "</think>",
+    }
     reply = tok.encode(RAW_REPLY, special=True)
     pieces = [tok.decode([i]) for i in reply]
     s = ReasoningSplitter(ids=ids)
@@ -219,8 +235,7 @@ def test_session_history_rerenders_as_the_official_template(model, thinker):
     turn = session.turns[-1]
     assert (turn.content, turn.reasoning) == (ANSWER_TEXT, REASONING_TEXT)
     history = [user("Hi"), {"role": "assistant", "content": raw}]
-    assert session.render(add_generation_prompt=False) == official(thinker.template, history,
-                                                                   False)  # fmt: skip
+    assert session.render(add_generation_prompt=False) == official(thinker.template, history, False)
     assert f"<think>\n{REASONING_TEXT}\n</think>\n\n{ANSWER_TEXT}" in session.render(False)
     nxt = official(thinker.template, [*history, user("Next")])
     assert session.prompt_preview("Next") == nxt and REASONING_TEXT not in nxt
@@ -229,9 +244,12 @@ def test_session_history_rerenders_as_the_official_template(model, thinker):
     events = list(session.send("Next"))
     assert "".join(e.reasoning for e in events) == "" and session.turns[-1].reasoning is None
     assert session.turns[-1].content == ANSWER_TEXT
-    assert session.last_prompt_tokens == len(model.tokenizer.encode(
-        official(thinker.template, [*history, user("Next")], enable_thinking=False),
-        special=True))  # fmt: skip
+    assert session.last_prompt_tokens == len(
+        model.tokenizer.encode(
+            official(thinker.template, [*history, user("Next")], enable_thinking=False),
+            special=True,
+        )
+    )
 
 
 def test_qwen35_prompt_ends_in_think_and_history_matches(thinker):
@@ -255,8 +273,9 @@ def test_qwen35_prompt_ends_in_think_and_history_matches(thinker):
 
 
 def mlxlis_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlxlis", *args], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "mlxlis", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def prompt_tokens(stderr: str) -> int:
@@ -297,7 +316,8 @@ def test_cli_no_think_renders_the_empty_think_block(thinker, model):
     assert res.returncode == 0 and res.stdout == ANSWER_TEXT + "\n", res.stderr
     assert res.stderr.splitlines() == [
         "mlxlis: note: --no-think: the chat template has no enable_thinking switch; "
-        "the prompt is the same without it"]  # fmt: skip
+        "the prompt is the same without it"
+    ]
     bad = mlxlis_cli("-m", str(thinker.folder), "--no-chat", "--think", "Hi")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "--think" in bad.stderr and "--no-chat" in bad.stderr

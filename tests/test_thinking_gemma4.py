@@ -40,8 +40,10 @@ def test_gemma4_channel_split_by_token_id():
 
     splitter = ReasoningSplitter.for_prompt(tok, on)
     assert (splitter.open_tag, splitter.close_tag) == ("<|channel>", "<channel|>")
-    assert stream(tok, splitter, REPLY) == ("The user greets me; answer briefly.",
-                                            "Hello! How can I help?")  # fmt: skip
+    assert stream(tok, splitter, REPLY) == (
+        "The user greets me; answer briefly.",
+        "Hello! How can I help?",
+    )
     assert splitter.saw_reasoning and splitter.reasoning_tokens > 3
     # thinking off: the template closed the channel already; the reply is all answer
     assert stream(tok, ReasoningSplitter.for_prompt(tok, off), "Hello!") == ("", "Hello!")

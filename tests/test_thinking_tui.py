@@ -57,16 +57,18 @@ class HeldSession(mlxlis.ChatSession):
 
 
 def thinking_app(tmp_path, thinker, thinking: bool | None = None, **kw) -> ChatApp:
-    opts = Options(model=str(thinker.folder), sampling=SamplingParams(max_tokens=32),
-                   thinking=thinking)  # fmt: skip
+    opts = Options(
+        model=str(thinker.folder), sampling=SamplingParams(max_tokens=32), thinking=thinking
+    )
     return record_notes(ChatApp(opts, data_dir=tmp_path / "data", **kw))
 
 
 def run(app: ChatApp, scenario) -> None:
     async def main():
         async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: app.engine is not None or app.notes, timeout=60,
-                           what="model load")  # fmt: skip
+            await wait_for(
+                pilot, lambda: app.engine is not None or app.notes, timeout=60, what="model load"
+            )
             assert app.engine is not None, app.notes
             await scenario(pilot)
 
@@ -77,8 +79,12 @@ async def send(pilot, app: ChatApp, text: str) -> None:
     before = len(app.engine.turns)
     app.prompt_input.insert(text)
     await pilot.press("enter")
-    await wait_for(pilot, lambda: len(app.engine.turns) == before + 2 and not app.generating,
-                   timeout=30, what=f"reply to {text!r}")  # fmt: skip
+    await wait_for(
+        pilot,
+        lambda: len(app.engine.turns) == before + 2 and not app.generating,
+        timeout=30,
+        what=f"reply to {text!r}",
+    )
     await pilot.pause()
 
 
@@ -104,9 +110,15 @@ async def send_until_reasoning(pilot, app, session) -> None:
     """Send "Hi" and wait until the held reply has streamed "The quick" into its block."""
     app.prompt_input.insert("Hi")
     await pilot.press("enter")
-    await wait_for(pilot, lambda: session.held.is_set() and app.query(Thinking)
-                   and app.query_one(Thinking).text == "The quick",
-                   what="reasoning streamed")  # fmt: skip
+    await wait_for(
+        pilot,
+        lambda: (
+            session.held.is_set()
+            and app.query(Thinking)
+            and app.query_one(Thinking).text == "The quick"
+        ),
+        what="reasoning streamed",
+    )
 
 
 def test_reasoning_streams_in_a_block_that_collapses_when_the_answer_starts(tmp_path, thinker):
@@ -178,8 +190,11 @@ def test_think_command_switches_the_next_prompt(tmp_path, thinker):
         assert bubbles(app, "assistant")[-1].thinking is not None
         await command(pilot, app, "/think maybe")
         assert app.prompt_input.text == "/think maybe"
-        assert any("/think takes on, off or default, not 'maybe'" in m
-                   for sev, m in app.notes if sev == "error")  # fmt: skip
+        assert any(
+            "/think takes on, off or default, not 'maybe'" in m
+            for sev, m in app.notes
+            if sev == "error"
+        )
         await command(pilot, app, "/think off")
         assert app.engine.thinking is False and app.prompt_input.text == ""
         assert "think off" in str(app.query_one("#status").render())
@@ -189,10 +204,11 @@ def test_think_command_switches_the_next_prompt(tmp_path, thinker):
         await pilot.press("f2")
         await wait_for(pilot, lambda: isinstance(app.screen, PreviewScreen), what="preview")
         shown = app.screen.query_one("#preview-text").text
-        history = [user("Hi"), {"role": "assistant",
-                                "content": f"<think>{REASONING_TEXT}</think>\n\n{ANSWER_TEXT}"}]
-        assert shown == official(thinker.template, [*history, user("Next")],
-                                 enable_thinking=False)  # fmt: skip
+        history = [
+            user("Hi"),
+            {"role": "assistant", "content": f"<think>{REASONING_TEXT}</think>\n\n{ANSWER_TEXT}"},
+        ]
+        assert shown == official(thinker.template, [*history, user("Next")], enable_thinking=False)
         await pilot.press("escape")
         await wait_for(pilot, lambda: not isinstance(app.screen, PreviewScreen))
         app.prompt_input.clear()
@@ -207,7 +223,8 @@ def test_think_command_switches_the_next_prompt(tmp_path, thinker):
         await command(pilot, app, f"/save {md}")
         await wait_for(pilot, md.exists, what="saved Markdown")
         assert f"## Assistant\n\n> *Thinking:*\n>\n> {REASONING_TEXT}\n\n{ANSWER_TEXT}" in (
-            md.read_text())
+            md.read_text()
+        )
         await command(pilot, app, "/clear")
         await command(pilot, app, "/open 1")
         await wait_for(pilot, lambda: len(bubbles(app)) == 4, what="reopened")
@@ -221,8 +238,9 @@ def test_think_command_switches_the_next_prompt(tmp_path, thinker):
 def test_think_command_on_a_template_without_the_switch(tmp_path, thinker):
     """A template without enable_thinking (ChatML): /think says so, nothing changes, and the
     status line does not mention thinking."""
-    opts = Options(model=str(thinker.folder), chat_template="chatml",
-                   sampling=SamplingParams(max_tokens=32))  # fmt: skip
+    opts = Options(
+        model=str(thinker.folder), chat_template="chatml", sampling=SamplingParams(max_tokens=32)
+    )
     app = record_notes(ChatApp(opts, data_dir=tmp_path / "data"))
 
     async def scenario(pilot):

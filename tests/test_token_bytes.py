@@ -18,14 +18,22 @@ TEXT = "Grüße aus 東京 🙂 — naïve ⟨x⟩ \t ok\n𝔘 ǅ"
 def sources():
     yield "smollm2 gguf", lambda: mlxlis.load_tokenizer(need_pulled("smollm2-135m"))
     yield "gemma3 gguf", lambda: mlxlis.load_tokenizer(need_pulled("gemma3-270m"))
-    yield "gemma4 gguf", lambda: mlxlis.load_tokenizer(
-        llama_cpp_reference("ggml-vocab-gemma-4.gguf"))  # fmt: skip
-    yield "llama-spm gguf", lambda: mlxlis.load_tokenizer(
-        llama_cpp_reference("ggml-vocab-llama-spm.gguf"))  # fmt: skip
-    yield "smollm2 tokenizer.json", lambda: mlxlis.load_tokenizer(
-        hf_gguf_tokenizer_dir("smollm2-135m"))  # fmt: skip
-    yield "gemma3 tokenizer.json", lambda: mlxlis.load_tokenizer(
-        hf_gguf_tokenizer_dir("gemma3-270m"))  # fmt: skip
+    yield (
+        "gemma4 gguf",
+        lambda: mlxlis.load_tokenizer(llama_cpp_reference("ggml-vocab-gemma-4.gguf")),
+    )
+    yield (
+        "llama-spm gguf",
+        lambda: mlxlis.load_tokenizer(llama_cpp_reference("ggml-vocab-llama-spm.gguf")),
+    )
+    yield (
+        "smollm2 tokenizer.json",
+        lambda: mlxlis.load_tokenizer(hf_gguf_tokenizer_dir("smollm2-135m")),
+    )
+    yield (
+        "gemma3 tokenizer.json",
+        lambda: mlxlis.load_tokenizer(hf_gguf_tokenizer_dir("gemma3-270m")),
+    )
 
 
 @pytest.mark.real
@@ -37,8 +45,9 @@ def test_token_bytes_join_to_the_text(name):
     assert b"".join(pieces) in (TEXT.encode(), b" " + TEXT.encode()), (name, pieces)
     partial = [p for p in pieces if not _utf8(p)]
     assert partial, f"{name}: no token holds part of a character; the test proves nothing"
-    assert all("\ufffd" in tok.decode([i]) for i, p in zip(ids, pieces, strict=True)
-               if not _utf8(p))  # fmt: skip
+    assert all(
+        "\ufffd" in tok.decode([i]) for i, p in zip(ids, pieces, strict=True) if not _utf8(p)
+    )
 
 
 def _utf8(b: bytes) -> bool:

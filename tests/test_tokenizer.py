@@ -237,9 +237,15 @@ def test_folder_sentencepiece_model_from_gemma_gguf(real, tmp_path):
     from transformers import GemmaTokenizer
 
     md = real.md
-    proto = spm_proto(md["tokenizer.ggml.tokens"], md["tokenizer.ggml.scores"].tolist(),
-                      md["tokenizer.ggml.token_type"].tolist(), unk_id=3, bos_id=2, eos_id=1,
-                      add_dummy_prefix=False)  # fmt: skip
+    proto = spm_proto(
+        md["tokenizer.ggml.tokens"],
+        md["tokenizer.ggml.scores"].tolist(),
+        md["tokenizer.ggml.token_type"].tolist(),
+        unk_id=3,
+        bos_id=2,
+        eos_id=1,
+        add_dummy_prefix=False,
+    )
     (tmp_path / "tokenizer.model").write_bytes(proto.SerializeToString())
     cfg = {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -284,11 +290,18 @@ def test_folder_trained_sentencepiece_model(tmp_path):
     text = "the quick brown fox jumps over the lazy dog. " * 20 + "hello world, hello there. "
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(text.split(". ")), model_writer=model, vocab_size=400,
-        hard_vocab_limit=False, model_type="bpe", byte_fallback=True,
-        normalization_rule_name="identity", remove_extra_whitespaces=False,
-        user_defined_symbols=["<tool>"], control_symbols=["<ctl>"], minloglevel=2,
-    )  # fmt: skip
+        sentence_iterator=iter(text.split(". ")),
+        model_writer=model,
+        vocab_size=400,
+        hard_vocab_limit=False,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        user_defined_symbols=["<tool>"],
+        control_symbols=["<ctl>"],
+        minloglevel=2,
+    )
     (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     tok = Tokenizer.from_folder(tmp_path)
@@ -301,8 +314,10 @@ def test_folder_trained_sentencepiece_model(tmp_path):
     ctl = sp.piece_to_id("<ctl>")
     assert ctl not in tok.encode("x<ctl>y")
     assert tok.encode("x<ctl>y", special=True, add_bos=False) == [
-        *sp.encode("x"), ctl, *sp.encode("y")
-    ]  # fmt: skip
+        *sp.encode("x"),
+        ctl,
+        *sp.encode("y"),
+    ]
 
 
 # -- streaming -----------------------------------------------------------------------------

@@ -47,8 +47,11 @@ def write_vocab_gguf(path: Path, model: str | None = "gemma4", **keys) -> Path:
     values = {"tokens": TOKENS, "token_type": TYPES, "merges": MERGES, **keys}
     if model is not None:
         w.add_tokenizer_model(model)
-    for key, add in (("tokens", w.add_token_list), ("token_type", w.add_token_types),
-                     ("merges", w.add_token_merges)):  # fmt: skip
+    for key, add in (
+        ("tokens", w.add_token_list),
+        ("token_type", w.add_token_types),
+        ("merges", w.add_token_merges),
+    ):
         if values[key] is not None:
             add(values[key])
     w.add_bos_token_id(2)
@@ -64,8 +67,18 @@ def write_vocab_gguf(path: Path, model: str | None = "gemma4", **keys) -> Path:
 
 def assert_same(ours, theirs) -> None:
     """Two tokenizers agree: specials, BOS/EOS/stop conventions, ids and decoded text."""
-    for attr in ("vocab_size", "special_tokens", "bos_id", "eos_ids", "eot_ids", "pad_id",
-                 "add_bos", "add_eos", "bos_token", "eos_token"):  # fmt: skip
+    for attr in (
+        "vocab_size",
+        "special_tokens",
+        "bos_id",
+        "eos_ids",
+        "eot_ids",
+        "pad_id",
+        "add_bos",
+        "add_eos",
+        "bos_token",
+        "eos_token",
+    ):
         assert getattr(ours, attr) == getattr(theirs, attr), attr
     for text in TEXTS:
         for special in (False, True):
@@ -131,14 +144,22 @@ def _bad_gguf(tmp_path: Path, **kw) -> Path:
         (lambda p: _bad_gguf(p, tokens=None), TokenizerError, "tokenizer.ggml.tokens", "missing"),
         (lambda p: _bad_gguf(p, merges=None), TokenizerError, "tokenizer.ggml.merges", "merges"),
         (lambda p: _bad_gguf(p, merges=["a z"]), TokenizerError, "tokenizer.ggml.merges", "bad"),
-        (lambda p: _bad_gguf(p, token_type=[1]), TokenizerError, "tokenizer.ggml.token_type",
-         "entries"),
+        (
+            lambda p: _bad_gguf(p, token_type=[1]),
+            TokenizerError,
+            "tokenizer.ggml.token_type",
+            "entries",
+        ),
         (lambda p: _bad_gguf(p, model="rwkv"), TokenizerError, "tokenizer.ggml.model", "rwkv"),
         (lambda p: p, TokenizerError, "tokenizer.json", "missing"),
-        (lambda p: _write(p / "config.json", b"[" * 80 + b"]" * 80), TokenizerError, None,
-         "config.json"),
+        (
+            lambda p: _write(p / "config.json", b"[" * 80 + b"]" * 80),
+            TokenizerError,
+            None,
+            "config.json",
+        ),
     ],
-)  # fmt: skip
+)
 def test_load_tokenizer_errors_name_file_and_field(tmp_path, make, error, field, word):
     """Bad input raises an MlxlisError subclass whose message names the file and, where there
     is one, the field: a missing path, a file that is no tokenizer, a pickle, a broken GGUF

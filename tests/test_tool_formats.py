@@ -22,12 +22,28 @@ from conftest import llama_cpp_reference
 
 ARGS = [  # nested values exercise Gemma 4's own argument syntax
     {"city": "Paris", "days": 3},
-    {"query": "a \"quoted\", {braced} text: yes", "limit": 2.5, "flags": [True, False, None],
-     "opts": {"units": ["c", "f"], "hourly": True}},  # fmt: skip
+    {
+        "query": 'a "quoted", {braced} text: yes',
+        "limit": 2.5,
+        "flags": [True, False, None],
+        "opts": {"units": ["c", "f"], "hourly": True},
+    },
 ]
-TOOLS = [{"type": "function", "function": {"name": n, "description": "d", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "description": "x"}},
-    "required": ["city"]}}} for n in ("get_weather", "search")]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": n,
+            "description": "d",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "description": "x"}},
+                "required": ["city"],
+            },
+        },
+    }
+    for n in ("get_weather", "search")
+]
 
 TEMPLATES = {  # template file -> (format, the eos the engine stops at, so not in the reply)
     "Qwen-Qwen2.5-7B-Instruct.jinja": ("hermes", None),
@@ -48,10 +64,13 @@ def assistant_text(template: ChatTemplate, calls: list[dict]) -> str:
     # thinking on: Gemma 4 renders an empty thought channel after a prompt, not in the history
     kw = {"bos_token": "<s>", "eos_token": "</s>", "tools": TOOLS, "enable_thinking": True}
     head = template.render(user, add_generation_prompt=True, **kw)
-    whole = template.render(user + [{"role": "assistant", "content": "", "tool_calls": calls}],
-                            add_generation_prompt=False, **kw)  # fmt: skip
+    whole = template.render(
+        user + [{"role": "assistant", "content": "", "tool_calls": calls}],
+        add_generation_prompt=False,
+        **kw,
+    )
     assert whole.startswith(head), "the assistant turn does not extend the generation prompt"
-    return whole[len(head):]
+    return whole[len(head) :]
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
@@ -61,10 +80,12 @@ def test_template_calls_parse_back(name):
     fmt = for_template(template.text)
     assert fmt.name == fmt_name
     single = fmt_name == "json"  # Llama 3's templates take one call per message
-    sent = [{"id": "abcDEF123", "type": "function",
-             "function": {"name": n, "arguments": a}}  # fmt: skip
-            for n, a in zip(("get_weather", "search")[: len(ARGS) - single], ARGS[: 2 - single],
-                            strict=True)]
+    sent = [
+        {"id": "abcDEF123", "type": "function", "function": {"name": n, "arguments": a}}
+        for n, a in zip(
+            ("get_weather", "search")[: len(ARGS) - single], ARGS[: 2 - single], strict=True
+        )
+    ]
     text = assistant_text(template, sent)
     for end in ("<|eot_id|>", "<|im_end|>\n", "<|im_end|>", "<turn|>\n", eos or "\0"):
         text = text.removesuffix(end)  # the engine stops at the end-of-turn token
@@ -90,9 +111,9 @@ def test_template_calls_parse_back(name):
 def test_broken_calls_stay_text():
     """A call that does not parse in each format comes back as the text it was."""
     for name, bad in [
-        ("google-gemma-4-31B-it.jinja", "<|tool_call>call:get_weather{city:<|\"|>Par<tool_call|>"),
+        ("google-gemma-4-31B-it.jinja", '<|tool_call>call:get_weather{city:<|"|>Par<tool_call|>'),
         ("Mistral-Small-3.2-24B-Instruct-2506.jinja", "[TOOL_CALLS]get weather[ARGS]{oops"),
-        ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "[TOOL_CALLS][{\"name\": 3}]"),
+        ("mistralai-Mistral-Nemo-Instruct-2407.jinja", '[TOOL_CALLS][{"name": 3}]'),
     ]:
         fmt = for_template(llama_cpp_reference(f"templates/{name}").read_text())
         parser = ToolCallParser(frozenset({"get_weather"}), fmt)
@@ -108,7 +129,11 @@ def test_gemma4_values():
     body = f"call:f{{a:{q}x, y: {{z}}{q},b:-1.5e3,c:[true,false,null],d:{{{q}k{q}:[1,{q}2{q}]}}}}"
     ((name, args, _),) = parse_gemma4(body)
     assert name == "f" and json.loads(args) == {
-        "a": "x, y: {z}", "b": -1500.0, "c": [True, False, None], "d": {"k": [1, "2"]}}
+        "a": "x, y: {z}",
+        "b": -1500.0,
+        "c": [True, False, None],
+        "d": {"k": [1, "2"]},
+    }
     assert parse_gemma4("call:f{a:nope}") is None and parse_gemma4("call:f{a:1} junk") is None
 
 
@@ -119,8 +144,11 @@ def test_forced_prefix_is_a_call_start(name):
     template = ChatTemplate("test", llama_cpp_reference(f"templates/{name}").read_text())
     fmt = for_template(template.text)
     prefix = fmt.forced("search")
-    rest = {"hermes": '"q": 1}}\n</tool_call>', "json": '"q": 1}}',
-            "gemma4": "q:1}<tool_call|>"}.get(fmt.name)  # fmt: skip
+    rest = {
+        "hermes": '"q": 1}}\n</tool_call>',
+        "json": '"q": 1}}',
+        "gemma4": "q:1}<tool_call|>",
+    }.get(fmt.name)
     if fmt.name == "mistral":
         rest = '"q": 1}' + ("}]" if prefix.startswith("[TOOL_CALLS][") else "")
     parser = ToolCallParser(frozenset({"search"}), fmt)
@@ -128,8 +156,9 @@ def test_forced_prefix_is_a_call_start(name):
     t1, c1 = parser.feed(rest)
     t2, c2 = parser.flush()
     assert t1 + t2 == ""
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in c1 + c2] \
-        == [("search", {"q": 1})]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in c1 + c2] == [
+        ("search", {"q": 1})
+    ]
 
 
 def test_required_prefix_leaves_the_name_to_the_model():

@@ -32,9 +32,11 @@ from tui.widgets import Bubble, Diagnosis, Loading, Note
 
 # ---------------------------------------------------------------- the scripted fake engine
 
-DIAGNOSIS = ("fake-model carries no chat template anywhere (no chat_template.jinja, no "
-             "tokenizer_config.json entry, no GGUF tokenizer.chat_template).\nLikely cause: a "
-             "base model. Use --no-chat for raw completion, or --chat-template FILE|NAME.")
+DIAGNOSIS = (
+    "fake-model carries no chat template anywhere (no chat_template.jinja, no "
+    "tokenizer_config.json entry, no GGUF tokenizer.chat_template).\nLikely cause: a "
+    "base model. Use --no-chat for raw completion, or --chat-template FILE|NAME."
+)
 
 
 class FakeTokenizer:
@@ -53,9 +55,16 @@ class FakeModel:
         self.tokenizer = FakeTokenizer()
 
     def describe(self) -> dict:
-        return {"model": "fake-model.gguf", "family": "llama", "format": "gguf",
-                "quant": "4-bit g32×30", "dtype": "float32", "device": "cpu",
-                "blas": "none", "template": self.template_source or "none"}
+        return {
+            "model": "fake-model.gguf",
+            "family": "llama",
+            "format": "gguf",
+            "quant": "4-bit g32×30",
+            "dtype": "float32",
+            "device": "cpu",
+            "blas": "none",
+            "template": self.template_source or "none",
+        }
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.template_source is None:
@@ -77,9 +86,17 @@ def default_script(text: str) -> list[str]:
 class FakeSession:
     """Mimics mlxlis.ChatSession: send() yields Events, appends the assistant Turn at the end."""
 
-    def __init__(self, model, system, *, script=default_script, delay: float = 0.005,
-                 fail: BaseException | None = None, fail_after: int = 0,
-                 step: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        model,
+        system,
+        *,
+        script=default_script,
+        delay: float = 0.005,
+        fail: BaseException | None = None,
+        fail_after: int = 0,
+        step: Callable[[int], None] | None = None,
+    ):
         self.model, self.system = model, system
         self.turns: list[Turn] = []
         self.context_limit = model.context_length
@@ -186,8 +203,14 @@ async def wait_for(pilot, predicate, timeout: float = 5.0, what: str = "conditio
         await pilot.pause(0.05)
 
 
-def make_app(tmp_path: Path, *, model=None, session_kw: dict | None = None,
-             options: Options | None = None, **kw) -> ChatApp:
+def make_app(
+    tmp_path: Path,
+    *,
+    model=None,
+    session_kw: dict | None = None,
+    options: Options | None = None,
+    **kw,
+) -> ChatApp:
     """A ChatApp on the fake engine; app.sessions lists the sessions it made, app.notes the
     notifications it showed as (severity, message)."""
     sessions: list[FakeSession] = []
@@ -199,8 +222,7 @@ def make_app(tmp_path: Path, *, model=None, session_kw: dict | None = None,
 
     if "load" not in kw:
         kw["model"] = model or FakeModel()
-    app = ChatApp(options or Options(), session_factory=factory, data_dir=tmp_path / "data",
-                  **kw)
+    app = ChatApp(options or Options(), session_factory=factory, data_dir=tmp_path / "data", **kw)
     app.sessions = sessions
     return record_notes(app)
 
@@ -239,8 +261,12 @@ async def send(pilot, app: ChatApp, text: str, timeout: float = 5.0) -> None:
     before = len(app.engine.turns)
     await type_text(pilot, app, text)
     await pilot.press("enter")
-    await wait_for(pilot, lambda: len(app.engine.turns) >= before + 2 and not app.generating,
-                   timeout, what=f"reply to {text!r}")
+    await wait_for(
+        pilot,
+        lambda: len(app.engine.turns) >= before + 2 and not app.generating,
+        timeout,
+        what=f"reply to {text!r}",
+    )
     await pilot.pause()
 
 
@@ -316,8 +342,9 @@ def test_escape_stops_midstream_keeps_partial_reply_and_next_turn_works(tmp_path
     async def scenario(pilot):
         await type_text(pilot, app, "tell me a long story")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.generating and len(app._reply_text) >= 2,
-                       what="first streamed text")
+        await wait_for(
+            pilot, lambda: app.generating and len(app._reply_text) >= 2, what="first streamed text"
+        )
         await pilot.press("escape")
         await wait_for(pilot, lambda: not app.generating, what="stop")
         await pilot.pause()
@@ -381,8 +408,11 @@ def test_quit_while_generating_stops_the_worker(tmp_path):
     async def scenario(pilot):
         await type_text(pilot, app, "go")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: reached.is_set() and len(app._reply_text) >= 1,
-                       what="worker held mid-reply with text streamed")
+        await wait_for(
+            pilot,
+            lambda: reached.is_set() and len(app._reply_text) >= 1,
+            what="worker held mid-reply with text streamed",
+        )
         await pilot.press("ctrl+q")
 
     try:
@@ -431,8 +461,11 @@ def test_view_follows_the_stream(tmp_path):
     async def scenario(pilot):
         await send(pilot, app, "lines please")
         conv = app.conversation
-        await wait_for(pilot, lambda: conv.max_scroll_y > 0 and conv.scroll_y >= conv.max_scroll_y,
-                       what="scrolled to the end")
+        await wait_for(
+            pilot,
+            lambda: conv.max_scroll_y > 0 and conv.scroll_y >= conv.max_scroll_y,
+            what="scrolled to the end",
+        )
 
     run(app, scenario)
 
@@ -460,8 +493,11 @@ def test_system_temp_and_params_commands_reach_the_session(tmp_path):
         sampling = session.calls[-1][1]
         assert sampling["temperature"] == 0.7 and sampling["top_p"] == 0.9
         assert sampling["max_tokens"] == 20 and sampling["seed"] == 3
-        for bad, field in (("/params top_p=7", "top_p"), ("/params min_p=1", "min_p"),
-                           ("/temp -1", "temperature")):
+        for bad, field in (
+            ("/params top_p=7", "top_p"),
+            ("/params min_p=1", "min_p"),
+            ("/temp -1", "temperature"),
+        ):
             app.prompt_input.clear()
             await type_text(pilot, app, bad)
             await pilot.press("enter")
@@ -522,8 +558,10 @@ def test_help_and_preview_show_the_exact_prompt(tmp_path):
         await pilot.press("f2")
         await wait_for(pilot, lambda: isinstance(app.screen, PreviewScreen), what="preview")
         shown = app.screen.query_one("#preview-text").text
-        assert shown == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nwhat is <b>?"
-                         "<|im_end|>\n<|im_start|>assistant\n")
+        assert shown == (
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nwhat is <b>?"
+            "<|im_end|>\n<|im_start|>assistant\n"
+        )
         await pilot.press("escape")
         await wait_for(pilot, lambda: not isinstance(app.screen, PreviewScreen))
         assert app.prompt_input.text == "what is <b>?"  # previewing doesn't consume the text
@@ -559,7 +597,9 @@ def test_conversations_persist_and_reopen(tmp_path):
         await pilot.press("enter")
         await wait_for(pilot, lambda: len(bubbles(app)) == 2, what="restored bubbles")
         assert [(t.role, t.content) for t in app.engine.turns] == [
-            ("user", "remember this"), ("assistant", "Hello **world**! You said: remember this")]
+            ("user", "remember this"),
+            ("assistant", "Hello **world**! You said: remember this"),
+        ]
         assert bubbles(app, "assistant")[0].markdown.source.endswith("remember this")
         await send(pilot, app, "and more")  # the reopened conversation continues
         assert len(app.engine.turns) == 4
@@ -593,8 +633,12 @@ def test_unknown_command_is_refused_and_double_slash_escapes(tmp_path):
 def test_engine_error_becomes_notification_and_text_is_kept(tmp_path):
     """A session that raises an MlxlisError (context full) gives an error notification; the app
     stays up, nothing is left in the pane or session, and the typed text is back in the input."""
-    app = make_app(tmp_path, session_kw=dict(
-        fail=ContextLimitError("the conversation needs 5000 tokens", field="context")))
+    app = make_app(
+        tmp_path,
+        session_kw=dict(
+            fail=ContextLimitError("the conversation needs 5000 tokens", field="context")
+        ),
+    )
 
     async def scenario(pilot):
         await type_text(pilot, app, "too long")
@@ -662,15 +706,24 @@ def test_model_loads_in_a_worker_with_visible_progress(tmp_path):
 
     async def main():
         async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: "downloading part 1 (0/2)" in str(
-                app.query_one("#loading-stage").render()), what="progress shown")
+            await wait_for(
+                pilot,
+                lambda: "downloading part 1 (0/2)" in str(app.query_one("#loading-stage").render()),
+                what="progress shown",
+            )
             assert app.engine is None and app.query(Loading)
             gate.set()
             await wait_for(pilot, lambda: app.engine is not None, what="loaded")
             await pilot.pause()
             header = str(app.query_one("#model-header").render())
-            for part in ("fake-model.gguf", "llama", "gguf 4-bit g32×30", "float32", "cpu",
-                         "template: fake:chatml"):
+            for part in (
+                "fake-model.gguf",
+                "llama",
+                "gguf 4-bit g32×30",
+                "float32",
+                "cpu",
+                "template: fake:chatml",
+            ):
                 assert part in header
             assert not app.query(Loading)
 
@@ -708,8 +761,9 @@ def test_no_chat_mode_is_a_raw_completion_pad(tmp_path):
     exactly the typed text, no template) to generate, and the continuation is shown."""
     calls: list = []
     model = FakeModel(template=None)
-    app = make_app(tmp_path, model=model, options=Options(no_chat=True),
-                   generate=fake_generate(calls))
+    app = make_app(
+        tmp_path, model=model, options=Options(no_chat=True), generate=fake_generate(calls)
+    )
 
     async def scenario(pilot):
         assert "RAW COMPLETION" in str(app.query_one("#model-header").render())
@@ -758,8 +812,21 @@ def test_atomic_write_and_records(tmp_path, monkeypatch):
 
 def test_main_argument_parsing():
     """`mlxlis chat` flags map onto Options (model, template, --no-chat, system, sampling)."""
-    o = parse_args(["-m", "x.gguf", "--no-chat", "--system", "s", "--temp", "0.5",
-                    "--max-tokens", "9", "--chat-template", "chatml"])
+    o = parse_args(
+        [
+            "-m",
+            "x.gguf",
+            "--no-chat",
+            "--system",
+            "s",
+            "--temp",
+            "0.5",
+            "--max-tokens",
+            "9",
+            "--chat-template",
+            "chatml",
+        ]
+    )
     assert (o.model, o.no_chat, o.system, o.chat_template) == ("x.gguf", True, "s", "chatml")
     assert o.sampling.temperature == 0.5 and o.sampling.max_tokens == 9
     with pytest.raises(SystemExit) as e:  # as the one-shot command: --think needs a template
@@ -784,8 +851,11 @@ def test_load_model_pulls_a_missing_catalog_model_with_progress(monkeypatch):
     opts = Options(model="smollm2-135m", chat_template="chatml")
     got = engine.load_model(opts, lambda *a: seen.append(a))
     assert pulled == ["smollm2-135m"] and seen[0] == ("downloading x", 0, 1)
-    assert got == ("model", "smollm2-135m", {"dequantize": None, "chat_template": "chatml",
-                                             "bindings": None, "strict": True})
+    assert got == (
+        "model",
+        "smollm2-135m",
+        {"dequantize": None, "chat_template": "chatml", "bindings": None, "strict": True},
+    )
     engine.load_model(opts, lambda *a: seen.append(a))
     assert pulled == ["smollm2-135m"]  # not pulled twice
 

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.real
 
 
 def pulled(name: str):
-    return pytest.mark.skipif(not catalog.is_pulled(name),
-                              reason=f"{name} not pulled (mlxlis pull {name})")
+    return pytest.mark.skipif(
+        not catalog.is_pulled(name), reason=f"{name} not pulled (mlxlis pull {name})"
+    )
 
 
 def real_app(tmp_path, model: str, **sampling) -> ChatApp:
@@ -39,8 +40,12 @@ def errors(app: ChatApp) -> list[str]:
 
 async def wait_done(pilot, app: ChatApp, n_turns: int, timeout: float, what: str) -> None:
     """Wait until the session holds `n_turns` turns and nothing streams; fail fast on an error."""
-    await wait_for(pilot, lambda: (len(app.engine.turns) == n_turns and not app.generating)
-                   or errors(app), timeout=timeout, what=what)
+    await wait_for(
+        pilot,
+        lambda: (len(app.engine.turns) == n_turns and not app.generating) or errors(app),
+        timeout=timeout,
+        what=what,
+    )
     assert not errors(app), errors(app)
     await pilot.pause()
 
@@ -48,8 +53,9 @@ async def wait_done(pilot, app: ChatApp, n_turns: int, timeout: float, what: str
 def run(app: ChatApp, scenario) -> None:
     async def main():
         async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: app.engine is not None or app.notes, timeout=120,
-                           what="model load")
+            await wait_for(
+                pilot, lambda: app.engine is not None or app.notes, timeout=120, what="model load"
+            )
             assert app.engine is not None, app.notes
             await scenario(pilot)
 
@@ -81,8 +87,7 @@ def test_smollm2_chat_reply_status_and_stop(tmp_path):
         app.engine.sampling = app.engine.sampling.replace(max_tokens=200)
         app.prompt_input.insert("Write a long poem about the sea.")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app._reply_text or errors(app), timeout=60,
-                       what="streaming")
+        await wait_for(pilot, lambda: app._reply_text or errors(app), timeout=60, what="streaming")
         await pilot.press("escape")
         await wait_for(pilot, lambda: not app.generating, timeout=30, what="stop")
         assert app.engine.turns[-1].stopped and bubbles(app, "assistant")[-1].stopped

@@ -56,8 +56,9 @@ class Chunk(Message):
 
 
 class Finished(Message):
-    def __init__(self, reason: str | None, stats, produced: int,
-                 error: BaseException | None = None):
+    def __init__(
+        self, reason: str | None, stats, produced: int, error: BaseException | None = None
+    ):
         super().__init__()
         self.reason, self.stats, self.produced, self.error = reason, stats, produced, error
 
@@ -82,9 +83,16 @@ class ChatApp(CommandsMixin, App[int]):
         Binding("ctrl+q", "quit", "Quit"),
     ]
 
-    def __init__(self, options: Options | None = None, *, model=None,
-                 load: Callable | None = None, session_factory: Callable | None = None,
-                 generate: Callable | None = None, data_dir=None):
+    def __init__(
+        self,
+        options: Options | None = None,
+        *,
+        model=None,
+        load: Callable | None = None,
+        session_factory: Callable | None = None,
+        generate: Callable | None = None,
+        data_dir=None,
+    ):
         super().__init__()
         self.options = options or Options()
         self._model = model
@@ -107,9 +115,12 @@ class ChatApp(CommandsMixin, App[int]):
         yield Static(Text(f"mlxlis chat · loading {self.options.model} …"), id="model-header")
         with VerticalScroll(id="conversation"):
             yield Loading(self.options.model)
-        yield PromptInput(id="input", soft_wrap=True, show_line_numbers=False,
-                          placeholder="Message — Enter sends, Shift+Enter / Ctrl+J new line, "
-                                      "/help for commands")
+        yield PromptInput(
+            id="input",
+            soft_wrap=True,
+            show_line_numbers=False,
+            placeholder="Message — Enter sends, Shift+Enter / Ctrl+J new line, /help for commands",
+        )
         yield Static("", id="status")
         yield Footer()
 
@@ -151,12 +162,20 @@ class ChatApp(CommandsMixin, App[int]):
         await self.query(Loading).remove()
         if msg.error is not None:
             self._set_header(f"mlxlis chat · {self.options.model} — failed to load")
-            self.notify(describe_error(msg.error), title="could not load the model",
-                        severity="error", timeout=30)
+            self.notify(
+                describe_error(msg.error),
+                title="could not load the model",
+                severity="error",
+                timeout=30,
+            )
             return
         try:
-            self.engine = Engine(msg.model, self.options, session_factory=self._session_factory,
-                                 generate=self._generate_fn)
+            self.engine = Engine(
+                msg.model,
+                self.options,
+                session_factory=self._session_factory,
+                generate=self._generate_fn,
+            )
         except Exception as e:  # noqa: BLE001
             self.notify(describe_error(e), title="could not start", severity="error", timeout=30)
             return
@@ -171,8 +190,11 @@ class ChatApp(CommandsMixin, App[int]):
             return
         if self.engine.blocked:
             await self.conversation.mount(Diagnosis(self.engine.diagnosis()))
-            self.notify("no chat template: chat is disabled (see --no-chat, --chat-template)",
-                        severity="warning", timeout=10)
+            self.notify(
+                "no chat template: chat is disabled (see --no-chat, --chat-template)",
+                severity="warning",
+                timeout=10,
+            )
 
     def _set_header(self, text: str) -> None:
         self.query_one("#model-header", Static).update(Text(text))
@@ -203,8 +225,9 @@ class ChatApp(CommandsMixin, App[int]):
         if self.generating:
             return "a reply is still being generated (Esc stops it)"
         if self.engine.blocked:
-            return ("this model has no chat template, so chat is disabled "
-                    "(--no-chat / --chat-template)")
+            return (
+                "this model has no chat template, so chat is disabled (--no-chat / --chat-template)"
+            )
         return None
 
     async def start_reply(self, text: str) -> None:
@@ -275,8 +298,12 @@ class ChatApp(CommandsMixin, App[int]):
         if reply is not None:
             reply.reply_ended()
         if msg.error is not None:
-            self.notify(describe_error(msg.error), title=type(msg.error).__name__,
-                        severity="error", timeout=15)
+            self.notify(
+                describe_error(msg.error),
+                title=type(msg.error).__name__,
+                severity="error",
+                timeout=15,
+            )
             if msg.produced == 0 and not "".join(self._reply_text).strip():
                 # nothing came back: undo the turn and give the text back to the user
                 self.engine.rollback()

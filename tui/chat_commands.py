@@ -63,8 +63,10 @@ class CommandsMixin:
             title = f"Raw completion: this text is fed as is ({n} tokens), no chat template"
         else:
             what = "with your typed message" if pending else "as it stands (nothing typed)"
-            title = (f"Exact prompt the model receives next, {what} — {n} tokens\n"
-                     f"template: {self.engine.template_source}")
+            title = (
+                f"Exact prompt the model receives next, {what} — {n} tokens\n"
+                f"template: {self.engine.template_source}"
+            )
         self.push_screen(PreviewScreen(title, prompt))
 
     # --- commands ---
@@ -77,13 +79,19 @@ class CommandsMixin:
     async def cmd_system(self, arg: str) -> None:
         if not arg:
             current = self.engine.system
-            await self.add_note(f"**System prompt:** {current}" if current
-                                else "*No system prompt.* `/system TEXT` sets one.")
+            await self.add_note(
+                f"**System prompt:** {current}"
+                if current
+                else "*No system prompt.* `/system TEXT` sets one."
+            )
             return
         self.engine.set_system(None if arg == "-" else arg)
         if self.engine.raw:
-            self.notify("raw completion has no system role: the system prompt is only kept "
-                        "in the saved record", severity="warning")
+            self.notify(
+                "raw completion has no system role: the system prompt is only kept "
+                "in the saved record",
+                severity="warning",
+            )
         else:
             self.notify("system prompt cleared" if arg == "-" else "system prompt set")
 
@@ -99,7 +107,8 @@ class CommandsMixin:
         if not arg:
             raise CommandError("usage: /temp X (e.g. /temp 0.7; 0 = greedy)")
         self.engine.sampling = self.engine.sampling.replace(
-            temperature=parse_value("temperature", arg))
+            temperature=parse_value("temperature", arg)
+        )
         self.update_status()
         self.notify(f"temperature = {self.engine.sampling.temperature}")
 
@@ -114,12 +123,17 @@ class CommandsMixin:
 
     async def cmd_think(self, arg: str) -> None:
         if not self.engine.thinking_supported:
-            what = "raw completion uses no template" if self.engine.raw else (
-                "this model's chat template has no thinking switch (enable_thinking)")
+            what = (
+                "raw completion uses no template"
+                if self.engine.raw
+                else ("this model's chat template has no thinking switch (enable_thinking)")
+            )
             raise CommandError(f"/think: {what}")
         if not arg:
-            await self.add_note(f"**Thinking:** {self.engine.thinking_label()} — `/think on`, "
-                                "`/think off`, or `/think default` (the template decides)")
+            await self.add_note(
+                f"**Thinking:** {self.engine.thinking_label()} — `/think on`, "
+                "`/think off`, or `/think default` (the template decides)"
+            )
             return
         self.engine.thinking = parse_thinking(arg)
         self.update_status()
@@ -153,7 +167,8 @@ class CommandsMixin:
         raw = self.engine.raw
         await self.conversation.mount_all(
             Bubble(t.role, t.content, raw=raw, stopped=t.stopped, reasoning=t.reasoning)
-            for t in self.engine.turns)
+            for t in self.engine.turns
+        )
         self.conversation.scroll_end(animate=False)
         self.update_status()
         self.notify(f"reopened: {summary(rec)}")

@@ -8,8 +8,18 @@ from __future__ import annotations
 
 from mlxlis.generation.sampling import SamplingParams
 
-COMMANDS = ("system", "clear", "temp", "params", "think", "save", "help", "preview", "history",
-            "open")
+COMMANDS = (
+    "system",
+    "clear",
+    "temp",
+    "params",
+    "think",
+    "save",
+    "help",
+    "preview",
+    "history",
+    "open",
+)
 
 HELP = """\
 **Keys** — Enter send · Shift+Enter or Ctrl+J new line (Ctrl+J where the terminal sends a \
@@ -45,8 +55,10 @@ def parse_command(text: str) -> tuple[str, str] | None:
     head, _, rest = text[1:].strip().partition(" ")
     name = head.lower()
     if name not in COMMANDS:
-        raise CommandError(f"unknown command /{head} — /help lists them "
-                           "(start with // to send text beginning with /)")
+        raise CommandError(
+            f"unknown command /{head} — /help lists them "
+            "(start with // to send text beginning with /)"
+        )
     return name, rest.strip()
 
 

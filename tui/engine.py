@@ -22,7 +22,6 @@ from mlxlis.models.model import Model
 Progress = Callable[[str, int, int], None]  # (stage, done, total), as catalog.pull reports
 
 
-
 @dataclass
 class Options:
     """What `mlxlis chat` was asked for on the command line."""
@@ -49,20 +48,32 @@ def parse_args(argv: list[str]) -> Options:
         sampling_params,
     )
 
-    p = argparse.ArgumentParser(prog="mlxlis chat",
-                                description="Chat with a model in the terminal.")
+    p = argparse.ArgumentParser(
+        prog="mlxlis chat", description="Chat with a model in the terminal."
+    )
     add_model_args(p)
     add_sampling_args(p)
     p.add_argument("--system", default=None, help="system message")
-    p.add_argument("--no-chat", action="store_true",
-                   help="raw completion pad: text is fed as is, no chat template")
+    p.add_argument(
+        "--no-chat",
+        action="store_true",
+        help="raw completion pad: text is fed as is, no chat template",
+    )
     add_thinking_args(p)
     a = p.parse_args(argv)
     check_thinking(p, a)
-    return Options(model=a.model, dtype=a.dtype, dequantize=a.dequantize,
-                   chat_template=a.chat_template, system=a.system, no_chat=a.no_chat,
-                   sampling=sampling_params(p, a), bindings=a.bindings, strict=a.strict,
-                   thinking=a.thinking)
+    return Options(
+        model=a.model,
+        dtype=a.dtype,
+        dequantize=a.dequantize,
+        chat_template=a.chat_template,
+        system=a.system,
+        no_chat=a.no_chat,
+        sampling=sampling_params(p, a),
+        bindings=a.bindings,
+        strict=a.strict,
+        thinking=a.thinking,
+    )
 
 
 def load_model(options: Options, progress: Progress):
@@ -76,9 +87,14 @@ def load_model(options: Options, progress: Progress):
 
         name = str(resolve(name, progress=progress))  # a Hub repo or a scanned name
     progress("loading weights", 0, 0)
-    return mlxlis.load(name, options.dtype, dequantize=options.dequantize,
-                       chat_template=options.chat_template, bindings=options.bindings,
-                       strict=options.strict)
+    return mlxlis.load(
+        name,
+        options.dtype,
+        dequantize=options.dequantize,
+        chat_template=options.chat_template,
+        bindings=options.bindings,
+        strict=options.strict,
+    )
 
 
 class RawPad:
@@ -110,8 +126,12 @@ class RawPad:
     def send(self, text: str, should_stop=None, **sampling) -> Iterator:
         ids = self.model.tokenizer.encode(text)
         sampling = dict(sampling)
-        limited = fit_context(len(ids), SamplingParams().replace(**sampling), self.context_limit,
-                              hint="start over (/clear) or shorten the text")
+        limited = fit_context(
+            len(ids),
+            SamplingParams().replace(**sampling),
+            self.context_limit,
+            hint="start over (/clear) or shorten the text",
+        )
         sampling.pop("max_tokens", None)
         max_tokens = limited.max_tokens
         self.last_prompt_tokens = len(ids)
@@ -119,8 +139,9 @@ class RawPad:
         out: list[str] = []
         final = None
         try:
-            for ev in self._generate(self.model, ids, max_tokens=max_tokens,
-                                     should_stop=should_stop, **sampling):
+            for ev in self._generate(
+                self.model, ids, max_tokens=max_tokens, should_stop=should_stop, **sampling
+            ):
                 out.append(ev.text)
                 if ev.finish_reason is not None:
                     final = ev
@@ -138,9 +159,14 @@ def default_session(model: Model, system: str | None) -> mlxlis.ChatSession:
 class Engine:
     """One loaded model behind the operations the app performs."""
 
-    def __init__(self, model: Model, options: Options, *,
-                 session_factory: Callable[[object, str | None], object] | None = None,
-                 generate: Callable[..., Iterator] | None = None):
+    def __init__(
+        self,
+        model: Model,
+        options: Options,
+        *,
+        session_factory: Callable[[object, str | None], object] | None = None,
+        generate: Callable[..., Iterator] | None = None,
+    ):
         self.model = model
         self.raw = options.no_chat
         self.sampling = options.sampling.validate()
@@ -170,8 +196,13 @@ class Engine:
     def header(self) -> str:
         i = self.info
         fmt = " ".join(x for x in (i.get("format"), i.get("quant")) if x)
-        parts = [i.get("model", "?"), i.get("family", "?"), fmt, i.get("dtype", "?"),
-                 i.get("device", "?")]
+        parts = [
+            i.get("model", "?"),
+            i.get("family", "?"),
+            fmt,
+            i.get("dtype", "?"),
+            i.get("device", "?"),
+        ]
         if self.raw:
             tail = "RAW COMPLETION (--no-chat): text is fed as is, no chat template"
         else:
@@ -225,7 +256,7 @@ class Engine:
     def rollback(self) -> None:
         """Undo the last send when it failed before producing anything, so the text can be
         sent again (ChatSession already dropped its cache state for an unfinished stream)."""
-        del self.session.turns[self._turns_before:]
+        del self.session.turns[self._turns_before :]
 
     def preview(self, pending: str | None = None) -> str:
         return self.session.prompt_preview(pending)
@@ -242,14 +273,21 @@ class Engine:
         self.session.set_system(record.get("system"))
         self.session.turns.extend(
             Turn(t["role"], t.get("content", ""), bool(t.get("stopped")), _reasoning(t))
-            for t in record["turns"] if t.get("role") in ("user", "assistant"))
+            for t in record["turns"]
+            if t.get("role") in ("user", "assistant")
+        )
 
     def record(self, rec_id: str) -> dict:
         mode = "raw" if self.raw else "chat"
-        return {"id": rec_id, "model": self.info.get("model"), "mode": mode,
-                "template": self.template_source, "system": self.system,
-                "sampling": self.sampling.as_dict(),
-                "turns": [_turn_record(t) for t in self.session.turns]}
+        return {
+            "id": rec_id,
+            "model": self.info.get("model"),
+            "mode": mode,
+            "template": self.template_source,
+            "system": self.system,
+            "sampling": self.sampling.as_dict(),
+            "turns": [_turn_record(t) for t in self.session.turns],
+        }
 
 
 def _turn_record(turn: Turn) -> dict:

@@ -31,8 +31,13 @@ class PreviewScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         with Vertical():
             yield Static(Text(self.title_text), id="preview-title")
-            yield TextArea(self.prompt, read_only=True, soft_wrap=True, id="preview-text",
-                           show_line_numbers=True)
+            yield TextArea(
+                self.prompt,
+                read_only=True,
+                soft_wrap=True,
+                id="preview-text",
+                show_line_numbers=True,
+            )
             yield Label("Esc / F2 to close — read-only, select to copy", id="preview-hint")
 
     def on_mount(self) -> None:

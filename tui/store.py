@@ -54,8 +54,9 @@ def save_record(record: dict, folder: Path | None = None) -> Path:
     """Write one conversation record (needs record["id"]) as JSON; returns its path."""
     folder = folder or data_dir()
     record = dict(record, updated=time.time())
-    return atomic_write(folder / f"{record['id']}.json",
-                        json.dumps(record, ensure_ascii=False, indent=1))
+    return atomic_write(
+        folder / f"{record['id']}.json", json.dumps(record, ensure_ascii=False, indent=1)
+    )
 
 
 def list_records(folder: Path | None = None) -> list[dict]:

@@ -53,8 +53,12 @@ class Thinking(Collapsible):
     def __init__(self, text: str = "", *, streaming: bool = True):
         self.text = text
         self.streaming = streaming
-        super().__init__(Static(Text(text), classes="reasoning-text"), collapsed=not streaming,
-                         title="Thinking…" if streaming else "Thought", classes="thinking")
+        super().__init__(
+            Static(Text(text), classes="reasoning-text"),
+            collapsed=not streaming,
+            title="Thinking…" if streaming else "Thought",
+            classes="thinking",
+        )
 
     def append(self, text: str) -> None:
         self.text += text
@@ -72,8 +76,15 @@ class Bubble(Vertical):
     """One message: a role label and the body (user text verbatim, replies as Markdown, after
     their reasoning block when the model reasoned)."""
 
-    def __init__(self, role: str, text: str = "", *, raw: bool = False, stopped: bool = False,
-                 reasoning: str | None = None):
+    def __init__(
+        self,
+        role: str,
+        text: str = "",
+        *,
+        raw: bool = False,
+        stopped: bool = False,
+        reasoning: str | None = None,
+    ):
         super().__init__(classes=f"bubble {role}")
         self.role = role
         self.text = text
@@ -151,10 +162,14 @@ class Diagnosis(Static):
             super().__init__(text, classes="diagnosis")  # the engine already names the ways out
             return
         text.append("\nWays out:\n", "bold")
-        text.append("  mlxlis chat --no-chat -m MODEL       raw completion: your text is fed "
-                    "as is and continued\n")
-        text.append("  mlxlis chat --chat-template FILE|NAME -m MODEL   use a template you "
-                    "choose (e.g. chatml, gemma)\n")
+        text.append(
+            "  mlxlis chat --no-chat -m MODEL       raw completion: your text is fed "
+            "as is and continued\n"
+        )
+        text.append(
+            "  mlxlis chat --chat-template FILE|NAME -m MODEL   use a template you "
+            "choose (e.g. chatml, gemma)\n"
+        )
         super().__init__(text, classes="diagnosis")
 
 

@@ -10,5 +10,17 @@ from mlxlis.cache.kv import KVCache, RotatingKVCache, window_mask
 from mlxlis.cache.recurrent import RecurrentCache
 from mlxlis.cache.rewind import common_prefix, reachable, rewind, snapshot, trimmable
 
-__all__ = ["Cache", "CacheBatch", "KVBatch", "KVCache", "RecurrentCache", "RotatingKVCache",
-           "common_prefix", "reachable", "rewind", "snapshot", "trimmable", "window_mask"]
+__all__ = [
+    "Cache",
+    "CacheBatch",
+    "KVBatch",
+    "KVCache",
+    "RecurrentCache",
+    "RotatingKVCache",
+    "common_prefix",
+    "reachable",
+    "rewind",
+    "snapshot",
+    "trimmable",
+    "window_mask",
+]

@@ -52,8 +52,10 @@ class KVBatch:
         unless they are already, in this order): the (B, kv, S, head_dim) keys and values to
         attend over and the (B, 1, 1, S) mask of each row's valid slots."""
         batch = caches[0]._batch
-        if batch is None or len(batch.members) != len(caches) or any(
-            a is not b for a, b in zip(batch.members, caches, strict=True)
+        if (
+            batch is None
+            or len(batch.members) != len(caches)
+            or any(a is not b for a, b in zip(batch.members, caches, strict=True))
         ):
             for c in caches:
                 c._settle()
@@ -63,16 +65,20 @@ class KVBatch:
     def _step(self, k: mx.array, v: mx.array) -> tuple[mx.array, ...]:
         slots, valid = zip(*(c.claim_one() for c in self.members), strict=True)
         if max(slots) >= self.cap:
-            grow = [mx.zeros((*a.shape[:2], self.step, a.shape[3]), a.dtype)
-                    for a in (self.keys, self.values)]  # fmt: skip
+            grow = [
+                mx.zeros((*a.shape[:2], self.step, a.shape[3]), a.dtype)
+                for a in (self.keys, self.values)
+            ]
             self.keys = mx.concatenate([self.keys, grow[0]], axis=2)
             self.values = mx.concatenate([self.values, grow[1]], axis=2)
             self.cap += self.step
         at = mx.array(slots, mx.int32)[:, None, None, None]  # (B, 1, 1, 1): each row's slot
-        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, k.shape),
-                                      k.astype(self.keys.dtype), axis=2)  # fmt: skip
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, v.shape),
-                                        v.astype(self.values.dtype), axis=2)  # fmt: skip
+        self.keys = mx.put_along_axis(
+            self.keys, mx.broadcast_to(at, k.shape), k.astype(self.keys.dtype), axis=2
+        )
+        self.values = mx.put_along_axis(
+            self.values, mx.broadcast_to(at, v.shape), v.astype(self.values.dtype), axis=2
+        )
         s = max(valid)
         mask = mx.arange(s)[None, :] < mx.array(valid)[:, None]  # (B, S)
         return self.keys[:, :, :s], self.values[:, :, :s], mask[:, None, None, :]

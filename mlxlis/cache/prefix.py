@@ -30,8 +30,12 @@ class PrefixCache:
     `on_drop(key)` hears of each entry evicted to make room (a pipeline's other ranks drop
     their share of it too)."""
 
-    def __init__(self, max_bytes: int, on_drop: Callable[[int], None] | None = None,
-                 max_entries: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        max_bytes: int,
+        on_drop: Callable[[int], None] | None = None,
+        max_entries: int | None = None,
+    ):
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self.on_drop = on_drop
@@ -55,8 +59,9 @@ class PrefixCache:
                 self.on_drop(old)
         return key
 
-    def take(self, ids: list[int], rewind_to: Rewind = rewind_here
-             ) -> tuple[list[Cache] | None, int]:  # fmt: skip
+    def take(
+        self, ids: list[int], rewind_to: Rewind = rewind_here
+    ) -> tuple[list[Cache] | None, int]:
         """The caches sharing the longest prefix with `ids` (removed from the store), rewound
         by `rewind_to` to that prefix (at least one id left to feed); (None, 0) when none
         helps (the entry tried is dropped)."""

@@ -110,8 +110,11 @@ def check_thinking(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """--think / --no-think need a chat template: refused (exit 2) with --no-chat."""
     if getattr(a, "no_chat", False) and a.thinking is not None:
         flag = "--think" if a.thinking else "--no-think"
-        p.exit(2, f"{p.prog}: error: {flag} sets the chat template's enable_thinking; "
-                  "--no-chat uses no template\n")  # fmt: skip
+        p.exit(
+            2,
+            f"{p.prog}: error: {flag} sets the chat template's enable_thinking; "
+            "--no-chat uses no template\n",
+        )
 
 
 # flag -> SamplingParams field; defaults, ranges and help come from mlxlis.sampling
@@ -132,8 +135,13 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     defaults = SamplingParams()
     for flag, name in SAMPLING_FLAGS.items():
         what = FIELDS[name][2]
-        p.add_argument(flag, dest=name, default=None, metavar="X",
-                       help=f"{what}; default {getattr(defaults, name)}")  # fmt: skip
+        p.add_argument(
+            flag,
+            dest=name,
+            default=None,
+            metavar="X",
+            help=f"{what}; default {getattr(defaults, name)}",
+        )
 
 
 def sampling_params(p: argparse.ArgumentParser, a: argparse.Namespace):

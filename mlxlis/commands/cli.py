@@ -80,8 +80,10 @@ def load_model(a: argparse.Namespace):
                 for source, key in tensors:
                     say(f"  {key} ({source})")
             else:
-                say(f"mlxlis: --lenient: ignored {len(tensors)} tensors bound to no parameter "
-                    "(--verbose lists them)")  # fmt: skip
+                say(
+                    f"mlxlis: --lenient: ignored {len(tensors)} tensors bound to no parameter "
+                    "(--verbose lists them)"
+                )
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     return model
@@ -92,7 +94,9 @@ def print_details(model: Model) -> None:
         say(f"{k:>9}: {v}")
 
 
-def chat_prompt(model: Model, user: str, system: str | None = None, thinking: bool | None = None) -> str:
+def chat_prompt(
+    model: Model, user: str, system: str | None = None, thinking: bool | None = None
+) -> str:
     """The one-shot prompt: `user` (after `system`) through the model's chat template, with
     enable_thinking=`thinking` when it is set and the template has that switch."""
     messages = [{"role": "system", "content": system}] if system else []
@@ -103,13 +107,16 @@ def chat_prompt(model: Model, user: str, system: str | None = None, thinking: bo
     prompt = model.render_chat(messages, **variables)  # no template: the one error line only
     if thinking is not None and not model.supports_thinking:
         flag = "--think" if thinking else "--no-think"
-        say(f"mlxlis: note: {flag}: the chat template has no enable_thinking switch; "
-            "the prompt is the same without it")  # fmt: skip
+        say(
+            f"mlxlis: note: {flag}: the chat template has no enable_thinking switch; "
+            "the prompt is the same without it"
+        )
     return prompt
 
 
-def stream_reply(model: Model, ids: list[int], params: SamplingParams, prompt: str | None,
-                 show_reasoning: bool) -> Event | None:
+def stream_reply(
+    model: Model, ids: list[int], params: SamplingParams, prompt: str | None, show_reasoning: bool
+) -> Event | None:
     """Generate: the answer to stdout, the reasoning (`<think>` block) to stderr, dimmed when
     stderr is a terminal; `prompt` None (raw completion) prints everything to stdout. Returns
     the final Event."""
@@ -190,9 +197,14 @@ def run_inspect(argv: list[str]) -> int:
     add_model_args(p)
     p.add_argument("model_pos", nargs="?", help="model (same as -m)")
     p.add_argument("--json", action="store_true", help="one JSON object for scripts")
-    p.add_argument("--split", type=int, metavar="N", default=None,
-                   help="where N ranks under mlx.launch would hold the layers, and the bytes "
-                   "each reads (from the header; no weight is loaded)")  # fmt: skip
+    p.add_argument(
+        "--split",
+        type=int,
+        metavar="N",
+        default=None,
+        help="where N ranks under mlx.launch would hold the layers, and the bytes "
+        "each reads (from the header; no weight is loaded)",
+    )
     a = p.parse_args(argv)
     if a.model_pos:
         a.model = a.model_pos
@@ -225,8 +237,9 @@ def run_pull(argv: list[str]) -> int:
         "Hugging Face repos ORG/NAME[:QUANT | /FILE.gguf][@REVISION] (into the Hugging Face "
         "cache, with progress; an interrupted download resumes).",
     )
-    p.add_argument("names", nargs="*",
-                   help=f"default: the whole catalog ({', '.join(catalog.CATALOG)})")  # fmt: skip
+    p.add_argument(
+        "names", nargs="*", help=f"default: the whole catalog ({', '.join(catalog.CATALOG)})"
+    )
     p.add_argument("--debug", action="store_true")
     a = p.parse_args(argv)
 
@@ -244,11 +257,19 @@ def run_models(argv: list[str]) -> int:
         description="List the catalog and the models in the Hugging Face cache (size, format, "
         "quant, family), each under the name -m takes.",
     )
-    p.add_argument("--scan", action="store_true",
-                   help="also list the GGUF files of LM Studio (~/.lmstudio/models, or "
-                   "$MLXLIS_LMSTUDIO_MODELS) and llama.cpp's cache ($LLAMA_CACHE)")  # fmt: skip
-    p.add_argument("--scan-path", metavar="DIR", action="append", default=[],
-                   help="another folder to list GGUF files from (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--scan",
+        action="store_true",
+        help="also list the GGUF files of LM Studio (~/.lmstudio/models, or "
+        "$MLXLIS_LMSTUDIO_MODELS) and llama.cpp's cache ($LLAMA_CACHE)",
+    )
+    p.add_argument(
+        "--scan-path",
+        metavar="DIR",
+        action="append",
+        default=[],
+        help="another folder to list GGUF files from (repeatable)",
+    )
     p.add_argument("--debug", action="store_true")
     a = p.parse_args(argv)
 
@@ -380,24 +401,51 @@ def serve_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free one)")
-    p.add_argument("--max-batch", type=int, default=8, metavar="N",
-                   help="requests generating at once (default 8)")  # fmt: skip
-    p.add_argument("--max-queue", type=int, default=64, metavar="N",
-                   help="requests waiting for a place; more get HTTP 429 (default 64)")  # fmt: skip
-    p.add_argument("--max-context", type=int, default=None, metavar="N",
-                   help="prompt + completion tokens per request (default: the model's "
-                   "context length)")  # fmt: skip
-    p.add_argument("--api-key", default=os.environ.get("MLXLIS_API_KEY"), metavar="KEY",
-                   help="require `Authorization: Bearer KEY` (default: $MLXLIS_API_KEY; "
-                   "none: no key)")  # fmt: skip
-    p.add_argument("--prefix-cache-mb", type=int, default=1024, metavar="MB",
-                   help="memory for the KV caches of recent prompts, reused by requests that "
-                   "share their start (default 1024; 0: off)")  # fmt: skip
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        metavar="N",
+        help="requests generating at once (default 8)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        metavar="N",
+        help="requests waiting for a place; more get HTTP 429 (default 64)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt + completion tokens per request (default: the model's context length)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MLXLIS_API_KEY"),
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` (default: $MLXLIS_API_KEY; none: no key)",
+    )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=1024,
+        metavar="MB",
+        help="memory for the KV caches of recent prompts, reused by requests that "
+        "share their start (default 1024; 0: off)",
+    )
     return p
 
 
-SERVE_BOUNDS = {"port": (0, 65535), "max_batch": (1, None), "max_queue": (1, None),
-                "max_context": (1, None), "prefix_cache_mb": (0, 1 << 30)}  # fmt: skip
+SERVE_BOUNDS = {
+    "port": (0, 65535),
+    "max_batch": (1, None),
+    "max_queue": (1, None),
+    "max_context": (1, None),
+    "prefix_cache_mb": (0, 1 << 30),
+}
 
 
 def run_serve(argv: list[str]) -> int:
@@ -422,11 +470,24 @@ def run_serve(argv: list[str]) -> int:
             return 0
         if a.verbose:
             print_details(model)
-        name = a.model if not os.path.exists(a.model) else os.path.basename(
-            os.path.normpath(a.model))  # fmt: skip
-        return serve(model, ServeOptions(name, a.host, a.port, a.max_batch, a.max_queue,
-                                         a.max_context, a.api_key or None, a.verbose, params,
-                                         a.prefix_cache_mb))
+        name = (
+            a.model if not os.path.exists(a.model) else os.path.basename(os.path.normpath(a.model))
+        )
+        return serve(
+            model,
+            ServeOptions(
+                name,
+                a.host,
+                a.port,
+                a.max_batch,
+                a.max_queue,
+                a.max_context,
+                a.api_key or None,
+                a.verbose,
+                params,
+                a.prefix_cache_mb,
+            ),
+        )
 
     return _guard(a.debug, go)
 

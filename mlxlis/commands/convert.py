@@ -79,9 +79,13 @@ def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str
         }
     out.update(spec.export_config(cfg))
     if spec.export_wrapper:  # readers know this family under its multimodal wrapper type only
-        out = {"architectures": out.pop("architectures"), "model_type": spec.export_wrapper,
-               "tie_word_embeddings": out["tie_word_embeddings"],
-               "eos_token_id": out["eos_token_id"], "text_config": out}  # fmt: skip
+        out = {
+            "architectures": out.pop("architectures"),
+            "model_type": spec.export_wrapper,
+            "tie_word_embeddings": out["tie_word_embeddings"],
+            "eos_token_id": out["eos_token_id"],
+            "text_config": out,
+        }
     if quant:
         out["quantization"] = quant
         out["quantization_config"] = quant
@@ -161,8 +165,9 @@ def write_tokenizer(model: Model, folder: Path) -> None:
     kind = family(model.config.family).export_model_type
     try:
         if TOKENIZER_MAPPING_NAMES.get(kind):
-            tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name,
-                                                tokenizer_type=kind)  # fmt: skip
+            tok = AutoTokenizer.from_pretrained(
+                str(src.parent), gguf_file=src.name, tokenizer_type=kind
+            )
         else:
             tok = PreTrainedTokenizerFast.from_pretrained(str(src.parent), gguf_file=src.name)
     except Exception:  # noqa: BLE001 — any failure of transformers' class-specific reading

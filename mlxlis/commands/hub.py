@@ -20,8 +20,9 @@ def pull(names: list[str]) -> int:
             catalog.main([name])
             continue
         if _parse(name) is None:
-            raise ModelNotFoundError("not a catalog name nor a Hugging Face repo (ORG/NAME)",
-                                     path=name)  # fmt: skip
+            raise ModelNotFoundError(
+                "not a catalog name nor a Hugging Face repo (ORG/NAME)", path=name
+            )
         print(f"{name}: {resolve(name, progress=StderrProgress())}", flush=True)
     return 0
 
@@ -58,8 +59,9 @@ def rm(names: list[str]) -> int:
             refuse_scanned(name)
         ref = _parse(name)
         if ref is None:
-            raise ModelNotFoundError("not a catalog name nor a Hugging Face repo (ORG/NAME)",
-                                     path=name)  # fmt: skip
+            raise ModelNotFoundError(
+                "not a catalog name nor a Hugging Face repo (ORG/NAME)", path=name
+            )
         freed, what = remove(ref)
         print(f"removed {', '.join(what)} ({human(freed)} freed)")
     return 0
@@ -77,6 +79,8 @@ def _table(entries, empty: str) -> None:
         return
     width = max(len(e.name) for e in entries)
     for e in entries:
-        print(f"  {e.name:<{width}}  {e.format:<27} {e.quant:<12} {human(e.size):>9}  "
-              f"{e.family or '?'}")  # fmt: skip
+        print(
+            f"  {e.name:<{width}}  {e.format:<27} {e.quant:<12} {human(e.size):>9}  "
+            f"{e.family or '?'}"
+        )
     sys.stdout.flush()

@@ -116,5 +116,10 @@ def _experts_row(e: dict[str, Any] | None) -> list[tuple[str, str]]:
     if not e:
         return []
     n = len(e["sparse_layers"])
-    return [("experts", f"{e['per_token']} of {e['count']} per token, width {e['width']}, "
-                        f"in {n} layer{'s' if n != 1 else ''}")]  # fmt: skip
+    return [
+        (
+            "experts",
+            f"{e['per_token']} of {e['count']} per token, width {e['width']}, "
+            f"in {n} layer{'s' if n != 1 else ''}",
+        )
+    ]

@@ -29,8 +29,16 @@ from mlxlis.errors import PipelineError, UnsupportedError
 
 import mlx.core as mx
 
-__all__ = ["Pipeline", "PipelineNet", "Part", "Ranks", "launched", "world", "parse_split",
-           "plan_parts"]  # fmt: skip
+__all__ = [
+    "Pipeline",
+    "PipelineNet",
+    "Part",
+    "Ranks",
+    "launched",
+    "world",
+    "parse_split",
+    "plan_parts",
+]
 
 MiB = 1 << 20
 

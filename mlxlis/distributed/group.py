@@ -108,8 +108,9 @@ class Ranks:
 
     def start_watchdog(self) -> None:
         if self._watchdog is None and self.timeout > 0:
-            self._watchdog = threading.Thread(target=self._watch, name="mlxlis-rank-watchdog",
-                                              daemon=True)  # fmt: skip
+            self._watchdog = threading.Thread(
+                target=self._watch, name="mlxlis-rank-watchdog", daemon=True
+            )
             self._watchdog.start()
 
     def _watch(self) -> None:
@@ -118,9 +119,11 @@ class Ranks:
             with self._lock:
                 since = self._since
             if since is not None and time.monotonic() - since > self.timeout:
-                _die(f"mlxlis: error: rank {self.rank} of {self.size}: no answer from the other "
-                     f"ranks for {self.timeout:g} s (a rank stopped or its link went down; "
-                     "MLXLIS_RANK_TIMEOUT sets the limit); ending the job")  # fmt: skip
+                _die(
+                    f"mlxlis: error: rank {self.rank} of {self.size}: no answer from the other "
+                    f"ranks for {self.timeout:g} s (a rank stopped or its link went down; "
+                    "MLXLIS_RANK_TIMEOUT sets the limit); ending the job"
+                )
 
     def on_launcher_stop(self) -> None:
         """mlx.launch ends the remaining ranks with SIGTERM when one of them exits with an
@@ -131,8 +134,11 @@ class Ranks:
 
         def stopped(signum, frame) -> None:
             if rank == 0:
-                _die(f"mlxlis: error: rank 0 of {size}: stopped by the launcher because another "
-                     "rank ended (its message, if any, is above)", 143)  # fmt: skip
+                _die(
+                    f"mlxlis: error: rank 0 of {size}: stopped by the launcher because another "
+                    "rank ended (its message, if any, is above)",
+                    143,
+                )
             os._exit(143)
 
         signal.signal(signal.SIGTERM, stopped)
@@ -184,8 +190,9 @@ def rank_timeout() -> float:
     except ValueError:
         value = -1.0
     if not value > 0 or value != value or value == float("inf"):
-        raise ConfigError(f"must be a positive number of seconds, not {raw!r}",
-                          field="MLXLIS_RANK_TIMEOUT")  # fmt: skip
+        raise ConfigError(
+            f"must be a positive number of seconds, not {raw!r}", field="MLXLIS_RANK_TIMEOUT"
+        )
     return value
 
 

@@ -18,8 +18,9 @@ ring), which samples, stops and streams exactly as a lone core does: per step th
 B × vocab × 4 bytes on top of the hidden states (B × hidden × the residual dtype's size per
 hop). The next step is announced only after rank 0 has sampled (the announcement carries the
 token ids), so the ranks work one after another, not overlapped, and the core's overlap of a
-step with the reading of its token does not apply. The prefix cache's bound counts rank 0's share of the caches; the other ranks
-keep and evict the same entries, so theirs are about their share of the layers. A failure in
+step with the reading of its token does not apply. The prefix cache's bound counts rank 0's
+share of the caches; the other ranks keep and evict the same entries, so theirs are about their
+share of the layers. A failure in
 the middle of a step (rank 0's memory, a lost rank) ends the server, not just one request:
 the ranks can no longer be sure they hold the same caches.
 """
@@ -78,8 +79,9 @@ class LeaderSteps(LocalSteps):
         self.pending.append(["fresh", rid])
         return caches, 0
 
-    def run(self, rids: Sequence[int], caches: Sequence[list[Cache]], tokens: mx.array,
-            kind: str) -> mx.array | None:  # fmt: skip
+    def run(
+        self, rids: Sequence[int], caches: Sequence[list[Cache]], tokens: mx.array, kind: str
+    ) -> mx.array | None:
         with collective():
             self._tell(run=[list(rids), tokens.tolist(), kind])  # waits for the sampled ids
             with self.ranks.waiting():
@@ -87,8 +89,9 @@ class LeaderSteps(LocalSteps):
                 if sent is None:  # a chunk: evaluated, nothing comes back
                     return None
                 mx.eval(sent, [c.state for cs in caches for c in cs])
-                logits = mx.distributed.recv((len(rids), self.vocab), mx.float32,
-                                             self.ranks.size - 1, group=self.ranks.group)
+                logits = mx.distributed.recv(
+                    (len(rids), self.vocab), mx.float32, self.ranks.size - 1, group=self.ranks.group
+                )
                 mx.eval(logits)
                 return logits
 
@@ -123,8 +126,9 @@ def collective() -> Iterator[None]:
     except PipelineError:
         raise
     except Exception as e:
-        raise PipelineError(f"rank 0 failed in a pipelined step: {type(e).__name__}: {e}",
-                            field="serve") from e  # fmt: skip
+        raise PipelineError(
+            f"rank 0 failed in a pipelined step: {type(e).__name__}: {e}", field="serve"
+        ) from e
 
 
 def take(ranks: Ranks, caches: list[Cache], held: int, position: int) -> int:
@@ -140,8 +144,11 @@ def take(ranks: Ranks, caches: list[Cache], held: int, position: int) -> int:
     if target <= 0:
         return 0
     if rewind(caches, held, target) != target:
-        raise PipelineError(f"rank {ranks.rank} could not return its caches to position "
-                            f"{target}, which every rank agreed on", field="cache")  # fmt: skip
+        raise PipelineError(
+            f"rank {ranks.rank} could not return its caches to position "
+            f"{target}, which every rank agreed on",
+            field="cache",
+        )
     return target
 
 

@@ -11,14 +11,16 @@ from mlxlis.distributed.split import Part, plan_parts
 from mlxlis.errors import LayersSplitError
 
 
-def placement(path_or_name: str | Path, ranks: int,
-              split: Sequence[int] | None = None) -> tuple[Any, list[Part], int]:  # fmt: skip
+def placement(
+    path_or_name: str | Path, ranks: int, split: Sequence[int] | None = None
+) -> tuple[Any, list[Part], int]:
     """(config, every rank's Part, the model's weight bytes) for `ranks` ranks."""
     from mlxlis.distributed import check_pipelinable
 
     if ranks < 1:
-        raise LayersSplitError(f"the number of ranks must be at least 1, not {ranks}",
-                               field="--split")  # fmt: skip
+        raise LayersSplitError(
+            f"the number of ranks must be at least 1, not {ranks}", field="--split"
+        )
     cfg, sizes, path = _header(path_or_name)
     check_pipelinable(cfg, str(path))
     parts = plan_parts(sizes, cfg.num_hidden_layers, ranks, cfg.tie_word_embeddings, split)
@@ -46,8 +48,9 @@ def _header(path_or_name: str | Path) -> tuple[Any, dict[str, int], Path]:
     return cfg, folder_sizes(path, family(cfg.family).hf_name), path
 
 
-def placement_report(path_or_name: str | Path, ranks: int,
-                     split: Sequence[int] | None = None) -> dict[str, Any]:  # fmt: skip
+def placement_report(
+    path_or_name: str | Path, ranks: int, split: Sequence[int] | None = None
+) -> dict[str, Any]:
     """The --split part of `inspect --json`: {"ranks", "weight_bytes", "parts": [{"rank",
     "layers": [first, last], "count", "bytes", "embedding", "head"}]}."""
     cfg, parts, total = placement(path_or_name, ranks, split)
@@ -55,20 +58,32 @@ def placement_report(path_or_name: str | Path, ranks: int,
         "ranks": ranks,
         "layers": cfg.num_hidden_layers,
         "weight_bytes": total,
-        "parts": [{"rank": p.rank, "layers": [p.start, p.stop - 1], "count": p.stop - p.start,
-                   "bytes": p.nbytes, "embedding": p.embeds, "head": p.last}
-                  for p in parts],  # fmt: skip
+        "parts": [
+            {
+                "rank": p.rank,
+                "layers": [p.start, p.stop - 1],
+                "count": p.stop - p.start,
+                "bytes": p.nbytes,
+                "embedding": p.embeds,
+                "head": p.last,
+            }
+            for p in parts
+        ],
     }
 
 
 def format_placement(r: dict[str, Any]) -> str:
     mib = 2**20
-    rows = [f"{r['layers']} layers, {r['weight_bytes'] / mib:.0f} MiB of weights over "
-            f"{r['ranks']} rank{'s' if r['ranks'] != 1 else ''} (bytes as stored in the file):"]
+    rows = [
+        f"{r['layers']} layers, {r['weight_bytes'] / mib:.0f} MiB of weights over "
+        f"{r['ranks']} rank{'s' if r['ranks'] != 1 else ''} (bytes as stored in the file):"
+    ]
     for p in r["parts"]:
         first, last = p["layers"]
         also = [w for w, on in (("embedding", p["embedding"]), ("head", p["head"])) if on]
         with_ = f" with the {' and '.join(also)}" if also else ""
-        rows.append(f"  rank {p['rank']}: layers {first:>3}-{last:<3} ({p['count']:>3}) "
-                    f"{p['bytes'] / mib:>8.0f} MiB{with_}")
+        rows.append(
+            f"  rank {p['rank']}: layers {first:>3}-{last:<3} ({p['count']:>3}) "
+            f"{p['bytes'] / mib:>8.0f} MiB{with_}"
+        )
     return "\n".join(rows)

@@ -82,8 +82,9 @@ def parse_split(text: str, field: str = "--layers-split") -> list[int]:
                 field=field,
             )
         if int(p) == 0:
-            raise LayersSplitError(f"every rank needs at least one layer, got {text!r}",
-                                   field=field)  # fmt: skip
+            raise LayersSplitError(
+                f"every rank needs at least one layer, got {text!r}", field=field
+            )
         counts.append(int(p))
     return counts
 
@@ -100,8 +101,9 @@ def check_split(split: Sequence[int], layers: int, ranks: int) -> list[int]:
             field="--layers-split",
         )
     if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in split):
-        raise LayersSplitError(f"{shown}: every rank needs a positive whole number of layers",
-                               field="--layers-split")  # fmt: skip
+        raise LayersSplitError(
+            f"{shown}: every rank needs a positive whole number of layers", field="--layers-split"
+        )
     if sum(split) != layers:
         raise LayersSplitError(
             f"{shown} adds up to {sum(split)} layers; the model has {layers}",
@@ -126,15 +128,18 @@ def layer_bytes(sizes: Mapping[str, int], layers: int) -> tuple[list[int], int, 
     return per_layer, embed, head
 
 
-def balanced_split(per_layer: Sequence[int], ranks: int, first_extra: int = 0,
-                   last_extra: int = 0) -> list[int]:  # fmt: skip
+def balanced_split(
+    per_layer: Sequence[int], ranks: int, first_extra: int = 0, last_extra: int = 0
+) -> list[int]:
     """Contiguous layer counts, at least one each, minimising the largest rank's bytes (rank 0
     also carries `first_extra`, the last rank `last_extra`). Exact, by dynamic programming over
     (ranks × layers²): a few milliseconds for hundreds of layers."""
     n = len(per_layer)
     if ranks > n:
-        raise LayersSplitError(f"{ranks} ranks but the model has only {n} layers: at most one "
-                               "rank per layer", field="ranks")  # fmt: skip
+        raise LayersSplitError(
+            f"{ranks} ranks but the model has only {n} layers: at most one rank per layer",
+            field="ranks",
+        )
     prefix = [0]
     for b in per_layer:
         prefix.append(prefix[-1] + b)
@@ -162,8 +167,13 @@ def balanced_split(per_layer: Sequence[int], ranks: int, first_extra: int = 0,
     return split[::-1]
 
 
-def plan_parts(sizes: Mapping[str, int], layers: int, ranks: int, tied: bool,
-               split: Sequence[int] | None = None) -> list[Part]:  # fmt: skip
+def plan_parts(
+    sizes: Mapping[str, int],
+    layers: int,
+    ranks: int,
+    tied: bool,
+    split: Sequence[int] | None = None,
+) -> list[Part]:
     """Every rank's Part: `split` checked, else balanced by weight bytes."""
     per_layer, embed, head = layer_bytes(sizes, layers)
     if split is not None:
@@ -213,8 +223,9 @@ def check_fit(needs: Sequence[int], budgets: Sequence[int], what: str) -> None:
     if not over:
         return
     gib = 2**30
-    detail = "; ".join(f"rank {r} needs {needs[r] / gib:.2f} GiB and has {budgets[r] / gib:.2f}"
-                       for r in over)  # fmt: skip
+    detail = "; ".join(
+        f"rank {r} needs {needs[r] / gib:.2f} GiB and has {budgets[r] / gib:.2f}" for r in over
+    )
     raise DoesNotFitError(
         f"does not fit even split across {len(needs)} ranks ({detail} GiB available): "
         "start more ranks, move layers with --layers-split, or use a smaller quantization",

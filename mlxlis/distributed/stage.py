@@ -54,15 +54,17 @@ class PipelineNet:
         """Bytes one token's hidden state takes on each hop between ranks."""
         return self.net.config.hidden_size * self.hidden_dtype.size
 
-    def __call__(self, inputs: mx.array, cache: list | None = None,
-                 last_only: bool = False) -> mx.array:  # fmt: skip
+    def __call__(
+        self, inputs: mx.array, cache: list | None = None, last_only: bool = False
+    ) -> mx.array:
         group, rank = self.ranks.group, self.ranks.rank
         b, t = inputs.shape[:2]  # every rank is given the token ids; only rank 0 reads them
         if self.is_first:
             h = self.net.embed(inputs)
         else:
-            h = mx.distributed.recv((b, t, self.net.config.hidden_size), self.hidden_dtype,
-                                    rank - 1, group=group)  # fmt: skip
+            h = mx.distributed.recv(
+                (b, t, self.net.config.hidden_size), self.hidden_dtype, rank - 1, group=group
+            )
         h = self.net.run_layers(h, cache)  # (B, T, hidden)
         if not self.is_last:
             return mx.distributed.send(h.astype(self.hidden_dtype), rank + 1, group=group)

@@ -16,8 +16,15 @@ class ContextOverflow(ContextLimitError):
         self.prompt, self.completion, self.limit = prompt, completion, limit
 
 
-def fit_context(prompt: int, params: SamplingParams, limit: int, *, explicit: bool = False,
-                field: str = "context", hint: str = "") -> SamplingParams:  # fmt: skip
+def fit_context(
+    prompt: int,
+    params: SamplingParams,
+    limit: int,
+    *,
+    explicit: bool = False,
+    field: str = "context",
+    hint: str = "",
+) -> SamplingParams:
     """`params` for a prompt of `prompt` tokens in a context of `limit`: max_tokens cut to what
     is left unless `explicit` (then a prompt + max_tokens over the limit is refused). `hint`
     ends the refusal's message (what the user can do)."""
@@ -26,11 +33,20 @@ def fit_context(prompt: int, params: SamplingParams, limit: int, *, explicit: bo
         raise ContextOverflow(
             f"the prompt ({prompt} tokens) and max_tokens ({params.max_tokens}) need "
             f"{prompt + params.max_tokens} tokens but the context holds {limit}{hint}",
-            prompt=prompt, completion=params.max_tokens, limit=limit, field=field)  # fmt: skip
+            prompt=prompt,
+            completion=params.max_tokens,
+            limit=limit,
+            field=field,
+        )
     if prompt >= limit:
         raise ContextOverflow(
             f"the prompt needs {prompt} tokens but the context holds {limit}, which leaves no "
-            f"room for a reply{hint}", prompt=prompt, completion=0, limit=limit, field=field)  # fmt: skip
+            f"room for a reply{hint}",
+            prompt=prompt,
+            completion=0,
+            limit=limit,
+            field=field,
+        )
     if prompt + params.max_tokens > limit:
         params = params.replace(max_tokens=limit - prompt)
     return params

@@ -61,8 +61,15 @@ class Sequence:
     """A request's state in the core: its caches, what they hold, what is left to feed, the
     sampled token not yet read, its sampler, processors, detokenizer and usage."""
 
-    def __init__(self, req: Request, model: Model, caches: list[Cache], held: Seq[int],
-                 todo: Seq[int], rid: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        req: Request,
+        model: Model,
+        caches: list[Cache],
+        held: Seq[int],
+        todo: Seq[int],
+        rid: int | None = None,
+    ):
         self.id = next(_IDS) if rid is None else rid
         self.req = req
         self.caches = caches
@@ -124,8 +131,13 @@ class Sequence:
             top = list(zip(idx.tolist(), logp[idx].tolist(), strict=True))
         return float(logp[token].item()), top
 
-    def _event(self, token: int | None, text: str, logprob: float | None = None,
-               top: list[tuple[int, float]] | None = None) -> Event:  # fmt: skip
+    def _event(
+        self,
+        token: int | None,
+        text: str,
+        logprob: float | None = None,
+        top: list[tuple[int, float]] | None = None,
+    ) -> Event:
         return Event(token, text, self.usage, logprob=logprob, top_logprobs=top)
 
     def final(self, reason: str, flush: bool = True, error: str | None = None) -> Event:
@@ -150,8 +162,9 @@ class Core:
         self.steps = steps
         self.chunk = chunk
 
-    def start(self, req: Request, caches: list[Cache] | None = None, held: Seq[int] = ()
-              ) -> Sequence:  # fmt: skip
+    def start(
+        self, req: Request, caches: list[Cache] | None = None, held: Seq[int] = ()
+    ) -> Sequence:
         """A new sequence for `req`: its caches from the Steps object (a cached prefix taken when
         one helps), or `caches` given holding the ids `held` (then `req.prompt` is what follows
         them)."""
@@ -178,8 +191,12 @@ class Core:
         logits = None
         if going:
             try:
-                logits = self.steps.run([s.id for s in going], [s.caches for s in going],
-                                        mx.concatenate([s.pending for s in going]), "decode")
+                logits = self.steps.run(
+                    [s.id for s in going],
+                    [s.caches for s in going],
+                    mx.concatenate([s.pending for s in going]),
+                    "decode",
+                )
                 mx.async_eval(logits)
             except PipelineError:
                 raise
@@ -217,8 +234,9 @@ class Core:
     def _prefill(self, s: Sequence) -> list[tuple[Sequence, Event]]:
         chunk, rest = s.todo[: self.chunk], s.todo[self.chunk :]
         try:
-            logits = self.steps.run([s.id], [s.caches], mx.array(chunk, mx.int32),
-                                    "chunk" if rest else "prompt")  # fmt: skip
+            logits = self.steps.run(
+                [s.id], [s.caches], mx.array(chunk, mx.int32), "chunk" if rest else "prompt"
+            )
             s.fed += chunk
             s.todo = rest
             if logits is not None:

@@ -83,8 +83,14 @@ def _ended(reason: str, error: str | None = None, usage: Usage | None = None) ->
 
 
 class Engine:
-    def __init__(self, model: Model, *, max_active: int = 8, max_queued: int = 64,
-                 prefix_cache_bytes: int = 1 << 30):  # fmt: skip
+    def __init__(
+        self,
+        model: Model,
+        *,
+        max_active: int = 8,
+        max_queued: int = 64,
+        prefix_cache_bytes: int = 1 << 30,
+    ):
         self.model = model
         self.max_active, self.max_queued = max_active, max_queued
         self.prefix = PrefixCache(prefix_cache_bytes)
@@ -163,8 +169,9 @@ class Engine:
                 if stream.cancelled.is_set():
                     seq.cancelled = True
             streams = {id(seq): stream for seq, stream in self._active}
-            self.core.step([seq for seq, _ in self._active],
-                           lambda seq, ev: streams[id(seq)]._put(ev))  # fmt: skip
+            self.core.step(
+                [seq for seq, _ in self._active], lambda seq, ev: streams[id(seq)]._put(ev)
+            )
         except PipelineError as e:  # the ranks are out of step: nothing more can run
             self._fail(str(e))
             return False

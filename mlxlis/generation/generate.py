@@ -50,8 +50,7 @@ def generate(
     yield from run(core, seq, should_stop)
 
 
-def run(core: Core, seq: Running, should_stop: Callable[[], bool] | None = None
-        ) -> Iterator[Event]:  # fmt: skip
+def run(core: Core, seq: Running, should_stop: Callable[[], bool] | None = None) -> Iterator[Event]:
     """The events of one sequence, stepped alone until it ends; a consumer that leaves early
     (the generator closed) ends it as cancelled, its caches released whole."""
     try:

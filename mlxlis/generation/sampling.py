@@ -42,11 +42,19 @@ FIELDS: dict[str, tuple[Callable[[str], object], Callable[[object], bool], str]]
     "min_p": (float, lambda v: _is_num(v) and 0 <= v < 1, "a number in [0, 1) (0 = off)"),
     "repetition_penalty": (float, lambda v: _is_num(v) and v > 0, "a number > 0 (1 = off)"),
     "repetition_context": (int, lambda v: _is_int(v) and v > 0, "an integer > 0"),
-    "seed": (_seed, lambda v: v is None or (_is_int(v) and 0 <= v < 2**64),
-             "an integer in [0, 2**64), or none"),
+    "seed": (
+        _seed,
+        lambda v: v is None or (_is_int(v) and 0 <= v < 2**64),
+        "an integer in [0, 2**64), or none",
+    ),
 }
-ALIASES = {"temp": "temperature", "max": "max_tokens", "maxtokens": "max_tokens",
-           "rep": "repetition_penalty", "repeat_penalty": "repetition_penalty"}
+ALIASES = {
+    "temp": "temperature",
+    "max": "max_tokens",
+    "maxtokens": "max_tokens",
+    "rep": "repetition_penalty",
+    "repeat_penalty": "repetition_penalty",
+}
 
 
 @dataclass(frozen=True)
@@ -81,8 +89,9 @@ class SamplingParams:
         for item in assignments.split():
             key, eq, raw = item.partition("=")
             if not eq:
-                raise SamplingError(f"expected name=value, got {item!r} (e.g. top_p=0.9)",
-                                    field="sampling")  # fmt: skip
+                raise SamplingError(
+                    f"expected name=value, got {item!r} (e.g. top_p=0.9)", field="sampling"
+                )
             name = canonical(key)
             changes[name] = parse_value(name, raw)
         return self.replace(**changes)
@@ -100,8 +109,7 @@ def canonical(name: str) -> str:
     key = name.strip().lower().replace("-", "_")
     key = ALIASES.get(key, key)
     if key not in FIELDS:
-        raise SamplingError(f"unknown sampling parameter (known: {', '.join(FIELDS)})",
-                            field=name)  # fmt: skip
+        raise SamplingError(f"unknown sampling parameter (known: {', '.join(FIELDS)})", field=name)
     return key
 
 

@@ -7,8 +7,8 @@ When the conversation no longer fits in the context, the turn is refused with a
 ContextLimitError (no silent truncation); `reset()` starts over.
 
 Replies of reasoning models (`<think>…</think>`, see mlxlis.prompt.reasoning) stream as Events
-whose `reasoning` and `answer` say which part of each piece is which; the history keeps the answer as
-the message content and the reasoning as its `reasoning_content`, the field Qwen3-style
+whose `reasoning` and `answer` say which part of each piece is which; the history keeps the
+answer as the message content and the reasoning as its `reasoning_content`, the field Qwen3-style
 templates read. `thinking` sets the template's `enable_thinking` switch when it has one.
 """
 
@@ -54,8 +54,10 @@ class ChatSession:
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
-            raise TypeError(f"ChatSession(sampling=...) takes a SamplingParams, not "
-                            f"{type(self.sampling).__name__}")  # fmt: skip
+            raise TypeError(
+                f"ChatSession(sampling=...) takes a SamplingParams, not "
+                f"{type(self.sampling).__name__}"
+            )
         if self.context_limit is None:
             self.context_limit = self.model.context_length
         # the conversation's caches between turns: a prefix cache of one entry, unbounded
@@ -125,8 +127,12 @@ class ChatSession:
         try:
             prompt = self.render()
             ids = self.model.tokenizer.encode(prompt, special=True)
-            params = fit_context(len(ids), params, self.context_limit,
-                                 hint="start a new session (/clear) or shorten it")
+            params = fit_context(
+                len(ids),
+                params,
+                self.context_limit,
+                hint="start a new session (/clear) or shorten it",
+            )
         except Exception:
             self.turns.pop()  # a refused turn leaves the conversation as it was
             raise
@@ -154,8 +160,12 @@ class ChatSession:
                     final = ev
                     parts += splitter.flush()
                 segments += parts
-                yield replace(ev, reasoning=join(parts, REASONING), answer=join(parts, ANSWER),
-                              reasoning_tokens=splitter.reasoning_tokens)  # fmt: skip
+                yield replace(
+                    ev,
+                    reasoning=join(parts, REASONING),
+                    answer=join(parts, ANSWER),
+                    reasoning_tokens=splitter.reasoning_tokens,
+                )
         finally:
             stopped = final is None or final.finish_reason == "cancelled"
             if final is None:  # the consumer left mid-way: the core released the caches whole

@@ -31,8 +31,9 @@ class Steps(Protocol):
         longest prefix it shares with `ids`, else fresh ones; and how many ids they hold."""
         ...
 
-    def run(self, rids: Sequence[int], caches: Sequence[list[Cache]], tokens: mx.array,
-            kind: str) -> mx.array | None:  # fmt: skip
+    def run(
+        self, rids: Sequence[int], caches: Sequence[list[Cache]], tokens: mx.array, kind: str
+    ) -> mx.array | None:
         """Feed `tokens` to the requests `rids`: a (1, T) prompt chunk for one request, or one
         token each, (B,), to decode. (B, vocab) float32 logits of each one's newest position
         (lazy), None for a "chunk"."""
@@ -59,8 +60,9 @@ class LocalSteps:
         caches, reused = self.prefix.take(ids)
         return (caches, reused) if caches is not None else (self.model.make_cache(), 0)
 
-    def run(self, rids: Sequence[int], caches: Sequence[list[Cache]], tokens: mx.array,
-            kind: str) -> mx.array | None:  # fmt: skip
+    def run(
+        self, rids: Sequence[int], caches: Sequence[list[Cache]], tokens: mx.array, kind: str
+    ) -> mx.array | None:
         return forward(self.model.net, caches, tokens, kind)
 
     def release(self, rid: int, ids: list[int] | None, caches: list[Cache]) -> None:
@@ -94,8 +96,9 @@ def forward(net: Network, caches: Sequence[list[Cache]], tokens: mx.array, kind:
     return out[:, -1, :].astype(mx.float32) if net.heads else out
 
 
-def prefill(net: Network, ids: Sequence[int], cache: list[Cache], step: int = PREFILL_CHUNK
-            ) -> mx.array:  # fmt: skip
+def prefill(
+    net: Network, ids: Sequence[int], cache: list[Cache], step: int = PREFILL_CHUNK
+) -> mx.array:
     """`ids` into `cache` through `forward` in chunks of `step`, as the core feeds a prompt
     (for tools and tests that drive a network directly): (1, vocab) float32 logits of the
     last position."""

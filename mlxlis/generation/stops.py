@@ -17,8 +17,15 @@ class StopMatcher:
         if hits:
             self.held = ""
             return buf[: min(hits)], True
-        keep = max((n for s in self.stops for n in range(1, min(len(s), len(buf) + 1))
-                    if buf.endswith(s[:n])), default=0)  # fmt: skip
+        keep = max(
+            (
+                n
+                for s in self.stops
+                for n in range(1, min(len(s), len(buf) + 1))
+                if buf.endswith(s[:n])
+            ),
+            default=0,
+        )
         self.held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False
 

@@ -25,7 +25,7 @@ def warm_up(model: Model, params: SamplingParams | None = None) -> None:
     if model.part is not None:
         return
     params = (params or SamplingParams()).replace(max_tokens=WARM_TOKENS, seed=0)
-    ids = (model.tokenizer.encode("The quick brown fox jumps over the lazy dog. ") * 8)
+    ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. ") * 8
     core = Core(model, LocalSteps(model, PrefixCache(0)))
     for _ in run(core, core.start(Request(ids[:WARM_PROMPT] or [0], params))):
         pass

@@ -61,8 +61,9 @@ def _check_quant(quant: dict, path: Path | str) -> None:
                 )
         mode = block.get("mode")
         if mode is not None and not isinstance(mode, str):
-            raise ConfigError(f"mode must be a string, got {mode!r}"[:200], path=path,
-                              field=f"{where}.mode")  # fmt: skip
+            raise ConfigError(
+                f"mode must be a string, got {mode!r}"[:200], path=path, field=f"{where}.mode"
+            )
 
 
 def bind(

@@ -37,25 +37,57 @@ DEFAULT_ALIGNMENT = 32
 
 # ggml type id -> (name, elements per block, bytes per block); matches ggml.h / gguf-py.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
-    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
-    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
-    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
-    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
-    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
-    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
-    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
-    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
-}  # fmt: skip
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66),
+    17: ("IQ2_XS", 256, 74),
+    18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18),
+    21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82),
+    23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1),
+    25: ("I16", 1, 2),
+    26: ("I32", 1, 4),
+    27: ("I64", 1, 8),
+    28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2),
+    34: ("TQ1_0", 256, 54),
+    35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17),
+    40: ("NVFP4", 64, 36),
+    41: ("Q1_0", 128, 18),
+}
 
 # GGUF metadata value types.
 T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL = range(8)
 T_STRING, T_ARRAY, T_UINT64, T_INT64, T_FLOAT64 = range(8, 13)
 _SCALARS: dict[int, str] = {  # value type -> struct code (also a fixed-size numpy code)
-    T_UINT8: "B", T_INT8: "b", T_UINT16: "H", T_INT16: "h", T_UINT32: "I", T_INT32: "i",
-    T_FLOAT32: "f", T_UINT64: "Q", T_INT64: "q", T_FLOAT64: "d",
-}  # fmt: skip
+    T_UINT8: "B",
+    T_INT8: "b",
+    T_UINT16: "H",
+    T_INT16: "h",
+    T_UINT32: "I",
+    T_INT32: "i",
+    T_FLOAT32: "f",
+    T_UINT64: "Q",
+    T_INT64: "q",
+    T_FLOAT64: "d",
+}
 _STRUCTS = {t: struct.Struct("<" + c) for t, c in _SCALARS.items()}
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -233,15 +265,18 @@ class GGUFFile:
         if self.metadata_types["general.alignment"] != T_UINT32:
             raise p.fail("must be a uint32", "general.alignment")
         if a == 0 or a & (a - 1) or a > limits.GGUF_MAX_ALIGNMENT:
-            raise p.fail(f"{a} is not a power of two ≤ {limits.GGUF_MAX_ALIGNMENT}",
-                         "general.alignment")  # fmt: skip
+            raise p.fail(
+                f"{a} is not a power of two ≤ {limits.GGUF_MAX_ALIGNMENT}", "general.alignment"
+            )
         return a
 
-    def _make_tensor(self, p: _Parser, name: str, dims: tuple[int, ...], type_id: int,
-                     rel: int) -> GGUFTensor:  # fmt: skip
+    def _make_tensor(
+        self, p: _Parser, name: str, dims: tuple[int, ...], type_id: int, rel: int
+    ) -> GGUFTensor:
         if rel % self.alignment:
-            raise p.fail(f"data offset {rel} is not a multiple of the alignment "
-                         f"{self.alignment}", name)  # fmt: skip
+            raise p.fail(
+                f"data offset {rel} is not a multiple of the alignment {self.alignment}", name
+            )
         offset = self.data_offset + rel
         shape = tuple(reversed(dims))
         if type_id not in GGML_TYPES:  # recorded; convert_tensor raises UnsupportedQuantError
@@ -250,12 +285,17 @@ class GGUFFile:
             return GGUFTensor(name, type_id, f"UNKNOWN_{type_id}", shape, offset, 0)
         type_name, block, type_size = GGML_TYPES[type_id]
         if dims[0] % block:
-            raise p.fail(f"row length {dims[0]} is not a multiple of the {type_name} block "
-                         f"size {block}", name)  # fmt: skip
+            raise p.fail(
+                f"row length {dims[0]} is not a multiple of the {type_name} block size {block}",
+                name,
+            )
         nbytes = math.prod(dims) // block * type_size
         if offset + nbytes > p.size:
-            raise p.fail(f"tensor data [{offset}, {offset + nbytes}) runs past the end of the "
-                         f"file ({p.size} bytes)", name)  # fmt: skip
+            raise p.fail(
+                f"tensor data [{offset}, {offset + nbytes}) runs past the end of the "
+                f"file ({p.size} bytes)",
+                name,
+            )
         return GGUFTensor(name, type_id, type_name, shape, offset, nbytes)
 
     def raw(self, name: str) -> np.ndarray:
@@ -266,8 +306,9 @@ class GGUFFile:
         if t is None:
             raise MissingTensorError("no such tensor in the file", path=self.path, field=name)
         if t.type_name.startswith("UNKNOWN_"):
-            raise UnsupportedQuantError(f"unknown ggml type id {t.ggml_type}",
-                                        path=self.path, field=name)  # fmt: skip
+            raise UnsupportedQuantError(
+                f"unknown ggml type id {t.ggml_type}", path=self.path, field=name
+            )
         return np.frombuffer(self._mm, np.uint8, t.nbytes, t.offset)
 
     def release(self, name: str, start: int = 0, stop: int | None = None) -> None:
@@ -341,8 +382,11 @@ def _open_mmap(path: Path) -> mmap.mmap:
         with open(path, "rb") as f:
             size = f.seek(0, 2)
             if size < 24:  # magic + version + two u64 counts
-                raise FileFormatError(f"truncated: {size} bytes is too small for a GGUF header",
-                                      path=path, field="header")  # fmt: skip
+                raise FileFormatError(
+                    f"truncated: {size} bytes is too small for a GGUF header",
+                    path=path,
+                    field="header",
+                )
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except FileNotFoundError:
         raise ModelNotFoundError("no such file", path=path) from None

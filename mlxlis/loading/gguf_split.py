@@ -61,16 +61,22 @@ class SplitGGUF:
             if p.name == given.path.name:
                 gf = given
             elif not p.is_file():
-                raise ModelNotFoundError(f"part {i + 1} of {count} of a split GGUF is missing "
-                                         f"(opened from {given.path.name})", path=p)  # fmt: skip
+                raise ModelNotFoundError(
+                    f"part {i + 1} of {count} of a split GGUF is missing "
+                    f"(opened from {given.path.name})",
+                    path=p,
+                )
             else:
                 gf = GGUFFile(p)
             self.parts.append(gf)
             if _int(gf, SPLIT_NO, default=-1) != i:
                 raise FileFormatError(f"expected part {i} of the split", path=p, field=SPLIT_NO)
             if split_count(gf) != count:
-                raise FileFormatError(f"says {split_count(gf)} parts, the first says {count}",
-                                      path=p, field=SPLIT_COUNT)  # fmt: skip
+                raise FileFormatError(
+                    f"says {split_count(gf)} parts, the first says {count}",
+                    path=p,
+                    field=SPLIT_COUNT,
+                )
         first = self.parts[0]
         self.path, self.version, self.alignment = first.path, first.version, first.alignment
         self.metadata: dict[str, Any] = first.metadata
@@ -79,8 +85,9 @@ class SplitGGUF:
         for gf in self.parts:
             for name, t in gf.tensors.items():
                 if name in self.tensors:
-                    raise FileFormatError("tensor appears in two parts of the split",
-                                          path=gf.path, field=name)  # fmt: skip
+                    raise FileFormatError(
+                        "tensor appears in two parts of the split", path=gf.path, field=name
+                    )
                 self.tensors[name] = t
                 self._owner[name] = gf
         expected = _int(first, SPLIT_TENSORS, default=len(self.tensors))
@@ -121,8 +128,9 @@ def _int(gf: GGUFFile, key: str, default: int) -> int:
         return default
     value = gf.metadata[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise FileFormatError(f"must be a non-negative integer, got {value!r}", path=gf.path,
-                              field=key)  # fmt: skip
+        raise FileFormatError(
+            f"must be a non-negative integer, got {value!r}", path=gf.path, field=key
+        )
     return value
 
 

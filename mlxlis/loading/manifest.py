@@ -242,8 +242,9 @@ def parse_yaml(text: str, origin: str) -> Any:
     def scalar(event: Any) -> Any:
         value = event.value
         if len(value) > limits.MANIFEST_MAX_STRING:
-            raise fail(f"a scalar of {len(value)} characters (limit "
-                       f"{limits.MANIFEST_MAX_STRING})", event)  # fmt: skip
+            raise fail(
+                f"a scalar of {len(value)} characters (limit {limits.MANIFEST_MAX_STRING})", event
+            )
         if not event.implicit[0]:  # quoted: a string
             return value
         tag = resolver.resolve(yaml.ScalarNode, value, (True, False))
@@ -306,8 +307,9 @@ def manifest_from_data(data: Any, *, origin: str, base: Path | None) -> Manifest
         return ManifestError(message, path=origin, field=where)
 
     if not isinstance(data, dict):
-        raise fail(f"a manifest is a mapping (JSON object / YAML mapping), not "
-                   f"{type(data).__name__}")  # fmt: skip
+        raise fail(
+            f"a manifest is a mapping (JSON object / YAML mapping), not {type(data).__name__}"
+        )
     for k in data:
         if not isinstance(k, str):
             raise fail(f"keys must be strings, not {k!r}")
@@ -318,15 +320,18 @@ def manifest_from_data(data: Any, *, origin: str, base: Path | None) -> Manifest
     else:
         unknown = sorted(set(data) - set(_RICH_KEYS))
         if unknown:
-            raise fail(f"unknown field {unknown[0]!r} (a manifest has only "
-                       f"{', '.join(_RICH_KEYS)})", unknown[0])  # fmt: skip
+            raise fail(
+                f"unknown field {unknown[0]!r} (a manifest has only {', '.join(_RICH_KEYS)})",
+                unknown[0],
+            )
         sources = _sources(data.get("sources"), fail)
         raw_bindings = data.get("bindings", {})
         if raw_bindings is None:
             raw_bindings = {}
         if not isinstance(raw_bindings, dict):
-            raise fail(f"must be a mapping of parameter paths, not {_kind(raw_bindings)}",
-                       "bindings")  # fmt: skip
+            raise fail(
+                f"must be a mapping of parameter paths, not {_kind(raw_bindings)}", "bindings"
+            )
     if len(raw_bindings) > limits.MANIFEST_MAX_BINDINGS:
         raise fail(f"{len(raw_bindings)} bindings (limit {limits.MANIFEST_MAX_BINDINGS})")
     names = [s.name for s in sources]
@@ -338,18 +343,22 @@ def manifest_from_data(data: Any, *, origin: str, base: Path | None) -> Manifest
         elif rich and isinstance(value, dict):
             bad = sorted(str(k) for k in value if k not in _BINDING_KEYS)
             if bad:
-                raise fail(f"unknown field {bad[0]!r} in a binding (a binding has only "
-                           f"{', '.join(_BINDING_KEYS)}; manifests are not programs)",
-                           path)  # fmt: skip
+                raise fail(
+                    f"unknown field {bad[0]!r} in a binding (a binding has only "
+                    f"{', '.join(_BINDING_KEYS)}; manifests are not programs)",
+                    path,
+                )
             if "key" not in value:
                 raise fail("binding lacks its `key`", path)
             key, source = value["key"], value.get("source", names[0])
             if not isinstance(source, str) or source not in names:
-                raise fail(f"source {source!r} is not declared (sources: "
-                           f"{', '.join(names)})", path)  # fmt: skip
+                raise fail(f"source {source!r} is not declared (sources: {', '.join(names)})", path)
         elif not rich and isinstance(value, dict):
-            raise fail("the flat form maps parameter paths to tensor-key strings; put "
-                       "{source, key} entries under `bindings:`", path)  # fmt: skip
+            raise fail(
+                "the flat form maps parameter paths to tensor-key strings; put "
+                "{source, key} entries under `bindings:`",
+                path,
+            )
         else:
             raise fail(f"expected a tensor key string, found {_kind(value)}", path)
         _check_text(key, "tensor key", path, fail)
@@ -371,8 +380,9 @@ def _check_text(value: Any, what: str, where: str, fail: Any) -> None:
     if not isinstance(value, str) or not value:
         raise fail(f"{what} must be a non-empty string, found {_kind(value)}", where)
     if len(value) > limits.MANIFEST_MAX_STRING:
-        raise fail(f"{what} of {len(value)} characters (limit {limits.MANIFEST_MAX_STRING})",
-                   where[:80])  # fmt: skip
+        raise fail(
+            f"{what} of {len(value)} characters (limit {limits.MANIFEST_MAX_STRING})", where[:80]
+        )
     if any(ord(c) < 32 for c in value):
         raise fail(f"{what} {value!r} holds a control character", where)
     rest = value.replace(INDEX, "")
@@ -396,9 +406,11 @@ def _sources(raw: Any, fail: Any) -> tuple[SourceSpec, ...]:
             raise fail(f"a source is a mapping with type and files, not {_kind(spec)}", where)
         bad = sorted(str(k) for k in spec if k not in _SOURCE_KEYS)
         if bad:
-            raise fail(f"unknown field {bad[0]!r} (a source has only "
-                       f"{', '.join(_SOURCE_KEYS)}; manifests are not programs)",
-                       where)  # fmt: skip
+            raise fail(
+                f"unknown field {bad[0]!r} (a source has only "
+                f"{', '.join(_SOURCE_KEYS)}; manifests are not programs)",
+                where,
+            )
         if spec.get("type") != "safetensors":
             raise fail(f"type {spec.get('type')!r} is not supported (only safetensors)", where)
         files = spec.get("files")
@@ -407,8 +419,9 @@ def _sources(raw: Any, fail: Any) -> tuple[SourceSpec, ...]:
             continue
         globs = [files] if isinstance(files, str) else files
         if not isinstance(globs, list) or not globs or len(globs) > limits.SAFETENSORS_MAX_FILES:
-            raise fail(f"files must be a glob or a non-empty list of globs, not "
-                       f"{_kind(files)}", where)  # fmt: skip
+            raise fail(
+                f"files must be a glob or a non-empty list of globs, not {_kind(files)}", where
+            )
         for g in globs:
             _check_glob(g, where, fail)
         out.append(SourceSpec(name, tuple(globs)))
@@ -424,5 +437,6 @@ def _check_glob(g: Any, where: str, fail: Any) -> None:
     if not p.parts:  # "." or "./": Path.glob raises IndexError on it
         raise fail(f"files glob {g!r} names no file", where)
     if p.is_absolute() or g.startswith("~") or ".." in p.parts:
-        raise fail(f"files glob {g!r} must stay inside the manifest's folder (relative, "
-                   "no '..')", where)  # fmt: skip
+        raise fail(
+            f"files glob {g!r} must stay inside the manifest's folder (relative, no '..')", where
+        )

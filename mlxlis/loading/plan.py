@@ -59,22 +59,30 @@ def _open_source(spec: SourceSpec, manifest: Manifest, folder: Path) -> _Source:
             try:
                 for p in base.glob(g):
                     if len(found) + len(matches) >= limits.SAFETENSORS_MAX_FILES:
-                        raise ManifestError(f"files match more than "
-                                            f"{limits.SAFETENSORS_MAX_FILES} files",
-                                            path=manifest.origin,
-                                            field=f"sources.{spec.name}")  # fmt: skip
+                        raise ManifestError(
+                            f"files match more than {limits.SAFETENSORS_MAX_FILES} files",
+                            path=manifest.origin,
+                            field=f"sources.{spec.name}",
+                        )
                     matches.append(p)
             except (ValueError, OSError, IndexError) as e:  # pathlib refuses it, unreadable dir
-                raise ManifestError(f"files glob {g!r}: {e}", path=manifest.origin,
-                                    field=f"sources.{spec.name}") from None  # fmt: skip
+                raise ManifestError(
+                    f"files glob {g!r}: {e}", path=manifest.origin, field=f"sources.{spec.name}"
+                ) from None
             if not matches:
-                raise ManifestError(f"files glob {g!r} matches nothing in {base}",
-                                    path=manifest.origin, field=f"sources.{spec.name}")  # fmt: skip
+                raise ManifestError(
+                    f"files glob {g!r} matches nothing in {base}",
+                    path=manifest.origin,
+                    field=f"sources.{spec.name}",
+                )
             for p in sorted(matches):
                 if not p.is_file() or p.suffix != ".safetensors":
-                    raise ManifestError(f"{p.name} matched by {g!r} is not a .safetensors file "
-                                        "(other formats are never read)", path=manifest.origin,
-                                        field=f"sources.{spec.name}")  # fmt: skip
+                    raise ManifestError(
+                        f"{p.name} matched by {g!r} is not a .safetensors file "
+                        "(other formats are never read)",
+                        path=manifest.origin,
+                        field=f"sources.{spec.name}",
+                    )
                 found[p] = None
         files = list(found)
     tensors: dict[str, tuple[Path, dict]] = {}
@@ -154,9 +162,11 @@ def _expand(manifest: Manifest, layers: int) -> dict[str, tuple[str, str]]:
     """param path -> (source, key), templates expanded over the layer indices."""
     templated = sum(1 for p, _, _ in manifest.entries if INDEX in p)
     if templated * layers + len(manifest.entries) > limits.MANIFEST_MAX_BINDINGS:
-        raise ManifestError(f"{templated} templates × {layers} layers exceed "
-                            f"{limits.MANIFEST_MAX_BINDINGS} bindings",
-                            path=manifest.origin)  # fmt: skip
+        raise ManifestError(
+            f"{templated} templates × {layers} layers exceed "
+            f"{limits.MANIFEST_MAX_BINDINGS} bindings",
+            path=manifest.origin,
+        )
     out: dict[str, tuple[str, str]] = {}
     origin: dict[str, str] = {}
     for path_t, source, key_t in manifest.entries:
@@ -184,8 +194,14 @@ def _float(dtype: mx.Dtype) -> bool:
     return dtype in (mx.float32, mx.float16, mx.bfloat16)
 
 
-ST_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32,
-             "I32": mx.int32, "U8": mx.uint8}  # fmt: skip
+ST_DTYPES = {
+    "F32": mx.float32,
+    "F16": mx.float16,
+    "BF16": mx.bfloat16,
+    "U32": mx.uint32,
+    "I32": mx.int32,
+    "U8": mx.uint8,
+}
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:
@@ -277,8 +293,7 @@ def plan_bindings(
             close = difflib.get_close_matches(p, list(expected), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UnknownParameterError(
-            f"the model ({cfg.family}) has no such parameter{hint}; "
-            f"{len(unknown)} unknown in all",
+            f"the model ({cfg.family}) has no such parameter{hint}; {len(unknown)} unknown in all",
             path=where,
             field=p,
         )
@@ -370,9 +385,12 @@ def plan_bindings(
             )
         want_shape = tuple(ref.shape)
         axes = next((a for sfx, a in (layouts or {}).items() if p.endswith(sfx)), None)
-        if axes and shape != want_shape and len(shape) == len(axes) and tuple(
-            shape[i] for i in axes
-        ) == want_shape:
+        if (
+            axes
+            and shape != want_shape
+            and len(shape) == len(axes)
+            and tuple(shape[i] for i in axes) == want_shape
+        ):
             bindings[p] = b = replace(b, axes=axes)
             relaid.append(p)
             shape = want_shape
@@ -385,8 +403,7 @@ def plan_bindings(
             )
         if shape != want_shape:
             raise BindingShapeError(
-                f"tensor {b.key!r} in {b.file.name} has shape {shape}, model expects "
-                f"{want_shape}",
+                f"tensor {b.key!r} in {b.file.name} has shape {shape}, model expects {want_shape}",
                 path=where,
                 field=p,
             )
@@ -411,8 +428,7 @@ def plan_bindings(
         listing = ", ".join(f"{k} ({s})" for s, k in unbound[:5]) + _more(unbound)
         if strict:
             raise UnexpectedBindingError(
-                f"unexpected tensors (bound to no parameter; lenient mode ignores them): "
-                f"{listing}",
+                f"unexpected tensors (bound to no parameter; lenient mode ignores them): {listing}",
                 path=where,
                 field=unbound[0][1],
             )
@@ -426,8 +442,9 @@ def plan_bindings(
     return BindingPlan(bindings, unbound, quantized, manifest.origin, relaid, sorted(dropped))
 
 
-def _expert_binding(p: str, lay, by_name: dict[str, str], src: _Source,
-                    where: str) -> Binding | None:  # fmt: skip
+def _expert_binding(
+    p: str, lay, by_name: dict[str, str], src: _Source, where: str
+) -> Binding | None:
     """A stacked expert parameter bound by a Hugging Face layout (`lay`, an ExpertSource):
     every per-expert tensor, else the fused tensor; None when neither is there. Some experts
     present and others not is an error naming the first missing one."""
@@ -475,7 +492,8 @@ def _tied_pair(params: list[str]) -> bool:
     if len(params) != 2:
         return False
     a, b = sorted(params, key=lambda p: not p.startswith(_TIED[0]))
-    return a.startswith(_TIED[0]) and b.startswith(_TIED[1]) and (
-        a[len(_TIED[0]) :] == b[len(_TIED[1]) :]
+    return (
+        a.startswith(_TIED[0])
+        and b.startswith(_TIED[1])
+        and (a[len(_TIED[0]) :] == b[len(_TIED[1]) :])
     )
-

@@ -34,8 +34,11 @@ def f16(b: np.ndarray, offset: int) -> np.ndarray:
 
 # Delta swaps that move the even nibbles of a word (the low nibble of each byte) into its low
 # 32 bits and the odd nibbles into its high 32 bits, both in order (Hacker's Delight 7-2).
-_UNZIP = ((_U64(0x00F000F000F000F0), _U64(4)), (_U64(0x0000FF000000FF00), _U64(8)),
-          (_U64(0x00000000FFFF0000), _U64(16)))  # fmt: skip
+_UNZIP = (
+    (_U64(0x00F000F000F000F0), _U64(4)),
+    (_U64(0x0000FF000000FF00), _U64(8)),
+    (_U64(0x00000000FFFF0000), _U64(16)),
+)
 
 
 def _pack4(qs: np.ndarray, out32: np.ndarray) -> None:
@@ -69,9 +72,11 @@ def _nibble_codes(qs: np.ndarray) -> np.ndarray:
 # --- 5-bit: codes built one per byte in word planes, then compressed to MLX's 5-bit stream ---
 
 # Compress 5-bit codes held one per byte (8 per word) into the low 40 bits of the word.
-_PACK5 = ((_U64(3), _U64(0x001F001F001F001F), _U64(0x03E003E003E003E0)),
-          (_U64(6), _U64(0x000003FF000003FF), _U64(0x000FFC00000FFC00)),
-          (_U64(12), _U64(0x00000000000FFFFF), _U64(0x000000FFFFF00000)))  # fmt: skip
+_PACK5 = (
+    (_U64(3), _U64(0x001F001F001F001F), _U64(0x03E003E003E003E0)),
+    (_U64(6), _U64(0x000003FF000003FF), _U64(0x000FFC00000FFC00)),
+    (_U64(12), _U64(0x00000000000FFFFF), _U64(0x000000FFFFF00000)),
+)
 
 
 def _pack5(codes: np.ndarray, out32: np.ndarray) -> None:
@@ -203,22 +208,42 @@ def _q4_k_pack(b: np.ndarray, w32: np.ndarray) -> None:
 
 
 AFFINE: dict[str, Affine] = {
-    "Q4_0": Affine(4, lambda b, w: _pack4(b[:, 2:18], w), lambda b: _nibble_codes(b[:, 2:18]),
-                   _scale_d(0, -8), offset=8),
-    "Q4_1": Affine(4, lambda b, w: _pack4(b[:, 4:20], w), lambda b: _nibble_codes(b[:, 4:20]),
-                   _scale_dm),
-    "Q5_0": Affine(5, lambda b, w: _pack5(_q5_codes(b, 2, 6), w),
-                   lambda b: _bytes(_q5_codes(b, 2, 6)), _scale_d(0, -16), offset=16),
-    "Q5_1": Affine(5, lambda b, w: _pack5(_q5_codes(b, 4, 8), w),
-                   lambda b: _bytes(_q5_codes(b, 4, 8)), _scale_dm),
-    "Q8_0": Affine(8, _q8_0_pack, lambda b: b[:, 2:34] ^ np.uint8(0x80), _scale_d(0, -128),
-                   offset=128),
-    "Q4_K": Affine(4, _q4_k_pack,
-                   lambda b: _nibble_codes(b[:, 16:144].reshape(-1, 32)).reshape(-1, 256),
-                   _scale_k),
-    "Q5_K": Affine(5, lambda b, w: _pack5(_q5_k_codes(b), w), lambda b: _bytes(_q5_k_codes(b)),
-                   _scale_k),
-}  # fmt: skip
+    "Q4_0": Affine(
+        4,
+        lambda b, w: _pack4(b[:, 2:18], w),
+        lambda b: _nibble_codes(b[:, 2:18]),
+        _scale_d(0, -8),
+        offset=8,
+    ),
+    "Q4_1": Affine(
+        4, lambda b, w: _pack4(b[:, 4:20], w), lambda b: _nibble_codes(b[:, 4:20]), _scale_dm
+    ),
+    "Q5_0": Affine(
+        5,
+        lambda b, w: _pack5(_q5_codes(b, 2, 6), w),
+        lambda b: _bytes(_q5_codes(b, 2, 6)),
+        _scale_d(0, -16),
+        offset=16,
+    ),
+    "Q5_1": Affine(
+        5,
+        lambda b, w: _pack5(_q5_codes(b, 4, 8), w),
+        lambda b: _bytes(_q5_codes(b, 4, 8)),
+        _scale_dm,
+    ),
+    "Q8_0": Affine(
+        8, _q8_0_pack, lambda b: b[:, 2:34] ^ np.uint8(0x80), _scale_d(0, -128), offset=128
+    ),
+    "Q4_K": Affine(
+        4,
+        _q4_k_pack,
+        lambda b: _nibble_codes(b[:, 16:144].reshape(-1, 32)).reshape(-1, 256),
+        _scale_k,
+    ),
+    "Q5_K": Affine(
+        5, lambda b, w: _pack5(_q5_k_codes(b), w), lambda b: _bytes(_q5_k_codes(b)), _scale_k
+    ),
+}
 
 
 def affine_dense(kind: Affine, b: np.ndarray, out: np.ndarray) -> None:
@@ -304,5 +329,7 @@ def _q3_k(b: np.ndarray, out: np.ndarray) -> None:
 
 # name -> fn(blocks (n, type_size) uint8, out (n, block) float32)
 DENSE: dict[str, Callable[[np.ndarray, np.ndarray], None]] = {
-    "Q6_K": _q6_k, "Q2_K": _q2_k, "Q3_K": _q3_k,
-}  # fmt: skip
+    "Q6_K": _q6_k,
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
+}

@@ -72,13 +72,15 @@ def convert_tensor(
     if t.ggml_type not in GGML_TYPES:
         raise UnsupportedQuantError(f"unknown ggml type id {t.ggml_type}", path=path, field=t.name)
     if raw.dtype != np.uint8 or raw.size != t.nbytes:
-        raise FileFormatError(f"expected {t.nbytes} raw bytes, got {raw.size}",
-                              path=path, field=t.name)  # fmt: skip
+        raise FileFormatError(
+            f"expected {t.nbytes} raw bytes, got {raw.size}", path=path, field=t.name
+        )
     if t.type_name in QUANTIZABLE:
         if dequantize or len(t.shape) < 2:  # dense: scale·q + bias in float32, as MLX would
             kind = AFFINE[t.type_name]
-            return Converted(_dense_blocks(t, raw, dtype, lambda b, o: affine_dense(kind, b, o),
-                                           out, done))  # fmt: skip
+            return Converted(
+                _dense_blocks(t, raw, dtype, lambda b, o: affine_dense(kind, b, o), out, done)
+            )
         return _quantized(t, raw, dtype, out, done)
     return Converted(_dense(t, raw, dtype, path, out, done))
 
@@ -210,13 +212,20 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
 
 def _quantized_buffers(t: GGUFTensor) -> tuple[mx.array, mx.array, mx.array]:
     rows, cols = math.prod(t.shape[:-1]), t.shape[-1]  # 1-D: one row
-    return (_zeros((rows, cols * AFFINE[t.type_name].bits // 32), mx.uint32),
-            _zeros((rows, cols // GROUP), mx.float32),
-            _zeros((rows, cols // GROUP), mx.float32))  # fmt: skip
+    return (
+        _zeros((rows, cols * AFFINE[t.type_name].bits // 32), mx.uint32),
+        _zeros((rows, cols // GROUP), mx.float32),
+        _zeros((rows, cols // GROUP), mx.float32),
+    )
 
 
-def _quantized(t: GGUFTensor, raw: np.ndarray, dtype: mx.Dtype, out: tuple[mx.array, ...],
-               done: Callable[[int, int], None] | None = None) -> Converted:  # fmt: skip
+def _quantized(
+    t: GGUFTensor,
+    raw: np.ndarray,
+    dtype: mx.Dtype,
+    out: tuple[mx.array, ...],
+    done: Callable[[int, int], None] | None = None,
+) -> Converted:
     _, block, type_size = GGML_TYPES[t.ggml_type]
     kind: Affine = AFFINE[t.type_name]
     bits = kind.bits
@@ -249,9 +258,14 @@ def _into(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray, np.nd
     return run
 
 
-def _dense_blocks(t: GGUFTensor, raw: np.ndarray, dtype: mx.Dtype,
-                  fn: Callable[[np.ndarray, np.ndarray], None], out: tuple[mx.array, ...],
-                  done: Callable[[int, int], None] | None = None) -> mx.array:  # fmt: skip
+def _dense_blocks(
+    t: GGUFTensor,
+    raw: np.ndarray,
+    dtype: mx.Dtype,
+    fn: Callable[[np.ndarray, np.ndarray], None],
+    out: tuple[mx.array, ...],
+    done: Callable[[int, int], None] | None = None,
+) -> mx.array:
     """fn(blocks (n, type_size) uint8, values (n, block) float32) writes the output in place."""
     _, block, type_size = GGML_TYPES[t.ggml_type]
     (dense,) = out or (_zeros(t.shape, mx.float32),)
@@ -299,8 +313,9 @@ def _gguf_dequantizer(t: GGUFTensor, path: str) -> Callable[[np.ndarray], np.nda
     def unsupported() -> UnsupportedQuantError:
         return UnsupportedQuantError(
             f"ggml type {t.type_name} (id {t.ggml_type}) has no MLX mapping and no dequantizer",
-            path=path, field=t.name,
-        )  # fmt: skip
+            path=path,
+            field=t.name,
+        )
 
     try:
         qtype = GGMLQuantizationType(t.ggml_type)

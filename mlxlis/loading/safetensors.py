@@ -74,8 +74,7 @@ def read_header(path: Path) -> dict[str, dict]:
         raise FileFormatError("header is not a JSON object", path=path, field="header")
     meta = header.pop("__metadata__", None)
     if meta is not None and (
-        not isinstance(meta, dict)
-        or not all(isinstance(v, str) for v in meta.values())
+        not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())
     ):
         raise FileFormatError(
             "__metadata__ must map strings to strings", path=path, field="__metadata__"
@@ -190,8 +189,7 @@ def weight_files(folder: Path) -> list[Path]:
     others = sorted(folder.glob("*.safetensors"))
     if len(others) > limits.SAFETENSORS_MAX_FILES:
         raise FileFormatError(
-            f"{len(others)} .safetensors files exceeds the limit of "
-            f"{limits.SAFETENSORS_MAX_FILES}",
+            f"{len(others)} .safetensors files exceeds the limit of {limits.SAFETENSORS_MAX_FILES}",
             path=folder,
         )
     if others:

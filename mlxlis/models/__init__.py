@@ -86,8 +86,9 @@ def config_from_hf(
     if generation and generation.get("bos_token_id") is not None:
         bos = generation["bos_token_id"]
     if isinstance(quant, dict):  # per-module overrides are keyed by checkpoint module paths
-        quant = {(spec.hf_name(k) if isinstance(v, (dict, bool)) else k): v
-                 for k, v in quant.items()}  # fmt: skip
+        quant = {
+            (spec.hf_name(k) if isinstance(v, (dict, bool)) else k): v for k, v in quant.items()
+        }
         quant.pop(None, None)  # overrides of dropped modules (a vision tower)
     return base.with_(
         eos_token_ids=eos,

@@ -46,8 +46,9 @@ def attend(
         for b0 in range(0, t, QUERY_BLOCK):
             b1 = min(t, b0 + QUERY_BLOCK)
             end = s - t + b1  # the last key any query of this block sees
-            outs.append(_explicit(q[:, :, b0:b1], k[:, :, :end], v[:, :, :end], scale, mask,
-                                  cap, fast))  # fmt: skip
+            outs.append(
+                _explicit(q[:, :, b0:b1], k[:, :, :end], v[:, :, :end], scale, mask, cap, fast)
+            )
         return mx.concatenate(outs, axis=2)
     return _explicit(q, k, v, scale, mask, cap, fast)
 

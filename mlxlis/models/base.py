@@ -112,11 +112,17 @@ class Family:
             return None
         for old, new in self.hf_renames:
             if name.startswith(old):
-                return new + name[len(old):]
+                return new + name[len(old) :]
         return name
 
-    def undo(self, name: str, arr: mx.array, cfg: ModelConfig, part: str,
-             conventions: tuple[Convention, ...] | None = None) -> mx.array:  # fmt: skip
+    def undo(
+        self,
+        name: str,
+        arr: mx.array,
+        cfg: ModelConfig,
+        part: str,
+        conventions: tuple[Convention, ...] | None = None,
+    ) -> mx.array:
         """Apply every convention (default: the GGUF ones) that matches module tensor `name`."""
         for applies, fn in self.gguf_conventions if conventions is None else conventions:
             if applies(name):
@@ -135,8 +141,13 @@ class GGUFMeta:
     """Typed reads of `{arch}.*` metadata keys, each error naming the file and the key; the
     tensor shapes by GGUF name (`shapes`), for what a file says only by its tensors."""
 
-    def __init__(self, md: dict[str, Any], arch: str, path: str,
-                 shapes: dict[str, tuple[int, ...]] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        md: dict[str, Any],
+        arch: str,
+        path: str,
+        shapes: dict[str, tuple[int, ...]] | None = None,
+    ):
         self.md, self.arch, self.path = md, arch, path
         self.shapes = shapes or {}
 

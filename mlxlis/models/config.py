@@ -113,8 +113,10 @@ class ModelConfig:
     def own(self, kind: type[F]) -> F:
         """The family's own config, which must be a `kind` (a bug in the family otherwise)."""
         if not isinstance(self.family_config, kind):
-            raise TypeError(f"{self.family} config holds {type(self.family_config).__name__}, "
-                            f"not {kind.__name__}")
+            raise TypeError(
+                f"{self.family} config holds {type(self.family_config).__name__}, "
+                f"not {kind.__name__}"
+            )
         return self.family_config
 
 
@@ -215,9 +217,11 @@ def base_config(cfg: dict, family: str, path: str) -> ModelConfig:
         "max_position_embeddings": ("max_position_embeddings", max_pos),
     }
     size = limits.check_sizes(sizes, path)  # integers from here on
-    hidden, heads, kv_heads = size["hidden_size"], size["num_attention_heads"], size[
-        "num_key_value_heads"
-    ]
+    hidden, heads, kv_heads = (
+        size["hidden_size"],
+        size["num_attention_heads"],
+        size["num_key_value_heads"],
+    )
     if not kv_heads <= heads or heads % kv_heads:
         raise ConfigError(
             f"num_key_value_heads {kv_heads!r} must divide {heads}",
@@ -242,8 +246,9 @@ def base_config(cfg: dict, family: str, path: str) -> ModelConfig:
     eps = cfg.get("rms_norm_eps")
     eps = 1e-6 if eps is None else eps
     if not number(eps) or eps < 0:
-        raise ConfigError(f"expected a small positive number, got {eps!r}"[:200], path=path,
-                          field="rms_norm_eps")  # fmt: skip
+        raise ConfigError(
+            f"expected a small positive number, got {eps!r}"[:200], path=path, field="rms_norm_eps"
+        )
     act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
     if not isinstance(act, str):
         raise ConfigError(f"expected a string, got {act!r}"[:200], path=path, field="hidden_act")

@@ -76,7 +76,9 @@ def untile_heads(w: mx.array, kh: int, vh: int, axis: int) -> mx.array:
 
         raise UnsupportedError(
             f"{vh} value heads do not split {w.shape[axis]} quantized columns evenly; "
-            "load this file with dequantize=True (--dequantize)", field="ssm_out")
+            "load this file with dequantize=True (--dequantize)",
+            field="ssm_out",
+        )
     w = mx.moveaxis(w, axis, 0)
     rest = w.shape[1:]
     width = w.shape[0] // vh
@@ -102,14 +104,35 @@ def _heads(axis: int):
 QWEN35_GGUF: tuple[Convention, ...] = (
     # conv1d is stored squeezed, (C, kernel): back to transformers' (C, 1, kernel)
     (_ends("linear_attn.conv1d.weight"), lambda w, c, _: w.reshape(w.shape[0], 1, -1)),
-    (_ends("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_qkv.scales",
-           "linear_attn.in_proj_qkv.biases", "linear_attn.conv1d.weight"), _v_rows_of_qkv),
-    (_ends(*(f"linear_attn.{n}.{p}" for n in ("in_proj_z", "in_proj_a", "in_proj_b")
-             for p in ("weight", "scales", "biases"))), _heads(0)),
+    (
+        _ends(
+            "linear_attn.in_proj_qkv.weight",
+            "linear_attn.in_proj_qkv.scales",
+            "linear_attn.in_proj_qkv.biases",
+            "linear_attn.conv1d.weight",
+        ),
+        _v_rows_of_qkv,
+    ),
+    (
+        _ends(
+            *(
+                f"linear_attn.{n}.{p}"
+                for n in ("in_proj_z", "in_proj_a", "in_proj_b")
+                for p in ("weight", "scales", "biases")
+            )
+        ),
+        _heads(0),
+    ),
     (_ends("linear_attn.A_log", "linear_attn.dt_bias"), _heads(0)),
-    (_ends("linear_attn.out_proj.weight", "linear_attn.out_proj.scales",
-           "linear_attn.out_proj.biases"), _heads(-1)),
+    (
+        _ends(
+            "linear_attn.out_proj.weight",
+            "linear_attn.out_proj.scales",
+            "linear_attn.out_proj.biases",
+        ),
+        _heads(-1),
+    ),
     # the converter stores A = −exp(A_log)
     (_ends("linear_attn.A_log"), lambda w, c, _: mx.log(-w.astype(mx.float32))),
     ZERO_CENTRED_NORM_MINUS_ONE,  # llama.cpp adds 1 to the zero-centred norms
-)  # fmt: skip
+)

@@ -65,13 +65,13 @@ class DecoderModel(nn.Module):
     layers outside `held` are None (so parameter names keep their layer numbers), the
     embedding where it embeds or (tied) projects, the norm where it heads."""
 
-    def __init__(self, cfg: ModelConfig, ropes: list[Rope], held: range,
-                 embeds: bool, heads: bool):  # fmt: skip
+    def __init__(self, cfg: ModelConfig, ropes: list[Rope], held: range, embeds: bool, heads: bool):
         super().__init__()
         if embeds or (heads and cfg.tie_word_embeddings):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = [DecoderLayer(cfg, ropes[i], i) if i in held else None
-                       for i in range(held.stop)]  # fmt: skip
+        self.layers = [
+            DecoderLayer(cfg, ropes[i], i) if i in held else None for i in range(held.stop)
+        ]
         if heads:
             self.norm = norm(cfg, cfg.hidden_size)
 
@@ -83,9 +83,16 @@ class Decoder(nn.Module):
     runs its part of the pass: `embed` (the first stage), `run_layers`, `head` (the last);
     its caches are those of its own layers, in order."""
 
-    def __init__(self, cfg: ModelConfig, family: Family,
-                 rope_freq_factors: mx.array | None = None, *, layers: range | None = None,
-                 embeds: bool = True, heads: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        family: Family,
+        rope_freq_factors: mx.array | None = None,
+        *,
+        layers: range | None = None,
+        embeds: bool = True,
+        heads: bool = True,
+    ):
         super().__init__()
         self.config = cfg
         self._family = family  # underscores: plain data, not part of the parameter tree
@@ -111,8 +118,10 @@ class Decoder(nn.Module):
 
     def make_cache(self) -> list[Cache]:
         cfg, w = self.config, self.config.sliding_window
-        return [RecurrentCache() if cfg.is_linear(i) else RotatingKVCache(w) if s else KVCache()
-                for i, s in zip(self._held, self._sliding, strict=True)]  # fmt: skip
+        return [
+            RecurrentCache() if cfg.is_linear(i) else RotatingKVCache(w) if s else KVCache()
+            for i, s in zip(self._held, self._sliding, strict=True)
+        ]
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Checkpoint names under ours: the family's renames applied, its dropped names gone."""
@@ -140,8 +149,9 @@ class Decoder(nn.Module):
         per_layer = [CacheBatch([c[i] for c in caches]) for i in range(len(self._held))]
         return self(inputs, per_layer)[:, -1, :]
 
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None,
-                 last_only: bool = False) -> mx.array:  # fmt: skip
+    def __call__(
+        self, inputs: mx.array, cache: list[Cache] | None = None, last_only: bool = False
+    ) -> mx.array:
         return self.head(self.run_layers(self.embed(inputs), cache), last_only)
 
     def embed(self, inputs: mx.array) -> mx.array:

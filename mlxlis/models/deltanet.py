@@ -147,8 +147,9 @@ class GatedDeltaNet(nn.Module):
         if state is None:
             state = mx.zeros((b, self.hv, self.dk, self.dv), f32)
         if t == 1:
-            o, state = delta_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[..., 0], beta[..., 0],
-                                  state)  # fmt: skip
+            o, state = delta_step(
+                q[:, :, 0], k[:, :, 0], v[:, :, 0], g[..., 0], beta[..., 0], state
+            )
             o = o[:, :, None]
         else:
             o, state = delta_chunked(q, k, v, g, beta, state)

@@ -50,12 +50,21 @@ def load_folder(
     net = build_model(cfg, **stage)
     # validates names, dtypes and shapes from the headers (family renames such as Gemma 3's
     # multimodal prefixes via net.sanitize), and quantizes the modules whose scales are bound
-    plan = plan_bindings(net, cfg, manifest, folder, strict=strict, layouts=spec.mlx_layouts,
-                         held=part.holds if part is not None else None)  # fmt: skip
+    plan = plan_bindings(
+        net,
+        cfg,
+        manifest,
+        folder,
+        strict=strict,
+        layouts=spec.mlx_layouts,
+        held=part.holds if part is not None else None,
+    )
     weights = plan.load()
     if plan.relaid:  # saved by mlx-lm after its sanitize: undo what that folded in
-        weights = {n: spec.undo(n, a, cfg, n.rsplit(".", 1)[1], spec.mlx_conventions)
-                   for n, a in weights.items()}  # fmt: skip
+        weights = {
+            n: spec.undo(n, a, cfg, n.rsplit(".", 1)[1], spec.mlx_conventions)
+            for n, a in weights.items()
+        }
     bind(net, weights, plan.origin or folder, dtype)
     quantized = bool(plan.quantized)
     check_folder_json(folder)  # bounds the tokenizer's JSON files before they are parsed
@@ -64,5 +73,14 @@ def load_folder(
     fmt = "safetensors (MLX quantized)" if quantized else "safetensors"
     if part is not None:
         net = placement.wrap(net, part, dtype)
-    return Model(cfg, net, tokenizer, dtype=dtype, path=folder, fmt=fmt, template=template,
-                 skipped=plan.dropped, part=part)
+    return Model(
+        cfg,
+        net,
+        tokenizer,
+        dtype=dtype,
+        path=folder,
+        fmt=fmt,
+        template=template,
+        skipped=plan.dropped,
+        part=part,
+    )

@@ -149,7 +149,9 @@ def _quantizable(t) -> bool:
     return t.type_name in QUANTIZABLE and len(t.shape) > 1
 
 
-def _dense_policy(gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dequantize: bool | None, part=None):
+def _dense_policy(
+    gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dequantize: bool | None, part=None
+):
     """GGUF tensor name -> convert it dense? (only quantized-form tensors are affected).
     `part`: a pipeline rank's share, whose tensors alone count."""
     if dequantize is not None:
@@ -157,13 +159,18 @@ def _dense_policy(gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dequantize: b
     # a pipeline rank that embeds but does not head uses a tied embedding as a lookup only
     tied_head = cfg.tie_word_embeddings and (part is None or part.last)
     # row lookups, never matmuls: an untied embedding, Gemma 4's per-layer embedding table
-    lookup = {n for n in gf.tensors if n.endswith("token_embd.weight")
-              and (n != "token_embd.weight" or not tied_head)}  # fmt: skip
+    lookup = {
+        n
+        for n in gf.tensors
+        if n.endswith("token_embd.weight") and (n != "token_embd.weight" or not tied_head)
+    }
     family_ = family(cfg.family)
-    held = {n for n in gf.tensors if part is None or part.holds(
-        family_.gguf_module_name(n) or "")}  # fmt: skip
-    dense_bytes = sum(math.prod(t.shape) * dtype.size for n, t in gf.tensors.items()
-                      if _quantizable(t) and n not in lookup and n in held)  # fmt: skip
+    held = {n for n in gf.tensors if part is None or part.holds(family_.gguf_module_name(n) or "")}
+    dense_bytes = sum(
+        math.prod(t.shape) * dtype.size
+        for n, t in gf.tensors.items()
+        if _quantizable(t) and n not in lookup and n in held
+    )
     if not dense_by_default(dense_bytes):
         return lambda name: False
     return lambda name: name not in lookup

@@ -45,8 +45,18 @@ class _Version:
 
 _V1 = _Version("hidden_act", None, None, None, None, None)
 _V2 = _Version("hidden_activation", 256, 50.0, 30.0, 4096, 2, gguf_window=4096, sandwich=True)
-_V3 = _Version("hidden_activation", 256, None, None, 4096, 6, gguf_window=512, local_rope=True,
-               sandwich=True, qk_norm=True)  # fmt: skip
+_V3 = _Version(
+    "hidden_activation",
+    256,
+    None,
+    None,
+    4096,
+    6,
+    gguf_window=512,
+    local_rope=True,
+    sandwich=True,
+    qk_norm=True,
+)
 
 
 def _positive(cfg: dict, key: str, default: Any, path: str) -> float | None:
@@ -54,14 +64,20 @@ def _positive(cfg: dict, key: str, default: Any, path: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"expected a positive number or null, got {value!r}", path=path,
-                          field=key)  # fmt: skip
+        raise ConfigError(
+            f"expected a positive number or null, got {value!r}", path=path, field=key
+        )
     return value
 
 
 def _structure(v: _Version) -> dict[str, Any]:
-    return dict(norm="rms_plus_one", embed_scale=True, residual_f32=True,
-                sandwich_norms=v.sandwich, qk_norm=v.qk_norm)  # fmt: skip
+    return dict(
+        norm="rms_plus_one",
+        embed_scale=True,
+        residual_f32=True,
+        sandwich_norms=v.sandwich,
+        qk_norm=v.qk_norm,
+    )
 
 
 def _act(cfg: dict, v: _Version, path: str) -> str:
@@ -71,8 +87,9 @@ def _act(cfg: dict, v: _Version, path: str) -> str:
     else:
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in GATED:
-        raise UnsupportedError(f"activation {act!r} is not implemented", path=path,
-                               field=v.hf_act_key)  # fmt: skip
+        raise UnsupportedError(
+            f"activation {act!r} is not implemented", path=path, field=v.hf_act_key
+        )
     return act
 
 
@@ -82,8 +99,11 @@ def _layer_types(cfg: dict, v: _Version, n: int, path: str) -> tuple[str, ...]:
     if cfg.get("layer_types") is not None:
         types = tuple(cfg["layer_types"])
         if len(types) != n or any(t not in LAYER_TYPES for t in types):
-            raise ConfigError(f"expected {n} of {LAYER_TYPES}, got {cfg['layer_types']!r}",
-                              path=path, field="layer_types")  # fmt: skip
+            raise ConfigError(
+                f"expected {n} of {LAYER_TYPES}, got {cfg['layer_types']!r}",
+                path=path,
+                field="layer_types",
+            )
         return types
     pattern = cfg.get("sliding_window_pattern", v.pattern)
     if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
@@ -95,16 +115,23 @@ def _ropes(cfg: dict, path: str) -> tuple[RopeConfig, RopeConfig]:
     """Gemma 3: global θ (+ linear scaling) for full layers, a local θ for sliding ones."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
-        rope = parse_rope(params.get("full_attention"), cfg.get("rope_theta", 1e6), path,
-                          "rope_parameters.full_attention")  # fmt: skip
-        local = parse_rope(params.get("sliding_attention"), cfg.get("rope_local_base_freq", 1e4),
-                           path, "rope_parameters.sliding_attention")  # fmt: skip
+        rope = parse_rope(
+            params.get("full_attention"),
+            cfg.get("rope_theta", 1e6),
+            path,
+            "rope_parameters.full_attention",
+        )
+        local = parse_rope(
+            params.get("sliding_attention"),
+            cfg.get("rope_local_base_freq", 1e4),
+            path,
+            "rope_parameters.sliding_attention",
+        )
         return rope, local
     if params is not None:
         rope = parse_rope(params, cfg.get("rope_theta", 1e6), path, "rope_parameters")
     else:
-        rope = parse_rope(cfg.get("rope_scaling"), cfg.get("rope_theta", 1e6), path,
-                          "rope_scaling")  # fmt: skip
+        rope = parse_rope(cfg.get("rope_scaling"), cfg.get("rope_theta", 1e6), path, "rope_scaling")
     theta = _positive(cfg, "rope_local_base_freq", 1e4, path)
     return rope, RopeConfig(theta=float(theta or 1e4))
 
@@ -112,15 +139,19 @@ def _ropes(cfg: dict, path: str) -> tuple[RopeConfig, RopeConfig]:
 def _hf_parser(v: _Version):
     def parse(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         if cfg.get("use_bidirectional_attention"):
-            raise UnsupportedError("bidirectional (embedding) Gemma models are not implemented",
-                                   path=path, field="use_bidirectional_attention")  # fmt: skip
+            raise UnsupportedError(
+                "bidirectional (embedding) Gemma models are not implemented",
+                path=path,
+                field="use_bidirectional_attention",
+            )
         layer_types = _layer_types(cfg, v, base.num_hidden_layers, path)
         window = _positive(cfg, "sliding_window", v.sliding_window, path)
         if window is not None:
             check_sizes({"sliding_window": ("sliding_window", window)}, path)
         if "sliding_attention" in layer_types and window is None:
-            raise ConfigError("sliding-window layers need a sliding_window", path=path,
-                              field="sliding_window")  # fmt: skip
+            raise ConfigError(
+                "sliding-window layers need a sliding_window", path=path, field="sliding_window"
+            )
         rope, rope_local = _ropes(cfg, path) if v.local_rope else (base.rope, None)
         qpas = _positive(cfg, "query_pre_attn_scalar", v.query_pre_attn_scalar, path)
         return base.with_(
@@ -134,10 +165,10 @@ def _hf_parser(v: _Version):
             query_pre_attn_scalar=(
                 float(qpas) if qpas is not None and v.query_pre_attn_scalar else None
             ),
-            attn_logit_softcapping=_positive(cfg, "attn_logit_softcapping", v.attn_softcap,
-                                             path),  # fmt: skip
-            final_logit_softcapping=_positive(cfg, "final_logit_softcapping", v.final_softcap,
-                                              path),  # fmt: skip
+            attn_logit_softcapping=_positive(cfg, "attn_logit_softcapping", v.attn_softcap, path),
+            final_logit_softcapping=_positive(
+                cfg, "final_logit_softcapping", v.final_softcap, path
+            ),
         )
 
     return parse
@@ -150,8 +181,9 @@ def _gguf_parser(v: _Version, big_layers: int):
         n = cfg.num_hidden_layers
         # llama.cpp: the 27B models scale by hidden/heads, every other size by head_dim
         qpas = cfg.head_dim if n != big_layers else cfg.hidden_size // cfg.num_attention_heads
-        changes: dict[str, Any] = dict(_structure(v), hidden_act="gelu_pytorch_tanh",
-                                       query_pre_attn_scalar=float(qpas))  # fmt: skip
+        changes: dict[str, Any] = dict(
+            _structure(v), hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=float(qpas)
+        )
         if v.pattern is not None:
             window = m.get("attention.sliding_window", v.gguf_window)
             check_sizes({"sliding_window": (m.key("attention.sliding_window"), window)}, m.path)
@@ -207,31 +239,60 @@ _GEMMA2_BLOCK = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_GEMMA3_BLOCK = {**_GEMMA2_BLOCK, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # noqa: E501
+_GEMMA3_BLOCK = {
+    **_GEMMA2_BLOCK,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}  # noqa: E501
 
 GEMMA = Family(
-    name="gemma", hf_model_types=("gemma",), gguf_archs=("gemma",),
-    parse_hf=_hf_parser(_V1), parse_gguf=_gguf_parser(_V1, 0), network=Decoder,
+    name="gemma",
+    hf_model_types=("gemma",),
+    gguf_archs=("gemma",),
+    parse_hf=_hf_parser(_V1),
+    parse_gguf=_gguf_parser(_V1, 0),
+    network=Decoder,
     gguf_conventions=(NORM_MINUS_ONE,),
-    export_model_type="gemma", export_architecture="GemmaForCausalLM", export_config=_export(_V1),
-)  # fmt: skip
+    export_model_type="gemma",
+    export_architecture="GemmaForCausalLM",
+    export_config=_export(_V1),
+)
 GEMMA2 = Family(
-    name="gemma2", hf_model_types=("gemma2",), gguf_archs=("gemma2",),
-    parse_hf=_hf_parser(_V2), parse_gguf=_gguf_parser(_V2, 46), network=Decoder,
-    gguf_block=_GEMMA2_BLOCK, gguf_conventions=(NORM_MINUS_ONE,),
-    export_model_type="gemma2", export_architecture="Gemma2ForCausalLM",
+    name="gemma2",
+    hf_model_types=("gemma2",),
+    gguf_archs=("gemma2",),
+    parse_hf=_hf_parser(_V2),
+    parse_gguf=_gguf_parser(_V2, 46),
+    network=Decoder,
+    gguf_block=_GEMMA2_BLOCK,
+    gguf_conventions=(NORM_MINUS_ONE,),
+    export_model_type="gemma2",
+    export_architecture="Gemma2ForCausalLM",
     export_config=_export(_V2),
-)  # fmt: skip
+)
 GEMMA3 = Family(
-    name="gemma3", hf_model_types=("gemma3_text", "gemma3"), gguf_archs=("gemma3",),
-    parse_hf=_hf_parser(_V3), parse_gguf=_gguf_parser(_V3, 62), network=Decoder,
-    gguf_block=_GEMMA3_BLOCK, gguf_conventions=(NORM_MINUS_ONE,),  # q_norm / k_norm included
-    export_model_type="gemma3_text", export_architecture="Gemma3ForCausalLM",
+    name="gemma3",
+    hf_model_types=("gemma3_text", "gemma3"),
+    gguf_archs=("gemma3",),
+    parse_hf=_hf_parser(_V3),
+    parse_gguf=_gguf_parser(_V3, 62),
+    network=Decoder,
+    gguf_block=_GEMMA3_BLOCK,
+    gguf_conventions=(NORM_MINUS_ONE,),  # q_norm / k_norm included
+    export_model_type="gemma3_text",
+    export_architecture="Gemma3ForCausalLM",
     export_config=_export(_V3),
     # multimodal checkpoints: the hub's `language_model.model.*`, transformers 5's
     # `model.language_model.*`; the vision tower and projector are dropped
-    hf_renames=(("language_model.model.", "model."), ("model.language_model.", "model."),
-                ("language_model.lm_head.", "lm_head.")),
-    hf_dropped=("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                "model.multi_modal_projector."),
-)  # fmt: skip
+    hf_renames=(
+        ("language_model.model.", "model."),
+        ("model.language_model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    ),
+    hf_dropped=(
+        "vision_tower.",
+        "multi_modal_projector.",
+        "model.vision_tower.",
+        "model.multi_modal_projector.",
+    ),
+)

@@ -30,8 +30,9 @@ def _per_layer(m: GGUFMeta, name: str, n: int, size: str) -> tuple[int, ...]:
     v = m.md.get(m.key(name))
     if isinstance(v, np.ndarray):
         if v.shape != (n,) or v.dtype.kind not in "iu":
-            raise ConfigError(f"expected {n} integers, got {v!r}"[:200], path=m.path,
-                              field=m.key(name))  # fmt: skip
+            raise ConfigError(
+                f"expected {n} integers, got {v!r}"[:200], path=m.path, field=m.key(name)
+            )
         vals = tuple(int(x) for x in v)
     else:
         vals = (m.get(name),) * n
@@ -40,20 +41,23 @@ def _per_layer(m: GGUFMeta, name: str, n: int, size: str) -> tuple[int, ...]:
     return vals
 
 
-def _per_type(vals: tuple[int, ...], types: tuple[str, ...], kind: str, m: GGUFMeta,
-              name: str) -> int:  # fmt: skip
+def _per_type(
+    vals: tuple[int, ...], types: tuple[str, ...], kind: str, m: GGUFMeta, name: str
+) -> int:
     got = {v for v, t in zip(vals, types, strict=True) if t == kind}
     if len(got) > 1:
-        raise UnsupportedError(f"values that differ among {kind} layers: {sorted(got)}",
-                               path=m.path, field=m.key(name))  # fmt: skip
+        raise UnsupportedError(
+            f"values that differ among {kind} layers: {sorted(got)}", path=m.path, field=m.key(name)
+        )
     return got.pop() if got else vals[0]
 
 
 def _rot(m: GGUFMeta, name: str, default: int, head: int) -> int:
     n_rot = m.get(name, default)
     if not 0 < n_rot <= head or n_rot % 2:
-        raise ConfigError(f"{n_rot} rotary dims for a head of {head}", path=m.path,
-                          field=m.key(name))  # fmt: skip
+        raise ConfigError(
+            f"{n_rot} rotary dims for a head of {head}", path=m.path, field=m.key(name)
+        )
     return n_rot
 
 
@@ -61,87 +65,134 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     n, path, shapes = base.num_hidden_layers, m.path, m.shapes
     pattern = m.md.get(m.key("attention.sliding_window_pattern"))  # one bool per layer
     if not isinstance(pattern, np.ndarray) or pattern.shape != (n,):
-        raise ConfigError(f"expected {n} bools, got {pattern!r}"[:200], path=path,
-                          field=m.key("attention.sliding_window_pattern"))  # fmt: skip
+        raise ConfigError(
+            f"expected {n} bools, got {pattern!r}"[:200],
+            path=path,
+            field=m.key("attention.sliding_window_pattern"),
+        )
     types = tuple(SLIDING if x else FULL for x in pattern.tolist())
     kv = _per_layer(m, "attention.head_count_kv", n, "num_key_value_heads")
     kv_s, kv_f = (_per_type(kv, types, t, m, "attention.head_count_kv") for t in (SLIDING, FULL))
     for h in (kv_s, kv_f):
         if base.num_attention_heads % h:
-            raise ConfigError(f"{h} KV heads must divide {base.num_attention_heads}", path=path,
-                              field=m.key("attention.head_count_kv"))  # fmt: skip
+            raise ConfigError(
+                f"{h} KV heads must divide {base.num_attention_heads}",
+                path=path,
+                field=m.key("attention.head_count_kv"),
+            )
     head_f, head_s = base.head_dim, m.get("attention.key_length_swa")  # llama.cpp requires it
     check_sizes({"head_dim": (m.key("attention.key_length_swa"), head_s)}, path)
     for key, want in (("attention.value_length", head_f), ("attention.value_length_swa", head_s)):
         if m.get(key, want) != want:  # llama.cpp: "Gemma 4 requires n_embd_head_k == _v"
-            raise UnsupportedError("value heads of another size than key heads", path=path,
-                                   field=m.key(key))  # fmt: skip
+            raise UnsupportedError(
+                "value heads of another size than key heads", path=path, field=m.key(key)
+            )
     rot_f = _rot(m, "rope.dimension_count", head_f, head_f)
     rot_s = _rot(m, "rope.dimension_count_swa", rot_f, head_s)
     if FULL in types and shapes.get("rope_freqs.weight", (0,))[-1] * 2 != rot_f:
-        raise ConfigError(f"full layers need rope_freqs of {rot_f // 2} values (proportional "
-                          "RoPE)", path=path, field="rope_freqs.weight")  # fmt: skip
+        raise ConfigError(
+            f"full layers need rope_freqs of {rot_f // 2} values (proportional RoPE)",
+            path=path,
+            field="rope_freqs.weight",
+        )
     shared = m.get("attention.shared_kv_layers", 0)
     if not 0 <= shared < n:
-        raise ConfigError(f"{shared} KV-shared layers of {n}", path=path,
-                          field=m.key("attention.shared_kv_layers"))  # fmt: skip
+        raise ConfigError(
+            f"{shared} KV-shared layers of {n}",
+            path=path,
+            field=m.key("attention.shared_kv_layers"),
+        )
     first = n - shared
     source = list(range(n))
     for i in range(first, n):  # llama.cpp: sliding layers read layer first-2, full ones first-1
         j = first - (2 if types[i] == SLIDING else 1)
         if j < 0 or types[j] != types[i]:
-            raise UnsupportedError(f"llama.cpp would have layer {i} ({types[i]}) read the cache "
-                                   f"of layer {j}", path=path,
-                                   field=m.key("attention.shared_kv_layers"))  # fmt: skip
+            raise UnsupportedError(
+                f"llama.cpp would have layer {i} ({types[i]}) read the cache of layer {j}",
+                path=path,
+                field=m.key("attention.shared_kv_layers"),
+            )
         source[i] = j
     own = [i for i in range(n) if source[i] == i]
     no_v = {i for i in own if f"blk.{i}.attn_v.weight" not in shapes}  # llama.cpp: V = K
-    if any(types[i] == SLIDING for i in no_v) or no_v not in (set(), {i for i in own
-                                                                      if types[i] == FULL}):
-        raise UnsupportedError("attn_v absent from some layers only", path=path,
-                               field=f"blk.{min(no_v)}.attn_v.weight")  # fmt: skip
+    if any(types[i] == SLIDING for i in no_v) or no_v not in (
+        set(),
+        {i for i in own if types[i] == FULL},
+    ):
+        raise UnsupportedError(
+            "attn_v absent from some layers only", path=path, field=f"blk.{min(no_v)}.attn_v.weight"
+        )
     ple = m.get("embedding_length_per_layer_input")
     ple_vocab = 0
     if ple:
         ple_vocab = shapes.get("per_layer_token_embd.weight", (0, 0))[0]
         if shapes.get("per_layer_token_embd.weight", (0, 0))[1:] != (n * ple,):
-            raise ConfigError(f"expected a per-layer embedding of width {n} × {ple}", path=path,
-                              field="per_layer_token_embd.weight")  # fmt: skip
-        check_sizes({"hidden_size_per_layer_input": (m.key("embedding_length_per_layer_input"),
-                     ple), "vocab_size_per_layer_input": ("per_layer_token_embd.weight",
-                                                          ple_vocab)}, path)  # fmt: skip
+            raise ConfigError(
+                f"expected a per-layer embedding of width {n} × {ple}",
+                path=path,
+                field="per_layer_token_embd.weight",
+            )
+        check_sizes(
+            {
+                "hidden_size_per_layer_input": (m.key("embedding_length_per_layer_input"), ple),
+                "vocab_size_per_layer_input": ("per_layer_token_embd.weight", ple_vocab),
+            },
+            path,
+        )
     sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in shapes for i in range(n))
     fused = {f"blk.{i}.ffn_gate_up_exps.weight" in shapes for i in range(n) if sparse[i]}
     moe: dict[str, Any] = {}
     if any(sparse):
-        size = check_sizes({
-            "num_experts": (m.key("expert_count"), m.get("expert_count")),
-            "num_experts_per_tok": (m.key("expert_used_count"), m.get("expert_used_count")),
-            "moe_intermediate_size": (m.key("expert_feed_forward_length"),
-                                      m.get("expert_feed_forward_length")),
-        }, path)  # fmt: skip
+        size = check_sizes(
+            {
+                "num_experts": (m.key("expert_count"), m.get("expert_count")),
+                "num_experts_per_tok": (m.key("expert_used_count"), m.get("expert_used_count")),
+                "moe_intermediate_size": (
+                    m.key("expert_feed_forward_length"),
+                    m.get("expert_feed_forward_length"),
+                ),
+            },
+            path,
+        )
         if size["num_experts_per_tok"] > size["num_experts"] or len(fused) > 1:
-            raise ConfigError("experts per token > experts, or gate/up fused in some layers "
-                              "only", path=path, field=m.key("expert_used_count"))  # fmt: skip
+            raise ConfigError(
+                "experts per token > experts, or gate/up fused in some layers only",
+                path=path,
+                field=m.key("expert_used_count"),
+            )
         moe = dict(size, norm_topk_prob=True, sparse_layers=sparse)
     window = m.get("attention.sliding_window")
     check_sizes({"sliding_window": (m.key("attention.sliding_window"), window)}, path)
     ffn = _per_layer(m, "feed_forward_length", n, "intermediate_size")
     structure = Structure(
-        global_head_dim=head_f, global_kv_heads=kv_f, k_eq_v=bool(no_v), kv_source=tuple(source),
-        intermediate_sizes=ffn, full_rope_dims=rot_f, full_rotated=None, local_rope_dims=rot_s,
-        local_rotated=None, per_layer_dim=ple, per_layer_vocab=ple_vocab,
+        global_head_dim=head_f,
+        global_kv_heads=kv_f,
+        k_eq_v=bool(no_v),
+        kv_source=tuple(source),
+        intermediate_sizes=ffn,
+        full_rope_dims=rot_f,
+        full_rotated=None,
+        local_rope_dims=rot_s,
+        local_rotated=None,
+        per_layer_dim=ple,
+        per_layer_vocab=ple_vocab,
         full_rope_factor=base.rope.factor if base.rope.type == "linear" else 1.0,
         fused_gate_up=fused == {True},
-    )  # fmt: skip
+    )
     return base.with_(
-        **STRUCTURE, **moe, hidden_act="gelu_pytorch_tanh", head_dim=head_s,
-        num_key_value_heads=kv_s, intermediate_size=ffn[0], layer_types=types,
+        **STRUCTURE,
+        **moe,
+        hidden_act="gelu_pytorch_tanh",
+        head_dim=head_s,
+        num_key_value_heads=kv_s,
+        intermediate_size=ffn[0],
+        layer_types=types,
         rope=RopeConfig(theta=base.rope.theta),
         rope_local=RopeConfig(theta=m.get("rope.freq_base_swa", 10000.0, float)),
-        sliding_window=window, family_config=structure,
+        sliding_window=window,
+        family_config=structure,
         final_logit_softcapping=m.get("final_logit_softcapping", 0.0, float) or None,  # 0: none
-    )  # fmt: skip
+    )
 
 
 _KV_TENSOR = re.compile(r"^blk\.(\d+)\.(attn_k|attn_v|attn_k_norm)\.weight$")
@@ -156,18 +207,23 @@ def unused_kv(name: str, cfg: ModelConfig) -> bool:
 
 GGUF_BLOCK = {
     **GGUF_LLAMA_BLOCK,
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm", "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
     "post_ffw_norm_1": "post_feedforward_layernorm_1",
     "post_ffw_norm_2": "post_feedforward_layernorm_2",
     "ffn_gate_inp": "router.proj",
-    "ffn_gate_exps": "experts.switch_glu.gate_proj", "ffn_up_exps": "experts.switch_glu.up_proj",
+    "ffn_gate_exps": "experts.switch_glu.gate_proj",
+    "ffn_up_exps": "experts.switch_glu.up_proj",
     "ffn_gate_up_exps": "experts.switch_glu.gate_up_proj",
     "ffn_down_exps": "experts.switch_glu.down_proj",
-    "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection",
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
     "post_norm": "post_per_layer_input_norm",
-}  # fmt: skip
+}
 # tensors outside the shared naming scheme: (llama.cpp name, part) -> module parameter
 GGUF_EXTRA = {
     ("ffn_gate_inp", "scale"): "router.scale",

@@ -60,11 +60,21 @@ class Structure(FamilyConfig):
 
 
 # the ModelConfig fields every Gemma 4 has
-STRUCTURE = dict(norm="rms", qk_norm=True, sandwich_norms=True, embed_scale=True,
-                 residual_f32=True, mlp_bias=False)  # fmt: skip
+STRUCTURE = dict(
+    norm="rms",
+    qk_norm=True,
+    sandwich_norms=True,
+    embed_scale=True,
+    residual_f32=True,
+    mlp_bias=False,
+)
 # transformers' ACT2FN for the per-layer input gate (a plain activation, not a gated pair)
-PLAIN_ACTS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu_new": nn.gelu_approx,
-              "gelu": nn.gelu, "silu": nn.silu}  # fmt: skip
+PLAIN_ACTS = {
+    "gelu_pytorch_tanh": nn.gelu_approx,
+    "gelu_new": nn.gelu_approx,
+    "gelu": nn.gelu,
+    "silu": nn.silu,
+}
 _SHARED_KV = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
 
 
@@ -85,14 +95,16 @@ class RMSNorm(nn.Module):
         return mx.fast.rms_norm(x.astype(mx.float32), w, self.eps).astype(self.weight.dtype)
 
 
-def _rope(dims: int, theta: float, rotated: int | None, factor: float,
-          factors: mx.array | None, path: str) -> Rope:  # fmt: skip
+def _rope(
+    dims: int, theta: float, rotated: int | None, factor: float, factors: mx.array | None, path: str
+) -> Rope:
     """Proportional RoPE (transformers): only the first `rotated` pairs of each half turn, at
     frequencies over all `dims`; the rest get an infinite wavelength. A GGUF states the same
     as `rope_freqs` factors (1 turned, 1e30 not), read as llama.cpp reads them."""
     if factors is not None and factors.size != dims // 2:
-        raise ConfigError(f"{factors.size} values for {dims} rotary dims", path=path,
-                          field="rope_freqs.weight")  # fmt: skip
+        raise ConfigError(
+            f"{factors.size} values for {dims} rotary dims", path=path, field="rope_freqs.weight"
+        )
     if factors is None and rotated is not None and rotated < dims // 2:
         factors = mx.concatenate([mx.ones((rotated,)), mx.full((dims // 2 - rotated,), mx.inf)])
     rope = RopeConfig(theta=theta, type="linear", factor=factor)  # positions ÷ factor
@@ -119,8 +131,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=bias)
         self.rope = rope
 
-    def __call__(self, x: mx.array, mask: Mask, cache: Cache | CacheBatch | None,
-                 offset: int | mx.array, shared: tuple | None) -> tuple[mx.array, tuple]:
+    def __call__(
+        self,
+        x: mx.array,
+        mask: Mask,
+        cache: Cache | CacheBatch | None,
+        offset: int | mx.array,
+        shared: tuple | None,
+    ) -> tuple[mx.array, tuple]:
         """offset: the position of x's first token (per sequence, (B,), for a CacheBatch);
         shared: what an earlier layer attended over, (keys, values, None) or, in a batch,
         (stacked keys, values, their mask); returns the output and this layer's own."""
@@ -158,8 +176,9 @@ class Router(nn.Module):
 
     def __call__(self, h: mx.array) -> tuple[mx.array, mx.array]:
         x = mx.fast.rms_norm(h.astype(mx.float32), None, self.eps) * self.scale * self.root
-        probs = mx.softmax(self.proj(x.astype(self.scale.dtype)).astype(mx.float32), axis=-1,
-                           precise=True)  # (B, T, E)  # fmt: skip
+        probs = mx.softmax(
+            self.proj(x.astype(self.scale.dtype)).astype(mx.float32), axis=-1, precise=True
+        )  # (B, T, E)
         inds = mx.stop_gradient(mx.argpartition(-probs, kth=self.k - 1, axis=-1)[..., : self.k])
         weights = mx.take_along_axis(probs, inds, axis=-1)  # (B, T, k)
         weights = weights / weights.sum(axis=-1, keepdims=True)
@@ -196,7 +215,9 @@ class FusedSwitchGLU(nn.Module):
 class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.switch_glu = FusedSwitchGLU(cfg) if cfg.own(Structure).fused_gate_up else SwitchGLU(cfg)
+        self.switch_glu = (
+            FusedSwitchGLU(cfg) if cfg.own(Structure).fused_gate_up else SwitchGLU(cfg)
+        )
 
     def __call__(self, x: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
         y = self.switch_glu(x, inds)  # (B, T, k, hidden)
@@ -209,8 +230,12 @@ class Gemma4Layer(nn.Module):
         d, eps, s = cfg.hidden_size, cfg.rms_norm_eps, cfg.own(Structure)
         self.self_attn = Attention(cfg, layer, rope)
         self.mlp = MLP(cfg, s.intermediate_sizes[layer])
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):  # fmt: skip
+        for name in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
             setattr(self, name, RMSNorm(d, eps))
         if cfg.is_sparse(layer):  # 26B: routed experts beside the dense MLP
             self.router = Router(cfg)
@@ -225,8 +250,15 @@ class Gemma4Layer(nn.Module):
             self.act = PLAIN_ACTS[cfg.hidden_act]
         self.layer_scalar = mx.ones((1,))
 
-    def __call__(self, h: mx.array, mask: Mask, cache: Cache | None, offset: int,
-                 shared: tuple | None, per_layer: mx.array | None) -> tuple:  # fmt: skip
+    def __call__(
+        self,
+        h: mx.array,
+        mask: Mask,
+        cache: Cache | None,
+        offset: int,
+        shared: tuple | None,
+        per_layer: mx.array | None,
+    ) -> tuple:
         a, kv = self.self_attn(self.input_layernorm(h), mask, cache, offset, shared)
         h = h + self.post_attention_layernorm(a)
         y = self.mlp(self.pre_feedforward_layernorm(h))
@@ -257,16 +289,27 @@ class Gemma4Model(nn.Module):
 class Gemma4(nn.Module):
     """inputs (B, T) token ids -> logits (B, T, vocab) in the compute dtype (T = 1 if last_only)."""
 
-    def __init__(self, cfg: ModelConfig, family: Family,
-                 rope_freq_factors: mx.array | None = None):  # fmt: skip
+    def __init__(self, cfg: ModelConfig, family: Family, rope_freq_factors: mx.array | None = None):
         super().__init__()
         self.config, s = cfg, cfg.own(Structure)
         self._family = family  # underscores: plain data, not part of the parameter tree
         self._rope_freq_factors = rope_freq_factors  # GGUF: the full layers' RoPE (a buffer)
-        full = _rope(s.full_rope_dims, cfg.rope.theta, s.full_rotated, s.full_rope_factor,
-                     rope_freq_factors, cfg.source)  # fmt: skip
-        local = _rope(s.local_rope_dims, cfg.rope_local.theta, s.local_rotated,
-                      s.local_rope_factor, None, cfg.source)  # fmt: skip
+        full = _rope(
+            s.full_rope_dims,
+            cfg.rope.theta,
+            s.full_rotated,
+            s.full_rope_factor,
+            rope_freq_factors,
+            cfg.source,
+        )
+        local = _rope(
+            s.local_rope_dims,
+            cfg.rope_local.theta,
+            s.local_rotated,
+            s.local_rope_factor,
+            None,
+            cfg.source,
+        )
         self._sliding = tuple(cfg.is_sliding(i) for i in range(cfg.num_hidden_layers))
         self._own = tuple(i for i, src in enumerate(s.kv_source) if src == i)
         self._slot = {i: j for j, i in enumerate(self._own)}  # layer -> its cache's index
@@ -295,8 +338,11 @@ class Gemma4(nn.Module):
         """The stacked experts -> transformers' fused `experts.gate_up_proj` (gate half, up
         half) and `experts.down_proj`, or one tensor per expert."""
         stacks: dict[str, ExpertSource] = {}
-        halves = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-                  "down_proj": ("down_proj", None)}  # fmt: skip
+        halves = {
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
+            "down_proj": ("down_proj", None),
+        }
         for i, layer in enumerate(self.model.layers):
             if "experts" not in layer or "gate_proj" not in layer.experts.switch_glu:
                 continue
@@ -328,8 +374,9 @@ class Gemma4(nn.Module):
         proj = m.per_layer_projection_norm(proj.reshape(b, t, -1, s.per_layer_dim))
         return (proj + tok.reshape(b, t, -1, s.per_layer_dim)) * 2**-0.5
 
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None,
-                 last_only: bool = False) -> mx.array:  # fmt: skip
+    def __call__(
+        self, inputs: mx.array, cache: list[Cache] | None = None, last_only: bool = False
+    ) -> mx.array:
         cfg, s, m = self.config, self.config.own(Structure), self.model
         t = inputs.shape[1]
         batch = bool(cache) and isinstance(cache[0], CacheBatch)  # decode_batch's step
@@ -344,8 +391,11 @@ class Gemma4(nn.Module):
         masks: dict[bool, Mask] = {False: "causal" if t > 1 else None, True: None}
         if any(self._sliding) and not batch:  # a batch's mask comes with its stacked keys
             first = next(i for i in self._own if self._sliding[i])
-            masks[True] = cache[self._slot[first]].mask(t) if cache else (
-                window_mask(0, t, 0, t, cfg.sliding_window) if t > 1 else None)
+            masks[True] = (
+                cache[self._slot[first]].mask(t)
+                if cache
+                else (window_mask(0, t, 0, t, cfg.sliding_window) if t > 1 else None)
+            )
         kvs: dict[int, tuple] = {}
         for i, layer in enumerate(m.layers):
             src = s.kv_source[i]
@@ -357,8 +407,9 @@ class Gemma4(nn.Module):
                 masks = {False: None, True: masks[True][-1:] if masks[True] is not None else None}
             c = cache[self._slot[i]] if cache and src == i else None
             pl = per_layer[:, :, i] if per_layer is not None else None
-            h, kv = layer(h, masks[self._sliding[i]], c, offset, kvs.get(src) if src != i else None,
-                          pl)  # fmt: skip
+            h, kv = layer(
+                h, masks[self._sliding[i]], c, offset, kvs.get(src) if src != i else None, pl
+            )
             if i in self._read:
                 kvs[i] = kv
         if last_only:

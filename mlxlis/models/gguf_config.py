@@ -35,8 +35,11 @@ def config_from_gguf(
     # keys a family reads per layer itself (Gemma 4: head_count_kv, feed_forward_length): the
     # shared fields take layer 0's value, the family's parser gets the whole array
     keys = {f"{arch}.{k}" for k in spec.gguf_per_layer_keys}
-    per_layer = {k: v.flat[0].item() for k, v in md.items()
-                 if k in keys and isinstance(v, np.ndarray) and v.size}  # fmt: skip
+    per_layer = {
+        k: v.flat[0].item()
+        for k, v in md.items()
+        if k in keys and isinstance(v, np.ndarray) and v.size
+    }
     m = GGUFMeta({**md, **per_layer}, arch, path, tensor_shapes)
     if "token_embd.weight" not in tensor_shapes:
         raise ConfigError("tensor token_embd.weight missing", path=path, field="token_embd.weight")

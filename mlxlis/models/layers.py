@@ -86,7 +86,6 @@ class Attention(nn.Module):
             out = out * mx.sigmoid(gate)
         return self.o_proj(out.reshape(b, t, -1))
 
-
     def _attend(self, q, k, v, mask: Mask, cache: Cache | None) -> mx.array:
         offset = cache.offset if cache is not None else 0
         q = self.rope(q, offset)
@@ -94,7 +93,6 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         return attend(q, k, v, self.scale, mask, self.softcap)
-
 
     def _attend_batch(self, q, k, v, caches: list) -> mx.array:
         """One new token per sequence (q, k, v: (B, heads, 1, head_dim)): RoPE at each one's

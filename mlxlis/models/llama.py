@@ -16,8 +16,9 @@ from mlxlis.models.decoder import Decoder
 
 def check_act(cfg: ModelConfig, path: str) -> ModelConfig:
     if cfg.hidden_act not in GATED:
-        raise UnsupportedError(f"activation {cfg.hidden_act!r} is not implemented", path=path,
-                               field="hidden_act")  # fmt: skip
+        raise UnsupportedError(
+            f"activation {cfg.hidden_act!r} is not implemented", path=path, field="hidden_act"
+        )
     return cfg
 
 

@@ -23,8 +23,9 @@ class Network(Protocol):
         """Whether calls return logits (a whole network, or a pipeline's last stage)."""
         ...
 
-    def __call__(self, inputs: mx.array, cache: list[Cache] | None = None,
-                 last_only: bool = False) -> mx.array: ...  # fmt: skip
+    def __call__(
+        self, inputs: mx.array, cache: list[Cache] | None = None, last_only: bool = False
+    ) -> mx.array: ...
 
     def make_cache(self) -> list[Cache]:
         """One cache per layer this network holds (that keeps state), in order."""

@@ -15,14 +15,20 @@ from mlxlis.models.decoder import Decoder
 from mlxlis.models.llama import check_act
 
 HEAD_DIM_DEFAULT = 128  # transformers' Qwen3Config default when config.json omits head_dim
-GGUF_BLOCK = {**GGUF_LLAMA_BLOCK, "attn_q_norm": "self_attn.q_norm",
-              "attn_k_norm": "self_attn.k_norm"}  # fmt: skip
+GGUF_BLOCK = {
+    **GGUF_LLAMA_BLOCK,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
 
 
 def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     if cfg.get("use_sliding_window"):
-        raise UnsupportedError("Qwen3 sliding-window attention is not implemented", path=path,
-                               field="use_sliding_window")  # fmt: skip
+        raise UnsupportedError(
+            "Qwen3 sliding-window attention is not implemented",
+            path=path,
+            field="use_sliding_window",
+        )
     head_dim = base.head_dim
     if cfg.get("head_dim") is None:
         head_dim = check_sizes({"head_dim": ("head_dim", HEAD_DIM_DEFAULT)}, path)["head_dim"]

@@ -20,16 +20,23 @@ from mlxlis.models.qwen3 import parse_gguf as qwen3_gguf
 from mlxlis.models.qwen3 import parse_hf as qwen3_hf
 
 # transformers' Qwen3MoeConfig defaults for keys a config.json may omit
-HF_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-               "decoder_sparse_step": 1}  # fmt: skip
+HF_DEFAULTS = {
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "decoder_sparse_step": 1,
+}
 
 
 def _experts(sizes: dict[str, tuple[str, Any]], path: str) -> dict[str, int]:
     size = check_sizes(sizes, path)
     if size["num_experts_per_tok"] > size["num_experts"]:
         key = sizes["num_experts_per_tok"][0]
-        raise ConfigError(f"{size['num_experts_per_tok']} experts per token of "
-                          f"{size['num_experts']}", path=path, field=key)  # fmt: skip
+        raise ConfigError(
+            f"{size['num_experts_per_tok']} experts per token of {size['num_experts']}",
+            path=path,
+            field=key,
+        )
     return size
 
 
@@ -50,8 +57,11 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     if not isinstance(dense, list) or any(
         isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in dense
     ):
-        raise ConfigError(f"expected layer indices below {n}, got {dense!r}"[:200], path=path,
-                          field="mlp_only_layers")  # fmt: skip
+        raise ConfigError(
+            f"expected layer indices below {n}, got {dense!r}"[:200],
+            path=path,
+            field="mlp_only_layers",
+        )
     step = size["decoder_sparse_step"]
     # transformers: sparse unless listed in mlp_only_layers, on every step-th layer
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
@@ -66,12 +76,17 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
 
 def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
     base = qwen3_gguf(base, meta)
-    size = _experts({
-        "num_experts": (meta.key("expert_count"), meta.get("expert_count")),
-        "num_experts_per_tok": (meta.key("expert_used_count"), meta.get("expert_used_count")),
-        "moe_intermediate_size": (meta.key("expert_feed_forward_length"),
-                                  meta.get("expert_feed_forward_length")),
-    }, meta.path)  # fmt: skip
+    size = _experts(
+        {
+            "num_experts": (meta.key("expert_count"), meta.get("expert_count")),
+            "num_experts_per_tok": (meta.key("expert_used_count"), meta.get("expert_used_count")),
+            "moe_intermediate_size": (
+                meta.key("expert_feed_forward_length"),
+                meta.get("expert_feed_forward_length"),
+            ),
+        },
+        meta.path,
+    )
     # a layer is sparse when the file has its router (llama.cpp's qwen3moe: every layer)
     n = base.num_hidden_layers
     sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in meta.shapes for i in range(n))

@@ -162,7 +162,9 @@ def builtin_template(name: str) -> ChatTemplate:
     """One of BUILTIN_TEMPLATES, shipped as mlxlis/prompt/templates/NAME.jinja."""
     if name not in BUILTIN_TEMPLATES:
         raise TemplateError(f"no built-in chat template {name!r}; built-ins: {_builtins()}")
-    text = resources.files("mlxlis.prompt").joinpath("templates", f"{name}.jinja").read_text("utf-8")
+    text = (
+        resources.files("mlxlis.prompt").joinpath("templates", f"{name}.jinja").read_text("utf-8")
+    )
     return ChatTemplate(source=f"builtin:{name}", text=text)
 
 

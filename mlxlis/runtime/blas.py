@@ -70,8 +70,9 @@ def preload() -> BlasState:
         state.notice = f"MLXLIS_BLAS must be one of {', '.join(CHOICES)}; using auto"
     misses: list[str] = []
     if choice == "auto":
-        loaded = (_load_system(misses, SYSTEM_PREFERRED) or _load_wheel(misses)
-                  or _load_system(misses))  # fmt: skip
+        loaded = (
+            _load_system(misses, SYSTEM_PREFERRED) or _load_wheel(misses) or _load_system(misses)
+        )
     elif choice == "bundled":
         loaded = False
     else:
@@ -92,8 +93,10 @@ def _load_wheel(misses: list[str]) -> bool:
         return False
     dispatch = _dispatch_library()
     if dispatch is None:
-        misses.append("the BLAS dispatch was not built (no C compiler at install), so the "
-                      "scipy-openblas32 wheel cannot be routed")  # fmt: skip
+        misses.append(
+            "the BLAS dispatch was not built (no C compiler at install), so the "
+            "scipy-openblas32 wheel cannot be routed"
+        )
         return False
     try:
         blas = ctypes.CDLL(str(lib_path))
@@ -118,8 +121,10 @@ def _load_system(misses: list[str], at_least: tuple[int, ...] = ()) -> bool:
             continue
         version = _openblas_version(blas)
         if version < at_least:
-            misses.append(f"system OpenBLAS {_dotted(version)} is not known to be at least "
-                          f"{_dotted(at_least)}")  # fmt: skip
+            misses.append(
+                f"system OpenBLAS {_dotted(version)} is not known to be at least "
+                f"{_dotted(at_least)}"
+            )
             return False
         routed = False
         dispatch = _dispatch_library()
@@ -211,4 +216,3 @@ def _wheel_version() -> str:
         return ".".join(version("scipy-openblas32").split(".")[:3])
     except Exception:  # noqa: BLE001 — only a label
         return ""
-

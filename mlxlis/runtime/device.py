@@ -63,11 +63,13 @@ def select_device() -> str:
 
     want = os.environ.get("MLXLIS_DEVICE", "").lower() or None
     if want not in (None, "cpu", "gpu"):
-        raise UnsupportedError(f"MLXLIS_DEVICE must be cpu or gpu, not {want!r}",
-                               field="MLXLIS_DEVICE")  # fmt: skip
+        raise UnsupportedError(
+            f"MLXLIS_DEVICE must be cpu or gpu, not {want!r}", field="MLXLIS_DEVICE"
+        )
     if want == "gpu" and not gpu_available():
-        raise UnsupportedError("MLXLIS_DEVICE=gpu but MLX reports no usable GPU here",
-                               field="MLXLIS_DEVICE")  # fmt: skip
+        raise UnsupportedError(
+            "MLXLIS_DEVICE=gpu but MLX reports no usable GPU here", field="MLXLIS_DEVICE"
+        )
     use = want or ("gpu" if gpu_available() else "cpu")
     mx.set_default_device(mx.gpu if use == "gpu" else mx.cpu)
     return use

@@ -31,8 +31,14 @@ LN2_LO = 1.428606765330187045e-06  # ln 2 − LN2_HI
 ROUND = 12582912.0  # 1.5 · 2^23: (t + ROUND) − ROUND rounds t to an integer, branch-free
 LOW, HIGH = -86.0, 88.72284  # flush-to-zero below; above ln(FLT_MAX) = 88.7228391, inf
 # Cephes expf polynomial: e^r ≈ 1 + r + r²·P(r) on |r| ≤ ln2/2
-P = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
-     5.0000001201e-1)  # fmt: skip
+P = (
+    1.9875691500e-4,
+    1.3981999507e-3,
+    8.3334519073e-3,
+    4.1665795894e-2,
+    1.6666665459e-1,
+    5.0000001201e-1,
+)
 GELU_C = math.sqrt(2.0 / math.pi)
 
 

@@ -82,14 +82,21 @@ def bound_context(
         return fit_context(len(ids), params, max_context, explicit=explicit, field=param)
     except ContextOverflow as e:
         if e.completion:
-            message = (f"However, you requested {e.prompt + e.completion} tokens ({e.prompt} "
-                       f"in the prompt, {e.completion} in the completion). Reduce the prompt "
-                       "or max_tokens.")  # fmt: skip
+            message = (
+                f"However, you requested {e.prompt + e.completion} tokens ({e.prompt} "
+                f"in the prompt, {e.completion} in the completion). Reduce the prompt "
+                "or max_tokens."
+            )
         else:
-            message = (f"However, your prompt has {e.prompt} tokens, which leaves no room for "
-                       "a completion.")  # fmt: skip
-        raise bad(f"This model's maximum context length is {e.limit} tokens. {message}", param,
-                  "context_length_exceeded") from None  # fmt: skip
+            message = (
+                f"However, your prompt has {e.prompt} tokens, which leaves no room for "
+                "a completion."
+            )
+        raise bad(
+            f"This model's maximum context length is {e.limit} tokens. {message}",
+            param,
+            "context_length_exceeded",
+        ) from None
 
 
 def message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
@@ -169,8 +176,11 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
     if req.tools and req.tool_choice != "none":
         offered, name = tool_choice(req.tools, req.tool_choice)
         if model.template is not None and "tools" not in model.template_variables:
-            raise bad("tools: the model's chat template does not take tools (it would leave "
-                      "them out of the prompt)", "tools")  # fmt: skip
+            raise bad(
+                "tools: the model's chat template does not take tools (it would leave "
+                "them out of the prompt)",
+                "tools",
+            )
         variables["tools"] = offered
         tools = tool_names(offered)
         fmt = for_template(model.template.text if model.template is not None else "")
@@ -249,12 +259,17 @@ def tool_choice(
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or (isinstance(choice, dict) and choice.get("type") != "function"):
-        raise bad('tool_choice: "none", "auto", "required" or {"type": "function", '
-                  '"function": {"name": …}}', "tool_choice")  # fmt: skip
+        raise bad(
+            'tool_choice: "none", "auto", "required" or {"type": "function", '
+            '"function": {"name": …}}',
+            "tool_choice",
+        )
     named = [t for t in tools if tool_names([t]) == {name}]
     if not named:
-        raise bad(f"tool_choice.function.name: {name!r} is not among the tools",
-                  "tool_choice.function.name")  # fmt: skip
+        raise bad(
+            f"tool_choice.function.name: {name!r} is not among the tools",
+            "tool_choice.function.name",
+        )
     return named, name
 
 

@@ -99,8 +99,12 @@ def serve(model: Any, opts: ServeOptions) -> int:
     names = {opts.name, model.name, str(model.path)}
     target = Target(model, opts.defaults, context, frozenset(model.stop_ids()))
     sock = listen(opts.host, opts.port)
-    engine = Engine(model, max_active=opts.max_batch, max_queued=opts.max_queue,
-                    prefix_cache_bytes=opts.prefix_cache_mb << 20)  # fmt: skip
+    engine = Engine(
+        model,
+        max_active=opts.max_batch,
+        max_queued=opts.max_queue,
+        prefix_cache_bytes=opts.prefix_cache_mb << 20,
+    )
     state = State(target, engine, opts.name, frozenset(names), fingerprint(model), opts.api_key)
     config = uvicorn.Config(
         create_app(state),

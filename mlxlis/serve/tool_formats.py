@@ -172,8 +172,9 @@ def _g4_value(s: str, i: int) -> tuple[Any, int]:
 
 
 def _hermes_forced(name: str | None) -> str:
-    return "<tool_call>\n" + (f'{{"name": {json.dumps(name)}, "arguments": {{' if name else
-                               '{"name": "')  # fmt: skip
+    return "<tool_call>\n" + (
+        f'{{"name": {json.dumps(name)}, "arguments": {{' if name else '{"name": "'
+    )
 
 
 def _gemma4_forced(name: str | None) -> str:
@@ -196,10 +197,12 @@ def _mistral_forced(listed: bool) -> Callable[[str | None], str]:
     return forced
 
 
-HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", parse_hermes, _hermes_forced,
-                    _openai_id)  # fmt: skip
-GEMMA4 = ToolFormat("gemma4", "<|tool_call>", "<tool_call|>", parse_gemma4, _gemma4_forced,
-                    _openai_id)  # fmt: skip
+HERMES = ToolFormat(
+    "hermes", "<tool_call>", "</tool_call>", parse_hermes, _hermes_forced, _openai_id
+)
+GEMMA4 = ToolFormat(
+    "gemma4", "<|tool_call>", "<tool_call|>", parse_gemma4, _gemma4_forced, _openai_id
+)
 
 
 def for_template(text: str) -> ToolFormat:
@@ -208,8 +211,9 @@ def for_template(text: str) -> ToolFormat:
         return GEMMA4
     if "[TOOL_CALLS]" in text:
         listed = "[ARGS]" not in text
-        return ToolFormat("mistral", "[TOOL_CALLS]", None, parse_mistral,
-                          _mistral_forced(listed), _mistral_id)  # fmt: skip
+        return ToolFormat(
+            "mistral", "[TOOL_CALLS]", None, parse_mistral, _mistral_forced(listed), _mistral_id
+        )
     if "<tool_call>" in text:
         return HERMES
     key = "parameters" if '"parameters"' in text else "arguments"

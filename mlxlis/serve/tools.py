@@ -47,8 +47,11 @@ class ToolCallParser:
 
     def _call(self, parsed: ParsedCall) -> dict[str, Any]:
         name, args, _ = parsed  # ids are the server's to give (unique; the format's shape)
-        return {"id": self.fmt.new_id(), "type": "function",
-                "function": {"name": name, "arguments": args}}  # fmt: skip
+        return {
+            "id": self.fmt.new_id(),
+            "type": "function",
+            "function": {"name": name, "arguments": args},
+        }
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """(plain text to show, calls completed by `text`)."""
@@ -106,8 +109,9 @@ class ToolCallParser:
         if self._inside:  # a call the reply ended in: whole without its closing tag?
             body, self._buf, self._inside = self._buf, "", False
             parsed = self.fmt.parse(body)
-            if parsed is not None and (self.fmt.close is None
-                                       or all(p[0] in self.names for p in parsed)):  # fmt: skip
+            if parsed is not None and (
+                self.fmt.close is None or all(p[0] in self.names for p in parsed)
+            ):
                 new = [self._call(p) for p in parsed]
                 self.calls += new
                 self._ws = ""

@@ -88,9 +88,15 @@ def gguf_bpe(
 
 
 def gguf_spm(
-    metadata: dict[str, Any], tokens: list[str], types: list[int], path: Path, *,
-    unk: int | None, bos: int | None, eos: int | None,
-) -> TableVocab:  # fmt: skip
+    metadata: dict[str, Any],
+    tokens: list[str],
+    types: list[int],
+    path: Path,
+    *,
+    unk: int | None,
+    bos: int | None,
+    eos: int | None,
+) -> TableVocab:
     scores = array(metadata, "scores", len(tokens), path)
     scores = [0.0] * len(tokens) if scores is None else np.asarray(scores, np.float32).tolist()
     dummy = bool(metadata.get(K + "add_space_prefix", True))  # llama.cpp's SPM default

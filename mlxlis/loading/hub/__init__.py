@@ -14,9 +14,21 @@ from mlxlis.loading.hub.progress import Progress, StderrProgress, default_progre
 from mlxlis.loading.hub.refs import HubRef, parse_ref
 from mlxlis.loading.hub.store import cached_models, remove, scanned_models, scanned_path
 
-__all__ = ["HubRef", "Progress", "StderrProgress", "cache_root", "cached_models",
-           "default_progress", "display_name", "fetch", "from_cache", "parse_ref", "remove",
-           "scanned_models", "scanned_path"]  # fmt: skip
+__all__ = [
+    "HubRef",
+    "Progress",
+    "StderrProgress",
+    "cache_root",
+    "cached_models",
+    "default_progress",
+    "display_name",
+    "fetch",
+    "from_cache",
+    "parse_ref",
+    "remove",
+    "scanned_models",
+    "scanned_path",
+]
 
 
 def display_name(path: Path) -> str | None:

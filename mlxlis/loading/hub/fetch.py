@@ -92,17 +92,22 @@ def from_cache(ref: HubRef, reason: str) -> Path:
     snapshot = storage / "snapshots" / commit if commit else None
     if snapshot is None or not snapshot.is_dir():
         what = "the repo" if not storage.is_dir() else f"revision {ref.rev} of the repo"
-        raise NotCachedError(f"{what} is not in the Hugging Face cache ({cache_root()}); {hint}",
-                             path=str(ref))  # fmt: skip
-    listing = {p.relative_to(snapshot).as_posix(): p.stat().st_size
-               for p in sorted(snapshot.rglob("*")) if p.is_file()}  # fmt: skip
+        raise NotCachedError(
+            f"{what} is not in the Hugging Face cache ({cache_root()}); {hint}", path=str(ref)
+        )
+    listing = {
+        p.relative_to(snapshot).as_posix(): p.stat().st_size
+        for p in sorted(snapshot.rglob("*"))
+        if p.is_file()
+    }
     sel = select(ref, listing)
     if sel.needs_index:
         shards = _shards(snapshot / INDEX)
         lacking = sorted(set(shards) - listing.keys())
         if lacking:
-            raise NotCachedError(f"the cached snapshot lacks {', '.join(lacking)}; {hint}",
-                                 path=str(ref))  # fmt: skip
+            raise NotCachedError(
+                f"the cached snapshot lacks {', '.join(lacking)}; {hint}", path=str(ref)
+            )
         sel = select(ref, listing, shards)
     return _target(snapshot, sel, ref)
 
@@ -149,15 +154,19 @@ def hub_error(e: Exception, ref: HubRef) -> MlxlisError:
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return DiskFullError(f"no space left on the device of {cache_root()}", path=where)
     name = type(e).__name__
-    return HubError(f"download failed ({name}: {str(e).splitlines()[0] if str(e) else name}); "
-                    "run again to resume", path=where)  # fmt: skip
+    return HubError(
+        f"download failed ({name}: {str(e).splitlines()[0] if str(e) else name}); "
+        "run again to resume",
+        path=where,
+    )
 
 
 def _target(snapshot: Path, sel: Selection, ref: HubRef) -> Path:
     path = snapshot / sel.target if sel.target else snapshot
     if not path.exists():
-        raise NotCachedError(f"{sel.target or 'the snapshot'} is not in the cache; "
-                             f"mlxlis pull {ref}", path=str(ref))  # fmt: skip
+        raise NotCachedError(
+            f"{sel.target or 'the snapshot'} is not in the cache; mlxlis pull {ref}", path=str(ref)
+        )
     return path
 
 
@@ -169,8 +178,11 @@ def _shards(index: Path) -> list[str]:
     data = read_json_file(index, limits.INDEX_JSON_MAX_BYTES, FileFormatError, what=INDEX)
     wmap = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
-        raise FileFormatError("invalid index (needs a weight_map object of file names)",
-                              path=index, field="weight_map")  # fmt: skip
+        raise FileFormatError(
+            "invalid index (needs a weight_map object of file names)",
+            path=index,
+            field="weight_map",
+        )
     return sorted(set(wmap.values()))
 
 
@@ -193,8 +205,7 @@ def _write_ref(storage: Path, rev: str, commit: str) -> None:
     os.replace(tmp, path)
 
 
-def _fetch_files(ref: HubRef, commit: str, files: tuple[str, ...], siblings: dict,
-                 bar) -> None:  # fmt: skip
+def _fetch_files(ref: HubRef, commit: str, files: tuple[str, ...], siblings: dict, bar) -> None:
     from huggingface_hub import hf_hub_download
 
     snapshot = repo_folder(ref.repo_id) / "snapshots" / commit
@@ -236,8 +247,9 @@ def _fetch_lfs(ref: HubRef, commit: str, name: str, sha256: str, size: int, bar)
     hf_hub_download(ref.repo_id, name, revision=commit, **LIBRARY)  # links the blob
 
 
-def _download_blob(location: str, url: str, blob: Path, sha256: str, size: int, name: str,
-                   ref: HubRef, bar) -> None:  # fmt: skip
+def _download_blob(
+    location: str, url: str, blob: Path, sha256: str, size: int, name: str, ref: HubRef, bar
+) -> None:
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import WeakFileLock, build_hf_headers
 
@@ -254,20 +266,32 @@ def _download_blob(location: str, url: str, blob: Path, sha256: str, size: int, 
             have = 0
         free = shutil.disk_usage(blob.parent).free
         if free < size - have:
-            raise DiskFullError(f"{name} needs {size - have} more bytes, {free} are free on the "
-                                f"device of {blob.parent}", path=str(ref))  # fmt: skip
+            raise DiskFullError(
+                f"{name} needs {size - have} more bytes, {free} are free on the "
+                f"device of {blob.parent}",
+                path=str(ref),
+            )
         headers = build_hf_headers(**LIBRARY)
         if _origin(location) != _origin(url):  # a signed CDN URL: the token stays on the Hub
             headers.pop("authorization", None)
         try:
             with open(part, "ab") as f:  # appends after the bytes a previous run got
-                http_get(location, f, resume_size=have, headers=headers, expected_size=size,
-                         displayed_filename=name, tqdm_class=bar)  # fmt: skip
+                http_get(
+                    location,
+                    f,
+                    resume_size=have,
+                    headers=headers,
+                    expected_size=size,
+                    displayed_filename=name,
+                    tqdm_class=bar,
+                )
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise DiskFullError(f"no space left writing {name} ({part.stat().st_size} of "
-                                    f"{size} bytes kept; free space and run again to resume)",
-                                    path=str(ref)) from None  # fmt: skip
+                raise DiskFullError(
+                    f"no space left writing {name} ({part.stat().st_size} of "
+                    f"{size} bytes kept; free space and run again to resume)",
+                    path=str(ref),
+                ) from None
             raise
         _verify(part, sha256, name, ref)
         os.replace(part, blob)

@@ -82,8 +82,11 @@ def bar_class(report: Progress) -> type[tqdm]:
                 if not self._reported_done:
                     self._reported_done = True
                     fresh = d["n"] - (self.initial or 0)
-                    report(done_line(name, int(d["n"]), time.time() - self.start_t
-                                     if fresh else 0.0), total, total)  # fmt: skip
+                    report(
+                        done_line(name, int(d["n"]), time.time() - self.start_t if fresh else 0.0),
+                        total,
+                        total,
+                    )
                 return True
             report(progress_line(name, int(d["n"]), total, d["rate"]), int(d["n"]), total)
             return True

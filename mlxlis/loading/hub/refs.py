@@ -79,5 +79,10 @@ def parse_ref(text: str) -> HubRef | None:
 
 
 def _valid_repo(repo_id: str) -> bool:
-    return bool(REPO_ID.match(repo_id)) and len(repo_id) <= 96 and "--" not in repo_id \
-        and ".." not in repo_id and not repo_id.endswith(".git")  # fmt: skip
+    return (
+        bool(REPO_ID.match(repo_id))
+        and len(repo_id) <= 96
+        and "--" not in repo_id
+        and ".." not in repo_id
+        and not repo_id.endswith(".git")
+    )

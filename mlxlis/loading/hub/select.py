@@ -17,9 +17,17 @@ from mlxlis.errors import AmbiguousModelError, HubError
 from mlxlis.loading.hub.refs import HubRef
 
 INDEX = "model.safetensors.index.json"
-FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json",
-                "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                "chat_template.jinja", "chat_template.json", INDEX)  # fmt: skip
+FOLDER_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    INDEX,
+)
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 SPLIT_PART = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.I)
 # the quant in a GGUF file name as llama.cpp's tools and the usual uploaders write it
@@ -73,10 +81,13 @@ def gguf_models(paths: Collection[str]) -> list[GGUFModel]:
             groups.setdefault((folder + m["prefix"], int(m["count"])), {})[int(m["no"])] = path
         else:
             groups[(path, 1)] = {1: path}
-    models = [GGUFModel(tuple(parts[i] for i in sorted(parts)), count, None)
-              for (_, count), parts in groups.items()]  # fmt: skip
-    return sorted((GGUFModel(m.files, m.count, quant_label(m.stem)) for m in models),
-                  key=lambda m: m.files[0])  # fmt: skip
+    models = [
+        GGUFModel(tuple(parts[i] for i in sorted(parts)), count, None)
+        for (_, count), parts in groups.items()
+    ]
+    return sorted(
+        (GGUFModel(m.files, m.count, quant_label(m.stem)) for m in models), key=lambda m: m.files[0]
+    )
 
 
 def choice(repo: str, model: GGUFModel, models: list[GGUFModel]) -> str:
@@ -86,8 +97,9 @@ def choice(repo: str, model: GGUFModel, models: list[GGUFModel]) -> str:
     return f"{repo}/{model.files[0]}"
 
 
-def select(ref: HubRef, listing: Mapping[str, int | None],
-           shards: Collection[str] | None = None) -> Selection:  # fmt: skip
+def select(
+    ref: HubRef, listing: Mapping[str, int | None], shards: Collection[str] | None = None
+) -> Selection:
     """The files `ref` needs from a repo whose files are `listing` (path -> size)."""
     models = gguf_models(listing)
     top = {p for p in listing if "/" not in p}
@@ -105,31 +117,38 @@ def select(ref: HubRef, listing: Mapping[str, int | None],
             )
         raise HubError(_no_weights(listing, has_weights), path=str(ref))
     if not models:
-        raise HubError("the repo holds no GGUF file"
-                       + (f"; open its safetensors as {ref.repo_id}" if has_weights else ""),
-                       path=str(ref))  # fmt: skip
+        raise HubError(
+            "the repo holds no GGUF file"
+            + (f"; open its safetensors as {ref.repo_id}" if has_weights else ""),
+            path=str(ref),
+        )
     if ref.filename is not None:
         want = ref.filename.lower()
         found = [m for m in models if want in (f.lower() for f in m.files)]
         what = f"no file {ref.filename} in the repo"
     else:
-        pattern = re.compile(rf"(?<![A-Za-z0-9]){re.escape(ref.quant or '')}(?![A-Za-z0-9_])",
-                             re.IGNORECASE)  # fmt: skip
+        pattern = re.compile(
+            rf"(?<![A-Za-z0-9]){re.escape(ref.quant or '')}(?![A-Za-z0-9_])", re.IGNORECASE
+        )
         found = [m for m in models if pattern.search(m.stem)]
         what = f"no GGUF file name in the repo carries {ref.quant}"
     names = ", ".join(choice(ref.repo_id, m, models) for m in found or models)
     if not found:
         raise HubError(f"{what}; choices: {names}", path=str(ref))
     if len(found) > 1:
-        raise AmbiguousModelError(f"{len(found)} GGUF models match; name one: {names}",
-                                  path=str(ref))  # fmt: skip
+        raise AmbiguousModelError(
+            f"{len(found)} GGUF models match; name one: {names}", path=str(ref)
+        )
     return _gguf(ref, found[0])
 
 
 def _gguf(ref: HubRef, model: GGUFModel) -> Selection:
     if len(model.files) != model.count:
-        raise HubError(f"split GGUF {model.stem} has {len(model.files)} of its {model.count} "
-                       "parts in the repo", path=str(ref))  # fmt: skip
+        raise HubError(
+            f"split GGUF {model.stem} has {len(model.files)} of its {model.count} "
+            "parts in the repo",
+            path=str(ref),
+        )
     label = model.label or model.files[0].rsplit("/", 1)[-1]
     return Selection("gguf", model.files, model.files[0], label)
 
@@ -141,8 +160,9 @@ def _safetensors(ref: HubRef, top: set[str], shards: Collection[str] | None) -> 
     if shards is not None:
         lacking = sorted(set(shards) - top)
         if lacking:
-            raise HubError(f"{INDEX} lists {', '.join(lacking)}, which the repo lacks",
-                           path=str(ref))  # fmt: skip
+            raise HubError(
+                f"{INDEX} lists {', '.join(lacking)}, which the repo lacks", path=str(ref)
+            )
         weights = tuple(sorted(set(shards)))
     elif "model.safetensors" in top:
         weights = ("model.safetensors",)

@@ -56,8 +56,11 @@ def cached_models() -> list[Entry]:
 
 
 def _snapshot_entries(repo_id: str, suffix: str, snapshot: Path) -> list[Entry]:
-    listing = {p.relative_to(snapshot).as_posix(): p.stat().st_size
-               for p in snapshot.rglob("*") if p.is_file()}  # fmt: skip
+    listing = {
+        p.relative_to(snapshot).as_posix(): p.stat().st_size
+        for p in snapshot.rglob("*")
+        if p.is_file()
+    }
     out = []
     top = {p for p in listing if "/" not in p}
     if "config.json" in top and any(p.endswith(".safetensors") for p in top):
@@ -123,8 +126,11 @@ def scanned_models(extra: list[Path] | None = None) -> list[Entry]:
     for label, root in roots:
         if not root.is_dir():
             continue
-        listing = {p.relative_to(root).as_posix(): p.stat().st_size
-                   for p in sorted(root.rglob("*.gguf")) if p.is_file()}  # fmt: skip
+        listing = {
+            p.relative_to(root).as_posix(): p.stat().st_size
+            for p in sorted(root.rglob("*.gguf"))
+            if p.is_file()
+        }
         for m in gguf_models(listing):
             if len(m.files) == m.count:
                 name = f"{label}:{m.files[0]}" if label else str(root / m.files[0])
@@ -146,8 +152,9 @@ def scanned_path(name: str) -> Path | None:
         if (root / rel).is_file():
             return root / rel
     where = ", ".join(str(r) for r in roots)
-    raise ModelNotFoundError(f"no such file in {where} (mlxlis models --scan lists them)",
-                             path=name)  # fmt: skip
+    raise ModelNotFoundError(
+        f"no such file in {where} (mlxlis models --scan lists them)", path=name
+    )
 
 
 # --- removal --------------------------------------------------------------------------------
@@ -160,8 +167,11 @@ def remove(ref: HubRef) -> tuple[int, list[str]]:
     from huggingface_hub import scan_cache_dir
 
     folder = repo_folder(ref.repo_id)
-    repo = next((r for r in scan_cache_dir(cache_root()).repos if r.repo_path == folder), None) \
-        if folder.is_dir() else None  # fmt: skip
+    repo = (
+        next((r for r in scan_cache_dir(cache_root()).repos if r.repo_path == folder), None)
+        if folder.is_dir()
+        else None
+    )
     if repo is None:
         raise ModelNotFoundError(f"not in the Hugging Face cache ({cache_root()})", path=str(ref))
     revs = [
@@ -183,8 +193,11 @@ def _remove_gguf(ref: HubRef, revs) -> tuple[int, list[str]]:
     freed, removed = 0, []
     for rev in revs:
         snapshot = Path(rev.snapshot_path)
-        listing = {p.relative_to(snapshot).as_posix(): 0 for p in snapshot.rglob("*")
-                   if p.is_file() or p.is_symlink()}  # fmt: skip
+        listing = {
+            p.relative_to(snapshot).as_posix(): 0
+            for p in snapshot.rglob("*")
+            if p.is_file() or p.is_symlink()
+        }
         try:
             sel = select(ref, listing)
         except AmbiguousModelError:
@@ -206,8 +219,7 @@ def _remove_gguf(ref: HubRef, revs) -> tuple[int, list[str]]:
 
 def _linked(blob: Path, storage: Path) -> bool:
     """Whether a snapshot of the repo still points at `blob`."""
-    return any(p.is_symlink() and p.resolve() == blob
-               for p in (storage / "snapshots").rglob("*"))  # fmt: skip
+    return any(p.is_symlink() and p.resolve() == blob for p in (storage / "snapshots").rglob("*"))
 
 
 def remove_catalog(name: str) -> int:
