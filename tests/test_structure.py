@@ -9,9 +9,14 @@ fail, and this reads 100-odd modules in well under a second."""
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
+import sys
 from pathlib import Path
 
 from mlxlis.models import GGUF_ARCHS, HF_MODEL_TYPES, REGISTRY
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 # bottom to top: a module may import its own layer and the ones below (README "Layers")
@@ -148,6 +153,75 @@ def test_the_generation_core_knows_no_launcher():
     for name, path in MODULES.items():
         if name.startswith("mlxlis.generation"):
             assert "mx.distributed" not in path.read_text(), name
+
+
+# declared but never imported, and why
+NOT_IMPORTED = {
+    "scipy-openblas32": "loaded by path before mlx.core (runtime/blas.py)",
+    "protobuf": "sentencepiece's model proto module needs it",
+    "accelerate": "transformers' GGUF loader needs it (the tests' references)",
+    "ruff": "`make lint`",
+}
+# imported only where installed, each import guarded (the benchmark's llama.cpp)
+OPTIONAL = {"llama_cpp"}
+
+
+def third_party(paths: list[Path]) -> set[str]:
+    """Top-level names of the third-party modules `paths` import."""
+    local = {p.stem for p in (ROOT / "tests").glob("*.py")} | {
+        p.stem for p in (ROOT / "scripts").glob("*.py")
+    }
+    out = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            else:
+                continue
+            out |= {n.split(".")[0] for n in names}
+    return (
+        {n for n in out if n not in sys.stdlib_module_names}
+        - local
+        - {"mlxlis", "tui", "__future__"}
+    )
+
+
+def provided(requirements: list[str]) -> dict[str, set[str]]:
+    """Each requirement's distribution -> the top-level modules it installs."""
+    modules = importlib.metadata.packages_distributions()
+    out: dict[str, set[str]] = {}
+    for req in requirements:
+        dist = re.split(r"[\[<>=;! ]", req, maxsplit=1)[0]
+        key = dist.lower().replace("_", "-")
+        out[key] = {m for m, ds in modules.items()
+                    if any(d.lower().replace("_", "-") == key for d in ds)}  # fmt: skip
+    return out
+
+
+def test_dependencies_match_imports():
+    """The runtime dependencies are what mlxlis and the app import (each one imported, or
+    said why not); the test extra holds what only the tests and scripts import; nothing
+    imported is undeclared."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    runtime = provided(project["dependencies"])
+    optional = provided(extras["convert"])  # `mlxlis convert` from a GGUF
+    tests = provided(extras["test"])
+    engine = third_party([p for n, p in MODULES.items()])
+    scripts = [*ROOT.glob("tests/*.py"), *ROOT.glob("scripts/*.py")]
+    used_by_tests = third_party(scripts) - OPTIONAL
+    declared = set().union(*runtime.values(), *optional.values())
+    assert engine - declared == set(), "imported by mlxlis/tui, not a dependency"
+    assert used_by_tests - declared - set().union(*tests.values()) == set(), "not in [test]"
+    unused = {d for d, mods in runtime.items() if not mods & engine and d not in NOT_IMPORTED}
+    assert unused == set(), "runtime dependencies mlxlis never imports"
+    test_only = {d for d, mods in tests.items()
+                 if not mods & used_by_tests and d not in NOT_IMPORTED}  # fmt: skip
+    assert test_only == set(), "test dependencies no test imports"
+    runtime_in_tests = {d for d, mods in tests.items() if mods & engine and d not in optional}
+    assert runtime_in_tests == set(), "imported by mlxlis, declared only for the tests"
 
 
 def test_registry_names_are_unique_and_complete():

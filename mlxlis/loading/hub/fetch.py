@@ -53,7 +53,7 @@ def repo_folder(repo_id: str) -> Path:
 def fetch(ref: HubRef, progress: Progress | None = None) -> Path:
     """The local path of what `ref` names (a snapshot folder or a GGUF file), downloading
     what the cache lacks. Offline, or with the Hub unreachable, from the cache alone."""
-    import httpx2
+    import httpx2  # the Hub library's HTTP client: how an unreachable endpoint shows
     from huggingface_hub import HfApi, constants
 
     if constants.is_offline_mode():
@@ -225,8 +225,7 @@ def _fetch_files(ref: HubRef, commit: str, files: tuple[str, ...], siblings: dic
 
 
 def _fetch_lfs(ref: HubRef, commit: str, name: str, sha256: str, size: int, bar) -> None:
-    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
-    from huggingface_hub.utils._runtime import is_xet_available
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
 
     url = hf_hub_url(ref.repo_id, name, revision=commit)
     meta = get_hf_file_metadata(url, **LIBRARY)  # HEAD: where the bytes are, and their hash
@@ -238,7 +237,7 @@ def _fetch_lfs(ref: HubRef, commit: str, name: str, sha256: str, size: int, bar)
         )
     storage = repo_folder(ref.repo_id)
     blob = storage / "blobs" / sha256
-    if meta.xet_file_data is not None and is_xet_available():
+    if meta.xet_file_data is not None and _xet_available(constants):
         path = hf_hub_download(ref.repo_id, name, revision=commit, tqdm_class=bar, **LIBRARY)
         _verify(blob, sha256, name, ref, pointer=Path(path))
         return
@@ -247,9 +246,19 @@ def _fetch_lfs(ref: HubRef, commit: str, name: str, sha256: str, size: int, bar)
     hf_hub_download(ref.repo_id, name, revision=commit, **LIBRARY)  # links the blob
 
 
+def _xet_available(constants) -> bool:
+    """Whether the Hub library will fetch a Xet-stored file through hf_xet (the test it uses
+    itself is private: `utils._runtime.is_xet_available`; this is the same one)."""
+    import importlib.util
+
+    return importlib.util.find_spec("hf_xet") is not None and not constants.HF_HUB_DISABLE_XET
+
+
 def _download_blob(
     location: str, url: str, blob: Path, sha256: str, size: int, name: str, ref: HubRef, bar
 ) -> None:
+    # the Hub library's own streaming GET, lock and headers: hf_hub_download resumes only its
+    # own temporary file and checks no SHA-256, and this download must do both (and say so)
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import WeakFileLock, build_hf_headers
 
