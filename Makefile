@@ -18,6 +18,7 @@ $(VENV)/bin/python:
 
 $(RUNTIME): pyproject.toml setup.py $(wildcard mlxlis/runtime/*.c mlxlis/runtime/*.h) | $(VENV)/bin/python
 	$(PY) -m pip install -q -e .
+	$(PY) -m mlxlis.generation.warmup
 	touch $(RUNTIME)
 
 $(TESTDEPS): $(RUNTIME)
@@ -41,8 +42,10 @@ lint: install-test
 	$(VENV)/bin/ruff check mlxlis tui tests scripts
 	$(VENV)/bin/ruff format --check mlxlis tui tests scripts
 
-# the app fetches the default model itself (with progress) the first time
+# the app fetches the default model itself (with progress) the first time; MLX's CPU kernels
+# are compiled first (about 12 s once, then cached; see mlxlis/generation/warmup.py)
 chat: install
+	$(PY) -m mlxlis.generation.warmup
 	$(VENV)/bin/mlxlis chat
 
 bench: install-test models

@@ -14,6 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from mlxlis.generation.warmup import warm_up
+from mlxlis.models.model import Model
 from mlxlis.runtime.mlx_thread import shared as mlx_thread
 
 from rich.text import Text
@@ -148,9 +150,13 @@ class ChatApp(CommandsMixin, App[int]):
             self.post_message(Progress(stage, done, total))
 
         try:
-            self.post_message(Loaded(self._load(self.options, progress)))
+            model = self._load(self.options, progress)
         except BaseException as e:  # noqa: BLE001 — shown, never raised into the UI
             self.post_message(Loaded(error=e))
+            return
+        self.post_message(Loaded(model))
+        if isinstance(model, Model):  # (not a test's stand-in) while the user types the first
+            warm_up(model, self.options.sampling)  # message, its kernels compile here
 
     def on_progress(self, msg: Progress) -> None:
         for w in self.query(Loading):

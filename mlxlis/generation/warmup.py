@@ -1,31 +1,89 @@
-"""A first message as quick as the second: MLX builds its fused CPU kernels (runtime/fastmath.py,
-the samplers' filters) with the system C++ compiler the first time each runs — 8.6 s before
-the first token of `make chat`'s first message on a fresh machine, 0.2 s for the second — and
-compiles per thread. `warm_up` runs a short throwaway generation through the core, on the
-thread that will generate (the app's and the server's MLX thread), while the user is still
-typing; its caches and tokens are dropped.
+"""A first message as quick as the second.
+
+MLX builds its fused CPU kernels (runtime/fastmath.py, the samplers' filters) with the system
+C++ compiler the first time each runs: on a fresh machine `make chat`'s first message waited
+5.9-8.6 s for its first token, the second 0.2 s. The kernels are cached on disk (MLX's folder
+in the temporary directory) by the operations they fuse and their dtype, not by shapes: a tiny
+network of the same family fills the cache for a large one. So:
+
+- `make install` runs `python -m mlxlis.generation.warmup`: tiny random networks of the three
+  kinds of block the catalog has (Llama's SiLU, Gemma's GELU and sliding window, Qwen3.5's
+  Gated DeltaNet), a prompt and a few decode steps each, greedy and sampled;
+- the chat app and the server run `warm_up(model)` on their MLX thread as soon as the model is
+  loaded, for what the first covers not (another family, float16, the user's sampler; or the
+  temporary folder emptied since), while the user types. Nothing either run computes is kept.
 """
 
 from __future__ import annotations
 
-from mlxlis.cache.prefix import PrefixCache
-from mlxlis.generation.core import Core, Request
-from mlxlis.generation.generate import run
-from mlxlis.generation.sampling import SamplingParams
-from mlxlis.generation.steps import LocalSteps
-from mlxlis.models.model import Model
+from collections.abc import Sequence
 
-WARM_PROMPT = 24  # tokens: a prompt of several positions (the prefill kernels) ...
-WARM_TOKENS = 3  # ... then a few decode steps (the one-token kernels and the sampler's)
+from mlxlis.generation.processors import processors_for
+from mlxlis.generation.sampling import SamplingParams, make_sampler
+from mlxlis.generation.steps import forward, prefill
+from mlxlis.models import build_model, config_from_hf
+from mlxlis.models.model import Model
+from mlxlis.models.network import Network
+
+import mlx.core as mx
+
+WARM_PROMPT = 24  # prompt positions (the prefill kernels, causal attention over several) ...
+WARM_TOKENS = 3  # ... then decode steps (the one-token kernels and the sampler's)
+SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1)
+
+_TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)  # fmt: skip
+# one tiny config.json per kind of block: what `make install` compiles the kernels of
+TINY_CONFIGS: tuple[dict, ...] = (
+    dict(model_type="llama", num_hidden_layers=1, **_TINY),
+    dict(model_type="gemma3_text", num_hidden_layers=2, sliding_window=8,
+         layer_types=["sliding_attention", "full_attention"],
+         hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16, **_TINY),
+    dict(model_type="qwen3_5_text", num_hidden_layers=2, linear_num_key_heads=2,
+         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+         linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+         rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                          "partial_rotary_factor": 0.25}, **_TINY),
+)  # fmt: skip
+
+
+def warm_network(net: Network, vocab: int, params: SamplingParams) -> None:
+    """A prompt and a few decode steps through the core's own forward and `params`' sampler
+    and processors, on throwaway caches."""
+    cache = net.make_cache()
+    history = [(7 * i + 3) % vocab for i in range(WARM_PROMPT)]
+    logits = prefill(net, history, cache)
+    sample = make_sampler(params.replace(seed=0))
+    processors = processors_for(params)
+    for _ in range(WARM_TOKENS):
+        for process in processors:
+            logits = process(logits, history)
+        token = sample(logits)
+        history.append(int(token.item()))
+        logits = forward(net, [cache], token, "decode")
+    mx.eval(logits)
 
 
 def warm_up(model: Model, params: SamplingParams | None = None) -> None:
-    """One short generation with `params`' sampling (so its filters compile too), nothing
-    kept. A pipelined model is left alone: its ranks would have to run it too."""
-    if model.part is not None:
-        return
-    params = (params or SamplingParams()).replace(max_tokens=WARM_TOKENS, seed=0)
-    ids = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. ") * 8
-    core = Core(model, LocalSteps(model, PrefixCache(0)))
-    for _ in run(core, core.start(Request(ids[:WARM_PROMPT] or [0], params))):
-        pass
+    """The model's kernels, with `params`' sampler. A pipelined model is left alone: its ranks
+    would all have to run it."""
+    if model.part is None:
+        warm_network(model.net, model.config.vocab_size, params or SamplingParams())
+
+
+def warm_tiny(configs: Sequence[dict] = TINY_CONFIGS, dtype: mx.Dtype = mx.float32) -> None:
+    """Each tiny config's kernels, greedy and sampled (random weights: only the kernels
+    matter)."""
+    for raw in configs:
+        cfg = config_from_hf(dict(raw), "<warm-up config>")
+        net = build_model(cfg)
+        net.set_dtype(dtype)
+        for params in (SamplingParams(), SAMPLED):
+            warm_network(net, cfg.vocab_size, params)
+
+
+if __name__ == "__main__":
+    from mlxlis.runtime.device import resolve_dtype, select_device
+
+    select_device()
+    warm_tiny(dtype=resolve_dtype(None))

@@ -20,6 +20,8 @@ from mlxlis import __version__
 from mlxlis.errors import MlxlisError
 from mlxlis.generation.engine import Engine
 from mlxlis.generation.sampling import SamplingParams
+from mlxlis.generation.warmup import warm_up
+from mlxlis.runtime import mlx_thread
 from mlxlis.serve.app import State, create_app, log
 from mlxlis.serve.prepare import Target
 
@@ -99,6 +101,9 @@ def serve(model: Any, opts: ServeOptions) -> int:
     names = {opts.name, model.name, str(model.path)}
     target = Target(model, opts.defaults, context, frozenset(model.stop_ids()))
     sock = listen(opts.host, opts.port)
+    # the fused kernels compile before the engine's loop starts on the same thread: the first
+    # request waits for what is left of it instead of compiling them itself (generation/warmup)
+    mlx_thread.shared().submit(lambda: warm_up(model, opts.defaults))
     engine = Engine(
         model,
         max_active=opts.max_batch,
