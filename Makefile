@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 RUNTIME := $(VENV)/.installed-runtime
 TESTDEPS := $(VENV)/.installed-test
 
-.PHONY: install install-test test test-fast lint chat bench models references fuzz mutants clean
+.PHONY: install install-test test test-all test-fast lint chat bench models references fuzz mutants clean
 
 # `make chat` installs only what the app needs; `make test` adds the test extras
 install: $(RUNTIME)
@@ -32,8 +32,14 @@ models: install
 references: install
 	$(PY) scripts/fetch_references.py
 
+# under 10 minutes on 2 cores from a clean clone; prints its 15 slowest tests
 test: install-test models references
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not extended" --durations=15
+
+# what `make test` leaves out (marked `extended`: long soaks, more real-model runs of what it
+# proves already); `make test test-all` is the whole suite, as .ci/run runs it
+test-all: install-test models references
+	$(PY) -m pytest -q -m extended --durations=15
 
 test-fast: install-test
 	$(PY) -m pytest -q -m "not real"
@@ -54,6 +60,7 @@ bench: install-test models
 	$(PY) scripts/bench_families.py
 	$(PY) scripts/bench_pipeline.py
 	$(PY) scripts/bench_batch.py
+	$(PY) scripts/bench_core.py
 	$(PY) scripts/bench_serve.py
 
 # does the suite notice small wrong changes to the numerics? (before a refactor, after a family)

@@ -153,6 +153,7 @@ def test_tiny_model_send_stop_quit(launch, tiny):
 
 
 @pytest.mark.real
+@pytest.mark.extended  # the tiny model's test quits after a finished reply in `make test`
 @SMOLLM2
 def test_quit_after_a_finished_reply_exits_0(launch):
     chat = launch("--max-tokens", "12")
@@ -179,6 +180,7 @@ def test_quit_during_a_reply_exits_0(launch):
 
 
 @pytest.mark.real
+@pytest.mark.extended  # so does the tiny model's, after a stopped reply and several turns
 @SMOLLM2
 def test_quit_after_a_stopped_reply_and_several_turns_exits_0(launch):
     chat = launch("--max-tokens", "400", "--temp", "0.8", "--seed", "2")

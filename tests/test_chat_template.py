@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from mlxlis.errors import TemplateError
+from mlxlis.loading.gguf_split import read_gguf
 from mlxlis.prompt.template import (
     BUILTIN_TEMPLATES,
     ChatTemplate,
@@ -23,7 +24,7 @@ from mlxlis.prompt.template import (
 )
 
 import pytest
-from conftest import gguf_py_reader, llama_cpp_reference, memory_bound
+from conftest import llama_cpp_reference, memory_bound, need_pulled
 
 # Tokens the reference tokenizer carries for each template: (bos, eos).
 SPECIALS = {
@@ -70,19 +71,12 @@ def assert_parity(template: ChatTemplate, specials: tuple[str, str]) -> None:
 
 @functools.cache
 def gguf_facts(name: str) -> dict:
-    """A real model's GGUF metadata via gguf-py's GGUFReader (without scores/types/merges),
-    plus its control/user-defined tokens as {token: id}; skips when the model is not pulled."""
-    reader = gguf_py_reader(name)
-    meta: dict = {}
-    for k, f in reader.fields.items():
-        if not k.startswith("GGUF.") and k.rsplit(".", 1)[-1] not in (
-            "scores",
-            "token_type",
-            "merges",
-        ):
-            meta[k] = f.contents()
-    types = reader.fields["tokenizer.ggml.token_type"]
-    kinds = [int(types.parts[i][0]) for i in types.data]
+    """A real model's GGUF metadata as the loader passes it on (mlxlis's reader, whose parity
+    with gguf-py's is test_gguf_reader's), plus its control/user-defined tokens as {token: id};
+    skips when the model is not pulled."""
+    with read_gguf(need_pulled(name)) as gf:
+        meta = dict(gf.metadata)
+    kinds = [int(k) for k in meta["tokenizer.ggml.token_type"]]
     tokens = meta["tokenizer.ggml.tokens"]
     special = {t: i for i, (t, k) in enumerate(zip(tokens, kinds, strict=True)) if k in (3, 4)}
     return {"meta": meta, "special": special}

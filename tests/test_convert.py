@@ -46,7 +46,15 @@ def converted(tmp_path_factory):
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"])
+# the larger two in `make test-all`: the same code path, 60 s more here
+@pytest.mark.parametrize(
+    "name",
+    [
+        "smollm2-135m",
+        pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.extended),
+        pytest.param("gemma3-270m", marks=pytest.mark.extended),
+    ],
+)
 def test_round_trip_bitwise(converted, name):
     out, gguf_model = converted(name)
     again = mlxlis.load(out, "float32")
@@ -64,7 +72,9 @@ def test_round_trip_bitwise(converted, name):
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+@pytest.mark.parametrize(
+    "name", ["smollm2-135m", pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.extended)]
+)
 def test_mlx_lm_loads_converted(converted, name):
     """mlx-lm reads the quantization block (per-module bits) and gets the same logits
     (tolerance 1e-3: two implementations of the same quantized matmuls) and the same greedy

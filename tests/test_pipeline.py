@@ -34,11 +34,10 @@ LONG = " ".join(f"Item {i}: the river carried {i % 7} boats past the old mill." 
 QWEN = {"name": "qwen", "model": "qwen2.5-coder-0.5b", "prompt": "def fibonacci(n):", "steps": 2}
 SMOL = {"name": "smol", "model": "smollm2-135m", "prompt": "The capital of France is", "steps": 2}
 GEMMA = {"name": "gemma", "model": "gemma3-270m", "prompt": LONG, "steps": 2}
-GEMMA_SHORT = {**GEMMA, "prompt": "The tallest mountain in the world is"}
 # the largest model first: its memory is measured from a fresh process; Gemma 3's prompt
-# longer than its window runs on 2 ranks (3 ranks get a short one, and no Qwen: a third
-# family split the same way adds only load time on a 2-core machine)
-JOBS = {2: [QWEN, SMOL, GEMMA], 3: [SMOL, GEMMA_SHORT]}
+# longer than its window runs on 2 ranks; 3 ranks (a middle rank that receives and sends)
+# run SmolLM2 alone: another family split the same way adds only load time on 2 cores
+JOBS = {2: [QWEN, SMOL, GEMMA], 3: [SMOL]}
 STEP_BOUND = 1e-4
 
 
