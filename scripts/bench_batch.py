@@ -47,7 +47,7 @@ def measure(name: str, batches: list[int]) -> dict[int, float]:
             if b == 1:
                 mx.eval(model.net(mx.array([tokens]), cache=caches[0], last_only=True))
             else:
-                mx.eval(model.net.decode_batch(tokens, caches))
+                mx.eval(model.net.decode_batch(mx.array(tokens), caches))
 
         for _ in range(2):
             step()
