@@ -41,8 +41,11 @@ def one_shot(model: str, tokens: int) -> float:
 
 def served(model: str, tokens: int, log: Path) -> float:
     with open(log, "wb") as f:
-        proc = subprocess.Popen([*MLXLIS, "serve", "-m", model, "--port", "0", "--max-batch",
-                                 "1"], stdout=subprocess.DEVNULL, stderr=f)  # fmt: skip
+        proc = subprocess.Popen(
+            [*MLXLIS, "serve", "-m", model, "--port", "0", "--max-batch", "1"],
+            stdout=subprocess.DEVNULL,
+            stderr=f,
+        )
     try:
         deadline = time.monotonic() + 300
         while not (m := re.search(r" on http://[^ ]+:(\d+) ", log.read_text())):
@@ -51,8 +54,9 @@ def served(model: str, tokens: int, log: Path) -> float:
             time.sleep(0.05)
         conn = http.client.HTTPConnection("127.0.0.1", int(m.group(1)), timeout=600)
         body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
-        conn.request("POST", "/v1/completions", json.dumps(body),
-                     {"Content-Type": "application/json"})  # fmt: skip
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
         reply = conn.getresponse()
         assert reply.status == 200, reply.read()
         reply.read()
@@ -80,14 +84,22 @@ def main() -> None:
         for _ in range(a.rounds):
             shot.append(one_shot(model, a.tokens))
             serve.append(served(model, a.tokens, out / "core-serve.log"))
-        rows.append({"model": model, "one_shot": statistics.median(shot),
-                     "serve": statistics.median(serve), "runs": [shot, serve]})  # fmt: skip
+        rows.append(
+            {
+                "model": model,
+                "one_shot": statistics.median(shot),
+                "serve": statistics.median(serve),
+                "runs": [shot, serve],
+            }
+        )
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(f"decode tok/s, greedy, {a.tokens} tokens, median of {a.rounds}:\n")
     print("| model | one-shot | serve, 1 client | serve / one-shot |\n|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['one_shot']:.1f} | {r['serve']:.1f} | "
-              f"{r['serve'] / r['one_shot']:.3f} |")  # fmt: skip
+        print(
+            f"| {r['model']} | {r['one_shot']:.1f} | {r['serve']:.1f} | "
+            f"{r['serve'] / r['one_shot']:.3f} |"
+        )
     (out / "core.json").write_text(json.dumps(rows, indent=2) + "\n")
 
 

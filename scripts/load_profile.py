@@ -12,7 +12,8 @@ process before and after the load (ru_maxrss), MLX's peak, and the final weight 
 is peak RSS ≤ 1.3 × weights + 200 MB. With no NAME, every pulled catalog model.
 
 --decode also measures prompt and decode speed after the load (greedy, 64 tokens after a
-~100-token prompt, best of ROUNDS): the figures behind the per-device default in gguf_model.py.
+~100-token prompt, best of ROUNDS): the figures behind the per-device default in
+models/from_gguf.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""mlxlis.chat_template: transformers parity, discovery order, sandbox, missing-template diagnosis.
+"""mlxlis.prompt.template: transformers parity, discovery order, sandbox, missing-template
+diagnosis.
 
 The reference rendering is transformers' own `apply_chat_template(tokenize=False)` on a minimal
 PreTrainedTokenizerFast whose chat_template (and bos/eos) we set. Real GGUF metadata is read with

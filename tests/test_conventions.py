@@ -1,4 +1,4 @@
-"""Converter conventions (mlxlis.families.conventions, declared per family) and the families'
+"""Converter conventions (mlxlis.models.conventions, declared per family) and the families'
 GGUF name tables (`Family.gguf_block`).
 
 Reference parity: the un-permute against llama.cpp's own `permute` formula (copied below from

@@ -1,4 +1,4 @@
-"""mlxlis.fastmath and the shared attention against float64 numpy references.
+"""mlxlis.runtime.fastmath and the shared attention against float64 numpy references.
 
 Proves: the compiled exp is within 1 ulp of float64 exp over its whole finite range and exact on
 the special values the model relies on (−inf → 0 for masked scores, 0 → 1, overflow → inf,

@@ -1,4 +1,4 @@
-"""KVBatch (mlxlis/cache.py): the caches of sequences decoding together, stacked for one
+"""KVBatch (mlxlis/cache/batch.py): the caches of sequences decoding together, stacked for one
 masked attention per step.
 
 Proves, against each cache's own one-token step (update_and_fetch, then attention over exactly

@@ -137,8 +137,12 @@ def test_an_engine_left_running_at_exit_ends_the_process_cleanly(tiny):
     import sys
 
     folder, _ = tiny("llama")
-    out = subprocess.run([sys.executable, "-c", ENGINE_LEFT_RUNNING, str(folder)],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", ENGINE_LEFT_RUNNING, str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "leaving" in out.stdout and "terminate called" not in out.stderr
 

@@ -195,8 +195,9 @@ def provided(requirements: list[str]) -> dict[str, set[str]]:
     for req in requirements:
         dist = re.split(r"[\[<>=;! ]", req, maxsplit=1)[0]
         key = dist.lower().replace("_", "-")
-        out[key] = {m for m, ds in modules.items()
-                    if any(d.lower().replace("_", "-") == key for d in ds)}  # fmt: skip
+        out[key] = {
+            m for m, ds in modules.items() if any(d.lower().replace("_", "-") == key for d in ds)
+        }
     return out
 
 
@@ -217,8 +218,9 @@ def test_dependencies_match_imports():
     assert used_by_tests - declared - set().union(*tests.values()) == set(), "not in [test]"
     unused = {d for d, mods in runtime.items() if not mods & engine and d not in NOT_IMPORTED}
     assert unused == set(), "runtime dependencies mlxlis never imports"
-    test_only = {d for d, mods in tests.items()
-                 if not mods & used_by_tests and d not in NOT_IMPORTED}  # fmt: skip
+    test_only = {
+        d for d, mods in tests.items() if not mods & used_by_tests and d not in NOT_IMPORTED
+    }
     assert test_only == set(), "test dependencies no test imports"
     runtime_in_tests = {d for d, mods in tests.items() if mods & engine and d not in optional}
     assert runtime_in_tests == set(), "imported by mlxlis, declared only for the tests"

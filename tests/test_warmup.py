@@ -33,7 +33,12 @@ def test_tiny_warm_up_covers_a_model_of_another_size(tiny, tmp_path):
         if code is GENERATE:
             warmed = kernels(tmp_path)
             assert warmed, "the warm-up compiled nothing (is a C++ compiler missing?)"
-        out = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True,
-                             text=True, timeout=300)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", code, *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
     assert kernels(tmp_path) == warmed

@@ -1,6 +1,6 @@
 """`mlxlis chat`: the Textual chat app (a raw-completion pad with --no-chat).
 
-The model loads on mlxlis's one MLX thread (mlxlis.mlx_thread) while the UI is already up;
+The model loads on mlxlis's one MLX thread (mlxlis.runtime.mlx_thread) while the UI is already up;
 replies are generated there too and streamed to a Markdown widget in batches, a reasoning
 model's `<think>` block to a collapsible block above it. Esc / Ctrl+C stop a reply through
 ChatSession's `should_stop`. Nothing the user typed is ever dropped: a refused or failed send
@@ -251,8 +251,8 @@ class ChatApp(CommandsMixin, App[int]):
         self._generate_worker(text)
 
     def _generate_worker(self, text: str) -> None:
-        # MLX work runs on the process's one MLX thread (see mlxlis.mlx_thread: a worker thread
-        # that exits during shutdown aborts the process)
+        # MLX work runs on the process's one MLX thread (see mlxlis.runtime.mlx_thread: a worker
+        # thread that exits during shutdown aborts the process)
         mlx_thread().submit(lambda: self._generate_job(text))
 
     def _generate_job(self, text: str) -> None:
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     result = app.run()
     code = 1 if app.return_code not in (0, None) else (result or 0)
     # Quitting set the stop flag, so a reply ends at its next token. A load cannot be stopped:
-    # leave without shutting the interpreter down around it (see mlxlis.mlx_thread).
+    # leave without shutting the interpreter down around it (see mlxlis.runtime.mlx_thread).
     if not mlx_thread().wait_idle(timeout=0.5):
         print("mlxlis chat: waiting for the model to stop…", file=sys.stderr, flush=True)
         if not mlx_thread().wait_idle(timeout=QUIT_WAIT_SECONDS):

@@ -1,7 +1,8 @@
 """Slash commands typed in the input: parsing and validation (no UI here).
 
 `parse_command` splits "/name args"; sampling parameters ("/params top_p=0.9") are parsed and
-checked by mlxlis.sampling.SamplingParams, the one definition the CLI and library use too.
+checked by mlxlis.generation.sampling.SamplingParams, the one definition the CLI and library
+use too.
 """
 
 from __future__ import annotations

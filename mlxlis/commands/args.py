@@ -1,6 +1,6 @@
 """Command-line options shared by the mlxlis commands and the chat app (`mlxlis chat`): the
 model options, --think / --no-think and the sampling flags, whose defaults, ranges and help
-come from mlxlis.sampling."""
+come from mlxlis.generation.sampling."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def check_thinking(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         )
 
 
-# flag -> SamplingParams field; defaults, ranges and help come from mlxlis.sampling
+# flag -> SamplingParams field; defaults, ranges and help come from mlxlis.generation.sampling
 SAMPLING_FLAGS = {
     "--max-tokens": "max_tokens",
     "--temp": "temperature",

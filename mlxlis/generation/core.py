@@ -172,6 +172,10 @@ class Core:
             raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
         req.params.validate()
         if caches is not None:
+            if self.model.part is not None:  # the other ranks' caches follow admitted ones only
+                raise MlxlisError(
+                    "a pipelined model's caches live in every rank: pass none", field="cache"
+                )
             return Sequence(req, self.model, caches, held, req.prompt)
         rid = next(_IDS)
         caches, reused = self.steps.admit(rid, list(req.prompt))

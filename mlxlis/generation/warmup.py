@@ -31,20 +31,40 @@ WARM_PROMPT = 24  # prompt positions (the prefill kernels, causal attention over
 WARM_TOKENS = 3  # ... then decode steps (the one-token kernels and the sampler's)
 SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1)
 
-_TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)  # fmt: skip
+_TINY = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+)
 # one tiny config.json per kind of block: what `make install` compiles the kernels of
 TINY_CONFIGS: tuple[dict, ...] = (
     dict(model_type="llama", num_hidden_layers=1, **_TINY),
-    dict(model_type="gemma3_text", num_hidden_layers=2, sliding_window=8,
-         layer_types=["sliding_attention", "full_attention"],
-         hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16, **_TINY),
-    dict(model_type="qwen3_5_text", num_hidden_layers=2, linear_num_key_heads=2,
-         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-         linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
-         rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                          "partial_rotary_factor": 0.25}, **_TINY),
-)  # fmt: skip
+    dict(
+        model_type="gemma3_text",
+        num_hidden_layers=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=16,
+        **_TINY,
+    ),
+    dict(
+        model_type="qwen3_5_text",
+        num_hidden_layers=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+        **_TINY,
+    ),
+)
 
 
 def warm_network(net: Network, vocab: int, params: SamplingParams) -> None:

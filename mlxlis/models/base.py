@@ -1,7 +1,7 @@
 """What a family module declares (`Family`), and the GGUF metadata reader its parsers use.
 
 A family module (llama.py, gemma.py, qwen3.py, ...) builds one `Family` per model family it
-implements; `families/__init__.py` lists them. Everything the loaders, `convert` and `inspect`
+implements; `models/__init__.py` lists them. Everything the loaders, `convert` and `inspect`
 know about a family comes from here, so adding one touches no other module.
 """
 
