@@ -283,7 +283,24 @@ BAD_CHAT = [  # (changes to a good chat body, the field the 400 must name)
         "tool_choice.function.name",
     ),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"a": {"type": "array", "uniqueItems": True}},
+                    },
+                },
+            }
+        },
+        "response_format.json_schema.schema.properties.a.uniqueItems",
+    ),
+    ({"response_format": {"type": "regex", "regex": "(ab"}}, "response_format.regex"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
 ]
 BAD_COMPLETION = [
     ({"logprobs": 21}, "logprobs"),
@@ -292,6 +309,10 @@ BAD_COMPLETION = [
     ({"prompt": [10**9]}, "prompt"),
     ({"prompt": None}, "prompt"),
     ({"echo": True}, "echo"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {}}},
+        "response_format.json_schema.schema",
+    ),
     ({"best_of": 3}, "best_of"),
 ]
 

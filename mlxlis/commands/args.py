@@ -5,7 +5,10 @@ come from mlxlis.generation.sampling."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from mlxlis.bounded import read_json_file
+from mlxlis.errors import MlxlisError
 from mlxlis.loading import catalog
 
 
@@ -157,3 +160,40 @@ def sampling_params(p: argparse.ArgumentParser, a: argparse.Namespace):
             except SamplingError as e:
                 p.exit(2, f"{p.prog}: error: {flag}: {str(e).split(': ', 1)[1]}\n")
     return SamplingParams(**changes)
+
+
+def add_format_args(p: argparse.ArgumentParser) -> None:
+    """Structured output: the reply constrained token by token (generation/constraints)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json", action="store_true", help="the reply is one JSON object")
+    g.add_argument("--json-schema", metavar="FILE", help="the reply follows this JSON schema")
+    g.add_argument("--regex", metavar="PATTERN", help="the reply matches this regular expression")
+    g.add_argument(
+        "--grammar",
+        metavar="FILE",
+        help="the reply follows this grammar (Lark; GBNF for a .gbnf file)",
+    )
+
+
+def response_format(a: argparse.Namespace) -> dict | None:
+    """The response_format dict the flags ask for (a file that cannot be read or parsed is a
+    MlxlisError naming it: exit 2)."""
+    if a.json:
+        return {"type": "json_object"}
+    if a.json_schema:
+        schema = read_json_file(a.json_schema, error=MlxlisError, what="--json-schema")
+        return {"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}}
+    if a.regex:
+        return {"type": "regex", "regex": a.regex}
+    if a.grammar:
+        path = Path(a.grammar)
+        try:
+            text = path.read_text("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise MlxlisError(f"cannot read the grammar: {e}", path=path) from None
+        return {
+            "type": "grammar",
+            "grammar": text,
+            "syntax": "gbnf" if path.suffix.lower() == ".gbnf" else "lark",
+        }
+    return None

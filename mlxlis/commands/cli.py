@@ -13,10 +13,12 @@ import traceback
 from collections.abc import Callable
 
 from mlxlis.commands.args import (
+    add_format_args,
     add_model_args,
     add_sampling_args,
     add_thinking_args,
     check_thinking,
+    response_format,
     sampling_params,
 )
 from mlxlis.distributed.leader import finish, follow, ranks_of
@@ -47,6 +49,7 @@ def one_shot_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--system", default=None, help="system message (chat mode)")
     add_thinking_args(p)
+    add_format_args(p)
     p.add_argument("prompt", help="the prompt ('-' reads stdin)")
     return p
 
@@ -115,7 +118,12 @@ def chat_prompt(
 
 
 def stream_reply(
-    model: Model, ids: list[int], params: SamplingParams, prompt: str | None, show_reasoning: bool
+    model: Model,
+    ids: list[int],
+    params: SamplingParams,
+    prompt: str | None,
+    show_reasoning: bool,
+    response_format: dict | None = None,
 ) -> Event | None:
     """Generate: the answer to stdout, the reasoning (`<think>` block) to stderr, dimmed when
     stderr is a terminal; `prompt` None (raw completion) prints everything to stdout. Returns
@@ -125,7 +133,7 @@ def stream_reply(
     in_reasoning = False
     final = None
     try:
-        for ev in generate(model, ids, params):
+        for ev in generate(model, ids, params, response_format=response_format):
             if splitter is None:
                 parts = [(ANSWER, ev.text)]
             else:
@@ -176,7 +184,8 @@ def _one_shot(a: argparse.Namespace, params: SamplingParams, model: Model, promp
     else:
         text = chat_prompt(model, prompt, a.system, a.thinking)
         ids = tok.encode(text, special=True)
-    final = stream_reply(model, ids, params, text, show_reasoning=a.thinking is not False)
+    fmt = response_format(a)
+    final = stream_reply(model, ids, params, text, a.thinking is not False, fmt)
     if a.verbose and final is not None:
         s = final.stats
         say(

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from mlxlis.cache import Cache
 from mlxlis.cache.prefix import PrefixCache
+from mlxlis.generation.constraints import constraint
 from mlxlis.generation.core import PREFILL_CHUNK, Core, Request
 from mlxlis.generation.core import Sequence as Running
 from mlxlis.generation.events import Event
@@ -28,6 +29,7 @@ def generate(
     history: Sequence[int] = (),
     prefill_step: int = PREFILL_CHUNK,
     should_stop: Callable[[], bool] | None = None,
+    response_format: dict | None = None,
     **sampling: object,
 ) -> Iterator[Event]:
     """Stream tokens after `ids`, sampled as `params` says with `sampling` keywords (max_tokens,
@@ -35,8 +37,9 @@ def generate(
     SamplingError before anything runs. With `cache`, `ids` are the tokens not yet in it and
     `history` the ones that are (the repetition penalty sees them). `should_stop()` is asked
     after each step (a prompt chunk, a token): true ends the stream with finish_reason
-    "cancelled". The final event's
-    `fed` lists every id the caches hold."""
+    "cancelled". `response_format` constrains the reply (mlxlis.generation.constraints: a JSON
+    schema, any JSON object, a regex or a grammar; refused with a ConstraintError naming the
+    field before anything runs). The final event's `fed` lists every id the caches hold."""
     if params is not None and not isinstance(params, SamplingParams):
         raise TypeError(
             f"generate(model, ids, params): params is a SamplingParams, not {params!r}; "
@@ -44,7 +47,8 @@ def generate(
         )
     params = (params or SamplingParams()).replace(**sampling)
     stops = model.stop_ids() if stop_ids is None else stop_ids
-    req = Request(list(ids), params, frozenset(stops))
+    masks = () if response_format is None else (constraint_for(model, response_format, stops),)
+    req = Request(list(ids), params, frozenset(stops), processors=masks)
     core = Core(model, steps_for(model, PrefixCache(0)), prefill_step)
     seq = core.start(req, cache, history) if cache is not None else core.start(req)
     yield from run(core, seq, should_stop)
@@ -61,3 +65,8 @@ def run(core: Core, seq: Running, should_stop: Callable[[], bool] | None = None)
                 seq.cancelled = True  # the next step ends it (its pending token unread)
     finally:
         core.cancel(seq)
+
+
+def constraint_for(model: Model, response_format: dict, stops: set[int] | frozenset[int]):
+    """The grammar mask enforcing `response_format` on `model`'s replies, ending on `stops`."""
+    return constraint(response_format, model.tokenizer, model.config.vocab_size, sorted(stops))

@@ -22,7 +22,7 @@ from mlxlis.cache.prefix import PrefixCache
 from mlxlis.generation.context import fit_context
 from mlxlis.generation.core import Core, Request
 from mlxlis.generation.events import Event
-from mlxlis.generation.generate import run
+from mlxlis.generation.generate import constraint_for, run
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.steps import steps_for
 from mlxlis.models.model import Model
@@ -51,6 +51,7 @@ class ChatSession:
     context_limit: int | None = None
     turns: list[Turn] = field(default_factory=list)
     thinking: bool | None = None  # enable_thinking for the template; None: its default
+    response_format: dict | None = None  # every reply constrained (generation/constraints)
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -133,22 +134,28 @@ class ChatSession:
                 self.context_limit,
                 hint="start a new session (/clear) or shorten it",
             )
+            stops = self.model.stop_ids() if stop_ids is None else stop_ids
+            masks = (
+                ()
+                if self.response_format is None
+                else (constraint_for(self.model, self.response_format, stops),)
+            )
         except Exception:
             self.turns.pop()  # a refused turn leaves the conversation as it was
             raise
         splitter = ReasoningSplitter.for_prompt(self.model.tokenizer, prompt)
-        yield from self._reply(ids, should_stop, params, stop_ids, splitter)
+        yield from self._reply(ids, should_stop, params, stops, masks, splitter)
 
     def _reply(
         self,
         ids: list[int],
         should_stop: Callable[[], bool] | None,
         params: SamplingParams,
-        stop_ids: set[int] | None,
+        stops: set[int] | frozenset[int],
+        masks: tuple,
         splitter: ReasoningSplitter,
     ) -> Iterator[Event]:
-        stops = self.model.stop_ids() if stop_ids is None else stop_ids
-        seq = self._core.start(Request(ids, params, frozenset(stops)))
+        seq = self._core.start(Request(ids, params, frozenset(stops), processors=masks))
         self.last_prompt_tokens, self.last_reused_tokens = len(ids), seq.usage.cached_tokens
         self._cached = []  # until the reply ends, the caches are the reply's
         segments: list = []

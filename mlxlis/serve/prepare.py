@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxlis.errors import MlxlisError, NoChatTemplateError, TemplateError
+from mlxlis.generation.constraints import ConstraintError, constraint
 from mlxlis.generation.context import ContextOverflow, fit_context
 from mlxlis.generation.core import Request
 from mlxlis.generation.sampling import SamplingError, SamplingParams
@@ -149,8 +150,6 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
     model = t.model
     if not req.messages:
         raise bad("messages: at least one message is required", "messages")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad('response_format: only {"type": "text"} is supported', "response_format")
     top: int | None = None
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -203,6 +202,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         stop_ids=frozenset() if req.ignore_eos else t.stop_ids,
         stop_strings=stops,
         top_logprobs=top,
+        processors=masks(t, req),
     )
     return Prepared(gen, prompt, tools, fmt, forced)
 
@@ -242,8 +242,27 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
         stop_ids=frozenset() if req.ignore_eos else t.stop_ids,
         stop_strings=stops,
         top_logprobs=req.logprobs,
+        processors=masks(t, req),
     )
     return Prepared(gen, None, None)
+
+
+def masks(t: Target, req: _Sampling) -> tuple:
+    """The grammar mask a request's response_format asks for ({"type": "text"}: none); a
+    constraint that cannot be enforced is a 400 naming the part, never ignored."""
+    fmt = req.response_format
+    if not fmt or fmt.get("type") == "text":
+        return ()
+    if req.ignore_eos:
+        raise bad(
+            "response_format: a constrained reply ends on the end-of-sequence token, "
+            "which ignore_eos removes",
+            "ignore_eos",
+        )
+    try:
+        return (constraint(fmt, t.model.tokenizer, t.model.config.vocab_size, sorted(t.stop_ids)),)
+    except ConstraintError as e:
+        raise bad(str(e), e.field or "response_format") from None
 
 
 def tool_choice(

@@ -61,6 +61,7 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's: generate past end-of-sequence tokens (benchmarks)
+    response_format: dict[str, Any] | None = None  # structured output (generation/constraints)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -71,7 +72,6 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
