@@ -327,6 +327,33 @@ MUTANTS = (
         "the core's overlap: the next step fed the last token read (one step old), not the one"
         " just sampled",
     ),
+    Mutant(
+        "constraint-wrong-row",
+        "mlxlis/generation/core.py",
+        "s.sample(logits[i : i + 1])",
+        "s.sample(logits[len(going) - 1 - i : len(going) - i])",
+        ("tests/test_constraints.py::test_batched_constrained_and_free_rows_equal_each_alone",),
+        "structured output: a row's grammar mask and sampler given another row's logits",
+    ),
+    Mutant(
+        "constraint-mask-lags",
+        "mlxlis/generation/constraints.py",
+        "for token in history[self.start + self.fed :]:",
+        "for token in history[self.start + self.fed : -1]:",
+        ("tests/test_constraints.py::test_the_mask_is_the_engines_own_answer",),
+        "structured output: the mask computed one token behind (the newest token not fed)",
+    ),
+    Mutant(
+        "constraint-end-ignored",
+        "mlxlis/generation/constraints.py",
+        "eos_token=sorted(stops)",
+        "eos_token=[max(stops) + 1]",
+        (
+            "tests/test_constraints.py::test_sampled_replies_follow_every_schema",
+            "tests/test_constraints.py::test_the_mask_is_the_engines_own_answer",
+        ),
+        "structured output: the grammar's end handed to a token that is no stop: replies run on",
+    ),
 )
 
 IGNORE = shutil.ignore_patterns(

@@ -366,3 +366,29 @@ def test_a_reply_cut_by_max_tokens_ends_length(tiny):
     )
     text = "".join(e.text for e in done)
     assert done[-1].finish_reason == "stop" and len(text) == 3 and text.isdigit()
+
+
+def test_the_one_shot_command_enforces_and_refuses(tiny, tmp_path):
+    """`mlxlis -m M --json-schema FILE "…"` as a real process: the reply on stdout validates;
+    a schema with a keyword the engine cannot enforce exits 2 with one line naming its path."""
+    import subprocess
+    import sys
+
+    folder, _ = tiny("llama")
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(SCHEMAS[3]))
+    bad.write_text(json.dumps({"type": "array", "uniqueItems": True}))
+    base = [sys.executable, "-m", "mlxlis", "-m", str(folder), "--chat-template", "chatml"]
+    out = subprocess.run(
+        [*base, "--json-schema", str(good), "--max-tokens", "40", "Colour?"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    jsonschema.validate(json.loads(out.stdout), SCHEMAS[3])
+    out = subprocess.run(
+        [*base, "--json-schema", str(bad), "Hi"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "schema.uniqueItems" in out.stderr

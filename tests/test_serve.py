@@ -90,6 +90,37 @@ def test_chat_completion_shape(client):
     assert u.prompt_tokens_details.cached_tokens >= 0
 
 
+def test_structured_output_through_the_openai_client(client):
+    """response_format json_schema (chat, streamed and not) and json_object (completions) on
+    the tiny model's noise: each reply ends "stop" and validates with jsonschema (the
+    reference validator); the streamed pieces join to the whole."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "w": {"enum": ["up", "down"]},
+        },
+        "required": ["n", "w"],
+        "additionalProperties": False,
+    }
+    rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+    r = chat(client, max_tokens=40, response_format=rf)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    chunks = list(chat(client, max_tokens=40, response_format=rf, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    c = client.completions.create(
+        model="llama_long",
+        prompt="Data:",
+        max_tokens=60,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    assert c.choices[0].finish_reason == "stop" and isinstance(json.loads(c.choices[0].text), dict)
+
+
 def test_chat_stream_equals_whole(client):
     """A streamed chat reply is the whole reply in pieces: the first delta is the assistant
     role, the deltas join to the same content, one chunk carries finish_reason, and with
