@@ -338,8 +338,8 @@ MUTANTS = (
     Mutant(
         "constraint-mask-lags",
         "mlxlis/generation/constraints.py",
-        "for token in history[self.start + self.fed :]:",
-        "for token in history[self.start + self.fed : -1]:",
+        "for token in reply[self.start + self.fed :]:",
+        "for token in reply[self.start + self.fed : -1]:",
         ("tests/test_constraints.py::test_the_mask_is_the_engines_own_answer",),
         "structured output: the mask computed one token behind (the newest token not fed)",
     ),
@@ -353,6 +353,14 @@ MUTANTS = (
             "tests/test_constraints.py::test_the_mask_is_the_engines_own_answer",
         ),
         "structured output: the grammar's end handed to a token that is no stop: replies run on",
+    ),
+    Mutant(
+        "constraint-binds-reasoning",
+        "mlxlis/generation/constraints.py",
+        'self.state = reasoning.state if reasoning is not None else "after"',
+        'self.state = "after"',
+        ("tests/test_thinking.py::test_a_constraint_starts_after_the_reasoning",),
+        "structured output: a reasoning model's reasoning constrained too (no thinking first)",
     ),
 )
 

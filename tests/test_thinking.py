@@ -321,3 +321,31 @@ def test_cli_no_think_renders_the_empty_think_block(thinker, model):
     bad = mlxlis_cli("-m", str(thinker.folder), "--no-chat", "--think", "Hi")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "--think" in bad.stderr and "--no-chat" in bad.stderr
+
+
+def test_a_constraint_starts_after_the_reasoning(model):
+    """Structured output on the scripted reasoning model: the reasoning ("The quick brown
+    fox", which the pattern forbids) comes out unconstrained, the answer after `</think>`
+    follows the regex, the reply ends on the template's stop. With thinking off the prompt
+    ends after the closed block and the pattern binds from the first token; given no prompt
+    (token ids alone) it binds from the first token too, so `<think>` is never allowed."""
+    rf = {"type": "regex", "regex": r"\s*Hello, world!"}
+    chat = mlxlis.ChatSession(
+        model, response_format=rf, sampling=mlxlis.SamplingParams(max_tokens=30)
+    )
+    events = list(chat.send("Hi"))
+    assert events[-1].finish_reason == "stop"
+    assert chat.turns[-1].reasoning == REASONING_TEXT and chat.turns[-1].content == ANSWER_TEXT
+    chat = mlxlis.ChatSession(
+        model, response_format=rf, thinking=False, sampling=mlxlis.SamplingParams(max_tokens=30)
+    )
+    events = list(chat.send("Hi"))
+    assert chat.turns[-1].reasoning is None and chat.turns[-1].content == ANSWER_TEXT
+    ids = model.tokenizer.encode(model.render_chat([user("Hi")]), special=True)
+    tokens = [
+        e.token
+        for e in mlxlis.generate(model, ids, max_tokens=30, response_format=rf)
+        if e.token is not None
+    ]
+    think = model.tokenizer.encode("<think>", special=True, add_bos=False)[0]
+    assert think not in tokens and tokens

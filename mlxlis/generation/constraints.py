@@ -29,9 +29,11 @@ import re
 import threading
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from mlxlis.errors import MlxlisError
+from mlxlis.prompt.reasoning import STYLES, ends_after_reasoning, starts_in_reasoning, tag_ids
 from mlxlis.tokenizer import Tokenizer
 
 import llguidance as llg
@@ -185,48 +187,118 @@ def _find_key(node: Any, keys: list[str], path: tuple = ()) -> tuple | None:
     return None
 
 
+@dataclass(frozen=True)
+class Reasoning:
+    """A reasoning model's tags (single tokens) and where the reply starts: "inside" an open
+    block (the prompt ends with `<think>`), "after" a closed one (thinking off), or at the
+    "start" (the model may open one itself)."""
+
+    open_id: int
+    close_id: int
+    state: str
+
+
+def reasoning_of(tokenizer: Tokenizer, prompt: str | None) -> Reasoning | None:
+    """The reasoning tags of `tokenizer` (the first style whose two tags are tokens) and the
+    reply's start after `prompt`; None without a prompt or such tags."""
+    if prompt is None:
+        return None
+    for open_tag, close_tag, _ in STYLES:
+        if ids := tag_ids(tokenizer, (open_tag, close_tag)):
+            by_tag = {tag: i for i, tag in ids.items()}
+            state = (
+                "inside"
+                if starts_in_reasoning(prompt, open_tag)
+                else "after"
+                if ends_after_reasoning(prompt, close_tag)
+                else "start"
+            )
+            return Reasoning(by_tag[open_tag], by_tag[close_tag], state)
+    return None
+
+
 class GrammarMask:
     """A logits processor: the tokens the grammar allows next, the others at -inf. It feeds
-    the engine the tokens generated since the first call (the history past the prompt)."""
+    the engine the reply's tokens (the history past the prompt, as long as the first call's).
 
-    def __init__(self, tok: llg.LLTokenizer, grammar_text: str, vocab: int):
+    For a reasoning model the grammar starts after the reasoning block closes: a reply inside
+    an open block is free until the close tag; at the start the model may also open a block
+    (its open tag is allowed beside the grammar's first tokens)."""
+
+    def __init__(
+        self,
+        tok: llg.LLTokenizer,
+        grammar_text: str,
+        vocab: int,
+        reasoning: Reasoning | None = None,
+    ):
         self.matcher = llg.LLMatcher(tok, grammar_text, log_level=0)
         if self.matcher.is_error():
             raise ConstraintError(self.matcher.get_error(), field=FIELD)
         self.vocab = vocab
         self.bitmask = llnp.allocate_token_bitmask(1, tok.vocab_size)
-        self.start: int | None = None  # history length at the first call: the prompt
-        self.fed = 0  # generated tokens the matcher has consumed
+        self.reasoning = reasoning
+        self.state = reasoning.state if reasoning is not None else "after"
+        self.prompt: int | None = None  # history length at the first call
+        self.start: int | None = None  # where in the reply the grammar starts
+        self.fed = 0  # reply tokens the matcher has consumed
 
-    def allowed(self, history: Sequence[int]) -> np.ndarray:
-        """(vocab,) bool: what the grammar allows after the tokens generated so far."""
+    def allowed(self, history: Sequence[int]) -> np.ndarray | None:
+        """(vocab,) bool: what the grammar allows after the reply so far; None while the
+        reply is still reasoning (unconstrained)."""
+        if self.prompt is None:
+            self.prompt = len(history)
+        reply = history[self.prompt :]
         if self.start is None:
-            self.start = len(history)
-        for token in history[self.start + self.fed :]:
+            r = self.reasoning
+            if self.state == "start":  # the model may open a reasoning block first
+                if not reply:
+                    mask = self._mask()
+                    mask[r.open_id] = True
+                    return mask
+                self.state = "inside" if reply[0] == r.open_id else "after"
+            if self.state == "inside":
+                if r.close_id not in reply:
+                    return None
+                self.start = list(reply).index(r.close_id) + 1
+            else:
+                self.start = 0
+        for token in reply[self.start + self.fed :]:
             if not self.matcher.consume_token(token):
                 raise ConstraintError(
                     f"token {token} broke the grammar: {self.matcher.get_error()}", field=FIELD
                 )
             self.fed += 1
+        return self._mask()
+
+    def _mask(self) -> np.ndarray:
         llnp.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
         bits = np.unpackbits(self.bitmask[0].view(np.uint8), bitorder="little")
         return bits[: self.vocab].astype(bool)
 
     def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
-        mask = mx.array(self.allowed(history))[None]  # (1, vocab)
-        return mx.where(mask, logits, NEG_INF)
+        allowed = self.allowed(history)
+        if allowed is None:
+            return logits
+        return mx.where(mx.array(allowed)[None], logits, NEG_INF)  # (1, vocab)
 
 
 def constraint(
-    response_format: Any, tokenizer: Tokenizer, vocab: int, stops: Sequence[int], field: str = FIELD
+    response_format: Any,
+    tokenizer: Tokenizer,
+    vocab: int,
+    stops: Sequence[int],
+    field: str = FIELD,
+    prompt: str | None = None,
 ) -> GrammarMask:
-    """The processor that enforces `response_format` (checked before anything generates)."""
+    """The processor that enforces `response_format` (checked before anything generates);
+    with the rendered `prompt`, a reasoning model's reasoning stays free."""
     if not stops:
         raise ConstraintError("a constrained reply needs a stop token to end on", field=field)
     text = grammar(response_format, field)
     tok = engine_tokenizer(tokenizer, vocab, stops)
     check(text, tok, response_format, field)
-    return GrammarMask(tok, text, vocab)
+    return GrammarMask(tok, text, vocab, reasoning_of(tokenizer, prompt))
 
 
 def describe(response_format: Any) -> str:

@@ -67,6 +67,13 @@ def run(core: Core, seq: Running, should_stop: Callable[[], bool] | None = None)
         core.cancel(seq)
 
 
-def constraint_for(model: Model, response_format: dict, stops: set[int] | frozenset[int]):
-    """The grammar mask enforcing `response_format` on `model`'s replies, ending on `stops`."""
-    return constraint(response_format, model.tokenizer, model.config.vocab_size, sorted(stops))
+def constraint_for(
+    model: Model,
+    response_format: dict,
+    stops: set[int] | frozenset[int],
+    prompt: str | None = None,
+):
+    """The grammar mask enforcing `response_format` on `model`'s replies, ending on `stops`;
+    with the rendered `prompt`, after the reasoning a reasoning model does first."""
+    vocab = model.config.vocab_size
+    return constraint(response_format, model.tokenizer, vocab, sorted(stops), prompt=prompt)

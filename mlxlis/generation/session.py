@@ -138,7 +138,7 @@ class ChatSession:
             masks = (
                 ()
                 if self.response_format is None
-                else (constraint_for(self.model, self.response_format, stops),)
+                else (constraint_for(self.model, self.response_format, stops, prompt),)
             )
         except Exception:
             self.turns.pop()  # a refused turn leaves the conversation as it was

@@ -202,7 +202,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         stop_ids=frozenset() if req.ignore_eos else t.stop_ids,
         stop_strings=stops,
         top_logprobs=top,
-        processors=masks(t, req),
+        processors=masks(t, req, prompt + forced),
     )
     return Prepared(gen, prompt, tools, fmt, forced)
 
@@ -247,9 +247,10 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
     return Prepared(gen, None, None)
 
 
-def masks(t: Target, req: _Sampling) -> tuple:
-    """The grammar mask a request's response_format asks for ({"type": "text"}: none); a
-    constraint that cannot be enforced is a 400 naming the part, never ignored."""
+def masks(t: Target, req: _Sampling, prompt: str | None = None) -> tuple:
+    """The grammar mask a request's response_format asks for ({"type": "text"}: none), after
+    the reasoning when `prompt` is a reasoning model's; a constraint that cannot be enforced
+    is a 400 naming the part, never ignored."""
     fmt = req.response_format
     if not fmt or fmt.get("type") == "text":
         return ()
@@ -260,7 +261,8 @@ def masks(t: Target, req: _Sampling) -> tuple:
             "ignore_eos",
         )
     try:
-        return (constraint(fmt, t.model.tokenizer, t.model.config.vocab_size, sorted(t.stop_ids)),)
+        vocab, stops = t.model.config.vocab_size, sorted(t.stop_ids)
+        return (constraint(fmt, t.model.tokenizer, vocab, stops, prompt=prompt),)
     except ConstraintError as e:
         raise bad(str(e), e.field or "response_format") from None
 
