@@ -392,3 +392,28 @@ def test_the_one_shot_command_enforces_and_refuses(tiny, tmp_path):
     )
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and "schema.uniqueItems" in out.stderr
+
+
+def test_tool_call_grammars_refuse_what_they_cannot_hold(tiny):
+    """Strict tools under a syntax that is not JSON (Gemma 4's) or under "auto" with a format
+    that has no call tag (Llama 3's bare object) are refused; a required call in each JSON
+    syntax compiles in the engine (the calls themselves: test_serve_real)."""
+    from mlxlis.serve.tool_formats import GEMMA4, HERMES, for_template
+    from mlxlis.serve.tool_grammar import tool_grammar
+
+    folder, _ = tiny("llama")
+    model = mlxlis.load(folder, "float32")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": SCHEMAS[1]}}]
+    with pytest.raises(ConstraintError, match="not JSON"):
+        tool_grammar(GEMMA4, tools, model.tokenizer, None, required=True)
+    llama3 = for_template('{{ "parameters" }}')
+    with pytest.raises(ConstraintError, match="cannot tell"):
+        tool_grammar(llama3, tools, model.tokenizer, None, required=False)
+    with pytest.raises(ConstraintError, match="not one token"):  # the tiny vocabulary's
+        tool_grammar(HERMES, tools, model.tokenizer, None, required=False)
+    stops = sorted(model.stop_ids())
+    for fmt in (HERMES, llama3, for_template("[TOOL_CALLS]"), for_template("[TOOL_CALLS][ARGS]")):
+        lark = tool_grammar(fmt, tools, model.tokenizer, "f", required=True)
+        constraint(
+            {"type": "grammar", "grammar": lark}, model.tokenizer, model.config.vocab_size, stops
+        )

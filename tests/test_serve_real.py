@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 from conftest import need_pulled
@@ -15,6 +16,7 @@ from serve_process import ServeProcess
 pytestmark = pytest.mark.real
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = [
     {
         "type": "function",
@@ -105,7 +107,43 @@ def test_qwen_tool_choice_forces_a_call(qwen):
         assert c.finish_reason == "tool_calls", (choice, c.message)
         (call,) = c.message.tool_calls
         assert call.function.name == "get_weather"
-        assert isinstance(json.loads(call.function.arguments), dict)
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS)
+
+
+STRICT = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"enum": ["Paris", "Rome", "Oslo"]},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+
+
+def test_qwen_strict_tool_arguments_follow_the_schema(qwen):
+    """A strict tool under tool_choice "auto": Qwen2.5-Coder's call (in its own Hermes syntax,
+    the tags its single special tokens) has arguments that validate with jsonschema against
+    `parameters` (a required unit of an enum the request does not mention)."""
+    ask = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+    r = qwen.chat.completions.create(
+        model="qwen2.5-coder-0.5b", messages=ask, tools=STRICT, max_tokens=60
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c.message
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), STRICT[0]["function"]["parameters"])
 
 
 def test_qwen_tool_call(qwen):
@@ -141,3 +179,42 @@ def test_qwen_tool_call(qwen):
         model="qwen2.5-coder-0.5b", messages=follow, tools=WEATHER, max_tokens=40
     )
     assert answer.choices[0].message.content and answer.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize(
+    ("template", "fmt"),
+    [
+        ("templates/meta-llama-Llama-3.1-8B-Instruct.jinja", "json"),
+        ("templates/mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral"),
+    ],
+)
+def test_required_calls_in_each_format(tmp_path_factory, template, fmt):
+    """tool_choice "required" through the official client, with Qwen2.5-Coder served under
+    another family's official template: the call comes in that template's syntax (Llama 3's
+    bare JSON object, Mistral's [TOOL_CALLS] list), parsed, its arguments valid."""
+    from mlxlis.serve.tool_formats import for_template
+
+    from conftest import llama_cpp_reference
+
+    path = llama_cpp_reference(template)
+    assert for_template(path.read_text()).name == fmt
+    need_pulled("qwen2.5-coder-0.5b")
+    srv = ServeProcess(
+        tmp_path_factory.mktemp(fmt), "-m", "qwen2.5-coder-0.5b", "--chat-template", str(path)
+    )
+    try:
+        r = srv.client().chat.completions.create(
+            model="qwen2.5-coder-0.5b",
+            messages=[{"role": "user", "content": "What's the weather in Oslo?"}],
+            tools=WEATHER,
+            tool_choice="required",
+            max_tokens=60,
+        )
+    finally:
+        assert srv.stop() == 0, srv.log()
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c.message
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), PARAMS)

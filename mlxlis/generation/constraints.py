@@ -54,8 +54,8 @@ class _Vocabulary:
     """What llguidance's TokenizerWrapper reads: token id -> bytes, the specials, and the
     model's own encoder (the engine tokenizes the text a grammar forces with it)."""
 
-    def __init__(self, tok: Tokenizer, size: int, stops: Sequence[int]):
-        special = set(tok.special_tokens.values()) | set(stops)
+    def __init__(self, tok: Tokenizer, size: int, stops: Sequence[int], extra: Sequence[int]):
+        special = set(tok.special_tokens.values()) | set(stops) | set(extra)
         self.tokens = [
             tok.token_bytes(i) if i < tok.vocab_size and i not in special else b""
             for i in range(size)
@@ -91,14 +91,17 @@ _engines: weakref.WeakKeyDictionary[Tokenizer, dict] = weakref.WeakKeyDictionary
 _lock = threading.Lock()
 
 
-def engine_tokenizer(tok: Tokenizer, size: int, stops: Sequence[int]) -> llg.LLTokenizer:
-    """The engine's vocabulary for `tok` with `size` logits and these stop ids (built once:
-    about 1 s for a 262k vocabulary)."""
-    key = (size, tuple(sorted(stops)))
+def engine_tokenizer(
+    tok: Tokenizer, size: int, stops: Sequence[int], special: Sequence[int] = ()
+) -> llg.LLTokenizer:
+    """The engine's vocabulary for `tok` with `size` logits, these stop ids and `special`
+    tokens beside the tokenizer's own (text never produces them; a grammar names them by id);
+    built once per kind: about 1 s for a 262k vocabulary."""
+    key = (size, tuple(sorted(stops)), tuple(sorted(special)))
     with _lock:
         per = _engines.setdefault(tok, {})
         if key not in per:
-            vocab = _Vocabulary(tok, size, sorted(stops))
+            vocab = _Vocabulary(tok, size, sorted(stops), sorted(special))
             per[key] = llg.LLTokenizer(llg.TokenizerWrapper(vocab), eos_token=sorted(stops))
         return per[key]
 
@@ -290,13 +293,14 @@ def constraint(
     stops: Sequence[int],
     field: str = FIELD,
     prompt: str | None = None,
+    special: Sequence[int] = (),
 ) -> GrammarMask:
     """The processor that enforces `response_format` (checked before anything generates);
     with the rendered `prompt`, a reasoning model's reasoning stays free."""
     if not stops:
         raise ConstraintError("a constrained reply needs a stop token to end on", field=field)
     text = grammar(response_format, field)
-    tok = engine_tokenizer(tokenizer, vocab, stops)
+    tok = engine_tokenizer(tokenizer, vocab, stops, special)
     check(text, tok, response_format, field)
     return GrammarMask(tok, text, vocab, reasoning_of(tokenizer, prompt))
 

@@ -15,6 +15,8 @@ from mlxlis.generation.sampling import SamplingError, SamplingParams
 from mlxlis.serve.openai_format import MAX_TOP_LOGPROBS, APIError
 from mlxlis.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
 from mlxlis.serve.tool_formats import ToolFormat, for_template
+from mlxlis.serve.tool_grammar import tag_ids as call_tags
+from mlxlis.serve.tool_grammar import tool_grammar
 from mlxlis.serve.tools import tool_names
 
 MAX_STOP_STRINGS = 16
@@ -171,7 +173,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
     variables = dict(req.chat_template_kwargs or {})
     if clash := sorted(RESERVED_TEMPLATE_VARS & variables.keys()):
         raise bad(f"chat_template_kwargs: {', '.join(clash)} cannot be set", "chat_template_kwargs")
-    tools, fmt, forced = None, None, ""
+    tools, fmt, forced, call_grammar = None, None, "", None
     if req.tools and req.tool_choice != "none":
         offered, name = tool_choice(req.tools, req.tool_choice)
         if model.template is not None and "tools" not in model.template_variables:
@@ -183,8 +185,16 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         variables["tools"] = offered
         tools = tool_names(offered)
         fmt = for_template(model.template.text if model.template is not None else "")
-        if req.tool_choice not in (None, "auto"):  # "required" or a named function
-            forced = fmt.forced(name)
+        required = req.tool_choice not in (None, "auto")  # "required" or a named function
+        strict = any((tl.get("function") or {}).get("strict") is True for tl in offered)
+        if required or strict:
+            try:  # the call's syntax and arguments enforced token by token
+                parallel = req.parallel_tool_calls is True
+                call_grammar = tool_grammar(fmt, offered, model.tokenizer, name, required, parallel)
+            except ConstraintError as e:
+                if strict:  # refused, never ignored
+                    raise bad(str(e), e.field or "tools") from None
+                forced = fmt.forced(name)  # a call started in the prompt (Gemma 4's syntax)
     elif req.tool_choice not in (None, "auto", "none"):
         raise bad("tool_choice: needs tools", "tool_choice")
     messages = [message_dict(m, i) for i, m in enumerate(req.messages)]
@@ -202,7 +212,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         stop_ids=frozenset() if req.ignore_eos else t.stop_ids,
         stop_strings=stops,
         top_logprobs=top,
-        processors=masks(t, req, prompt + forced),
+        processors=masks(t, req, prompt + forced, call_grammar),
     )
     return Prepared(gen, prompt, tools, fmt, forced)
 
@@ -247,11 +257,24 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
     return Prepared(gen, None, None)
 
 
-def masks(t: Target, req: _Sampling, prompt: str | None = None) -> tuple:
-    """The grammar mask a request's response_format asks for ({"type": "text"}: none), after
-    the reasoning when `prompt` is a reasoning model's; a constraint that cannot be enforced
-    is a 400 naming the part, never ignored."""
+def masks(
+    t: Target, req: _Sampling, prompt: str | None = None, call_grammar: str | None = None
+) -> tuple:
+    """The grammar mask a request's response_format (or its enforced tool calls,
+    `call_grammar`) asks for ({"type": "text"}: none), after the reasoning when `prompt` is a
+    reasoning model's; a constraint that cannot be enforced is a 400 naming the part, never
+    ignored."""
     fmt = req.response_format
+    special: tuple[int, ...] = ()
+    if call_grammar is not None:
+        if fmt and fmt.get("type") != "text":
+            raise bad(
+                "response_format: not with enforced tool calls (tool_choice "
+                '"required", a named function or strict tools)',
+                "response_format",
+            )
+        fmt = {"type": "grammar", "grammar": call_grammar}
+        special = call_tags(t.model.tokenizer)
     if not fmt or fmt.get("type") == "text":
         return ()
     if req.ignore_eos:
@@ -262,7 +285,8 @@ def masks(t: Target, req: _Sampling, prompt: str | None = None) -> tuple:
         )
     try:
         vocab, stops = t.model.config.vocab_size, sorted(t.stop_ids)
-        return (constraint(fmt, t.model.tokenizer, vocab, stops, prompt=prompt),)
+        mask = constraint(fmt, t.model.tokenizer, vocab, stops, prompt=prompt, special=special)
+        return (mask,)
     except ConstraintError as e:
         raise bad(str(e), e.field or "response_format") from None
 

@@ -71,6 +71,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # enforced calls: one unless true
     chat_template_kwargs: dict[str, Any] | None = None
 
 
