@@ -473,6 +473,48 @@ def test_view_follows_the_stream(tmp_path):
 # ---------------------------------------------------------------- commands
 
 
+def test_json_command_sets_the_sessions_response_format(tmp_path):
+    """/json on, /json FILE (a JSON schema) and /json off set what the session's next replies
+    are constrained to (the status line says json); a schema the engine cannot compile, or a
+    file that is not JSON, is refused where typed, the text kept."""
+    schema = tmp_path / "person.json"
+    schema.write_text('{"type": "object", "properties": {"name": {"type": "string"}}}')
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    app = make_app(tmp_path)
+
+    async def scenario(pilot):
+        session = app.sessions[0]
+        for cmd, want in (
+            ("/json on", {"type": "json_object"}),
+            (
+                f"/json {schema}",
+                {
+                    "type": "json_schema",
+                    "json_schema": {"name": "person", "schema": json.loads(schema.read_text())},
+                },
+            ),
+        ):
+            await type_text(pilot, app, cmd)
+            await pilot.press("enter")
+            await pilot.pause()
+            assert app.prompt_input.text == "" and session.response_format == want, cmd
+            assert "json" in str(app.query_one("#status").render())
+        for bad in (f"/json {broken}", f"/json {tmp_path / 'missing.json'}"):
+            app.prompt_input.clear()
+            await type_text(pilot, app, bad)
+            await pilot.press("enter")
+            await pilot.pause()
+            assert app.prompt_input.text == bad and any("/json" in m for m in errors(app))
+        app.prompt_input.clear()
+        await type_text(pilot, app, "/json off")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert session.response_format is None
+
+    run(app, scenario)
+
+
 def test_system_temp_and_params_commands_reach_the_session(tmp_path):
     """/system sets the session's system prompt (seen in the rendered prompt); /temp and /params
     change the sampling passed to the next send; a bad /params is refused, text kept."""

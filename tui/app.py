@@ -370,6 +370,8 @@ class ChatApp(CommandsMixin, App[int]):
         parts.append(f"temp {p.temperature}, max {p.max_tokens}")
         if self.engine.thinking_supported:
             parts.append(f"think {self.engine.thinking_label()}")
+        if self.engine.response_format is not None:
+            parts.append("json")
         if note:
             parts.append(FINISH_NOTES.get(note, note))
         self.query_one("#status", Static).update(Text(" │ ".join(parts)))

@@ -10,7 +10,15 @@ from pathlib import Path
 
 from mlxlis.generation.sampling import parse_value
 
-from tui.commands import HELP, CommandError, format_params, parse_command, parse_thinking
+from tui.commands import (
+    HELP,
+    CommandError,
+    describe_json_format,
+    format_params,
+    parse_command,
+    parse_json_format,
+    parse_thinking,
+)
 from tui.screens import PreviewScreen
 from tui.store import atomic_write, list_records, new_id, summary, to_markdown
 from tui.widgets import Bubble, Note
@@ -138,6 +146,19 @@ class CommandsMixin:
         self.engine.thinking = parse_thinking(arg)
         self.update_status()
         self.notify(f"thinking: {self.engine.thinking_label()} (from the next message)")
+
+    async def cmd_json(self, arg: str) -> None:
+        if self.engine.raw and arg:
+            raise CommandError("/json: raw completion constrains nothing (use chat mode)")
+        if not arg:
+            what = describe_json_format(self.engine.response_format)
+            await self.add_note(f"**JSON:** {what} — `/json on`, `/json off` or `/json FILE`")
+            return
+        self.engine.response_format = parse_json_format(arg)
+        self.update_status()
+        self.notify(
+            f"JSON: {describe_json_format(self.engine.response_format)} (from the next message)"
+        )
 
     async def cmd_save(self, arg: str) -> None:
         path = Path(arg).expanduser() if arg else Path.cwd() / f"mlxlis-chat-{self.record_id}.md"

@@ -7,6 +7,11 @@ use too.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from mlxlis.bounded import read_json_file
+from mlxlis.errors import MlxlisError
+from mlxlis.generation.constraints import grammar
 from mlxlis.generation.sampling import SamplingParams
 
 COMMANDS = (
@@ -15,6 +20,7 @@ COMMANDS = (
     "temp",
     "params",
     "think",
+    "json",
     "save",
     "help",
     "preview",
@@ -35,6 +41,8 @@ Ctrl+Q quit
 | `/params [k=v ...]` | show/set max_tokens, temp, top_p, top_k, min_p, repetition_penalty, seed |
 | `/think on` · `off` · `default` | reasoning models: the template's thinking switch \
 (`enable_thinking`) for the next messages; `/think` shows it |
+| `/json on` · `off` · `FILE` | the next replies as one JSON object (`on`), following the \
+JSON schema in FILE, or free (`off`), enforced token by token; `/json` shows it |
 | `/save [PATH]` | write the conversation as Markdown |
 | `/preview` | the exact prompt the model receives next, special tokens included |
 | `/history` | list saved conversations |
@@ -76,3 +84,28 @@ def parse_thinking(arg: str) -> bool | None:
     if word not in THINKING_WORDS:
         raise CommandError(f"/think takes on, off or default, not {arg.strip()!r}")
     return THINKING_WORDS[word]
+
+
+def parse_json_format(arg: str) -> dict | None:
+    """/json's argument as a response_format: on -> any JSON object, off -> None, else the JSON
+    schema in that file (read, parsed and compiled here: a bad one is refused where typed)."""
+    word = arg.strip()
+    if word.lower() == "off":
+        return None
+    if word.lower() == "on":
+        return {"type": "json_object"}
+    try:
+        schema = read_json_file(Path(word).expanduser(), error=MlxlisError, what="/json schema")
+        fmt = {"type": "json_schema", "json_schema": {"name": Path(word).stem, "schema": schema}}
+        grammar(fmt)
+    except MlxlisError as e:
+        raise CommandError(f"/json: {e}") from None
+    return fmt
+
+
+def describe_json_format(fmt: dict | None) -> str:
+    if fmt is None:
+        return "off"
+    if fmt["type"] == "json_object":
+        return "any JSON object"
+    return f"schema {fmt['json_schema']['name']}"

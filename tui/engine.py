@@ -244,6 +244,15 @@ class Engine:
     def thinking(self, value: bool | None) -> None:
         self.session.thinking = value
 
+    @property
+    def response_format(self) -> dict | None:
+        """What the next replies are constrained to (/json), None: free."""
+        return getattr(self.session, "response_format", None)
+
+    @response_format.setter
+    def response_format(self, value: dict | None) -> None:
+        self.session.response_format = value
+
     def thinking_label(self) -> str:
         return {True: "on", False: "off", None: "default"}[self.thinking]
 
