@@ -61,6 +61,7 @@ bench: install-test models
 	$(PY) scripts/bench_pipeline.py
 	$(PY) scripts/bench_batch.py
 	$(PY) scripts/bench_core.py
+	$(PY) scripts/bench_grammar.py
 	$(PY) scripts/bench_serve.py
 
 # does the suite notice small wrong changes to the numerics? (before a refactor, after a family)

@@ -43,7 +43,10 @@ SCHEMAS = [
     {**OBJ, "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"]},
     {
         **OBJ,
-        "properties": {"kind": {"const": "point"}, "x": {"type": "number"}},
+        "properties": {
+            "kind": {"const": "point"},
+            "x": {"type": "number", "minimum": -10, "maximum": 10, "multipleOf": 0.25},
+        },
         "required": ["kind", "x"],
     },
     {
@@ -118,7 +121,9 @@ SCHEMAS = [
     },
     {
         **OBJ,
-        "properties": {"price": {"type": "number", "minimum": 0, "maximum": 1000}},
+        "properties": {
+            "price": {"type": "number", "minimum": 0, "maximum": 1000, "multipleOf": 0.01}
+        },
         "required": ["price"],
     },
     {**OBJ, "properties": {"day": {"type": "string", "format": "date"}}, "required": ["day"]},
@@ -238,9 +243,16 @@ def test_the_mask_is_the_engines_own_answer(smol):
 
 
 @pytest.mark.real
-def test_sampled_replies_follow_every_schema(smol):
-    """SmolLM2 at temperature 1 (the sampler roams) under each of the 24 schemas, all decoding
-    as one batch: every reply ends on its own ("stop"), parses, and validates."""
+@pytest.mark.parametrize(
+    "name", ["smollm2-135m", pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.extended)]
+)
+def test_sampled_replies_follow_every_schema(smol, name):
+    """SmolLM2 (and, in `make test-all`, Qwen2.5-Coder) at temperature 1 (the sampler roams)
+    under each of the 24 schemas, all decoding as one batch: every reply ends on its own
+    ("stop"), parses, and validates."""
+    if name != "smollm2-135m":
+        need_pulled(name)
+        smol = mlxlis.load(name)
     engine = Engine(smol, max_active=len(SCHEMAS), prefix_cache_bytes=0)
     ids = chat_ids(smol, "Answer in JSON.")
     stops = frozenset(smol.stop_ids())

@@ -162,8 +162,8 @@ NOT_IMPORTED = {
     "accelerate": "transformers' GGUF loader needs it (the tests' references)",
     "ruff": "`make lint`",
 }
-# imported only where installed, each import guarded (the benchmark's llama.cpp)
-OPTIONAL = {"llama_cpp"}
+# imported only where installed, each import guarded (the benchmarks: llama.cpp, xgrammar)
+OPTIONAL = {"llama_cpp", "xgrammar"}
 
 
 def third_party(paths: list[Path]) -> set[str]:
