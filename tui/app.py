@@ -106,6 +106,7 @@ class ChatApp(CommandsMixin, App[int]):
         self.generating = False
         self.record_id = new_id()
         self._stop = threading.Event()
+        self._quitting = threading.Event()  # the warm-up ends early on quit
         self._reply: Bubble | None = None
         self._user: Bubble | None = None
         self._stream = None
@@ -156,7 +157,7 @@ class ChatApp(CommandsMixin, App[int]):
             return
         self.post_message(Loaded(model))
         if isinstance(model, Model):  # (not a test's stand-in) while the user types the first
-            warm_up(model, self.options.sampling)  # message, its kernels compile here
+            warm_up(model, self.options.sampling, self._quitting.is_set)  # kernels compile
 
     def on_progress(self, msg: Progress) -> None:
         for w in self.query(Loading):
@@ -332,10 +333,12 @@ class ChatApp(CommandsMixin, App[int]):
     # --- stopping ---
     async def action_quit(self) -> None:
         self._stop.set()  # a generating thread would otherwise run on to max_tokens
+        self._quitting.set()
         self.exit()
 
     def on_unmount(self) -> None:
         self._stop.set()
+        self._quitting.set()
 
     def action_stop(self) -> None:
         if self.generating:

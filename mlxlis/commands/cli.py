@@ -22,7 +22,7 @@ from mlxlis.commands.args import (
     sampling_params,
 )
 from mlxlis.distributed.leader import finish, follow, ranks_of
-from mlxlis.errors import MlxlisError
+from mlxlis.errors import MlxlisError, PipelineError
 from mlxlis.generation.events import Event
 from mlxlis.generation.generate import generate
 from mlxlis.generation.sampling import SamplingParams
@@ -169,9 +169,14 @@ def run_one_shot(a: argparse.Namespace, params) -> int:
         follow(model)
         return 0
     try:
-        return _one_shot(a, params, model, prompt)
-    finally:
+        code = _one_shot(a, params, model, prompt)
+    except PipelineError:  # the ranks are out of step: no end to announce, they are ending
+        raise
+    except BaseException:
         finish(ranks_of(model))
+        raise
+    finish(ranks_of(model))
+    return code
 
 
 def _one_shot(a: argparse.Namespace, params: SamplingParams, model: Model, prompt: str) -> int:

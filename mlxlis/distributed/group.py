@@ -45,6 +45,7 @@ class Ranks:
         self._since: float | None = None  # when the current pipeline wait began
         self._lock = threading.Lock()
         self._watchdog: threading.Thread | None = None
+        self.lost = False  # a peer was lost: collectives can only hang or fail from here
 
     def __repr__(self) -> str:
         return f"Ranks(rank={self.rank}, size={self.size})"
@@ -88,6 +89,7 @@ class Ranks:
             yield
         except RuntimeError as e:
             if str(e).startswith(BACKEND_PREFIXES):
+                self.lost = True
                 raise RankLostError(
                     f"rank {self.rank} of {self.size} lost the connection to another rank "
                     f"(it ended or its link went down): {e}"

@@ -111,8 +111,9 @@ def ranks_of(model: Model) -> Ranks | None:
 
 
 def finish(ranks: Ranks | None) -> None:
-    """Rank 0: tell the other ranks nothing more will run (they leave `follow`)."""
-    if ranks is not None and ranks.rank == 0:
+    """Rank 0: tell the other ranks nothing more will run (they leave `follow`). Not after a
+    lost rank: the others are ending already, and the collective would wait for the dead."""
+    if ranks is not None and ranks.rank == 0 and not ranks.lost:
         with ranks.waiting():
             ranks.broadcast(b"")
 

@@ -16,7 +16,7 @@ network of the same family fills the cache for a large one. So:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mlxlis.generation.processors import processors_for
 from mlxlis.generation.sampling import SamplingParams, make_sampler
@@ -67,15 +67,20 @@ TINY_CONFIGS: tuple[dict, ...] = (
 )
 
 
-def warm_network(net: Network, vocab: int, params: SamplingParams) -> None:
+def warm_network(
+    net: Network, vocab: int, params: SamplingParams, should_stop: Callable[[], bool] = bool
+) -> None:
     """A prompt and a few decode steps through the core's own forward and `params`' sampler
-    and processors, on throwaway caches."""
+    and processors, on throwaway caches; `should_stop()` true ends it between steps (a user
+    who quits does not wait for it)."""
     cache = net.make_cache()
     history = [(7 * i + 3) % vocab for i in range(WARM_PROMPT)]
     logits = prefill(net, history, cache)
     sample = make_sampler(params.replace(seed=0))
     processors = processors_for(params)
     for _ in range(WARM_TOKENS):
+        if should_stop():
+            return
         for process in processors:
             logits = process(logits, history)
         token = sample(logits)
@@ -84,11 +89,13 @@ def warm_network(net: Network, vocab: int, params: SamplingParams) -> None:
     mx.eval(logits)
 
 
-def warm_up(model: Model, params: SamplingParams | None = None) -> None:
+def warm_up(
+    model: Model, params: SamplingParams | None = None, should_stop: Callable[[], bool] = bool
+) -> None:
     """The model's kernels, with `params`' sampler. A pipelined model is left alone: its ranks
     would all have to run it."""
-    if model.part is None:
-        warm_network(model.net, model.config.vocab_size, params or SamplingParams())
+    if model.part is None and not should_stop():
+        warm_network(model.net, model.config.vocab_size, params or SamplingParams(), should_stop)
 
 
 def warm_tiny(configs: Sequence[dict] = TINY_CONFIGS, dtype: mx.Dtype = mx.float32) -> None:
