@@ -46,6 +46,19 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.array(xs) * 1e3, q))
 
 
+def row(model: str, engine: str, vocab: int, setup: float, compiles: list, times: list) -> dict:
+    return {
+        "model": model,
+        "engine": engine,
+        "vocab": vocab,
+        "setup_s": setup,
+        "compile_ms_mean": statistics.mean(compiles) * 1e3,
+        "compile_ms_max": max(compiles) * 1e3,
+        "mask_ms_p50": pct(times, 50),
+        "mask_ms_p99": pct(times, 99),
+    }
+
+
 def engines(name: str) -> list[dict]:
     model = mlxlis.load(name)
     tok, vocab = model.tokenizer, model.config.vocab_size
@@ -66,18 +79,7 @@ def engines(name: str) -> list[dict]:
         t0 = time.perf_counter()
         mask.allowed([0] + ids[:i])
         times.append(time.perf_counter() - t0)
-    rows.append(
-        {
-            "model": name,
-            "engine": "llguidance",
-            "vocab": vocab,
-            "setup_s": setup,
-            "compile_ms_mean": statistics.mean(compiles) * 1e3,
-            "compile_ms_max": max(compiles) * 1e3,
-            "mask_ms_p50": pct(times, 50),
-            "mask_ms_p99": pct(times, 99),
-        }
-    )
+    rows.append(row(name, "llguidance", vocab, setup, compiles, times))
     del lt
     try:
         import xgrammar as xgr
@@ -107,18 +109,7 @@ def engines(name: str) -> list[dict]:
         times.append(time.perf_counter() - t0)
         if i < len(ids):
             m.accept_token(ids[i])
-    rows.append(
-        {
-            "model": name,
-            "engine": "xgrammar",
-            "vocab": vocab,
-            "setup_s": setup,
-            "compile_ms_mean": statistics.mean(compiles) * 1e3,
-            "compile_ms_max": max(compiles) * 1e3,
-            "mask_ms_p50": pct(times, 50),
-            "mask_ms_p99": pct(times, 99),
-        }
-    )
+    rows.append(row(name, "xgrammar", vocab, setup, compiles, times))
     return rows
 
 
