@@ -338,8 +338,8 @@ MUTANTS = (
     Mutant(
         "constraint-mask-lags",
         "mlxlis/generation/constraints.py",
-        "for token in reply[self.start + self.fed :]:",
-        "for token in reply[self.start + self.fed : -1]:",
+        "for token in history[self.start + self.fed :]:",
+        "for token in history[self.start + self.fed : -1]:",
         ("tests/test_constraints.py::test_the_mask_is_the_engines_own_answer",),
         "structured output: the mask computed one token behind (the newest token not fed)",
     ),

@@ -24,7 +24,6 @@ stop tokens are allowed, so the reply ends there ("stop"); cut by max_tokens fir
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import weakref
@@ -243,30 +242,32 @@ class GrammarMask:
         self.reasoning = reasoning
         self.state = reasoning.state if reasoning is not None else "after"
         self.prompt: int | None = None  # history length at the first call
-        self.start: int | None = None  # where in the reply the grammar starts
-        self.fed = 0  # reply tokens the matcher has consumed
+        self.start: int | None = None  # where in the history the grammar starts
+        self.scanned = 0  # history searched for the close tag so far
+        self.fed = 0  # tokens the matcher has consumed
 
     def allowed(self, history: Sequence[int]) -> np.ndarray | None:
         """(vocab,) bool: what the grammar allows after the reply so far; None while the
         reply is still reasoning (unconstrained)."""
         if self.prompt is None:
-            self.prompt = len(history)
-        reply = history[self.prompt :]
-        if self.start is None:
+            self.prompt = self.scanned = len(history)
+        if self.start is None:  # indices, not slices: this runs once per generated token
             r = self.reasoning
             if self.state == "start":  # the model may open a reasoning block first
-                if not reply:
+                if len(history) == self.prompt:
                     mask = self._mask()
                     mask[r.open_id] = True
                     return mask
-                self.state = "inside" if reply[0] == r.open_id else "after"
+                self.state = "inside" if history[self.prompt] == r.open_id else "after"
             if self.state == "inside":
-                if r.close_id not in reply:
+                while self.scanned < len(history) and history[self.scanned] != r.close_id:
+                    self.scanned += 1
+                if self.scanned == len(history):
                     return None
-                self.start = list(reply).index(r.close_id) + 1
+                self.start = self.scanned + 1
             else:
-                self.start = 0
-        for token in reply[self.start + self.fed :]:
+                self.start = self.prompt
+        for token in history[self.start + self.fed :]:
             if not self.matcher.consume_token(token):
                 raise ConstraintError(
                     f"token {token} broke the grammar: {self.matcher.get_error()}", field=FIELD
@@ -303,9 +304,3 @@ def constraint(
     tok = engine_tokenizer(tokenizer, vocab, stops, special)
     check(text, tok, response_format, field)
     return GrammarMask(tok, text, vocab, reasoning_of(tokenizer, prompt))
-
-
-def describe(response_format: Any) -> str:
-    """One line for logs: the kind of constraint."""
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    return f"{kind}" if kind else json.dumps(response_format)[:40]
