@@ -53,6 +53,7 @@ class Event:
     logprob: float | None = None  # when asked: the chosen token's, after the processors
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None  # finish_reason "error": what went wrong
+    stop_sequence: str | None = None  # final event: the stop string that ended the text
     fed: list[int] = field(default_factory=list)  # final event: every id the caches hold
     # a chat reply's text split (ChatSession); elsewhere all of it is answer (None: `text`)
     reasoning: str = ""

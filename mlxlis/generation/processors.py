@@ -44,3 +44,49 @@ def processors_for(params: SamplingParams) -> list[LogitsProcessor]:
     if params.repetition_penalty == 1.0:
         return []
     return [RepetitionPenalty(params.repetition_penalty, params.repetition_context)]
+
+
+class ReasoningBudget:
+    """Ends the reasoning once `budget` tokens were spent in it (Anthropic's
+    `thinking.budget_tokens`): from then on the closing tag's tokens are forced, one a step,
+    and the model answers after it. The reasoning opens with the prompt (`in_reasoning`) or
+    with the reply's first tokens being `open_ids`; tags are matched as token ids."""
+
+    def __init__(
+        self,
+        budget: int,
+        prompt_len: int,
+        open_ids: Sequence[int],
+        close_ids: Sequence[int],
+        in_reasoning: bool,
+    ):
+        self.budget, self.open, self.close = budget, list(open_ids), list(close_ids)
+        self.state = "reasoning" if in_reasoning else "start"
+        self.start = self.seen = prompt_len  # history positions: the reply's first, next unread
+        self.spent = 0
+
+    def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
+        for i in range(self.seen, len(history)):
+            self._see(history, i)
+        self.seen = len(history)
+        if self.state != "reasoning" or self.spent < self.budget:
+            return logits
+        tail = list(history[-len(self.close) :]) if self.close else []
+        k = max((n for n in range(len(self.close)) if n == 0 or tail[-n:] == self.close[:n]))
+        forced = mx.arange(logits.shape[-1]) == self.close[k]
+        return mx.where(forced, mx.array(0.0, logits.dtype), mx.array(-mx.inf, logits.dtype))
+
+    def _see(self, history: Sequence[int], i: int) -> None:
+        reply = history[self.start : i + 1]
+        if self.state == "start":
+            if list(reply[-len(self.open) :]) == self.open:
+                self.state = "reasoning"
+            elif len(reply) >= len(self.open):  # the reply did not open with the tag
+                self.state = "answer"
+        elif self.state == "reasoning":
+            if self.close and list(history[max(self.start, i + 1 - len(self.close)) : i + 1]) == (
+                self.close
+            ):
+                self.state = "answer"
+            else:
+                self.spent += 1

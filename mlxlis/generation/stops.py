@@ -9,14 +9,16 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(s for s in stops if s)
         self.held = ""
+        self.matched: str | None = None  # the stop string that ended the text (the earliest)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to emit, a stop string was reached)."""
         buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda h: h[0])
             self.held = ""
-            return buf[: min(hits)], True
+            return buf[:at], True
         keep = max(
             (
                 n

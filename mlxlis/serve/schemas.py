@@ -7,7 +7,7 @@ does not use (presence_penalty, user, ...) and unknown fields are ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict
 
@@ -83,29 +83,38 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
-# every field name a request can have, nested ones included: the parts of a validation error's
-# location that name the offending field (the others name a union member's type)
-FIELD_NAMES = frozenset(
-    name
-    for m in (
-        StreamOptions,
-        ContentPart,
-        ToolCallFunction,
-        ToolCall,
-        ChatMessage,
-        ChatCompletionRequest,
-        CompletionRequest,
-    )
-    for name in m.model_fields
-)
+def field_names(*models: type[BaseModel]) -> frozenset[str]:
+    """Every field name of `models` and of the models their fields hold, nested ones
+    included: the parts of a validation error's location that name the offending field (the
+    others name a union member's type)."""
+    seen: set[type] = set()
+    names: set[str] = set()
+
+    def walk(tp: Any) -> None:
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            if tp in seen:
+                return
+            seen.add(tp)
+            for name, f in tp.model_fields.items():
+                names.add(f.alias or name)
+                walk(f.annotation)
+        for arg in get_args(tp):
+            walk(arg)
+
+    for m in models:
+        walk(m)
+    return frozenset(names)
 
 
-def param_path(loc: tuple[str | int, ...]) -> str | None:
+FIELD_NAMES = field_names(ChatCompletionRequest, CompletionRequest)
+
+
+def param_path(loc: tuple[str | int, ...], names: frozenset[str] = FIELD_NAMES) -> str | None:
     """The field a pydantic error location points at, as OpenAI writes it: messages[0].role."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in FIELD_NAMES:
+        elif part in names:
             out += f".{part}" if out else part
     return out or None

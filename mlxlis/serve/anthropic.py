@@ -1,0 +1,455 @@
+"""Anthropic's Messages API: `POST /v1/messages` and `/v1/messages/count_tokens`.
+
+A thin adapter: the body becomes the server's chat request (system and messages as a chat
+template takes them, `tool_use` blocks as tool calls, `tool_result` blocks as tool messages,
+`thinking` as the template's `enable_thinking`), prepared and generated like any other; the
+events become content blocks (`thinking`, `text`, `tool_use`), streamed as Anthropic's event
+sequence. Fields a local model has no use for (`metadata`, `cache_control`, `service_tier`,
+`speed`, `container`, …) are accepted and ignored, as a proxy would; what cannot be honoured
+(an image block, an Anthropic-defined tool) is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any, Literal
+
+from mlxlis.generation.processors import ReasoningBudget
+from mlxlis.prompt.reasoning import ReasoningSplitter
+from mlxlis.serve.openai_format import APIError, new_id
+from mlxlis.serve.prepare import Prepared, prepare_chat
+from mlxlis.serve.reply import ChatReply, Delta
+from mlxlis.serve.schemas import ChatCompletionRequest, _Body
+from mlxlis.serve.service import Run, Service, collect, end_error, read_body
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import Field
+
+EFFORT_THINKS = {"low": False, "medium": True, "high": True, "max": True}
+# the chat request's parameter names as this API calls them (in refusals)
+NAMES = {"stop": "stop_sequences", "response_format": "output_config.format"}
+
+
+class Block(_Body):
+    """One content block; which fields count depends on `type` (checked in `_blocks`)."""
+
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[Block] | None = None
+    is_error: bool | None = None
+    thinking: str | None = None
+
+
+class Message(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(_Body):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None  # "custom" or none; Anthropic's own tools (bash_…) are refused
+    strict: bool | None = None
+
+
+class ToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(_Body):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
+class OutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high", "max"] | None = None
+
+
+class CountTokensRequest(_Body):
+    model: str
+    messages: list[Message]
+    system: str | list[Block] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None  # older clients still send these; honoured when present
+    top_p: float | None = None
+    top_k: int | None = None
+
+
+def bad(message: str, param: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+def _text(blocks: str | list[Block] | None, where: str) -> str:
+    """A tool result's or the system prompt's text: a string, or text blocks joined."""
+    if blocks is None or isinstance(blocks, str):
+        return blocks or ""
+    out = []
+    for j, b in enumerate(blocks):
+        if b.type != "text" or b.text is None:
+            raise bad(f"only text blocks are supported here, not {b.type!r}", f"{where}[{j}].type")
+        out.append(b.text)
+    return "\n".join(out)
+
+
+def _user(blocks: list[Block], i: int) -> list[dict[str, Any]]:
+    """A user turn: each tool_result a tool message, in order, then its text (if any)."""
+    out: list[dict[str, Any]] = []
+    text: list[str] = []
+    for j, b in enumerate(blocks):
+        where = f"messages[{i}].content[{j}]"
+        if b.type == "text" and b.text is not None:
+            text.append(b.text)
+        elif b.type == "tool_result" and b.tool_use_id is not None:
+            result = _text(b.content, f"{where}.content")
+            # a chat template has no error flag: the model reads it in the result
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": b.tool_use_id,
+                    "content": f"Error: {result}" if b.is_error else result,
+                }
+            )
+        elif b.type == "image":
+            raise bad("image blocks are not supported: this model reads text only", f"{where}.type")
+        else:
+            raise bad(f"a user turn's block cannot be {b.type!r} here", f"{where}.type")
+    if text or not out:
+        out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def _assistant(blocks: list[Block], i: int) -> dict[str, Any]:
+    """A past assistant turn: its text, its reasoning and its tool calls."""
+    msg: dict[str, Any] = {"role": "assistant", "content": ""}
+    calls = []
+    for j, b in enumerate(blocks):
+        where = f"messages[{i}].content[{j}]"
+        if b.type == "text" and b.text is not None:
+            msg["content"] += b.text
+        elif b.type == "thinking" and b.thinking is not None:
+            msg["reasoning_content"] = msg.get("reasoning_content", "") + b.thinking
+        elif b.type == "redacted_thinking":
+            continue  # reasoning encrypted by another model: nothing this one can read
+        elif b.type == "tool_use" and b.id is not None and b.name is not None:
+            fn = {"name": b.name, "arguments": b.input or {}}
+            calls.append({"id": b.id, "type": "function", "function": fn})
+        else:
+            raise bad(f"an assistant turn's block cannot be {b.type!r} here", f"{where}.type")
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    out = []
+    for k, t in enumerate(tools):
+        if t.type not in (None, "custom") or t.input_schema is None:
+            raise bad(
+                f"{t.type or t.name!r}: only custom tools with an input_schema can run here",
+                f"tools[{k}].type" if t.type else f"tools[{k}].input_schema",
+            )
+        fn: dict[str, Any] = {"name": t.name, "parameters": t.input_schema}
+        if t.description is not None:
+            fn["description"] = t.description
+        if t.strict is not None:
+            fn["strict"] = t.strict
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def to_chat(req: CountTokensRequest, thinks: bool) -> ChatCompletionRequest:
+    """The server's chat request for `req` (`thinks`: the template has the reasoning switch)."""
+    messages: list[dict[str, Any]] = []
+    if req.system:
+        messages.append({"role": "system", "content": _text(req.system, "system")})
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, str):
+            messages.append({"role": m.role, "content": m.content})
+        elif m.role == "user":
+            messages += _user(m.content, i)
+        else:
+            messages.append(_assistant(m.content, i))
+    body: dict[str, Any] = {"messages": messages}
+    kwargs: dict[str, Any] = {}
+    thinking = req.thinking.type if req.thinking else None
+    effort = req.output_config.effort if req.output_config else None
+    if thinks and thinking in ("enabled", "disabled"):
+        kwargs["enable_thinking"] = thinking == "enabled"
+    elif thinks and thinking is None and effort is not None:
+        kwargs["enable_thinking"] = EFFORT_THINKS[effort]
+    if kwargs:
+        body["chat_template_kwargs"] = kwargs
+    if req.tools:
+        body["tools"] = _tools(req.tools)
+        choice = req.tool_choice
+        if choice is not None:
+            if choice.type == "tool":
+                if choice.name is None:
+                    raise bad('a "tool" choice needs the tool\'s name', "tool_choice.name")
+                body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+            else:
+                body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[
+                    choice.type
+                ]
+            body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+        else:
+            body["parallel_tool_calls"] = True
+    if req.output_config and req.output_config.format:
+        schema = req.output_config.format.schema_
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": schema, "strict": True},
+        }
+    if isinstance(req, MessagesRequest):
+        body["max_tokens"] = req.max_tokens
+        for name in ("temperature", "top_p", "top_k"):
+            if (v := getattr(req, name)) is not None:
+                body[name] = v
+        if req.stop_sequences:
+            body["stop"] = req.stop_sequences
+    return ChatCompletionRequest.model_validate(body)
+
+
+def _budget(req: MessagesRequest) -> int | None:
+    t = req.thinking
+    if t is None or t.type != "enabled":
+        return None
+    if t.budget_tokens is None:
+        raise bad("thinking of type enabled needs budget_tokens", "thinking.budget_tokens")
+    if not 1 <= t.budget_tokens < req.max_tokens:
+        raise bad(
+            f"must be at least 1 and less than max_tokens ({req.max_tokens}), not "
+            f"{t.budget_tokens}",
+            "thinking.budget_tokens",
+        )
+    return t.budget_tokens
+
+
+def with_budget(prep: Prepared, model: Any, budget: int) -> Prepared:
+    """`prep` with its reasoning closed after `budget` tokens (a model that does not reason
+    answers as it would)."""
+    assert prep.prompt is not None
+    splitter = ReasoningSplitter.for_prompt(model.tokenizer, prep.prompt)
+
+    def ids(tag: str) -> list[int]:
+        return model.tokenizer.encode(tag, special=True, add_bos=False, add_eos=False)
+
+    limit = ReasoningBudget(
+        budget,
+        len(prep.gen.prompt),
+        ids(splitter.open_tag),
+        ids(splitter.close_tag),
+        splitter.in_reasoning,
+    )
+    prep.gen = replace(prep.gen, processors=(*prep.gen.processors, limit))
+    return prep
+
+
+def renamed(e: APIError) -> APIError:
+    """A refusal of the chat request, with this API's names for its parameters."""
+    for ours, theirs in NAMES.items():
+        if e.param is not None and e.param.startswith(ours):
+            e.message = e.message.replace(ours, theirs, 1)
+            e.param = theirs + e.param[len(ours) :]
+    return e
+
+
+def usage(u: Any, output: bool = True) -> dict[str, Any]:
+    """Anthropic counts the cached prompt tokens apart from the others."""
+    out = {
+        "input_tokens": u.prompt_tokens - u.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": u.cached_tokens,
+    }
+    if output:
+        out["output_tokens"] = u.completion_tokens
+    return out
+
+
+def stop_reason(finish: str, tool_calls: bool, stop_sequence: str | None) -> str:
+    if finish == "length":
+        return "max_tokens"
+    if tool_calls:
+        return "tool_use"
+    return "stop_sequence" if stop_sequence is not None else "end_turn"
+
+
+def tool_block(call: dict[str, Any]) -> dict[str, Any]:
+    args = call["function"]["arguments"]
+    try:
+        parsed = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        parsed = {}
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": parsed}
+
+
+def content(reply: ChatReply) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if reply.reasoning:
+        out.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+    if reply.content:
+        out.append({"type": "text", "text": reply.content})
+    out += [tool_block(c) for c in reply.tool_calls]
+    return out
+
+
+def event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
+class Blocks:
+    """The streamed content blocks: a delta of another kind closes the open block and opens
+    one of its own; each tool call is a block of its own, its input sent as one delta."""
+
+    def __init__(self) -> None:
+        self.index, self.open = -1, None
+
+    def _start(self, kind: str, block: dict[str, Any]) -> list[str]:
+        out = self.stop()
+        self.index += 1
+        self.open = kind
+        return [*out, event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def stop(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [event("content_block_stop", {"index": self.index})]
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def feed(self, d: Delta) -> list[str]:
+        out: list[str] = []
+        if d.reasoning:
+            if self.open != "thinking":
+                block = {"type": "thinking", "thinking": "", "signature": ""}
+                out += self._start("thinking", block)
+            out.append(self._delta({"type": "thinking_delta", "thinking": d.reasoning}))
+        if d.content:
+            if self.open != "text":
+                out += self._start("text", {"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": d.content}))
+        for call in d.tool_calls:
+            block = tool_block(call)
+            out += self._start("tool_use", {**block, "input": {}})
+            partial = json.dumps(block["input"], ensure_ascii=False)
+            out.append(self._delta({"type": "input_json_delta", "partial_json": partial}))
+        return out
+
+
+async def message_stream(run: Run, reply: ChatReply, message: dict[str, Any]) -> AsyncIterator[str]:
+    blocks, started = Blocks(), False
+    try:
+        async for ev in run.events():
+            if ev.finish_reason == "error":
+                e = end_error(run.state, ev)
+                kind = "overloaded_error" if e.status == 503 else "api_error"
+                yield event("error", {"error": {"type": kind, "message": e.message}})
+                return
+            if not started:  # the first event: the prompt is read, its cached part known
+                started = True
+                msg = {**message, "usage": {**usage(ev.usage, False), "output_tokens": 0}}
+                yield event("message_start", {"message": msg})
+                yield event("ping", {})
+            for out in blocks.feed(reply.feed(ev)):
+                yield out
+            if ev.finish_reason is not None:
+                for out in blocks.stop():
+                    yield out
+                reason = stop_reason(ev.finish_reason, bool(reply.tool_calls), ev.stop_sequence)
+                delta = {"stop_reason": reason, "stop_sequence": ev.stop_sequence}
+                yield event("message_delta", {"delta": delta, "usage": usage(ev.usage)})
+                yield event("message_stop", {})
+    finally:
+        run.close()
+
+
+def router(svc: Service, auth: list) -> APIRouter:
+    r = APIRouter()
+    state = svc.state
+
+    async def prepared(req: CountTokensRequest) -> Prepared:
+        svc.check_model(req.model)
+        model = state.target.model
+        chat = to_chat(req, model.supports_thinking)
+        try:
+            return await svc.prepare(prepare_chat, chat)
+        except APIError as e:
+            raise renamed(e) from None
+
+    @r.post("/v1/messages/count_tokens", dependencies=auth)
+    async def count_tokens(request: Request) -> dict[str, Any]:
+        req = await read_body(request, CountTokensRequest, state.max_body)
+        return {"input_tokens": len((await prepared(req)).gen.prompt)}
+
+    @r.post("/v1/messages", dependencies=auth)
+    async def messages(request: Request) -> Any:
+        req = await read_body(request, MessagesRequest, state.max_body)
+        budget = _budget(req)
+        prep = await prepared(req)
+        if budget is not None:
+            prep = with_budget(prep, state.target.model, budget)
+        rid = new_id("msg").replace("-", "_")
+        assert prep.prompt is not None
+        reply = ChatReply(
+            state.target.model.tokenizer,
+            state.token_text,
+            prep.prompt,
+            logprobs=False,
+            tools=prep.tools,
+            tool_format=prep.tool_format,
+            forced=prep.forced,
+        )
+        run = svc.submit(prep, rid, request)
+        head = {
+            "id": rid,
+            "type": "message",
+            "role": "assistant",
+            "model": state.model_id,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+        }
+        if req.stream:
+            return StreamingResponse(
+                message_stream(run, reply, head),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        ev = await collect(run, reply.feed)
+        reason = stop_reason(ev.finish_reason or "stop", bool(reply.tool_calls), ev.stop_sequence)
+        return {
+            **head,
+            "content": content(reply),
+            "stop_reason": reason,
+            "stop_sequence": ev.stop_sequence,
+            "usage": usage(ev.usage),
+        }
+
+    return r

@@ -1,0 +1,7 @@
+"""(placeholder)"""
+
+from fastapi import APIRouter
+
+
+def router(svc, auth) -> APIRouter:
+    return APIRouter()

@@ -1,0 +1,258 @@
+"""What every API the server speaks shares: the state, bodies read and validated, requests
+prepared off the event loop and submitted to the one engine, the stream of a submitted one.
+
+Each API (openai_routes in app.py, anthropic.py, responses.py, ollama.py) is a thin adapter:
+its body becomes the server's one chat request (schemas.ChatCompletionRequest, prepared by
+prepare.py), the engine's events its reply; refusals are APIErrors, written in the shape of
+the API the request came to (`error_shape`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, TypeVar
+
+from mlxlis.errors import MlxlisError
+from mlxlis.generation.engine import Engine, QueueFullError, Stream
+from mlxlis.generation.events import Event
+from mlxlis.serve.openai_format import APIError, TokenText
+from mlxlis.serve.prepare import Prepared, Target
+from mlxlis.serve.schemas import FIELD_NAMES, field_names, param_path
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+log = logging.getLogger("mlxlis.serve")
+MAX_BODY_BYTES = 8 << 20  # a request body; 100k tokens of text are < 1 MiB
+B = TypeVar("B", bound=BaseModel)
+
+
+@dataclass
+class State:
+    """What the routes share: the model (through `target`), the engine and the settings."""
+
+    target: Target
+    engine: Engine
+    model_id: str  # the name /v1/models lists and responses carry
+    names: frozenset[str]  # the names a request's "model" may use
+    fingerprint: str
+    api_key: str | None = None
+    max_body: int = MAX_BODY_BYTES
+    stopping: bool = False  # set when the server shuts down: unfinished requests get 503
+    created: int = field(default_factory=lambda: int(time.time()))
+    responses_store_bytes: int = 64 << 20  # /v1/responses kept for previous_response_id
+    # prompts are rendered and tokenized off the event loop, one at a time
+    worker: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="mlxlis-prepare")
+    )
+
+    def __post_init__(self) -> None:
+        tok = self.target.model.tokenizer
+        self.token_text = TokenText(
+            lambda ids: tok.decode(ids, clean_spaces=False), tok.token_bytes
+        )
+
+
+def validation_error(e: ValidationError, names: frozenset[str] = FIELD_NAMES) -> APIError:
+    """pydantic's errors -> one 400 naming the first offending field."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first['msg']}", code="invalid_json")
+    param = param_path(first["loc"], names)
+    if param is None:
+        return APIError(400, f"the body must be a JSON object: {first['msg']}", code="invalid_json")
+    msgs = list(dict.fromkeys(e["msg"] for e in errors if param_path(e["loc"], names) == param))
+    kind, code = first["type"], "invalid_value"
+    if kind == "missing":
+        code = "missing_required_parameter"
+    elif kind.endswith(("_type", "_parsing")):
+        code = "invalid_type"
+    return APIError(400, f"{param}: {'; or '.join(msgs)}", param=param, code=code)
+
+
+_NAMES: dict[type, frozenset[str]] = {}
+
+
+async def read_body(request: Request, cls: type[B], limit: int) -> B:
+    """The body as `cls` (bounded by `limit` bytes), or a 400 / 413 naming what is wrong."""
+    too_big = APIError(413, f"the request body is over {limit} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_big
+    try:
+        return cls.model_validate_json(bytes(body))
+    except ValidationError as e:
+        names = _NAMES.setdefault(cls, field_names(cls))
+        raise validation_error(e, names) from None
+
+
+class Run:
+    """One submitted request: its stream, the task that notices the client leaving, the log
+    line at the end."""
+
+    def __init__(self, state: State, rid: str, stream: Stream, request: Request, prompt: int):
+        self.state, self.rid, self.stream, self.prompt = state, rid, stream, prompt
+        self.tokens, self.final = 0, None
+        self.watcher = asyncio.create_task(self._watch(request.receive))
+        self.closed = False
+
+    async def _watch(self, receive: Callable) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.stream.cancel()
+
+    async def events(self) -> AsyncIterator[Event]:
+        async for ev in self.stream:
+            if ev.token is not None:
+                self.tokens += 1
+            if ev.finish_reason is not None:
+                self.final = ev
+            yield ev
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.watcher.cancel()
+        self.stream.cancel()  # a no-op once it finished; otherwise the client left
+        ev = self.final
+        if ev is None or ev.usage is None:
+            log.info("%s cancelled prompt=%d generated=%d", self.rid, self.prompt, self.tokens)
+            return
+        u = ev.usage
+        tps = (u.completion_tokens - 1) / u.decode_seconds if u.decode_seconds > 0 else 0.0
+        log.info(
+            "%s %s prompt=%d cached=%d generated=%d ttft=%.3fs %.1f tok/s%s",
+            self.rid,
+            ev.finish_reason,
+            u.prompt_tokens,
+            u.cached_tokens,
+            u.completion_tokens,
+            u.time_to_first_token,
+            tps,
+            f" error={ev.error}" if ev.error else "",
+        )
+
+
+def end_error(state: State, ev: Event) -> APIError:
+    """The answer to a request the engine ended with an error (already logged)."""
+    if state.stopping:
+        e = APIError(
+            503,
+            ev.error or "the server is shutting down",
+            type="server_error",
+            code="server_shutting_down",
+        )
+    else:
+        e = APIError(500, ev.error or "generation failed", type="server_error")
+    e.logged = True
+    return e
+
+
+async def collect(run: Run, feed: Callable[[Event], Any]) -> Event:
+    """Every event through `feed`; the last one (an error ends as an APIError)."""
+    try:
+        async for ev in run.events():
+            if ev.finish_reason == "error":
+                raise end_error(run.state, ev)
+            feed(ev)
+    finally:
+        run.close()
+    assert run.final is not None
+    return run.final
+
+
+class Service:
+    """The routes' access to the state: keys and model names checked, requests prepared and
+    submitted."""
+
+    def __init__(self, state: State):
+        self.state = state
+
+    def check_key(self, request: Request) -> None:
+        """--api-key: `Authorization: Bearer KEY` (OpenAI, Ollama) or `x-api-key: KEY`
+        (Anthropic's clients)."""
+        key = self.state.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key")
+        if given is None or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise APIError(
+                401,
+                "a valid API key is needed: Authorization: Bearer KEY, or x-api-key: KEY",
+                code="invalid_api_key",
+            )
+
+    def check_model(self, name: str | None, names: frozenset[str] | None = None) -> None:
+        if name is not None and name not in (names or self.state.names):
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server runs {self.state.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def prepare(self, fn: Callable[..., Prepared], *args: Any, **kw: Any) -> Prepared:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.state.worker, partial(fn, self.state.target, *args, **kw)
+        )
+
+    def submit(self, prep: Prepared, rid: str, request: Request) -> Run:
+        state = self.state
+        try:
+            stream = state.engine.submit(prep.gen, loop=asyncio.get_running_loop())
+        except QueueFullError as e:
+            raise APIError(
+                429,
+                f"too many requests waiting, retry later ({e})",
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+            ) from None
+        except MlxlisError as e:
+            if state.stopping:
+                raise APIError(
+                    503, str(e), type="server_error", code="server_shutting_down"
+                ) from None
+            raise APIError(400, str(e), param=getattr(e, "field", None)) from None
+        n = len(prep.gen.prompt)
+        log.debug("%s %s prompt=%d %s", rid, request.url.path, n, prep.gen.params)
+        return Run(state, rid, stream, request, n)
+
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+def error_shape(path: str, e: APIError) -> dict[str, Any]:
+    """`e` as the API at `path` writes errors: Anthropic's `{"type": "error", "error": {type,
+    message}}`, Ollama's `{"error": message}`, else OpenAI's."""
+    if path.startswith("/v1/messages"):
+        kind = ANTHROPIC_TYPES.get(e.status, "api_error" if e.status >= 500 else e.type)
+        return {"type": "error", "error": {"type": kind, "message": e.message}}
+    if path.startswith("/api/"):
+        return {"error": e.message}
+    return e.body()
