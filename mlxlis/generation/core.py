@@ -151,6 +151,7 @@ class Sequence:
             self.usage.time_to_first_token = time.perf_counter() - self.t0
         ev = self._event(None, tail)
         ev.finish_reason, ev.error, ev.fed = reason, error, list(self.fed)
+        ev.stop_sequence = self.stops.matched
         return ev
 
 
