@@ -200,6 +200,17 @@ def tiny(tmp_path_factory):
     return tiny_models(tmp_path_factory, TINY)
 
 
+@pytest.fixture(scope="session")
+def tiny_server(tiny, tmp_path_factory):
+    """`mlxlis serve` on the tiny "llama_long" (serve_process.tiny_server): one process for
+    every API's tests."""
+    from serve_process import tiny_server as start
+
+    srv = start(tiny("llama_long")[0], tmp_path_factory.mktemp("serve"))
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
 # Prefix for a child Python that a test interrupts with SIGINT: a shell that starts a job in
 # the background makes it ignore SIGINT, and Python then installs no KeyboardInterrupt handler.
 CTRL_C_CHILD = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"

@@ -14,6 +14,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+# the tiny server's chat template: ChatML with a tool list, past tool calls and Qwen3's
+# enable_thinking switch (shared by the API tests: one process for all of them)
+TINY_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking %}<think>\n{% endif %}{% endif %}"
+)
+TINY_CONTEXT = 4096
 STARTUP_S = 180.0  # hang guards, not speed checks: a busy 2-core machine loads slowly
 STOP_S = 60.0
 
@@ -140,3 +152,21 @@ def events(resp: http.client.HTTPResponse):
         if line.startswith(b"data: "):
             data = line[6:].decode()
             yield data if data == "[DONE]" else json.loads(data)
+
+
+def tiny_server(folder: Path, tmp: Path) -> ServeProcess:
+    """The tiny random Llama at `folder` served as "llama_long" with TINY_TEMPLATE, a batch of
+    4 and a context of TINY_CONTEXT."""
+    (tmp / "llama_long").symlink_to(folder)
+    (tmp / "template.jinja").write_text(TINY_TEMPLATE)
+    return ServeProcess(
+        tmp,
+        "-m",
+        str(tmp / "llama_long"),
+        "--max-batch",
+        "4",
+        "--max-context",
+        str(TINY_CONTEXT),
+        "--chat-template",
+        str(tmp / "template.jinja"),
+    )

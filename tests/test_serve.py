@@ -18,38 +18,16 @@ import mlxlis
 
 import openai
 import pytest
-from serve_process import ServeProcess, events
+from serve_process import TINY_CONTEXT as CONTEXT
+from serve_process import events
 
-CONTEXT = 4096
-TEMPLATE = (  # ChatML with a tool list and Qwen3's enable_thinking switch
-    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
-    "{% endfor %}<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking %}<think>\n{% endif %}{% endif %}"
-)
 HELLO = [{"role": "user", "content": "Hello, world!"}]
 LONG = {"ignore_eos": True, "max_tokens": CONTEXT - 64, "stream": True}  # runs until stopped
 
 
 @pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    (tmp / "llama_long").symlink_to(tiny("llama_long")[0])  # served as "llama_long"
-    (tmp / "template.jinja").write_text(TEMPLATE)
-    srv = ServeProcess(
-        tmp,
-        "-m",
-        str(tmp / "llama_long"),
-        "--max-batch",
-        "4",
-        "--max-context",
-        str(CONTEXT),
-        "--chat-template",
-        str(tmp / "template.jinja"),
-    )
-    yield srv
-    assert srv.stop() == 0, srv.log()
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

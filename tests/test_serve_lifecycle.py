@@ -65,6 +65,26 @@ def test_api_key_is_required(server):
     assert server.request("GET", "/health", headers={"Authorization": ""})[0] == 200
 
 
+def test_anthropic_clients_key_is_x_api_key(server):
+    """Anthropic's client sends the key as `x-api-key`: the right one passes (to the missing
+    template's 400 on this server), a wrong one is 401 authentication_error in Anthropic's
+    error shape."""
+    import anthropic
+
+    url = f"http://127.0.0.1:{server.port}"
+    body = {"model": "llama_long", "messages": [{"role": "user", "content": "Hi"}]}
+    good = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        good.messages.count_tokens(**body)
+    assert e.value.body["error"]["message"].startswith("No chat template")
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.count_tokens(
+            **body
+        )
+    assert e.value.body["type"] == "error"
+    assert e.value.body["error"]["type"] == "authentication_error"
+
+
 def test_chat_without_template_is_400_with_the_diagnosis(server):
     """A model without a chat template answers a chat request with a 400 whose message is
     the diagnosis `mlxlis chat` prints (no template is guessed); /v1/completions still

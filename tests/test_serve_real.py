@@ -81,6 +81,67 @@ def test_smollm_second_turn_is_cached(smollm):
     assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
 
 
+def anthropic_client(client):
+    import anthropic
+
+    url = str(client.base_url).rstrip("/").removesuffix("/v1")
+    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_smollm_through_anthropic_messages(smollm):
+    """Anthropic's client on SmolLM2: the same greedy answer (Paris) as Chat Completions,
+    whole and streamed."""
+    client = anthropic_client(smollm)
+    r = client.messages.create(model="smollm2-135m", messages=QUESTION, max_tokens=40)
+    o = smollm.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=40)
+    assert r.content[0].text == o.choices[0].message.content and "Paris" in r.content[0].text
+    with client.messages.stream(model="smollm2-135m", messages=QUESTION, max_tokens=40) as s:
+        assert s.get_final_message().content[0].text == r.content[0].text
+
+
+def test_qwen_tool_round_trip_through_anthropic_messages(qwen):
+    """Anthropic's client on Qwen2.5-Coder, the conversation of test_qwen_tool_call: a
+    tool_use block get_weather({"city": "Paris"}) ending the turn with "tool_use"; its
+    tool_result sent back is answered with the same text as Chat Completions gives the same
+    conversation, ending the turn."""
+    client = anthropic_client(qwen)
+    tool = WEATHER[0]["function"]
+    tools = [{"name": tool["name"], "description": tool["description"], "input_schema": PARAMS}]
+    ask = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+    r = client.messages.create(model="qwen2.5-coder-0.5b", messages=ask, tools=tools, max_tokens=60)
+    assert r.stop_reason == "tool_use", r.content
+    (use,) = r.content
+    assert use.type == "tool_use" and use.name == "get_weather" and use.input == {"city": "Paris"}
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": '{"sky": "sunny"}'}
+    answer = client.messages.create(
+        model="qwen2.5-coder-0.5b",
+        messages=[
+            *ask,
+            {"role": "assistant", "content": r.content},
+            {"role": "user", "content": [result]},
+        ],
+        tools=tools,
+        max_tokens=40,
+    )
+    call = {
+        "id": use.id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    same = qwen.chat.completions.create(
+        model="qwen2.5-coder-0.5b",
+        messages=[
+            *ask,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": use.id, "content": '{"sky": "sunny"}'},
+        ],
+        tools=WEATHER,
+        max_tokens=40,
+    )
+    assert answer.stop_reason == "end_turn" and answer.content[0].type == "text", answer
+    assert answer.content[0].text == same.choices[0].message.content
+
+
 def test_smollm_template_without_tools_refuses_them(smollm):
     """SmolLM2's template has no place for tools: a request with tools gets a 400 naming
     `tools` instead of a prompt that silently leaves them out."""

@@ -72,8 +72,8 @@ class ReasoningBudget:
         if self.state != "reasoning" or self.spent < self.budget:
             return logits
         tail = list(history[-len(self.close) :]) if self.close else []
-        k = max((n for n in range(len(self.close)) if n == 0 or tail[-n:] == self.close[:n]))
-        forced = mx.arange(logits.shape[-1]) == self.close[k]
+        k = max(n for n in range(len(self.close)) if n == 0 or tail[-n:] == self.close[:n])
+        forced = (mx.arange(logits.shape[-1]) == self.close[k])[None]  # (1, vocab)
         return mx.where(forced, mx.array(0.0, logits.dtype), mx.array(-mx.inf, logits.dtype))
 
     def _see(self, history: Sequence[int], i: int) -> None:
