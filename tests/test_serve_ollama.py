@@ -1,11 +1,12 @@
-"""Ollama's API on `mlxlis serve`, a real process on a tiny random Llama, driven by the official
-`ollama` Python client: its models parse every reply we send (chat and generate, streamed and
-whole, the final counts, tags / show / ps / version), so a client needs nothing else. The
-reference for the replies' content is the server's OpenAI endpoint: the tiny model's noise is
-greedy noise, so the same request there gives the same text and the same token counts (a stop
-string cuts at the same place); raw HTTP checks the refusals' `{"error": ...}` shape, and a
-client that leaves mid-stream frees its request. Qwen2.5-Coder (a catalog model, `extended`)
-makes a tool call and reads its result back through the client.
+"""Ollama's API on `mlxlis serve`, the real process every API's tests share (a tiny random
+Llama), driven by the official `ollama` Python client: its models parse every reply we send
+(chat and generate, streamed and whole, the final counts, tags / show / ps / version), so a
+client needs nothing else. The reference for the replies' content is the server's OpenAI
+endpoint: the tiny model's noise is greedy noise, so the same request there gives the same
+text and the same token counts (a stop string cuts at the same place); raw HTTP checks the
+refusals' `{"error": ...}` shape, and a client that leaves mid-stream frees its request.
+Qwen2.5-Coder (a catalog model, `extended`) makes a tool call and reads its result back
+through the client.
 """
 
 from __future__ import annotations
@@ -20,18 +21,9 @@ import jsonschema
 import ollama
 import pytest
 from conftest import need_pulled
-from serve_process import ServeProcess
+from serve_process import TINY_CONTEXT, TINY_TEMPLATE, ServeProcess
 
-CONTEXT = 4096
-TEMPLATE = (  # ChatML with a tool list and Qwen3's enable_thinking switch (as test_serve.py's)
-    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
-    "{% endfor %}<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking %}<think>\n{% endif %}{% endif %}"
-)
 MODEL = "llama_long"
-KEY = "sk-ollama-test"
 HELLO = [{"role": "user", "content": "Hello, world!"}]
 GREEDY = {"temperature": 0, "num_predict": 12}
 WEATHER = [
@@ -51,28 +43,13 @@ WEATHER = [
 
 
 @pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve_ollama")
-    (tmp / MODEL).symlink_to(tiny(MODEL)[0])
-    (tmp / "template.jinja").write_text(TEMPLATE)
-    srv = ServeProcess(
-        tmp,
-        "-m",
-        str(tmp / MODEL),
-        "--max-context",
-        str(CONTEXT),
-        "--chat-template",
-        str(tmp / "template.jinja"),
-        api_key=KEY,
-    )
-    yield srv
-    assert srv.stop() == 0, srv.log()
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    auth = {"Authorization": f"Bearer {KEY}"}
-    return ollama.Client(host=f"http://127.0.0.1:{server.port}", headers=auth, timeout=120)
+    return ollama.Client(host=f"http://127.0.0.1:{server.port}", timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -172,20 +149,20 @@ def test_tags_show_ps_version(server, client, tiny):
         f"{count / 1e6:.2f}M" if count >= 1e6 else f"{count / 1e3:.0f}K"
     )
     show = client.show(MODEL)
-    assert show.template == TEMPLATE and set(show.capabilities) == {
+    assert show.template == TINY_TEMPLATE and set(show.capabilities) == {
         "completion",
         "tools",
         "thinking",
     }
     info = show.modelinfo
     assert info["general.architecture"] == "llama" and info["general.parameter_count"] == count
-    assert info["llama.context_length"] == CONTEXT and "num_ctx" in show.parameters
+    assert info["llama.context_length"] == TINY_CONTEXT and "num_ctx" in show.parameters
     assert show.details.family == "llama" and str(server.model) in show.modelfile
     (p,) = client.ps().models
     assert p.name == p.model == f"{MODEL}:latest" and p.size > 0
     assert p.size_vram in (0, p.size)  # 0 on the CPU
     assert p.expires_at > datetime.now(timezone.utc) + timedelta(days=365 * 20)
-    assert p.context_length == CONTEXT and p.digest == m.digest
+    assert p.context_length == TINY_CONTEXT and p.digest == m.digest
     # the client has no version(): the CLI's `ollama -v` asks for it
     assert server.request("GET", "/api/version") == (200, {"version": mlxlis.__version__})
     for method in ("GET", "HEAD"):
@@ -320,18 +297,6 @@ def test_logprobs_as_the_openai_endpoint(client, openai_client):
     assert len(g.logprobs) == 12 and "".join(e.token for e in g.logprobs) == g.response
 
 
-def test_the_api_key_guards_every_route_but_the_probe(server):
-    """With --api-key, /api/ routes without `Authorization: Bearer` are a 401 in Ollama's
-    shape; `/` answers anyway (clients probe it before they send anything)."""
-    for method, path in (("GET", "/api/tags"), ("POST", "/api/chat"), ("GET", "/api/version")):
-        status, body = server.request(method, path, {"model": MODEL}, headers={"Authorization": ""})
-        assert status == 401 and set(body) == {"error"}, body
-    conn = server.connect()
-    conn.request("GET", "/")
-    assert conn.getresponse().status == 200
-    conn.close()
-
-
 def test_images_and_unknown_models_through_the_client(client):
     """The client's errors: images on a message are a 400 naming messages[0].images (a text
     model); an unknown model is a 404 worded as Ollama words it."""
@@ -352,7 +317,7 @@ def test_a_client_that_leaves_frees_its_request(server):
     """A client that leaves mid-stream (NDJSON, one object a line) cancels its request: the
     log has it cancelled after a few tokens of thousands, and the engine holds nothing."""
     seen = len(server.log().splitlines())
-    body = {"model": MODEL, "messages": HELLO, "options": {"num_predict": CONTEXT - 64}}
+    body = {"model": MODEL, "messages": HELLO, "options": {"num_predict": TINY_CONTEXT - 64}}
     conn, resp = server.open_stream("/api/chat", body)
     assert resp.getheader("content-type") == "application/x-ndjson"
     for _ in range(5):
@@ -362,7 +327,7 @@ def test_a_client_that_leaves_frees_its_request(server):
     conn.close()
     server.wait_idle()
     line = server.log_line(r"ollama-\w+ cancelled ", skip=seen)
-    assert int(line.split("generated=")[1].split()[0]) < CONTEXT // 2, line
+    assert int(line.split("generated=")[1].split()[0]) < TINY_CONTEXT // 2, line
 
 
 @pytest.mark.real
