@@ -85,6 +85,24 @@ def test_anthropic_clients_key_is_x_api_key(server):
     assert e.value.body["error"]["type"] == "authentication_error"
 
 
+def test_ollama_routes_take_the_bearer_key(server):
+    """Ollama's routes: 401 in Ollama's error shape (`{"error": …}` alone) without the key,
+    served to the ollama client given the key as a header; `GET /` (clients probe it) needs
+    none."""
+    import ollama
+
+    status, body = server.request("GET", "/api/tags", headers={"Authorization": ""})
+    assert status == 401 and list(body) == ["error"]
+    url = f"http://127.0.0.1:{server.port}"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    names = [m.model for m in ollama.Client(host=url, headers=auth).list().models]
+    assert names == ["llama_long:latest"]
+    conn = server.connect()
+    conn.request("GET", "/")
+    assert conn.getresponse().status == 200
+    conn.close()
+
+
 def test_chat_without_template_is_400_with_the_diagnosis(server):
     """A model without a chat template answers a chat request with a 400 whose message is
     the diagnosis `mlxlis chat` prints (no template is guessed); /v1/completions still

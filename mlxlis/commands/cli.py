@@ -450,6 +450,14 @@ def serve_parser() -> argparse.ArgumentParser:
         help="memory for the KV caches of recent prompts, reused by requests that "
         "share their start (default 1024; 0: off)",
     )
+    p.add_argument(
+        "--responses-store-mb",
+        type=int,
+        default=64,
+        metavar="MB",
+        help="memory for /v1/responses kept for GET and previous_response_id, the least "
+        "recently used dropped first (default 64; 0: none kept)",
+    )
     return p
 
 
@@ -459,6 +467,7 @@ SERVE_BOUNDS = {
     "max_queue": (1, None),
     "max_context": (1, None),
     "prefix_cache_mb": (0, 1 << 30),
+    "responses_store_mb": (0, 1 << 20),
 }
 
 
@@ -500,6 +509,7 @@ def run_serve(argv: list[str]) -> int:
                 a.verbose,
                 params,
                 a.prefix_cache_mb,
+                a.responses_store_mb,
             ),
         )
 

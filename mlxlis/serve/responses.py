@@ -1,7 +1,538 @@
-"""(placeholder)"""
+"""OpenAI's Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`.
 
-from fastapi import APIRouter
+A thin adapter like anthropic.py: `instructions` and the `input` items (messages,
+`function_call`, `function_call_output`, `reasoning`) become the server's chat request, the
+events become output items (`reasoning`, `message` with `output_text`, `function_call`),
+streamed as the API's `response.*` events. Responses are kept (unless `store` is false) in a
+bounded in-memory store, so that `previous_response_id` continues a conversation: its input
+and output come before the new input (its instructions do not, as OpenAI does it).
+Function tools only: hosted tools (web_search, file_search, computer use…) are a 400 naming
+them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from mlxlis.serve.openai_format import APIError, new_id
+from mlxlis.serve.prepare import prepare_chat
+from mlxlis.serve.reply import ChatReply, Delta
+from mlxlis.serve.schemas import ChatCompletionRequest, _Body
+from mlxlis.serve.service import Run, Service, collect, end_error, read_body
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
+THINKS = {"none": False, "minimal": False, "low": False, "medium": True, "high": True}
 
 
-def router(svc, auth) -> APIRouter:
-    return APIRouter()
+class Part(_Body):
+    type: str
+    text: str | None = None
+
+
+class Item(_Body):
+    """One input item; which fields count depends on `type` (a message when it has none)."""
+
+    type: str = "message"
+    role: str | None = None
+    content: str | list[Part] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[Part] | None = None
+    summary: list[Part] | None = None
+
+
+class Text(_Body):
+    format: dict[str, Any] | None = None
+
+
+class Reasoning(_Body):
+    effort: str | None = None
+
+
+class ResponsesRequest(_Body):
+    model: str | None = None
+    input: str | list[Item]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: Text | None = None
+    reasoning: Reasoning | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    stream: bool = False
+
+
+def bad(message: str, param: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+def _text(content: str | list[Part] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    out = []
+    for j, p in enumerate(content):
+        if p.type not in TEXT_PARTS or p.text is None:
+            raise bad(
+                f"only text parts are supported, not {p.type!r} (this model reads text only)",
+                f"{where}[{j}].type",
+            )
+        out.append(p.text)
+    return "".join(out)
+
+
+def to_messages(items: list[Item], where: str = "input") -> list[dict[str, Any]]:
+    """Input items as a chat template's messages: a function call joins the assistant turn
+    before it (a new one when there is none), its output is a tool message, a reasoning item
+    is the reasoning of the assistant turn that follows it."""
+    out: list[dict[str, Any]] = []
+    reasoning: str | None = None
+    for i, it in enumerate(items):
+        at = f"{where}[{i}]"
+        if it.type == "message":
+            if it.role not in ("user", "assistant", "system", "developer"):
+                raise bad(f"unknown role {it.role!r}", f"{at}.role")
+            msg = {
+                "role": "system" if it.role == "developer" else it.role,
+                "content": _text(it.content, f"{at}.content"),
+            }
+            if it.role == "assistant" and reasoning is not None:
+                msg["reasoning_content"], reasoning = reasoning, None
+            out.append(msg)
+        elif it.type == "function_call":
+            if it.call_id is None or it.name is None:
+                raise bad("a function_call needs call_id and name", f"{at}.call_id")
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": ""}
+                out.append(last)
+            if reasoning is not None:
+                last["reasoning_content"], reasoning = reasoning, None
+            fn = {"name": it.name, "arguments": it.arguments or "{}"}
+            last.setdefault("tool_calls", []).append(
+                {"id": it.call_id, "type": "function", "function": fn}
+            )
+        elif it.type == "function_call_output":
+            if it.call_id is None:
+                raise bad("a function_call_output needs call_id", f"{at}.call_id")
+            out.append(
+                {"role": "tool", "tool_call_id": it.call_id, "content": _text(it.output, at)}
+            )
+        elif it.type == "reasoning":
+            reasoning = "".join(p.text or "" for p in it.summary or []) + _text(it.content, at)
+        else:
+            raise bad(f"input items of type {it.type!r} are not supported", f"{at}.type")
+    return out
+
+
+def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for k, t in enumerate(tools):
+        if t.get("type") != "function" or not isinstance(t.get("name"), str):
+            raise bad(
+                f"only function tools can run here, not {t.get('type')!r}", f"tools[{k}].type"
+            )
+        fn = {key: t[key] for key in ("name", "description", "parameters", "strict") if key in t}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad("a string or {type: function, name}", "tool_choice")
+
+
+def _format(fmt: dict[str, Any]) -> dict[str, Any] | None:
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    raise bad(f"unknown format {kind!r}", "text.format.type")
+
+
+def to_chat(
+    req: ResponsesRequest, history: list[Item], thinks: bool
+) -> tuple[ChatCompletionRequest, list[Item]]:
+    """The chat request for `req` after the stored conversation `history`, and the whole
+    conversation's input items (what a later response continues)."""
+    items = [Item(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    conversation = [*history, *items]
+    messages = to_messages(conversation)
+    if req.instructions:
+        messages.insert(0, {"role": "system", "content": req.instructions})
+    body: dict[str, Any] = {"messages": messages}
+    for ours, theirs in (
+        ("max_tokens", "max_output_tokens"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("parallel_tool_calls", "parallel_tool_calls"),
+    ):
+        if (v := getattr(req, theirs)) is not None:
+            body[ours] = v
+    if req.tools:
+        body["tools"] = _tools(req.tools)
+    if req.tool_choice is not None:
+        body["tool_choice"] = _tool_choice(req.tool_choice)
+    if req.text and req.text.format and (fmt := _format(req.text.format)) is not None:
+        body["response_format"] = fmt
+    effort = req.reasoning.effort if req.reasoning else None
+    if thinks and effort in THINKS:
+        body["chat_template_kwargs"] = {"enable_thinking": THINKS[effort]}
+    return ChatCompletionRequest.model_validate(body), conversation
+
+
+NAMES = {
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "messages": "input",
+}
+
+
+def renamed(e: APIError) -> APIError:
+    for ours, theirs in NAMES.items():
+        if e.param is not None and e.param.startswith(ours):
+            e.message = e.message.replace(ours, theirs, 1)
+            e.param = theirs + e.param[len(ours) :]
+    return e
+
+
+class Store:
+    """Responses kept for GET and previous_response_id: LRU, at most `max_bytes` of JSON."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, tuple[dict, list[Item], int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, response: dict, conversation: list[Item]) -> None:
+        size = len(json.dumps(response)) + sum(len(i.model_dump_json()) for i in conversation)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            self._items[response["id"]] = (response, conversation, size)
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, (_, _, old) = self._items.popitem(last=False)
+                self._bytes -= old
+
+    def get(self, rid: str) -> tuple[dict, list[Item]] | None:
+        with self._lock:
+            got = self._items.get(rid)
+            if got is None:
+                return None
+            self._items.move_to_end(rid)
+            return got[0], got[1]
+
+    def delete(self, rid: str) -> bool:
+        with self._lock:
+            got = self._items.pop(rid, None)
+            if got is not None:
+                self._bytes -= got[2]
+            return got is not None
+
+
+def not_found(rid: str) -> APIError:
+    return APIError(404, f"no response with id {rid!r}", param="response_id", code="not_found")
+
+
+class Output:
+    """The output items of one response, built from the reply's deltas: a delta of another
+    kind ends the open item; `feed` gives the stream's events (without sequence numbers)."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None
+
+    def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        out = self.stop()
+        self.items.append(item)
+        self.open = item
+        i = len(self.items) - 1
+        out.append({"type": "response.output_item.added", "output_index": i, "item": _copy(item)})
+        if item["type"] in ("message", "reasoning"):
+            part = _part(item)
+            out.append(
+                {
+                    "type": "response.content_part.added",
+                    "item_id": item["id"],
+                    "output_index": i,
+                    "content_index": 0,
+                    "part": {**part, "text": ""},
+                }
+            )
+        return out
+
+    def stop(self) -> list[dict[str, Any]]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        i = len(self.items) - 1
+        item["status"] = "completed"
+        head = {"item_id": item["id"], "output_index": i}
+        out = []
+        if item["type"] in ("message", "reasoning"):
+            part = _part(item)
+            kind = "output_text" if item["type"] == "message" else "reasoning_text"
+            done = {**head, "content_index": 0, "text": part["text"]}
+            if kind == "output_text":
+                done["logprobs"] = []
+            out.append({"type": f"response.{kind}.done", **done})
+            out.append(
+                {"type": "response.content_part.done", **head, "content_index": 0, "part": part}
+            )
+        else:
+            out.append(
+                {
+                    "type": "response.function_call_arguments.done",
+                    **head,
+                    "name": item["name"],
+                    "arguments": item["arguments"],
+                }
+            )
+        out.append({"type": "response.output_item.done", "output_index": i, "item": _copy(item)})
+        return out
+
+    def feed(self, d: Delta) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for kind, text in (("reasoning", d.reasoning), ("message", d.content)):
+            if not text:
+                continue
+            if self.open is None or self.open["type"] != kind:
+                out += self._start(_new_item(kind))
+            part = _part(self.open)
+            part["text"] += text
+            event = "output_text" if kind == "message" else "reasoning_text"
+            delta = {
+                "type": f"response.{event}.delta",
+                "item_id": self.open["id"],
+                "output_index": len(self.items) - 1,
+                "content_index": 0,
+                "delta": text,
+            }
+            if kind == "message":
+                delta["logprobs"] = []
+            out.append(delta)
+        for call in d.tool_calls:
+            fn = call["function"]
+            item = {
+                "type": "function_call",
+                "id": new_id("fc").replace("-", "_"),
+                "call_id": call["id"],
+                "name": fn["name"],
+                "arguments": "",
+                "status": "in_progress",
+            }
+            out += self._start(item)
+            item["arguments"] = fn["arguments"]
+            out.append(
+                {
+                    "type": "response.function_call_arguments.delta",
+                    "item_id": item["id"],
+                    "output_index": len(self.items) - 1,
+                    "delta": fn["arguments"],
+                }
+            )
+        return out
+
+
+def _new_item(kind: str) -> dict[str, Any]:
+    if kind == "message":
+        return {
+            "type": "message",
+            "id": new_id("msg").replace("-", "_"),
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
+        }
+    return {
+        "type": "reasoning",
+        "id": new_id("rs").replace("-", "_"),
+        "status": "in_progress",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": ""}],
+    }
+
+
+def _part(item: dict[str, Any]) -> dict[str, Any]:
+    return item["content"][0]
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(item))
+
+
+def as_items(output: list[dict[str, Any]]) -> list[Item]:
+    """A response's output items as input items (what previous_response_id continues)."""
+    out = []
+    for it in output:
+        if it["type"] == "message":
+            out.append(Item(role="assistant", content=_part(it)["text"]))
+        elif it["type"] == "function_call":
+            out.append(
+                Item(
+                    type="function_call",
+                    call_id=it["call_id"],
+                    name=it["name"],
+                    arguments=it["arguments"],
+                )
+            )
+        else:
+            out.append(Item(type="reasoning", content=_part(it)["text"]))
+    return out
+
+
+def router(svc: Service, auth: list) -> APIRouter:
+    r = APIRouter()
+    state = svc.state
+    store = Store(state.responses_store_bytes)
+
+    def response(
+        rid: str, req: ResponsesRequest, status: str, output: list, usage: Any, reasoning: int
+    ) -> dict[str, Any]:
+        out = {
+            "id": rid,
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": status,
+            "model": state.model_id,
+            "output": output,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "parallel_tool_calls": bool(req.parallel_tool_calls),
+            "previous_response_id": req.previous_response_id,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "tool_choice": req.tool_choice or "auto",
+            "tools": req.tools or [],
+            "store": req.store,
+            "metadata": {},
+            "usage": None,
+        }
+        if usage is not None:
+            out["usage"] = {
+                "input_tokens": usage.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+                "output_tokens": usage.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": reasoning},
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            }
+        return out
+
+    async def stream(
+        run: Run, reply: ChatReply, rid: str, req: ResponsesRequest, conversation: list[Item]
+    ) -> AsyncIterator[str]:
+        out, seq = Output(), 0
+
+        def emit(ev: dict[str, Any]) -> str:
+            nonlocal seq
+            ev["sequence_number"] = seq
+            seq += 1
+            return f"event: {ev['type']}\ndata: {json.dumps(ev, ensure_ascii=False)}\n\n"
+
+        try:
+            head = response(rid, req, "in_progress", [], None, 0)
+            yield emit({"type": "response.created", "response": head})
+            yield emit({"type": "response.in_progress", "response": head})
+            async for ev in run.events():
+                if ev.finish_reason == "error":
+                    e = end_error(run.state, ev)
+                    failed = response(rid, req, "failed", out.items, None, 0)
+                    failed["error"] = {"code": "server_error", "message": e.message}
+                    yield emit({"type": "response.failed", "response": failed})
+                    return
+                for item in out.feed(reply.feed(ev)):
+                    yield emit(item)
+                if ev.finish_reason is not None:
+                    for item in out.stop():
+                        yield emit(item)
+                    status = "incomplete" if ev.finish_reason == "length" else "completed"
+                    done = response(rid, req, status, out.items, ev.usage, reply.reasoning_tokens)
+                    if req.store:
+                        store.put(done, [*conversation, *as_items(out.items)])
+                    kind = "response.completed" if status == "completed" else "response.incomplete"
+                    yield emit({"type": kind, "response": done})
+        finally:
+            run.close()
+
+    @r.post("/v1/responses", dependencies=auth)
+    async def create(request: Request) -> Any:
+        req = await read_body(request, ResponsesRequest, state.max_body)
+        svc.check_model(req.model)
+        history: list[Item] = []
+        if req.previous_response_id is not None:
+            got = store.get(req.previous_response_id)
+            if got is None:
+                e = not_found(req.previous_response_id)
+                e.param = "previous_response_id"
+                raise e
+            history = got[1]
+        chat, conversation = to_chat(req, history, state.target.model.supports_thinking)
+        try:
+            prep = await svc.prepare(prepare_chat, chat)
+        except APIError as e:
+            raise renamed(e) from None
+        rid = new_id("resp").replace("-", "_")
+        assert prep.prompt is not None
+        reply = ChatReply(
+            state.target.model.tokenizer,
+            state.token_text,
+            prep.prompt,
+            logprobs=False,
+            tools=prep.tools,
+            tool_format=prep.tool_format,
+            forced=prep.forced,
+        )
+        run = svc.submit(prep, rid, request)
+        if req.stream:
+            return StreamingResponse(
+                stream(run, reply, rid, req, conversation),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        out = Output()
+        ev = await collect(run, lambda ev: out.feed(reply.feed(ev)))
+        out.stop()
+        status = "incomplete" if ev.finish_reason == "length" else "completed"
+        done = response(rid, req, status, out.items, ev.usage, reply.reasoning_tokens)
+        if req.store:
+            store.put(done, [*conversation, *as_items(out.items)])
+        return done
+
+    @r.get("/v1/responses/{rid}", dependencies=auth)
+    async def get(rid: str) -> dict[str, Any]:
+        got = store.get(rid)
+        if got is None:
+            raise not_found(rid)
+        return got[0]
+
+    @r.delete("/v1/responses/{rid}", dependencies=auth)
+    async def delete(rid: str) -> dict[str, Any]:
+        if not store.delete(rid):
+            raise not_found(rid)
+        return {"id": rid, "object": "response.deleted", "deleted": True}
+
+    return r

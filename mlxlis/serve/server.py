@@ -42,6 +42,7 @@ class ServeOptions:
     verbose: bool = False
     defaults: SamplingParams = SamplingParams()
     prefix_cache_mb: int = 1024  # the prefix cache's bound (0: off)
+    responses_store_mb: int = 64  # /v1/responses kept for previous_response_id (0: none)
 
 
 class _Server(uvicorn.Server):
@@ -111,6 +112,7 @@ def serve(model: Any, opts: ServeOptions) -> int:
         prefix_cache_bytes=opts.prefix_cache_mb << 20,
     )
     state = State(target, engine, opts.name, frozenset(names), fingerprint(model), opts.api_key)
+    state.responses_store_bytes = opts.responses_store_mb << 20
     config = uvicorn.Config(
         create_app(state),
         log_level="info" if opts.verbose else "warning",
