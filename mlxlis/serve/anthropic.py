@@ -11,16 +11,16 @@ sequence. Fields a local model has no use for (`metadata`, `cache_control`, `ser
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any, Literal
 
 from mlxlis.generation.processors import ReasoningBudget
 from mlxlis.prompt.reasoning import ReasoningSplitter
+from mlxlis.serve.anthropic_blocks import Blocks, content, event, stop_reason, usage
 from mlxlis.serve.openai_format import APIError, new_id
 from mlxlis.serve.prepare import Prepared, prepare_chat
-from mlxlis.serve.reply import ChatReply, Delta
+from mlxlis.serve.reply import ChatReply
 from mlxlis.serve.schemas import ChatCompletionRequest, _Body
 from mlxlis.serve.service import Run, Service, collect, end_error, read_body
 
@@ -277,90 +277,6 @@ def renamed(e: APIError) -> APIError:
             e.message = e.message.replace(ours, theirs, 1)
             e.param = theirs + e.param[len(ours) :]
     return e
-
-
-def usage(u: Any, output: bool = True) -> dict[str, Any]:
-    """Anthropic counts the cached prompt tokens apart from the others."""
-    out = {
-        "input_tokens": u.prompt_tokens - u.cached_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": u.cached_tokens,
-    }
-    if output:
-        out["output_tokens"] = u.completion_tokens
-    return out
-
-
-def stop_reason(finish: str, tool_calls: bool, stop_sequence: str | None) -> str:
-    if finish == "length":
-        return "max_tokens"
-    if tool_calls:
-        return "tool_use"
-    return "stop_sequence" if stop_sequence is not None else "end_turn"
-
-
-def tool_block(call: dict[str, Any]) -> dict[str, Any]:
-    args = call["function"]["arguments"]
-    try:
-        parsed = json.loads(args) if isinstance(args, str) else args
-    except ValueError:
-        parsed = {}
-    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": parsed}
-
-
-def content(reply: ChatReply) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    if reply.reasoning:
-        out.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
-    if reply.content:
-        out.append({"type": "text", "text": reply.content})
-    out += [tool_block(c) for c in reply.tool_calls]
-    return out
-
-
-def event(kind: str, data: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
-
-
-class Blocks:
-    """The streamed content blocks: a delta of another kind closes the open block and opens
-    one of its own; each tool call is a block of its own, its input sent as one delta."""
-
-    def __init__(self) -> None:
-        self.index, self.open = -1, None
-
-    def _start(self, kind: str, block: dict[str, Any]) -> list[str]:
-        out = self.stop()
-        self.index += 1
-        self.open = kind
-        return [*out, event("content_block_start", {"index": self.index, "content_block": block})]
-
-    def stop(self) -> list[str]:
-        if self.open is None:
-            return []
-        self.open = None
-        return [event("content_block_stop", {"index": self.index})]
-
-    def _delta(self, delta: dict[str, Any]) -> str:
-        return event("content_block_delta", {"index": self.index, "delta": delta})
-
-    def feed(self, d: Delta) -> list[str]:
-        out: list[str] = []
-        if d.reasoning:
-            if self.open != "thinking":
-                block = {"type": "thinking", "thinking": "", "signature": ""}
-                out += self._start("thinking", block)
-            out.append(self._delta({"type": "thinking_delta", "thinking": d.reasoning}))
-        if d.content:
-            if self.open != "text":
-                out += self._start("text", {"type": "text", "text": ""})
-            out.append(self._delta({"type": "text_delta", "text": d.content}))
-        for call in d.tool_calls:
-            block = tool_block(call)
-            out += self._start("tool_use", {**block, "input": {}})
-            partial = json.dumps(block["input"], ensure_ascii=False)
-            out.append(self._delta({"type": "input_json_delta", "partial_json": partial}))
-        return out
 
 
 async def message_stream(run: Run, reply: ChatReply, message: dict[str, Any]) -> AsyncIterator[str]:

@@ -21,8 +21,10 @@ from typing import Any
 
 from mlxlis.serve.openai_format import APIError, new_id
 from mlxlis.serve.prepare import prepare_chat
-from mlxlis.serve.reply import ChatReply, Delta
-from mlxlis.serve.schemas import ChatCompletionRequest, _Body
+from mlxlis.serve.reply import ChatReply
+from mlxlis.serve.responses_items import Output, as_items
+from mlxlis.serve.responses_schemas import Item, Part, ResponsesRequest
+from mlxlis.serve.schemas import ChatCompletionRequest
 from mlxlis.serve.service import Run, Service, collect, end_error, read_body
 
 from fastapi import APIRouter, Request
@@ -30,49 +32,6 @@ from fastapi.responses import StreamingResponse
 
 TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
 THINKS = {"none": False, "minimal": False, "low": False, "medium": True, "high": True}
-
-
-class Part(_Body):
-    type: str
-    text: str | None = None
-
-
-class Item(_Body):
-    """One input item; which fields count depends on `type` (a message when it has none)."""
-
-    type: str = "message"
-    role: str | None = None
-    content: str | list[Part] | None = None
-    call_id: str | None = None
-    name: str | None = None
-    arguments: str | None = None
-    output: str | list[Part] | None = None
-    summary: list[Part] | None = None
-
-
-class Text(_Body):
-    format: dict[str, Any] | None = None
-
-
-class Reasoning(_Body):
-    effort: str | None = None
-
-
-class ResponsesRequest(_Body):
-    model: str | None = None
-    input: str | list[Item]
-    instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    text: Text | None = None
-    reasoning: Reasoning | None = None
-    store: bool = True
-    previous_response_id: str | None = None
-    stream: bool = False
 
 
 def bad(message: str, param: str) -> APIError:
@@ -253,152 +212,6 @@ class Store:
 
 def not_found(rid: str) -> APIError:
     return APIError(404, f"no response with id {rid!r}", param="response_id", code="not_found")
-
-
-class Output:
-    """The output items of one response, built from the reply's deltas: a delta of another
-    kind ends the open item; `feed` gives the stream's events (without sequence numbers)."""
-
-    def __init__(self) -> None:
-        self.items: list[dict[str, Any]] = []
-        self.open: dict[str, Any] | None = None
-
-    def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        out = self.stop()
-        self.items.append(item)
-        self.open = item
-        i = len(self.items) - 1
-        out.append({"type": "response.output_item.added", "output_index": i, "item": _copy(item)})
-        if item["type"] in ("message", "reasoning"):
-            part = _part(item)
-            out.append(
-                {
-                    "type": "response.content_part.added",
-                    "item_id": item["id"],
-                    "output_index": i,
-                    "content_index": 0,
-                    "part": {**part, "text": ""},
-                }
-            )
-        return out
-
-    def stop(self) -> list[dict[str, Any]]:
-        item, self.open = self.open, None
-        if item is None:
-            return []
-        i = len(self.items) - 1
-        item["status"] = "completed"
-        head = {"item_id": item["id"], "output_index": i}
-        out = []
-        if item["type"] in ("message", "reasoning"):
-            part = _part(item)
-            kind = "output_text" if item["type"] == "message" else "reasoning_text"
-            done = {**head, "content_index": 0, "text": part["text"]}
-            if kind == "output_text":
-                done["logprobs"] = []
-            out.append({"type": f"response.{kind}.done", **done})
-            out.append(
-                {"type": "response.content_part.done", **head, "content_index": 0, "part": part}
-            )
-        else:
-            out.append(
-                {
-                    "type": "response.function_call_arguments.done",
-                    **head,
-                    "name": item["name"],
-                    "arguments": item["arguments"],
-                }
-            )
-        out.append({"type": "response.output_item.done", "output_index": i, "item": _copy(item)})
-        return out
-
-    def feed(self, d: Delta) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for kind, text in (("reasoning", d.reasoning), ("message", d.content)):
-            if not text:
-                continue
-            if self.open is None or self.open["type"] != kind:
-                out += self._start(_new_item(kind))
-            part = _part(self.open)
-            part["text"] += text
-            event = "output_text" if kind == "message" else "reasoning_text"
-            delta = {
-                "type": f"response.{event}.delta",
-                "item_id": self.open["id"],
-                "output_index": len(self.items) - 1,
-                "content_index": 0,
-                "delta": text,
-            }
-            if kind == "message":
-                delta["logprobs"] = []
-            out.append(delta)
-        for call in d.tool_calls:
-            fn = call["function"]
-            item = {
-                "type": "function_call",
-                "id": new_id("fc").replace("-", "_"),
-                "call_id": call["id"],
-                "name": fn["name"],
-                "arguments": "",
-                "status": "in_progress",
-            }
-            out += self._start(item)
-            item["arguments"] = fn["arguments"]
-            out.append(
-                {
-                    "type": "response.function_call_arguments.delta",
-                    "item_id": item["id"],
-                    "output_index": len(self.items) - 1,
-                    "delta": fn["arguments"],
-                }
-            )
-        return out
-
-
-def _new_item(kind: str) -> dict[str, Any]:
-    if kind == "message":
-        return {
-            "type": "message",
-            "id": new_id("msg").replace("-", "_"),
-            "status": "in_progress",
-            "role": "assistant",
-            "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
-        }
-    return {
-        "type": "reasoning",
-        "id": new_id("rs").replace("-", "_"),
-        "status": "in_progress",
-        "summary": [],
-        "content": [{"type": "reasoning_text", "text": ""}],
-    }
-
-
-def _part(item: dict[str, Any]) -> dict[str, Any]:
-    return item["content"][0]
-
-
-def _copy(item: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps(item))
-
-
-def as_items(output: list[dict[str, Any]]) -> list[Item]:
-    """A response's output items as input items (what previous_response_id continues)."""
-    out = []
-    for it in output:
-        if it["type"] == "message":
-            out.append(Item(role="assistant", content=_part(it)["text"]))
-        elif it["type"] == "function_call":
-            out.append(
-                Item(
-                    type="function_call",
-                    call_id=it["call_id"],
-                    name=it["name"],
-                    arguments=it["arguments"],
-                )
-            )
-        else:
-            out.append(Item(type="reasoning", content=_part(it)["text"]))
-    return out
 
 
 def router(svc: Service, auth: list) -> APIRouter:

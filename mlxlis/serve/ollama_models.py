@@ -1,0 +1,103 @@
+"""What Ollama's /api/tags, /api/show and /api/ps say of the served model: its name with a
+tag, the weights' size and type, its parameter count and shape, the server's defaults."""
+
+from __future__ import annotations
+
+import json
+from glob import escape
+from pathlib import Path
+from typing import Any
+
+from mlxlis.loading.gguf import peek_metadata
+from mlxlis.loading.gguf_split import SPLIT_NAME
+from mlxlis.models.experts import QuantizedSwitchLinear
+from mlxlis.serve.service import State
+
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
+DTYPES = {"mlx.core.float32": "F32", "mlx.core.float16": "F16", "mlx.core.bfloat16": "BF16"}
+
+
+def tag(name: str) -> str:
+    return name if ":" in name else f"{name}:latest"
+
+
+def weights_bytes(path: Path) -> int:
+    """The weights' files: a folder's safetensors, a GGUF file (every part of a split one)."""
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    m = SPLIT_NAME.match(path.name)
+    parts = path.parent.glob(f"{escape(m['prefix'])}-*-of-{m['count']}.gguf") if m else [path]
+    return sum(p.stat().st_size for p in parts)
+
+
+def file_type(path: Path) -> str | None:
+    """A GGUF's file type as llama.cpp (and Ollama) name it, Q4_K_M, when the file says."""
+    from gguf import LlamaFileType  # gguf-py's constants take 0.7 s to import
+
+    ftype = peek_metadata(path, ["general.file_type"]).get("general.file_type")
+    try:
+        return LlamaFileType(ftype).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except ValueError:
+        return None
+
+
+def parameter_count(net: nn.Module) -> int:
+    """The network's weights, packed quantized ones unpacked (pipelined: this rank's share)."""
+    bits = {name: m.bits for name, m in net.named_modules() if isinstance(m, QUANTIZED)}
+    total = 0
+    for name, a in tree_flatten(net.parameters()):
+        owner, _, leaf = name.rpartition(".")
+        if owner not in bits or leaf not in ("weight", "scales", "biases"):
+            total += a.size
+        elif leaf == "weight":  # 32 // bits values in each uint32
+            total += a.size * 32 // bits[owner]
+    return total
+
+
+def human(n: int) -> str:
+    """A count as Ollama writes parameter_size: 135M, 494.03M, 7.6B."""
+    for unit, size, digits in (("B", 10**9, 1), ("M", 10**6, 2)):
+        if n >= size:
+            x = n / size
+            return f"{x:.0f}{unit}" if x == int(x) else f"{x:.{digits}f}{unit}"
+    return f"{n / 1000:.0f}K" if n >= 1000 else str(n)
+
+
+def quantization(model: Any) -> str:
+    """The weights' type as Ollama names it: a GGUF's file type (Q4_K_M), MLX's bits (Q4),
+    else the dtype they run in (F32, F16, BF16)."""
+    if model.format == "gguf" and (ftype := file_type(model.path)):
+        return ftype
+    bits = (model.config.quantization or {}).get("bits")
+    return f"Q{bits}" if bits else DTYPES.get(str(model.dtype), str(model.dtype))
+
+
+def model_info(model: Any, context: int, count: int) -> dict[str, Any]:
+    c, arch = model.config, model.config.family
+    return {
+        "general.architecture": arch,
+        "general.parameter_count": count,
+        # what a request may use, the server's bound: clients size their prompts by it
+        f"{arch}.context_length": context,
+        f"{arch}.embedding_length": c.hidden_size,
+        f"{arch}.block_count": c.num_hidden_layers,
+        f"{arch}.feed_forward_length": c.intermediate_size,
+        f"{arch}.attention.head_count": c.num_attention_heads,
+        f"{arch}.attention.head_count_kv": c.num_key_value_heads,
+        f"{arch}.vocab_size": c.vocab_size,
+    }
+
+
+def parameters(state: State) -> str:
+    """The server's defaults as `ollama show` prints a model's parameters."""
+    d = state.target.defaults
+    rows: list[tuple[str, Any]] = [("num_ctx", state.target.max_context)]
+    rows += [("num_predict", d.max_tokens), ("temperature", d.temperature), ("top_k", d.top_k)]
+    rows += [("top_p", d.top_p), ("min_p", d.min_p), ("repeat_penalty", d.repetition_penalty)]
+    rows += [("repeat_last_n", d.repetition_context)]
+    stops = sorted(s for s in map(state.token_text, state.target.stop_ids) if s.strip())
+    rows += [("stop", json.dumps(s, ensure_ascii=False)) for s in stops]
+    return "\n".join(f"{k:<30} {v}" for k, v in rows)
