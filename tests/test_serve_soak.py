@@ -1,10 +1,11 @@
 """`mlxlis serve` under a 1 000-request soak over HTTP (a real server process on a tiny random
-Llama): 8 clients at once, streamed and whole requests, a random third of the clients leaving
-mid-stream or before their reply. Proves: every kept request gets a whole, well-formed answer
-(finish_reason, usage agreeing with the tokens asked for); the checked ones (every 25th) carry
-exactly the reply the same request gets alone afterwards (greedy), so no request's tokens
-reached another; afterwards nothing runs or waits, the prefix cache is within its bound and
-MLX's memory is back at its level before the soak, apart from what the prefix cache holds."""
+Llama): 8 clients at once, streamed and whole requests, a quarter of them through Anthropic's
+/v1/messages, a random third of the clients leaving mid-stream or before their reply. Proves:
+every kept request gets a whole, well-formed answer (finish reason, usage agreeing with the
+tokens asked for); the checked ones (every 25th) carry exactly the reply the same request gets
+alone afterwards (greedy), so no request's tokens reached another; afterwards nothing runs or
+waits, the prefix cache is within its bound and MLX's memory is back at its level before the
+soak, apart from what the prefix cache holds."""
 
 from __future__ import annotations
 
@@ -58,15 +59,39 @@ def body(i: int) -> tuple[dict, str | None]:
     leave = None
     if rng.random() < 1 / 3:
         leave = "mid-stream" if req["stream"] else "before the reply"
+    if rng.random() < 1 / 4:  # Anthropic's Messages API: no stream_options, usage at the end
+        req.pop("stream_options", None)
+        req["model"], req["anthropic"] = "llama_long", True
     return req, leave
+
+
+STOP_REASONS = {"end_turn": "stop", "max_tokens": "length"}
+
+
+def messages_reply(resp, stream: bool) -> tuple[str, str, int]:
+    """(text, finish_reason in OpenAI's words, output tokens) of a /v1/messages answer."""
+    if not stream:
+        r = json.loads(resp.read())
+        text = "".join(b["text"] for b in r["content"] if b["type"] == "text")
+        return text, STOP_REASONS[r["stop_reason"]], r["usage"]["output_tokens"]
+    text, reasons, used = "", [], None
+    for ev in events(resp):
+        if ev["type"] == "content_block_delta":
+            text += ev["delta"]["text"]
+        elif ev["type"] == "message_delta":
+            reasons.append(STOP_REASONS[ev["delta"]["stop_reason"]])
+            used = ev["usage"]["output_tokens"]
+    assert len(reasons) == 1, reasons
+    return text, reasons[0], used
 
 
 def run(server: ServeProcess, i: int) -> tuple[str, str, int] | None:
     """(content, finish_reason, completion tokens) of request i, or None when its client
     left."""
     req, leave = body(i)
+    path = "/v1/messages" if req.pop("anthropic", False) else "/v1/chat/completions"
     conn = server.connect()
-    conn.request("POST", "/v1/chat/completions", json.dumps(req).encode(), server.headers())
+    conn.request("POST", path, json.dumps(req).encode(), server.headers())
     if leave == "before the reply":
         conn.sock.shutdown(socket.SHUT_RDWR)
         conn.close()
@@ -78,6 +103,10 @@ def run(server: ServeProcess, i: int) -> tuple[str, str, int] | None:
         conn.sock.shutdown(socket.SHUT_RDWR)
         conn.close()
         return None
+    if path == "/v1/messages":
+        got = messages_reply(resp, req["stream"])
+        conn.close()
+        return got
     if not req["stream"]:
         r = json.loads(resp.read())
         conn.close()
