@@ -269,3 +269,26 @@ def test_the_four_apis_give_the_same_tokens(client, tiny_server):
         options={"num_predict": 12, "temperature": 0},
     )
     assert chat == msg.content[0].text == resp.output_text == oll.message.content
+
+
+def test_reasoning_effort_switches_thinking(client):
+    """reasoning.effort reaches the template's enable_thinking: "high" opens the reasoning in
+    the prompt (a reasoning item, its text streamed as reasoning_text deltas; usage counts its
+    tokens), "low" leaves it out (fewer prompt tokens, a message item)."""
+    high = client.responses.create(
+        model=MODEL, input="Hi", reasoning={"effort": "high"}, max_output_tokens=10
+    )
+    low = client.responses.create(
+        model=MODEL, input="Hi", reasoning={"effort": "low"}, max_output_tokens=10
+    )
+    assert [o.type for o in high.output] == ["reasoning"] and high.output[0].content[0].text
+    assert high.usage.output_tokens_details.reasoning_tokens == 10
+    assert [o.type for o in low.output] == ["message"]
+    assert high.usage.input_tokens > low.usage.input_tokens
+    events = list(
+        client.responses.create(
+            model=MODEL, input="Hi", reasoning={"effort": "high"}, max_output_tokens=10, stream=True
+        )
+    )
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == high.output[0].content[0].text
