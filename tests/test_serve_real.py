@@ -88,6 +88,7 @@ def anthropic_client(client):
     return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
 
 
+@pytest.mark.extended  # the adapter is proved on the tiny model in make test
 def test_smollm_through_anthropic_messages(smollm):
     """Anthropic's client on SmolLM2: the same greedy answer (Paris) as Chat Completions,
     whole and streamed."""
@@ -99,6 +100,7 @@ def test_smollm_through_anthropic_messages(smollm):
         assert s.get_final_message().content[0].text == r.content[0].text
 
 
+@pytest.mark.extended  # the adapter is proved on the tiny model in make test
 def test_qwen_tool_round_trip_through_anthropic_messages(qwen):
     """Anthropic's client on Qwen2.5-Coder, the conversation of test_qwen_tool_call: a
     tool_use block get_weather({"city": "Paris"}) ending the turn with "tool_use"; its
