@@ -270,15 +270,6 @@ def with_budget(prep: Prepared, model: Any, budget: int) -> Prepared:
     return prep
 
 
-def renamed(e: APIError) -> APIError:
-    """A refusal of the chat request, with this API's names for its parameters."""
-    for ours, theirs in NAMES.items():
-        if e.param is not None and e.param.startswith(ours):
-            e.message = e.message.replace(ours, theirs, 1)
-            e.param = theirs + e.param[len(ours) :]
-    return e
-
-
 async def message_stream(run: Run, reply: ChatReply, message: dict[str, Any]) -> AsyncIterator[str]:
     blocks, started = Blocks(), False
     try:
@@ -314,10 +305,7 @@ def router(svc: Service, auth: list) -> APIRouter:
         svc.check_model(req.model)
         model = state.target.model
         chat = to_chat(req, model.supports_thinking)
-        try:
-            return await svc.prepare(prepare_chat, chat)
-        except APIError as e:
-            raise renamed(e) from None
+        return await svc.prepare(prepare_chat, chat, names=NAMES)
 
     @r.post("/v1/messages/count_tokens", dependencies=auth)
     async def count_tokens(request: Request) -> dict[str, Any]:
@@ -332,16 +320,7 @@ def router(svc: Service, auth: list) -> APIRouter:
         if budget is not None:
             prep = with_budget(prep, state.target.model, budget)
         rid = new_id("msg").replace("-", "_")
-        assert prep.prompt is not None
-        reply = ChatReply(
-            state.target.model.tokenizer,
-            state.token_text,
-            prep.prompt,
-            logprobs=False,
-            tools=prep.tools,
-            tool_format=prep.tool_format,
-            forced=prep.forced,
-        )
+        reply = svc.chat_reply(prep)
         run = svc.submit(prep, rid, request)
         head = {
             "id": rid,

@@ -153,16 +153,7 @@ def create_app(state: State) -> FastAPI:
         check_model(req.model)
         prep = await svc.prepare(prepare_chat, req)
         head = Head(new_id("chatcmpl"), int(time.time()), state.model_id, state.fingerprint)
-        assert prep.prompt is not None
-        reply = ChatReply(
-            state.target.model.tokenizer,
-            state.token_text,
-            prep.prompt,
-            logprobs=bool(req.logprobs),
-            tools=prep.tools,
-            tool_format=prep.tool_format,
-            forced=prep.forced,
-        )
+        reply = svc.chat_reply(prep, bool(req.logprobs))
         run = svc.submit(prep, head.id, request)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:

@@ -37,6 +37,7 @@ from mlxlis.serve.ollama_models import (
     weights_bytes,
 )
 from mlxlis.serve.ollama_requests import (
+    NAMES,
     ChatRequest,
     GenerateRequest,
     ShowRequest,
@@ -45,12 +46,11 @@ from mlxlis.serve.ollama_requests import (
     generate_chat,
     generate_raw,
     prepare_raw,
-    renamed,
     to_chat,
 )
 from mlxlis.serve.openai_format import APIError, TokenText, chat_logprob, new_id
 from mlxlis.serve.prepare import Prepared, prepare_chat
-from mlxlis.serve.reply import ChatReply, Delta
+from mlxlis.serve.reply import Delta
 from mlxlis.serve.service import Run, Service, collect, end_error, read_body
 
 import mlx.core as mx
@@ -211,10 +211,7 @@ def router(svc: Service, auth: list) -> APIRouter:
         return await asyncio.to_thread(card)  # the first time, reads a GGUF's header
 
     async def prepared(fn: Callable[..., Prepared], body: Any) -> Prepared:
-        try:
-            return await svc.prepare(fn, body)
-        except APIError as e:
-            raise renamed(e) from None
+        return await svc.prepare(fn, body, names=NAMES)
 
     async def answer(
         request: Request, prep: Prepared, reply: Reply, shape: Shape, stream: bool
@@ -225,19 +222,6 @@ def router(svc: Service, auth: list) -> APIRouter:
         ev = await collect(run, reply.feed)
         return shape.last(
             Delta(reply.content, reply.reasoning, reply.tool_calls, reply.logprobs), ev
-        )
-
-    def chat_reply(prep: Prepared, logprobs: bool) -> ChatReply:
-        assert prep.prompt is not None
-        model = state.target.model
-        return ChatReply(
-            model.tokenizer,
-            state.token_text,
-            prep.prompt,
-            logprobs=logprobs,
-            tools=prep.tools,
-            tool_format=prep.tool_format,
-            forced=prep.forced,
         )
 
     @r.api_route("/", methods=["GET", "HEAD"], response_class=PlainTextResponse)
@@ -253,7 +237,9 @@ def router(svc: Service, auth: list) -> APIRouter:
             return loaded(req.model, {"message": {"role": "assistant", "content": ""}})
         prep = await prepared(prepare_chat, to_chat(req, state.target.model.supports_thinking))
         shape = Shape(req.model, chat_body, bool(req.logprobs), started)
-        return await answer(request, prep, chat_reply(prep, bool(req.logprobs)), shape, req.stream)
+        return await answer(
+            request, prep, svc.chat_reply(prep, bool(req.logprobs)), shape, req.stream
+        )
 
     @r.post("/api/generate", dependencies=auth)
     async def generate(request: Request) -> Any:
@@ -271,7 +257,7 @@ def router(svc: Service, auth: list) -> APIRouter:
         else:
             chat = generate_chat(req, state.target.model.supports_thinking)
             prep = await prepared(prepare_chat, chat)
-            reply = chat_reply(prep, bool(req.logprobs))
+            reply = svc.chat_reply(prep, bool(req.logprobs))
         return await answer(request, prep, reply, shape, req.stream)
 
     @r.get("/api/tags", dependencies=auth)

@@ -118,16 +118,6 @@ def bad(message: str, param: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param)
 
 
-def renamed(e: APIError) -> APIError:
-    """A refusal of the chat request, with this API's names for its parameters."""
-    for ours, theirs in NAMES.items():
-        if e.param is not None and e.param.startswith(ours):
-            e.message = e.message.replace(ours, theirs, 1)
-            e.param = theirs + e.param[len(ours) :]
-            break
-    return e
-
-
 def sampling(req: _Request) -> dict[str, Any]:
     """The options and `format` as the server's request fields (chat and generate alike)."""
     body: dict[str, Any] = {}

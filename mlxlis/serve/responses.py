@@ -166,14 +166,6 @@ NAMES = {
 }
 
 
-def renamed(e: APIError) -> APIError:
-    for ours, theirs in NAMES.items():
-        if e.param is not None and e.param.startswith(ours):
-            e.message = e.message.replace(ours, theirs, 1)
-            e.param = theirs + e.param[len(ours) :]
-    return e
-
-
 class Store:
     """Responses kept for GET and previous_response_id: LRU, at most `max_bytes` of JSON."""
 
@@ -304,21 +296,9 @@ def router(svc: Service, auth: list) -> APIRouter:
                 raise e
             history = got[1]
         chat, conversation = to_chat(req, history, state.target.model.supports_thinking)
-        try:
-            prep = await svc.prepare(prepare_chat, chat)
-        except APIError as e:
-            raise renamed(e) from None
+        prep = await svc.prepare(prepare_chat, chat, names=NAMES)
         rid = new_id("resp").replace("-", "_")
-        assert prep.prompt is not None
-        reply = ChatReply(
-            state.target.model.tokenizer,
-            state.token_text,
-            prep.prompt,
-            logprobs=False,
-            tools=prep.tools,
-            tool_format=prep.tool_format,
-            forced=prep.forced,
-        )
+        reply = svc.chat_reply(prep)
         run = svc.submit(prep, rid, request)
         if req.stream:
             return StreamingResponse(

@@ -24,6 +24,7 @@ from mlxlis.generation.engine import Engine, QueueFullError, Stream
 from mlxlis.generation.events import Event
 from mlxlis.serve.openai_format import APIError, TokenText
 from mlxlis.serve.prepare import Prepared, Target
+from mlxlis.serve.reply import ChatReply
 from mlxlis.serve.schemas import FIELD_NAMES, field_names, param_path
 
 from fastapi import Request
@@ -206,10 +207,30 @@ class Service:
                 code="model_not_found",
             )
 
-    async def prepare(self, fn: Callable[..., Prepared], *args: Any, **kw: Any) -> Prepared:
+    async def prepare(
+        self, fn: Callable[..., Prepared], *args: Any, names: dict[str, str] | None = None
+    ) -> Prepared:
+        """`fn(target, *args)` on the preparing thread; a refusal names the field as the
+        adapter's API does (`names`: the chat request's name -> the API's)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self.state.worker, partial(fn, self.state.target, *args, **kw)
+        try:
+            return await loop.run_in_executor(
+                self.state.worker, partial(fn, self.state.target, *args)
+            )
+        except APIError as e:
+            raise renamed(e, names or {}) from None
+
+    def chat_reply(self, prep: Prepared, logprobs: bool = False) -> ChatReply:
+        """The reply to a prepared chat request, built from its events."""
+        assert prep.prompt is not None
+        return ChatReply(
+            self.state.target.model.tokenizer,
+            self.state.token_text,
+            prep.prompt,
+            logprobs=logprobs,
+            tools=prep.tools,
+            tool_format=prep.tool_format,
+            forced=prep.forced,
         )
 
     def submit(self, prep: Prepared, rid: str, request: Request) -> Run:
@@ -232,6 +253,17 @@ class Service:
         n = len(prep.gen.prompt)
         log.debug("%s %s prompt=%d %s", rid, request.url.path, n, prep.gen.params)
         return Run(state, rid, stream, request, n)
+
+
+def renamed(e: APIError, names: dict[str, str]) -> APIError:
+    """A refusal of the chat request with another API's names for its parameters (the first
+    of `names` the parameter starts with)."""
+    for ours, theirs in names.items():
+        if e.param is not None and e.param.startswith(ours):
+            e.message = e.message.replace(ours, theirs, 1)
+            e.param = theirs + e.param[len(ours) :]
+            break
+    return e
 
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
