@@ -63,6 +63,7 @@ bench: install-test models
 	$(PY) scripts/bench_core.py
 	$(PY) scripts/bench_grammar.py
 	$(PY) scripts/bench_serve.py
+	$(PY) scripts/bench_agent.py
 
 # does the suite notice small wrong changes to the numerics? (before a refactor, after a family)
 mutants: install-test models references

@@ -233,10 +233,30 @@ MUTANTS = (
     Mutant(
         "no-recurrent-snapshot",
         "mlxlis/cache/recurrent.py",
-        "self._snapshots.append((self.offset, self.conv_state, self.recurrent))",
+        "self._snapshots.append((self.offset, conv, self.recurrent))",
         "pass",
         ("tests/test_qwen3_5.py",),
         "no snapshot of recurrent states: chat prefix reuse silently lost on hybrid models",
+    ),
+    Mutant(
+        "ring-restore-shares-snapshot",
+        "mlxlis/cache/kv.py",
+        "self.keys, self.values = keys[..., :size, :], values[..., :size, :]",
+        "self.keys, self.values = keys, values",
+        (
+            "tests/test_agent_reuse.py::test_ring_snapshot_is_its_own_copy_and_restores_more_than_once",
+        ),
+        "a ring restored from its snapshot writes into the snapshot's own arrays: a second"
+        " return there gets later keys",
+    ),
+    Mutant(
+        "prefill-ignores-snapshot-at",
+        "mlxlis/generation/core.py",
+        "n = size if mark is None else min(size, mark - at)",
+        "n = size",
+        ("tests/test_agent_reuse.py::test_agent_session_reuses_every_cached_token_exactly",),
+        "prefill chunks not ended at the requested snapshot positions: an agent's next turn"
+        " finds no snapshot on rings and recurrent layers (whole prompts prefilled again)",
     ),
     Mutant(
         "gemma4-kv-source-first",

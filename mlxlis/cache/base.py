@@ -12,10 +12,11 @@ class Cache(Protocol):
     """One layer's cache of one sequence."""
 
     offset: int  # positions fed so far
+    label: str  # its kind, in words (why a rewind stopped: "recurrent", "sliding window")
 
     @property
     def state(self) -> list[mx.array]:
-        """The arrays it holds (to evaluate, or to count bytes)."""
+        """The arrays it holds, its snapshots' included (to evaluate, or to count bytes)."""
         ...
 
     @property
@@ -32,5 +33,6 @@ class Cache(Protocol):
         ...
 
     def snapshot(self) -> None:
-        """Remember the current position as one to return to (recurrent states need it)."""
+        """Remember the current position as one to return to (recurrent states and rings whose
+        positions rotate out need it; its memory counts in `state`)."""
         ...

@@ -48,6 +48,7 @@ class KVCache(_Lendable):
     """Keys/values of every past position, preallocated in blocks of `step` positions."""
 
     step = 256
+    label = "full attention"
 
     def __init__(self) -> None:
         self.keys: mx.array | None = None
@@ -127,10 +128,18 @@ class RotatingKVCache(_Lendable):
     because every slot is visible to the new query. A multi-token chunk is attended against
     the ring (oldest first) plus the chunk, under a mask from absolute positions (`mask`);
     then the newest `window` of them are kept. Memory: `window` positions, plus one chunk
-    while it is being attended.
+    while it is being attended, plus a copy of the window per snapshot.
+
+    Once positions have rotated out, the ring returns exactly only to its newest position or
+    to a snapshot: a copy of the window taken at a position a later prompt will share (the
+    end of a conversation before its generation prompt), the newest SNAPSHOTS kept.
     """
 
     step = 256
+    # a window's copy each (Gemma 3 12B: 40 sliding layers x 8 MB in float16): one, where the
+    # next turn returns (a second would mostly hold the turn before, which it rarely does)
+    SNAPSHOTS = 1
+    label = "sliding window"
 
     def __init__(self, window: int) -> None:
         if window < 1:
@@ -141,6 +150,8 @@ class RotatingKVCache(_Lendable):
         self.offset = 0  # positions seen so far
         self._size = 0  # valid slots (≤ window)
         self._idx = 0  # ring slot the next single-token write goes to (the oldest when full)
+        # (offset, valid slots, keys, values oldest first): arrays the live ring never writes
+        self._snapshots: list[tuple[int, int, mx.array, mx.array]] = []
 
     @property
     def held(self) -> int:
@@ -225,21 +236,33 @@ class RotatingKVCache(_Lendable):
         return max(0, self._size - self.window + 1)
 
     def rewind_point(self, position: int) -> int:
-        """`position` while what it needs there has not rotated out, else 0."""
-        return position if self.offset - position <= self.trimmable else 0
+        """`position` while what it needs there has not rotated out, else the latest snapshot
+        at or before it (0: none)."""
+        if self.offset - position <= self.trimmable:
+            return min(position, self.offset)
+        return max((s[0] for s in self._snapshots if s[0] <= position), default=0)
 
     def snapshot(self) -> None:
-        """Nothing to keep: a ring returns to a position while it still holds its window."""
+        """Remember the current position: a copy of the window, oldest first. `_write_one`
+        assigns into the live buffers in place, so the copy is an array of its own."""
+        old = self._ordered()
+        if old is None:
+            return
+        keys, values = mx.contiguous(old[0]), mx.contiguous(old[1])  # evaluated with `state`
+        self._snapshots = [s for s in self._snapshots if s[0] != self.offset]
+        self._snapshots.append((self.offset, self._size, keys, values))
+        del self._snapshots[: -self.SNAPSHOTS]
 
     def trim(self, n: int) -> int:
         """Forget the last `n` positions; returns how many were forgotten: all of `n` (or every
         position, as KVCache does when n > offset), or 0, leaving the cache untouched, when
-        positions needed afterwards have already rotated out (re-prefill in that case)."""
+        positions needed afterwards have already rotated out and no snapshot sits exactly at
+        offset − n (re-prefill in that case)."""
         self._settle()
         if self._size == self.offset:
             n = min(n, self.offset)
         elif n > self.trimmable:
-            return 0
+            return self._restore(self.offset - n)
         if n <= 0:
             return 0
         old = self._ordered()
@@ -249,8 +272,27 @@ class RotatingKVCache(_Lendable):
         self._size -= n
         self._idx = self._size % self.window
         self.offset -= n
+        self._forget_after(self.offset)
         return n
+
+    def _restore(self, position: int) -> int:
+        """Return to the snapshot at `position`: how many positions that forgot, or 0 (none)."""
+        snap = next((s for s in self._snapshots if s[0] == position), None)
+        if snap is None or position <= 0:
+            return 0
+        n = self.offset - position
+        _, size, keys, values = snap
+        # slices: objects of their own, so writes into the ring never reach the snapshot's
+        self.keys, self.values = keys[..., :size, :], values[..., :size, :]
+        self.offset, self._size, self._idx = position, size, size % self.window
+        self._forget_after(position)
+        return n
+
+    def _forget_after(self, position: int) -> None:
+        """Snapshots past `position` are of a future that will not come: dropped."""
+        self._snapshots = [s for s in self._snapshots if s[0] <= position]
 
     @property
     def state(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
+        live = [] if self.keys is None else [self.keys, self.values]
+        return live + [a for s in self._snapshots for a in s[2:]]

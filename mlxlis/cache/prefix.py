@@ -1,9 +1,10 @@
 """The prefix cache: the caches of finished requests, kept by the token ids they hold.
 
 A new prompt takes over the entry sharing its longest prefix, rewound to that prefix
-(`mlxlis.cache.rewind`: KV caches to any position, recurrent states to a snapshot), and
-prefills only the rest. LRU, at most `max_bytes` and `max_entries` (a ChatSession keeps one:
-its conversation).
+(`mlxlis.cache.rewind`: KV caches to any position, recurrent states and rotated rings to a
+snapshot), and prefills only the rest; `note` says how much the latest `take` reused and why
+it stopped there. LRU, at most `max_bytes` (snapshots counted) and `max_entries` (a
+ChatSession keeps one: its conversation).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from mlxlis.cache.base import Cache
-from mlxlis.cache.rewind import common_prefix, rewind
+from mlxlis.cache.rewind import common_prefix, reachable, rewind, short_of
 
 # (entry key, its caches, the ids they hold, the position wanted) -> the position reached
 Rewind = Callable[[int, list[Cache], int, int], int]
@@ -41,11 +42,15 @@ class PrefixCache:
         self.on_drop = on_drop
         self._entries: OrderedDict[int, tuple[tuple[int, ...], list[Cache], int]] = OrderedDict()
         self.bytes = 0  # held now: a plain int, so other threads (/health) read it safely
+        self.note = ""  # what the latest `take` reused, and why no more (a request's log line)
+        self._refused = ""  # why the latest caches offered were not kept
 
     def put(self, ids: list[int], caches: list[Cache]) -> int | None:
         """Keep `caches` (holding `ids`); their key, or None when they are not kept."""
         size = sum(a.nbytes for c in caches for a in c.state)
         if not ids or size > self.max_bytes:
+            if ids:
+                self._refused = f"the last caches offered ({size >> 20} MiB) were over its bound"
             return None
         key = next(_KEYS)
         self._entries[key] = (tuple(ids), caches, size)
@@ -70,11 +75,21 @@ class PrefixCache:
             if (n := common_prefix(held, ids)) > best_n:
                 best, best_n = key, n
         if best is None:
+            self.note = self._nothing_shared()
             return None, 0
         held, caches, size = self._entries.pop(best)
         self.bytes -= size
-        reused = rewind_to(best, caches, len(held), min(best_n, len(ids) - 1))
+        position = min(best_n, len(ids) - 1)
+        here, short = reachable(caches, position), short_of(caches, position)
+        reused = rewind_to(best, caches, len(held), position)
+        self.note = reuse_note(best_n, len(ids), reused, position, here, short)
         return (caches, reused) if reused else (None, 0)
+
+    def _nothing_shared(self) -> str:
+        if self._entries:
+            return f"no cached entry shares a prefix ({len(self._entries)} held)"
+        why = f"; {self._refused}" if self._refused else ""
+        return f"no cached entry shares a prefix (the prefix cache is empty{why})"
 
     def clear(self) -> None:
         """Drop every entry."""
@@ -83,3 +98,21 @@ class PrefixCache:
             self.bytes -= size
             if self.on_drop is not None:
                 self.on_drop(key)
+
+
+def reuse_note(shared: int, prompt: int, reused: int, position: int, here: int, short) -> str:
+    """How much of a prompt of `prompt` ids an entry sharing `shared` gave (`reused`), and why
+    no more: every layer went back to `position` (the last id is always fed again), or the
+    `short` kinds of layer could only return to a snapshot; `here` is where this process's
+    layers could go (a pipeline's other ranks may stop earlier)."""
+    head = f"prefix {shared}/{prompt} shared with a cached entry; reused {reused}"
+    kinds = " and ".join(short)
+    if reused == shared:
+        return head
+    if reused == position:
+        return f"{head} (the prompt's last token is fed again for its logits)"
+    if reused < here:
+        return f"{head} (another rank's layers return no further)"
+    if reused == 0:
+        return f"{head} ({kinds}: no snapshot at or before {position}; prefilled whole)"
+    return f"{head} ({kinds} snapshot at {reused})"

@@ -13,6 +13,7 @@ class RecurrentCache:
     SNAPSHOTS are kept; each costs one copy of the state)."""
 
     SNAPSHOTS = 2
+    label = "recurrent"
 
     def __init__(self) -> None:
         self.conv_state: mx.array | None = None
@@ -21,9 +22,13 @@ class RecurrentCache:
         self._snapshots: list[tuple[int, mx.array | None, mx.array | None]] = []
 
     def snapshot(self) -> None:
-        """Remember the state at the current position (arrays are immutable: no copy)."""
+        """Remember the state at the current position (arrays are immutable: no copy of the
+        recurrent state). The convolution's is copied out of the prompt chunk it is a view of:
+        kept as it is, it would keep the chunk's whole (kernel − 1 + T, channels) input alive
+        (the copy is evaluated with `state`)."""
+        conv = None if self.conv_state is None else mx.contiguous(self.conv_state)
         self._snapshots = [s for s in self._snapshots if s[0] != self.offset]
-        self._snapshots.append((self.offset, self.conv_state, self.recurrent))
+        self._snapshots.append((self.offset, conv, self.recurrent))
         del self._snapshots[: -self.SNAPSHOTS]
 
     @property
@@ -50,4 +55,7 @@ class RecurrentCache:
 
     @property
     def state(self) -> list[mx.array]:
-        return [a for a in (self.conv_state, self.recurrent) if a is not None]
+        """The live state and the snapshots' (each array once: a snapshot shares the live
+        recurrent state until the next token replaces it)."""
+        held = [self.conv_state, self.recurrent, *(a for s in self._snapshots for a in s[1:])]
+        return list({id(a): a for a in held if a is not None}.values())

@@ -1,10 +1,13 @@
 """Going back in a model's caches: how far every layer can return exactly, trimming them
-there, and the snapshots recurrent layers keep at the end of each prompt.
+there, and the snapshots recurrent layers and sliding-window rings keep where later prompts
+will return.
 
 Reusing a common prefix (the prefix cache) asks each cache how far back it can go exactly
 (`Cache.rewind_point`): a KV cache to any position it holds, a rotating one while the
-positions it needs have not rotated out, a recurrent state only to a position it kept a
-snapshot of (taken at the end of each prompt)."""
+positions it needs have not rotated out or else to a snapshot, a recurrent state only to a
+snapshot. Snapshots are taken where the generation core is asked to (`Request.snapshot_at`: a
+chat's end before its generation prompt, which the next turn shares) or else at the end of
+each prompt."""
 
 from __future__ import annotations
 
@@ -44,10 +47,15 @@ def rewind(caches: Sequence[Cache], held: int, position: int) -> int:
 
 
 def snapshot(caches: Sequence[Cache]) -> None:
-    """At the end of a prompt: recurrent states cannot be trimmed, so each keeps a snapshot
-    there (the position a later prompt sharing this one can return to)."""
+    """At a position a later prompt will share: recurrent states cannot be trimmed and rings
+    lose what rotates out, so each keeps a snapshot there (KV caches need none)."""
     for c in caches:
         c.snapshot()
+
+
+def short_of(caches: Sequence[Cache], position: int) -> list[str]:
+    """The kinds of layer that cannot return to `position` exactly (why a rewind stops short)."""
+    return sorted({c.label for c in caches if c.rewind_point(position) < position})
 
 
 def trimmable(caches: Sequence[Cache]) -> int:

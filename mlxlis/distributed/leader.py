@@ -11,7 +11,9 @@ and the step's kind, and the cache changes since the last one ("fresh" caches fo
 each rank's caches are those of rank 0's engine, request by request. Taking a prefix-cache
 entry is a step of its own: the ranks agree on the furthest position every one of their
 layers can return to exactly (their layers differ: a recurrent state returns only to a
-snapshot, a sliding window only within its ring) before trimming.
+snapshot, a sliding window within its ring or to a snapshot) before trimming. Snapshots are
+taken on every rank at the same steps (a "mark" chunk, a prompt's end), so the ranks' layers
+return to the same positions.
 
 The last rank sends the step's float32 logits (B, vocab) to rank 0 (its neighbour in the
 ring), which samples, stops and streams exactly as a lone core does: per step that is
@@ -65,7 +67,7 @@ class LeaderSteps(LocalSteps):
         with self.ranks.waiting():
             self.ranks.broadcast(json.dumps(step).encode())
 
-    def admit(self, rid: int, ids: list[int]) -> tuple[list[Cache], int]:
+    def admit(self, rid: int, ids: list[int]) -> tuple[list[Cache], int, str]:
         def agreed(key: int, caches: list, held: int, position: int) -> int:
             with collective():
                 self._tell(take=[key, rid, held, position])
@@ -74,10 +76,10 @@ class LeaderSteps(LocalSteps):
 
         caches, reused = self.prefix.take(ids, agreed)
         if caches is not None:
-            return caches, reused
+            return caches, reused, self.prefix.note
         caches = self.model.make_cache()
         self.pending.append(["fresh", rid])
-        return caches, 0
+        return caches, 0, self.prefix.note
 
     def run(
         self, rids: Sequence[int], caches: Sequence[list[Cache]], tokens: mx.array, kind: str
@@ -86,7 +88,7 @@ class LeaderSteps(LocalSteps):
             self._tell(run=[list(rids), tokens.tolist(), kind])  # waits for the sampled ids
             with self.ranks.waiting():
                 sent = forward(self.net, caches, tokens, kind)
-                if sent is None:  # a chunk: evaluated, nothing comes back
+                if sent is None:  # a chunk or a mark: evaluated, nothing comes back
                     return None
                 mx.eval(sent, [c.state for cs in caches for c in cs])
                 logits = mx.distributed.recv(

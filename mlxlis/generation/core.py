@@ -11,7 +11,10 @@ one).
 3. the next token of each sequence going on sampled from step 1's logits: its logits
    processors (the repetition penalty, masks) on its own row, then its own sampler;
 4. a sequence still reading its prompt gets one chunk (PREFILL_CHUNK tokens) — so a long
-   prompt never stalls the streams already running; its last chunk yields the first token.
+   prompt never stalls the streams already running; its last chunk yields the first token. A
+   chunk ends early at each of the request's `snapshot_at` positions, where the caches keep a
+   snapshot (else they keep one at the prompt's end): recurrent layers and sliding-window
+   rings return there exactly when a later prompt shares the start.
 A sequence that ends hands its caches to the Steps object (`release`: kept for a later prompt
 sharing its start). Where the caches live and how a forward runs is the Steps object's
 (steps.py): this process, or the ranks of a pipeline led from rank 0.
@@ -55,6 +58,10 @@ class Request:
     stop_strings: tuple[str, ...] = ()  # matched across token boundaries, never emitted
     top_logprobs: int | None = None  # None: no logprobs; 0..20: the chosen token's (+ top n)
     processors: tuple[LogitsProcessor, ...] = ()  # applied after the sampling parameters' own
+    # positions in the sequence (the prompt, for a request the core admits) where the caches
+    # keep a snapshot, such as a chat's end before its generation prompt: what the next turn
+    # shares when its template re-renders this reply differently; () : the prompt's end
+    snapshot_at: tuple[int, ...] = ()
 
 
 class Sequence:
@@ -77,6 +84,9 @@ class Sequence:
         self.todo = list(todo)  # prompt ids not prefilled yet
         self.history = self.fed + self.todo  # the prompt, then each generated token
         self.usage = Usage(prompt_tokens=len(self.history), cached_tokens=len(self.fed))
+        n = len(self.history)
+        self.marks = sorted({p for p in req.snapshot_at if len(self.fed) < p < n})
+        self.snapshot_end = not req.snapshot_at or n in req.snapshot_at
         self.sampler = make_sampler(req.params)
         self.processors = [*processors_for(req.params), *req.processors]
         self.decoder = StreamDecoder(model.tokenizer)
@@ -86,6 +96,16 @@ class Sequence:
         self.cancelled = False
         self.done = False
         self.t0 = time.perf_counter()
+
+    def next_chunk(self, size: int) -> tuple[int, str]:
+        """How many prompt ids the next prefill step feeds (at most `size`, ending at the next
+        snapshot position) and its kind for `Steps.run`."""
+        at = len(self.fed)
+        mark = next((p for p in self.marks if p > at), None)
+        n = size if mark is None else min(size, mark - at)
+        if n < len(self.todo):
+            return n, "mark" if at + n == mark else "chunk"
+        return len(self.todo), "prompt" if self.snapshot_end else "last"
 
     def sample(self, logits: mx.array) -> None:
         """The next token from this sequence's row of logits (1, vocab), lazily."""
@@ -179,8 +199,10 @@ class Core:
                 )
             return Sequence(req, self.model, caches, held, req.prompt)
         rid = next(_IDS)
-        caches, reused = self.steps.admit(rid, list(req.prompt))
-        return Sequence(req, self.model, caches, req.prompt[:reused], req.prompt[reused:], rid)
+        caches, reused, note = self.steps.admit(rid, list(req.prompt))
+        seq = Sequence(req, self.model, caches, req.prompt[:reused], req.prompt[reused:], rid)
+        seq.usage.reuse_note = note
+        return seq
 
     def step(self, seqs: list[Sequence], emit: Emit | None = None) -> list[tuple[Sequence, Event]]:
         """One unit of work for each of `seqs` (see the module docstring); the events it made,
@@ -237,11 +259,10 @@ class Core:
                 emit(s, ev)
 
     def _prefill(self, s: Sequence) -> list[tuple[Sequence, Event]]:
-        chunk, rest = s.todo[: self.chunk], s.todo[self.chunk :]
+        n, kind = s.next_chunk(self.chunk)
+        chunk, rest = s.todo[:n], s.todo[n:]
         try:
-            logits = self.steps.run(
-                [s.id], [s.caches], mx.array(chunk, mx.int32), "chunk" if rest else "prompt"
-            )
+            logits = self.steps.run([s.id], [s.caches], mx.array(chunk, mx.int32), kind)
             s.fed += chunk
             s.todo = rest
             if logits is not None:

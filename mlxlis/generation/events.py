@@ -16,6 +16,9 @@ class Usage:
     time_to_first_token: float = 0.0  # seconds from the request's start
     decode_seconds: float = 0.0  # seconds after the first token
     peak_memory: int = 0  # bytes, set on the final event
+    # how many prompt tokens a cached entry gave and why no more (PrefixCache.note), e.g.
+    # "prefix 4123/4200 shared with a cached entry; reused 4100 (recurrent snapshot at 4100)"
+    reuse_note: str = ""
 
     @property
     def generated_tokens(self) -> int:

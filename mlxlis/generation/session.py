@@ -3,6 +3,10 @@
 Before each turn the whole conversation is rendered with the model's chat template and
 tokenized; the caches of the previous turn (a prefix cache of one entry, the server's code)
 are rewound to the longest token prefix they share with it and only the rest is prefilled.
+The caches keep a snapshot where the conversation ends before the generation prompt
+(`turn_start`): templates re-render a past reply differently (without its reasoning,
+trimmed), so that is where the next turn's prompt parts from this one, and recurrent layers
+and sliding-window rings return there exactly.
 When the conversation no longer fits in the context, the turn is refused with a
 ContextLimitError (no silent truncation); `reset()` starts over.
 
@@ -19,6 +23,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlxlis.cache.prefix import PrefixCache
+from mlxlis.cache.rewind import common_prefix
+from mlxlis.errors import MlxlisError
 from mlxlis.generation.context import fit_context
 from mlxlis.generation.core import Core, Request
 from mlxlis.generation.events import Event
@@ -27,6 +33,23 @@ from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.steps import steps_for
 from mlxlis.models.model import Model
 from mlxlis.prompt.reasoning import ANSWER, REASONING, ReasoningSplitter, join
+
+
+def turn_start(
+    model: Model, messages: list[dict], ids: list[int], **variables: Any
+) -> tuple[int, ...]:
+    """The snapshot position for a chat prompt `ids` (`messages` rendered with the generation
+    prompt): where it parts from the same messages rendered without it, the end of the
+    conversation before the reply's turn, which a later turn's prompt shares. () when there is
+    none inside the prompt (the template refuses that render, or nothing precedes the
+    generation prompt): the caches then snapshot the prompt's end."""
+    try:
+        text = model.render_chat(messages, add_generation_prompt=False, **variables)
+        head = model.tokenizer.encode(text, special=True)
+    except MlxlisError:
+        return ()
+    n = common_prefix(head, ids)
+    return (n,) if 0 < n < len(ids) else ()
 
 
 @dataclass
@@ -144,19 +167,18 @@ class ChatSession:
             self.turns.pop()  # a refused turn leaves the conversation as it was
             raise
         splitter = ReasoningSplitter.for_prompt(self.model.tokenizer, prompt)
-        yield from self._reply(ids, should_stop, params, stops, masks, splitter)
+        snapshots = turn_start(self.model, self.messages, ids, **self.template_vars)
+        req = Request(ids, params, frozenset(stops), processors=masks, snapshot_at=snapshots)
+        yield from self._reply(req, should_stop, splitter)
 
     def _reply(
         self,
-        ids: list[int],
+        req: Request,
         should_stop: Callable[[], bool] | None,
-        params: SamplingParams,
-        stops: set[int] | frozenset[int],
-        masks: tuple,
         splitter: ReasoningSplitter,
     ) -> Iterator[Event]:
-        seq = self._core.start(Request(ids, params, frozenset(stops), processors=masks))
-        self.last_prompt_tokens, self.last_reused_tokens = len(ids), seq.usage.cached_tokens
+        seq = self._core.start(req)
+        self.last_prompt_tokens, self.last_reused_tokens = len(req.prompt), seq.usage.cached_tokens
         self._cached = []  # until the reply ends, the caches are the reply's
         segments: list = []
         final: Event | None = None

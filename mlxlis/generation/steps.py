@@ -6,8 +6,11 @@ this process. A model pipelined across ranks comes with its own (the distributed
 LeaderSteps, set by the loader as `Model.steps_factory`), which tells the other ranks each step
 before running its own share; the core never knows which it has.
 
-A step's `kind`: "chunk" (part of a prompt with more to come: nothing comes back), "prompt"
-(the prompt's last chunk: the first token's logits), "decode" (one token per sequence).
+A step's `kind`: "chunk" (part of a prompt with more to come: nothing comes back), "mark" (a
+chunk at whose end the caches keep a snapshot: a position later prompts will share), "prompt"
+(the prompt's last chunk: the first token's logits; the caches snapshot its end), "last" (the
+same without the snapshot: the request asked for its snapshots elsewhere), "decode" (one token
+per sequence).
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ PREFILL_CHUNK = 512  # prompt tokens per step (a pipeline's ranks overlap on the
 
 
 class Steps(Protocol):
-    def admit(self, rid: int, ids: list[int]) -> tuple[list[Cache], int]:
+    def admit(self, rid: int, ids: list[int]) -> tuple[list[Cache], int, str]:
         """Caches for request `rid` whose prompt is `ids`: a prefix-cache entry rewound to the
-        longest prefix it shares with `ids`, else fresh ones; and how many ids they hold."""
+        longest prefix it shares with `ids`, else fresh ones; how many ids they hold; and why
+        that many (PrefixCache.note)."""
         ...
 
     def run(
@@ -56,14 +60,19 @@ class LocalSteps:
         self.model = model
         self.prefix = prefix
 
-    def admit(self, rid: int, ids: list[int]) -> tuple[list[Cache], int]:
+    def admit(self, rid: int, ids: list[int]) -> tuple[list[Cache], int, str]:
         caches, reused = self.prefix.take(ids)
-        return (caches, reused) if caches is not None else (self.model.make_cache(), 0)
+        if caches is None:
+            return self.model.make_cache(), 0, self.prefix.note
+        return caches, reused, self.prefix.note
 
     def run(
         self, rids: Sequence[int], caches: Sequence[list[Cache]], tokens: mx.array, kind: str
     ) -> mx.array | None:
-        return forward(self.model.net, caches, tokens, kind)
+        out = forward(self.model.net, caches, tokens, kind)
+        if kind == "prompt":  # the snapshots' copies made now, not held lazily by the cache
+            mx.async_eval([c.state for c in caches[0]])
+        return out
 
     def release(self, rid: int, ids: list[int] | None, caches: list[Cache]) -> None:
         if ids:
@@ -88,11 +97,11 @@ def forward(net: Network, caches: Sequence[list[Cache]], tokens: mx.array, kind:
         return out.astype(mx.float32) if net.heads else out
     inputs = tokens.reshape(1, -1).astype(mx.int32)  # (1, T)
     out = net(inputs, cache=caches[0], last_only=True)
-    if kind == "chunk":  # only the caches matter (and a stage's send)
+    if kind in ("mark", "prompt"):
+        snapshot(caches[0])  # a point recurrent layers and rings rewind to (a later prefix)
+    if kind in ("chunk", "mark"):  # only the caches matter (and a stage's send)
         mx.eval([c.state for c in caches[0]], [] if net.heads else out)
         return None
-    if kind == "prompt":
-        snapshot(caches[0])  # a point recurrent layers can rewind to (a later prompt's prefix)
     return out[:, -1, :].astype(mx.float32) if net.heads else out
 
 

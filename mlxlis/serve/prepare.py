@@ -12,6 +12,7 @@ from mlxlis.generation.constraints import ConstraintError, constraint
 from mlxlis.generation.context import ContextOverflow, fit_context
 from mlxlis.generation.core import Request
 from mlxlis.generation.sampling import SamplingError, SamplingParams
+from mlxlis.generation.session import turn_start
 from mlxlis.serve.openai_format import MAX_TOP_LOGPROBS, APIError
 from mlxlis.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
 from mlxlis.serve.tool_formats import ToolFormat, for_template
@@ -213,6 +214,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         stop_strings=stops,
         top_logprobs=top,
         processors=masks(t, req, prompt + forced, call_grammar),
+        snapshot_at=turn_start(model, messages, ids, **variables),  # where the next turn parts
     )
     return Prepared(gen, prompt, tools, fmt, forced)
 
