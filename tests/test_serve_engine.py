@@ -115,6 +115,38 @@ def test_batched_rows_keep_their_own_processors_and_samplers(models):
     assert want[0] != want[1]  # the penalty changed the second request's tokens
 
 
+class Broken:
+    """A logits processor that turns on its third call and gives a row of the wrong shape."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, logits, history):
+        self.calls += 1
+        return logits[0] if self.calls >= 3 else logits
+
+
+def test_a_failing_processor_ends_its_request_alone(models):
+    """A request whose logits processor fails mid-reply ends with an "error" event naming
+    it; the request decoding in the same batch goes on to the tokens it gives alone."""
+    model = models["llama"]
+    vocab = model.config.vocab_size
+    a, b = trajectory(7, seed=41, vocab=vocab), trajectory(9, seed=42, vocab=vocab)
+    params = SamplingParams(max_tokens=10)
+    engine = Engine(model, max_active=2, prefix_cache_bytes=0)
+    try:
+        bad = engine.submit(Request(a, params, processors=(Broken(),)))
+        good = engine.submit(Request(b, params))
+        bad_events, good_tokens = list(bad), tokens(good)
+    finally:
+        engine.shutdown()
+    assert bad_events[-1].finish_reason == "error" and "Broken" in bad_events[-1].error
+    want = [
+        e.token for e in mlxlis.generate(model, b, params, stop_ids=set()) if e.token is not None
+    ]
+    assert good_tokens == want
+
+
 ENGINE_LEFT_RUNNING = """
 import sys
 import mlxlis

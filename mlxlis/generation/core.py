@@ -109,8 +109,11 @@ class Sequence:
 
     def sample(self, logits: mx.array) -> None:
         """The next token from this sequence's row of logits (1, vocab), lazily."""
+        shape = logits.shape
         for process in self.processors:
             logits = process(logits, self.history)
+            if logits.shape != shape:  # a processor's bug would otherwise end the whole batch
+                raise MlxlisError(f"{type(process).__name__} gave logits of shape {logits.shape}")
         if self.req.top_logprobs is not None:
             self.logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         self.pending = self.sampler(logits)
@@ -240,7 +243,10 @@ class Core:
                 out += [(s, ev) for ev in s.accept(token)]
         for i, s in enumerate(going):
             if not s.done:
-                s.sample(logits[i : i + 1])
+                try:
+                    s.sample(logits[i : i + 1])
+                except Exception as e:  # noqa: BLE001 — a processor's failure ends its request
+                    out += self._fail([s], e)
         self._deliver(out, 0, emit)
         sent = len(out)
         for s in live:
