@@ -169,4 +169,5 @@ def tiny_server(folder: Path, tmp: Path) -> ServeProcess:
         str(TINY_CONTEXT),
         "--chat-template",
         str(tmp / "template.jinja"),
+        "--verbose",  # the log's per-request reuse lines (test_serve)
     )

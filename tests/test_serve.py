@@ -178,9 +178,11 @@ def test_completion_logprobs(client):
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
 
 
-def test_second_turn_uses_the_prefix_cache(client):
+def test_second_turn_uses_the_prefix_cache(client, server):
     """The second turn of a conversation reuses the first turn's cached prefix:
-    usage.prompt_tokens_details.cached_tokens is > 0 and below the prompt's length."""
+    usage.prompt_tokens_details.cached_tokens is > 0 and below the prompt's length; the
+    --verbose log says, for that request, how much of its prompt a cached entry shared and
+    how much was reused."""
     first = chat(client, messages=[{"role": "user", "content": "Tell me about Émile."}])
     assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
     messages = [
@@ -191,6 +193,10 @@ def test_second_turn_uses_the_prefix_cache(client):
     second = chat(client, messages=messages)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+    n = second.usage.prompt_tokens
+    server.log_line(
+        rf"{second.id} reuse: prefix \d+/{n} shared with a cached entry; reused {cached}"
+    )
 
 
 def test_reasoning_content(client):
@@ -408,7 +414,7 @@ def test_client_disconnect_cancels_only_that_request(server, client):
     t.join(120)
     assert beside["r"].choices[0].message.content == alone
     server.wait_idle()
-    line = server.log_line(rid)
+    line = server.log_line(rf"{rid} \w+ prompt=")  # its end line (--verbose logs its start)
     assert " cancelled " in line, line
     generated = int(line.split("generated=")[1].split()[0])
     assert generated < LONG["max_tokens"] // 2, line

@@ -146,6 +146,8 @@ class Run:
             tps,
             f" error={ev.error}" if ev.error else "",
         )
+        if u.reuse_note:  # --verbose: what the prefix cache gave, and why no more
+            log.debug("%s reuse: %s", self.rid, u.reuse_note)
 
 
 def end_error(state: State, ev: Event) -> APIError:
