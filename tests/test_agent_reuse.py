@@ -302,7 +302,6 @@ def test_agent_session_reuses_every_cached_token_exactly(models, name):
     "name, template, end, exact",
     [
         ("smollm2-135m", TEMPLATE, "<|im_end|>", None),
-        ("gemma3-270m", GEMMA_TEMPLATE, "<end_of_turn>", 1),
     ],
 )
 def test_real_agent_session_past_4000_tokens(name, template, end, exact, tmp_path):
@@ -412,17 +411,20 @@ class Recording(LocalSteps):
 
 
 @pytest.mark.parametrize(
-    "marks, chunks",
+    "name, marks, chunks",
     [
-        ((), [(8, "chunk"), (8, "chunk"), (8, "chunk"), (6, "prompt")]),
-        ((5, 20), [(5, "mark"), (8, "chunk"), (7, "mark"), (8, "chunk"), (2, "last")]),
-        ((16, 30), [(8, "chunk"), (8, "mark"), (8, "chunk"), (6, "prompt")]),
+        ("gemma3", (), [(8, "chunk"), (8, "chunk"), (8, "chunk"), (6, "prompt")]),
+        ("gemma3", (5, 20), [(5, "mark"), (8, "chunk"), (7, "mark"), (8, "chunk"), (2, "last")]),
+        ("gemma3", (16, 30), [(8, "chunk"), (8, "mark"), (8, "chunk"), (6, "prompt")]),
+        ("llama", (5, 20), [(8, "chunk"), (8, "chunk"), (8, "chunk"), (6, "prompt")]),
     ],
 )
-def test_prefill_chunks_end_at_the_snapshot_positions(models, marks, chunks):
+def test_prefill_chunks_end_at_the_snapshot_positions(models, name, marks, chunks):
     """The core's chunks end at each requested position ("mark": the caches snapshot there);
-    the prompt's end is snapshotted only when no position was asked for, or it was."""
-    model = models["llama"]
+    the prompt's end is snapshotted only when no position was asked for, or it was. A model
+    of full attention alone needs no snapshot: its chunks are not cut (a cut costs one more
+    forward: on the bench's hybrid, 0.2 s of a reused turn's 1.9 s to the first token)."""
+    model = models[name]
     steps = Recording(model, PrefixCache(0))
     core = Core(model, steps, chunk=8)
     req = Request(list(range(3, 33)), SamplingParams(max_tokens=1), snapshot_at=marks)
