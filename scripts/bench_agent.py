@@ -241,7 +241,7 @@ def warm_up(model: Model, ids: list[int]) -> None:
 def session(name: str, turns: int) -> list[dict]:
     model, end = load(name)
     tok = model.tokenizer
-    stop = tok.encode(end, special=True)
+    stop = tok.encode(end, special=True, add_bos=False)  # Gemma adds a BOS
     messages = [
         {"role": "system", "content": "You are a coding agent working in a git repository."},
         {"role": "user", "content": "The test suite fails in src/: find the bug and fix it."},
@@ -257,7 +257,7 @@ def session(name: str, turns: int) -> list[dict]:
             text = (
                 f"{reasoning}\n</think>\n\n{answer}\n<tool_call>\n{json.dumps(call)}\n</tool_call>"
             )
-            reply = tok.encode(text, special=True) + stop
+            reply = tok.encode(text, special=True, add_bos=False) + stop
             cold, cold_cpu = cold_ttft(model, ids)
             params = SamplingParams(max_tokens=len(reply) + 1, temperature=0.0)
             req = Request(
@@ -319,9 +319,10 @@ def main() -> None:
     results = {name: session(name, a.turns) for name in a.models.split(",")}
     for name, rows in results.items():
         print(table(name, rows) + "\n")
-    out = ROOT / "bench-results"
-    out.mkdir(exist_ok=True)
-    (out / "agent.json").write_text(json.dumps(results, indent=2) + "\n")
+    out = ROOT / "bench-results" / "agent.json"
+    out.parent.mkdir(exist_ok=True)
+    kept = json.loads(out.read_text()) if out.is_file() else {}  # the other models' last run
+    out.write_text(json.dumps({**kept, **results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

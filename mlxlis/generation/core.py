@@ -84,9 +84,11 @@ class Sequence:
         self.todo = list(todo)  # prompt ids not prefilled yet
         self.history = self.fed + self.todo  # the prompt, then each generated token
         self.usage = Usage(prompt_tokens=len(self.history), cached_tokens=len(self.fed))
-        n = len(self.history)
-        self.marks = sorted({p for p in req.snapshot_at if len(self.fed) < p < n})
-        self.snapshot_end = not req.snapshot_at or n in req.snapshot_at
+        n, asked = len(self.history), req.snapshot_at
+        if model.config.rewinds_anywhere:  # a chunk ended early would only cost a forward
+            asked = ()
+        self.marks = sorted({p for p in asked if len(self.fed) < p < n})
+        self.snapshot_end = not asked or n in asked
         self.sampler = make_sampler(req.params)
         self.processors = [*processors_for(req.params), *req.processors]
         self.decoder = StreamDecoder(model.tokenizer)

@@ -104,6 +104,13 @@ class ModelConfig:
     def is_linear(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
+    @property
+    def rewinds_anywhere(self) -> bool:
+        """Every layer's cache returns exactly to any position it holds (full attention only:
+        no sliding-window ring, no recurrent state), so snapshots are of no use to it."""
+        n = self.num_hidden_layers
+        return not any(self.is_sliding(i) or self.is_linear(i) for i in range(n))
+
     def is_sparse(self, layer: int) -> bool:
         return bool(self.sparse_layers) and self.sparse_layers[layer]
 
