@@ -382,6 +382,57 @@ MUTANTS = (
         ("tests/test_thinking.py::test_a_constraint_starts_after_the_reasoning",),
         "structured output: a reasoning model's reasoning constrained too (no thinking first)",
     ),
+    Mutant(
+        "spec-kept-off-by-one",
+        "mlxlis/generation/core.py",
+        "drop = len(drafts) - kept\n",
+        "drop = len(drafts) - kept - 1\n",
+        ("tests/test_speculative.py::test_each_verification_keeps_exactly_the_agreeing_proposals",),
+        "speculative decoding: the caches keep one proposal more than was accepted",
+    ),
+    Mutant(
+        "spec-bonus-dropped",
+        "mlxlis/generation/core.py",
+        """            if i == len(drafts):  # every proposal kept: the target's own next token
+                nxt = s.sampler(row)
+                break""",
+        """            if i == len(drafts):  # every proposal kept: the target's own next token
+                nxt = mx.array([drafts[-1]], mx.int32)
+                break""",
+        ("tests/test_speculative.py::test_a_draft_of_the_target_itself_is_always_kept",),
+        "speculative decoding: after every proposal was kept, the target's bonus token is"
+        " not the one that goes on",
+    ),
+    Mutant(
+        "spec-recurrent-not-rewound",
+        "mlxlis/cache/recurrent.py",
+        "for p, conv, state in [*self._steps, *self._snapshots]:",
+        "for p, conv, state in [(p, c, self.recurrent) for p, c, _ in self._steps]:",
+        (
+            "tests/test_speculative.py::test_a_rejection_at_each_position_rewinds_every_cache_exactly",
+        ),
+        "speculative decoding: a recurrent layer trimmed after a verification keeps the state"
+        " of every verified token",
+    ),
+    Mutant(
+        "spec-no-ratio-test",
+        "mlxlis/generation/speculative.py",
+        "if (u * qd < p[d]).item():",
+        "if True:",
+        ("tests/test_speculative.py::test_kept_or_replaced_tokens_follow_the_target_distribution",),
+        "speculative sampling: proposals kept without the ratio test (the draft's distribution)",
+    ),
+    Mutant(
+        "spec-ring-spill-dropped",
+        "mlxlis/cache/kv.py",
+        "if n > size - self.window + 1 and self._spilled():",
+        "if False:",
+        (
+            "tests/test_speculative.py::test_a_rejection_at_each_position_rewinds_every_cache_exactly",
+        ),
+        "speculative decoding: a ring trimmed after a verification forgets the positions the"
+        " verification pushed out",
+    ),
 )
 
 IGNORE = shutil.ignore_patterns(

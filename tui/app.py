@@ -366,6 +366,8 @@ class ChatApp(CommandsMixin, App[int]):
         if stats is not None:
             parts.append(f"first token {stats.time_to_first_token * 1000:.0f} ms")
             parts.append(f"{stats.decode_tps:.1f} tok/s")
+            if getattr(stats, "draft_tokens", 0):  # speculative decoding: drafts kept
+                parts.append(f"drafts kept {stats.accepted_tokens / stats.draft_tokens:.0%}")
         parts.append(f"ctx {used}/{limit}")
         if stats is not None and stats.peak_memory:
             parts.append(f"peak {stats.peak_memory / 2**20:.0f} MiB")

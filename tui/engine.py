@@ -36,6 +36,10 @@ class Options:
     strict: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
     thinking: bool | None = None  # --think / --no-think; None: the template's default
+    speculative: str | None = None  # --speculative / --draft-model: "ngram" | "draft" | None
+    draft_model: str | None = None
+    draft_tokens: int | None = None
+    draft: Model | None = None  # the draft model, once load_model loaded it
 
 
 def parse_args(argv: list[str]) -> Options:
@@ -43,9 +47,11 @@ def parse_args(argv: list[str]) -> Options:
     from mlxlis.commands.args import (
         add_model_args,
         add_sampling_args,
+        add_speculative_args,
         add_thinking_args,
         check_thinking,
         sampling_params,
+        speculative_flags,
     )
 
     p = argparse.ArgumentParser(
@@ -60,8 +66,10 @@ def parse_args(argv: list[str]) -> Options:
         help="raw completion pad: text is fed as is, no chat template",
     )
     add_thinking_args(p)
+    add_speculative_args(p)
     a = p.parse_args(argv)
     check_thinking(p, a)
+    speculative_flags(p, a)
     return Options(
         model=a.model,
         dtype=a.dtype,
@@ -73,6 +81,9 @@ def parse_args(argv: list[str]) -> Options:
         bindings=a.bindings,
         strict=a.strict,
         thinking=a.thinking,
+        speculative=a.speculative,
+        draft_model=a.draft_model,
+        draft_tokens=a.draft_tokens,
     )
 
 
@@ -87,7 +98,7 @@ def load_model(options: Options, progress: Progress):
 
         name = str(resolve(name, progress=progress))  # a Hub repo or a scanned name
     progress("loading weights", 0, 0)
-    return mlxlis.load(
+    model = mlxlis.load(
         name,
         options.dtype,
         dequantize=options.dequantize,
@@ -95,6 +106,12 @@ def load_model(options: Options, progress: Progress):
         bindings=options.bindings,
         strict=options.strict,
     )
+    if options.draft_model:  # --draft-model: fetched and loaded the same way
+        draft = Options(**{**vars(options), "model": options.draft_model, "draft_model": None})
+        draft.chat_template = draft.bindings = None
+        progress("loading the draft model", 0, 0)
+        options.draft = load_model(draft, progress)
+    return model
 
 
 class RawPad:
@@ -112,6 +129,7 @@ class RawPad:
         self.context_used = 0
         self.last_prompt_tokens = 0
         self._generate = generate or mlxlis.generate
+        self.speculation = None  # --speculative: drafts verified in one forward
 
     def reset(self) -> None:
         self.turns.clear()
@@ -134,6 +152,8 @@ class RawPad:
         )
         sampling.pop("max_tokens", None)
         max_tokens = limited.max_tokens
+        if self.speculation is not None:
+            sampling["speculation"] = self.speculation
         self.last_prompt_tokens = len(ids)
         self.turns.append(Turn("user", text))
         out: list[str] = []
@@ -179,6 +199,14 @@ class Engine:
                 self.thinking = options.thinking
         self.info = dict(model.describe())
         self._turns_before = 0
+        self.speculation = None
+        if options.speculative is not None:  # the draft must speak the target's vocabulary
+            from mlxlis.generation.speculative import Speculation, check_vocabulary
+
+            if options.draft is not None:
+                check_vocabulary(model, options.draft)
+            self.speculation = Speculation(options.speculative, options.draft, options.draft_tokens)
+            self.session.speculation = self.speculation
 
     # --- what the header shows ---
     @property

@@ -32,6 +32,12 @@ class Cache(Protocol):
         """Forget the newest `n` positions; returns `n`, or 0 leaving it untouched."""
         ...
 
+    def expect_rewind(self, n: int) -> None:
+        """The next update (a speculative verification) may be trimmed back by up to `n` of
+        its positions: keep what that needs (a ring its spilled positions, a recurrent state
+        the state after each of them)."""
+        ...
+
     def snapshot(self) -> None:
         """Remember the current position as one to return to (recurrent states and rings whose
         positions rotate out need it; its memory counts in `state`)."""

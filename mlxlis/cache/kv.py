@@ -98,6 +98,9 @@ class KVCache(_Lendable):
     def snapshot(self) -> None:
         """Nothing to keep: a KV cache returns to any position it holds."""
 
+    def expect_rewind(self, n: int) -> None:
+        """Nothing to keep: a KV cache returns to any position it holds."""
+
     def trim(self, n: int) -> int:
         """Forget the last `n` positions (for reusing a common prefix); returns how many."""
         self._settle()
@@ -152,6 +155,9 @@ class RotatingKVCache(_Lendable):
         self._idx = 0  # ring slot the next single-token write goes to (the oldest when full)
         # (offset, valid slots, keys, values oldest first): arrays the live ring never writes
         self._snapshots: list[tuple[int, int, mx.array, mx.array]] = []
+        self._keep = 0  # positions the next multi-token update keeps past the window
+        # (offset, keys, values): the positions a verification pushed out of the window last
+        self._spill: tuple[int, mx.array, mx.array] | None = None
 
     @property
     def held(self) -> int:
@@ -194,12 +200,21 @@ class RotatingKVCache(_Lendable):
         self._settle()
         t = keys.shape[2]
         self.offset += t
+        self._spill, keep, self._keep = None, self._keep, 0
         if t == 1:
             return self._write_one(keys, values)
         old = self._ordered()
         if old is not None:
             keys = mx.concatenate([old[0], keys], axis=2)
             values = mx.concatenate([old[1], values], axis=2)
+        out = keys.shape[2] - self.window  # positions that rotate out now
+        if keep and out > 0:  # the newest of them, for a rewind into this update (`trim`)
+            a = max(0, out - keep)
+            self._spill = (
+                self.offset,
+                mx.contiguous(keys[..., a:out, :]),
+                mx.contiguous(values[..., a:out, :]),
+            )
         # keep the newest `window` positions, oldest first (a copy, so the chunk can be freed)
         self.keys = mx.array(keys[..., -self.window :, :])
         self.values = mx.array(values[..., -self.window :, :])
@@ -233,7 +248,17 @@ class RotatingKVCache(_Lendable):
         window − 1 positions before the new end; it holds `_size − n` of them."""
         if self._size == self.offset:  # nothing rotated out yet
             return self.offset
-        return max(0, self._size - self.window + 1)
+        return max(0, self._size - self.window + 1) + self._spilled()
+
+    def _spilled(self) -> int:
+        """How many rotated-out positions the last update kept (`expect_rewind`)."""
+        sp = self._spill
+        return sp[1].shape[2] if sp is not None and sp[0] == self.offset else 0
+
+    def expect_rewind(self, n: int) -> None:
+        """The next multi-token update keeps up to `n` of the positions it pushes out of the
+        window, so trimming up to `n` of its positions stays exact."""
+        self._keep = n
 
     def rewind_point(self, position: int) -> int:
         """`position` while what it needs there has not rotated out, else the latest snapshot
@@ -266,12 +291,21 @@ class RotatingKVCache(_Lendable):
         if n <= 0:
             return 0
         old = self._ordered()
+        size = self._size
         if old is not None:
-            self.keys = old[0][..., : self._size - n, :]
-            self.values = old[1][..., : self._size - n, :]
-        self._size -= n
+            keys, values = old
+            if n > size - self.window + 1 and self._spilled():  # back into the spilled ones
+                keys = mx.concatenate([self._spill[1], keys], axis=2)
+                values = mx.concatenate([self._spill[2], values], axis=2)
+                size += self._spilled()
+            start = max(0, size - n - self.window)
+            self.keys = keys[..., start : size - n, :]
+            self.values = values[..., start : size - n, :]
+            size -= start
+        self._size = size - n
         self._idx = self._size % self.window
         self.offset -= n
+        self._spill = None
         self._forget_after(self.offset)
         return n
 
@@ -285,6 +319,7 @@ class RotatingKVCache(_Lendable):
         # slices: objects of their own, so writes into the ring never reach the snapshot's
         self.keys, self.values = keys[..., :size, :], values[..., :size, :]
         self.offset, self._size, self._idx = position, size, size % self.window
+        self._spill = None
         self._forget_after(position)
         return n
 
@@ -295,4 +330,5 @@ class RotatingKVCache(_Lendable):
     @property
     def state(self) -> list[mx.array]:
         live = [] if self.keys is None else [self.keys, self.values]
-        return live + [a for s in self._snapshots for a in s[2:]]
+        spill = [] if self._spill is None else list(self._spill[1:])
+        return live + spill + [a for s in self._snapshots for a in s[2:]]

@@ -20,6 +20,20 @@ class RecurrentCache:
         self.recurrent: mx.array | None = None
         self.offset = 0
         self._snapshots: list[tuple[int, mx.array | None, mx.array | None]] = []
+        self.keep = 0  # the next update keeps the state after each of up to this many tokens
+        # (offset, conv, state) after each token of the last update but its last (`keep`)
+        self._steps: list[tuple[int, mx.array, mx.array]] = []
+
+    def expect_rewind(self, n: int) -> None:
+        """The next update (a speculative verification) may be trimmed back by up to `n` of
+        its tokens: the layer keeps the state after each of them (`kept`)."""
+        self.keep = n
+
+    def kept(self, steps: list[tuple[int, mx.array, mx.array]]) -> None:
+        """The layer's record of the update just made (`expect_rewind`): (offset, conv state,
+        recurrent state) after each token but the last; an update made without it records
+        []."""
+        self._steps, self.keep = steps, 0
 
     def snapshot(self) -> None:
         """Remember the state at the current position (arrays are immutable: no copy of the
@@ -39,17 +53,19 @@ class RecurrentCache:
         """The latest position ≤ `position` this cache can return to exactly."""
         if position >= self.offset:
             return self.offset
-        return max((p for p, _, _ in self._snapshots if p <= position), default=0)
+        kept = (p for p, _, _ in [*self._snapshots, *self._steps] if p <= position)
+        return max(kept, default=0)
 
     def trim(self, n: int) -> int:
         """Go back `n` tokens if a snapshot sits exactly there; returns n, or 0 (untouched)."""
         if n <= 0:
             return 0
         target = self.offset - n
-        for p, conv, state in self._snapshots:
+        for p, conv, state in [*self._steps, *self._snapshots]:
             if p == target:
                 self.conv_state, self.recurrent, self.offset = conv, state, p
                 self._snapshots = [s for s in self._snapshots if s[0] <= p]
+                self._steps = []
                 return n
         return 0
 
@@ -57,5 +73,6 @@ class RecurrentCache:
     def state(self) -> list[mx.array]:
         """The live state and the snapshots' (each array once: a snapshot shares the live
         recurrent state until the next token replaces it)."""
-        held = [self.conv_state, self.recurrent, *(a for s in self._snapshots for a in s[1:])]
+        kept = [*self._snapshots, *self._steps]
+        held = [self.conv_state, self.recurrent, *(a for s in kept for a in s[1:])]
         return list({id(a): a for a in held if a is not None}.values())

@@ -162,6 +162,83 @@ def sampling_params(p: argparse.ArgumentParser, a: argparse.Namespace):
     return SamplingParams(**changes)
 
 
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding (generation/speculative.py): drafts verified in one forward."""
+    from mlxlis.generation.speculative import KINDS, MAX_DRAFT
+
+    g = p.add_argument_group("speculative decoding (the same tokens, sooner)")
+    g.add_argument(
+        "--speculative",
+        choices=KINDS,
+        default=None,
+        help="draft the next tokens and verify them in one forward: ngram (prompt lookup: "
+        "continuations found earlier in the text) or draft (a draft model; the default "
+        "with --draft-model)",
+    )
+    g.add_argument(
+        "--draft-model",
+        metavar="REF",
+        default=None,
+        help="a smaller model of the same vocabulary (any reference -m takes)",
+    )
+    g.add_argument(
+        "--draft-tokens",
+        metavar="K",
+        default=None,
+        help=f"tokens per verification, 1..{MAX_DRAFT} (default: chosen as it runs from the "
+        "measured acceptance and step costs; speculation rests where it does not pay)",
+    )
+
+
+def speculative_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Check the speculative flags together (exit 2 naming the flag); sets `a.speculative`
+    to the kind asked for (None: none) and `a.draft_tokens` to an int or None."""
+    from mlxlis.generation.speculative import MAX_DRAFT
+
+    kind = a.speculative or ("draft" if a.draft_model else None)
+    if kind == "draft" and not a.draft_model:
+        p.exit(2, f"{p.prog}: error: --speculative draft: needs --draft-model REF\n")
+    if kind == "ngram" and a.draft_model:
+        p.exit(2, f"{p.prog}: error: --draft-model: drafts with --speculative draft, not ngram\n")
+    if a.draft_tokens is not None:
+        if kind is None:
+            p.exit(2, f"{p.prog}: error: --draft-tokens: needs --speculative or --draft-model\n")
+        try:
+            k = int(a.draft_tokens)
+        except ValueError:
+            k = 0
+        if not 1 <= k <= MAX_DRAFT:
+            p.exit(
+                2,
+                f"{p.prog}: error: --draft-tokens: must be an integer in [1, {MAX_DRAFT}], "
+                f"not {a.draft_tokens!r}\n",
+            )
+        a.draft_tokens = k
+    a.speculative = kind
+
+
+def load_speculation(a: argparse.Namespace, target, load_draft=None):
+    """The Speculation the (checked) flags ask for, None for none: a draft model loaded as
+    the target is (`load_draft(ref)`, default mlxlis.load with the same dtype and quantization)
+    and checked to share its vocabulary (SpeculativeError otherwise)."""
+    from mlxlis.generation.speculative import Speculation, check_vocabulary
+
+    kind = getattr(a, "speculative", None)
+    if kind is None:
+        return None
+    draft = None
+    if kind == "draft":
+        if load_draft is None:
+            from mlxlis import load
+
+            def load_draft(ref: str):
+                return load(ref, a.dtype, dequantize=a.dequantize)
+
+        draft = load_draft(a.draft_model)
+        check_vocabulary(target, draft)
+    return Speculation(kind, draft, a.draft_tokens)
+
+
 def add_format_args(p: argparse.ArgumentParser) -> None:
     """Structured output: the reply constrained token by token (generation/constraints)."""
     g = p.add_mutually_exclusive_group()

@@ -16,16 +16,20 @@ from mlxlis.commands.args import (
     add_format_args,
     add_model_args,
     add_sampling_args,
+    add_speculative_args,
     add_thinking_args,
     check_thinking,
+    load_speculation,
     response_format,
     sampling_params,
+    speculative_flags,
 )
 from mlxlis.distributed.leader import finish, follow, ranks_of
 from mlxlis.errors import MlxlisError, PipelineError
 from mlxlis.generation.events import Event
 from mlxlis.generation.generate import generate
 from mlxlis.generation.sampling import SamplingParams
+from mlxlis.generation.speculative import Speculation, speculation_line
 from mlxlis.loading import catalog
 from mlxlis.models.model import Model
 from mlxlis.prompt.reasoning import ANSWER, ReasoningSplitter
@@ -50,6 +54,7 @@ def one_shot_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system message (chat mode)")
     add_thinking_args(p)
     add_format_args(p)
+    add_speculative_args(p)
     p.add_argument("prompt", help="the prompt ('-' reads stdin)")
     return p
 
@@ -124,6 +129,7 @@ def stream_reply(
     prompt: str | None,
     show_reasoning: bool,
     response_format: dict | None = None,
+    speculation: Speculation | None = None,
 ) -> Event | None:
     """Generate: the answer to stdout, the reasoning (`<think>` block) to stderr, dimmed when
     stderr is a terminal; `prompt` None (raw completion) prints everything to stdout. Returns
@@ -133,7 +139,10 @@ def stream_reply(
     in_reasoning = False
     final = None
     try:
-        for ev in generate(model, ids, params, response_format=response_format):
+        events = generate(
+            model, ids, params, response_format=response_format, speculation=speculation
+        )
+        for ev in events:
             if splitter is None:
                 parts = [(ANSWER, ev.text)]
             else:
@@ -190,7 +199,8 @@ def _one_shot(a: argparse.Namespace, params: SamplingParams, model: Model, promp
         text = chat_prompt(model, prompt, a.system, a.thinking)
         ids = tok.encode(text, special=True)
     fmt = response_format(a)
-    final = stream_reply(model, ids, params, text, a.thinking is not False, fmt)
+    spec = load_speculation(a, model)
+    final = stream_reply(model, ids, params, text, a.thinking is not False, fmt, spec)
     if a.verbose and final is not None:
         s = final.stats
         say(
@@ -199,6 +209,8 @@ def _one_shot(a: argparse.Namespace, params: SamplingParams, model: Model, promp
             f"first token {s.time_to_first_token * 1000:.0f} ms; "
             f"peak memory {s.peak_memory / 2**20:.0f} MiB; finish: {final.finish_reason}"
         )
+        if spec is not None:
+            say(f"speculative: {speculation_line(s, spec)}")
     return 0
 
 
@@ -417,6 +429,7 @@ def serve_parser() -> argparse.ArgumentParser:
     )
     add_model_args(p)
     add_sampling_args(p)
+    add_speculative_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free one)")
     p.add_argument(
@@ -479,6 +492,7 @@ def run_serve(argv: list[str]) -> int:
     p = serve_parser()
     a = p.parse_args(argv)
     params = sampling_params(p, a)
+    speculative_flags(p, a)
     for name, (low, high) in SERVE_BOUNDS.items():
         value = getattr(a, name)
         if value is not None and (value < low or (high is not None and value > high)):
@@ -497,6 +511,7 @@ def run_serve(argv: list[str]) -> int:
             return 0
         if a.verbose:
             print_details(model)
+        spec = mlx_thread.shared().submit(lambda: load_speculation(a, model)).result()
         name = (
             a.model if not os.path.exists(a.model) else os.path.basename(os.path.normpath(a.model))
         )
@@ -514,6 +529,7 @@ def run_serve(argv: list[str]) -> int:
                 params,
                 a.prefix_cache_mb,
                 a.responses_store_mb,
+                spec,
             ),
         )
 
@@ -561,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     params = sampling_params(p, a)
     check_thinking(p, a)
+    speculative_flags(p, a)
     return _guard(a.debug, lambda: run_one_shot(a, params))
 
 

@@ -10,6 +10,10 @@ one).
    max_tokens, cancellation) and emitted as an Event;
 3. the next token of each sequence going on sampled from step 1's logits: its logits
    processors (the repetition penalty, masks) on its own row, then its own sampler;
+   A speculating sequence (`Request.speculation`) instead reads its pending token, has its
+   drafter propose the next k, and one forward of its own verifies them (`_verify`): it keeps
+   the proposals its sampling agrees with and one token of the target's, its caches trimmed
+   back to them (every cache kind rewinds that far: `Cache.expect_rewind`);
 4. a sequence still reading its prompt gets one chunk (PREFILL_CHUNK tokens) — so a long
    prompt never stalls the streams already running; its last chunk yields the first token. A
    chunk ends early at each of the request's `snapshot_at` positions, where the caches keep a
@@ -36,6 +40,7 @@ from mlxlis.errors import MlxlisError, PipelineError
 from mlxlis.generation.events import Event, Usage
 from mlxlis.generation.processors import LogitsProcessor, processors_for
 from mlxlis.generation.sampling import SamplingParams, make_sampler
+from mlxlis.generation.speculative import SpecState, Speculation
 from mlxlis.generation.steps import PREFILL_CHUNK, Steps
 from mlxlis.generation.stops import StopMatcher
 from mlxlis.models.model import Model
@@ -62,6 +67,7 @@ class Request:
     # keep a snapshot, such as a chat's end before its generation prompt: what the next turn
     # shares when its template re-renders this reply differently; () : the prompt's end
     snapshot_at: tuple[int, ...] = ()
+    speculation: Speculation | None = None  # draft and verify (speculative.py); None: plainly
 
 
 class Sequence:
@@ -98,6 +104,9 @@ class Sequence:
         self.cancelled = False
         self.done = False
         self.t0 = time.perf_counter()
+        spec = req.speculation
+        self.spec = None if spec is None else SpecState(spec, req.params, model)
+        self.t_plain: float | None = None  # when its last plain decode step ended
 
     def next_chunk(self, size: int) -> tuple[int, str]:
         """How many prompt ids the next prefill step feeds (at most `size`, ending at the next
@@ -109,8 +118,9 @@ class Sequence:
             return n, "mark" if at + n == mark else "chunk"
         return len(self.todo), "prompt" if self.snapshot_end else "last"
 
-    def sample(self, logits: mx.array) -> None:
-        """The next token from this sequence's row of logits (1, vocab), lazily."""
+    def process(self, logits: mx.array) -> mx.array:
+        """This sequence's row of logits (1, vocab) after its processors (given the history so
+        far); their log-probabilities kept when the request asked for them."""
         shape = logits.shape
         for process in self.processors:
             logits = process(logits, self.history)
@@ -118,7 +128,11 @@ class Sequence:
                 raise MlxlisError(f"{type(process).__name__} gave logits of shape {logits.shape}")
         if self.req.top_logprobs is not None:
             self.logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        self.pending = self.sampler(logits)
+        return logits
+
+    def sample(self, logits: mx.array) -> None:
+        """The next token from this sequence's row of logits (1, vocab), lazily."""
+        self.pending = self.sampler(self.process(logits))
         mx.async_eval(self.pending)
 
     def goes_on(self) -> bool:
@@ -197,6 +211,10 @@ class Core:
         if not req.prompt:
             raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
         req.params.validate()
+        if req.speculation is not None and self.model.part is not None:
+            raise MlxlisError(
+                "speculative decoding of a pipelined model is not supported", field="speculative"
+            )
         if caches is not None:
             if self.model.part is not None:  # the other ranks' caches follow admitted ones only
                 raise MlxlisError(
@@ -220,6 +238,9 @@ class Core:
         live = [s for s in seqs if not s.done]
         decoding = [s for s in live if s.pending is not None]
         going = [s for s in decoding if s.goes_on()]
+        drafting = self._drafting(going)
+        decoding = [s for s in decoding if id(s) not in drafting]
+        going = [s for s in going if id(s) not in drafting]
         logits = None
         if going:
             try:
@@ -249,6 +270,20 @@ class Core:
                     s.sample(logits[i : i + 1])
                 except Exception as e:  # noqa: BLE001 — a processor's failure ends its request
                     out += self._fail([s], e)
+        now = time.perf_counter()
+        for s in going:  # a lone plain step's time: what speculation must beat
+            if s.spec is not None and len(going) == 1 and s.t_plain is not None:
+                s.spec.governor.observe_plain(now - s.t_plain)
+            s.t_plain = now
+        for s in live:
+            if id(s) in drafting:
+                s.t_plain = None
+                try:
+                    out += self._verify(s, drafting[id(s)])
+                except PipelineError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    out += self._fail([s], e)
         self._deliver(out, 0, emit)
         sent = len(out)
         for s in live:
@@ -256,6 +291,74 @@ class Core:
                 out += self._prefill(s)
         self._deliver(out, sent, emit)
         return out
+
+    def _drafting(self, going: list[Sequence]) -> dict[int, int]:
+        """The speculating sequences that draft this step: id(seq) -> how many tokens. With
+        the draft length left to the Governor, a sequence decodes plainly while others decode
+        beside it (each verification is a forward of its own: in a busy batch it costs more
+        than the batch's one step gains)."""
+        out = {}
+        for s in going:
+            if s.spec is None:
+                continue
+            g = s.spec.governor
+            if g.fixed is None and len(going) > 1:
+                g.note = "speculation rests: other requests decode in the same step"
+                continue
+            room = s.req.params.max_tokens - s.usage.completion_tokens - 1
+            k = g.choose(s.usage.completion_tokens, room)
+            s.usage.speculation_note = g.note or s.usage.speculation_note
+            if k > 0:
+                out[id(s)] = k
+        return out
+
+    def _verify(self, s: Sequence, k: int) -> list[tuple[Sequence, Event]]:
+        """One speculative step of `s`: its pending token read, `k` tokens drafted after it,
+        all verified in one forward; the proposals kept, the next token pending."""
+        t0 = time.perf_counter()
+        first = int(s.pending.item())
+        prop = s.spec.drafter.propose([*s.history, first], k)
+        drafts = prop.tokens[:k]
+        t1 = time.perf_counter()
+        tokens = [first, *drafts]
+        hidden = s.spec.wants_hidden
+        out = self.steps.run(
+            [s.id], [s.caches], mx.array(tokens, mx.int32), "verify+hidden" if hidden else "verify"
+        )
+        logits, states = out if hidden else (out, None)
+        mx.eval(logits)  # (T, vocab)
+        t2 = time.perf_counter()
+        s.fed.append(first)
+        events = [(s, ev) for ev in s.accept(first)]
+        kept, nxt = 0, None
+        for i in range(len(tokens)):
+            if s.done:
+                break
+            row = s.process(logits[i : i + 1])
+            if i == len(drafts):  # every proposal kept: the target's own next token
+                nxt = s.sampler(row)
+                break
+            q = None if prop.q is None else prop.q[i]
+            other = s.spec.judge.check(row, drafts[i], q)
+            if other is not None:
+                nxt = mx.array([other], mx.int32)
+                break
+            kept += 1
+            s.fed.append(drafts[i])
+            events += [(s, ev) for ev in s.accept(drafts[i])]
+        drop = len(drafts) - kept
+        if drop and not all(c.trim(drop) == drop for c in s.caches):
+            raise MlxlisError(f"a cache could not return {drop} positions after a verification")
+        if states is not None:  # the target's hidden states of the positions it keeps
+            s.spec.drafter.feed_hidden(tokens[: 1 + kept], states[: 1 + kept])
+        if not s.done:
+            s.pending = nxt
+            mx.async_eval(nxt)
+        s.spec.proposed += len(drafts)
+        s.spec.accepted += kept
+        s.spec.governor.observe(len(drafts), kept, t2 - t1, t1 - t0)
+        s.usage.draft_tokens, s.usage.accepted_tokens = s.spec.proposed, s.spec.accepted
+        return events
 
     def _deliver(self, out: list[tuple[Sequence, Event]], start: int, emit: Emit | None) -> None:
         """Release the caches of the sequences that ended, then hand on the events."""
@@ -269,8 +372,15 @@ class Core:
     def _prefill(self, s: Sequence) -> list[tuple[Sequence, Event]]:
         n, kind = s.next_chunk(self.chunk)
         chunk, rest = s.todo[:n], s.todo[n:]
+        hidden = s.spec is not None and s.spec.wants_hidden
         try:
-            logits = self.steps.run([s.id], [s.caches], mx.array(chunk, mx.int32), kind)
+            out = self.steps.run(
+                [s.id], [s.caches], mx.array(chunk, mx.int32), kind + "+hidden" if hidden else kind
+            )
+            logits = out
+            if hidden:  # a drafter reading the target's hidden states gets the prompt's
+                logits, states = out
+                s.spec.drafter.feed_hidden(chunk, states)
             s.fed += chunk
             s.todo = rest
             if logits is not None:

@@ -19,6 +19,9 @@ class Usage:
     # how many prompt tokens a cached entry gave and why no more (PrefixCache.note), e.g.
     # "prefix 4123/4200 shared with a cached entry; reused 4100 (recurrent snapshot at 4100)"
     reuse_note: str = ""
+    draft_tokens: int = 0  # speculative decoding: tokens proposed, and how many were kept
+    accepted_tokens: int = 0
+    speculation_note: str = ""  # why speculation rested, when it did
 
     @property
     def generated_tokens(self) -> int:
@@ -33,6 +36,11 @@ class Usage:
         """Prompt tokens prefilled per second (the cached ones cost nothing)."""
         n = self.prompt_tokens - self.cached_tokens
         return n / self.time_to_first_token if self.time_to_first_token else 0.0
+
+    @property
+    def acceptance(self) -> float | None:
+        """The share of drafted tokens kept (None: nothing was drafted)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
     @property
     def decode_tps(self) -> float:

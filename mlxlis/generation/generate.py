@@ -15,6 +15,7 @@ from mlxlis.generation.core import PREFILL_CHUNK, Core, Request
 from mlxlis.generation.core import Sequence as Running
 from mlxlis.generation.events import Event
 from mlxlis.generation.sampling import SamplingParams
+from mlxlis.generation.speculative import Speculation
 from mlxlis.generation.steps import steps_for
 from mlxlis.models.model import Model
 
@@ -30,6 +31,7 @@ def generate(
     prefill_step: int = PREFILL_CHUNK,
     should_stop: Callable[[], bool] | None = None,
     response_format: dict | None = None,
+    speculation: Speculation | None = None,
     **sampling: object,
 ) -> Iterator[Event]:
     """Stream tokens after `ids`, sampled as `params` says with `sampling` keywords (max_tokens,
@@ -39,7 +41,10 @@ def generate(
     after each step (a prompt chunk, a token): true ends the stream with finish_reason
     "cancelled". `response_format` constrains the reply (mlxlis.generation.constraints: a JSON
     schema, any JSON object, a regex or a grammar; refused with a ConstraintError naming the
-    field before anything runs). The final event's `fed` lists every id the caches hold."""
+    field before anything runs). `speculation` drafts tokens and verifies them in one forward
+    (mlxlis.generation.speculative: prompt lookup or a draft model; the same tokens, greedy, or
+    the same distribution, sampled). The final event's `fed` lists every id the caches
+    hold."""
     if params is not None and not isinstance(params, SamplingParams):
         raise TypeError(
             f"generate(model, ids, params): params is a SamplingParams, not {params!r}; "
@@ -48,7 +53,7 @@ def generate(
     params = (params or SamplingParams()).replace(**sampling)
     stops = model.stop_ids() if stop_ids is None else stop_ids
     masks = () if response_format is None else (constraint_for(model, response_format, stops),)
-    req = Request(list(ids), params, frozenset(stops), processors=masks)
+    req = Request(list(ids), params, frozenset(stops), processors=masks, speculation=speculation)
     core = Core(model, steps_for(model, PrefixCache(0)), prefill_step)
     seq = core.start(req, cache, history) if cache is not None else core.start(req)
     yield from run(core, seq, should_stop)

@@ -152,17 +152,18 @@ def _top_k(logits: mx.array, k: int) -> mx.array:
     return mx.where(logits >= kth, logits, NEG_INF)
 
 
-def make_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
-    """A function (1, vocab) float32 logits -> (1,) int32 token."""
+def make_filter(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """A function (…, vocab) float32 logits -> the logits a draw is made from: scaled by
+    1/temperature, then top-k, top-p and min-p (tokens they drop at -inf). Temperature 0 is
+    greedy: no filter is defined for it."""
     params.validate()
     if params.temperature == 0:
-        return lambda logits: mx.argmax(logits, axis=-1)
-    key = [mx.random.key(params.seed if params.seed is not None else _fresh_seed())]
+        raise ValueError("greedy sampling has no distribution to filter")
     inv_t = 1.0 / params.temperature
     top_p = mx.array(params.top_p, mx.float32)
     min_p = mx.array(params.min_p, mx.float32)
 
-    def sample(logits: mx.array) -> mx.array:
+    def filtered(logits: mx.array) -> mx.array:
         logits = logits * inv_t
         if params.top_k:
             logits = _top_k(logits, params.top_k)
@@ -170,8 +171,27 @@ def make_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
             logits = _top_p(logits, top_p)
         if params.min_p > 0.0:
             logits = _min_p(logits, min_p)
+        return logits
+
+    return filtered
+
+
+def make_key(params: SamplingParams) -> mx.array:
+    """The PRNG key a run starts from: the seed's, else a fresh one."""
+    return mx.random.key(params.seed if params.seed is not None else _fresh_seed())
+
+
+def make_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """A function (1, vocab) float32 logits -> (1,) int32 token."""
+    params.validate()
+    if params.temperature == 0:
+        return lambda logits: mx.argmax(logits, axis=-1)
+    key = [make_key(params)]
+    filtered = make_filter(params)
+
+    def sample(logits: mx.array) -> mx.array:
         key[0], sub = mx.random.split(key[0])
-        return mx.random.categorical(logits, axis=-1, key=sub)
+        return mx.random.categorical(filtered(logits), axis=-1, key=sub)
 
     return sample
 

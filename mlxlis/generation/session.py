@@ -30,6 +30,7 @@ from mlxlis.generation.core import Core, Request
 from mlxlis.generation.events import Event
 from mlxlis.generation.generate import constraint_for, run
 from mlxlis.generation.sampling import SamplingParams
+from mlxlis.generation.speculative import Speculation
 from mlxlis.generation.steps import steps_for
 from mlxlis.models.model import Model
 from mlxlis.prompt.reasoning import ANSWER, REASONING, ReasoningSplitter, join
@@ -75,6 +76,7 @@ class ChatSession:
     turns: list[Turn] = field(default_factory=list)
     thinking: bool | None = None  # enable_thinking for the template; None: its default
     response_format: dict | None = None  # every reply constrained (generation/constraints)
+    speculation: Speculation | None = None  # every reply drafted and verified (speculative.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -168,7 +170,14 @@ class ChatSession:
             raise
         splitter = ReasoningSplitter.for_prompt(self.model.tokenizer, prompt)
         snapshots = turn_start(self.model, self.messages, ids, **self.template_vars)
-        req = Request(ids, params, frozenset(stops), processors=masks, snapshot_at=snapshots)
+        req = Request(
+            ids,
+            params,
+            frozenset(stops),
+            processors=masks,
+            snapshot_at=snapshots,
+            speculation=self.speculation,
+        )
         yield from self._reply(req, should_stop, splitter)
 
     def _reply(

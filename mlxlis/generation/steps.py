@@ -10,7 +10,8 @@ A step's `kind`: "chunk" (part of a prompt with more to come: nothing comes back
 chunk at whose end the caches keep a snapshot: a position later prompts will share), "prompt"
 (the prompt's last chunk: the first token's logits; the caches snapshot its end), "last" (the
 same without the snapshot: the request asked for its snapshots elsewhere), "decode" (one token
-per sequence).
+per sequence), "verify" (a speculative step: a few tokens of one sequence whose caches must
+be able to forget any of them but the first; logits of every position, (T, vocab)).
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ class LocalSteps:
         self, rids: Sequence[int], caches: Sequence[list[Cache]], tokens: mx.array, kind: str
     ) -> mx.array | None:
         out = forward(self.model.net, caches, tokens, kind)
-        if kind == "prompt":  # the snapshots' copies made now, not held lazily by the cache
+        if kind.startswith(
+            "prompt"
+        ):  # the snapshots' copies made now, not held lazily by the cache
             mx.async_eval([c.state for c in caches[0]])
         return out
 
@@ -95,14 +98,27 @@ def forward(net: Network, caches: Sequence[list[Cache]], tokens: mx.array, kind:
     if kind == "decode" and len(caches) > 1:
         out = net.decode_batch(tokens, list(caches))  # (B, vocab) or a send
         return out.astype(mx.float32) if net.heads else out
+    # kind + "+hidden": also the (T, hidden) states before the final norm (a drafter reading
+    # the target's, as an MTP head does): (logits or None, hidden)
+    kind, hidden = kind.removesuffix("+hidden"), kind.endswith("+hidden")
     inputs = tokens.reshape(1, -1).astype(mx.int32)  # (1, T)
-    out = net(inputs, cache=caches[0], last_only=True)
+    if kind == "verify":  # logits of every position; the caches ready to forget all but one
+        for c in caches[0]:
+            c.expect_rewind(inputs.shape[1] - 1)
+    last = kind != "verify"
+    if hidden:
+        h = net.hidden_states(inputs, caches[0])  # (1, T, hidden)
+        out = net.head(h, last_only=last)
+    else:
+        out = net(inputs, cache=caches[0], last_only=last)
     if kind in ("mark", "prompt"):
         snapshot(caches[0])  # a point recurrent layers and rings rewind to (a later prefix)
     if kind in ("chunk", "mark"):  # only the caches matter (and a stage's send)
         mx.eval([c.state for c in caches[0]], [] if net.heads else out)
-        return None
-    return out[:, -1, :].astype(mx.float32) if net.heads else out
+        out = None
+    elif net.heads:
+        out = out[0].astype(mx.float32) if kind == "verify" else out[:, -1, :].astype(mx.float32)
+    return (out, h[0]) if hidden else out
 
 
 def prefill(

@@ -154,6 +154,11 @@ class Decoder(nn.Module):
     ) -> mx.array:
         return self.head(self.run_layers(self.embed(inputs), cache), last_only)
 
+    def hidden_states(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+        """(B, T) ids -> the last layer's output (B, T, hidden), before the final norm (what
+        `head` takes; what a multi-token-prediction drafter reads)."""
+        return self.run_layers(self.embed(inputs), cache)
+
     def embed(self, inputs: mx.array) -> mx.array:
         """(B, T) token ids -> (B, T, hidden), the residual stream's dtype (`hidden_dtype`)."""
         cfg = self.config

@@ -111,16 +111,21 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, d, bias=False)
 
-    def _conv(self, x: mx.array, cache: RecurrentCache | None) -> mx.array:
-        """Causal depthwise convolution + SiLU. x: (B, T, C) -> (B, T, C)."""
-        b, t, c = x.shape
+    def _conv_input(self, x: mx.array, cache: RecurrentCache | None) -> mx.array:
+        """The convolution's input: the cached last kernel−1 inputs, then x (B, T, C): (B,
+        kernel−1+T, C); the cache keeps its newest kernel−1."""
         before = cache.conv_state if cache is not None else None
         if before is None:
-            before = mx.zeros((b, self.kernel - 1, c), x.dtype)
-        xp = mx.concatenate([before.astype(x.dtype), x], axis=1)  # (B, kernel−1+T, C)
+            before = mx.zeros((x.shape[0], self.kernel - 1, x.shape[2]), x.dtype)
+        xp = mx.concatenate([before.astype(x.dtype), x], axis=1)
         if cache is not None:
             cache.conv_state = xp[:, -(self.kernel - 1) :]
-        w = self.conv1d.weight[:, 0, :].astype(x.dtype)  # (C, kernel)
+        return xp
+
+    def _conv(self, xp: mx.array) -> mx.array:
+        """Causal depthwise convolution + SiLU. xp: (B, kernel−1+T, C) -> (B, T, C)."""
+        t = xp.shape[1] - (self.kernel - 1)
+        w = self.conv1d.weight[:, 0, :].astype(xp.dtype)  # (C, kernel)
         y = sum(xp[:, j : j + t] * w[:, j] for j in range(self.kernel))
         return nn.silu(y)
 
@@ -128,7 +133,8 @@ class GatedDeltaNet(nn.Module):
         if isinstance(cache, CacheBatch):  # sequences decoding together: their states stacked
             return self._batch(x, cache.caches)
         b, t, _ = x.shape
-        qkv = self._conv(self.in_proj_qkv(x), cache)  # (B, T, 2·key_dim + value_dim)
+        xp = self._conv_input(self.in_proj_qkv(x), cache)  # (B, kernel − 1 + T, C)
+        qkv = self._conv(xp)  # (B, T, 2·key_dim + value_dim)
         kd = self.hk * self.dk
         q = qkv[..., :kd].reshape(b, t, self.hk, self.dk)
         k = qkv[..., kd : 2 * kd].reshape(b, t, self.hk, self.dk)
@@ -146,15 +152,25 @@ class GatedDeltaNet(nn.Module):
         state = cache.recurrent if cache is not None else None
         if state is None:
             state = mx.zeros((b, self.hv, self.dk, self.dv), f32)
-        if t == 1:
-            o, state = delta_step(
-                q[:, :, 0], k[:, :, 0], v[:, :, 0], g[..., 0], beta[..., 0], state
-            )
-            o = o[:, :, None]
+        keep = cache.keep if isinstance(cache, RecurrentCache) else 0
+        steps = []  # (offset, conv, state) after each token but the last, when `keep`
+        if t == 1 or (keep and t <= keep + 1):  # a verification: token by token, as decoding
+            outs = []
+            for i in range(t):
+                o, state = delta_step(
+                    q[:, :, i], k[:, :, i], v[:, :, i], g[..., i], beta[..., i], state
+                )
+                outs.append(o[:, :, None])
+                if i < t - 1 and keep:
+                    conv = mx.contiguous(xp[:, i + 1 : i + self.kernel])  # its last kernel−1
+                    steps.append((cache.offset + i + 1, conv, state))
+            o = outs[0] if t == 1 else mx.concatenate(outs, axis=2)
         else:
             o, state = delta_chunked(q, k, v, g, beta, state)
         if cache is not None:
             cache.recurrent = state
+            if isinstance(cache, RecurrentCache):
+                cache.kept(steps)
             cache.offset += t
         o = o.transpose(0, 2, 1, 3)  # (B, T, Hv, Dv)
         z = self.in_proj_z(x).reshape(b, t, self.hv, self.dv)

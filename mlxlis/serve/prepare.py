@@ -13,6 +13,7 @@ from mlxlis.generation.context import ContextOverflow, fit_context
 from mlxlis.generation.core import Request
 from mlxlis.generation.sampling import SamplingError, SamplingParams
 from mlxlis.generation.session import turn_start
+from mlxlis.generation.speculative import Speculation
 from mlxlis.serve.openai_format import MAX_TOP_LOGPROBS, APIError
 from mlxlis.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
 from mlxlis.serve.tool_formats import ToolFormat, for_template
@@ -34,6 +35,7 @@ class Target:
     defaults: SamplingParams
     max_context: int
     stop_ids: frozenset[int]
+    speculation: Speculation | None = None  # --speculative / --draft-model: every request
 
 
 @dataclass
@@ -215,6 +217,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         top_logprobs=top,
         processors=masks(t, req, prompt + forced, call_grammar),
         snapshot_at=turn_start(model, messages, ids, **variables),  # where the next turn parts
+        speculation=t.speculation,
     )
     return Prepared(gen, prompt, tools, fmt, forced)
 
@@ -255,6 +258,7 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
         stop_strings=stops,
         top_logprobs=req.logprobs,
         processors=masks(t, req),
+        speculation=t.speculation,
     )
     return Prepared(gen, None, None)
 

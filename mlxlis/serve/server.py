@@ -20,6 +20,7 @@ from mlxlis import __version__
 from mlxlis.errors import MlxlisError
 from mlxlis.generation.engine import Engine
 from mlxlis.generation.sampling import SamplingParams
+from mlxlis.generation.speculative import Speculation
 from mlxlis.generation.warmup import warm_up
 from mlxlis.runtime import mlx_thread
 from mlxlis.serve.app import State, create_app, log
@@ -43,6 +44,7 @@ class ServeOptions:
     defaults: SamplingParams = SamplingParams()
     prefix_cache_mb: int = 1024  # the prefix cache's bound (0: off)
     responses_store_mb: int = 64  # /v1/responses kept for previous_response_id (0: none)
+    speculation: Speculation | None = None  # every request drafted and verified
 
 
 class _Server(uvicorn.Server):
@@ -100,7 +102,8 @@ def serve(model: Any, opts: ServeOptions) -> int:
             )
         context = opts.max_context
     names = {opts.name, model.name, str(model.path)}
-    target = Target(model, opts.defaults, context, frozenset(model.stop_ids()))
+    stops = frozenset(model.stop_ids())
+    target = Target(model, opts.defaults, context, stops, opts.speculation)
     sock = listen(opts.host, opts.port)
     # the fused kernels compile before the engine's loop starts on the same thread: the first
     # request waits for what is left of it instead of compiling them itself (generation/warmup)

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from mlxlis.errors import MlxlisError
 from mlxlis.generation.engine import Engine, QueueFullError, Stream
 from mlxlis.generation.events import Event
+from mlxlis.generation.speculative import speculation_line
 from mlxlis.serve.openai_format import APIError, TokenText
 from mlxlis.serve.prepare import Prepared, Target
 from mlxlis.serve.reply import ChatReply
@@ -148,6 +149,9 @@ class Run:
         )
         if u.reuse_note:  # --verbose: what the prefix cache gave, and why no more
             log.debug("%s reuse: %s", self.rid, u.reuse_note)
+        spec = self.state.target.speculation
+        if spec is not None:  # drafts kept, and why speculation rested when it did
+            log.info("%s speculative %s", self.rid, speculation_line(u, spec))
 
 
 def end_error(state: State, ev: Event) -> APIError:
