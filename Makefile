@@ -39,6 +39,7 @@ test: install-test models references
 # what `make test` leaves out (marked `extended`: long soaks, more real-model runs of what it
 # proves already); `make test test-all` is the whole suite, as .ci/run runs it
 test-all: install-test models references
+	$(VENV)/bin/mlxlis pull qwen2.5-coder-1.5b
 	$(PY) -m pytest -q -m extended --durations=15
 
 test-fast: install-test
@@ -64,6 +65,7 @@ bench: install-test models
 	$(PY) scripts/bench_grammar.py
 	$(PY) scripts/bench_serve.py
 	$(PY) scripts/bench_agent.py
+	$(PY) scripts/bench_spec.py
 
 # does the suite notice small wrong changes to the numerics? (before a refactor, after a family)
 mutants: install-test models references

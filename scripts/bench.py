@@ -131,7 +131,7 @@ def best(results: list[dict]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--models", nargs="*", default=list(catalog.CATALOG))
+    ap.add_argument("--models", nargs="*", default=catalog.default_names())
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cache", default=str(catalog.store_dir().parent / "bench"))
     ap.add_argument("--out", default=str(ROOT / "bench-results"))

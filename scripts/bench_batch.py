@@ -65,7 +65,7 @@ def main() -> int:
     from mlxlis.loading import catalog
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="*", default=list(catalog.CATALOG))
+    ap.add_argument("--models", nargs="*", default=catalog.default_names())
     ap.add_argument("--batches", nargs="*", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--worker", nargs=1, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -217,7 +217,7 @@ def second_turn(server: Server) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--models", nargs="*", default=list(catalog.CATALOG))
+    ap.add_argument("--models", nargs="*", default=catalog.default_names())
     ap.add_argument("--engines", nargs="*", default=["mlxlis", "mlx_lm"])
     ap.add_argument("--cache", default=str(catalog.store_dir().parent / "bench"))
     ap.add_argument("--out", default=str(ROOT / "bench-results"))

@@ -54,7 +54,7 @@ def worker(kind: str, path: Path, ids_file: str, n_decode: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="*", default=list(catalog.CATALOG))
+    ap.add_argument("--models", nargs="*", default=catalog.default_names())
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)

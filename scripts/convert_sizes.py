@@ -42,4 +42,4 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(catalog.CATALOG))
+    main(sys.argv[1:] or catalog.default_names())

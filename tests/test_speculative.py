@@ -18,6 +18,8 @@ What is proved here:
 
 from __future__ import annotations
 
+import re
+
 import mlxlis
 from mlxlis.cache import KVCache, RecurrentCache, RotatingKVCache
 from mlxlis.cache.prefix import PrefixCache
@@ -259,10 +261,14 @@ def test_kept_or_replaced_tokens_follow_the_target_distribution(drafter):
     assert np.any(np.abs(wrong - p) > binomial_bound(p, N) + binomial_bound(wrong, N))
 
 
-def test_batched_speculation_gives_each_request_its_lone_tokens(models):
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma3"])
+def test_batched_speculation_gives_each_request_its_lone_tokens(models, name):
     """8 requests in the serving engine: two with prompt lookup, two with a draft model, four
-    plain, decoding together; each gets the tokens it gets alone without speculation."""
-    model, draft = models("qwen3_5"), models("draft")
+    plain, decoding together (the speculating ones verified in one batched forward, their rows
+    padded to the longest; the plain ones in the batched decode step); each gets the tokens it
+    gets alone without speculation. A hybrid (recurrent + attention) and a sliding-window
+    model."""
+    model, draft = models(name), models("draft")
     vocab = model.config.vocab_size
     prompts = [looping_prompt(vocab)[: 30 + 5 * i] for i in range(8)]
     specs = [
@@ -311,3 +317,57 @@ def test_refusals_name_the_field(models, tmp_path):
     with pytest.raises(SpeculativeError, match="not one vocabulary") as e:
         check_vocabulary(models("llama"), mlxlis.load(other, "float32"))
     assert e.value.field == "draft_model"
+
+
+# ------------------------------------------------------------------------------ surfaces
+
+COPYING = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
+
+
+def test_the_one_shot_command_speculates_with_the_same_text(tiny):
+    """`mlxlis --speculative ngram --draft-tokens 2 -v` prints what the plain command prints,
+    and its --verbose line says how many drafted tokens were kept; flags that do not go
+    together are refused (exit 2) naming the flag."""
+    import subprocess
+    import sys
+
+    folder = tiny("llama_long")[0]
+    base = [sys.executable, "-m", "mlxlis", "-m", str(folder), "--no-chat", "--max-tokens", "40"]
+
+    def mlxlis_run(*extra: str):
+        return subprocess.run([*base, *extra, COPYING], capture_output=True, text=True, timeout=300)
+
+    plain = mlxlis_run()
+    spec = mlxlis_run("--speculative", "ngram", "--draft-tokens", "2", "-v")
+    assert plain.returncode == spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    assert re.search(r"speculative: ngram: \d+/\d+ drafted tokens kept .*, k 2,", spec.stderr)
+    bad = mlxlis_run("--speculative", "draft")
+    assert bad.returncode == 2 and "--speculative draft: needs --draft-model" in bad.stderr
+
+
+def test_the_server_speculates_with_the_same_tokens(tiny, tiny_server, tmp_path):
+    """A real `mlxlis serve --speculative ngram --draft-tokens 3`, through the official openai
+    client: a greedy completion equal to the plain server's (the session's tiny server, the
+    same model), and a per-request log line with the drafted tokens kept."""
+    from serve_process import ServeProcess
+
+    srv = ServeProcess(
+        tmp_path,
+        "-m",
+        str(tiny("llama_long")[0]),
+        "--speculative",
+        "ngram",
+        "--draft-tokens",
+        "3",
+        "--verbose",
+    )
+    try:
+        kw = dict(prompt=COPYING, max_tokens=40, temperature=0)
+        got = srv.client().completions.create(model=srv.model, **kw)
+        want = tiny_server.client().completions.create(model=tiny_server.model, **kw)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.usage.completion_tokens == want.usage.completion_tokens == 40
+        srv.log_line(rf"{got.id} speculative ngram: \d+/\d+ drafted tokens kept")
+    finally:
+        assert srv.stop() == 0, srv.log()

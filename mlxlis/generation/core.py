@@ -11,9 +11,10 @@ one).
 3. the next token of each sequence going on sampled from step 1's logits: its logits
    processors (the repetition penalty, masks) on its own row, then its own sampler;
    A speculating sequence (`Request.speculation`) instead reads its pending token, has its
-   drafter propose the next k, and one forward of its own verifies them (`_verify`): it keeps
-   the proposals its sampling agrees with and one token of the target's, its caches trimmed
-   back to them (every cache kind rewinds that far: `Cache.expect_rewind`);
+   drafter propose the next k, and one forward verifies them (verify.py; the speculating
+   sequences of a step together): it keeps the proposals its sampling agrees with and one
+   token of the target's, its caches trimmed back to them (every cache kind rewinds that far:
+   `Cache.expect_rewind`);
 4. a sequence still reading its prompt gets one chunk (PREFILL_CHUNK tokens) — so a long
    prompt never stalls the streams already running; its last chunk yields the first token. A
    chunk ends early at each of the request's `snapshot_at` positions, where the caches keep a
@@ -43,6 +44,7 @@ from mlxlis.generation.sampling import SamplingParams, make_sampler
 from mlxlis.generation.speculative import SpecState, Speculation
 from mlxlis.generation.steps import PREFILL_CHUNK, Steps
 from mlxlis.generation.stops import StopMatcher
+from mlxlis.generation.verify import propose, verify
 from mlxlis.models.model import Model
 from mlxlis.runtime.device import peak_memory_bytes
 from mlxlis.tokenizer import StreamDecoder
@@ -275,15 +277,8 @@ class Core:
             if s.spec is not None and len(going) == 1 and s.t_plain is not None:
                 s.spec.governor.observe_plain(now - s.t_plain)
             s.t_plain = now
-        for s in live:
-            if id(s) in drafting:
-                s.t_plain = None
-                try:
-                    out += self._verify(s, drafting[id(s)])
-                except PipelineError:
-                    raise
-                except Exception as e:  # noqa: BLE001
-                    out += self._fail([s], e)
+        if drafting:
+            out += self._speculate([s for s in live if id(s) in drafting], drafting)
         self._deliver(out, 0, emit)
         sent = len(out)
         for s in live:
@@ -312,53 +307,24 @@ class Core:
                 out[id(s)] = k
         return out
 
-    def _verify(self, s: Sequence, k: int) -> list[tuple[Sequence, Event]]:
-        """One speculative step of `s`: its pending token read, `k` tokens drafted after it,
-        all verified in one forward; the proposals kept, the next token pending."""
-        t0 = time.perf_counter()
-        first = int(s.pending.item())
-        prop = s.spec.drafter.propose([*s.history, first], k)
-        drafts = prop.tokens[:k]
-        t1 = time.perf_counter()
-        tokens = [first, *drafts]
-        hidden = s.spec.wants_hidden
-        out = self.steps.run(
-            [s.id], [s.caches], mx.array(tokens, mx.int32), "verify+hidden" if hidden else "verify"
-        )
-        logits, states = out if hidden else (out, None)
-        mx.eval(logits)  # (T, vocab)
-        t2 = time.perf_counter()
-        s.fed.append(first)
-        events = [(s, ev) for ev in s.accept(first)]
-        kept, nxt = 0, None
-        for i in range(len(tokens)):
-            if s.done:
-                break
-            row = s.process(logits[i : i + 1])
-            if i == len(drafts):  # every proposal kept: the target's own next token
-                nxt = s.sampler(row)
-                break
-            q = None if prop.q is None else prop.q[i]
-            other = s.spec.judge.check(row, drafts[i], q)
-            if other is not None:
-                nxt = mx.array([other], mx.int32)
-                break
-            kept += 1
-            s.fed.append(drafts[i])
-            events += [(s, ev) for ev in s.accept(drafts[i])]
-        drop = len(drafts) - kept
-        if drop and not all(c.trim(drop) == drop for c in s.caches):
-            raise MlxlisError(f"a cache could not return {drop} positions after a verification")
-        if states is not None:  # the target's hidden states of the positions it keeps
-            s.spec.drafter.feed_hidden(tokens[: 1 + kept], states[: 1 + kept])
-        if not s.done:
-            s.pending = nxt
-            mx.async_eval(nxt)
-        s.spec.proposed += len(drafts)
-        s.spec.accepted += kept
-        s.spec.governor.observe(len(drafts), kept, t2 - t1, t1 - t0)
-        s.usage.draft_tokens, s.usage.accepted_tokens = s.spec.proposed, s.spec.accepted
-        return events
+    def _speculate(
+        self, seqs: list[Sequence], drafting: dict[int, int]
+    ) -> list[tuple[Sequence, Event]]:
+        """The speculating sequences' step (verify.py): proposals drafted, verified together,
+        each row's verdict; a failure ends the sequences it concerned."""
+        drafts, out = [], []
+        for s in seqs:
+            s.t_plain = None
+            try:
+                drafts.append(propose(s, drafting[id(s)]))
+            except Exception as e:  # noqa: BLE001 — a drafter's failure ends its request
+                out += self._fail([s], e)
+        try:
+            return out + verify(self.steps, self.model.net, drafts)
+        except PipelineError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            return out + self._fail([d.seq for d in drafts if not d.seq.done], e)
 
     def _deliver(self, out: list[tuple[Sequence, Event]], start: int, emit: Emit | None) -> None:
         """Release the caches of the sequences that ended, then hand on the events."""
@@ -385,6 +351,8 @@ class Core:
             s.todo = rest
             if logits is not None:
                 s.sample(logits)
+                if s.spec is not None and hasattr(s.spec.drafter, "prepare"):
+                    s.spec.drafter.prepare(s.history)  # a draft model reads the prompt now
         except PipelineError:
             raise
         except Exception as e:  # noqa: BLE001

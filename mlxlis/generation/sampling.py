@@ -176,9 +176,13 @@ def make_filter(params: SamplingParams) -> Callable[[mx.array], mx.array]:
     return filtered
 
 
-def make_key(params: SamplingParams) -> mx.array:
-    """The PRNG key a run starts from: the seed's, else a fresh one."""
-    return mx.random.key(params.seed if params.seed is not None else _fresh_seed())
+def make_key(params: SamplingParams, stream: int = 0) -> mx.array:
+    """The PRNG key a run starts from: the seed's, else a fresh one. `stream` > 0: a key of
+    its own for another consumer of the same seed (a drafter, the speculative verdict), so its
+    draws are independent of the sampler's (split(key, n)[n − 1]: not on the sampler's chain
+    of split(key)[0] keys and [1] subkeys)."""
+    key = mx.random.key(params.seed if params.seed is not None else _fresh_seed())
+    return key if stream == 0 else mx.random.split(key, stream + 2)[stream + 1]
 
 
 def make_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:

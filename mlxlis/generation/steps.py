@@ -10,8 +10,9 @@ A step's `kind`: "chunk" (part of a prompt with more to come: nothing comes back
 chunk at whose end the caches keep a snapshot: a position later prompts will share), "prompt"
 (the prompt's last chunk: the first token's logits; the caches snapshot its end), "last" (the
 same without the snapshot: the request asked for its snapshots elsewhere), "decode" (one token
-per sequence), "verify" (a speculative step: a few tokens of one sequence whose caches must
-be able to forget any of them but the first; logits of every position, (T, vocab)).
+per sequence), "verify" (a speculative step: a few tokens of one sequence, or (B, T) of
+several, whose caches must be able to forget any of them but the first; logits of every
+position, (T, vocab) or (B, T, vocab)).
 """
 
 from __future__ import annotations
@@ -98,6 +99,11 @@ def forward(net: Network, caches: Sequence[list[Cache]], tokens: mx.array, kind:
     if kind == "decode" and len(caches) > 1:
         out = net.decode_batch(tokens, list(caches))  # (B, vocab) or a send
         return out.astype(mx.float32) if net.heads else out
+    if kind == "verify" and len(caches) > 1:  # several sequences' (B, T) tokens
+        for row in caches:
+            for c in row:
+                c.expect_rewind(tokens.shape[1] - 1)
+        return net.verify_batch(tokens, list(caches)).astype(mx.float32)  # (B, T, vocab)
     # kind + "+hidden": also the (T, hidden) states before the final norm (a drafter reading
     # the target's, as an MTP head does): (logits or None, hidden)
     kind, hidden = kind.removesuffix("+hidden"), kind.endswith("+hidden")

@@ -149,6 +149,13 @@ class Decoder(nn.Module):
         per_layer = [CacheBatch([c[i] for c in caches]) for i in range(len(self._held))]
         return self(inputs, per_layer)[:, -1, :]
 
+    def verify_batch(self, tokens: mx.array, caches: list[list[Cache]]) -> mx.array:
+        """T tokens for each of B sequences (`tokens` (B, T): a batched speculative
+        verification), each with its own caches: (B, T, vocab) logits. The projections and
+        MLPs run on the batch; attention and recurrences on each sequence's cache."""
+        per_layer = [CacheBatch([c[i] for c in caches]) for i in range(len(self._held))]
+        return self(tokens.astype(mx.int32), per_layer)
+
     def __call__(
         self, inputs: mx.array, cache: list[Cache] | None = None, last_only: bool = False
     ) -> mx.array:

@@ -178,8 +178,9 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o)
 
     def _batch(self, x: mx.array, caches: list[RecurrentCache]) -> mx.array:
-        """One token for each of B sequences (x: (B, 1, hidden)), each with its own state."""
-        if any(c.recurrent is None for c in caches):
+        """One token for each of B sequences (x: (B, 1, hidden)), each with its own state (T
+        tokens each, a batched verification: each row on its own)."""
+        if x.shape[1] > 1 or any(c.recurrent is None for c in caches):
             return mx.concatenate([self(x[i : i + 1], None, c) for i, c in enumerate(caches)])
         both = RecurrentCache()
         both.conv_state = mx.concatenate([c.conv_state for c in caches])

@@ -77,8 +77,14 @@ class Attention(nn.Module):
         # q: (B, n_heads, T, head_dim); k, v: (B, n_kv_heads, T, head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
-        if isinstance(cache, CacheBatch):  # one token per sequence, each on its own cache
+        if isinstance(cache, CacheBatch) and t == 1:  # one token per sequence, on its cache
             out = self._attend_batch(q, k, v, cache.caches)
+        elif isinstance(cache, CacheBatch):  # a batched verification: each row on its cache
+            rows = [
+                self._attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], row_mask(c, t), c)
+                for i, c in enumerate(cache.caches)
+            ]
+            out = mx.concatenate(rows)
         else:
             out = self._attend(q, k, v, mask, cache)
         out = out.transpose(0, 2, 1, 3)  # (B, T, n_heads, head_dim)
@@ -102,6 +108,12 @@ class Attention(nn.Module):
         q, k = self.rope(q, offsets), self.rope(k, offsets)
         keys, values, mask = KVBatch.step_of(caches, k, v)
         return attend(q, keys, values, self.scale, mask, self.softcap)
+
+
+def row_mask(cache: Cache, t: int) -> Mask:
+    """The mask of `t` new tokens of one sequence on its own cache (a ring's from absolute
+    positions, else causal aligned to the newest keys)."""
+    return cache.mask(t) if isinstance(cache, RotatingKVCache) else "causal"
 
 
 class MLP(nn.Module):
