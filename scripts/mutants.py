@@ -433,6 +433,15 @@ MUTANTS = (
         "speculative decoding: a ring trimmed after a verification forgets the positions the"
         " verification pushed out",
     ),
+    Mutant(
+        "spec-assistant-centroids-off-by-one",
+        "mlxlis/models/gemma4_assistant.py",
+        "kth=self.top_k - 1, axis=-1)[..., : self.top_k]",
+        "kth=self.top_k - 1, axis=-1)[..., : self.top_k - 1]",
+        ("tests/test_speculative_gemma4.py::test_a_drafting_step_matches_transformers_fp32",),
+        "Gemma 4 assistant: the ordered-embedding head scores one cluster fewer than the"
+        " reference's centroid_intermediate_top_k",
+    ),
 )
 
 IGNORE = shutil.ignore_patterns(

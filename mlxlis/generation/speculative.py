@@ -26,9 +26,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from mlxlis.cache import Cache
 from mlxlis.cache.rewind import common_prefix, rewind
-from mlxlis.errors import MlxlisError
+from mlxlis.generation.assistant import FAMILY as ASSISTANT
+from mlxlis.generation.assistant import AssistantDrafter
 from mlxlis.generation.events import Usage
 from mlxlis.generation.processors import LogitsProcessor, processors_for
+from mlxlis.generation.proposal import Proposal, SpeculativeError
 from mlxlis.generation.sampling import SamplingParams, make_filter, make_key
 
 import mlx.core as mx
@@ -38,18 +40,6 @@ if TYPE_CHECKING:
 
 KINDS = ("ngram", "draft")  # --speculative (a draft model: --draft-model)
 MAX_DRAFT = 16  # the most tokens one verification checks (a recurrent layer keeps as many states)
-
-
-class SpeculativeError(MlxlisError):
-    """Speculative decoding cannot run as asked (a draft model of another vocabulary, …)."""
-
-
-@dataclass
-class Proposal:
-    """What a drafter proposes after the sequence so far."""
-
-    tokens: list[int]
-    q: mx.array | None = None  # (len(tokens), vocab) the drafter's probabilities; None: point
 
 
 class Drafter(Protocol):
@@ -327,21 +317,32 @@ class Speculation:
                 f"must be an integer in [1, {MAX_DRAFT}], not {self.tokens!r}", field="draft_tokens"
             )
 
-    def drafter(self, params: SamplingParams, target: Model) -> Drafter:
-        """A drafter for one request of `target` sampled with `params`."""
+    def drafter(
+        self, params: SamplingParams, target: Model, caches: list[Cache] | None = None
+    ) -> Drafter:
+        """A drafter for one request of `target` sampled with `params`; `caches`: the target
+        sequence's (a Gemma 4 assistant reads their keys and values)."""
         if self.make is not None:
             return self.make(params)
         if self.kind == "ngram":
             return NgramDrafter()
+        if self.draft_model.config.family == ASSISTANT:
+            return AssistantDrafter(self.draft_model, target, params, caches)
         return ModelDrafter(self.draft_model, params)
 
 
 class SpecState:
     """A running sequence's speculation: its drafter, verdicts, governor and counts."""
 
-    def __init__(self, spec: Speculation, params: SamplingParams, target: Model):
+    def __init__(
+        self,
+        spec: Speculation,
+        params: SamplingParams,
+        target: Model,
+        caches: list[Cache] | None = None,
+    ):
         self.spec = spec
-        self.drafter = spec.drafter(params, target)
+        self.drafter = spec.drafter(params, target, caches)
         self.wants_hidden = bool(getattr(self.drafter, "wants_hidden", False))
         self.judge = Judge(params)
         self.governor = Governor(fixed=spec.tokens)

@@ -200,6 +200,7 @@ ST_DTYPES = {
     "BF16": mx.bfloat16,
     "U32": mx.uint32,
     "I32": mx.int32,
+    "I64": mx.int64,
     "U8": mx.uint8,
 }
 

@@ -32,7 +32,7 @@ DTYPE_SIZES = {
     "U8": 1,
     "BOOL": 1,
 }
-SUPPORTED_DTYPES = ("F32", "F16", "BF16", "U32", "I32", "U8")
+SUPPORTED_DTYPES = ("F32", "F16", "BF16", "U32", "I32", "I64", "U8")  # I64: index buffers
 MAX_DIMS = limits.SAFETENSORS_MAX_DIMS  # tensors of rank > 8 do not occur in decoders
 
 

@@ -16,6 +16,7 @@ from mlxlis.models.base import Family
 from mlxlis.models.config import ModelConfig, base_config, eos_list
 from mlxlis.models.gemma import GEMMA, GEMMA2, GEMMA3
 from mlxlis.models.gemma4 import GEMMA4
+from mlxlis.models.gemma4_assistant import GEMMA4_ASSISTANT, OUTER_KEYS
 from mlxlis.models.llama import LLAMA
 from mlxlis.models.qwen2 import QWEN2
 from mlxlis.models.qwen3 import QWEN3
@@ -26,14 +27,18 @@ import mlx.nn as nn
 
 REGISTRY: dict[str, Family] = {
     f.name: f
-    for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, GEMMA, GEMMA2, GEMMA3, GEMMA4)
+    for f in (
+        *(LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE),
+        *(GEMMA, GEMMA2, GEMMA3, GEMMA4, GEMMA4_ASSISTANT),
+    )
 }
 HF_MODEL_TYPES: dict[str, Family] = {t: f for f in REGISTRY.values() for t in f.hf_model_types}
 GGUF_ARCHS: dict[str, Family] = {a: f for f in REGISTRY.values() for a in f.gguf_archs}
 
 
 # keys a multimodal wrapper may hold outside its text_config (Qwen3.5: tie_word_embeddings)
-_OUTER_KEYS = ("tie_word_embeddings", "eos_token_id", "bos_token_id")
+# (a Gemma 4 assistant: its own keys beside text_config)
+_OUTER_KEYS = ("tie_word_embeddings", "eos_token_id", "bos_token_id", *OUTER_KEYS)
 
 
 def family(name: str) -> Family:

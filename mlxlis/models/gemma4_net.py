@@ -377,6 +377,28 @@ class Gemma4(nn.Module):
     def __call__(
         self, inputs: mx.array, cache: list[Cache] | None = None, last_only: bool = False
     ) -> mx.array:
+        return self.head(self._run(inputs, cache, last_only), last_only)
+
+    def hidden_states(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+        """(B, T) ids -> the last layer's output (B, T, hidden), before the final norm, for
+        every position (what `head` takes; what a drafter reading the target's state reads)."""
+        return self._run(inputs, cache, last_only=False)
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """(B, T) ids -> the scaled embedding (B, T, hidden) in the compute dtype, as the first
+        layer reads it (transformers' Gemma4TextScaledWordEmbedding)."""
+        h = self.model.embed_tokens(inputs)
+        return h * mx.array(self.config.hidden_size**0.5, mx.float32).astype(h.dtype)
+
+    def kv_slots(self) -> dict[str, int]:
+        """Layer type -> the cache index of the last layer of that type with K/V of its own
+        (transformers' "store" layers: what the KV-shared layers and an assistant read)."""
+        last = {SLIDING if self._sliding[i] else FULL: i for i in self._own}
+        return {t: self._slot[i] for t, i in last.items()}
+
+    def _run(self, inputs: mx.array, cache: list[Cache] | None, last_only: bool) -> mx.array:
+        """The embedding and the layers: (B, T, hidden) before the final norm (only the newest
+        position from the first KV-shared layer on when `last_only`)."""
         cfg, s, m = self.config, self.config.own(Structure), self.model
         t = inputs.shape[1]
         batch = bool(cache) and isinstance(cache[0], CacheBatch)  # decode_batch's step
@@ -412,6 +434,11 @@ class Gemma4(nn.Module):
             )
             if i in self._read:
                 kvs[i] = kv
+        return h
+
+    def head(self, h: mx.array, last_only: bool = False) -> mx.array:
+        """Final norm and head: (B, T, hidden) -> logits (B, T, vocab) (T = 1 if last_only)."""
+        cfg, m = self.config, self.model
         if last_only:
             h = h[:, -1:, :]
         h = m.norm(h)
