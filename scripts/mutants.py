@@ -384,15 +384,18 @@ MUTANTS = (
     ),
     Mutant(
         "spec-kept-off-by-one",
-        "mlxlis/generation/core.py",
-        "drop = len(drafts) - kept\n",
-        "drop = len(drafts) - kept - 1\n",
-        ("tests/test_speculative.py::test_each_verification_keeps_exactly_the_agreeing_proposals",),
+        "mlxlis/generation/verify.py",
+        "drop = width - 1 - kept  #",
+        "drop = width - 2 - kept  #",
+        (
+            "tests/test_speculative.py::test_each_verification_keeps_exactly_the_agreeing_proposals",
+            "tests/test_speculative.py::test_batched_speculation_gives_each_request_its_lone_tokens",
+        ),
         "speculative decoding: the caches keep one proposal more than was accepted",
     ),
     Mutant(
         "spec-bonus-dropped",
-        "mlxlis/generation/core.py",
+        "mlxlis/generation/verify.py",
         """            if i == len(drafts):  # every proposal kept: the target's own next token
                 nxt = s.sampler(row)
                 break""",

@@ -43,14 +43,19 @@ from conftest import TINY, build_tiny, tiny_models, trajectory
 from test_gemma4 import SPECS as GEMMA4
 from test_gemma4 import build as build_gemma4
 from test_gemma_parity import SPECS as GEMMA
+from test_qwen3 import SPECS as QWEN3
 from test_qwen3_5 import SPECS as QWEN35
 from test_qwen3_5 import build as build_qwen35
 from test_sampling import binomial_bound, softmax64
 
 SPECS = {
     "llama": TINY["llama"],
+    "qwen2": TINY["qwen2"],
+    "gemma2": {"kind": "gemma2", "pad_token_id": 0, **GEMMA["gemma2"]},  # softcaps, window 8
     "gemma3": {"kind": "gemma3", "pad_token_id": 0, **GEMMA["gemma3"]},  # window 8
     "qwen3_5": QWEN35["qwen3_5"],  # L L L F, chunk 64
+    "qwen3_moe": QWEN3["qwen3_moe"],  # q/k norms, routed experts on the verified tokens
+    "qwen3_5_moe": QWEN35["qwen3_5_moe"],
     "gemma4": {"kind": "gemma4_text", **GEMMA4["e2b"]},  # rings + KV-shared layers
     "draft": TINY["llama3_tied"],  # another network of the same vocabulary
 }
@@ -95,8 +100,10 @@ def looping_prompt(vocab: int) -> list[int]:
 
 @pytest.mark.parametrize("name", [n for n in SPECS if n != "draft"])
 def test_greedy_speculation_gives_the_plain_greedy_tokens(models, name):
-    """Prompt lookup and a draft model (another tiny Llama of the same vocabulary),
-    4 proposals a step: the plain greedy tokens, with proposals both kept and rejected."""
+    """Prompt lookup and a draft model (another tiny Llama of the same vocabulary), 4
+    proposals a step: the plain greedy tokens. How many proposals are kept is the model's
+    business here (a tiny model that loops keeps every lookup); the drafter below with
+    proposals wrong at known positions pins the kept count on every cache kind."""
     model, draft = models(name), models("draft")
     prompt = looping_prompt(model.config.vocab_size)
     plain, _ = tokens_of(model, prompt)
@@ -104,8 +111,7 @@ def test_greedy_speculation_gives_the_plain_greedy_tokens(models, name):
     for spec in (Speculation("ngram", tokens=4), Speculation("draft", draft, tokens=4)):
         got, seq = tokens_of(model, prompt, spec)
         assert got == plain, spec.kind
-        u = seq.usage
-        assert u.draft_tokens > 0 and u.accepted_tokens < u.draft_tokens, (spec.kind, u)
+        assert seq.usage.draft_tokens > 0, (spec.kind, seq.usage)
 
 
 class Corrupted:
@@ -128,7 +134,7 @@ class Corrupted:
         return Proposal(tokens)
 
 
-@pytest.mark.parametrize("name", [n for n in SPECS if n != "draft"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3_5", "qwen3_5_moe", "gemma4"])
 def test_each_verification_keeps_exactly_the_agreeing_proposals(models, name):
     """With proposals wrong at a known position, each verification keeps exactly those before
     it (the next step starts 1 + kept tokens later: the pending token, the kept proposals;

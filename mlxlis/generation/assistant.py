@@ -90,7 +90,7 @@ class AssistantDrafter:
         self.last: mx.array | None = None  # (1, hidden) the newest state the target kept
         self.processors: list[LogitsProcessor] = processors_for(params)
         self.filtered = None if params.temperature == 0 else make_filter(params)
-        self.key = make_key(params)
+        self.key = make_key(params, stream=1)  # independent of the target's sampler
 
     def feed_hidden(self, ids: Sequence[int], hidden: mx.array) -> None:
         self.last = hidden[-1:]  # only the newest is read: the next draft starts after it

@@ -100,8 +100,14 @@ class ModelDrafter:
         self.fed: list[int] = []  # ids the caches hold
         self.processors: list[LogitsProcessor] = processors_for(params)
         self.filtered = None if params.temperature == 0 else make_filter(params)
-        self.key = make_key(params)
+        self.key = make_key(params, stream=1)  # independent of the target's sampler
         self.vocab = model.config.vocab_size
+
+    def prepare(self, prompt: Sequence[int]) -> None:
+        """Read the prompt while the target's first token is on its way (the request's time to
+        first token, not its decoding, pays for it)."""
+        self._catch_up(prompt)
+        mx.eval([c.state for c in self.caches])
 
     def _catch_up(self, history: Sequence[int]) -> mx.array:
         """Feed the draft what it lacks of `history` (at least its last token): the (1, vocab)
@@ -172,7 +178,7 @@ class Judge:
     def __init__(self, params: SamplingParams):
         self.greedy = params.temperature == 0
         self.filtered = None if self.greedy else make_filter(params)
-        self.key = make_key(params)
+        self.key = make_key(params, stream=2)  # independent of the sampler's and the drafter's
 
     def _draw(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -206,10 +212,12 @@ class Judge:
 class Governor:
     """How many tokens to draft, from what this machine measures: the acceptance rate α (each
     proposal kept with probability α: α̂ = kept / (kept + rejected)), the seconds of a
-    verification of T tokens, of a draft step, and of a plain decode step. A verification of k
-    proposals gives (1 − α^(k+1)) / (1 − α) tokens; the k with the most tokens per second is
-    chosen when it beats plain decoding, else speculation rests for REST tokens and probes
-    again. A fixed `k` (--draft-tokens) is always used."""
+    verification of T tokens, of a draft step, of a plain decode step, and how often the
+    drafter has nothing to propose (prompt lookup finding no earlier occurrence: that step is
+    one forward, waited for). A verification of k proposals gives (1 − α^(k+1)) / (1 − α)
+    tokens; the k with the most tokens per second is chosen when it beats plain decoding, else
+    speculation rests for REST tokens and probes again. A fixed `k` (--draft-tokens) is always
+    used."""
 
     fixed: int | None = None
     max_k: int = 8
@@ -217,8 +225,10 @@ class Governor:
     rejected: float = 2.0
     verify: dict[int, float] = field(default_factory=dict)  # T -> seconds (moving average)
     draft: float = 0.0  # seconds per drafted token (moving average)
+    empty: float = 0.0  # the share of steps the drafter proposed nothing (moving average)
     plain: list[float] = field(default_factory=list)  # seconds of the first plain steps
     rest_until: int = 0  # completion tokens until which speculation rests
+    chosen: dict[int, int] = field(default_factory=dict)  # draft length -> times chosen
     note: str = ""  # why it rests, for --verbose
 
     PROBE = 3  # plain steps measured before the first speculation
@@ -231,8 +241,10 @@ class Governor:
 
     def observe(self, proposed: int, kept: int, verify_s: float, draft_s: float) -> None:
         d = self.DECAY
-        self.kept = d * self.kept + kept
-        self.rejected = d * self.rejected + (1 if kept < proposed else 0)
+        self.empty = d * self.empty + (1 - d) * (proposed == 0)
+        if proposed:
+            self.kept = d * self.kept + kept
+            self.rejected = d * self.rejected + (1 if kept < proposed else 0)
         t = proposed + 1
         self.verify[t] = (
             verify_s if t not in self.verify else d * self.verify[t] + (1 - d) * (verify_s)
@@ -269,24 +281,29 @@ class Governor:
         """How many tokens to draft now (0: decode plainly), `done` tokens generated and
         `room` more allowed after the next."""
         if self.fixed is not None:
-            return min(self.fixed, room)
+            k = min(self.fixed, room)
+            self.chosen[k] = self.chosen.get(k, 0) + 1
+            return k
         plain = self.plain_cost()
         if plain is None or done < self.rest_until:
             return 0
-        a = min(self.alpha, 0.999)
+        a, e = min(self.alpha, 0.999), self.empty
         best, best_rate = 0, 1.0 / plain
         for k in range(1, min(self.max_k, room) + 1):
-            rate = expected_tokens(a, k) / (self.cost(k + 1) + k * self.draft)
-            if rate > best_rate * 1.02:
-                best, best_rate = k, rate
+            tokens = (1 - e) * expected_tokens(a, k) + e
+            seconds = (1 - e) * (self.cost(k + 1) + k * self.draft) + e * self.cost(1)
+            if tokens / seconds > best_rate * 1.02:
+                best, best_rate = k, tokens / seconds
         if best == 0:
             self.rest_until = done + self.REST
             self.note = (
                 f"speculation rests {self.REST} tokens: acceptance {self.alpha:.2f}, "
-                f"verify {self.cost(2) * 1e3:.1f} ms vs plain {plain * 1e3:.1f} ms"
+                f"nothing to propose {e:.0%} of steps, verify {self.cost(2) * 1e3:.1f} ms vs "
+                f"plain {plain * 1e3:.1f} ms"
             )
             return 0
         self.note = ""
+        self.chosen[best] = self.chosen.get(best, 0) + 1
         return best
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mlxlis.errors import MlxlisError
 from mlxlis.generation.events import Event
@@ -20,9 +20,10 @@ from mlxlis.generation.events import Event
 import mlx.core as mx
 
 if TYPE_CHECKING:
-    from mlxlis.generation.core import Sequence
     from mlxlis.generation.speculative import Proposal
     from mlxlis.generation.steps import Steps
+
+Sequence = Any  # core.Sequence, a running request (not imported: core imports this module)
 
 
 @dataclass
