@@ -445,6 +445,33 @@ MUTANTS = (
         "Gemma 4 assistant: the ordered-embedding head scores one cluster fewer than the"
         " reference's centroid_intermediate_top_k",
     ),
+    Mutant(
+        "spec-mtp-concat-swapped",
+        "mlxlis/models/qwen3_5_mtp.py",
+        "u = self.fc(mx.concatenate([e, h], axis=-1))",
+        "u = self.fc(mx.concatenate([h, e], axis=-1))",
+        ("tests/test_speculative_mtp.py::test_drafting_steps_match_the_reference",),
+        "Qwen3.5 MTP: fc over concat(hidden, embedding) instead of concat(embedding, hidden)",
+    ),
+    Mutant(
+        "spec-mtp-prenorm-hidden",
+        "mlxlis/models/qwen3_5_mtp.py",
+        "return self.net.model.norm(hidden)",
+        "return hidden",
+        ("tests/test_speculative_mtp.py::test_drafting_steps_match_the_reference",),
+        "Qwen3.5 MTP: the block reads the target's state before its final norm",
+    ),
+    Mutant(
+        "spec-mtp-chain-kept",
+        "mlxlis/generation/mtp.py",
+        "c.trim(k - 1)",
+        "c.trim(k - 2)",
+        (
+            "tests/test_speculative_mtp.py::"
+            "test_the_block_cache_holds_each_position_once_after_kept_and_rejected_drafts",
+        ),
+        "Qwen3.5 MTP: a chained draft's entry stays in the block's cache",
+    ),
 )
 
 IGNORE = shutil.ignore_patterns(

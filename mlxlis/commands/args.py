@@ -172,8 +172,9 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         choices=KINDS,
         default=None,
         help="draft the next tokens and verify them in one forward: ngram (prompt lookup: "
-        "continuations found earlier in the text) or draft (a draft model; the default "
-        "with --draft-model)",
+        "continuations found earlier in the text), draft (a draft model; the default "
+        "with --draft-model) or mtp (the model's own multi-token-prediction head: "
+        "Qwen3.5 / Qwen3.6 checkpoints that ship one)",
     )
     g.add_argument(
         "--draft-model",
@@ -198,8 +199,8 @@ def speculative_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None
     kind = a.speculative or ("draft" if a.draft_model else None)
     if kind == "draft" and not a.draft_model:
         p.exit(2, f"{p.prog}: error: --speculative draft: needs --draft-model REF\n")
-    if kind == "ngram" and a.draft_model:
-        p.exit(2, f"{p.prog}: error: --draft-model: drafts with --speculative draft, not ngram\n")
+    if kind in ("ngram", "mtp") and a.draft_model:
+        p.exit(2, f"{p.prog}: error: --draft-model: drafts with --speculative draft, not {kind}\n")
     if a.draft_tokens is not None:
         if kind is None:
             p.exit(2, f"{p.prog}: error: --draft-tokens: needs --speculative or --draft-model\n")
@@ -221,6 +222,7 @@ def load_speculation(a: argparse.Namespace, target, load_draft=None):
     """The Speculation the (checked) flags ask for, None for none: a draft model loaded as
     the target is (`load_draft(ref)`, default mlxlis.load with the same dtype and quantization)
     and checked to share its vocabulary (SpeculativeError otherwise)."""
+    from mlxlis.generation.sampling import SamplingParams
     from mlxlis.generation.speculative import Speculation, check_vocabulary
 
     kind = getattr(a, "speculative", None)
@@ -236,7 +238,10 @@ def load_speculation(a: argparse.Namespace, target, load_draft=None):
 
         draft = load_draft(a.draft_model)
         check_vocabulary(target, draft)
-    return Speculation(kind, draft, a.draft_tokens)
+    spec = Speculation(kind, draft, a.draft_tokens)
+    if kind == "mtp":  # the block loaded now: a model without one is refused before any prompt
+        spec.drafter(SamplingParams(), target)
+    return spec
 
 
 def add_format_args(p: argparse.ArgumentParser) -> None:

@@ -38,7 +38,7 @@ import mlx.core as mx
 if TYPE_CHECKING:
     from mlxlis.models.model import Model
 
-KINDS = ("ngram", "draft")  # --speculative (a draft model: --draft-model)
+KINDS = ("ngram", "draft", "mtp")  # --speculative (a draft model: --draft-model)
 MAX_DRAFT = 16  # the most tokens one verification checks (a recurrent layer keeps as many states)
 
 
@@ -309,8 +309,9 @@ class Governor:
 
 @dataclass
 class Speculation:
-    """How a request speculates: with which drafter (`kind` "ngram" or "draft", the draft
-    model for "draft"; or a drafter of one's own, `make(params)` giving one per request), and
+    """How a request speculates: with which drafter (`kind` "ngram", "draft", the draft
+    model for "draft", or "mtp", the target's own multi-token-prediction block: generation/
+    mtp.py; or a drafter of one's own, `make(params)` giving one per request), and
     `tokens` per verification (None: chosen by the Governor)."""
 
     kind: str
@@ -343,6 +344,10 @@ class Speculation:
             return self.make(params)
         if self.kind == "ngram":
             return NgramDrafter()
+        if self.kind == "mtp":  # the target's own multi-token-prediction block
+            from mlxlis.generation.mtp import MTPDrafter
+
+            return MTPDrafter(target, params)
         if self.draft_model.config.family == ASSISTANT:
             return AssistantDrafter(self.draft_model, target, params, caches)
         return ModelDrafter(self.draft_model, params)

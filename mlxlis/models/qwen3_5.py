@@ -9,8 +9,10 @@ and gated full-attention layers, on the shared decoder.
   norms         x̂·(1 + w) in float32 (zero-centred weights), except DeltaNet's gated norm (x̂·w)
   MoE           every layer: softmax router, top-k renormalised, plus a shared expert scaled by
                 sigmoid(shared_expert_gate)
-HF `qwen3_5` / `qwen3_5_moe` (multimodal: the language model is read, the vision tower and the
-multi-token-prediction head `mtp.*` are skipped) and `qwen3_5_text` / `qwen3_5_moe_text`.
+HF `qwen3_5` / `qwen3_5_moe` (multimodal: the language model is read, the vision tower is
+skipped) and `qwen3_5_text` / `qwen3_5_moe_text`. The multi-token-prediction block (`mtp.*`,
+GGUF `blk.N.nextn.*` + block N) is skipped here and read on its own when `--speculative mtp`
+drafts with it (qwen3_5_mtp.py, qwen3_5_mtp_load.py).
 Defaults are transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig.
 """
 
@@ -171,7 +173,8 @@ def _gguf_parser(moe: bool):
 
 
 def _mtp_tensor(name: str, cfg: ModelConfig) -> bool:
-    """The multi-token-prediction blocks llama.cpp appends after the model's layers."""
+    """The multi-token-prediction blocks llama.cpp appends after the model's layers (read on
+    their own by qwen3_5_mtp_load.py when drafting)."""
     parts = name.split(".")
     return parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= cfg.num_hidden_layers
 
@@ -243,8 +246,8 @@ def _export(moe: bool):
 
 
 # multimodal checkpoints: the language model under model.language_model.* (mlx-lm saves it
-# as language_model.model.*); the vision tower and the multi-token-prediction head (usable
-# later for speculative decoding) are skipped
+# as language_model.model.*); the vision tower and the multi-token-prediction head are skipped
+# (the head is read on its own when drafting with it: qwen3_5_mtp_load.py)
 _RENAMES = (
     ("model.language_model.", "model."),
     ("language_model.model.", "model."),
