@@ -396,12 +396,12 @@ MUTANTS = (
     Mutant(
         "spec-bonus-dropped",
         "mlxlis/generation/verify.py",
-        """            if i == len(drafts):  # every proposal kept: the target's own next token
-                nxt = s.sampler(row)
-                break""",
-        """            if i == len(drafts):  # every proposal kept: the target's own next token
-                nxt = mx.array([drafts[-1]], mx.int32)
-                break""",
+        """        if i == len(drafts):  # every proposal kept: the target's own next token
+            nxt = s.sampler(row)
+            break""",
+        """        if i == len(drafts):  # every proposal kept: the target's own next token
+            nxt = mx.array([drafts[-1]], mx.int32)
+            break""",
         ("tests/test_speculative.py::test_a_draft_of_the_target_itself_is_always_kept",),
         "speculative decoding: after every proposal was kept, the target's bonus token is"
         " not the one that goes on",
@@ -424,6 +424,14 @@ MUTANTS = (
         "if True:",
         ("tests/test_speculative.py::test_kept_or_replaced_tokens_follow_the_target_distribution",),
         "speculative sampling: proposals kept without the ratio test (the draft's distribution)",
+    ),
+    Mutant(
+        "spec-draft-unmasked",
+        "mlxlis/generation/speculative.py",
+        "processors = forked(self.processors)  # state of their own for the drafted tokens",
+        "processors = []",
+        ("tests/test_speculative.py::test_a_constrained_draft_proposes_under_the_grammar",),
+        "speculative decoding: a draft model proposes without the request's grammar mask",
     ),
     Mutant(
         "spec-ring-spill-dropped",

@@ -377,3 +377,31 @@ def test_the_server_speculates_with_the_same_tokens(tiny, tiny_server, tmp_path)
         srv.log_line(rf"{got.id} speculative ngram: \d+/\d+ drafted tokens kept")
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+def test_a_constrained_draft_proposes_under_the_grammar(models):
+    """A regex-constrained reply with the target drafting for itself: the plain constrained
+    greedy tokens, and every proposal kept — the draft proposes under a copy of the request's
+    mask (advanced by its drafted tokens only), so it never proposes what the grammar forbids,
+    while the request's own mask follows the kept tokens (unmasked, the tiny model's free
+    choice is rarely a digit and most proposals would be rejected)."""
+    from mlxlis.generation.generate import constraint_for
+
+    model = models("llama")
+    stops = frozenset(model.stop_ids())
+    fmt = {"type": "regex", "regex": "[0-9]{200}"}  # longer than the reply: no stop to pass
+    prompt = trajectory(12, seed=13, vocab=model.config.vocab_size)
+
+    def constrained(spec):
+        core = Core(model, steps_for(model, PrefixCache(0)))
+        mask = constraint_for(model, fmt, stops)
+        req = Request(
+            prompt, SamplingParams(max_tokens=40), stops, processors=(mask,), speculation=spec
+        )
+        seq = core.start(req)
+        return "".join(e.text for e in run(core, seq)), seq.usage
+
+    plain, _ = constrained(None)
+    got, usage = constrained(Speculation("draft", model, tokens=4))
+    assert got == plain and len(plain) >= 24 and plain.isdigit()
+    assert usage.draft_tokens > 0 and usage.accepted_tokens == usage.draft_tokens, usage

@@ -24,6 +24,7 @@ stop tokens are allowed, so the reply ends there ("stop"); cut by max_tokens fir
 
 from __future__ import annotations
 
+import copy
 import re
 import threading
 import weakref
@@ -274,6 +275,14 @@ class GrammarMask:
                 )
             self.fed += 1
         return self._mask()
+
+    def fork(self) -> GrammarMask:
+        """A copy whose matcher consumes on its own (a drafter's proposals: the request's own
+        mask moves on only with the tokens that are kept)."""
+        twin = copy.copy(self)
+        twin.matcher = self.matcher.deep_copy()
+        twin.bitmask = self.bitmask.copy()
+        return twin
 
     def _mask(self) -> np.ndarray:
         llnp.fill_next_token_bitmask(self.matcher, self.bitmask, 0)

@@ -107,7 +107,9 @@ class Sequence:
         self.done = False
         self.t0 = time.perf_counter()
         spec = req.speculation
-        self.spec = None if spec is None else SpecState(spec, req.params, model, caches)
+        self.spec = None
+        if spec is not None:  # its drafter proposes under copies of the processors
+            self.spec = SpecState(spec, req.params, model, caches, self.processors)
         self.t_plain: float | None = None  # when its last plain decode step ended
 
     def next_chunk(self, size: int) -> tuple[int, str]:

@@ -4,6 +4,7 @@ is: each request keeps a list, applied in order to its own row."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -17,6 +18,12 @@ class LogitsProcessor(Protocol):
         """(1, vocab) float32 logits -> the changed logits; `history`: the prompt and the
         tokens generated so far, oldest first."""
         ...
+
+
+def forked(processors: Sequence[LogitsProcessor]) -> list[LogitsProcessor]:
+    """Copies of `processors` for a drafter's proposals: one with state of its own (a grammar
+    mask, a reasoning budget) says how with `fork()`; a stateless one is shared."""
+    return [p.fork() if hasattr(p, "fork") else p for p in processors]
 
 
 def apply_repetition_penalty(logits: mx.array, history: list[int], penalty: float) -> mx.array:
@@ -64,6 +71,10 @@ class ReasoningBudget:
         self.state = "reasoning" if in_reasoning else "start"
         self.start = self.seen = prompt_len  # history positions: the reply's first, next unread
         self.spent = 0
+
+    def fork(self) -> ReasoningBudget:
+        """A copy that counts on its own (a drafter's proposals)."""
+        return copy.copy(self)
 
     def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
         for i in range(self.seen, len(history)):

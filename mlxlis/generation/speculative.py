@@ -29,7 +29,7 @@ from mlxlis.cache.rewind import common_prefix, rewind
 from mlxlis.generation.assistant import FAMILY as ASSISTANT
 from mlxlis.generation.assistant import AssistantDrafter
 from mlxlis.generation.events import Usage
-from mlxlis.generation.processors import LogitsProcessor, processors_for
+from mlxlis.generation.processors import LogitsProcessor, forked, processors_for
 from mlxlis.generation.proposal import Proposal, SpeculativeError
 from mlxlis.generation.sampling import SamplingParams, make_filter, make_key
 
@@ -91,17 +91,26 @@ class ModelDrafter:
     """A smaller model of the target's vocabulary, run ahead on caches of its own: it catches
     up with the sequence (rewinding to what it shares with its caches), then drafts `k` tokens
     one step each, greedy for a greedy target, else sampled from its own distribution under
-    the same processors and filters (the q of the ratio test)."""
+    the same processors and filters (the q of the ratio test). The request's processors apply
+    to it through copies made for each proposal (`forked`): a grammar's mask moves on with the
+    drafted tokens there, and with the kept ones only in the request's own; its logits are
+    read over the target's vocabulary (`vocab`: ids it lacks at -inf, ids past it cut)."""
 
-    def __init__(self, model: Model, params: SamplingParams):
+    def __init__(
+        self,
+        model: Model,
+        params: SamplingParams,
+        processors: Sequence[LogitsProcessor] | None = None,
+        vocab: int | None = None,
+    ):
         self.model = model
         self.params = params
         self.caches: list[Cache] = model.make_cache()
         self.fed: list[int] = []  # ids the caches hold
-        self.processors: list[LogitsProcessor] = processors_for(params)
+        self.processors = list(processors_for(params) if processors is None else processors)
         self.filtered = None if params.temperature == 0 else make_filter(params)
         self.key = make_key(params, stream=1)  # independent of the target's sampler
-        self.vocab = model.config.vocab_size
+        self.vocab = vocab or model.config.vocab_size
 
     def prepare(self, prompt: Sequence[int]) -> None:
         """Read the prompt while the target's first token is on its way (the request's time to
@@ -126,14 +135,25 @@ class ModelDrafter:
             return forward(self.model.net, [self.caches], mx.array(todo, mx.int32), "last")
         return prefill(self.model.net, todo, self.caches)
 
+    def _over_target(self, logits: mx.array) -> mx.array:
+        """(1, draft vocab) -> (1, target vocab): ids the draft lacks at -inf, extra ids cut."""
+        n = logits.shape[-1]
+        if n > self.vocab:
+            return logits[:, : self.vocab]
+        if n < self.vocab:
+            return mx.pad(logits, [(0, 0), (0, self.vocab - n)], constant_values=-mx.inf)
+        return logits
+
     def propose(self, history: Sequence[int], k: int) -> Proposal:
+        from mlxlis.generation.steps import forward
+
         logits = self._catch_up(history)
         seq = list(history)
         tokens, qs = [], []
-        from mlxlis.generation.steps import forward
-
+        processors = forked(self.processors)  # state of their own for the drafted tokens
         for i in range(k):
-            for process in self.processors:
+            logits = self._over_target(logits.astype(mx.float32))
+            for process in processors:
                 logits = process(logits, seq)
             if self.filtered is None:
                 token = mx.argmax(logits, axis=-1)
@@ -216,23 +236,29 @@ class Governor:
     drafter has nothing to propose (prompt lookup finding no earlier occurrence: that step is
     one forward, waited for). A verification of k proposals gives (1 − α^(k+1)) / (1 − α)
     tokens; the k with the most tokens per second is chosen when it beats plain decoding, else
-    speculation rests for REST tokens and probes again. A fixed `k` (--draft-tokens) is always
-    used."""
+    speculation rests and probes again: for REST tokens at first, twice as long each time it
+    rests again in a row (up to MAX_REST), never before TRIALS verifications were measured
+    (early figures are few: one slow step must not end it). A fixed `k` (--draft-tokens) is
+    always used."""
 
     fixed: int | None = None
     max_k: int = 8
-    kept: float = 2.0  # prior: α = 0.5 over 4 trials until measured
-    rejected: float = 2.0
+    kept: float = 1.0  # prior: α = 0.5 over 2 trials until measured
+    rejected: float = 1.0
     verify: dict[int, float] = field(default_factory=dict)  # T -> seconds (moving average)
     draft: float = 0.0  # seconds per drafted token (moving average)
     empty: float = 0.0  # the share of steps the drafter proposed nothing (moving average)
     plain: list[float] = field(default_factory=list)  # seconds of the first plain steps
     rest_until: int = 0  # completion tokens until which speculation rests
+    rest: int = 16  # how long the next rest lasts (doubles while resting pays)
+    trials: int = 0  # verifications measured since the last rest
+    last: int = 2  # the draft length chosen last
     chosen: dict[int, int] = field(default_factory=dict)  # draft length -> times chosen
     note: str = ""  # why it rests, for --verbose
 
     PROBE = 3  # plain steps measured before the first speculation
-    REST = 48
+    REST, MAX_REST = 16, 256
+    TRIALS = 4
     DECAY = 0.9  # the moving averages' weight on the past
 
     @property
@@ -241,6 +267,7 @@ class Governor:
 
     def observe(self, proposed: int, kept: int, verify_s: float, draft_s: float) -> None:
         d = self.DECAY
+        self.trials += 1
         self.empty = d * self.empty + (1 - d) * (proposed == 0)
         if proposed:
             self.kept = d * self.kept + kept
@@ -294,15 +321,21 @@ class Governor:
             seconds = (1 - e) * (self.cost(k + 1) + k * self.draft) + e * self.cost(1)
             if tokens / seconds > best_rate * 1.02:
                 best, best_rate = k, tokens / seconds
-        if best == 0:
-            self.rest_until = done + self.REST
+        if best == 0 and self.trials < self.TRIALS:  # still measuring: the last length again
+            best = min(self.last, room)
+        elif best == 0:
+            self.rest_until, self.trials = done + self.rest, 0
             self.note = (
-                f"speculation rests {self.REST} tokens: acceptance {self.alpha:.2f}, "
+                f"speculation rests {self.rest} tokens: acceptance {self.alpha:.2f}, "
                 f"nothing to propose {e:.0%} of steps, verify {self.cost(2) * 1e3:.1f} ms vs "
                 f"plain {plain * 1e3:.1f} ms"
             )
+            self.rest = min(2 * self.rest, self.MAX_REST)
             return 0
+        elif self.trials >= self.TRIALS:  # it pays: a later rest starts short again
+            self.rest = self.REST
         self.note = ""
+        self.last = best or self.last
         self.chosen[best] = self.chosen.get(best, 0) + 1
         return best
 
@@ -336,10 +369,15 @@ class Speculation:
             )
 
     def drafter(
-        self, params: SamplingParams, target: Model, caches: list[Cache] | None = None
+        self,
+        params: SamplingParams,
+        target: Model,
+        caches: list[Cache] | None = None,
+        processors: Sequence[LogitsProcessor] = (),
     ) -> Drafter:
         """A drafter for one request of `target` sampled with `params`; `caches`: the target
-        sequence's (a Gemma 4 assistant reads their keys and values)."""
+        sequence's (a Gemma 4 assistant reads their keys and values); `processors`: the
+        request's (a draft model proposes under copies of them: a grammar's mask included)."""
         if self.make is not None:
             return self.make(params)
         if self.kind == "ngram":
@@ -350,7 +388,8 @@ class Speculation:
             return MTPDrafter(target, params)
         if self.draft_model.config.family == ASSISTANT:
             return AssistantDrafter(self.draft_model, target, params, caches)
-        return ModelDrafter(self.draft_model, params)
+        vocab = target.config.vocab_size
+        return ModelDrafter(self.draft_model, params, processors or None, vocab)
 
 
 class SpecState:
@@ -362,9 +401,10 @@ class SpecState:
         params: SamplingParams,
         target: Model,
         caches: list[Cache] | None = None,
+        processors: Sequence[LogitsProcessor] = (),
     ):
         self.spec = spec
-        self.drafter = spec.drafter(params, target, caches)
+        self.drafter = spec.drafter(params, target, caches, processors)
         self.wants_hidden = bool(getattr(self.drafter, "wants_hidden", False))
         self.judge = Judge(params)
         self.governor = Governor(fixed=spec.tokens)
