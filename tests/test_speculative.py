@@ -98,7 +98,16 @@ def looping_prompt(vocab: int) -> list[int]:
     return (part * 5)[:PROMPT]
 
 
-@pytest.mark.parametrize("name", [n for n in SPECS if n != "draft"])
+# one model of each cache kind in `make test`; the other families in `make test-all`
+CACHE_KINDS = ("llama", "gemma3", "qwen3_5", "gemma4")
+FAMILIES = [
+    n if n in CACHE_KINDS else pytest.param(n, marks=pytest.mark.extended)
+    for n in SPECS
+    if n != "draft"
+]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_speculation_gives_the_plain_greedy_tokens(models, name):
     """Prompt lookup and a draft model (another tiny Llama of the same vocabulary), 4
     proposals a step: the plain greedy tokens. How many proposals are kept is the model's
@@ -134,7 +143,9 @@ class Corrupted:
         return Proposal(tokens)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3_5", "qwen3_5_moe", "gemma4"])
+@pytest.mark.parametrize(
+    "name", [*CACHE_KINDS, pytest.param("qwen3_5_moe", marks=pytest.mark.extended)]
+)
 def test_each_verification_keeps_exactly_the_agreeing_proposals(models, name):
     """With proposals wrong at a known position, each verification keeps exactly those before
     it (the next step starts 1 + kept tokens later: the pending token, the kept proposals;
