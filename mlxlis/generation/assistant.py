@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 from mlxlis.cache import Cache
 from mlxlis.generation.processors import LogitsProcessor, processors_for
-from mlxlis.generation.proposal import Proposal, SpeculativeError
-from mlxlis.generation.sampling import SamplingParams, make_filter, make_key
+from mlxlis.generation.proposal import Picker, Proposal, SpeculativeError
+from mlxlis.generation.sampling import SamplingParams
 from mlxlis.models.gemma4_assistant import AssistantStructure, SharedKV
 from mlxlis.models.gemma4_net import FULL, SLIDING, Structure
 from mlxlis.models.model import Model
@@ -89,8 +89,7 @@ class AssistantDrafter:
         self.caches = caches  # the target sequence's (the core hands them over)
         self.last: mx.array | None = None  # (1, hidden) the newest state the target kept
         self.processors: list[LogitsProcessor] = processors_for(params)
-        self.filtered = None if params.temperature == 0 else make_filter(params)
-        self.key = make_key(params, stream=1)  # independent of the target's sampler
+        self.pick = Picker(params)
 
     def feed_hidden(self, ids: Sequence[int], hidden: mx.array) -> None:
         self.last = hidden[-1:]  # only the newest is read: the next draft starts after it
@@ -114,26 +113,16 @@ class AssistantDrafter:
         position = len(history) - 1  # the token after the newest state the target kept
         shared = self.shared()
         state = self.target.model.norm(self.last)[None]  # (1, 1, hidden): after the final norm
-        seq, tokens, qs = list(history), [], []
+        seq, tokens = list(history), []
         token = mx.array([[history[-1]]], mx.int32)
         for _ in range(k):
             x = mx.concatenate([self.target.embed(token).astype(state.dtype), state], axis=-1)
             logits, state = self.net(x, position, shared)
-            logits = logits[:, -1, :].astype(mx.float32)  # (1, vocab)
-            for process in self.processors:
-                logits = process(logits, seq)
-            if self.filtered is None:
-                token = mx.argmax(logits, axis=-1)
-            else:
-                f = self.filtered(logits)
-                self.key, sub = mx.random.split(self.key)
-                token = mx.random.categorical(f, axis=-1, key=sub)
-                qs.append(mx.softmax(f, axis=-1, precise=True))
-            t = int(token.item())
+            t = self.pick(logits[:, -1, :].astype(mx.float32), seq, self.processors)
             tokens.append(t)
             seq.append(t)
-            token = token.astype(mx.int32).reshape(1, 1)
-        return Proposal(tokens, mx.concatenate(qs) if qs else None)
+            token = mx.array([[t]], mx.int32)
+        return self.pick.proposal(tokens)
 
 
 __all__ = ["FAMILY", "AssistantDrafter", "check_assistant"]

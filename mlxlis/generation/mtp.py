@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mlxlis.generation.processors import LogitsProcessor, processors_for
-from mlxlis.generation.proposal import Proposal, SpeculativeError
-from mlxlis.generation.sampling import SamplingParams, make_filter, make_key
+from mlxlis.generation.proposal import Picker, Proposal, SpeculativeError
+from mlxlis.generation.sampling import SamplingParams
 from mlxlis.models.model import Model
 from mlxlis.models.qwen3_5_mtp import MTPHead
 from mlxlis.models.qwen3_5_mtp_load import NoMTPBlock, mtp_head
@@ -46,8 +46,7 @@ class MTPDrafter:
         self.head = mtp_head_of(target)
         self.cache = self.head.block.make_cache()
         self.processors: list[LogitsProcessor] = processors_for(params)
-        self.filtered = None if params.temperature == 0 else make_filter(params)
-        self.key = make_key(params, stream=1)  # independent of the target's sampler
+        self.pick = Picker(params)
         self.pending: mx.array | None = None  # (1, hidden) g of the last position, unpaired
         self.known = 0  # positions of the sequence the block has a state for
         self.seen: list[int] | None = []  # ids fed before the first proposal (to place them)
@@ -90,19 +89,9 @@ class MTPDrafter:
         out = self._pairs([history[-1]], self.pending)  # (1, hidden): the first draft's
         self.pending = None
         seq = list(history)
-        tokens, qs = [], []
+        tokens = []
         for i in range(k):
-            logits = self.head.logits(out)  # (1, vocab)
-            for process in self.processors:
-                logits = process(logits, seq)
-            if self.filtered is None:
-                token = mx.argmax(logits, axis=-1)
-            else:
-                f = self.filtered(logits)
-                self.key, sub = mx.random.split(self.key)
-                token = mx.random.categorical(f, axis=-1, key=sub)
-                qs.append(mx.softmax(f, axis=-1, precise=True))
-            t = int(token.item())
+            t = self.pick(self.head.logits(out), seq, self.processors)  # from (1, vocab)
             tokens.append(t)
             seq.append(t)
             if i < k - 1:
@@ -110,7 +99,7 @@ class MTPDrafter:
         if k > 1:  # the chained entries: the target's states replace them
             for c in self.cache:
                 c.trim(k - 1)
-        return Proposal(tokens, mx.concatenate(qs) if qs else None)
+        return self.pick.proposal(tokens)
 
 
 __all__ = ["MTPDrafter", "mtp_head_of"]

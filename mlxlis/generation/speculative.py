@@ -30,7 +30,7 @@ from mlxlis.generation.assistant import FAMILY as ASSISTANT
 from mlxlis.generation.assistant import AssistantDrafter
 from mlxlis.generation.events import Usage
 from mlxlis.generation.processors import LogitsProcessor, forked, processors_for
-from mlxlis.generation.proposal import Proposal, SpeculativeError
+from mlxlis.generation.proposal import Picker, Proposal, SpeculativeError
 from mlxlis.generation.sampling import SamplingParams, make_filter, make_key
 
 import mlx.core as mx
@@ -108,8 +108,7 @@ class ModelDrafter:
         self.caches: list[Cache] = model.make_cache()
         self.fed: list[int] = []  # ids the caches hold
         self.processors = list(processors_for(params) if processors is None else processors)
-        self.filtered = None if params.temperature == 0 else make_filter(params)
-        self.key = make_key(params, stream=1)  # independent of the target's sampler
+        self.pick = Picker(params)
         self.vocab = vocab or model.config.vocab_size
 
     def prepare(self, prompt: Sequence[int]) -> None:
@@ -149,27 +148,18 @@ class ModelDrafter:
 
         logits = self._catch_up(history)
         seq = list(history)
-        tokens, qs = [], []
+        tokens = []
         processors = forked(self.processors)  # state of their own for the drafted tokens
         for i in range(k):
             logits = self._over_target(logits.astype(mx.float32))
-            for process in processors:
-                logits = process(logits, seq)
-            if self.filtered is None:
-                token = mx.argmax(logits, axis=-1)
-            else:
-                f = self.filtered(logits)
-                self.key, sub = mx.random.split(self.key)
-                token = mx.random.categorical(f, axis=-1, key=sub)
-                qs.append(mx.softmax(f, axis=-1, precise=True))
-            t = int(token.item())
+            t = self.pick(logits, seq, processors)
             tokens.append(t)
             seq.append(t)
             if i < k - 1:
                 self.fed.append(t)
-                logits = forward(self.model.net, [self.caches], token.astype(mx.int32), "last")
-        q = mx.concatenate(qs) if qs else None
-        return Proposal(tokens, q)
+                token = mx.array([t], mx.int32)
+                logits = forward(self.model.net, [self.caches], token, "last")
+        return self.pick.proposal(tokens)
 
 
 def check_vocabulary(target: Model, draft: Model) -> None:
