@@ -32,6 +32,7 @@ from mlxlis.generation.events import Usage
 from mlxlis.generation.processors import LogitsProcessor, forked, processors_for
 from mlxlis.generation.proposal import Picker, Proposal, SpeculativeError
 from mlxlis.generation.sampling import SamplingParams, make_filter, make_key
+from mlxlis.generation.steps import forward, prefill
 
 import mlx.core as mx
 
@@ -120,8 +121,6 @@ class ModelDrafter:
     def _catch_up(self, history: Sequence[int]) -> mx.array:
         """Feed the draft what it lacks of `history` (at least its last token): the (1, vocab)
         logits after it."""
-        from mlxlis.generation.steps import forward, prefill
-
         shared = min(common_prefix(self.fed, history), len(history) - 1)
         if shared < len(self.fed):
             back = rewind(self.caches, len(self.fed), shared) if shared > 0 else 0
@@ -144,8 +143,6 @@ class ModelDrafter:
         return logits
 
     def propose(self, history: Sequence[int], k: int) -> Proposal:
-        from mlxlis.generation.steps import forward
-
         logits = self._catch_up(history)
         seq = list(history)
         tokens = []
@@ -383,7 +380,8 @@ class Speculation:
 
 
 class SpecState:
-    """A running sequence's speculation: its drafter, verdicts, governor and counts."""
+    """A running sequence's speculation: its drafter, verdicts and governor (the counts are in
+    its Usage: draft_tokens, accepted_tokens)."""
 
     def __init__(
         self,
@@ -398,8 +396,6 @@ class SpecState:
         self.wants_hidden = bool(getattr(self.drafter, "wants_hidden", False))
         self.judge = Judge(params)
         self.governor = Governor(fixed=spec.tokens)
-        self.proposed = 0
-        self.accepted = 0
 
 
 def speculation_line(usage: Usage, spec: Speculation) -> str:

@@ -111,9 +111,7 @@ def judge(
     if not s.done:
         s.pending = nxt
         mx.async_eval(nxt)
-    spec = s.spec
-    spec.proposed += len(drafts)
-    spec.accepted += kept
-    spec.governor.observe(len(drafts), kept, seconds, d.seconds)
-    s.usage.draft_tokens, s.usage.accepted_tokens = spec.proposed, spec.accepted
+    s.spec.governor.observe(len(drafts), kept, seconds, d.seconds)
+    s.usage.draft_tokens += len(drafts)
+    s.usage.accepted_tokens += kept
     return events
