@@ -156,7 +156,7 @@ def events(resp: http.client.HTTPResponse):
 
 def tiny_server(folder: Path, tmp: Path) -> ServeProcess:
     """The tiny random Llama at `folder` served as "llama_long" with TINY_TEMPLATE, a batch of
-    4 and a context of TINY_CONTEXT."""
+    4, a context of TINY_CONTEXT and keep-alive pings after 0.05 s of quiet."""
     (tmp / "llama_long").symlink_to(folder)
     (tmp / "template.jinja").write_text(TINY_TEMPLATE)
     return ServeProcess(
@@ -170,4 +170,6 @@ def tiny_server(folder: Path, tmp: Path) -> ServeProcess:
         "--chat-template",
         str(tmp / "template.jinja"),
         "--verbose",  # the log's per-request reuse lines (test_serve)
+        "--keepalive",  # an Anthropic stream's pings while it waits (test_serve_anthropic)
+        "0.05",
     )

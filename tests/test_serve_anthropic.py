@@ -92,11 +92,18 @@ def test_stream_events_in_order_and_the_helpers_rebuild_the_message(client, tiny
     conn.close()
     assert all(data["type"] == name for name, data in got)
     names = [name for name, _ in got]
-    assert names[:2] == ["message_start", "ping"] and names[-2:] == [
-        "message_delta",
-        "message_stop",
-    ]
-    assert names[2] == "content_block_start" and names[-3] == "content_block_stop"
+    assert names[:2] == ["message_start", "ping"]
+    got = [got[0], *(e for e in got[1:] if e[0] != "ping")]  # keep-alives may come anywhere
+    names = [name for name, _ in got]
+    assert names[-2:] == ["message_delta", "message_stop"]
+    assert names[1] == "content_block_start" and names[-3] == "content_block_stop"
+    # admitted at once: message_start already has the final split of the prompt's tokens
+    start, end = got[0][1]["message"]["usage"], got[-2][1]["usage"]
+    for k in ("input_tokens", "cache_read_input_tokens"):
+        assert start[k] == end[k]
+    prompt = whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    assert start["input_tokens"] + start["cache_read_input_tokens"] == prompt
+    assert start["cache_read_input_tokens"] > 0  # `whole`'s prompt is cached: it counts
     assert got[0][1]["message"]["content"] == [] and got[0][1]["message"]["stop_reason"] is None
     starts = [d["index"] for n, d in got if n == "content_block_start"]
     assert starts == list(range(len(starts)))
@@ -330,6 +337,42 @@ def test_refusals_name_the_field_in_anthropic_error_shape(client, tiny_server):
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(model="claude-opus-9", max_tokens=5, messages=HELLO)
     assert e.value.body["error"]["type"] == "not_found_error"
+
+
+def test_a_queued_stream_starts_at_once_and_pings_until_it_runs(client, tiny_server):
+    """While the batch is full (4 places, 4 endless completions), a streamed message gets
+    message_start at once (usage: the whole prompt as input, nothing yet known to be cached)
+    and a ping after each keep-alive interval (0.05 s here) of waiting; once a place frees, it
+    streams its blocks and message_delta gives the prompt's true split, input plus cache-read
+    equal to count_tokens."""
+    long = {"prompt": "Hi", "ignore_eos": True, "max_tokens": 4000, "stream": True}
+    holders = [tiny_server.open_stream("/v1/completions", long) for _ in range(4)]
+    for _, resp in holders:
+        resp.readline()  # its first event: it holds a place
+    body = {"model": MODEL, "max_tokens": 8, "messages": HELLO, "stream": True}
+    conn, resp = tiny_server.open_stream("/v1/messages", body)
+    names, first = [], None
+    while len(names) < 4:  # the waiting request's events, the batch still full
+        line = resp.readline().decode().strip()
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            names.append(name)
+            first = first or json.loads(line[6:])
+    assert names == ["message_start", "ping", "ping", "ping"]
+    assert tiny_server.request("GET", "/health")[1]["waiting"] == 1
+    for c, _ in holders:
+        c.close()
+    rest = sse(resp)
+    conn.close()
+    prompt = client.messages.count_tokens(model=MODEL, messages=HELLO).input_tokens
+    assert first["message"]["usage"]["input_tokens"] == prompt
+    assert first["message"]["usage"]["cache_read_input_tokens"] == 0
+    kinds = [n for n, _ in rest if n != "ping"]
+    assert kinds[0] == "content_block_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    u = rest[-2][1]["usage"]
+    assert u["input_tokens"] + u["cache_read_input_tokens"] == prompt
+    tiny_server.wait_idle()
 
 
 def test_a_client_leaving_mid_stream_frees_its_request(tiny_server):

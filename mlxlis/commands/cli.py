@@ -475,6 +475,14 @@ def serve_parser() -> argparse.ArgumentParser:
         help="memory for /v1/responses kept for GET and previous_response_id, the least "
         "recently used dropped first (default 64; 0: none kept)",
     )
+    p.add_argument(
+        "--keepalive",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between the `ping` events of a /v1/messages stream waiting for a place "
+        "or reading a long prompt, so that clients and proxies do not time out (default 10)",
+    )
     return p
 
 
@@ -485,6 +493,7 @@ SERVE_BOUNDS = {
     "max_context": (1, None),
     "prefix_cache_mb": (0, 1 << 30),
     "responses_store_mb": (0, 1 << 20),
+    "keepalive": (0.01, 3600),
 }
 
 
@@ -530,6 +539,7 @@ def run_serve(argv: list[str]) -> int:
                 a.prefix_cache_mb,
                 a.responses_store_mb,
                 spec,
+                a.keepalive,
             ),
         )
 

@@ -26,6 +26,7 @@ import queue
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 
 from mlxlis.cache.prefix import PrefixCache
 from mlxlis.errors import MlxlisError, PipelineError
@@ -51,6 +52,9 @@ class Stream:
         self._sync: queue.Queue[Event] = queue.Queue()
         self._async: asyncio.Queue[Event] | None = asyncio.Queue() if loop else None
         self.cancelled = threading.Event()
+        # set when the core takes the request: its Usage (prompt and reused tokens) known
+        # before its prompt is read, for an API that reports them at the start of a stream
+        self.admitted: asyncio.Future[Usage] | None = loop.create_future() if loop else None
 
     def cancel(self) -> None:
         """Stop generating (the client left); the stream ends with finish_reason "cancelled"."""
@@ -61,6 +65,10 @@ class Stream:
             self._loop.call_soon_threadsafe(self._async.put_nowait, ev)
         else:
             self._sync.put(ev)
+
+    def _admit(self, usage: Usage) -> None:
+        if self.admitted is not None:
+            self._loop.call_soon_threadsafe(self.admitted.set_result, usage)
 
     def __iter__(self) -> Iterator[Event]:
         while True:
@@ -188,6 +196,7 @@ class Engine:
             stream._put(_ended("error", f"{type(e).__name__}: {e}"))
             return
         stream.id = seq.id
+        stream._admit(replace(seq.usage))  # a copy: the MLX thread goes on updating its own
         with self._cv:
             self._active.append((seq, stream))
 

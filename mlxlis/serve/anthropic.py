@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any, Literal
 
+from mlxlis.generation.events import Usage
 from mlxlis.generation.processors import ReasoningBudget
 from mlxlis.prompt.reasoning import ReasoningSplitter
 from mlxlis.serve.anthropic_blocks import Blocks, content, event, stop_reason, usage
@@ -270,20 +271,38 @@ def with_budget(prep: Prepared, model: Any, budget: int) -> Prepared:
     return prep
 
 
-async def message_stream(run: Run, reply: ChatReply, message: dict[str, Any]) -> AsyncIterator[str]:
+async def message_stream(
+    run: Run, reply: ChatReply, message: dict[str, Any], keepalive: float
+) -> AsyncIterator[str]:
+    """Anthropic's event sequence. `message_start` goes out when the engine admits the request
+    (its usage then has the reused prompt tokens), or after `keepalive` seconds in the queue
+    (its usage then counts the whole prompt as input; `message_delta` gives the true split);
+    a `ping` follows, and another after each `keepalive` seconds of a long prompt's reading."""
     blocks, started = Blocks(), False
+
+    def start(u: Usage) -> list[str]:
+        msg = {**message, "usage": {**usage(u, False), "output_tokens": 0}}
+        return [event("message_start", {"message": msg}), event("ping", {})]
+
     try:
-        async for ev in run.events():
-            if ev.finish_reason == "error":
+        async for ev in run.paced(keepalive):
+            if ev is None or isinstance(ev, Usage):
+                if started and ev is None:
+                    yield event("ping", {})
+                elif not started:
+                    started = True
+                    for out in start(ev or Usage(prompt_tokens=run.prompt)):
+                        yield out
+                continue
+            if ev.finish_reason == "error":  # before message_start or after: the stream ends
                 e = end_error(run.state, ev)
                 kind = "overloaded_error" if e.status == 503 else "api_error"
                 yield event("error", {"error": {"type": kind, "message": e.message}})
                 return
-            if not started:  # the first event: the prompt is read, its cached part known
+            if not started:
                 started = True
-                msg = {**message, "usage": {**usage(ev.usage, False), "output_tokens": 0}}
-                yield event("message_start", {"message": msg})
-                yield event("ping", {})
+                for out in start(ev.usage):
+                    yield out
             for out in blocks.feed(reply.feed(ev)):
                 yield out
             if ev.finish_reason is not None:
@@ -333,7 +352,7 @@ def router(svc: Service, auth: list) -> APIRouter:
         }
         if req.stream:
             return StreamingResponse(
-                message_stream(run, reply, head),
+                message_stream(run, reply, head, state.keepalive),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )

@@ -45,6 +45,7 @@ class ServeOptions:
     prefix_cache_mb: int = 1024  # the prefix cache's bound (0: off)
     responses_store_mb: int = 64  # /v1/responses kept for previous_response_id (0: none)
     speculation: Speculation | None = None  # every request drafted and verified
+    keepalive: float = 10.0  # seconds between an Anthropic stream's pings while it is quiet
 
 
 class _Server(uvicorn.Server):
@@ -116,6 +117,7 @@ def serve(model: Any, opts: ServeOptions) -> int:
     )
     state = State(target, engine, opts.name, frozenset(names), fingerprint(model), opts.api_key)
     state.responses_store_bytes = opts.responses_store_mb << 20
+    state.keepalive = opts.keepalive
     config = uvicorn.Config(
         create_app(state),
         log_level="info" if opts.verbose else "warning",

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from mlxlis.errors import MlxlisError
 from mlxlis.generation.engine import Engine, QueueFullError, Stream
-from mlxlis.generation.events import Event
+from mlxlis.generation.events import Event, Usage
 from mlxlis.generation.speculative import speculation_line
 from mlxlis.serve.openai_format import APIError, TokenText
 from mlxlis.serve.prepare import Prepared, Target
@@ -50,6 +50,7 @@ class State:
     stopping: bool = False  # set when the server shuts down: unfinished requests get 503
     created: int = field(default_factory=lambda: int(time.time()))
     responses_store_bytes: int = 64 << 20  # /v1/responses kept for previous_response_id
+    keepalive: float = 10.0  # seconds between keep-alive events of a stream that is quiet
     # prompts are rendered and tokenized off the event loop, one at a time
     worker: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="mlxlis-prepare")
@@ -101,6 +102,9 @@ async def read_body(request: Request, cls: type[B], limit: int) -> B:
         raise validation_error(e, names) from None
 
 
+FIRST = asyncio.FIRST_COMPLETED
+
+
 class Run:
     """One submitted request: its stream, the task that notices the client leaving, the log
     line at the end."""
@@ -123,6 +127,35 @@ class Run:
             if ev.finish_reason is not None:
                 self.final = ev
             yield ev
+
+    async def paced(self, every: float) -> AsyncIterator[Event | Usage | None]:
+        """The events, with the request's Usage the moment the engine admits it (before its
+        prompt is read), and None after each `every` seconds without either (a keep-alive,
+        while the request waits for a place or its prompt is read)."""
+        admitted = self.stream.admitted
+        pending: set[asyncio.Future] = {admitted} if admitted is not None else set()
+        events = aiter(self.events())
+        nxt = None
+        try:
+            while True:
+                nxt = nxt or asyncio.ensure_future(anext(events))
+                done, _ = await asyncio.wait({nxt, *pending}, timeout=every, return_when=FIRST)
+                if admitted in done:
+                    pending.discard(admitted)
+                    yield admitted.result()
+                if nxt not in done:
+                    if not done:
+                        yield None
+                    continue
+                try:
+                    ev = nxt.result()
+                except StopAsyncIteration:
+                    return
+                nxt = None
+                yield ev
+        finally:
+            if nxt is not None:
+                nxt.cancel()
 
     def close(self) -> None:
         if self.closed:
