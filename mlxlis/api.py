@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlxlis.bounded import check_folder_json, read_json_file
+from mlxlis.cache import KVFormat
 from mlxlis.distributed import Pipeline
 from mlxlis.distributed.leader import LeaderSteps
 from mlxlis.errors import BindingError, TokenizerError, UnsupportedError, UnsupportedFormatError
@@ -34,6 +35,8 @@ def load(
     bindings: str | Path | dict | None = None,
     strict: bool = True,
     layers_split: str | list[int] | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
 ) -> Model:
     """Load a model folder, GGUF file or catalog name. dtype None = the device default.
 
@@ -49,7 +52,12 @@ def load(
     Under `mlx.launch` with several ranks, each rank loads only its share of the layers and
     the model runs pipelined (mlxlis.distributed); `layers_split` (e.g. "14,14": layers per
     rank, in rank order) fixes the shares, else they are balanced by weight bytes.
+
+    `kv_bits` (8 or 4): every request's keys and values are stored quantized (MLX affine,
+    one scale and bias per `kv_group_size` elements) and attended in that form; None: dense.
+    `Model.set_kv_format` changes it later.
     """
+    kv = KVFormat(kv_bits, kv_group_size) if kv_bits is not None else None  # checked first
     select_device()  # the GPU when MLX has a usable one, else the CPU; MLXLIS_DEVICE overrides
     dt = dtype if isinstance(dtype, mx.Dtype) else resolve_dtype(dtype)
     manifest = as_manifest(bindings)  # a bad manifest fails before anything else is read
@@ -70,7 +78,7 @@ def load(
         model = load_gguf(
             path, dt, dequantize=dequantize, chat_template=chat_template, placement=pipeline
         )
-        return _ready(model, pipeline)
+        return _ready(model, pipeline, kv)
     if path.is_file():
         raise UnsupportedFormatError("expected a model folder or a .gguf file", path=path)
     if dequantize is not None:
@@ -82,11 +90,12 @@ def load(
     model = load_folder(
         path, dt, chat_template=chat_template, bindings=manifest, strict=strict, placement=pipeline
     )
-    return _ready(model, pipeline)
+    return _ready(model, pipeline, kv)
 
 
-def _ready(model: Model, pipeline: Pipeline) -> Model:
+def _ready(model: Model, pipeline: Pipeline, kv: KVFormat | None) -> Model:
     """Every rank has its share; a pipelined model's generation steps are led from rank 0."""
+    model.set_kv_format(kv)
     if model.part is not None:
         model.steps_factory = LeaderSteps
     pipeline.ready()

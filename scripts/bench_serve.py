@@ -79,7 +79,10 @@ def prompt(i: int) -> str:
 
 
 class Server:
-    def __init__(self, engine: str, name: str, cache: Path, log: Path):
+    headers = {"Content-Type": "application/json"}
+
+    def __init__(self, engine: str, name: str, cache: Path, log: Path, template: str | None = None):
+        """`template`: a chat template both engines use instead of the model's."""
         self.port = free_port()
         self.model = "default_model" if engine == "mlx_lm" else name  # mlx-lm: the one loaded
         py = sys.executable
@@ -96,6 +99,9 @@ class Server:
                 "--max-batch",
                 "8",
             ]
+            if template is not None:
+                (cache / "template.jinja").write_text(template)
+                cmd += ["--chat-template", str(cache / "template.jinja")]
             if "@" in engine:  # mlxlis@N: pipelined across N ranks on this machine (loopback)
                 launcher = str(Path(py).with_name("mlx.launch"))
                 cmd = [launcher, "--backend", "ring", "-n", engine.split("@")[1], *cmd]
@@ -112,6 +118,8 @@ class Server:
                 "--log-level",
                 "WARNING",
             ]
+            if template is not None:  # mlx-lm takes the template's text
+                cmd += ["--chat-template", template]
         self.log = open(log, "wb")  # noqa: SIM115 — closed in stop()
         self.proc = subprocess.Popen(
             cmd, stdout=self.log, stderr=self.log, cwd=ROOT, start_new_session=True

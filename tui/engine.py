@@ -39,6 +39,8 @@ class Options:
     speculative: str | None = None  # --speculative / --draft-model: "ngram" | "draft" | None
     draft_model: str | None = None
     draft_tokens: int | None = None
+    kv_bits: int | None = None  # --kv-bits: quantized KV caches
+    kv_group_size: int = 64
     draft: Model | None = None  # the draft model, once load_model loaded it
 
 
@@ -84,6 +86,8 @@ def parse_args(argv: list[str]) -> Options:
         speculative=a.speculative,
         draft_model=a.draft_model,
         draft_tokens=a.draft_tokens,
+        kv_bits=a.kv_bits,
+        kv_group_size=a.kv_group_size,
     )
 
 
@@ -105,6 +109,8 @@ def load_model(options: Options, progress: Progress):
         chat_template=options.chat_template,
         bindings=options.bindings,
         strict=options.strict,
+        kv_bits=options.kv_bits,
+        kv_group_size=options.kv_group_size,
     )
     if options.draft_model:  # --draft-model: fetched and loaded the same way
         draft = Options(**{**vars(options), "model": options.draft_model, "draft_model": None})

@@ -1,20 +1,24 @@
-"""Per-layer caches and going back in them: KV caches (plain and sliding-window rings), the
-recurrent state of linear-attention layers, several sequences' caches batched for one
-decoding step, rewinding every kind to a position it can return to exactly, and the prefix
-cache that keeps finished requests' caches for later prompts sharing their start. Imports
-only the runtime and the errors: the networks build these, the generation core moves them."""
+"""Per-layer caches and going back in them: KV caches (plain and sliding-window rings, their
+keys and values dense or quantized), the recurrent state of linear-attention layers, several
+sequences' caches batched for one decoding step, rewinding every kind to a position it can
+return to exactly, and the prefix cache that keeps finished requests' caches for later prompts
+sharing their start. Imports only the runtime and the errors: the networks build these, the
+generation core moves them."""
 
 from mlxlis.cache.base import Cache
 from mlxlis.cache.batch import CacheBatch, KVBatch
 from mlxlis.cache.kv import KVCache, RotatingKVCache, window_mask
 from mlxlis.cache.recurrent import RecurrentCache
 from mlxlis.cache.rewind import common_prefix, reachable, rewind, snapshot, trimmable
+from mlxlis.cache.store import KVFormat, QArray
 
 __all__ = [
     "Cache",
     "CacheBatch",
     "KVBatch",
     "KVCache",
+    "KVFormat",
+    "QArray",
     "RecurrentCache",
     "RotatingKVCache",
     "common_prefix",

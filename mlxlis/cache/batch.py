@@ -3,6 +3,8 @@ each) and KVBatch (their KV buffers stacked for one masked attention)."""
 
 from __future__ import annotations
 
+from mlxlis.cache.store import Stored
+
 import mlx.core as mx
 
 
@@ -33,11 +35,12 @@ class KVBatch:
     def __init__(self, caches: list, k: mx.array, v: mx.array) -> None:
         """Stack `caches`, whose new keys and values are shaped like k, v (B, kv, T, dim)."""
         self.members = list(caches)
+        self.store = st = caches[0].store  # the caches of one layer share their format
         dtype = next((c._keys.dtype for c in caches if c._keys is not None), k.dtype)
         self.cap = -(-(max(c.held for c in caches) + 1) // self.step) * self.step
         b, h = len(caches), k.shape[1]
-        self.keys = mx.zeros((b, h, self.cap, k.shape[3]), dtype)
-        self.values = mx.zeros((b, h, self.cap, v.shape[3]), dtype)
+        self.keys = st.zeros((b, h, self.cap, k.shape[3]), dtype)
+        self.values = st.zeros((b, h, self.cap, v.shape[3]), dtype)
         for row, c in enumerate(caches):
             n = c.held
             if n:
@@ -62,23 +65,20 @@ class KVBatch:
             batch = cls(caches, k, v)
         return batch._step(k, v)
 
-    def _step(self, k: mx.array, v: mx.array) -> tuple[mx.array, ...]:
+    def _step(self, k: mx.array, v: mx.array) -> tuple[Stored, Stored, mx.array]:
         slots, valid = zip(*(c.claim_one() for c in self.members), strict=True)
+        st = self.store
         if max(slots) >= self.cap:
             grow = [
-                mx.zeros((*a.shape[:2], self.step, a.shape[3]), a.dtype)
+                st.zeros((*a.shape[:2], self.step, a.shape[3]), a.dtype)
                 for a in (self.keys, self.values)
             ]
-            self.keys = mx.concatenate([self.keys, grow[0]], axis=2)
-            self.values = mx.concatenate([self.values, grow[1]], axis=2)
+            self.keys = st.concat([self.keys, grow[0]])
+            self.values = st.concat([self.values, grow[1]])
             self.cap += self.step
         at = mx.array(slots, mx.int32)[:, None, None, None]  # (B, 1, 1, 1): each row's slot
-        self.keys = mx.put_along_axis(
-            self.keys, mx.broadcast_to(at, k.shape), k.astype(self.keys.dtype), axis=2
-        )
-        self.values = mx.put_along_axis(
-            self.values, mx.broadcast_to(at, v.shape), v.astype(self.values.dtype), axis=2
-        )
+        self.keys = st.put_rows(self.keys, at, st.take(k))
+        self.values = st.put_rows(self.values, at, st.take(v))
         s = max(valid)
         mask = mx.arange(s)[None, :] < mx.array(valid)[:, None]  # (B, S)
         return self.keys[:, :, :s], self.values[:, :, :s], mask[:, None, None, :]
@@ -90,9 +90,9 @@ class KVBatch:
             n, row = c.held, c._row
             c._batch = None
             if n:
-                c._keys = mx.contiguous(self.keys[row : row + 1, :, :n])
-                c._values = mx.contiguous(self.values[row : row + 1, :, :n])
+                c._keys = self.store.contiguous(self.keys[row : row + 1, :, :n])
+                c._values = self.store.contiguous(self.values[row : row + 1, :, :n])
         # copied now: a copy left lazy would hold the whole stack alive (a cache kept by the
         # prefix cache is not evaluated again until a later prompt takes it)
-        mx.eval([a for c in members for a in (c._keys, c._values) if a is not None])
+        mx.eval([a for c in members for x in (c._keys, c._values) for a in self.store.arrays(x)])
         self.keys = self.values = None

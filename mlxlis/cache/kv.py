@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mlxlis.cache.store import DENSE, KVFormat, Store, Stored, store_for
+
 import mlx.core as mx
 
 if TYPE_CHECKING:
@@ -15,27 +17,28 @@ class _Lendable:
     """A KV cache whose buffers a KVBatch may hold for a while (the serving engine's batched
     decoding): reading them, or changing the cache any other way, takes them back first."""
 
-    _keys: mx.array | None = None
-    _values: mx.array | None = None
+    _keys: Stored | None = None
+    _values: Stored | None = None
     _batch: KVBatch | None = None  # holding this cache's keys/values as its row `_row`
     _row = 0
+    store: Store = DENSE  # dense or quantized keys/values (store.py)
 
     @property
-    def keys(self) -> mx.array | None:
+    def keys(self) -> Stored | None:
         self._settle()
         return self._keys
 
     @keys.setter
-    def keys(self, value: mx.array | None) -> None:
+    def keys(self, value: Stored | None) -> None:
         self._keys = value
 
     @property
-    def values(self) -> mx.array | None:
+    def values(self) -> Stored | None:
         self._settle()
         return self._values
 
     @values.setter
-    def values(self, value: mx.array | None) -> None:
+    def values(self, value: Stored | None) -> None:
         self._values = value
 
     def _settle(self) -> None:
@@ -50,9 +53,10 @@ class KVCache(_Lendable):
     step = 256
     label = "full attention"
 
-    def __init__(self) -> None:
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+    def __init__(self, fmt: KVFormat | None = None) -> None:
+        self.store = store_for(fmt)
+        self.keys: Stored | None = None
+        self.values: Stored | None = None
         self.offset = 0
 
     @property
@@ -66,19 +70,20 @@ class KVCache(_Lendable):
         self.offset += 1
         return self.offset - 1, self.offset
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        # keys/values: (B, n_kv_heads, T, head_dim)
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Stored, Stored]:
+        # keys/values: (B, n_kv_heads, T, head_dim); returned as the store holds them
         self._settle()
-        prev = self.offset
+        prev, st = self.offset, self.store
+        keys, values = st.take(keys), st.take(values)  # quantized once, if the store is
         t = keys.shape[2]
         if self.keys is None or prev + t > self.keys.shape[2]:
             b, h, _, d = keys.shape
             n_steps = (self.step + t - 1) // self.step
-            k_new = mx.zeros((b, h, n_steps * self.step, d), keys.dtype)
-            v_new = mx.zeros((b, h, n_steps * self.step, values.shape[3]), values.dtype)
+            k_new = st.zeros((b, h, n_steps * self.step, d), keys.dtype)
+            v_new = st.zeros((b, h, n_steps * self.step, values.shape[3]), values.dtype)
             if self.keys is not None:
-                self.keys = mx.concatenate([self.keys[..., :prev, :], k_new], axis=2)
-                self.values = mx.concatenate([self.values[..., :prev, :], v_new], axis=2)
+                self.keys = st.concat([self.keys[..., :prev, :], k_new])
+                self.values = st.concat([self.values[..., :prev, :], v_new])
             else:
                 self.keys, self.values = k_new, v_new
         self.offset += t
@@ -110,7 +115,7 @@ class KVCache(_Lendable):
 
     @property
     def state(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
+        return self.store.arrays(self.keys) + self.store.arrays(self.values)
 
 
 def window_mask(q_start: int, t: int, k_start: int, k_len: int, window: int | None) -> mx.array:
@@ -144,20 +149,21 @@ class RotatingKVCache(_Lendable):
     SNAPSHOTS = 1
     label = "sliding window"
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, fmt: KVFormat | None = None) -> None:
         if window < 1:
             raise ValueError(f"sliding window must be positive, got {window}")
         self.window = window
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.store = store_for(fmt)
+        self.keys: Stored | None = None
+        self.values: Stored | None = None
         self.offset = 0  # positions seen so far
         self._size = 0  # valid slots (≤ window)
         self._idx = 0  # ring slot the next single-token write goes to (the oldest when full)
         # (offset, valid slots, keys, values oldest first): arrays the live ring never writes
-        self._snapshots: list[tuple[int, int, mx.array, mx.array]] = []
+        self._snapshots: list[tuple[int, int, Stored, Stored]] = []
         self._keep = 0  # positions the next multi-token update keeps past the window
         # (offset, keys, values): the positions a verification pushed out of the window last
-        self._spill: tuple[int, mx.array, mx.array] | None = None
+        self._spill: tuple[int, Stored, Stored] | None = None
 
     @property
     def held(self) -> int:
@@ -177,16 +183,16 @@ class RotatingKVCache(_Lendable):
         self._idx = (i + 1) % self.window
         return i, self._size
 
-    def _ordered(self) -> tuple[mx.array, mx.array] | None:
+    def _ordered(self) -> tuple[Stored, Stored] | None:
         """Valid keys/values, oldest first."""
         if self.keys is None or self._size == 0:
             return None
         if self._size < self.window or self._idx == 0:
             return self.keys[..., : self._size, :], self.values[..., : self._size, :]
-        i = self._idx
+        i, cat = self._idx, self.store.concat
         return (
-            mx.concatenate([self.keys[..., i:, :], self.keys[..., :i, :]], axis=2),
-            mx.concatenate([self.values[..., i:, :], self.values[..., :i, :]], axis=2),
+            cat([self.keys[..., i:, :], self.keys[..., :i, :]]),
+            cat([self.values[..., i:, :], self.values[..., :i, :]]),
         )
 
     def mask(self, t: int) -> mx.array | None:
@@ -195,46 +201,47 @@ class RotatingKVCache(_Lendable):
             return None  # a single query sees every slot the ring holds after the write
         return window_mask(self.offset, t, self.offset - self._size, self._size + t, self.window)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        # keys/values: (B, n_kv_heads, T, head_dim)
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Stored, Stored]:
+        # keys/values: (B, n_kv_heads, T, head_dim); returned as the store holds them
         self._settle()
-        t = keys.shape[2]
+        t, st = keys.shape[2], self.store
+        keys, values = st.take(keys), st.take(values)  # quantized once, if the store is
         self.offset += t
         self._spill, keep, self._keep = None, self._keep, 0
         if t == 1:
             return self._write_one(keys, values)
         old = self._ordered()
         if old is not None:
-            keys = mx.concatenate([old[0], keys], axis=2)
-            values = mx.concatenate([old[1], values], axis=2)
+            keys, values = st.concat([old[0], keys]), st.concat([old[1], values])
         out = keys.shape[2] - self.window  # positions that rotate out now
         if keep and out > 0:  # the newest of them, for a rewind into this update (`trim`)
             a = max(0, out - keep)
             self._spill = (
                 self.offset,
-                mx.contiguous(keys[..., a:out, :]),
-                mx.contiguous(values[..., a:out, :]),
+                st.contiguous(keys[..., a:out, :]),
+                st.contiguous(values[..., a:out, :]),
             )
         # keep the newest `window` positions, oldest first (a copy, so the chunk can be freed)
-        self.keys = mx.array(keys[..., -self.window :, :])
-        self.values = mx.array(values[..., -self.window :, :])
+        self.keys = st.copy(keys[..., -self.window :, :])
+        self.values = st.copy(values[..., -self.window :, :])
         self._size = self.keys.shape[2]
         self._idx = self._size % self.window
         return keys, values  # (B, n_kv_heads, size_before + T, head_dim), oldest first
 
-    def _write_one(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def _write_one(self, keys: Stored, values: Stored) -> tuple[Stored, Stored]:
+        st = self.store
         if self._size < self.window:  # still filling: append, growing in blocks up to window
             cap = 0 if self.keys is None else self.keys.shape[2]
             if self._size == cap:
                 b, h, _, d = keys.shape
                 grow = min(self.step, self.window - cap)
-                k_new = mx.zeros((b, h, grow, d), keys.dtype)
-                v_new = mx.zeros((b, h, grow, values.shape[3]), values.dtype)
+                k_new = st.zeros((b, h, grow, d), keys.dtype)
+                v_new = st.zeros((b, h, grow, values.shape[3]), values.dtype)
                 if self.keys is None:
                     self.keys, self.values = k_new, v_new
                 else:
-                    self.keys = mx.concatenate([self.keys[..., :cap, :], k_new], axis=2)
-                    self.values = mx.concatenate([self.values[..., :cap, :], v_new], axis=2)
+                    self.keys = st.concat([self.keys[..., :cap, :], k_new])
+                    self.values = st.concat([self.values[..., :cap, :], v_new])
         i, size = self._next_slot()
         self.keys[..., i : i + 1, :] = keys
         self.values[..., i : i + 1, :] = values
@@ -273,7 +280,8 @@ class RotatingKVCache(_Lendable):
         old = self._ordered()
         if old is None:
             return
-        keys, values = mx.contiguous(old[0]), mx.contiguous(old[1])  # evaluated with `state`
+        # evaluated with `state`
+        keys, values = self.store.contiguous(old[0]), self.store.contiguous(old[1])
         self._snapshots = [s for s in self._snapshots if s[0] != self.offset]
         self._snapshots.append((self.offset, self._size, keys, values))
         del self._snapshots[: -self.SNAPSHOTS]
@@ -295,8 +303,8 @@ class RotatingKVCache(_Lendable):
         if old is not None:
             keys, values = old
             if n > size - self.window + 1 and self._spilled():  # back into the spilled ones
-                keys = mx.concatenate([self._spill[1], keys], axis=2)
-                values = mx.concatenate([self._spill[2], values], axis=2)
+                keys = self.store.concat([self._spill[1], keys])
+                values = self.store.concat([self._spill[2], values])
                 size += self._spilled()
             start = max(0, size - n - self.window)
             self.keys = keys[..., start : size - n, :]
@@ -331,4 +339,5 @@ class RotatingKVCache(_Lendable):
     def state(self) -> list[mx.array]:
         live = [] if self.keys is None else [self.keys, self.values]
         spill = [] if self._spill is None else list(self._spill[1:])
-        return live + spill + [a for s in self._snapshots for a in s[2:]]
+        held = live + spill + [a for s in self._snapshots for a in s[2:]]
+        return [a for x in held for a in self.store.arrays(x)]

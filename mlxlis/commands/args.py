@@ -73,6 +73,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="under mlx.launch: layers per rank, in rank order (e.g. 14,14; default: balanced "
         "by weight bytes)",
     )
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(8, 4),
+        default=None,
+        help="store the KV cache quantized at 8 or 4 bits (MLX affine) and attend on it in "
+        "that form: about 1.9x / 3.2x the context in the same memory (default: dense)",
+    )
+    p.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=(32, 64, 128),
+        default=64,
+        help="elements per scale and bias of a quantized KV cache (default 64)",
+    )
     p.add_argument("--verbose", "-v", action="store_true", help="model details and stats on stderr")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 

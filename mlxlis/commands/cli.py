@@ -79,6 +79,8 @@ def load_model(a: argparse.Namespace):
             bindings=getattr(a, "bindings", None),
             strict=getattr(a, "strict", True),
             layers_split=getattr(a, "layers_split", None),
+            kv_bits=a.kv_bits,
+            kv_group_size=a.kv_group_size,
         )
     for w in caught:
         if isinstance(w.message, UnboundTensorsWarning):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mlxlis.cache import CacheBatch, KVCache, RecurrentCache, RotatingKVCache, window_mask
+from mlxlis.cache import CacheBatch, KVCache, KVFormat, RecurrentCache, RotatingKVCache, window_mask
 from mlxlis.models.attention import softcap
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.deltanet import GatedDeltaNet
@@ -116,10 +116,12 @@ class Decoder(nn.Module):
     def heads(self) -> bool:
         return self._heads
 
-    def make_cache(self) -> list[Cache]:
+    def make_cache(self, kv: KVFormat | None = None) -> list[Cache]:
         cfg, w = self.config, self.config.sliding_window
+        if kv is not None:
+            kv.check(cfg.head_dim)
         return [
-            RecurrentCache() if cfg.is_linear(i) else RotatingKVCache(w) if s else KVCache()
+            RecurrentCache() if cfg.is_linear(i) else RotatingKVCache(w, kv) if s else KVCache(kv)
             for i, s in zip(self._held, self._sliding, strict=True)
         ]
 

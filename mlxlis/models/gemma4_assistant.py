@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from mlxlis.cache import KVFormat
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.models import gemma4
 from mlxlis.models.base import Family
@@ -155,7 +156,7 @@ class Gemma4Assistant(nn.Module):
         if s.use_ordered_embeddings:
             self.masked_embedding = MaskedEmbedder(cfg)
 
-    def make_cache(self) -> list[Cache]:
+    def make_cache(self, kv: KVFormat | None = None) -> list[Cache]:
         return []  # it reads the target's
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mlxlis.cache import CacheBatch, KVBatch, KVCache, RotatingKVCache, window_mask
+from mlxlis.cache import CacheBatch, KVBatch, KVCache, KVFormat, RotatingKVCache, window_mask
 from mlxlis.errors import ConfigError
 from mlxlis.models.activations import gated
 from mlxlis.models.attention import attend, softcap
@@ -318,10 +318,13 @@ class Gemma4(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def make_cache(self) -> list[Cache]:
+    def make_cache(self, kv: KVFormat | None = None) -> list[Cache]:
         """One cache per layer with its own K/V (the KV-shared layers read theirs)."""
         w = self.config.sliding_window
-        return [RotatingKVCache(w) if self._sliding[i] else KVCache() for i in self._own]
+        if kv is not None:
+            kv.check(self.config.head_dim, " (sliding layers)")
+            kv.check(self.config.own(Structure).global_head_dim, " (full layers)")
+        return [RotatingKVCache(w, kv) if self._sliding[i] else KVCache(kv) for i in self._own]
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Checkpoint names under ours (the family's renames and drops); the K/V weights hub

@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mlxlis.cache import Cache
-from mlxlis.errors import NoChatTemplateError
+from mlxlis.cache import Cache, KVFormat
+from mlxlis.errors import MlxlisError, NoChatTemplateError
 from mlxlis.loading.hub import display_name
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.experts import QuantizedSwitchLinear, SwitchLinear
@@ -53,6 +53,7 @@ class Model:
         self.skipped = sorted(skipped or [])  # file tensors not used (a vision tower, an MTP head)
         self.part = part  # this rank's share of the layers when pipelined, else None
         self.steps_factory: StepsFactory | None = None  # None: steps in this process
+        self.kv_format: KVFormat | None = None  # quantized KV caches (set_kv_format), or dense
 
     @property
     def name(self) -> str:
@@ -72,7 +73,17 @@ class Model:
         return self.part.rank if self.part is not None else 0
 
     def make_cache(self) -> list[Cache]:
-        return self.net.make_cache()
+        return self.net.make_cache(self.kv_format)
+
+    def set_kv_format(self, kv: KVFormat | None) -> None:
+        """Store every request's keys and values quantized in `kv` from now on (None: dense);
+        refused (MlxlisError) where the groups do not divide a head dimension."""
+        try:
+            self.net.make_cache(kv)  # checks the head dimensions; allocates nothing
+        except MlxlisError as e:
+            message = str(e).removeprefix(f"{e.field}: ")
+            raise MlxlisError(message, path=self.path, field=e.field) from None
+        self.kv_format = kv
 
     def logits(self, ids: Sequence[int]) -> mx.array:
         """[len(ids), vocab] float32 logits of one full forward pass, no cache (pipelined:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from mlxlis.cache import Cache
+from mlxlis.cache import Cache, KVFormat
 from mlxlis.models.config import ModelConfig
 
 import mlx.core as mx
@@ -27,8 +27,9 @@ class Network(Protocol):
         self, inputs: mx.array, cache: list[Cache] | None = None, last_only: bool = False
     ) -> mx.array: ...
 
-    def make_cache(self) -> list[Cache]:
-        """One cache per layer this network holds (that keeps state), in order."""
+    def make_cache(self, kv: KVFormat | None = None) -> list[Cache]:
+        """One cache per layer this network holds (that keeps state), in order; KV caches
+        quantized in `kv` (None: dense)."""
         ...
 
     def decode_batch(self, tokens: mx.array, caches: list[list[Cache]]) -> mx.array:

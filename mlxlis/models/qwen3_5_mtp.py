@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 
-from mlxlis.cache import KVCache
+from mlxlis.cache import KVCache, KVFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.decoder import DecoderLayer
 from mlxlis.models.experts import ExpertSource, SparseMoE
@@ -82,8 +82,8 @@ class MTPBlock(nn.Module):
         u = self.layers[0](u, mask, cache[0])
         return self.norm(u)
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache()]
+    def make_cache(self, kv: KVFormat | None = None) -> list[KVCache]:
+        return [KVCache(kv)]
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Checkpoint names -> ours: the block's tensors without their prefix, the rest gone."""
