@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mlxlis import catalog  # noqa: E402  (importing mlxlis preloads the BLAS first)
+import mlxlis  # noqa: E402, F401  (importing mlxlis preloads the BLAS first)
+from mlxlis.loading import catalog  # noqa: E402
 from mlxlis.runtime.blas import state as blas_state  # noqa: E402
 from mlxlis.runtime.device import default_dtype_name, device_name  # noqa: E402
 

@@ -5,9 +5,9 @@ Each turn is one non-streamed greedy request of max_tokens 1 (its whole time is 
 the first token, HTTP and template included) carrying the conversation so far, as an agent
 sends it: the system prompt, 12 tools, every past turn's reply (its reasoning dropped by the
 template) and tool result. First the session runs on a fresh server (each turn may reuse what
-the server kept of the previous one), then the same ten prompts again with a tag at the start
-of the system prompt (nothing after the first few tokens is shared: the cold time). mlxlis
-serves the GGUF; mlx-lm its `mlxlis convert --dequantize` folder (bench_serve.py). Prints a
+the server kept of the previous one), then the same ten prompts again, each with a tag of its own
+at the start of the system prompt (nothing after the first few tokens is shared with what the
+server holds: the cold time). mlxlis serves the GGUF; mlx-lm its `mlxlis convert --dequantize` folder (bench_serve.py). Prints a
 Markdown table per model; writes bench-results/agent_http.json.
 
 usage: python scripts/bench_agent_http.py [--models smollm2-135m,gemma3-270m]
@@ -88,8 +88,8 @@ def session(engine: str, name: str, cache: Path) -> list[dict]:
         for i, messages in enumerate(conversations()):
             warm, prompt, cached = chat(server, messages)
             rows.append(dict(turn=i + 1, prompt=prompt, cached=cached, reused_s=warm))
-        for i, messages in enumerate(conversations(tag="[cold run] ")):
-            rows[i]["cold_s"] = chat(server, messages)[0]
+        for i in range(len(rows)):  # a tag of its own each: no cold run shares another's start
+            rows[i]["cold_s"] = chat(server, conversations(tag=f"[cold run {i}] ")[i])[0]
             print(json.dumps({"engine": engine, "model": name, **rows[i]}), file=sys.stderr)
     finally:
         server.stop()

@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from mlxlis import catalog  # noqa: E402  (importing mlxlis preloads the BLAS first)
+import mlxlis  # noqa: E402, F401  (importing mlxlis preloads the BLAS first)
+from mlxlis.loading import catalog  # noqa: E402
 from mlxlis.runtime.device import default_dtype_name  # noqa: E402
 
 from bench import cpu_name, hf_copy  # noqa: E402

@@ -422,6 +422,16 @@ def _attach_terminal() -> None:
     os.close(fd)
 
 
+def _context(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        message = f"expected a number of tokens or auto, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+
+
 def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mlxlis serve",
@@ -450,10 +460,11 @@ def serve_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-context",
-        type=int,
+        type=_context,
         default=None,
-        metavar="N",
-        help="prompt + completion tokens per request (default: the model's context length)",
+        metavar="N|auto",
+        help="prompt + completion tokens per request (default: the model's context length; "
+        "auto: the longest --max-batch requests' caches fit in the memory beside the weights)",
     )
     p.add_argument(
         "--api-key",
@@ -506,7 +517,7 @@ def run_serve(argv: list[str]) -> int:
     speculative_flags(p, a)
     for name, (low, high) in SERVE_BOUNDS.items():
         value = getattr(a, name)
-        if value is not None and (value < low or (high is not None and value > high)):
+        if isinstance(value, (int, float)) and (value < low or (high is not None and value > high)):
             flag = "--" + name.replace("_", "-")
             p.exit(2, f"{p.prog}: error: {flag}: out of range: {value}\n")
 

@@ -20,12 +20,12 @@ from mlxlis.distributed.split import (
     Part,
     check_fit,
     check_split,
-    memory_budget,
     parse_split,
     plan_parts,
 )
 from mlxlis.distributed.stage import PipelineNet
 from mlxlis.errors import PipelineError, UnsupportedError
+from mlxlis.runtime.memory import memory_budget
 
 import mlx.core as mx
 

@@ -9,12 +9,11 @@ larger only where the device policy makes weights dense because they fit comfort
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from mlxlis.errors import ConfigError, DoesNotFitError, LayersSplitError
+from mlxlis.errors import DoesNotFitError, LayersSplitError
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 HEAD_PREFIXES = ("model.norm.", "lm_head.")
@@ -187,34 +186,6 @@ def plan_parts(
         parts.append(Part(r, ranks, start, start + k, tied, nbytes))
         start += k
     return parts
-
-
-def memory_budget() -> int:
-    """Bytes this rank may fill with weights: MLXLIS_MAX_MEMORY (e.g. 24G, 512M) when set, else
-    the GPU's recommended working set (Metal) or the memory available to a new allocation."""
-    raw = os.environ.get("MLXLIS_MAX_MEMORY")
-    if raw:
-        return parse_bytes(raw, "MLXLIS_MAX_MEMORY")
-    from mlxlis.models.from_gguf import available_memory
-    from mlxlis.runtime.device import device_name
-
-    import mlx.core as mx
-
-    if device_name() == "metal":
-        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-        limit = int(info.get("max_recommended_working_set_size", 0))
-        if limit:
-            return limit
-    return available_memory()
-
-
-def parse_bytes(text: str, field: str) -> int:
-    """'24G', '512M', '1.5G', '1000000' -> bytes (powers of 1024)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)I?B?\s*", text.upper())
-    if not m:
-        raise ConfigError(f"expected a size such as 24G or 512M, got {text!r}", field=field)
-    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2)]
-    return int(float(m.group(1)) * scale)
 
 
 def check_fit(needs: Sequence[int], budgets: Sequence[int], what: str) -> None:

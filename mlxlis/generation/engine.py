@@ -26,21 +26,55 @@ import queue
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from mlxlis.cache.prefix import PrefixCache
 from mlxlis.errors import MlxlisError, PipelineError
 from mlxlis.generation.core import Core, Request, Sequence
 from mlxlis.generation.events import Event, Usage
 from mlxlis.generation.steps import steps_for
+from mlxlis.models.footprint import Footprint
 from mlxlis.models.model import Model
 from mlxlis.runtime import mlx_thread
 
-__all__ = ["Engine", "QueueFullError", "Stream"]
+__all__ = [
+    "Engine",
+    "MemoryFullError",
+    "MemoryPlan",
+    "QueueFullError",
+    "Stream",
+    "TooLongForMemoryError",
+]
 
 
 class QueueFullError(MlxlisError):
     """Too many requests waiting: try again later (HTTP 429)."""
+
+
+class MemoryFullError(MlxlisError):
+    """The requests running and waiting hold the memory this one needs: later (HTTP 503)."""
+
+
+class TooLongForMemoryError(MlxlisError):
+    """The request's context would not fit the memory even alone (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the engine's requests may hold: `room` bytes for their caches (the budget less the
+    weights and the prefix cache's bound), each request's caches as `footprint` says for its
+    prompt + max_tokens. The caches of requests decoding together are stacked padded to the
+    longest (cache/batch.py), so n requests reserve n times the longest one's."""
+
+    footprint: Footprint
+    room: int
+    context: int  # a request's tokens when its max_tokens is unset
+
+    def need(self, reqs: list[Request]) -> int:
+        if not reqs:
+            return 0
+        longest = max(len(r.prompt) + (r.params.max_tokens or self.context) for r in reqs)
+        return len(reqs) * self.footprint.kv_bytes(min(longest, self.context))
 
 
 class Stream:
@@ -98,8 +132,11 @@ class Engine:
         max_active: int = 8,
         max_queued: int = 64,
         prefix_cache_bytes: int = 1 << 30,
+        memory: MemoryPlan | None = None,
     ):
+        """`memory`: refuse requests whose caches would outgrow it (None: no check)."""
         self.model = model
+        self.memory = memory
         self.max_active, self.max_queued = max_active, max_queued
         self.prefix = PrefixCache(prefix_cache_bytes)
         self.steps = steps_for(model, self.prefix)
@@ -126,9 +163,32 @@ class Engine:
             # places: the free running ones plus the waiting room (not yet admitted counts)
             if len(self._queue) + len(self._active) >= self.max_active + self.max_queued:
                 raise QueueFullError(f"{len(self._queue)} requests are waiting already")
+            self._check_memory(req)
             self._queue.append((req, stream))
             self._cv.notify()
         return stream
+
+    def _check_memory(self, req: Request) -> None:
+        """Under the lock: refuse `req` if its caches, with those of the requests running and
+        waiting, could outgrow the memory plan (before anything is allocated)."""
+        plan = self.memory
+        if plan is None:
+            return
+        alone = plan.need([req])
+        if alone > plan.room:
+            raise TooLongForMemoryError(
+                f"its caches would need {alone / 2**20:.0f} MiB at {len(req.prompt)} prompt + "
+                f"{req.params.max_tokens} new tokens, and {max(plan.room, 0) / 2**20:.0f} MiB "
+                "are left for caches beside the weights (MLXLIS_MAX_MEMORY, --kv-bits)",
+                field="max_tokens",
+            )
+        held = [r for r, _ in self._queue] + [s.req for s, _ in self._active]
+        need = plan.need([*held, req])
+        if need > plan.room:
+            raise MemoryFullError(
+                f"the {len(held)} requests running and waiting hold the memory it needs "
+                f"({need / 2**20:.0f} MiB of {plan.room / 2**20:.0f} MiB with it)"
+            )
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Finish every request with an "error" event and stop the loop."""

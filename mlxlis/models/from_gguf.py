@@ -11,7 +11,6 @@ Which tensors stay quantized by default depends on the device: see `dense_by_def
 from __future__ import annotations
 
 import math
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +27,7 @@ from mlxlis.models.model import Model
 from mlxlis.models.placement import Placement
 from mlxlis.prompt.template import diagnose_missing_template, discover_template
 from mlxlis.runtime import device
-from mlxlis.runtime.device import proc_bytes
+from mlxlis.runtime.memory import available_memory
 from mlxlis.tokenizer import Tokenizer
 
 import mlx.core as mx
@@ -50,17 +49,6 @@ import mlx.core as mx
 SPECIAL = {"rope_freqs.weight"}  # GGUF tensors that are not parameters (read by the loader)
 CPU_DENSE_FRACTION = 0.5  # dense on CPU while the dense weights need ≤ this much of free memory
 PREFETCH_BYTES = 256 << 20  # output buffers allocated ahead of the conversion
-
-
-def available_memory() -> int:
-    """Bytes of memory available to a new allocation (Linux MemAvailable), else physical RAM."""
-    available = proc_bytes("/proc/meminfo", "MemAvailable")
-    if available is not None:
-        return available
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 def dense_by_default(dense_bytes: int) -> bool:

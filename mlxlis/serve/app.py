@@ -92,7 +92,9 @@ def create_app(state: State) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+        if e.retry_after is not None:
+            headers["Retry-After"] = str(e.retry_after)
         if not e.logged:  # a request that ran was logged when it ended (Run.close)
             log.info("%s %s %d %s", request.method, request.url.path, e.status, e.message)
         return JSONResponse(error_shape(request.url.path, e), status_code=e.status, headers=headers)
@@ -136,6 +138,7 @@ def create_app(state: State) -> FastAPI:
             "waiting": waiting,
             "prefix_cache_bytes": state.engine.prefix.bytes,
             "memory_bytes": mx.get_active_memory(),  # MLX's arrays now (weights included)
+            **memory_report(state.engine),
         }
 
     @app.get("/v1/models", dependencies=auth)
@@ -193,3 +196,18 @@ def sse_response(body: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(
         body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )
+
+
+def memory_report(engine: Any) -> dict[str, Any]:
+    """/health's memory fields: the KV format, bytes per token and the room for caches."""
+    model, plan = engine.model, engine.memory
+    out: dict[str, Any] = {"kv_format": str(model.kv_format or "dense")}
+    if plan is not None:
+        fp = plan.footprint
+        out |= {
+            "weights_bytes": fp.weights,
+            "kv_bytes_per_token": fp.per_token,
+            "kv_fixed_bytes": fp.kv_bytes(0),
+            "cache_room_bytes": plan.room,
+        }
+    return out

@@ -29,10 +29,12 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str = "invalid_request_error",
+        retry_after: int | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type
+        self.retry_after = retry_after  # seconds, sent as Retry-After
         self.logged = False  # the server's log has a line for this request already
 
     def body(self) -> dict[str, Any]:

@@ -13,22 +13,27 @@ import logging
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxlis import __version__
 from mlxlis.errors import MlxlisError
-from mlxlis.generation.engine import Engine
+from mlxlis.generation.engine import Engine, MemoryPlan
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import Speculation
 from mlxlis.generation.warmup import warm_up
+from mlxlis.models.footprint import footprint
 from mlxlis.runtime import mlx_thread
+from mlxlis.runtime.memory import memory_budget
 from mlxlis.serve.app import State, create_app, log
 from mlxlis.serve.prepare import Target
 
 import uvicorn
 
 SHUTDOWN_WAIT_S = 10.0  # the most an in-flight step may delay the exit
+# kept free of requests' caches for a step's transient arrays (a prompt chunk's activations and
+# scores), or 2 % of the budget when that is more
+MARGIN_BYTES = 256 << 20
 
 
 @dataclass
@@ -38,7 +43,7 @@ class ServeOptions:
     port: int = 8080
     max_batch: int = 8
     max_queue: int = 64
-    max_context: int | None = None
+    max_context: int | str | None = None  # "auto": the longest --max-batch requests fit
     api_key: str | None = None
     verbose: bool = False
     defaults: SamplingParams = SamplingParams()
@@ -91,11 +96,36 @@ def setup_logging(verbose: bool) -> None:
     log.propagate = False
 
 
+def memory_plan(model: Any, opts: ServeOptions) -> MemoryPlan | None:
+    """What the requests' caches may fill: the budget (runtime/memory.py) less the weights,
+    the prefix cache's bound and a margin for a step's transient arrays; None for a pipelined
+    model (each rank holds a share of the caches: not checked here)."""
+    if model.part is not None:
+        return None
+    fp = mlx_thread.shared().submit(lambda: footprint(model)).result()
+    budget = memory_budget()
+    margin = max(MARGIN_BYTES, budget // 50)
+    room = budget - fp.weights - (opts.prefix_cache_mb << 20) - margin
+    return MemoryPlan(fp, room, model.context_length)
+
+
 def serve(model: Any, opts: ServeOptions) -> int:
     """Serve `model` until Ctrl+C / SIGTERM; returns the exit status."""
     setup_logging(opts.verbose)
     context = model.context_length
-    if opts.max_context is not None:
+    plan = memory_plan(model, opts)
+    if opts.max_context == "auto":  # the longest that --max-batch requests can all reach
+        if plan is None:
+            raise MlxlisError("auto needs the model on one machine", field="--max-context")
+        context = plan.footprint.max_context(plan.room // opts.max_batch, context)
+        if context < 1:
+            raise MlxlisError(
+                f"no context fits: {plan.room / 2**20:.0f} MiB are left for caches beside the "
+                "weights (MLXLIS_MAX_MEMORY, --kv-bits, --max-batch, --prefix-cache-mb)",
+                field="--max-context",
+            )
+        log.info("--max-context auto: %d tokens", context)
+    elif opts.max_context is not None:
         if opts.max_context > context:
             raise MlxlisError(
                 f"{opts.max_context} is over the model's context length ({context})",
@@ -114,6 +144,7 @@ def serve(model: Any, opts: ServeOptions) -> int:
         max_active=opts.max_batch,
         max_queued=opts.max_queue,
         prefix_cache_bytes=opts.prefix_cache_mb << 20,
+        memory=plan and replace(plan, context=context),
     )
     state = State(target, engine, opts.name, frozenset(names), fingerprint(model), opts.api_key)
     state.responses_store_bytes = opts.responses_store_mb << 20

@@ -20,7 +20,13 @@ from functools import partial
 from typing import Any, TypeVar
 
 from mlxlis.errors import MlxlisError
-from mlxlis.generation.engine import Engine, QueueFullError, Stream
+from mlxlis.generation.engine import (
+    Engine,
+    MemoryFullError,
+    QueueFullError,
+    Stream,
+    TooLongForMemoryError,
+)
 from mlxlis.generation.events import Event, Usage
 from mlxlis.generation.speculative import speculation_line
 from mlxlis.serve.openai_format import APIError, TokenText
@@ -103,6 +109,7 @@ async def read_body(request: Request, cls: type[B], limit: int) -> B:
 
 
 FIRST = asyncio.FIRST_COMPLETED
+RETRY_AFTER_S = 5  # a 503 for memory: about when a running request may have ended
 
 
 class Run:
@@ -282,6 +289,21 @@ class Service:
                 f"too many requests waiting, retry later ({e})",
                 type="rate_limit_error",
                 code="rate_limit_exceeded",
+            ) from None
+        except MemoryFullError as e:
+            raise APIError(
+                503,
+                f"not enough memory now, retry later: {e}",
+                type="server_error",
+                code="memory_full",
+                retry_after=RETRY_AFTER_S,
+            ) from None
+        except TooLongForMemoryError as e:
+            raise APIError(
+                400,
+                f"this request does not fit the server's memory: {e}",
+                param="max_tokens",
+                code="context_length_exceeded",
             ) from None
         except MlxlisError as e:
             if state.stopping:

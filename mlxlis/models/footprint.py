@@ -1,0 +1,66 @@
+"""What a model holds in memory: its weights, and what a sequence's caches hold as its context
+grows — so that a model that cannot fit, or a request that would outgrow the memory, is
+refused before anything is allocated (runtime/memory.py gives the budget).
+
+The caches' sizes come from the caches themselves, not from a formula per family: one token is
+fed through fresh caches in the model's KV format and each cache is measured. A full-attention
+layer's KV cache then holds `step` positions (bytes per position = its bytes / step); a
+sliding-window ring holds at most `window` positions, plus its snapshots' copies of the window;
+a recurrent layer's state has one size whatever the length, plus its snapshots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxlis.cache import KVCache, RecurrentCache, RotatingKVCache
+from mlxlis.models.model import Model
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes of a model (`weights`) and of one sequence's caches at a given context."""
+
+    weights: int
+    per_token: int  # KV bytes each position adds on full-attention layers
+    rings: tuple[tuple[int, int], ...]  # (window, bytes per position) of each sliding layer
+    fixed: int  # bytes whatever the length: recurrent states and their snapshots
+    ring_copies: int = 1 + RotatingKVCache.SNAPSHOTS  # the live window and its snapshots
+
+    def kv_bytes(self, tokens: int) -> int:
+        """One sequence's cache bytes after `tokens` positions (prompt and reply)."""
+        rings = sum(min(tokens, w) * b for w, b in self.rings) * self.ring_copies
+        return self.per_token * tokens + rings + self.fixed
+
+    def max_context(self, room: int, limit: int) -> int:
+        """The longest context (≤ limit) whose caches fit in `room` bytes; 0 if none does."""
+        lo, hi = 0, limit
+        while lo < hi:  # kv_bytes grows with the length: the largest that fits
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.kv_bytes(mid) <= room else (lo, mid - 1)
+        return lo
+
+
+def weight_bytes(model: Model) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(model.net.parameters()))
+
+
+def footprint(model: Model) -> Footprint:
+    """Measured on one token fed through fresh caches (in the model's KV format)."""
+    caches = model.make_cache()
+    mx.eval(model.net(mx.array([[0]], mx.int32), cache=caches, last_only=True))
+    per_token, rings, fixed = 0, [], 0
+    for c in caches:
+        size = sum(a.nbytes for a in c.state)
+        if isinstance(c, RotatingKVCache):
+            rings.append((c.window, size // c.keys.shape[2]))
+        elif isinstance(c, KVCache):
+            per_token += size // c.keys.shape[2]
+        elif isinstance(c, RecurrentCache):
+            fixed += size * (1 + RecurrentCache.SNAPSHOTS)
+        else:  # a kind of cache this module does not know: counted as it stands
+            fixed += size
+    return Footprint(weight_bytes(model), per_token, tuple(rings), fixed)
