@@ -4,11 +4,12 @@ Chat Completions to `mlxlis serve` and to `mlx_lm.server`, on the same weights a
 Each turn is one non-streamed greedy request of max_tokens 1 (its whole time is the time to
 the first token, HTTP and template included) carrying the conversation so far, as an agent
 sends it: the system prompt, 12 tools, every past turn's reply (its reasoning dropped by the
-template) and tool result. First the session runs on a fresh server (each turn may reuse what
-the server kept of the previous one), then the same ten prompts again, each with a tag of its own
-at the start of the system prompt (nothing after the first few tokens is shared with what the
-server holds: the cold time). mlxlis serves the GGUF; mlx-lm its `mlxlis convert --dequantize` folder (bench_serve.py). Prints a
-Markdown table per model; writes bench-results/agent_http.json.
+template) and tool result. First the session runs on a fresh server (each turn may reuse
+what the server kept of the previous one), then the same ten prompts again, each with a tag of
+its own at the start of the system prompt (nothing after the first few tokens is shared with
+what the server holds: the cold time). mlxlis serves the GGUF; mlx-lm its `mlxlis convert
+--dequantize` folder (bench_serve.py). Prints a Markdown table per model; writes
+bench-results/agent_http.json.
 
 usage: python scripts/bench_agent_http.py [--models smollm2-135m,gemma3-270m]
 """
