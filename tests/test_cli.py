@@ -1,14 +1,16 @@
 """The command line as a subprocess on a tiny checkpoint written by transformers.
 
 Proves: `python -m mlxlis` is the `mlxlis` command; `inspect` reports on stdout (pipeable) and
-`--json` has the documented shape with values equal to the model's config.json; a bad sampling
-flag is refused (exit 2, one line naming the flag) before the model loads; importing mlxlis
-leaves glibc's allocator settings alone while the commands opt in.
+`--json` has the documented shape with values equal to the model's config.json (its memory
+block equal to the K/V arithmetic under MLXLIS_MAX_MEMORY); a bad sampling flag is refused
+(exit 2, one line naming the flag) before the model loads; importing mlxlis leaves glibc's
+allocator settings alone while the commands opt in.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +20,10 @@ import pytest
 MLXLIS = str(Path(sys.executable).with_name("mlxlis"))
 
 
-def run(*args: str, module: bool = False) -> subprocess.CompletedProcess:
+def run(*args: str, module: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "mlxlis"] if module else [MLXLIS]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, **(env or {})}
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_python_m_mlxlis_is_the_command(tiny):
@@ -38,7 +41,7 @@ def test_inspect_reports_on_stdout_and_json_matches_config(tiny):
     text = run("inspect", str(folder))
     assert text.returncode == 0 and text.stderr == ""
     assert "family: llama" in text.stdout and "template:" in text.stdout
-    res = run("inspect", str(folder), "--json")
+    res = run("inspect", str(folder), "--json", env={"MLXLIS_MAX_MEMORY": "2M"})
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     cfg = json.loads((folder / "config.json").read_text())
@@ -69,6 +72,14 @@ def test_inspect_reports_on_stdout_and_json_matches_config(tiny):
         "stop_ids",
     }
     assert report["weights"]["bytes"] > 0
+    # memory: dense float32 K and V of every layer per token; the longest context that fits
+    # the 2 MiB MLXLIS_MAX_MEMORY gives, beside the weights
+    m, hd = report["memory"], cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * 4
+    assert m["kv_format"] == "dense" and m["kv_bytes_per_token"] == per_token
+    assert m["budget_bytes"] == 2 << 20
+    room = m["budget_bytes"] - report["weights"]["bytes"]
+    assert m["max_context"] == min(room // per_token, c["context_length"])
 
 
 @pytest.mark.parametrize(

@@ -19,14 +19,23 @@ The JSON shape (`schema` 1) is stable: keys are only ever added, never renamed o
                 "experts": null},                  # MoE: {"count", "per_token", "width",
                                                    #       "sparse_layers", "norm_topk_prob"}
      "weights": {"arrays": 272, "bytes": 538000000},  # as held in memory after loading
-     "stop_ids": [2]}
+     "stop_ids": [2],
+     "memory": {"kv_format": "dense",               # or e.g. "8-bit (groups of 64)" (--kv-bits)
+                "kv_bytes_per_token": 184320,       # full-attention layers' K/V per position
+                "kv_fixed_bytes": 0,                # recurrent states, whatever the length
+                "budget_bytes": 25000000000,        # what mlxlis may fill (MLXLIS_MAX_MEMORY)
+                "max_context": 8192}}               # the longest one sequence's caches fit
+                                                    # beside the weights (≤ context_length)
+    (a model pipelined across ranks reports "memory": null: each rank holds a share)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from mlxlis.models.footprint import footprint
 from mlxlis.models.model import Model
+from mlxlis.runtime.memory import memory_budget
 
 from mlx.utils import tree_flatten
 
@@ -79,6 +88,21 @@ def model_report(model: Model) -> dict[str, Any]:
         },
         "weights": {"arrays": len(seen), "bytes": sum(seen.values())},
         "stop_ids": sorted(model.stop_ids()),
+        "memory": _memory(model),
+    }
+
+
+def _memory(model: Model) -> dict[str, Any] | None:
+    if model.part is not None:
+        return None
+    fp, budget = footprint(model), memory_budget()
+    room = budget - fp.weights
+    return {
+        "kv_format": str(model.kv_format or "dense"),
+        "kv_bytes_per_token": fp.per_token,
+        "kv_fixed_bytes": fp.kv_bytes(0),
+        "budget_bytes": budget,
+        "max_context": fp.max_context(room, model.context_length),
     }
 
 
@@ -108,8 +132,20 @@ def format_report(r: dict[str, Any]) -> str:
         ("rope", rope_text),
         ("weights", f"{r['weights']['bytes'] / 2**20:.0f} MiB in {r['weights']['arrays']} arrays"),
         ("stop ids", ", ".join(map(str, r["stop_ids"]))),
+        *_memory_row(r.get("memory")),
     ]
     return "\n".join(f"{k:>9}: {v}" for k, v in rows)
+
+
+def _memory_row(m: dict[str, Any] | None) -> list[tuple[str, str]]:
+    if m is None:
+        return []
+    per = m["kv_bytes_per_token"] / 1024
+    text = (
+        f"KV {m['kv_format']}, {per:.1f} KiB per token; {m['budget_bytes'] / 2**30:.1f} GiB "
+        f"to fill: one sequence reaches {m['max_context']} tokens"
+    )
+    return [("memory", text)]
 
 
 def _experts_row(e: dict[str, Any] | None) -> list[tuple[str, str]]:
