@@ -458,6 +458,22 @@ MUTANTS = (
         "memory: a full-attention layer's bytes per token counted from its first array only",
     ),
     Mutant(
+        "disk-foreign-accepted",
+        "mlxlis/cache/disk.py",
+        'if meta.get("fingerprint") != self.fingerprint:',
+        "if False:",
+        ("tests/test_prefix_disk.py::test_a_bad_entry_is_skipped_warned_and_deleted",),
+        "prefix cache on disk: an entry of another model or KV format is loaded",
+    ),
+    Mutant(
+        "disk-hash-unchecked",
+        "mlxlis/cache/disk.py",
+        'if meta.get("sha256") != content_hash(arrays):',
+        "if False:",
+        ("tests/test_prefix_disk.py::test_a_bad_entry_is_skipped_warned_and_deleted",),
+        "prefix cache on disk: a file whose bytes changed is loaded",
+    ),
+    Mutant(
         "spec-draft-unmasked",
         "mlxlis/generation/speculative.py",
         "processors = forked(self.processors)  # state of their own for the drafted tokens",

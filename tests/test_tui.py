@@ -896,7 +896,14 @@ def test_load_model_pulls_a_missing_catalog_model_with_progress(monkeypatch):
     assert got == (
         "model",
         "smollm2-135m",
-        {"dequantize": None, "chat_template": "chatml", "bindings": None, "strict": True},
+        {
+            "dequantize": None,
+            "chat_template": "chatml",
+            "bindings": None,
+            "strict": True,
+            "kv_bits": None,
+            "kv_group_size": 64,
+        },
     )
     engine.load_model(opts, lambda *a: seen.append(a))
     assert pulled == ["smollm2-135m"]  # not pulled twice

@@ -6,9 +6,11 @@ notification and the typed text stays in the input. A command that succeeds clea
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from mlxlis.generation.sampling import parse_value
+from mlxlis.runtime.mlx_thread import shared as mlx_thread
 
 from tui.commands import (
     HELP,
@@ -163,7 +165,10 @@ class CommandsMixin:
     async def cmd_save(self, arg: str) -> None:
         path = Path(arg).expanduser() if arg else Path.cwd() / f"mlxlis-chat-{self.record_id}.md"
         atomic_write(path, to_markdown(self.engine.record(self.record_id)))
-        self.notify(f"saved {path}")
+        save = getattr(self.engine.session, "save_cache", None)  # a raw pad keeps none
+        # MLX work (the cache's arrays written) on the process's MLX thread, not the UI's
+        kept = save is not None and await asyncio.wrap_future(mlx_thread().submit(save))
+        self.notify(f"saved {path}" + (" and the conversation's cache (for /open)" if kept else ""))
 
     async def cmd_history(self, arg: str) -> None:
         records = list_records(self.data_dir)

@@ -19,6 +19,8 @@ from mlxlis.generation.session import Turn
 from mlxlis.loading import catalog
 from mlxlis.models.model import Model
 
+from tui.store import data_dir
+
 Progress = Callable[[str, int, int], None]  # (stage, done, total), as catalog.pull reports
 
 
@@ -179,7 +181,9 @@ class RawPad:
 
 
 def default_session(model: Model, system: str | None) -> mlxlis.ChatSession:
-    return mlxlis.ChatSession(model, system=system)
+    """A chat session whose caches /save keeps beside the saved conversations (what /open of
+    the conversation then reads back instead of the prompt)."""
+    return mlxlis.ChatSession(model, system=system, cache_dir=data_dir().parent / "caches")
 
 
 class Engine:

@@ -117,6 +117,34 @@ class KVCache(_Lendable):
     def state(self) -> list[mx.array]:
         return self.store.arrays(self.keys) + self.store.arrays(self.values)
 
+    def export(self) -> tuple[dict, dict[str, mx.array]]:
+        """(facts, arrays) a file can hold: the valid positions' keys and values."""
+        arrays = {}
+        if self.offset:
+            put(arrays, "k", self.store, self.keys[..., : self.offset, :])
+            put(arrays, "v", self.store, self.values[..., : self.offset, :])
+        return {"kind": "kv", "offset": self.offset}, arrays
+
+    def restore(self, facts: dict, arrays: dict[str, mx.array]) -> None:
+        """Become the cache `export` described (this one fresh, in the same format)."""
+        self.offset = int(facts["offset"])
+        if self.offset:
+            self.keys, self.values = take(arrays, "k", self.store), take(arrays, "v", self.store)
+
+
+def put(arrays: dict[str, mx.array], name: str, store: Store, x: Stored) -> None:
+    """`x`'s arrays into `arrays` as name.0, name.1, … (one for dense, three quantized)."""
+    for i, a in enumerate(store.arrays(x)):
+        arrays[f"{name}.{i}"] = a
+
+
+def take(arrays: dict[str, mx.array], name: str, store: Store) -> Stored:
+    """What `put` wrote under `name`, in `store`'s form (KeyError: missing)."""
+    parts = []
+    while f"{name}.{len(parts)}" in arrays:
+        parts.append(arrays[f"{name}.{len(parts)}"])
+    return store.assemble(parts)
+
 
 def window_mask(q_start: int, t: int, k_start: int, k_len: int, window: int | None) -> mx.array:
     """Boolean (t, k_len) mask from absolute positions: query p sees keys in (p − window, p]
@@ -334,6 +362,35 @@ class RotatingKVCache(_Lendable):
     def _forget_after(self, position: int) -> None:
         """Snapshots past `position` are of a future that will not come: dropped."""
         self._snapshots = [s for s in self._snapshots if s[0] <= position]
+
+    def export(self) -> tuple[dict, dict[str, mx.array]]:
+        """(facts, arrays) a file can hold: the window oldest first, and the snapshots."""
+        arrays, st = {}, self.store
+        old = self._ordered()
+        if old is not None:
+            put(arrays, "k", st, old[0])
+            put(arrays, "v", st, old[1])
+        snaps = []
+        for i, (offset, size, keys, values) in enumerate(self._snapshots):
+            put(arrays, f"s{i}k", st, keys)
+            put(arrays, f"s{i}v", st, values)
+            snaps.append([offset, size])
+        facts = {"kind": "ring", "window": self.window, "offset": self.offset}
+        return facts | {"size": self._size, "snapshots": snaps}, arrays
+
+    def restore(self, facts: dict, arrays: dict[str, mx.array]) -> None:
+        """Become the ring `export` described (this one fresh, of the same window and format)."""
+        if int(facts["window"]) != self.window:
+            raise ValueError(f"window {facts['window']}, not {self.window}")
+        st = self.store
+        self.offset, self._size = int(facts["offset"]), int(facts["size"])
+        if self._size:
+            self.keys, self.values = take(arrays, "k", st), take(arrays, "v", st)
+        self._idx = self._size % self.window
+        self._snapshots = [
+            (int(o), int(n), take(arrays, f"s{i}k", st), take(arrays, f"s{i}v", st))
+            for i, (o, n) in enumerate(facts["snapshots"])
+        ]
 
     @property
     def state(self) -> list[mx.array]:

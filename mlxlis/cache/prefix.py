@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from mlxlis.cache.base import Cache
+from mlxlis.cache.disk import DiskCache
 from mlxlis.cache.rewind import common_prefix, reachable, rewind, short_of
 
 # (entry key, its caches, the ids they hold, the position wanted) -> the position reached
@@ -36,8 +37,14 @@ class PrefixCache:
         max_bytes: int,
         on_drop: Callable[[int], None] | None = None,
         max_entries: int | None = None,
+        disk: DiskCache | None = None,
+        write_through: bool = True,
     ):
+        """`disk`: a second tier, on disk (disk.py): a prompt sharing more with a file than with
+        any entry in memory reads it back; every entry put is also written there, or, without
+        `write_through`, only when `save` is called."""
         self.max_bytes = max_bytes
+        self.disk, self.write_through = disk, write_through
         self.max_entries = max_entries
         self.on_drop = on_drop
         self._entries: OrderedDict[int, tuple[tuple[int, ...], list[Cache], int]] = OrderedDict()
@@ -47,6 +54,8 @@ class PrefixCache:
 
     def put(self, ids: list[int], caches: list[Cache]) -> int | None:
         """Keep `caches` (holding `ids`); their key, or None when they are not kept."""
+        if ids and self.disk is not None and self.write_through:
+            self.disk.write(ids, caches)
         size = sum(a.nbytes for c in caches for a in c.state)
         if not ids or size > self.max_bytes:
             if ids:
@@ -74,16 +83,30 @@ class PrefixCache:
         for key, (held, _, _) in self._entries.items():
             if (n := common_prefix(held, ids)) > best_n:
                 best, best_n = key, n
-        if best is None:
+        path, on_disk = self.disk.best(ids) if self.disk is not None else (None, 0)
+        if on_disk > best_n and (got := self.disk.load(path)) is not None:
+            caches, held = got
+            best, best_n, where = next(_KEYS), common_prefix(held, ids), " (read from disk)"
+        elif best is None:
             self.note = self._nothing_shared()
             return None, 0
-        held, caches, size = self._entries.pop(best)
-        self.bytes -= size
+        else:
+            held, caches, size = self._entries.pop(best)
+            self.bytes -= size
+            where = ""
         position = min(best_n, len(ids) - 1)
         here, short = reachable(caches, position), short_of(caches, position)
         reused = rewind_to(best, caches, len(held), position)
-        self.note = reuse_note(best_n, len(ids), reused, position, here, short)
+        self.note = reuse_note(best_n, len(ids), reused, position, here, short) + where
         return (caches, reused) if reused else (None, 0)
+
+    def save(self) -> int:
+        """Write every entry in memory to the disk tier; how many (0 without one)."""
+        if self.disk is None:
+            return 0
+        for held, caches, _ in self._entries.values():
+            self.disk.write(list(held), caches)
+        return len(self._entries)
 
     def _nothing_shared(self) -> str:
         if self._entries:

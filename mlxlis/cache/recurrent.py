@@ -69,6 +69,25 @@ class RecurrentCache:
                 return n
         return 0
 
+    def export(self) -> tuple[dict, dict[str, mx.array]]:
+        """(facts, arrays) a file can hold: the live state and the snapshots'."""
+        arrays: dict[str, mx.array] = {}
+        held = [(self.offset, self.conv_state, self.recurrent), *self._snapshots]
+        for i, (_, conv, state) in enumerate(held):
+            if conv is not None:
+                arrays[f"c{i}"] = conv
+            if state is not None:
+                arrays[f"r{i}"] = state
+        return {"kind": "recurrent", "offsets": [h[0] for h in held]}, arrays
+
+    def restore(self, facts: dict, arrays: dict[str, mx.array]) -> None:
+        """Become the state `export` described (this one fresh)."""
+        held = [
+            (int(o), arrays.get(f"c{i}"), arrays.get(f"r{i}"))
+            for i, o in enumerate(facts["offsets"])
+        ]
+        (self.offset, self.conv_state, self.recurrent), *self._snapshots = held
+
     @property
     def state(self) -> list[mx.array]:
         """The live state and the snapshots' (each array once: a snapshot shares the live

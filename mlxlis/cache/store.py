@@ -136,6 +136,12 @@ class Store:
         """The MLX arrays behind `x` (to evaluate, or to count bytes)."""
         return [] if x is None else [x]
 
+    def assemble(self, parts: list[mx.array]) -> Stored:
+        """What `arrays` gave, back (ValueError: not this store's form)."""
+        if len(parts) != 1:
+            raise ValueError(f"{len(parts)} arrays for a dense one")
+        return parts[0]
+
 
 class QuantizedStore(Store):
     """Quantized storage in `fmt`: every chunk quantized as it is written."""
@@ -174,6 +180,15 @@ class QuantizedStore(Store):
 
     def arrays(self, x: QArray | None) -> list[mx.array]:
         return [] if x is None else list(x.parts)
+
+    def assemble(self, parts: list[mx.array]) -> QArray:
+        f = self.fmt
+        if len(parts) != 3 or parts[0].dtype != mx.uint32:
+            raise ValueError("not the packed, scales, biases of a quantized array")
+        dim = parts[0].shape[-1] * 32 // f.bits
+        if parts[1].shape[-1] * f.group_size != dim or parts[2].shape != parts[1].shape:
+            raise ValueError(f"scales of another group size than {f.group_size}")
+        return QArray((parts[0], parts[1], parts[2]), f, dim)
 
 
 DENSE = Store()

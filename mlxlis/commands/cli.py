@@ -489,6 +489,21 @@ def serve_parser() -> argparse.ArgumentParser:
         "recently used dropped first (default 64; 0: none kept)",
     )
     p.add_argument(
+        "--prefix-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="also keep finished requests' caches as files in DIR, read back when a later "
+        "prompt shares their start, across restarts (default: memory only)",
+    )
+    p.add_argument(
+        "--prefix-cache-disk-gb",
+        type=float,
+        default=10.0,
+        metavar="GB",
+        help="the most --prefix-cache-dir holds, the least recently used dropped first "
+        "(default 10)",
+    )
+    p.add_argument(
         "--keepalive",
         type=float,
         default=10.0,
@@ -507,6 +522,7 @@ SERVE_BOUNDS = {
     "prefix_cache_mb": (0, 1 << 30),
     "responses_store_mb": (0, 1 << 20),
     "keepalive": (0.01, 3600),
+    "prefix_cache_disk_gb": (0.001, 1 << 20),
 }
 
 
@@ -553,6 +569,8 @@ def run_serve(argv: list[str]) -> int:
                 a.responses_store_mb,
                 spec,
                 a.keepalive,
+                a.prefix_cache_dir,
+                a.prefix_cache_disk_gb,
             ),
         )
 

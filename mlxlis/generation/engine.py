@@ -28,6 +28,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 
+from mlxlis.cache.disk import DiskCache
 from mlxlis.cache.prefix import PrefixCache
 from mlxlis.errors import MlxlisError, PipelineError
 from mlxlis.generation.core import Core, Request, Sequence
@@ -133,12 +134,13 @@ class Engine:
         max_queued: int = 64,
         prefix_cache_bytes: int = 1 << 30,
         memory: MemoryPlan | None = None,
+        disk: DiskCache | None = None,
     ):
         """`memory`: refuse requests whose caches would outgrow it (None: no check)."""
         self.model = model
         self.memory = memory
         self.max_active, self.max_queued = max_active, max_queued
-        self.prefix = PrefixCache(prefix_cache_bytes)
+        self.prefix = PrefixCache(prefix_cache_bytes, disk=disk)
         self.steps = steps_for(model, self.prefix)
         self.core = Core(model, self.steps)
         self.fatal: str | None = None  # why the engine stopped on its own (a rank was lost)

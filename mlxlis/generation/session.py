@@ -20,8 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
+from mlxlis.cache.disk import DiskCache
 from mlxlis.cache.prefix import PrefixCache
 from mlxlis.cache.rewind import common_prefix
 from mlxlis.errors import MlxlisError
@@ -77,6 +79,11 @@ class ChatSession:
     thinking: bool | None = None  # enable_thinking for the template; None: its default
     response_format: dict | None = None  # every reply constrained (generation/constraints)
     speculation: Speculation | None = None  # every reply drafted and verified (speculative.py)
+    # a folder where `save_cache` keeps the conversation's caches: a later session of the same
+    # model (after a restart) whose prompt shares the conversation reads them back
+    cache_dir: str | Path | None = None
+    cache_dir_bytes: int = 4 << 30
+    warnings: list[str] = field(default_factory=list)  # the cache folder's bad files, skipped
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -87,7 +94,12 @@ class ChatSession:
         if self.context_limit is None:
             self.context_limit = self.model.context_length
         # the conversation's caches between turns: a prefix cache of one entry, unbounded
-        self._prefix = PrefixCache(1 << 62, max_entries=1)
+        disk = None
+        if self.cache_dir is not None:
+            key = self.model.cache_key()
+            make = self.model.make_cache
+            disk = DiskCache(self.cache_dir, self.cache_dir_bytes, key, make, self.warnings.append)
+        self._prefix = PrefixCache(1 << 62, max_entries=1, disk=disk, write_through=False)
         self._core = Core(self.model, steps_for(self.model, self._prefix))
         self._cached: list[int] = []  # token ids the caches hold, in order
         self.last_prompt_tokens = 0
@@ -98,6 +110,10 @@ class ChatSession:
     def messages(self) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + [t.message() for t in self.turns]
+
+    def save_cache(self) -> bool:
+        """Keep the conversation's caches in `cache_dir` (False: no folder, or nothing held)."""
+        return self._prefix.save() > 0
 
     def reset(self) -> None:
         """Forget the conversation and the cache (the system prompt stays)."""

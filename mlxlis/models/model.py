@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,17 @@ class Model:
 
     def make_cache(self) -> list[Cache]:
         return self.net.make_cache(self.kv_format)
+
+    def cache_key(self) -> str:
+        """Names the caches this model makes: its file (path, size, modification time), dtype,
+        weight form and KV format — a cache saved under another key is not this model's."""
+        try:
+            st = self.path.stat()
+            stamp = f"{st.st_size}:{st.st_mtime_ns}"
+        except OSError:
+            stamp = "?"
+        key = f"{self.path}|{stamp}|{self.dtype}|{self.quant_summary}|{self.kv_format or 'dense'}"
+        return "kv_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def set_kv_format(self, kv: KVFormat | None) -> None:
         """Store every request's keys and values quantized in `kv` from now on (None: dense);

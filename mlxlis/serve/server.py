@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxlis import __version__
+from mlxlis.cache.disk import DiskCache
 from mlxlis.errors import MlxlisError
 from mlxlis.generation.engine import Engine, MemoryPlan
 from mlxlis.generation.sampling import SamplingParams
@@ -51,6 +52,8 @@ class ServeOptions:
     responses_store_mb: int = 64  # /v1/responses kept for previous_response_id (0: none)
     speculation: Speculation | None = None  # every request drafted and verified
     keepalive: float = 10.0  # seconds between an Anthropic stream's pings while it is quiet
+    prefix_cache_dir: str | None = None  # finished requests' caches also kept on disk
+    prefix_cache_disk_gb: float = 10.0
 
 
 class _Server(uvicorn.Server):
@@ -109,6 +112,27 @@ def memory_plan(model: Any, opts: ServeOptions) -> MemoryPlan | None:
     return MemoryPlan(fp, room, model.context_length)
 
 
+def disk_cache(model: Any, opts: ServeOptions) -> DiskCache | None:
+    """--prefix-cache-dir: finished requests' caches kept on disk, read back across restarts."""
+    if opts.prefix_cache_dir is None:
+        return None
+    if model.part is not None:
+        raise MlxlisError(
+            "a pipelined model's caches live in every rank: not kept on disk",
+            field="--prefix-cache-dir",
+        )
+    try:
+        return DiskCache(
+            opts.prefix_cache_dir,
+            int(opts.prefix_cache_disk_gb * (1 << 30)),
+            model.cache_key(),
+            model.make_cache,
+            log.warning,
+        )
+    except OSError as e:
+        raise MlxlisError(f"cannot use it: {e.strerror or e}", field="--prefix-cache-dir") from None
+
+
 def serve(model: Any, opts: ServeOptions) -> int:
     """Serve `model` until Ctrl+C / SIGTERM; returns the exit status."""
     setup_logging(opts.verbose)
@@ -145,6 +169,7 @@ def serve(model: Any, opts: ServeOptions) -> int:
         max_queued=opts.max_queue,
         prefix_cache_bytes=opts.prefix_cache_mb << 20,
         memory=plan and replace(plan, context=context),
+        disk=disk_cache(model, opts),
     )
     state = State(target, engine, opts.name, frozenset(names), fingerprint(model), opts.api_key)
     state.responses_store_bytes = opts.responses_store_mb << 20
