@@ -43,7 +43,7 @@ Ctrl+Q quit
 (`enable_thinking`) for the next messages; `/think` shows it |
 | `/json on` · `off` · `FILE` | the next replies as one JSON object (`on`), following the \
 JSON schema in FILE, or free (`off`), enforced token by token; `/json` shows it |
-| `/save [PATH]` | write the conversation as Markdown |
+| `/save [PATH]` | write the conversation as Markdown, and keep its cache for `/open` |
 | `/preview` | the exact prompt the model receives next, special tokens included |
 | `/history` | list saved conversations |
 | `/open N` | reopen conversation N from `/history` |
