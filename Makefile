@@ -66,6 +66,7 @@ bench: install-test models
 	$(PY) scripts/bench_serve.py
 	$(PY) scripts/bench_agent.py
 	$(PY) scripts/bench_agent_http.py
+	$(PY) scripts/bench_kv.py
 	$(PY) scripts/bench_spec.py
 
 # does the suite notice small wrong changes to the numerics? (before a refactor, after a family)

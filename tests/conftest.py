@@ -194,6 +194,27 @@ def tiny_models(tmp_path_factory, specs: dict[str, dict], build=build_tiny):
     return get
 
 
+def loaded_models(tmp_path_factory, specs: dict[str, dict], builders: dict | None = None):
+    """load(name) -> the float32 Model of specs[name] (written by builders[its kind], else
+    build_tiny), each written and loaded once."""
+    import mlxlis
+
+    builders = builders or {}
+    get = tiny_models(
+        tmp_path_factory,
+        specs,
+        build=lambda folder, spec: builders.get(spec.get("kind"), build_tiny)(folder, spec),
+    )
+    loaded: dict[str, object] = {}
+
+    def load(name: str):
+        if name not in loaded:
+            loaded[name] = mlxlis.load(get(name)[0], "float32")
+        return loaded[name]
+
+    return load
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """tiny(name) -> (folder, transformers model) of TINY[name]; built once per session."""

@@ -41,7 +41,7 @@ from mlxlis.runtime.device import device_name
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import TINY, build_tiny, tiny_models, trajectory
+from conftest import TINY, loaded_models, trajectory
 from test_gemma4 import SPECS as GEMMA4
 from test_gemma4 import build as build_gemma4
 from test_gemma_parity import SPECS as GEMMA
@@ -62,19 +62,7 @@ PROMPT, NEW = 80, 40  # past Gemma's window (8) and the DeltaNet's chunk (64)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    get = tiny_models(
-        tmp_path_factory,
-        SPECS,
-        build=lambda folder, spec: BUILD.get(spec.get("kind"), build_tiny)(folder, spec),
-    )
-    loaded = {}
-
-    def load(name: str):
-        if name not in loaded:
-            loaded[name] = (mlxlis.load(get(name)[0], "float32"), get(name)[0])
-        return loaded[name]
-
-    return load
+    return loaded_models(tmp_path_factory, SPECS, BUILD)
 
 
 def rand(rng, *shape: int) -> mx.array:
@@ -136,7 +124,8 @@ def test_logits_match_mlx_lm_quantized_kv_cache(models, fmt, tmp_path):
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.models.cache import QuantizedKVCache
 
-    model, folder = models("llama")
+    model = models("llama")
+    folder = model.path
     copy = tmp_path / "classic"  # mlx-lm reads only classic config keys
     shutil.copytree(folder, copy)
     cfg = json.loads((copy / "config.json").read_text())
@@ -258,7 +247,7 @@ def test_model_logits_equal_the_round_trip_reference(models, name, fmt):
     Gemma 3 and 4 are left to the cache-level test above: their tiny random models (normed
     keys, a near one-hot softmax) turn float32 rounding into logit differences of 1e-3 and
     more once their keys are quantized, so a model-level bound would prove nothing there."""
-    model, _ = models(name)
+    model = models(name)
     ids = trajectory(92, vocab=model.config.vocab_size)
     model.set_kv_format(fmt)
     try:
@@ -288,7 +277,7 @@ def test_batched_reused_and_speculative_decoding_on_quantized_caches(models, nam
     greedy tokens (the stacked quantized batch); a prompt extending a finished one reuses its
     cache (cached_tokens > 0) and gets the cold run's tokens; prompt lookup's verifications
     (trims, a ring's spill) give the plain greedy tokens."""
-    model, _ = models(name)
+    model = models(name)
     vocab = model.config.vocab_size
     model.set_kv_format(KVFormat(8, 64))
     try:
@@ -318,7 +307,7 @@ def test_refusals_name_the_field(models):
         with pytest.raises(MlxlisError) as e:
             KVFormat(**kw)
         assert e.value.field == field
-    _, folder = models("llama")
+    folder = models("llama").path
     with pytest.raises(MlxlisError) as e:
         mlxlis.load(folder, "float32", kv_bits=8, kv_group_size=128)
     assert e.value.field == "kv_group_size" and str(folder) in str(e.value)

@@ -39,7 +39,7 @@ from mlxlis.generation.steps import forward, prefill, steps_for
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import TINY, build_tiny, tiny_models, trajectory
+from conftest import TINY, build_tiny, loaded_models, trajectory
 from test_gemma4 import SPECS as GEMMA4
 from test_gemma4 import build as build_gemma4
 from test_gemma_parity import SPECS as GEMMA
@@ -66,19 +66,7 @@ NEW = 120
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    get = tiny_models(
-        tmp_path_factory,
-        SPECS,
-        build=lambda folder, spec: BUILD.get(spec.get("kind"), build_tiny)(folder, spec),
-    )
-    loaded = {}
-
-    def load(name: str):
-        if name not in loaded:
-            loaded[name] = mlxlis.load(get(name)[0], "float32")
-        return loaded[name]
-
-    return load
+    return loaded_models(tmp_path_factory, SPECS, BUILD)
 
 
 def tokens_of(model, prompt, spec=None, **params):

@@ -493,7 +493,8 @@ def serve_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="also keep finished requests' caches as files in DIR, read back when a later "
-        "prompt shares their start, across restarts (default: memory only)",
+        "prompt shares their start, across restarts (default: memory only); one folder per "
+        "model and KV format: files another one wrote there are deleted as foreign",
     )
     p.add_argument(
         "--prefix-cache-disk-gb",

@@ -102,8 +102,9 @@ class Stream:
             self._sync.put(ev)
 
     def _admit(self, usage: Usage) -> None:
-        if self.admitted is not None:
-            self._loop.call_soon_threadsafe(self.admitted.set_result, usage)
+        fut = self.admitted
+        if fut is not None:
+            self._loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(usage))
 
     def __iter__(self) -> Iterator[Event]:
         while True:

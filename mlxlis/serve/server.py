@@ -25,7 +25,7 @@ from mlxlis.generation.speculative import Speculation
 from mlxlis.generation.warmup import warm_up
 from mlxlis.models.footprint import footprint
 from mlxlis.runtime import mlx_thread
-from mlxlis.runtime.memory import memory_budget
+from mlxlis.runtime.memory import memory_budget, wire
 from mlxlis.serve.app import State, create_app, log
 from mlxlis.serve.prepare import Target
 
@@ -109,6 +109,7 @@ def memory_plan(model: Any, opts: ServeOptions) -> MemoryPlan | None:
     budget = memory_budget()
     margin = max(MARGIN_BYTES, budget // 50)
     room = budget - fp.weights - (opts.prefix_cache_mb << 20) - margin
+    wire(budget - margin)  # Metal: the weights and caches stay resident (as mlx-lm does)
     return MemoryPlan(fp, room, model.context_length)
 
 
