@@ -46,6 +46,7 @@ def ids():
     return out
 
 
+@pytest.mark.extended  # `make test-all`: two float16 runs of the real model (12 s)
 def test_float16_finite_and_close_past_float16_range(ids):
     f32_model = mlxlis.load("gemma3-270m", "float32", dequantize=True)
     net = f32_model.net

@@ -51,7 +51,11 @@ class Real:
     their_tokens: list[int]  # transformers' ids for SAMPLE (no special tokens)
 
 
-@pytest.fixture(scope="module", params=REAL)
+# qwen2.5-coder-0.5b's reference run takes 16 s on 2 cores: `make test-all`
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(n, marks=pytest.mark.extended) if "qwen" in n else n for n in REAL],
+)
 def real(request) -> Real:
     name = request.param
     if not catalog.is_pulled(name):

@@ -24,7 +24,8 @@ from launch import alive, kill_all, ranks
 from serve_process import ServeProcess
 from test_pipeline import one_blas_thread
 
-pytestmark = pytest.mark.real
+# `make test-all`: the pipeline's steps are proved in test_pipeline.py, the server's in test_serve*
+pytestmark = [pytest.mark.real, pytest.mark.extended]
 
 MODEL = "smollm2-135m"
 BOUND = 1e-4

@@ -154,6 +154,7 @@ def test_smollm_template_without_tools_refuses_them(smollm):
     assert e.value.body["param"] == "tools", e.value.body
 
 
+@pytest.mark.extended  # `make test-all`: the forced call's grammar is proved on tiny models
 def test_qwen_tool_choice_forces_a_call(qwen):
     """tool_choice "required" and a named function make Qwen2.5-Coder call the tool even for
     a message that asks for none: the reply is a parsed call of the offered tool."""
