@@ -61,6 +61,7 @@ def test_float16_finite_and_close_past_float16_range(ids):
     assert (f32.argmax(-1)[clear] == f16.argmax(-1)[clear]).all()
 
 
+@pytest.mark.extended  # `make test-all` (9 s): the CLI's path is the tiny models' in test_cli.py
 def test_cli_raw_completion_end_to_end():
     """`mlxlis -m gemma3-270m --no-chat PROMPT` runs the base model and prints its greedy
     continuation (the CLI's plumbing against the API: self-consistency)."""

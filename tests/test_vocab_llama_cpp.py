@@ -159,6 +159,7 @@ def test_gemma4_vocabulary_conventions():
     assert tok.encode("Hello") == [2, *tok.encode("Hello", add_bos=False)]
 
 
+@pytest.mark.extended  # `make test-all` (7 s)
 def test_gemma4_build_is_lean():
     """A work bound on building the Gemma 4 tokenizer (262144 tokens, 514906 merges) from its
     metadata: the Python memory it allocates peaks at 34 MiB here (the BPE goes to
