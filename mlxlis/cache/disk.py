@@ -111,10 +111,6 @@ class DiskCache:
         self._used.pop(path, None)
         path.unlink(missing_ok=True)
 
-    @property
-    def bytes(self) -> int:
-        return sum(p.stat().st_size for p in self._index if p.exists())
-
     def best(self, ids: list[int]) -> tuple[Path | None, int]:
         """The entry sharing the longest prefix with `ids`, and how long."""
         best, n = None, 0

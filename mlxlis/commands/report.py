@@ -33,11 +33,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxlis.models.footprint import footprint
+from mlxlis.models.footprint import footprint, weight_arrays
 from mlxlis.models.model import Model
 from mlxlis.runtime.memory import memory_budget
-
-from mlx.utils import tree_flatten
 
 SCHEMA = 1
 
@@ -46,10 +44,7 @@ def model_report(model: Model) -> dict[str, Any]:
     """The inspect report of a loaded Model (see the module docstring for the shape)."""
     d = model.describe()
     c = model.config
-    arrays = tree_flatten(model.net.parameters())
-    seen: dict[int, int] = {}
-    for _, a in arrays:
-        seen[id(a)] = a.nbytes  # a tied embedding and head are one array, counted once
+    seen = weight_arrays(model)
     return {
         "schema": SCHEMA,
         "model": d["model"],

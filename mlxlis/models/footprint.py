@@ -19,6 +19,8 @@ from mlxlis.models.model import Model
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+RING_COPIES = 1 + RotatingKVCache.SNAPSHOTS  # a ring's live window and its snapshots
+
 
 @dataclass(frozen=True)
 class Footprint:
@@ -28,11 +30,10 @@ class Footprint:
     per_token: int  # KV bytes each position adds on full-attention layers
     rings: tuple[tuple[int, int], ...]  # (window, bytes per position) of each sliding layer
     fixed: int  # bytes whatever the length: recurrent states and their snapshots
-    ring_copies: int = 1 + RotatingKVCache.SNAPSHOTS  # the live window and its snapshots
 
     def kv_bytes(self, tokens: int) -> int:
         """One sequence's cache bytes after `tokens` positions (prompt and reply)."""
-        rings = sum(min(tokens, w) * b for w, b in self.rings) * self.ring_copies
+        rings = sum(min(tokens, w) * b for w, b in self.rings) * RING_COPIES
         return self.per_token * tokens + rings + self.fixed
 
     def max_context(self, room: int, limit: int) -> int:
@@ -44,8 +45,14 @@ class Footprint:
         return lo
 
 
+def weight_arrays(model: Model) -> dict[int, int]:
+    """The network's arrays by identity, with their bytes (a tied embedding and head are one
+    array, counted once)."""
+    return {id(a): a.nbytes for _, a in tree_flatten(model.net.parameters())}
+
+
 def weight_bytes(model: Model) -> int:
-    return sum(a.nbytes for _, a in tree_flatten(model.net.parameters()))
+    return sum(weight_arrays(model).values())
 
 
 def footprint(model: Model) -> Footprint:
