@@ -95,6 +95,11 @@ class RankLostError(PipelineError):
     """Another rank ended, disconnected or stopped answering during a pipelined run."""
 
 
+class TooLargeError(MlxlisError):
+    """The model's weights alone exceed the memory this process may fill (refused before
+    any weight is read)."""
+
+
 class DoesNotFitError(PipelineError):
     """The model does not fit in the ranks' memory, even split across them."""
 

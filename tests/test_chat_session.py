@@ -37,7 +37,7 @@ def test_second_turn_reuses_cache_and_matches_fresh_forward(chat_model):
     # logits-level check of the reuse path on the next (third) prompt
     session.turns.append(mlxlis.generation.session.Turn("user", "And then?"))
     ids = chat_model.tokenizer.encode(session.render(), special=True)
-    cache, reuse = session._prefix.take(ids)  # the caches the next turn would start from
+    cache, reuse = session._prefix.take(ids, None)  # the caches the next turn would start from
     assert reuse > 0
     reused = np.array(prefill(chat_model.net, ids[reuse:], cache))
     fresh = np.array(chat_model.logits(ids))[-1]

@@ -23,12 +23,12 @@ import json
 import mlxlis
 from mlxlis.cache import KVFormat
 from mlxlis.generation.steps import prefill
-from mlxlis.models.footprint import footprint
+from mlxlis.models.footprint import footprint, weight_bytes
 
 import mlx.core as mx
 import pytest
 from conftest import TINY, build_tiny, trajectory
-from serve_process import ServeProcess, events
+from serve_process import TINY_TEMPLATE, ServeProcess, events
 
 MARGIN = 256 << 20  # serve/server.py MARGIN_BYTES: kept free for transient arrays
 
@@ -54,17 +54,27 @@ def test_kv_bytes_per_token_and_a_4000_token_context_as_measured(fmt, tmp_path):
     assert abs(held - fp.kv_bytes(4000)) <= 0.05 * fp.kv_bytes(4000)
 
 
+# the tiny llama_long with head_dim 64 (so that KV groups of 32 and 64 divide it): dense KV
+# takes 2 layers x 2 KV heads x 64 x 2 x 4 B = 2 048 B a token; 8-bit (groups of 64) 576 B
+SMALL = {**TINY["llama_long"], "head_dim": 64}
+PER_TOKEN = {None: 2048, KVFormat(8, 64): 576}
+
+
 @pytest.fixture(scope="module")
-def small(tiny, tmp_path_factory):
-    """The tiny llama_long (512 B of dense KV per token) with 3.5 MiB for caches beside its
-    weights and the margin: one request of 4 002 tokens fits (2 MiB), two do not."""
+def small(tmp_path_factory):
+    """That model with 11 MiB for caches beside its weights and the margin: one dense request
+    of 4 002 tokens fits (7.8 MiB), two do not; an 8-bit one (2.2 MiB) fits beside it."""
     tmp = tmp_path_factory.mktemp("mem")
-    (tmp / "ll").symlink_to(tiny("llama_long")[0])
-    cap = MARGIN + (3 << 20) + (512 << 10) + (400 << 10)  # margin, caches, ~the weights
+    build_tiny(tmp / "ll", SMALL)
+    (tmp / "t.jinja").write_text(TINY_TEMPLATE)
+    weights = weight_bytes(mlxlis.load(tmp / "ll", "float32"))
+    cap = MARGIN + (11 << 20) + weights
     srv = ServeProcess(
         tmp,
         "-m",
         str(tmp / "ll"),
+        "--chat-template",
+        str(tmp / "t.jinja"),
         "--prefix-cache-mb",
         "0",
         "--max-context",
@@ -73,39 +83,40 @@ def small(tiny, tmp_path_factory):
         "2",
         env={"MLXLIS_MAX_MEMORY": str(cap)},
     )
+    srv.cap, srv.folder = cap, tmp / "ll"
     yield srv
     assert srv.stop() == 0, srv.log()
 
 
-def test_health_reports_the_memory_and_auto_context(small, tiny, tmp_path):
+def test_health_reports_the_memory_and_auto_context(small, tmp_path):
     _, health = small.request("GET", "/health")
-    assert health["kv_format"] == "dense" and health["kv_bytes_per_token"] == 512
+    assert health["kv_format"] == "dense" and health["kv_bytes_per_token"] == PER_TOKEN[None]
     room = health["cache_room_bytes"]
-    assert 3 << 20 <= room <= 4 << 20
-    (tmp_path / "ll").symlink_to(tiny("llama_long")[0])
-    cap = MARGIN + room + health["weights_bytes"]
+    assert room == small.cap - MARGIN - health["weights_bytes"] and 10 << 20 < room < 12 << 20
     auto = ServeProcess(
         tmp_path,
         "-m",
-        str(tmp_path / "ll"),
+        str(small.folder),
         "--prefix-cache-mb",
         "0",
         "--max-context",
         "auto",
         "--max-batch",
         "2",
-        env={"MLXLIS_MAX_MEMORY": str(cap)},
+        env={"MLXLIS_MAX_MEMORY": str(small.cap)},
     )
     try:
         _, models = auto.request("GET", "/v1/models")
         context = models["data"][0]["context_length"]
-        _, health = auto.request("GET", "/health")
-        assert context == health["cache_room_bytes"] // 2 // 512  # two requests, 512 B a token
+        assert context == room // 2 // PER_TOKEN[None]  # two requests, 2 KiB a token
     finally:
         assert auto.stop() == 0, auto.log()
 
 
 def test_requests_that_would_outgrow_the_memory_are_refused_first(small):
+    """Dense: 8 000 tokens never fit (400); a 4 000-token one runs, a second is a 503 — and an
+    8-bit one (the kv_bits extension) of the same length is taken beside it, while an 8-bit
+    one of 8 000 tokens is not."""
     long = {"model": "ll", "prompt": "Hi", "ignore_eos": True, "max_tokens": 8000}
     status, body = small.request("POST", "/v1/completions", long)
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
@@ -113,16 +124,76 @@ def test_requests_that_would_outgrow_the_memory_are_refused_first(small):
     running = {**long, "max_tokens": 4000, "stream": True}
     conn, resp = small.open_stream("/v1/completions", running)
     assert next(events(resp))["choices"]  # it runs: it holds 4 002 tokens' caches
-    c = small.connect()
-    c.request("POST", "/v1/completions", body=json.dumps(running).encode(), headers=small.headers())
-    r = c.getresponse()
-    body = json.loads(r.read())
-    c.close()
-    assert r.status == 503 and r.getheader("Retry-After") is not None
-    assert body["error"]["code"] == "memory_full"
+    status, body, retry = post(small, running)
+    assert status == 503 and retry is not None and body["error"]["code"] == "memory_full"
+    status, body, _ = post(small, {**long, "kv_bits": 8, "stream": False})
+    assert status == 503 and body["error"]["code"] == "memory_full"  # alone it would fit
+    other, quantized = small.open_stream("/v1/completions", {**running, "kv_bits": 8})
+    assert next(events(quantized))["choices"]  # taken: 4 002 tokens at 576 B fit beside
+    other.close()
     stream = events(resp)
     assert all(next(stream)["choices"][0]["text"] is not None for _ in range(8))  # goes on
     conn.close()
     small.wait_idle()
     ran = [x for x in small.log().splitlines() if " prompt=" in x and "generated=" in x]
-    assert len(ran) == 1, small.log()  # only the running request ever reached the engine
+    assert len(ran) == 2, small.log()  # the refused requests never reached the engine
+
+
+def post(srv, body: dict) -> tuple[int, dict, str | None]:
+    c = srv.connect()
+    c.request("POST", "/v1/completions", body=json.dumps(body).encode(), headers=srv.headers())
+    r = c.getresponse()
+    out = json.loads(r.read())
+    c.close()
+    return r.status, out, r.getheader("Retry-After")
+
+
+def test_a_requests_kv_format_is_checked_in_every_api(small):
+    """The kv_bits / kv_group_size extension through the official clients: bits MLX does not
+    quantize with, a group size beside full precision (16), a group that does not divide the
+    head dimension (64, in groups of 128) and a group size with no bits on a dense server are
+    each a 400 naming the field in the API's own error shape; kv_bits 8 is answered."""
+    import anthropic
+    import ollama
+    import openai
+
+    url = f"http://127.0.0.1:{small.port}"
+    oa = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    hi = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model="ll", messages=hi, max_tokens=2, extra_body={"kv_bits": 5})
+    assert e.value.body["param"] == "kv_bits"
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.responses.create(
+            model="ll",
+            input="Hi",
+            max_output_tokens=2,
+            extra_body={"kv_bits": 16, "kv_group_size": 32},
+        )
+    assert e.value.body["param"] == "kv_group_size"
+    an = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(
+            model="ll", messages=hi, max_tokens=2, extra_body={"kv_bits": 8, "kv_group_size": 128}
+        )
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert e.value.body["error"]["message"].startswith("kv_group_size: head_dim 64")
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama.Client(host=url).chat(model="ll", messages=hi, options={"kv_group_size": 32})
+    assert e.value.status_code == 400 and e.value.error.startswith("options.kv_group_size:")
+    done = oa.completions.create(model="ll", prompt="Hi", max_tokens=3, extra_body={"kv_bits": 8})
+    assert done.usage.completion_tokens <= 3 and done.choices[0].finish_reason
+
+
+def test_a_model_larger_than_the_memory_is_refused_before_loading(small, monkeypatch):
+    """MLXLIS_MAX_MEMORY below the weights' stored bytes: load is a TooLargeError naming the
+    folder and both sizes, raised from the headers (no weight read: MLX's active memory does
+    not grow)."""
+    from mlxlis.errors import TooLargeError
+
+    monkeypatch.setenv("MLXLIS_MAX_MEMORY", "64K")
+    before = mx.get_active_memory()
+    with pytest.raises(TooLargeError) as e:
+        mlxlis.load(small.folder, "float32")
+    assert str(small.folder) in str(e.value) and "0.00 GiB this process may fill" in str(e.value)
+    assert mx.get_active_memory() == before

@@ -13,6 +13,9 @@ What is proved here:
 - the serving paths on quantized caches: batched decoding gives each request its lone greedy
   tokens; a prompt that extends a finished one reuses its quantized cache and gives the cold
   run's tokens; speculative verification (trims, ring spills) gives the plain greedy tokens;
+- the full-precision tail: the newest block's positions are read exactly (equal to a reference
+  written from the rule alone, through chunks crossing a block's end, decoding and a trim),
+  batched as alone;
 - refusals name the field: bits or group sizes MLX does not quantize with, a group size that
   does not divide the head dimension.
 """
@@ -56,7 +59,7 @@ SPECS = {
     "gemma4": {"kind": "gemma4_text", **GEMMA4["e2b"], "head_dim": HD, "global_head_dim": HD},
 }
 BUILD = {"qwen3_5_text": build_qwen35, "gemma4_text": build_gemma4}
-FORMATS = [KVFormat(8, 64), KVFormat(4, 32)]
+FORMATS = [KVFormat(8, 64, tail=False), KVFormat(4, 32, tail=False)]  # the scheme alone
 PROMPT, NEW = 80, 40  # past Gemma's window (8) and the DeltaNet's chunk (64)
 
 
@@ -117,7 +120,9 @@ def test_quantized_attention_equals_the_dequantized_reference(
     assert np.abs(dense - want).max() > 1e-3
 
 
-@pytest.mark.parametrize("fmt", [KVFormat(8, 64), KVFormat(4, 64), KVFormat(4, 32)], ids=str)
+@pytest.mark.parametrize(
+    "fmt", [KVFormat(8, 64, False), KVFormat(4, 64, False), KVFormat(4, 32, False)], ids=str
+)
 def test_logits_match_mlx_lm_quantized_kv_cache(models, fmt, tmp_path):
     """mlx-lm's QuantizedKVCache (its quantized attention) on the same weights: a 40-token
     chunk, then 32 tokens one by one, the same logits. Measured ≤ 1.5e-6; bound 1e-5."""
@@ -265,6 +270,81 @@ def test_model_logits_equal_the_round_trip_reference(models, name, fmt):
     assert any(isinstance(c.keys, QArray) for c in quantized if hasattr(c, "keys"))
 
 
+class TailReference(KVCache):
+    """The tail's reference, from its rule alone: dense, exact keys and values, attention
+    reading the positions before `start` as their quantize-dequantize round trip and the rest
+    exact; `start` moves to each filled block's end, and back to the offset on a trim below
+    it."""
+
+    def __init__(self, fmt: KVFormat):
+        super().__init__(None)
+        self.fmt, self.start = fmt, 0
+
+    def update_and_fetch(self, k, v):
+        k, v = super().update_and_fetch(k, v)
+        self.start = max(self.start, self.offset // self.step * self.step)
+        if not self.start:
+            return k, v
+        n = self.start
+        return tuple(
+            mx.concatenate([QArray.of(x[:, :, :n], self.fmt).dequantize(), x[:, :, n:]], axis=2)
+            for x in (k, v)
+        )
+
+    def trim(self, n: int) -> int:
+        n = super().trim(n)
+        self.start = min(self.start, self.offset)
+        return n
+
+
+@pytest.mark.parametrize("fmt", [KVFormat(8, 64), KVFormat(4, 32)], ids=str)
+def test_the_newest_block_stays_in_full_precision(models, fmt):
+    """A prefill crossing the first block's end mid-chunk (200, then 100 tokens), decoding,
+    a trim back below the tail's start (to 250) and decoding past the block's end again: the
+    logits on tailed caches equal TailReference's (float rounding: measured <1e-6, bound
+    2e-5) — dense ones while the first block fills — and differ from untailed caches'."""
+    model = models("llama")
+    ids = trajectory(310, vocab=model.config.vocab_size)
+
+    def feed(caches) -> list[mx.array]:
+        out = [model.net(mx.array([ids[:200]]), cache=caches)[0, -1]]
+        out.append(model.net(mx.array([ids[200:300]]), cache=caches)[0, -1])
+        out += [model.net(mx.array([[t]]), cache=caches)[0, -1] for t in ids[300:310]]
+        for c in caches:
+            c.trim(60)
+        out += [model.net(mx.array([[t]]), cache=caches)[0, -1] for t in ids[250:262]]
+        return out
+
+    tailed = feed(model.make_cache(fmt))
+    want = feed([TailReference(fmt) for _ in model.make_cache()])
+    plain = feed(model.make_cache(KVFormat(fmt.bits, fmt.group_size, tail=False)))
+    dense = feed(model.make_cache(None))
+    assert max(float(mx.abs(a - b).max()) for a, b in zip(tailed, want, strict=True)) < 2e-5
+    assert float(mx.abs(tailed[0] - dense[0]).max()) < 2e-5  # all 200 in the tail
+    assert float(mx.abs(plain[0] - dense[0]).max()) > 1e-3
+    assert float(mx.abs(tailed[-1] - plain[-1]).max()) > 1e-4
+    assert float(mx.abs(tailed[-1] - dense[-1]).max()) > 1e-4  # the first block quantized
+
+
+def test_tails_batched_across_a_block_end(models):
+    """8-bit KV with its tail, three requests decoding together across the first block's end
+    (prompts of 240, 247 and 251 tokens, 40 new each): each gets its lone greedy tokens."""
+    model = models("llama")
+    vocab = model.config.vocab_size
+    model.set_kv_format(KVFormat(8, 64))
+    try:
+        prompts = [trajectory(n, seed=n, vocab=vocab) for n in (240, 247, 251)]
+        alone = [lone(model, p) for p in prompts]
+        engine = Engine(model, max_active=3)
+        try:
+            streams = [engine.submit(Request(p, SamplingParams(max_tokens=NEW))) for p in prompts]
+            assert [[e.token for e in s if e.token is not None] for s in streams] == alone
+        finally:
+            engine.shutdown()
+    finally:
+        model.set_kv_format(None)
+
+
 def lone(model, prompt, spec=None) -> list[int]:
     core = Core(model, steps_for(model, PrefixCache(0)))
     req = Request(list(prompt), SamplingParams(max_tokens=NEW), frozenset(), speculation=spec)
@@ -298,6 +378,45 @@ def test_batched_reused_and_speculative_decoding_on_quantized_caches(models, nam
         assert lone(model, loop, Speculation("ngram", tokens=4)) == lone(model, loop)
     finally:
         model.set_kv_format(None)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_requests_of_several_kv_formats_decode_together(models, name):
+    """A dense model's engine given requests that each ask for their own KV format (the
+    server's kv_bits extension), two of them speculating: decoding (and verifying) together,
+    each gets the greedy tokens it gets alone on a model set to that format; a prompt
+    extending the 8-bit one reuses its cache in 8-bit and nothing in dense."""
+    model = models(name)
+    vocab = model.config.vocab_size
+    loop = (trajectory(20, seed=3, vocab=vocab) * 5)[:PROMPT]
+    eight, four = KVFormat(8, 64), KVFormat(4, 32)
+    cases = [  # (prompt, its kv_format, speculation)
+        (trajectory(PROMPT, seed=0, vocab=vocab), "model", None),
+        (trajectory(PROMPT - 7, seed=1, vocab=vocab), eight, None),
+        (trajectory(PROMPT - 14, seed=2, vocab=vocab), four, None),
+        (loop, eight, Speculation("ngram", tokens=4)),
+        (loop, None, Speculation("ngram", tokens=4)),
+    ]
+    alone = []
+    for prompt, fmt, spec in cases:
+        model.set_kv_format(None if fmt == "model" else fmt)
+        alone.append(lone(model, prompt, spec))
+    model.set_kv_format(None)
+    engine = Engine(model, max_active=len(cases))
+    try:
+        streams = [
+            engine.submit(Request(p, SamplingParams(max_tokens=NEW), speculation=spec, kv_format=f))
+            for p, f, spec in cases
+        ]
+        assert [[e.token for e in s if e.token is not None] for s in streams] == alone
+        longer = cases[1][0] + alone[1] + trajectory(9, seed=9, vocab=vocab)
+        for fmt, reused in ((None, False), (eight, True)):
+            events = list(
+                engine.submit(Request(longer, SamplingParams(max_tokens=8), kv_format=fmt))
+            )
+            assert (events[-1].usage.cached_tokens > PROMPT) is reused
+    finally:
+        engine.shutdown()
 
 
 def test_refusals_name_the_field(models):

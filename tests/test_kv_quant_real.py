@@ -11,6 +11,8 @@ it. Bounds are the measured figures (float32, this 2-core x86) with a quarter mo
 | gemma3-270m | 0.75 | 12.6 | 48 of 48 |
 | qwen2.5-coder-0.5b | 1.01 | 14.4 | 48 of 48 |
 
+The prompt ends on a block boundary, so its logits are read with an empty full-precision
+tail (the plain scheme); the greedy tokens after it are read with the tail.
 8-bit KV keeps every argmax of the 16 and the greedy tokens; 4-bit (groups of 64) moves
 logits by a large fraction of their range (greedy agreed for only 4–22 tokens), which is why
 it is the memory-for-quality end of the choice. Self-consistency against mlxlis's own

@@ -6,9 +6,10 @@ What is proved here:
   sliding-window rings past their window, the hybrid's recurrent layers (their snapshot), a
   quantized KV cache — and the logits of the rest of the prompt equal a cold run's
   (self-consistency against the plain prefill, which the parity tests tie to transformers);
-- nothing doubtful is loaded: a truncated file, a flipped byte, an entry of another model or
-  KV format and a write that fails (the file-size limit hit: EFBIG, as a full disk gives
-  ENOSPC) each give a cold prefill, one warning line and no file left behind;
+- nothing doubtful is loaded: a truncated file, a flipped byte, an entry of another model
+  and a write that fails (the file-size limit hit: EFBIG, as a full disk gives
+  ENOSPC) each give a cold prefill, one warning line and no file left behind; an entry of
+  another KV format of the same model is not taken, and stays;
 - the folder stays within its bound, least recently used first;
 - a real `mlxlis serve --prefix-cache-dir` stopped and started again answers a conversation's
   second turn from the file (cached_tokens > 0, only the new tokens prefilled) with the tokens
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import mlxlis
 from mlxlis.cache import KVFormat
-from mlxlis.cache.disk import DiskCache
+from mlxlis.cache.disk import DiskCache, content_hash
 from mlxlis.cache.prefix import PrefixCache
 from mlxlis.cache.rewind import snapshot
 
@@ -97,12 +98,12 @@ def test_an_entry_read_back_after_a_restart(models, name, fmt, tmp_path):
         first_turn(model, tier(tmp_path, model, warns), one, 50)
         assert len(list(tmp_path.glob("*.safetensors"))) == 1
         restarted = tier(tmp_path, model, warns)
-        caches, reused = restarted.take(two)
+        caches, reused = restarted.take(two, fmt)
         assert reused == 50 and "read from disk" in restarted.note
         got = rest_logits(model, caches, two, reused)
         memory = PrefixCache(1 << 30)
         first_turn(model, memory, one, 50)
-        kept, n = memory.take(two)
+        kept, n = memory.take(two, fmt)
         assert n == 50 and mx.array_equal(got, rest_logits(model, kept, two, n))
         assert float(mx.abs(got - cold_logits(model, two)).max()) < 3e-5
         assert warns == []
@@ -117,24 +118,53 @@ def bad(path: Path, how: str) -> None:
     elif how == "flipped":
         data[-3] ^= 0x40  # a byte of the last tensor
         path.write_bytes(bytes(data))
+    elif how == "reshaped":  # a first layer's keys cut to 5 positions, the hash made to match
+        arrays, meta = mx.load(str(path), return_metadata=True)
+        arrays["L0.k.0"] = arrays["L0.k.0"][:, :, :5]
+        meta["sha256"] = content_hash(arrays)
+        mx.save_safetensors(str(path), arrays, metadata=meta)
 
 
-@pytest.mark.parametrize("how", ["truncated", "flipped", "foreign", "kv_format"])
+@pytest.mark.parametrize("how", ["truncated", "flipped", "reshaped", "foreign"])
 def test_a_bad_entry_is_skipped_warned_and_deleted(models, how, tmp_path):
-    """The entry spoilt (cut in half; one byte of a tensor flipped), or opened by another
-    model's or KV format's cache: the next prompt is prefilled cold, one warning names the
-    file, and the file is gone."""
+    """The entry spoilt (cut in half; one byte of a tensor flipped; a layer's keys holding
+    fewer positions than its facts say, under a matching hash), or opened by another model's
+    cache: the next prompt is prefilled cold, one warning names the file, and the file is
+    gone."""
     model = models("llama")
     one = trajectory(40, vocab=model.config.vocab_size)
     warns: list[str] = []
     first_turn(model, tier(tmp_path, model, warns), one, 30)
     (path,) = tmp_path.glob("*.safetensors")
     bad(path, how)
-    fp = {"foreign": "another model", "kv_format": "fp|kv=8-bit"}.get(how, "fp")
-    caches, reused = tier(tmp_path, model, warns, fp=fp).take(one + [5, 6])
+    fp = "another model" if how == "foreign" else "fp"
+    caches, reused = tier(tmp_path, model, warns, fp=fp).take(one + [5, 6], None)
     assert caches is None and reused == 0
     assert len(warns) == 1 and path.name in warns[0], warns
     assert not path.exists()
+
+
+def test_an_entry_of_another_kv_format_is_not_taken_and_stays(models, tmp_path):
+    """A dense entry, asked for by an 8-bit prompt (a request's own kv_bits) after a restart:
+    not taken, no warning, the file kept; a dense prompt then reads it (and an 8-bit entry
+    of the same ids is a file of its own)."""
+    model = models("llama")
+    one = trajectory(40, vocab=model.config.vocab_size)
+    warns: list[str] = []
+    first_turn(model, tier(tmp_path, model, warns), one, 30)
+    (path,) = tmp_path.glob("*.safetensors")
+    restarted = tier(tmp_path, model, warns)
+    assert restarted.take(one + [5, 6], KVFormat(8, 64)) == (None, 0)
+    assert warns == [] and path.exists()
+    assert restarted.take(one + [5, 6], None)[1] == 40
+    model.set_kv_format(KVFormat(8, 64))
+    try:
+        first_turn(model, restarted, one, 30)
+    finally:
+        model.set_kv_format(None)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2 and warns == []
+    caches, n = tier(tmp_path, model, warns).take(one + [5, 6], KVFormat(8, 64))
+    assert n == 40 and caches[0].store.fmt == KVFormat(8, 64)
 
 
 def test_the_folder_keeps_within_its_bound_least_recently_used_first(models, tmp_path):
@@ -148,11 +178,11 @@ def test_the_folder_keeps_within_its_bound_least_recently_used_first(models, tmp
         first_turn(model, cache, ids, 30)
     size = max(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
     cache = tier(tmp_path, model, warns, max_bytes=int(size * 2.5))
-    assert cache.take(first[0] + [7])[1] == 40  # read: now the most recent
+    assert cache.take(first[0] + [7], None)[1] == 40  # read: now the most recent
     first_turn(model, cache, trajectory(40, seed=3, vocab=vocab), 30)
     fresh = tier(tmp_path, model, warns, max_bytes=int(size * 2.5))
-    assert fresh.take(first[1] + [7]) == (None, 0)  # the least recently used went
-    assert fresh.take(first[0] + [7])[1] == 40 and warns == []
+    assert fresh.take(first[1] + [7], None) == (None, 0)  # the least recently used went
+    assert fresh.take(first[0] + [7], None)[1] == 40 and warns == []
 
 
 def test_a_write_that_fails_leaves_no_entry(models, tmp_path):
@@ -162,7 +192,7 @@ def test_a_write_that_fails_leaves_no_entry(models, tmp_path):
     script = r"""
 import resource, signal, sys
 import mlxlis
-from mlxlis.cache.disk import DiskCache
+from mlxlis.cache.disk import DiskCache, content_hash
 from mlxlis.generation.steps import prefill
 import mlx.core as mx
 model = mlxlis.load(sys.argv[1], "float32")

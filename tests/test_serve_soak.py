@@ -127,6 +127,7 @@ def run(server: ServeProcess, i: int) -> tuple[str, str, int] | None:
     return content, finishes[0], usage["completion_tokens"]
 
 
+@pytest.mark.extended  # `make test-all`: the engine's soak (test_serve_engine) is in make test
 def test_soak_over_http_loses_nothing_mixes_nothing_leaks_nothing(server):
     for i in range(3):  # warm up: compiled kernels, buffers, the first prefix-cache entries
         run(server, 10_000 + i)

@@ -3,7 +3,7 @@ each) and KVBatch (their KV buffers stacked for one masked attention)."""
 
 from __future__ import annotations
 
-from mlxlis.cache.store import Stored
+from mlxlis.cache.store import Stored, Tailed
 
 import mlx.core as mx
 
@@ -28,7 +28,12 @@ class KVBatch:
     hands every row back (`dissolve`). Stacking copies the caches once; then each step writes
     one slot per row (the cache's `claim_one`: a KV cache's next position, a ring's next slot)
     and each row attends over its first `held` slots (a ring's order does not matter to one
-    query, as in RotatingKVCache); the stack is padded to the longest row."""
+    query, as in RotatingKVCache); the stack is padded to the longest row.
+
+    KV caches with a full-precision tail (store.py) lend it too, stacked (B, kv, step, dim):
+    row b's tail slot j holds its position tail_start_b + j, and a row attends over its
+    quantized positions before its tail, then its tail (a store.Tailed pair; the mask covers
+    both)."""
 
     step = 256  # capacity grows in blocks of this many slots
 
@@ -41,12 +46,19 @@ class KVBatch:
         b, h = len(caches), k.shape[1]
         self.keys = st.zeros((b, h, self.cap, k.shape[3]), dtype)
         self.values = st.zeros((b, h, self.cap, v.shape[3]), dtype)
+        self.tailed = getattr(caches[0], "tailed", False)
+        if self.tailed:  # dense: (B, kv, step, dim), each row's tail from slot 0
+            step = caches[0].step
+            self.tail = [mx.zeros((b, h, step, x.shape[3]), x.dtype) for x in (k, v)]
         for row, c in enumerate(caches):
             n = c.held
             if n:
                 self.keys[row : row + 1, :, :n] = c._keys[..., :n, :]
                 self.values[row : row + 1, :, :n] = c._values[..., :n, :]
-            c._keys = c._values = None  # the batch holds them now
+            if self.tailed and c._tail is not None:
+                for buf, a in zip(self.tail, c._tail, strict=True):
+                    buf[row : row + 1, :, : a.shape[2]] = a
+            c._keys = c._values = c._tail = None  # the batch holds them now
             c._batch, c._row = self, row
 
     @classmethod
@@ -66,6 +78,7 @@ class KVBatch:
         return batch._step(k, v)
 
     def _step(self, k: mx.array, v: mx.array) -> tuple[Stored, Stored, mx.array]:
+        starts = [getattr(c, "tail_start", 0) for c in self.members]  # before this token
         slots, valid = zip(*(c.claim_one() for c in self.members), strict=True)
         st = self.store
         if max(slots) >= self.cap:
@@ -80,8 +93,28 @@ class KVBatch:
         self.keys = st.put_rows(self.keys, at, st.take(k))
         self.values = st.put_rows(self.values, at, st.take(v))
         s = max(valid)
+        if self.tailed:
+            return self._tailed(k, v, slots, starts, s)
         mask = mx.arange(s)[None, :] < mx.array(valid)[:, None]  # (B, S)
         return self.keys[:, :, :s], self.values[:, :, :s], mask[:, None, None, :]
+
+    def _tailed(self, k, v, slots, starts, s) -> tuple[Tailed, Tailed, mx.array]:
+        """This token also into each row's tail (slot - tail_start); rows attend over their
+        positions before the tail start, then their tail up to this token."""
+        at = mx.array([p - t for p, t in zip(slots, starts, strict=True)])[:, None, None, None]
+        self.tail = [
+            mx.put_along_axis(buf, mx.broadcast_to(at, x.shape), x.astype(buf.dtype), axis=2)
+            for buf, x in zip(self.tail, (k, v), strict=True)
+        ]
+        before = mx.array(starts)[:, None]  # the head: positions < tail_start (before it moves)
+        width = max(p - t for p, t in zip(slots, starts, strict=True)) + 1
+        used = (at[:, 0, 0, 0] + 1)[:, None]  # tail slots in use, this token's included
+        mask = mx.concatenate(
+            [mx.arange(s)[None, :] < before, mx.arange(width)[None, :] < used], axis=1
+        )  # (B, S + width)
+        tk, tv = (buf[:, :, :width] for buf in self.tail)
+        head_k, head_v = self.keys[:, :, :s], self.values[:, :, :s]
+        return Tailed(head_k, tk), Tailed(head_v, tv), mask[:, None, None, :]
 
     def dissolve(self) -> None:
         """Give every cache its row back (a copy of its valid slots); the batch is done."""
@@ -92,7 +125,12 @@ class KVBatch:
             if n:
                 c._keys = self.store.contiguous(self.keys[row : row + 1, :, :n])
                 c._values = self.store.contiguous(self.values[row : row + 1, :, :n])
+            if self.tailed:
+                used = n - c.tail_start
+                c._tail = tuple(mx.contiguous(b[row : row + 1, :, :used]) for b in self.tail)
+                c._tail = c._tail if used else None
         # copied now: a copy left lazy would hold the whole stack alive (a cache kept by the
         # prefix cache is not evaluated again until a later prompt takes it)
         mx.eval([a for c in members for x in (c._keys, c._values) for a in self.store.arrays(x)])
-        self.keys = self.values = None
+        mx.eval([a for c in members for a in (getattr(c, "_tail", None) or ())])
+        self.keys = self.values = self.tail = None

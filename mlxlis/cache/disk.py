@@ -3,14 +3,16 @@ prompt — in this process or after a restart — shares more of their start tha
 memory does.
 
 One safetensors file per entry, named by a hash of the model's fingerprint and the token ids.
-Its header (metadata) says what it is: `mlxlis` "prefix-1", the `fingerprint` of the model and
-KV format that made it, the `ids` (JSON), each layer's facts (`layers`: kind, offset, window,
-snapshots; cache/kv.py and recurrent.py `export`) and `sha256`, a hash of every tensor's bytes.
+Its header (metadata) says what it is: `mlxlis` "prefix-1", the `fingerprint` of the model that
+made it, its `kv_format` (JSON: null for dense, else bits, group size and tail), the `ids` (JSON),
+each layer's facts (`layers`: kind, offset, window, snapshots; cache/kv.py and recurrent.py
+`export`) and `sha256`, a hash of every tensor's bytes. A prompt reads back only an entry in
+its own KV format; entries of the model's other formats stay.
 An entry is written under a temporary name and renamed into place (never half-written); the
 folder is kept under `max_bytes`, least recently used first (a file's mtime is its use).
 
 Nothing doubtful is loaded: a file that does not parse, whose hash or layers do not match, or
-that another model or KV format wrote is skipped with one line to `warn` and deleted; a write
+that another model wrote is skipped with one line to `warn` and deleted; a write
 that fails (a full disk) is one line and no entry. Either way the prompt is prefilled cold.
 """
 
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from mlxlis.cache.base import Cache
 from mlxlis.cache.rewind import common_prefix
+from mlxlis.cache.store import KVFormat, format_of
 
 import mlx.core as mx
 
@@ -59,22 +62,36 @@ def read_header(path: Path) -> dict[str, str]:
     return meta
 
 
+def format_json(kv: KVFormat | None) -> str:
+    if kv is None:
+        return "null"
+    return json.dumps({"bits": kv.bits, "group_size": kv.group_size, "tail": kv.tail})
+
+
+def format_from_json(text: str) -> KVFormat | None:
+    """What format_json wrote (ValueError, KeyError, TypeError: not that)."""
+    got = json.loads(text)
+    if got is None:
+        return None
+    return KVFormat(int(got["bits"]), int(got["group_size"]), bool(got["tail"]))
+
+
 class DiskCache:
-    """Entries in `folder`, at most `max_bytes`, of the model and KV format `fingerprint`;
-    `make` gives fresh caches to restore an entry into; `warn` hears of every bad file."""
+    """Entries in `folder`, at most `max_bytes`, of the model `fingerprint`; `make(kv)` gives
+    fresh caches in KV format `kv` to restore an entry into; `warn` hears of every bad file."""
 
     def __init__(
         self,
         folder: str | Path,
         max_bytes: int,
         fingerprint: str,
-        make: Callable[[], list[Cache]],
+        make: Callable[[KVFormat | None], list[Cache]],
         warn: Callable[[str], None],
     ):
         self.folder, self.max_bytes, self.fingerprint = Path(folder), max_bytes, fingerprint
         self.make, self.warn = make, warn
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._index: dict[Path, tuple[int, ...]] = {}
+        self._index: dict[Path, tuple[tuple[int, ...], KVFormat | None]] = {}
         self._used: dict[Path, int] = {}  # a file's last use (its mtime, in ns), kept here too
         self._clock = 0  # the latest use given: uses stay ordered within one tick of the clock
         for path in sorted(self.folder.glob("*" + SUFFIX)):
@@ -85,10 +102,11 @@ class DiskCache:
             meta = read_header(path)
             self._check(meta)
             ids = tuple(int(i) for i in json.loads(meta["ids"]))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            kv = format_from_json(meta["kv_format"])
+        except (OSError, ValueError, KeyError, TypeError) as e:  # MlxlisError is a ValueError
             self._drop(path, e)
             return
-        self._index[path] = ids
+        self._index[path] = (ids, kv)
         self._used[path] = path.stat().st_mtime_ns
         self._clock = max(self._clock, self._used[path])
 
@@ -103,7 +121,7 @@ class DiskCache:
         if meta.get("mlxlis") != TAG:
             raise ValueError("not a prefix cache entry")
         if meta.get("fingerprint") != self.fingerprint:
-            raise ValueError(f"made by another model or KV format ({meta.get('fingerprint')})")
+            raise ValueError(f"made by another model ({meta.get('fingerprint')})")
 
     def _drop(self, path: Path, why: object) -> None:
         self.warn(f"prefix cache: skipped and deleted {path.name}: {why}")
@@ -111,24 +129,27 @@ class DiskCache:
         self._used.pop(path, None)
         path.unlink(missing_ok=True)
 
-    def best(self, ids: list[int]) -> tuple[Path | None, int]:
-        """The entry sharing the longest prefix with `ids`, and how long."""
+    def best(self, ids: list[int], kv: KVFormat | None) -> tuple[Path | None, int]:
+        """The entry in KV format `kv` sharing the longest prefix with `ids`, and how long."""
         best, n = None, 0
-        for path, held in self._index.items():
-            if (k := common_prefix(held, ids)) > n:
+        for path, (held, fmt) in self._index.items():
+            if fmt == kv and (k := common_prefix(held, ids)) > n:
                 best, n = path, k
         return best, n
 
-    def load(self, path: Path) -> tuple[list[Cache], tuple[int, ...]] | None:
-        """The caches `path` holds and their ids, or None (a bad file: warned and deleted)."""
+    def load(self, path: Path, kv: KVFormat | None) -> tuple[list[Cache], tuple[int, ...]] | None:
+        """The caches `path` holds (in KV format `kv`) and their ids, or None (a bad file:
+        warned and deleted)."""
         try:
             arrays, meta = mx.load(str(path), return_metadata=True)
             self._check(meta)  # again: the file may have changed since the folder was read
             if meta.get("sha256") != content_hash(arrays):
                 raise ValueError("its contents do not match its hash")
+            if (fmt := format_from_json(meta["kv_format"])) != kv:
+                raise ValueError(f"its KV format changed to {fmt or 'dense'}")
             ids = tuple(int(i) for i in json.loads(meta["ids"]))
             layers = json.loads(meta["layers"])
-            caches = self.make()
+            caches = self.make(kv)
             if len(layers) != len(caches):
                 raise ValueError(f"{len(layers)} layers, not {len(caches)}")
             for i, (c, facts) in enumerate(zip(caches, layers, strict=True)):
@@ -142,7 +163,9 @@ class DiskCache:
 
     def write(self, ids: list[int], caches: list[Cache]) -> None:
         """Keep `caches` (holding `ids`) as a file; a failure is one warning, no entry."""
-        name = hashlib.sha256(f"{self.fingerprint}|{ids}".encode()).hexdigest()[:32] + SUFFIX
+        kv = format_of(caches)
+        key = f"{self.fingerprint}|{format_json(kv)}|{ids}"
+        name = hashlib.sha256(key.encode()).hexdigest()[:32] + SUFFIX
         path = self.folder / name
         if path in self._index:
             self._touch(path)
@@ -156,6 +179,7 @@ class DiskCache:
         meta = {
             "mlxlis": TAG,
             "fingerprint": self.fingerprint,
+            "kv_format": format_json(kv),
             "ids": json.dumps(list(ids)),
             "layers": json.dumps(layers),
             "sha256": content_hash(arrays),
@@ -169,7 +193,7 @@ class DiskCache:
             tmp.unlink(missing_ok=True)
             self.warn(f"prefix cache: could not write {name}: {getattr(e, 'strerror', None) or e}")
             return
-        self._index[path] = tuple(ids)
+        self._index[path] = (tuple(ids), kv)
         self._touch(path)
         self._evict()
 

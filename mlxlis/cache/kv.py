@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mlxlis.cache.store import DENSE, KVFormat, Store, Stored, store_for
+from mlxlis.cache.store import DENSE, KVFormat, Store, Stored, Tailed, store_for
 
 import mlx.core as mx
 
@@ -48,32 +48,48 @@ class _Lendable:
 
 
 class KVCache(_Lendable):
-    """Keys/values of every past position, preallocated in blocks of `step` positions."""
+    """Keys/values of every past position, preallocated in blocks of `step` positions. In a
+    quantized format with a tail (store.py), the positions since `tail_start` — at most the
+    newest block's, until it fills — are also kept dense (`_tail`), and attention reads them
+    so (a store.Tailed pair)."""
 
     step = 256
     label = "full attention"
 
     def __init__(self, fmt: KVFormat | None = None) -> None:
         self.store = store_for(fmt)
+        self.tailed = fmt is not None and fmt.tail
         self.keys: Stored | None = None
         self.values: Stored | None = None
         self.offset = 0
+        self.tail_start = 0  # positions [tail_start, offset) are also in `_tail`, dense
+        self._tail: tuple[mx.array, mx.array] | None = None  # (B, n_kv_heads, ·, head_dim) each
 
     @property
     def held(self) -> int:
         """Valid positions in the buffers (the first `held`)."""
         return self.offset
 
+    @property
+    def tail(self) -> tuple[mx.array, mx.array] | None:
+        self._settle()
+        return self._tail
+
     def claim_one(self) -> tuple[int, int]:
         """Bookkeeping of a one-token write done by a KVBatch: (the slot it goes to, valid
-        slots after it)."""
+        slots after it); a tail whose block it fills starts again after it."""
         self.offset += 1
+        if self.tailed and self.offset % self.step == 0:
+            self.tail_start = self.offset
         return self.offset - 1, self.offset
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Stored, Stored]:
+    def update_and_fetch(
+        self, keys: mx.array, values: mx.array
+    ) -> tuple[Stored | Tailed, Stored | Tailed]:
         # keys/values: (B, n_kv_heads, T, head_dim); returned as the store holds them
         self._settle()
         prev, st = self.offset, self.store
+        dense = (keys, values)
         keys, values = st.take(keys), st.take(values)  # quantized once, if the store is
         t = keys.shape[2]
         if self.keys is None or prev + t > self.keys.shape[2]:
@@ -89,7 +105,30 @@ class KVCache(_Lendable):
         self.offset += t
         self.keys[..., prev : self.offset, :] = keys
         self.values[..., prev : self.offset, :] = values
+        if self.tailed:
+            return self._grow_tail(*dense)
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def _grow_tail(self, k: mx.array, v: mx.array) -> tuple[Stored | Tailed, Stored | Tailed]:
+        """The new positions' dense k, v onto the tail, which keeps only the newest block's
+        positions; what attention reads: the quantized ones before the tail, then the tail."""
+        if self._tail is not None:
+            k, v = (mx.concatenate([a, b], axis=2) for a, b in zip(self._tail, (k, v), strict=True))
+        block = self.offset // self.step * self.step
+        if block > self.tail_start:  # a block filled: its positions stay quantized only
+            k, v = k[..., block - self.tail_start :, :], v[..., block - self.tail_start :, :]
+            self.tail_start = block
+        self._tail = (mx.array(k), mx.array(v)) if k.shape[2] else None  # not the chunk's view
+        return self._read()
+
+    def _read(self) -> tuple[Stored | Tailed, Stored | Tailed]:
+        ts, n = self.tail_start, self.offset
+        if self._tail is None:
+            return self.keys[..., :n, :], self.values[..., :n, :]
+        if ts == 0:
+            return self._tail
+        tk, tv = self._tail
+        return Tailed(self.keys[..., :ts, :], tk), Tailed(self.values[..., :ts, :], tv)
 
     @property
     def trimmable(self) -> int:
@@ -107,29 +146,70 @@ class KVCache(_Lendable):
         """Nothing to keep: a KV cache returns to any position it holds."""
 
     def trim(self, n: int) -> int:
-        """Forget the last `n` positions (for reusing a common prefix); returns how many."""
+        """Forget the last `n` positions (for reusing a common prefix); returns how many. The
+        tail keeps what is left of it (positions before it stay quantized only)."""
         self._settle()
         n = min(self.offset, n)
         self.offset -= n
+        if self.tailed:
+            keep = self.offset - self.tail_start
+            if keep <= 0:
+                self.tail_start, self._tail = self.offset, None
+            elif self._tail is not None:
+                self._tail = tuple(a[..., :keep, :] for a in self._tail)
         return n
 
     @property
     def state(self) -> list[mx.array]:
-        return self.store.arrays(self.keys) + self.store.arrays(self.values)
+        quantized = self.store.arrays(self.keys) + self.store.arrays(self.values)
+        return quantized + list(self.tail or ())
 
     def export(self) -> tuple[dict, dict[str, mx.array]]:
-        """(facts, arrays) a file can hold: the valid positions' keys and values."""
+        """(facts, arrays) a file can hold: the valid positions' keys and values (and the
+        tail's dense copies)."""
         arrays = {}
         if self.offset:
             put(arrays, "k", self.store, self.keys[..., : self.offset, :])
             put(arrays, "v", self.store, self.values[..., : self.offset, :])
-        return {"kind": "kv", "offset": self.offset}, arrays
+        if self.tail is not None:
+            arrays["tk"], arrays["tv"] = self.tail
+        facts = {"kind": "kv", "offset": self.offset, "tail_start": self.tail_start}
+        return facts, arrays
 
     def restore(self, facts: dict, arrays: dict[str, mx.array]) -> None:
-        """Become the cache `export` described (this one fresh, in the same format)."""
+        """Become the cache `export` described (this one fresh, in the same format;
+        ValueError: not what a KV cache exported)."""
+        kind(facts, "kv")
         self.offset = int(facts["offset"])
         if self.offset:
             self.keys, self.values = take(arrays, "k", self.store), take(arrays, "v", self.store)
+            check_pair(self.keys, self.values, self.offset)
+        self.tail_start = int(facts.get("tail_start", self.offset))
+        n = self.offset - self.tail_start
+        if not self.tailed or n <= 0:
+            if n < 0 or "tk" in arrays:
+                raise ValueError(f"a tail from {self.tail_start} after {self.offset} positions")
+            self.tail_start = self.offset if self.tailed else 0
+            return
+        if n >= self.step:
+            raise ValueError(f"a tail of {n} positions, more than a block")
+        self._tail = (arrays["tk"], arrays["tv"])
+        check_pair(*self._tail, n)
+        if self._tail[0].shape[2] != n:
+            raise ValueError(f"a tail of {self._tail[0].shape[2]} positions, not {n}")
+
+
+def kind(facts: dict, want: str) -> None:
+    if facts.get("kind") != want:
+        raise ValueError(f"a {facts.get('kind')!r} layer where this model has a {want!r} one")
+
+
+def check_pair(keys: Stored, values: Stored, positions: int) -> None:
+    """ValueError unless keys and values are one sequence's (1, n_kv_heads, ≥ positions, ·)."""
+    if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+        raise ValueError(f"keys {keys.shape} and values {values.shape} do not pair")
+    if keys.shape[0] != 1 or keys.shape[2] < positions:
+        raise ValueError(f"keys {keys.shape} do not hold {positions} positions of one sequence")
 
 
 def put(arrays: dict[str, mx.array], name: str, store: Store, x: Stored) -> None:
@@ -380,17 +460,23 @@ class RotatingKVCache(_Lendable):
 
     def restore(self, facts: dict, arrays: dict[str, mx.array]) -> None:
         """Become the ring `export` described (this one fresh, of the same window and format)."""
+        kind(facts, "ring")
         if int(facts["window"]) != self.window:
             raise ValueError(f"window {facts['window']}, not {self.window}")
         st = self.store
         self.offset, self._size = int(facts["offset"]), int(facts["size"])
+        if not 0 <= self._size <= min(self.window, self.offset):
+            raise ValueError(f"{self._size} slots held after {self.offset} positions")
         if self._size:
             self.keys, self.values = take(arrays, "k", st), take(arrays, "v", st)
+            check_pair(self.keys, self.values, self._size)
         self._idx = self._size % self.window
         self._snapshots = [
             (int(o), int(n), take(arrays, f"s{i}k", st), take(arrays, f"s{i}v", st))
             for i, (o, n) in enumerate(facts["snapshots"])
         ]
+        for _, n, k, v in self._snapshots:
+            check_pair(k, v, n)
 
     @property
     def state(self) -> list[mx.array]:

@@ -3,7 +3,8 @@
 A new prompt takes over the entry sharing its longest prefix, rewound to that prefix
 (`mlxlis.cache.rewind`: KV caches to any position, recurrent states and rotated rings to a
 snapshot), and prefills only the rest; `note` says how much the latest `take` reused and why
-it stopped there. LRU, at most `max_bytes` (snapshots counted) and `max_entries` (a
+it stopped there. Only an entry in the prompt's KV format is taken (a server's requests may
+each ask for their own). LRU, at most `max_bytes` (snapshots counted) and `max_entries` (a
 ChatSession keeps one: its conversation).
 """
 
@@ -16,9 +17,12 @@ from collections.abc import Callable
 from mlxlis.cache.base import Cache
 from mlxlis.cache.disk import DiskCache
 from mlxlis.cache.rewind import common_prefix, reachable, rewind, short_of
+from mlxlis.cache.store import KVFormat, format_of
 
 # (entry key, its caches, the ids they hold, the position wanted) -> the position reached
 Rewind = Callable[[int, list[Cache], int, int], int]
+# (the ids its caches hold, the caches, their bytes, their KV format)
+Entry = tuple[tuple[int, ...], list[Cache], int, KVFormat | None]
 # keys unique in the process: a pipeline's other ranks keep every prefix cache's entries by key
 _KEYS = itertools.count()
 
@@ -47,7 +51,7 @@ class PrefixCache:
         self.disk, self.write_through = disk, write_through
         self.max_entries = max_entries
         self.on_drop = on_drop
-        self._entries: OrderedDict[int, tuple[tuple[int, ...], list[Cache], int]] = OrderedDict()
+        self._entries: OrderedDict[int, Entry] = OrderedDict()
         self.bytes = 0  # held now: a plain int, so other threads (/health) read it safely
         self.note = ""  # what the latest `take` reused, and why no more (a request's log line)
         self._refused = ""  # why the latest caches offered were not kept
@@ -62,36 +66,36 @@ class PrefixCache:
                 self._refused = f"the last caches offered ({size >> 20} MiB) were over its bound"
             return None
         key = next(_KEYS)
-        self._entries[key] = (tuple(ids), caches, size)
+        self._entries[key] = (tuple(ids), caches, size, format_of(caches))
         self.bytes += size
         while self.bytes > self.max_bytes or (
             self.max_entries is not None and len(self._entries) > self.max_entries
         ):
-            old, (_, _, old_size) = self._entries.popitem(last=False)
+            old, (_, _, old_size, _) = self._entries.popitem(last=False)
             self.bytes -= old_size
             if self.on_drop is not None:
                 self.on_drop(old)
         return key
 
     def take(
-        self, ids: list[int], rewind_to: Rewind = rewind_here
+        self, ids: list[int], kv: KVFormat | None, rewind_to: Rewind = rewind_here
     ) -> tuple[list[Cache] | None, int]:
-        """The caches sharing the longest prefix with `ids` (removed from the store), rewound
-        by `rewind_to` to that prefix (at least one id left to feed); (None, 0) when none
-        helps (the entry tried is dropped)."""
+        """The caches in KV format `kv` sharing the longest prefix with `ids` (removed from
+        the store), rewound by `rewind_to` to that prefix (at least one id left to feed);
+        (None, 0) when none helps (the entry tried is dropped)."""
         best, best_n = None, 0
-        for key, (held, _, _) in self._entries.items():
-            if (n := common_prefix(held, ids)) > best_n:
+        for key, (held, _, _, fmt) in self._entries.items():
+            if fmt == kv and (n := common_prefix(held, ids)) > best_n:
                 best, best_n = key, n
-        path, on_disk = self.disk.best(ids) if self.disk is not None else (None, 0)
-        if on_disk > best_n and (got := self.disk.load(path)) is not None:
+        path, on_disk = self.disk.best(ids, kv) if self.disk is not None else (None, 0)
+        if on_disk > best_n and (got := self.disk.load(path, kv)) is not None:
             caches, held = got
             best, best_n, where = next(_KEYS), common_prefix(held, ids), " (read from disk)"
         elif best is None:
             self.note = self._nothing_shared()
             return None, 0
         else:
-            held, caches, size = self._entries.pop(best)
+            held, caches, size, _ = self._entries.pop(best)
             self.bytes -= size
             where = ""
         position = min(best_n, len(ids) - 1)
@@ -104,7 +108,7 @@ class PrefixCache:
         """Write every entry in memory to the disk tier; how many (0 without one)."""
         if self.disk is None:
             return 0
-        for held, caches, _ in self._entries.values():
+        for held, caches, _, _ in self._entries.values():
             self.disk.write(list(held), caches)
         return len(self._entries)
 
@@ -117,7 +121,7 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every entry."""
         while self._entries:
-            key, (_, _, size) = self._entries.popitem(last=False)
+            key, (_, _, size, _) = self._entries.popitem(last=False)
             self.bytes -= size
             if self.on_drop is not None:
                 self.on_drop(key)

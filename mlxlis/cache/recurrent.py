@@ -81,7 +81,10 @@ class RecurrentCache:
         return {"kind": "recurrent", "offsets": [h[0] for h in held]}, arrays
 
     def restore(self, facts: dict, arrays: dict[str, mx.array]) -> None:
-        """Become the state `export` described (this one fresh)."""
+        """Become the state `export` described (this one fresh; ValueError: not a recurrent
+        layer's)."""
+        if facts.get("kind") != "recurrent":
+            raise ValueError(f"a {facts.get('kind')!r} layer where this model has a recurrent one")
         held = [
             (int(o), arrays.get(f"c{i}"), arrays.get(f"r{i}"))
             for i, o in enumerate(facts["offsets"])

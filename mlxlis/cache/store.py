@@ -11,11 +11,19 @@ the parts directly (`mx.quantized_matmul`, models/attention.py).
 Quantization is per position (groups of `group_size` along head_dim), so quantizing a chunk
 and quantizing its positions one by one give the same bits: rewinds, rings and batches move
 quantized positions around without ever requantizing them.
+
+A full-attention cache in a format with `tail` (the default) also keeps its newest block (the
+positions since the last multiple of KVCache.step) in full precision until the block fills,
+and attends over them in that form: a `Tailed` pair of the quantized positions before it and
+the dense ones. Measured on the catalog models at 2 248 tokens (200 in the tail), it cut the
+KL divergence from dense KV's next-token distribution 3-50x at 8 bits and 2.5-8x at 4 bits
+(README, "Long contexts"), for ≤ 255 dense positions a layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from mlxlis.errors import MlxlisError
 
@@ -31,6 +39,7 @@ class KVFormat:
 
     bits: int = 8
     group_size: int = 64
+    tail: bool = True  # the newest block of full-attention positions kept in full precision
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:
@@ -55,7 +64,8 @@ class KVFormat:
         return self.bits / 8 + 2 * dtype.size / self.group_size
 
     def __str__(self) -> str:
-        return f"{self.bits}-bit (groups of {self.group_size})"
+        plain = "" if self.tail else ", no full-precision tail"
+        return f"{self.bits}-bit (groups of {self.group_size}{plain})"
 
 
 class QArray:
@@ -101,6 +111,43 @@ class QArray:
     def dequantize(self) -> mx.array:
         f = self.fmt
         return mx.dequantize(*self.parts, group_size=f.group_size, bits=f.bits)
+
+
+class Tailed:
+    """One sequence's keys or values in position order: `head` quantized (QArray), then the
+    newest `tail` in full precision, each (B, n_kv_heads, ·, head_dim). Indexing takes the
+    first positions only (`x[:, :, :end]`, what attention's query blocks do)."""
+
+    __slots__ = ("head", "tail")
+
+    def __init__(self, head: QArray, tail: mx.array):
+        self.head, self.tail = head, tail
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, n, dim = self.head.shape
+        return (*lead, n + self.tail.shape[2], dim)
+
+    @property
+    def ndim(self) -> int:
+        return 4
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.tail.dtype
+
+    def __getitem__(self, index) -> Tailed | QArray:
+        a, b, c = index
+        if a != slice(None) or b != slice(None) or c.start is not None or c.step is not None:
+            raise IndexError("a Tailed array takes only [:, :, :end]")
+        n = self.head.shape[2]
+        end = self.shape[2] if c.stop is None else c.stop
+        if end <= n:
+            return self.head[:, :, :end]
+        return Tailed(self.head, self.tail[:, :, : end - n])
+
+    def dequantize(self) -> mx.array:
+        return mx.concatenate([self.head.dequantize(), self.tail], axis=2)
 
 
 Stored = mx.array | QArray
@@ -193,6 +240,23 @@ class QuantizedStore(Store):
 
 DENSE = Store()
 
+# what a request asks for: a KVFormat, None (dense: full precision) or "model" (the model's)
+KVChoice = KVFormat | None | Literal["model"]
+
 
 def store_for(fmt: KVFormat | None) -> Store:
     return DENSE if fmt is None else QuantizedStore(fmt)
+
+
+def resolve(choice: KVChoice, own: KVFormat | None) -> KVFormat | None:
+    """The format a request's caches take: its choice, or the model's `own` (None: dense)."""
+    return own if choice == "model" else choice
+
+
+def format_of(caches: list) -> KVFormat | None:
+    """The KV format of a sequence's caches (their KV layers'; None: dense, or none has KV)."""
+    for c in caches:
+        store = getattr(c, "store", None)
+        if store is not None:
+            return store.fmt
+    return None

@@ -79,7 +79,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         choices=(8, 4),
         default=None,
         help="store the KV cache quantized at 8 or 4 bits (MLX affine) and attend on it in "
-        "that form: about 1.9x / 3.6x the context of float16 in the same memory (default: dense)",
+        "that form, the newest block of up to 255 positions in full precision: about 1.9x / "
+        "3.6x the context of float16 in the same memory (default: dense)",
     )
     p.add_argument(
         "--kv-group-size",

@@ -494,7 +494,7 @@ def serve_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="also keep finished requests' caches as files in DIR, read back when a later "
         "prompt shares their start, across restarts (default: memory only); one folder per "
-        "model and KV format: files another one wrote there are deleted as foreign",
+        "model (any KV formats): files another model wrote there are deleted as foreign",
     )
     p.add_argument(
         "--prefix-cache-disk-gb",

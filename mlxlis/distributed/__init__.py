@@ -24,7 +24,7 @@ from mlxlis.distributed.split import (
     plan_parts,
 )
 from mlxlis.distributed.stage import PipelineNet
-from mlxlis.errors import PipelineError, UnsupportedError
+from mlxlis.errors import PipelineError, TooLargeError, UnsupportedError
 from mlxlis.runtime.memory import memory_budget
 
 import mlx.core as mx
@@ -68,6 +68,7 @@ class Pipeline:
         if self.ranks is None:
             if self.split is not None:
                 check_split(self.split, layers, 1)
+            check_lone_fit(sum(sizes.values()), what)
             return None
         check_pipelinable(cfg, what)
         ranks = self.ranks
@@ -95,6 +96,21 @@ class Pipeline:
         """Every rank has loaded its share (an untimed wait: loads differ in length)."""
         if self.ranks is not None:
             self.ranks.barrier()
+
+
+def check_lone_fit(stored: int, what: str) -> None:
+    """TooLargeError when the weights as stored (`stored` bytes: what a load takes at least;
+    made dense or in a wider dtype they take more) exceed the memory this process may fill."""
+    budget = memory_budget()
+    if stored > budget:
+        gib = 2**30
+        raise TooLargeError(
+            f"its weights take {stored / gib:.2f} GiB as stored, more than the "
+            f"{budget / gib:.2f} GiB this process may fill (the GPU's working set, or the free "
+            "memory; MLXLIS_MAX_MEMORY caps it): use a smaller quantization, or split it across "
+            "machines with mlx.launch",
+            path=what,
+        )
 
 
 def check_pipelinable(cfg: Any, what: str) -> None:

@@ -33,7 +33,7 @@ import contextlib
 import json
 from collections.abc import Iterator, Sequence
 
-from mlxlis.cache import Cache, reachable, rewind
+from mlxlis.cache import Cache, KVFormat, reachable, rewind
 from mlxlis.cache.prefix import PrefixCache
 from mlxlis.distributed.group import Ranks
 from mlxlis.distributed.stage import PipelineNet
@@ -67,14 +67,16 @@ class LeaderSteps(LocalSteps):
         with self.ranks.waiting():
             self.ranks.broadcast(json.dumps(step).encode())
 
-    def admit(self, rid: int, ids: list[int]) -> tuple[list[Cache], int, str]:
+    def admit(self, rid: int, ids: list[int], kv: KVFormat | None) -> tuple[list[Cache], int, str]:
+        """(Every rank's caches are in the model's format: the core refuses another `kv`.)"""
+
         def agreed(key: int, caches: list, held: int, position: int) -> int:
             with collective():
                 self._tell(take=[key, rid, held, position])
                 with self.ranks.waiting():
                     return take(self.ranks, caches, held, position)
 
-        caches, reused = self.prefix.take(ids, agreed)
+        caches, reused = self.prefix.take(ids, kv, agreed)
         if caches is not None:
             return caches, reused, self.prefix.note
         caches = self.model.make_cache()

@@ -37,6 +37,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from mlxlis.cache import Cache
+from mlxlis.cache.store import KVChoice, resolve
 from mlxlis.errors import MlxlisError, PipelineError
 from mlxlis.generation.events import Event, Usage
 from mlxlis.generation.processors import LogitsProcessor, processors_for
@@ -70,6 +71,7 @@ class Request:
     # shares when its template re-renders this reply differently; () : the prompt's end
     snapshot_at: tuple[int, ...] = ()
     speculation: Speculation | None = None  # draft and verify (speculative.py); None: plainly
+    kv_format: KVChoice = "model"  # its caches' keys and values: the model's format, or this
 
 
 class Sequence:
@@ -88,6 +90,7 @@ class Sequence:
         self.id = next(_IDS) if rid is None else rid
         self.req = req
         self.caches = caches
+        self.kv = resolve(req.kv_format, model.kv_format)  # its caches' format (None: dense)
         self.fed = list(held)  # ids the caches hold
         self.todo = list(todo)  # prompt ids not prefilled yet
         self.history = self.fed + self.todo  # the prompt, then each generated token
@@ -198,6 +201,14 @@ class Sequence:
         return ev
 
 
+def by_format(seqs: list[Sequence]) -> list[list[Sequence]]:
+    """`seqs` in groups of one KV format each (a request may ask for its own), in order."""
+    groups: dict[object, list[Sequence]] = {}
+    for s in seqs:
+        groups.setdefault(s.kv, []).append(s)
+    return list(groups.values())
+
+
 class Core:
     """Runs the sequences of one model, a step at a time, through a Steps object."""
 
@@ -219,6 +230,14 @@ class Core:
             raise MlxlisError(
                 "speculative decoding of a pipelined model is not supported", field="speculative"
             )
+        if req.kv_format != "model":
+            own = self.model.kv_format
+            if self.model.part is not None and resolve(req.kv_format, own) != own:
+                raise MlxlisError(
+                    "a pipelined model's caches take the format it was started with",
+                    field="kv_format",
+                )
+            self.model.check_kv(req.kv_format)
         if caches is not None:
             if self.model.part is not None:  # the other ranks' caches follow admitted ones only
                 raise MlxlisError(
@@ -226,7 +245,8 @@ class Core:
                 )
             return Sequence(req, self.model, caches, held, req.prompt)
         rid = next(_IDS)
-        caches, reused, note = self.steps.admit(rid, list(req.prompt))
+        kv = resolve(req.kv_format, self.model.kv_format)
+        caches, reused, note = self.steps.admit(rid, list(req.prompt), kv)
         seq = Sequence(req, self.model, caches, req.prompt[:reused], req.prompt[reused:], rid)
         seq.usage.reuse_note = note
         return seq
@@ -248,11 +268,18 @@ class Core:
         logits = None
         if going:
             try:
-                logits = self.steps.run(
-                    [s.id for s in going],
-                    [s.caches for s in going],
-                    mx.concatenate([s.pending for s in going]),
-                    "decode",
+                groups = by_format(going)  # caches of one format stack into one batch
+                going = [s for g in groups for s in g]
+                logits = mx.concatenate(
+                    [
+                        self.steps.run(
+                            [s.id for s in g],
+                            [s.caches for s in g],
+                            mx.concatenate([s.pending for s in g]),
+                            "decode",
+                        )
+                        for g in groups
+                    ]
                 )
                 mx.async_eval(logits)
             except PipelineError:

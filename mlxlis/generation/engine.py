@@ -25,11 +25,12 @@ import atexit
 import queue
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 
 from mlxlis.cache.disk import DiskCache
 from mlxlis.cache.prefix import PrefixCache
+from mlxlis.cache.store import KVChoice, KVFormat, resolve
 from mlxlis.errors import MlxlisError, PipelineError
 from mlxlis.generation.core import Core, Request, Sequence
 from mlxlis.generation.events import Event, Usage
@@ -63,19 +64,35 @@ class TooLongForMemoryError(MlxlisError):
 @dataclass(frozen=True)
 class MemoryPlan:
     """What the engine's requests may hold: `room` bytes for their caches (the budget less the
-    weights and the prefix cache's bound), each request's caches as `footprint` says for its
-    prompt + max_tokens. The caches of requests decoding together are stacked padded to the
-    longest (cache/batch.py), so n requests reserve n times the longest one's."""
+    weights and the prefix cache's bound), each request's caches as the footprint of its KV
+    format says for its prompt + max_tokens (`footprint`: the model's own format `kv`;
+    `formats`: the others a request may ask for). The caches of requests of one format
+    decoding together are stacked padded to the longest (cache/batch.py), so n of them
+    reserve n times the longest one's."""
 
     footprint: Footprint
     room: int
     context: int  # a request's tokens when its max_tokens is unset
+    kv: KVFormat | None = None
+    formats: Mapping[KVFormat | None, Footprint] = field(default_factory=dict)
+
+    def of(self, choice: KVChoice) -> Footprint:
+        kv = resolve(choice, self.kv)
+        if kv == self.kv:
+            return self.footprint
+        if kv not in self.formats:
+            raise MlxlisError(f"no memory plan for KV format {kv or 'dense'}", field="kv_format")
+        return self.formats[kv]
 
     def need(self, reqs: list[Request]) -> int:
-        if not reqs:
-            return 0
-        longest = max(len(r.prompt) + (r.params.max_tokens or self.context) for r in reqs)
-        return len(reqs) * self.footprint.kv_bytes(min(longest, self.context))
+        groups: dict[KVFormat | None, list[Request]] = {}
+        for r in reqs:
+            groups.setdefault(resolve(r.kv_format, self.kv), []).append(r)
+        total = 0
+        for kv, rs in groups.items():
+            longest = max(len(r.prompt) + (r.params.max_tokens or self.context) for r in rs)
+            total += len(rs) * self.of(kv).reserve(min(longest, self.context))
+        return total
 
 
 class Stream:

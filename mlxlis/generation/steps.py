@@ -22,6 +22,7 @@ from typing import Protocol
 
 from mlxlis.cache import Cache, snapshot
 from mlxlis.cache.prefix import PrefixCache
+from mlxlis.cache.store import KVFormat
 from mlxlis.models.model import Model
 from mlxlis.models.network import Network
 
@@ -31,10 +32,10 @@ PREFILL_CHUNK = 512  # prompt tokens per step (a pipeline's ranks overlap on the
 
 
 class Steps(Protocol):
-    def admit(self, rid: int, ids: list[int]) -> tuple[list[Cache], int, str]:
-        """Caches for request `rid` whose prompt is `ids`: a prefix-cache entry rewound to the
-        longest prefix it shares with `ids`, else fresh ones; how many ids they hold; and why
-        that many (PrefixCache.note)."""
+    def admit(self, rid: int, ids: list[int], kv: KVFormat | None) -> tuple[list[Cache], int, str]:
+        """Caches in KV format `kv` for request `rid` whose prompt is `ids`: a prefix-cache
+        entry of that format rewound to the longest prefix it shares with `ids`, else fresh
+        ones; how many ids they hold; and why that many (PrefixCache.note)."""
         ...
 
     def run(
@@ -62,10 +63,10 @@ class LocalSteps:
         self.model = model
         self.prefix = prefix
 
-    def admit(self, rid: int, ids: list[int]) -> tuple[list[Cache], int, str]:
-        caches, reused = self.prefix.take(ids)
+    def admit(self, rid: int, ids: list[int], kv: KVFormat | None) -> tuple[list[Cache], int, str]:
+        caches, reused = self.prefix.take(ids, kv)
         if caches is None:
-            return self.model.make_cache(), 0, self.prefix.note
+            return self.model.make_cache(kv), 0, self.prefix.note
         return caches, reused, self.prefix.note
 
     def run(

@@ -15,13 +15,15 @@ of queries (a prompt being read) multiplies one layer's keys and values dequanti
 that lives for that layer's chunk, because there MLX's quantized products are its own loops
 while dense ones go to BLAS (runtime/blas.py): SmolLM2's 512-token prefill took 4.5 s with
 the packed products and 1.9 s so (1.9 s with dense caches); a single query keeps the packed
-form (as fast as dequantizing, with no copy).
+form (as fast as dequantizing, with no copy). A cache's full-precision tail (store.Tailed)
+is its newest keys: their scores are concatenated after the quantized ones, and the
+probabilities split between the two products.
 """
 
 from __future__ import annotations
 
 from mlxlis.cache import window_mask
-from mlxlis.cache.store import QArray, Stored
+from mlxlis.cache.store import QArray, Stored, Tailed
 from mlxlis.runtime import fastmath
 from mlxlis.runtime.device import device_name
 
@@ -48,9 +50,11 @@ def attend(
     is boolean (T, S), or (B, 1, T, S) per sequence, True = attend. Returns
     (B, n_heads, T, head_dim)."""
     fast = fastmath.enabled()
-    if isinstance(k, QArray) and q.shape[2] > 1 and device_name() == "cpu":
+    packed = isinstance(k, (QArray, Tailed))
+    if packed and q.shape[2] > 1 and device_name() == "cpu":
         k, v = k.dequantize(), v.dequantize()  # this layer's, for this chunk (see above)
-    if cap is None and not fast and not isinstance(k, QArray):
+        packed = False
+    if cap is None and not fast and not packed:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     t, s = q.shape[2], k.shape[2]
     if isinstance(mask, str) and fast and t > QUERY_BLOCK:
@@ -87,9 +91,15 @@ def _explicit(q, k, v, scale, mask, cap, fast) -> mx.array:
     return out.reshape(b, h, t, hd)
 
 
-def _product(x: mx.array, kv: Stored, keys: bool) -> mx.array:
+def _product(x: mx.array, kv: Stored | Tailed, keys: bool) -> mx.array:
     """x (B, n_kv, group, T, ·) times one KV head's keys transposed (`keys`) or its values,
-    broadcast over the group; quantized operands multiply in their packed form."""
+    broadcast over the group; quantized operands multiply in their packed form, a tailed one
+    in its two parts (scores side by side; probabilities split at the tail)."""
+    if isinstance(kv, Tailed):
+        if keys:
+            return mx.concatenate([_product(x, kv.head, True), _product(x, kv.tail, True)], -1)
+        n = kv.head.shape[2]
+        return _product(x[..., :n], kv.head, False) + _product(x[..., n:], kv.tail, False)
     if isinstance(kv, QArray):
         f = kv.fmt
         parts = [p[:, :, None] for p in kv.parts]

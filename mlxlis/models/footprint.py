@@ -4,7 +4,8 @@ refused before anything is allocated (runtime/memory.py gives the budget).
 
 The caches' sizes come from the caches themselves, not from a formula per family: one token is
 fed through fresh caches in the model's KV format and each cache is measured. A full-attention
-layer's KV cache then holds `step` positions (bytes per position = its bytes / step); a
+layer's KV cache then holds `step` positions (bytes per position = its bytes / step; its
+full-precision tail, if it has one, this one position: the tail's bytes per position); a
 sliding-window ring holds at most `window` positions, plus its snapshots' copies of the window;
 a recurrent layer's state has one size whatever the length, plus its snapshots.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxlis.cache import KVCache, RecurrentCache, RotatingKVCache
+from mlxlis.cache.store import KVChoice
 from mlxlis.models.model import Model
 
 import mlx.core as mx
@@ -30,18 +32,26 @@ class Footprint:
     per_token: int  # KV bytes each position adds on full-attention layers
     rings: tuple[tuple[int, int], ...]  # (window, bytes per position) of each sliding layer
     fixed: int  # bytes whatever the length: recurrent states and their snapshots
+    tail: int = 0  # bytes per position of the full-precision tails (the newest block's)
 
     def kv_bytes(self, tokens: int) -> int:
-        """One sequence's cache bytes after `tokens` positions (prompt and reply)."""
+        """One sequence's cache bytes after exactly `tokens` positions (prompt and reply)."""
         rings = sum(min(tokens, w) * b for w, b in self.rings) * RING_COPIES
-        return self.per_token * tokens + rings + self.fixed
+        tail = self.tail * (tokens % KVCache.step)
+        return self.per_token * tokens + rings + self.fixed + tail
+
+    def reserve(self, tokens: int) -> int:
+        """The most one sequence's caches hold on the way to `tokens` positions (a tail is
+        largest just before its block fills)."""
+        filled = tokens // KVCache.step * KVCache.step - 1  # the last such point before it
+        return max(self.kv_bytes(tokens), self.kv_bytes(filled) if filled > 0 else 0)
 
     def max_context(self, room: int, limit: int) -> int:
         """The longest context (≤ limit) whose caches fit in `room` bytes; 0 if none does."""
         lo, hi = 0, limit
-        while lo < hi:  # kv_bytes grows with the length: the largest that fits
+        while lo < hi:  # reserve grows with the length: the largest that fits
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.kv_bytes(mid) <= room else (lo, mid - 1)
+            lo, hi = (mid, hi) if self.reserve(mid) <= room else (lo, mid - 1)
         return lo
 
 
@@ -55,19 +65,21 @@ def weight_bytes(model: Model) -> int:
     return sum(weight_arrays(model).values())
 
 
-def footprint(model: Model) -> Footprint:
-    """Measured on one token fed through fresh caches (in the model's KV format)."""
-    caches = model.make_cache()
+def footprint(model: Model, kv: KVChoice = "model") -> Footprint:
+    """Measured on one token fed through fresh caches (in the model's KV format, or `kv`)."""
+    caches = model.make_cache(kv)
     mx.eval(model.net(mx.array([[0]], mx.int32), cache=caches, last_only=True))
-    per_token, rings, fixed = 0, [], 0
+    per_token, rings, fixed, tail = 0, [], 0, 0
     for c in caches:
         size = sum(a.nbytes for a in c.state)
         if isinstance(c, RotatingKVCache):
             rings.append((c.window, size // c.keys.shape[2]))
-        elif isinstance(c, KVCache):
-            per_token += size // c.keys.shape[2]
+        elif isinstance(c, KVCache):  # a tail holds this one position, dense, too
+            tail_bytes = sum(a.nbytes for a in c.tail or ())
+            per_token += (size - tail_bytes) // c.keys.shape[2]
+            tail += tail_bytes
         elif isinstance(c, RecurrentCache):
             fixed += size * (1 + RecurrentCache.SNAPSHOTS)
         else:  # a kind of cache this module does not know: counted as it stands
             fixed += size
-    return Footprint(weight_bytes(model), per_token, tuple(rings), fixed)
+    return Footprint(weight_bytes(model), per_token, tuple(rings), fixed, tail)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxlis.cache import Cache, KVFormat
+from mlxlis.cache.store import KVChoice, resolve
 from mlxlis.errors import MlxlisError, NoChatTemplateError
 from mlxlis.loading.hub import display_name
 from mlxlis.models.config import ModelConfig
@@ -73,28 +74,34 @@ class Model:
         """This process's rank when the model runs pipelined under a launcher, else 0."""
         return self.part.rank if self.part is not None else 0
 
-    def make_cache(self) -> list[Cache]:
-        return self.net.make_cache(self.kv_format)
+    def make_cache(self, kv: KVChoice = "model") -> list[Cache]:
+        """Fresh caches of one sequence, in the model's KV format or the one `kv` names."""
+        return self.net.make_cache(resolve(kv, self.kv_format))
+
+    def check_kv(self, kv: KVChoice) -> None:
+        """MlxlisError (naming the field) where `kv`'s groups do not divide a head dimension."""
+        try:
+            self.net.make_cache(resolve(kv, self.kv_format))  # checks; allocates nothing
+        except MlxlisError as e:
+            message = str(e).removeprefix(f"{e.field}: ")
+            raise MlxlisError(message, path=self.path, field=e.field) from None
 
     def cache_key(self) -> str:
-        """Names the caches this model makes: its file (path, size, modification time), dtype,
-        weight form and KV format — a cache saved under another key is not this model's."""
+        """Names the caches this model makes: its file (path, size, modification time), dtype
+        and weight form — a cache saved under another key is not this model's (each saved
+        cache also says its KV format)."""
         try:
             st = self.path.stat()
             stamp = f"{st.st_size}:{st.st_mtime_ns}"
         except OSError:
             stamp = "?"
-        key = f"{self.path}|{stamp}|{self.dtype}|{self.quant_summary}|{self.kv_format or 'dense'}"
+        key = f"{self.path}|{stamp}|{self.dtype}|{self.quant_summary}"
         return "kv_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def set_kv_format(self, kv: KVFormat | None) -> None:
         """Store every request's keys and values quantized in `kv` from now on (None: dense);
         refused (MlxlisError) where the groups do not divide a head dimension."""
-        try:
-            self.net.make_cache(kv)  # checks the head dimensions; allocates nothing
-        except MlxlisError as e:
-            message = str(e).removeprefix(f"{e.field}: ")
-            raise MlxlisError(message, path=self.path, field=e.field) from None
+        self.check_kv(kv)
         self.kv_format = kv
 
     def logits(self, ids: Sequence[int]) -> mx.array:

@@ -99,6 +99,8 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = None  # older clients still send these; honoured when present
     top_p: float | None = None
     top_k: int | None = None
+    kv_bits: int | None = None  # mlxlis' extension: this request's KV cache format
+    kv_group_size: int | None = None
 
 
 def bad(message: str, param: str) -> APIError:
@@ -228,7 +230,7 @@ def to_chat(req: CountTokensRequest, thinks: bool) -> ChatCompletionRequest:
         }
     if isinstance(req, MessagesRequest):
         body["max_tokens"] = req.max_tokens
-        for name in ("temperature", "top_p", "top_k"):
+        for name in ("temperature", "top_p", "top_k", "kv_bits", "kv_group_size"):
             if (v := getattr(req, name)) is not None:
                 body[name] = v
         if req.stop_sequences:

@@ -22,6 +22,8 @@ OPTIONS = {
     "repeat_penalty": "repetition_penalty",
     "num_predict": "max_tokens",
     "stop": "stop",
+    "kv_bits": "kv_bits",  # mlxlis' extension: this request's KV cache format
+    "kv_group_size": "kv_group_size",
 }
 # the chat request's parameter names as this API calls them (in refusals), first match wins
 NAMES = {
@@ -42,6 +44,8 @@ class Options(_Body):
     repeat_penalty: float | None = None
     num_predict: int | None = None
     stop: list[str] | None = None
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
     # accepted and ignored: every request is bounded by the server's context (--max-context)
     num_ctx: int | None = None
 

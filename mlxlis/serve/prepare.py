@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from mlxlis.cache.store import BITS, KVChoice, KVFormat
 from mlxlis.errors import MlxlisError, NoChatTemplateError, TemplateError
 from mlxlis.generation.constraints import ConstraintError, constraint
 from mlxlis.generation.context import ContextOverflow, fit_context
@@ -71,6 +72,31 @@ def sampling(
     except SamplingError as e:
         param = max_field if e.field == "max_tokens" else e.field
         raise bad(f"{param}: {str(e).split(': ', 1)[-1]}", param) from None
+
+
+def kv_choice(t: Target, req: _Sampling) -> KVChoice:
+    """The request's KV format (extension fields kv_bits: 4, 8, or 16 for full precision;
+    kv_group_size, by default the server's or 64), or "model": the server's --kv-bits."""
+    bits, group, own = req.kv_bits, req.kv_group_size, t.model.kv_format
+    if bits is None and group is None:
+        return "model"
+    if bits is not None and bits not in (*BITS, 16):
+        raise bad(f"kv_bits: must be 4, 8 or 16 (full precision), not {bits}", "kv_bits")
+    if bits == 16 and group is not None:
+        raise bad("kv_group_size: only with kv_bits 4 or 8", "kv_group_size")
+    if bits is None and own is None:
+        raise bad("kv_group_size: needs kv_bits (the server's KV cache is dense)", "kv_group_size")
+    kv: KVFormat | None = None
+    try:
+        if bits != 16:
+            kv = KVFormat(bits or own.bits, group or (own.group_size if own else 64))
+        if kv != own and t.model.part is not None:
+            raise MlxlisError("a pipelined model's caches keep its --kv-bits", field="kv_bits")
+        t.model.check_kv(kv)
+    except MlxlisError as e:
+        why = str(e).split(f"{e.field}: ", 1)[-1]
+        raise bad(f"{e.field}: {why}", e.field) from None
+    return "model" if kv == own else kv
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -218,6 +244,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         processors=masks(t, req, prompt + forced, call_grammar),
         snapshot_at=turn_start(model, messages, ids, **variables),  # where the next turn parts
         speculation=t.speculation,
+        kv_format=kv_choice(t, req),
     )
     return Prepared(gen, prompt, tools, fmt, forced)
 
@@ -259,6 +286,7 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
         top_logprobs=req.logprobs,
         processors=masks(t, req),
         speculation=t.speculation,
+        kv_format=kv_choice(t, req),
     )
     return Prepared(gen, None, None)
 

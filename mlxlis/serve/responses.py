@@ -144,6 +144,8 @@ def to_chat(
         ("temperature", "temperature"),
         ("top_p", "top_p"),
         ("parallel_tool_calls", "parallel_tool_calls"),
+        ("kv_bits", "kv_bits"),
+        ("kv_group_size", "kv_group_size"),
     ):
         if (v := getattr(req, theirs)) is not None:
             body[ours] = v

@@ -44,6 +44,8 @@ class ResponsesRequest(_Body):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    kv_bits: int | None = None  # mlxlis' extension: this request's KV cache format
+    kv_group_size: int | None = None
     text: Text | None = None
     reasoning: Reasoning | None = None
     store: bool = True

@@ -62,6 +62,8 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's: generate past end-of-sequence tokens (benchmarks)
     response_format: dict[str, Any] | None = None  # structured output (generation/constraints)
+    kv_bits: int | None = None  # mlxlis': this request's KV cache format (4, 8; 16: dense)
+    kv_group_size: int | None = None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -18,12 +18,13 @@ from typing import Any
 
 from mlxlis import __version__
 from mlxlis.cache.disk import DiskCache
+from mlxlis.cache.store import BITS, GROUP_SIZES, KVFormat
 from mlxlis.errors import MlxlisError
 from mlxlis.generation.engine import Engine, MemoryPlan
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import Speculation
 from mlxlis.generation.warmup import warm_up
-from mlxlis.models.footprint import footprint
+from mlxlis.models.footprint import Footprint, footprint
 from mlxlis.runtime import mlx_thread
 from mlxlis.runtime.memory import memory_budget, wire
 from mlxlis.serve.app import State, create_app, log
@@ -105,12 +106,26 @@ def memory_plan(model: Any, opts: ServeOptions) -> MemoryPlan | None:
     model (each rank holds a share of the caches: not checked here)."""
     if model.part is not None:
         return None
-    fp = mlx_thread.shared().submit(lambda: footprint(model)).result()
+    prints = mlx_thread.shared().submit(lambda: footprints(model)).result()
+    fp = prints[model.kv_format]
     budget = memory_budget()
     margin = max(MARGIN_BYTES, budget // 50)
     room = budget - fp.weights - (opts.prefix_cache_mb << 20) - margin
     wire(budget - margin)  # Metal: the weights and caches stay resident (as mlx-lm does)
-    return MemoryPlan(fp, room, model.context_length)
+    return MemoryPlan(fp, room, model.context_length, model.kv_format, prints)
+
+
+def footprints(model: Any) -> dict[KVFormat | None, Footprint]:
+    """The footprint of every KV format a request may ask for (kv_bits, kv_group_size): dense
+    and each quantized one whose groups divide the head dimensions."""
+    out = {}
+    for kv in [None, *(KVFormat(b, g) for b in BITS for g in GROUP_SIZES)]:
+        try:
+            model.check_kv(kv)
+        except MlxlisError:
+            continue
+        out[kv] = footprint(model, kv)
+    return out
 
 
 def disk_cache(model: Any, opts: ServeOptions) -> DiskCache | None:
