@@ -490,6 +490,22 @@ MUTANTS = (
         "batched tails: a row also attends to the quantized copies of its tail's positions",
     ),
     Mutant(
+        "vision-mean-ignored",
+        "mlxlis/prompt/images.py",
+        "return (x - mean) / std",
+        "return (x - 0.5) / std",
+        ("tests/test_gemma3_vision.py",),
+        "image preprocessing: the processor's normalisation mean is not the one read",
+    ),
+    Mutant(
+        "vision-pool-axes",
+        "mlxlis/models/gemma3_vision.py",
+        "pooled = h.reshape(b, t, k, t, k, d).mean(axis=(2, 4))",
+        "pooled = h.reshape(b, k, t, k, t, d).mean(axis=(1, 3))",
+        ("tests/test_gemma3_vision.py",),
+        "Gemma 3's projector pools strided patches instead of each token's square of the grid",
+    ),
+    Mutant(
         "disk-shape-unchecked",
         "mlxlis/cache/kv.py",
         "            check_pair(self.keys, self.values, self.offset)\n",

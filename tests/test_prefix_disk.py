@@ -275,3 +275,21 @@ def test_a_chat_session_saved_resumes_from_its_cache(models, tmp_path):
     assert reply(resumed, "And then?") == reply(cold, "And then?")
     assert resumed.last_reused_tokens > 0 and cold.last_reused_tokens == 0
     assert resumed.last_prompt_tokens == cold.last_prompt_tokens
+
+
+def test_of_entries_sharing_as_much_the_one_that_returns_there_is_taken(models, tmp_path):
+    """Gemma 3's rings (window 8): an entry holding turn 1 and its reply's first token (a
+    snapshot at turn 1's end) put after a longer one sharing turn 1 (its snapshot later): the
+    next turn, sharing turn 1 with both, reuses all of it — from memory, and from disk after
+    a restart — rather than prefilling cold from the longer entry it cannot rewind."""
+    model = models("gemma3")
+    vocab = model.config.vocab_size
+    one = trajectory(60, seed=1, vocab=vocab)
+    longer, reply = one + trajectory(20, seed=2, vocab=vocab), one + [7]
+    nxt = one + [8, 9, 10]
+    warns: list[str] = []
+    cache = tier(tmp_path, model, warns)
+    first_turn(model, cache, longer, 70)
+    first_turn(model, cache, reply, 60)
+    assert cache.take(nxt, None)[1] == 60
+    assert tier(tmp_path, model, warns).take(nxt, None)[1] == 60 and warns == []

@@ -131,10 +131,13 @@ class DiskCache:
 
     def best(self, ids: list[int], kv: KVFormat | None) -> tuple[Path | None, int]:
         """The entry in KV format `kv` sharing the longest prefix with `ids`, and how long."""
-        best, n = None, 0
+        best, n, size = None, 0, 0
         for path, (held, fmt) in self._index.items():
-            if fmt == kv and (k := common_prefix(held, ids)) > n:
-                best, n = path, k
+            if fmt != kv:
+                continue
+            k = common_prefix(held, ids)  # of equals, the one holding least past it (prefix.py)
+            if k > n or (k and k == n and len(held) < size):
+                best, n, size = path, k, len(held)
         return best, n
 
     def load(self, path: Path, kv: KVFormat | None) -> tuple[list[Cache], tuple[int, ...]] | None:
