@@ -34,10 +34,11 @@ LONG = " ".join(f"Item {i}: the river carried {i % 7} boats past the old mill." 
 QWEN = {"name": "qwen", "model": "qwen2.5-coder-0.5b", "prompt": "def fibonacci(n):", "steps": 2}
 SMOL = {"name": "smol", "model": "smollm2-135m", "prompt": "The capital of France is", "steps": 2}
 GEMMA = {"name": "gemma", "model": "gemma3-270m", "prompt": LONG, "steps": 2}
-# the largest model first: its memory is measured from a fresh process; Gemma 3's prompt
-# longer than its window runs on 2 ranks; 3 ranks (a middle rank that receives and sends)
-# run SmolLM2 alone: another family split the same way adds only load time on 2 cores
-JOBS = {2: [QWEN, SMOL, GEMMA], 3: [SMOL]}
+# make test: 2 ranks run SmolLM2 (with the tiny folder and the chat); make test-all adds a
+# launch of the three catalog models ("2-full": the largest first, its memory measured from a
+# fresh process; Gemma 3's prompt longer than its window) and 3 ranks (a middle rank that
+# receives and sends) on SmolLM2: another family split the same way adds only load time
+JOBS = {2: [SMOL], "2-full": [QWEN, SMOL, GEMMA], 3: [SMOL]}
 STEP_BOUND = 1e-4
 
 
@@ -108,13 +109,14 @@ def tiny_job(tiny):
 
 
 @functools.cache
-def _pipelined(n: int, tmp: Path, jobs_json: str) -> Path:
+def _pipelined(n: int | str, tmp: Path, jobs_json: str) -> Path:
     out = tmp / f"ranks-{n}"
     out.mkdir()
     jobs = tmp / f"jobs-{n}.json"
     jobs.write_text(jobs_json)
+    ranks = 2 if n == "2-full" else n
     code, _, err = launch(
-        n, sys.executable, str(HERE / "pipeline_rank.py"), str(jobs), str(out), timeout=150
+        ranks, sys.executable, str(HERE / "pipeline_rank.py"), str(jobs), str(out), timeout=150
     )
     assert code == 0 and "Traceback" not in err, err[-3000:]
     return out
@@ -122,31 +124,41 @@ def _pipelined(n: int, tmp: Path, jobs_json: str) -> Path:
 
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory, tiny_job):
-    """n -> the folder where the ranks of one launch of n wrote their results (2 ranks also
-    run the tiny safetensors model and the chat)."""
-    for job in JOBS[2]:
-        need_pulled(job["model"])
+    """n (2, 3 or "2-full") -> the folder where the ranks of one launch wrote their results
+    (2 ranks also run the tiny safetensors model and the chat)."""
     tmp = tmp_path_factory.mktemp("pipeline")
-    return lambda n: _pipelined(n, tmp, json.dumps(jobs(n, tiny_job) + ([CHAT] if n == 2 else [])))
+
+    def get(n: int | str) -> Path:
+        for job in JOBS[n]:
+            need_pulled(job["model"])
+        return _pipelined(n, tmp, json.dumps(jobs(n, tiny_job) + ([CHAT] if n == 2 else [])))
+
+    return get
 
 
-def jobs(n: int, tiny_job: dict) -> list[dict]:
+def jobs(n: int | str, tiny_job: dict) -> list[dict]:
     return JOBS[n] + ([tiny_job] if n == 2 else [])
 
 
-# 3 ranks (one in the middle): `make test-all` (9 s)
-@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.extended)])
+# the three catalog models on 2 ranks (~40 s) and 3 ranks (one in the middle): `make test-all`
+@pytest.mark.parametrize(
+    "ranks",
+    [
+        2,
+        pytest.param("2-full", marks=pytest.mark.extended),
+        pytest.param(3, marks=pytest.mark.extended),
+    ],
+)
 def test_pipelined_steps_equal_the_lone_process(pipelined, tiny_job, ranks):
     """Each step's logits (prefill, then 2 greedy decode steps) from the last rank agree with a
     lone process within 1e-4 in float32 (they come out equal) and rank 0's generation gave the
-    same greedy tokens; the parts cover the layers in order. On 2 ranks Gemma 3's prompt (>512
-    tokens, two prefill chunks) is longer than its sliding window."""
+    same greedy tokens; the parts cover the layers in order. In the full launch Gemma 3's
+    prompt (>512 tokens, two prefill chunks) is longer than its sliding window."""
     out = pipelined(ranks)
+    n = 2 if ranks == "2-full" else ranks
     for job in jobs(ranks, tiny_job):
         tokens, logits, _ = reference(job["model"], job["prompt"], job["steps"])
-        reports = [
-            json.loads((out / f"{job['name']}-rank-{r}.json").read_text()) for r in range(ranks)
-        ]
+        reports = [json.loads((out / f"{job['name']}-rank-{r}.json").read_text()) for r in range(n)]
         if job is GEMMA:  # longer than the sliding window
             assert len(reports[0]["ids"]) > 512
         got = np.load(out / f"{job['name']}-logits.npy")
@@ -160,6 +172,7 @@ def test_pipelined_steps_equal_the_lone_process(pipelined, tiny_job, ranks):
             assert rep["layers"] == list(range(rep["start"], rep["stop"])), job["name"]
 
 
+@pytest.mark.extended  # `make test-all`: the full launch
 def test_each_rank_holds_only_its_share(pipelined):
     """Memory on 2 ranks, Qwen2.5-Coder 0.5B in float32 (dense on CPU: 1.95 GiB of weights in
     one process). Each rank holds the arrays of its own layers only (the parts test checks
@@ -167,7 +180,7 @@ def test_each_rank_holds_only_its_share(pipelined):
     (dense); its resident set peaks at about those arrays, far from the whole model. Measured
     here: rank 0 (layers 0-13) 0.89 GiB of arrays, peak RSS growth 1.03 GiB; rank 1 (layers
     14-23 and the 0.51 GiB head) 1.06 GiB, growth 1.20 GiB."""
-    out = pipelined(2)
+    out = pipelined("2-full")
     job = QWEN
     _, _, whole = reference(job["model"], job["prompt"], job["steps"])
     for r in range(2):

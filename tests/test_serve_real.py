@@ -210,6 +210,7 @@ def test_qwen_strict_tool_arguments_follow_the_schema(qwen):
     jsonschema.validate(json.loads(call.function.arguments), STRICT[0]["function"]["parameters"])
 
 
+@pytest.mark.extended  # `make test-all`: calls parse and render back on tiny templates too
 def test_qwen_tool_call(qwen):
     """Qwen2.5-Coder gets the tool list through its own template and asks for
     get_weather(city="Paris"): message.tool_calls with finish_reason "tool_calls", the same

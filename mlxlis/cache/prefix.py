@@ -83,14 +83,14 @@ class PrefixCache:
         """The caches in KV format `kv` sharing the longest prefix with `ids` (removed from
         the store), rewound by `rewind_to` to that prefix (at least one id left to feed);
         (None, 0) when none helps (the entry tried is dropped)."""
-        best, best_n, best_reach = None, 0, 0
+        best, best_n, best_reach = None, 0, -1
         for key, (held, caches, _, fmt) in self._entries.items():
-            if fmt != kv or not (n := common_prefix(held, ids)) or n < best_n:
+            if fmt != kv or not (n := common_prefix(held, ids)):
                 continue
-            # of entries sharing as much, the one whose layers all return furthest (a ring or
-            # a recurrent state only to its end or a snapshot)
+            # the entry whose layers all return furthest into the prompt (a ring or a recurrent
+            # state only to its end or a snapshot), then the one sharing most
             reach = reachable(caches, min(n, len(ids) - 1))
-            if n > best_n or reach > best_reach:
+            if (reach, n) > (best_reach, best_n):
                 best, best_n, best_reach = key, n, reach
         path, on_disk = self.disk.best(ids, kv) if self.disk is not None else (None, 0)
         if on_disk > best_n and (got := self.disk.load(path, kv)) is not None:
