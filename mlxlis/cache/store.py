@@ -22,13 +22,15 @@ KL divergence from dense KV's next-token distribution 3-50x at 8 bits and 2.5-8x
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from mlxlis.errors import MlxlisError
 
 import mlx.core as mx
 
+T = TypeVar("T")
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 
@@ -251,6 +253,15 @@ def store_for(fmt: KVFormat | None) -> Store:
 def resolve(choice: KVChoice, own: KVFormat | None) -> KVFormat | None:
     """The format a request's caches take: its choice, or the model's `own` (None: dense)."""
     return own if choice == "model" else choice
+
+
+def by_format(items: list[T], kv_of: Callable[[T], KVFormat | None]) -> list[list[T]]:
+    """`items` in groups of one KV format each, in order (the caches of one format stack into
+    one batch; a request may ask for its own)."""
+    groups: dict[KVFormat | None, list[T]] = {}
+    for x in items:
+        groups.setdefault(kv_of(x), []).append(x)
+    return list(groups.values())
 
 
 def format_of(caches: list) -> KVFormat | None:

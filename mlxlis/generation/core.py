@@ -37,7 +37,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from mlxlis.cache import Cache
-from mlxlis.cache.store import KVChoice, resolve
+from mlxlis.cache.store import KVChoice, by_format, resolve
 from mlxlis.errors import MlxlisError, PipelineError
 from mlxlis.generation.events import Event, Usage
 from mlxlis.generation.processors import LogitsProcessor, processors_for
@@ -201,14 +201,6 @@ class Sequence:
         return ev
 
 
-def by_format(seqs: list[Sequence]) -> list[list[Sequence]]:
-    """`seqs` in groups of one KV format each (a request may ask for its own), in order."""
-    groups: dict[object, list[Sequence]] = {}
-    for s in seqs:
-        groups.setdefault(s.kv, []).append(s)
-    return list(groups.values())
-
-
 class Core:
     """Runs the sequences of one model, a step at a time, through a Steps object."""
 
@@ -230,14 +222,14 @@ class Core:
             raise MlxlisError(
                 "speculative decoding of a pipelined model is not supported", field="speculative"
             )
+        kv = resolve(req.kv_format, self.model.kv_format)
         if req.kv_format != "model":
-            own = self.model.kv_format
-            if self.model.part is not None and resolve(req.kv_format, own) != own:
+            if self.model.part is not None and kv != self.model.kv_format:
                 raise MlxlisError(
                     "a pipelined model's caches take the format it was started with",
                     field="kv_format",
                 )
-            self.model.check_kv(req.kv_format)
+            self.model.check_kv(kv)
         if caches is not None:
             if self.model.part is not None:  # the other ranks' caches follow admitted ones only
                 raise MlxlisError(
@@ -245,7 +237,6 @@ class Core:
                 )
             return Sequence(req, self.model, caches, held, req.prompt)
         rid = next(_IDS)
-        kv = resolve(req.kv_format, self.model.kv_format)
         caches, reused, note = self.steps.admit(rid, list(req.prompt), kv)
         seq = Sequence(req, self.model, caches, req.prompt[:reused], req.prompt[reused:], rid)
         seq.usage.reuse_note = note
@@ -268,7 +259,7 @@ class Core:
         logits = None
         if going:
             try:
-                groups = by_format(going)  # caches of one format stack into one batch
+                groups = by_format(going, lambda s: s.kv)
                 going = [s for g in groups for s in g]
                 logits = mx.concatenate(
                     [

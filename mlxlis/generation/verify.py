@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mlxlis.cache.store import by_format
 from mlxlis.errors import MlxlisError
 from mlxlis.generation.events import Event
 
@@ -51,11 +52,8 @@ def propose(s: Sequence, k: int) -> Draft:
 
 def verify(steps: Steps, net, drafts: list[Draft]) -> list[tuple[Sequence, Event]]:
     """Verify every row of `drafts`, then take each one's verdict: the events they made."""
-    formats: dict[object, list[Draft]] = {}  # caches of one KV format stack into one batch
-    for d in drafts:
-        formats.setdefault(d.seq.kv, []).append(d)
-    if len(formats) > 1:
-        return [ev for group in formats.values() for ev in verify(steps, net, group)]
+    if len(groups := by_format(drafts, lambda d: d.seq.kv)) > 1:
+        return [ev for group in groups for ev in verify(steps, net, group)]
     t0 = time.perf_counter()
     batch = len(drafts) > 1 and hasattr(net, "verify_batch")
     if batch and not any(d.seq.spec.wants_hidden for d in drafts):
