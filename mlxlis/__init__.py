@@ -23,6 +23,7 @@ from mlxlis.generation.generate import generate  # noqa: E402
 from mlxlis.generation.sampling import SamplingParams  # noqa: E402
 from mlxlis.generation.session import ChatSession  # noqa: E402
 from mlxlis.models.model import Model  # noqa: E402
+from mlxlis.models.multimodal import Prompt, PromptImage  # noqa: E402
 
 __all__ = [
     "load",
@@ -34,6 +35,8 @@ __all__ = [
     "Usage",
     "SamplingParams",
     "Model",
+    "Prompt",
+    "PromptImage",
     "MlxlisError",
     "errors",
 ]

@@ -14,6 +14,7 @@ class MlxlisError(Exception):
     def __init__(self, message: str, *, path: str | Path | None = None, field: str | None = None):
         self.path = str(path) if path is not None else None
         self.field = field
+        self.message = message  # without the path and field
         parts = []
         if self.path:
             parts.append(self.path)

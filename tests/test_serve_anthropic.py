@@ -19,6 +19,13 @@ import pytest
 
 MODEL = "llama_long"
 HELLO = [{"role": "user", "content": "Hello, world!"}]
+# a 1 x 1 PNG (made by Pillow)
+PNG_SOURCE = {
+    "type": "base64",
+    "media_type": "image/png",
+    "data": "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLv"
+    "AAAAAElFTkSuQmCC",
+}
 WEATHER = {
     "name": "get_weather",
     "description": "Get the weather in a city",
@@ -313,7 +320,8 @@ def test_a_claude_code_shaped_request_is_answered(tiny_server):
 
 
 def test_refusals_name_the_field_in_anthropic_error_shape(client, tiny_server):
-    """A wrong type, a missing max_tokens, an image block, an Anthropic-defined tool and a
+    """A wrong type, a missing max_tokens, a bad image block, an image to a text-only model,
+    an Anthropic-defined tool and a
     budget over max_tokens are 400 invalid_request_error naming the field; an unknown model is
     404 not_found_error; all in `{"type": "error", "error": {type, message}}`."""
     cases = [
@@ -321,7 +329,11 @@ def test_refusals_name_the_field_in_anthropic_error_shape(client, tiny_server):
         ({"max_tokens": None}, "max_tokens"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-            "messages[0].content[0].type",
+            "messages[0].content[0].source.type",
+        ),
+        (  # a well-formed image to a text-only model
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": PNG_SOURCE}]}]},
+            "messages[0].content[0]",
         ),
         ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0].type"),
         ({"thinking": {"type": "enabled", "budget_tokens": 50}}, "thinking.budget_tokens"),

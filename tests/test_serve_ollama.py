@@ -260,7 +260,7 @@ def test_tools_reach_the_template(client):
         ("/api/generate", {"suffix": "return x"}, "suffix"),
         ("/api/generate", {"template": "{{ .Prompt }}"}, "template"),
         ("/api/generate", {"context": [1, 2, 3]}, "context"),
-        ("/api/generate", {"images": ["aGVsbG8="]}, "images"),
+        ("/api/generate", {"images": ["aGVsbG8="]}, "images[0]"),  # a text-only model
         ("/api/generate", {"raw": True, "system": "x"}, "system"),
     ],
 )
@@ -298,11 +298,11 @@ def test_logprobs_as_the_openai_endpoint(client, openai_client):
 
 
 def test_images_and_unknown_models_through_the_client(client):
-    """The client's errors: images on a message are a 400 naming messages[0].images (a text
+    """The client's errors: images on a message are a 400 naming messages[0].images[0] (a text
     model); an unknown model is a 404 worded as Ollama words it."""
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model=MODEL, messages=[{**HELLO[0], "images": ["aGVsbG8="]}])
-    assert e.value.status_code == 400 and e.value.error.startswith("messages[0].images:")
+    assert e.value.status_code == 400 and e.value.error.startswith("messages[0].images[0]:")
     for call in (
         lambda: client.chat(model="nope", messages=HELLO),
         lambda: client.generate(model="nope", prompt="Hi"),

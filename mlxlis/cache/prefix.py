@@ -82,7 +82,8 @@ class PrefixCache:
     ) -> tuple[list[Cache] | None, int]:
         """The caches in KV format `kv` sharing the longest prefix with `ids` (removed from
         the store), rewound by `rewind_to` to that prefix (at least one id left to feed);
-        (None, 0) when none helps (the entry tried is dropped)."""
+        (None, 0) when none helps (an entry that shares ids but cannot return into them stays;
+        one whose rewind fails is dropped)."""
         best, best_n, best_reach = None, 0, -1
         for key, (held, caches, _, fmt) in self._entries.items():
             if fmt != kv or not (n := common_prefix(held, ids)):
@@ -98,6 +99,12 @@ class PrefixCache:
             best, best_n, where = next(_KEYS), common_prefix(held, ids), " (read from disk)"
         elif best is None:
             self.note = self._nothing_shared()
+            return None, 0
+        elif best_reach == 0:  # shared, but no layer returns into it: kept for another prompt
+            held, caches, _, _ = self._entries[best]
+            position = min(best_n, len(ids) - 1)
+            short = short_of(caches, position)
+            self.note = reuse_note(best_n, len(ids), 0, position, 0, short)
             return None, 0
         else:
             held, caches, size, _ = self._entries.pop(best)

@@ -512,6 +512,12 @@ def serve_parser() -> argparse.ArgumentParser:
         help="seconds between the `ping` events of a /v1/messages stream waiting for a place "
         "or reading a long prompt, so that clients and proxies do not time out (default 10)",
     )
+    p.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch the http(s) image URLs requests name (at most 20 MiB, 10 s each); by "
+        "default only data: URLs and base64 images are read, and a URL is refused",
+    )
     return p
 
 
@@ -572,6 +578,7 @@ def run_serve(argv: list[str]) -> int:
                 a.keepalive,
                 a.prefix_cache_dir,
                 a.prefix_cache_disk_gb,
+                a.allow_image_urls,
             ),
         )
 

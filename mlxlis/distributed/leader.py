@@ -37,7 +37,7 @@ from mlxlis.cache import Cache, KVFormat, reachable, rewind
 from mlxlis.cache.prefix import PrefixCache
 from mlxlis.distributed.group import Ranks
 from mlxlis.distributed.stage import PipelineNet
-from mlxlis.errors import PipelineError
+from mlxlis.errors import PipelineError, UnsupportedError
 from mlxlis.generation.steps import LocalSteps, forward
 from mlxlis.models.model import Model
 
@@ -84,8 +84,15 @@ class LeaderSteps(LocalSteps):
         return caches, 0, self.prefix.note
 
     def run(
-        self, rids: Sequence[int], caches: Sequence[list[Cache]], tokens: mx.array, kind: str
+        self,
+        rids: Sequence[int],
+        caches: Sequence[list[Cache]],
+        tokens: mx.array,
+        kind: str,
+        inserts: object = None,
     ) -> mx.array | None:
+        if inserts:  # Model.image_spans refuses a pipelined model's images before this
+            raise UnsupportedError("images with a pipelined model", field="images")
         with collective():
             self._tell(run=[list(rids), tokens.tolist(), kind])  # waits for the sampled ids
             with self.ranks.waiting():

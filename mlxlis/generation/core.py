@@ -47,6 +47,7 @@ from mlxlis.generation.steps import PREFILL_CHUNK, Steps
 from mlxlis.generation.stops import StopMatcher
 from mlxlis.generation.verify import propose, verify
 from mlxlis.models.model import Model
+from mlxlis.models.multimodal import ImageSpan, Inserts, cache_ids
 from mlxlis.runtime.device import peak_memory_bytes
 from mlxlis.tokenizer import StreamDecoder
 
@@ -72,6 +73,9 @@ class Request:
     snapshot_at: tuple[int, ...] = ()
     speculation: Speculation | None = None  # draft and verify (speculative.py); None: plainly
     kv_format: KVChoice = "model"  # its caches' keys and values: the model's format, or this
+    # the images whose placeholder runs the prompt holds (Model.image_spans): each run is fed
+    # in one chunk with its image's features in place of its embeddings
+    images: tuple[ImageSpan, ...] = ()
 
 
 class Sequence:
@@ -98,7 +102,9 @@ class Sequence:
         n, asked = len(self.history), req.snapshot_at
         if model.config.rewinds_anywhere:  # a chunk ended early would only cost a forward
             asked = ()
-        self.marks = sorted({p for p in asked if len(self.fed) < p < n})
+        self.spans = req.images
+        inside = {p for s in self.spans for p in range(s.start + 1, s.end)}
+        self.marks = sorted({p for p in asked if len(self.fed) < p < n and p not in inside})
         self.snapshot_end = not asked or n in asked
         self.sampler = make_sampler(req.params)
         self.processors = [*processors_for(req.params), *req.processors]
@@ -121,9 +127,26 @@ class Sequence:
         at = len(self.fed)
         mark = next((p for p in self.marks if p > at), None)
         n = size if mark is None else min(size, mark - at)
+        for s in self.spans:  # an image's run is one chunk's: before it, else all of it
+            if s.start < at + n < s.end:
+                n = s.start - at if s.start > at else s.end - at
         if n < len(self.todo):
             return n, "mark" if at + n == mark else "chunk"
         return len(self.todo), "prompt" if self.snapshot_end else "last"
+
+    def inserts(self, model: Model, n: int) -> Inserts | None:
+        """The images whose runs the next `n` prompt ids hold, their features computed."""
+        at = len(self.fed)
+        parts = [
+            (s.start - at, model.image_features(s.image))
+            for s in self.spans
+            if at <= s.start < at + n
+        ]
+        return Inserts(parts) if parts else None
+
+    def cache_ids(self, ids: Seq[int]) -> list[int]:
+        """`ids` (a prefix of the history) as the caches key them (images by content)."""
+        return cache_ids(ids, self.spans)
 
     def process(self, logits: mx.array) -> mx.array:
         """This sequence's row of logits (1, vocab) after its processors (given the history so
@@ -230,6 +253,8 @@ class Core:
                     field="kv_format",
                 )
             self.model.check_kv(kv)
+        if req.images and (caches is not None or held):
+            raise MlxlisError("images come with a fresh request, not given caches", field="images")
         if caches is not None:
             if self.model.part is not None:  # the other ranks' caches follow admitted ones only
                 raise MlxlisError(
@@ -237,7 +262,8 @@ class Core:
                 )
             return Sequence(req, self.model, caches, held, req.prompt)
         rid = next(_IDS)
-        caches, reused, note = self.steps.admit(rid, list(req.prompt), kv)
+        keyed = cache_ids(req.prompt, req.images)  # an image's run keyed by its content
+        caches, reused, note = self.steps.admit(rid, keyed, kv)
         seq = Sequence(req, self.model, caches, req.prompt[:reused], req.prompt[reused:], rid)
         seq.usage.reuse_note = note
         return seq
@@ -360,9 +386,13 @@ class Core:
         chunk, rest = s.todo[:n], s.todo[n:]
         hidden = s.spec is not None and s.spec.wants_hidden
         try:
-            out = self.steps.run(
-                [s.id], [s.caches], mx.array(chunk, mx.int32), kind + "+hidden" if hidden else kind
-            )
+            tokens = mx.array(chunk, mx.int32)
+            kind = kind + "+hidden" if hidden else kind
+            inserts = s.inserts(self.model, n)
+            if inserts is None:
+                out = self.steps.run([s.id], [s.caches], tokens, kind)
+            else:
+                out = self.steps.run([s.id], [s.caches], tokens, kind, inserts)
             logits = out
             if hidden:  # a drafter reading the target's hidden states gets the prompt's
                 logits, states = out
@@ -392,7 +422,7 @@ class Core:
         if s.caches is None:
             return
         ok = reason != "error"  # whole steps only (a prompt's chunks too): consistent
-        self.steps.release(s.id, s.fed if ok else None, s.caches)
+        self.steps.release(s.id, s.cache_ids(s.fed) if ok else None, s.caches)
         s.caches = None
 
     def cancel(self, s: Sequence) -> Event | None:

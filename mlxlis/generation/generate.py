@@ -18,11 +18,12 @@ from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import Speculation
 from mlxlis.generation.steps import steps_for
 from mlxlis.models.model import Model
+from mlxlis.models.multimodal import Prompt
 
 
 def generate(
     model: Model,
-    ids: Sequence[int],
+    ids: Sequence[int] | Prompt,
     params: SamplingParams | None = None,
     *,
     stop_ids: set[int] | None = None,
@@ -44,7 +45,7 @@ def generate(
     field before anything runs). `speculation` drafts tokens and verifies them in one forward
     (mlxlis.generation.speculative: prompt lookup or a draft model; the same tokens, greedy, or
     the same distribution, sampled). The final event's `fed` lists every id the caches
-    hold."""
+    hold. `ids` may be a Prompt (Model.encode_chat: ids and the images they hold)."""
     if params is not None and not isinstance(params, SamplingParams):
         raise TypeError(
             f"generate(model, ids, params): params is a SamplingParams, not {params!r}; "
@@ -53,7 +54,17 @@ def generate(
     params = (params or SamplingParams()).replace(**sampling)
     stops = model.stop_ids() if stop_ids is None else stop_ids
     masks = () if response_format is None else (constraint_for(model, response_format, stops),)
-    req = Request(list(ids), params, frozenset(stops), processors=masks, speculation=speculation)
+    images = ()
+    if isinstance(ids, Prompt):
+        ids, images = ids.ids, model.image_spans(ids.ids, ids.images)
+    req = Request(
+        list(ids),
+        params,
+        frozenset(stops),
+        processors=masks,
+        speculation=speculation,
+        images=images,
+    )
     core = Core(model, steps_for(model, PrefixCache(0)), prefill_step)
     seq = core.start(req, cache, history) if cache is not None else core.start(req)
     yield from run(core, seq, should_stop)

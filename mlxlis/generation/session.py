@@ -46,9 +46,8 @@ def turn_start(
     conversation before the reply's turn, which a later turn's prompt shares. () when there is
     none inside the prompt (the template refuses that render, or nothing precedes the
     generation prompt): the caches then snapshot the prompt's end."""
-    try:
-        text = model.render_chat(messages, add_generation_prompt=False, **variables)
-        head = model.tokenizer.encode(text, special=True)
+    try:  # images expanded as in the prompt, so the two part after the conversation
+        head = model.encode_chat(messages, add_generation_prompt=False, **variables).ids
     except MlxlisError:
         return ()
     n = common_prefix(head, ids)
@@ -58,7 +57,7 @@ def turn_start(
 @dataclass
 class Turn:
     role: str
-    content: str
+    content: str | list[dict]  # a user turn's parts: text, and images once prepared
     stopped: bool = False  # an assistant reply cut short by the user
     reasoning: str | None = None  # an assistant reply's reasoning (the <think> block), if any
 
@@ -155,7 +154,7 @@ class ChatSession:
     # --- generation ---
     def send(
         self,
-        text: str,
+        text: str | list[dict],
         should_stop: Callable[[], bool] | None = None,
         *,
         stop_ids: set[int] | None = None,
@@ -163,12 +162,17 @@ class ChatSession:
     ) -> Iterator[Event]:
         """Add a user message and stream the assistant's reply (appended when it ends);
         `sampling` keywords override the session's SamplingParams for this turn, `stop_ids`
-        the model's end-of-turn tokens."""
+        the model's end-of-turn tokens. `text` may be content parts, images among them
+        ({"type": "image", "image": PATH | bytes | PIL.Image}): each is prepared once, and a
+        later turn about it reuses the caches past it."""
         params = self.sampling.replace(**sampling)  # a bad value is refused before the turn
         self.turns.append(Turn("user", text))
         try:
-            prompt = self.render()
-            ids = self.model.tokenizer.encode(prompt, special=True)
+            if isinstance(text, list):
+                self.turns[-1].content = self._prepared(text, len(self.messages) - 1)
+            encoded = self.model.encode_chat(self.messages, **self.template_vars)
+            prompt, ids = encoded.text, encoded.ids
+            spans = self.model.image_spans(ids, encoded.images)
             params = fit_context(
                 len(ids),
                 params,
@@ -193,8 +197,24 @@ class ChatSession:
             processors=masks,
             snapshot_at=snapshots,
             speculation=self.speculation,
+            images=spans,
         )
         yield from self._reply(req, should_stop, splitter)
+
+    def _prepared(self, parts: list[dict], index: int) -> list[dict]:
+        """`parts` with each image opened and preprocessed now (a bad one refused, naming
+        its part), kept so later turns do not read it again."""
+        out = []
+        for j, part in enumerate(parts):
+            if isinstance(part, dict) and part.get("type") == "image":
+                field = f"messages[{index}].content[{j}]"
+                source = part.get("image", part.get("path"))
+                if source is None:
+                    raise MlxlisError("an image part needs its image", field=field)
+                image = self.model.prepare_image(source, field, part.get("name", ""))
+                part = {"type": "image", "image": image}
+            out.append(part)
+        return out
 
     def _reply(
         self,

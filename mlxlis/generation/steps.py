@@ -24,6 +24,7 @@ from mlxlis.cache import Cache, snapshot
 from mlxlis.cache.prefix import PrefixCache
 from mlxlis.cache.store import KVFormat
 from mlxlis.models.model import Model
+from mlxlis.models.multimodal import Inserts
 from mlxlis.models.network import Network
 
 import mlx.core as mx
@@ -39,11 +40,17 @@ class Steps(Protocol):
         ...
 
     def run(
-        self, rids: Sequence[int], caches: Sequence[list[Cache]], tokens: mx.array, kind: str
+        self,
+        rids: Sequence[int],
+        caches: Sequence[list[Cache]],
+        tokens: mx.array,
+        kind: str,
+        inserts: Inserts | None = None,
     ) -> mx.array | None:
         """Feed `tokens` to the requests `rids`: a (1, T) prompt chunk for one request, or one
         token each, (B,), to decode. (B, vocab) float32 logits of each one's newest position
-        (lazy), None for a "chunk"."""
+        (lazy), None for a "chunk". `inserts`: the images whose placeholder runs a prompt
+        chunk holds (models/multimodal.py)."""
         ...
 
     def release(self, rid: int, ids: list[int] | None, caches: list[Cache]) -> None:
@@ -70,9 +77,14 @@ class LocalSteps:
         return caches, reused, self.prefix.note
 
     def run(
-        self, rids: Sequence[int], caches: Sequence[list[Cache]], tokens: mx.array, kind: str
+        self,
+        rids: Sequence[int],
+        caches: Sequence[list[Cache]],
+        tokens: mx.array,
+        kind: str,
+        inserts: Inserts | None = None,
     ) -> mx.array | None:
-        out = forward(self.model.net, caches, tokens, kind)
+        out = forward(self.model.net, caches, tokens, kind, inserts)
         if kind.startswith(
             "prompt"
         ):  # the snapshots' copies made now, not held lazily by the cache
@@ -93,10 +105,17 @@ def steps_for(model: Model, prefix: PrefixCache) -> Steps:
     return factory(model, prefix)
 
 
-def forward(net: Network, caches: Sequence[list[Cache]], tokens: mx.array, kind: str):
+def forward(
+    net: Network,
+    caches: Sequence[list[Cache]],
+    tokens: mx.array,
+    kind: str,
+    inserts: Inserts | None = None,
+):
     """One step on this process's network (a lone one, or one rank's pipeline stage). A network
     that heads gives logits as `Steps.run` says; a stage that does not gives the send of its
-    hidden states (evaluated here for a "chunk", which returns None)."""
+    hidden states (evaluated here for a "chunk", which returns None). `inserts` (a prompt
+    chunk's images) reach a network that sees as its `inserts=` argument."""
     if kind == "decode" and len(caches) > 1:
         out = net.decode_batch(tokens, list(caches))  # (B, vocab) or a send
         return out.astype(mx.float32) if net.heads else out
@@ -113,11 +132,12 @@ def forward(net: Network, caches: Sequence[list[Cache]], tokens: mx.array, kind:
         for c in caches[0]:
             c.expect_rewind(inputs.shape[1] - 1)
     last = kind != "verify"
+    seen = {"inserts": inserts} if inserts else {}
     if hidden:
-        h = net.hidden_states(inputs, caches[0])  # (1, T, hidden)
+        h = net.hidden_states(inputs, caches[0], **seen)  # (1, T, hidden)
         out = net.head(h, last_only=last)
     else:
-        out = net(inputs, cache=caches[0], last_only=last)
+        out = net(inputs, cache=caches[0], last_only=last, **seen)
     if kind in ("mark", "prompt"):
         snapshot(caches[0])  # a point recurrent layers and rings rewind to (a later prefix)
     if kind in ("chunk", "mark"):  # only the caches matter (and a stage's send)

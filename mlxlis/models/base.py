@@ -11,6 +11,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
@@ -72,6 +73,9 @@ class Family:
     # checkpoint name prefixes renamed to ours, and prefixes dropped (e.g. a vision tower)
     hf_renames: tuple[tuple[str, str], ...] = ()
     hf_dropped: tuple[str, ...] = ()
+    # a multimodal folder's way of seeing: (folder, config.json, tokenizer, dtype) ->
+    # multimodal.Vision, or None for a text-only folder
+    vision: Callable[[Path, dict, Any, Any], Any] | None = None
     # GGUF tensors the model does not use (e.g. a multi-token-prediction head), by name + config
     gguf_ignored: Callable[[str, ModelConfig], bool] | None = None
     # GGUF names the block/top tables cannot express (a family's own mapping, tried first)

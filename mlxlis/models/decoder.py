@@ -23,6 +23,7 @@ from mlxlis.models.config import ModelConfig
 from mlxlis.models.deltanet import GatedDeltaNet
 from mlxlis.models.experts import ExpertSource, SparseMoE
 from mlxlis.models.layers import MLP, Attention, Cache, Mask, norm
+from mlxlis.models.multimodal import Inserts, with_blocks
 from mlxlis.models.rope import Rope
 
 import mlx.core as mx
@@ -159,14 +160,24 @@ class Decoder(nn.Module):
         return self(tokens.astype(mx.int32), per_layer)
 
     def __call__(
-        self, inputs: mx.array, cache: list[Cache] | None = None, last_only: bool = False
+        self,
+        inputs: mx.array,
+        cache: list[Cache] | None = None,
+        last_only: bool = False,
+        inserts: Inserts | None = None,
     ) -> mx.array:
-        return self.head(self.run_layers(self.embed(inputs), cache), last_only)
+        return self.head(self.hidden_states(inputs, cache, inserts), last_only)
 
-    def hidden_states(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+    def hidden_states(
+        self, inputs: mx.array, cache: list[Cache] | None = None, inserts: Inserts | None = None
+    ) -> mx.array:
         """(B, T) ids -> the last layer's output (B, T, hidden), before the final norm (what
-        `head` takes; what a multi-token-prediction drafter reads)."""
-        return self.run_layers(self.embed(inputs), cache)
+        `head` takes; what a multi-token-prediction drafter reads). `inserts`: the images
+        whose placeholder runs a (1, T) chunk holds (models/multimodal.py)."""
+        if not inserts:
+            return self.run_layers(self.embed(inputs), cache)
+        h = inserts.place(self.embed(inserts.ids(inputs)))
+        return self.run_layers(h, cache, inserts.blocks(inputs.shape[1]))
 
     def embed(self, inputs: mx.array) -> mx.array:
         """(B, T) token ids -> (B, T, hidden), the residual stream's dtype (`hidden_dtype`)."""
@@ -186,8 +197,12 @@ class Decoder(nn.Module):
         """The residual stream's dtype for compute dtype `dtype` (what passes between stages)."""
         return mx.float32 if self.config.residual_f32 else dtype
 
-    def run_layers(self, h: mx.array, cache: list[Cache] | None = None) -> mx.array:
-        """The held blocks on the residual stream h (B, T, hidden); `cache`: one per held layer."""
+    def run_layers(
+        self, h: mx.array, cache: list[Cache] | None = None, blocks: mx.array | None = None
+    ) -> mx.array:
+        """The held blocks on the residual stream h (B, T, hidden); `cache`: one per held layer;
+        `blocks` (T,): each position's image, -1 for text (one image's positions see each
+        other both ways, multimodal.with_blocks)."""
         cfg = self.config
         t = h.shape[1]
         full_mask = "causal" if t > 1 else None  # aligned to the newest keys: works with a cache
@@ -200,6 +215,14 @@ class Decoder(nn.Module):
                 sliding_mask = cache[i].mask(t)
             elif t > 1:
                 sliding_mask = window_mask(0, t, 0, t, cfg.sliding_window)
+        if blocks is not None and t > 1:
+            held = zip(self._held, self._sliding, strict=True)
+            full = [j for j, (i, s) in enumerate(held) if not s and not cfg.is_linear(i)]
+            if full:
+                at = cache[full[0]].offset if cache is not None else 0
+                full_mask = with_blocks(window_mask(at, t, 0, at + t, None), blocks, None)
+            if sliding_mask is not None:
+                sliding_mask = with_blocks(sliding_mask, blocks, cfg.sliding_window)
         layers = self.model.layers
         for j, i in enumerate(self._held):
             mask = sliding_mask if self._sliding[j] else full_mask

@@ -71,6 +71,12 @@ def load_folder(
     tokenizer = Tokenizer.from_folder(folder)
     template = discover_template(explicit=chat_template, folder=folder)
     fmt = "safetensors (MLX quantized)" if quantized else "safetensors"
+    skipped = plan.dropped
+    vision = None
+    if spec.vision is not None and part is None:  # a pipeline's ranks read text only
+        vision = spec.vision(folder, read_json(cfg_path), tokenizer, dtype)
+        if vision is not None:
+            skipped = [n for n in skipped if not vision.uses(n)]
     if part is not None:
         net = placement.wrap(net, part, dtype)
     return Model(
@@ -81,6 +87,7 @@ def load_folder(
         path=folder,
         fmt=fmt,
         template=template,
-        skipped=plan.dropped,
+        skipped=skipped,
         part=part,
+        vision=vision,
     )

@@ -6,7 +6,8 @@
   Gemma 3: + q/k norms, 5 sliding layers per global one, a local RoPE base for sliding layers,
            global RoPE with linear scaling, usually no softcaps.
 HF `gemma` / `gemma2` / `gemma3_text` (and the multimodal `gemma3`, whose language model is
-read and vision tower dropped); GGUF `gemma` / `gemma2` / `gemma3`. llama.cpp's converter adds
+read, and its vision tower and projector with it where the folder has an image processor's
+settings: gemma3_vision.py); GGUF `gemma` / `gemma2` / `gemma3`. llama.cpp's converter adds
 1 to every norm weight (Gemma computes x̂·(1 + w)); the loader subtracts it.
 """
 
@@ -22,6 +23,7 @@ from mlxlis.models.base import GGUF_LLAMA_BLOCK, Family, GGUFMeta
 from mlxlis.models.config import ModelConfig, RopeConfig, parse_rope
 from mlxlis.models.conventions import NORM_MINUS_ONE
 from mlxlis.models.decoder import Decoder
+from mlxlis.models.gemma3_vision import load_images
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -283,7 +285,8 @@ GEMMA3 = Family(
     export_architecture="Gemma3ForCausalLM",
     export_config=_export(_V3),
     # multimodal checkpoints: the hub's `language_model.model.*`, transformers 5's
-    # `model.language_model.*`; the vision tower and projector are dropped
+    # `model.language_model.*`; the vision tower and projector are the text plan's dropped
+    # names, loaded by `vision`
     hf_renames=(
         ("language_model.model.", "model."),
         ("model.language_model.", "model."),
@@ -295,4 +298,5 @@ GEMMA3 = Family(
         "model.vision_tower.",
         "model.multi_modal_projector.",
     ),
+    vision=load_images,
 )

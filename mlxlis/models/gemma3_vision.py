@@ -11,6 +11,11 @@ transformers' SiglipVisionModel and Gemma3MultiModalProjector, in MLX.
      Gemma's RMSNorm (x̂·(1 + w)), then · W (vision hidden, text hidden): one embedding per
      image token, which replaces an image placeholder's embedding in the language model.
 
+`Gemma3Images` is what the model holds to see (multimodal.Vision): the processor's settings, the
+placeholder expansion Gemma3Processor does (each `<start_of_image>` the template writes becomes
+"\n\n<start_of_image>" + tokens_per_image x `<image_soft_token>` + "<end_of_image>\n\n") and
+the features of one image.
+
 Checkpoint names: `vision_tower.vision_model.*` (transformers 4) or `vision_tower.*` (5), and
 `multi_modal_projector.*`, each possibly under `model.`; a SigLIP pooling head some configs
 keep (`vision_use_head`) is left out, as Gemma 3 reads the patches, never the head.
@@ -24,10 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from mlxlis.errors import ConfigError, FileFormatError, UnsupportedError
+from mlxlis.models.multimodal import PromptImage
+from mlxlis.prompt.images import ImageProcessing
+from mlxlis.tokenizer import Tokenizer
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from PIL import Image
 
 
 @dataclass(frozen=True)
@@ -277,3 +286,99 @@ def load_gemma3_vision(folder: Path, dtype: mx.Dtype = mx.float32) -> Gemma3Visi
     net.load_weights([(k, v.astype(dtype)) for k, v in theirs.items()])
     mx.eval(net.parameters())
     return net
+
+
+class Gemma3Images:
+    """Gemma 3's way of seeing (multimodal.Vision): Gemma3Processor's expansion and image
+    processing, and the tower's features in the model's compute dtype."""
+
+    def __init__(
+        self,
+        net: Gemma3Vision,
+        processing: ImageProcessing,
+        markers: tuple[str, str, str],
+        image_token_id: int,
+        dtype: mx.Dtype,
+    ):
+        self.net = net
+        self.processing = processing
+        self.boi, self.soft, self.eoi = markers  # <start_of_image>, <image_soft_token>, <end_...>
+        self.image_token_id = image_token_id
+        self.tokens_per_image = net.config.tokens_per_image
+        self.dtype = dtype
+
+    def expand(self, text: str) -> str:
+        run = self.soft * self.tokens_per_image
+        return text.replace(self.boi, f"\n\n{self.boi}{run}{self.eoi}\n\n")
+
+    def marker_count(self, text: str) -> int:
+        return text.count(self.boi)
+
+    def prepare(self, image: Image.Image, name: str) -> PromptImage:
+        return PromptImage.of(self.processing.preprocess(image), image.size, name)
+
+    def uses(self, name: str) -> bool:
+        return bool(self.net.sanitize({name: None}))
+
+    def describe(self) -> str:
+        c = self.net.config
+        return f"SigLIP {c.image_size} px, {self.tokens_per_image} tokens per image"
+
+    def features(self, image: PromptImage) -> mx.array:
+        pixels = mx.array(image.pixels)[None].astype(self.dtype)  # (1, 3, S, S)
+        return self.net(pixels)[0]  # (tokens_per_image, text hidden)
+
+
+def processor_settings(folder: Path) -> dict[str, Any] | None:
+    """The image processor's settings: preprocessor_config.json, or the `image_processor` of
+    transformers 5's processor_config.json; None when the folder has neither."""
+    from mlxlis.models.config import read_json
+
+    if (folder / "preprocessor_config.json").is_file():
+        return read_json(folder / "preprocessor_config.json")
+    if (folder / "processor_config.json").is_file():
+        cfg = read_json(folder / "processor_config.json")
+        inner = cfg.get("image_processor")
+        return inner if isinstance(inner, dict) else cfg
+    return None
+
+
+def load_images(
+    folder: Path, cfg: dict[str, Any], tokenizer: Tokenizer, dtype: mx.Dtype
+) -> Gemma3Images | None:
+    """Gemma 3's vision from a multimodal folder (its tower, projector and processor
+    settings); None for a text-only folder or one without an image processor's settings."""
+    settings = processor_settings(folder)
+    if not isinstance(cfg.get("vision_config"), dict) or settings is None:
+        return None
+    where = str(folder / "config.json")
+    ids = {}
+    for key, default in (
+        ("boi_token_index", 255999),
+        ("image_token_index", 262144),
+        ("eoi_token_index", 256000),
+    ):
+        value = cfg.get(key, cfg.get(key.replace("_index", "_id"), default))
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"expected a token id, got {value!r}", path=where, field=key)
+        ids[key] = value
+    for key, i in ids.items():  # each marker must read back as its one special token
+        token = tokenizer.id_to_token(i) if 0 <= i < tokenizer.vocab_size else ""
+        if not token or tokenizer.encode(token, True, add_bos=False, add_eos=False) != [i]:
+            raise ConfigError(
+                f"token {i} is not a special token of the tokenizer", path=where, field=key
+            )
+    markers = tuple(tokenizer.id_to_token(i) for i in ids.values())
+    name = "preprocessor_config.json"
+    if not (folder / name).is_file():
+        name = "processor_config.json"
+    processing = ImageProcessing.from_config(settings, str(folder / name))
+    net = load_gemma3_vision(folder, dtype)
+    if (processing.height, processing.width) != (net.config.image_size,) * 2:
+        raise ConfigError(
+            f"the processor makes {processing.height} x {processing.width} images, the tower "
+            f"takes {net.config.image_size}",
+            path=folder / name,
+            field="size",
+        )
+    return Gemma3Images(net, processing, markers, ids["image_token_index"], dtype)

@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from mlxlis.cache import Cache, KVFormat
 from mlxlis.cache.store import KVChoice, resolve
-from mlxlis.errors import MlxlisError, NoChatTemplateError
+from mlxlis.errors import MlxlisError, NoChatTemplateError, UnsupportedError
 from mlxlis.loading.hub import display_name
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.experts import QuantizedSwitchLinear, SwitchLinear
+from mlxlis.models.multimodal import ImageSpan, Inserts, Prompt, PromptImage, Vision, image_spans
 from mlxlis.models.network import Network
 from mlxlis.models.placement import Share
+from mlxlis.prompt.images import open_image
 from mlxlis.prompt.template import ChatTemplate, diagnose_missing_template, end_of_turn_tokens
 from mlxlis.runtime import blas, device
 from mlxlis.tokenizer import Tokenizer
 
 import mlx.core as mx
 import mlx.nn as nn
+
+FEATURES_KEPT = 8  # images whose features a model keeps (a second request about one)
 
 # (model, prefix cache) -> the generation core's Steps for this model (mlxlis.generation.steps,
 # a layer above): set by the loader for a model pipelined across ranks, None for a lone one
@@ -42,6 +47,7 @@ class Model:
         diagnosis: str | None = None,
         skipped: list[str] | None = None,
         part: Share | None = None,
+        vision: Vision | None = None,
     ):
         self.config = config
         self.net = net
@@ -56,6 +62,8 @@ class Model:
         self.part = part  # this rank's share of the layers when pipelined, else None
         self.steps_factory: StepsFactory | None = None  # None: steps in this process
         self.kv_format: KVFormat | None = None  # quantized KV caches (set_kv_format), or dense
+        self.vision = vision  # how it sees images (multimodal.Vision), None: text only
+        self._features: OrderedDict[str, mx.array] = OrderedDict()  # by image digest
 
     @property
     def name(self) -> str:
@@ -104,11 +112,106 @@ class Model:
         self.check_kv(kv)
         self.kv_format = kv
 
-    def logits(self, ids: Sequence[int]) -> mx.array:
+    def logits(self, ids: Sequence[int], images: Sequence[PromptImage] = ()) -> mx.array:
         """[len(ids), vocab] float32 logits of one full forward pass, no cache (pipelined:
-        on the last rank; the others return their hidden states, passed on)."""
-        out = self.net(mx.array([list(ids)], dtype=mx.int32))
-        return out[0].astype(mx.float32)
+        on the last rank; the others return their hidden states, passed on). `images`: the
+        preprocessed images whose placeholder runs `ids` hold (`encode_chat`'s prompt)."""
+        inputs = mx.array([list(ids)], dtype=mx.int32)
+        spans = self.image_spans(ids, images)
+        if not spans:
+            return self.net(inputs)[0].astype(mx.float32)
+        inserts = Inserts([(s.start, self.image_features(s.image)) for s in spans])
+        return self.net(inputs, inserts=inserts)[0].astype(mx.float32)
+
+    # --- images ---
+    def image_spans(
+        self, ids: Sequence[int], images: Sequence[PromptImage]
+    ) -> tuple[ImageSpan, ...]:
+        """Each image's placeholder run in `ids`; an MlxlisError where the model takes no
+        images or the runs and the images do not pair up (multimodal.image_spans)."""
+        if self.vision is None:
+            if images:
+                raise UnsupportedError(self.text_only_reason(), path=self.path, field="images")
+            return ()
+        if self.part is not None and images:
+            raise UnsupportedError(
+                "images with a model pipelined across ranks are not supported", field="images"
+            )
+        v = self.vision
+        return image_spans(ids, images, v.image_token_id, v.tokens_per_image)
+
+    def image_features(self, image: PromptImage) -> mx.array:
+        """(tokens per image, hidden) embeddings of `image` (the last few kept by digest)."""
+        if self.vision is None:
+            raise UnsupportedError(self.text_only_reason(), path=self.path, field="images")
+        out = self._features.pop(image.digest, None)
+        if out is None:
+            out = self.vision.features(image)
+            mx.eval(out)
+        self._features[image.digest] = out
+        while len(self._features) > FEATURES_KEPT:
+            self._features.popitem(last=False)
+        return out
+
+    def prepare_image(self, source: Any, field: str = "image", name: str = "") -> PromptImage:
+        """`source` (a path, bytes or a PIL image) opened and preprocessed for this model; an
+        ImageError naming `field` for a bad image, UnsupportedError for a text-only model."""
+        if isinstance(source, PromptImage):
+            return source  # prepared already (a chat's earlier turn)
+        if self.vision is None:
+            raise UnsupportedError(self.text_only_reason(), path=self.path, field=field)
+        image = open_image(source, field)
+        if not name:
+            name = Path(source).name if isinstance(source, (str, Path)) else "image"
+        return self.vision.prepare(image, name)
+
+    def text_only_reason(self) -> str:
+        """Why this model takes no images, in words."""
+        if any(".vision" in n or "vision_tower" in n for n in self.skipped):
+            return (
+                f"{self.name}'s vision tower is not loaded (it needs the image processor's "
+                "settings beside it, preprocessor_config.json): text only"
+            )
+        return f"{self.name} is a text-only model: it takes no images"
+
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_vars: Any
+    ) -> Prompt:
+        """`messages` rendered, each image expanded into its placeholders as the processor
+        does, and tokenized: the ids and the preprocessed images. An image is a content part
+        {"type": "image", "image": PATH | bytes | PIL.Image}; a bad one is an ImageError
+        naming its part (messages[i].content[j])."""
+        images: list[PromptImage] = []
+        shown = []
+        for i, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            if not isinstance(content, list):
+                shown.append(m)
+                continue
+            parts = []
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "image":
+                    field = f"messages[{i}].content[{j}]"
+                    source = part.get("image", part.get("path"))
+                    if source is None:
+                        raise MlxlisError("an image part needs its image", field=field)
+                    images.append(self.prepare_image(source, field, part.get("name", "")))
+                    part = {"type": "image"}  # the template writes the marker only
+                parts.append(part)
+            shown.append({**m, "content": parts})
+        text = self.render_chat(shown, add_generation_prompt, **template_vars)
+        if images:
+            markers = self.vision.marker_count(text)
+            if markers != len(images):
+                raise MlxlisError(
+                    f"the chat template wrote {markers} image markers for {len(images)} "
+                    "images (an image where the template does not take one?)",
+                    field="messages",
+                )
+            text = self.vision.expand(text)
+        ids = self.tokenizer.encode(text, special=True)
+        self.image_spans(ids, images)  # the runs pair up with the images
+        return Prompt(ids, tuple(images), text)
 
     def stop_ids(self) -> set[int]:
         """EOS ids from config and tokenizer, plus the template's end-of-turn tokens."""
@@ -164,6 +267,8 @@ class Model:
             "blas": blas.state.name,
             "template": self.template_source or "none",
         }
+        if self.vision is not None:
+            details["vision"] = self.vision.describe()
         if self.skipped:
             details["skipped"] = skipped_summary(self.skipped)
         if self.part is not None:

@@ -2,11 +2,12 @@
 
 A thin adapter: the body becomes the server's chat request (system and messages as a chat
 template takes them, `tool_use` blocks as tool calls, `tool_result` blocks as tool messages,
-`thinking` as the template's `enable_thinking`), prepared and generated like any other; the
-events become content blocks (`thinking`, `text`, `tool_use`), streamed as Anthropic's event
-sequence. Fields a local model has no use for (`metadata`, `cache_control`, `service_tier`,
-`speed`, `container`, …) are accepted and ignored, as a proxy would; what cannot be honoured
-(an image block, an Anthropic-defined tool) is a 400 naming it.
+`thinking` as the template's `enable_thinking`, `image` blocks as image parts), prepared and
+generated like any other; the events become content blocks (`thinking`, `text`, `tool_use`),
+streamed as Anthropic's event sequence. Fields a local model has no use for (`metadata`,
+`cache_control`, `service_tier`, `speed`, `container`, …) are accepted and ignored, as a proxy
+would; what cannot be honoured (an Anthropic-defined tool, an image to a model that does not
+see) is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from mlxlis.generation.events import Usage
 from mlxlis.generation.processors import ReasoningBudget
 from mlxlis.prompt.reasoning import ReasoningSplitter
 from mlxlis.serve.anthropic_blocks import Blocks, content, event, stop_reason, usage
+from mlxlis.serve.images import data_url, from_data_url
 from mlxlis.serve.openai_format import APIError, new_id
 from mlxlis.serve.prepare import Prepared, prepare_chat
 from mlxlis.serve.reply import ChatReply
@@ -46,6 +48,7 @@ class Block(_Body):
     content: str | list[Block] | None = None
     is_error: bool | None = None
     thinking: str | None = None
+    source: dict[str, Any] | None = None  # an image's: base64 (media_type, data) or a url
 
 
 class Message(_Body):
@@ -120,13 +123,14 @@ def _text(blocks: str | list[Block] | None, where: str) -> str:
 
 
 def _user(blocks: list[Block], i: int) -> list[dict[str, Any]]:
-    """A user turn: each tool_result a tool message, in order, then its text (if any)."""
+    """A user turn: each tool_result a tool message, in order, then its text and images (if
+    any); an image part carries `_from`, its block's index (for the names of refusals)."""
     out: list[dict[str, Any]] = []
-    text: list[str] = []
+    parts: list[dict[str, Any]] = []
     for j, b in enumerate(blocks):
         where = f"messages[{i}].content[{j}]"
         if b.type == "text" and b.text is not None:
-            text.append(b.text)
+            parts.append({"type": "text", "text": b.text})
         elif b.type == "tool_result" and b.tool_use_id is not None:
             result = _text(b.content, f"{where}.content")
             # a chat template has no error flag: the model reads it in the result
@@ -138,12 +142,33 @@ def _user(blocks: list[Block], i: int) -> list[dict[str, Any]]:
                 }
             )
         elif b.type == "image":
-            raise bad("image blocks are not supported: this model reads text only", f"{where}.type")
+            url, field = _image_url(b.source, f"{where}.source")
+            parts.append({"type": "image_url", "image_url": {"url": url}, "_from": (j, field)})
         else:
             raise bad(f"a user turn's block cannot be {b.type!r} here", f"{where}.type")
-    if text or not out:
-        out.append({"role": "user", "content": "".join(text)})
+    if any(p["type"] == "image_url" for p in parts):
+        out.append({"role": "user", "content": parts})
+    elif parts or not out:
+        out.append({"role": "user", "content": "".join(p["text"] for p in parts)})
     return out
+
+
+def _image_url(source: dict[str, Any] | None, where: str) -> tuple[str, str]:
+    """An image block's source as an image_url part's URL (its base64 checked now), and the
+    source field a refusal of it names."""
+    kind = (source or {}).get("type")
+    if kind == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if not isinstance(media, str) or not media.startswith("image/"):
+            raise bad("expected an image media type (image/png, ...)", f"{where}.media_type")
+        if not isinstance(data, str):
+            raise bad("expected the image's base64 data", f"{where}.data")
+        url = data_url(media, data)
+        from_data_url(url, f"{where}.data")
+        return url, f"{where}.data"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"], f"{where}.url"
+    raise bad("expected a base64 or url image source", f"{where}.type")
 
 
 def _assistant(blocks: list[Block], i: int) -> dict[str, Any]:
@@ -188,6 +213,7 @@ def _tools(tools: list[Tool]) -> list[dict[str, Any]]:
 def to_chat(req: CountTokensRequest, thinks: bool) -> ChatCompletionRequest:
     """The server's chat request for `req` (`thinks`: the template has the reasoning switch)."""
     messages: list[dict[str, Any]] = []
+    renames: dict[str, str] = {}
     if req.system:
         messages.append({"role": "system", "content": _text(req.system, "system")})
     for i, m in enumerate(req.messages):
@@ -195,6 +221,7 @@ def to_chat(req: CountTokensRequest, thinks: bool) -> ChatCompletionRequest:
             messages.append({"role": m.role, "content": m.content})
         elif m.role == "user":
             messages += _user(m.content, i)
+            _note_images(messages[-1], len(messages) - 1, i, renames)
         else:
             messages.append(_assistant(m.content, i))
     body: dict[str, Any] = {"messages": messages}
@@ -235,7 +262,22 @@ def to_chat(req: CountTokensRequest, thinks: bool) -> ChatCompletionRequest:
                 body[name] = v
         if req.stop_sequences:
             body["stop"] = req.stop_sequences
-    return ChatCompletionRequest.model_validate(body)
+    chat = ChatCompletionRequest.model_validate(body)
+    chat._renames = renames
+    return chat
+
+
+def _note_images(message: dict[str, Any], k: int, i: int, renames: dict[str, str]) -> None:
+    """Where each image part of the converted message `k` came from (messages[i]'s blocks),
+    the part's URL first: what a refusal of it names."""
+    if not isinstance(message["content"], list):
+        return
+    for n, part in enumerate(message["content"]):
+        if "_from" in part:
+            j, field = part.pop("_from")
+            ours = f"messages[{k}].content[{n}]"
+            renames[f"{ours}.image_url.url"] = field
+            renames[ours] = f"messages[{i}].content[{j}]"
 
 
 def _budget(req: MessagesRequest) -> int | None:

@@ -8,8 +8,9 @@ sampling values), prepared and generated like any other; /api/generate renders i
 user turn through the chat template, or (`raw`) tokenizes it as it is. Replies stream as
 NDJSON, one object a line, the last with `done` and Ollama's counts and durations (in
 nanoseconds). Options a local engine has no use for (num_ctx, num_gpu, mirostat, …) and
-`keep_alive` are accepted and ignored; what cannot be honoured (images, a suffix, a template
-of the request's own, a `context` array) is a 400 naming it.
+`keep_alive` are accepted and ignored; `images` (base64) become image parts; what cannot be
+honoured (images to a model that does not see, a suffix, a template of the request's own, a
+`context` array) is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -247,7 +248,7 @@ def router(svc: Service, auth: list) -> APIRouter:
         req = await read_body(request, GenerateRequest, state.max_body)
         check(req.model)
         check_generate(req)
-        if not req.prompt:
+        if not req.prompt and not req.images:
             return loaded(req.model, {"response": ""})
         shape = Shape(req.model, generate_body, bool(req.logprobs), started)
         reply: Reply

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from mlxlis.errors import MlxlisError
+from mlxlis.serve.images import data_url
 from mlxlis.serve.openai_format import MAX_TOP_LOGPROBS, APIError
 from mlxlis.serve.prepare import Prepared, Target, prepare_completion
 from mlxlis.serve.schemas import ChatCompletionRequest, CompletionRequest, _Body
@@ -157,10 +158,11 @@ def templated(req: _Request, thinks: bool) -> dict[str, Any]:
     return body
 
 
-def message_dict(m: Message, i: int) -> dict[str, Any]:
-    if m.images:
-        raise bad("images are not supported: this model reads text only", f"messages[{i}].images")
-    out: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+def message_dict(m: Message, i: int, renames: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": with_images(m.content, m.images)}
+    for k in range(len(m.images or ())):  # the images are the first parts
+        renames[f"messages[{i}].content[{k}].image_url.url"] = f"messages[{i}].images[{k}]"
+        renames[f"messages[{i}].content[{k}]"] = f"messages[{i}].images[{k}]"
     if m.thinking:
         out["reasoning_content"] = m.thinking
     if m.tool_name is not None:
@@ -178,17 +180,31 @@ def message_dict(m: Message, i: int) -> dict[str, Any]:
 def to_chat(req: ChatRequest, thinks: bool) -> ChatCompletionRequest:
     """The server's chat request for `req` (`thinks`: the template has the reasoning switch)."""
     body = templated(req, thinks)
-    body["messages"] = [message_dict(m, i) for i, m in enumerate(req.messages)]
+    renames: dict[str, str] = {}
+    body["messages"] = [message_dict(m, i, renames) for i, m in enumerate(req.messages)]
     if req.tools:
         # Ollama has no tool_choice: the model decides ("auto")
         body["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-    return ChatCompletionRequest.model_validate(body)
+    chat = ChatCompletionRequest.model_validate(body)
+    chat._renames = renames
+    return chat
+
+
+def with_images(text: str | None, images: list[str] | None) -> str | list[dict[str, Any]]:
+    """A turn's content: its text, or its images (Ollama's base64, no data: prefix) as image
+    parts, then the text."""
+    if not images:
+        return text or ""
+    parts: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": data_url("image/*", b)}} for b in images
+    ]
+    return [*parts, {"type": "text", "text": text or ""}]
 
 
 def check_generate(req: GenerateRequest) -> None:
     """What /api/generate has and this server cannot honour: a 400 naming it."""
-    if req.images:
-        raise bad("images are not supported: this model reads text only", "images")
+    if req.images and req.raw:
+        raise bad("not with raw: a raw prompt has no place for images", "images")
     if req.suffix:
         raise bad("fill-in-the-middle is not supported", "suffix")
     if req.template:
@@ -203,8 +219,13 @@ def generate_chat(req: GenerateRequest, thinks: bool) -> ChatCompletionRequest:
     """A templated /api/generate: the prompt as one user turn, after the system prompt."""
     body = templated(req, thinks)
     system = [{"role": "system", "content": req.system}] if req.system else []
-    body["messages"] = [*system, {"role": "user", "content": req.prompt}]
-    return ChatCompletionRequest.model_validate(body)
+    body["messages"] = [*system, {"role": "user", "content": with_images(req.prompt, req.images)}]
+    chat = ChatCompletionRequest.model_validate(body)
+    k = len(system)
+    for n in range(len(req.images or ())):
+        chat._renames[f"messages[{k}].content[{n}].image_url.url"] = f"images[{n}]"
+        chat._renames[f"messages[{k}].content[{n}]"] = f"images[{n}]"
+    return chat
 
 
 def generate_raw(req: GenerateRequest) -> CompletionRequest:

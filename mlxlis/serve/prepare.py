@@ -15,6 +15,7 @@ from mlxlis.generation.core import Request
 from mlxlis.generation.sampling import SamplingError, SamplingParams
 from mlxlis.generation.session import turn_start
 from mlxlis.generation.speculative import Speculation
+from mlxlis.serve.images import image_bytes
 from mlxlis.serve.openai_format import MAX_TOP_LOGPROBS, APIError
 from mlxlis.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
 from mlxlis.serve.tool_formats import ToolFormat, for_template
@@ -131,20 +132,29 @@ def bound_context(
         ) from None
 
 
-def message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
+def message_dict(m: ChatMessage, i: int, model: Any = None) -> dict[str, Any]:
     """One message as chat templates expect it (tool-call arguments as objects, as in
-    transformers' convention; "developer" is OpenAI's newer name for "system")."""
+    transformers' convention; "developer" is OpenAI's newer name for "system"). Content
+    parts with an image stay parts (Model.encode_chat's), their images as bytes; text-only
+    parts are joined; an image to a `model` that does not see is refused here."""
     if isinstance(m.content, list):
-        parts = []
+        parts: list[dict[str, Any]] = []
         for j, part in enumerate(m.content):
-            if part.type != "text" or part.text is None:
+            where = f"messages[{i}].content[{j}]"
+            if part.type == "text" and part.text is not None:
+                parts.append({"type": "text", "text": part.text})
+            elif part.type == "image_url" and part.image_url is not None:
+                if model is not None and model.vision is None:
+                    raise bad(f"{where}: {model.text_only_reason()}", where)
+                data = image_bytes(part.image_url.url, f"{where}.image_url.url")
+                parts.append({"type": "image", "image": data, "name": f"image {j + 1}"})
+            else:
                 raise bad(
-                    f"messages[{i}].content[{j}]: only text content is supported, not "
-                    f"{part.type!r}",
-                    f"messages[{i}].content[{j}].type",
+                    f"{where}: only text and image_url parts are supported, not {part.type!r}",
+                    f"{where}.type",
                 )
-            parts.append(part.text)
-        content = "".join(parts)
+        seen = any(p["type"] == "image" for p in parts)
+        content: Any = parts if seen else "".join(p["text"] for p in parts)
     else:
         content = m.content or ""
     out: dict[str, Any] = {
@@ -175,6 +185,17 @@ def message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
             )
         out["tool_calls"] = calls
     return out
+
+
+def image_parts(messages: list[dict[str, Any]]) -> list[str]:
+    """Where each image part is (messages[i].content[j]), in the prompt's order."""
+    return [
+        f"messages[{i}].content[{j}]"
+        for i, m in enumerate(messages)
+        if isinstance(m["content"], list)
+        for j, p in enumerate(m["content"])
+        if p.get("type") == "image"
+    ]
 
 
 def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
@@ -226,14 +247,37 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
                 forced = fmt.forced(name)  # a call started in the prompt (Gemma 4's syntax)
     elif req.tool_choice not in (None, "auto", "none"):
         raise bad("tool_choice: needs tools", "tool_choice")
-    messages = [message_dict(m, i) for i, m in enumerate(req.messages)]
+    messages = [message_dict(m, i, model) for i, m in enumerate(req.messages)]
+    seeing = any(isinstance(m["content"], list) for m in messages)
     try:
-        prompt = model.render_chat(messages, add_generation_prompt=True, **variables)
+        if seeing:  # each image opened, preprocessed and expanded into its placeholders
+            encoded = model.encode_chat(messages, add_generation_prompt=True, **variables)
+            prompt, images = encoded.text, encoded.images
+        else:
+            prompt, images = (
+                model.render_chat(messages, add_generation_prompt=True, **variables),
+                (),
+            )
     except NoChatTemplateError:
         raise bad(model.missing_template_diagnosis(), "messages", "no_chat_template") from None
     except TemplateError as e:
         raise bad(f"the chat template refused the messages: {e}", "messages") from None
+    except MlxlisError as e:  # a bad image, a text-only model: named by its part
+        raise bad(f"{e.field or 'messages'}: {e.message}", e.field or "messages") from None
     ids = encode(model, prompt + forced, special=True)
+    try:
+        spans = model.image_spans(ids, images)
+    except MlxlisError as e:
+        raise bad(f"messages: {e.message}", "messages") from None
+    if over := [k for k, s in enumerate(spans) if s.end >= t.max_context]:
+        k = over[0]
+        where = image_parts(messages)[k]
+        raise bad(
+            f"{where}: image {k + 1} reaches token {spans[k].end}, past the context "
+            f"({t.max_context} tokens): send fewer images or a shorter conversation",
+            where,
+            "context_length_exceeded",
+        )
     params = bound_context(ids, params, explicit is not None, t.max_context, "messages")
     gen = Request(
         ids,
@@ -245,6 +289,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         snapshot_at=turn_start(model, messages, ids, **variables),  # where the next turn parts
         speculation=t.speculation,
         kv_format=kv_choice(t, req),
+        images=spans,
     )
     return Prepared(gen, prompt, tools, fmt, forced)
 

@@ -45,11 +45,44 @@ def _text(content: str | list[Part] | None, where: str) -> str:
     for j, p in enumerate(content):
         if p.type not in TEXT_PARTS or p.text is None:
             raise bad(
-                f"only text parts are supported, not {p.type!r} (this model reads text only)",
+                f"only text and input_image parts are supported, not {p.type!r}",
                 f"{where}[{j}].type",
             )
         out.append(p.text)
     return "".join(out)
+
+
+def _content(content: str | list[Part] | None, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or (with an input_image) its parts in order, each
+    image part carrying `_from`, its place (for the names of refusals)."""
+    if not isinstance(content, list) or not any(p.type == "input_image" for p in content):
+        return _text(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, p in enumerate(content):
+        if p.type == "input_image":
+            if p.image_url is None:
+                raise bad(
+                    "an input_image needs image_url (file_id is not supported)",
+                    f"{where}[{j}].image_url",
+                )
+            parts.append(
+                {"type": "image_url", "image_url": {"url": p.image_url}, "_from": f"{where}[{j}]"}
+            )
+        else:
+            parts.append({"type": "text", "text": _text([p], f"{where}[{j}]")})
+    return parts
+
+
+def _renames(messages: list[dict[str, Any]]) -> dict[str, str]:
+    """Where each image part came from (ours -> the input's), its URL first."""
+    out = {}
+    for k, m in enumerate(messages):
+        for n, part in enumerate(m["content"] if isinstance(m["content"], list) else []):
+            if "_from" in part:
+                src = part.pop("_from")
+                out[f"messages[{k}].content[{n}].image_url.url"] = f"{src}.image_url"
+                out[f"messages[{k}].content[{n}]"] = src
+    return out
 
 
 def to_messages(items: list[Item], where: str = "input") -> list[dict[str, Any]]:
@@ -65,7 +98,7 @@ def to_messages(items: list[Item], where: str = "input") -> list[dict[str, Any]]
                 raise bad(f"unknown role {it.role!r}", f"{at}.role")
             msg = {
                 "role": "system" if it.role == "developer" else it.role,
-                "content": _text(it.content, f"{at}.content"),
+                "content": _content(it.content, f"{at}.content"),
             }
             if it.role == "assistant" and reasoning is not None:
                 msg["reasoning_content"], reasoning = reasoning, None
@@ -158,7 +191,10 @@ def to_chat(
     effort = req.reasoning.effort if req.reasoning else None
     if thinks and effort in THINKS:
         body["chat_template_kwargs"] = {"enable_thinking": THINKS[effort]}
-    return ChatCompletionRequest.model_validate(body), conversation
+    renames = _renames(messages)
+    chat = ChatCompletionRequest.model_validate(body)
+    chat._renames = renames
+    return chat, conversation
 
 
 NAMES = {

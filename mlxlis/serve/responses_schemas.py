@@ -11,6 +11,8 @@ from mlxlis.serve.schemas import _Body
 class Part(_Body):
     type: str
     text: str | None = None
+    image_url: str | None = None  # an input_image's (a data: URL, or http(s))
+    file_id: str | None = None  # an input_image from the Files API: refused
 
 
 class Item(_Body):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 
 class _Body(BaseModel):
@@ -20,9 +20,15 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class ImageURL(_Body):
+    url: str
+    detail: str | None = None  # "auto" / "low" / "high": the model's processor decides
+
+
 class ContentPart(_Body):
-    type: str
+    type: str  # "text" or "image_url"
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ToolCallFunction(_Body):
@@ -68,6 +74,9 @@ class _Sampling(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
+    # another API's names for fields its conversion moved (an image block's place), ours ->
+    # theirs, the more specific first: what a refusal names (service.renamed)
+    _renames: dict[str, str] = PrivateAttr(default_factory=dict)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None

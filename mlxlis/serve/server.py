@@ -29,6 +29,7 @@ from mlxlis.runtime import mlx_thread
 from mlxlis.runtime.memory import memory_budget, wire
 from mlxlis.serve.app import State, create_app, log
 from mlxlis.serve.prepare import Target
+from mlxlis.serve.service import MAX_VISION_BODY_BYTES
 
 import uvicorn
 
@@ -55,6 +56,7 @@ class ServeOptions:
     keepalive: float = 10.0  # seconds between an Anthropic stream's pings while it is quiet
     prefix_cache_dir: str | None = None  # finished requests' caches also kept on disk
     prefix_cache_disk_gb: float = 10.0
+    allow_image_urls: bool = False  # fetch requests' http(s) image URLs (serve/images.py)
 
 
 class _Server(uvicorn.Server):
@@ -190,6 +192,9 @@ def serve(model: Any, opts: ServeOptions) -> int:
     state = State(target, engine, opts.name, frozenset(names), fingerprint(model), opts.api_key)
     state.responses_store_bytes = opts.responses_store_mb << 20
     state.keepalive = opts.keepalive
+    state.allow_image_urls = opts.allow_image_urls
+    if model.vision is not None:  # base64 images: a screenshot or two fit
+        state.max_body = MAX_VISION_BODY_BYTES
     config = uvicorn.Config(
         create_app(state),
         log_level="info" if opts.verbose else "warning",

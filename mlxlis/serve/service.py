@@ -29,16 +29,18 @@ from mlxlis.generation.engine import (
 )
 from mlxlis.generation.events import Event, Usage
 from mlxlis.generation.speculative import speculation_line
+from mlxlis.serve.images import SCHEMES, fetch
 from mlxlis.serve.openai_format import APIError, TokenText
 from mlxlis.serve.prepare import Prepared, Target
 from mlxlis.serve.reply import ChatReply
-from mlxlis.serve.schemas import FIELD_NAMES, field_names, param_path
+from mlxlis.serve.schemas import FIELD_NAMES, ChatCompletionRequest, field_names, param_path
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 log = logging.getLogger("mlxlis.serve")
 MAX_BODY_BYTES = 8 << 20  # a request body; 100k tokens of text are < 1 MiB
+MAX_VISION_BODY_BYTES = 64 << 20  # a model that sees: base64 images (4/3 of their bytes)
 B = TypeVar("B", bound=BaseModel)
 
 
@@ -57,6 +59,7 @@ class State:
     created: int = field(default_factory=lambda: int(time.time()))
     responses_store_bytes: int = 64 << 20  # /v1/responses kept for previous_response_id
     keepalive: float = 10.0  # seconds between keep-alive events of a stream that is quiet
+    allow_image_urls: bool = False  # http(s) image URLs fetched (else refused)
     # prompts are rendered and tokenized off the event loop, one at a time
     worker: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="mlxlis-prepare")
@@ -260,11 +263,14 @@ class Service:
         adapter's API does (`names`: the chat request's name -> the API's)."""
         loop = asyncio.get_running_loop()
         try:
+            if self.state.allow_image_urls:  # on threads of their own, not the preparing one
+                args = tuple([await fetch_images(a) for a in args])
             return await loop.run_in_executor(
                 self.state.worker, partial(fn, self.state.target, *args)
             )
         except APIError as e:
-            raise renamed(e, names or {}) from None
+            moved = args[0]._renames if args and isinstance(args[0], ChatCompletionRequest) else {}
+            raise renamed(e, {**moved, **(names or {})}) from None
 
     def chat_reply(self, prep: Prepared, logprobs: bool = False) -> ChatReply:
         """The reply to a prepared chat request, built from its events."""
@@ -316,11 +322,28 @@ class Service:
         return Run(state, rid, stream, request, n)
 
 
+async def fetch_images(body: Any) -> Any:
+    """A chat request's http(s) image URLs fetched (serve/images.py), as data: URLs."""
+    if not isinstance(body, ChatCompletionRequest):
+        return body
+    loop = asyncio.get_running_loop()
+    jobs = []
+    for i, m in enumerate(body.messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            url = part.image_url.url if part.image_url is not None else ""
+            if url.startswith(SCHEMES):
+                where = f"messages[{i}].content[{j}].image_url.url"
+                jobs.append((part.image_url, loop.run_in_executor(None, fetch, url, where)))
+    for target, job in jobs:
+        target.url = await job
+    return body
+
+
 def renamed(e: APIError, names: dict[str, str]) -> APIError:
     """A refusal of the chat request with another API's names for its parameters (the first
     of `names` the parameter starts with)."""
     for ours, theirs in names.items():
-        if e.param is not None and e.param.startswith(ours):
+        if e.param is not None and e.param.startswith(ours) and e.param[len(ours) :][:1] in ".[":
             e.message = e.message.replace(ours, theirs, 1)
             e.param = theirs + e.param[len(ours) :]
             break

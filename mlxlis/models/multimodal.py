@@ -1,0 +1,188 @@
+"""Images in a prompt: what a model that sees takes beside the token ids, and how a forward
+step uses it.
+
+A prompt with images is token ids in which each image is a run of placeholder ids (the
+family's image token, as many as its tokens per image) plus the preprocessed images in order
+(`Prompt`). `image_spans` pairs each run with its image. A forward step over a chunk holding
+whole runs (`Inserts`) embeds the ids, puts each image's features in place of its run's
+embeddings, and lets the positions of one run see each other both ways (transformers'
+`token_type_ids` blocks: OR-ed into the causal mask, AND-ed with the sliding window); text
+stays causal. The caches know an image by its content: `cache_ids` replaces each run's ids by
+ids derived from the image's digest, so a prefix entry is reused only for the same image.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from mlxlis.errors import MlxlisError
+
+import mlx.core as mx
+import numpy as np
+from PIL import Image
+
+
+@dataclass(frozen=True, eq=False)
+class PromptImage:
+    """One image, preprocessed for its model: `pixels` as the tower takes them, `digest` the
+    SHA-256 of those pixels (what the caches key it by), `size` the original (width, height)."""
+
+    pixels: np.ndarray
+    digest: str
+    size: tuple[int, int]
+    name: str = "image"  # what surfaces call it (a file name, "image 1")
+
+    @classmethod
+    def of(cls, pixels: np.ndarray, size: tuple[int, int], name: str = "image") -> PromptImage:
+        pixels = np.ascontiguousarray(pixels, dtype=np.float32)
+        digest = hashlib.sha256(pixels.tobytes() + str(pixels.shape).encode()).hexdigest()
+        return cls(pixels, digest, size, name)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Token ids with each image's placeholders expanded (`ids`) and the images (`images`),
+    in the order their runs appear."""
+
+    ids: list[int]
+    images: tuple[PromptImage, ...] = ()
+    text: str = ""  # the rendered text the ids encode (placeholders expanded)
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """The run of placeholder ids at [start, start + length) that `image` fills."""
+
+    start: int
+    length: int
+    image: PromptImage
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class Vision(Protocol):
+    """What a family's vision part gives the model (gemma3_vision.Gemma3Images)."""
+
+    image_token_id: int  # the placeholder id each image's features replace
+    tokens_per_image: int
+
+    def expand(self, text: str) -> str:
+        """The rendered prompt with each image marker the template wrote expanded as the
+        processor does (its placeholders, with the tokens around them)."""
+        ...
+
+    def marker_count(self, text: str) -> int:
+        """How many image markers the rendered prompt holds."""
+        ...
+
+    def prepare(self, image: Image.Image, name: str) -> PromptImage:
+        """An opened image preprocessed as the family's processor does."""
+        ...
+
+    def features(self, image: PromptImage) -> mx.array:
+        """(tokens_per_image, text hidden) embeddings that replace its placeholders."""
+        ...
+
+    def uses(self, name: str) -> bool:
+        """Whether the checkpoint's tensor `name` is one of the vision part's."""
+        ...
+
+    def describe(self) -> str:
+        """The vision part, in words (for `describe`)."""
+        ...
+
+
+def image_spans(
+    ids: Sequence[int], images: Sequence[PromptImage], token_id: int, per_image: int
+) -> tuple[ImageSpan, ...]:
+    """Each run of `token_id` in `ids` paired with the next of `images`; an MlxlisError
+    (field "images") when the runs and the images do not pair up one to one, each run
+    `per_image` long, or a run ends the prompt (no position after it to predict from)."""
+    arr = np.asarray(ids, dtype=np.int64)
+    hit = np.concatenate([[False], arr == token_id, [False]])
+    edges = np.flatnonzero(hit[1:] != hit[:-1])
+    runs = list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+    if len(runs) != len(images):
+        raise MlxlisError(
+            f"the prompt holds {len(runs)} image placeholder runs for {len(images)} images",
+            field="images",
+        )
+    spans = []
+    for i, ((a, b), image) in enumerate(zip(runs, images, strict=True)):
+        if b - a != per_image:
+            raise MlxlisError(
+                f"image {i + 1}'s placeholder run is {b - a} tokens, the model takes "
+                f"{per_image} per image",
+                field="images",
+            )
+        spans.append(ImageSpan(a, b - a, image))
+    if spans and spans[-1].end >= len(ids):
+        raise MlxlisError("an image ends the prompt: nothing follows it", field="images")
+    return tuple(spans)
+
+
+def cache_ids(ids: Sequence[int], spans: Sequence[ImageSpan]) -> list[int]:
+    """`ids` with each image's placeholders replaced by negative ids from its digest (and the
+    position in its run): what prefix and disk caches key the sequence by, so the same ids
+    with another image share only what precedes it."""
+    if not spans:
+        return list(ids)
+    out = list(ids)
+    for s in spans:
+        base = int(s.image.digest[:12], 16)
+        for k in range(s.start, min(s.end, len(out))):
+            out[k] = -1 - (base + k - s.start) % (1 << 48)
+    return out
+
+
+@dataclass
+class Inserts:
+    """What one forward step over a chunk of a prompt takes beside its ids: for each image
+    whose run the chunk holds, the run's offset in the chunk and its (length, hidden)
+    features."""
+
+    parts: list[tuple[int, mx.array]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.parts)
+
+    def blocks(self, t: int) -> mx.array:
+        """(t,) int32: each position's image (its index in `parts`), -1 for text."""
+        out = np.full(t, -1, np.int32)
+        for j, (o, f) in enumerate(self.parts):
+            out[o : o + f.shape[0]] = j
+        return mx.array(out)
+
+    def ids(self, inputs: mx.array) -> mx.array:
+        """(1, t) ids with each run's placeholders read as id 0 (they are replaced; a
+        placeholder id past the vocabulary must not index the embedding), as transformers
+        does."""
+        return mx.where(self.blocks(inputs.shape[1])[None] >= 0, 0, inputs)
+
+    def place(self, h: mx.array) -> mx.array:
+        """(1, t, hidden) embeddings with each run's replaced by its features."""
+        pieces, at = [], 0
+        for o, f in sorted(self.parts, key=lambda p: p[0]):
+            pieces += [h[:, at:o], f[None].astype(h.dtype)]
+            at = o + f.shape[0]
+        pieces.append(h[:, at:])
+        return mx.concatenate(pieces, axis=1)
+
+
+def with_blocks(base: mx.array, blocks: mx.array, window: int | None) -> mx.array:
+    """A (t, K) boolean mask whose last t columns are the chunk's own keys, with the
+    positions of one image (`blocks`, (t,), -1 text) also seeing each other; on a sliding
+    layer (`window`) only within the window (transformers: AND(window, OR(causal, block)))."""
+    t, k = blocks.shape[0], base.shape[-1]
+    same = (blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0)  # (t, t)
+    if window is not None:
+        pos = mx.arange(t)
+        same = same & (pos[None, :] > pos[:, None] - window)
+    if k > t:
+        same = mx.concatenate([mx.zeros((t, k - t), dtype=mx.bool_), same], axis=1)
+    return base | same
