@@ -183,3 +183,88 @@ def test_images_refused_clearly(seeing, tiny, tmp_path):
     with pytest.raises(MlxlisError) as e:
         model.logits(prompt.ids, images=prompt.images[:1])
     assert e.value.field == "images" and "2 image placeholder runs for 1" in str(e.value)
+
+
+def test_chat_app_attaches_an_image_to_the_next_message(seeing, tmp_path):
+    """The chat app's /image: a bad path is an error notification naming it; an image is an
+    attachment note, shown in the user's bubble and sent first in the next message, which
+    reaches the model (the prompt's token count is the processor's for that message); the
+    saved record names it. Real app, real ChatSession, the tiny multimodal Gemma 3."""
+    import asyncio
+
+    from test_tui import SIZE, bubbles, errors, record_notes, wait_for
+
+    from tui.app import ChatApp
+    from tui.engine import Options
+
+    folder, _, _ = seeing
+    path = tmp_path / "cat.png"
+    photo(50, 40).save(path)
+    sampling = mlxlis.SamplingParams(temperature=0.0, max_tokens=3)
+    opts = Options(model=str(folder), sampling=sampling, dtype="float32")
+    app = record_notes(ChatApp(opts, data_dir=tmp_path / "conversations"))
+    parts = [{"type": "image", "image": Image.open(path)}, {"type": "text", "text": "what"}]
+    want = processor(folder).apply_chat_template(
+        [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=True
+    )
+
+    async def scenario(pilot):
+        await wait_for(pilot, lambda: app.engine is not None or app.notes, 120, "model load")
+        app.prompt_input.insert(f"/image {tmp_path / 'missing.png'}")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: errors(app), 10, "the refusal")
+        assert "no such file" in errors(app)[-1]
+        app.prompt_input.clear()
+        app.prompt_input.insert(f"/image {path}")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.engine.attachments, 10, "the attachment")
+        assert app.engine.attachments[0].size == (50, 40)
+        app.prompt_input.insert("what")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.engine.turns) == 2 and not app.generating, 60)
+        assert "[image: cat.png, 50 x 40]" in bubbles(app, "user")[-1].text
+        assert app.engine.session.last_prompt_tokens == len(want[0])
+        assert not app.engine.attachments  # sent with that message only
+        rec = app.engine.record("r")
+        assert rec["turns"][0]["content"] == "[image: cat.png, 50 x 40]\nwhat"
+
+    async def main():
+        async with app.run_test(size=SIZE) as pilot:
+            await scenario(pilot)
+
+    asyncio.run(main())
+
+
+def test_one_shot_command_takes_images(seeing, tmp_path):
+    """`mlxlis -m MODEL --image FILE "…"` (a real process): greedy, its reply is transformers'
+    greedy generation on the same message (the image first, as --image puts it); a file that
+    is not an image exits 2 naming the flag."""
+    import subprocess
+    import sys
+
+    from mlxlis.tokenizer import Tokenizer
+
+    import torch
+
+    folder, ref, _ = seeing
+    path, bad = tmp_path / "cat.png", tmp_path / "bad.png"
+    photo(50, 40).save(path)
+    bad.write_bytes(b"not a png")
+    parts = [{"type": "image", "image": Image.open(path)}, {"type": "text", "text": "what"}]
+    inputs = processor(folder).apply_chat_template(
+        [{"role": "user", "content": parts}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
+    with torch.no_grad():
+        greedy = ref.generate(**inputs, max_new_tokens=4, do_sample=False)
+    want = Tokenizer.from_folder(folder).decode(greedy[0, inputs["input_ids"].shape[1] :].tolist())
+    cmd = [sys.executable, "-m", "mlxlis", "-m", str(folder), "--dtype", "float32"]
+    cmd += ["--temp", "0", "--max-tokens", "4"]
+    out = subprocess.run([*cmd, "--image", str(path), "what"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == want + "\n"
+    out = subprocess.run([*cmd, "--image", str(bad), "what"], capture_output=True, text=True)
+    assert out.returncode == 2 and f"--image {bad}: not an image" in out.stderr, out.stderr

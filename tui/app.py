@@ -26,7 +26,7 @@ from textual.message import Message
 from textual.widgets import Footer, Markdown, Static
 
 from tui.chat_commands import CommandsMixin
-from tui.engine import Engine, Options, load_model, parse_args
+from tui.engine import Engine, Options, attachment_line, load_model, parse_args
 from tui.store import new_id, save_record
 from tui.style import CSS as APP_CSS
 from tui.widgets import Bubble, Diagnosis, Loading, PromptInput
@@ -240,7 +240,8 @@ class ChatApp(CommandsMixin, App[int]):
     async def start_reply(self, text: str) -> None:
         raw = self.engine.raw
         self._sent = text
-        self._user = Bubble("user", text, raw=raw)
+        shown = [attachment_line(im) for im in self.engine.attachments]
+        self._user = Bubble("user", "\n\n".join([*shown, text]), raw=raw)
         self._reply = Bubble("assistant", raw=raw)
         self._reply_text = []
         await self.conversation.mount_all([self._user, self._reply])

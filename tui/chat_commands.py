@@ -21,6 +21,7 @@ from tui.commands import (
     parse_json_format,
     parse_thinking,
 )
+from tui.engine import attachment_line
 from tui.screens import PreviewScreen
 from tui.store import atomic_write, list_records, new_id, summary, to_markdown
 from tui.widgets import Bubble, Note
@@ -161,6 +162,23 @@ class CommandsMixin:
         self.notify(
             f"JSON: {describe_json_format(self.engine.response_format)} (from the next message)"
         )
+
+    async def cmd_image(self, arg: str) -> None:
+        pending = self.engine.attachments
+        if not arg:
+            lines = [f"- {attachment_line(im)}" for im in pending]
+            await self.add_note(
+                "**Attached to your next message:**\n\n" + "\n".join(lines)
+                if lines
+                else "*No image attached.* `/image PATH` attaches one to your next message."
+            )
+            return
+        if arg == "-":
+            pending.clear()
+            self.notify("attachments dropped")
+            return
+        image = await asyncio.to_thread(self.engine.attach, arg)  # decoded off the UI thread
+        await self.add_note(f"📎 {attachment_line(image)} — goes with your next message")
 
     async def cmd_save(self, arg: str) -> None:
         path = Path(arg).expanduser() if arg else Path.cwd() / f"mlxlis-chat-{self.record_id}.md"

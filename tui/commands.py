@@ -26,6 +26,7 @@ COMMANDS = (
     "preview",
     "history",
     "open",
+    "image",
 )
 
 HELP = """\
@@ -47,6 +48,8 @@ JSON schema in FILE, or free (`off`), enforced token by token; `/json` shows it 
 | `/preview` | the exact prompt the model receives next, special tokens included |
 | `/history` | list saved conversations |
 | `/open N` | reopen conversation N from `/history` |
+| `/image PATH` | attach an image to your next message (a model that sees); `/image` lists \
+the attached ones, `/image -` drops them |
 | `/help` | this help |
 
 Start a message with `//` to send text that begins with `/`.

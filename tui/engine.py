@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlxlis
+from mlxlis.errors import MlxlisError
 from mlxlis.generation.context import fit_context
 from mlxlis.generation.events import Event
 from mlxlis.generation.sampling import SamplingParams
@@ -209,6 +210,8 @@ class Engine:
                 self.thinking = options.thinking
         self.info = dict(model.describe())
         self._turns_before = 0
+        self.attachments: list = []  # images (PromptImage) the next message carries: /image
+        self._sent_attachments: list = []
         self.speculation = None
         if options.speculative is not None:  # the draft must speak the target's vocabulary
             from mlxlis.generation.speculative import Speculation, check_vocabulary
@@ -294,16 +297,32 @@ class Engine:
     def thinking_label(self) -> str:
         return {True: "on", False: "off", None: "default"}[self.thinking]
 
+    def attach(self, path: str):
+        """An image for the next message (`/image PATH`), opened and preprocessed now: its
+        PromptImage; MlxlisError for a bad image, raw completion or a model that does not
+        see."""
+        if self.raw:
+            raise MlxlisError("raw completion takes no images (chat mode does)", field="/image")
+        image = self.model.prepare_image(str(Path(path).expanduser()), f"/image {path}")
+        self.attachments.append(image)
+        return image
+
     def send(self, text: str, should_stop: Callable[[], bool]) -> Iterator[Event]:
         """The reply's events, each split into reasoning and answer (all answer when the
-        session does not split)."""
+        session does not split); the attached images go first in the message."""
         self._turns_before = len(self.session.turns)
-        return self.session.send(text, should_stop=should_stop, **self.sampling.as_dict())
+        content: str | list[dict] = text
+        if self.attachments:
+            content = [{"type": "image", "image": im} for im in self.attachments]
+            content.append({"type": "text", "text": text})
+        self._sent_attachments, self.attachments = self.attachments, []
+        return self.session.send(content, should_stop=should_stop, **self.sampling.as_dict())
 
     def rollback(self) -> None:
         """Undo the last send when it failed before producing anything, so the text can be
         sent again (ChatSession already dropped its cache state for an unfinished stream)."""
         del self.session.turns[self._turns_before :]
+        self.attachments = self._sent_attachments + self.attachments  # sent again with it
 
     def preview(self, pending: str | None = None) -> str:
         return self.session.prompt_preview(pending)
@@ -338,10 +357,24 @@ class Engine:
 
 
 def _turn_record(turn: Turn) -> dict:
-    rec = {"role": turn.role, "content": turn.content, "stopped": turn.stopped}
+    """A turn as saved: its text; a message's images by name and size only (a reopened
+    conversation has their description, not the pixels)."""
+    content = turn.content
+    if isinstance(content, list):
+        content = "\n".join(
+            attachment_line(p["image"]) if p.get("type") == "image" else p.get("text", "")
+            for p in content
+        )
+    rec = {"role": turn.role, "content": content, "stopped": turn.stopped}
     if turn.reasoning is not None:
         rec["reasoning"] = turn.reasoning
     return rec
+
+
+def attachment_line(image) -> str:
+    """How an attached image shows in the conversation and in a saved record."""
+    w, h = image.size
+    return f"[image: {image.name}, {w} x {h}]"
 
 
 def _reasoning(turn: dict) -> str | None:

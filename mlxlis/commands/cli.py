@@ -32,6 +32,7 @@ from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import Speculation, speculation_line
 from mlxlis.loading import catalog
 from mlxlis.models.model import Model
+from mlxlis.models.multimodal import Prompt
 from mlxlis.prompt.reasoning import ANSWER, ReasoningSplitter
 
 SUBCOMMANDS = ("chat", "serve", "inspect", "pull", "models", "rm", "convert")
@@ -52,6 +53,14 @@ def one_shot_parser() -> argparse.ArgumentParser:
         help="raw completion: the prompt is fed as is, no chat template",
     )
     p.add_argument("--system", default=None, help="system message (chat mode)")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an image the prompt is about (repeatable; before the prompt's text, in order): "
+        "a model that sees (Gemma 3 multimodal)",
+    )
     add_thinking_args(p)
     add_format_args(p)
     add_speculative_args(p)
@@ -104,6 +113,13 @@ def print_details(model: Model) -> None:
         say(f"{k:>9}: {v}")
 
 
+def thinking_vars(model: Model, thinking: bool | None) -> dict[str, bool]:
+    """enable_thinking=`thinking` when it is set and the template has that switch."""
+    if thinking is not None and model.supports_thinking:
+        return {"enable_thinking": thinking}
+    return {}
+
+
 def chat_prompt(
     model: Model, user: str, system: str | None = None, thinking: bool | None = None
 ) -> str:
@@ -111,9 +127,7 @@ def chat_prompt(
     enable_thinking=`thinking` when it is set and the template has that switch."""
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": user})
-    variables = {}
-    if thinking is not None and model.supports_thinking:
-        variables["enable_thinking"] = thinking
+    variables = thinking_vars(model, thinking)
     prompt = model.render_chat(messages, **variables)  # no template: the one error line only
     if thinking is not None and not model.supports_thinking:
         flag = "--think" if thinking else "--no-think"
@@ -126,7 +140,7 @@ def chat_prompt(
 
 def stream_reply(
     model: Model,
-    ids: list[int],
+    ids: list[int] | Prompt,
     params: SamplingParams,
     prompt: str | None,
     show_reasoning: bool,
@@ -194,9 +208,22 @@ def _one_shot(a: argparse.Namespace, params: SamplingParams, model: Model, promp
     if a.verbose:
         print_details(model)
     tok = model.tokenizer
+    ids: list[int] | Prompt
     if a.no_chat:
+        if a.image:
+            raise MlxlisError("images need the chat template (not --no-chat)", field="--image")
         text = None
         ids = tok.encode(prompt)
+    elif a.image:
+        parts = [  # opened here so that a refusal names the flag
+            {"type": "image", "image": model.prepare_image(path, f"--image {path}")}
+            for path in a.image
+        ]
+        parts.append({"type": "text", "text": prompt})
+        messages = [{"role": "system", "content": a.system}] if a.system else []
+        messages.append({"role": "user", "content": parts})
+        ids = model.encode_chat(messages, **thinking_vars(model, a.thinking))
+        text = ids.text
     else:
         text = chat_prompt(model, prompt, a.system, a.thinking)
         ids = tok.encode(text, special=True)

@@ -270,7 +270,7 @@ class Model:
         if self.vision is not None:
             details["vision"] = self.vision.describe()
         if self.skipped:
-            details["skipped"] = skipped_summary(self.skipped)
+            details["skipped"] = skipped_summary(self.skipped, self.vision is None)
         if self.part is not None:
             details["pipeline"] = self.part.describe()
         if blas.state.notice:
@@ -278,11 +278,11 @@ class Model:
         return details
 
 
-def skipped_summary(names: list[str]) -> str:
-    """'N tensors not used (prefix.*, ...)': what a text-only load left out of the file."""
+def skipped_summary(names: list[str], text_only: bool = True) -> str:
+    """'N tensors not used (prefix.*, ...)': what a load left out of the file."""
     groups = sorted({".".join(n.split(".")[:2]) + ".*" for n in names})
     shown = ", ".join(groups[:4]) + (f", +{len(groups) - 4} more" if len(groups) > 4 else "")
-    return f"{len(names)} tensors not used ({shown}): text only"
+    return f"{len(names)} tensors not used ({shown})" + (": text only" if text_only else "")
 
 
 def _quant_summary(net: nn.Module) -> str:
