@@ -83,3 +83,128 @@ def processor(folder: Path):
         image_seq_length=TOKENS,
         chat_template=TEMPLATE.read_text(),
     )
+
+
+# --- Gemma 4 ---
+G4_SPECIAL = ("<|image>", "<|image|>", "<image|>", "<start_of_turn>", "<end_of_turn>")  # 3..7
+G4_IMAGE = 4
+# a Gemma 4 style template: each image part is one <|image|> the processor expands
+G4_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'image' %}<|image|>{% else %}{{ p.text }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+G4_PROCESSOR = dict(patch_size=4, max_soft_tokens=70, pooling_kernel_size=2)
+
+
+def build_gemma4(folder: Path, bidirectional: str | None = "vision", seed: int = 0):
+    """A tiny Gemma 4 (per-layer inputs, sliding window 8, clipped linears, standardized
+    soft tokens) with its vision tower; returns the transformers model (fp32, eager)."""
+    import torch
+    import transformers
+    from conftest import randomize
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = train_tokenizer(folder, extra_special=G4_SPECIAL)
+    s, f = "sliding_attention", "full_attention"
+    text = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        head_dim=16,
+        global_head_dim=32,
+        num_key_value_heads=1,
+        num_hidden_layers=4,
+        layer_types=[s, f, s, f],
+        sliding_window=8,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=vocab,
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        use_bidirectional_attention=bidirectional,
+        pad_token_id=1,  # not the BOS (0): the placeholders are read as this id
+        rope_parameters={
+            s: {"rope_type": "default", "rope_theta": 10000.0},
+            f: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+        },
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        pooling_kernel_size=2,
+        patch_size=4,
+        position_embedding_size=64,
+        standardize=True,
+        use_clipped_linears=True,
+    )
+    cfg = transformers.Gemma4Config(
+        text_config=text,
+        vision_config=vision,
+        audio_config=None,
+        boi_token_id=3,
+        image_token_id=G4_IMAGE,
+        eoi_token_id=5,
+    )
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.Gemma4ForConditionalGeneration(cfg).eval()
+    randomize(model, seed)
+    with torch.no_grad():  # buffers away from their identities, so that each is read
+        for name, b in model.named_buffers():
+            if name.endswith("std_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+            elif name.endswith("std_scale"):
+                b.copy_(1 + torch.randn_like(b) * 0.1)
+            elif name.endswith(("input_min", "input_max")):
+                b.fill_(-0.5 if name.endswith("min") else 0.5)
+            elif name.endswith(("output_min", "output_max")):
+                b.fill_(-2.0 if name.endswith("min") else 2.0)
+    model.save_pretrained(folder)
+    Gemma4ImageProcessorPil(**G4_PROCESSOR).save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text(G4_TEMPLATE)
+    return model
+
+
+def gemma4_inputs(folder: Path, messages: list[dict]) -> dict:
+    """transformers' inputs for `messages`: the template rendered, each <|image|> expanded by
+    Gemma4Processor.replace_image_token (the processor itself needs torchvision for its
+    video part), tokenized by the folder's tokenizer, pixels from Gemma4ImageProcessorPil."""
+    from types import SimpleNamespace
+
+    import jinja2
+    import torch
+    import transformers
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    text = jinja2.Template(G4_TEMPLATE).render(
+        messages=messages, add_generation_prompt=True, bos_token="<|endoftext|>"
+    )
+    images = [
+        p["image"]
+        for m in messages
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if p["type"] == "image"
+    ]
+    pixels = Gemma4ImageProcessorPil(**G4_PROCESSOR)(images=images, return_tensors="pt")
+    marks = SimpleNamespace(
+        boi_token=G4_SPECIAL[0], image_token=G4_SPECIAL[1], eoi_token=G4_SPECIAL[2]
+    )
+    pieces = text.split(G4_SPECIAL[1])
+    expand = transformers.Gemma4Processor.replace_image_token
+    text = pieces[0] + "".join(expand(marks, pixels, k) + rest for k, rest in enumerate(pieces[1:]))
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),  # else generate masks the BOS, id 0 = the pad id
+        pixel_values=pixels["pixel_values"],
+        image_position_ids=pixels["image_position_ids"],
+        mm_token_type_ids=(ids == G4_IMAGE).long(),
+    )

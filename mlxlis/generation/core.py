@@ -142,7 +142,7 @@ class Sequence:
             for s in self.spans
             if at <= s.start < at + n
         ]
-        return Inserts(parts) if parts else None
+        return Inserts(parts, model.vision.fill_id) if parts else None
 
     def cache_ids(self, ids: Seq[int]) -> list[int]:
         """`ids` (a prefix of the history) as the caches key them (images by content)."""

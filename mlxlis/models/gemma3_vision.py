@@ -24,18 +24,18 @@ keep (`vision_use_head`) is left out, as Gemma 3 reads the patches, never the he
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxlis.errors import ConfigError, FileFormatError, UnsupportedError
-from mlxlis.models.multimodal import PromptImage
+from mlxlis.errors import ConfigError, UnsupportedError
+from mlxlis.models.multimodal import PromptImage, bind_vision, marker_tokens, processor_settings
 from mlxlis.prompt.images import ImageProcessing
 from mlxlis.tokenizer import Tokenizer
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from PIL import Image
 
 
@@ -268,23 +268,7 @@ def load_gemma3_vision(folder: Path, dtype: mx.Dtype = mx.float32) -> Gemma3Visi
 
     cfg = VisionConfig.from_hf(read_json(folder / "config.json"), str(folder / "config.json"))
     net = Gemma3Vision(cfg)
-    theirs = Gemma3Vision.sanitize(load_tensors(folder))
-    ours = dict(tree_flatten(net.parameters()))
-    if missing := sorted(ours.keys() - theirs.keys()):
-        raise FileFormatError(f"no tensor for {missing[0]}", path=folder, field=missing[0])
-    if extra := sorted(theirs.keys() - ours.keys()):
-        raise FileFormatError(
-            f"a tensor the vision model has no place for: {extra[0]}", path=folder, field=extra[0]
-        )
-    for name, arr in theirs.items():
-        if arr.shape != ours[name].shape:
-            raise FileFormatError(
-                f"shape {tuple(arr.shape)}, expected {tuple(ours[name].shape)}",
-                path=folder,
-                field=name,
-            )
-    net.load_weights([(k, v.astype(dtype)) for k, v in theirs.items()])
-    mx.eval(net.parameters())
+    bind_vision(net, Gemma3Vision.sanitize(load_tensors(folder)), folder, dtype)
     return net
 
 
@@ -304,10 +288,11 @@ class Gemma3Images:
         self.processing = processing
         self.boi, self.soft, self.eoi = markers  # <start_of_image>, <image_soft_token>, <end_...>
         self.image_token_id = image_token_id
+        self.fill_id = 0  # transformers reads out-of-vocabulary placeholders as 0
         self.tokens_per_image = net.config.tokens_per_image
         self.dtype = dtype
 
-    def expand(self, text: str) -> str:
+    def expand(self, text: str, images: Sequence[PromptImage]) -> str:
         run = self.soft * self.tokens_per_image
         return text.replace(self.boi, f"\n\n{self.boi}{run}{self.eoi}\n\n")
 
@@ -315,7 +300,8 @@ class Gemma3Images:
         return text.count(self.boi)
 
     def prepare(self, image: Image.Image, name: str) -> PromptImage:
-        return PromptImage.of(self.processing.preprocess(image), image.size, name)
+        pixels = self.processing.preprocess(image)
+        return PromptImage.of(pixels, image.size, self.tokens_per_image, name)
 
     def uses(self, name: str) -> bool:
         return bool(self.net.sanitize({name: None}))
@@ -329,20 +315,6 @@ class Gemma3Images:
         return self.net(pixels)[0]  # (tokens_per_image, text hidden)
 
 
-def processor_settings(folder: Path) -> dict[str, Any] | None:
-    """The image processor's settings: preprocessor_config.json, or the `image_processor` of
-    transformers 5's processor_config.json; None when the folder has neither."""
-    from mlxlis.models.config import read_json
-
-    if (folder / "preprocessor_config.json").is_file():
-        return read_json(folder / "preprocessor_config.json")
-    if (folder / "processor_config.json").is_file():
-        cfg = read_json(folder / "processor_config.json")
-        inner = cfg.get("image_processor")
-        return inner if isinstance(inner, dict) else cfg
-    return None
-
-
 def load_images(
     folder: Path, cfg: dict[str, Any], tokenizer: Tokenizer, dtype: mx.Dtype
 ) -> Gemma3Images | None:
@@ -352,23 +324,12 @@ def load_images(
     if not isinstance(cfg.get("vision_config"), dict) or settings is None:
         return None
     where = str(folder / "config.json")
-    ids = {}
-    for key, default in (
+    keys = (
         ("boi_token_index", 255999),
         ("image_token_index", 262144),
         ("eoi_token_index", 256000),
-    ):
-        value = cfg.get(key, cfg.get(key.replace("_index", "_id"), default))
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"expected a token id, got {value!r}", path=where, field=key)
-        ids[key] = value
-    for key, i in ids.items():  # each marker must read back as its one special token
-        token = tokenizer.id_to_token(i) if 0 <= i < tokenizer.vocab_size else ""
-        if not token or tokenizer.encode(token, True, add_bos=False, add_eos=False) != [i]:
-            raise ConfigError(
-                f"token {i} is not a special token of the tokenizer", path=where, field=key
-            )
-    markers = tuple(tokenizer.id_to_token(i) for i in ids.values())
+    )
+    markers, ids = marker_tokens(cfg, keys, tokenizer, where)
     name = "preprocessor_config.json"
     if not (folder / name).is_file():
         name = "processor_config.json"
@@ -381,4 +342,4 @@ def load_images(
             path=folder / name,
             field="size",
         )
-    return Gemma3Images(net, processing, markers, ids["image_token_index"], dtype)
+    return Gemma3Images(net, processing, markers, ids[1], dtype)

@@ -33,6 +33,7 @@ from mlxlis.models.activations import GATED
 from mlxlis.models.base import Family
 from mlxlis.models.config import ModelConfig, RopeConfig
 from mlxlis.models.gemma4_net import FULL, PLAIN_ACTS, SLIDING, STRUCTURE, Gemma4, Structure
+from mlxlis.models.gemma4_vision import load_images
 
 HF_DEFAULTS = {  # transformers' Gemma4TextConfig, for the keys the shared parser reads
     "vocab_size": 262144,
@@ -193,9 +194,17 @@ def kv_sources(types: tuple[str, ...], shared: int, path: str, fld: str) -> tupl
 
 
 def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
-    if cfg.get("use_bidirectional_attention"):
+    bidirectional = cfg.get("use_bidirectional_attention")
+    if bidirectional == "all":  # an encoder: every position sees every other, no generation
         raise UnsupportedError(
-            "bidirectional attention is not implemented",
+            'use_bidirectional_attention "all" (an encoder, every position seeing every other) '
+            "is not implemented: mlxlis generates",
+            path=path,
+            field="use_bidirectional_attention",
+        )
+    if bidirectional not in (None, "vision"):
+        raise ConfigError(
+            f'expected "vision", "all" or null, got {bidirectional!r}'[:200],
             path=path,
             field="use_bidirectional_attention",
         )
@@ -268,6 +277,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         local_rope_factor=local_factor,
         per_layer_dim=ple,
         per_layer_vocab=_int(cfg, "vocab_size_per_layer_input", 262144, path) if ple else 0,
+        bidirectional=bidirectional,
     )
     return base.with_(
         **STRUCTURE,
@@ -352,11 +362,13 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         "num_experts": cfg.num_experts or None,
         "top_k_experts": cfg.num_experts_per_tok or None,
         "moe_intermediate_size": cfg.moe_intermediate_size or None,
+        "use_bidirectional_attention": s.bidirectional,
     }
 
 
 # multimodal checkpoints: transformers' `model.language_model.*` (mlx-lm saves
-# `language_model.model.*`); the vision and audio towers and their embedders are skipped
+# `language_model.model.*`); the towers and their embedders are the text plan's dropped names
+# (the vision ones loaded by `vision`, gemma4_vision.py; audio is not read)
 _TOWERS = (
     "vision_tower.",
     "audio_tower.",
@@ -389,4 +401,5 @@ GEMMA4 = Family(
         ("language_model.lm_head.", "lm_head."),
     ),
     hf_dropped=_TOWERS + tuple(f"model.{t}" for t in _TOWERS),
+    vision=load_images,  # the vision tower and embedder, where the folder has their processor
 )

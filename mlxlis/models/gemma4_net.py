@@ -23,6 +23,7 @@ from mlxlis.models.attention import attend, softcap
 from mlxlis.models.config import FamilyConfig, ModelConfig, RopeConfig
 from mlxlis.models.experts import SORT_FROM, ExpertSource, SwitchGLU, SwitchLinear
 from mlxlis.models.layers import MLP, Mask
+from mlxlis.models.multimodal import Inserts, with_blocks
 from mlxlis.models.rope import Rope
 
 import mlx.core as mx
@@ -57,6 +58,9 @@ class Structure(FamilyConfig):
     per_layer_dim: int = 0  # hidden_size_per_layer_input (0: no per-layer inputs)
     per_layer_vocab: int = 0
     fused_gate_up: bool = False  # GGUF experts as one gate+up tensor (ffn_gate_up_exps)
+    # use_bidirectional_attention: "vision" (an image's positions see each other both ways on
+    # sliding layers; full layers stay causal), None (everything causal)
+    bidirectional: str | None = None
 
 
 # the ModelConfig fields every Gemma 4 has
@@ -378,14 +382,21 @@ class Gemma4(nn.Module):
         return (proj + tok.reshape(b, t, -1, s.per_layer_dim)) * 2**-0.5
 
     def __call__(
-        self, inputs: mx.array, cache: list[Cache] | None = None, last_only: bool = False
+        self,
+        inputs: mx.array,
+        cache: list[Cache] | None = None,
+        last_only: bool = False,
+        inserts: Inserts | None = None,
     ) -> mx.array:
-        return self.head(self._run(inputs, cache, last_only), last_only)
+        return self.head(self._run(inputs, cache, last_only, inserts), last_only)
 
-    def hidden_states(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array:
+    def hidden_states(
+        self, inputs: mx.array, cache: list[Cache] | None = None, inserts: Inserts | None = None
+    ) -> mx.array:
         """(B, T) ids -> the last layer's output (B, T, hidden), before the final norm, for
-        every position (what `head` takes; what a drafter reading the target's state reads)."""
-        return self._run(inputs, cache, last_only=False)
+        every position (what `head` takes; what a drafter reading the target's state reads).
+        `inserts`: the images whose placeholder runs a (1, T) chunk holds."""
+        return self._run(inputs, cache, False, inserts)
 
     def embed(self, inputs: mx.array) -> mx.array:
         """(B, T) ids -> the scaled embedding (B, T, hidden) in the compute dtype, as the first
@@ -399,9 +410,18 @@ class Gemma4(nn.Module):
         last = {SLIDING if self._sliding[i] else FULL: i for i in self._own}
         return {t: self._slot[i] for t, i in last.items()}
 
-    def _run(self, inputs: mx.array, cache: list[Cache] | None, last_only: bool) -> mx.array:
+    def _run(
+        self,
+        inputs: mx.array,
+        cache: list[Cache] | None,
+        last_only: bool,
+        inserts: Inserts | None = None,
+    ) -> mx.array:
         """The embedding and the layers: (B, T, hidden) before the final norm (only the newest
-        position from the first KV-shared layer on when `last_only`)."""
+        position from the first KV-shared layer on when `last_only`). With `inserts`, the
+        placeholders are read as the pad id (the per-layer embeddings too) and their scaled
+        embeddings replaced by the images' features, which the per-layer projection reads
+        (transformers' Gemma4Model)."""
         cfg, s, m = self.config, self.config.own(Structure), self.model
         t = inputs.shape[1]
         batch = bool(cache) and isinstance(cache[0], CacheBatch)  # decode_batch's step
@@ -409,8 +429,12 @@ class Gemma4(nn.Module):
             offset = mx.array([c.offset for c in cache[0].caches])  # (B,) positions
         else:
             offset = cache[0].offset if cache else 0
+        if inserts:
+            inputs = inserts.ids(inputs)
         h = m.embed_tokens(inputs)  # (B, T, hidden); √hidden rounded to the dtype, as transformers
         h = h * mx.array(cfg.hidden_size**0.5, mx.float32).astype(h.dtype)
+        if inserts:
+            h = inserts.place(h)
         per_layer = self._per_layer_inputs(inputs, h) if s.per_layer_dim else None
         h = h.astype(mx.float32)  # the residual stream (decoder.py: Gemma outgrows float16)
         masks: dict[bool, Mask] = {False: "causal" if t > 1 else None, True: None}
@@ -421,6 +445,9 @@ class Gemma4(nn.Module):
                 if cache
                 else (window_mask(0, t, 0, t, cfg.sliding_window) if t > 1 else None)
             )
+            if inserts and s.bidirectional == "vision" and masks[True] is not None:
+                blocks = inserts.blocks(t)  # sliding layers only: full layers stay causal
+                masks[True] = with_blocks(masks[True], blocks, cfg.sliding_window)
         kvs: dict[int, tuple] = {}
         for i, layer in enumerate(m.layers):
             src = s.kv_source[i]

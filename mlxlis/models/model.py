@@ -120,7 +120,8 @@ class Model:
         spans = self.image_spans(ids, images)
         if not spans:
             return self.net(inputs)[0].astype(mx.float32)
-        inserts = Inserts([(s.start, self.image_features(s.image)) for s in spans])
+        parts = [(s.start, self.image_features(s.image)) for s in spans]
+        inserts = Inserts(parts, self.vision.fill_id)
         return self.net(inputs, inserts=inserts)[0].astype(mx.float32)
 
     # --- images ---
@@ -137,8 +138,7 @@ class Model:
             raise UnsupportedError(
                 "images with a model pipelined across ranks are not supported", field="images"
             )
-        v = self.vision
-        return image_spans(ids, images, v.image_token_id, v.tokens_per_image)
+        return image_spans(ids, images, self.vision.image_token_id)
 
     def image_features(self, image: PromptImage) -> mx.array:
         """(tokens per image, hidden) embeddings of `image` (the last few kept by digest)."""
@@ -208,7 +208,7 @@ class Model:
                     "images (an image where the template does not take one?)",
                     field="messages",
                 )
-            text = self.vision.expand(text)
+            text = self.vision.expand(text, images)
         ids = self.tokenizer.encode(text, special=True)
         self.image_spans(ids, images)  # the runs pair up with the images
         return Prompt(ids, tuple(images), text)

@@ -16,30 +16,46 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
-from mlxlis.errors import MlxlisError
+from mlxlis.errors import ConfigError, FileFormatError, MlxlisError
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 from PIL import Image
 
 
 @dataclass(frozen=True, eq=False)
 class PromptImage:
-    """One image, preprocessed for its model: `pixels` as the tower takes them, `digest` the
-    SHA-256 of those pixels (what the caches key it by), `size` the original (width, height)."""
+    """One image, preprocessed for its model: `pixels` as the tower takes them (and their
+    patches' `positions` where the tower reads those), `tokens` the placeholders it fills,
+    `digest` the SHA-256 of the pixels (what the caches key it by), `size` the original
+    (width, height)."""
 
     pixels: np.ndarray
     digest: str
     size: tuple[int, int]
+    tokens: int
     name: str = "image"  # what surfaces call it (a file name, "image 1")
+    positions: np.ndarray | None = None
 
     @classmethod
-    def of(cls, pixels: np.ndarray, size: tuple[int, int], name: str = "image") -> PromptImage:
+    def of(
+        cls,
+        pixels: np.ndarray,
+        size: tuple[int, int],
+        tokens: int,
+        name: str = "image",
+        positions: np.ndarray | None = None,
+    ) -> PromptImage:
         pixels = np.ascontiguousarray(pixels, dtype=np.float32)
-        digest = hashlib.sha256(pixels.tobytes() + str(pixels.shape).encode()).hexdigest()
-        return cls(pixels, digest, size, name)
+        digest = hashlib.sha256(pixels.tobytes() + str(pixels.shape).encode())
+        if positions is not None:
+            digest.update(np.ascontiguousarray(positions, np.int32).tobytes())
+        return cls(pixels, digest.hexdigest(), size, tokens, name, positions)
 
 
 @dataclass(frozen=True)
@@ -69,11 +85,11 @@ class Vision(Protocol):
     """What a family's vision part gives the model (gemma3_vision.Gemma3Images)."""
 
     image_token_id: int  # the placeholder id each image's features replace
-    tokens_per_image: int
+    fill_id: int  # the id a placeholder is read as before its features replace it
 
-    def expand(self, text: str) -> str:
+    def expand(self, text: str, images: Sequence[PromptImage]) -> str:
         """The rendered prompt with each image marker the template wrote expanded as the
-        processor does (its placeholders, with the tokens around them)."""
+        processor does (the image's placeholders, with the tokens around them)."""
         ...
 
     def marker_count(self, text: str) -> int:
@@ -85,7 +101,7 @@ class Vision(Protocol):
         ...
 
     def features(self, image: PromptImage) -> mx.array:
-        """(tokens_per_image, text hidden) embeddings that replace its placeholders."""
+        """(image.tokens, text hidden) embeddings that replace its placeholders."""
         ...
 
     def uses(self, name: str) -> bool:
@@ -98,11 +114,12 @@ class Vision(Protocol):
 
 
 def image_spans(
-    ids: Sequence[int], images: Sequence[PromptImage], token_id: int, per_image: int
+    ids: Sequence[int], images: Sequence[PromptImage], token_id: int
 ) -> tuple[ImageSpan, ...]:
     """Each run of `token_id` in `ids` paired with the next of `images`; an MlxlisError
-    (field "images") when the runs and the images do not pair up one to one, each run
-    `per_image` long, or a run ends the prompt (no position after it to predict from)."""
+    (field "images") when the runs and the images do not pair up one to one, each run as
+    long as its image's tokens, or a run ends the prompt (no position after it to predict
+    from)."""
     arr = np.asarray(ids, dtype=np.int64)
     hit = np.concatenate([[False], arr == token_id, [False]])
     edges = np.flatnonzero(hit[1:] != hit[:-1])
@@ -114,10 +131,10 @@ def image_spans(
         )
     spans = []
     for i, ((a, b), image) in enumerate(zip(runs, images, strict=True)):
-        if b - a != per_image:
+        if b - a != image.tokens:
             raise MlxlisError(
-                f"image {i + 1}'s placeholder run is {b - a} tokens, the model takes "
-                f"{per_image} per image",
+                f"image {i + 1}'s placeholder run is {b - a} tokens, the image fills "
+                f"{image.tokens}",
                 field="images",
             )
         spans.append(ImageSpan(a, b - a, image))
@@ -147,6 +164,7 @@ class Inserts:
     features."""
 
     parts: list[tuple[int, mx.array]] = field(default_factory=list)
+    fill: int = 0  # the id placeholders are read as (Vision.fill_id)
 
     def __bool__(self) -> bool:
         return bool(self.parts)
@@ -159,10 +177,10 @@ class Inserts:
         return mx.array(out)
 
     def ids(self, inputs: mx.array) -> mx.array:
-        """(1, t) ids with each run's placeholders read as id 0 (they are replaced; a
-        placeholder id past the vocabulary must not index the embedding), as transformers
-        does."""
-        return mx.where(self.blocks(inputs.shape[1])[None] >= 0, 0, inputs)
+        """(1, t) ids with each run's placeholders read as `fill` (their embeddings are
+        replaced, but a placeholder id past the vocabulary must not index the embedding, and
+        Gemma 4's per-layer embeddings read the pad id there), as transformers does."""
+        return mx.where(self.blocks(inputs.shape[1])[None] >= 0, self.fill, inputs)
 
     def place(self, h: mx.array) -> mx.array:
         """(1, t, hidden) embeddings with each run's replaced by its features."""
@@ -186,3 +204,63 @@ def with_blocks(base: mx.array, blocks: mx.array, window: int | None) -> mx.arra
     if k > t:
         same = mx.concatenate([mx.zeros((t, k - t), dtype=mx.bool_), same], axis=1)
     return base | same
+
+
+# --- what the families' vision loaders share ---
+def processor_settings(folder: Path) -> dict[str, Any] | None:
+    """The image processor's settings: preprocessor_config.json, or the `image_processor` of
+    transformers 5's processor_config.json; None when the folder has neither."""
+    from mlxlis.models.config import read_json
+
+    if (folder / "preprocessor_config.json").is_file():
+        return read_json(folder / "preprocessor_config.json")
+    if (folder / "processor_config.json").is_file():
+        cfg = read_json(folder / "processor_config.json")
+        inner = cfg.get("image_processor")
+        return inner if isinstance(inner, dict) else cfg
+    return None
+
+
+def marker_tokens(
+    cfg: dict[str, Any], keys: Sequence[tuple[str, int]], tokenizer: Any, where: str
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The token strings and ids config.json names under `keys` (each (key, default);
+    `*_index` also read as `*_id`): each must read back as its one special token, else a
+    ConfigError naming the key."""
+    strings, ids = [], []
+    for key, default in keys:
+        alias = (
+            key.replace("_index", "_id") if key.endswith("_index") else key.replace("_id", "_index")
+        )
+        i = cfg.get(key, cfg.get(alias, default))
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise ConfigError(f"expected a token id, got {i!r}", path=where, field=key)
+        token = tokenizer.id_to_token(i) if i < tokenizer.vocab_size else ""
+        if not token or tokenizer.encode(token, True, add_bos=False, add_eos=False) != [i]:
+            raise ConfigError(
+                f"token {i} is not a special token of the tokenizer", path=where, field=key
+            )
+        strings.append(token)
+        ids.append(i)
+    return tuple(strings), tuple(ids)
+
+
+def bind_vision(net: nn.Module, theirs: dict[str, mx.array], folder: Path, dtype: mx.Dtype) -> None:
+    """Load `theirs` into `net` in `dtype`; a missing, extra or misshapen tensor is a
+    FileFormatError naming it."""
+    ours = dict(tree_flatten(net.parameters()))
+    if missing := sorted(ours.keys() - theirs.keys()):
+        raise FileFormatError(f"no tensor for {missing[0]}", path=folder, field=missing[0])
+    if extra := sorted(theirs.keys() - ours.keys()):
+        raise FileFormatError(
+            f"a tensor the vision model has no place for: {extra[0]}", path=folder, field=extra[0]
+        )
+    for name, arr in theirs.items():
+        if arr.shape != ours[name].shape:
+            raise FileFormatError(
+                f"shape {tuple(arr.shape)}, expected {tuple(ours[name].shape)}",
+                path=folder,
+                field=name,
+            )
+    net.load_weights([(k, v.astype(dtype)) for k, v in theirs.items()])
+    mx.eval(net.parameters())
