@@ -261,3 +261,29 @@ def test_image_urls_are_fetched_within_limits(monkeypatch):
             image_urls.fetch(f"{base}/cat.png", "p")
     finally:
         host.shutdown()
+
+
+def test_responses_input_image_reaches_the_model(seeing, cat_reference):
+    """The Responses API's input_image (a data URL): the prompt is the processor's length and
+    the greedy reply the reference's; a file_id image is refused naming its field."""
+    srv, _, folder = seeing
+    ids, _, greedy = cat_reference
+    from mlxlis.tokenizer import Tokenizer
+
+    client = srv.client()
+    url = "data:image/png;base64," + CAT64
+    content = [
+        {"type": "input_image", "image_url": url},
+        {"type": "input_text", "text": "what is it"},
+    ]
+    reply = client.responses.create(
+        model=MODEL, input=[{"role": "user", "content": content}], max_output_tokens=3
+    )
+    assert reply.usage.input_tokens == len(ids)
+    assert reply.output_text == Tokenizer.from_folder(folder).decode(greedy)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            model=MODEL,
+            input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}],
+        )
+    assert e.value.body["param"] == "input[0].content[0].image_url", e.value.body
