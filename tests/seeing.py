@@ -208,3 +208,122 @@ def gemma4_inputs(folder: Path, messages: list[dict]) -> dict:
         image_position_ids=pixels["image_position_ids"],
         mm_token_type_ids=(ids == G4_IMAGE).long(),
     )
+
+
+# --- Qwen3.5 ---
+Q_SPECIAL = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # ids 3..5
+Q_IMAGE = 5
+# Qwen3.5's way of writing an image: <|vision_start|><|image_pad|><|vision_end|>
+Q_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p.text }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+Q_PROCESSOR = dict(
+    size={"shortest_edge": 4096, "longest_edge": 65536},  # small images: 64 x 64 to 256 x 256
+    patch_size=16,
+    temporal_patch_size=2,
+    merge_size=2,
+    image_mean=[0.5, 0.5, 0.5],
+    image_std=[0.5, 0.5, 0.5],
+)
+
+
+def build_qwen3_5(folder: Path, seed: int = 0):
+    """A tiny Qwen3.5 (3 Gated DeltaNet layers, 1 gated full-attention layer with partial
+    M-RoPE) with its ViT; returns the transformers model (fp32, eager)."""
+    import torch
+    import transformers
+    from conftest import randomize
+    from transformers import Qwen2VLImageProcessorPil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = train_tokenizer(folder, extra_special=Q_SPECIAL)
+    text = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        max_position_embeddings=512,
+        rope_parameters=dict(
+            rope_type="default",
+            rope_theta=10000.0,
+            partial_rotary_factor=0.5,  # 16 rotary dims: 8 pairs over three streams
+            mrope_section=[3, 3, 2],
+            mrope_interleaved=True,
+        ),
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=64,
+        num_position_embeddings=64,  # an 8 x 8 table, resampled to each grid
+    )
+    cfg = transformers.Qwen3_5Config(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=Q_IMAGE,
+        video_token_id=Q_IMAGE + 100,
+        vision_start_token_id=3,
+        vision_end_token_id=4,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
+    randomize(model, seed)
+    model.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(**Q_PROCESSOR).save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text(Q_TEMPLATE)
+    return model
+
+
+def qwen3_5_inputs(folder: Path, messages: list[dict]) -> dict:
+    """transformers' inputs for `messages`: the template rendered, each <|image_pad|> expanded
+    by Qwen3VLProcessor.replace_image_token (the processor itself needs torchvision for its
+    video part), tokenized by the folder's tokenizer, pixels from Qwen2VLImageProcessorPil."""
+    from types import SimpleNamespace
+
+    import jinja2
+    import torch
+    import transformers
+    from transformers import Qwen2VLImageProcessorPil
+
+    text = jinja2.Template(Q_TEMPLATE).render(messages=messages, add_generation_prompt=True)
+    images = [
+        p["image"]
+        for m in messages
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if p["type"] == "image"
+    ]
+    pixels = Qwen2VLImageProcessorPil(**Q_PROCESSOR)(images=images, return_tensors="pt")
+    me = SimpleNamespace(image_token=Q_SPECIAL[2], image_processor=SimpleNamespace(merge_size=2))
+    expand = transformers.Qwen3VLProcessor.replace_image_token
+    pieces = text.split(Q_SPECIAL[2])
+    text = pieces[0] + "".join(expand(me, pixels, k) + rest for k, rest in enumerate(pieces[1:]))
+    ids = transformers.AutoTokenizer.from_pretrained(folder)(
+        text, add_special_tokens=False, return_tensors="pt"
+    )["input_ids"]
+    return dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        pixel_values=pixels["pixel_values"],
+        image_grid_thw=pixels["image_grid_thw"],
+        mm_token_type_ids=(ids == Q_IMAGE).long(),
+    )

@@ -12,6 +12,7 @@ class Cache(Protocol):
     """One layer's cache of one sequence."""
 
     offset: int  # positions fed so far
+    shift: int  # how far RoPE positions run ahead of `offset` (Qwen3.5's images; else 0)
     label: str  # its kind, in words (why a rewind stopped: "recurrent", "sliding window")
 
     @property

@@ -22,6 +22,9 @@ class _Lendable:
     _batch: KVBatch | None = None  # holding this cache's keys/values as its row `_row`
     _row = 0
     store: Store = DENSE  # dense or quantized keys/values (store.py)
+    # positions RoPE runs ahead of `offset` (0 but after Qwen3.5's images, whose M-RoPE
+    # positions advance less than their tokens): set by the generation core, not saved
+    shift = 0
 
     @property
     def keys(self) -> Stored | None:

@@ -14,6 +14,7 @@ class RecurrentCache:
 
     SNAPSHOTS = 2
     label = "recurrent"
+    shift = 0  # no positions (kv.py's `shift`)
 
     def __init__(self) -> None:
         self.conv_state: mx.array | None = None

@@ -142,7 +142,14 @@ class Sequence:
             for s in self.spans
             if at <= s.start < at + n
         ]
-        return Inserts(parts, model.vision.fill_id) if parts else None
+        return model.inserts(parts, self.spans, at, n) if parts else None
+
+    def set_shift(self, model: Model) -> None:
+        """The caches' RoPE shift where they stand now (multimodal.Vision.shift)."""
+        if self.spans:
+            shift = model.vision.shift(self.spans, len(self.fed))
+            for c in self.caches:
+                c.shift = shift
 
     def cache_ids(self, ids: Seq[int]) -> list[int]:
         """`ids` (a prefix of the history) as the caches key them (images by content)."""
@@ -266,6 +273,9 @@ class Core:
         caches, reused, note = self.steps.admit(rid, keyed, kv)
         seq = Sequence(req, self.model, caches, req.prompt[:reused], req.prompt[reused:], rid)
         seq.usage.reuse_note = note
+        for c in caches:  # an entry's caches may come with another request's shift
+            c.shift = 0
+        seq.set_shift(self.model)
         return seq
 
     def step(self, seqs: list[Sequence], emit: Emit | None = None) -> list[tuple[Sequence, Event]]:
@@ -399,6 +409,7 @@ class Core:
                 s.spec.drafter.feed_hidden(chunk, states)
             s.fed += chunk
             s.todo = rest
+            s.set_shift(self.model)
             if logits is not None:
                 s.sample(logits)
                 if s.spec is not None and hasattr(s.spec.drafter, "prepare"):

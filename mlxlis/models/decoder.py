@@ -50,14 +50,17 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm(cfg, d)
             self.post_feedforward_layernorm = norm(cfg, d)
 
-    def __call__(self, h: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
+    def __call__(
+        self, h: mx.array, mask: Mask, cache: Cache | None, positions: mx.array | None = None
+    ) -> mx.array:
         if self.linear:
             h = h + self.linear_attn(self.input_layernorm(h), None, cache)
             return h + self.mlp(self.post_attention_layernorm(h))
         if not self.sandwich:
-            h = h + self.self_attn(self.input_layernorm(h), mask, cache)
+            h = h + self.self_attn(self.input_layernorm(h), mask, cache, positions)
             return h + self.mlp(self.post_attention_layernorm(h))
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), mask, cache))
+        attn = self.self_attn(self.input_layernorm(h), mask, cache, positions)
+        h = h + self.post_attention_layernorm(attn)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
@@ -177,7 +180,8 @@ class Decoder(nn.Module):
         if not inserts:
             return self.run_layers(self.embed(inputs), cache)
         h = inserts.place(self.embed(inserts.ids(inputs)))
-        return self.run_layers(h, cache, inserts.blocks(inputs.shape[1]))
+        blocks = inserts.blocks(inputs.shape[1]) if inserts.bidirectional else None
+        return self.run_layers(h, cache, blocks, inserts.positions)
 
     def embed(self, inputs: mx.array) -> mx.array:
         """(B, T) token ids -> (B, T, hidden), the residual stream's dtype (`hidden_dtype`)."""
@@ -198,11 +202,16 @@ class Decoder(nn.Module):
         return mx.float32 if self.config.residual_f32 else dtype
 
     def run_layers(
-        self, h: mx.array, cache: list[Cache] | None = None, blocks: mx.array | None = None
+        self,
+        h: mx.array,
+        cache: list[Cache] | None = None,
+        blocks: mx.array | None = None,
+        positions: mx.array | None = None,
     ) -> mx.array:
         """The held blocks on the residual stream h (B, T, hidden); `cache`: one per held layer;
         `blocks` (T,): each position's image, -1 for text (one image's positions see each
-        other both ways, multimodal.with_blocks)."""
+        other both ways, multimodal.with_blocks); `positions` (T, rotary pairs): explicit
+        RoPE positions (Qwen3.5's M-RoPE over an image)."""
         cfg = self.config
         t = h.shape[1]
         full_mask = "causal" if t > 1 else None  # aligned to the newest keys: works with a cache
@@ -226,7 +235,7 @@ class Decoder(nn.Module):
         layers = self.model.layers
         for j, i in enumerate(self._held):
             mask = sliding_mask if self._sliding[j] else full_mask
-            h = layers[i](h, mask, cache[j] if cache is not None else None)
+            h = layers[i](h, mask, cache[j] if cache is not None else None, positions)
         return h
 
     def head(self, h: mx.array, last_only: bool = False) -> mx.array:

@@ -30,7 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.models.multimodal import PromptImage, bind_vision, marker_tokens, processor_settings
+from mlxlis.models.multimodal import (
+    ImageSpan,
+    PromptImage,
+    bind_vision,
+    marker_tokens,
+    processor_settings,
+)
 from mlxlis.prompt.images import ImageProcessing
 from mlxlis.tokenizer import Tokenizer
 
@@ -295,6 +301,14 @@ class Gemma3Images:
     def expand(self, text: str, images: Sequence[PromptImage]) -> str:
         run = self.soft * self.tokens_per_image
         return text.replace(self.boi, f"\n\n{self.boi}{run}{self.eoi}\n\n")
+
+    bidirectional = True  # an image's positions see each other both ways
+
+    def positions(self, spans: Sequence[ImageSpan], at: int, n: int) -> None:
+        return None  # each position its index
+
+    def shift(self, spans: Sequence[ImageSpan], p: int) -> int:
+        return 0
 
     def marker_count(self, text: str) -> int:
         return text.count(self.boi)

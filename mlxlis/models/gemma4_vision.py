@@ -33,7 +33,13 @@ from typing import Any
 
 from mlxlis.errors import ConfigError, MlxlisError
 from mlxlis.models.gemma4_net import PLAIN_ACTS
-from mlxlis.models.multimodal import PromptImage, bind_vision, marker_tokens, processor_settings
+from mlxlis.models.multimodal import (
+    ImageSpan,
+    PromptImage,
+    bind_vision,
+    marker_tokens,
+    processor_settings,
+)
 from mlxlis.prompt.images import RESAMPLE, to_rgb
 from mlxlis.tokenizer import Tokenizer
 
@@ -430,6 +436,14 @@ class Gemma4Images:
         for image, rest in zip(images, pieces[1:], strict=True):
             out += [self.boi, self.image * image.tokens, self.eoi, rest]
         return "".join(out)
+
+    bidirectional = True  # an image's positions see each other both ways
+
+    def positions(self, spans: Sequence[ImageSpan], at: int, n: int) -> None:
+        return None  # each position its index
+
+    def shift(self, spans: Sequence[ImageSpan], p: int) -> int:
+        return 0
 
     def marker_count(self, text: str) -> int:
         return text.count(self.image)

@@ -66,7 +66,11 @@ class Attention(nn.Module):
             self.k_norm = norm(cfg, hd)
         self.rope = rope
 
-    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
+    def __call__(
+        self, x: mx.array, mask: Mask, cache: Cache | None, positions: mx.array | None = None
+    ) -> mx.array:
+        """`positions` (T, rotary pairs): explicit RoPE positions of a prompt chunk (Rope.at),
+        else each position's own (the cache's offset + shift onwards)."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.n_heads, -1)
         if self.gated:  # (B, T, n_heads, 2·head_dim): each head's query, then its gate
@@ -86,16 +90,18 @@ class Attention(nn.Module):
             ]
             out = mx.concatenate(rows)
         else:
-            out = self._attend(q, k, v, mask, cache)
+            out = self._attend(q, k, v, mask, cache, positions)
         out = out.transpose(0, 2, 1, 3)  # (B, T, n_heads, head_dim)
         if self.gated:
             out = out * mx.sigmoid(gate)
         return self.o_proj(out.reshape(b, t, -1))
 
-    def _attend(self, q, k, v, mask: Mask, cache: Cache | None) -> mx.array:
-        offset = cache.offset if cache is not None else 0
-        q = self.rope(q, offset)
-        k = self.rope(k, offset)
+    def _attend(self, q, k, v, mask: Mask, cache: Cache | None, positions=None) -> mx.array:
+        if positions is not None:
+            q, k = self.rope.at(q, positions), self.rope.at(k, positions)
+        else:
+            offset = cache.offset + cache.shift if cache is not None else 0
+            q, k = self.rope(q, offset), self.rope(k, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         return attend(q, k, v, self.scale, mask, self.softcap)
@@ -104,7 +110,7 @@ class Attention(nn.Module):
         """One new token per sequence (q, k, v: (B, heads, 1, head_dim)): RoPE at each one's
         own position, then all attend at once over their caches stacked (KVBatch), each row
         masked to its own keys."""
-        offsets = mx.array([c.offset for c in caches])
+        offsets = mx.array([c.offset + c.shift for c in caches])
         q, k = self.rope(q, offsets), self.rope(k, offsets)
         keys, values, mask = KVBatch.step_of(caches, k, v)
         return attend(q, keys, values, self.scale, mask, self.softcap)

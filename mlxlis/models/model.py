@@ -121,8 +121,18 @@ class Model:
         if not spans:
             return self.net(inputs)[0].astype(mx.float32)
         parts = [(s.start, self.image_features(s.image)) for s in spans]
-        inserts = Inserts(parts, self.vision.fill_id)
+        inserts = self.inserts(parts, spans, 0, len(ids))
         return self.net(inputs, inserts=inserts)[0].astype(mx.float32)
+
+    def inserts(
+        self, parts: list[tuple[int, mx.array]], spans: Sequence[ImageSpan], at: int, n: int
+    ) -> Inserts:
+        """What a forward over the prompt's ids [at, at + n) takes beside them: the features
+        of the images it holds (`parts`: offset in the chunk, features) and, where the family
+        needs them, its explicit RoPE positions."""
+        v = self.vision
+        pos = v.positions(spans, at, n)
+        return Inserts(parts, v.fill_id, v.bidirectional, pos)
 
     # --- images ---
     def image_spans(

@@ -86,6 +86,18 @@ class Vision(Protocol):
 
     image_token_id: int  # the placeholder id each image's features replace
     fill_id: int  # the id a placeholder is read as before its features replace it
+    bidirectional: bool  # an image's positions see each other both ways (Gemma: yes)
+
+    def positions(self, spans: Sequence[ImageSpan], at: int, n: int) -> mx.array | None:
+        """Explicit RoPE positions (n, rotary pairs) of the prompt's ids [at, at + n), where
+        the family's positions over an image are not its indices (Qwen3.5's M-RoPE); None:
+        each position is its index plus `shift`."""
+        ...
+
+    def shift(self, spans: Sequence[ImageSpan], p: int) -> int:
+        """How far the RoPE position of index `p` (and, once the prompt is read, of every
+        later one) runs ahead of `p` after the images before it (Qwen3.5: negative)."""
+        ...
 
     def expand(self, text: str, images: Sequence[PromptImage]) -> str:
         """The rendered prompt with each image marker the template wrote expanded as the
@@ -165,6 +177,8 @@ class Inserts:
 
     parts: list[tuple[int, mx.array]] = field(default_factory=list)
     fill: int = 0  # the id placeholders are read as (Vision.fill_id)
+    bidirectional: bool = True  # an image's positions see each other both ways (Gemma)
+    positions: mx.array | None = None  # (t, rotary pairs) explicit RoPE positions (Qwen3.5)
 
     def __bool__(self) -> bool:
         return bool(self.parts)

@@ -9,8 +9,9 @@ and gated full-attention layers, on the shared decoder.
   norms         x̂·(1 + w) in float32 (zero-centred weights), except DeltaNet's gated norm (x̂·w)
   MoE           every layer: softmax router, top-k renormalised, plus a shared expert scaled by
                 sigmoid(shared_expert_gate)
-HF `qwen3_5` / `qwen3_5_moe` (multimodal: the language model is read, the vision tower is
-skipped) and `qwen3_5_text` / `qwen3_5_moe_text`. The multi-token-prediction block (`mtp.*`,
+HF `qwen3_5` / `qwen3_5_moe` (multimodal: the language model is read, and the vision tower
+with it where the folder has its processor's settings: qwen3_5_vision.py) and `qwen3_5_text` /
+`qwen3_5_moe_text`. The multi-token-prediction block (`mtp.*`,
 GGUF `blk.N.nextn.*` + block N) is skipped here and read on its own when `--speculative mtp`
 drafts with it (qwen3_5_mtp.py, qwen3_5_mtp_load.py).
 Defaults are transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig.
@@ -27,6 +28,7 @@ from mlxlis.models.config import ModelConfig
 from mlxlis.models.conventions import QWEN35_GGUF, ZERO_CENTRED_NORM_MINUS_ONE
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.llama import check_act
+from mlxlis.models.qwen3_5_vision import load_images
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 HF_DEFAULTS = {  # transformers' Qwen3_5TextConfig
@@ -246,8 +248,9 @@ def _export(moe: bool):
 
 
 # multimodal checkpoints: the language model under model.language_model.* (mlx-lm saves it
-# as language_model.model.*); the vision tower and the multi-token-prediction head are skipped
-# (the head is read on its own when drafting with it: qwen3_5_mtp_load.py)
+# as language_model.model.*); the vision tower (read by `vision`: qwen3_5_vision.py) and the
+# multi-token-prediction head (read on its own when drafting with it: qwen3_5_mtp_load.py) are
+# the text plan's dropped names
 _RENAMES = (
     ("model.language_model.", "model."),
     ("language_model.model.", "model."),
@@ -277,6 +280,7 @@ QWEN3_5 = Family(
     export_config=_export(False),
     hf_renames=_RENAMES,
     hf_dropped=_DROPPED,
+    vision=load_images,  # the ViT and merger, where the folder has their processor
     **_MLX,
 )
 QWEN3_5_MOE = Family(
@@ -295,6 +299,7 @@ QWEN3_5_MOE = Family(
     export_config=_export(True),
     hf_renames=_RENAMES,
     hf_dropped=_DROPPED,
+    vision=load_images,
     **_MLX,
     hf_defaults={"intermediate_size": MOE_DEFAULTS["moe_intermediate_size"]},  # no dense MLP
 )

@@ -47,6 +47,22 @@ class Rope(nn.Module):
         if periods is not None:
             self.base = None
 
+    def at(self, x: mx.array, pos: mx.array) -> mx.array:
+        """x (B, heads, T, head_dim) turned at explicit positions `pos` (T, dims / 2): each
+        pair of each position its own (Qwen3.5's M-RoPE interleaves three position streams
+        over the pairs); cos and sin in float32, then x's dtype, as transformers."""
+        if self._periods is not None:
+            inv = 1.0 / self._periods
+        else:
+            inv = 1.0 / (self.base ** (mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims))
+        ang = pos.astype(mx.float32) * self.scale * inv  # (T, dims / 2)
+        ang = mx.concatenate([ang, ang], axis=-1)
+        cos, sin = mx.cos(ang).astype(x.dtype), mx.sin(ang).astype(x.dtype)
+        r = x[..., : self.dims]
+        a, b = mx.split(r, 2, axis=-1)
+        r = r * cos + mx.concatenate([-b, a], axis=-1) * sin
+        return r if self.dims == x.shape[-1] else mx.concatenate([r, x[..., self.dims :]], -1)
+
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         return mx.fast.rope(
             x,
