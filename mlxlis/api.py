@@ -37,6 +37,7 @@ def load(
     layers_split: str | list[int] | None = None,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
+    mmproj: str | Path | bool | None = None,
 ) -> Model:
     """Load a model folder, GGUF file or catalog name. dtype None = the device default.
 
@@ -56,6 +57,9 @@ def load(
     `kv_bits` (8 or 4): every request's keys and values are stored quantized (MLX affine,
     one scale and bias per `kv_group_size` elements) and attended in that form; None: dense.
     `Model.set_kv_format` changes it later.
+
+    `mmproj` (GGUF): llama.cpp's vision file for a model that sees; None: one found beside
+    the model file (a .gguf whose name holds "mmproj"); False: text only.
     """
     kv = KVFormat(kv_bits, kv_group_size) if kv_bits is not None else None  # checked first
     select_device()  # the GPU when MLX has a usable one, else the CPU; MLXLIS_DEVICE overrides
@@ -76,11 +80,22 @@ def load(
                 field="tensor_count",
             )
         model = load_gguf(
-            path, dt, dequantize=dequantize, chat_template=chat_template, placement=pipeline
+            path,
+            dt,
+            dequantize=dequantize,
+            chat_template=chat_template,
+            placement=pipeline,
+            mmproj=mmproj,
         )
         return _ready(model, pipeline, kv)
     if path.is_file():
         raise UnsupportedFormatError("expected a model folder or a .gguf file", path=path)
+    if mmproj not in (None, False):
+        raise UnsupportedError(
+            "--mmproj applies to GGUF files; a folder's vision tower loads from the folder",
+            path=path,
+            field="mmproj",
+        )
     if dequantize is not None:
         raise UnsupportedError(
             "--dequantize / --quantized apply to GGUF files; a folder's weights load as stored",

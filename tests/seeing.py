@@ -18,8 +18,19 @@ SIDE, TOKENS = 32, 4  # image size, tokens per image (a 4 x 4 patch grid pooled 
 TEMPLATE = Path(mlxlis.__file__).parent / "prompt" / "templates" / "gemma.jinja"
 
 
-def build_gemma3(folder: Path, seed: int = 0):
-    """Write the folder; returns the transformers Gemma3ForConditionalGeneration."""
+def f16_exact(model) -> None:
+    """Every weight rounded to a float16 value, so that a file storing it in float16 holds
+    exactly the model's numbers."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+
+
+def build_gemma3(folder: Path, seed: int = 0, exact16: bool = False, **text_kw):
+    """Write the folder; returns the transformers Gemma3ForConditionalGeneration (its weights
+    float16 values with `exact16`; `text_kw` over the text config)."""
     import torch
     import transformers
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -37,6 +48,7 @@ def build_gemma3(folder: Path, seed: int = 0):
         sliding_window=8,  # shorter than a prompt: the ring and its mask are exercised
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     )
+    text.update(text_kw)
     vision = dict(
         hidden_size=32,
         intermediate_size=64,
@@ -60,6 +72,8 @@ def build_gemma3(folder: Path, seed: int = 0):
     with torch.no_grad():  # the init leaves norms and projections at 0 or 1
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
+    if exact16:
+        f16_exact(model)
     model.save_pretrained(folder)
     Gemma3ImageProcessorPil(size={"height": SIDE, "width": SIDE}).save_pretrained(folder)
     shutil.copy(TEMPLATE, folder / "chat_template.jinja")
@@ -98,7 +112,9 @@ G4_TEMPLATE = (
 G4_PROCESSOR = dict(patch_size=4, max_soft_tokens=70, pooling_kernel_size=2)
 
 
-def build_gemma4(folder: Path, bidirectional: str | None = "vision", seed: int = 0):
+def build_gemma4(
+    folder: Path, bidirectional: str | None = "vision", seed: int = 0, exact16: bool = False
+):
     """A tiny Gemma 4 (per-layer inputs, sliding window 8, clipped linears, standardized
     soft tokens) with its vision tower; returns the transformers model (fp32, eager)."""
     import torch
@@ -165,6 +181,8 @@ def build_gemma4(folder: Path, bidirectional: str | None = "vision", seed: int =
                 b.fill_(-0.5 if name.endswith("min") else 0.5)
             elif name.endswith(("output_min", "output_max")):
                 b.fill_(-2.0 if name.endswith("min") else 2.0)
+    if exact16:
+        f16_exact(model)
     model.save_pretrained(folder)
     Gemma4ImageProcessorPil(**G4_PROCESSOR).save_pretrained(folder)
     (folder / "chat_template.jinja").write_text(G4_TEMPLATE)
@@ -231,7 +249,7 @@ Q_PROCESSOR = dict(
 )
 
 
-def build_qwen3_5(folder: Path, seed: int = 0):
+def build_qwen3_5(folder: Path, seed: int = 0, exact16: bool = False):
     """A tiny Qwen3.5 (3 Gated DeltaNet layers, 1 gated full-attention layer with partial
     M-RoPE) with its ViT; returns the transformers model (fp32, eager)."""
     import torch
@@ -287,6 +305,8 @@ def build_qwen3_5(folder: Path, seed: int = 0):
     torch.manual_seed(seed)
     model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
     randomize(model, seed)
+    if exact16:
+        f16_exact(model)
     model.save_pretrained(folder)
     Qwen2VLImageProcessorPil(**Q_PROCESSOR).save_pretrained(folder)
     (folder / "chat_template.jinja").write_text(Q_TEMPLATE)

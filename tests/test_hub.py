@@ -250,8 +250,9 @@ def test_safetensors_and_mlx_repos_download_then_open_by_name(hub, files, expect
 
 def test_gguf_repos_fetch_only_the_chosen_model(hub, files, expected, tmp_path):
     """In a repo of three quants, no quant is an error listing them (nothing fetched);
-    `:q8_0` fetches that file alone, `/FILE.gguf` that file; a split GGUF fetches its three
-    parts and opens as one model. Each gives its own file's logits, exactly."""
+    `:q8_0` fetches that file (and the vision projector beside it, as llama.cpp's -hf does),
+    `/FILE.gguf` that file; a split GGUF fetches its three parts and opens as one model. Each
+    gives its own file's logits, exactly."""
     gguf_repo(hub, files)
     split = {f"Q8_0/{p.name}": p for p in sorted(files["split"].iterdir())}
     hub.add("org/split-GGUF", {**split, "tiny-llama-F32.gguf": files["F32"]})
@@ -266,7 +267,9 @@ def test_gguf_repos_fetch_only_the_chosen_model(hub, files, expected, tmp_path):
 
     r = cli(env, "pull", "org/tiny-GGUF:q8_0", "org/split-GGUF:Q8_0")
     assert r.returncode == 0, r.stderr
-    assert sorted(hub.fetched()) == sorted(sha(p) for p in [files["Q8_0"], *split.values()])
+    projector = hashlib.sha256(b"\0" * 64).hexdigest()  # gguf_repo's mmproj-tiny-f16.gguf
+    want = [sha(p) for p in [files["Q8_0"], *split.values()]] + [projector]
+    assert sorted(hub.fetched()) == sorted(want)
     refs = ["org/tiny-GGUF:q8_0", "org/tiny-GGUF/tiny-llama-F32.gguf", "org/split-GGUF:Q8_0"]
     (q8, f32, parts), names = logits_by_name(env, refs, tmp_path)
     assert np.array_equal(q8, expected["Q8_0"]) and np.array_equal(parts, expected["Q8_0"])
@@ -447,7 +450,8 @@ def test_gated_missing_and_weightless_repos(hub, files, tmp_path):
     before = len(hub.log)
     r = cli(environ(hub, tmp_path, HF_TOKEN=hub.token), "pull", "org/gated-GGUF:Q8_0")
     assert r.returncode == 0, r.stderr
-    assert hub.fetched() == [sha(files["Q8_0"])]
+    projector = hashlib.sha256(b"\0" * 64).hexdigest()  # its mmproj comes with it
+    assert sorted(hub.fetched()) == sorted([sha(files["Q8_0"]), projector])
     to_repo = [q for q in hub.log[before:] if "gated-GGUF" in q.path]
     assert to_repo and all(q.authorized for q in to_repo)
     assert not any(q.authorized for q in hub.requests("cdn"))
@@ -525,9 +529,11 @@ def test_chat_app_reports_download_progress(hub, files, tmp_path):
     seen, name = json.loads(r.stdout)
     size = files["Q8_0"].stat().st_size
     assert name == "tiny-llama-Q8_0.gguf"
-    assert [s for s in seen if s[0].startswith("downloaded ")] == [
-        [seen[-2][0], size, size]
-    ] and seen[-2][0].startswith("downloaded tiny-llama-Q8_0.gguf: ")
+    done = {s[0].split(":")[0]: s[1:] for s in seen if s[0].startswith("downloaded ")}
+    assert done == {  # the model, and the vision projector beside it (as llama.cpp's -hf)
+        "downloaded tiny-llama-Q8_0.gguf": [size, size],
+        "downloaded mmproj-tiny-f16.gguf": [64, 64],
+    }
     assert seen[-1] == ["loading weights", 0, 0]
 
 

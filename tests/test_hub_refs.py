@@ -121,17 +121,22 @@ def test_safetensors_repo_takes_the_index_shards_and_the_folder_files():
 def test_gguf_quant_selection_and_ambiguity():
     """`:QUANT` matches one model's file name case-insensitively and whole (Q4_K is not
     Q4_K_M, Q4_XS is not IQ4_XS); a split model is all its parts; no quant among several
-    models lists every choice; mmproj files are never models."""
+    models lists every choice; mmproj files are never models, but the one beside the model
+    comes with it (the repo's top one for a model in a folder of its own)."""
     ref = HubRef("org/m-GGUF", quant="q4_k_m")
     sel = select(ref, GGUF_REPO)
     assert (sel.kind, sel.files, sel.target, sel.label) == (
         "gguf",
-        ("m-Q4_K_M.gguf",),
+        ("m-Q4_K_M.gguf", "mmproj-m-f16.gguf"),
         "m-Q4_K_M.gguf",
         "Q4_K_M",
     )
     bf16 = select(HubRef("org/m-GGUF", quant="BF16"), GGUF_REPO)
-    assert bf16.files == ("m-BF16/m-BF16-00001-of-00002.gguf", "m-BF16/m-BF16-00002-of-00002.gguf")
+    assert bf16.files == (
+        "m-BF16/m-BF16-00001-of-00002.gguf",
+        "m-BF16/m-BF16-00002-of-00002.gguf",
+        "mmproj-m-f16.gguf",
+    )
     by_file = select(HubRef("org/m-GGUF", filename="m-BF16/m-BF16-00002-of-00002.gguf"), GGUF_REPO)
     assert by_file.files == bf16.files and by_file.target == bf16.target
     with pytest.raises(AmbiguousModelError) as e:
@@ -144,7 +149,16 @@ def test_gguf_quant_selection_and_ambiguity():
         with pytest.raises(HubError, match=f"carries {missing}; choices: org/m-GGUF:"):
             select(HubRef("org/m-GGUF", quant=missing), GGUF_REPO)
     only = select(HubRef("org/one"), {"m-Q8_0.gguf": 1, "mmproj-f16.gguf": 1, "README.md": 1})
-    assert only.files == ("m-Q8_0.gguf",)  # a single model needs no quant
+    assert only.files == ("m-Q8_0.gguf", "mmproj-f16.gguf")  # a single model needs no quant
+    # several projectors: the one nearest the model's precision, as llama.cpp's -hf picks
+    projs = {"mmproj-F32.gguf": 1, "mmproj-F16.gguf": 1, "mmproj-Q8_0.gguf": 1}
+    for quant, proj in (("Q4_K_M", "mmproj-Q8_0.gguf"), ("BF16", "mmproj-F16.gguf")):
+        listing = {f"m-{quant}.gguf": 1, "m-F32.gguf": 1, **projs}
+        assert select(HubRef("org/m", quant=quant), listing).files[-1] == proj
+    assert select(HubRef("org/m", quant="F32"), {"m-F32.gguf": 1, **projs}).files[-1] == (
+        "mmproj-F32.gguf"
+    )
+    assert select(HubRef("org/m"), {"m-Q8_0.gguf": 1}).files == ("m-Q8_0.gguf",)
 
 
 def test_repos_without_loadable_weights_say_why():

@@ -143,3 +143,21 @@ def test_reused_caches_keep_the_images_shift(seeing, two):
     for token, logprob in events[0].top_logprobs:
         assert abs(logprob - last[token]) < 1e-4
     assert Q_IMAGE in again.ids
+
+
+def test_batched_decoding_keeps_each_rows_positions(seeing, two):
+    """The image request decodes in one batch beside a text-only one (each row's RoPE from
+    its own cache's offset and shift): its greedy tokens are still transformers'."""
+    _, ref, model = seeing
+    _, prompt, inputs, _ = two
+    with torch.no_grad():
+        greedy = ref.generate(**inputs, max_new_tokens=6, do_sample=False)
+    params = mlxlis.SamplingParams(temperature=0, max_tokens=6)
+    core = Core(model, LocalSteps(model, PrefixCache(0)))
+    spans = model.image_spans(prompt.ids, prompt.images)
+    seeing_seq = core.start(Request(prompt.ids, params, images=spans))
+    text_seq = core.start(Request(model.tokenizer.encode("hello there, how are you"), params))
+    tokens = []
+    while not seeing_seq.done:
+        tokens += [ev.token for s, ev in core.step([seeing_seq, text_seq]) if s is seeing_seq]
+    assert [t for t in tokens if t is not None] == greedy[0, len(prompt.ids) :].tolist()

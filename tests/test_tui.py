@@ -903,6 +903,7 @@ def test_load_model_pulls_a_missing_catalog_model_with_progress(monkeypatch):
             "strict": True,
             "kv_bits": None,
             "kv_group_size": 64,
+            "mmproj": None,
         },
     )
     engine.load_model(opts, lambda *a: seen.append(a))

@@ -44,6 +44,7 @@ class Options:
     draft_tokens: int | None = None
     kv_bits: int | None = None  # --kv-bits: quantized KV caches
     kv_group_size: int = 64
+    mmproj: str | bool | None = None  # --mmproj FILE / --no-mmproj; None: one beside
     draft: Model | None = None  # the draft model, once load_model loaded it
 
 
@@ -91,6 +92,7 @@ def parse_args(argv: list[str]) -> Options:
         draft_tokens=a.draft_tokens,
         kv_bits=a.kv_bits,
         kv_group_size=a.kv_group_size,
+        mmproj=a.mmproj,
     )
 
 
@@ -114,10 +116,12 @@ def load_model(options: Options, progress: Progress):
         strict=options.strict,
         kv_bits=options.kv_bits,
         kv_group_size=options.kv_group_size,
+        mmproj=options.mmproj,
     )
     if options.draft_model:  # --draft-model: fetched and loaded the same way
         draft = Options(**{**vars(options), "model": options.draft_model, "draft_model": None})
         draft.chat_template = draft.bindings = None
+        draft.mmproj = False
         progress("loading the draft model", 0, 0)
         options.draft = load_model(draft, progress)
     return model

@@ -38,6 +38,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="keep GGUF quantized blocks quantized (exact MLX affine arrays) on any device",
     )
+    vision = p.add_mutually_exclusive_group()
+    vision.add_argument(
+        "--mmproj",
+        metavar="FILE",
+        default=None,
+        help="llama.cpp's vision file (mmproj GGUF) for a GGUF model that sees (default: a "
+        '.gguf beside the model whose name holds "mmproj")',
+    )
+    vision.add_argument(
+        "--no-mmproj",
+        dest="mmproj",
+        action="store_false",
+        help="text only: no vision file, even one beside the model",
+    )
     p.add_argument(
         "--chat-template",
         metavar="FILE|NAME",

@@ -90,6 +90,7 @@ def load_model(a: argparse.Namespace):
             layers_split=getattr(a, "layers_split", None),
             kv_bits=a.kv_bits,
             kv_group_size=a.kv_group_size,
+            mmproj=getattr(a, "mmproj", None),
         )
     for w in caught:
         if isinstance(w.message, UnboundTensorsWarning):

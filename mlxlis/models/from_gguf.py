@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mlxlis.errors import UnexpectedTensorError
+from mlxlis.errors import UnexpectedTensorError, UnsupportedError
 from mlxlis.loading.binding import bind, quantize_like
 from mlxlis.loading.gguf import GGUFFile
 from mlxlis.loading.gguf_split import read_gguf
@@ -23,6 +23,7 @@ from mlxlis.loading.quants import QUANTIZABLE, allocate, convert_tensor
 from mlxlis.models import build_model, family
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.gguf_config import config_from_gguf
+from mlxlis.models.mmproj import FAMILY_PROJECTOR, beside, load_mmproj
 from mlxlis.models.model import Model
 from mlxlis.models.placement import Placement
 from mlxlis.prompt.template import diagnose_missing_template, discover_template
@@ -77,11 +78,14 @@ def load_gguf(
     chat_template: str | None = None,
     timings: dict[str, float] | None = None,
     placement: Placement | None = None,
+    mmproj: Path | str | bool | None = None,
 ) -> Model:
     """Load a GGUF model. dequantize: True = every weight dense, False = quantized blocks kept,
     None = the per-device default (see CPU_DENSE_FRACTION); `timings`, when given, receives
     wall seconds per stage (scripts/load_profile.py). Under a `placement` (a pipeline, under a
-    launcher) this rank's share of the layers is all that is read and built."""
+    launcher) this rank's share of the layers is all that is read and built. `mmproj`: the
+    vision tower's file (llama.cpp's mmproj GGUF); None: one found beside the model, for a
+    family that sees (mmproj.beside); False: none."""
     clock = _Clock(timings)
     with read_gguf(path) as gf, ThreadPoolExecutor(1, "mlxlis-tokenizer") as side:
         md = gf.metadata
@@ -108,6 +112,20 @@ def load_gguf(
         clock("bind")
         tok = tokenizer.result()
         clock("tokenizer (wait)")
+    vision = None
+    if mmproj is not False and part is None and cfg.family in FAMILY_PROJECTOR:
+        proj = beside(path, cfg) if mmproj in (None, True) else Path(mmproj)
+        if proj is not None:
+            vision = load_mmproj(proj, cfg, tok, md, dtype)
+            clock("vision")
+    elif mmproj not in (None, False, True):
+        raise UnsupportedError(
+            f"a {cfg.family} model takes no images"
+            if part is None
+            else "images with a model pipelined across ranks are not supported",
+            path=mmproj,
+            field="mmproj",
+        )
     template = _template(chat_template, md, path)
     diagnosis = None if template is not None else _diagnose(path, md)
     clock("template")
@@ -130,6 +148,7 @@ def load_gguf(
         diagnosis=diagnosis,
         skipped=sorted(ignored),
         part=part,
+        vision=vision,
     )
 
 

@@ -3,8 +3,11 @@
 A safetensors repo: the weights the folder loader reads (the shards of
 model.safetensors.index.json, else model.safetensors, else every top-level .safetensors) and
 the config, tokenizer, chat-template and generation files beside them; never pickled weights,
-never the README or images. A GGUF repo: the files of one model (all parts of a split one),
-never the other quants nor a vision projector (mmproj). Ambiguity is an error listing choices.
+never the README or images; the image processor's settings where the repo has them (a model
+that sees). A GGUF repo: the files of one model (all parts of a split one) and, where its folder
+has one, its vision projector (an mmproj file, of several the one whose precision is nearest the
+model's, as llama.cpp's -hf chooses); never the other quants. Ambiguity is an error listing
+choices.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ FOLDER_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
     "chat_template.json",
+    "preprocessor_config.json",  # a multimodal model's image processor
+    "processor_config.json",
     INDEX,
 )
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -108,7 +113,7 @@ def select(
         if has_weights and "config.json" in top:
             return _safetensors(ref, top, shards)
         if len(models) == 1:
-            return _gguf(ref, models[0])
+            return _gguf(ref, models[0], listing)
         if models:
             raise AmbiguousModelError(
                 f"{len(models)} GGUF models in the repo; name one: "
@@ -139,10 +144,10 @@ def select(
         raise AmbiguousModelError(
             f"{len(found)} GGUF models match; name one: {names}", path=str(ref)
         )
-    return _gguf(ref, found[0])
+    return _gguf(ref, found[0], listing)
 
 
-def _gguf(ref: HubRef, model: GGUFModel) -> Selection:
+def _gguf(ref: HubRef, model: GGUFModel, listing: Collection[str]) -> Selection:
     if len(model.files) != model.count:
         raise HubError(
             f"split GGUF {model.stem} has {len(model.files)} of its {model.count} "
@@ -150,7 +155,35 @@ def _gguf(ref: HubRef, model: GGUFModel) -> Selection:
             path=str(ref),
         )
     label = model.label or model.files[0].rsplit("/", 1)[-1]
-    return Selection("gguf", model.files, model.files[0], label)
+    proj = mmproj_for(model, listing)
+    return Selection("gguf", model.files + ((proj,) if proj else ()), model.files[0], label)
+
+
+def mmproj_for(model: GGUFModel, listing: Collection[str]) -> str | None:
+    """The vision projector beside `model` in the repo: an mmproj .gguf in its folder (else
+    the repo's top), of several the one whose precision is nearest the model's."""
+    folder = model.files[0][: len(model.files[0]) - len(model.files[0].rsplit("/", 1)[-1])]
+    found = []
+    for where in dict.fromkeys((folder, "")):
+        found = sorted(
+            p
+            for p in listing
+            if p.lower().endswith(".gguf")
+            and "mmproj" in p.rsplit("/", 1)[-1].lower()
+            and p[: len(p) - len(p.rsplit("/", 1)[-1])] == where
+        )
+        if found:
+            break
+    if not found:
+        return None
+    want = _bits(model.label or model.stem)
+    return min(found, key=lambda p: (abs(_bits(quant_label(p) or p) - want), p))
+
+
+def _bits(label: str) -> int:
+    """The precision a quant label says (Q4_K_M -> 4, BF16 -> 16, F32 -> 32; unknown: 16)."""
+    m = re.search(r"(?:^|[^A-Za-z])(?:I?Q|B?F|FP)(\d+)", label.upper())
+    return int(m.group(1)) if m else 16
 
 
 def _safetensors(ref: HubRef, top: set[str], shards: Collection[str] | None) -> Selection:
