@@ -206,14 +206,8 @@ class ChatSession:
         its part), kept so later turns do not read it again."""
         out = []
         for j, part in enumerate(parts):
-            if isinstance(part, dict) and part.get("type") == "image":
-                field = f"messages[{index}].content[{j}]"
-                source = part.get("image", part.get("path"))
-                if source is None:
-                    raise MlxlisError("an image part needs its image", field=field)
-                image = self.model.prepare_image(source, field, part.get("name", ""))
-                part = {"type": "image", "image": image}
-            out.append(part)
+            image = self.model.image_part(part, f"messages[{index}].content[{j}]")
+            out.append(part if image is None else {"type": "image", "image": image})
         return out
 
     def _reply(

@@ -31,7 +31,7 @@ from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.models.multimodal import (
-    ImageSpan,
+    BlockPositions,
     PromptImage,
     bind_vision,
     marker_tokens,
@@ -278,7 +278,7 @@ def load_gemma3_vision(folder: Path, dtype: mx.Dtype = mx.float32) -> Gemma3Visi
     return net
 
 
-class Gemma3Images:
+class Gemma3Images(BlockPositions):
     """Gemma 3's way of seeing (multimodal.Vision): Gemma3Processor's expansion and image
     processing, and the tower's features in the model's compute dtype."""
 
@@ -301,14 +301,6 @@ class Gemma3Images:
     def expand(self, text: str, images: Sequence[PromptImage]) -> str:
         run = self.soft * self.tokens_per_image
         return text.replace(self.boi, f"\n\n{self.boi}{run}{self.eoi}\n\n")
-
-    bidirectional = True  # an image's positions see each other both ways
-
-    def positions(self, spans: Sequence[ImageSpan], at: int, n: int) -> None:
-        return None  # each position its index
-
-    def shift(self, spans: Sequence[ImageSpan], p: int) -> int:
-        return 0
 
     def marker_count(self, text: str) -> int:
         return text.count(self.boi)

@@ -34,7 +34,7 @@ from typing import Any
 from mlxlis.errors import ConfigError, MlxlisError
 from mlxlis.models.gemma4_net import PLAIN_ACTS
 from mlxlis.models.multimodal import (
-    ImageSpan,
+    BlockPositions,
     PromptImage,
     bind_vision,
     marker_tokens,
@@ -409,7 +409,7 @@ class Processing:
         return patches, np.stack([gx, gy], -1).reshape(-1, 2)
 
 
-class Gemma4Images:
+class Gemma4Images(BlockPositions):
     """Gemma 4's way of seeing (multimodal.Vision)."""
 
     def __init__(
@@ -436,14 +436,6 @@ class Gemma4Images:
         for image, rest in zip(images, pieces[1:], strict=True):
             out += [self.boi, self.image * image.tokens, self.eoi, rest]
         return "".join(out)
-
-    bidirectional = True  # an image's positions see each other both ways
-
-    def positions(self, spans: Sequence[ImageSpan], at: int, n: int) -> None:
-        return None  # each position its index
-
-    def shift(self, spans: Sequence[ImageSpan], p: int) -> int:
-        return 0
 
     def marker_count(self, text: str) -> int:
         return text.count(self.image)

@@ -175,6 +175,16 @@ class Model:
             name = Path(source).name if isinstance(source, (str, Path)) else "image"
         return self.vision.prepare(image, name)
 
+    def image_part(self, part: Any, field: str) -> PromptImage | None:
+        """A content part's image ({"type": "image", "image" | "path": ...}) prepared, None
+        for another part; MlxlisError naming `field` for a bad one."""
+        if not (isinstance(part, dict) and part.get("type") == "image"):
+            return None
+        source = part.get("image", part.get("path"))
+        if source is None:
+            raise MlxlisError("an image part needs its image", field=field)
+        return self.prepare_image(source, field, part.get("name", ""))
+
     def text_only_reason(self) -> str:
         """Why this model takes no images, in words."""
         if any(".vision" in n or "vision_tower" in n for n in self.skipped):
@@ -200,12 +210,9 @@ class Model:
                 continue
             parts = []
             for j, part in enumerate(content):
-                if isinstance(part, dict) and part.get("type") == "image":
-                    field = f"messages[{i}].content[{j}]"
-                    source = part.get("image", part.get("path"))
-                    if source is None:
-                        raise MlxlisError("an image part needs its image", field=field)
-                    images.append(self.prepare_image(source, field, part.get("name", "")))
+                image = self.image_part(part, f"messages[{i}].content[{j}]")
+                if image is not None:
+                    images.append(image)
                     part = {"type": "image"}  # the template writes the marker only
                 parts.append(part)
             shown.append({**m, "content": parts})

@@ -125,6 +125,19 @@ class Vision(Protocol):
         ...
 
 
+class BlockPositions:
+    """For a Vision whose image positions are their indices and whose image runs see
+    themselves both ways (Gemma 3 and 4)."""
+
+    bidirectional = True
+
+    def positions(self, spans: Sequence[ImageSpan], at: int, n: int) -> None:
+        return None
+
+    def shift(self, spans: Sequence[ImageSpan], p: int) -> int:
+        return 0
+
+
 def image_spans(
     ids: Sequence[int], images: Sequence[PromptImage], token_id: int
 ) -> tuple[ImageSpan, ...]:
