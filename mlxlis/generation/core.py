@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from mlxlis.cache import Cache
 from mlxlis.cache.store import KVChoice, by_format, resolve
-from mlxlis.errors import MlxlisError, PipelineError
+from mlxlis.errors import MlxlisError, PipelineError, UnsupportedError
 from mlxlis.generation.events import Event, Usage
 from mlxlis.generation.processors import LogitsProcessor, processors_for
 from mlxlis.generation.sampling import SamplingParams, make_sampler
@@ -248,6 +248,13 @@ class Core:
         if not req.prompt:
             raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
         req.params.validate()
+        if not self.model.config.causal:
+            raise UnsupportedError(
+                'an encoder (use_bidirectional_attention "all": every position sees every '
+                "other) does not generate; read its logits whole (Model.logits)",
+                path=self.model.path,
+                field="use_bidirectional_attention",
+            )
         if req.speculation is not None and self.model.part is not None:
             raise MlxlisError(
                 "speculative decoding of a pipelined model is not supported", field="speculative"

@@ -73,6 +73,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # False: an encoder, every position seeing every other (Gemma 4's
+    # use_bidirectional_attention "all"): its logits are read whole, it does not generate
+    causal: bool = True
     # mixture of experts (Qwen3-MoE); sparse_layers[i]: layer i's MLP is the expert block
     num_experts: int = 0
     num_experts_per_tok: int = 0

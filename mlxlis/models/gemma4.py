@@ -195,14 +195,7 @@ def kv_sources(types: tuple[str, ...], shared: int, path: str, fld: str) -> tupl
 
 def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     bidirectional = cfg.get("use_bidirectional_attention")
-    if bidirectional == "all":  # an encoder: every position sees every other, no generation
-        raise UnsupportedError(
-            'use_bidirectional_attention "all" (an encoder, every position seeing every other) '
-            "is not implemented: mlxlis generates",
-            path=path,
-            field="use_bidirectional_attention",
-        )
-    if bidirectional not in (None, "vision"):
+    if bidirectional not in (None, "vision", "all"):
         raise ConfigError(
             f'expected "vision", "all" or null, got {bidirectional!r}'[:200],
             path=path,
@@ -292,6 +285,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         sliding_window=window,
         family_config=structure,
         final_logit_softcapping=float(softcap) if softcap is not None else None,
+        causal=bidirectional != "all",  # "all": an encoder (Model.logits only)
     )
 
 

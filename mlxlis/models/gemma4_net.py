@@ -59,7 +59,9 @@ class Structure(FamilyConfig):
     per_layer_vocab: int = 0
     fused_gate_up: bool = False  # GGUF experts as one gate+up tensor (ffn_gate_up_exps)
     # use_bidirectional_attention: "vision" (an image's positions see each other both ways on
-    # sliding layers; full layers stay causal), None (everything causal)
+    # sliding layers; full layers stay causal), "all" (every position sees every other: full
+    # layers all, sliding layers those within (window // 2) + 1 either side, transformers'
+    # Gemma4TextConfig), None (everything causal)
     bidirectional: str | None = None
 
 
@@ -438,7 +440,11 @@ class Gemma4(nn.Module):
         per_layer = self._per_layer_inputs(inputs, h) if s.per_layer_dim else None
         h = h.astype(mx.float32)  # the residual stream (decoder.py: Gemma outgrows float16)
         masks: dict[bool, Mask] = {False: "causal" if t > 1 else None, True: None}
-        if any(self._sliding) and not batch:  # a batch's mask comes with its stacked keys
+        if s.bidirectional == "all":  # an encoder's one pass (the core refuses to generate)
+            reach = cfg.sliding_window // 2 + 1
+            pos = mx.arange(t)
+            masks = {False: None, True: mx.abs(pos[:, None] - pos[None, :]) <= reach}
+        elif any(self._sliding) and not batch:  # a batch's mask comes with its stacked keys
             first = next(i for i in self._own if self._sliding[i])
             masks[True] = (
                 cache[self._slot[first]].mask(t)
