@@ -376,7 +376,7 @@ BAD = [  # (change to config.json, error class, field it names)
         ConfigError,
         "top_k_experts",
     ),
-    ({"use_bidirectional_attention": "all"}, UnsupportedError, "use_bidirectional_attention"),
+    ({"use_bidirectional_attention": "both"}, ConfigError, "use_bidirectional_attention"),
     ({"hidden_activation": "relu"}, UnsupportedError, "hidden_activation"),
 ]
 
