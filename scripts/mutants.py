@@ -626,6 +626,14 @@ MUTANTS = (
         "a Qwen3.5 mmproj's second patch-embedding frame (.weight.1) not read",
     ),
     Mutant(
+        "pan-and-scan-edge",
+        "mlxlis/prompt/images.py",
+        "rgb.crop((x, y, min(x + cw, w), min(y + ch, h)))",
+        "rgb.crop((x, y, x + cw, y + ch))",
+        ("tests/test_images.py",),
+        "pan and scan's last crop padded past the image's edge instead of cut at it",
+    ),
+    Mutant(
         "disk-shape-unchecked",
         "mlxlis/cache/kv.py",
         "            check_pair(self.keys, self.values, self.offset)\n",

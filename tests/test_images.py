@@ -268,3 +268,45 @@ def test_one_shot_command_takes_images(seeing, tmp_path):
     assert out.stdout == want + "\n"
     out = subprocess.run([*cmd, "--image", str(bad), "what"], capture_output=True, text=True)
     assert out.returncode == 2 and f"--image {bad}: not an image" in out.stderr, out.stderr
+
+
+def test_pan_and_scan_equals_the_processor(seeing, tmp_path):
+    """With do_pan_and_scan in the processor's settings, a wide and a tall image are each
+    read whole and in crops along their long side: ids (Gemma3Processor's "Here is the
+    original image … and here are some crops …"), pixels and logits equal transformers'."""
+    import json
+    import shutil
+
+    import torch
+
+    folder, ref, _ = seeing
+    scan = tmp_path / "scan"
+    shutil.copytree(folder, scan)
+    settings = json.loads((scan / "preprocessor_config.json").read_text())
+    settings.update(do_pan_and_scan=True, pan_and_scan_min_crop_size=8)
+    (scan / "preprocessor_config.json").write_text(json.dumps(settings))
+    model = mlxlis.load(str(scan), dtype="float32")
+    parts = [
+        {"type": "image", "image": photo(90, 30)},
+        {"type": "text", "text": "and"},
+        {"type": "image", "image": photo(30, 100)},
+    ]
+    messages = [{"role": "user", "content": parts}]
+    prompt = model.encode_chat(messages)
+    theirs = processor(scan).apply_chat_template(
+        messages,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+        do_pan_and_scan=True,
+        pan_and_scan_min_crop_size=8,
+    )
+    assert prompt.ids == theirs["input_ids"][0].tolist()
+    pixels = theirs["pixel_values"].numpy()
+    assert len(prompt.images) == len(pixels) == 2 + 3 + 3  # each whole, then its crops
+    assert all(np.array_equal(a.pixels, b) for a, b in zip(prompt.images, pixels, strict=True))
+    assert prompt.sources == (0, 0, 0, 0, 1, 1, 1, 1)
+    with torch.no_grad():
+        want = ref(**theirs).logits[0].numpy()
+    assert np.abs(np.array(model.logits(prompt.ids, images=prompt.images)) - want).max() < 1e-4

@@ -299,15 +299,32 @@ class Gemma3Images(BlockPositions):
         self.dtype = dtype
 
     def expand(self, text: str, images: Sequence[PromptImage]) -> str:
-        run = self.soft * self.tokens_per_image
-        return text.replace(self.boi, f"\n\n{self.boi}{run}{self.eoi}\n\n")
+        run = f"\n\n{self.boi}{self.soft * self.tokens_per_image}{self.eoi}\n\n"
+        pieces = text.split(self.boi)
+        if len(pieces) - 1 != len(images):
+            return text  # the caller's count check refuses it
+        out = [pieces[0]]
+        for image, rest in zip(images, pieces[1:], strict=True):
+            if image.crops:  # Gemma3Processor.replace_image_token with pan and scan
+                out.append(
+                    f"Here is the original image {run} and here are some crops to help you see "
+                    "better " + " ".join([run] * len(image.crops))
+                )
+            else:
+                out.append(run)
+            out.append(rest)
+        return "".join(out)
 
     def marker_count(self, text: str) -> int:
         return text.count(self.boi)
 
     def prepare(self, image: Image.Image, name: str) -> PromptImage:
-        pixels = self.processing.preprocess(image)
-        return PromptImage.of(pixels, image.size, self.tokens_per_image, name)
+        p, n = self.processing, self.tokens_per_image
+        crops = tuple(
+            PromptImage.of(p.preprocess(c), c.size, n, f"{name} crop {k + 1}")
+            for k, c in enumerate(p.crops(image))
+        )
+        return PromptImage.of(p.preprocess(image), image.size, n, name, crops=crops)
 
     def uses(self, name: str) -> bool:
         return bool(self.net.sanitize({name: None}))

@@ -227,8 +227,10 @@ class Model:
                 )
             text = self.vision.expand(text, images)
         ids = self.tokenizer.encode(text, special=True)
-        self.image_spans(ids, images)  # the runs pair up with the images
-        return Prompt(ids, tuple(images), text)
+        runs = tuple(run for image in images for run in image.runs())  # pan and scan's crops
+        sources = tuple(k for k, image in enumerate(images) for _ in image.runs())
+        self.image_spans(ids, runs)  # the runs pair up with the images
+        return Prompt(ids, runs, text, sources)
 
     def stop_ids(self) -> set[int]:
         """EOS ids from config and tokenizer, plus the template's end-of-turn tokens."""

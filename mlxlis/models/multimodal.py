@@ -41,6 +41,7 @@ class PromptImage:
     tokens: int
     name: str = "image"  # what surfaces call it (a file name, "image 1")
     positions: np.ndarray | None = None
+    crops: tuple[PromptImage, ...] = ()  # Gemma 3's pan and scan: each its own run after it
 
     @classmethod
     def of(
@@ -50,12 +51,17 @@ class PromptImage:
         tokens: int,
         name: str = "image",
         positions: np.ndarray | None = None,
+        crops: tuple[PromptImage, ...] = (),
     ) -> PromptImage:
         pixels = np.ascontiguousarray(pixels, dtype=np.float32)
         digest = hashlib.sha256(pixels.tobytes() + str(pixels.shape).encode())
         if positions is not None:
             digest.update(np.ascontiguousarray(positions, np.int32).tobytes())
-        return cls(pixels, digest.hexdigest(), size, tokens, name, positions)
+        return cls(pixels, digest.hexdigest(), size, tokens, name, positions, crops)
+
+    def runs(self) -> tuple[PromptImage, ...]:
+        """The images whose placeholder runs it makes, in order: itself, then its crops."""
+        return (self, *self.crops)
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,7 @@ class Prompt:
     ids: list[int]
     images: tuple[PromptImage, ...] = ()
     text: str = ""  # the rendered text the ids encode (placeholders expanded)
+    sources: tuple[int, ...] = ()  # per image: which of the messages' images it is (or crops)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ pixels agree with it to the last float32 bit.
 from __future__ import annotations
 
 import io
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,11 @@ class ImageProcessing:
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     do_convert_rgb: bool = True
+    # pan and scan (Gemma 3): an image far from square also read in crops along its long side
+    pan_and_scan: bool = False
+    min_crop_size: int = 256
+    max_num_crops: int = 4
+    min_ratio: float = 1.2
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], path: str) -> ImageProcessing:
@@ -101,6 +107,11 @@ class ImageProcessing:
                 image_mean=tuple(float(x) for x in cfg.get("image_mean", (0.5,) * 3)),
                 image_std=tuple(float(x) for x in cfg.get("image_std", (0.5,) * 3)),
                 do_convert_rgb=bool(cfg.get("do_convert_rgb", True)),
+                pan_and_scan=bool(cfg.get("do_pan_and_scan") or False),
+                # Gemma3Processor's defaults where the config has null
+                min_crop_size=int(cfg.get("pan_and_scan_min_crop_size") or 256),
+                max_num_crops=int(cfg.get("pan_and_scan_max_num_crops") or 4),
+                min_ratio=float(cfg.get("pan_and_scan_min_ratio_to_activate") or 1.2),
             )
         except (KeyError, TypeError, ValueError):
             raise MlxlisError(
@@ -108,8 +119,6 @@ class ImageProcessing:
                 path=path,
                 field="size",
             ) from None
-        if cfg.get("do_pan_and_scan"):
-            raise MlxlisError("pan and scan is not supported", path=path, field="do_pan_and_scan")
         for flag in ("do_resize", "do_rescale", "do_normalize"):
             if cfg.get(flag) is False:
                 raise MlxlisError(f"{flag} false is not supported", path=path, field=flag)
@@ -118,6 +127,30 @@ class ImageProcessing:
                 "a resample filter or mean / std it cannot use", path=path, field="resample"
             )
         return out
+
+    def crops(self, image: Image.Image) -> list[Image.Image]:
+        """Pan and scan's crops of the RGB image (none when off, near square or too small),
+        as Gemma3ImageProcessor.pan_and_scan cuts them: 2 to max_num_crops equal slices of
+        the long side, the last one cut at the edge."""
+        if not self.pan_and_scan:
+            return []
+        rgb = to_rgb(image) if self.do_convert_rgb else image
+        w, h = rgb.size
+        wide = w >= h
+        long, short = (w, h) if wide else (h, w)
+        if long / short < self.min_ratio:
+            return []
+        n = min(int(math.floor(long / short + 0.5)), int(math.floor(long / self.min_crop_size)))
+        n = min(self.max_num_crops, max(2, n))
+        nw, nh = (n, 1) if wide else (1, n)
+        cw, ch = int(math.ceil(w / nw)), int(math.ceil(h / nh))
+        if min(cw, ch) < self.min_crop_size:
+            return []
+        return [
+            rgb.crop((x, y, min(x + cw, w), min(y + ch, h)))
+            for y in range(0, ch * nh, ch)
+            for x in range(0, cw * nw, cw)
+        ]
 
     def preprocess(self, image: Image.Image) -> np.ndarray:
         """(3, height, width) float32 pixels, as the reference processor gives them."""

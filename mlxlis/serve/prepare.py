@@ -252,12 +252,10 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
     try:
         if seeing:  # each image opened, preprocessed and expanded into its placeholders
             encoded = model.encode_chat(messages, add_generation_prompt=True, **variables)
-            prompt, images = encoded.text, encoded.images
+            prompt, images, sources = encoded.text, encoded.images, encoded.sources
         else:
-            prompt, images = (
-                model.render_chat(messages, add_generation_prompt=True, **variables),
-                (),
-            )
+            prompt = model.render_chat(messages, add_generation_prompt=True, **variables)
+            images, sources = (), ()
     except NoChatTemplateError:
         raise bad(model.missing_template_diagnosis(), "messages", "no_chat_template") from None
     except TemplateError as e:
@@ -271,9 +269,10 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         raise bad(f"messages: {e.message}", "messages") from None
     if over := [k for k, s in enumerate(spans) if s.end >= t.max_context]:
         k = over[0]
-        where = image_parts(messages)[k]
+        part = sources[k]  # the message part it comes from (pan and scan: a crop of one)
+        where = image_parts(messages)[part]
         raise bad(
-            f"{where}: image {k + 1} reaches token {spans[k].end}, past the context "
+            f"{where}: image {part + 1} reaches token {spans[k].end}, past the context "
             f"({t.max_context} tokens): send fewer images or a shorter conversation",
             where,
             "context_length_exceeded",
