@@ -187,7 +187,8 @@ def test_images_refused_clearly(seeing, tiny, tmp_path):
 
 def test_chat_app_attaches_an_image_to_the_next_message(seeing, tmp_path):
     """The chat app's /image: a bad path is an error notification naming it; an image is an
-    attachment note, shown in the user's bubble and sent first in the next message, which
+    attachment note with the image drawn (half-block cells of its pixels), shown in the
+    user's bubble and sent first in the next message, which
     reaches the model (the prompt's token count is the processor's for that message); the
     saved record names it. Real app, real ChatSession, the tiny multimodal Gemma 3."""
     import asyncio
@@ -196,6 +197,7 @@ def test_chat_app_attaches_an_image_to_the_next_message(seeing, tmp_path):
 
     from tui.app import ChatApp
     from tui.engine import Options
+    from tui.widgets import Thumbnail
 
     folder, _, _ = seeing
     path = tmp_path / "cat.png"
@@ -219,6 +221,13 @@ def test_chat_app_attaches_an_image_to_the_next_message(seeing, tmp_path):
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.engine.attachments, 10, "the attachment")
         assert app.engine.attachments[0].size == (50, 40)
+        (thumb,) = app.query(Thumbnail)  # the image drawn: 2 pixels a cell, upper over lower
+        lines = thumb.cells(Image.open(path), 32).split("\n")
+        assert len(lines) == round(40 * 32 / 50 / 2) and all(len(x) == 32 for x in lines)
+        small = Image.open(path).convert("RGB").resize((32, 2 * len(lines)), Image.BILINEAR)
+        span = lines[3].spans[5].style
+        assert span.color.triplet == small.getpixel((5, 6))
+        assert span.bgcolor.triplet == small.getpixel((5, 7))
         app.prompt_input.insert("what")
         await pilot.press("enter")
         await wait_for(pilot, lambda: len(app.engine.turns) == 2 and not app.generating, 60)

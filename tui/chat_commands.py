@@ -24,7 +24,7 @@ from tui.commands import (
 from tui.engine import attachment_line
 from tui.screens import PreviewScreen
 from tui.store import atomic_write, list_records, new_id, summary, to_markdown
-from tui.widgets import Bubble, Note
+from tui.widgets import Bubble, Note, Thumbnail
 
 # commands that change the conversation wait until a reply is finished
 MUTATING = {"system", "clear", "open"}
@@ -177,8 +177,11 @@ class CommandsMixin:
             pending.clear()
             self.notify("attachments dropped")
             return
-        image = await asyncio.to_thread(self.engine.attach, arg)  # decoded off the UI thread
+        image, opened = await asyncio.to_thread(self.engine.attach, arg)  # off the UI thread
         await self.add_note(f"📎 {attachment_line(image)} — goes with your next message")
+        if not self.no_color:  # the image itself, where the terminal shows colour (NO_COLOR: not)
+            await self.conversation.mount(Thumbnail(opened))
+            self.conversation.scroll_end(animate=False)
 
     async def cmd_save(self, arg: str) -> None:
         path = Path(arg).expanduser() if arg else Path.cwd() / f"mlxlis-chat-{self.record_id}.md"

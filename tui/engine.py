@@ -19,6 +19,7 @@ from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.session import Turn
 from mlxlis.loading import catalog
 from mlxlis.models.model import Model
+from mlxlis.prompt.images import open_image
 
 from tui.store import data_dir
 
@@ -303,13 +304,17 @@ class Engine:
 
     def attach(self, path: str):
         """An image for the next message (`/image PATH`), opened and preprocessed now: its
-        PromptImage; MlxlisError for a bad image, raw completion or a model that does not
-        see."""
+        PromptImage and the opened image (to draw); MlxlisError for a bad image, raw
+        completion or a model that does not see."""
         if self.raw:
             raise MlxlisError("raw completion takes no images (chat mode does)", field="/image")
-        image = self.model.prepare_image(str(Path(path).expanduser()), f"/image {path}")
+        field = f"/image {path}"
+        if self.model.vision is None:  # said before the file is read
+            raise MlxlisError(self.model.text_only_reason(), field=field)
+        opened = open_image(Path(path).expanduser(), field)
+        image = self.model.prepare_image(opened, field, Path(path).name)
         self.attachments.append(image)
-        return image
+        return image, opened
 
     def send(self, text: str, should_stop: Callable[[], bool]) -> Iterator[Event]:
         """The reply's events, each split into reasoning and answer (all answer when the

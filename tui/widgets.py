@@ -3,6 +3,9 @@ notes and the diagnosis panel."""
 
 from __future__ import annotations
 
+from PIL import Image
+from rich.color import Color
+from rich.style import Style
 from rich.text import Text
 from textual import events
 from textual.app import ComposeResult
@@ -149,6 +152,34 @@ class Note(Markdown):
 
     def __init__(self, text: str):
         super().__init__(text, classes="note")
+
+
+class Thumbnail(Static):
+    """An attached image drawn in the conversation: two pixels a cell, the upper one the
+    cell's foreground colour, the lower its background ("▀"), at most `columns` wide. Rich
+    maps the colours to what the terminal shows (truecolor, 256 or 16 colours). Written here
+    rather than with textual-image, which learns the terminal's graphics protocols by reading
+    its answers on stdin at import, before the app starts (racing the first keystrokes)."""
+
+    def __init__(self, image: Image.Image, columns: int = 32):
+        self.image = image
+        super().__init__(self.cells(image, columns), classes="thumbnail")
+
+    @staticmethod
+    def cells(image: Image.Image, columns: int) -> Text:
+        w, h = image.size
+        cols = max(1, min(columns, w))
+        rows = max(1, round(h * cols / w / 2))  # a cell is about twice as tall as wide
+        small = image.convert("RGB").resize((cols, rows * 2), Image.BILINEAR)
+        px = small.load()
+        text = Text()
+        for r in range(rows):
+            for c in range(cols):
+                top, bottom = px[c, 2 * r], px[c, 2 * r + 1]
+                text.append("▀", Style(color=Color.from_rgb(*top), bgcolor=Color.from_rgb(*bottom)))
+            if r < rows - 1:
+                text.append("\n")
+        return text
 
 
 class Diagnosis(Static):
