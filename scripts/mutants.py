@@ -341,8 +341,8 @@ MUTANTS = (
     Mutant(
         "overlap-stale-token",
         "mlxlis/generation/core.py",
-        "mx.concatenate([s.pending for s in going]),",
-        "mx.array([s.history[-1] for s in going]),",
+        "mx.concatenate([s.pending for s in g]),",
+        "mx.array([s.history[-1] for s in g]),",
         ("tests/test_llama_parity.py::test_greedy_generation_follows_argmax",),
         "the core's overlap: the next step fed the last token read (one step old), not the one"
         " just sampled",

@@ -11,8 +11,8 @@ What is proved here:
   log-probabilities still equal the reference's;
 - bad images are 400s naming the part in each API's own shape: not an image, broken base64,
   a truncated PNG, an http URL without --allow-image-urls, more images than the context holds;
-- an image URL is fetched (real HTTP, a local server) within the size limit, and a missing
-  or oversized one is refused naming its field.
+- an image URL is fetched (real HTTP, a local server) within the size limit; a missing or
+  oversized one, a redirect to another scheme and a malformed URL are refused naming the field.
 """
 
 from __future__ import annotations
@@ -208,6 +208,13 @@ def test_bad_images_are_400s_naming_the_part(seeing):
         )
     assert e.value.body["param"].startswith("messages[0].content[")
     assert e.value.body["code"] == "context_length_exceeded"
+    tiny = "data:image/png;base64," + base64.b64encode(png(photo(2, 2))).decode()
+    flood = [{"type": "image_url", "image_url": {"url": tiny}}] * 17
+    with pytest.raises(openai.BadRequestError) as e:  # refused before any is read
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": flood}], max_tokens=1
+        )
+    assert e.value.body["param"] == "messages[0].content[16]"
 
     a = anthropic.Anthropic(base_url=f"http://127.0.0.1:{srv.port}", api_key="x")
     for source, param in [
@@ -232,6 +239,11 @@ def test_bad_images_are_400s_naming_the_part(seeing):
 
 class _Images(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path == "/elsewhere.png":
+            self.send_response(302)
+            self.send_header("Location", "ftp://127.0.0.1/cat.png")
+            self.end_headers()
+            return
         if self.path != "/cat.png":
             self.send_error(404)
             return
@@ -256,6 +268,10 @@ def test_image_urls_are_fetched_within_limits(monkeypatch):
         with pytest.raises(APIError) as e:
             image_urls.fetch(f"{base}/missing.png", "messages[0].content[0].image_url.url")
         assert e.value.param == "messages[0].content[0].image_url.url" and "404" in e.value.message
+        for bad in (f"{base}/elsewhere.png", "http://127.0.0.1:abc/x.png"):  # ftp, no port
+            with pytest.raises(APIError) as e:
+                image_urls.fetch(bad, "p")
+            assert e.value.status == 400 and e.value.param == "p", bad
         monkeypatch.setattr(image_urls, "MAX_IMAGE_BYTES", 100)
         with pytest.raises(APIError, match="over"):
             image_urls.fetch(f"{base}/cat.png", "p")

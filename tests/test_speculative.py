@@ -404,3 +404,19 @@ def test_a_constrained_draft_proposes_under_the_grammar(models):
     got, usage = constrained(Speculation("draft", model, tokens=4))
     assert got == plain and len(plain) >= 24 and plain.isdigit()
     assert usage.draft_tokens > 0 and usage.accepted_tokens == usage.draft_tokens, usage
+
+
+def test_ids_past_the_drafts_vocabulary_are_read_as_another(models):
+    """A target's ids the draft has no embedding for (a multimodal Gemma 3's image
+    placeholders, past a smaller draft's rows) are read as id 0: the draft proposes as for
+    that prompt, where an unguarded lookup reads past its table. Self-consistency."""
+    from mlxlis.generation.sampling import SamplingParams
+    from mlxlis.generation.speculative import ModelDrafter
+
+    draft = models("llama")
+    rows = draft.config.vocab_size
+    params = SamplingParams(temperature=0)
+    prompt = [5, 6, rows + 100, rows + 7, 9]
+    got = ModelDrafter(draft, params).propose(prompt, 3).tokens
+    want = ModelDrafter(draft, params).propose([5, 6, 0, 0, 9], 3).tokens
+    assert got == want

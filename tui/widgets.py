@@ -161,15 +161,16 @@ class Thumbnail(Static):
     rather than with textual-image, which learns the terminal's graphics protocols by reading
     its answers on stdin at import, before the app starts (racing the first keystrokes)."""
 
-    def __init__(self, image: Image.Image, columns: int = 32):
+    def __init__(self, image: Image.Image, columns: int = 32, lines: int = 16):
         self.image = image
-        super().__init__(self.cells(image, columns), classes="thumbnail")
+        super().__init__(self.cells(image, columns, lines), classes="thumbnail")
 
     @staticmethod
-    def cells(image: Image.Image, columns: int) -> Text:
+    def cells(image: Image.Image, columns: int, lines: int = 16) -> Text:
+        """At most `columns` cells wide and `lines` high, the aspect ratio kept."""
         w, h = image.size
-        cols = max(1, min(columns, w))
-        rows = max(1, round(h * cols / w / 2))  # a cell is about twice as tall as wide
+        cols = max(1, min(columns, w, round(lines * 2 * w / h)))  # a tall image: narrower
+        rows = max(1, min(lines, round(h * cols / w / 2)))  # a cell is about twice as tall
         small = image.convert("RGB").resize((cols, rows * 2), Image.BILINEAR)
         px = small.load()
         text = Text()

@@ -20,6 +20,7 @@ from typing import Any
 from mlxlis.cache import Cache, CacheBatch
 from mlxlis.distributed.group import Ranks
 from mlxlis.distributed.split import Part
+from mlxlis.errors import UnsupportedError
 
 import mlx.core as mx
 
@@ -55,8 +56,14 @@ class PipelineNet:
         return self.net.config.hidden_size * self.hidden_dtype.size
 
     def __call__(
-        self, inputs: mx.array, cache: list | None = None, last_only: bool = False
+        self,
+        inputs: mx.array,
+        cache: list | None = None,
+        last_only: bool = False,
+        inserts: object = None,
     ) -> mx.array:
+        if inserts:  # Model.image_spans refuses a pipelined model's images before this
+            raise UnsupportedError("images with a pipelined model", field="images")
         group, rank = self.ranks.group, self.ranks.rank
         b, t = inputs.shape[:2]  # every rank is given the token ids; only rank 0 reads them
         if self.is_first:

@@ -129,6 +129,10 @@ class ModelDrafter:
             self.fed = self.fed[:back]
         todo = list(history[len(self.fed) :])
         self.fed += todo
+        # ids past the draft's embedding (a Gemma 3 4B's image placeholders, 262 144, to a 1B
+        # of 262 144 rows) read as 0: the draft sees no images, it only has to guess well
+        rows = self.model.config.vocab_size
+        todo = [t if t < rows else 0 for t in todo]
         if len(todo) == 1:
             return forward(self.model.net, [self.caches], mx.array(todo, mx.int32), "last")
         return prefill(self.model.net, todo, self.caches)

@@ -47,10 +47,15 @@ def is_mmproj(path: Path) -> bool:
 
 def beside(model_path: Path, cfg: ModelConfig) -> Path | None:
     """The mmproj file beside a text GGUF, as llama.cpp finds one: a `.gguf` in its folder
-    whose name holds "mmproj" — here also of the model's family and width (a folder may hold
-    several models' files) — and of several, the one whose precision is nearest the model's."""
+    (else the folder above: a Hub repo's per-quant folders share the top's) whose name holds
+    "mmproj" — here also of the model's family and width (a folder may hold several models'
+    files) — and of several, the one whose precision is nearest the model's."""
     found = []
-    for p in sorted(model_path.parent.glob("*.gguf")):
+    folder = model_path.parent
+    candidates = sorted(folder.glob("*.gguf"))
+    if not any(is_mmproj(p) for p in candidates):  # a quant in a folder of its own: the top's
+        candidates = sorted(folder.parent.glob("*.gguf"))
+    for p in candidates:
         if p == model_path or not is_mmproj(p):
             continue
         try:

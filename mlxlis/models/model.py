@@ -10,14 +10,14 @@ from typing import Any
 
 from mlxlis.cache import Cache, KVFormat
 from mlxlis.cache.store import KVChoice, resolve
-from mlxlis.errors import MlxlisError, NoChatTemplateError, UnsupportedError
+from mlxlis.errors import ContextLimitError, MlxlisError, NoChatTemplateError, UnsupportedError
 from mlxlis.loading.hub import display_name
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.experts import QuantizedSwitchLinear, SwitchLinear
 from mlxlis.models.multimodal import ImageSpan, Inserts, Prompt, PromptImage, Vision, image_spans
 from mlxlis.models.network import Network
 from mlxlis.models.placement import Share
-from mlxlis.prompt.images import open_image
+from mlxlis.prompt.images import ImageError, open_image
 from mlxlis.prompt.template import ChatTemplate, diagnose_missing_template, end_of_turn_tokens
 from mlxlis.runtime import blas, device
 from mlxlis.tokenizer import Tokenizer
@@ -26,6 +26,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 FEATURES_KEPT = 8  # images whose features a model keeps (a second request about one)
+# skipped tensors that are a vision tower's (a multimodal folder read text only)
+VISION_NAMES = ("vision_tower.", "model.vision_tower.", "model.visual.", "visual.", "embed_vision.")
+VISION_NAMES += ("model.embed_vision.", "multi_modal_projector.", "model.multi_modal_projector.")
+SEEING_FAMILIES = frozenset({"gemma3", "gemma4", "qwen3_5", "qwen3_5_moe"})  # mmproj exists
 
 # (model, prefix cache) -> the generation core's Steps for this model (mlxlis.generation.steps,
 # a layer above): set by the loader for a model pipelined across ranks, None for a lone one
@@ -173,7 +177,10 @@ class Model:
         image = open_image(source, field)
         if not name:
             name = Path(source).name if isinstance(source, (str, Path)) else "image"
-        return self.vision.prepare(image, name)
+        try:
+            return self.vision.prepare(image, name)
+        except MlxlisError as e:  # an image the processor cannot take (an aspect ratio past 200)
+            raise ImageError(e.message, field=field) from None
 
     def image_part(self, part: Any, field: str) -> PromptImage | None:
         """A content part's image ({"type": "image", "image" | "path": ...}) prepared, None
@@ -187,21 +194,36 @@ class Model:
 
     def text_only_reason(self) -> str:
         """Why this model takes no images, in words."""
-        if any(".vision" in n or "vision_tower" in n for n in self.skipped):
+        if self.part is not None:
+            return "images with a model pipelined across ranks are not supported"
+        if any(n.startswith(VISION_NAMES) or ".vision" in n for n in self.skipped):
             return (
                 f"{self.name}'s vision tower is not loaded (it needs the image processor's "
                 "settings beside it, preprocessor_config.json): text only"
             )
+        if self.format == "gguf" and self.config.family in SEEING_FAMILIES:
+            return (
+                f"{self.name} is loaded text only: a GGUF's vision tower is llama.cpp's mmproj "
+                "file (--mmproj FILE, or one beside the model)"
+            )
         return f"{self.name} is a text-only model: it takes no images"
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, **template_vars: Any
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        max_image_tokens: int | None = None,
+        **template_vars: Any,
     ) -> Prompt:
         """`messages` rendered, each image expanded into its placeholders as the processor
         does, and tokenized: the ids and the preprocessed images. An image is a content part
-        {"type": "image", "image": PATH | bytes | PIL.Image}; a bad one is an ImageError
-        naming its part (messages[i].content[j])."""
+        {"type": "image", "image": PATH | bytes | PIL.Image | PromptImage}; a bad one is an
+        ImageError naming its part (messages[i].content[j]), and so is the one whose
+        placeholders pass `max_image_tokens` in all (a ContextLimitError: the images after it
+        are not read)."""
         images: list[PromptImage] = []
+        spent = 0
         shown = []
         for i, m in enumerate(messages):
             content = m.get("content") if isinstance(m, dict) else None
@@ -210,8 +232,16 @@ class Model:
                 continue
             parts = []
             for j, part in enumerate(content):
-                image = self.image_part(part, f"messages[{i}].content[{j}]")
+                field = f"messages[{i}].content[{j}]"
+                image = self.image_part(part, field)
                 if image is not None:
+                    spent += sum(run.tokens for run in image.runs())
+                    if max_image_tokens is not None and spent > max_image_tokens:
+                        raise ContextLimitError(
+                            f"the images up to this one take {spent} tokens, more than the "
+                            f"context's {max_image_tokens}: send fewer or smaller images",
+                            field=field,
+                        )
                     images.append(image)
                     part = {"type": "image"}  # the template writes the marker only
                 parts.append(part)

@@ -183,9 +183,9 @@ def cache_ids(ids: Sequence[int], spans: Sequence[ImageSpan]) -> list[int]:
         return list(ids)
     out = list(ids)
     for s in spans:
-        base = int(s.image.digest[:12], 16)
+        base = int(s.image.digest[:16], 16)  # 64 bits of the SHA-256
         for k in range(s.start, min(s.end, len(out))):
-            out[k] = -1 - (base + k - s.start) % (1 << 48)
+            out[k] = -1 - (base + k - s.start) % (1 << 62)
     return out
 
 

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from mlxlis.cache import Cache, KVFormat
 from mlxlis.models.config import ModelConfig
+from mlxlis.models.multimodal import Inserts
 
 import mlx.core as mx
 
@@ -24,8 +25,23 @@ class Network(Protocol):
         ...
 
     def __call__(
-        self, inputs: mx.array, cache: list[Cache] | None = None, last_only: bool = False
-    ) -> mx.array: ...
+        self,
+        inputs: mx.array,
+        cache: list[Cache] | None = None,
+        last_only: bool = False,
+        inserts: Inserts | None = None,
+    ) -> mx.array:
+        """`inserts`: the images whose placeholder runs a (1, T) prompt chunk holds (a family
+        that sees; the others refuse them)."""
+        ...
+
+    def hidden_states(
+        self, inputs: mx.array, cache: list[Cache] | None = None, inserts: Inserts | None = None
+    ) -> mx.array:
+        """The last layer's output (B, T, hidden) before the final norm (what `head` takes)."""
+        ...
+
+    def head(self, h: mx.array, last_only: bool = False) -> mx.array: ...
 
     def make_cache(self, kv: KVFormat | None = None) -> list[Cache]:
         """One cache per layer this network holds (that keeps state), in order; KV caches

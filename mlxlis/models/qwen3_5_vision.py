@@ -46,6 +46,7 @@ import numpy as np
 from PIL import Image
 
 MAX_ASPECT = 200  # smart_resize refuses longer strips
+QUERY_BLOCK = 2048  # patches whose attention one step computes
 
 
 @dataclass(frozen=True)
@@ -150,9 +151,19 @@ class _Attention(nn.Module):
         q, k, v = mx.split(self.qkv(x).reshape(n, 3, self.heads, -1), 3, axis=1)
         q, k, v = (a[:, 0].transpose(1, 0, 2) for a in (q, k, v))  # (heads, N, head_dim)
         q, k = _turn(q, cos, sin), _turn(k, cos, sin)
-        out = mx.fast.scaled_dot_product_attention(
-            q[None], k[None], v[None], scale=q.shape[-1] ** -0.5
-        )[0]  # every patch sees every patch of its image
+        scale = q.shape[-1] ** -0.5
+        # every patch sees every patch of its image, QUERY_BLOCK queries at a time: a 4096 px
+        # square is 65 536 patches, and a head size of 72 has no fused kernel (its scores
+        # would be 16 x 65 536² at once)
+        out = mx.concatenate(
+            [
+                mx.fast.scaled_dot_product_attention(
+                    q[None, :, a : a + QUERY_BLOCK], k[None], v[None], scale=scale
+                )[0]
+                for a in range(0, n, QUERY_BLOCK)
+            ],
+            axis=1,
+        )
         return self.proj(out.transpose(1, 0, 2).reshape(n, d))
 
 

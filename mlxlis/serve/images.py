@@ -7,15 +7,32 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from mlxlis.serve.openai_format import APIError
 
 MAX_IMAGE_BYTES = 20 << 20  # one image's encoded bytes
 FETCH_SECONDS = 10.0  # an image URL's whole fetch
 SCHEMES = ("http://", "https://")
+# the fetches' own threads: a slow host holds one of these, never the preparing thread nor
+# the event loop's default executor (which the server's shutdown uses)
+FETCHERS = ThreadPoolExecutor(4, "mlxlis-image-fetch")
+
+
+class _HTTPOnly(urllib.request.HTTPRedirectHandler):
+    """Redirects followed to http(s) only (urllib's own would follow ftp://)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 (urllib's)
+        if not newurl.lower().startswith(SCHEMES):
+            raise urllib.error.URLError(f"a redirect to {newurl.split(':', 1)[0]}: refused")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(_HTTPOnly, urllib.request.ProxyHandler({}))
 
 
 def bad(message: str, param: str) -> APIError:
@@ -53,9 +70,9 @@ def fetch(url: str, param: str) -> str:
     data: URL."""
     deadline = time.monotonic() + FETCH_SECONDS
     try:
-        with urllib.request.urlopen(url, timeout=FETCH_SECONDS) as r:  # noqa: S310 (http(s) only)
+        with _OPENER.open(url, timeout=FETCH_SECONDS) as r:  # http(s) only, no proxies
             chunks, size = [], 0
-            while chunk := r.read(1 << 16):
+            while chunk := r.read1(1 << 16):  # what has arrived: the deadline checked often
                 size += len(chunk)
                 if size > MAX_IMAGE_BYTES:
                     raise bad(f"an image over {MAX_IMAGE_BYTES >> 20} MiB", param)
@@ -65,6 +82,6 @@ def fetch(url: str, param: str) -> str:
             kind = r.headers.get_content_type() or "application/octet-stream"
     except APIError:
         raise
-    except (urllib.error.URLError, OSError, ValueError) as e:
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
         raise bad(f"the image could not be fetched: {e}", param) from None
     return data_url(kind, base64.b64encode(b"".join(chunks)).decode())

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxlis.cache.store import BITS, KVChoice, KVFormat
-from mlxlis.errors import MlxlisError, NoChatTemplateError, TemplateError
+from mlxlis.errors import ContextLimitError, MlxlisError, NoChatTemplateError, TemplateError
 from mlxlis.generation.constraints import ConstraintError, constraint
 from mlxlis.generation.context import ContextOverflow, fit_context
 from mlxlis.generation.core import Request
@@ -24,6 +24,7 @@ from mlxlis.serve.tool_grammar import tool_grammar
 from mlxlis.serve.tools import tool_names
 
 MAX_STOP_STRINGS = 16
+MAX_IMAGES = 16  # images in one request: each is decoded and preprocessed before it runs
 # template variables a request may not set through chat_template_kwargs (render_chat's own)
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
@@ -187,6 +188,22 @@ def message_dict(m: ChatMessage, i: int, model: Any = None) -> dict[str, Any]:
     return out
 
 
+def with_prepared(messages: list[dict[str, Any]], encoded: Any) -> list[dict[str, Any]]:
+    """`messages` with each image part holding its prepared image (so that rendering them
+    again, as turn_start does, reads no image twice)."""
+    prepared = iter(encoded.images[encoded.sources.index(k)] for k in sorted(set(encoded.sources)))
+    out = []
+    for m in messages:
+        if isinstance(m["content"], list):
+            content = [
+                {**p, "image": next(prepared)} if p.get("type") == "image" else p
+                for p in m["content"]
+            ]
+            m = {**m, "content": content}
+        out.append(m)
+    return out
+
+
 def image_parts(messages: list[dict[str, Any]]) -> list[str]:
     """Where each image part is (messages[i].content[j]), in the prompt's order."""
     return [
@@ -249,10 +266,17 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         raise bad("tool_choice: needs tools", "tool_choice")
     messages = [message_dict(m, i, model) for i, m in enumerate(req.messages)]
     seeing = any(isinstance(m["content"], list) for m in messages)
+    parts = image_parts(messages)
+    if len(parts) > MAX_IMAGES:
+        raise bad(f"{parts[MAX_IMAGES]}: at most {MAX_IMAGES} images a request", parts[MAX_IMAGES])
     try:
-        if seeing:  # each image opened, preprocessed and expanded into its placeholders
-            encoded = model.encode_chat(messages, add_generation_prompt=True, **variables)
+        if seeing:  # each image opened, preprocessed and expanded into its placeholders, in
+            # order, stopping at the one past the context
+            encoded = model.encode_chat(
+                messages, add_generation_prompt=True, max_image_tokens=t.max_context, **variables
+            )
             prompt, images, sources = encoded.text, encoded.images, encoded.sources
+            messages = with_prepared(messages, encoded)  # what turn_start renders: not again
         else:
             prompt = model.render_chat(messages, add_generation_prompt=True, **variables)
             images, sources = (), ()
@@ -260,6 +284,10 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         raise bad(model.missing_template_diagnosis(), "messages", "no_chat_template") from None
     except TemplateError as e:
         raise bad(f"the chat template refused the messages: {e}", "messages") from None
+    except ContextLimitError as e:  # images past the context, named by the first one over
+        raise bad(
+            f"{e.field}: {e.message}", e.field or "messages", "context_length_exceeded"
+        ) from None
     except MlxlisError as e:  # a bad image, a text-only model: named by its part
         raise bad(f"{e.field or 'messages'}: {e.message}", e.field or "messages") from None
     ids = encode(model, prompt + forced, special=True)

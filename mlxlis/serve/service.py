@@ -29,7 +29,7 @@ from mlxlis.generation.engine import (
 )
 from mlxlis.generation.events import Event, Usage
 from mlxlis.generation.speculative import speculation_line
-from mlxlis.serve.images import SCHEMES, fetch
+from mlxlis.serve.images import FETCHERS, SCHEMES, fetch
 from mlxlis.serve.openai_format import APIError, TokenText
 from mlxlis.serve.prepare import Prepared, Target
 from mlxlis.serve.reply import ChatReply
@@ -333,7 +333,7 @@ async def fetch_images(body: Any) -> Any:
             url = part.image_url.url if part.image_url is not None else ""
             if url.startswith(SCHEMES):
                 where = f"messages[{i}].content[{j}].image_url.url"
-                jobs.append((part.image_url, loop.run_in_executor(None, fetch, url, where)))
+                jobs.append((part.image_url, loop.run_in_executor(FETCHERS, fetch, url, where)))
     for target, job in jobs:
         target.url = await job
     return body
