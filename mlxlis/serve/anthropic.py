@@ -20,7 +20,7 @@ from mlxlis.generation.events import Usage
 from mlxlis.generation.processors import ReasoningBudget
 from mlxlis.prompt.reasoning import ReasoningSplitter
 from mlxlis.serve.anthropic_blocks import Blocks, content, event, stop_reason, usage
-from mlxlis.serve.images import data_url, from_data_url
+from mlxlis.serve.images import data_url
 from mlxlis.serve.openai_format import APIError, new_id
 from mlxlis.serve.prepare import Prepared, prepare_chat
 from mlxlis.serve.reply import ChatReply
@@ -154,8 +154,8 @@ def _user(blocks: list[Block], i: int) -> list[dict[str, Any]]:
 
 
 def _image_url(source: dict[str, Any] | None, where: str) -> tuple[str, str]:
-    """An image block's source as an image_url part's URL (its base64 checked now), and the
-    source field a refusal of it names."""
+    """An image block's source as an image_url part's URL, and the source field a refusal of
+    it names."""
     kind = (source or {}).get("type")
     if kind == "base64":
         media, data = source.get("media_type"), source.get("data")
@@ -163,9 +163,7 @@ def _image_url(source: dict[str, Any] | None, where: str) -> tuple[str, str]:
             raise bad("expected an image media type (image/png, ...)", f"{where}.media_type")
         if not isinstance(data, str):
             raise bad("expected the image's base64 data", f"{where}.data")
-        url = data_url(media, data)
-        from_data_url(url, f"{where}.data")
-        return url, f"{where}.data"
+        return data_url(media, data), f"{where}.data"  # decoded when prepared, off the loop
     if kind == "url" and isinstance(source.get("url"), str):
         return source["url"], f"{where}.url"
     raise bad("expected a base64 or url image source", f"{where}.type")
