@@ -228,6 +228,8 @@ def test_chat_app_attaches_an_image_to_the_next_message(seeing, tmp_path):
         span = lines[3].spans[5].style
         assert span.color.triplet == small.getpixel((5, 6))
         assert span.bgcolor.triplet == small.getpixel((5, 7))
+        preview = app.engine.preview("what")  # F2: the attached image's placeholders expanded
+        assert preview.count("<image_soft_token>") == 4 and preview.count("<start_of_image>") == 1
         app.prompt_input.insert("what")
         await pilot.press("enter")
         await wait_for(pilot, lambda: len(app.engine.turns) == 2 and not app.generating, 60)

@@ -334,6 +334,10 @@ class Engine:
         self.attachments = self._sent_attachments + self.attachments  # sent again with it
 
     def preview(self, pending: str | None = None) -> str:
+        """The prompt the next message gives: `pending` with the attached images first."""
+        if self.attachments and not self.raw:
+            parts = [{"type": "image", "image": im} for im in self.attachments]
+            return self.session.prompt_preview([*parts, {"type": "text", "text": pending or ""}])
         return self.session.prompt_preview(pending)
 
     def count_tokens(self, text: str) -> int:

@@ -132,15 +132,24 @@ class ChatSession:
         return {"enable_thinking": bool(self.thinking)}
 
     def render(self, add_generation_prompt: bool = True) -> str:
-        """The exact text the model sees next (special tokens included)."""
+        """The exact text the model sees next (special tokens included; each image's
+        placeholders expanded as the model reads them)."""
+        if any(isinstance(t.content, list) for t in self.turns):
+            prompt = self.model.encode_chat(
+                self.messages, add_generation_prompt, **self.template_vars
+            )
+            return prompt.text
         return self.model.render_chat(
             self.messages, add_generation_prompt=add_generation_prompt, **self.template_vars
         )
 
-    def prompt_preview(self, pending_user: str | None = None) -> str:
-        """What the model would receive if `pending_user` were sent now."""
+    def prompt_preview(self, pending_user: str | list[dict] | None = None) -> str:
+        """What the model would receive if `pending_user` (text or content parts, images
+        prepared) were sent now."""
         if pending_user is None:
             return self.render()
+        if isinstance(pending_user, list):
+            pending_user = self._prepared(pending_user, len(self.messages))
         self.turns.append(Turn("user", pending_user))
         try:
             return self.render()
