@@ -249,7 +249,8 @@ def test_chat_app_attaches_an_image_to_the_next_message(seeing, tmp_path):
 def test_one_shot_command_takes_images(seeing, tmp_path):
     """`mlxlis -m MODEL --image FILE "…"` (a real process): greedy, its reply is transformers'
     greedy generation on the same message (the image first, as --image puts it); a file that
-    is not an image exits 2 naming the flag."""
+    is not an image exits 2 naming the flag; `inspect --json` says how the model sees."""
+    import json
     import subprocess
     import sys
 
@@ -279,6 +280,9 @@ def test_one_shot_command_takes_images(seeing, tmp_path):
     assert out.stdout == want + "\n"
     out = subprocess.run([*cmd, "--image", str(bad), "what"], capture_output=True, text=True)
     assert out.returncode == 2 and f"--image {bad}: not an image" in out.stderr, out.stderr
+    inspect = [sys.executable, "-m", "mlxlis", "inspect", str(folder), "--json"]
+    report = json.loads(subprocess.run(inspect, capture_output=True, text=True).stdout)
+    assert report["vision"] == "SigLIP 32 px, 4 tokens per image"  # how it sees, in words
 
 
 def test_pan_and_scan_equals_the_processor(seeing, tmp_path):

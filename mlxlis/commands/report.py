@@ -11,6 +11,8 @@ The JSON shape (`schema` 1) is stable: keys are only ever added, never renamed o
      "template": "gguf:tokenizer.chat_template",    # or null: no chat template
      "skipped": null,                               # or what of the file a text-only load
                                                     # left out (a vision tower, an MTP head)
+     "vision": null,                                # or how it sees ("SigLIP 896 px, 256
+                                                    # tokens per image")
      "config": {"layers": 30, "hidden_size": 576, "intermediate_size": 1536,
                 "attention_heads": 9, "kv_heads": 3, "head_dim": 64, "vocab_size": 49152,
                 "context_length": 8192, "tie_word_embeddings": true,
@@ -58,6 +60,7 @@ def model_report(model: Model) -> dict[str, Any]:
         "blas_notice": d.get("notice"),  # why a faster BLAS is not in use, or null
         "template": model.template_source,
         "skipped": d.get("skipped"),
+        "vision": d.get("vision"),
         "config": {
             "layers": c.num_hidden_layers,
             "hidden_size": c.hidden_size,
@@ -118,6 +121,7 @@ def format_report(r: dict[str, Any]) -> str:
         ("dtype", f"{r['dtype']} on {r['device']}"),
         ("blas", r["blas"] + (f" ({r['blas_notice']})" if r.get("blas_notice") else "")),
         ("template", r["template"] or "none (chat needs --chat-template, or use --no-chat)"),
+        *([("vision", r["vision"])] if r.get("vision") else []),
         *([("skipped", r["skipped"])] if r.get("skipped") else []),
         ("layers", f"{c['layers']}, hidden {c['hidden_size']}, mlp {c['intermediate_size']}"),
         ("heads", f"{c['attention_heads']} ({c['kv_heads']} kv), head_dim {c['head_dim']}"),
