@@ -66,7 +66,7 @@ def load(
     dt = dtype if isinstance(dtype, mx.Dtype) else resolve_dtype(dtype)
     manifest = as_manifest(bindings)  # a bad manifest fails before anything else is read
     pipeline = Pipeline.from_env(layers_split)  # a bad split fails before the file is read
-    path = resolve(path_or_name)
+    path = resolve(path_or_name, vision=mmproj is not False)
     if path.is_file() and path.suffix.lower() == ".gguf":
         if bindings is not None:
             raise BindingError(

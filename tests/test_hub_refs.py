@@ -159,6 +159,8 @@ def test_gguf_quant_selection_and_ambiguity():
         "mmproj-F32.gguf"
     )
     assert select(HubRef("org/m"), {"m-Q8_0.gguf": 1}).files == ("m-Q8_0.gguf",)
+    text_only = select(HubRef("org/m", quant="F32"), {"m-F32.gguf": 1, **projs}, vision=False)
+    assert text_only.files == ("m-F32.gguf",)  # --no-mmproj: the projector not fetched
 
 
 def test_repos_without_loadable_weights_say_why():

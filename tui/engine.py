@@ -106,7 +106,8 @@ def load_model(options: Options, progress: Progress):
     elif name not in catalog.CATALOG and not Path(name).expanduser().exists():
         from mlxlis.loading.resolve import resolve
 
-        name = str(resolve(name, progress=progress))  # a Hub repo or a scanned name
+        vision = options.mmproj is not False  # --no-mmproj: a GGUF's mmproj not fetched
+        name = str(resolve(name, progress=progress, vision=vision))  # a Hub repo, scanned name
     progress("loading weights", 0, 0)
     model = mlxlis.load(
         name,

