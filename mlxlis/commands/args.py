@@ -50,8 +50,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--no-mmproj",
         dest="mmproj",
         action="store_false",
-        help="text only: no vision file, even one beside the model (nor fetched with a Hub "
-        "GGUF)",
+        help="text only: no vision file, even one beside the model (nor fetched with a Hub GGUF)",
     )
     p.add_argument(
         "--chat-template",

@@ -34,6 +34,7 @@ from mlxlis.models.multimodal import (
     BlockPositions,
     PromptImage,
     bind_vision,
+    expand_markers,
     marker_tokens,
     processor_settings,
 )
@@ -300,20 +301,16 @@ class Gemma3Images(BlockPositions):
 
     def expand(self, text: str, images: Sequence[PromptImage]) -> str:
         run = f"\n\n{self.boi}{self.soft * self.tokens_per_image}{self.eoi}\n\n"
-        pieces = text.split(self.boi)
-        if len(pieces) - 1 != len(images):
-            return text  # the caller's count check refuses it
-        out = [pieces[0]]
-        for image, rest in zip(images, pieces[1:], strict=True):
-            if image.crops:  # Gemma3Processor.replace_image_token with pan and scan
-                out.append(
-                    f"Here is the original image {run} and here are some crops to help you see "
-                    "better " + " ".join([run] * len(image.crops))
-                )
-            else:
-                out.append(run)
-            out.append(rest)
-        return "".join(out)
+
+        def sequence(image: PromptImage) -> str:  # Gemma3Processor.replace_image_token
+            if not image.crops:
+                return run
+            return (  # with pan and scan
+                f"Here is the original image {run} and here are some crops to help you see "
+                "better " + " ".join([run] * len(image.crops))
+            )
+
+        return expand_markers(text, self.boi, images, sequence)
 
     def marker_count(self, text: str) -> int:
         return text.count(self.boi)
@@ -343,9 +340,10 @@ def load_images(
 ) -> Gemma3Images | None:
     """Gemma 3's vision from a multimodal folder (its tower, projector and processor
     settings); None for a text-only folder or one without an image processor's settings."""
-    settings = processor_settings(folder)
-    if not isinstance(cfg.get("vision_config"), dict) or settings is None:
+    found = processor_settings(folder)
+    if not isinstance(cfg.get("vision_config"), dict) or found is None:
         return None
+    settings, source = found
     where = str(folder / "config.json")
     keys = (
         ("boi_token_index", 255999),
@@ -353,16 +351,13 @@ def load_images(
         ("eoi_token_index", 256000),
     )
     markers, ids = marker_tokens(cfg, keys, tokenizer, where)
-    name = "preprocessor_config.json"
-    if not (folder / name).is_file():
-        name = "processor_config.json"
-    processing = ImageProcessing.from_config(settings, str(folder / name))
+    processing = ImageProcessing.from_config(settings, source)
     net = load_gemma3_vision(folder, dtype)
     if (processing.height, processing.width) != (net.config.image_size,) * 2:
         raise ConfigError(
             f"the processor makes {processing.height} x {processing.width} images, the tower "
             f"takes {net.config.image_size}",
-            path=folder / name,
+            path=source,
             field="size",
         )
     return Gemma3Images(net, processing, markers, ids[1], dtype)

@@ -37,6 +37,7 @@ from mlxlis.models.multimodal import (
     BlockPositions,
     PromptImage,
     bind_vision,
+    expand_markers,
     marker_tokens,
     processor_settings,
 )
@@ -429,13 +430,9 @@ class Gemma4Images(BlockPositions):
         self.dtype = dtype
 
     def expand(self, text: str, images: Sequence[PromptImage]) -> str:
-        pieces = text.split(self.image)
-        if len(pieces) - 1 != len(images):
-            return text  # the caller's count check refuses it
-        out = [pieces[0]]
-        for image, rest in zip(images, pieces[1:], strict=True):
-            out += [self.boi, self.image * image.tokens, self.eoi, rest]
-        return "".join(out)
+        return expand_markers(  # Gemma4Processor.replace_image_token
+            text, self.image, images, lambda im: f"{self.boi}{self.image * im.tokens}{self.eoi}"
+        )
 
     def marker_count(self, text: str) -> int:
         return text.count(self.image)
@@ -464,14 +461,15 @@ def load_images(
     an image processor's settings."""
     from mlxlis.loading.safetensors import load_tensors
 
-    settings = processor_settings(folder)
-    if not isinstance(cfg.get("vision_config"), dict) or settings is None:
+    found = processor_settings(folder)
+    if not isinstance(cfg.get("vision_config"), dict) or found is None:
         return None
+    settings, source = found
     where = str(folder / "config.json")
     keys = (("boi_token_id", 255999), ("image_token_id", 258880), ("eoi_token_id", 258882))
     markers, ids = marker_tokens(cfg, keys, tokenizer, where)
     vcfg = VisionConfig.from_hf(cfg, where)
-    processing = Processing.from_config(settings, str(folder / "preprocessor_config.json"))
+    processing = Processing.from_config(settings, source)
     if (
         processing.patch_size != vcfg.patch_size
         or processing.pooling_kernel_size != vcfg.pooling_kernel_size

@@ -14,7 +14,7 @@ ids derived from the image's digest, so a prefix entry is reused only for the sa
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -241,18 +241,35 @@ def with_blocks(base: mx.array, blocks: mx.array, window: int | None) -> mx.arra
 
 
 # --- what the families' vision loaders share ---
-def processor_settings(folder: Path) -> dict[str, Any] | None:
-    """The image processor's settings: preprocessor_config.json, or the `image_processor` of
-    transformers 5's processor_config.json; None when the folder has neither."""
+def processor_settings(folder: Path) -> tuple[dict[str, Any], str] | None:
+    """The image processor's settings and the file they are in (what a refusal names):
+    preprocessor_config.json, or the `image_processor` of transformers 5's
+    processor_config.json; None when the folder has neither."""
     from mlxlis.models.config import read_json
 
     if (folder / "preprocessor_config.json").is_file():
-        return read_json(folder / "preprocessor_config.json")
+        path = folder / "preprocessor_config.json"
+        return read_json(path), str(path)
     if (folder / "processor_config.json").is_file():
-        cfg = read_json(folder / "processor_config.json")
+        path = folder / "processor_config.json"
+        cfg = read_json(path)
         inner = cfg.get("image_processor")
-        return inner if isinstance(inner, dict) else cfg
+        return (inner if isinstance(inner, dict) else cfg), str(path)
     return None
+
+
+def expand_markers(
+    text: str, marker: str, images: Sequence[PromptImage], run: Callable[[PromptImage], str]
+) -> str:
+    """`text` with its k-th `marker` replaced by `run(images[k])` (as a processor's
+    replace_image_token does); unchanged when the count differs (the caller refuses it)."""
+    pieces = text.split(marker)
+    if len(pieces) - 1 != len(images):
+        return text
+    out = [pieces[0]]
+    for image, rest in zip(images, pieces[1:], strict=True):
+        out += [run(image), rest]
+    return "".join(out)
 
 
 def marker_tokens(

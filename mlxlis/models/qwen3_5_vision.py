@@ -34,6 +34,7 @@ from mlxlis.models.multimodal import (
     ImageSpan,
     PromptImage,
     bind_vision,
+    expand_markers,
     marker_tokens,
     processor_settings,
 )
@@ -419,13 +420,7 @@ class Qwen35Images:
         return mx.array(streams[self.stream].T.astype(np.float32))  # (n, rotary pairs)
 
     def expand(self, text: str, images: Sequence[PromptImage]) -> str:
-        pieces = text.split(self.pad)
-        if len(pieces) - 1 != len(images):
-            return text  # the caller's count check refuses it
-        out = [pieces[0]]
-        for image, rest in zip(images, pieces[1:], strict=True):
-            out += [self.pad * image.tokens, rest]
-        return "".join(out)
+        return expand_markers(text, self.pad, images, lambda im: self.pad * im.tokens)
 
     def marker_count(self, text: str) -> int:
         return text.count(self.pad)
@@ -455,13 +450,14 @@ def load_images(
     an image processor's settings."""
     from mlxlis.loading.safetensors import load_tensors
 
-    settings = processor_settings(folder)
-    if not isinstance(cfg.get("vision_config"), dict) or settings is None:
+    found = processor_settings(folder)
+    if not isinstance(cfg.get("vision_config"), dict) or found is None:
         return None
+    settings, source = found
     where = str(folder / "config.json")
     (pad,), (image_id,) = marker_tokens(cfg, (("image_token_id", 248056),), tokenizer, where)
     vcfg = VisionConfig.from_hf(cfg, where)
-    processing = Processing.from_config(settings, str(folder / "preprocessor_config.json"))
+    processing = Processing.from_config(settings, source)
     if (processing.patch_size, processing.merge_size, processing.temporal_patch_size) != (
         vcfg.patch_size,
         vcfg.spatial_merge_size,

@@ -290,7 +290,10 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         ) from None
     except MlxlisError as e:  # a bad image, a text-only model: named by its part
         raise bad(f"{e.field or 'messages'}: {e.message}", e.field or "messages") from None
-    ids = encode(model, prompt + forced, special=True)
+    if seeing and not forced:
+        ids = encoded.ids  # encode_chat tokenized this very text
+    else:
+        ids = encode(model, prompt + forced, special=True)
     try:
         spans = model.image_spans(ids, images)
     except MlxlisError as e:
