@@ -1,15 +1,18 @@
-"""`make bench` (new families): Qwen3.5- and Gemma 4-shaped models, mlxlis against mlx-lm.
+"""`make bench` (new families): Qwen3.5-, Gemma 4- and Llama 4-shaped models, mlxlis against
+mlx-lm.
 
 Random float32 models with real head shapes at a small width: a Qwen3.5 (3 Gated DeltaNet
 layers per gated-attention layer; 16 key / 32 value heads of 128 for DeltaNet, 8 query / 2 KV
-heads of 256, a quarter rotated) and a Gemma 4 E2B-like (sliding and full layers with head
+heads of 256, a quarter rotated), a Gemma 4 E2B-like (sliding and full layers with head
 dims 256 / 512, per-layer input embeddings, the last layers KV-shared with double-wide MLPs,
-proportional RoPE). Each is written once as a Hugging Face folder (config.json as `convert`
-writes it); each engine loads it in a fresh process (mlxlis first, so both run on the same
-BLAS) and runs a PROMPT-token prefill and DECODE greedy steps, best of --rounds. Prints a
-Markdown table and writes bench-results/families.json.
+proportional RoPE) and a Llama 4 Scout-like (16 experts, top-1, a shared expert, chunked
+attention with NoPE every 4th layer). Each is written once as a Hugging Face folder
+(config.json and tensor names as `convert` writes them); each engine loads it in a fresh
+process (mlxlis first, so both run on the same BLAS) and runs a PROMPT-token prefill and
+DECODE greedy steps, best of --rounds. Prints a Markdown table and writes
+bench-results/families.json.
 
-usage: python scripts/bench_families.py [--layers N] [--hidden N] [--rounds N]
+usage: python scripts/bench_families.py [--layers N] [--hidden N] [--rounds N] [--models M ...]
 """
 
 from __future__ import annotations
@@ -82,6 +85,23 @@ def raw_configs(layers: int, hidden: int) -> dict[str, dict]:
             "tie_word_embeddings": True,
             "max_position_embeddings": 4096,
         },
+        "llama4": {  # Scout-like: 16 experts, top-1, a shared expert; NoPE every 4th layer
+            "model_type": "llama4_text",
+            "vocab_size": 32000,
+            "hidden_size": hidden,
+            "intermediate_size": hidden,
+            "intermediate_size_mlp": 2 * hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "num_local_experts": 16,
+            "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 1,
+            "attention_chunk_size": 128,  # chunks end inside the prompt and the decode
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+            "max_position_embeddings": 4096,
+        },
         "gemma4": {
             "model_type": "gemma4_text",
             "vocab_size": 32000,
@@ -116,14 +136,15 @@ def write_model(folder: Path, raw: dict) -> None:
 
     sys.path.insert(0, str(ROOT))
     from mlxlis.commands.convert import hf_config
-    from mlxlis.models import build_model, config_from_hf
+    from mlxlis.models import build_model, config_from_hf, family
 
     folder.mkdir()
     cfg = config_from_hf(raw)
     net = build_model(cfg)
     mx.random.seed(0)
+    prefix = family(cfg.family).export_prefix  # as `convert` writes the tensors
     params = {
-        k: (mx.random.normal(v.shape) * 0.02 if v.ndim > 1 else mx.ones(v.shape) * 0.5)
+        prefix + k: (mx.random.normal(v.shape) * 0.02 if v.ndim > 1 else mx.ones(v.shape) * 0.5)
         for k, v in tree_flatten(net.parameters())
     }
     for k in params:
@@ -155,10 +176,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--models", nargs="*", help="only these (default: all)")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="mlxlis-bench-families-") as tmp:
         for model, raw in raw_configs(args.layers, args.hidden).items():
+            if args.models and model not in args.models:
+                continue
             folder = Path(tmp) / model
             write_model(folder, raw)
             best: dict[str, tuple[float, float]] = {}

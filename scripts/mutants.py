@@ -35,6 +35,9 @@ class Mutant:
     what: str
 
 
+LLAMA4_HF = "tests/test_llama4.py::test_logits_match_transformers_fp32"
+LLAMA4_CACHE = "tests/test_llama4.py::test_cached_decode_and_batches_equal_the_full_forward"
+
 MUTANTS = (
     Mutant(
         "rope-freqs-divide",
@@ -711,6 +714,70 @@ MUTANTS = (
             "test_the_block_cache_holds_each_position_once_after_kept_and_rejected_drafts",
         ),
         "Qwen3.5 MTP: a chained draft's entry stays in the block's cache",
+    ),
+    Mutant(
+        "llama4-chunk-mask-off",
+        "mlxlis/cache/kv.py",
+        "keep = keep & (k // chunk == q // chunk)",
+        "keep = keep",
+        (LLAMA4_HF,),
+        "Llama 4: chunked layers see every earlier key (no chunk boundary)",
+    ),
+    Mutant(
+        "llama4-chunk-ring-sees-old",
+        "mlxlis/cache/kv.py",
+        "        return age <= since",
+        "        return age <= since + 1",
+        (LLAMA4_CACHE,),
+        "Llama 4: a decoding query also sees the last key of the chunk before",
+    ),
+    Mutant(
+        "llama4-temperature-floor",
+        "mlxlis/models/layers.py",
+        "t = mx.log1p(mx.floor((p + 1.0) / floor)) * scale + 1.0",
+        "t = mx.log1p(mx.floor(p / floor)) * scale + 1.0",
+        (LLAMA4_HF,),
+        "Llama 4: NoPE temperature from ⌊p / floor⌋ instead of ⌊(p + 1) / floor⌋",
+    ),
+    Mutant(
+        "llama4-after-rope-skipped",
+        "mlxlis/models/layers.py",
+        "q, k = self._after_rope(q, k, offset + mx.arange(q.shape[2]))",
+        "q, k = q, k",
+        (LLAMA4_HF,),
+        "Llama 4: the L2 q/k norm and the temperature skipped on a lone sequence",
+    ),
+    Mutant(
+        "llama4-router-scales-output",
+        "mlxlis/models/llama4.py",
+        "y = self.experts(x[..., None, :] * scores[..., None], mx.stop_gradient(inds))",
+        "y = self.experts(x, mx.stop_gradient(inds)) * scores[..., None]",
+        (LLAMA4_HF,),
+        "Llama 4: the router's score scales the experts' output instead of their input",
+    ),
+    Mutant(
+        "llama4-rope-halves",
+        "mlxlis/models/llama4.py",
+        "            rope_interleaved=True,\n            no_rope_layers=tuple(",
+        "            rope_interleaved=False,\n            no_rope_layers=tuple(",
+        (LLAMA4_HF,),
+        "Llama 4: RoPE on rotate-half pairs instead of adjacent ones",
+    ),
+    Mutant(
+        "llama4-gguf-nope-shifted",
+        "mlxlis/models/llama4.py",
+        "nope = tuple((i + 1) % GGUF_NOPE_EVERY == 0 for i in range(n))",
+        "nope = tuple(i % GGUF_NOPE_EVERY == 0 for i in range(n))",
+        ("tests/test_llama4.py::test_gguf_matches_transformers_on_the_files_weights",),
+        "Llama 4 GGUF: the NoPE layers one earlier than llama.cpp's",
+    ),
+    Mutant(
+        "llama4-batch-chunk-ignored",
+        "mlxlis/cache/batch.py",
+        "        if any(x is not None for x in seen):",
+        "        if False:",
+        (LLAMA4_CACHE,),
+        "Llama 4: batched decoding ignores the chunk boundary of each row",
     ),
 )
 

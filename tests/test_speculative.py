@@ -187,7 +187,9 @@ def test_a_rejection_at_each_position_rewinds_every_cache_exactly(models, name):
     position j): every cache equals, bit for bit, the cache of a verification of those 1 + j
     tokens only, and so do the next step's logits — where the two forwards run the same
     kernels. Measured exceptions, bounded at 1e-5: for j = 0 the reference is one row, a
-    matrix-vector product (another kernel): caches within 2.2e-6, logits 2e-6; after a
+    matrix-vector product (another kernel): caches within 2.2e-6, logits 2e-6; for j = 1, 2
+    its 2 or 3 rows take another of OpenBLAS's sgemm kernels than the 6 rows' (on the Linux
+    wheel; the bundled BLAS is exact there): within 9.6e-7; after a
     ring's rewind its slots are in another order, the next query's sum reordered: logits
     within 2e-6."""
     model = models(name)
@@ -204,7 +206,7 @@ def test_a_rejection_at_each_position_rewinds_every_cache_exactly(models, name):
         ref = model.make_cache()
         prefill(model.net, prompt, ref)
         forward(model.net, [ref], mx.array(step[: j + 1], mx.int32), "verify")
-        exact = j > 0
+        exact = j > 2  # see above: fewer rows, other kernels
         for a, b in zip(caches, ref, strict=True):
             kinds.add(type(a).__name__)
             assert a.offset == b.offset == PROMPT + j + 1

@@ -236,3 +236,15 @@ def test_registry_names_are_unique_and_complete():
         assert all(HF_MODEL_TYPES[t] is spec for t in spec.hf_model_types)
         assert all(GGUF_ARCHS[a] is spec for a in spec.gguf_archs)
         assert HF_MODEL_TYPES[spec.export_model_type] is spec  # convert writes a name we read
+
+
+def test_the_readme_family_table_lists_every_name():
+    """Every config.json model_type and GGUF architecture the registry reads is in the
+    README's family table (and the table names no other)."""
+    text = (ROOT / "README.md").read_text()
+    table = text.split("### Families", 1)[1].split("\n\n", 2)[2].split("\n\n", 1)[0]
+    rows = [r.split("|")[2:4] for r in table.splitlines()[2:]]
+    types = {t for cell, _ in rows for t in re.findall(r"`([^`]+)`", cell)}
+    archs = {a for _, cell in rows for a in re.findall(r"`([^`]+)`", cell)}
+    assert types == set(HF_MODEL_TYPES)
+    assert archs == set(GGUF_ARCHS)

@@ -55,7 +55,17 @@ TEMPLATES = {  # template file -> (format, the eos the engine stops at, so not i
     "mistralai-Ministral-3-14B-Reasoning-2512.jinja": ("mistral", "</s>"),
     "unsloth-mistral-Devstral-Small-2507.jinja": ("mistral", "</s>"),
     "google-gemma-4-31B-it.jinja": ("gemma4", "<|tool_response>"),
+    "transformers:llama4": ("json", "<|eot|>"),  # Llama4Processor's own template
 }
+
+
+def template_text(name: str) -> str:
+    """A template by its name in TEMPLATES: llama.cpp's copy, or one transformers ships."""
+    if name == "transformers:llama4":
+        from transformers.models.llama4.processing_llama4 import chat_template
+
+        return chat_template
+    return llama_cpp_reference(f"templates/{name}").read_text()
 
 
 def assistant_text(template: ChatTemplate, calls: list[dict]) -> str:
@@ -76,10 +86,10 @@ def assistant_text(template: ChatTemplate, calls: list[dict]) -> str:
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
 def test_template_calls_parse_back(name):
     fmt_name, eos = TEMPLATES[name]
-    template = ChatTemplate("test", llama_cpp_reference(f"templates/{name}").read_text())
+    template = ChatTemplate("test", template_text(name))
     fmt = for_template(template.text)
     assert fmt.name == fmt_name
-    single = fmt_name == "json"  # Llama 3's templates take one call per message
+    single = name.startswith("meta-llama")  # Llama 3's templates take one call per message
     sent = [
         {"id": "abcDEF123", "type": "function", "function": {"name": n, "arguments": a}}
         for n, a in zip(
@@ -141,7 +151,7 @@ def test_gemma4_values():
 def test_forced_prefix_is_a_call_start(name):
     """tool_choice: the text that opens a call of a named tool, completed with the arguments
     and the format's end as the template would write them, parses to that call."""
-    template = ChatTemplate("test", llama_cpp_reference(f"templates/{name}").read_text())
+    template = ChatTemplate("test", template_text(name))
     fmt = for_template(template.text)
     prefix = fmt.forced("search")
     rest = {

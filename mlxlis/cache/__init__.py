@@ -1,13 +1,13 @@
-"""Per-layer caches and going back in them: KV caches (plain and sliding-window rings, their
-keys and values dense or quantized), the recurrent state of linear-attention layers, several
-sequences' caches batched for one decoding step, rewinding every kind to a position it can
-return to exactly, and the prefix cache that keeps finished requests' caches for later prompts
-sharing their start. Imports only the runtime and the errors: the networks build these, the
-generation core moves them."""
+"""Per-layer caches and going back in them: KV caches (plain, and rings over a sliding window
+or an attention chunk; their keys and values dense or quantized), the recurrent state of
+linear-attention layers, several sequences' caches batched for one decoding step, rewinding
+every kind to a position it can return to exactly, and the prefix cache that keeps finished
+requests' caches for later prompts sharing their start. Imports only the runtime and the
+errors: the networks build these, the generation core moves them."""
 
 from mlxlis.cache.base import Cache
 from mlxlis.cache.batch import CacheBatch, KVBatch
-from mlxlis.cache.kv import KVCache, RotatingKVCache, window_mask
+from mlxlis.cache.kv import ChunkedKVCache, KVCache, RotatingKVCache, window_mask
 from mlxlis.cache.recurrent import RecurrentCache
 from mlxlis.cache.rewind import common_prefix, reachable, rewind, snapshot, trimmable
 from mlxlis.cache.store import KVFormat, QArray
@@ -15,6 +15,7 @@ from mlxlis.cache.store import KVFormat, QArray
 __all__ = [
     "Cache",
     "CacheBatch",
+    "ChunkedKVCache",
     "KVBatch",
     "KVCache",
     "KVFormat",

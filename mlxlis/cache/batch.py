@@ -96,6 +96,9 @@ class KVBatch:
         if self.tailed:
             return self._tailed(k, v, slots, starts, s)
         mask = mx.arange(s)[None, :] < mx.array(valid)[:, None]  # (B, S)
+        seen = [c.visible(i, s) for c, i in zip(self.members, slots, strict=True)]
+        if any(x is not None for x in seen):  # an attention chunk's ring: its chunk's slots
+            mask = mask & mx.stack([mx.ones((s,), mx.bool_) if x is None else x for x in seen])
         return self.keys[:, :, :s], self.values[:, :, :s], mask[:, None, None, :]
 
     def _tailed(self, k, v, slots, starts, s) -> tuple[Tailed, Tailed, mx.array]:

@@ -1,5 +1,6 @@
-"""KV caches: a preallocated one grown in steps (full attention) and a rotating one holding
-only the last `window` positions (sliding-window layers)."""
+"""KV caches: a preallocated one grown in steps (full attention), a rotating one holding only
+the last `window` positions (sliding-window layers), and that ring over one attention chunk
+(chunked layers, whose queries see only the keys of their own chunk)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ class _Lendable:
     @values.setter
     def values(self, value: Stored | None) -> None:
         self._values = value
+
+    def visible(self, slot: int, width: int) -> mx.array | None:
+        """After a one-token write into `slot` (a KVBatch's step): which of the first `width`
+        slots the new query sees, (width,) bool, or None for every valid one."""
+        return None
 
     def _settle(self) -> None:
         """Take the buffers back from a batch holding them (every row of it goes back)."""
@@ -229,14 +235,19 @@ def take(arrays: dict[str, mx.array], name: str, store: Store) -> Stored:
     return store.assemble(parts)
 
 
-def window_mask(q_start: int, t: int, k_start: int, k_len: int, window: int | None) -> mx.array:
+def window_mask(
+    q_start: int, t: int, k_start: int, k_len: int, window: int | None, chunk: int | None = None
+) -> mx.array:
     """Boolean (t, k_len) mask from absolute positions: query p sees keys in (p − window, p]
-    (transformers' sliding rule `kv_idx > q_idx - sliding_window`); window None = causal."""
+    (transformers' sliding rule `kv_idx > q_idx - sliding_window`); window None = causal;
+    with `chunk`, only keys of p's own chunk (transformers' `kv_idx // c == q_idx // c`)."""
     q = mx.arange(q_start, q_start + t)[:, None]
     k = mx.arange(k_start, k_start + k_len)[None, :]
     keep = k <= q
     if window is not None:
         keep = keep & (k > q - window)
+    if chunk is not None:
+        keep = keep & (k // chunk == q // chunk)
     return keep
 
 
@@ -487,3 +498,41 @@ class RotatingKVCache(_Lendable):
         spill = [] if self._spill is None else list(self._spill[1:])
         held = live + spill + [a for s in self._snapshots for a in s[2:]]
         return [a for x in held for a in self.store.arrays(x)]
+
+
+class ChunkedKVCache(RotatingKVCache):
+    """The ring over one attention chunk (Llama 4's chunked layers): a query at position p sees
+    the keys from its chunk's start ⌊p / chunk⌋·chunk to p, all of them among the newest
+    `chunk` positions, so a ring of `chunk` slots holds them; the masks leave out the slots of
+    the chunk before. Rewinding, snapshots and files are the ring's."""
+
+    label = "attention chunk"
+
+    def mask(self, t: int) -> mx.array | None:
+        """Mask for the next update of `t` positions (call it before update_and_fetch)."""
+        if t > 1:
+            k_start = self.offset - self._size
+            return window_mask(self.offset, t, k_start, self._size + t, None, self.window)
+        slot = self._size if self._size < self.window else self._idx  # the new key's slot
+        seen = self._seen(slot, min(self._size + 1, self.window), self.offset)
+        return None if seen is None else seen[None, :]
+
+    def visible(self, slot: int, width: int) -> mx.array | None:
+        return self._seen(slot, width, self.offset - 1)  # claim_one moved offset already
+
+    def _seen(self, slot: int, width: int, position: int) -> mx.array | None:
+        """Slots 0..width−1 the query at `position` (its key in `slot`) sees: slot j holds the
+        position (slot − j) mod window before it, seen while within the query's chunk."""
+        since = position % self.window  # positions of this chunk before the query
+        if since >= width - 1:
+            return None
+        age = (slot - mx.arange(width)) % self.window
+        return age <= since
+
+    def export(self) -> tuple[dict, dict[str, mx.array]]:
+        facts, arrays = super().export()
+        return facts | {"kind": "chunk"}, arrays
+
+    def restore(self, facts: dict, arrays: dict[str, mx.array]) -> None:
+        kind(facts, "chunk")
+        super().restore(facts | {"kind": "ring"}, arrays)

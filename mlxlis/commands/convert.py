@@ -112,8 +112,10 @@ def quantization_block(net: nn.Module) -> tuple[dict | None, list[str], list[str
     return block, sorted(qmods), sorted(dense)
 
 
-def write_weights(net: nn.Module, folder: Path, max_shard: int = MAX_SHARD_BYTES) -> list[str]:
-    weights = dict(tree_flatten(net.parameters()))
+def write_weights(
+    net: nn.Module, folder: Path, max_shard: int = MAX_SHARD_BYTES, prefix: str = ""
+) -> list[str]:
+    weights = {prefix + k: v for k, v in tree_flatten(net.parameters())}
     shards: list[dict[str, mx.array]] = [{}]
     size = 0
     for name, arr in weights.items():
@@ -222,7 +224,7 @@ def convert(
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
     try:
         quant, qmods, dense = quantization_block(model.net)
-        files = write_weights(model.net, tmp)
+        files = write_weights(model.net, tmp, prefix=family(model.config.family).export_prefix)
         (tmp / "config.json").write_text(
             json.dumps(hf_config(model.config, model.dtype, quant), indent=2)
         )

@@ -18,6 +18,8 @@ The JSON shape (`schema` 1) is stable: keys are only ever added, never renamed o
                 "context_length": 8192, "tie_word_embeddings": true,
                 "rope": {"theta": 100000.0, "type": "default", "factor": 1.0},
                 "sliding_window": null, "layer_types": [],
+                "attention_chunk_size": null,      # Llama 4: chunked layers' span
+                "no_rope_layers": [],              # layers without RoPE (NoPE)
                 "experts": null},                  # MoE: {"count", "per_token", "width",
                                                    #       "sparse_layers", "norm_topk_prob"}
      "weights": {"arrays": 272, "bytes": 538000000},  # as held in memory after loading
@@ -74,6 +76,8 @@ def model_report(model: Model) -> dict[str, Any]:
             "rope": {"theta": c.rope.theta, "type": c.rope.type, "factor": c.rope.factor},
             "sliding_window": c.sliding_window,
             "layer_types": list(c.layer_types),
+            "attention_chunk_size": c.attention_chunk_size,
+            "no_rope_layers": [i for i, x in enumerate(c.no_rope_layers) if x],
             "experts": {
                 "count": c.num_experts,
                 "per_token": c.num_experts_per_tok,
@@ -112,6 +116,11 @@ def format_report(r: dict[str, Any]) -> str:
         f", {rope['type']} ×{rope['factor']:g}" if rope["type"] != "default" else ""
     )
     window = f", sliding window {c['sliding_window']}" if c["sliding_window"] else ""
+    chunked = sum(t == "chunked_attention" for t in c["layer_types"])
+    if chunked:
+        window += f", attention chunks of {c['attention_chunk_size']} in {chunked} layers"
+    if c.get("no_rope_layers"):
+        rope_text += f"; none in layers {', '.join(map(str, c['no_rope_layers']))} (NoPE)"
     rows = [
         ("model", r["model"]),
         ("path", r["path"]),

@@ -112,7 +112,8 @@ class Binding:
     parts: tuple[str, ...] = ()
     part_files: tuple[Path, ...] = ()
     axes: tuple[int, ...] | None = None  # transposed at load (another converter's layout)
-    half: int | None = None  # this half of the tensor's axis 1 (fused gate_up experts)
+    half: int | None = None  # this half of the tensor's axis `half_axis` (fused gate_up experts)
+    half_axis: int = 1
 
 
 @dataclass
@@ -150,9 +151,11 @@ class BindingPlan:
                 out[b.param] = mx.stack([tensor(f, k) for f, k in experts])
             else:
                 out[b.param] = tensor(b.file, b.key)
-            if b.half is not None:  # (E, 2·F, in) -> gate rows, then up rows
-                n = out[b.param].shape[1] // 2
-                out[b.param] = out[b.param][:, b.half * n : (b.half + 1) * n]
+            if b.half is not None:  # (E, 2·F, in) -> gate rows, then up rows (or on axis 2)
+                a, ax = out[b.param], b.half_axis
+                n = a.shape[ax] // 2
+                cut = slice(b.half * n, (b.half + 1) * n)
+                out[b.param] = a[:, cut] if ax == 1 else a[:, :, cut]
             if b.axes is not None:
                 out[b.param] = out[b.param].transpose(b.axes)
         return out
@@ -366,8 +369,10 @@ def plan_bindings(
         if b.parts:  # each expert's tensor: the parameter's shape without the expert axis
             _check_parts(b, sources[b.source], ref, where)
             shape = (len(b.parts), *shape)
-        elif b.half is not None and len(shape) == 3 and shape[1] % 2 == 0:
-            shape = (shape[0], shape[1] // 2, shape[2])
+        elif b.half is not None and len(shape) == 3 and shape[b.half_axis] % 2 == 0:
+            shape = tuple(n // 2 if i == b.half_axis else n for i, n in enumerate(shape))
+        if b.axes is not None and len(shape) == len(b.axes):  # a layout of its own (Llama 4)
+            shape = tuple(shape[i] for i in b.axes)
         module, _, part = p.rpartition(".")
         if _float(ref.dtype):
             ok = dt is not None and _float(dt)
@@ -451,12 +456,21 @@ def _expert_binding(
     present and others not is an error naming the first missing one."""
     parts = tuple(by_name.get(k, k) for k in lay.parts)
     hits = [src.tensors.get(k) for k in parts]
-    if all(hits):
+    if parts and all(hits):
         files = tuple(h[0] for h in hits)
         return Binding(p, src.name, parts[0], files[0], False, parts, files)
     fused = by_name.get(lay.fused, lay.fused)
     if fused in src.tensors:
-        return Binding(p, src.name, fused, src.tensors[fused][0], False, half=lay.half)
+        return Binding(
+            p,
+            src.name,
+            fused,
+            src.tensors[fused][0],
+            False,
+            half=lay.half,
+            half_axis=lay.axis,
+            axes=lay.axes,
+        )
     if any(hits):
         gone = next(k for k, h in zip(parts, hits, strict=True) if h is None)
         raise BindingMissingError(

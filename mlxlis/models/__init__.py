@@ -18,6 +18,7 @@ from mlxlis.models.gemma import GEMMA, GEMMA2, GEMMA3
 from mlxlis.models.gemma4 import GEMMA4
 from mlxlis.models.gemma4_assistant import GEMMA4_ASSISTANT, OUTER_KEYS
 from mlxlis.models.llama import LLAMA
+from mlxlis.models.llama4 import LLAMA4
 from mlxlis.models.qwen2 import QWEN2
 from mlxlis.models.qwen3 import QWEN3
 from mlxlis.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE
@@ -28,7 +29,7 @@ import mlx.nn as nn
 REGISTRY: dict[str, Family] = {
     f.name: f
     for f in (
-        *(LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE),
+        *(LLAMA, LLAMA4, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE),
         *(GEMMA, GEMMA2, GEMMA3, GEMMA4, GEMMA4_ASSISTANT),
     )
 }

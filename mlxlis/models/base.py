@@ -63,6 +63,7 @@ class Family:
     export_architecture: str = ""
     export_config: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
     export_wrapper: str = ""  # write config.json as this wrapper type around a text_config
+    export_prefix: str = ""  # write the tensors under this prefix (the wrapper's language model)
     # safetensors saved by mlx-lm after its sanitize: tensors of these name suffixes come in
     # its layout (transposed by these axes into ours), and these conventions undo what it
     # folded into the values; the layout is the sign a folder was saved so

@@ -65,10 +65,18 @@ class ModelConfig:
     residual_f32: bool = False  # residual stream in float32 whatever the compute dtype (Gemma)
     attn_output_gate: bool = False  # q_proj also yields a per-head gate: out · sigmoid(gate)
     rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of each head (None: all)
+    rope_interleaved: bool = False  # RoPE pairs adjacent dims (2i, 2i+1) (Llama 4's complex form)
+    no_rope_layers: tuple[bool, ...] = ()  # [i]: layer i has no RoPE (NoPE: Llama 4, SmolLM3)
+    qk_l2_norm: bool = False  # RMSNorm without weight on q and k after RoPE (Llama 4, RoPE layers)
+    # NoPE layers scale q by 1 + scale·log(1 + ⌊(p + 1) / floor⌋) at position p: (floor, scale)
+    attn_temperature: tuple[int, float] | None = None
     # sliding-window attention and softcaps (Gemma 2/3)
     rope_local: RopeConfig | None = None  # RoPE of sliding-window layers (Gemma 3)
     sliding_window: int | None = None
-    # per layer: "full_attention" | "sliding_attention" | "linear_attention" (Gated DeltaNet)
+    # chunked layers see the keys of their own chunk of this many positions only (Llama 4)
+    attention_chunk_size: int | None = None
+    # per layer: "full_attention" | "sliding_attention" | "chunked_attention" |
+    # "linear_attention" (Gated DeltaNet)
     layer_types: tuple[str, ...] = ()
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
@@ -104,6 +112,22 @@ class ModelConfig:
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
+    def is_chunked(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "chunked_attention"
+
+    def is_ring(self, layer: int) -> bool:
+        """The layer's keys are a bounded ring (sliding window or attention chunk)."""
+        return self.is_sliding(layer) or self.is_chunked(layer)
+
+    def ring_window(self, layer: int) -> int | None:
+        """How many of the newest positions the layer's cache must hold (None: all)."""
+        if self.is_chunked(layer):
+            return self.attention_chunk_size
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def has_rope(self, layer: int) -> bool:
+        return not (self.no_rope_layers and self.no_rope_layers[layer])
+
     def is_linear(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
@@ -112,7 +136,7 @@ class ModelConfig:
         """Every layer's cache returns exactly to any position it holds (full attention only:
         no sliding-window ring, no recurrent state), so snapshots are of no use to it."""
         n = self.num_hidden_layers
-        return not any(self.is_sliding(i) or self.is_linear(i) for i in range(n))
+        return not any(self.is_ring(i) or self.is_linear(i) for i in range(n))
 
     def is_sparse(self, layer: int) -> bool:
         return bool(self.sparse_layers) and self.sparse_layers[layer]

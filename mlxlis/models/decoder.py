@@ -9,7 +9,11 @@ One forward pass; what differs between the families is ModelConfig data:
   Gemma 3:     + q/k norms, a local RoPE base for sliding layers, usually no softcaps.
   Qwen3.5:     Gated DeltaNet layers (deltanet.py) between gated full-attention layers with
                partial RoPE, x̂·(1 + w) norms; Qwen3.5-MoE: + a shared expert.
-Sliding layers see keys in (p − window, p] (transformers' `kv_idx > q_idx - sliding_window`).
+  Llama 4:     interleaved RoPE, chunked layers between NoPE full layers, L2 q/k norms, a
+               position temperature on NoPE queries; its own feed-forward blocks (llama4.py).
+Sliding layers see keys in (p − window, p] (transformers' `kv_idx > q_idx - sliding_window`);
+chunked layers those of p's chunk (`kv_idx // c == q_idx // c`); a model's ring layers (the
+two kinds, each a ring of its window's positions) are all of one kind.
 Module attribute names equal the Hugging Face tensor names, so a checkpoint binds by name.
 """
 
@@ -17,7 +21,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mlxlis.cache import CacheBatch, KVCache, KVFormat, RecurrentCache, RotatingKVCache, window_mask
+from mlxlis.cache import (
+    CacheBatch,
+    ChunkedKVCache,
+    KVCache,
+    KVFormat,
+    RecurrentCache,
+    RotatingKVCache,
+    window_mask,
+)
 from mlxlis.models.attention import softcap
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.deltanet import GatedDeltaNet
@@ -34,7 +46,7 @@ if TYPE_CHECKING:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: Rope, layer: int):
+    def __init__(self, cfg: ModelConfig, rope: Rope | None, layer: int):
         super().__init__()
         d = cfg.hidden_size
         self.linear = cfg.is_linear(layer)
@@ -69,13 +81,19 @@ class DecoderModel(nn.Module):
     layers outside `held` are None (so parameter names keep their layer numbers), the
     embedding where it embeds or (tied) projects, the norm where it heads."""
 
-    def __init__(self, cfg: ModelConfig, ropes: list[Rope], held: range, embeds: bool, heads: bool):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ropes: list[Rope | None],
+        held: range,
+        embeds: bool,
+        heads: bool,
+        layer: type[nn.Module] = DecoderLayer,
+    ):
         super().__init__()
         if embeds or (heads and cfg.tie_word_embeddings):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = [
-            DecoderLayer(cfg, ropes[i], i) if i in held else None for i in range(held.stop)
-        ]
+        self.layers = [layer(cfg, ropes[i], i) if i in held else None for i in range(held.stop)]
         if heads:
             self.norm = norm(cfg, cfg.hidden_size)
 
@@ -86,6 +104,8 @@ class Decoder(nn.Module):
     A pipeline stage (`layers`, `embeds`, `heads`) holds a contiguous range of the blocks and
     runs its part of the pass: `embed` (the first stage), `run_layers`, `head` (the last);
     its caches are those of its own layers, in order."""
+
+    layer = DecoderLayer  # a family's own block (llama4.py), built as layer(cfg, rope, index)
 
     def __init__(
         self,
@@ -104,11 +124,15 @@ class Decoder(nn.Module):
         self._held = range(cfg.num_hidden_layers) if layers is None else layers
         self._embeds, self._heads = embeds, heads
         # one module, shared by layers; partial RoPE turns the first rotary_dim dims only
-        rope = Rope(cfg.rotary_dim or cfg.head_dim, cfg.rope, rope_freq_factors)
-        local = Rope(cfg.head_dim, cfg.rope_local) if cfg.rope_local is not None else rope
-        self._sliding = tuple(cfg.is_sliding(i) for i in self._held)  # of the held layers
-        ropes = [local if cfg.is_sliding(i) else rope for i in range(cfg.num_hidden_layers)]
-        self.model = DecoderModel(cfg, ropes, self._held, embeds, heads)
+        dims, inter = cfg.rotary_dim or cfg.head_dim, cfg.rope_interleaved
+        rope = Rope(dims, cfg.rope, rope_freq_factors, inter)
+        local = Rope(cfg.head_dim, cfg.rope_local, None, inter) if cfg.rope_local else rope
+        self._sliding = tuple(cfg.is_ring(i) for i in self._held)  # of the held layers
+        ropes = [
+            (local if cfg.is_sliding(i) else rope) if cfg.has_rope(i) else None
+            for i in range(cfg.num_hidden_layers)
+        ]
+        self.model = DecoderModel(cfg, ropes, self._held, embeds, heads, self.layer)
         if heads and not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -121,13 +145,18 @@ class Decoder(nn.Module):
         return self._heads
 
     def make_cache(self, kv: KVFormat | None = None) -> list[Cache]:
-        cfg, w = self.config, self.config.sliding_window
+        cfg = self.config
         if kv is not None:
             kv.check(cfg.head_dim)
-        return [
-            RecurrentCache() if cfg.is_linear(i) else RotatingKVCache(w, kv) if s else KVCache(kv)
-            for i, s in zip(self._held, self._sliding, strict=True)
-        ]
+        return [self._cache(i, kv) for i in self._held]
+
+    def _cache(self, i: int, kv: KVFormat | None) -> Cache:
+        cfg = self.config
+        if cfg.is_linear(i):
+            return RecurrentCache()
+        if cfg.is_chunked(i):
+            return ChunkedKVCache(cfg.attention_chunk_size, kv)
+        return RotatingKVCache(cfg.sliding_window, kv) if cfg.is_sliding(i) else KVCache(kv)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Checkpoint names under ours: the family's renames applied, its dropped names gone."""
@@ -222,6 +251,8 @@ class Decoder(nn.Module):
                 sliding_mask = None  # one new token per sequence sees its whole ring
             elif cache is not None:
                 sliding_mask = cache[i].mask(t)
+            elif t > 1 and cfg.is_chunked(self._held[i]):
+                sliding_mask = window_mask(0, t, 0, t, None, cfg.attention_chunk_size)
             elif t > 1:
                 sliding_mask = window_mask(0, t, 0, t, cfg.sliding_window)
         if blocks is not None and t > 1:

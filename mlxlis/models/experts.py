@@ -26,11 +26,14 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 class ExpertSource:
     """Where a stacked expert parameter may come from in a Hugging Face checkpoint: the
     per-expert tensors `parts` (in expert order), or the fused tensor `fused` (its `half`
-    along axis 1: 0 = first, 1 = second, None = all of it)."""
+    along `axis`: 0 = first, 1 = second, None = all of it), then transposed by `axes` when
+    the checkpoint keeps the experts (E, in, out) (Llama 4)."""
 
     parts: tuple[str, ...]
     fused: str
     half: int | None
+    axis: int = 1
+    axes: tuple[int, ...] | None = None
 
 
 # from this many (token, expert) pairs on, rows are sorted by expert first, so each expert's
@@ -124,15 +127,19 @@ class SwitchGLU(nn.Module):
         self.act = gated(cfg.hidden_act)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        """x (B, T, hidden), indices (B, T, k) -> (B, T, k, hidden)."""
+        """x (B, T, hidden), or (B, T, k, hidden) with each (token, expert) pair's own input
+        (Llama 4 scales it by the router), indices (B, T, k) -> (B, T, k, hidden)."""
+        pairs = x.ndim == indices.ndim + 1
         if indices.size < SORT_FROM:
-            x = x[..., None, None, :]  # (B, T, 1, 1, hidden): one row per token, broadcast over k
+            # (B, T, 1, 1, hidden): one row per token, broadcast over k; or (B, T, k, 1, hidden)
+            x = x[..., None, :] if pairs else x[..., None, None, :]
             h = self.act(self.gate_proj(x, indices), self.up_proj(x, indices))  # (B, T, k, 1, F)
             return self.down_proj(h, indices)[..., 0, :]
         b, t, k = indices.shape
         flat = indices.reshape(-1)  # (B·T·k,)
         order = mx.argsort(flat)  # the (token, expert) pairs grouped by expert
-        xs = x.reshape(b * t, 1, -1)[order // k]  # (B·T·k, 1, hidden), sorted by expert
+        rows = x.reshape(b * t * k, 1, -1)[order] if pairs else x.reshape(b * t, 1, -1)[order // k]
+        xs = rows  # (B·T·k, 1, hidden), sorted by expert
         idx = flat[order]
         h = self.act(self.gate_proj(xs, idx, True), self.up_proj(xs, idx, True))  # (N, 1, F)
         y = self.down_proj(h, idx, True)[mx.argsort(order)]  # back to (token, k) order

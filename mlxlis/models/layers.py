@@ -43,12 +43,14 @@ def norm(cfg: ModelConfig, dims: int) -> nn.Module:
 
 class Attention(nn.Module):
     """Multi-head attention with grouped K/V heads; options from the config: q/k/v and o bias,
-    q/k RMSNorm over head_dim before RoPE (Qwen3, Gemma 3), the scale (1/√head_dim or
-    1/√query_pre_attn_scalar), a logit softcap (Gemma 2), a sigmoid output gate carried by a
-    doubled q_proj (Qwen3.5: per head, head_dim query values then head_dim gate values).
-    A sliding window is the mask's and the cache's business, not this module's."""
+    q/k RMSNorm over head_dim before RoPE (Qwen3, Gemma 3) or without weight after it (Llama
+    4), the scale (1/√head_dim or 1/√query_pre_attn_scalar), a logit softcap (Gemma 2), a
+    sigmoid output gate carried by a doubled q_proj (Qwen3.5: per head, head_dim query values
+    then head_dim gate values). `rope` None: a NoPE layer (Llama 4, SmolLM3), whose queries
+    Llama 4 scales by position (cfg.attn_temperature). A sliding window or an attention chunk
+    is the mask's and the cache's business, not this module's."""
 
-    def __init__(self, cfg: ModelConfig, rope: Rope):
+    def __init__(self, cfg: ModelConfig, rope: Rope | None):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = cfg.num_key_value_heads
@@ -65,6 +67,8 @@ class Attention(nn.Module):
             self.q_norm = norm(cfg, hd)
             self.k_norm = norm(cfg, hd)
         self.rope = rope
+        self._l2_eps = cfg.rms_norm_eps if cfg.qk_l2_norm and rope is not None else None
+        self._temperature = cfg.attn_temperature if rope is None else None
 
     def __call__(
         self, x: mx.array, mask: Mask, cache: Cache | None, positions: mx.array | None = None
@@ -97,11 +101,14 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(b, t, -1))
 
     def _attend(self, q, k, v, mask: Mask, cache: Cache | None, positions=None) -> mx.array:
-        if positions is not None:
+        offset = cache.offset + cache.shift if cache is not None else 0
+        if self.rope is None:
+            pass
+        elif positions is not None:
             q, k = self.rope.at(q, positions), self.rope.at(k, positions)
         else:
-            offset = cache.offset + cache.shift if cache is not None else 0
             q, k = self.rope(q, offset), self.rope(k, offset)
+        q, k = self._after_rope(q, k, offset + mx.arange(q.shape[2]))
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         return attend(q, k, v, self.scale, mask, self.softcap)
@@ -111,9 +118,25 @@ class Attention(nn.Module):
         own position, then all attend at once over their caches stacked (KVBatch), each row
         masked to its own keys."""
         offsets = mx.array([c.offset + c.shift for c in caches])
-        q, k = self.rope(q, offsets), self.rope(k, offsets)
+        if self.rope is not None:
+            q, k = self.rope(q, offsets), self.rope(k, offsets)
+        q, k = self._after_rope(q, k, offsets[:, None, None])
         keys, values, mask = KVBatch.step_of(caches, k, v)
         return attend(q, keys, values, self.scale, mask, self.softcap)
+
+    def _after_rope(self, q, k, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """Llama 4's L2 norm of q and k (RoPE layers), or its temperature on q (NoPE layers):
+        q · (1 + scale·log(1 + ⌊(p + 1) / floor⌋)) at each position p (`positions`
+        broadcasting over (B, heads, T), as T positions or one per sequence)."""
+        if self._l2_eps is not None:
+            q = mx.fast.rms_norm(q, None, self._l2_eps)
+            k = mx.fast.rms_norm(k, None, self._l2_eps)
+        if self._temperature is not None:
+            floor, scale = self._temperature
+            p = positions.astype(mx.float32)
+            t = mx.log1p(mx.floor((p + 1.0) / floor)) * scale + 1.0  # (T,) or (B, 1, 1)
+            q = (q * t[..., None]).astype(q.dtype)
+        return q, k
 
 
 def row_mask(cache: Cache, t: int) -> Mask:

@@ -29,6 +29,7 @@ FEATURES_KEPT = 8  # images whose features a model keeps (a second request about
 # skipped tensors that are a vision tower's (a multimodal folder read text only)
 VISION_NAMES = ("vision_tower.", "model.vision_tower.", "model.visual.", "visual.", "embed_vision.")
 VISION_NAMES += ("model.embed_vision.", "multi_modal_projector.", "model.multi_modal_projector.")
+VISION_NAMES += ("vision_model.",)
 SEEING_FAMILIES = frozenset({"gemma3", "gemma4", "qwen3_5", "qwen3_5_moe"})  # mmproj exists
 
 # (model, prefix cache) -> the generation core's Steps for this model (mlxlis.generation.steps,
@@ -197,6 +198,8 @@ class Model:
         if self.part is not None:
             return "images with a model pipelined across ranks are not supported"
         if any(n.startswith(VISION_NAMES) or ".vision" in n for n in self.skipped):
+            if self.config.family not in SEEING_FAMILIES:
+                return f"{self.name}'s vision tower is not implemented: text only"
             return (
                 f"{self.name}'s vision tower is not loaded (it needs the image processor's "
                 "settings beside it, preprocessor_config.json): text only"

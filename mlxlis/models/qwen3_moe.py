@@ -28,7 +28,7 @@ HF_DEFAULTS = {
 }
 
 
-def _experts(sizes: dict[str, tuple[str, Any]], path: str) -> dict[str, int]:
+def expert_sizes(sizes: dict[str, tuple[str, Any]], path: str) -> dict[str, int]:
     size = check_sizes(sizes, path)
     if size["num_experts_per_tok"] > size["num_experts"]:
         key = sizes["num_experts_per_tok"][0]
@@ -40,7 +40,7 @@ def _experts(sizes: dict[str, tuple[str, Any]], path: str) -> dict[str, int]:
     return size
 
 
-def _flag(cfg: dict, key: str, path: str) -> bool:
+def flag(cfg: dict, key: str, path: str) -> bool:
     value = cfg.get(key, False)
     if not isinstance(value, bool):  # a string "false" must not read as true
         raise ConfigError(f"expected true or false, got {value!r}"[:200], path=path, field=key)
@@ -51,7 +51,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     base = qwen3_hf(cfg, base, path)
     if "num_experts" not in cfg and "num_local_experts" in cfg:
         cfg = {**cfg, "num_experts": cfg["num_local_experts"]}  # transformers 5 saves this name
-    size = _experts({k: (k, cfg.get(k, v)) for k, v in HF_DEFAULTS.items()}, path)
+    size = expert_sizes({k: (k, cfg.get(k, v)) for k, v in HF_DEFAULTS.items()}, path)
     dense = cfg.get("mlp_only_layers") or []
     n = base.num_hidden_layers
     if not isinstance(dense, list) or any(
@@ -69,14 +69,14 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         num_experts=size["num_experts"],
         num_experts_per_tok=size["num_experts_per_tok"],
         moe_intermediate_size=size["moe_intermediate_size"],
-        norm_topk_prob=_flag(cfg, "norm_topk_prob", path),
+        norm_topk_prob=flag(cfg, "norm_topk_prob", path),
         sparse_layers=sparse,
     )
 
 
 def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
     base = qwen3_gguf(base, meta)
-    size = _experts(
+    size = expert_sizes(
         {
             "num_experts": (meta.key("expert_count"), meta.get("expert_count")),
             "num_experts_per_tok": (meta.key("expert_used_count"), meta.get("expert_used_count")),

@@ -29,11 +29,19 @@ def rope_periods(rope: RopeConfig, dims: int) -> mx.array | None:
 
 
 class Rope(nn.Module):
-    """RoPE in the rotate-half (non-interleaved) layout that HF checkpoints use."""
+    """RoPE in the rotate-half (non-interleaved) layout that HF checkpoints use, or with
+    `interleaved` on adjacent pairs (2i, 2i+1) (Llama 4's complex rotation)."""
 
-    def __init__(self, dims: int, rope: RopeConfig, freq_factors: mx.array | None = None):
+    def __init__(
+        self,
+        dims: int,
+        rope: RopeConfig,
+        freq_factors: mx.array | None = None,
+        interleaved: bool = False,
+    ):
         super().__init__()
         self.dims = dims
+        self.interleaved = interleaved
         self.base: float | None = rope.theta
         self.scale = 1.0 / rope.factor if rope.type == "linear" else 1.0
         periods = rope_periods(rope, dims)
@@ -56,9 +64,15 @@ class Rope(nn.Module):
         else:
             inv = 1.0 / (self.base ** (mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims))
         ang = pos.astype(mx.float32) * self.scale * inv  # (T, dims / 2)
+        r = x[..., : self.dims]
+        if self.interleaved:  # pairs (2i, 2i+1): rotate each as a complex number
+            cos, sin = mx.cos(ang).astype(x.dtype), mx.sin(ang).astype(x.dtype)
+            pairs = r.reshape(*r.shape[:-1], -1, 2)
+            a, b = pairs[..., 0], pairs[..., 1]
+            r = mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(r.shape)
+            return r if self.dims == x.shape[-1] else mx.concatenate([r, x[..., self.dims :]], -1)
         ang = mx.concatenate([ang, ang], axis=-1)
         cos, sin = mx.cos(ang).astype(x.dtype), mx.sin(ang).astype(x.dtype)
-        r = x[..., : self.dims]
         a, b = mx.split(r, 2, axis=-1)
         r = r * cos + mx.concatenate([-b, a], axis=-1) * sin
         return r if self.dims == x.shape[-1] else mx.concatenate([r, x[..., self.dims :]], -1)
@@ -67,9 +81,47 @@ class Rope(nn.Module):
         return mx.fast.rope(
             x,
             self.dims,
-            traditional=False,
+            traditional=self.interleaved,
             base=self.base,
             scale=self.scale,
             offset=offset,
             freqs=self._periods,
         )
+
+
+# llama3 scalings published checkpoints use: (factor, low_freq_factor, high_freq_factor,
+# original_max_position_embeddings) — Llama 3.1/3.3, 3.2, Llama 4 Scout
+LLAMA3_KNOWN = ((8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (16.0, 1.0, 1.0, 8192))
+
+
+def llama3_factors(rope: RopeConfig, dims: int) -> list[float]:
+    """The per-pair factors llama.cpp's converter stores as rope_freqs for llama3 scaling
+    (LlamaModel.generate_extra_tensors: 1, `factor`, or the smooth band between)."""
+    out = []
+    low = rope.original_max_position_embeddings / rope.low_freq_factor
+    high = rope.original_max_position_embeddings / rope.high_freq_factor
+    for i in range(0, dims, 2):
+        wavelen = 2 * math.pi * rope.theta ** (i / dims)
+        if wavelen < high:
+            out.append(1.0)
+        elif wavelen > low:
+            out.append(rope.factor)
+        else:
+            s = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+                rope.high_freq_factor - rope.low_freq_factor
+            )
+            out.append(1 / ((1 - s) / rope.factor + s))
+    return out
+
+
+def llama3_from_factors(theta: float, dims: int, factors: list[float]) -> RopeConfig | None:
+    """The llama3 RoPE scaling whose stored factors these are, among the published ones (so
+    a GGUF's rope_freqs is config again, which `convert` can write); None when none is."""
+    for factor, low, high, orig in LLAMA3_KNOWN:
+        rope = RopeConfig(theta, "llama3", factor, low, high, orig)
+        want = llama3_factors(rope, dims)
+        if len(want) == len(factors) and all(
+            math.isclose(a, b, rel_tol=1e-5) for a, b in zip(want, factors, strict=True)
+        ):
+            return rope
+    return None

@@ -10,7 +10,8 @@ Read from the templates themselves (what they render for an assistant message's
   `[TOOL_CALLS]` before each call; Mistral's templates refuse ids that are not 9 letters/digits
 - gemma4  — `<|tool_call>call:name{key:value,…}<tool_call|>`, strings quoted with `<|"|>`
 - json    — no tag: the reply is one JSON object `{"name": …, "parameters" | "arguments": …}`
-  (Llama 3.1–3.3; Llama 3.1 may put `<|python_tag|>` first)
+  (Llama 3.1–3.3; Llama 3.1 may put `<|python_tag|>` first), or (Llama 4)
+  `<|python_start|>text<|python_end|>` then one object per call, back to back
 
 A parse function takes the text of a call (between the tags) and gives
 [(name, arguments JSON text, id or None)], or None when it does not parse.
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+PY_START, PY_END = "<|python_start|>", "<|python_end|>"  # Llama 4's tags before its calls
 ParsedCall = tuple[str, str, str | None]  # (name, arguments as JSON text, id given by the model)
 _ALNUM = string.ascii_letters + string.digits
 
@@ -85,8 +87,21 @@ def parse_hermes(body: str) -> list[ParsedCall] | None:
 
 def parse_json(body: str) -> list[ParsedCall] | None:
     body = body.strip().removeprefix("<|python_tag|>").strip()
-    call = _json_object(body, ("parameters", "arguments"))
-    return [call] if call else None
+    if body.startswith(PY_START):  # Llama 4: the turn's text between the tags, the calls after
+        inner, sep, after = body[len(PY_START) :].partition(PY_END)
+        body = (after.strip() or inner.strip()) if sep else inner.strip()
+    calls, decoder, at = [], json.JSONDecoder(), 0
+    while at < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, at)
+        except ValueError:
+            return None
+        call = _call(obj, ("parameters", "arguments"))
+        if call is None:
+            return None
+        calls.append(call)
+        at = len(body) - len(body[end:].lstrip())
+    return calls or None
 
 
 def parse_mistral(body: str) -> list[ParsedCall] | None:
@@ -181,9 +196,9 @@ def _gemma4_forced(name: str | None) -> str:
     return "<|tool_call>call:" + (f"{name}{{" if name else "")
 
 
-def _json_forced(key: str) -> Callable[[str | None], str]:
+def _json_forced(key: str, lead: str = "") -> Callable[[str | None], str]:
     def forced(name: str | None) -> str:
-        return f'{{"name": {json.dumps(name)}, "{key}": {{' if name else '{"name": "'
+        return lead + (f'{{"name": {json.dumps(name)}, "{key}": {{' if name else '{"name": "')
 
     return forced
 
@@ -217,4 +232,5 @@ def for_template(text: str) -> ToolFormat:
     if "<tool_call>" in text:
         return HERMES
     key = "parameters" if '"parameters"' in text else "arguments"
-    return ToolFormat("json", "", None, parse_json, _json_forced(key), _openai_id)
+    lead = PY_START + PY_END if PY_START in text else ""  # Llama 4 writes the tags first
+    return ToolFormat("json", "", None, parse_json, _json_forced(key, lead), _openai_id)

@@ -3,7 +3,8 @@
 `ToolCallParser` takes the answer text as it streams and splits it into plain text and
 parsed calls, in OpenAI's shape. A call is held back from its opening tag to its closing one
 (to the end of the reply for formats without one), a reply that starts with `{` until it
-ends (Llama 3's bare JSON; small Qwen models answer so too, so every format takes it when it
+ends (Llama 3's bare JSON, Llama 4's after its <|python_start|> tags: one object per call;
+small Qwen models answer so too, so every format takes it when it
 names an offered tool); what does not parse comes back as the text it was, never dropped, and
 so does a call the reply leaves open, unless what it holds is a whole call of an offered tool
 (models often end the reply where the closing tag would be). Whitespace between calls is dropped.
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxlis.serve.tool_formats import HERMES, ParsedCall, ToolFormat, parse_json
+from mlxlis.serve.tool_formats import HERMES, PY_START, ParsedCall, ToolFormat, parse_json
+
+LEADS = ("<|python_tag|>", PY_START)  # tags a bare-JSON call may start with (Llama 3.1, 4)
 
 
 def tool_names(tools: list[dict[str, Any]]) -> frozenset[str]:
@@ -44,6 +47,7 @@ class ToolCallParser:
         self._inside = False
         self._json: str | None = None  # the reply so far, when it started with "{"
         self._started = False  # some answer text (not whitespace) was seen
+        self._lead = ""  # the reply's start while it may still become a LEADS tag
 
     def _call(self, parsed: ParsedCall) -> dict[str, Any]:
         name, args, _ = parsed  # ids are the server's to give (unique; the format's shape)
@@ -53,15 +57,21 @@ class ToolCallParser:
             "function": {"name": name, "arguments": args},
         }
 
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """(plain text to show, calls completed by `text`)."""
         if self._json is not None:
             self._json += text
             return "", []
+        if not self._started and self.names and not final:
+            text, self._lead = self._lead + text, ""
+            head = text.lstrip()
+            if head and any(len(head) < len(t) and t.startswith(head) for t in LEADS):
+                self._lead = text  # "<|py…": held until it is a tag or is not
+                return "", []
         if not self._started and text.strip():
             self._started = True
             head = (self._ws + self._buf + text).lstrip()
-            if self.names and head.startswith(("{", "<|python_tag|>")):
+            if self.names and head.startswith(("{", *LEADS)):
                 self._json, self._ws, self._buf = self._ws + self._buf + text, "", ""
                 return "", []
         if not self.fmt.open:  # json: nothing but a whole-reply call is a call
@@ -98,14 +108,19 @@ class ToolCallParser:
     def flush(self) -> tuple[str, list[dict[str, Any]]]:
         """What is held at the end of the reply: text (an unclosed call included) and the
         calls that end with the reply (a bare-JSON reply, a format without a closing tag)."""
+        if self._lead:  # the reply ended inside what could have been a tag: text
+            lead, self._lead = self._lead, ""
+            shown, _ = self.feed(lead, final=True)
+            rest, calls = self.flush()
+            return shown + rest, calls
         if self._json is not None:
             reply, self._json = self._json, None
             parsed = parse_json(reply)
-            if parsed is None or parsed[0][0] not in self.names:
+            if parsed is None or any(p[0] not in self.names for p in parsed):
                 return reply, []
-            call = self._call(parsed[0])
-            self.calls.append(call)
-            return "", [call]
+            new = [self._call(p) for p in parsed]
+            self.calls += new
+            return "", new
         if self._inside:  # a call the reply ended in: whole without its closing tag?
             body, self._buf, self._inside = self._buf, "", False
             parsed = self.fmt.parse(body)
