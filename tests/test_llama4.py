@@ -419,10 +419,28 @@ def test_convert_round_trip_and_mlx_lm(gguf_file, tmp_path):
     again = mlxlis.load(out, "float32")
     ids = trajectory(40, vocab=src.config.vocab_size)
     assert bool(mx.array_equal(again.logits(ids), src.logits(ids)))
-    assert json.loads((out / "config.json").read_text())["model_type"] == "llama4"
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "llama4"
+    overrides = [k for k, v in written["quantization"].items() if isinstance(v, dict)]
+    assert overrides and all(k.startswith("language_model.") for k in overrides)  # mixed bits
     theirs_model, _ = mlx_lm_load(str(out))
     theirs = np.array(theirs_model(mx.array([ids]))[0].astype(mx.float32))
     assert np.abs(np.array(again.logits(ids)) - theirs).max() < 1e-4
+
+
+def test_convert_of_a_folder_loads_in_mlx_lm(llama4, tmp_path):
+    """A folder without RoPE scaling converts to a wrapper mlx-lm reads (it requires
+    rope_scaling stated, null), and to the same logits (bound 2e-5)."""
+    from mlxlis.commands.convert import convert
+
+    from mlx_lm import load as mlx_lm_load
+
+    folder, _ = llama4("maverick")
+    out = convert(folder, tmp_path / "out", dtype="float32")
+    ids = trajectory(40, vocab=300)
+    theirs_model, _ = mlx_lm_load(str(out))
+    theirs = np.array(theirs_model(mx.array([ids]))[0].astype(mx.float32))
+    assert np.abs(np.array(mlxlis.load(folder, "float32").logits(ids)) - theirs).max() < 2e-5
 
 
 def test_bad_values_are_named(llama4, tmp_path):

@@ -181,3 +181,22 @@ def test_required_prefix_leaves_the_name_to_the_model():
         t1, c1 = parser.feed('search", "arguments": {"q": 1}}' + end)
         t2, c2 = parser.flush()
         assert t1 + t2 == "" and [c["function"]["name"] for c in c1 + c2] == ["search"]
+
+
+def test_llama4_text_between_its_tags_is_content():
+    """Llama 4's template puts the turn's text between <|python_start|> and <|python_end|>,
+    the calls after: the text comes back as content, the calls as calls."""
+    from transformers.models.llama4.processing_llama4 import chat_template
+
+    fmt = for_template(chat_template)
+    call = '{"name": "search", "parameters": {"q": 1}}'
+    for reply in (f"<|python_start|>Let me look.<|python_end|>{call}", f"<|python_start|>{call}"):
+        parser = ToolCallParser(frozenset({"search"}), fmt)
+        out, calls = "", []
+        for i in range(0, len(reply), 4):
+            t, c = parser.feed(reply[i : i + 4])
+            out, calls = out + t, calls + c
+        t, c = parser.flush()
+        out, calls = out + t, calls + c
+        assert out == ("Let me look." if "Let" in reply else "")
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"q": 1}]

@@ -86,7 +86,10 @@ def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str
             "eos_token_id": out["eos_token_id"],
             "text_config": out,
         }
-    if quant:
+    if quant:  # per-module overrides under the names the tensors are written with
+        quant = {
+            (spec.export_prefix + k if isinstance(v, dict) else k): v for k, v in quant.items()
+        }
         out["quantization"] = quant
         out["quantization_config"] = quant
     return out

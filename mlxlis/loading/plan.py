@@ -156,8 +156,8 @@ class BindingPlan:
                 n = a.shape[ax] // 2
                 cut = slice(b.half * n, (b.half + 1) * n)
                 out[b.param] = a[:, cut] if ax == 1 else a[:, :, cut]
-            if b.axes is not None:
-                out[b.param] = out[b.param].transpose(b.axes)
+            if b.axes is not None:  # contiguous: the layout a converted folder reloads in
+                out[b.param] = mx.contiguous(out[b.param].transpose(b.axes))
         return out
 
 

@@ -56,8 +56,8 @@ LAYER_TYPES = ("chunked_attention", "full_attention")
 
 def _layers(cfg: dict, key: str, path: str) -> list[int] | None:
     value = cfg.get(key)
-    if value is None or value == []:
-        return None
+    if value is None or (value == [] and key == "no_rope_layers"):
+        return None  # transformers: an empty no_rope_layers is the default; moe_layers [] none
     if not isinstance(value, list) or any(
         isinstance(i, bool) or not isinstance(i, int) for i in value
     ):
@@ -192,6 +192,8 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         "attn_temperature_tuning": cfg.attn_temperature is not None,
         "floor_scale": floor,
         "attn_scale": scale,
+        # mlx-lm's llama4 requires the key (the shared writer gives it only when scaled)
+        **({"rope_scaling": None} if cfg.rope.type == "default" else {}),
     }
 
 

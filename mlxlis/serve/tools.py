@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxlis.serve.tool_formats import HERMES, PY_START, ParsedCall, ToolFormat, parse_json
+from mlxlis.serve.tool_formats import HERMES, PY_END, PY_START, ParsedCall, ToolFormat, parse_json
 
 LEADS = ("<|python_tag|>", PY_START)  # tags a bare-JSON call may start with (Llama 3.1, 4)
 
@@ -120,6 +120,10 @@ class ToolCallParser:
                 return reply, []
             new = [self._call(p) for p in parsed]
             self.calls += new
+            body = reply.strip()  # Llama 4: the turn's text between its tags is content
+            if body.startswith(PY_START) and PY_END in body:
+                inner, _, after = body[len(PY_START) :].partition(PY_END)
+                return (inner.strip() if after.strip() else ""), new
             return "", new
         if self._inside:  # a call the reply ended in: whole without its closing tag?
             body, self._buf, self._inside = self._buf, "", False
