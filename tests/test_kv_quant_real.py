@@ -7,7 +7,7 @@ it. Bounds are the measured figures (float32, this 2-core x86) with a quarter mo
 
 | model | 8-bit max abs(Δlogit) | 4-bit max abs(Δlogit) | 8-bit greedy |
 |---|---|---|---|
-| smollm2-135m | 0.26 | 4.7 | 48 of 48 the same |
+| smollm2-135m | 0.26 | 4.7 (6.04 on a later OpenBLAS wheel) | 48 of 48 the same |
 | gemma3-270m | 0.75 | 12.6 | 48 of 48 |
 | qwen2.5-coder-0.5b | 1.01 | 14.4 | 48 of 48 |
 
@@ -37,7 +37,7 @@ from conftest import need_pulled
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.extended]
 TEXT = (inspect.getsource(json.decoder) + inspect.getsource(json.encoder)) * 2
 BOUNDS = {  # model: (8-bit, 4-bit) max abs(Δlogit), measured × 1.25
-    "smollm2-135m": (0.33, 5.9),
+    "smollm2-135m": (0.33, 7.6),  # 4-bit: 4.7, then 6.04 with scipy-openblas32 0.3.34.481.3
     "gemma3-270m": (0.94, 15.7),
     "qwen2.5-coder-0.5b": (1.27, 18.0),
 }
