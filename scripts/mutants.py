@@ -742,8 +742,8 @@ MUTANTS = (
     Mutant(
         "llama4-after-rope-skipped",
         "mlxlis/models/layers.py",
-        "q, k = self._after_rope(q, k, offset + mx.arange(q.shape[2]))",
-        "q, k = q, k",
+        "            q, k = self._after_rope(q, k, offset + mx.arange(q.shape[2]))",
+        "            q, k = q, k",
         (LLAMA4_HF,),
         "Llama 4: the L2 q/k norm and the temperature skipped on a lone sequence",
     ),

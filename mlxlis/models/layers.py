@@ -108,7 +108,8 @@ class Attention(nn.Module):
             q, k = self.rope.at(q, positions), self.rope.at(k, positions)
         else:
             q, k = self.rope(q, offset), self.rope(k, offset)
-        q, k = self._after_rope(q, k, offset + mx.arange(q.shape[2]))
+        if self._l2_eps is not None or self._temperature is not None:  # Llama 4 only
+            q, k = self._after_rope(q, k, offset + mx.arange(q.shape[2]))
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         return attend(q, k, v, self.scale, mask, self.softcap)
@@ -120,7 +121,8 @@ class Attention(nn.Module):
         offsets = mx.array([c.offset + c.shift for c in caches])
         if self.rope is not None:
             q, k = self.rope(q, offsets), self.rope(k, offsets)
-        q, k = self._after_rope(q, k, offsets[:, None, None])
+        if self._l2_eps is not None or self._temperature is not None:
+            q, k = self._after_rope(q, k, offsets[:, None, None])
         keys, values, mask = KVBatch.step_of(caches, k, v)
         return attend(q, keys, values, self.scale, mask, self.softcap)
 
