@@ -14,7 +14,7 @@ from mlxlis.errors import FileFormatError, UnsupportedQuantError
 from mlxlis.loading import catalog, quants
 from mlxlis.loading.gguf import GGML_TYPES, GGUFTensor
 from mlxlis.loading.gguf_split import read_gguf
-from mlxlis.loading.quants import QUANTIZABLE, convert_tensor, pack_codes
+from mlxlis.loading.quants import AFFINE_HELD, QUANTIZABLE, convert_tensor, pack_codes
 
 import mlx.core as mx
 import numpy as np
@@ -71,7 +71,9 @@ def unpacked(c: quants.Converted) -> np.ndarray:
     """What the model will compute with: MLX's own dequantization of our packing."""
     if c.scales is None:
         return np.array(c.weight.astype(mx.float32))
-    w = mx.dequantize(c.weight, c.scales, c.biases, group_size=c.group_size, bits=c.bits)
+    w = mx.dequantize(
+        c.weight, c.scales, c.biases, group_size=c.group_size, bits=c.bits, mode=c.mode
+    )
     return np.array(w.astype(mx.float32))
 
 
@@ -81,7 +83,7 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(quants, "CHUNK_ELEMENTS", 1024)
 
 
-@pytest.mark.parametrize("name", sorted(QUANTIZABLE))
+@pytest.mark.parametrize("name", sorted(AFFINE_HELD))
 def test_quantized_random_blocks_bit_exact(name: str, small_chunks):
     """Reference parity: random blocks -> our MLX packing -> mx.dequantize == gguf-py, fp32."""
     t = tensor(name, (8, 512))
@@ -94,6 +96,26 @@ def test_quantized_random_blocks_bit_exact(name: str, small_chunks):
     assert np.array_equal(unpacked(c), ref)
     forced = convert_tensor(t, raw, mx.float32, dequantize=True)
     assert forced.scales is None and np.array_equal(unpacked(forced), ref)
+
+
+def test_mxfp4_blocks_are_mlx_mxfp4_bit_exact():
+    """Reference parity: random MXFP4 blocks (every code; exponents from 2⁻²⁰ to 2¹⁰) ->
+    MLX's mxfp4 (codes reordered, the exponent byte as the scale) -> mx.dequantize ==
+    gguf-py's dequantizer, fp32; and gguf-py's quantizer's blocks of N(0, 1) too."""
+    t = tensor("MXFP4", (4, 2, 256))
+    raw = random_raw(t).reshape(-1, 17)
+    raw[:, 0] = np.random.default_rng(2).integers(107, 138, len(raw))
+    c = convert_tensor(t, raw.reshape(-1), mx.float32)
+    assert (c.bits, c.group_size, c.mode, c.biases) == (4, 32, "mxfp4", None)
+    assert c.weight.shape == (4, 2, 32) and c.scales.shape == (4, 2, 8)
+    assert c.scales.dtype == mx.uint8
+    assert np.array_equal(unpacked(c), reference(t, raw.reshape(-1)))
+    w = np.random.default_rng(3).standard_normal((6, 256)).astype(np.float32)
+    made = gguf_quantize(w, GGMLQuantizationType.MXFP4).reshape(-1)
+    t = tensor("MXFP4", (6, 256))
+    assert np.array_equal(unpacked(convert_tensor(t, made, mx.float32)), reference(t, made))
+    forced = convert_tensor(t, made, mx.float32, dequantize=True)
+    assert forced.scales is None and np.array_equal(unpacked(forced), reference(t, made))
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])

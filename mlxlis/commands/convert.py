@@ -77,6 +77,17 @@ def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str
             "high_freq_factor": r.high_freq_factor,
             "original_max_position_embeddings": r.original_max_position_embeddings,
         }
+    elif cfg.rope.type == "yarn":  # attention_factor and truncate stated: they differ by model
+        r = cfg.rope
+        out["rope_scaling"] = {
+            "rope_type": "yarn",
+            "factor": r.factor,
+            "original_max_position_embeddings": r.original_max_position_embeddings,
+            "beta_fast": r.beta_fast,
+            "beta_slow": r.beta_slow,
+            "truncate": r.truncate,
+            "attention_factor": r.attention_factor,
+        }
     out.update(spec.export_config(cfg))
     if spec.export_wrapper:  # readers know this family under its multimodal wrapper type only
         out = {
@@ -98,20 +109,20 @@ def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str
 def quantization_block(net: nn.Module) -> tuple[dict | None, list[str], list[str]]:
     """mlx-lm's "quantization" block (most common bits as default, per-module overrides) and
     the lists of quantized and dense weight modules."""
-    qmods: dict[str, tuple[int, int]] = {}
+    qmods: dict[str, tuple[int, int, str]] = {}
     dense: list[str] = []
     for name, m in net.named_modules():
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
-            qmods[name] = (m.group_size, m.bits)
+            qmods[name] = (m.group_size, m.bits, getattr(m, "mode", "affine"))
         elif isinstance(m, (nn.Linear, nn.Embedding, SwitchLinear)):
             dense.append(name)
     if not qmods:
         return None, [], sorted(dense)
-    (group, bits), _ = Counter(qmods.values()).most_common(1)[0]
-    block: dict[str, Any] = {"group_size": group, "bits": bits, "mode": "affine"}
-    for name, (g, b) in sorted(qmods.items()):
-        if (g, b) != (group, bits):
-            block[name] = {"group_size": g, "bits": b}
+    (group, bits, mode), _ = Counter(qmods.values()).most_common(1)[0]
+    block: dict[str, Any] = {"group_size": group, "bits": bits, "mode": mode}
+    for name, (g, b, md) in sorted(qmods.items()):
+        if (g, b, md) != (group, bits, mode):
+            block[name] = {"group_size": g, "bits": b, "mode": md}
     return block, sorted(qmods), sorted(dense)
 
 

@@ -114,6 +114,8 @@ class Binding:
     axes: tuple[int, ...] | None = None  # transposed at load (another converter's layout)
     half: int | None = None  # this half of the tensor's axis `half_axis` (fused gate_up experts)
     half_axis: int = 1
+    strided: bool = False  # the halves interleaved along half_axis (even, odd indices)
+    blocks: bool = False  # uint8 MXFP4 blocks (..., G, 16) read as uint32 words (..., G·4)
 
 
 @dataclass
@@ -154,8 +156,11 @@ class BindingPlan:
             if b.half is not None:  # (E, 2·F, in) -> gate rows, then up rows (or on axis 2)
                 a, ax = out[b.param], b.half_axis
                 n = a.shape[ax] // 2
-                cut = slice(b.half * n, (b.half + 1) * n)
-                out[b.param] = a[:, cut] if ax == 1 else a[:, :, cut]
+                cut = slice(b.half, None, 2) if b.strided else slice(b.half * n, (b.half + 1) * n)
+                out[b.param] = mx.contiguous(a[(slice(None),) * ax + (cut,)])
+            if b.blocks:
+                a = out[b.param]
+                out[b.param] = a.view(mx.uint32).reshape(*a.shape[:-2], a.shape[-2] * 4)
             if b.axes is not None:  # contiguous: the layout a converted folder reloads in
                 out[b.param] = mx.contiguous(out[b.param].transpose(b.axes))
         return out
@@ -254,13 +259,16 @@ def plan_bindings(
         elsewhere |= {(default.name, v) for k, v in by_name.items() if not held(k)}
         by_name = {k: v for k, v in by_name.items() if held(k)}
 
-    # quantized modules: those whose `.scales` is bound, by the manifest or by name
+    # quantized modules: those whose `.scales` is bound, by the manifest, by name or (MXFP4
+    # experts) by a Hugging Face layout of the family's
     quantizable = _quantizable(net)
+    stacks = net.expert_stacks() if callable(getattr(net, "expert_stacks", None)) else {}
     scaled = []
     for m in sorted(quantizable):
         p = f"{m}.scales"
         if (p in explicit and explicit[p][1] in sources[explicit[p][0]].tensors) or (
-            p not in explicit and p in by_name
+            p not in explicit
+            and (p in by_name or (p in stacks and _has_layout(stacks[p], by_name, default)))
         ):
             scaled.append(p)
     if scaled:
@@ -304,7 +312,6 @@ def plan_bindings(
 
     # resolve every parameter: the manifest's binding, else the tensor of the same name, else
     # (stacked experts) the Hugging Face layouts: per-expert tensors (any shards), or fused
-    stacks = net.expert_stacks() if callable(getattr(net, "expert_stacks", None)) else {}
     bindings: dict[str, Binding] = {}
     missing: list[tuple[str, str, str, bool]] = []
     for p in expected:
@@ -369,8 +376,10 @@ def plan_bindings(
         if b.parts:  # each expert's tensor: the parameter's shape without the expert axis
             _check_parts(b, sources[b.source], ref, where)
             shape = (len(b.parts), *shape)
-        elif b.half is not None and len(shape) == 3 and shape[b.half_axis] % 2 == 0:
+        elif b.half is not None and len(shape) > b.half_axis and shape[b.half_axis] % 2 == 0:
             shape = tuple(n // 2 if i == b.half_axis else n for i, n in enumerate(shape))
+        if b.blocks and len(shape) > 2 and shape[-1] == 16 and st == "U8":
+            shape, st, dt = (*shape[:-2], shape[-2] * 4), "U32", mx.uint32
         if b.axes is not None and len(shape) == len(b.axes):  # a layout of its own (Llama 4)
             shape = tuple(shape[i] for i in b.axes)
         module, _, part = p.rpartition(".")
@@ -454,6 +463,12 @@ def _expert_binding(
     """A stacked expert parameter bound by a Hugging Face layout (`lay`, an ExpertSource):
     every per-expert tensor, else the fused tensor; None when neither is there. Some experts
     present and others not is an error naming the first missing one."""
+    if isinstance(lay, tuple):  # alternatives, in order
+        for one in lay:
+            found = _expert_binding(p, one, by_name, src, where)
+            if found is not None:
+                return found
+        return None
     parts = tuple(by_name.get(k, k) for k in lay.parts)
     hits = [src.tensors.get(k) for k in parts]
     if parts and all(hits):
@@ -470,6 +485,8 @@ def _expert_binding(
             half=lay.half,
             half_axis=lay.axis,
             axes=lay.axes,
+            strided=lay.strided,
+            blocks=lay.blocks,
         )
     if any(hits):
         gone = next(k for k, h in zip(parts, hits, strict=True) if h is None)
@@ -480,6 +497,12 @@ def _expert_binding(
             field=p,
         )
     return None
+
+
+def _has_layout(lay, by_name: dict[str, str], src: _Source) -> bool:
+    """Some layout of `lay` (an ExpertSource or alternatives) is in the checkpoint."""
+    lays = lay if isinstance(lay, tuple) else (lay,)
+    return any(by_name.get(one.fused, one.fused) in src.tensors for one in lays)
 
 
 def _check_parts(b: Binding, src: _Source, ref: mx.array, where: str) -> None:

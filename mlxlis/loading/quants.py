@@ -9,7 +9,10 @@ of a row as one little-endian bit stream in uint32 words (code j at bit j·bits)
     Q4_K / Q5_K         d·sc·q − dmin·m      scale d·sc,  bias −dmin·m   (per 32-sub-block)
 
 Scales and biases are computed in float32 (d·sc has ≤ 17 significant bits, so it is exact
-there) and then cast to the compute dtype. Everything else becomes a dense array.
+there) and then cast to the compute dtype. MXFP4 (gpt-oss's experts: 32 e2m1 codes and one
+E8M0 exponent a block) is MLX's "mxfp4" mode with the codes reordered (ggml keeps codes j and
+j + 16 in byte j; MLX codes 2b and 2b + 1 in byte b) and the exponent as the scale, bit for
+bit. Everything else becomes a dense array.
 
 How it is fast (load time is dominated by this): the block kernels in quant_blocks.py repack
 codes with whole-word bit operations; here their results are written straight into the final
@@ -38,7 +41,8 @@ import numpy as np
 
 GROUP = 32
 CHUNK_ELEMENTS = 1 << 17  # weights per conversion chunk: keeps the temporaries in cache
-QUANTIZABLE: frozenset[str] = frozenset(AFFINE)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K
+AFFINE_HELD: frozenset[str] = frozenset(AFFINE)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K
+QUANTIZABLE: frozenset[str] = AFFINE_HELD | {"MXFP4"}  # types MLX holds quantized
 
 
 @dataclass
@@ -48,6 +52,7 @@ class Converted:
     biases: mx.array | None = None
     bits: int | None = None
     group_size: int | None = None
+    mode: str = "affine"
 
     @property
     def quantized(self) -> bool:
@@ -75,7 +80,9 @@ def convert_tensor(
         raise FileFormatError(
             f"expected {t.nbytes} raw bytes, got {raw.size}", path=path, field=t.name
         )
-    if t.type_name in QUANTIZABLE:
+    if t.type_name == "MXFP4" and not dequantize and len(t.shape) > 1:
+        return _mxfp4(t, raw)
+    if t.type_name in AFFINE_HELD:
         if dequantize or len(t.shape) < 2:  # dense: scale·q + bias in float32, as MLX would
             kind = AFFINE[t.type_name]
             return Converted(
@@ -92,7 +99,9 @@ def allocate(t: GGUFTensor, *, dequantize: bool = False) -> tuple[mx.array, ...]
     zero-fills the memory on its own thread while earlier tensors convert.
     """
     name = t.type_name
-    if name in QUANTIZABLE and not dequantize and len(t.shape) > 1:
+    if name == "MXFP4" and not dequantize and len(t.shape) > 1:
+        return ()  # repacked from the file's bytes
+    if name in AFFINE_HELD and not dequantize and len(t.shape) > 1:
         return _quantized_buffers(t)
     if name in ("F32", "F16", "BF16") or t.ggml_type not in GGML_TYPES:
         return ()  # copied from the file as they are
@@ -249,6 +258,21 @@ def _quantized(
         s, m = s.astype(dtype), m.astype(dtype)
         mx.eval(s, m)
     return Converted(weight=w, scales=s, biases=m, bits=bits, group_size=GROUP)
+
+
+def _mxfp4(t: GGUFTensor, raw: np.ndarray) -> Converted:
+    """MXFP4 blocks (1 exponent byte, 16 code bytes: code j low nibble of byte j, code j + 16
+    its high nibble) -> MLX mxfp4: (…, cols / 8) uint32 codes, code k at bits 4k, and the
+    (…, cols / 32) uint8 exponents as scales."""
+    n = t.nbytes // 17
+    blocks = raw.reshape(n, 17)
+    qs = blocks[:, 1:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # (n, 32) in element order
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # (n, 16) bytes, two codes each
+    lead, cols = t.shape[:-1], t.shape[-1]
+    w = np.ascontiguousarray(packed).view("<u4").reshape(*lead, cols // 8)
+    s = np.ascontiguousarray(blocks[:, 0]).reshape(*lead, cols // 32)
+    return Converted(weight=mx.array(w), scales=mx.array(s), bits=4, group_size=32, mode="mxfp4")
 
 
 def _into(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray, np.ndarray], None]:

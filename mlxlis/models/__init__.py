@@ -17,6 +17,7 @@ from mlxlis.models.config import ModelConfig, base_config, eos_list
 from mlxlis.models.gemma import GEMMA, GEMMA2, GEMMA3
 from mlxlis.models.gemma4 import GEMMA4
 from mlxlis.models.gemma4_assistant import GEMMA4_ASSISTANT, OUTER_KEYS
+from mlxlis.models.gpt_oss import GPT_OSS
 from mlxlis.models.llama import LLAMA
 from mlxlis.models.llama4 import LLAMA4
 from mlxlis.models.qwen2 import QWEN2
@@ -29,7 +30,7 @@ import mlx.nn as nn
 REGISTRY: dict[str, Family] = {
     f.name: f
     for f in (
-        *(LLAMA, LLAMA4, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE),
+        *(LLAMA, LLAMA4, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, GPT_OSS),
         *(GEMMA, GEMMA2, GEMMA3, GEMMA4, GEMMA4_ASSISTANT),
     )
 }
@@ -40,6 +41,11 @@ GGUF_ARCHS: dict[str, Family] = {a: f for f in REGISTRY.values() for a in f.gguf
 # keys a multimodal wrapper may hold outside its text_config (Qwen3.5: tie_word_embeddings)
 # (a Gemma 4 assistant: its own keys beside text_config)
 _OUTER_KEYS = ("tie_word_embeddings", "eos_token_id", "bos_token_id", *OUTER_KEYS)
+
+
+# transformers' Mxfp4Config (gpt-oss's experts): OCP MX blocks of 32 4-bit e2m1 values, one
+# power-of-two (E8M0) scale each — MLX's "mxfp4" mode, bit for bit
+MXFP4_QUANT = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 
 
 def family(name: str) -> Family:
@@ -73,6 +79,8 @@ def config_from_hf(
         )
     spec = HF_MODEL_TYPES[model_type]
     quant = cfg.get("quantization", cfg.get("quantization_config"))
+    if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4" and "bits" not in quant:
+        quant = MXFP4_QUANT  # only the modules whose scales the checkpoint has (the experts)
     if "text_config" in cfg:  # multimodal wrapper: the decoder lives in text_config
         text = cfg["text_config"]
         if not isinstance(text, dict):

@@ -31,3 +31,15 @@ def gated(name: str) -> Gated:
         return fast(gate, up) if fastmath.enabled() else plain(gate, up)
 
     return act
+
+
+def clamped_swiglu(alpha: float, limit: float) -> Gated:
+    """gpt-oss's experts: gate clamped above and up on both sides at `limit`, then
+    gate·sigmoid(alpha·gate)·(up + 1) (transformers' GptOssExperts._apply_gate)."""
+
+    def act(gate: mx.array, up: mx.array) -> mx.array:
+        gate = mx.minimum(gate, limit)
+        up = mx.clip(up, -limit, limit)
+        return gate * mx.sigmoid(gate * alpha) * (up + 1)
+
+    return act

@@ -1,5 +1,6 @@
 """Scaled dot-product attention shared by the families: GQA without repeating K/V, an optional
-logit softcap (Gemma 2), the softmax in float32.
+logit softcap (Gemma 2), optional per-head sinks (gpt-oss: a logit each head's softmax also
+normalises over, whose share of the probability goes to no value), the softmax in float32.
 
 Two ways, same mathematics:
   fused    mx.fast.scaled_dot_product_attention (no cap) — Metal and CUDA, or when
@@ -44,18 +45,21 @@ def attend(
     scale: float,
     mask: str | mx.array | None,
     cap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """q: (B, n_heads, T, head_dim); k, v: (B, n_kv_heads, S, head_dim), newest keys last when
     mask is "causal" (aligned to the newest keys, so chunks after a cache work); an array mask
-    is boolean (T, S), or (B, 1, T, S) per sequence, True = attend. Returns
-    (B, n_heads, T, head_dim)."""
+    is boolean (T, S), or (B, 1, T, S) per sequence, True = attend; sinks (n_heads,) logits.
+    Returns (B, n_heads, T, head_dim)."""
     fast = fastmath.enabled()
     packed = isinstance(k, (QArray, Tailed))
     if packed and q.shape[2] > 1 and device_name() == "cpu":
         k, v = k.dequantize(), v.dequantize()  # this layer's, for this chunk (see above)
         packed = False
     if cap is None and not fast and not packed:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=scale, mask=mask, sinks=None if sinks is None else sinks.astype(q.dtype)
+        )
     t, s = q.shape[2], k.shape[2]
     if isinstance(mask, str) and fast and t > QUERY_BLOCK:
         outs = []
@@ -63,13 +67,15 @@ def attend(
             b1 = min(t, b0 + QUERY_BLOCK)
             end = s - t + b1  # the last key any query of this block sees
             outs.append(
-                _explicit(q[:, :, b0:b1], k[:, :, :end], v[:, :, :end], scale, mask, cap, fast)
+                _explicit(
+                    q[:, :, b0:b1], k[:, :, :end], v[:, :, :end], scale, mask, cap, fast, sinks
+                )
             )
         return mx.concatenate(outs, axis=2)
-    return _explicit(q, k, v, scale, mask, cap, fast)
+    return _explicit(q, k, v, scale, mask, cap, fast, sinks)
 
 
-def _explicit(q, k, v, scale, mask, cap, fast) -> mx.array:
+def _explicit(q, k, v, scale, mask, cap, fast, sinks=None) -> mx.array:
     b, h, t, hd = q.shape
     n_kv, s = k.shape[1], k.shape[2]
     q = q.reshape(b, n_kv, h // n_kv, t, hd)  # (B, n_kv_heads, group, T, head_dim)
@@ -83,10 +89,15 @@ def _explicit(q, k, v, scale, mask, cap, fast) -> mx.array:
         if mask.ndim == 4:  # per sequence (B, 1, T, S): broadcast over the KV groups
             mask = mask[:, :, None]
         scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+    if sinks is not None:  # one more logit per head and query, dropped after the softmax
+        sink = sinks.astype(scores.dtype).reshape(n_kv, h // n_kv, 1, 1)
+        scores = mx.concatenate([scores, mx.broadcast_to(sink, (*scores.shape[:-1], 1))], -1)
     if fast:
         probs = fastmath.softmax(scores).astype(v.dtype)
     else:
         probs = mx.softmax(scores, axis=-1, precise=True)
+    if sinks is not None:
+        probs = probs[..., :-1]
     out = _product(probs, v, False)  # (B, n_kv, group, T, head_dim)
     return out.reshape(b, h, t, hd)
 

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from mlxlis import limits
 from mlxlis.errors import ConfigError, UnsupportedError
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class FamilyConfig:
@@ -30,11 +30,18 @@ F = TypeVar("F", bound=FamilyConfig)
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    type: str = "default"  # "default" | "linear" | "llama3"
+    type: str = "default"  # "default" | "linear" | "llama3" | "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn: the ramp between rotations beta_fast and beta_slow, its ends rounded out
+    # (`truncate`, transformers' default; gpt-oss says false), q and k scaled by
+    # attention_factor (cos and sin are, in transformers)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,7 @@ class ModelConfig:
     # per layer: "full_attention" | "sliding_attention" | "chunked_attention" |
     # "linear_attention" (Gated DeltaNet)
     layer_types: tuple[str, ...] = ()
+    attn_sinks: bool = False  # a learnt sink logit per head in each softmax (gpt-oss)
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
@@ -195,6 +203,8 @@ def parse_rope(params: dict | None, theta: float | None, path: str, fld: str) ->
         raise ConfigError(f"rope type {rtype} needs a positive factor", path=path, field=fld)
     if rtype == "linear":
         return RopeConfig(theta=float(theta), type="linear", factor=float(factor))
+    if rtype == "yarn":
+        return _yarn(params, float(theta), float(factor), path, fld)
     try:
         return RopeConfig(
             theta=float(theta),
@@ -208,6 +218,53 @@ def parse_rope(params: dict | None, theta: float | None, path: str, fld: str) ->
         raise ConfigError(
             f"llama3 rope scaling lacks or mangles {e}", path=path, field=fld
         ) from None
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scaling for a context `factor` (transformers' get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(params: dict, theta: float, factor: float, path: str, fld: str) -> RopeConfig:
+    """transformers' _compute_yarn_parameters' inputs: attention_factor given, or from
+    mscale / mscale_all_dim when both are, else from the factor."""
+    orig = params.get("original_max_position_embeddings")
+    if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
+        raise ConfigError(
+            f"yarn needs a positive original_max_position_embeddings, got {orig!r}"[:200],
+            path=path,
+            field=fld,
+        )
+    vals = {}
+    for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0), ("attention_factor", None)):
+        v = params.get(key)
+        if v is not None and (not number(v) or v < 0):
+            raise ConfigError(
+                f"yarn {key} must be a positive number, got {v!r}"[:200], path=path, field=fld
+            )
+        vals[key] = float(v) if v else default  # transformers: a 0 or null is the default
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(
+            f"yarn truncate must be true or false, got {truncate!r}"[:200], path=path, field=fld
+        )
+    attn = vals["attention_factor"]
+    if attn is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        if m and m_all and number(m) and number(m_all):
+            attn = yarn_mscale(factor, m) / yarn_mscale(factor, m_all)
+        else:
+            attn = yarn_mscale(factor)
+    return RopeConfig(
+        theta=theta,
+        type="yarn",
+        factor=factor,
+        original_max_position_embeddings=orig,
+        beta_fast=vals["beta_fast"],
+        beta_slow=vals["beta_slow"],
+        truncate=truncate,
+        attention_factor=attn,
+    )
 
 
 def eos_list(value: Any, path: str, fld: str) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlxlis.models.activations import gated
+from mlxlis.models.activations import Gated, gated
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.layers import MLP
 
@@ -27,13 +27,18 @@ class ExpertSource:
     """Where a stacked expert parameter may come from in a Hugging Face checkpoint: the
     per-expert tensors `parts` (in expert order), or the fused tensor `fused` (its `half`
     along `axis`: 0 = first, 1 = second, None = all of it), then transposed by `axes` when
-    the checkpoint keeps the experts (E, in, out) (Llama 4)."""
+    the checkpoint keeps the experts (E, in, out) (Llama 4). A family may give several,
+    tried in order (gpt-oss: its MXFP4 blocks or dense tensors)."""
 
     parts: tuple[str, ...]
     fused: str
     half: int | None
     axis: int = 1
     axes: tuple[int, ...] | None = None
+    # the halves interleaved along `axis` (gpt-oss: gate at even, up at odd indices)
+    strided: bool = False
+    # MXFP4 blocks (..., groups, 16) uint8, read as MLX's packed words (..., groups·4) uint32
+    blocks: bool = False
 
 
 # from this many (token, expert) pairs on, rows are sorted by expert first, so each expert's
@@ -41,17 +46,28 @@ class ExpertSource:
 SORT_FROM = 64
 
 
-class SwitchLinear(nn.Module):
-    """n_experts linear maps without bias; x (..., 1, in) and indices (...) -> (..., 1, out)."""
+def _add_bias(y: mx.array, module: nn.Module, indices: mx.array) -> mx.array:
+    """y (..., 1, out) plus each row's expert's bias (gpt-oss), when the experts have one."""
+    if "bias" not in module:
+        return y
+    return y + module.bias[indices][..., None, :]
 
-    def __init__(self, n_experts: int, in_dims: int, out_dims: int):
+
+class SwitchLinear(nn.Module):
+    """n_experts linear maps, with a bias each when `bias` (gpt-oss); x (..., 1, in) and
+    indices (...) -> (..., 1, out)."""
+
+    def __init__(self, n_experts: int, in_dims: int, out_dims: int, bias: bool = False):
         super().__init__()
         self.weight = mx.zeros((n_experts, out_dims, in_dims))
+        if bias:
+            self.bias = mx.zeros((n_experts, out_dims))
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_mm(
+        y = mx.gather_mm(
             x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices
         )
+        return _add_bias(y, self, indices)
 
     def to_quantized(
         self, group_size: int | None = None, bits: int | None = None, mode: str = "affine"
@@ -61,8 +77,9 @@ class SwitchLinear(nn.Module):
 
 
 class QuantizedSwitchLinear(nn.Module):
-    """SwitchLinear over MLX affine-quantized experts: weight (E, out, in·bits/32) uint32,
-    scales and biases (E, out, in/group_size)."""
+    """SwitchLinear over MLX-quantized experts: weight (E, out, in·bits/32) uint32, scales and
+    (affine) biases (E, out, in/group_size); `bias` (E, out) unquantized, when the experts
+    have one (gpt-oss: its MXFP4 experts, mode "mxfp4")."""
 
     def __init__(
         self,
@@ -72,12 +89,15 @@ class QuantizedSwitchLinear(nn.Module):
         group_size: int = 64,
         bits: int = 4,
         mode: str = "affine",
+        bias: bool = False,
     ):
         super().__init__()
         self.group_size, self.bits, self.mode = group_size, bits, mode
         self._set(
             mx.quantize(mx.zeros((n_experts, out_dims, in_dims)), group_size, bits, mode=mode)
         )
+        if bias:
+            self.bias = mx.zeros((n_experts, out_dims))
         self.freeze()
 
     def _set(self, packed: tuple) -> None:
@@ -92,16 +112,18 @@ class QuantizedSwitchLinear(nn.Module):
         cls, dense: SwitchLinear, group_size: int, bits: int, mode: str
     ) -> QuantizedSwitchLinear:
         n, out_dims, in_dims = dense.weight.shape
-        q = cls(n, in_dims, out_dims, group_size, bits, mode)
+        q = cls(n, in_dims, out_dims, group_size, bits, mode, "bias" in dense)
         q.unfreeze()
         if "biases" in q:
             del q["biases"]
         q._set(mx.quantize(dense.weight, group_size, bits, mode=mode))
+        if "bias" in dense:
+            q.bias = dense.bias
         q.freeze()
         return q
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_qmm(
+        y = mx.gather_qmm(
             x,
             self.weight,
             self.scales,
@@ -113,18 +135,20 @@ class QuantizedSwitchLinear(nn.Module):
             mode=self.mode,
             sorted_indices=sorted_indices,
         )
+        return _add_bias(y, self, indices)
 
 
 class SwitchGLU(nn.Module):
-    """The experts: down(act(gate(x)) · up(x)) with each token's own k experts."""
+    """The experts: down(act(gate(x)) · up(x)) with each token's own k experts; `act` a
+    family's own gated activation (gpt-oss), else cfg.hidden_act's."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, bias: bool = False, act: Gated | None = None):
         super().__init__()
         e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_proj = SwitchLinear(e, d, f)
-        self.up_proj = SwitchLinear(e, d, f)
-        self.down_proj = SwitchLinear(e, f, d)
-        self.act = gated(cfg.hidden_act)
+        self.gate_proj = SwitchLinear(e, d, f, bias)
+        self.up_proj = SwitchLinear(e, d, f, bias)
+        self.down_proj = SwitchLinear(e, f, d, bias)
+        self.act = act or gated(cfg.hidden_act)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x (B, T, hidden), or (B, T, k, hidden) with each (token, expert) pair's own input

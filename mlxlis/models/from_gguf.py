@@ -261,7 +261,9 @@ def _convert(gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dense, clock: _Clo
         module = target.rsplit(".", 1)[0]
         if conv.scales is not None:
             parts = {"weight": conv.weight, "scales": conv.scales, "biases": conv.biases}
-            quant[module] = {"group_size": conv.group_size, "bits": conv.bits}
+            if conv.biases is None:  # mxfp4: scales only
+                del parts["biases"]
+            quant[module] = {"group_size": conv.group_size, "bits": conv.bits, "mode": conv.mode}
         else:
             parts = {target.rsplit(".", 1)[1]: conv.weight}
         del conv

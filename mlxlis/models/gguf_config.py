@@ -9,7 +9,7 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models import GGUF_ARCHS
 from mlxlis.models.base import GGUFMeta
-from mlxlis.models.config import ModelConfig, RopeConfig
+from mlxlis.models.config import ModelConfig, RopeConfig, yarn_mscale
 
 import numpy as np
 
@@ -76,6 +76,8 @@ def config_from_gguf(
     if scaling == "linear":
         factor = m.get("rope.scaling.factor", 1.0, float)
         rope = RopeConfig(theta=theta, type="linear", factor=factor)
+    elif scaling == "yarn":
+        rope = _yarn(m, key, theta, size["max_position_embeddings"], path)
     elif scaling not in ("none", None):
         raise UnsupportedError(
             f"rope scaling {scaling!r} is not implemented",
@@ -104,3 +106,34 @@ def config_from_gguf(
         source=path,
     )
     return spec.parse_gguf(cfg, GGUFMeta(md, arch, path, tensor_shapes) if per_layer else m)
+
+
+def _yarn(m, key, theta: float, ctx: int, path: str) -> RopeConfig:
+    """llama.cpp's YaRN: the ramp's ends always rounded out (ggml_rope_yarn_corr_dims floors
+    and ceils), q and k scaled by 1 + 0.1·ln(factor); a file that sets its own attention
+    factor is refused (llama.cpp multiplies it in differently per model)."""
+    if m.has("rope.scaling.yarn_attn_factor") or m.has("rope.scaling.yarn_ext_factor"):
+        which = "yarn_attn_factor" if m.has("rope.scaling.yarn_attn_factor") else "yarn_ext_factor"
+        raise UnsupportedError(
+            f"yarn with its own {which} is not supported",
+            path=path,
+            field=key(f"rope.scaling.{which}"),
+        )
+    factor = m.get("rope.scaling.factor", 1.0, float)
+    if not factor > 0:
+        raise ConfigError(
+            f"yarn needs a positive factor, got {factor!r}",
+            path=path,
+            field=key("rope.scaling.factor"),
+        )
+    orig = m.get("rope.scaling.original_context_length", ctx)
+    return RopeConfig(
+        theta=theta,
+        type="yarn",
+        factor=factor,
+        original_max_position_embeddings=orig,
+        beta_fast=m.get("rope.scaling.yarn_beta_fast", 32.0, float),
+        beta_slow=m.get("rope.scaling.yarn_beta_slow", 1.0, float),
+        truncate=True,
+        attention_factor=yarn_mscale(factor),
+    )

@@ -46,9 +46,10 @@ class Attention(nn.Module):
     q/k RMSNorm over head_dim before RoPE (Qwen3, Gemma 3) or without weight after it (Llama
     4), the scale (1/√head_dim or 1/√query_pre_attn_scalar), a logit softcap (Gemma 2), a
     sigmoid output gate carried by a doubled q_proj (Qwen3.5: per head, head_dim query values
-    then head_dim gate values). `rope` None: a NoPE layer (Llama 4, SmolLM3), whose queries
-    Llama 4 scales by position (cfg.attn_temperature). A sliding window or an attention chunk
-    is the mask's and the cache's business, not this module's."""
+    then head_dim gate values), a sink logit per head (gpt-oss). `rope` None: a NoPE layer
+    (Llama 4, SmolLM3), whose queries Llama 4 scales by position (cfg.attn_temperature). A
+    sliding window or an attention chunk is the mask's and the cache's business, not this
+    module's."""
 
     def __init__(self, cfg: ModelConfig, rope: Rope | None):
         super().__init__()
@@ -66,6 +67,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = norm(cfg, hd)
             self.k_norm = norm(cfg, hd)
+        if cfg.attn_sinks:  # gpt-oss: one softmax sink logit per head
+            self.sinks = mx.zeros((self.n_heads,))
         self.rope = rope
         self._l2_eps = cfg.rms_norm_eps if cfg.qk_l2_norm and rope is not None else None
         self._temperature = cfg.attn_temperature if rope is None else None
@@ -112,7 +115,7 @@ class Attention(nn.Module):
             q, k = self._after_rope(q, k, offset + mx.arange(q.shape[2]))
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        return attend(q, k, v, self.scale, mask, self.softcap)
+        return attend(q, k, v, self.scale, mask, self.softcap, self.get("sinks"))
 
     def _attend_batch(self, q, k, v, caches: list) -> mx.array:
         """One new token per sequence (q, k, v: (B, heads, 1, head_dim)): RoPE at each one's
@@ -124,7 +127,7 @@ class Attention(nn.Module):
         if self._l2_eps is not None or self._temperature is not None:
             q, k = self._after_rope(q, k, offsets[:, None, None])
         keys, values, mask = KVBatch.step_of(caches, k, v)
-        return attend(q, keys, values, self.scale, mask, self.softcap)
+        return attend(q, keys, values, self.scale, mask, self.softcap, self.get("sinks"))
 
     def _after_rope(self, q, k, positions: mx.array) -> tuple[mx.array, mx.array]:
         """Llama 4's L2 norm of q and k (RoPE layers), or its temperature on q (NoPE layers):

@@ -1,4 +1,4 @@
-"""Rotary position embedding shared by every family: default, linear and llama3 scaling."""
+"""Rotary position embedding shared by every family: default, linear, llama3 and yarn scaling."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import mlx.nn as nn
 
 def rope_periods(rope: RopeConfig, dims: int) -> mx.array | None:
     """Per-pair wavelengths (1 / inv_freq) for mx.fast.rope's `freqs`, or None for plain RoPE."""
+    if rope.type == "yarn":
+        return 1.0 / yarn_inv_freq(rope, dims)
     if rope.type != "llama3":
         return None
     periods = rope.theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
@@ -26,6 +28,28 @@ def rope_periods(rope: RopeConfig, dims: int) -> mx.array | None:
     )
     smoothed = periods / ((1 - smooth) / rope.factor + smooth)
     return mx.where(is_medium, smoothed, periods)
+
+
+def yarn_inv_freq(rope: RopeConfig, dims: int) -> mx.array:
+    """transformers' _compute_yarn_parameters: each pair's frequency between the original
+    (extrapolated, fast pairs) and the one slowed by `factor` (interpolated, slow pairs),
+    along a linear ramp over the pairs whose rotations in the original context lie between
+    beta_fast and beta_slow."""
+
+    def pair(rotations: float) -> float:  # the pair turning `rotations` times in the context
+        ctx = rope.original_max_position_embeddings
+        return dims * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = pair(rope.beta_fast), pair(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos = rope.theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    extrapolated = 1 - ramp  # 1: the pair keeps its original frequency
+    return (1.0 / (rope.factor * pos)) * ramp + (1.0 / pos) * extrapolated
 
 
 class Rope(nn.Module):
@@ -44,6 +68,7 @@ class Rope(nn.Module):
         self.interleaved = interleaved
         self.base: float | None = rope.theta
         self.scale = 1.0 / rope.factor if rope.type == "linear" else 1.0
+        self.mscale = rope.attention_factor if rope.type == "yarn" else 1.0  # q and k, by yarn
         periods = rope_periods(rope, dims)
         if freq_factors is not None:  # GGUF rope_freqs: llama.cpp divides each inv_freq by it
             if periods is None:
@@ -64,7 +89,7 @@ class Rope(nn.Module):
         else:
             inv = 1.0 / (self.base ** (mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims))
         ang = pos.astype(mx.float32) * self.scale * inv  # (T, dims / 2)
-        r = x[..., : self.dims]
+        r = self._scaled(x)[..., : self.dims]
         if self.interleaved:  # pairs (2i, 2i+1): rotate each as a complex number
             cos, sin = mx.cos(ang).astype(x.dtype), mx.sin(ang).astype(x.dtype)
             pairs = r.reshape(*r.shape[:-1], -1, 2)
@@ -77,9 +102,17 @@ class Rope(nn.Module):
         r = r * cos + mx.concatenate([-b, a], axis=-1) * sin
         return r if self.dims == x.shape[-1] else mx.concatenate([r, x[..., self.dims :]], -1)
 
+    def _scaled(self, x: mx.array) -> mx.array:
+        """x with its rotary dims times yarn's attention factor (transformers scales cos and
+        sin by it: the same product, rotation being linear)."""
+        if self.mscale == 1.0:
+            return x
+        r = x[..., : self.dims] * mx.array(self.mscale, x.dtype)
+        return r if self.dims == x.shape[-1] else mx.concatenate([r, x[..., self.dims :]], -1)
+
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         return mx.fast.rope(
-            x,
+            self._scaled(x),
             self.dims,
             traditional=self.interleaved,
             base=self.base,
