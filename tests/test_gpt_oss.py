@@ -83,7 +83,8 @@ def oss(tmp_path_factory):
 
 def mxfp4_folder(folder: Path, out: Path) -> None:
     """`folder` with its experts as OpenAI's checkpoints hold them: (E, out, in/32, 16) uint8
-    codes, two e2m1 values a byte, and (E, out, in/32) E8M0 exponents (random, 2⁻¹⁰ to 2⁻⁶: weights of the dense ones' size)."""
+    codes, two e2m1 values a byte, and (E, out, in/32) E8M0 exponents (random, 2⁻¹⁰ to 2⁻⁶:
+    weights of the dense ones' size)."""
     shutil.copytree(folder, out)
     w = load_file(str(out / "model.safetensors"))
     rng = np.random.default_rng(0)
