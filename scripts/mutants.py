@@ -37,6 +37,9 @@ class Mutant:
 
 LLAMA4_HF = "tests/test_llama4.py::test_logits_match_transformers_fp32"
 LLAMA4_CACHE = "tests/test_llama4.py::test_cached_decode_and_batches_equal_the_full_forward"
+OSS_HF = "tests/test_gpt_oss.py::test_logits_match_transformers_fp32"
+OSS_CACHE = "tests/test_gpt_oss.py::test_cached_decode_and_batches_equal_the_full_forward"
+OSS_GGUF = "tests/test_gpt_oss.py::test_gguf_matches_transformers_on_the_files_weights"
 
 MUTANTS = (
     Mutant(
@@ -770,6 +773,110 @@ MUTANTS = (
         "nope = tuple(i % GGUF_NOPE_EVERY == 0 for i in range(n))",
         ("tests/test_llama4.py::test_gguf_matches_transformers_on_the_files_weights",),
         "Llama 4 GGUF: the NoPE layers one earlier than llama.cpp's",
+    ),
+    Mutant(
+        "oss-sinks-dropped",
+        "mlxlis/models/layers.py",
+        '        return attend(q, k, v, self.scale, mask, self.softcap, self.get("sinks"))',
+        "        return attend(q, k, v, self.scale, mask, self.softcap)",
+        (OSS_HF,),
+        "gpt-oss: the attention sinks left out of a lone sequence's softmax",
+    ),
+    Mutant(
+        "oss-sinks-batch-dropped",
+        "mlxlis/models/layers.py",
+        '        return attend(q, keys, values, self.scale, mask, self.softcap, self.get("sinks"))',
+        "        return attend(q, keys, values, self.scale, mask, self.softcap)",
+        (OSS_CACHE,),
+        "gpt-oss: the attention sinks left out of the batched step",
+    ),
+    Mutant(
+        "oss-sinks-kept-in-probs",
+        "mlxlis/models/attention.py",
+        "        probs = probs[..., :-1]",
+        "        probs = probs[..., 1:]",
+        (OSS_HF,),
+        "gpt-oss: the sink's column dropped from the wrong end of the probabilities",
+    ),
+    Mutant(
+        "oss-yarn-ramp-reversed",
+        "mlxlis/models/rope.py",
+        "    return (1.0 / (rope.factor * pos)) * ramp + (1.0 / pos) * extrapolated",
+        "    return (1.0 / (rope.factor * pos)) * extrapolated + (1.0 / pos) * ramp",
+        (OSS_HF,),
+        "YaRN: the fast pairs interpolated and the slow ones kept",
+    ),
+    Mutant(
+        "oss-yarn-truncate-ignored",
+        "mlxlis/models/rope.py",
+        "    if rope.truncate:\n",
+        "    if True:\n",
+        (OSS_HF,),
+        "YaRN: the ramp's ends rounded although the config says truncate false",
+    ),
+    Mutant(
+        "oss-yarn-mscale-dropped",
+        "mlxlis/models/rope.py",
+        "        if self.mscale == 1.0:\n            return x",
+        "        if True:\n            return x",
+        (OSS_HF,),
+        "YaRN: q and k not scaled by the attention factor",
+    ),
+    Mutant(
+        "oss-swiglu-up-plus-one",
+        "mlxlis/models/activations.py",
+        "        return gate * mx.sigmoid(gate * alpha) * (up + 1)",
+        "        return gate * mx.sigmoid(gate * alpha) * up",
+        (OSS_HF,),
+        "gpt-oss: the clamped SwiGLU without its (up + 1)",
+    ),
+    Mutant(
+        "oss-swiglu-unclamped",
+        "mlxlis/models/activations.py",
+        "        up = mx.clip(up, -limit, limit)",
+        "        up = up",
+        (OSS_HF,),
+        "gpt-oss: the up projection not clamped",
+    ),
+    Mutant(
+        "oss-router-softmax-all",
+        "mlxlis/models/gpt_oss.py",
+        "        top = mx.take_along_axis(logits, inds, axis=-1)",
+        "        top = mx.take_along_axis(mx.log_softmax(logits, axis=-1), inds, axis=-1) * 2",
+        (OSS_HF,),
+        "gpt-oss: the expert weights from another softmax than over the top k's logits",
+    ),
+    Mutant(
+        "oss-expert-bias-dropped",
+        "mlxlis/models/experts.py",
+        '    if "bias" not in module:\n        return y',
+        "    if True:\n        return y",
+        (OSS_HF,),
+        "gpt-oss: the experts' biases left out",
+    ),
+    Mutant(
+        "oss-halves-not-strided",
+        "mlxlis/loading/plan.py",
+        "cut = slice(b.half, None, 2) if b.strided else",
+        "cut = slice(b.half * n, (b.half + 1) * n) if b.strided else",
+        (OSS_HF,),
+        "gpt-oss: OpenAI's interleaved gate/up split as contiguous halves",
+    ),
+    Mutant(
+        "oss-gguf-mxfp4-nibbles",
+        "mlxlis/loading/quants.py",
+        "    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # (n, 32) in element order",
+        "    codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 32)",
+        ("tests/test_quants.py::test_mxfp4_blocks_are_mlx_mxfp4_bit_exact", OSS_GGUF),
+        "GGUF MXFP4: ggml's code order taken as MLX's",
+    ),
+    Mutant(
+        "oss-gguf-window-layers-swapped",
+        "mlxlis/models/gpt_oss.py",
+        "layer_types=tuple(LAYER_TYPES[i % 2] for i in range(n)),",
+        "layer_types=tuple(LAYER_TYPES[1 - i % 2] for i in range(n)),",
+        (OSS_GGUF,),
+        "gpt-oss GGUF: the sliding layers on odd indices instead of even ones",
     ),
     Mutant(
         "llama4-batch-chunk-ignored",

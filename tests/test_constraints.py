@@ -409,9 +409,10 @@ def test_the_one_shot_command_enforces_and_refuses(tiny, tmp_path):
 
 def test_tool_call_grammars_refuse_what_they_cannot_hold(tiny):
     """Strict tools under a syntax that is not JSON (Gemma 4's) or under "auto" with a format
-    that has no call tag (Llama 3's bare object) are refused; a required call in each JSON
-    syntax compiles in the engine (the calls themselves: test_serve_real)."""
-    from mlxlis.serve.tool_formats import GEMMA4, HERMES, for_template
+    that has no call tag (Llama 3's bare object) or whose calls follow reasoning (gpt-oss's
+    harmony) are refused; a required call in each JSON syntax compiles in the engine (the
+    calls themselves: test_serve_real)."""
+    from mlxlis.serve.tool_formats import GEMMA4, HARMONY, HERMES, for_template
     from mlxlis.serve.tool_grammar import tool_grammar
 
     folder, _ = tiny("llama")
@@ -424,8 +425,11 @@ def test_tool_call_grammars_refuse_what_they_cannot_hold(tiny):
         tool_grammar(llama3, tools, model.tokenizer, None, required=False)
     with pytest.raises(ConstraintError, match="not one token"):  # the tiny vocabulary's
         tool_grammar(HERMES, tools, model.tokenizer, None, required=False)
+    with pytest.raises(ConstraintError, match="reasons first"):
+        tool_grammar(HARMONY, tools, model.tokenizer, None, required=False)
     stops = sorted(model.stop_ids())
-    for fmt in (HERMES, llama3, for_template("[TOOL_CALLS]"), for_template("[TOOL_CALLS][ARGS]")):
+    mistral = (for_template("[TOOL_CALLS]"), for_template("[TOOL_CALLS][ARGS]"))
+    for fmt in (HERMES, llama3, *mistral, HARMONY):
         lark = tool_grammar(fmt, tools, model.tokenizer, "f", required=True)
         constraint(
             {"type": "grammar", "grammar": lark}, model.tokenizer, model.config.vocab_size, stops

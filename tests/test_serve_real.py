@@ -252,12 +252,14 @@ def test_qwen_tool_call(qwen):
     [
         ("templates/meta-llama-Llama-3.1-8B-Instruct.jinja", "json"),
         ("templates/mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral"),
+        ("templates/openai-gpt-oss-120b.jinja", "harmony"),
     ],
 )
 def test_required_calls_in_each_format(tmp_path_factory, template, fmt):
     """tool_choice "required" through the official client, with Qwen2.5-Coder served under
     another family's official template: the call comes in that template's syntax (Llama 3's
-    bare JSON object, Mistral's [TOOL_CALLS] list), parsed, its arguments valid."""
+    bare JSON object, Mistral's [TOOL_CALLS] list, gpt-oss's harmony message to
+    functions.NAME), parsed, its arguments valid."""
     from mlxlis.serve.tool_formats import for_template
 
     from conftest import llama_cpp_reference

@@ -35,7 +35,7 @@ from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import Speculation
 from mlxlis.generation.steps import steps_for
 from mlxlis.models.model import Model
-from mlxlis.prompt.reasoning import ANSWER, REASONING, ReasoningSplitter, join
+from mlxlis.prompt.reasoning import ANSWER, REASONING, ReasoningSplitter, Splitter, join
 
 
 def turn_start(
@@ -223,7 +223,7 @@ class ChatSession:
         self,
         req: Request,
         should_stop: Callable[[], bool] | None,
-        splitter: ReasoningSplitter,
+        splitter: Splitter,
     ) -> Iterator[Event]:
         seq = self._core.start(req)
         self.last_prompt_tokens, self.last_reused_tokens = len(req.prompt), seq.usage.cached_tokens

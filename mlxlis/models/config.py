@@ -16,6 +16,7 @@ from mlxlis import limits
 from mlxlis.errors import ConfigError, UnsupportedError
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+PER_TYPE_ROPE_TYPES = ("default", "linear", "llama3")  # under rope_parameters' layer types
 
 
 class FamilyConfig:
@@ -324,10 +325,11 @@ def base_config(cfg: dict, family: str, path: str) -> ModelConfig:
     rope_params = cfg.get("rope_parameters")
     if isinstance(rope_params, dict) and "full_attention" in rope_params:
         rope_params = rope_params["full_attention"]  # per layer type (Gemma 3): global layers
-        # a type only its family implements (Gemma 4's "proportional"): the family parses it
+        # a type only its family implements (Gemma 4's "proportional"), or none of the
+        # per-layer-type families does (yarn): the family parses it, and refuses what it lacks
         if isinstance(rope_params, dict) and rope_params.get("rope_type") not in (
             None,
-            *ROPE_TYPES,
+            *PER_TYPE_ROPE_TYPES,
         ):
             rope_params = {"rope_theta": rope_params.get("rope_theta")}
     if rope_params is not None:

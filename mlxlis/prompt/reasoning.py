@@ -17,7 +17,7 @@ A reply without tags is all answer, byte for byte.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 OPEN_TAG, CLOSE_TAG = "<think>", "</think>"
 # (open tag, close tag, label right after the open tag that is not reasoning text)
@@ -27,6 +27,22 @@ REASONING, ANSWER = "reasoning", "answer"
 Segment = tuple[str, str]  # (REASONING | ANSWER, text)
 
 _START, _THINK, _AFTER, _ANSWER = "start", "reasoning", "after", "answer"
+
+
+class Splitter(Protocol):
+    """What the surfaces use of a splitter (this module's, or harmony.py's for gpt-oss)."""
+
+    open_tag: str
+    close_tag: str
+    saw_reasoning: bool
+    reasoning_tokens: int
+
+    @property
+    def in_reasoning(self) -> bool: ...
+
+    def feed(self, text: str, token: int | None = None) -> list[Segment]: ...
+
+    def flush(self) -> list[Segment]: ...
 
 
 def tag_ids(tokenizer: Any, tags: tuple[str, str] = (OPEN_TAG, CLOSE_TAG)) -> dict[int, str]:
@@ -75,9 +91,14 @@ class ReasoningSplitter:
         self.reasoning_tokens = 0
 
     @classmethod
-    def for_prompt(cls, tokenizer: Any, prompt: str) -> ReasoningSplitter:
-        """A splitter for the reply to `prompt`, with `tokenizer`'s tag ids when it has them:
+    def for_prompt(cls, tokenizer: Any, prompt: str) -> Splitter:
+        """A splitter for the reply to `prompt`: harmony's after its generation prompt
+        (gpt-oss, harmony.py); else this one with `tokenizer`'s tag ids when it has them,
         the first style whose two tags are tokens of the vocabulary, else `<think>` as text."""
+        from mlxlis.prompt.harmony import HarmonySplitter, speaks_harmony
+
+        if speaks_harmony(tokenizer, prompt):
+            return HarmonySplitter()
         style, ids = STYLES[0], {}
         for candidate in STYLES:
             if found := tag_ids(tokenizer, candidate[:2]):
@@ -188,7 +209,7 @@ class ReasoningSplitter:
             self._reason(buf[:at], out)
             self._close(out)
             return buf[at + len(self.close_tag) :]
-        keep = _partial_suffix(buf, self.close_tag)
+        keep = partial_suffix(buf, self.close_tag)
         self._buf = buf[len(buf) - keep :] if keep else ""
         self._reason(buf[: len(buf) - keep], out)
         return ""
@@ -204,7 +225,7 @@ class ReasoningSplitter:
             self._reasoned = True
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper start of `tag`."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):

@@ -168,6 +168,11 @@ def message_dict(m: ChatMessage, i: int, model: Any = None) -> dict[str, Any]:
         out["tool_call_id"] = m.tool_call_id
     if m.reasoning_content is not None:
         out["reasoning_content"] = m.reasoning_content
+        if (
+            getattr(model, "template", None) is not None
+            and "message.thinking" in model.template.text
+        ):
+            out["thinking"] = m.reasoning_content  # gpt-oss's template reads this name
     if m.tool_calls:
         calls = []
         for c in m.tool_calls:

@@ -12,6 +12,9 @@ Read from the templates themselves (what they render for an assistant message's
 - json    — no tag: the reply is one JSON object `{"name": …, "parameters" | "arguments": …}`
   (Llama 3.1–3.3; Llama 3.1 may put `<|python_tag|>` first), or (Llama 4)
   `<|python_start|>text<|python_end|>` then one object per call, back to back
+- harmony — gpt-oss: a message to `functions.NAME` on the commentary channel, its body the
+  arguments object; prompt/harmony.py's splitter hands each on as
+  `to=functions.NAME<|message|>{…}<|call|>`, which is what is parsed here
 
 A parse function takes the text of a call (between the tags) and gives
 [(name, arguments JSON text, id or None)], or None when it does not parse.
@@ -26,6 +29,8 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from mlxlis.prompt.harmony import CALL, CALL_OPEN, CHANNEL, MESSAGE
 
 PY_START, PY_END = "<|python_start|>", "<|python_end|>"  # Llama 4's tags before its calls
 ParsedCall = tuple[str, str, str | None]  # (name, arguments as JSON text, id given by the model)
@@ -102,6 +107,23 @@ def parse_json(body: str) -> list[ParsedCall] | None:
         calls.append(call)
         at = len(body) - len(body[end:].lstrip())
     return calls or None
+
+
+def parse_harmony(body: str) -> list[ParsedCall] | None:
+    """`NAME<|message|>{…}` (the text between harmony.CALL_OPEN and <|call|>)."""
+    name, sep, args = body.partition(MESSAGE)
+    name = name.strip()
+    obj = _loads(args.strip())
+    if not sep or not re.fullmatch(r"[\w.\-]+", name) or not isinstance(obj, dict):
+        return None
+    return [(name, json.dumps(obj, ensure_ascii=False), None)]
+
+
+def _harmony_forced(name: str | None) -> str:
+    """What opens a call after harmony's generation prompt, as the model writes it."""
+    return (
+        CHANNEL + "commentary " + CALL_OPEN + (f"{name} <|constrain|>json{MESSAGE}" if name else "")
+    )
 
 
 def parse_mistral(body: str) -> list[ParsedCall] | None:
@@ -220,8 +242,13 @@ GEMMA4 = ToolFormat(
 )
 
 
+HARMONY = ToolFormat("harmony", CALL_OPEN, CALL, parse_harmony, _harmony_forced, _openai_id)
+
+
 def for_template(text: str) -> ToolFormat:
     """The tool-call format a chat template renders (see the module docstring)."""
+    if CHANNEL in text and CALL in text:  # gpt-oss (harmony)
+        return HARMONY
     if "<|tool_call>" in text:
         return GEMMA4
     if "[TOOL_CALLS]" in text:

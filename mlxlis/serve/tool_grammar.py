@@ -10,7 +10,8 @@ the arguments held to each tool's `parameters`.
 
 What a template's syntax cannot hold this way is refused (a 400 naming the field): Gemma 4's
 calls are not JSON, and a format without a call tag (Llama 3's bare JSON object) cannot tell a
-strict call from free text under "auto".
+strict call from free text under "auto", nor gpt-oss's (harmony) whose calls follow its
+reasoning.
 """
 
 from __future__ import annotations
@@ -118,6 +119,22 @@ def tool_grammar(
             calls += "".join(
                 f"args{i}: %json {json.dumps(p)}\n" for i, (_, p) in enumerate(functions)
             )
+    elif fmt.name == "harmony":  # one call a reply: its <|call|> ends the reply
+        if not required:
+            raise ConstraintError(
+                'gpt-oss\'s strict calls under tool_choice "auto" cannot be enforced: its '
+                "reply reasons first and may call at any message",
+                field="tools",
+            )
+        ch, msg = _tag(tokenizer, "<|channel|>"), _tag(tokenizer, "<|message|>")
+        rules = [
+            f"{ch} {json.dumps(f'commentary to=functions.{n} ')} "
+            f'{_tag(tokenizer, "<|constrain|>")} "json" {msg} args{i} '
+            f"{_tag(tokenizer, '<|call|>')}"
+            for i, (n, _) in enumerate(functions)
+        ]
+        calls = "calls: " + " | ".join(rules) + "\n"
+        calls += "".join(f"args{i}: %json {json.dumps(p)}\n" for i, (_, p) in enumerate(functions))
     else:
         raise ConstraintError(f"no grammar for the {fmt.name!r} tool-call format", field="tools")
     if required:
