@@ -2,8 +2,8 @@
 
 Reference parity: a tiny random checkpoint written by transformers' save_pretrained
 (GptOssForCausalLM, float32): sliding windows of 8 alternating with full layers over 72 tokens,
-sink logits of unit size, YaRN ×32 over an original context of 16 without truncation (so every
-pair's frequency is blended, as gpt-oss's config says), top-2 of 4 experts with biases and a
+sink logits of unit size, YaRN ×32 over gpt-oss's original context of 4096 without truncation
+(as its config says: the ramp then differs from a rounded one), top-2 of 4 experts with biases and a
 SwiGLU limit of 0.5 (the clamps bite). The same folder with its experts as OpenAI ships them
 (MXFP4 `*_blocks` / `*_scales`, random codes and exponents), which transformers dequantizes on
 load: the reference for the MXFP4 layout, kept here as MLX's mxfp4. mlx-lm's gpt_oss on that
@@ -39,7 +39,7 @@ YARN = {
     "beta_fast": 32.0,
     "beta_slow": 1.0,
     "truncate": False,
-    "original_max_position_embeddings": 16,
+    "original_max_position_embeddings": 4096,
 }
 SPECS = {
     "oss": dict(
