@@ -1,12 +1,13 @@
-"""`make bench` (new families): Qwen3.5-, Gemma 4- and Llama 4-shaped models, mlxlis against
-mlx-lm.
+"""`make bench` (new families): Qwen3.5-, Gemma 4-, Llama 4- and gpt-oss-shaped models, mlxlis
+against mlx-lm.
 
 Random float32 models with real head shapes at a small width: a Qwen3.5 (3 Gated DeltaNet
 layers per gated-attention layer; 16 key / 32 value heads of 128 for DeltaNet, 8 query / 2 KV
 heads of 256, a quarter rotated), a Gemma 4 E2B-like (sliding and full layers with head
 dims 256 / 512, per-layer input embeddings, the last layers KV-shared with double-wide MLPs,
-proportional RoPE) and a Llama 4 Scout-like (16 experts, top-1, a shared expert, chunked
-attention with NoPE every 4th layer). Each is written once as a Hugging Face folder
+proportional RoPE), a Llama 4 Scout-like (16 experts, top-1, a shared expert, chunked
+attention with NoPE every 4th layer) and a gpt-oss 20B-like (sinks, sliding and full layers,
+YaRN, 32 experts of which 4 a token). Each is written once as a Hugging Face folder
 (config.json and tensor names as `convert` writes them); each engine loads it in a fresh
 process (mlxlis first, so both run on the same BLAS) and runs a PROMPT-token prefill and
 DECODE greedy steps, best of --rounds. Prints a Markdown table and writes
@@ -100,6 +101,20 @@ def raw_configs(layers: int, hidden: int) -> dict[str, dict]:
             "interleave_moe_layer_step": 1,
             "attention_chunk_size": 128,  # chunks end inside the prompt and the decode
             "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+            "max_position_embeddings": 4096,
+        },
+        "gpt_oss": {  # 20B-like heads (64 query / 8 KV of 64), 32 experts, top-4, window 128
+            "model_type": "gpt_oss",
+            "vocab_size": 32000,
+            "hidden_size": hidden,
+            "intermediate_size": hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "num_local_experts": 32,
+            "num_experts_per_tok": 4,
+            "sliding_window": 128,
             "max_position_embeddings": 4096,
         },
         "gemma4": {

@@ -109,15 +109,18 @@ def config_from_gguf(
 
 
 def _yarn(m, key, theta: float, ctx: int, path: str) -> RopeConfig:
-    """llama.cpp's YaRN: the ramp's ends always rounded out (ggml_rope_yarn_corr_dims floors
-    and ceils), q and k scaled by 1 + 0.1·ln(factor); a file that sets its own attention
-    factor is refused (llama.cpp multiplies it in differently per model)."""
-    if m.has("rope.scaling.yarn_attn_factor") or m.has("rope.scaling.yarn_ext_factor"):
-        which = "yarn_attn_factor" if m.has("rope.scaling.yarn_attn_factor") else "yarn_ext_factor"
+    """llama.cpp's YaRN (llama_context's set-up): the ramp's ends always rounded out
+    (ggml_rope_yarn_corr_dims floors and ceils); q and k scaled by mscale(factor), or by
+    mscale(factor) / mscale(factor, yarn_log_multiplier) when the file has that key
+    (transformers' mscale_all_dim, mscale taken as 1), times rope.scaling.attn_factor; its
+    yarn_attn_factor key is overwritten there, so not read; a yarn_ext_factor other than 1
+    is refused."""
+    ext = m.get("rope.scaling.yarn_ext_factor", 1.0, float)
+    if ext != 1.0:
         raise UnsupportedError(
-            f"yarn with its own {which} is not supported",
+            f"yarn with an extrapolation factor of {ext} is not supported",
             path=path,
-            field=key(f"rope.scaling.{which}"),
+            field=key("rope.scaling.yarn_ext_factor"),
         )
     factor = m.get("rope.scaling.factor", 1.0, float)
     if not factor > 0:
@@ -126,14 +129,18 @@ def _yarn(m, key, theta: float, ctx: int, path: str) -> RopeConfig:
             path=path,
             field=key("rope.scaling.factor"),
         )
-    orig = m.get("rope.scaling.original_context_length", ctx)
+    attn = yarn_mscale(factor)
+    log_mul = m.get("rope.scaling.yarn_log_multiplier", 0.0, float)
+    if log_mul:
+        attn = yarn_mscale(factor) / yarn_mscale(factor, log_mul)
+    attn *= m.get("rope.scaling.attn_factor", 1.0, float)
     return RopeConfig(
         theta=theta,
         type="yarn",
         factor=factor,
-        original_max_position_embeddings=orig,
+        original_max_position_embeddings=m.get("rope.scaling.original_context_length", ctx),
         beta_fast=m.get("rope.scaling.yarn_beta_fast", 32.0, float),
         beta_slow=m.get("rope.scaling.yarn_beta_slow", 1.0, float),
         truncate=True,
-        attention_factor=yarn_mscale(factor),
+        attention_factor=attn,
     )
