@@ -57,8 +57,9 @@ def module_name(fam: str, gguf_name: str) -> str | None:
 
 
 def permuted_by_llama_cpp(fam: str) -> bool:
-    """llama.cpp's converter permutes Q/K for its `llama` architecture only (LlamaModel)."""
-    return "llama" in REGISTRY[fam].gguf_archs
+    """llama.cpp's converter permutes Q/K for its LlamaModel's architectures: `llama`, and
+    `mistral3` (Ministral3Model subclasses it)."""
+    return any(a in ("llama", "mistral3") for a in REGISTRY[fam].gguf_archs)
 
 
 def norms_plus_one_in_gguf(fam: str) -> bool:

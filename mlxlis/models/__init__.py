@@ -20,6 +20,7 @@ from mlxlis.models.gemma4_assistant import GEMMA4_ASSISTANT, OUTER_KEYS
 from mlxlis.models.gpt_oss import GPT_OSS
 from mlxlis.models.llama import LLAMA
 from mlxlis.models.llama4 import LLAMA4
+from mlxlis.models.mistral3 import MISTRAL3
 from mlxlis.models.qwen2 import QWEN2
 from mlxlis.models.qwen3 import QWEN3
 from mlxlis.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE
@@ -30,7 +31,7 @@ import mlx.nn as nn
 REGISTRY: dict[str, Family] = {
     f.name: f
     for f in (
-        *(LLAMA, LLAMA4, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, GPT_OSS),
+        *(LLAMA, LLAMA4, MISTRAL3, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, GPT_OSS),
         *(GEMMA, GEMMA2, GEMMA3, GEMMA4, GEMMA4_ASSISTANT),
     )
 }

@@ -76,8 +76,12 @@ class ModelConfig:
     rope_interleaved: bool = False  # RoPE pairs adjacent dims (2i, 2i+1) (Llama 4's complex form)
     no_rope_layers: tuple[bool, ...] = ()  # [i]: layer i has no RoPE (NoPE: Llama 4, SmolLM3)
     qk_l2_norm: bool = False  # RMSNorm without weight on q and k after RoPE (Llama 4, RoPE layers)
-    # NoPE layers scale q by 1 + scale·log(1 + ⌊(p + 1) / floor⌋) at position p: (floor, scale)
+    # NoPE layers (Llama 4), or every layer (attn_temperature_all: Ministral 3's
+    # llama_4_scaling_beta), scale q by 1 + scale·log(1 + ⌊(p + offset) / floor⌋) at
+    # position p: (floor, scale); the offset 1 (Llama 4) or 0 (Ministral 3)
     attn_temperature: tuple[int, float] | None = None
+    attn_temperature_offset: int = 1
+    attn_temperature_all: bool = False
     # sliding-window attention and softcaps (Gemma 2/3)
     rope_local: RopeConfig | None = None  # RoPE of sliding-window layers (Gemma 3)
     sliding_window: int | None = None

@@ -47,7 +47,8 @@ class Attention(nn.Module):
     4), the scale (1/√head_dim or 1/√query_pre_attn_scalar), a logit softcap (Gemma 2), a
     sigmoid output gate carried by a doubled q_proj (Qwen3.5: per head, head_dim query values
     then head_dim gate values), a sink logit per head (gpt-oss). `rope` None: a NoPE layer
-    (Llama 4, SmolLM3), whose queries Llama 4 scales by position (cfg.attn_temperature). A
+    (Llama 4, SmolLM3), whose queries Llama 4 scales by position (cfg.attn_temperature, as
+    Ministral 3 does on every layer). A
     sliding window or an attention chunk is the mask's and the cache's business, not this
     module's."""
 
@@ -71,7 +72,9 @@ class Attention(nn.Module):
             self.sinks = mx.zeros((self.n_heads,))
         self.rope = rope
         self._l2_eps = cfg.rms_norm_eps if cfg.qk_l2_norm and rope is not None else None
-        self._temperature = cfg.attn_temperature if rope is None else None
+        everywhere = rope is None or cfg.attn_temperature_all
+        self._temperature = cfg.attn_temperature if everywhere else None
+        self._temperature_offset = float(cfg.attn_temperature_offset)
 
     def __call__(
         self, x: mx.array, mask: Mask, cache: Cache | None, positions: mx.array | None = None
@@ -111,7 +114,7 @@ class Attention(nn.Module):
             q, k = self.rope.at(q, positions), self.rope.at(k, positions)
         else:
             q, k = self.rope(q, offset), self.rope(k, offset)
-        if self._l2_eps is not None or self._temperature is not None:  # Llama 4 only
+        if self._l2_eps is not None or self._temperature is not None:  # Llama 4, Ministral 3
             q, k = self._after_rope(q, k, offset + mx.arange(q.shape[2]))
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
@@ -130,16 +133,17 @@ class Attention(nn.Module):
         return attend(q, keys, values, self.scale, mask, self.softcap, self.get("sinks"))
 
     def _after_rope(self, q, k, positions: mx.array) -> tuple[mx.array, mx.array]:
-        """Llama 4's L2 norm of q and k (RoPE layers), or its temperature on q (NoPE layers):
-        q · (1 + scale·log(1 + ⌊(p + 1) / floor⌋)) at each position p (`positions`
-        broadcasting over (B, heads, T), as T positions or one per sequence)."""
+        """Llama 4's L2 norm of q and k (RoPE layers), or the temperature on q (Llama 4's NoPE
+        layers, Ministral 3's every layer): q · (1 + scale·log(1 + ⌊(p + offset) / floor⌋))
+        at each position p (`positions` broadcasting over (B, heads, T), as T positions or
+        one per sequence)."""
         if self._l2_eps is not None:
             q = mx.fast.rms_norm(q, None, self._l2_eps)
             k = mx.fast.rms_norm(k, None, self._l2_eps)
         if self._temperature is not None:
             floor, scale = self._temperature
             p = positions.astype(mx.float32)
-            t = mx.log1p(mx.floor((p + 1.0) / floor)) * scale + 1.0  # (T,) or (B, 1, 1)
+            t = mx.log1p(mx.floor((p + self._temperature_offset) / floor)) * scale + 1.0
             q = (q * t[..., None]).astype(q.dtype)
         return q, k
 

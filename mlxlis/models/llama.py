@@ -1,7 +1,8 @@
-"""Llama 2/3 (and Mistral): the plain pre-norm decoder with SwiGLU and RMSNorm.
+"""Llama 2/3: the plain pre-norm decoder with SwiGLU and RMSNorm.
 
-HF `llama` / `mistral`, GGUF `llama`. llama.cpp's converter permutes the attn_q / attn_k rows
-into its interleaved RoPE layout (`LlamaModel.permute`); the loader undoes it.
+HF `llama`, GGUF `llama` (Mistral's older GGUFs too; HF `mistral` is mistral3.py's).
+llama.cpp's converter permutes the attn_q / attn_k rows into its interleaved RoPE layout
+(`LlamaModel.permute`); the loader undoes it.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _export(cfg: ModelConfig) -> dict:
 
 LLAMA = Family(
     name="llama",
-    hf_model_types=("llama", "mistral"),
+    hf_model_types=("llama",),
     gguf_archs=("llama",),
     parse_hf=_parse_hf,
     parse_gguf=_parse_gguf,

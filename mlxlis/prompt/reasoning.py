@@ -3,7 +3,8 @@
 Qwen3-style models open their reply with `<think>`, reason, close with `</think>` and then
 answer; some templates (Qwen3.5, DeepSeek-R1) put `<think>\\n` at the end of the generation
 prompt, so the reply starts inside the reasoning with no opening tag. Gemma 4 reasons in a
-channel: `<|channel>thought\\n…<channel|>` (STYLES: the tag pairs and the channel label).
+channel: `<|channel>thought\\n…<channel|>`; Mistral's reasoning models write `[THINK]…[/THINK]`
+(STYLES: the tag pairs and the channel label).
 `ReasoningSplitter` turns decoded pieces into ("reasoning", text) / ("answer", text) segments:
 
 - the tags are matched by token id when the tokenizer has each as a single token (its
@@ -21,7 +22,11 @@ from typing import Any, Protocol
 
 OPEN_TAG, CLOSE_TAG = "<think>", "</think>"
 # (open tag, close tag, label right after the open tag that is not reasoning text)
-STYLES = ((OPEN_TAG, CLOSE_TAG, ""), ("<|channel>", "<channel|>", "thought"))
+STYLES = (
+    (OPEN_TAG, CLOSE_TAG, ""),
+    ("<|channel>", "<channel|>", "thought"),
+    ("[THINK]", "[/THINK]", ""),  # Magistral, Ministral 3 Reasoning (tags of its vocabulary)
+)
 REASONING, ANSWER = "reasoning", "answer"
 
 Segment = tuple[str, str]  # (REASONING | ANSWER, text)

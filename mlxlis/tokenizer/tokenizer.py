@@ -112,7 +112,8 @@ class Tokenizer:
 
     @classmethod
     def from_folder(cls, folder: Path | str) -> Tokenizer:
-        """tokenizer.json (else tokenizer.model) plus the HF config files beside it."""
+        """tokenizer.json (else tokenizer.model, else Mistral's tekken.json) plus the HF
+        config files beside it."""
         folder = Path(folder)
         if not folder.is_dir():
             raise TokenizerError("not a folder", path=folder)
@@ -124,9 +125,15 @@ class Tokenizer:
             backend: _Backend = _load_json(folder / "tokenizer.json")
         elif (folder / "tokenizer.model").is_file():
             backend, sp_ids = _load_spm(folder / "tokenizer.model", cfg)
+        elif (folder / "tekken.json").is_file():  # Mistral's own format
+            from mlxlis.tokenizer.tekken import load_tekken
+
+            backend = JsonVocab(load_tekken(folder / "tekken.json"))
         else:
             raise TokenizerError(
-                "missing (so is tokenizer.model)", path=folder, field="tokenizer.json"
+                "missing (so are tokenizer.model and tekken.json)",
+                path=folder,
+                field="tokenizer.json",
             )
         for i, spec in _added_tokens(cfg, cfg_path):
             if spec.get("special") and isinstance(spec.get("content"), str):
