@@ -737,8 +737,8 @@ MUTANTS = (
     Mutant(
         "llama4-temperature-floor",
         "mlxlis/models/llama4.py",
-        "            attn_temperature=(size[\"floor_scale\"], float(scale)) if tuning else None,",
-        "            attn_temperature=(size[\"floor_scale\"], float(scale)) if tuning else None,"
+        '            attn_temperature=(size["floor_scale"], float(scale)) if tuning else None,',
+        '            attn_temperature=(size["floor_scale"], float(scale)) if tuning else None,'
         "\n            attn_temperature_offset=0,",
         (LLAMA4_HF,),
         "Llama 4: NoPE temperature from ⌊p / floor⌋ instead of ⌊(p + 1) / floor⌋",
