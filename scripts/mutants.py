@@ -40,6 +40,8 @@ LLAMA4_CACHE = "tests/test_llama4.py::test_cached_decode_and_batches_equal_the_f
 OSS_HF = "tests/test_gpt_oss.py::test_logits_match_transformers_fp32"
 OSS_CACHE = "tests/test_gpt_oss.py::test_cached_decode_and_batches_equal_the_full_forward"
 OSS_GGUF = "tests/test_gpt_oss.py::test_gguf_matches_transformers_on_the_files_weights"
+M3_HF = "tests/test_mistral3.py::test_logits_match_transformers_fp32"
+M3_GGUF = "tests/test_mistral3.py::test_gguf_matches_transformers_on_the_files_weights"
 
 MUTANTS = (
     Mutant(
@@ -878,6 +880,72 @@ MUTANTS = (
         "layer_types=tuple(LAYER_TYPES[1 - i % 2] for i in range(n)),",
         (OSS_GGUF,),
         "gpt-oss GGUF: the sliding layers on odd indices instead of even ones",
+    ),
+    Mutant(
+        "m3-window-ignored",
+        "mlxlis/models/mistral3.py",
+        "    return cfg.with_(sliding_window=window, layer_types=(SLIDING,) * n if window else ())",
+        "    return cfg.with_(sliding_window=window, layer_types=())",
+        (M3_HF,),
+        "Mistral: the sliding window left out",
+    ),
+    Mutant(
+        "m3-temperature-offset",
+        "mlxlis/models/mistral3.py",
+        "    return _window(base, window).with_(\n"
+        "        attn_temperature=temperature, attn_temperature_offset=0,",
+        "    return _window(base, window).with_(\n"
+        "        attn_temperature=temperature, attn_temperature_offset=1,",
+        (M3_HF,),
+        "Ministral 3: the temperature from ⌊(p + 1) / floor⌋ instead of ⌊p / floor⌋",
+    ),
+    Mutant(
+        "m3-temperature-nope-only",
+        "mlxlis/models/layers.py",
+        "        everywhere = rope is None or cfg.attn_temperature_all",
+        "        everywhere = rope is None",
+        (M3_HF,),
+        "Ministral 3: the temperature on NoPE layers only (none)",
+    ),
+    Mutant(
+        "m3-yarn-mscale-all-dim-ignored",
+        "mlxlis/models/config.py",
+        "            attn = yarn_mscale(factor, m) / yarn_mscale(factor, m_all)",
+        "            attn = yarn_mscale(factor)",
+        (M3_HF,),
+        "YaRN: mscale / mscale_all_dim ignored",
+    ),
+    Mutant(
+        "m3-gguf-log-mul-ignored",
+        "mlxlis/models/gguf_config.py",
+        "        attn = yarn_mscale(factor) / yarn_mscale(factor, log_mul)",
+        "        attn = yarn_mscale(factor)",
+        (M3_GGUF,),
+        "GGUF YaRN: yarn_log_multiplier ignored",
+    ),
+    Mutant(
+        "m3-gguf-unpermuted",
+        "mlxlis/models/mistral3.py",
+        "    gguf_conventions=(UNPERMUTE_Q, UNPERMUTE_K),  # Ministral3Model is a LlamaModel",
+        "    gguf_conventions=(),",
+        (M3_GGUF,),
+        "Ministral 3 GGUF: Q/K left in llama.cpp's permuted order",
+    ),
+    Mutant(
+        "tekken-merges-unsorted",
+        "mlxlis/tokenizer/tekken.py",
+        "    merges.sort(key=lambda m: m[0])",
+        "    merges.sort(key=lambda m: -m[0])",
+        ("tests/test_tekken.py::test_ids_match_tiktoken_on_the_same_ranks",),
+        "tekken.json: merges out of rank order",
+    ),
+    Mutant(
+        "harmony-analysis-as-answer",
+        "mlxlis/prompt/harmony.py",
+        '        elif channel is not None and channel.group(1) == "analysis":',
+        '        elif channel is not None and channel.group(1) == "final":',
+        ("tests/test_harmony.py::test_thinking_and_answer_split_back",),
+        "harmony: the analysis channel shown as the answer",
     ),
     Mutant(
         "llama4-batch-chunk-ignored",

@@ -20,6 +20,7 @@ The JSON shape (`schema` 1) is stable: keys are only ever added, never renamed o
                 "sliding_window": null, "layer_types": [],
                 "attention_chunk_size": null,      # Llama 4: chunked layers' span
                 "no_rope_layers": [],              # layers without RoPE (NoPE)
+                "attention_sinks": false,          # gpt-oss: a sink logit per head
                 "experts": null},                  # MoE: {"count", "per_token", "width",
                                                    #       "sparse_layers", "norm_topk_prob"}
      "weights": {"arrays": 272, "bytes": 538000000},  # as held in memory after loading
@@ -78,6 +79,7 @@ def model_report(model: Model) -> dict[str, Any]:
             "layer_types": list(c.layer_types),
             "attention_chunk_size": c.attention_chunk_size,
             "no_rope_layers": [i for i, x in enumerate(c.no_rope_layers) if x],
+            "attention_sinks": c.attn_sinks,
             "experts": {
                 "count": c.num_experts,
                 "per_token": c.num_experts_per_tok,
@@ -115,7 +117,10 @@ def format_report(r: dict[str, Any]) -> str:
     rope_text = f"θ {rope['theta']:g}" + (
         f", {rope['type']} ×{rope['factor']:g}" if rope["type"] != "default" else ""
     )
+    sliding = sum(t == "sliding_attention" for t in c["layer_types"])
     window = f", sliding window {c['sliding_window']}" if c["sliding_window"] else ""
+    if c["sliding_window"] and sliding:
+        window += f" in {sliding} of {c['layers']} layers"
     chunked = sum(t == "chunked_attention" for t in c["layer_types"])
     if chunked:
         window += f", attention chunks of {c['attention_chunk_size']} in {chunked} layers"
@@ -133,7 +138,11 @@ def format_report(r: dict[str, Any]) -> str:
         *([("vision", r["vision"])] if r.get("vision") else []),
         *([("skipped", r["skipped"])] if r.get("skipped") else []),
         ("layers", f"{c['layers']}, hidden {c['hidden_size']}, mlp {c['intermediate_size']}"),
-        ("heads", f"{c['attention_heads']} ({c['kv_heads']} kv), head_dim {c['head_dim']}"),
+        (
+            "heads",
+            f"{c['attention_heads']} ({c['kv_heads']} kv), head_dim {c['head_dim']}"
+            + (", a sink logit each" if c.get("attention_sinks") else ""),
+        ),
         *_experts_row(c.get("experts")),
         ("vocab", str(c["vocab_size"])),
         ("context", f"{c['context_length']}{window}"),

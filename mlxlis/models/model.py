@@ -341,7 +341,8 @@ def _quant_summary(net: nn.Module) -> str:
     counts: dict[str, int] = {}
     for _, m in net.named_modules():
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
-            key = f"{m.bits}-bit g{m.group_size}"
+            mode = getattr(m, "mode", "affine")
+            key = mode if mode != "affine" else f"{m.bits}-bit g{m.group_size}"
         elif isinstance(m, (nn.Linear, nn.Embedding, SwitchLinear)):
             key = "dense"
         else:
