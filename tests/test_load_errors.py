@@ -135,9 +135,9 @@ def test_pickle_files_refused(tmp_path, suffix):
 CONFIG_EDITS = {
     "unknown_model_type": ({"model_type": "gpt_neox"}, errors.UnsupportedError, "model_type"),
     "unsupported_rope": (
-        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}},
         errors.UnsupportedError,
-        "yarn",
+        "dynamic",
     ),
     "missing_hidden": ({"hidden_size": None}, errors.ConfigError, "hidden_size"),
     "bad_kv_heads": ({"num_key_value_heads": 3}, errors.ConfigError, "num_key_value_heads"),

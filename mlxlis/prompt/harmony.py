@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from mlxlis.prompt.reasoning import ANSWER, REASONING, Segment, partial_suffix
+from mlxlis.prompt.segments import ANSWER, REASONING, Segment, partial_suffix
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"

@@ -20,6 +20,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from mlxlis.prompt.harmony import HarmonySplitter, speaks_harmony
+from mlxlis.prompt.segments import ANSWER, REASONING, Segment, join, partial_suffix
+
+__all__ = ["ANSWER", "REASONING", "ReasoningSplitter", "Segment", "Splitter", "join"]
+
 OPEN_TAG, CLOSE_TAG = "<think>", "</think>"
 # (open tag, close tag, label right after the open tag that is not reasoning text)
 STYLES = (
@@ -27,9 +32,6 @@ STYLES = (
     ("<|channel>", "<channel|>", "thought"),
     ("[THINK]", "[/THINK]", ""),  # Magistral, Ministral 3 Reasoning (tags of its vocabulary)
 )
-REASONING, ANSWER = "reasoning", "answer"
-
-Segment = tuple[str, str]  # (REASONING | ANSWER, text)
 
 _START, _THINK, _AFTER, _ANSWER = "start", "reasoning", "after", "answer"
 
@@ -100,8 +102,6 @@ class ReasoningSplitter:
         """A splitter for the reply to `prompt`: harmony's after its generation prompt
         (gpt-oss, harmony.py); else this one with `tokenizer`'s tag ids when it has them,
         the first style whose two tags are tokens of the vocabulary, else `<think>` as text."""
-        from mlxlis.prompt.harmony import HarmonySplitter, speaks_harmony
-
         if speaks_harmony(tokenizer, prompt):
             return HarmonySplitter()
         style, ids = STYLES[0], {}
@@ -228,16 +228,3 @@ class ReasoningSplitter:
         if body:
             out.append((REASONING, body))
             self._reasoned = True
-
-
-def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
-def join(segments: list[Segment], kind: str) -> str:
-    """The text of the segments of one kind (REASONING or ANSWER), in order."""
-    return "".join(text for k, text in segments if k == kind)
