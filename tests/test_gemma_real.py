@@ -90,6 +90,7 @@ def test_cli_raw_completion_end_to_end():
     assert api.strip() and res.stdout == api + "\n"  # the CLI streams exactly the API's text
 
 
+@pytest.mark.extended  # `make test-all` (10 s): the chat app refuses it in test_tui_real
 def test_cli_chat_mode_without_template_is_refused():
     """Chat mode on the base model stops with exit 2 and the diagnosis (never a guessed
     template, never raw prompting behind the user's back)."""

@@ -457,6 +457,7 @@ def test_gated_missing_and_weightless_repos(hub, files, tmp_path):
     assert not any(q.authorized for q in hub.requests("cdn"))
 
 
+@pytest.mark.extended  # `make test-all` (8 s): the downloads themselves are in make test
 def test_models_lists_scans_and_rm_removes(hub, files, tmp_path):
     """`mlxlis models` lists the cached safetensors repo and GGUF quant with format, quant,
     size and family; `--scan` adds LM Studio's and llama.cpp's GGUFs under names -m opens;

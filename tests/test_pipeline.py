@@ -196,6 +196,7 @@ def test_each_rank_holds_only_its_share(pipelined):
         assert grew < 1.25 * held + (64 << 20)
 
 
+@pytest.mark.extended  # `make test-all` (8 s): the ranks' steps are proved in make test
 def test_cli_under_the_launcher_prints_the_lone_output_once(tmp_path):
     """`mlx.launch -n 2 mlxlis -m M --no-chat --temp 0 PROMPT` writes exactly what the lone
     command writes, once (rank 1 prints nothing), and nothing on stderr."""

@@ -83,6 +83,7 @@ def test_killed_rank_ends_every_rank_with_a_clear_error():
     )
 
 
+@pytest.mark.extended  # `make test-all` (6 s): a killed rank is noticed in make test
 def test_frozen_rank_is_noticed_by_the_watchdog():
     """SIGSTOP on rank 1 of 2 (its sockets stay open, so nothing fails): rank 0's wait for the
     next token outlives MLXLIS_RANK_TIMEOUT=2 and its watchdog ends it with a clear line."""

@@ -195,6 +195,7 @@ STRICT = [
 ]
 
 
+@pytest.mark.extended  # `make test-all`: strict grammars compile and run on tiny models
 def test_qwen_strict_tool_arguments_follow_the_schema(qwen):
     """A strict tool under tool_choice "auto": Qwen2.5-Coder's call (in its own Hermes syntax,
     the tags its single special tokens) has arguments that validate with jsonschema against

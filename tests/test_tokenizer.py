@@ -228,6 +228,7 @@ def test_folder_tokenizer_json_matches_transformers(real):
         assert tok.decode(ids, skip_special=True) == real.ref.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.extended  # `make test-all` (8 s): the GGUF vocabularies match transformers here
 @pytest.mark.real
 def test_folder_sentencepiece_model_from_gemma_gguf(real, tmp_path):
     """The SentencePiece proto built from Gemma's GGUF, written as tokenizer.model, loads with

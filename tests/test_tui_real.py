@@ -120,6 +120,7 @@ def test_gemma3_base_model_shows_diagnosis_and_does_not_send(tmp_path):
     run(app, scenario)
 
 
+@pytest.mark.extended  # `make test-all` (9 s): the pad's raw path is tiny-tested
 @pulled("gemma3-270m")
 def test_gemma3_no_chat_pad_completes_raw_text(tmp_path):
     """--no-chat on the Gemma 3 base model: the header says raw completion and the typed text

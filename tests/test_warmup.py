@@ -11,6 +11,8 @@ import sys
 
 from mlxlis.generation.warmup import TINY_CONFIGS
 
+import pytest
+
 WARM = "from mlxlis.generation.warmup import TINY_CONFIGS, warm_tiny; warm_tiny(TINY_CONFIGS[:1])"
 GENERATE = """
 import sys, mlxlis
@@ -24,6 +26,7 @@ def kernels(tmp) -> set[str]:
     return {p.name for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else set()
 
 
+@pytest.mark.extended  # `make test-all` (13 s): two processes compiling the kernels
 def test_tiny_warm_up_covers_a_model_of_another_size(tiny, tmp_path):
     folder, _ = tiny("qwen2")  # hidden, heads and vocabulary unlike the warm-up's
     assert TINY_CONFIGS[0]["model_type"] == "llama"
