@@ -363,8 +363,12 @@ def test_bad_values_are_named(oss, tmp_path):
         ("num_experts_per_tok", 5),
         ("rope_parameters", {**YARN, "truncate": "no"}),
         ("rope_parameters", {**YARN, "original_max_position_embeddings": None}),
+        ("rope_parameters", {**YARN, "rope_theta": 1.0}),
     ):
         (bad / "config.json").write_text(json.dumps({**cfg, key: value}))
         with pytest.raises(ConfigError) as e:
             mlxlis.load(bad, "float32")
         assert e.value.field in (key, "rope_parameters"), (key, e.value)
+    no_window = {k: v for k, v in cfg.items() if k != "layer_types"}
+    (bad / "config.json").write_text(json.dumps({**no_window, "sliding_window": None}))
+    assert set(mlxlis.load(bad, "float32").config.layer_types) == {"full_attention"}

@@ -163,3 +163,63 @@ def test_plain_text_is_the_answer_and_headers_are_never_shown():
     assert s.feed("Hello <b>there</b>") + s.flush() == [(ANSWER, "Hello <b>there</b>")]
     s = HarmonySplitter()
     assert s.feed("<|channel|>analysis") + s.flush() == []
+
+
+def test_a_header_that_never_ends_is_answer_text_and_an_unfinished_one_is_dropped():
+    """A model that writes a header past any header's length without <|message|> gets its
+    text shown (the splitter does not hold it, nor loop); a reply cut inside the next
+    message's header shows nothing of it."""
+    s = HarmonySplitter()
+    parts = s.feed("<|channel|>final<|message|>x<|end|>") + s.feed("<|start|>assistant" + "y" * 600)
+    parts += s.flush()
+    assert parts[0] == (ANSWER, "x") and "y" * 600 in parts[1][1]
+    s = HarmonySplitter()
+    got = s.feed("<|channel|>final<|message|>A<|end|><|start|>assistant") + s.flush()
+    assert got == [(ANSWER, "A")]
+
+
+def test_a_forced_call_opens_through_the_splitter(template, tokenizer):
+    """tool_choice naming a function whose call cannot be a grammar opens the call in the
+    prompt (HARMONY.forced): the server's reply reads that header as the model's own, and
+    the arguments the model then writes come back as the call."""
+    from mlxlis.generation.events import Event, Usage
+    from mlxlis.serve.reply import ChatReply
+    from mlxlis.serve.tool_formats import HARMONY
+
+    prompt = template.render(USER, add_generation_prompt=True, tools=TOOLS)
+    forced = HARMONY.forced("get_weather")
+    reply = ChatReply(
+        tokenizer,
+        None,
+        prompt,
+        logprobs=False,
+        tools=frozenset({"get_weather"}),
+        tool_format=HARMONY,
+        forced=forced,
+    )
+    for piece in ('{"city": ', '"Oslo"}'):
+        reply.feed(Event(None, piece, Usage()))
+    reply.feed(Event(None, "", Usage(), finish_reason="stop"))
+    msg = reply.message()
+    assert msg["content"] is None
+    (call,) = msg["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_harmony_vocabularies_stop_at_return_and_call_not_end(tokenizer, template, tmp_path):
+    """<|end|> ends a harmony message, not the reply: a model with gpt-oss's template and tags
+    stops at <|return|> and <|call|> only (llama.cpp's rule for o200k_harmony)."""
+    import mlxlis
+
+    from conftest import build_tiny
+    from test_gpt_oss import SPECS
+
+    folder = tmp_path / "oss"
+    build_tiny(folder, SPECS["oss"], tokenizer_kw={"extra_special": HARMONY_TOKENS})
+    (folder / "chat_template.jinja").write_text(template.text)
+    model = mlxlis.load(folder, "float32")
+    special = model.tokenizer.special_tokens
+    stops = model.stop_ids()
+    assert special["<|end|>"] not in stops
+    assert {special["<|return|>"], special["<|call|>"]} <= stops

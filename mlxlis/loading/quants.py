@@ -31,6 +31,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from mlxlis.errors import FileFormatError, UnsupportedQuantError
 from mlxlis.loading.gguf import GGML_TYPES, GGUFTensor
@@ -57,6 +58,20 @@ class Converted:
     @property
     def quantized(self) -> bool:
         return self.scales is not None
+
+    def parts(self, part: str) -> dict[str, mx.array]:
+        """The arrays a module takes: weight, scales (and affine biases) when quantized, else
+        the dense array as its `part`."""
+        if self.scales is None:
+            return {part: self.weight}
+        out = {"weight": self.weight, "scales": self.scales}
+        if self.biases is not None:  # mxfp4 has none
+            out["biases"] = self.biases
+        return out
+
+    def quant_block(self) -> dict[str, Any]:
+        """The module's entry in a quantization block (quantize_like's)."""
+        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
 
 
 def convert_tensor(

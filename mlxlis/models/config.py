@@ -248,6 +248,8 @@ def _yarn(params: dict, theta: float, factor: float, path: str, fld: str) -> Rop
                 f"yarn {key} must be a positive number, got {v!r}"[:200], path=path, field=fld
             )
         vals[key] = float(v) if v else default  # transformers: a 0 or null is the default
+    if theta <= 1:  # its correction range divides by log θ
+        raise ConfigError(f"yarn needs a rope theta above 1, got {theta!r}", path=path, field=fld)
     truncate = params.get("truncate", True)
     if not isinstance(truncate, bool):
         raise ConfigError(

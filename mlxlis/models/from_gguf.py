@@ -259,13 +259,9 @@ def _convert(gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dense, clock: _Clo
         )
         gf.release(name)  # the file pages of this tensor are no longer needed
         module = target.rsplit(".", 1)[0]
-        if conv.scales is not None:
-            parts = {"weight": conv.weight, "scales": conv.scales, "biases": conv.biases}
-            if conv.biases is None:  # mxfp4: scales only
-                del parts["biases"]
-            quant[module] = {"group_size": conv.group_size, "bits": conv.bits, "mode": conv.mode}
-        else:
-            parts = {target.rsplit(".", 1)[1]: conv.weight}
+        parts = conv.parts(target.rsplit(".", 1)[1])
+        if conv.quantized:
+            quant[module] = conv.quant_block()
         del conv
         for part, arr in parts.items():
             new = spec.undo(target, arr, cfg, part)

@@ -129,6 +129,17 @@ def _yarn(m, key, theta: float, ctx: int, path: str) -> RopeConfig:
             path=path,
             field=key("rope.scaling.factor"),
         )
+    orig = m.get("rope.scaling.original_context_length", ctx)
+    fast = m.get("rope.scaling.yarn_beta_fast", 32.0, float)
+    slow = m.get("rope.scaling.yarn_beta_slow", 1.0, float)
+    for name, v in (("rope.freq_base", theta - 1), ("rope.scaling.original_context_length", orig)):
+        if not v > 0:  # the correction range divides by log θ and takes log of the context
+            raise ConfigError(
+                f"must be positive for yarn (θ above 1), got {v!r}", path=path, field=key(name)
+            )
+    for name, v in (("rope.scaling.yarn_beta_fast", fast), ("rope.scaling.yarn_beta_slow", slow)):
+        if not v > 0:
+            raise ConfigError(f"must be positive, got {v!r}", path=path, field=key(name))
     attn = yarn_mscale(factor)
     log_mul = m.get("rope.scaling.yarn_log_multiplier", 0.0, float)
     if log_mul:
@@ -138,9 +149,9 @@ def _yarn(m, key, theta: float, ctx: int, path: str) -> RopeConfig:
         theta=theta,
         type="yarn",
         factor=factor,
-        original_max_position_embeddings=m.get("rope.scaling.original_context_length", ctx),
-        beta_fast=m.get("rope.scaling.yarn_beta_fast", 32.0, float),
-        beta_slow=m.get("rope.scaling.yarn_beta_slow", 1.0, float),
+        original_max_position_embeddings=orig,
+        beta_fast=fast,
+        beta_slow=slow,
         truncate=True,
         attention_factor=attn,
     )

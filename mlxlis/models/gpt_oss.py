@@ -66,8 +66,8 @@ class Swiglu(FamilyConfig):
 
 def _layer_types(cfg: dict, n: int, window: int | None, path: str) -> tuple[str, ...]:
     types = cfg.get("layer_types")
-    if types is None:  # transformers: sliding on even layers
-        return tuple(LAYER_TYPES[i % 2] for i in range(n))
+    if types is None:  # transformers: sliding on even layers (full ones without a window)
+        return tuple(LAYER_TYPES[i % 2 if window else 1] for i in range(n))
     if (
         not isinstance(types, list)
         or len(types) != n

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from mlxlis.errors import ConfigError
+from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig, number, yarn_mscale
@@ -90,6 +90,12 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
     r = cfg.rope
     if cfg.attn_temperature is None and r.type != "yarn":
         return out
+    if r.type not in ("default", "yarn"):  # Ministral3Config's rope_parameters say no other
+        raise UnsupportedError(
+            f"a position temperature with {r.type} RoPE scaling cannot be written",
+            path=cfg.source,
+            field="rope_parameters",
+        )
     params: dict[str, Any] = {"rope_type": r.type, "rope_theta": r.theta}
     if r.type == "yarn":
         m1 = yarn_mscale(r.factor)
@@ -115,6 +121,8 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
             field="llama_4_scaling_beta",
         )
     params.update(llama_4_scaling_beta=beta, original_max_position_embeddings=floor)
+    if cfg.sliding_window:  # mlx-lm's ministral3 reads the window per layer type only
+        out["layer_types"] = list(cfg.layer_types)
     return {
         **out,
         "rope_scaling": None,  # rope_parameters says it (transformers would merge the two)

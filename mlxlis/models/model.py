@@ -266,10 +266,16 @@ class Model:
         return Prompt(ids, runs, text, sources)
 
     def stop_ids(self) -> set[int]:
-        """EOS ids from config and tokenizer, plus the template's end-of-turn tokens."""
+        """EOS ids from config and tokenizer, plus the template's end-of-turn tokens; in a
+        harmony vocabulary (gpt-oss: <|return|> and <|call|> end a reply) <|end|> only ends
+        a message and more follow, so it is not one (llama.cpp's o200k_harmony rule)."""
         ids = set(self.config.eos_token_ids) | set(self.tokenizer.stop_ids)
         if self.template is not None:
             ids |= set(end_of_turn_tokens(self.template.text, self.tokenizer.special_tokens))
+        special = self.tokenizer.special_tokens
+        if "<|return|>" in special and "<|call|>" in special and "<|end|>" in special:
+            ids.discard(special["<|end|>"])
+            ids |= {special["<|return|>"], special["<|call|>"]}
         return ids
 
     @property

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxlis.errors import ConfigError
+from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig
@@ -217,6 +217,12 @@ GGUF_BLOCK = {
 
 def _export(moe: bool):
     def export(cfg: ModelConfig) -> dict[str, Any]:
+        if cfg.rope.type != "default":  # its rope_parameters below would drop the scaling
+            raise UnsupportedError(
+                f"writing a Qwen3.5 with {cfg.rope.type} RoPE scaling is not supported",
+                path=cfg.source,
+                field="rope_parameters",
+            )
         factor = (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim
         out = {
             "layer_types": list(cfg.layer_types),

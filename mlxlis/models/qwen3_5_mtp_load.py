@@ -114,11 +114,9 @@ def _from_gguf(model: Model) -> MTPBlock:
             )
             gf.release(name)
             module, part = ours.rsplit(".", 1)
-            if conv.scales is not None:
-                parts = {"weight": conv.weight, "scales": conv.scales, "biases": conv.biases}
-                quant[module] = {"group_size": conv.group_size, "bits": conv.bits}
-            else:
-                parts = {part: conv.weight}
+            parts = conv.parts(part)
+            if conv.quantized:
+                quant[module] = conv.quant_block()
             for p, arr in parts.items():
                 if is_mtp_norm(ours):  # llama.cpp adds 1 to the zero-centred norms
                     arr = gemma_norm_minus_one(arr)

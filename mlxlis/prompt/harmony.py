@@ -53,7 +53,7 @@ class HarmonySplitter:
         self._buf = ""  # the header so far, or body text that may be the start of a tag
         self._kind: str | None = None  # the open message's: REASONING, ANSWER, or "call"
         self._ws = ""  # the body's whitespace, held until more text follows it
-        self._fresh = True  # nothing of the open message's body emitted yet
+        self._fresh = True  # nothing of the open message's body emitted yet (none open)
         self._answered = False  # some answer text was emitted (a next one needs a break)
         self.saw_reasoning = False
         self.reasoning_tokens = 0
@@ -76,12 +76,13 @@ class HarmonySplitter:
 
     def flush(self) -> list[Segment]:
         """Whatever is held at the end of the reply (a call the end-of-reply token closed
-        gets its canonical end)."""
+        gets its canonical end; an unfinished header shows nothing)."""
         out: list[Segment] = []
         buf, self._buf = self._buf, ""
         if self._kind is None:
-            if buf.strip() and CHANNEL not in buf:  # never a header: plain answer text
-                self._kind = ANSWER
+            head = buf.lstrip()
+            if head and not head.startswith("<|"):  # never a header: plain answer text
+                self._open(ANSWER)
                 self._emit(buf, out)
         else:
             self._emit(buf, out)
@@ -96,30 +97,29 @@ class HarmonySplitter:
             head = self._buf.lstrip()
             if len(self._buf) > HEADER_MAX or (
                 head and not (head.startswith("<|") or "<|".startswith(head))
-            ):
-                self._kind, self._fresh = ANSWER, True  # not harmony: answer text as it came
-                self._open_answer(out)
+            ):  # not harmony: answer text as it came, to the next tag
+                self._open(ANSWER)
+                cut = self._buf.find(START, 1)
+                cut = len(self._buf) if cut < 0 else cut
+                self._emit(self._buf[:cut], out)
+                self._buf = self._buf[cut:]
                 return True
             return False
         header, self._buf = self._buf[:at], self._buf[at + len(MESSAGE) :]
         recipient = _RECIPIENT.search(header)
         channel = _CHANNEL.search(header)
-        self._fresh, self._ws = True, ""
         if recipient is not None:
-            self._kind = "call"
+            self._open("call")
             out.append((ANSWER, CALL_OPEN + recipient.group(1) + MESSAGE))
         elif channel is not None and channel.group(1) == "analysis":
-            self._kind = REASONING
+            self._open(REASONING)
             self.saw_reasoning = True
         else:
-            self._kind = ANSWER
-            self._open_answer(out)
+            self._open(ANSWER)
         return True
 
-    def _open_answer(self, out: list[Segment]) -> None:
-        if self._answered:
-            self._ws = "\n\n"  # shown once more answer text follows
-            self._fresh = False
+    def _open(self, kind: str) -> None:
+        self._kind, self._ws, self._fresh = kind, "", True
 
     def _body(self, out: list[Segment]) -> bool:
         """Emit the body up to its end tag (then back to a header); False when the rest may
@@ -141,15 +141,17 @@ class HarmonySplitter:
             if text:
                 out.append((ANSWER, text))
             return
-        text = self._ws + text
-        if self._fresh:
-            text = text.lstrip()
+        text = text.lstrip() if self._fresh else self._ws + text
         body = text.rstrip()
         self._ws = text[len(body) :]
-        if body:
-            out.append((REASONING if self._kind == REASONING else ANSWER, body))
-            self._fresh = False
-            self._answered = self._answered or self._kind == ANSWER
+        if not body:
+            return
+        if self._kind == REASONING:
+            out.append((REASONING, body))
+        else:  # a second answer message (after a preamble) starts on a paragraph of its own
+            out.append((ANSWER, ("\n\n" if self._fresh and self._answered else "") + body))
+            self._answered = True
+        self._fresh = False
 
     def _end(self, out: list[Segment]) -> None:
         if self._kind == "call":

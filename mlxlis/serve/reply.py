@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxlis.generation.events import Event
+from mlxlis.prompt.harmony import HarmonySplitter
 from mlxlis.prompt.reasoning import ANSWER, ReasoningSplitter
 from mlxlis.serve.openai_format import CompletionLogprobs, TokenText, chat_logprob
 from mlxlis.serve.tool_formats import HERMES, ToolFormat
@@ -50,7 +51,13 @@ class ChatReply:
         self.tools = None
         if tools is not None:
             self.tools = ToolCallParser(tools, tool_format or HERMES)
-            self.tools.feed(forced)  # the prompt opened the call (tool_choice): all of it held
+            # the prompt opened the call (tool_choice): all of it held; a harmony header
+            # (gpt-oss) is the splitter's to read first, as if the model had written it
+            pieces = [forced]
+            if isinstance(self.splitter, HarmonySplitter):
+                pieces = [text for _, text in self.splitter.feed(forced)]
+            for text in pieces:
+                self.tools.feed(text)
         self.token_text = token_text
         self.want_logprobs = logprobs
         self.content, self.reasoning = "", ""
