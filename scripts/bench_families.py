@@ -1,14 +1,15 @@
-"""`make bench` (new families): Qwen3.5-, Gemma 4-, Llama 4- and gpt-oss-shaped models, mlxlis
-against mlx-lm.
+"""`make bench` (new families): Qwen3.5-, Gemma 4-, Llama 4-, gpt-oss- and Ministral 3-shaped
+models, mlxlis against mlx-lm.
 
 Random float32 models with real head shapes at a small width: a Qwen3.5 (3 Gated DeltaNet
 layers per gated-attention layer; 16 key / 32 value heads of 128 for DeltaNet, 8 query / 2 KV
 heads of 256, a quarter rotated), a Gemma 4 E2B-like (sliding and full layers with head
 dims 256 / 512, per-layer input embeddings, the last layers KV-shared with double-wide MLPs,
 proportional RoPE), a Llama 4 Scout-like (16 experts, top-1, a shared expert, chunked
-attention with NoPE every 4th layer) and a gpt-oss 20B-like (sinks, sliding and full layers,
-YaRN, 32 experts of which 4 a token). Each is written once as a Hugging Face folder
-(config.json and tensor names as `convert` writes them); each engine loads it in a fresh
+attention with NoPE every 4th layer), a gpt-oss 20B-like (sinks, sliding and full layers,
+YaRN, 32 experts of which 4 a token) and a Ministral 3 8B-like (YaRN, the query
+temperature). Each is written once as a Hugging Face folder (config.json and tensor names as
+`convert` writes them); each engine loads it in a fresh
 process (mlxlis first, so both run on the same BLAS) and runs a PROMPT-token prefill and
 DECODE greedy steps, best of --rounds. Prints a Markdown table and writes
 bench-results/families.json.
@@ -116,6 +117,28 @@ def raw_configs(layers: int, hidden: int) -> dict[str, dict]:
             "num_experts_per_tok": 4,
             "sliding_window": 128,
             "max_position_embeddings": 4096,
+        },
+        "ministral3": {  # Ministral 3 8B-like heads (32 query / 8 KV of 128), YaRN, temperature
+            "model_type": "ministral3",
+            "vocab_size": 32000,
+            "hidden_size": hidden,
+            "intermediate_size": 3 * hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1e6,
+                "factor": 16.0,
+                "original_max_position_embeddings": 16384,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.1,
+            },
+            "max_position_embeddings": 262144,
         },
         "gemma4": {
             "model_type": "gemma4_text",
