@@ -90,6 +90,7 @@ def test_logits_match_transformers_gguf_loader(real: Real):
     assert (ours.argmax(-1) == real.theirs.argmax(-1)).all()
 
 
+@pytest.mark.extended  # `make test-all` (7 s): tiny GGUF tests check both forms on transformers
 def test_dequantized_equals_quantized(real: Real):
     """Self-consistency: dequantize=True holds the same weights dense, so the logits agree to
     fp32 summation order (max |Δ| < 3e-5 × max |logit|; measured 5.6e-5 to 7.0e-5 absolute,

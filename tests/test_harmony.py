@@ -223,3 +223,34 @@ def test_harmony_vocabularies_stop_at_return_and_call_not_end(tokenizer, templat
     stops = model.stop_ids()
     assert special["<|end|>"] not in stops
     assert {special["<|return|>"], special["<|call|>"]} <= stops
+
+
+def test_a_thinking_budget_forces_the_whole_switch_to_final_and_stops_at_end(tokenizer):
+    """Anthropic's budget_tokens on harmony: past the budget, every token of
+    <|end|><|start|>assistant<|channel|>final<|message|> is forced in turn; an analysis
+    message the model ends itself (<|end|>, then any message, a call too) is not touched."""
+    from mlxlis.generation.processors import ReasoningBudget
+
+    import mlx.core as mx
+
+    s = HarmonySplitter()
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, special=True, add_bos=False, add_eos=False)
+
+    def budget() -> ReasoningBudget:
+        ends = [ids(t) for t in s.end_tags]
+        return ReasoningBudget(2, 0, ids(s.open_tag), ids(s.close_tag), False, ends)
+
+    logits = mx.zeros((1, tokenizer.vocab_size))
+    word = ids("hm")[:1]
+    limit, history = budget(), ids(s.open_tag) + word * 2
+    forced = []
+    for _ in ids(s.close_tag):
+        pick = int(mx.argmax(limit(logits, history), axis=-1).item())
+        forced.append(pick)
+        history.append(pick)
+    assert forced == ids(s.close_tag)
+    assert bool(mx.array_equal(limit(logits, history), logits))  # answering: free again
+    limit, history = budget(), ids(s.open_tag) + word + ids("<|end|><|start|>assistant") + word * 5
+    assert bool(mx.array_equal(limit(logits, history), logits))

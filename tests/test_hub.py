@@ -426,6 +426,7 @@ def test_corrupted_download_is_deleted_and_disk_full_is_one_line(hub, files, tmp
     assert "tiny-llama-F32.gguf needs " in line and "1000 are free" in line
 
 
+@pytest.mark.extended  # `make test-all` (8 s): three more refusals of the stand-in server
 def test_gated_missing_and_weightless_repos(hub, files, tmp_path):
     """A gated repo without a token, a repo that does not exist, an unknown revision and a repo
     of pickles only: each exit 2 with one line saying so. With HF_TOKEN the gated repo downloads;

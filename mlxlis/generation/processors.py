@@ -56,8 +56,10 @@ def processors_for(params: SamplingParams) -> list[LogitsProcessor]:
 class ReasoningBudget:
     """Ends the reasoning once `budget` tokens were spent in it (Anthropic's
     `thinking.budget_tokens`): from then on the closing tag's tokens are forced, one a step,
-    and the model answers after it. The reasoning opens with the prompt (`in_reasoning`) or
-    with the reply's first tokens being `open_ids`; tags are matched as token ids."""
+    all of them, and the model answers after it. The reasoning opens with the prompt
+    (`in_reasoning`) or with the reply's first tokens being `open_ids`; it ends on its own
+    where the reply writes `close_ids`, or one of `end_ids` when given (harmony's analysis
+    message ends at <|end|>, whatever message follows); tags are matched as token ids."""
 
     def __init__(
         self,
@@ -66,8 +68,10 @@ class ReasoningBudget:
         open_ids: Sequence[int],
         close_ids: Sequence[int],
         in_reasoning: bool,
+        end_ids: Sequence[Sequence[int]] = (),
     ):
         self.budget, self.open, self.close = budget, list(open_ids), list(close_ids)
+        self.ends = [list(e) for e in end_ids if e] or [self.close]
         self.state = "reasoning" if in_reasoning else "start"
         self.start = self.seen = prompt_len  # history positions: the reply's first, next unread
         self.spent = 0
@@ -80,7 +84,9 @@ class ReasoningBudget:
         for i in range(self.seen, len(history)):
             self._see(history, i)
         self.seen = len(history)
-        if self.state != "reasoning" or self.spent < self.budget:
+        if self.state == "reasoning" and self.spent >= self.budget:
+            self.state = "closing"  # the closing tag, every token of it
+        if self.state != "closing":
             return logits
         tail = list(history[-len(self.close) :]) if self.close else []
         k = max(n for n in range(len(self.close)) if n == 0 or tail[-n:] == self.close[:n])
@@ -94,10 +100,9 @@ class ReasoningBudget:
                 self.state = "reasoning"
             elif len(reply) >= len(self.open):  # the reply did not open with the tag
                 self.state = "answer"
-        elif self.state == "reasoning":
-            if self.close and list(history[max(self.start, i + 1 - len(self.close)) : i + 1]) == (
-                self.close
-            ):
+        elif self.state in ("reasoning", "closing"):
+            ends = [self.close] if self.state == "closing" else self.ends
+            if any(e and list(history[max(self.start, i + 1 - len(e)) : i + 1]) == e for e in ends):
                 self.state = "answer"
-            else:
+            elif self.state == "reasoning":
                 self.spent += 1

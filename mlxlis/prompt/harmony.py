@@ -62,6 +62,11 @@ class HarmonySplitter:
     def in_reasoning(self) -> bool:
         return self._kind == REASONING
 
+    @property
+    def end_tags(self) -> tuple[str, ...]:
+        """The analysis message ends at <|end|>, whichever message follows it."""
+        return (END,)
+
     def feed(self, text: str, token: int | None = None) -> list[Segment]:
         out: list[Segment] = []
         if token is not None and self._kind == REASONING:

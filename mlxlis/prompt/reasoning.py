@@ -40,9 +40,14 @@ class Splitter(Protocol):
     """What the surfaces use of a splitter (this module's, or harmony.py's for gpt-oss)."""
 
     open_tag: str
-    close_tag: str
+    close_tag: str  # what a thinking budget forces to end the reasoning
     saw_reasoning: bool
     reasoning_tokens: int
+
+    @property
+    def end_tags(self) -> tuple[str, ...]:
+        """What ends the reasoning when the model writes it."""
+        ...
 
     @property
     def in_reasoning(self) -> bool: ...
@@ -122,6 +127,10 @@ class ReasoningSplitter:
     @property
     def in_reasoning(self) -> bool:
         return self._state == _THINK
+
+    @property
+    def end_tags(self) -> tuple[str, ...]:
+        return (self.close_tag,)
 
     def feed(self, text: str, token: int | None = None) -> list[Segment]:
         """The segments completed by one generated piece (its token id when known)."""

@@ -308,6 +308,7 @@ def with_budget(prep: Prepared, model: Any, budget: int) -> Prepared:
         ids(splitter.open_tag),
         ids(splitter.close_tag),
         splitter.in_reasoning,
+        [ids(tag) for tag in splitter.end_tags],
     )
     prep.gen = replace(prep.gen, processors=(*prep.gen.processors, limit))
     return prep
