@@ -37,6 +37,10 @@ TEXTS = [
     "unicode: café, naïve, 日本語, emoji 🙂👍, Ωμέγα",
     "code: def f(x):\n    return x**2  # square",
 ]
+UNSEEN = [  # words the vocabulary was not trained on: BPE merges them by rank, piece by piece
+    "photosynthesis, bureaucracy and a quixotic zephyr",
+    "Überraschung: naïveté 42nd codewords returned squarely",
+]
 
 
 def gpt2_bytes(token: str) -> bytes:
@@ -99,7 +103,7 @@ def test_ids_match_tiktoken_on_the_same_ranks(ranks, tekken_file, tmp_path):
     shutil.copy(tekken_file, folder / "tekken.json")
     tok = Tokenizer.from_folder(folder)
     assert tok.vocab_size == N_SPECIAL + len(ranks)
-    for text in TEXTS:
+    for text in TEXTS + UNSEEN:
         ids = tok.encode(text, add_bos=False, add_eos=False)
         assert ids == [i + N_SPECIAL for i in ref.encode_ordinary(text)], text
         assert tok.decode(ids) == text
