@@ -25,8 +25,8 @@ from mlxlis.models.base import GGUF_LLAMA_BLOCK, Family, GGUFMeta
 from mlxlis.models.config import FamilyConfig, ModelConfig, number
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.experts import PROJECTIONS, ExpertSource, SwitchGLU
-from mlxlis.models.layers import Attention, Cache, Mask, norm
-from mlxlis.models.qwen3_moe import expert_sizes
+from mlxlis.models.layers import PreNormBlock
+from mlxlis.models.qwen3_moe import expert_sizes, gguf_expert_sizes
 from mlxlis.models.rope import Rope
 
 import mlx.core as mx
@@ -109,17 +109,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
 
 
 def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
-    size = expert_sizes(
-        {
-            "num_experts": (meta.key("expert_count"), meta.get("expert_count")),
-            "num_experts_per_tok": (meta.key("expert_used_count"), meta.get("expert_used_count")),
-            "moe_intermediate_size": (
-                meta.key("expert_feed_forward_length"),
-                meta.get("expert_feed_forward_length"),
-            ),
-        },
-        meta.path,
-    )
+    size = gguf_expert_sizes(meta)
     key = meta.key("attention.sliding_window")
     window = meta.get("attention.sliding_window")
     window = check_sizes({"sliding_window": (key, window)}, meta.path)["sliding_window"]
@@ -180,21 +170,11 @@ class GptOssMoE(nn.Module):
         return (y * weights[..., None]).sum(axis=-2)
 
 
-class GptOssLayer(nn.Module):
+class GptOssLayer(PreNormBlock):
     """Pre-norm attention (with sinks) and the MoE."""
 
     def __init__(self, cfg: ModelConfig, rope: Rope | None, layer: int):
-        super().__init__()
-        self.self_attn = Attention(cfg, rope)
-        self.mlp = GptOssMoE(cfg)
-        self.input_layernorm = norm(cfg, cfg.hidden_size)
-        self.post_attention_layernorm = norm(cfg, cfg.hidden_size)
-
-    def __call__(
-        self, h: mx.array, mask: Mask, cache: Cache | None, positions: mx.array | None = None
-    ) -> mx.array:
-        h = h + self.self_attn(self.input_layernorm(h), mask, cache, positions)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        super().__init__(cfg, rope, GptOssMoE(cfg))
 
 
 class GptOss(Decoder):

@@ -167,3 +167,23 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+class PreNormBlock(nn.Module):
+    """h += attn(norm(h)); h += ffn(norm(h)), the feed-forward under the checkpoint's name for
+    it (`ffn_name`: Llama 4 calls it feed_forward) — a family's own block over its own MLP."""
+
+    ffn_name = "mlp"
+
+    def __init__(self, cfg: ModelConfig, rope: Rope | None, ffn: nn.Module):
+        super().__init__()
+        self.self_attn = Attention(cfg, rope)
+        setattr(self, self.ffn_name, ffn)
+        self.input_layernorm = norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = norm(cfg, cfg.hidden_size)
+
+    def __call__(
+        self, h: mx.array, mask: Mask, cache: Cache | None, positions: mx.array | None = None
+    ) -> mx.array:
+        h = h + self.self_attn(self.input_layernorm(h), mask, cache, positions)
+        return h + self[self.ffn_name](self.post_attention_layernorm(h))

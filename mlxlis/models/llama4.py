@@ -28,9 +28,9 @@ from mlxlis.models.base import GGUF_LLAMA_BLOCK, Family, GGUFMeta
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.experts import PROJECTIONS, ExpertSource, SwitchGLU
-from mlxlis.models.layers import MLP, Attention, Cache, Mask, norm
+from mlxlis.models.layers import MLP, PreNormBlock
 from mlxlis.models.llama import check_act, rope_freqs_as_config
-from mlxlis.models.qwen3_moe import expert_sizes, flag
+from mlxlis.models.qwen3_moe import expert_sizes, flag, gguf_expert_sizes
 from mlxlis.models.rope import Rope
 
 import mlx.core as mx
@@ -139,18 +139,7 @@ def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
             field=meta.key("attention.sliding_window"),
         )
     n = base.num_hidden_layers
-    e = meta.get("expert_count")
-    size = expert_sizes(
-        {
-            "num_experts": (meta.key("expert_count"), e),
-            "num_experts_per_tok": (meta.key("expert_used_count"), meta.get("expert_used_count")),
-            "moe_intermediate_size": (
-                meta.key("expert_feed_forward_length"),
-                meta.get("expert_feed_forward_length"),
-            ),
-        },
-        meta.path,
-    )
+    size = gguf_expert_sizes(meta)
     nope = tuple((i + 1) % GGUF_NOPE_EVERY == 0 for i in range(n))
     return base.with_(
         num_experts=size["num_experts"],
@@ -159,7 +148,7 @@ def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
         sparse_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in meta.shapes for i in range(n)),
         rope_interleaved=True,
         no_rope_layers=nope,
-        qk_l2_norm=e != GGUF_NO_QK_NORM_EXPERTS,
+        qk_l2_norm=size["num_experts"] != GGUF_NO_QK_NORM_EXPERTS,
         attention_chunk_size=GGUF_CHUNK,
         layer_types=tuple(LAYER_TYPES[x] for x in nope),
         attn_temperature=(GGUF_FLOOR, GGUF_TEMP),
@@ -218,22 +207,14 @@ class Llama4MoE(nn.Module):
         return y.sum(axis=-2) + self.shared_expert(x)  # (B, T, hidden)
 
 
-class Llama4Layer(nn.Module):
+class Llama4Layer(PreNormBlock):
     """Pre-norm attention and feed-forward (the MoE or a dense MLP) under the checkpoint's
     names (`feed_forward`, not `mlp`)."""
 
-    def __init__(self, cfg: ModelConfig, rope: Rope | None, layer: int):
-        super().__init__()
-        self.self_attn = Attention(cfg, rope)
-        self.feed_forward = Llama4MoE(cfg) if cfg.is_sparse(layer) else MLP(cfg)
-        self.input_layernorm = norm(cfg, cfg.hidden_size)
-        self.post_attention_layernorm = norm(cfg, cfg.hidden_size)
+    ffn_name = "feed_forward"
 
-    def __call__(
-        self, h: mx.array, mask: Mask, cache: Cache | None, positions: mx.array | None = None
-    ) -> mx.array:
-        h = h + self.self_attn(self.input_layernorm(h), mask, cache, positions)
-        return h + self.feed_forward(self.post_attention_layernorm(h))
+    def __init__(self, cfg: ModelConfig, rope: Rope | None, layer: int):
+        super().__init__(cfg, rope, Llama4MoE(cfg) if cfg.is_sparse(layer) else MLP(cfg))
 
 
 class Llama4(Decoder):

@@ -40,6 +40,17 @@ def expert_sizes(sizes: dict[str, tuple[str, Any]], path: str) -> dict[str, int]
     return size
 
 
+def gguf_expert_sizes(meta: GGUFMeta) -> dict[str, int]:
+    """expert_count, expert_used_count and expert_feed_forward_length, checked (each error
+    naming its key): num_experts, num_experts_per_tok, moe_intermediate_size."""
+    keys = {
+        "num_experts": "expert_count",
+        "num_experts_per_tok": "expert_used_count",
+        "moe_intermediate_size": "expert_feed_forward_length",
+    }
+    return expert_sizes({f: (meta.key(k), meta.get(k)) for f, k in keys.items()}, meta.path)
+
+
 def flag(cfg: dict, key: str, path: str) -> bool:
     value = cfg.get(key, False)
     if not isinstance(value, bool):  # a string "false" must not read as true
@@ -76,17 +87,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
 
 def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
     base = qwen3_gguf(base, meta)
-    size = expert_sizes(
-        {
-            "num_experts": (meta.key("expert_count"), meta.get("expert_count")),
-            "num_experts_per_tok": (meta.key("expert_used_count"), meta.get("expert_used_count")),
-            "moe_intermediate_size": (
-                meta.key("expert_feed_forward_length"),
-                meta.get("expert_feed_forward_length"),
-            ),
-        },
-        meta.path,
-    )
+    size = gguf_expert_sizes(meta)
     # a layer is sparse when the file has its router (llama.cpp's qwen3moe: every layer)
     n = base.num_hidden_layers
     sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in meta.shapes for i in range(n))
