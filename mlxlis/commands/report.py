@@ -21,6 +21,7 @@ The JSON shape (`schema` 1) is stable: keys are only ever added, never renamed o
                 "attention_chunk_size": null,      # Llama 4: chunked layers' span
                 "no_rope_layers": [],              # layers without RoPE (NoPE)
                 "attention_sinks": false,          # gpt-oss: a sink logit per head
+                "query_temperature": null,         # Llama 4 / Ministral 3: {floor, scale, ...}
                 "experts": null},                  # MoE: {"count", "per_token", "width",
                                                    #       "sparse_layers", "norm_topk_prob"}
      "weights": {"arrays": 272, "bytes": 538000000},  # as held in memory after loading
@@ -80,6 +81,14 @@ def model_report(model: Model) -> dict[str, Any]:
             "attention_chunk_size": c.attention_chunk_size,
             "no_rope_layers": [i for i, x in enumerate(c.no_rope_layers) if x],
             "attention_sinks": c.attn_sinks,
+            "query_temperature": None  # q · (1 + scale·log(1 + ⌊(p + offset) / floor⌋))
+            if c.attn_temperature is None
+            else {
+                "floor": c.attn_temperature[0],
+                "scale": c.attn_temperature[1],
+                "offset": c.attn_temperature_offset,
+                "layers": "all" if c.attn_temperature_all else "nope",
+            },
             "experts": {
                 "count": c.num_experts,
                 "per_token": c.num_experts_per_tok,
@@ -126,6 +135,9 @@ def format_report(r: dict[str, Any]) -> str:
         window += f", attention chunks of {c['attention_chunk_size']} in {chunked} layers"
     if c.get("no_rope_layers"):
         rope_text += f"; none in layers {', '.join(map(str, c['no_rope_layers']))} (NoPE)"
+    if t := c.get("query_temperature"):
+        where = "every layer" if t["layers"] == "all" else "the NoPE layers"
+        rope_text += f"; query temperature {t['scale']:g} per ⌊p / {t['floor']}⌋ on {where}"
     rows = [
         ("model", r["model"]),
         ("path", r["path"]),
