@@ -23,7 +23,7 @@ from typing import Any
 
 from mlxlis.errors import MlxlisError, UnsupportedError
 from mlxlis.models import family
-from mlxlis.models.config import ModelConfig
+from mlxlis.models.config import ModelConfig, yarn_keys
 from mlxlis.models.experts import QuantizedSwitchLinear, SwitchLinear
 from mlxlis.models.model import Model
 
@@ -77,17 +77,8 @@ def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str
             "high_freq_factor": r.high_freq_factor,
             "original_max_position_embeddings": r.original_max_position_embeddings,
         }
-    elif cfg.rope.type == "yarn":  # attention_factor and truncate stated: they differ by model
-        r = cfg.rope
-        out["rope_scaling"] = {
-            "rope_type": "yarn",
-            "factor": r.factor,
-            "original_max_position_embeddings": r.original_max_position_embeddings,
-            "beta_fast": r.beta_fast,
-            "beta_slow": r.beta_slow,
-            "truncate": r.truncate,
-            "attention_factor": r.attention_factor,
-        }
+    elif cfg.rope.type == "yarn":
+        out["rope_scaling"] = yarn_keys(cfg.rope)
     out.update(spec.export_config(cfg))
     if spec.export_wrapper:  # readers know this family under its multimodal wrapper type only
         out = {

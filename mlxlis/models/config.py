@@ -225,6 +225,20 @@ def parse_rope(params: dict | None, theta: float | None, path: str, fld: str) ->
         ) from None
 
 
+def yarn_keys(r: RopeConfig) -> dict[str, Any]:
+    """A yarn RopeConfig as transformers' rope keys (attention_factor and truncate stated:
+    their defaults differ by model)."""
+    return {
+        "rope_type": "yarn",
+        "factor": r.factor,
+        "original_max_position_embeddings": r.original_max_position_embeddings,
+        "beta_fast": r.beta_fast,
+        "beta_slow": r.beta_slow,
+        "truncate": r.truncate,
+        "attention_factor": r.attention_factor,
+    }
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention scaling for a context `factor` (transformers' get_mscale)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

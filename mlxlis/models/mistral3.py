@@ -21,7 +21,7 @@ from typing import Any
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models.base import Family, GGUFMeta
-from mlxlis.models.config import ModelConfig, number, yarn_mscale
+from mlxlis.models.config import ModelConfig, number, yarn_keys, yarn_mscale
 from mlxlis.models.conventions import UNPERMUTE_K, UNPERMUTE_Q
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.llama import check_act, rope_freqs_as_config
@@ -102,16 +102,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         all_dim = (
             (m1 / r.attention_factor - 1) / (0.1 * math.log(r.factor)) if r.factor > 1 else 1.0
         )
-        params.update(
-            factor=r.factor,
-            original_max_position_embeddings=r.original_max_position_embeddings,
-            beta_fast=r.beta_fast,
-            beta_slow=r.beta_slow,
-            truncate=r.truncate,
-            attention_factor=r.attention_factor,
-            mscale=1.0,
-            mscale_all_dim=all_dim,
-        )
+        params.update(yarn_keys(r), mscale=1.0, mscale_all_dim=all_dim)
     floor, beta = cfg.attn_temperature or (r.original_max_position_embeddings, 0.0)
     if r.type == "yarn" and floor != r.original_max_position_embeddings:
         raise ConfigError(

@@ -22,7 +22,6 @@ A reply that writes no header at all is answer text, as it came.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from mlxlis.prompt.segments import ANSWER, REASONING, Segment, partial_suffix
 
@@ -36,7 +35,7 @@ _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 
 
-def speaks_harmony(tokenizer: Any, prompt: str) -> bool:
+def speaks_harmony(prompt: str) -> bool:
     """The prompt ends with harmony's generation prompt (its tags are matched as text, so a
     vocabulary without them as tokens is read the same way)."""
     return prompt.endswith(GENERATION_PROMPT)

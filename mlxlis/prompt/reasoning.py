@@ -107,7 +107,7 @@ class ReasoningSplitter:
         """A splitter for the reply to `prompt`: harmony's after its generation prompt
         (gpt-oss, harmony.py); else this one with `tokenizer`'s tag ids when it has them,
         the first style whose two tags are tokens of the vocabulary, else `<think>` as text."""
-        if speaks_harmony(tokenizer, prompt):
+        if speaks_harmony(prompt):
             return HarmonySplitter()
         style, ids = STYLES[0], {}
         for candidate in STYLES:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlxlis.prompt.segments import partial_suffix
 from mlxlis.serve.tool_formats import HERMES, PY_END, PY_START, ParsedCall, ToolFormat, parse_json
 
 LEADS = ("<|python_tag|>", PY_START)  # tags a bare-JSON call may start with (Llama 3.1, 4)
@@ -27,14 +28,6 @@ def tool_names(tools: list[dict[str, Any]]) -> frozenset[str]:
         if isinstance(fn, dict) and isinstance(fn.get("name"), str):
             out.add(fn["name"])
     return frozenset(out)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ToolCallParser:
@@ -96,7 +89,7 @@ class ToolCallParser:
                 continue
             at = buf.find(op)
             if at < 0:
-                keep = _partial_suffix(buf, op)
+                keep = partial_suffix(buf, op)
                 out += self._text(buf[: len(buf) - keep])
                 self._buf = buf[len(buf) - keep :]
                 break

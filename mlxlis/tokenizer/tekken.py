@@ -19,25 +19,12 @@ import json
 from pathlib import Path
 
 from mlxlis.errors import TokenizerError
+from mlxlis.tokenizer.vocab import bytes_to_unicode
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 
 FILLER = "<SPECIAL_{}>"
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (what ByteLevel pre-tokenizers expect)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    keep += range(ord("®"), ord("ÿ") + 1)
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def load_tekken(path: Path) -> tokenizers.Tokenizer:
@@ -90,7 +77,7 @@ def load_tekken(path: Path) -> tokenizers.Tokenizer:
     if len(rank_of) != len(tokens) or any(bytes([b]) not in rank_of for b in range(256)):
         raise bad("tokens must be distinct and include every single byte", "vocab")
 
-    enc = _bytes_to_unicode()
+    enc = bytes_to_unicode()
     text = {t: "".join(enc[b] for b in t) for t in tokens}
     merges: list[tuple[int, str, str]] = []
     for tok, rank in rank_of.items():
