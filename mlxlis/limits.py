@@ -120,6 +120,10 @@ SIZE_BOUNDS = {
     "hidden_size_per_layer_input": CONFIG_MAX_DIM,
     "vocab_size_per_layer_input": CONFIG_MAX_VOCAB,
     "num_kv_shared_layers": CONFIG_MAX_LAYERS,
+    # Gemma 3n: its residual streams (the active one's index), the LAuReL rank
+    "altup_num_inputs": 64,
+    "altup_active_idx": 64,
+    "laurel_rank": CONFIG_MAX_DIM,
 }
 
 

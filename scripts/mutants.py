@@ -42,6 +42,9 @@ OSS_CACHE = "tests/test_gpt_oss.py::test_cached_decode_and_batches_equal_the_ful
 OSS_GGUF = "tests/test_gpt_oss.py::test_gguf_matches_transformers_on_the_files_weights"
 M3_HF = "tests/test_mistral3.py::test_logits_match_transformers_fp32"
 M3_GGUF = "tests/test_mistral3.py::test_gguf_matches_transformers_on_the_files_weights"
+G3N_HF = "tests/test_gemma3n.py::test_logits_match_transformers_fp32"
+G3N_GGUF = "tests/test_gemma3n.py::test_gguf_matches_transformers_on_the_files_weights"
+G3N_CACHE = "tests/test_gemma3n.py::test_cached_decode_and_batches_equal_the_full_forward"
 
 MUTANTS = (
     Mutant(
@@ -954,6 +957,121 @@ MUTANTS = (
         "        if False:",
         (LLAMA4_CACHE,),
         "Llama 4: batched decoding ignores the chunk boundary of each row",
+    ),
+    Mutant(
+        "g3n-predict-transposed",
+        "mlxlis/models/gemma3n_net.py",
+        "        return (h + coefs.astype(h.dtype) @ h).astype(h.dtype)",
+        "        return (h + coefs.astype(h.dtype).swapaxes(-1, -2) @ h).astype(h.dtype)",
+        (G3N_HF,),
+        "Gemma 3n: AltUp's prediction coefficients read transposed",
+    ),
+    Mutant(
+        "g3n-correct-no-plus-one",
+        "mlxlis/models/gemma3n_net.py",
+        "        coefs = self.correction_coefs(self.modalities(activated)) + 1.0",
+        "        coefs = self.correction_coefs(self.modalities(activated))",
+        (G3N_HF,),
+        "Gemma 3n: AltUp's correction without the + 1",
+    ),
+    Mutant(
+        "g3n-router-scale",
+        "mlxlis/models/gemma3n_net.py",
+        "        self.inv_hidden = 1.0 / d",
+        "        self.inv_hidden = d**-0.5",
+        (G3N_HF,),
+        "Gemma 3n: the router's input scaled by 1/√hidden instead of 1/hidden",
+    ),
+    Mutant(
+        "g3n-laurel-unscaled",
+        "mlxlis/models/gemma3n_net.py",
+        "        x = (active + self.post_attention_layernorm(a) + laurel) * 2**-0.5",
+        "        x = active + self.post_attention_layernorm(a) + laurel",
+        (G3N_HF,),
+        "Gemma 3n: attention + LAuReL not divided by √2",
+    ),
+    Mutant(
+        "g3n-sparsity-ignored",
+        "mlxlis/models/gemma3n_net.py",
+        "        if self.std is not None:",
+        "        if False:",
+        (G3N_HF,),
+        "Gemma 3n: the MLP gate's Gaussian top-k left out",
+    ),
+    Mutant(
+        "g3n-sparsity-sample-std",
+        "mlxlis/models/gemma3n_net.py",
+        "mx.std(g, axis=-1, keepdims=True) * (",
+        "mx.std(g, axis=-1, keepdims=True, ddof=1) * (",
+        (G3N_HF,),
+        "Gemma 3n: the gate's cutoff from the sample (n − 1) standard deviation",
+    ),
+    Mutant(
+        "g3n-per-layer-to-all-streams",
+        "mlxlis/models/gemma3n_net.py",
+        "        rest = corrected[..., 1:, :] + g[..., None, :]",
+        "        rest = corrected[..., 1:, :]",
+        (G3N_HF,),
+        "Gemma 3n: the per-layer input's projection not added to the streams",
+    ),
+    Mutant(
+        "g3n-correct-scale-ignored",
+        "mlxlis/models/gemma3n_net.py",
+        "        if self.correct_scale:",
+        "        if False:",
+        (G3N_HF,),
+        "Gemma 3n: correct_output_scale not applied",
+    ),
+    Mutant(
+        "g3n-expand-unscaled",
+        "mlxlis/models/gemma3n_net.py",
+        "        extra = [rescaled(p(h), target) for p in self.model.altup_projections]",
+        "        extra = [p(h) for p in self.model.altup_projections]",
+        (G3N_HF,),
+        "Gemma 3n: the projected streams not rescaled to the embedding's RMS",
+    ),
+    Mutant(
+        "g3n-merge-first-only",
+        "mlxlis/models/gemma3n_net.py",
+        "        return super().head(mx.mean(mx.stack([first, *rest], axis=-2), axis=-2))",
+        "        return super().head(first)",
+        (G3N_HF,),
+        "Gemma 3n: the head reads stream 0 only",
+    ),
+    Mutant(
+        "g3n-icdf-off",
+        "mlxlis/models/gemma3n.py",
+        "    return float(erfinv * np.float32(math.sqrt(2)))",
+        "    return float(erfinv)",
+        (G3N_HF,),
+        "Gemma 3n: Φ⁻¹ without the √2",
+    ),
+    Mutant(
+        "g3n-gguf-stack-order",
+        "mlxlis/models/from_gguf.py",
+        '                weights.update({f"{m}.{part}": new[k] for k, m in enumerate(modules)})',
+        '                weights.update({f"{m}.{part}": new[-1 - k] for k, m in '
+        "enumerate(modules)})",
+        (G3N_GGUF,),
+        "GGUF: a stacked tensor's modules in reverse order",
+    ),
+    Mutant(
+        "g3n-gguf-dense-as-sparse",
+        "mlxlis/models/gemma3n.py",
+        "    stds = tuple(None if s == -math.inf else float(np.float32(s)) "
+        "for s in scales.tolist())",
+        "    stds = tuple(0.0 if s == -math.inf else float(np.float32(s)) "
+        "for s in scales.tolist())",
+        (G3N_GGUF,),
+        "Gemma 3n GGUF: a dense layer (Φ⁻¹ = −∞) cut at its mean",
+    ),
+    Mutant(
+        "g3n-shared-kv-own",
+        "mlxlis/models/gemma3n.py",
+        '        kv_source=kv_sources(types, shared, path, "num_kv_shared_layers"),',
+        '        kv_source=kv_sources(types, 0, path, "num_kv_shared_layers"),',
+        (G3N_HF,),
+        "Gemma 3n: KV-shared layers computing K/V of their own",
     ),
 )
 

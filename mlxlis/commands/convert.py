@@ -16,7 +16,7 @@ import signal
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -89,9 +89,7 @@ def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str
             "text_config": out,
         }
     if quant:  # per-module overrides under the names the tensors are written with
-        quant = {
-            (spec.export_prefix + k if isinstance(v, dict) else k): v for k, v in quant.items()
-        }
+        quant = {(spec.export_name(k) if isinstance(v, dict) else k): v for k, v in quant.items()}
         out["quantization"] = quant
         out["quantization_config"] = quant
     return out
@@ -117,10 +115,28 @@ def quantization_block(net: nn.Module) -> tuple[dict | None, list[str], list[str
     return block, sorted(qmods), sorted(dense)
 
 
+def with_copies(block: dict | None, copies: dict[str, str]) -> dict | None:
+    """A quantization block with each copied module's override (where its source has one)."""
+    if not block:
+        return block
+    return {**block, **{c: block[s] for c, s in copies.items() if isinstance(block.get(s), dict)}}
+
+
 def write_weights(
-    net: nn.Module, folder: Path, max_shard: int = MAX_SHARD_BYTES, prefix: str = ""
+    net: nn.Module,
+    folder: Path,
+    max_shard: int = MAX_SHARD_BYTES,
+    name: Callable[[str], str] = lambda k: k,
+    copies: dict[str, str] | None = None,
 ) -> list[str]:
-    weights = {prefix + k: v for k, v in tree_flatten(net.parameters())}
+    """The parameters as safetensors shards under `name(k)`; `copies` {module: source}: the
+    source module's tensors written again under the copy's name."""
+    params = dict(tree_flatten(net.parameters()))
+    for copy, src in (copies or {}).items():
+        params.update(
+            {copy + k[len(src) :]: v for k, v in params.items() if k.startswith(src + ".")}
+        )
+    weights = {name(k): v for k, v in params.items()}
     shards: list[dict[str, mx.array]] = [{}]
     size = 0
     for name, arr in weights.items():
@@ -228,8 +244,11 @@ def convert(
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
     try:
+        spec = family(model.config.family)
+        copies = spec.export_copies(model.config) if spec.export_copies else {}
         quant, qmods, dense = quantization_block(model.net)
-        files = write_weights(model.net, tmp, prefix=family(model.config.family).export_prefix)
+        quant = with_copies(quant, copies)
+        files = write_weights(model.net, tmp, name=spec.export_name, copies=copies)
         (tmp / "config.json").write_text(
             json.dumps(hf_config(model.config, model.dtype, quant), indent=2)
         )

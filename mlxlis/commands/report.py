@@ -22,8 +22,10 @@ The JSON shape (`schema` 1) is stable: keys are only ever added, never renamed o
                 "no_rope_layers": [],              # layers without RoPE (NoPE)
                 "attention_sinks": false,          # gpt-oss: a sink logit per head
                 "query_temperature": null,         # Llama 4 / Ministral 3: {floor, scale, ...}
-                "experts": null},                  # MoE: {"count", "per_token", "width",
+                "experts": null,                   # MoE: {"count", "per_token", "width",
                                                    #       "sparse_layers", "norm_topk_prob"}
+                "streams": null},                  # Gemma 3n: {"count", "active",
+                                                   #   "laurel_rank", "sparse_gate_layers"}
      "weights": {"arrays": 272, "bytes": 538000000},  # as held in memory after loading
      "stop_ids": [2],
      "memory": {"kv_format": "dense",               # or e.g. "8-bit (groups of 64)" (--kv-bits)
@@ -98,6 +100,7 @@ def model_report(model: Model) -> dict[str, Any]:
             }
             if c.num_experts
             else None,
+            "streams": _streams(c),
         },
         "weights": {"arrays": len(seen), "bytes": sum(seen.values())},
         "stop_ids": sorted(model.stop_ids()),
@@ -156,6 +159,7 @@ def format_report(r: dict[str, Any]) -> str:
             + (", a sink logit each" if c.get("attention_sinks") else ""),
         ),
         *_experts_row(c.get("experts")),
+        *_streams_row(c.get("streams")),
         ("vocab", str(c["vocab_size"])),
         ("context", f"{c['context_length']}{window}"),
         ("rope", rope_text),
@@ -164,6 +168,31 @@ def format_report(r: dict[str, Any]) -> str:
         *_memory_row(r.get("memory")),
     ]
     return "\n".join(f"{k:>9}: {v}" for k, v in rows)
+
+
+def _streams(c: Any) -> dict[str, Any] | None:
+    """Gemma 3n's AltUp residual streams, LAuReL rank and sparse MLP gates."""
+    s = c.family_config
+    if not hasattr(s, "altup_num_inputs"):
+        return None
+    return {
+        "count": s.altup_num_inputs,
+        "active": s.altup_active_idx,
+        "laurel_rank": s.laurel_rank,
+        "sparse_gate_layers": [i for i, x in enumerate(s.sparsity_std) if x is not None],
+    }
+
+
+def _streams_row(s: dict[str, Any] | None) -> list[tuple[str, str]]:
+    if not s:
+        return []
+    sparse = s["sparse_gate_layers"]
+    text = (
+        f"{s['count']} AltUp streams (stream {s['active']} active), LAuReL rank {s['laurel_rank']}"
+    )
+    if sparse:
+        text += f", sparse MLP gates in {len(sparse)} layers ({', '.join(map(str, sparse))})"
+    return [("residual", text)]
 
 
 def _memory_row(m: dict[str, Any] | None) -> list[tuple[str, str]]:

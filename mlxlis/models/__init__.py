@@ -15,6 +15,7 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.models.base import Family
 from mlxlis.models.config import ModelConfig, base_config, eos_list
 from mlxlis.models.gemma import GEMMA, GEMMA2, GEMMA3
+from mlxlis.models.gemma3n import GEMMA3N
 from mlxlis.models.gemma4 import GEMMA4
 from mlxlis.models.gemma4_assistant import GEMMA4_ASSISTANT, OUTER_KEYS
 from mlxlis.models.gpt_oss import GPT_OSS
@@ -32,7 +33,7 @@ REGISTRY: dict[str, Family] = {
     f.name: f
     for f in (
         *(LLAMA, LLAMA4, MISTRAL3, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, GPT_OSS),
-        *(GEMMA, GEMMA2, GEMMA3, GEMMA4, GEMMA4_ASSISTANT),
+        *(GEMMA, GEMMA2, GEMMA3, GEMMA3N, GEMMA4, GEMMA4_ASSISTANT),
     )
 }
 HF_MODEL_TYPES: dict[str, Family] = {t: f for f in REGISTRY.values() for t in f.hf_model_types}
@@ -88,7 +89,9 @@ def config_from_hf(
             raise ConfigError("expected an object", path=path, field="text_config")
         outer = {k: cfg[k] for k in _OUTER_KEYS if k in cfg}  # some wrappers keep these outside
         cfg = {**outer, **text, "model_type": text.get("model_type", model_type)}
-    base = base_config({**spec.hf_defaults, **cfg}, spec.name, path)
+    base = base_config(
+        {**spec.hf_defaults, **(spec.hf_base(cfg) if spec.hf_base else cfg)}, spec.name, path
+    )
     try:
         base = spec.parse_hf(cfg, base, path)
     except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:

@@ -64,6 +64,11 @@ class Family:
     export_config: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
     export_wrapper: str = ""  # write config.json as this wrapper type around a text_config
     export_prefix: str = ""  # write the tensors under this prefix (the wrapper's language model)
+    # or renamed, the first (old prefix, new prefix) that matches (Gemma 3n: model.language_model.)
+    export_renames: tuple[tuple[str, str], ...] = ()
+    # modules `convert` writes again under another name, for readers that require them
+    # (Gemma 3n's KV-shared layers' unused K/V, which mlx-lm loads): cfg -> {copy: source}
+    export_copies: Callable[[ModelConfig], dict[str, str]] | None = None
     # safetensors saved by mlx-lm after its sanitize: tensors of these name suffixes come in
     # its layout (transposed by these axes into ours), and these conventions undo what it
     # folded into the values; the layout is the sign a folder was saved so
@@ -71,6 +76,9 @@ class Family:
     mlx_conventions: tuple[Convention, ...] = ()
     # config.json keys the shared parser needs that this family's configs may omit
     hf_defaults: dict[str, Any] = field(default_factory=dict)
+    # config.json -> what the shared parser reads, where the family says it otherwise (Gemma
+    # 3n: intermediate_size per layer); parse_hf still reads the file's own keys
+    hf_base: Callable[[dict], dict] | None = None
     # checkpoint name prefixes renamed to ours, and prefixes dropped (e.g. a vision tower)
     hf_renames: tuple[tuple[str, str], ...] = ()
     hf_dropped: tuple[str, ...] = ()
@@ -87,11 +95,17 @@ class Family:
     # a `rope_freqs` tensor the family can state as config instead (then `convert` can write
     # it): (cfg, factors) -> (cfg, the factors still needed or None)
     gguf_rope_freqs: RopeFreqsHook | None = None
+    # a GGUF tensor that stacks on axis 0 what the checkpoint keeps as one module per index
+    # (Gemma 3n's altup_proj): GGUF name -> the modules' tensor name, "{}" the index
+    gguf_stacked: dict[str, str] = field(default_factory=dict)
 
     def gguf_module_name(self, gguf_name: str) -> str | None:
         """The module tensor name for a GGUF tensor, or None when no row takes it. A row keyed
         `name.part` (or a bare `name`, for tensors llama.cpp writes without a suffix) maps to
-        a whole parameter path; a row keyed `name` maps to a module whose `part` it feeds."""
+        a whole parameter path; a row keyed `name` maps to a module whose `part` it feeds. A
+        stacked tensor (`gguf_stacked`) names its first module."""
+        if gguf_name in self.gguf_stacked:
+            return self.gguf_stacked[gguf_name].format(0)
         if self.gguf_names is not None and (own := self.gguf_names(gguf_name)) is not None:
             return own
         m = _BLOCK_RE.match(gguf_name)
@@ -110,6 +124,13 @@ class Family:
             target = GGUF_TOP.get(key)
             return f"{target}.{part}" if target else None
         return None
+
+    def export_name(self, name: str) -> str:
+        """The name `convert` writes a module tensor under."""
+        for old, new in self.export_renames:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return self.export_prefix + name
 
     def hf_name(self, name: str) -> str | None:
         """A checkpoint tensor name under our module names; None for a dropped tensor."""

@@ -260,8 +260,12 @@ def _convert(gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dense, clock: _Clo
         gf.release(name)  # the file pages of this tensor are no longer needed
         module = target.rsplit(".", 1)[0]
         parts = conv.parts(target.rsplit(".", 1)[1])
+        stacked = spec.gguf_stacked.get(name)  # one module per index on axis 0
+        modules = [module]
+        if stacked:  # t.shape is numpy's order: the stack's axis first
+            modules = [stacked.format(k).rsplit(".", 1)[0] for k in range(t.shape[0])]
         if conv.quantized:
-            quant[module] = conv.quant_block()
+            quant.update({m: conv.quant_block() for m in modules})
         del conv
         for part, arr in parts.items():
             new = spec.undo(target, arr, cfg, part)
@@ -269,7 +273,10 @@ def _convert(gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dense, clock: _Clo
                 new = new.astype(dtype)
             if new is not arr:
                 mx.eval(new)  # materialise now so the converted original can go
-            weights[f"{module}.{part}"] = new
+            if stacked:
+                weights.update({f"{m}.{part}": new[k] for k, m in enumerate(modules)})
+            else:
+                weights[f"{module}.{part}"] = new
         del parts, arr, new
         clock(f"convert {t.type_name}")
     return weights, quant, rope_freqs, ignored

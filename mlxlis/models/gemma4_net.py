@@ -280,11 +280,13 @@ class Gemma4Layer(nn.Module):
 
 
 class Gemma4Model(nn.Module):
+    layer_class: type[nn.Module] = Gemma4Layer  # Gemma 3n's layer (gemma3n_net.py)
+
     def __init__(self, cfg: ModelConfig, ropes: list[Rope]):
         super().__init__()
         d, s, n = cfg.hidden_size, cfg.own(Structure), cfg.num_hidden_layers
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
-        self.layers = [Gemma4Layer(cfg, i, ropes[i]) for i in range(n)]
+        self.layers = [self.layer_class(cfg, i, ropes[i]) for i in range(n)]
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         if s.per_layer_dim:
             self.embed_tokens_per_layer = nn.Embedding(s.per_layer_vocab, n * s.per_layer_dim)
@@ -294,6 +296,8 @@ class Gemma4Model(nn.Module):
 
 class Gemma4(nn.Module):
     """inputs (B, T) token ids -> logits (B, T, vocab) in the compute dtype (T = 1 if last_only)."""
+
+    model_class: type[Gemma4Model] = Gemma4Model  # Gemma 3n's (gemma3n_net.py)
 
     def __init__(self, cfg: ModelConfig, family: Family, rope_freq_factors: mx.array | None = None):
         super().__init__()
@@ -320,7 +324,7 @@ class Gemma4(nn.Module):
         self._own = tuple(i for i, src in enumerate(s.kv_source) if src == i)
         self._slot = {i: j for j, i in enumerate(self._own)}  # layer -> its cache's index
         self._read = {src for i, src in enumerate(s.kv_source) if src != i}  # layers shared
-        self.model = Gemma4Model(cfg, [local if sl else full for sl in self._sliding])
+        self.model = self.model_class(cfg, [local if sl else full for sl in self._sliding])
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -412,6 +416,10 @@ class Gemma4(nn.Module):
         last = {SLIDING if self._sliding[i] else FULL: i for i in self._own}
         return {t: self._slot[i] for t, i in last.items()}
 
+    def _expand(self, h: mx.array) -> mx.array:
+        """The embedding -> the residual the layers carry (Gemma 3n: several streams)."""
+        return h
+
     def _run(
         self,
         inputs: mx.array,
@@ -438,7 +446,7 @@ class Gemma4(nn.Module):
         if inserts:
             h = inserts.place(h)
         per_layer = self._per_layer_inputs(inputs, h) if s.per_layer_dim else None
-        h = h.astype(mx.float32)  # the residual stream (decoder.py: Gemma outgrows float16)
+        h = self._expand(h.astype(mx.float32))  # the residual (decoder.py: Gemma outgrows f16)
         masks: dict[bool, Mask] = {False: "causal" if t > 1 else None, True: None}
         if s.bidirectional == "all":  # an encoder's one pass (the core refuses to generate)
             reach = cfg.sliding_window // 2 + 1
