@@ -1,15 +1,16 @@
-"""`make bench` (new families): Qwen3.5-, Gemma 4-, Llama 4-, gpt-oss- and Ministral 3-shaped
-models, mlxlis against mlx-lm.
+"""`make bench` (new families): Qwen3.5-, Gemma 4-, Gemma 3n-, Llama 4-, gpt-oss- and
+Ministral 3-shaped models, mlxlis against mlx-lm.
 
 Random float32 models with real head shapes at a small width: a Qwen3.5 (3 Gated DeltaNet
 layers per gated-attention layer; 16 key / 32 value heads of 128 for DeltaNet, 8 query / 2 KV
 heads of 256, a quarter rotated), a Gemma 4 E2B-like (sliding and full layers with head
 dims 256 / 512, per-layer input embeddings, the last layers KV-shared with double-wide MLPs,
-proportional RoPE), a Llama 4 Scout-like (16 experts, top-1, a shared expert, chunked
-attention with NoPE every 4th layer), a gpt-oss 20B-like (sinks, sliding and full layers,
-YaRN, 32 experts of which 4 a token) and a Ministral 3 8B-like (YaRN, the query
-temperature). Each is written once as a Hugging Face folder (config.json and tensor names as
-`convert` writes them); each engine loads it in a fresh
+proportional RoPE), a Gemma 3n E2B-like (4 AltUp streams, LAuReL, per-layer inputs, a third
+of the layers KV-shared, sparse gates in the first third), a Llama 4 Scout-like (16 experts,
+top-1, a shared expert, chunked attention with NoPE every 4th layer), a gpt-oss 20B-like
+(sinks, sliding and full layers, YaRN, 32 experts of which 4 a token) and a Ministral 3
+8B-like (YaRN, the query temperature). Each is written once as a Hugging Face folder
+(config.json and tensor names as `convert` writes them); each engine loads it in a fresh
 process (mlxlis first, so both run on the same BLAS) and runs a PROMPT-token prefill and
 DECODE greedy steps, best of --rounds. Prints a Markdown table and writes
 bench-results/families.json.
@@ -140,6 +141,26 @@ def raw_configs(layers: int, hidden: int) -> dict[str, dict]:
             },
             "max_position_embeddings": 262144,
         },
+        "gemma3n": {  # E2B-like: 4 streams, per-layer inputs, a third KV-shared, sparse gates
+            "model_type": "gemma3n_text",
+            "vocab_size": 32000,
+            "hidden_size": hidden,
+            "intermediate_size": 4 * hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "sliding_window": 512,
+            "layer_types": [f if (i + 1) % 5 == 0 else s for i in range(layers)],
+            "num_kv_shared_layers": layers // 3,
+            "activation_sparsity_pattern": [
+                0.95 if i < layers // 3 else 0.0 for i in range(layers)
+            ],
+            "hidden_size_per_layer_input": 256,
+            "vocab_size_per_layer_input": 32000,
+            "laurel_rank": 64,
+            "max_position_embeddings": 4096,
+        },
         "gemma4": {
             "model_type": "gemma4_text",
             "vocab_size": 32000,
@@ -180,10 +201,15 @@ def write_model(folder: Path, raw: dict) -> None:
     cfg = config_from_hf(raw)
     net = build_model(cfg)
     mx.random.seed(0)
-    prefix = family(cfg.family).export_prefix  # as `convert` writes the tensors
+    spec = family(cfg.family)  # the tensors named as `convert` writes them
+    params = dict(tree_flatten(net.parameters()))
+    for copy, src in (spec.export_copies(cfg) if spec.export_copies else {}).items():
+        params.update({copy + k[len(src) :]: v for k, v in params.items() if k.startswith(src)})
     params = {
-        prefix + k: (mx.random.normal(v.shape) * 0.02 if v.ndim > 1 else mx.ones(v.shape) * 0.5)
-        for k, v in tree_flatten(net.parameters())
+        spec.export_name(k): (
+            mx.random.normal(v.shape) * 0.02 if v.ndim > 1 else mx.ones(v.shape) * 0.5
+        )
+        for k, v in params.items()
     }
     for k in params:
         if k.endswith("A_log"):
