@@ -44,6 +44,8 @@ M3_HF = "tests/test_mistral3.py::test_logits_match_transformers_fp32"
 M3_GGUF = "tests/test_mistral3.py::test_gguf_matches_transformers_on_the_files_weights"
 G3N_HF = "tests/test_gemma3n.py::test_logits_match_transformers_fp32"
 G3N_GGUF = "tests/test_gemma3n.py::test_gguf_matches_transformers_on_the_files_weights"
+Q3N_HF = "tests/test_qwen3_next.py::test_logits_match_transformers_fp32"
+Q3N_GGUF = "tests/test_qwen3_next.py::test_gguf_matches_transformers_on_the_files_weights"
 G3N_CACHE = "tests/test_gemma3n.py::test_cached_decode_and_batches_equal_the_full_forward"
 
 MUTANTS = (
@@ -1072,6 +1074,47 @@ MUTANTS = (
         '        kv_source=kv_sources(types, 0, path, "num_kv_shared_layers"),',
         (G3N_HF,),
         "Gemma 3n: KV-shared layers computing K/V of their own",
+    ),
+    Mutant(
+        "q3n-qkvz-v-z-swapped",
+        "mlxlis/models/deltanet.py",
+        "            q, k, v, z = mx.split(m, [dk, 2 * dk, 2 * dk + rv], axis=-1)",
+        "            q, k, z, v = mx.split(m, [dk, 2 * dk, 2 * dk + rv], axis=-1)",
+        (Q3N_HF,),
+        "Qwen3-Next: in_proj_qkvz's v and z read in each other's place",
+    ),
+    Mutant(
+        "q3n-ba-swapped",
+        "mlxlis/models/deltanet.py",
+        "            beta, a = ba[..., :r].reshape(b, t, -1), ba[..., r:].reshape(b, t, -1)",
+        "            a, beta = ba[..., :r].reshape(b, t, -1), ba[..., r:].reshape(b, t, -1)",
+        (Q3N_HF,),
+        "Qwen3-Next: in_proj_ba's β and α swapped",
+    ),
+    Mutant(
+        "q3n-topk-always-renormalised",
+        "mlxlis/models/qwen3_next.py",
+        "        norm_topk_prob=top,",
+        "        norm_topk_prob=True,",
+        (Q3N_HF,),
+        "Qwen3-Next: norm_topk_prob false ignored",
+    ),
+    Mutant(
+        "q3n-gguf-retiled",
+        "mlxlis/models/conventions.py",
+        "QWEN3NEXT_GGUF: tuple[Convention, ...] = (_CONV_UNSQUEEZED, _A_LOG, "
+        "ZERO_CENTRED_NORM_MINUS_ONE)",
+        "QWEN3NEXT_GGUF = QWEN35_GGUF",
+        (Q3N_GGUF,),
+        "Qwen3-Next GGUF: value heads untiled as for Qwen3.5 (llama.cpp keeps them grouped)",
+    ),
+    Mutant(
+        "q3n-export-norms-unshifted",
+        "mlxlis/models/qwen3_next.py",
+        "        return w.astype(mx.float32) + 1.0",
+        "        return w",
+        ("tests/test_qwen3_next.py::test_convert_round_trip_and_mlx_lm",),
+        "Qwen3-Next convert: norms written without mlx-lm's + 1",
     ),
 )
 

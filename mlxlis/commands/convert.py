@@ -128,10 +128,14 @@ def write_weights(
     max_shard: int = MAX_SHARD_BYTES,
     name: Callable[[str], str] = lambda k: k,
     copies: dict[str, str] | None = None,
+    layout: Callable[[str, mx.array], mx.array] | None = None,
 ) -> list[str]:
     """The parameters as safetensors shards under `name(k)`; `copies` {module: source}: the
-    source module's tensors written again under the copy's name."""
+    source module's tensors written again under the copy's name; `layout(k, array)`: the
+    array as written."""
     params = dict(tree_flatten(net.parameters()))
+    if layout is not None:
+        params = {k: layout(k, v) for k, v in params.items()}
     for copy, src in (copies or {}).items():
         params.update(
             {copy + k[len(src) :]: v for k, v in params.items() if k.startswith(src + ".")}
@@ -248,7 +252,9 @@ def convert(
         copies = spec.export_copies(model.config) if spec.export_copies else {}
         quant, qmods, dense = quantization_block(model.net)
         quant = with_copies(quant, copies)
-        files = write_weights(model.net, tmp, name=spec.export_name, copies=copies)
+        files = write_weights(
+            model.net, tmp, name=spec.export_name, copies=copies, layout=spec.export_layout
+        )
         (tmp / "config.json").write_text(
             json.dumps(hf_config(model.config, model.dtype, quant), indent=2)
         )

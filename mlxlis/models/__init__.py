@@ -26,13 +26,25 @@ from mlxlis.models.qwen2 import QWEN2
 from mlxlis.models.qwen3 import QWEN3
 from mlxlis.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from mlxlis.models.qwen3_moe import QWEN3_MOE
+from mlxlis.models.qwen3_next import QWEN3_NEXT
 
 import mlx.nn as nn
 
 REGISTRY: dict[str, Family] = {
     f.name: f
     for f in (
-        *(LLAMA, LLAMA4, MISTRAL3, QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, GPT_OSS),
+        *(
+            LLAMA,
+            LLAMA4,
+            MISTRAL3,
+            QWEN2,
+            QWEN3,
+            QWEN3_MOE,
+            QWEN3_5,
+            QWEN3_5_MOE,
+            QWEN3_NEXT,
+            GPT_OSS,
+        ),
         *(GEMMA, GEMMA2, GEMMA3, GEMMA3N, GEMMA4, GEMMA4_ASSISTANT),
     )
 }

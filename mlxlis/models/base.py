@@ -69,6 +69,9 @@ class Family:
     # modules `convert` writes again under another name, for readers that require them
     # (Gemma 3n's KV-shared layers' unused K/V, which mlx-lm loads): cfg -> {copy: source}
     export_copies: Callable[[ModelConfig], dict[str, str]] | None = None
+    # a tensor as `convert` writes it, where readers expect another layout than the module's:
+    # (name, array) -> array (Qwen3-Next: mlx-lm's sanitized layout)
+    export_layout: Callable[[str, mx.array], mx.array] | None = None
     # safetensors saved by mlx-lm after its sanitize: tensors of these name suffixes come in
     # its layout (transposed by these axes into ours), and these conventions undo what it
     # folded into the values; the layout is the sign a folder was saved so

@@ -110,6 +110,9 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    # the DeltaNet's projections fused per key head (Qwen3-Next): "qkvz" (in_proj_qkvz: each
+    # key head's q, k, its value heads' v then z), "ba" (in_proj_ba: its value heads' β then α)
+    linear_fused: tuple[str, ...] = ()
     # what the fields above do not describe, typed by the family (e.g. Gemma 4's Structure)
     family_config: FamilyConfig | None = None
     # MLX quantization from config.json ({"group_size", "bits", per-layer overrides}) or None

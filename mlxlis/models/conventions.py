@@ -48,13 +48,13 @@ UNPERMUTE_K: Convention = (_is_k, lambda w, c, _: unpermute_rows(w, c.num_key_va
 NORM_MINUS_ONE: Convention = (_is_norm, lambda w, c, _: gemma_norm_minus_one(w))
 
 
-def _is_zero_centred_norm(name: str) -> bool:
+def is_zero_centred_norm(name: str) -> bool:
     return name.endswith("norm.weight") and ".linear_attn.norm." not in name
 
 
 # Qwen3.5: llama.cpp and mlx-lm add 1 to the zero-centred norms, not to DeltaNet's gated norm
 ZERO_CENTRED_NORM_MINUS_ONE: Convention = (
-    _is_zero_centred_norm,
+    is_zero_centred_norm,
     lambda w, c, _: gemma_norm_minus_one(w),
 )
 
@@ -101,9 +101,16 @@ def _heads(axis: int):
     return lambda w, c, _: untile_heads(w, c.linear_num_key_heads, c.linear_num_value_heads, axis)
 
 
+# conv1d is stored squeezed, (C, kernel): back to transformers' (C, 1, kernel)
+_CONV_UNSQUEEZED: Convention = (
+    _ends("linear_attn.conv1d.weight"),
+    lambda w, c, _: w.reshape(w.shape[0], 1, -1),
+)
+# the converter stores A = −exp(A_log)
+_A_LOG: Convention = (_ends("linear_attn.A_log"), lambda w, c, _: mx.log(-w.astype(mx.float32)))
+
 QWEN35_GGUF: tuple[Convention, ...] = (
-    # conv1d is stored squeezed, (C, kernel): back to transformers' (C, 1, kernel)
-    (_ends("linear_attn.conv1d.weight"), lambda w, c, _: w.reshape(w.shape[0], 1, -1)),
+    _CONV_UNSQUEEZED,
     (
         _ends(
             "linear_attn.in_proj_qkv.weight",
@@ -132,7 +139,8 @@ QWEN35_GGUF: tuple[Convention, ...] = (
         ),
         _heads(-1),
     ),
-    # the converter stores A = −exp(A_log)
-    (_ends("linear_attn.A_log"), lambda w, c, _: mx.log(-w.astype(mx.float32))),
+    _A_LOG,
     ZERO_CENTRED_NORM_MINUS_ONE,  # llama.cpp adds 1 to the zero-centred norms
 )
+# Qwen3-Next in llama.cpp's layout: its value heads stay grouped as transformers has them
+QWEN3NEXT_GGUF: tuple[Convention, ...] = (_CONV_UNSQUEEZED, _A_LOG, ZERO_CENTRED_NORM_MINUS_ONE)

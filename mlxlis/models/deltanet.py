@@ -12,6 +12,8 @@ which equals the step form up to rounding. Before the rule: one projection to q|
 causal depthwise convolution over it (its last kernel−1 inputs are state too) and SiLU; after:
 an RMSNorm of each head's output gated by SiLU(z), then the output projection.
 Parameter names equal the Hugging Face names (`linear_attn.in_proj_qkv`, `conv1d`, `A_log`, ...).
+Qwen3-Next fuses the projections per key head (cfg.linear_fused): in_proj_qkvz holds, for each
+key head, its q, its k, then its value heads' v and z; in_proj_ba its value heads' β then α.
 """
 
 from __future__ import annotations
@@ -100,16 +102,42 @@ class GatedDeltaNet(nn.Module):
         self.kernel = cfg.linear_conv_kernel_dim
         key_dim, value_dim = self.hk * self.dk, self.hv * self.dv
         self.conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(d, value_dim, bias=False)
-        self.in_proj_b = nn.Linear(d, self.hv, bias=False)
-        self.in_proj_a = nn.Linear(d, self.hv, bias=False)
+        self.fused = cfg.linear_fused
+        if "qkvz" in self.fused:
+            self.in_proj_qkvz = nn.Linear(d, self.conv_dim + value_dim, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(d, value_dim, bias=False)
+        if "ba" in self.fused:
+            self.in_proj_ba = nn.Linear(d, 2 * self.hv, bias=False)
+        else:
+            self.in_proj_b = nn.Linear(d, self.hv, bias=False)
+            self.in_proj_a = nn.Linear(d, self.hv, bias=False)
         self.conv1d = nn.Module()
         self.conv1d.weight = mx.zeros((self.conv_dim, 1, self.kernel))  # HF (C, 1, kernel)
         self.dt_bias = mx.ones((self.hv,))
         self.A_log = mx.zeros((self.hv,))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, d, bias=False)
+
+    def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """x (B, T, hidden) -> qkv (B, T, 2·key_dim + value_dim) as [q | k | v], z (B, T, Hv,
+        Dv), b and a (B, T, Hv); value heads grouped by key head (head g·r + j, r = Hv / Hk)."""
+        b, t, _ = x.shape
+        r = self.hv // self.hk
+        if "qkvz" in self.fused:
+            m = self.in_proj_qkvz(x).reshape(b, t, self.hk, -1)  # per key head: q, k, v, z
+            dk, rv = self.dk, r * self.dv
+            q, k, v, z = mx.split(m, [dk, 2 * dk, 2 * dk + rv], axis=-1)
+            qkv = mx.concatenate([y.reshape(b, t, -1) for y in (q, k, v)], axis=-1)
+        else:
+            qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
+        if "ba" in self.fused:
+            ba = self.in_proj_ba(x).reshape(b, t, self.hk, 2 * r)  # per key head: β, then α
+            beta, a = ba[..., :r].reshape(b, t, -1), ba[..., r:].reshape(b, t, -1)
+        else:
+            beta, a = self.in_proj_b(x), self.in_proj_a(x)
+        return qkv, z.reshape(b, t, self.hv, self.dv), beta, a
 
     def _conv_input(self, x: mx.array, cache: RecurrentCache | None) -> mx.array:
         """The convolution's input: the cached last kernel−1 inputs, then x (B, T, C): (B,
@@ -133,7 +161,8 @@ class GatedDeltaNet(nn.Module):
         if isinstance(cache, CacheBatch):  # sequences decoding together: their states stacked
             return self._batch(x, cache.caches)
         b, t, _ = x.shape
-        xp = self._conv_input(self.in_proj_qkv(x), cache)  # (B, kernel − 1 + T, C)
+        qkv, z, beta_in, a_in = self._project(x)
+        xp = self._conv_input(qkv, cache)  # (B, kernel − 1 + T, C)
         qkv = self._conv(xp)  # (B, T, 2·key_dim + value_dim)
         kd = self.hk * self.dk
         q = qkv[..., :kd].reshape(b, t, self.hk, self.dk)
@@ -146,8 +175,8 @@ class GatedDeltaNet(nn.Module):
         q = l2norm(q.astype(f32)).transpose(0, 2, 1, 3) * (self.dk**-0.5)
         k = l2norm(k.astype(f32)).transpose(0, 2, 1, 3)
         v = v.astype(f32).transpose(0, 2, 1, 3)
-        beta = mx.sigmoid(self.in_proj_b(x).astype(f32)).transpose(0, 2, 1)  # (B, H, T)
-        a = self.in_proj_a(x).astype(f32) + self.dt_bias.astype(f32)
+        beta = mx.sigmoid(beta_in.astype(f32)).transpose(0, 2, 1)  # (B, H, T)
+        a = a_in.astype(f32) + self.dt_bias.astype(f32)
         g = (-mx.exp(self.A_log.astype(f32)) * nn.softplus(a)).transpose(0, 2, 1)
         state = cache.recurrent if cache is not None else None
         if state is None:
@@ -173,7 +202,6 @@ class GatedDeltaNet(nn.Module):
                 cache.kept(steps)
             cache.offset += t
         o = o.transpose(0, 2, 1, 3)  # (B, T, Hv, Dv)
-        z = self.in_proj_z(x).reshape(b, t, self.hv, self.dv)
         o = self.norm(o.astype(x.dtype), z).reshape(b, t, -1)
         return self.out_proj(o)
 

@@ -1,0 +1,178 @@
+"""Qwen3-Next (80B-A3B): the hybrid before Qwen3.5, on Qwen3.5's pieces (qwen3_5.py, deltanet.py,
+the shared decoder) with its differences as data.
+
+  the same   Gated DeltaNet layers between gated full-attention layers (full_attention_interval,
+             default 4, or layer_types), x̂·(1 + w) norms but DeltaNet's gated one, q/k norms,
+             a sigmoid output gate from a doubled q_proj, RoPE on a quarter of each head,
+             routed experts (softmax, top-k) plus a shared expert gated by a sigmoid
+  differs    DeltaNet's projections fused per key head (`in_proj_qkvz`, `in_proj_ba`:
+             cfg.linear_fused); dense MLP layers where `mlp_only_layers` / `decoder_sparse_step`
+             say so; `norm_topk_prob` read (default true); no multimodal wrapper
+HF `qwen3_next` (experts one tensor each, or transformers 5's fused ones); mlx-lm's layout (its
+conv1d kernel axis last, 1 added to the zero-centred norms, experts stacked as switch_mlp).
+GGUF `qwen3next` (llama.cpp's Qwen3NextModel): qkvz split into attn_qkv ([q | k | v]) and
+attn_gate (z), β and α kept fused as ssm_ba, or older files' ssm_in (qkvz as it is); value
+heads grouped as transformers has them (llama.cpp retiles them for Qwen3.5 only), A stored as
+−exp(A_log), conv1d squeezed, 1 added to the zero-centred norms; every layer a MoE layer.
+The multi-token-prediction block (`mtp.*`, GGUF `blk.N.nextn.*`) is skipped.
+Defaults are transformers' Qwen3NextConfig.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlxlis.errors import ConfigError, UnsupportedError
+from mlxlis.models.base import Family, GGUFMeta
+from mlxlis.models.config import ModelConfig
+from mlxlis.models.conventions import QWEN3NEXT_GGUF, is_zero_centred_norm
+from mlxlis.models.decoder import Decoder
+from mlxlis.models.qwen3_5 import (
+    _DROPPED,
+    _MLX,
+    _export,
+    _gguf_parser,
+    _hf_parser,
+    _mtp_tensor,
+)
+from mlxlis.models.qwen3_5 import (
+    GGUF_BLOCK as QWEN35_BLOCK,
+)
+
+import mlx.core as mx
+
+HF_DEFAULTS = {  # transformers' Qwen3NextConfig, for the keys the shared parser reads
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+}
+MOE_DEFAULTS = {
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+}
+FUSED = ("qkvz", "ba")
+_parse_hybrid = _hf_parser(True)
+
+
+def _sparse_layers(cfg: dict, n: int, path: str) -> tuple[bool, ...]:
+    """transformers: the expert block on every decoder_sparse_step-th layer not listed in
+    mlp_only_layers (a dense MLP of intermediate_size there)."""
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in dense
+    ):
+        raise ConfigError(
+            f"expected layer indices below {n}, got {dense!r}"[:200],
+            path=path,
+            field="mlp_only_layers",
+        )
+    step = cfg.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ConfigError(f"bad step {step!r}"[:100], path=path, field="decoder_sparse_step")
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+
+
+def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
+    cfg = {**MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+    top = cfg.get("norm_topk_prob", True)
+    if not isinstance(top, bool):  # a string "false" must not read as true
+        raise ConfigError(
+            f"expected true or false, got {top!r}"[:200], path=path, field="norm_topk_prob"
+        )
+    out = _parse_hybrid(cfg, base, path)
+    return out.with_(
+        sparse_layers=_sparse_layers(cfg, out.num_hidden_layers, path),
+        norm_topk_prob=top,
+        linear_fused=FUSED,
+    )
+
+
+_parse_gguf_hybrid = _gguf_parser(True)
+
+
+def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
+    out = _parse_gguf_hybrid(base, m)
+    n = out.num_hidden_layers
+    for i in range(n):  # llama.cpp's qwen3next: a router (an expert block) in every layer
+        if f"blk.{i}.ffn_gate_inp.weight" not in m.shapes:
+            raise UnsupportedError(
+                "llama.cpp's qwen3next has an expert block in every layer",
+                path=m.path,
+                field=f"blk.{i}.ffn_gate_inp.weight",
+            )
+    linear = [i for i in range(n) if out.is_linear(i)]
+    legacy = {f"blk.{i}.ssm_in.weight" in m.shapes for i in linear}
+    if len(legacy) > 1:
+        raise UnsupportedError(
+            "ssm_in in some DeltaNet layers only", path=m.path, field="ssm_in.weight"
+        )
+    return out.with_(linear_fused=FUSED if legacy == {True} else ("ba",))
+
+
+GGUF_BLOCK = {
+    **{k: v for k, v in QWEN35_BLOCK.items() if k not in ("ssm_beta", "ssm_alpha")},
+    "ssm_ba": "linear_attn.in_proj_ba",  # β and α still fused per key head
+    "ssm_in": "linear_attn.in_proj_qkvz",  # older files: qkvz as transformers has it
+}
+_export_hybrid = _export(True)
+
+
+def export(cfg: ModelConfig) -> dict[str, Any]:
+    if cfg.linear_fused != FUSED:
+        raise UnsupportedError(
+            "this Qwen3-Next layout (a GGUF's split attn_qkv / attn_gate) has no config.json form",
+            path=cfg.source,
+            field="attn_qkv",
+        )
+    out = _export_hybrid(cfg)
+    n = cfg.num_hidden_layers
+    dense = [i for i in range(n) if not cfg.is_sparse(i)]
+    return {
+        **out,
+        # the classic keys mlx-lm reads beside rope_parameters
+        "rope_theta": cfg.rope.theta,
+        "partial_rotary_factor": out["rope_parameters"]["partial_rotary_factor"],
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+        "norm_topk_prob": cfg.norm_topk_prob,
+    }
+
+
+def mlx_lm_layout(name: str, w: mx.array) -> mx.array:
+    """`convert` writes what mlx-lm's sanitize makes (it takes a folder with stacked experts as
+    sanitized already): the conv kernel axis last, 1 added to the zero-centred norms (kept in
+    float32, so a float16 / bfloat16 folder still holds the exact weights; mlxlis reads the
+    layout back by the conv's shape)."""
+    if name.endswith("linear_attn.conv1d.weight"):
+        return w.swapaxes(1, 2)  # (C, 1, kernel) -> (C, kernel, 1)
+    if is_zero_centred_norm(name):
+        return w.astype(mx.float32) + 1.0
+    return w
+
+
+QWEN3_NEXT = Family(
+    name="qwen3_next",
+    hf_model_types=("qwen3_next",),
+    gguf_archs=("qwen3next",),
+    parse_hf=parse_hf,
+    parse_gguf=parse_gguf,
+    network=Decoder,
+    gguf_block=GGUF_BLOCK,
+    gguf_conventions=QWEN3NEXT_GGUF,
+    gguf_ignored=_mtp_tensor,
+    export_model_type="qwen3_next",
+    export_architecture="Qwen3NextForCausalLM",
+    export_config=export,
+    export_layout=mlx_lm_layout,
+    hf_defaults=HF_DEFAULTS,
+    hf_dropped=_DROPPED,
+    **_MLX,
+)
