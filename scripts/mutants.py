@@ -1116,6 +1116,31 @@ MUTANTS = (
         ("tests/test_qwen3_next.py::test_convert_round_trip_and_mlx_lm",),
         "Qwen3-Next convert: norms written without mlx-lm's + 1",
     ),
+    Mutant(
+        "smollm3-nope-shifted",
+        "mlxlis/models/smollm3.py",
+        "        return [int((i + 1) % every != 0) for i in range(n)]",
+        "        return [int(i % every != 0) for i in range(n)]",
+        ("tests/test_smollm3.py::test_derived_layers_as_transformers_derives_them",),
+        "SmolLM3: the NoPE layers one early",
+    ),
+    Mutant(
+        "smollm3-window-everywhere",
+        "mlxlis/models/smollm3.py",
+        "        types = [LAYER_TYPES[window is not None and not r] for r in rope_on]",
+        "        types = [LAYER_TYPES[window is not None] for r in rope_on]",
+        ("tests/test_smollm3.py::test_derived_layers_as_transformers_derives_them",),
+        "SmolLM3: the sliding window on every layer, not the NoPE ones only",
+    ),
+    Mutant(
+        "smollm3-gguf-all-rope",
+        "mlxlis/models/smollm3.py",
+        "    return base.with_(no_rope_layers=tuple((i + 1) % GGUF_NOPE_EVERY == 0 "
+        "for i in range(n)))",
+        "    return base",
+        ("tests/test_smollm3.py::test_gguf_matches_transformers_on_the_files_weights",),
+        "SmolLM3 GGUF: RoPE on every layer (llama.cpp's fixed NoPE step ignored)",
+    ),
 )
 
 IGNORE = shutil.ignore_patterns(

@@ -27,6 +27,7 @@ from mlxlis.models.qwen3 import QWEN3
 from mlxlis.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from mlxlis.models.qwen3_moe import QWEN3_MOE
 from mlxlis.models.qwen3_next import QWEN3_NEXT
+from mlxlis.models.smollm3 import SMOLLM3
 
 import mlx.nn as nn
 
@@ -43,6 +44,7 @@ REGISTRY: dict[str, Family] = {
             QWEN3_5,
             QWEN3_5_MOE,
             QWEN3_NEXT,
+            SMOLLM3,
             GPT_OSS,
         ),
         *(GEMMA, GEMMA2, GEMMA3, GEMMA3N, GEMMA4, GEMMA4_ASSISTANT),

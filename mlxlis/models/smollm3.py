@@ -1,0 +1,117 @@
+"""SmolLM3: Llama's decoder with NoPE layers (no RoPE on every no_rope_layer_interval-th layer,
+default 4, or where `no_rope_layers` — 1 meaning "has RoPE" — says 0), optionally a sliding
+window on the NoPE layers (use_sliding_window + sliding_window, as transformers places it).
+
+HF `smollm3` (transformers' SmolLM3Config defaults: θ 2e6, tied embeddings); mlx-lm's layout
+is the same names. GGUF `smollm3` (llama.cpp's SmolLM3Model, a LlamaModel: Q/K rows permuted,
+undone on load; its graph fixes NoPE on every 4th layer, read the same way). Its chat template
+switches reasoning with enable_thinking or "/think" / "/no_think" in the system message; a
+prompt ending in an empty <think></think> starts the answer (prompt/reasoning.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlxlis.errors import ConfigError
+from mlxlis.limits import check_sizes
+from mlxlis.models.base import Family, GGUFMeta
+from mlxlis.models.config import ModelConfig
+from mlxlis.models.conventions import UNPERMUTE_K, UNPERMUTE_Q
+from mlxlis.models.decoder import Decoder
+from mlxlis.models.llama import check_act
+
+HF_DEFAULTS = {  # transformers' SmolLM3Config, for the keys the shared parser reads
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 2e6,
+    "tie_word_embeddings": True,
+}
+GGUF_NOPE_EVERY = 4  # llama.cpp's smollm3: n_no_rope_layer_step, set rather than read
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _rope_on(cfg: dict, n: int, path: str) -> list[int]:
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = check_sizes(
+            {
+                "no_rope_layer_interval": (
+                    "no_rope_layer_interval",
+                    cfg.get("no_rope_layer_interval", 4),
+                )
+            },
+            path,
+        )["no_rope_layer_interval"]
+        return [int((i + 1) % every != 0) for i in range(n)]
+    if (
+        not isinstance(flags, list)
+        or len(flags) != n
+        or any(isinstance(v, bool) or v not in (0, 1) for v in flags)
+    ):
+        raise ConfigError(
+            f"expected {n} flags of 0 or 1, got {flags!r}"[:200], path=path, field="no_rope_layers"
+        )
+    return flags
+
+
+def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
+    n = base.num_hidden_layers
+    rope_on = _rope_on(cfg, n, path)
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    if window is not None:
+        window = check_sizes({"sliding_window": ("sliding_window", window)}, path)["sliding_window"]
+    types = cfg.get("layer_types")
+    if types is None:  # transformers: sliding on the NoPE layers, when a window is on
+        types = [LAYER_TYPES[window is not None and not r] for r in rope_on]
+    if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
+        raise ConfigError(
+            f"expected {n} of {LAYER_TYPES}, got {types!r}"[:300], path=path, field="layer_types"
+        )
+    if window is None:  # transformers: no window unless use_sliding_window
+        types = [LAYER_TYPES[0]] * n
+    return check_act(
+        base.with_(
+            no_rope_layers=tuple(not r for r in rope_on),
+            layer_types=tuple(types) if window is not None else (),
+            sliding_window=window,
+        ),
+        path,
+    )
+
+
+def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
+    n = base.num_hidden_layers
+    return base.with_(no_rope_layers=tuple((i + 1) % GGUF_NOPE_EVERY == 0 for i in range(n)))
+
+
+def export(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        "attention_bias": cfg.attention_bias,
+        "mlp_bias": cfg.mlp_bias,
+        "no_rope_layers": [int(not x) for x in cfg.no_rope_layers],
+        "use_sliding_window": cfg.sliding_window is not None,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": list(cfg.layer_types) or ["full_attention"] * cfg.num_hidden_layers,
+    }
+
+
+SMOLLM3 = Family(
+    name="smollm3",
+    hf_model_types=("smollm3",),
+    gguf_archs=("smollm3",),
+    parse_hf=parse_hf,
+    parse_gguf=parse_gguf,
+    network=Decoder,
+    gguf_conventions=(UNPERMUTE_Q, UNPERMUTE_K),  # SmolLM3Model is a LlamaModel
+    export_model_type="smollm3",
+    export_architecture="SmolLM3ForCausalLM",
+    export_config=export,
+    hf_defaults=HF_DEFAULTS,
+)
