@@ -1003,8 +1003,8 @@ MUTANTS = (
     Mutant(
         "g3n-sparsity-sample-std",
         "mlxlis/models/gemma3n_net.py",
-        "mx.std(g, axis=-1, keepdims=True) * (",
-        "mx.std(g, axis=-1, keepdims=True, ddof=1) * (",
+        "            cutoff = mean + mx.std(g32, axis=-1, keepdims=True) * self.std",
+        "            cutoff = mean + mx.std(g32, axis=-1, keepdims=True, ddof=1) * self.std",
         (G3N_HF,),
         "Gemma 3n: the gate's cutoff from the sample (n − 1) standard deviation",
     ),

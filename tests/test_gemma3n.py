@@ -280,6 +280,25 @@ def test_convert_round_trip_and_mlx_lm(gemma3n, tmp_path):
     assert np.abs(np.array(again.logits(ids)) - theirs).max() < 1e-4
 
 
+def test_sparse_gate_holds_in_float16(gemma3n):
+    """Self-consistency across dtypes at a real width (E2B's 8192, gate RMS ≈ 3): the sparse
+    MLP in float16 equals its float32 result to float16's rounding; the gate's moments, whose
+    sum of squares passes float16's range there, are taken in float32 (else the cutoff is
+    +∞ and the layer's output 0)."""
+    from mlxlis.models.gemma3n_net import SparseMLP
+
+    cfg = mlxlis.load(gemma3n("e2b")[0], "float32").config
+    mx.random.seed(0)
+    mlp = SparseMLP(cfg, 8192, cfg.family_config.sparsity_std[0])
+    mlp.gate_proj.weight = mx.random.normal(mlp.gate_proj.weight.shape) * 0.4
+    x = mx.random.normal((1, 4, cfg.hidden_size))
+    want = mlp(x)
+    mlp.set_dtype(mx.float16)
+    got = mlp(x.astype(mx.float16)).astype(mx.float32)
+    scale = float(mx.abs(want).max())
+    assert scale > 0 and float(mx.abs(got - want).max()) < 1e-2 * scale
+
+
 BAD = [  # (change to config.json, error class, field it names)
     ({"num_kv_shared_layers": 6}, ConfigError, "num_kv_shared_layers"),
     ({"altup_active_idx": 4}, ConfigError, "altup_active_idx"),
@@ -289,6 +308,12 @@ BAD = [  # (change to config.json, error class, field it names)
         "activation_sparsity_pattern",
     ),
     ({"activation_sparsity_pattern": [0.5]}, ConfigError, "activation_sparsity_pattern"),
+    (  # 1 in float32, where transformers takes Φ⁻¹
+        {"activation_sparsity_pattern": [0.99999999] + [0.0] * 5},
+        ConfigError,
+        "activation_sparsity_pattern",
+    ),
+    ({"altup_correct_scale": None}, ConfigError, "altup_correct_scale"),
     ({"intermediate_size": [96, 96]}, ConfigError, "intermediate_size"),
     (
         {"rope_parameters": {F: {"rope_type": "linear", "factor": 2.0}, S: {}}},
@@ -321,8 +346,9 @@ def write_gguf(path: Path, ref, folder: Path, qtype: Q) -> tuple[dict, int]:
     """`ref` as llama.cpp's Gemma3NModel writes it: Gemma3Model's keys plus altup / per-layer
     / KV-sharing / sparsity keys; tensors named by gguf-py's TensorNameMap, `*_scale` with
     `.weight` added, the three altup projections of each kind stacked, both embeddings padded
-    with zero rows to the vocabulary, tied head omitted; matrices whose rows fit Q8_0 blocks in
-    `qtype`, the rest F32. Returns the state dict the file holds (gguf-py's dequantization) and
+    with zero rows to the vocabulary, tied head omitted, the unused K/V of KV-shared layers
+    kept (hub checkpoints carry them); matrices whose rows fit Q8_0 blocks in `qtype`, the rest
+    F32. Returns the state dict the file holds (gguf-py's dequantization) and
     its per-layer table's rows."""
     cfg = ref.config
     n, vocab = cfg.num_hidden_layers, cfg.vocab_size
@@ -364,6 +390,12 @@ def write_gguf(path: Path, ref, folder: Path, qtype: Q) -> tuple[dict, int]:
             [f"model.{kind}.{k}.weight" for k in range(len(parts))],
         )
     sd.pop("lm_head.weight")
+    rng = np.random.default_rng(0)  # hub checkpoints keep unused K/V on KV-shared layers
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    for i in range(n - cfg.num_kv_shared_layers, n):
+        for name, shape in (("k_proj", (kv, cfg.hidden_size)), ("v_proj", (kv, cfg.hidden_size))):
+            tensors[f"blk.{i}.attn_{name[0]}.weight"] = (rng.standard_normal(shape), [])
+        tensors[f"blk.{i}.attn_k_norm.weight"] = (rng.standard_normal(cfg.head_dim), [])
     for hf, a in sd.items():
         if "embed_tokens" in hf and a.shape[0] < vocab:
             a = np.concatenate([a, np.zeros((vocab - a.shape[0], a.shape[1]), a.dtype)])

@@ -67,6 +67,13 @@ def _number(v: Any, path: str, fld: str, ok=lambda x: True) -> float:
     return float(v)
 
 
+def _flag(cfg: dict, key: str, default: bool, path: str) -> bool:
+    v = cfg.get(key, default)
+    if not isinstance(v, bool):  # transformers' strict config: a bool, not null or "false"
+        raise ConfigError(f"expected true or false, got {v!r}"[:100], path=path, field=key)
+    return v
+
+
 def _per_layer_list(cfg: dict, key: str, n: int, default: list, path: str) -> list:
     v = cfg.get(key)
     v = default if v is None else v
@@ -157,7 +164,10 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     default_sparsity = [0.95] * 10 + [0.0] * (n - 10) if n > 10 else [0.0] * n
     pattern = _per_layer_list(cfg, "activation_sparsity_pattern", n, default_sparsity, path)
     stds = tuple(
-        sparsity_std(_number(p, path, "activation_sparsity_pattern", lambda x: 0 <= x < 1))
+        # < 1 in float32, where transformers takes Φ⁻¹ (1 would be +∞)
+        sparsity_std(
+            _number(p, path, "activation_sparsity_pattern", lambda x: 0 <= np.float32(x) < 1)
+        )
         for p in pattern
     )
     shared = _int(cfg, "num_kv_shared_layers", 15, path, low=0)
@@ -181,7 +191,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         per_layer_vocab=_int(cfg, "vocab_size_per_layer_input", 262144, path),
         altup_num_inputs=streams,
         altup_active_idx=active,
-        altup_correct_scale=bool(cfg.get("altup_correct_scale", True)),
+        altup_correct_scale=_flag(cfg, "altup_correct_scale", True, path),
         laurel_rank=_int(cfg, "laurel_rank", 64, path),
         sparsity_std=stds,
         altup_coef_clip=None if clip is None else _number(clip, path, "altup_coef_clip"),
@@ -190,7 +200,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         **STRUCTURE,
         hidden_act=act,
         intermediate_size=sizes[0],
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", True, path),
         rope=RopeConfig(theta=_theta(cfg, FULL, path)),
         rope_local=RopeConfig(theta=_theta(cfg, SLIDING, path)),
         layer_types=types,
@@ -282,7 +292,8 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
         rope_local=RopeConfig(theta=m.get("rope.freq_base_swa", 10000.0, float)),
         sliding_window=window,
         family_config=structure,
-        final_logit_softcapping=m.get("final_logit_softcapping", 0.0, float) or None,
+        # llama.cpp's gemma3n never reads the key and caps at 30 (what the converter writes)
+        final_logit_softcapping=m.get("final_logit_softcapping", 30.0, float) or None,
     )
 
 
@@ -324,6 +335,10 @@ def gguf_name(name: str) -> str | None:
 
 def export(cfg: ModelConfig) -> dict[str, Any]:
     s: AltUpStructure = cfg.own(AltUpStructure)
+    if not cfg.tie_word_embeddings:  # mlx-lm's gemma3n heads with the embedding, always
+        raise UnsupportedError(
+            "an untied Gemma 3n has no form mlx-lm reads", path=cfg.source, field="lm_head"
+        )
     n, types = cfg.num_hidden_layers, cfg.layer_types
     shared = sum(src != i for i, src in enumerate(s.kv_source))
     # Φ back to the sparsity transformers reads (it recomputes Φ⁻¹ from it)

@@ -129,11 +129,11 @@ class SparseMLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         g = self.gate_proj(x)
-        if self.std is not None:
-            cutoff = mx.mean(g, axis=-1, keepdims=True) + mx.std(g, axis=-1, keepdims=True) * (
-                mx.array(self.std, mx.float32).astype(g.dtype)
-            )
-            g = nn.relu(g - cutoff)
+        if self.std is not None:  # the moments in float32: a float16 sum of squares overflows
+            g32 = g.astype(mx.float32)
+            mean = mx.mean(g32, axis=-1, keepdims=True)
+            cutoff = mean + mx.std(g32, axis=-1, keepdims=True) * self.std
+            g = nn.relu(g - cutoff.astype(g.dtype))
         return self.down_proj(self.act(g) * self.up_proj(x))
 
 
