@@ -1141,6 +1141,47 @@ MUTANTS = (
         ("tests/test_smollm3.py::test_gguf_matches_transformers_on_the_files_weights",),
         "SmolLM3 GGUF: RoPE on every layer (llama.cpp's fixed NoPE step ignored)",
     ),
+    Mutant(
+        "phi3-qkv-k-v-swapped",
+        "mlxlis/models/layers.py",
+        "            q, k, v = mx.split(self.qkv_proj(x), self._split, axis=-1)",
+        "            q, v, k = mx.split(self.qkv_proj(x), self._split, axis=-1)",
+        ("tests/test_phi3.py::test_logits_match_transformers_fp32",),
+        "Phi-3: qkv_proj's key and value rows swapped",
+    ),
+    Mutant(
+        "phi3-gate-up-swapped",
+        "mlxlis/models/layers.py",
+        "            return self.down_proj(self.act(*mx.split(self.gate_up_proj(x), 2, axis=-1)))",
+        "            return self.down_proj(self.act(*mx.split(self.gate_up_proj(x), 2, axis=-1)"
+        "[::-1]))",
+        ("tests/test_phi3.py::test_logits_match_transformers_fp32",),
+        "Phi-3: gate_up_proj's halves swapped",
+    ),
+    Mutant(
+        "phi3-longrope-always-long",
+        "mlxlis/models/rope.py",
+        "            long = offset + t > self._within",
+        "            long = True",
+        ("tests/test_phi3.py::test_logits_match_transformers_fp32",),
+        "LongRoPE: the long factors within the original context too (mlx-lm's choice)",
+    ),
+    Mutant(
+        "phi3-longrope-no-attention-factor",
+        "mlxlis/models/rope.py",
+        '        self.mscale = rope.attention_factor if rope.type in ("yarn", "longrope") else 1.0',
+        '        self.mscale = rope.attention_factor if rope.type == "yarn" else 1.0',
+        ("tests/test_phi3.py::test_logits_match_transformers_fp32",),
+        "LongRoPE: q and k not scaled by the attention factor",
+    ),
+    Mutant(
+        "phi3-gguf-factors-swapped",
+        "mlxlis/models/phi3.py",
+        'ROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")',
+        'ROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")',
+        ("tests/test_phi3.py::test_gguf_matches_transformers_on_the_files_weights",),
+        "Phi-3 GGUF: the short and long factor tensors read in each other's place",
+    ),
 )
 
 IGNORE = shutil.ignore_patterns(

@@ -22,6 +22,7 @@ from mlxlis.models.gpt_oss import GPT_OSS
 from mlxlis.models.llama import LLAMA
 from mlxlis.models.llama4 import LLAMA4
 from mlxlis.models.mistral3 import MISTRAL3
+from mlxlis.models.phi3 import PHI3
 from mlxlis.models.qwen2 import QWEN2
 from mlxlis.models.qwen3 import QWEN3
 from mlxlis.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE
@@ -45,6 +46,7 @@ REGISTRY: dict[str, Family] = {
             QWEN3_5_MOE,
             QWEN3_NEXT,
             SMOLLM3,
+            PHI3,
             GPT_OSS,
         ),
         *(GEMMA, GEMMA2, GEMMA3, GEMMA3N, GEMMA4, GEMMA4_ASSISTANT),

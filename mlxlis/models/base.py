@@ -101,12 +101,18 @@ class Family:
     # a GGUF tensor that stacks on axis 0 what the checkpoint keeps as one module per index
     # (Gemma 3n's altup_proj): GGUF name -> the modules' tensor name, "{}" the index
     gguf_stacked: dict[str, str] = field(default_factory=dict)
+    # GGUF tensors that are config, not parameters (Phi-3's rope_factors_long / _short):
+    # their names, and (cfg, {name: values}) -> cfg once they are read
+    gguf_config_tensors: tuple[str, ...] = ()
+    gguf_tensor_config: Callable[[ModelConfig, dict[str, mx.array]], ModelConfig] | None = None
 
     def gguf_module_name(self, gguf_name: str) -> str | None:
         """The module tensor name for a GGUF tensor, or None when no row takes it. A row keyed
         `name.part` (or a bare `name`, for tensors llama.cpp writes without a suffix) maps to
         a whole parameter path; a row keyed `name` maps to a module whose `part` it feeds. A
         stacked tensor (`gguf_stacked`) names its first module."""
+        if gguf_name in self.gguf_config_tensors:
+            return None
         if gguf_name in self.gguf_stacked:
             return self.gguf_stacked[gguf_name].format(0)
         if self.gguf_names is not None and (own := self.gguf_names(gguf_name)) is not None:

@@ -31,7 +31,7 @@ F = TypeVar("F", bound=FamilyConfig)
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    type: str = "default"  # "default" | "linear" | "llama3" | "yarn"
+    type: str = "default"  # "default" | "linear" | "llama3" | "yarn" | "longrope"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -43,6 +43,11 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
+    # longrope (Phi-3 / Phi-4): per-pair factors dividing each frequency, short_factor while
+    # a pass stays within original_max_position_embeddings, long_factor past it;
+    # attention_factor on q and k as yarn's
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,9 @@ class ModelConfig:
     # the DeltaNet's projections fused per key head (Qwen3-Next): "qkvz" (in_proj_qkvz: each
     # key head's q, k, its value heads' v then z), "ba" (in_proj_ba: its value heads' β then α)
     linear_fused: tuple[str, ...] = ()
+    # one q|k|v projection (qkv_proj) and one gate|up projection (gate_up_proj): Phi-3 / Phi-4
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
     # what the fields above do not describe, typed by the family (e.g. Gemma 4's Structure)
     family_config: FamilyConfig | None = None
     # MLX quantization from config.json ({"group_size", "bits", per-layer overrides}) or None

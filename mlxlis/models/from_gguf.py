@@ -98,8 +98,11 @@ def load_gguf(
             part = placement.place(cfg, module_sizes(gf, cfg), str(path))
         held = part.holds if part is not None else None
         dense = _dense_policy(gf, cfg, dtype, dequantize, part)
-        weights, quant, rope_freqs, ignored = _convert(gf, cfg, dtype, dense, clock, held)
         spec = family(cfg.family)
+        weights, quant, specials, ignored = _convert(gf, cfg, dtype, dense, clock, held)
+        rope_freqs = specials.pop("rope_freqs.weight", None)
+        if spec.gguf_tensor_config is not None:
+            cfg = spec.gguf_tensor_config(cfg, specials)
         if rope_freqs is not None and spec.gguf_rope_freqs is not None:
             cfg, rope_freqs = spec.gguf_rope_freqs(cfg, rope_freqs)
         extras = {} if rope_freqs is None else {"rope_freq_factors": rope_freqs}
@@ -197,23 +200,25 @@ def module_sizes(gf: GGUFFile, cfg: ModelConfig) -> dict[str, int]:
 
 
 def _convert(gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dense, clock: _Clock, held=None):
-    """Every tensor under its module name, conventions undone: (weights, quant, rope_freqs,
-    names of the tensors the family ignores).
+    """Every tensor under its module name, conventions undone: (weights, quant, the tensors
+    that are config — rope_freqs, the family's gguf_config_tensors — by name, names of the
+    tensors the family ignores).
     dense(name): convert that tensor dense (else quantized where MLX can hold it).
     held(module name): whether this pipeline rank reads it (None: every tensor); the others
     are never read."""
     weights: dict[str, mx.array] = {}
     quant: dict[str, dict] = {}
-    rope_freqs = None
+    specials: dict[str, mx.array] = {}
     path = str(gf.path)
     spec = family(cfg.family)
+    special = SPECIAL | set(spec.gguf_config_tensors)
     ignored = {n for n in gf.tensors if spec.gguf_ignored and spec.gguf_ignored(n, cfg)}
     targets = {}
     for name in gf.tensors:
         if name in ignored:
             continue
-        targets[name] = None if name in SPECIAL else spec.gguf_module_name(name)
-        if targets[name] is None and name not in SPECIAL:
+        targets[name] = None if name in special else spec.gguf_module_name(name)
+        if targets[name] is None and name not in special:
             raise UnexpectedTensorError(
                 f"no {cfg.family} module takes this tensor", path=gf.path, field=name
             )
@@ -227,7 +232,7 @@ def _convert(gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dense, clock: _Clo
     buffers = {
         name: allocate(t, dequantize=dense(name))
         for name, t in gf.tensors.items()
-        if name not in SPECIAL and name in targets
+        if name not in special and name in targets
     }
     ahead, started = 0, 0  # bytes started and not yet converted; tensors started
     for i, name in enumerate(names):
@@ -239,8 +244,8 @@ def _convert(gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dense, clock: _Clo
                 mx.async_eval(out)
                 ahead += sum(a.nbytes for a in out)
             started += 1
-        if name in SPECIAL:
-            rope_freqs = convert_tensor(
+        if name in special:
+            specials[name] = convert_tensor(
                 t, gf.raw(name), mx.float32, dequantize=True, path=path
             ).weight.reshape(-1)
             gf.release(name)
@@ -279,7 +284,7 @@ def _convert(gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dense, clock: _Clo
                 weights[f"{module}.{part}"] = new
         del parts, arr, new
         clock(f"convert {t.type_name}")
-    return weights, quant, rope_freqs, ignored
+    return weights, quant, specials, ignored
 
 
 def _tokenizer(md: dict, path: Path, timings: dict[str, float] | None):

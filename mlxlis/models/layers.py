@@ -61,9 +61,13 @@ class Attention(nn.Module):
         d, hd = cfg.hidden_size, cfg.head_dim
         self.gated = cfg.attn_output_gate
         q_out = self.n_heads * hd * (2 if self.gated else 1)
-        self.q_proj = nn.Linear(d, q_out, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
+        if cfg.fused_qkv:  # Phi-3 / Phi-4: one projection, q rows then k then v
+            self.qkv_proj = nn.Linear(d, q_out + 2 * self.n_kv_heads * hd, bias=cfg.attention_bias)
+            self._split = (q_out, q_out + self.n_kv_heads * hd)
+        else:
+            self.q_proj = nn.Linear(d, q_out, bias=cfg.attention_bias)
+            self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
+            self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = norm(cfg, hd)
@@ -82,12 +86,16 @@ class Attention(nn.Module):
         """`positions` (T, rotary pairs): explicit RoPE positions of a prompt chunk (Rope.at),
         else each position's own (the cache's offset + shift onwards)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.n_heads, -1)
+        if "qkv_proj" in self:
+            q, k, v = mx.split(self.qkv_proj(x), self._split, axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(b, t, self.n_heads, -1)
         if self.gated:  # (B, T, n_heads, 2·head_dim): each head's query, then its gate
             q, gate = mx.split(q, 2, axis=-1)
         q = q.transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        k = k.reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         # q: (B, n_heads, T, head_dim); k, v: (B, n_kv_heads, T, head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -160,12 +168,17 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
         d, f = cfg.hidden_size, hidden or cfg.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        if cfg.fused_gate_up:  # Phi-3 / Phi-4: one projection, the gate's rows first
+            self.gate_up_proj = nn.Linear(d, 2 * f, bias=cfg.mlp_bias)
+        else:
+            self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+            self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
         self.act = gated(cfg.hidden_act)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if "gate_up_proj" in self:
+            return self.down_proj(self.act(*mx.split(self.gate_up_proj(x), 2, axis=-1)))
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 

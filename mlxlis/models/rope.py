@@ -1,4 +1,5 @@
-"""Rotary position embedding shared by every family: default, linear, llama3 and yarn scaling."""
+"""Rotary position embedding shared by every family: default, linear, llama3, yarn and longrope
+scaling."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
-def rope_periods(rope: RopeConfig, dims: int) -> mx.array | None:
-    """Per-pair wavelengths (1 / inv_freq) for mx.fast.rope's `freqs`, or None for plain RoPE."""
+def rope_periods(rope: RopeConfig, dims: int, long: bool = False) -> mx.array | None:
+    """Per-pair wavelengths (1 / inv_freq) for mx.fast.rope's `freqs`, or None for plain RoPE
+    (`long`: longrope's past the original context)."""
+    if rope.type == "longrope":  # transformers' _compute_longrope_parameters
+        factors = mx.array(rope.long_factor if long else rope.short_factor, mx.float32)
+        return factors * rope.theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
     if rope.type == "yarn":
         return 1.0 / yarn_inv_freq(rope, dims)
     if rope.type != "llama3":
@@ -68,8 +73,15 @@ class Rope(nn.Module):
         self.interleaved = interleaved
         self.base: float | None = rope.theta
         self.scale = 1.0 / rope.factor if rope.type == "linear" else 1.0
-        self.mscale = rope.attention_factor if rope.type == "yarn" else 1.0  # q and k, by yarn
+        # q and k by yarn's / longrope's attention factor
+        self.mscale = rope.attention_factor if rope.type in ("yarn", "longrope") else 1.0
         periods = rope_periods(rope, dims)
+        # longrope: the long factors' periods, for a pass that reaches past `_within` positions
+        self._long, self._within = None, 0
+        if rope.type == "longrope":
+            self._long = rope_periods(rope, dims, long=True)
+            self._within = rope.original_max_position_embeddings
+            mx.eval(self._long)
         if freq_factors is not None:  # GGUF rope_freqs: llama.cpp divides each inv_freq by it
             if periods is None:
                 periods = rope.theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
@@ -85,7 +97,8 @@ class Rope(nn.Module):
         pair of each position its own (Qwen3.5's M-RoPE interleaves three position streams
         over the pairs); cos and sin in float32, then x's dtype, as transformers."""
         if self._periods is not None:
-            inv = 1.0 / self._periods
+            long = self._long is not None and int(mx.max(pos)) + 1 > self._within
+            inv = 1.0 / (self._long if long else self._periods)
         else:
             inv = 1.0 / (self.base ** (mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims))
         ang = pos.astype(mx.float32) * self.scale * inv  # (T, dims / 2)
@@ -110,7 +123,22 @@ class Rope(nn.Module):
         r = x[..., : self.dims] * mx.array(self.mscale, x.dtype)
         return r if self.dims == x.shape[-1] else mx.concatenate([r, x[..., self.dims :]], -1)
 
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        """x (B, heads, T, head_dim) turned from position `offset` (one per row, (B,), in a
+        batch). Longrope: the long factors for a pass reaching past the original context, as
+        transformers picks them per forward (each row its own, in a batch)."""
+        if self._long is None:
+            return self._rope(x, offset, self._periods)
+        t = x.shape[-2]
+        if not isinstance(offset, mx.array):
+            long = offset + t > self._within
+            return self._rope(x, offset, self._long if long else self._periods)
+        past = (offset + t > self._within).reshape(-1, 1, 1, 1)
+        return mx.where(
+            past, self._rope(x, offset, self._long), self._rope(x, offset, self._periods)
+        )
+
+    def _rope(self, x: mx.array, offset: int | mx.array, periods: mx.array | None) -> mx.array:
         return mx.fast.rope(
             self._scaled(x),
             self.dims,
@@ -118,7 +146,7 @@ class Rope(nn.Module):
             base=self.base,
             scale=self.scale,
             offset=offset,
-            freqs=self._periods,
+            freqs=periods,
         )
 
 
