@@ -1,5 +1,5 @@
-"""`make bench` (new families): Qwen3.5-, Gemma 4-, Gemma 3n-, Llama 4-, gpt-oss- and
-Ministral 3-shaped models, mlxlis against mlx-lm.
+"""`make bench` (new families): Qwen3.5-, Qwen3-Next-, Gemma 4-, Gemma 3n-, Llama 4-, gpt-oss-,
+Ministral 3-, SmolLM3- and Phi-4-mini-shaped models, mlxlis against mlx-lm.
 
 Random float32 models with real head shapes at a small width: a Qwen3.5 (3 Gated DeltaNet
 layers per gated-attention layer; 16 key / 32 value heads of 128 for DeltaNet, 8 query / 2 KV
@@ -9,11 +9,13 @@ proportional RoPE), a Gemma 3n E2B-like (4 AltUp streams, LAuReL, per-layer inpu
 of the layers KV-shared, sparse gates in the first third), a Llama 4 Scout-like (16 experts,
 top-1, a shared expert, chunked attention with NoPE every 4th layer), a gpt-oss 20B-like
 (sinks, sliding and full layers, YaRN, 32 experts of which 4 a token) and a Ministral 3
-8B-like (YaRN, the query temperature). Each is written once as a Hugging Face folder
-(config.json and tensor names as `convert` writes them); each engine loads it in a fresh
-process (mlxlis first, so both run on the same BLAS) and runs a PROMPT-token prefill and
-DECODE greedy steps, best of --rounds. Prints a Markdown table and writes
-bench-results/families.json.
+8B-like (YaRN, the query temperature), a Qwen3-Next (Qwen3.5's heads, 32 experts of which 4
+a token and a shared one), a SmolLM3-3B-like (NoPE every 4th layer) and a Phi-4-mini-like
+(24 / 8 heads of 128, fused projections, 3/4 rotated, LongRoPE). Each is written once as a
+Hugging Face folder (config.json and tensor names as `convert` writes them); each engine
+loads it in a fresh process (mlxlis first, so both run on the same BLAS) and runs a
+PROMPT-token prefill and DECODE greedy steps, best of --rounds. Prints a Markdown table and
+writes bench-results/families.json.
 
 usage: python scripts/bench_families.py [--layers N] [--hidden N] [--rounds N] [--models M ...]
 """
@@ -141,6 +143,61 @@ def raw_configs(layers: int, hidden: int) -> dict[str, dict]:
             },
             "max_position_embeddings": 262144,
         },
+        "qwen3_next": {  # 80B-A3B-like heads, 32 experts of which 4 a token, a shared expert
+            "model_type": "qwen3_next",
+            "vocab_size": 32000,
+            "hidden_size": hidden,
+            "intermediate_size": hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "num_experts": 32,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": hidden // 2,
+            "shared_expert_intermediate_size": hidden // 2,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e7,
+                "partial_rotary_factor": 0.25,
+            },
+            "max_position_embeddings": 4096,
+        },
+        "smollm3": {  # SmolLM3-3B-like heads (16 query / 4 KV of 128), NoPE every 4th layer
+            "model_type": "smollm3",
+            "vocab_size": 32000,
+            "hidden_size": hidden,
+            "intermediate_size": 3 * hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "max_position_embeddings": 4096,
+        },
+        "phi4_mini": {  # Phi-4-mini-like: 24 query / 8 KV heads of 128, 3/4 rotated, LongRoPE
+            "model_type": "phi3",
+            "vocab_size": 32000,
+            "hidden_size": 24 * 128,
+            "intermediate_size": 2 * hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 8,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0] * 48,
+                "long_factor": [1.0 + i / 8 for i in range(48)],
+                "original_max_position_embeddings": 4096,
+            },
+        },
         "gemma3n": {  # E2B-like: 4 streams, per-layer inputs, a third KV-shared, sparse gates
             "model_type": "gemma3n_text",
             "vocab_size": 32000,
@@ -206,14 +263,15 @@ def write_model(folder: Path, raw: dict) -> None:
     for copy, src in (spec.export_copies(cfg) if spec.export_copies else {}).items():
         params.update({copy + k[len(src) :]: v for k, v in params.items() if k.startswith(src)})
     params = {
-        spec.export_name(k): (
-            mx.random.normal(v.shape) * 0.02 if v.ndim > 1 else mx.ones(v.shape) * 0.5
-        )
+        k: (mx.random.normal(v.shape) * 0.02 if v.ndim > 1 else mx.ones(v.shape) * 0.5)
         for k, v in params.items()
     }
     for k in params:
         if k.endswith("A_log"):
             params[k] = mx.log(mx.random.uniform(0.5, 4.0, params[k].shape))
+    if spec.export_layout is not None:
+        params = {k: spec.export_layout(k, v) for k, v in params.items()}
+    params = {spec.export_name(k): v for k, v in params.items()}
     mx.save_safetensors(str(folder / "model.safetensors"), params, {"format": "pt"})
     (folder / "config.json").write_text(json.dumps(hf_config(cfg, mx.float32, None)))
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

@@ -58,14 +58,15 @@ def module_name(fam: str, gguf_name: str) -> str | None:
 
 def permuted_by_llama_cpp(fam: str) -> bool:
     """llama.cpp's converter permutes Q/K for its LlamaModel's architectures: `llama`, and
-    `mistral3` (Ministral3Model subclasses it)."""
-    return any(a in ("llama", "mistral3") for a in REGISTRY[fam].gguf_archs)
+    `mistral3` and `smollm3` (Ministral3Model and SmolLM3Model subclass it)."""
+    return any(a in ("llama", "mistral3", "smollm3") for a in REGISTRY[fam].gguf_archs)
 
 
 def norms_plus_one_in_gguf(fam: str) -> bool:
-    """llama.cpp's Gemma 1/2/3 converters add 1 to every norm weight; its Qwen3.5 converter
-    (Qwen3NextModel) to every norm but DeltaNet's gated one (not in GEMMA_NORMS below)."""
-    archs = ("gemma", "gemma2", "gemma3", "qwen35", "qwen35moe")
+    """llama.cpp's Gemma 1/2/3 converters add 1 to every norm weight; its Qwen3-Next and
+    Qwen3.5 converters (Qwen3NextModel) to every norm but DeltaNet's gated one (not in
+    GEMMA_NORMS below)."""
+    archs = ("gemma", "gemma2", "gemma3", "qwen35", "qwen35moe", "qwen3next")
     return any(a in archs for a in REGISTRY[fam].gguf_archs)
 
 
@@ -187,11 +188,14 @@ def test_gemma_norm_minus_one_exactly_where_it_belongs(fam: str):
 
 def test_every_family_declares_exactly_llama_cpps_conventions():
     """Each family's GGUF conventions are what llama.cpp's converter did to its architecture:
-    the Q/K un-permute for llama, the norm offset for Gemma 1/2/3, Qwen3.5's own set, nothing
-    for the rest."""
+    the Q/K un-permute for llama, the norm offset for Gemma 1/2/3, Qwen3.5's and Qwen3-Next's
+    own sets, nothing for the rest."""
     for fam, spec in REGISTRY.items():
         if qwen35_layout(fam):
             assert spec.gguf_conventions == conventions.QWEN35_GGUF, fam
+            continue
+        if "qwen3next" in spec.gguf_archs:  # Qwen3.5's set without its value-head reorder
+            assert spec.gguf_conventions == conventions.QWEN3NEXT_GGUF, fam
             continue
         want = []
         if permuted_by_llama_cpp(fam):
