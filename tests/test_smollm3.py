@@ -3,8 +3,8 @@
 Reference parity: tiny random `smollm3` checkpoints written by transformers' save_pretrained
 against its float32 forward over 72 tokens: "smol" (NoPE on every 4th layer, transformers'
 default θ 2e6) and "window" (NoPE every 3rd layer, use_sliding_window with a window of 16 on
-the NoPE layers, as transformers places it). mlx-lm's smollm3 on the same weights (it takes no
-window: "smol") and on what `convert` writes. GGUF: the weights written with gguf-py as
+the NoPE layers, as transformers places it). mlx-lm's smollm3 on the same weights ("smol") and
+on what `convert` writes. GGUF: the weights written with gguf-py as
 llama.cpp's SmolLM3Model (a LlamaModel) writes them, Q/K rows permuted, against transformers on
 the weights gguf-py dequantizes from the very file (llama.cpp's graph fixes NoPE on every 4th
 layer, which "smol" has). The template: SmolLM3's own (llama.cpp's copy), rendered by jinja2
@@ -92,6 +92,26 @@ def test_derived_layers_as_transformers_derives_them(smol, name, tmp_path):
     ids = trajectory(72, vocab=400)
     ours = np.array(mlxlis.load(bare, "float32").logits(ids))
     assert np.abs(ours - reference_logits(ref, ids)).max() < 2e-5
+
+
+def test_window_follows_layer_types_as_transformers_eager(smol, tmp_path):
+    """With use_sliding_window false but layer_types naming sliding layers and a window set,
+    transformers' eager attention still slides (its mask comes from layer_types): so does
+    mlxlis (bound 2e-5 against transformers run on that very config)."""
+    import transformers
+
+    folder, ref = smol("window")
+    off = tmp_path / "off"
+    shutil.copytree(folder, off)
+    cfg = json.loads((off / "config.json").read_text())
+    cfg["use_sliding_window"] = False
+    (off / "config.json").write_text(json.dumps(cfg))
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(
+        off, attn_implementation="eager"
+    )
+    ids = trajectory(40, vocab=400)
+    ours = np.array(mlxlis.load(off, "float32").logits(ids))
+    assert np.abs(ours - reference_logits(theirs_model.eval(), ids)).max() < 2e-5
 
 
 def test_cached_decode_and_batches_equal_the_full_forward(smol):

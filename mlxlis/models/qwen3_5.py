@@ -130,6 +130,7 @@ def _gguf_parser(moe: bool):
                 field=m.key("nextn_predict_layers"),
             )
         vh = m.get("ssm.time_step_rank")
+        check_sizes({"linear_num_value_heads": (m.key("ssm.time_step_rank"), vh)}, m.path)
         size = check_sizes(
             {
                 "linear_conv_kernel_dim": (m.key("ssm.conv_kernel"), m.get("ssm.conv_kernel")),
@@ -219,7 +220,7 @@ def _export(moe: bool):
     def export(cfg: ModelConfig) -> dict[str, Any]:
         if cfg.rope.type != "default":  # its rope_parameters below would drop the scaling
             raise UnsupportedError(
-                f"writing a Qwen3.5 with {cfg.rope.type} RoPE scaling is not supported",
+                f"writing a {cfg.family} model with {cfg.rope.type} RoPE scaling is not supported",
                 path=cfg.source,
                 field="rope_parameters",
             )

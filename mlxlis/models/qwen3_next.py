@@ -133,6 +133,12 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
             field="attn_qkv",
         )
     out = _export_hybrid(cfg)
+    if "full_attention_interval" not in out:  # mlx-lm places the layers by it alone
+        raise UnsupportedError(
+            "layer types that no full_attention_interval states (mlx-lm reads only that)",
+            path=cfg.source,
+            field="layer_types",
+        )
     n = cfg.num_hidden_layers
     dense = [i for i in range(n) if not cfg.is_sparse(i)]
     return {
@@ -148,13 +154,13 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
 
 def mlx_lm_layout(name: str, w: mx.array) -> mx.array:
     """`convert` writes what mlx-lm's sanitize makes (it takes a folder with stacked experts as
-    sanitized already): the conv kernel axis last, 1 added to the zero-centred norms (kept in
-    float32, so a float16 / bfloat16 folder still holds the exact weights; mlxlis reads the
-    layout back by the conv's shape)."""
+    sanitized already): the conv kernel axis last, 1 added to the zero-centred norms, in the
+    folder's dtype as mlx-lm's own folders (a float32 norm would turn mlx-lm's whole pass
+    float32); mlxlis reads the layout back by the conv's shape."""
     if name.endswith("linear_attn.conv1d.weight"):
         return w.swapaxes(1, 2)  # (C, 1, kernel) -> (C, kernel, 1)
     if is_zero_centred_norm(name):
-        return w.astype(mx.float32) + 1.0
+        return (w.astype(mx.float32) + 1.0).astype(w.dtype)
     return w
 
 

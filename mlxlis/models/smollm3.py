@@ -2,11 +2,12 @@
 default 4, or where `no_rope_layers` — 1 meaning "has RoPE" — says 0), optionally a sliding
 window on the NoPE layers (use_sliding_window + sliding_window, as transformers places it).
 
-HF `smollm3` (transformers' SmolLM3Config defaults: θ 2e6, tied embeddings); mlx-lm's layout
-is the same names. GGUF `smollm3` (llama.cpp's SmolLM3Model, a LlamaModel: Q/K rows permuted,
-undone on load; its graph fixes NoPE on every 4th layer, read the same way). Its chat template
-switches reasoning with enable_thinking or "/think" / "/no_think" in the system message; a
-prompt ending in an empty <think></think> starts the answer (prompt/reasoning.py).
+HF `smollm3` (transformers' SmolLM3Config defaults: θ 2e6, tied embeddings; a window where
+layer_types says, as its eager attention has it); mlx-lm's layout is the same names. GGUF
+`smollm3` (llama.cpp's SmolLM3Model, a LlamaModel: Q/K rows permuted, undone on load; its
+graph fixes NoPE on every 4th layer, read the same way). Its chat template switches reasoning
+with enable_thinking or "/think" / "/no_think" in the system message; a prompt ending in an
+empty <think></think> starts the answer (prompt/reasoning.py).
 """
 
 from __future__ import annotations
@@ -64,22 +65,25 @@ def _rope_on(cfg: dict, n: int, path: str) -> list[int]:
 def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     n = base.num_hidden_layers
     rope_on = _rope_on(cfg, n, path)
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    window = cfg.get("sliding_window")
     if window is not None:
         window = check_sizes({"sliding_window": ("sliding_window", window)}, path)["sliding_window"]
     types = cfg.get("layer_types")
-    if types is None:  # transformers: sliding on the NoPE layers, when a window is on
-        types = [LAYER_TYPES[window is not None and not r] for r in rope_on]
+    if types is None:  # transformers: sliding on the NoPE layers, when use_sliding_window
+        on = bool(cfg.get("use_sliding_window")) and window is not None
+        types = [LAYER_TYPES[on and not r] for r in rope_on]
     if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
         raise ConfigError(
             f"expected {n} of {LAYER_TYPES}, got {types!r}"[:300], path=path, field="layer_types"
         )
-    if window is None:  # transformers: no window unless use_sliding_window
-        types = [LAYER_TYPES[0]] * n
+    # transformers' eager and sdpa attention slide where layer_types says, by sliding_window
+    # (use_sliding_window is read by flash-attention only)
+    if window is None or "sliding_attention" not in types:
+        types, window = [], None
     return check_act(
         base.with_(
             no_rope_layers=tuple(not r for r in rope_on),
-            layer_types=tuple(types) if window is not None else (),
+            layer_types=tuple(types),
             sliding_window=window,
         ),
         path,
