@@ -72,9 +72,8 @@ def test_round_trip_bitwise(converted, name):
 
 
 @pytest.mark.real
-@pytest.mark.parametrize(
-    "name", ["smollm2-135m", pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.extended)]
-)
+@pytest.mark.extended  # `make test-all` (6 s): each family's convert test has mlx-lm read it
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
 def test_mlx_lm_loads_converted(converted, name):
     """mlx-lm reads the quantization block (per-module bits) and gets the same logits
     (tolerance 1e-3: two implementations of the same quantized matmuls) and the same greedy

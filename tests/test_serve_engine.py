@@ -267,6 +267,7 @@ def test_prefix_cache_stays_within_its_bound(models):
     assert 0 < cache.bytes
 
 
+@pytest.mark.extended  # `make test-all` (6 s): a soak; cancellation is proved in make test
 def test_soak_with_random_cancellations_loses_nothing_and_leaks_nothing(models):
     """1 000 requests (random prompts and lengths, 4 to 8 running at once), a random third of
     them cancelled while waiting or running: every stream ends exactly once with its reason,
