@@ -78,7 +78,7 @@ def reference_logits(ref, ids: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_logits_match_transformers_fp32(qwen3n, name):
-    """Reference parity over 72 tokens within 1e-4 (measured 4.1e-5 next at |logit| ≤ 6, the
+    """Reference parity over 72 tokens within 1e-4 (measured 2.4e-5 next, 2.3e-5 gguf, the
     same float32 floor as Qwen3.5's): the fused projections split per key head, the dense
     layer, the router with and without renormalisation, the shared expert."""
     folder, ref = qwen3n(name)
