@@ -33,7 +33,7 @@ from mlxlis.models.gemma3n_net import AltUpStructure, Gemma3n
 from mlxlis.models.gemma4 import _int, kv_sources
 from mlxlis.models.gemma4_gguf import GGUF_BLOCK as GEMMA4_BLOCK
 from mlxlis.models.gemma4_gguf import GGUF_TOP as GEMMA4_TOP
-from mlxlis.models.gemma4_gguf import _per_layer, unused_kv
+from mlxlis.models.gemma4_gguf import _per_layer, layer_types, unused_kv
 from mlxlis.models.gemma4_net import FULL, PLAIN_ACTS, SLIDING, STRUCTURE
 
 import numpy as np
@@ -215,14 +215,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
 
 def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     n, path, shapes = base.num_hidden_layers, m.path, m.shapes
-    pattern = m.md.get(m.key("attention.sliding_window_pattern"))
-    if not isinstance(pattern, np.ndarray) or pattern.shape != (n,):
-        raise ConfigError(
-            f"expected {n} bools, got {pattern!r}"[:200],
-            path=path,
-            field=m.key("attention.sliding_window_pattern"),
-        )
-    types = tuple(SLIDING if x else FULL for x in pattern.tolist())
+    types = layer_types(m, n)
     for key in ("attention.value_length", "rope.dimension_count"):
         if m.get(key, base.head_dim) != base.head_dim:
             raise UnsupportedError(f"not the head dim {base.head_dim}", path=path, field=m.key(key))

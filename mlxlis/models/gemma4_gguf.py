@@ -61,16 +61,21 @@ def _rot(m: GGUFMeta, name: str, default: int, head: int) -> int:
     return n_rot
 
 
-def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
-    n, path, shapes = base.num_hidden_layers, m.path, m.shapes
-    pattern = m.md.get(m.key("attention.sliding_window_pattern"))  # one bool per layer
+def layer_types(m: GGUFMeta, n: int) -> tuple[str, ...]:
+    """attention.sliding_window_pattern (one bool per layer) as layer types (Gemma 3n too)."""
+    pattern = m.md.get(m.key("attention.sliding_window_pattern"))
     if not isinstance(pattern, np.ndarray) or pattern.shape != (n,):
         raise ConfigError(
             f"expected {n} bools, got {pattern!r}"[:200],
-            path=path,
+            path=m.path,
             field=m.key("attention.sliding_window_pattern"),
         )
-    types = tuple(SLIDING if x else FULL for x in pattern.tolist())
+    return tuple(SLIDING if x else FULL for x in pattern.tolist())
+
+
+def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
+    n, path, shapes = base.num_hidden_layers, m.path, m.shapes
+    types = layer_types(m, n)
     kv = _per_layer(m, "attention.head_count_kv", n, "num_key_value_heads")
     kv_s, kv_f = (_per_type(kv, types, t, m, "attention.head_count_kv") for t in (SLIDING, FULL))
     for h in (kv_s, kv_f):

@@ -58,13 +58,10 @@ def flag(cfg: dict, key: str, path: str) -> bool:
     return value
 
 
-def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
-    base = qwen3_hf(cfg, base, path)
-    if "num_experts" not in cfg and "num_local_experts" in cfg:
-        cfg = {**cfg, "num_experts": cfg["num_local_experts"]}  # transformers 5 saves this name
-    size = expert_sizes({k: (k, cfg.get(k, v)) for k, v in HF_DEFAULTS.items()}, path)
+def sparse_layers(cfg: dict, n: int, step: int, path: str) -> tuple[bool, ...]:
+    """transformers: the expert block on every step-th layer not listed in mlp_only_layers (a
+    dense MLP there); Qwen3-Next reads the same."""
     dense = cfg.get("mlp_only_layers") or []
-    n = base.num_hidden_layers
     if not isinstance(dense, list) or any(
         isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in dense
     ):
@@ -73,9 +70,15 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
             path=path,
             field="mlp_only_layers",
         )
-    step = size["decoder_sparse_step"]
-    # transformers: sparse unless listed in mlp_only_layers, on every step-th layer
-    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+
+
+def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
+    base = qwen3_hf(cfg, base, path)
+    if "num_experts" not in cfg and "num_local_experts" in cfg:
+        cfg = {**cfg, "num_experts": cfg["num_local_experts"]}  # transformers 5 saves this name
+    size = expert_sizes({k: (k, cfg.get(k, v)) for k, v in HF_DEFAULTS.items()}, path)
+    sparse = sparse_layers(cfg, base.num_hidden_layers, size["decoder_sparse_step"], path)
     return base.with_(
         num_experts=size["num_experts"],
         num_experts_per_tok=size["num_experts_per_tok"],

@@ -38,6 +38,7 @@ from mlxlis.models.qwen3_5 import (
 from mlxlis.models.qwen3_5 import (
     GGUF_BLOCK as QWEN35_BLOCK,
 )
+from mlxlis.models.qwen3_moe import sparse_layers
 
 import mlx.core as mx
 
@@ -63,21 +64,10 @@ _parse_hybrid = _hf_parser(True)
 
 
 def _sparse_layers(cfg: dict, n: int, path: str) -> tuple[bool, ...]:
-    """transformers: the expert block on every decoder_sparse_step-th layer not listed in
-    mlp_only_layers (a dense MLP of intermediate_size there)."""
-    dense = cfg.get("mlp_only_layers") or []
-    if not isinstance(dense, list) or any(
-        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in dense
-    ):
-        raise ConfigError(
-            f"expected layer indices below {n}, got {dense!r}"[:200],
-            path=path,
-            field="mlp_only_layers",
-        )
     step = cfg.get("decoder_sparse_step", 1)
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ConfigError(f"bad step {step!r}"[:100], path=path, field="decoder_sparse_step")
-    return tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+    return sparse_layers(cfg, n, step, path)
 
 
 def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
