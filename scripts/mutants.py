@@ -190,8 +190,8 @@ MUTANTS = (
     Mutant(
         "sparse-step-off-by-one",
         "mlxlis/models/qwen3_moe.py",
-        "sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))",
-        "sparse = tuple(i not in dense and i % step == 0 for i in range(n))",
+        "return tuple(i not in dense and (i + 1) % step == 0 for i in range(n))",
+        "return tuple(i not in dense and i % step == 0 for i in range(n))",
         ("tests/test_qwen3.py",),
         "decoder_sparse_step counts layers from 0 instead of 1",
     ),
@@ -230,8 +230,8 @@ MUTANTS = (
     Mutant(
         "partial-rope-full",
         "mlxlis/models/decoder.py",
-        "rope = Rope(cfg.rotary_dim or cfg.head_dim, cfg.rope, rope_freq_factors)",
-        "rope = Rope(cfg.head_dim, cfg.rope, rope_freq_factors)",
+        "dims, inter = cfg.rotary_dim or cfg.head_dim, cfg.rope_interleaved",
+        "dims, inter = cfg.head_dim, cfg.rope_interleaved",
         ("tests/test_qwen3_5.py",),
         "partial RoPE rotates every dim",
     ),
@@ -1111,7 +1111,7 @@ MUTANTS = (
     Mutant(
         "q3n-export-norms-unshifted",
         "mlxlis/models/qwen3_next.py",
-        "        return w.astype(mx.float32) + 1.0",
+        "        return (w.astype(mx.float32) + 1.0).astype(w.dtype)",
         "        return w",
         ("tests/test_qwen3_next.py::test_convert_round_trip_and_mlx_lm",),
         "Qwen3-Next convert: norms written without mlx-lm's + 1",
@@ -1127,8 +1127,8 @@ MUTANTS = (
     Mutant(
         "smollm3-window-everywhere",
         "mlxlis/models/smollm3.py",
-        "        types = [LAYER_TYPES[window is not None and not r] for r in rope_on]",
-        "        types = [LAYER_TYPES[window is not None] for r in rope_on]",
+        "        types = [LAYER_TYPES[on and not r] for r in rope_on]",
+        "        types = [LAYER_TYPES[on] for r in rope_on]",
         ("tests/test_smollm3.py::test_derived_layers_as_transformers_derives_them",),
         "SmolLM3: the sliding window on every layer, not the NoPE ones only",
     ),
