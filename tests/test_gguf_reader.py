@@ -176,6 +176,7 @@ def test_real_model_matches_gguf_reader(name: str):
 
 
 @pytest.mark.real
+@pytest.mark.extended  # `make test-all` (7 s): a memory bound, close to a benchmark
 def test_opening_the_262k_vocabulary_is_lean():
     """A work bound for the 262 144-token vocabulary (the time is in `make bench`): reading
     Gemma 3's metadata allocates 24 MiB of Python objects here (the strings themselves);

@@ -345,6 +345,7 @@ BIG = 24 << 20  # over huggingface_hub's 10 MiB write chunk, so a partial file h
 CHUNK = 10 << 20
 
 
+@pytest.mark.extended  # `make test-all` (7 s): downloads themselves are proved in make test
 def test_resume_after_a_dropped_connection_and_after_ctrl_c(hub, tmp_path):
     """A connection cut at 15 MiB is resumed in the same run with a Range request from the
     bytes written (10 MiB); a pull stopped by Ctrl+C exits 130 leaving no blob and no snapshot

@@ -140,11 +140,12 @@ def jobs(n: int | str, tiny_job: dict) -> list[dict]:
     return JOBS[n] + ([tiny_job] if n == 2 else [])
 
 
-# the three catalog models on 2 ranks (~40 s) and 3 ranks (one in the middle): `make test-all`
+# 2 ranks (~30 s), the three catalog models on 2 ranks (~40 s) and 3 ranks (one in the
+# middle): `make test-all` (make test launches real ranks in test_pipeline_failures.py)
 @pytest.mark.parametrize(
     "ranks",
     [
-        2,
+        pytest.param(2, marks=pytest.mark.extended),
         pytest.param("2-full", marks=pytest.mark.extended),
         pytest.param(3, marks=pytest.mark.extended),
     ],
@@ -224,6 +225,7 @@ def test_cli_under_the_launcher_prints_the_lone_output_once(tmp_path):
     assert out == lone.stdout and out.strip()
 
 
+@pytest.mark.extended  # `make test-all`: on the 2-rank launch above
 def test_chat_on_rank_0_drives_the_other_ranks(pipelined):
     """A ChatSession on rank 0 while rank 1 follows it (what `mlxlis chat` does under the
     launcher): five turns reusing the cache between them, one stopped by the user after 3
