@@ -166,6 +166,7 @@ def test_quit_after_a_finished_reply_exits_0(launch):
 
 
 @pytest.mark.real
+@pytest.mark.extended  # `make test-all` (8 s): quitting is proved in make test (send, stop, quit)
 @SMOLLM2
 def test_quit_during_a_reply_exits_0(launch):
     chat = launch("--max-tokens", "2000", "--temp", "0")  # greedy counting: still going at quit

@@ -248,6 +248,7 @@ def test_safetensors_and_mlx_repos_download_then_open_by_name(hub, files, expect
     ]
 
 
+@pytest.mark.extended  # `make test-all` (6 s): repos by name are opened in make test
 def test_gguf_repos_fetch_only_the_chosen_model(hub, files, expected, tmp_path):
     """In a repo of three quants, no quant is an error listing them (nothing fetched);
     `:q8_0` fetches that file (and the vision projector beside it, as llama.cpp's -hf does),
