@@ -237,6 +237,33 @@ def tiny_server(tiny, tmp_path_factory):
 CTRL_C_CHILD = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
 
 
+def check_cached_decode(model, ids: list[int], full, bound: float) -> None:
+    """Self-consistency: a prefill in two chunks (9, then 11 tokens), then token-by-token
+    decode with the caches, gives the full forward's logits `full` for the decoded tokens."""
+    import mlx.core as mx
+    import numpy as np
+
+    cache = model.make_cache()
+    model.net(mx.array([ids[:9]]), cache)
+    model.net(mx.array([ids[9:20]]), cache)
+    steps = [np.array(model.net(mx.array([[t]]), cache)[0, -1]) for t in ids[20:]]
+    assert np.abs(np.stack(steps) - full[20:]).max() < bound
+
+
+def check_batched_decode(model, ids: list[int], at: int, bound: float) -> None:
+    """Self-consistency: two sequences at different offsets (ids[:at] and ids[3:13]) each
+    decoding one more token together (decode_batch) give the logits of each alone."""
+    import mlx.core as mx
+    import numpy as np
+
+    a, b = model.make_cache(), model.make_cache()
+    model.net(mx.array([ids[:at]]), a)
+    model.net(mx.array([ids[3:13]]), b)
+    both = np.array(model.net.decode_batch(mx.array([ids[at], ids[13]]), [a, b]))
+    assert np.abs(both[0] - np.array(model.logits(ids[: at + 1]))[-1]).max() < bound
+    assert np.abs(both[1] - np.array(model.logits(ids[3:14]))[-1]).max() < bound
+
+
 def trajectory(n: int = 72, seed: int = 1, vocab: int = 400) -> list[int]:
     """A fixed pseudo-random token trajectory (the same ids fed to both implementations)."""
     import random

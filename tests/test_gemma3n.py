@@ -33,7 +33,13 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
-from conftest import add_bpe_tokenizer, build_tiny, tiny_models, trajectory
+from conftest import (
+    add_bpe_tokenizer,
+    build_tiny,
+    check_batched_decode,
+    tiny_models,
+    trajectory,
+)
 from safetensors.numpy import load_file, save_file
 
 S, F = "sliding_attention", "full_attention"
@@ -248,12 +254,7 @@ def test_cached_decode_and_batches_equal_the_full_forward(gemma3n):
     cache = model.make_cache()
     last = np.array(prefill(model.net, ids, cache, step=40)[0])
     assert np.abs(last - full[-1]).max() < 3e-4
-    a, b = model.make_cache(), model.make_cache()
-    model.net(mx.array([ids[:35]]), a)
-    model.net(mx.array([ids[3:13]]), b)
-    both = np.array(model.net.decode_batch(mx.array([ids[35], ids[13]]), [a, b]))
-    assert np.abs(both[0] - full[35]).max() < 3e-4
-    assert np.abs(both[1] - np.array(model.logits(ids[3:14]))[-1]).max() < 3e-4
+    check_batched_decode(model, ids, 35, 3e-4)
 
 
 def test_convert_round_trip_and_mlx_lm(gemma3n, tmp_path):

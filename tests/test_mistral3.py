@@ -31,7 +31,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from conftest import add_bpe_tokenizer, add_gguf_sizes, tiny_models, trajectory
+from conftest import (
+    add_bpe_tokenizer,
+    add_gguf_sizes,
+    check_batched_decode,
+    check_cached_decode,
+    tiny_models,
+    trajectory,
+)
 from safetensors.numpy import load_file, save_file
 from test_conventions import llama_cpp_permute
 
@@ -101,18 +108,8 @@ def test_cached_decode_and_batches_equal_the_full_forward(mistral):
     model = mlxlis.load(mistral("ministral3")[0], "float32")
     ids = trajectory(44, vocab=model.config.vocab_size)
     full = np.array(model.logits(ids))
-    cache = model.make_cache()
-    model.net(mx.array([ids[:9]]), cache)
-    model.net(mx.array([ids[9:20]]), cache)
-    steps = [np.array(model.net(mx.array([[t]]), cache)[0, -1]) for t in ids[20:]]
-    assert np.abs(np.stack(steps) - full[20:]).max() < 1e-4
-    a, b = model.make_cache(), model.make_cache()
-    model.net(mx.array([ids[:35]]), a)
-    model.net(mx.array([ids[3:13]]), b)
-    lone_a = np.array(model.logits(ids[:36]))[-1]
-    lone_b = np.array(model.logits(ids[3:14]))[-1]
-    both = np.array(model.net.decode_batch(mx.array([ids[35], ids[13]]), [a, b]))
-    assert np.abs(both[0] - lone_a).max() < 1e-4 and np.abs(both[1] - lone_b).max() < 1e-4
+    check_cached_decode(model, ids, full, 1e-4)
+    check_batched_decode(model, ids, 35, 1e-4)
 
 
 def test_wrapper_skips_the_vision_tower_and_says_so(mistral, tmp_path):

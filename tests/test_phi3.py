@@ -29,7 +29,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from conftest import add_bpe_tokenizer, build_tiny, tiny_models, trajectory
+from conftest import (
+    add_bpe_tokenizer,
+    build_tiny,
+    check_batched_decode,
+    check_cached_decode,
+    tiny_models,
+    trajectory,
+)
 
 COMMON = dict(
     kind="phi3",
@@ -95,17 +102,8 @@ def test_cached_decode_and_batches_equal_the_full_forward(phi, name):
     model = mlxlis.load(phi(name)[0], "float32")
     ids = trajectory(30, vocab=model.config.vocab_size)
     full = np.array(model.logits(ids))
-    cache = model.make_cache()
-    model.net(mx.array([ids[:9]]), cache)
-    model.net(mx.array([ids[9:20]]), cache)
-    steps = [np.array(model.net(mx.array([[t]]), cache)[0, -1]) for t in ids[20:]]
-    assert np.abs(np.stack(steps) - full[20:]).max() < 1e-4
-    a, b = model.make_cache(), model.make_cache()
-    model.net(mx.array([ids[:25]]), a)
-    model.net(mx.array([ids[3:13]]), b)
-    both = np.array(model.net.decode_batch(mx.array([ids[25], ids[13]]), [a, b]))
-    assert np.abs(both[0] - full[25]).max() < 1e-4
-    assert np.abs(both[1] - np.array(model.logits(ids[3:14]))[-1]).max() < 1e-4
+    check_cached_decode(model, ids, full, 1e-4)
+    check_batched_decode(model, ids, 25, 1e-4)
 
 
 def test_mlx_lm_and_the_convert_round_trip(phi, tmp_path):

@@ -27,7 +27,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from conftest import add_bpe_tokenizer, add_gguf_sizes, build_tiny, tiny_models, trajectory
+from conftest import (
+    add_bpe_tokenizer,
+    add_gguf_sizes,
+    build_tiny,
+    check_batched_decode,
+    tiny_models,
+    trajectory,
+)
 from test_qwen3_5 import realistic
 
 Q = gguf.GGMLQuantizationType
@@ -147,12 +154,7 @@ def test_chunked_prefill_equals_step_decode_equals_full(qwen3n):
             for s in range(0, len(ids), chunk)
         ]
         assert np.abs(np.concatenate(outs) - full).max() < 1e-4, chunk
-    a, b = model.make_cache(), model.make_cache()
-    model.net(mx.array([ids[:35]]), a)
-    model.net(mx.array([ids[3:13]]), b)
-    both = np.array(model.net.decode_batch(mx.array([ids[35], ids[13]]), [a, b]))
-    assert np.abs(both[0] - full[35]).max() < 1e-4
-    assert np.abs(both[1] - np.array(model.logits(ids[3:14]))[-1]).max() < 1e-4
+    check_batched_decode(model, ids, 35, 1e-4)
 
 
 def test_convert_round_trip_and_mlx_lm(qwen3n, tmp_path):
