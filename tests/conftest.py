@@ -237,6 +237,25 @@ def tiny_server(tiny, tmp_path_factory):
 CTRL_C_CHILD = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
 
 
+def check_config_refused(folder, tmp_path, change: dict, error: type, field: str) -> None:
+    """A copy of the checkpoint `folder` with `change` merged into config.json is refused
+    with `error`, an MlxlisError naming config.json and `field`."""
+    import json
+    import shutil
+
+    import mlxlis
+    from mlxlis.errors import MlxlisError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(error) as e:
+        mlxlis.load(bad, "float32")
+    assert isinstance(e.value, MlxlisError)
+    assert e.value.field == field and "config.json" in str(e.value), str(e.value)
+
+
 def check_cached_decode(model, ids: list[int], full, bound: float) -> None:
     """Self-consistency: a prefill in two chunks (9, then 11 tokens), then token-by-token
     decode with the caches, gives the full forward's logits `full` for the decoded tokens."""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import mlxlis
 from mlxlis.commands.report import format_report, model_report
-from mlxlis.errors import ConfigError, MlxlisError, UnsupportedError
+from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.generation.steps import prefill
 
 import gguf
@@ -37,6 +37,7 @@ from conftest import (
     add_bpe_tokenizer,
     build_tiny,
     check_batched_decode,
+    check_config_refused,
     tiny_models,
     trajectory,
 )
@@ -329,15 +330,7 @@ BAD = [  # (change to config.json, error class, field it names)
 def test_bad_configs_are_named(gemma3n, tmp_path, change, error, field):
     """What Gemma 3n does not implement, or a config that contradicts itself, is refused with
     an MlxlisError naming config.json and the field."""
-    folder, _ = gemma3n("e2b")
-    bad = tmp_path / "bad"
-    shutil.copytree(folder, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**cfg, **change}))
-    with pytest.raises(error) as e:
-        mlxlis.load(bad, "float32")
-    assert isinstance(e.value, MlxlisError)
-    assert e.value.field == field and "config.json" in str(e.value), str(e.value)
+    check_config_refused(gemma3n("e2b")[0], tmp_path, change, error, field)
 
 
 # ---------------------------------------------------------------- GGUF

@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 
 import mlxlis
-from mlxlis.errors import ConfigError, MlxlisError, UnsupportedError
+from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.generation.steps import prefill
 from mlxlis.models.experts import QuantizedSwitchLinear
 
@@ -31,7 +31,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from conftest import build_tiny, randomize, tiny_models, train_tokenizer, trajectory
+from conftest import (
+    build_tiny,
+    check_config_refused,
+    randomize,
+    tiny_models,
+    train_tokenizer,
+    trajectory,
+)
 
 S, F = "sliding_attention", "full_attention"
 COMMON = dict(
@@ -385,12 +392,4 @@ BAD = [  # (change to config.json, error class, field it names)
 def test_bad_configs_are_named(gemma4, tmp_path, change, error, field):
     """What Gemma 4 does not implement, or a config that contradicts itself, is refused with
     an MlxlisError naming config.json and the field."""
-    folder, _ = gemma4("e2b")
-    bad = tmp_path / "bad"
-    shutil.copytree(folder, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**cfg, **change}))
-    with pytest.raises(error) as e:
-        mlxlis.load(bad, "float32")
-    assert isinstance(e.value, MlxlisError)
-    assert e.value.field == field and "config.json" in str(e.value), str(e.value)
+    check_config_refused(gemma4("e2b")[0], tmp_path, change, error, field)

@@ -22,7 +22,7 @@ import math
 import shutil
 
 import mlxlis
-from mlxlis.errors import ConfigError, MlxlisError, UnsupportedError
+from mlxlis.errors import ConfigError, UnsupportedError
 
 import gguf
 import mlx.core as mx
@@ -34,6 +34,7 @@ from conftest import (
     build_tiny,
     check_batched_decode,
     check_cached_decode,
+    check_config_refused,
     tiny_models,
     trajectory,
 )
@@ -156,14 +157,7 @@ BAD = [
 @pytest.mark.parametrize("change,error,field", BAD)
 def test_bad_configs_are_named(phi, tmp_path, change, error, field):
     """A config Phi-3 cannot run is refused with an MlxlisError naming the field."""
-    folder, _ = phi("mini")
-    bad = tmp_path / "bad"
-    shutil.copytree(folder, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**cfg, **change}))
-    with pytest.raises(error) as e:
-        mlxlis.load(bad, "float32")
-    assert isinstance(e.value, MlxlisError) and e.value.field == field, str(e.value)
+    check_config_refused(phi("mini")[0], tmp_path, change, error, field)
 
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0])

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 import mlxlis
-from mlxlis.errors import ConfigError, MlxlisError, UnsupportedError
+from mlxlis.errors import ConfigError, UnsupportedError
 
 import gguf
 import mlx.core as mx
@@ -32,6 +32,7 @@ from conftest import (
     add_gguf_sizes,
     build_tiny,
     check_batched_decode,
+    check_config_refused,
     tiny_models,
     trajectory,
 )
@@ -197,14 +198,7 @@ BAD = [
 @pytest.mark.parametrize("change,error,field", BAD)
 def test_bad_configs_are_named(qwen3n, tmp_path, change, error, field):
     """A config Qwen3-Next cannot run is refused with an MlxlisError naming the field."""
-    folder, _ = qwen3n("next")
-    bad = tmp_path / "bad"
-    shutil.copytree(folder, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**cfg, **change}))
-    with pytest.raises(error) as e:
-        mlxlis.load(bad, "float32")
-    assert isinstance(e.value, MlxlisError) and e.value.field == field, str(e.value)
+    check_config_refused(qwen3n("next")[0], tmp_path, change, error, field)
 
 
 # ---------------------------------------------------------------- GGUF
