@@ -124,6 +124,21 @@ SIZE_BOUNDS = {
     "altup_num_inputs": 64,
     "altup_active_idx": 64,
     "laurel_rank": CONFIG_MAX_DIM,
+    # Qwen4-Exp: hyper-connection streams and rank, the n-gram embeddings, the QSA indexer
+    "hc_count": 64,
+    "hc_lowrank": CONFIG_MAX_DIM,
+    "ple_embed_dim": CONFIG_MAX_DIM,
+    "ple_conv_kernel_size": 64,
+    "ngram_size": 16,
+    "heads_per_ngram": 1024,
+    "ngram_vocab_size_base": 1 << 40,
+    "make_ngram_vocab_size_divisible_by": 1 << 20,
+    "split_ngram_parts": 1 << 20,
+    "indexer_n_heads": CONFIG_MAX_DIM,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": CONFIG_MAX_DIM,
+    "indexer_budget": CONFIG_MAX_CONTEXT,
+    "indexer_compress_ratio": CONFIG_MAX_CONTEXT,
 }
 
 

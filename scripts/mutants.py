@@ -46,6 +46,11 @@ G3N_HF = "tests/test_gemma3n.py::test_logits_match_transformers_fp32"
 G3N_GGUF = "tests/test_gemma3n.py::test_gguf_matches_transformers_on_the_files_weights"
 Q3N_HF = "tests/test_qwen3_next.py::test_logits_match_transformers_fp32"
 Q3N_GGUF = "tests/test_qwen3_next.py::test_gguf_matches_transformers_on_the_files_weights"
+NET4 = "mlxlis/models/qwen4_exp_net.py"
+Q4X_HF = "tests/test_qwen4_exp.py::test_logits_match_transformers_fp32"
+Q4X_CACHE = (
+    "tests/test_qwen4_exp.py::test_a_trimmed_verification_and_a_saved_cache_decode_on_exactly"
+)
 G3N_CACHE = "tests/test_gemma3n.py::test_cached_decode_and_batches_equal_the_full_forward"
 
 MUTANTS = (
@@ -1181,6 +1186,90 @@ MUTANTS = (
         'ROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")',
         ("tests/test_phi3.py::test_gguf_matches_transformers_on_the_files_weights",),
         "Phi-3 GGUF: the short and long factor tensors read in each other's place",
+    ),
+    Mutant(
+        "q4x-mix-summed",
+        NET4,
+        "        mixed = (w.reshape(b, t, self.n, self.d) * hn.reshape(b, t, self.n, self.d))"
+        ".mean(axis=-2)",
+        "        mixed = (w.reshape(b, t, self.n, self.d) * hn.reshape(b, t, self.n, self.d))"
+        ".sum(axis=-2)",
+        (Q4X_HF,),
+        "Qwen4-Exp: the streams' mix summed instead of averaged",
+    ),
+    Mutant(
+        "q4x-injection-halved",
+        NET4,
+        "        return mixed, 2 * mx.sigmoid(self.block_inject_weight(hn) / self.n)",
+        "        return mixed, mx.sigmoid(self.block_inject_weight(hn) / self.n)",
+        (Q4X_HF,),
+        "Qwen4-Exp: injection weights without their factor 2",
+    ),
+    Mutant(
+        "q4x-ngram-past-eos",
+        NET4,
+        "            shifted.append(mx.where(since >= k, back, eos))",
+        "            shifted.append(back)",
+        (Q4X_HF,),
+        "Qwen4-Exp: n-gram contexts reaching past an EOS",
+    ),
+    Mutant(
+        "q4x-ple-undilated",
+        NET4,
+        "        self.kernel, self.dilation = s.ple_conv_kernel_size, s.ngram_size",
+        "        self.kernel, self.dilation = s.ple_conv_kernel_size, 1",
+        (Q4X_HF,),
+        "Qwen4-Exp: PLE's convolution without its dilation",
+    ),
+    Mutant(
+        "q4x-ple-gate-unsigned-root",
+        NET4,
+        "        gate = mx.sqrt(mx.maximum(mx.abs(gate), 1e-6)) * mx.sign(gate)",
+        "        gate = mx.sqrt(mx.maximum(mx.abs(gate), 1e-6))",
+        (Q4X_HF,),
+        "Qwen4-Exp: PLE's gate loses its sign",
+    ),
+    Mutant(
+        "q4x-qsa-no-own-block",
+        NET4,
+        "        return (in_block | own)[:, None]  # (B, 1, T, S)",
+        "        return (in_block | (key_pos == p))[:, None]  # (B, 1, T, S)",
+        (Q4X_HF,),
+        "Qwen4-Exp: QSA drops the query's unfinished block (but itself)",
+    ),
+    Mutant(
+        "q4x-qsa-block-rope-at-end",
+        NET4,
+        "        starts = mx.broadcast_to((mx.arange(nb) * self.ratio)[:, None], "
+        "(nb, self.rope.dims // 2))",
+        "        starts = mx.broadcast_to((mx.arange(nb) * self.ratio + self.ratio - 1)[:, None], "
+        "(nb, self.rope.dims // 2))",
+        (Q4X_HF,),
+        "Qwen4-Exp: block keys turned to their last position, not their first",
+    ),
+    Mutant(
+        "q4x-gate-always-silu",
+        "mlxlis/models/qwen4_exp.py",
+        "    return out.with_(family_config=s, linear_gate_act=gate, norm_topk_prob=top)",
+        '    return out.with_(family_config=s, linear_gate_act="silu", norm_topk_prob=top)',
+        (Q4X_HF,),
+        "Qwen4-Exp: output_gate_type sigmoid ignored",
+    ),
+    Mutant(
+        "q4x-joint-trims-one-part",
+        "mlxlis/cache/joint.py",
+        "        if not all(p.trim(n) == n for p in self.parts):  # a part broke its rewind_point",
+        "        if not self.parts[0].trim(n) == n:  # a part broke its rewind_point",
+        (Q4X_CACHE,),
+        "Qwen4-Exp: a joint cache trims its first part only",
+    ),
+    Mutant(
+        "q4x-ple-verify-states-off",
+        NET4,
+        "            if cache.keep:",
+        "            if False:",
+        (Q4X_CACHE,),
+        "Qwen4-Exp: PLE keeps no per-token states for a verification's rewind",
     ),
 )
 

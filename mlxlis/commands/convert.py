@@ -129,13 +129,16 @@ def write_weights(
     name: Callable[[str], str] = lambda k: k,
     copies: dict[str, str] | None = None,
     layout: Callable[[str, mx.array], mx.array] | None = None,
+    regroup: Callable[[dict[str, mx.array]], dict[str, mx.array]] | None = None,
 ) -> list[str]:
     """The parameters as safetensors shards under `name(k)`; `copies` {module: source}: the
     source module's tensors written again under the copy's name; `layout(k, array)`: the
-    array as written."""
+    array as written; `regroup(params)`: the tensors as the reader expects them grouped."""
     params = dict(tree_flatten(net.parameters()))
     if layout is not None:
         params = {k: layout(k, v) for k, v in params.items()}
+    if regroup is not None:
+        params = regroup(params)
     for copy, src in (copies or {}).items():
         params.update(
             {copy + k[len(src) :]: v for k, v in params.items() if k.startswith(src + ".")}
@@ -253,7 +256,12 @@ def convert(
         quant, qmods, dense = quantization_block(model.net)
         quant = with_copies(quant, copies)
         files = write_weights(
-            model.net, tmp, name=spec.export_name, copies=copies, layout=spec.export_layout
+            model.net,
+            tmp,
+            name=spec.export_name,
+            copies=copies,
+            layout=spec.export_layout,
+            regroup=spec.export_regroup,
         )
         (tmp / "config.json").write_text(
             json.dumps(hf_config(model.config, model.dtype, quant), indent=2)

@@ -24,8 +24,11 @@ The JSON shape (`schema` 1) is stable: keys are only ever added, never renamed o
                 "query_temperature": null,         # Llama 4 / Ministral 3: {floor, scale, ...}
                 "experts": null,                   # MoE: {"count", "per_token", "width",
                                                    #       "sparse_layers", "norm_topk_prob"}
-                "streams": null},                  # Gemma 3n: {"count", "active",
+                "streams": null,                   # Gemma 3n: {"count", "active",
                                                    #   "laurel_rank", "sparse_gate_layers"}
+                "hyper_connections": null},        # Qwen4-Exp: {"count", "rank",
+                                                   #   "ple_layers", "ngram_size", "qsa":
+                                                   #   {"budget", "block", "heads"}}
      "weights": {"arrays": 272, "bytes": 538000000},  # as held in memory after loading
      "stop_ids": [2],
      "memory": {"kv_format": "dense",               # or e.g. "8-bit (groups of 64)" (--kv-bits)
@@ -43,6 +46,7 @@ from typing import Any
 
 from mlxlis.models.footprint import footprint, weight_arrays
 from mlxlis.models.model import Model
+from mlxlis.models.qwen4_exp_net import Qwen4ExpStructure
 from mlxlis.runtime.memory import memory_budget
 
 SCHEMA = 1
@@ -101,6 +105,7 @@ def model_report(model: Model) -> dict[str, Any]:
             if c.num_experts
             else None,
             "streams": _streams(c),
+            "hyper_connections": _hyper(c),
         },
         "weights": {"arrays": len(seen), "bytes": sum(seen.values())},
         "stop_ids": sorted(model.stop_ids()),
@@ -160,6 +165,7 @@ def format_report(r: dict[str, Any]) -> str:
         ),
         *_experts_row(c.get("experts")),
         *_streams_row(c.get("streams")),
+        *_hyper_row(c.get("hyper_connections")),
         ("vocab", str(c["vocab_size"])),
         ("context", f"{c['context_length']}{window}"),
         ("rope", rope_text),
@@ -193,6 +199,36 @@ def _streams_row(s: dict[str, Any] | None) -> list[tuple[str, str]]:
     if sparse:
         text += f", sparse MLP gates in {len(sparse)} layers ({', '.join(map(str, sparse))})"
     return [("residual", text)]
+
+
+def _hyper(c: Any) -> dict[str, Any] | None:
+    """Qwen4-Exp's residual streams, its n-gram embedding layers and its QSA budget."""
+    s = c.family_config
+    if not isinstance(s, Qwen4ExpStructure):
+        return None
+    return {
+        "count": s.hc_count,
+        "rank": s.hc_lowrank,
+        "ple_layers": list(s.ple_layers),
+        "ngram_size": s.ngram_size,
+        "qsa": {
+            "budget": s.indexer_budget,
+            "block": s.indexer_compress_ratio,
+            "heads": s.indexer_n_heads,
+        },
+    }
+
+
+def _hyper_row(h: dict[str, Any] | None) -> list[tuple[str, str]]:
+    if not h:
+        return []
+    text = f"{h['count']} hyper-connection streams (mix rank {h['rank']})"
+    if h["ple_layers"]:
+        layers = ", ".join(map(str, h["ple_layers"]))
+        text += f", 2..{h['ngram_size']}-gram embeddings in layers {layers}"
+    q = h["qsa"]
+    qsa = f"the best {q['budget']} tokens in blocks of {q['block']} ({q['heads']} index heads)"
+    return [("residual", text), ("attention", qsa + " plus the query's own block")]
 
 
 def _memory_row(m: dict[str, Any] | None) -> list[tuple[str, str]]:

@@ -116,6 +116,7 @@ class Binding:
     half_axis: int = 1
     strided: bool = False  # the halves interleaved along half_axis (even, odd indices)
     blocks: bool = False  # uint8 MXFP4 blocks (..., G, 16) read as uint32 words (..., G·4)
+    joined: bool = False  # the parts concatenated on axis 0 (shards of rows), not stacked
 
 
 @dataclass
@@ -148,9 +149,9 @@ class BindingPlan:
 
         out: dict[str, mx.array] = {}
         for b in self.bindings.values():
-            if b.parts:  # (n_experts, out, in) from n_experts (out, in) tensors
-                experts = zip(b.part_files, b.parts, strict=True)
-                out[b.param] = mx.stack([tensor(f, k) for f, k in experts])
+            if b.parts:  # (n_experts, out, in) from n_experts (out, in) tensors, or row shards
+                experts = [tensor(f, k) for f, k in zip(b.part_files, b.parts, strict=True)]
+                out[b.param] = mx.concatenate(experts) if b.joined else mx.stack(experts)
             else:
                 out[b.param] = tensor(b.file, b.key)
             if b.half is not None:  # (E, 2·F, in) -> gate rows, then up rows (or on axis 2)
@@ -373,7 +374,9 @@ def plan_bindings(
         st = entry["dtype"]
         dt = ST_DTYPES.get(st)
         shape = tuple(entry["shape"])
-        if b.parts:  # each expert's tensor: the parameter's shape without the expert axis
+        if b.parts and b.joined:  # row shards: their rows add up
+            shape = _joined_shape(b, sources[b.source], where)
+        elif b.parts:  # each expert's tensor: the parameter's shape without the expert axis
             _check_parts(b, sources[b.source], ref, where)
             shape = (len(b.parts), *shape)
         elif b.half is not None and len(shape) > b.half_axis and shape[b.half_axis] % 2 == 0:
@@ -473,7 +476,7 @@ def _expert_binding(
     hits = [src.tensors.get(k) for k in parts]
     if parts and all(hits):
         files = tuple(h[0] for h in hits)
-        return Binding(p, src.name, parts[0], files[0], False, parts, files)
+        return Binding(p, src.name, parts[0], files[0], False, parts, files, joined=lay.joined)
     fused = by_name.get(lay.fused, lay.fused)
     if fused in src.tensors:
         return Binding(
@@ -519,6 +522,27 @@ def _check_parts(b: Binding, src: _Source, ref: mx.array, where: str) -> None:
                 path=where,
                 field=b.param,
             )
+
+
+def _joined_shape(b: Binding, src: _Source, where: str) -> tuple[int, ...]:
+    """The shape row shards make concatenated; each must be of the first one's dtype and row
+    width."""
+    first = src.tensors[b.key][1]
+    rows = 0
+    for key in b.parts:
+        entry = src.tensors[key][1]
+        if entry["dtype"] != first["dtype"] or tuple(entry["shape"][1:]) != tuple(
+            first["shape"][1:]
+        ):
+            raise BindingShapeError(
+                f"shard {key!r} in {src.tensors[key][0].name} is {entry['dtype']} "
+                f"{tuple(entry['shape'])}, expected {first['dtype']} rows of "
+                f"{tuple(first['shape'][1:])} (a shard of {b.param})",
+                path=where,
+                field=b.param,
+            )
+        rows += entry["shape"][0]
+    return (rows, *tuple(first["shape"][1:]))
 
 
 def _files(src: _Source) -> str:

@@ -28,6 +28,7 @@ from mlxlis.models.qwen3 import QWEN3
 from mlxlis.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from mlxlis.models.qwen3_moe import QWEN3_MOE
 from mlxlis.models.qwen3_next import QWEN3_NEXT
+from mlxlis.models.qwen4_exp import QWEN4_EXP
 from mlxlis.models.smollm3 import SMOLLM3
 
 import mlx.nn as nn
@@ -45,6 +46,7 @@ REGISTRY: dict[str, Family] = {
             QWEN3_5,
             QWEN3_5_MOE,
             QWEN3_NEXT,
+            QWEN4_EXP,
             SMOLLM3,
             PHI3,
             GPT_OSS,

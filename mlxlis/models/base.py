@@ -72,6 +72,9 @@ class Family:
     # a tensor as `convert` writes it, where readers expect another layout than the module's:
     # (name, array) -> array (Qwen3-Next: mlx-lm's sanitized layout)
     export_layout: Callable[[str, mx.array], mx.array] | None = None
+    # the tensors `convert` writes, regrouped where the reader keeps them otherwise (Qwen4-Exp:
+    # transformers' fused experts, as no MLX reader has the type): params -> params
+    export_regroup: Callable[[dict[str, mx.array]], dict[str, mx.array]] | None = None
     # safetensors saved by mlx-lm after its sanitize: tensors of these name suffixes come in
     # its layout (transposed by these axes into ours), and these conventions undo what it
     # folded into the values; the layout is the sign a folder was saved so

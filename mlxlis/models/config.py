@@ -118,6 +118,7 @@ class ModelConfig:
     # the DeltaNet's projections fused per key head (Qwen3-Next): "qkvz" (in_proj_qkvz: each
     # key head's q, k, its value heads' v then z), "ba" (in_proj_ba: its value heads' β then α)
     linear_fused: tuple[str, ...] = ()
+    linear_gate_act: str = "silu"  # the DeltaNet's output gate (Qwen4-Exp: also "sigmoid")
     # one q|k|v projection (qkv_proj) and one gate|up projection (gate_up_proj): Phi-3 / Phi-4
     fused_qkv: bool = False
     fused_gate_up: bool = False

@@ -80,17 +80,22 @@ def delta_chunked(q, k, v, g, beta, state):
     return o, state
 
 
-class GatedRMSNorm(nn.Module):
-    """RMSNorm(x)·w · SiLU(z), in float32 (transformers' Qwen3_5RMSNormGated)."""
+GATE_ACTS = {"silu": nn.silu, "sigmoid": mx.sigmoid}  # the output gate's (cfg.linear_gate_act)
 
-    def __init__(self, dims: int, eps: float):
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x)·w · act(z), in float32, act SiLU (transformers' Qwen3_5RMSNormGated) or a
+    sigmoid (Qwen4-Exp's output_gate_type)."""
+
+    def __init__(self, dims: int, eps: float, act: str = "silu"):
         super().__init__()
         self.eps = eps
         self.weight = mx.ones((dims,))
+        self._act = GATE_ACTS[act]
 
     def __call__(self, x: mx.array, z: mx.array) -> mx.array:
         y = mx.fast.rms_norm(x.astype(mx.float32), self.weight.astype(mx.float32), self.eps)
-        return (y * nn.silu(z.astype(mx.float32))).astype(x.dtype)
+        return (y * self._act(z.astype(mx.float32))).astype(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -117,7 +122,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d.weight = mx.zeros((self.conv_dim, 1, self.kernel))  # HF (C, 1, kernel)
         self.dt_bias = mx.ones((self.hv,))
         self.A_log = mx.zeros((self.hv,))
-        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, cfg.linear_gate_act)
         self.out_proj = nn.Linear(value_dim, d, bias=False)
 
     def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:

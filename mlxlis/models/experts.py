@@ -39,6 +39,9 @@ class ExpertSource:
     strided: bool = False
     # MXFP4 blocks (..., groups, 16) uint8, read as MLX's packed words (..., groups·4) uint32
     blocks: bool = False
+    # the parts are consecutive rows, concatenated on axis 0 instead of stacked (Qwen4-Exp's
+    # n-gram tables, saved in shards)
+    joined: bool = False
 
 
 # from this many (token, expert) pairs on, rows are sorted by expert first, so each expert's

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlxlis.cache import KVCache, RecurrentCache, RotatingKVCache
+from mlxlis.cache import JointCache, KVCache, RecurrentCache, RotatingKVCache
 from mlxlis.cache.store import KVChoice
 from mlxlis.models.model import Model
 
@@ -70,7 +70,8 @@ def footprint(model: Model, kv: KVChoice = "model") -> Footprint:
     caches = model.make_cache(kv)
     mx.eval(model.net(mx.array([[0]], mx.int32), cache=caches, last_only=True))
     per_token, rings, fixed, tail = 0, [], 0, 0
-    for c in caches:
+    parts = [p for c in caches for p in (c.parts if isinstance(c, JointCache) else (c,))]
+    for c in parts:
         size = sum(a.nbytes for a in c.state)
         if isinstance(c, RotatingKVCache):
             rings.append((c.window, size // c.keys.shape[2]))
