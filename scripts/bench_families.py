@@ -1,5 +1,6 @@
 """`make bench` (new families): Qwen3.5-, Qwen3-Next-, Gemma 4-, Gemma 3n-, Llama 4-, gpt-oss-,
-Ministral 3-, SmolLM3- and Phi-4-mini-shaped models, mlxlis against mlx-lm.
+Ministral 3-, SmolLM3- and Phi-4-mini-shaped models, mlxlis against mlx-lm; a Qwen4-Exp-shaped
+one, which mlx-lm does not run, mlxlis alone.
 
 Random float32 models with real head shapes at a small width: a Qwen3.5 (3 Gated DeltaNet
 layers per gated-attention layer; 16 key / 32 value heads of 128 for DeltaNet, 8 query / 2 KV
@@ -31,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT, DECODE = 256, 64
+MLXLIS_ONLY = ("qwen4_exp",)  # types mlx-lm does not have
 
 WORKER = r"""
 import json, sys, time
@@ -167,6 +169,40 @@ def raw_configs(layers: int, hidden: int) -> dict[str, dict]:
             },
             "max_position_embeddings": 4096,
         },
+        "qwen4_exp": {  # Qwen3-Next's heads plus 4 hyper-connection streams, 16 n-gram heads
+            # in two DeltaNet layers (tables cut to ~20k rows a head), a QSA indexer
+            "model_type": "qwen4_exp_text",
+            "vocab_size": 32000,
+            "hidden_size": hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "num_experts": 32,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": hidden // 2,
+            "shared_expert_intermediate_size": hidden // 2,
+            "hc_count": 4,
+            "hc_lowrank": 320,
+            "ple_layer_ids": [1, 2],
+            "ngram_vocab_size_base": 20000,
+            "eos_token_id": 2,
+            "indexer_n_heads": 32,
+            "indexer_kv_heads": 1,
+            "indexer_head_dim": 128,
+            "indexer_budget": 128,
+            "indexer_compress_ratio": 16,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e7,
+                "partial_rotary_factor": 0.25,
+            },
+            "max_position_embeddings": 4096,
+        },
         "smollm3": {  # SmolLM3-3B-like heads (16 query / 4 KV of 128), NoPE every 4th layer
             "model_type": "smollm3",
             "vocab_size": 32000,
@@ -262,8 +298,10 @@ def write_model(folder: Path, raw: dict) -> None:
     params = dict(tree_flatten(net.parameters()))
     for copy, src in (spec.export_copies(cfg) if spec.export_copies else {}).items():
         params.update({copy + k[len(src) :]: v for k, v in params.items() if k.startswith(src)})
-    params = {
+    params = {  # integer buffers (Qwen4-Exp's hash constants) as the model computes them
         k: (mx.random.normal(v.shape) * 0.02 if v.ndim > 1 else mx.ones(v.shape) * 0.5)
+        if mx.issubdtype(v.dtype, mx.floating)
+        else v
         for k, v in params.items()
     }
     for k in params:
@@ -309,7 +347,7 @@ def main() -> None:
             write_model(folder, raw)
             best: dict[str, tuple[float, float]] = {}
             for _ in range(args.rounds):  # alternate the engines, best of rounds
-                for engine in ("mlxlis", "mlx-lm"):
+                for engine in ("mlxlis",) if model in MLXLIS_ONLY else ("mlxlis", "mlx-lm"):
                     p, d = run(engine, folder)
                     old = best.get(engine, (0.0, 0.0))
                     best[engine] = (max(old[0], p), max(old[1], d))
@@ -328,7 +366,7 @@ def main() -> None:
     )
     print("|---|---|---|---|")
     for r in rows:
-        base = next(b for b in rows if b["model"] == r["model"] and b["engine"] == "mlx-lm")
+        base = next((b for b in rows if b["model"] == r["model"] and b["engine"] == "mlx-lm"), r)
         p, d = r["prefill_tok_s"], r["decode_tok_s"]
         print(
             f"| {r['model']} | {r['engine']} | {p} ({p / base['prefill_tok_s']:.2f}×) "

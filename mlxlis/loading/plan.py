@@ -391,7 +391,8 @@ def plan_bindings(
             want = "a float tensor (F32, F16 or BF16)"
         else:
             ok = dt == ref.dtype
-            want = f"{_dtype_name(ref.dtype)} (a packed quantized weight)"
+            packed = " (a packed quantized weight)" if ref.dtype == mx.uint32 else ""
+            want = f"{_dtype_name(ref.dtype)}{packed}"
         if not ok:
             hint = ""
             if part == "weight" and module in quantizable and module not in quantized:
