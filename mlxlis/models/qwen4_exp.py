@@ -27,6 +27,7 @@ from mlxlis.limits import check_sizes
 from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.qwen3_5 import _export, _hf_parser
+from mlxlis.models.qwen3_next import MOE_DEFAULTS  # Qwen4-Exp's are the same
 from mlxlis.models.qwen4_exp_net import Qwen4Exp, Qwen4ExpStructure
 
 import mlx.core as mx
@@ -41,12 +42,6 @@ HF_DEFAULTS = {  # transformers' Qwen4ExpTextConfig, for the keys the shared par
     "head_dim": 256,
     "max_position_embeddings": 32768,
     "rms_norm_eps": 1e-6,
-}
-MOE_DEFAULTS = {
-    "num_experts": 512,
-    "num_experts_per_tok": 10,
-    "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512,
 }
 OWN_DEFAULTS = {
     "hc_count": 4,
