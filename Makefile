@@ -16,8 +16,9 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(RUNTIME): pyproject.toml setup.py $(wildcard mlxlis/runtime/*.c mlxlis/runtime/*.h) | $(VENV)/bin/python
+$(RUNTIME): pyproject.toml setup.py $(wildcard mlxlis/runtime/*.c mlxlis/runtime/*.h mlxlis/runtime/qmv/src/*) | $(VENV)/bin/python
 	$(PY) -m pip install -q -e .
+	$(PY) -m mlxlis.runtime.qmv
 	$(PY) -m mlxlis.generation.warmup
 	touch $(RUNTIME)
 
@@ -68,6 +69,7 @@ bench: install-test models
 	$(PY) scripts/bench_agent_http.py
 	$(PY) scripts/bench_kv.py
 	$(PY) scripts/bench_spec.py
+	$(PY) scripts/bench_qmv.py
 
 # does the suite notice small wrong changes to the numerics? (before a refactor, after a family)
 mutants: install-test models references

@@ -98,7 +98,7 @@ def hf_copy(name: str, dtype: str, root: Path) -> Path:
     return out
 
 
-def run(engine: str, path: Path, ids: list[int], n_decode: int) -> dict:
+def run(engine: str, path: Path, ids: list[int], n_decode: int, rows: int = 1) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(ids, f)
     cmd = [
@@ -108,6 +108,7 @@ def run(engine: str, path: Path, ids: list[int], n_decode: int) -> dict:
         str(path),
         f.name,
         str(n_decode),
+        str(rows),
     ]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

@@ -1,7 +1,9 @@
 """One benchmark measurement in a fresh process (so peak memory is this engine's alone).
 
-usage: bench_worker.py ENGINE MODEL_PATH PROMPT_IDS_JSON DECODE_TOKENS
-ENGINE: mlxlis | mlx-lm | llama.cpp. Prints one JSON object.
+usage: bench_worker.py ENGINE MODEL_PATH PROMPT_IDS_JSON DECODE_TOKENS [ROWS]
+ENGINE: mlxlis | mlxlis-dense (a GGUF's blocks made dense) | mlx-lm | llama.cpp. Prints one
+JSON object. ROWS > 1 (mlxlis only): that many sequences decoding together (the server's
+batched step), decode tok/s counting every row's tokens.
 
 One pass: load; prefill all prompt ids but the last into the cache (prefill tok/s); then
 stream greedy tokens from the last id (time to first token = prefill + first step; decode
@@ -16,7 +18,7 @@ import resource
 import sys
 import time
 
-if sys.argv[1:2] != ["mlxlis"]:
+if sys.argv[1] not in ("mlxlis", "mlxlis-dense"):
     # peers get the same OpenBLAS sgemm (far faster than MLX's bundled BLAS), not mlxlis's own
     # matrix-vector routing (mlxlis/_blas_dispatch.c) nor its allocator setting, which are
     # part of what is measured
@@ -24,7 +26,7 @@ if sys.argv[1:2] != ["mlxlis"]:
 
 import mlxlis  # noqa: E402  (chooses the BLAS before mlx.core loads)
 
-if sys.argv[1:2] == ["mlxlis"]:
+if sys.argv[1] in ("mlxlis", "mlxlis-dense"):
     mlxlis.runtime.device.setup_process()  # as the mlxlis commands do
 
 
@@ -73,15 +75,17 @@ def measure(prefill, stream, n_prompt: int, n_decode: int, t0: float) -> dict:
     }
 
 
-def bench_mlxlis(path: str, ids: list[int], n: int) -> dict:
+def bench_mlxlis(path: str, ids: list[int], n: int, dequantize: bool | None = None) -> dict:
     from mlxlis.generation.generate import generate
     from mlxlis.generation.steps import prefill
 
     import mlx.core as mx
 
     t = time.perf_counter()
-    model = mlxlis.load(path)
+    model = mlxlis.load(path, dequantize=dequantize)
     load_s, load_rss = time.perf_counter() - t, rss_peak()
+    if ROWS > 1:
+        return {"load_s": load_s, "load_peak_rss": load_rss, **rows(model, ids, n, ROWS)}
     cache = model.make_cache()
 
     def stream():
@@ -104,6 +108,33 @@ def bench_mlxlis(path: str, ids: list[int], n: int) -> dict:
         "load_s": load_s,
         "load_peak_rss": load_rss,
         **out,
+        "bytes_per_token": weight_bytes_per_token(model.net),
+    }
+
+
+def rows(model, ids: list[int], n: int, b: int) -> dict:
+    """b sequences (the prompt, each shifted by a token) decoding together for n steps."""
+    from mlxlis.generation.steps import prefill
+
+    import mlx.core as mx
+
+    caches = [model.make_cache() for _ in range(b)]
+    t0 = time.perf_counter()
+    for i, c in enumerate(caches):
+        mx.eval(prefill(model.net, ids[i : len(ids) - b + i], c))
+    t1 = time.perf_counter()
+    tokens = mx.array(ids[len(ids) - b :])
+    for step in range(n):
+        if step == 1:
+            t2 = time.perf_counter()
+        tokens = model.net.decode_batch(tokens, caches).argmax(-1)
+        mx.eval(tokens)
+    t3 = time.perf_counter()
+    return {
+        "prefill_tps": b * (len(ids) - b) / (t1 - t0),
+        "ttft_s": t2 - t0,
+        "decode_tps": b * (n - 1) / (t3 - t2),
+        "generated": b * n,
         "bytes_per_token": weight_bytes_per_token(model.net),
     }
 
@@ -157,7 +188,13 @@ def bench_llama_cpp(path: str, ids: list[int], n: int) -> dict:
     return {"load_s": load_s, "load_peak_rss": load_rss, **out, "bytes_per_token": size}
 
 
-ENGINES = {"mlxlis": bench_mlxlis, "mlx-lm": bench_mlx_lm, "llama.cpp": bench_llama_cpp}
+ENGINES = {
+    "mlxlis": bench_mlxlis,
+    "mlxlis-dense": lambda *a: bench_mlxlis(*a, dequantize=True),
+    "mlx-lm": bench_mlx_lm,
+    "llama.cpp": bench_llama_cpp,
+}
+ROWS = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 
 if __name__ == "__main__":
     engine, path, ids_json, n_decode = sys.argv[1:5]

@@ -47,6 +47,8 @@ G3N_GGUF = "tests/test_gemma3n.py::test_gguf_matches_transformers_on_the_files_w
 Q3N_HF = "tests/test_qwen3_next.py::test_logits_match_transformers_fp32"
 Q3N_GGUF = "tests/test_qwen3_next.py::test_gguf_matches_transformers_on_the_files_weights"
 NET4 = "mlxlis/models/qwen4_exp_net.py"
+QMV_GRID = "tests/test_qmv.py::test_every_width_and_group_matches_float64_and_mlx"
+QMV_PREFILL = "tests/test_qmv.py::test_prefill_dequantizes_tiles_into_sgemm"
 Q4X_HF = "tests/test_qwen4_exp.py::test_logits_match_transformers_fp32"
 Q4X_CACHE = (
     "tests/test_qwen4_exp.py::test_a_trimmed_verification_and_a_saved_cache_decode_on_exactly"
@@ -1283,6 +1285,38 @@ IGNORE = shutil.ignore_patterns(
     "*.egg-info",
     "build",
     "dist",
+    Mutant(
+        "qmv-scale-of-next-group",
+        "mlxlis/runtime/qmv/src/kernels_avx2.cpp",
+        "      const size_t gi = size_t(n) * G + g;",
+        "      const size_t gi = size_t(n) * G + (g + 1) % G;",
+        (QMV_GRID,),
+        "CPU kernels: each group's products scaled by the next group's scale and bias",
+    ),
+    Mutant(
+        "qmv-5bit-high-bits-lost",
+        "mlxlis/runtime/qmv/src/kernels_avx2.cpp",
+        "          c[1] = byte + 1 < 8 ? int8_t(byte + 1) : int8_t(-128);",
+        "          c[1] = int8_t(-128);",
+        (QMV_GRID,),
+        "CPU kernels: a 5- or 6-bit code's bits in the next byte dropped",
+    ),
+    Mutant(
+        "qmv-decode-remainder-skipped",
+        "mlxlis/runtime/qmv/src/compute.cpp",
+        "  const int ntasks = (p.N + rpt - 1) / rpt;",
+        "  const int ntasks = p.N / rpt;",
+        (QMV_GRID,),
+        "CPU kernels: the rows after the last whole task never computed",
+    ),
+    Mutant(
+        "qmv-prefill-tile-remainder-skipped",
+        "mlxlis/runtime/qmv/src/compute.cpp",
+        "    const int n1 = std::min(p.N, n0 + tile);",
+        "    const int n1 = n0 + tile;\n    if (n1 > p.N) break;",
+        (QMV_PREFILL,),
+        "CPU kernels: a prompt's last, partial tile of weight rows skipped",
+    ),
 )
 
 

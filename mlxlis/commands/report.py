@@ -8,6 +8,8 @@ The JSON shape (`schema` 1) is stable: keys are only ever added, never renamed o
      "quant": "F32×61, Q4_1×210, Q8_0×1 (dense)",   # tensor types in the file, and the form used
      "dtype": "float32", "device": "cpu", "blas": "OpenBLAS 0.3.34 (…)",
      "blas_notice": null,                           # or why a faster BLAS is not in use
+     "kernels": "mlxlis qmv (avx2, 2 threads)",     # quantized products on the CPU (or
+                                                    # "MLX's own (…why…)")
      "template": "gguf:tokenizer.chat_template",    # or null: no chat template
      "skipped": null,                               # or what of the file a text-only load
                                                     # left out (a vision tower, an MTP head)
@@ -68,6 +70,7 @@ def model_report(model: Model) -> dict[str, Any]:
         "device": d["device"],
         "blas": d["blas"],
         "blas_notice": d.get("notice"),  # why a faster BLAS is not in use, or null
+        "kernels": d["kernels"],  # what runs quantized products (the CPU: mlxlis qmv or MLX's)
         "template": model.template_source,
         "skipped": d.get("skipped"),
         "vision": d.get("vision"),
@@ -154,6 +157,7 @@ def format_report(r: dict[str, Any]) -> str:
         ("quant", r["quant"]),
         ("dtype", f"{r['dtype']} on {r['device']}"),
         ("blas", r["blas"] + (f" ({r['blas_notice']})" if r.get("blas_notice") else "")),
+        ("kernels", r["kernels"]),
         ("template", r["template"] or "none (chat needs --chat-template, or use --no-chat)"),
         *([("vision", r["vision"])] if r.get("vision") else []),
         *([("skipped", r["skipped"])] if r.get("skipped") else []),

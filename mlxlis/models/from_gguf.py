@@ -27,7 +27,7 @@ from mlxlis.models.mmproj import FAMILY_PROJECTOR, beside, load_mmproj
 from mlxlis.models.model import Model
 from mlxlis.models.placement import Placement
 from mlxlis.prompt.template import diagnose_missing_template, discover_template
-from mlxlis.runtime import device
+from mlxlis.runtime import device, qmv
 from mlxlis.runtime.memory import available_memory
 from mlxlis.tokenizer import Tokenizer
 
@@ -41,12 +41,12 @@ import mlx.core as mx
 #   Gemma 3 270M Q4_K_M        14 / 3.3      215-233 / 4.5-5.4   332 MB / 1.07 GB
 #   Qwen2.5-Coder-0.5B Q4_K_M  3.8 / 2.0     120-126 / 4.6       760 MB / 2.1 GB (*)
 # (*) embedding kept quantized. MLX's CPU quantized matmul has no BLAS path: prompt processing
-# is 15-30x slower than dense fp32, and decoding is no faster (up to 2.3x slower). So on CPU
-# every matmul weight goes dense when the dense weights fit comfortably; an untied embedding (a
-# row lookup, never a matmul) stays quantized; a quantized head instead cost Qwen2.5 30% of
-# its decode speed. The price is memory and load time (Qwen2.5: 2.1-2.9 s instead of 1.8-2.2 s
-# here), repaid many times over by the first prompt. On Metal and CUDA the quantized kernels
-# are the fast path, so quantized. dequantize=True / False force either way.
+# is 15-30x slower than dense fp32, and decoding is no faster (up to 2.3x slower). So on CPU,
+# without mlxlis's own kernels (runtime/qmv: not built), every matmul weight goes dense when
+# the dense weights fit comfortably; an untied embedding (a row lookup, never a matmul) stays
+# quantized. With them, the blocks stay quantized (MoE experts aside: the kernels do not cover
+# gather_qmm) — see scripts/bench_qmv.py for the figures. On Metal and CUDA the quantized
+# kernels are the fast path, so quantized. dequantize=True / False force either way.
 SPECIAL = {"rope_freqs.weight"}  # GGUF tensors that are not parameters (read by the loader)
 CPU_DENSE_FRACTION = 0.5  # dense on CPU while the dense weights need ≤ this much of free memory
 PREFETCH_BYTES = 256 << 20  # output buffers allocated ahead of the conversion
@@ -183,6 +183,9 @@ def _dense_policy(
     )
     if not dense_by_default(dense_bytes):
         return lambda name: False
+    if qmv.load() is not None:  # the CPU kernels read the blocks as stored; MoE experts
+        # (gather_qmm, which the kernels do not cover) stay dense
+        return lambda name: "_exps." in name
     return lambda name: name not in lookup
 
 

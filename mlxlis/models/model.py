@@ -17,9 +17,10 @@ from mlxlis.models.experts import QuantizedSwitchLinear, SwitchLinear
 from mlxlis.models.multimodal import ImageSpan, Inserts, Prompt, PromptImage, Vision, image_spans
 from mlxlis.models.network import Network
 from mlxlis.models.placement import Share
+from mlxlis.models.quantized import use_kernels
 from mlxlis.prompt.images import ImageError, open_image
 from mlxlis.prompt.template import ChatTemplate, diagnose_missing_template, end_of_turn_tokens
-from mlxlis.runtime import blas, device
+from mlxlis.runtime import blas, device, qmv
 from mlxlis.tokenizer import Tokenizer
 
 import mlx.core as mx
@@ -56,6 +57,7 @@ class Model:
     ):
         self.config = config
         self.net = net
+        use_kernels(net)  # quantized products through mlxlis's CPU kernels where they apply
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.path = Path(path)
@@ -323,6 +325,7 @@ class Model:
             "dtype": str(self.dtype).replace("mlx.core.", ""),
             "device": device.device_name(),
             "blas": blas.state.name,
+            "kernels": qmv.describe() if device.device_name() == "cpu" else "MLX's own",
             "template": self.template_source or "none",
         }
         if self.vision is not None:

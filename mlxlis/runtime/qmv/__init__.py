@@ -1,0 +1,84 @@
+"""CPU quantized products that read GGUF blocks as they are stored: a custom MLX primitive
+(src/: the affine layout's x @ wᵀ, AVX2/FMA or NEON, threaded over rows, each weight read once
+per call for up to 16 input rows; more rows dequantize a tile of w at a time into BLAS sgemm),
+built against the installed mlx (build.py) and loaded on first use.
+
+`matmul` is what quantized layers call on the CPU; it falls back to MLX's own
+`mx.quantized_matmul` wherever the kernel does not apply (another device, a mode or bit width
+it lacks, the kernel not built). Measured on a 2-core x86 VM: see scripts/bench_qmv.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from types import ModuleType
+
+from mlxlis.runtime.device import device_name
+
+import mlx.core as mx
+
+BITS = (2, 3, 4, 5, 6, 8)
+GROUPS = (32, 64, 128)
+
+_module: ModuleType | None = None
+_why = "not loaded yet"
+
+
+def load(build: bool = True) -> ModuleType | None:
+    """The extension, built first when missing and `build`; None (and `why()`) when it cannot
+    be had here."""
+    global _module, _why
+    if _module is not None or not sys.platform.startswith("linux"):
+        if _module is None:
+            _why = "not used on this platform"
+        return _module
+    from mlxlis.runtime.qmv.build import BuildError, ensure, so_path
+
+    try:
+        path = ensure() if build else so_path()
+        if not path.is_file():
+            _why = "not built (python -m mlxlis.runtime.qmv builds it)"
+            return None
+        spec = importlib.util.spec_from_file_location("_qmv", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    except (BuildError, ImportError, OSError) as e:
+        _why = str(e)
+        return None
+    _module = mod
+    return mod
+
+
+def why() -> str:
+    return _why
+
+
+def describe(build: bool = False) -> str:
+    """Which kernels run quantized products on the CPU, in words."""
+    mod = load(build)
+    if mod is None:
+        return f"MLX's own (the mlxlis kernels: {_why})"
+    return f"mlxlis qmv ({mod.isa()}, {mod.num_threads()} threads)"
+
+
+def applies(bits: int, group_size: int, mode: str = "affine") -> bool:
+    """Whether `matmul` runs this layout through the kernel (on the CPU, once loaded)."""
+    return mode == "affine" and bits in BITS and group_size in GROUPS and device_name() == "cpu"
+
+
+def matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    group_size: int,
+    bits: int,
+    mode: str = "affine",
+) -> mx.array:
+    """x @ wᵀ for w quantized (MLX's layout), in x's dtype."""
+    if biases is not None and applies(bits, group_size, mode) and (mod := load()) is not None:
+        return mod.qmv(x, w, scales, biases, group_size, bits).astype(x.dtype)
+    return mx.quantized_matmul(
+        x, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode
+    )

@@ -1,0 +1,76 @@
+// Python binding (nanobind). mx.array crosses into this module through
+// mlx.core's own nanobind type registration: the module must be built with the
+// same nanobind internals ABI and NB_DOMAIN mlx (see CMakeLists.txt), and
+// mlx.core must be imported before this module is used.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <stdexcept>
+
+#include "compute.h"
+#include "pool.h"
+#include "qmv.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_qmv, m) {
+  m.doc() = "CPU quantized matrix-vector products on MLX's affine quantized layout";
+
+  m.def("qmv", &qmv::quantized_matvec, "x"_a, "wq"_a, "scales"_a, "biases"_a,
+        "group_size"_a = 64, "bits"_a = 4,
+        "x @ w.T for w given as mx.quantize's (wq, scales, biases); float32 result, CPU.");
+
+  // The same kernels on numpy arrays, without MLX (no graph, no stream thread): for
+  // callers outside MLX and for testing the pool in a fork()ed child, where MLX itself
+  // cannot evaluate once the parent has (its stream thread is not in the child).
+  using F2 = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+  using U2 = nb::ndarray<const uint32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+  m.def("qmv_numpy", [](F2 x, U2 wq, F2 scales, F2 biases, int group_size, int bits) {
+        const int M = int(x.shape(0)), K = int(x.shape(1)), N = int(wq.shape(0));
+        if (size_t(K) * bits != wq.shape(1) * 32 || K % group_size || group_size % 32 ||
+            scales.shape(0) != size_t(N) || scales.shape(1) != size_t(K / group_size) ||
+            biases.shape(0) != scales.shape(0) || biases.shape(1) != scales.shape(1) ||
+            bits < 2 || bits > 8 || bits == 7)
+          throw std::invalid_argument("[qmv] inconsistent shapes, bits or group_size");
+        float* out = new float[size_t(M) * N];
+        nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+        qmv::Problem p{};
+        p.x = x.data(); p.M = M; p.N = N; p.K = K; p.group = group_size; p.bits = bits;
+        p.wq = wq.data(); p.scales = scales.data(); p.biases = biases.data();
+        p.sb_type = qmv::SB_F32; p.out = out;
+        {
+          nb::gil_scoped_release unlocked;
+          qmv::compute(p);
+        }
+        return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {size_t(M), size_t(N)}, owner);
+      }, "x"_a, "wq"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
+      "qmv on float32 / uint32 numpy arrays (C-contiguous); returns a new numpy array.");
+
+  m.def("set_num_threads", &qmv::set_num_threads, "n"_a,
+        "Threads per call, the calling thread included (<= 0: the default).");
+  m.def("num_threads", &qmv::num_threads);
+  m.def("isa", &qmv::isa, "Kernels in use: 'avx2', 'neon' or 'scalar'.");
+  m.def("set_isa", [](const std::string& s) { return qmv::set_isa(s.c_str()); }, "name"_a,
+        "'avx2' | 'neon' | 'scalar' | 'auto'; False if not available here.");
+  m.def("set_sgemm", [](uintptr_t addr) { qmv::set_sgemm(reinterpret_cast<void*>(addr)); },
+        "address"_a,
+        "Use this cblas_sgemm-compatible function (e.g. ctypes.cast(lib.scipy_cblas_sgemm, "
+        "c_void_p).value) for M >= prefill_min_m; 0 disables the prefill path.");
+  m.def("sgemm_address", [] { return reinterpret_cast<uintptr_t>(qmv::sgemm_ptr()); });
+  m.def("set_prefill", [](int min_m, int tile_rows) {
+        qmv::settings().prefill_min_m = min_m;
+        qmv::settings().tile_rows = tile_rows;
+      }, "min_m"_a = 17, "tile_rows"_a = 0,
+      "M >= min_m uses dequantized tiles of tile_rows rows + sgemm (0: automatic).");
+  m.def("counters", [] {
+    auto c = qmv::counters();
+    nb::dict d;
+    d["decode"] = c.decode;
+    d["prefill"] = c.prefill;
+    d["prefill_fallback"] = c.prefill_fallback;
+    return d;
+  });
+}

@@ -1,0 +1,215 @@
+#include "compute.h"
+
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "pool.h"
+
+namespace qmv {
+
+namespace {
+
+using RowsFn = void (*)(const Problem&, int, int, int, int);
+using DequantFn = void (*)(const Problem&, int, int, float*);
+
+struct Isa {
+  const char* name;
+  RowsFn rows;
+  DequantFn dequant;
+};
+
+constexpr Isa kScalar{"scalar", rows_scalar, dequant_scalar};
+#if defined(__x86_64__)
+constexpr Isa kAvx2{"avx2", rows_avx2, dequant_avx2};
+#endif
+#if defined(__aarch64__)
+constexpr Isa kNeon{"neon", rows_neon, dequant_neon};
+#endif
+
+bool isa_available(const Isa& i) {
+#if defined(__x86_64__)
+  if (&i == &kAvx2) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
+#endif
+  return true;  // scalar; NEON is baseline on arm64
+}
+
+const Isa* best_isa() {
+  const char* env = getenv("QMV_ISA");
+  if (env && strcmp(env, "scalar") == 0) return &kScalar;
+#if defined(__x86_64__)
+  if (isa_available(kAvx2)) return &kAvx2;
+#endif
+#if defined(__aarch64__)
+  return &kNeon;
+#endif
+  return &kScalar;
+}
+
+std::atomic<const Isa*> g_isa{nullptr};
+const Isa& cur_isa() {
+  const Isa* i = g_isa.load(std::memory_order_acquire);
+  if (!i) {
+    i = best_isa();
+    g_isa.store(i, std::memory_order_release);
+  }
+  return *i;
+}
+
+std::atomic<void*> g_sgemm{nullptr};
+std::atomic<bool> g_sgemm_looked{false};
+Settings g_settings;
+std::atomic<long> c_decode{0}, c_prefill{0}, c_fallback{0};
+
+// ---- decode path: fused kernel, rows split into tasks ----------------------
+
+struct DecodeCtx {
+  const Problem* p;
+  RowsFn rows;
+  int rows_per_task;
+};
+
+void decode_task(void* vctx, int t) {
+  auto* c = static_cast<DecodeCtx*>(vctx);
+  const Problem& p = *c->p;
+  const int n0 = t * c->rows_per_task, n1 = std::min(p.N, n0 + c->rows_per_task);
+  // all M rows of x for these weight rows (read from memory once; the m-blocks
+  // after the first find the rows in L1/L2)
+  for (int m0 = 0; m0 < p.M; m0 += kMaxMB) c->rows(p, m0, std::min(kMaxMB, p.M - m0), n0, n1);
+}
+
+void run_decode(const Problem& p, const Isa& isa) {
+  const size_t row_bytes = size_t(p.K) * p.bits / 8;
+  // ~16 KiB of weights per task (L1-resident across the m-blocks), >= 1 row
+  int rpt = int(std::max<size_t>(1, (16 << 10) / row_bytes));
+  // at least ~4 tasks per thread for balance when N is small
+  const int nth = num_threads();
+  rpt = std::max(1, std::min(rpt, (p.N + 4 * nth - 1) / (4 * nth)));
+  DecodeCtx ctx{&p, isa.rows, rpt};
+  const int ntasks = (p.N + rpt - 1) / rpt;
+  // tiny products: not worth waking anyone
+  if (size_t(p.N) * row_bytes < (64u << 10)) {
+    for (int t = 0; t < ntasks; ++t) decode_task(&ctx, t);
+  } else {
+    parallel_for(ntasks, decode_task, &ctx);
+  }
+}
+
+// ---- prefill path: dequantize a tile of rows, sgemm on it -------------------
+
+struct DequantCtx {
+  const Problem* p;
+  DequantFn dequant;
+  int n0, n1, rows_per_task;
+  float* dst;
+};
+
+[[maybe_unused]] void dequant_task(void* vctx, int t) {
+  auto* c = static_cast<DequantCtx*>(vctx);
+  const int a = c->n0 + t * c->rows_per_task, b = std::min(c->n1, a + c->rows_per_task);
+  c->dequant(*c->p, a, b, c->dst + size_t(a - c->n0) * c->p->K);
+}
+
+SgemmFn get_sgemm() {
+  void* f = g_sgemm.load(std::memory_order_acquire);
+  if (!f && !g_sgemm_looked.exchange(true)) {
+    f = dlsym(RTLD_DEFAULT, "cblas_sgemm");
+    void* expected = nullptr;
+    g_sgemm.compare_exchange_strong(expected, f);
+    f = g_sgemm.load();
+  }
+  return reinterpret_cast<SgemmFn>(f);
+}
+
+void run_prefill(const Problem& p, const Isa& isa, SgemmFn sgemm) {
+  int tile = g_settings.tile_rows;
+  if (tile <= 0) tile = int(std::clamp<size_t>((1u << 20) / (size_t(p.K) * 4), 32, 512));
+  tile = std::min(tile, p.N);
+  // scratch reused across calls on this thread (MLX's stream thread)
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < size_t(tile) * p.K) scratch.resize(size_t(tile) * p.K);
+  for (int n0 = 0; n0 < p.N; n0 += tile) {
+    const int n1 = std::min(p.N, n0 + tile);
+    // Dequantize on this thread only: pool workers spinning between tiles would fight
+    // OpenBLAS' own (spinning) threads for the cores -- measured 20-60x slowdowns on the
+    // 2-vCPU VM. (dequant_task / DequantCtx kept for a future overlapped pipeline.)
+    isa.dequant(p, n0, n1, scratch.data());
+    // out[:, n0:n1] = x (M x K) @ tile.T  (row-major, ldc = N)
+    sgemm(101, 111, 112, p.M, n1 - n0, p.K, 1.0f, p.x, p.K, scratch.data(), p.K, 0.0f,
+          p.out + n0, p.N);
+  }
+}
+
+}  // namespace
+
+const char* isa() { return cur_isa().name; }
+
+bool set_isa(const char* name) {
+  const Isa* cands[] = {
+      &kScalar,
+#if defined(__x86_64__)
+      &kAvx2,
+#endif
+#if defined(__aarch64__)
+      &kNeon,
+#endif
+  };
+  for (const Isa* i : cands) {
+    if (strcmp(i->name, name) == 0 && isa_available(*i)) {
+      g_isa.store(i);
+      return true;
+    }
+  }
+  if (strcmp(name, "auto") == 0) {
+    g_isa.store(best_isa());
+    return true;
+  }
+  return false;
+}
+
+void set_sgemm(void* fn) {
+  g_sgemm.store(fn);
+  g_sgemm_looked.store(true);
+}
+void* sgemm_ptr() { return reinterpret_cast<void*>(get_sgemm()); }
+
+Settings& settings() { return g_settings; }
+
+Counters counters() { return {c_decode.load(), c_prefill.load(), c_fallback.load()}; }
+
+void compute(const Problem& p_in) {
+  Problem p = p_in;
+  const int G = p.K / p.group;
+  // group sums of x, for the bias term of the fused kernels
+  std::vector<float> xsum(size_t(p.M) * G);
+  for (int m = 0; m < p.M; ++m)
+    for (int g = 0; g < G; ++g) {
+      const float* xg = p.x + size_t(m) * p.K + size_t(g) * p.group;
+      float s = 0.0f;
+      for (int k = 0; k < p.group; ++k) s += xg[k];
+      xsum[size_t(m) * G + g] = s;
+    }
+  p.xsum = xsum.data();
+  const Isa& i = cur_isa();
+  if (p.M >= g_settings.prefill_min_m) {
+    if (SgemmFn f = get_sgemm()) {
+      c_prefill.fetch_add(1, std::memory_order_relaxed);
+      run_prefill(p, i, f);
+      return;
+    }
+    c_fallback.fetch_add(1, std::memory_order_relaxed);  // no BLAS: fused kernel
+  } else {
+    c_decode.fetch_add(1, std::memory_order_relaxed);
+  }
+  run_decode(p, i);
+}
+
+}  // namespace qmv

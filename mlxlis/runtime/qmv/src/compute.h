@@ -1,0 +1,39 @@
+// The kernels' driver: ISA choice, threading, and the prefill (M large) path.
+// Independent of MLX (operates on raw dense row-major buffers).
+#pragma once
+
+#include "kernels.h"
+
+namespace qmv {
+
+// cblas_sgemm's C signature (enums as ints: RowMajor 101, NoTrans 111, Trans 112)
+using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*,
+                         int, float, float*, int);
+
+// Which kernels run: "avx2", "neon" or "scalar" (chosen once from the CPU,
+// $QMV_ISA=scalar forces the fallback); set_isa returns false if unavailable.
+const char* isa();
+bool set_isa(const char* name);
+
+// sgemm for the prefill path: set explicitly (an address from ctypes), else
+// looked up once as dlsym(RTLD_DEFAULT, "cblas_sgemm") -- the symbol MLX
+// itself resolves, i.e. mlxlis' dispatch to OpenBLAS when it is loaded.
+void set_sgemm(void* fn);
+void* sgemm_ptr();
+
+struct Settings {
+  int prefill_min_m = 17;  // M >= this: dequantized tiles + sgemm
+  int tile_rows = 0;       // rows of w per dequantized tile (0: ~1 MiB of floats)
+};
+Settings& settings();
+
+// Per-path call counters (for tests).
+struct Counters {
+  long decode = 0, prefill = 0, prefill_fallback = 0;
+};
+Counters counters();
+
+// out (M x N) = x (M x K) @ w.T. p.xsum is computed here (p.xsum ignored).
+void compute(const Problem& p);
+
+}  // namespace qmv

@@ -1,0 +1,74 @@
+// Plain-C++ interface of the quantized matrix-vector kernels (no MLX, no std
+// templates), so that the ISA-specific translation units (kernels_avx2.cpp is
+// compiled with -mavx2 -mfma -mf16c) share no inline code with the rest of the
+// module: a std:: template instantiated there with AVX2 enabled could otherwise
+// be picked by the linker for the whole library and fault on an older CPU.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+namespace qmv {
+
+// dtype of scales and biases
+enum ScaleType : int { SB_F32 = 0, SB_F16 = 1, SB_BF16 = 2 };
+
+// One product out (M x N) = x (M x K) @ w.T, w (N x K) in MLX's affine layout:
+// row n of wq is the little-endian bit stream of its K codes (code k at bit
+// k * bits), w[n, k] = scales[n, k / group] * q[n, k] + biases[n, k / group].
+// All arrays are dense row-major. K % group == 0 and group % 32 == 0, so every
+// 32 codes occupy exactly `bits` whole uint32 words ("a chunk").
+struct Problem {
+  const float* x;      // M x K
+  const float* xsum;   // M x G, G = K / group: sums of x over each group
+  int M, N, K, group, bits;
+  const uint32_t* wq;  // N x (K * bits / 32)
+  const void* scales;  // N x G, of sb_type
+  const void* biases;  // N x G, of sb_type
+  int sb_type;
+  float* out;          // M x N (ldo = N)
+};
+
+// out[m, n] for m in [m0, m0 + mb), n in [n0, n1); mb <= kMaxMB.
+constexpr int kMaxMB = 4;
+void rows_scalar(const Problem& p, int m0, int mb, int n0, int n1);
+// rows n0..n1 of w, dequantized to float32 into dst ((n1 - n0) x K, ld K)
+void dequant_scalar(const Problem& p, int n0, int n1, float* dst);
+
+#if defined(__x86_64__) || defined(_M_X64)
+void rows_avx2(const Problem& p, int m0, int mb, int n0, int n1);
+void dequant_avx2(const Problem& p, int n0, int n1, float* dst);
+#endif
+#if defined(__aarch64__)
+void rows_neon(const Problem& p, int m0, int mb, int n0, int n1);
+void dequant_neon(const Problem& p, int n0, int n1, float* dst);
+#endif
+
+// Scale / bias element idx of an array of the given type, as float32.
+static inline float sb_load(const void* base, int type, size_t idx) {
+  if (type == SB_F32) return static_cast<const float*>(base)[idx];
+  uint16_t h = static_cast<const uint16_t*>(base)[idx];
+  uint32_t bits;
+  if (type == SB_BF16) {
+    bits = uint32_t(h) << 16;
+  } else {  // IEEE half -> float, subnormals included
+    uint32_t sign = uint32_t(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (exp == 0x1f) {
+      bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+      bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do { man <<= 1; ++e; } while (!(man & 0x400));
+      bits = sign | uint32_t(112 - e) << 23 | ((man & 0x3ff) << 13);
+    }
+  }
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+}  // namespace qmv

@@ -1,0 +1,139 @@
+#include "qmv.h"
+
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "compute.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+
+namespace qmv {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument("[qmv] " + msg); }
+
+std::string shape_str(const mx::array& a) {
+  std::ostringstream s;
+  s << "(";
+  for (int i = 0; i < a.ndim(); ++i) s << (i ? ", " : "") << a.shape(i);
+  s << ")";
+  return s.str();
+}
+
+int sb_type_of(mx::Dtype d) {
+  if (d == mx::float32) return SB_F32;
+  if (d == mx::float16) return SB_F16;
+  if (d == mx::bfloat16) return SB_BF16;
+  return -1;
+}
+
+// A pointer to a's elements in dense row-major order: a's own data when it is
+// row-contiguous, else a gathered copy in `keep` (rare: a transposed or sliced
+// input that MLX did not copy).
+const void* dense_data(const mx::array& a, std::vector<char>& keep) {
+  if (a.flags().row_contiguous) return a.data<char>();
+  const size_t isz = a.itemsize(), n = a.size();
+  keep.resize(n * isz);
+  const char* src = a.data<char>();
+  const int nd = a.ndim();
+  std::vector<int> idx(nd, 0);
+  for (size_t e = 0; e < n; ++e) {
+    int64_t off = 0;
+    for (int d = 0; d < nd; ++d) off += int64_t(idx[d]) * a.strides()[d];
+    std::memcpy(keep.data() + e * isz, src + off * int64_t(isz), isz);
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < a.shape(d)) break;
+      idx[d] = 0;
+    }
+  }
+  return keep.data();
+}
+
+}  // namespace
+
+mx::array quantized_matvec(const mx::array& x_in, const mx::array& wq, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits) {
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
+    fail("bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
+  if (group_size != 32 && group_size != 64 && group_size != 128)
+    fail("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  if (wq.dtype() != mx::uint32 || wq.ndim() != 2)
+    fail("wq must be a 2-D uint32 array, got " + shape_str(wq));
+  const int N = wq.shape(0);
+  const int64_t kbits = int64_t(wq.shape(1)) * 32;
+  if (kbits % bits) fail("wq's width is not a whole number of codes");
+  const int K = int(kbits / bits);
+  if (K == 0 || K % group_size) fail("K must be a positive multiple of group_size");
+  const int G = K / group_size;
+  for (const mx::array* a : {&scales, &biases}) {
+    if (a->ndim() != 2 || a->shape(0) != N || a->shape(1) != G)
+      fail("scales and biases must have shape (" + std::to_string(N) + ", " + std::to_string(G) +
+           "), got " + shape_str(*a));
+    if (sb_type_of(a->dtype()) < 0) fail("scales and biases must be float32, float16 or bfloat16");
+  }
+  if (scales.dtype() != biases.dtype()) fail("scales and biases must have the same dtype");
+  if (x_in.ndim() < 1 || x_in.shape(-1) != K)
+    fail("x must have last dimension K = " + std::to_string(K) + ", got " + shape_str(x_in));
+  if (!mx::issubdtype(x_in.dtype(), mx::Dtype::Category::floating)) fail("x must be floating point");
+
+  const auto s = mx::to_stream({}, mx::Device::cpu);
+  mx::array x = x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, s);
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = N;
+  return mx::array(std::move(out_shape), mx::float32,
+                   std::make_shared<QuantizedMatVec>(s, group_size, bits),
+                   {x, wq, scales, biases});
+}
+
+void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  // Runs on the thread that called eval; the work itself is enqueued on the
+  // stream's worker thread, in order after the tasks producing the inputs.
+  // The output buffer must be allocated here (the caller may chain further
+  // nodes on its pointer before the task runs).
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  if (out.size() == 0) return;
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  const int K = inputs[0].shape(-1), N = inputs[1].shape(0);
+  enc.dispatch([x = inputs[0], wq = inputs[1], sc = inputs[2], bi = inputs[3],
+                out_ptr = out.data<float>(), M = int(inputs[0].size() / K), N, K,
+                group = group_size_, bits = bits_]() {
+    // Arrays captured by value keep their buffers alive until the task ran
+    // (MLX also holds them, through a no-op task enqueued after this one).
+    std::vector<char> kx, kw, ks, kb;
+    Problem p{};
+    p.x = static_cast<const float*>(dense_data(x, kx));
+    p.wq = static_cast<const uint32_t*>(dense_data(wq, kw));
+    p.scales = dense_data(sc, ks);
+    p.biases = dense_data(bi, kb);
+    p.sb_type = sb_type_of(sc.dtype());
+    p.M = M;
+    p.N = N;
+    p.K = K;
+    p.group = group;
+    p.bits = bits;
+    p.out = out_ptr;
+    compute(p);
+  });
+}
+
+void QuantizedMatVec::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("[qmv] QuantizedMatVec has no GPU implementation");
+}
+
+bool QuantizedMatVec::is_equivalent(const mx::Primitive& other) const {
+  auto* o = dynamic_cast<const QuantizedMatVec*>(&other);
+  return o && o->group_size_ == group_size_ && o->bits_ == bits_;
+}
+
+std::vector<mx::Shape> QuantizedMatVec::output_shapes(const std::vector<mx::array>& inputs) {
+  mx::Shape s = inputs[0].shape();
+  s.back() = inputs[1].shape(0);
+  return {s};
+}
+
+}  // namespace qmv

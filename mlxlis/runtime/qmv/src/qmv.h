@@ -1,0 +1,36 @@
+// The MLX side: an op building a graph node, and its Primitive.
+#pragma once
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+
+namespace qmv {
+
+namespace mx = mlx::core;
+
+// x @ w.T for w (N, K) in MLX's affine quantized layout (as mx.quantize
+// returns it): wq uint32 (N, K*bits/32), scales and biases (N, K/group_size) of
+// float32, float16 or bfloat16. x: (..., K), float32 (float16/bfloat16 are cast
+// to float32); result (..., N) float32. Always evaluated on the CPU.
+// bits in {2, 3, 4, 5, 6, 8}, group_size in {32, 64, 128}.
+mx::array quantized_matvec(const mx::array& x, const mx::array& wq, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits);
+
+class QuantizedMatVec : public mx::UnaryPrimitive {
+ public:
+  QuantizedMatVec(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  // Allocates the output and enqueues the kernel on the stream's thread.
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override { return "QuantizedMatVec"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int group_size_, bits_;
+};
+
+}  // namespace qmv

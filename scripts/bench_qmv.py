@@ -1,0 +1,80 @@
+"""`make bench`: GGUF decoding on the CPU with the blocks kept quantized (mlxlis's kernels,
+mlxlis/runtime/qmv), made dense in float32 (`--dequantize`, the old default) and llama.cpp
+(when `llama_cpp` is installed), on the catalog models and the 1.5B when pulled.
+
+Each measurement in a fresh process (scripts/bench_worker.py: load, a PROMPT-token prefill,
+DECODE greedy tokens; peak RSS), engines alternating, best of --rounds; one row and 8 rows
+decoding together (mlxlis's batched step; llama.cpp: one row only). Prints a Markdown table
+and writes bench-results/qmv.json.
+
+usage: python scripts/bench_qmv.py [--models NAME ...] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mlxlis.loading import catalog  # noqa: E402
+from mlxlis.runtime import qmv  # noqa: E402
+
+from bench import prompt_ids, run  # noqa: E402
+
+PROMPT, DECODE = 64, 128
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    pulled = [n for n in catalog.CATALOG if catalog.is_pulled(n)]
+    ap.add_argument("--models", nargs="*", default=pulled)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    try:
+        import llama_cpp  # noqa: F401
+
+        llama = True
+    except ImportError:
+        llama = False
+    print("kernels:", qmv.describe(build=True), flush=True)
+    rows = []
+    for name in a.models:
+        gguf = catalog.model_path(name)
+        ids = prompt_ids(gguf)[:PROMPT]
+        runs = [("mlxlis", 1), ("mlxlis-dense", 1), ("mlxlis", 8), ("mlxlis-dense", 8)]
+        runs += [("llama.cpp", 1)] if llama else []
+        best: dict[tuple[str, int], dict] = {}
+        for _ in range(a.rounds):
+            for engine, b in runs:
+                r = run(engine, gguf, ids, DECODE if b == 1 else DECODE // 4, b)
+                old = best.get((engine, b))
+                if "error" in r or old is None or r["decode_tps"] > old["decode_tps"]:
+                    best[(engine, b)] = {**(old or {}), **r} if "error" not in r else r
+                print(f"  {name} {engine} ×{b}: {r}", flush=True)
+        for (engine, b), r in best.items():
+            rows.append({"model": name, "engine": engine, "rows": b, **r})
+    size = {n: os.path.getsize(catalog.model_path(n)) for n in a.models}
+    print("\n| model | engine | rows | decode tok/s | prefill tok/s | peak RSS MiB (× file) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['model']} | {r['engine']} | {r['rows']} | error: {r['error']} |||")
+            continue
+        peak = r["peak_rss"] / 2**20
+        print(
+            f"| {r['model']} | {r['engine']} | {r['rows']} | {r['decode_tps']:.1f} | "
+            f"{r['prefill_tps']:.1f} | {peak:.0f} ({r['peak_rss'] / size[r['model']]:.2f}×) |"
+        )
+    out = ROOT / "bench-results"
+    out.mkdir(exist_ok=True)
+    (out / "qmv.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

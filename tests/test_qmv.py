@@ -1,0 +1,243 @@
+"""The CPU quantized kernels (mlxlis/runtime/qmv) against independent references.
+
+Reference: float64 numpy on the dequantized weights (the codes unpacked from MLX's packed
+words in numpy, w = scale·q + bias in float64) times x. The bound, per output element, is the
+classic one of a float32 dot product of length K, on the magnitudes of both terms of each
+weight (the kernels sum scale·q·x and bias·x separately per group):
+
+    |qmv − ref| ≤ K · 2⁻²⁴ · Σ_k (|scale·q_k| + |bias|) · |x_k|
+
+Second reference: MLX's own `mx.quantized_matmul` on the same arrays, within twice the bound.
+Every bit width × group size, shapes whose rows are not a multiple of a task or a tile, 1–16
+input rows (decode and the server's batched decode), 17+ rows (the prefill path: dequantized
+tiles into sgemm), threads 1–3, each instruction set this CPU runs, and a forked child.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlxlis  # noqa: F401  (the BLAS routing first, as the engine runs)
+from mlxlis.models.quantized import QuantizedLinear, use_kernels
+from mlxlis.runtime import qmv
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+ext = qmv.load()
+pytestmark = pytest.mark.skipif(ext is None, reason=f"qmv not built: {qmv.why()}")
+ISAS = [i for i in ("avx2", "neon", "scalar") if ext is not None and ext.set_isa(i)]
+if ext is not None:
+    ext.set_isa("auto")
+EPS32 = 2.0**-24
+
+
+def unpack_codes(wq: np.ndarray, bits: int, k: int) -> np.ndarray:
+    """(N, K) codes from MLX's packing: a row is one little-endian bit stream, code j at bit
+    j·bits (numpy's own bit unpacking: no code shared with the kernels)."""
+    n = wq.shape[0]
+    as_bits = np.unpackbits(wq.view(np.uint8).reshape(n, -1), axis=1, bitorder="little")
+    as_bits = as_bits[:, : k * bits].reshape(n, k, bits).astype(np.int64)
+    return (as_bits << np.arange(bits)).sum(axis=2)
+
+
+def make(n, k, bits, group, m, seed=0, sb_dtype=mx.float32):
+    rng = np.random.default_rng(seed)
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.1)
+    wq, s, b = mx.quantize(w, group_size=group, bits=bits)
+    s, b = s.astype(sb_dtype), b.astype(sb_dtype)
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+    mx.eval(wq, s, b, x)
+    return x, wq, s, b
+
+
+def reference(x, wq, s, b, group, bits):
+    """(float64 x @ wᵀ, its float32 rounding bound) per output element."""
+    k = x.shape[-1]
+    q = unpack_codes(np.array(wq), bits, k).astype(np.float64)
+    scale = np.repeat(np.array(s.astype(mx.float32), np.float64), group, axis=1)
+    bias = np.repeat(np.array(b.astype(mx.float32), np.float64), group, axis=1)
+    xs = np.array(x, np.float64)
+    mag = np.abs(xs) @ (np.abs(scale * q) + np.abs(bias)).T
+    return xs @ (scale * q + bias).T, k * EPS32 * mag + 1e-30
+
+
+def check(y, ref, bound, what=""):
+    err = np.abs(np.array(y, np.float64) - ref)
+    assert y.shape == ref.shape and (err <= bound).all(), f"{what}: {(err / bound).max():.3g}×"
+
+
+def grid(bits, group, rows, threads):
+    for isa in ISAS:
+        assert ext.set_isa(isa)
+        try:
+            for i, (n, kb) in enumerate([(1, 32), (7, 64), (37, 96), (130, 256), (515, 384)]):
+                k = max(group, kb // group * group)
+                for m in rows:
+                    for th in threads:
+                        ext.set_num_threads(th)
+                        x, wq, s, b = make(n, k, bits, group, m, seed=i * 100 + m)
+                        y = ext.qmv(x, wq, s, b, group, bits)
+                        ref, bound = reference(x, wq, s, b, group, bits)
+                        what = f"{isa} N={n} K={k} M={m} bits={bits} g={group} threads={th}"
+                        check(y, ref, bound, what)
+                        theirs = mx.quantized_matmul(
+                            x, wq, s, b, transpose=True, group_size=group, bits=bits
+                        )
+                        check(theirs, ref, 2 * bound, "mx.quantized_matmul " + what)
+        finally:
+            ext.set_isa("auto")
+            ext.set_num_threads(0)
+
+
+@pytest.mark.parametrize("bits", qmv.BITS)
+@pytest.mark.parametrize("group", qmv.GROUPS)
+def test_every_width_and_group_matches_float64_and_mlx(bits, group):
+    """Within the bound of float64 and of mx.quantized_matmul: rows 1, 7, 16, threads 1 and
+    3, odd N, K not a multiple of 64 or 128 where the group allows."""
+    grid(bits, group, rows=(1, 7, 16), threads=(1, 3))
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("bits", qmv.BITS)
+@pytest.mark.parametrize("group", qmv.GROUPS)
+def test_every_row_count_and_thread_count(bits, group):
+    """The same, every row count 1–16 × threads 1–3 (make test-all)."""
+    grid(bits, group, rows=range(1, 17), threads=(1, 2, 3))
+
+
+@pytest.mark.parametrize("sb_dtype", [mx.float16, mx.bfloat16])
+def test_half_precision_scales(sb_dtype):
+    for bits in (4, 5, 8):
+        x, wq, s, b = make(301, 256, bits, 64, 3, sb_dtype=sb_dtype)
+        ref, bound = reference(x, wq, s, b, 64, bits)
+        check(ext.qmv(x, wq, s, b, 64, bits), ref, bound, f"{sb_dtype} {bits}-bit")
+
+
+@pytest.mark.parametrize("m", [17, 64])
+@pytest.mark.parametrize("bits,group", [(4, 32), (5, 64), (8, 128), (3, 32)])
+def test_prefill_dequantizes_tiles_into_sgemm(m, bits, group):
+    """17+ rows: tiles of w dequantized into BLAS sgemm (a tile that does not divide N
+    too), within the same bound; the counters say that path ran."""
+    assert ext.sgemm_address() != 0, "no cblas_sgemm found"
+    for tile in (0, 48):
+        ext.set_prefill(17, tile)
+        before = ext.counters()["prefill"]
+        x, wq, s, b = make(211, max(group, 320 // group * group), bits, group, m)
+        ref, bound = reference(x, wq, s, b, group, bits)
+        check(ext.qmv(x, wq, s, b, group, bits), ref, bound, f"M={m} tile={tile}")
+        assert ext.counters()["prefill"] == before + 1
+    ext.set_prefill(17, 0)
+
+
+def test_inputs_of_any_layout_in_a_compiled_graph():
+    """A transposed x or scales, a float16 x, leading batch axes, inside mx.compile and many
+    products evaluated at once: the same results."""
+    x, wq, s, b = make(65, 128, 4, 32, 6)
+    ref, bound = reference(x, wq, s, b, 32, 4)
+    check(ext.qmv(mx.array(np.array(x).T.copy()).T, wq, s, b, 32, 4), ref, bound, "x.T")
+    check(ext.qmv(x, wq, mx.array(np.array(s).T.copy()).T, b, 32, 4), ref, bound, "s.T")
+    y3 = ext.qmv(x.reshape(2, 3, 128), wq, s, b, 32, 4)
+    check(y3.reshape(6, 65), ref, bound, "3-D x")
+    ref16, bound16 = reference(x.astype(mx.float16).astype(mx.float32), wq, s, b, 32, 4)
+    check(ext.qmv(x.astype(mx.float16), wq, s, b, 32, 4), ref16, bound16, "float16 x")
+    f = mx.compile(lambda x: ext.qmv(x * 1.0, wq, s, b, 32, 4) + 0.0)
+    check(f(x), ref, bound, "compiled")
+    lazy = [ext.qmv(x, wq, s, b, 32, 4) for _ in range(8)]
+    mx.eval(lazy)
+    for y in lazy:
+        check(y, ref, bound, "lazy")
+
+
+def test_bad_arguments_are_refused():
+    x, wq, s, b = make(8, 64, 4, 32, 1)
+    for args in ((x, wq, s, b, 32, 7), (x, wq, s, b, 48, 4), (x[:, :32], wq, s, b, 32, 4)):
+        with pytest.raises(ValueError):
+            ext.qmv(*args)
+    with pytest.raises(ValueError):
+        ext.qmv(x, wq, s[:, :1], b, 32, 4)
+
+
+def test_quantized_layers_use_it_and_match_mlx():
+    """A model's QuantizedLinear (after use_kernels) runs the kernel on the CPU for a decode
+    step and a prompt, with MLX's own product's result within the bound; a mode the kernels
+    lack (mxfp4) goes to MLX's own."""
+    net = nn.Sequential(nn.Linear(256, 96, bias=True), nn.Linear(96, 64, bias=False))
+    nn.quantize(net, group_size=32, bits=5)
+    assert use_kernels(net) == 2 and isinstance(net.layers[0], QuantizedLinear)
+    mx.random.seed(0)
+    for m in (1, 40):
+        x = mx.random.normal((m, 256))
+        before = ext.counters()
+        y = net.layers[0](x)
+        mx.eval(y)
+        after = ext.counters()
+        assert after["decode"] + after["prefill"] == before["decode"] + before["prefill"] + 1
+        layer = net.layers[0]
+        ref, bound = reference(x, layer.weight, layer.scales, layer.biases, 32, 5)
+        check(y - layer.bias, ref, bound + 1e-6, f"M={m}")
+    fp4 = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4, mode="mxfp4")
+    use_kernels(fp4)
+    before = ext.counters()
+    want = mx.quantized_matmul(
+        mx.ones((1, 64)), fp4.weight, fp4.scales, None, True, 32, 4, mode="mxfp4"
+    )
+    got = fp4(mx.ones((1, 64)))
+    mx.eval(got, want)
+    assert mx.array_equal(got, want).item()
+    assert ext.counters()["decode"] == before["decode"]
+
+
+FORK = r"""
+import os, sys
+import numpy as np
+import mlxlis  # noqa: F401
+import mlx.core as mx
+from mlxlis.runtime import qmv
+ext = qmv.load()
+d = np.load(sys.argv[1])
+args, ref, bound = [d["x"], d["wq"], d["s"], d["b"]], d["ref"], d["bound"]
+ext.set_num_threads(int(sys.argv[2]))
+ok = lambda y: bool((np.abs(np.asarray(y, np.float64) - ref) <= bound).all())
+assert ok(ext.qmv_numpy(*args, 32, 4))  # the parent's pool is running now
+r, w = os.pipe()
+if os.fork() == 0:
+    good = all(ok(ext.qmv_numpy(*args, 32, 4)) for _ in range(3))  # the child's own pool
+    good = good and ok(np.array(ext.qmv(*[mx.array(a) for a in args], 32, 4)))  # and MLX
+    os.write(w, b"ok" if good else b"bad")
+    os._exit(0 if good else 1)
+os.close(w)
+_, status = os.wait()
+assert os.read(r, 8) == b"ok" and os.WEXITSTATUS(status) == 0
+assert ok(ext.qmv_numpy(*args, 32, 4))  # the parent's pool still works
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_forked_child_runs_its_own_threads(tmp_path, threads):
+    """The pool runs in the parent, then fork(): the child builds its own and gets the same
+    results (through MLX too); the parent's still works. In a fresh interpreter: MLX cannot
+    evaluate in a child forked after its parent evaluated, so the parent uses the kernels
+    through their numpy entry before forking."""
+    x, wq, s, b = make(4864, 896, 4, 32, 2)
+    ref, bound = reference(x, wq, s, b, 32, 4)
+    path = tmp_path / "data.npz"
+    np.savez(path, x=np.array(x), wq=np.array(wq), s=np.array(s), b=np.array(b))
+    with np.load(path) as d:
+        assert np.array_equal(d["wq"], np.array(wq))
+    np.savez(
+        path, x=np.array(x), wq=np.array(wq), s=np.array(s), b=np.array(b), ref=ref, bound=bound
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", FORK, str(path), str(threads)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ},
+    )
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
