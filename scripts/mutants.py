@@ -1273,18 +1273,6 @@ MUTANTS = (
         (Q4X_CACHE,),
         "Qwen4-Exp: PLE keeps no per-token states for a verification's rewind",
     ),
-)
-
-IGNORE = shutil.ignore_patterns(
-    ".git",
-    ".venv",
-    "__pycache__",
-    ".pytest_cache",
-    ".ruff_cache",
-    "bench-results",
-    "*.egg-info",
-    "build",
-    "dist",
     Mutant(
         "qmv-scale-of-next-group",
         "mlxlis/runtime/qmv/src/kernels_avx2.cpp",
@@ -1317,6 +1305,18 @@ IGNORE = shutil.ignore_patterns(
         (QMV_PREFILL,),
         "CPU kernels: a prompt's last, partial tile of weight rows skipped",
     ),
+)
+
+IGNORE = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    "bench-results",
+    "*.egg-info",
+    "build",
+    "dist",
 )
 
 
