@@ -14,32 +14,22 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
+def _product(m: nn.Module, x: mx.array) -> mx.array:
+    """x @ wᵀ for the quantized weight of `m` (a QuantizedLinear or QuantizedEmbedding)."""
+    w, scales, biases = m["weight"], m["scales"], m.get("biases")
+    return qmv.matmul(x, w, scales, biases, m.group_size, m.bits, m.mode)
+
+
 class QuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
-        y = qmv.matmul(
-            x,
-            self["weight"],
-            self["scales"],
-            self.get("biases"),
-            self.group_size,
-            self.bits,
-            self.mode,
-        )
+        y = _product(self, x)
         return y + self["bias"] if "bias" in self else y
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
         """The tied head: x @ embeddingᵀ."""
-        return qmv.matmul(
-            x,
-            self["weight"],
-            self["scales"],
-            self.get("biases"),
-            self.group_size,
-            self.bits,
-            self.mode,
-        )
+        return _product(self, x)
 
 
 _OURS = {nn.QuantizedLinear: QuantizedLinear, nn.QuantizedEmbedding: QuantizedEmbedding}
