@@ -47,6 +47,7 @@ G3N_GGUF = "tests/test_gemma3n.py::test_gguf_matches_transformers_on_the_files_w
 Q3N_HF = "tests/test_qwen3_next.py::test_logits_match_transformers_fp32"
 Q3N_GGUF = "tests/test_qwen3_next.py::test_gguf_matches_transformers_on_the_files_weights"
 NET4 = "mlxlis/models/qwen4_exp_net.py"
+PARTS4 = "mlxlis/models/qwen4_exp_parts.py"
 QMV_GRID = "tests/test_qmv.py::test_every_width_and_group_matches_float64_and_mlx"
 QMV_PREFILL = "tests/test_qmv.py::test_prefill_dequantizes_tiles_into_sgemm"
 Q4X_HF = "tests/test_qwen4_exp.py::test_logits_match_transformers_fp32"
@@ -1209,7 +1210,7 @@ MUTANTS = (
     ),
     Mutant(
         "q4x-ngram-past-eos",
-        NET4,
+        PARTS4,
         "            shifted.append(mx.where(since >= k, back, eos))",
         "            shifted.append(back)",
         (Q4X_HF,),
@@ -1217,7 +1218,7 @@ MUTANTS = (
     ),
     Mutant(
         "q4x-ple-undilated",
-        NET4,
+        PARTS4,
         "        self.kernel, self.dilation = s.ple_conv_kernel_size, s.ngram_size",
         "        self.kernel, self.dilation = s.ple_conv_kernel_size, 1",
         (Q4X_HF,),
@@ -1225,7 +1226,7 @@ MUTANTS = (
     ),
     Mutant(
         "q4x-ple-gate-unsigned-root",
-        NET4,
+        PARTS4,
         "        gate = mx.sqrt(mx.maximum(mx.abs(gate), 1e-6)) * mx.sign(gate)",
         "        gate = mx.sqrt(mx.maximum(mx.abs(gate), 1e-6))",
         (Q4X_HF,),
@@ -1267,7 +1268,7 @@ MUTANTS = (
     ),
     Mutant(
         "q4x-ple-verify-states-off",
-        NET4,
+        PARTS4,
         "            if cache.keep:",
         "            if False:",
         (Q4X_CACHE,),

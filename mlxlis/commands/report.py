@@ -48,7 +48,7 @@ from typing import Any
 
 from mlxlis.models.footprint import footprint, weight_arrays
 from mlxlis.models.model import Model
-from mlxlis.models.qwen4_exp_net import Qwen4ExpStructure
+from mlxlis.models.qwen4_exp_parts import Qwen4ExpStructure
 from mlxlis.runtime.memory import memory_budget
 
 SCHEMA = 1

@@ -28,7 +28,8 @@ from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.qwen3_5 import _export, _hf_parser
 from mlxlis.models.qwen3_next import MOE_DEFAULTS  # Qwen4-Exp's are the same
-from mlxlis.models.qwen4_exp_net import Qwen4Exp, Qwen4ExpStructure
+from mlxlis.models.qwen4_exp_net import Qwen4Exp
+from mlxlis.models.qwen4_exp_parts import Qwen4ExpStructure
 
 import mlx.core as mx
 
