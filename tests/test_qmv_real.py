@@ -67,15 +67,16 @@ print(json.dumps({"peak": mx.get_peak_memory(), "weights": weight_bytes(model)})
 
 
 def test_loading_and_decoding_hold_no_dense_copy():
-    """SmolLM2 (94 MiB file): MLX's peak memory while loading and decoding 32 tokens stays
-    within the weights as held (blocks quantized, norms float32) plus 25% (the KV cache, the
-    logits, the conversion's in-flight buffers: measured 1.16×). Made dense the weights alone
-    are 538 MB, 4.9× what is held quantized."""
+    """SmolLM2 (94 MiB file, Q4_1 and a Q8_0 embedding): the weights as held are within 10% of
+    the file (measured 1.03×: 4-bit codes with float16 scales and biases, the file's own 5
+    bits), and MLX's peak memory while loading and decoding 32 tokens within 1.5× of them
+    (measured 1.21×: the KV cache, the logits, the conversion's buffers in flight). Made dense
+    the weights alone are 538 MB, 5.5× the file: the bound proves no dense copy is ever made."""
     path = need_pulled("smollm2-135m")
     out = subprocess.run(
         [sys.executable, "-c", MEASURE, str(path)], capture_output=True, text=True, check=True
     )
     r = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"peak {r['peak'] / 2**20:.0f} MiB, weights {r['weights'] / 2**20:.0f} MiB")
-    assert r["peak"] < 1.25 * r["weights"]
-    assert r["weights"] < 1.3 * path.stat().st_size
+    assert r["peak"] < 1.5 * r["weights"]
+    assert r["weights"] < 1.1 * path.stat().st_size

@@ -68,12 +68,15 @@ def reference(t: GGUFTensor, raw: np.ndarray) -> np.ndarray:
 
 
 def unpacked(c: quants.Converted) -> np.ndarray:
-    """What the model will compute with: MLX's own dequantization of our packing."""
+    """What the model will compute with: MLX's own dequantization of our packing, float16
+    scales and biases widened to float32 as the products read them."""
     if c.scales is None:
         return np.array(c.weight.astype(mx.float32))
-    w = mx.dequantize(
-        c.weight, c.scales, c.biases, group_size=c.group_size, bits=c.bits, mode=c.mode
-    )
+    wide = [
+        a.astype(mx.float32) if a is not None and a.dtype == mx.float16 else a
+        for a in (c.scales, c.biases)
+    ]
+    w = mx.dequantize(c.weight, *wide, group_size=c.group_size, bits=c.bits, mode=c.mode)
     return np.array(w.astype(mx.float32))
 
 
@@ -91,7 +94,10 @@ def test_quantized_random_blocks_bit_exact(name: str, small_chunks):
     c = convert_tensor(t, raw, mx.float32)
     assert (c.bits, c.group_size) == (BITS[name], 32)
     assert c.weight.dtype == mx.uint32 and c.weight.shape == (8, 512 * BITS[name] // 32)
-    assert c.scales.shape == c.biases.shape == (8, 16) and c.scales.dtype == mx.float32
+    assert c.scales.shape == c.biases.shape == (8, 16)
+    # float16 where it holds every scale and bias exactly (quants.HALF_EXACT), else float32
+    half = name in quants.HALF_EXACT and c.scales.dtype == mx.float16
+    assert c.scales.dtype == c.biases.dtype == (mx.float16 if half else mx.float32)
     ref = reference(t, raw)
     assert np.array_equal(unpacked(c), ref)
     forced = convert_tensor(t, raw, mx.float32, dequantize=True)

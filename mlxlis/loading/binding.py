@@ -17,6 +17,16 @@ from mlx.utils import tree_flatten, tree_unflatten
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
+def kept_narrow(name: str, stored: mx.Dtype, dtype: mx.Dtype) -> bool:
+    """A matmul's quantization scales / biases (`name`: the parameter) stored in float16 stay
+    so under float32 compute: widening would change no value (float16 ⊂ float32) and cost 1
+    more bit per weight; the products read them as float32 (runtime/qmv, quantized_matmul).
+    Not an embedding's: its lookup dequantizes in the scales' dtype."""
+    module, _, part = name.rpartition(".")
+    matmul = "embed" not in module.rpartition(".")[2]
+    return matmul and part in ("scales", "biases") and stored == mx.float16 and dtype == mx.float32
+
+
 def quantize_like(
     model: nn.Module,
     weights: dict[str, mx.array],
@@ -104,7 +114,13 @@ def bind(
                 path=path,
                 field=name,
             )
-        if arr.dtype in FLOAT_DTYPES and ref.dtype in FLOAT_DTYPES and arr.dtype != dtype:
+        narrow = kept_narrow(name, arr.dtype, dtype)
+        if (
+            arr.dtype in FLOAT_DTYPES
+            and ref.dtype in FLOAT_DTYPES
+            and arr.dtype != dtype
+            and not narrow
+        ):
             if id(arr) not in cast:
                 cast[id(arr)] = (arr, arr.astype(dtype))
             arr = cast[id(arr)][1]

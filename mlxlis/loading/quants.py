@@ -272,7 +272,25 @@ def _quantized(
     if dtype != mx.float32:
         s, m = s.astype(dtype), m.astype(dtype)
         mx.eval(s, m)
+    elif t.type_name in HALF_EXACT:
+        s, m = _halved(s, m)
     return Converted(weight=w, scales=s, biases=m, bits=bits, group_size=GROUP)
+
+
+# block types whose scales and biases float16 holds exactly: d and m are float16 in the file,
+# and −8d / −16d / −128d only change the exponent (the check below catches an overflow). Kept
+# so beside float32 activations they cost 1 bit per weight instead of 2 (Q4_1: the file's own
+# 5 bits), read back as the same float32 values. Q4_K / Q5_K's d·sc needs up to 17 bits.
+HALF_EXACT = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
+
+
+def _halved(s: mx.array, m: mx.array) -> tuple[mx.array, mx.array]:
+    """Scales and biases as float16 when every value of both survives the round trip (one
+    dtype for the pair, as the products take them), else unchanged."""
+    half = s.astype(mx.float16), m.astype(mx.float16)
+    pairs = zip(half, (s, m), strict=True)
+    same = (bool(mx.array_equal(h.astype(mx.float32), a)) for h, a in pairs)
+    return half if all(same) else (s, m)
 
 
 def _mxfp4(t: GGUFTensor, raw: np.ndarray) -> Converted:

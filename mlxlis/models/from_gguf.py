@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mlxlis.errors import UnexpectedTensorError, UnsupportedError
-from mlxlis.loading.binding import bind, quantize_like
+from mlxlis.loading.binding import bind, kept_narrow, quantize_like
 from mlxlis.loading.gguf import GGUFFile
 from mlxlis.loading.gguf_split import read_gguf
 from mlxlis.loading.quants import QUANTIZABLE, allocate, convert_tensor
@@ -278,7 +278,8 @@ def _convert(gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dense, clock: _Clo
         for part, arr in parts.items():
             new = spec.undo(target, arr, cfg, part)
             if new.dtype in (mx.float32, mx.float16, mx.bfloat16) and new.dtype != dtype:
-                new = new.astype(dtype)
+                if not kept_narrow(f"{module}.{part}", new.dtype, dtype):
+                    new = new.astype(dtype)
             if new is not arr:
                 mx.eval(new)  # materialise now so the converted original can go
             if stacked:
