@@ -241,3 +241,24 @@ def test_a_forked_child_runs_its_own_threads(tmp_path, threads):
         env={**os.environ},
     )
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_a_failed_build_is_said_and_not_tried_again(tmp_path, monkeypatch):
+    """Where the kernels cannot be built (here: the build raises as a missing compiler does),
+    the reason is kept beside the key: the next loads say it without building again, until a
+    retry (`python -m mlxlis.runtime.qmv`)."""
+    from mlxlis.runtime.qmv import build
+
+    monkeypatch.setenv("MLXLIS_KERNELS", str(tmp_path))
+    calls = []
+
+    def fail(target, verbose=False):
+        calls.append(target)
+        raise build.BuildError("no C++ compiler (test)")
+
+    monkeypatch.setattr(build, "build", fail)
+    for retry in (False, False, True):
+        with pytest.raises(build.BuildError, match="no C"):
+            build.ensure(retry=retry)
+    assert len(calls) == 2
+    assert (build.so_path().parent / "failed.txt").read_text() == "no C++ compiler (test)"

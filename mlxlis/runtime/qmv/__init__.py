@@ -23,20 +23,24 @@ GROUPS = (32, 64, 128)
 
 _module: ModuleType | None = None
 _why = "not loaded yet"
+_failed = False  # a build failed in this process
 
 
-def load(build: bool = True) -> ModuleType | None:
+def load(build: bool = True, retry: bool = False) -> ModuleType | None:
     """The extension, built first when missing and `build`; None (and `why()`) when it cannot
-    be had here."""
-    global _module, _why
+    be had here (a failed build is not tried again in this process, nor for the same mlx and
+    sources in another, unless `retry`)."""
+    global _module, _why, _failed
     if _module is not None or not sys.platform.startswith("linux"):
         if _module is None:
             _why = "not used on this platform"
         return _module
+    if _failed and not retry:
+        return None
     from mlxlis.runtime.qmv.build import BuildError, ensure, so_path
 
     try:
-        path = ensure() if build else so_path()
+        path = ensure(retry=retry) if build else so_path()
         if not path.is_file():
             _why = "not built (python -m mlxlis.runtime.qmv builds it)"
             return None
@@ -44,7 +48,7 @@ def load(build: bool = True) -> ModuleType | None:
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     except (BuildError, ImportError, OSError) as e:
-        _why = str(e)
+        _why, _failed = str(e), build
         return None
     _module = mod
     return mod
@@ -55,8 +59,9 @@ def why() -> str:
 
 
 def describe(build: bool = False) -> str:
-    """Which kernels run quantized products on the CPU, in words."""
-    mod = load(build)
+    """Which kernels run quantized products on the CPU, in words (`build`: build them now,
+    trying again after an earlier failure)."""
+    mod = load(build, retry=build)
     if mod is None:
         return f"MLX's own (the mlxlis kernels: {_why})"
     return f"mlxlis qmv ({mod.isa()}, {mod.num_threads()} threads)"

@@ -141,18 +141,29 @@ def build(target: Path, verbose: bool = False) -> Path:
     return target
 
 
-def ensure(verbose: bool = False) -> Path:
-    """The module's path, built first if missing (one builder per key; others wait)."""
+def ensure(verbose: bool = False, retry: bool = False) -> Path:
+    """The module's path, built first if missing (one builder per key; others wait). A build
+    that failed is not tried again for the same key (its reason is kept beside it) unless
+    `retry` (`python -m mlxlis.runtime.qmv`)."""
     target = so_path()
     if target.is_file():
         return target
     if os.environ.get("MLXLIS_BUILD_KERNELS", "1") == "0":
         raise BuildError("not built, and MLXLIS_BUILD_KERNELS=0")
+    failed = target.parent / "failed.txt"
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.is_file():
-            if verbose:
-                print("building the CPU quantized kernels (once)…", file=sys.stderr)
+        if target.is_file():
+            return target
+        if failed.is_file() and not retry:
+            raise BuildError(failed.read_text())
+        if verbose:
+            print("building the CPU quantized kernels (once)…", file=sys.stderr)
+        try:
             build(target, verbose=False)
+        except BuildError as e:
+            failed.write_text(str(e))
+            raise
+        failed.unlink(missing_ok=True)
     return target
