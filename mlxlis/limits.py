@@ -130,8 +130,8 @@ SIZE_BOUNDS = {
     "ple_embed_dim": CONFIG_MAX_DIM,
     "ple_conv_kernel_size": 64,
     "ngram_size": 16,
-    "heads_per_ngram": 1024,
-    "ngram_vocab_size_base": 1 << 40,
+    "heads_per_ngram": 256,
+    "ngram_vocab_size_base": 1 << 31,  # the primes from it are found by trial division
     "make_ngram_vocab_size_divisible_by": 1 << 20,
     "split_ngram_parts": 1 << 20,
     "indexer_n_heads": CONFIG_MAX_DIM,

@@ -175,12 +175,14 @@ def test_pipelined_steps_equal_the_lone_process(pipelined, tiny_job, ranks):
 
 @pytest.mark.extended  # `make test-all`: the full launch
 def test_each_rank_holds_only_its_share(pipelined):
-    """Memory on 2 ranks, Qwen2.5-Coder 0.5B in float32 (dense on CPU: 1.95 GiB of weights in
-    one process). Each rank holds the arrays of its own layers only (the parts test checks
-    which), plus the embedding on rank 0 (a lookup: kept quantized) and the tied head on rank 1
-    (dense); its resident set peaks at about those arrays, far from the whole model. Measured
-    here: rank 0 (layers 0-13) 0.89 GiB of arrays, peak RSS growth 1.03 GiB; rank 1 (layers
-    14-23 and the 0.51 GiB head) 1.06 GiB, growth 1.20 GiB."""
+    """Memory on 2 ranks, Qwen2.5-Coder 0.5B in float32 (its blocks kept quantized where
+    mlxlis's CPU kernels are built: 0.66 GiB of arrays in one process; 1.95 GiB made dense).
+    Each rank holds the arrays of its own layers only (the parts test checks which), plus the
+    embedding on rank 0 and the tied head on rank 1; its resident set peaks at about those
+    arrays plus a fixed part (the file pages it read, the load's buffers, activations). Measured
+    here: rank 0 (layers 0-13) 0.38 GiB of arrays, peak RSS growth 0.56 GiB, rank 1 0.29 GiB,
+    growth 0.48 GiB; made dense, rank 0 0.89 GiB of arrays, growth 1.03 GiB, and rank 1 1.06
+    GiB, growth 1.20 GiB."""
     out = pipelined("2-full")
     job = QWEN
     _, _, whole = reference(job["model"], job["prompt"], job["steps"])
@@ -194,7 +196,7 @@ def test_each_rank_holds_only_its_share(pipelined):
         )
         assert held < 0.6 * whole  # half the layers and one end, not the whole model
         # its resident set is about its arrays: the load's buffers and activations on top
-        assert grew < 1.25 * held + (64 << 20)
+        assert grew < 1.25 * held + (256 << 20)
 
 
 @pytest.mark.extended  # `make test-all` (8 s): the ranks' steps are proved in make test

@@ -273,6 +273,10 @@ BAD = [
     ({"indexer_budget": 10}, ConfigError, "indexer_budget"),
     ({"hc_count": 1}, ConfigError, "hc_count"),
     ({"ple_embed_dim": 30}, ConfigError, "ple_embed_dim"),
+    ({"ple_embed_dim": 0}, ConfigError, "ple_embed_dim"),
+    ({"ple_conv_kernel_size": 1}, ConfigError, "ple_conv_kernel_size"),
+    ({"ngram_size": 1}, ConfigError, "ngram_size"),
+    ({"eos_token_id": 400}, ConfigError, "eos_token_id"),
 ]
 
 
@@ -302,3 +306,14 @@ def test_inspect_shows_the_streams_ple_and_qsa(qwen4):
     assert r["memory"]["kv_bytes_per_token"] == (2 * 2 * 16 + 12 + 1) * 4
     assert r["memory"]["kv_fixed_bytes"] > 0
     assert "3 hyper-connection streams" in format_report(r)
+
+
+def test_joint_caches_say_their_kv_format():
+    """A joint cache reports its KV layer's format (what the prefix and disk caches file
+    entries under, store.format_of), the indexer's dense keys notwithstanding."""
+    from mlxlis.cache import JointCache, KVCache, KVFormat
+    from mlxlis.cache.store import format_of
+
+    fmt = KVFormat(8, 32)
+    assert format_of([RecurrentCache(), JointCache(KVCache(fmt), KVCache())]) == fmt
+    assert format_of([RecurrentCache(), JointCache(KVCache(), KVCache())]) is None

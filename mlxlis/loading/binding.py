@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlxlis.errors import ConfigError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from mlxlis.runtime import qmv
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,12 +20,17 @@ FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 def kept_narrow(name: str, stored: mx.Dtype, dtype: mx.Dtype) -> bool:
     """A matmul's quantization scales / biases (`name`: the parameter) stored in float16 stay
-    so under float32 compute: widening would change no value (float16 ⊂ float32) and cost 1
-    more bit per weight; the products read them as float32 (runtime/qmv, quantized_matmul).
-    Not an embedding's: its lookup dequantizes in the scales' dtype."""
+    so under float32 compute where mlxlis's CPU kernels run the product: widening would change
+    no value (float16 ⊂ float32) and cost 1 more bit per weight; the kernels read them as
+    float32. Not an embedding's (its lookup dequantizes in their dtype), nor MoE experts' or a
+    prediction head's, whose products are MLX's own (which would widen them at every call)."""
     module, _, part = name.rpartition(".")
-    matmul = "embed" not in module.rpartition(".")[2]
-    return matmul and part in ("scales", "biases") and stored == mx.float16 and dtype == mx.float32
+    if part not in ("scales", "biases") or stored != mx.float16 or dtype != mx.float32:
+        return False
+    own = module.rpartition(".")[2]
+    if "embed" in own or any(k in module for k in ("switch_mlp", "experts", "mtp")):
+        return False
+    return qmv.load() is not None
 
 
 def quantize_like(

@@ -9,6 +9,7 @@ this after quantizing."""
 from __future__ import annotations
 
 from mlxlis.runtime import qmv
+from mlxlis.runtime.device import device_name
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,4 +44,6 @@ def use_kernels(net: nn.Module) -> int:
         if ours is not None:
             m.__class__ = ours  # same attributes and parameters: only the products change
             n += 1
+    if n and device_name() == "cpu":
+        qmv.load()  # built (once) now, while loading, not inside the first product
     return n

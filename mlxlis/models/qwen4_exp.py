@@ -66,7 +66,8 @@ _parse_hybrid = _hf_parser(True)
 
 def _own(cfg: dict, base: ModelConfig, path: str) -> Qwen4ExpStructure:
     sizes = {k: cfg.get(k, v) for k, v in OWN_DEFAULTS.items()}
-    sizes["ple_embed_dim"] = cfg.get("ple_embed_dim") or base.hidden_size
+    dim = cfg.get("ple_embed_dim")
+    sizes["ple_embed_dim"] = base.hidden_size if dim is None else dim
     missing = [k for k in INDEXER if cfg.get(k) is None]
     if missing:  # transformers' Qwen4-Exp builds an indexer in every attention layer
         raise ConfigError(
@@ -85,6 +86,9 @@ def _own(cfg: dict, base: ModelConfig, path: str) -> Qwen4ExpStructure:
             path=path,
             field="indexer_budget",
         )
+    for k in ("ple_conv_kernel_size", "ngram_size"):  # a context and a convolution span
+        if size[k] < 2:
+            raise ConfigError(f"must be 2 or more, got {size[k]}", path=path, field=k)
     heads = (size["ngram_size"] - 1) * size["heads_per_ngram"]
     ple = cfg.get("ple_layer_ids") or []
     n = base.num_hidden_layers
@@ -100,8 +104,13 @@ def _own(cfg: dict, base: ModelConfig, path: str) -> Qwen4ExpStructure:
         )
     eos = cfg.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
-    if ple and (isinstance(eos, bool) or not isinstance(eos, int)):
-        raise ConfigError("PLE layers need an eos_token_id", path=path, field="eos_token_id")
+    known = isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < base.vocab_size
+    if ple and not known:
+        raise ConfigError(
+            f"PLE layers need an eos_token_id in the vocabulary, got {eos!r}"[:200],
+            path=path,
+            field="eos_token_id",
+        )
     seed = cfg.get("seed", 1234)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"expected an integer, got {seed!r}"[:200], path=path, field="seed")

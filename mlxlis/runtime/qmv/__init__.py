@@ -50,8 +50,32 @@ def load(build: bool = True, retry: bool = False) -> ModuleType | None:
     except (BuildError, ImportError, OSError) as e:
         _why, _failed = str(e), build
         return None
+    if mod.isa() != "scalar" and not _agrees_with_scalar(mod):
+        mod.set_isa("scalar")  # wrong results are never an option: the portable kernels
+        _why = f"the {mod.isa()} kernels disagreed with the scalar ones here"
     _module = mod
     return mod
+
+
+def _agrees_with_scalar(mod: ModuleType) -> bool:
+    """The CPU's own kernels (AVX2, or NEON, which this project's CI cannot run) give the
+    scalar kernels' results on a small random problem of every width: checked once a process."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    isa = mod.isa()
+    for bits in BITS:
+        x = rng.standard_normal((3, 128)).astype(np.float32)
+        wq = rng.integers(0, 2**32, (37, 128 * bits // 32), dtype=np.uint32)
+        s, b = (rng.standard_normal((37, 4)).astype(np.float32) for _ in range(2))
+        fast = mod.qmv_numpy(x, wq, s, b, 32, bits)
+        mod.set_isa("scalar")
+        slow = mod.qmv_numpy(x, wq, s, b, 32, bits)
+        mod.set_isa(isa)
+        scale = np.abs(x).sum(1, keepdims=True) * (2**bits) * 4  # Σ|w||x| bound, roughly
+        if not (np.abs(fast - slow) <= 1e-5 * scale).all():
+            return False
+    return True
 
 
 def why() -> str:
