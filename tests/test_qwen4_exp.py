@@ -125,9 +125,10 @@ def reference_logits(ref, ids: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_logits_match_transformers_fp32(qwen4, name):
-    """Reference parity over 72 tokens within 1e-4 (measured 1.5e-6 exp, 1.2e-6 sig): the
-    streams' mixes and injections, the n-gram hashes across EOS, PLE's gate and dilated
-    convolution, the QSA selection past its budget, the DeltaNet's SiLU / sigmoid gate."""
+    """Reference parity over 72 tokens within 1e-4 (measured 3e-7 exp, 8e-7 sig, on logits up
+    to 1.0 and 1.3): the streams' mixes and injections, the n-gram hashes across EOS, PLE's
+    gate and dilated convolution, the QSA selection past its budget, the DeltaNet's SiLU /
+    sigmoid gate."""
     folder, ref = qwen4(name)
     model = mlxlis.load(folder, "float32")
     assert model.config.family == "qwen4_exp"
