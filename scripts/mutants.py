@@ -1253,8 +1253,10 @@ MUTANTS = (
     Mutant(
         "q4x-gate-always-silu",
         "mlxlis/models/qwen4_exp.py",
-        "    return out.with_(family_config=s, linear_gate_act=gate, norm_topk_prob=top)",
-        '    return out.with_(family_config=s, linear_gate_act="silu", norm_topk_prob=top)',
+        "    return out.with_(family_config=s, linear_gate_act=gate, "
+        "norm_topk_prob=norm_topk(cfg, path))",
+        '    return out.with_(family_config=s, linear_gate_act="silu", '
+        "norm_topk_prob=norm_topk(cfg, path))",
         (Q4X_HF,),
         "Qwen4-Exp: output_gate_type sigmoid ignored",
     ),

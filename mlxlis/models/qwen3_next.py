@@ -70,13 +70,19 @@ def _sparse_layers(cfg: dict, n: int, path: str) -> tuple[bool, ...]:
     return sparse_layers(cfg, n, step, path)
 
 
-def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
-    cfg = {**MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+def norm_topk(cfg: dict, path: str) -> bool:
+    """`norm_topk_prob`, default true (Qwen3-Next's and Qwen4-Exp's routers)."""
     top = cfg.get("norm_topk_prob", True)
     if not isinstance(top, bool):  # a string "false" must not read as true
         raise ConfigError(
             f"expected true or false, got {top!r}"[:200], path=path, field="norm_topk_prob"
         )
+    return top
+
+
+def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
+    cfg = {**MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+    top = norm_topk(cfg, path)
     out = _parse_hybrid(cfg, base, path)
     return out.with_(
         sparse_layers=_sparse_layers(cfg, out.num_hidden_layers, path),

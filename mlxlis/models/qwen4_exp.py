@@ -27,7 +27,7 @@ from mlxlis.limits import check_sizes
 from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.qwen3_5 import _export, _hf_parser
-from mlxlis.models.qwen3_next import MOE_DEFAULTS  # Qwen4-Exp's are the same
+from mlxlis.models.qwen3_next import MOE_DEFAULTS, norm_topk  # Qwen4-Exp's are the same
 from mlxlis.models.qwen4_exp_net import Qwen4Exp
 from mlxlis.models.qwen4_exp_parts import Qwen4ExpStructure
 
@@ -150,12 +150,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
             path=path,
             field="indexer_head_dim",
         )
-    top = cfg.get("norm_topk_prob", True)
-    if not isinstance(top, bool):
-        raise ConfigError(
-            f"expected true or false, got {top!r}"[:200], path=path, field="norm_topk_prob"
-        )
-    return out.with_(family_config=s, linear_gate_act=gate, norm_topk_prob=top)
+    return out.with_(family_config=s, linear_gate_act=gate, norm_topk_prob=norm_topk(cfg, path))
 
 
 def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:  # pragma: no cover - no arch

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from mlxlis.cache import CacheBatch, JointCache, KVCache, KVFormat, RecurrentCache
 from mlxlis.models.config import ModelConfig
+from mlxlis.models.decoder import Decoder
 from mlxlis.models.deltanet import GatedDeltaNet
 from mlxlis.models.experts import ExpertSource, SparseMoE
 from mlxlis.models.layers import Attention, Cache, Mask, norm
@@ -228,15 +229,9 @@ class Qwen4Exp(nn.Module):
                 out.append(RecurrentCache())
         return out
 
-    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Checkpoint names under ours: the wrapper's prefix taken off, the vision tower and
-        any prediction head dropped."""
-        out = {}
-        for name, arr in weights.items():
-            ours = self._family.hf_name(name)
-            if ours is not None:
-                out[ours] = arr
-        return out
+    # checkpoint names under ours (the wrapper's prefix off, the vision tower and any
+    # prediction head dropped): the shared decoder's reading of the family's renames
+    sanitize = Decoder.sanitize
 
     def expert_stacks(self) -> dict[str, ExpertSource]:
         """The experts' stacks, and each n-gram table from its shards (transformers saves it as
