@@ -50,6 +50,7 @@ NET4 = "mlxlis/models/qwen4_exp_net.py"
 PARTS4 = "mlxlis/models/qwen4_exp_parts.py"
 QMV_GRID = "tests/test_qmv.py::test_every_width_and_group_matches_float64_and_mlx"
 QMV_PREFILL = "tests/test_qmv.py::test_prefill_dequantizes_tiles_into_sgemm"
+FUSED = "tests/test_fused.py"
 Q4X_HF = "tests/test_qwen4_exp.py::test_logits_match_transformers_fp32"
 Q4X_CACHE = (
     "tests/test_qwen4_exp.py::test_a_trimmed_verification_and_a_saved_cache_decode_on_exactly"
@@ -1307,6 +1308,30 @@ MUTANTS = (
         "    const int n1 = n0 + tile;\n    if (n1 > p.N) break;",
         (QMV_PREFILL,),
         "CPU kernels: a prompt's last, partial tile of weight rows skipped",
+    ),
+    Mutant(
+        "fused-rope-turned-backwards",
+        "mlxlis/runtime/qmv/src/fused_kernels.cpp",
+        "            o[i + half] = x2 * co + x1 * si;",
+        "            o[i + half] = x2 * co - x1 * si;",
+        (FUSED,),
+        "fused RoPE: the second half of each pair turned the wrong way",
+    ),
+    Mutant(
+        "fused-attention-sees-the-next-key",
+        "mlxlis/runtime/qmv/src/fused_kernels.cpp",
+        "  const int L = a.causal ? std::min(S, S - T + t + 1) : S;",
+        "  const int L = a.causal ? std::min(S, S - T + t + 2) : S;",
+        (FUSED,),
+        "fused attention: a causal query also sees the key after its own",
+    ),
+    Mutant(
+        "fused-rms-norm-without-eps",
+        "mlxlis/runtime/qmv/src/fused_kernels.cpp",
+        "    const float inv = 1.0f / sqrtf(dot(xr, xr, D) / float(D) + eps);",
+        "    const float inv = 1.0f / sqrtf(dot(xr, xr, D) / float(D));",
+        (FUSED,),
+        "fused RMSNorm: eps left out",
     ),
 )
 

@@ -1,33 +1,35 @@
-"""Gated MLP activations act(gate) · up by config name, in MLX's ops or mlxlis.runtime.fastmath's
-fused CPU kernels (chosen per call: fastmath.enabled() is probed once)."""
+"""Gated MLP activations act(gate) · up by config name: runtime/fused's CPU node where it applies,
+else mlxlis.runtime.fastmath's fused CPU kernels or MLX's ops (chosen per call)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from mlxlis.runtime import fastmath
+from mlxlis.runtime import fastmath, fused
 
 import mlx.core as mx
 import mlx.nn as nn
 
 Gated = Callable[[mx.array, mx.array], mx.array]
 
-# name -> (fastmath kernel or None, MLX ops)
-GATED: dict[str, tuple[Gated | None, Gated]] = {
-    "silu": (fastmath.swiglu, lambda g, u: nn.silu(g) * u),
+# name -> (runtime/fused's kernel name, fastmath kernel, MLX ops); None: MLX's only
+GATED: dict[str, tuple[str | None, Gated | None, Gated]] = {
+    "silu": ("silu", fastmath.swiglu, lambda g, u: nn.silu(g) * u),
     # 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
-    "gelu_pytorch_tanh": (fastmath.geglu_tanh, lambda g, u: nn.gelu_approx(g) * u),
-    "gelu_new": (fastmath.geglu_tanh, lambda g, u: nn.gelu_approx(g) * u),
-    "gelu": (None, lambda g, u: nn.gelu(g) * u),  # exact, erf-based
+    "gelu_pytorch_tanh": ("gelu_tanh", fastmath.geglu_tanh, lambda g, u: nn.gelu_approx(g) * u),
+    "gelu_new": ("gelu_tanh", fastmath.geglu_tanh, lambda g, u: nn.gelu_approx(g) * u),
+    "gelu": (None, None, lambda g, u: nn.gelu(g) * u),  # exact, erf-based
 }
 
 
 def gated(name: str) -> Gated:
-    fast, plain = GATED[name]
+    kernel, fast, plain = GATED[name]
     if fast is None:
         return plain
 
     def act(gate: mx.array, up: mx.array) -> mx.array:
+        if (out := fused.gated(kernel, gate, up)) is not None:
+            return out
         return fast(gate, up) if fastmath.enabled() else plain(gate, up)
 
     return act

@@ -2,7 +2,9 @@
 logit softcap (Gemma 2), optional per-head sinks (gpt-oss: a logit each head's softmax also
 normalises over, whose share of the probability goes to no value), the softmax in float32.
 
-Two ways, same mathematics:
+Three ways, same mathematics:
+  kernel   runtime/fused's one CPU node, for up to 16 float32 queries (a decode step, a
+           speculative verification) over dense keys, without cap or sinks.
   fused    mx.fast.scaled_dot_product_attention (no cap) — Metal and CUDA, or when
            mlxlis.runtime.fastmath is off.
   explicit scores = q·kᵀ, mask, softmax, ·v — on the CPU with mlxlis.runtime.fastmath on (MLX's CPU
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from mlxlis.cache import window_mask
 from mlxlis.cache.store import QArray, Stored, Tailed
-from mlxlis.runtime import fastmath
+from mlxlis.runtime import fastmath, fused
 from mlxlis.runtime.device import device_name
 
 import mlx.core as mx
@@ -53,6 +55,10 @@ def attend(
     Returns (B, n_heads, T, head_dim)."""
     fast = fastmath.enabled()
     packed = isinstance(k, (QArray, Tailed))
+    if cap is None and sinks is None and not packed:
+        out = fused.attend(q, k, v, scale, mask)  # one CPU node for a few queries
+        if out is not None:
+            return out
     if packed and q.shape[2] > 1 and device_name() == "cpu":
         k, v = k.dequantize(), v.dequantize()  # this layer's, for this chunk (see above)
         packed = False

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from mlxlis.cache import CacheBatch, RecurrentCache
 from mlxlis.models.config import ModelConfig
+from mlxlis.runtime import fused
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -94,7 +95,7 @@ class GatedRMSNorm(nn.Module):
         self._act = GATE_ACTS[act]
 
     def __call__(self, x: mx.array, z: mx.array) -> mx.array:
-        y = mx.fast.rms_norm(x.astype(mx.float32), self.weight.astype(mx.float32), self.eps)
+        y = fused.rms_norm(x.astype(mx.float32), self.weight.astype(mx.float32), self.eps)
         return (y * self._act(z.astype(mx.float32))).astype(x.dtype)
 
 

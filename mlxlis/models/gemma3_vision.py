@@ -39,6 +39,7 @@ from mlxlis.models.multimodal import (
     processor_settings,
 )
 from mlxlis.prompt.images import ImageProcessing
+from mlxlis.runtime import fused
 from mlxlis.tokenizer import Tokenizer
 
 import mlx.core as mx
@@ -235,7 +236,7 @@ class Projector(nn.Module):
         t = g // k
         pooled = h.reshape(b, t, k, t, k, d).mean(axis=(2, 4)).reshape(b, t * t, d)
         w = 1.0 + self.mm_soft_emb_norm.weight.astype(mx.float32)  # Gemma's x̂·(1 + w)
-        normed = mx.fast.rms_norm(pooled.astype(mx.float32), w, self.cfg.layer_norm_eps)
+        normed = fused.rms_norm(pooled.astype(mx.float32), w, self.cfg.layer_norm_eps)
         return (normed.astype(h.dtype) @ self.mm_input_projection_weight).astype(h.dtype)
 
 

@@ -25,6 +25,7 @@ from mlxlis.models.experts import SORT_FROM, ExpertSource, SwitchGLU, SwitchLine
 from mlxlis.models.layers import MLP, Mask
 from mlxlis.models.multimodal import Inserts, with_blocks
 from mlxlis.models.rope import Rope
+from mlxlis.runtime import fused
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -96,9 +97,9 @@ class RMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if "weight" not in self:
-            return mx.fast.rms_norm(x.astype(mx.float32), None, self.eps).astype(x.dtype)
+            return fused.rms_norm(x.astype(mx.float32), None, self.eps).astype(x.dtype)
         w = self.weight.astype(mx.float32)
-        return mx.fast.rms_norm(x.astype(mx.float32), w, self.eps).astype(self.weight.dtype)
+        return fused.rms_norm(x.astype(mx.float32), w, self.eps).astype(self.weight.dtype)
 
 
 def _rope(
@@ -181,7 +182,7 @@ class Router(nn.Module):
         self.per_expert_scale = mx.ones((cfg.num_experts,))
 
     def __call__(self, h: mx.array) -> tuple[mx.array, mx.array]:
-        x = mx.fast.rms_norm(h.astype(mx.float32), None, self.eps) * self.scale * self.root
+        x = fused.rms_norm(h.astype(mx.float32), None, self.eps) * self.scale * self.root
         probs = mx.softmax(
             self.proj(x.astype(self.scale.dtype)).astype(mx.float32), axis=-1, precise=True
         )  # (B, T, E)
@@ -360,9 +361,9 @@ class Gemma4(nn.Module):
             if "experts" not in layer or "gate_proj" not in layer.experts.switch_glu:
                 continue
             p, n = f"model.layers.{i}.experts", self.config.num_experts
-            for proj, (fused, half) in halves.items():
+            for proj, (joined, half) in halves.items():
                 parts = tuple(f"{p}.{e}.{proj}.weight" for e in range(n))
-                stacks[f"{p}.switch_glu.{proj}.weight"] = ExpertSource(parts, f"{p}.{fused}", half)
+                stacks[f"{p}.switch_glu.{proj}.weight"] = ExpertSource(parts, f"{p}.{joined}", half)
         return stacks
 
     heads = True  # the whole network, always (Gemma 4 does not run pipelined)

@@ -11,12 +11,25 @@ from mlxlis.models.activations import gated
 from mlxlis.models.attention import attend
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.rope import Rope
+from mlxlis.runtime import fused
 
 import mlx.core as mx
 import mlx.nn as nn
 
 Cache = KVCache | RotatingKVCache | RecurrentCache | CacheBatch
 Mask = str | mx.array | None
+
+
+class RMSNorm(nn.Module):
+    """x̂·w, as MLX's nn.RMSNorm (same parameter), through runtime/fused on the CPU."""
+
+    def __init__(self, dims: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = mx.ones((dims,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -31,14 +44,14 @@ class GemmaRMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         w = 1.0 + self.weight.astype(mx.float32)
-        return mx.fast.rms_norm(x.astype(mx.float32), w, self.eps).astype(self.weight.dtype)
+        return fused.rms_norm(x.astype(mx.float32), w, self.eps).astype(self.weight.dtype)
 
 
 def norm(cfg: ModelConfig, dims: int) -> nn.Module:
     """The family's RMSNorm over `dims` (cfg.norm: "rms" x̂·w, "rms_plus_one" x̂·(1 + w))."""
     if cfg.norm == "rms_plus_one":
         return GemmaRMSNorm(dims, cfg.rms_norm_eps)
-    return nn.RMSNorm(dims, eps=cfg.rms_norm_eps)
+    return RMSNorm(dims, eps=cfg.rms_norm_eps)
 
 
 class Attention(nn.Module):
@@ -146,8 +159,8 @@ class Attention(nn.Module):
         at each position p (`positions` broadcasting over (B, heads, T), as T positions or
         one per sequence)."""
         if self._l2_eps is not None:
-            q = mx.fast.rms_norm(q, None, self._l2_eps)
-            k = mx.fast.rms_norm(k, None, self._l2_eps)
+            q = fused.rms_norm(q, None, self._l2_eps)
+            k = fused.rms_norm(k, None, self._l2_eps)
         if self._temperature is not None:
             floor, scale = self._temperature
             p = positions.astype(mx.float32)

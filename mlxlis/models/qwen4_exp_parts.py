@@ -10,6 +10,7 @@ from functools import lru_cache
 
 from mlxlis.cache import RecurrentCache
 from mlxlis.models.config import FamilyConfig, ModelConfig
+from mlxlis.runtime import fused
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -99,7 +100,7 @@ class StreamNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         y = x.astype(F32).reshape(*x.shape[:-1], -1, self.group)  # (…, streams, group)
-        y = mx.fast.rms_norm(y, None, self.eps).reshape(x.shape)
+        y = fused.rms_norm(y, None, self.eps).reshape(x.shape)
         return (y * (1.0 + self.weight.astype(F32))).astype(x.dtype)
 
 

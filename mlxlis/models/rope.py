@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from mlxlis.models.config import RopeConfig
+from mlxlis.runtime import fused
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -139,7 +140,7 @@ class Rope(nn.Module):
         )
 
     def _rope(self, x: mx.array, offset: int | mx.array, periods: mx.array | None) -> mx.array:
-        return mx.fast.rope(
+        return fused.rope(
             self._scaled(x),
             self.dims,
             traditional=self.interleaved,

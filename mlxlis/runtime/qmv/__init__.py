@@ -24,6 +24,7 @@ GROUPS = (32, 64, 128)
 _module: ModuleType | None = None
 _why = "not loaded yet"
 _failed = False  # a build failed in this process
+_probed = False  # available() looked for a build once
 
 
 def load(build: bool = True, retry: bool = False) -> ModuleType | None:
@@ -55,6 +56,16 @@ def load(build: bool = True, retry: bool = False) -> ModuleType | None:
         _why = f"the {mod.isa()} kernels disagreed with the scalar ones here"
     _module = mod
     return mod
+
+
+def available() -> ModuleType | None:
+    """The extension when it is built (loaded at the first call; never builds: the fused
+    operations of runtime/fused.py use it only where a build exists)."""
+    global _probed
+    if _module is None and not _probed:
+        _probed = True
+        load(build=False)
+    return _module
 
 
 def _agrees_with_scalar(mod: ModuleType) -> bool:

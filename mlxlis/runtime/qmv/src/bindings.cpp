@@ -4,12 +4,14 @@
 // mlx.core must be imported before this module is used.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include <cstdint>
 #include <stdexcept>
 
 #include "compute.h"
+#include "fused.h"
 #include "pool.h"
 #include "qmv.h"
 
@@ -22,6 +24,17 @@ NB_MODULE(_qmv, m) {
   m.def("qmv", &qmv::quantized_matvec, "x"_a, "wq"_a, "scales"_a, "biases"_a,
         "group_size"_a = 64, "bits"_a = 4,
         "x @ w.T for w given as mx.quantize's (wq, scales, biases); float32 result, CPU.");
+
+  m.def("rms_norm", &qmv::fused_rms_norm, "x"_a, "w"_a.none(), "eps"_a,
+        "x / sqrt(mean(x^2, -1) + eps) * w, float32, one CPU node.");
+  m.def("rope", &qmv::fused_rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a,
+        "offset"_a, "offsets"_a.none(), "periods"_a.none(),
+        "RoPE of x (B, H, T, D) from `offset` (or per-row `offsets`), float32, one CPU node.");
+  m.def("attend", &qmv::fused_attend, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a,
+        "mask"_a.none(),
+        "softmax((q * scale) k^T [masked]) v for GQA heads, float32, one CPU node.");
+  m.def("gated", &qmv::fused_gated, "gate"_a, "up"_a, "act"_a,
+        "act(gate) * up (act 0 silu, 1 gelu_tanh), float32, one CPU node.");
 
   // The same kernels on numpy arrays, without MLX (no graph, no stream thread): for
   // callers outside MLX and for testing the pool in a fork()ed child, where MLX itself

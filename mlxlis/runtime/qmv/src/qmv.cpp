@@ -30,6 +30,8 @@ int sb_type_of(mx::Dtype d) {
   return -1;
 }
 
+}  // namespace
+
 // A pointer to a's elements in dense row-major order: a's own data when it is
 // row-contiguous, else a gathered copy in `keep` (rare: a transposed or sliced
 // input that MLX did not copy).
@@ -52,7 +54,6 @@ const void* dense_data(const mx::array& a, std::vector<char>& keep) {
   return keep.data();
 }
 
-}  // namespace
 
 mx::array quantized_matvec(const mx::array& x_in, const mx::array& wq, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits) {

@@ -16,6 +16,10 @@ namespace mx = mlx::core;
 mx::array quantized_matvec(const mx::array& x, const mx::array& wq, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits);
 
+// A pointer to a's elements in dense row-major order: a's own data when it is
+// row-contiguous, else a gathered copy kept in `keep`.
+const void* dense_data(const mx::array& a, std::vector<char>& keep);
+
 class QuantizedMatVec : public mx::UnaryPrimitive {
  public:
   QuantizedMatVec(mx::Stream stream, int group_size, int bits)

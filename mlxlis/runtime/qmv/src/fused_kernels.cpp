@@ -1,0 +1,196 @@
+#include "fused_kernels.h"
+
+#include <math.h>
+#include <string.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "pool.h"
+
+namespace qmv {
+
+namespace {
+
+// a . b over n floats, 8 partial sums (so the compiler vectorises it without -ffast-math)
+inline float dot(const float* a, const float* b, int n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int u = 0; u < 8; ++u) acc[u] += a[i + u] * b[i + u];
+  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// work past which a call is split across the pool (below: waking workers costs more)
+constexpr int64_t kParallelWork = 1 << 16;
+
+}  // namespace
+
+float exp_f32(float x) {
+  // branch-free like fastmath._exp_parts: clip, n = round(x log2 e), r = x - n ln2 (two
+  // parts), e^r by the polynomial, times 2^(n-1) * 2 assembled in the exponent bits
+  const float xc = std::min(std::max(x, -86.0f), 88.72284f);
+  const float n = (xc * 1.4426950408889634f + 12582912.0f) - 12582912.0f;
+  const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float m = (p * r * r + r + 1.0f) * 2.0f;
+  const uint32_t bits = uint32_t(int32_t(n) + 126) << 23;
+  float two;
+  memcpy(&two, &bits, 4);
+  const float y = m * two;
+  return x < -86.0f ? 0.0f : (x > 88.72284f ? INFINITY : (x != x ? x : y));
+}
+
+void rms_norm_rows(const float* x, const float* w, float eps, int64_t rows, int D, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * D;
+    float* o = out + r * D;
+    const float inv = 1.0f / sqrtf(dot(xr, xr, D) / float(D) + eps);
+    if (w) {
+      for (int d = 0; d < D; ++d) o[d] = (xr[d] * inv) * w[d];
+    } else {
+      for (int d = 0; d < D; ++d) o[d] = xr[d] * inv;
+    }
+  }
+}
+
+void rope(const RopeArgs& a) {
+  const View4& x = a.x;
+  const int B = x.n[0], H = x.n[1], T = x.n[2], D = x.n[3], half = a.dims / 2;
+  std::vector<float> inv(half), cs(size_t(T) * half * 2);
+  for (int i = 0; i < half; ++i)
+    inv[i] = a.periods ? 1.0f / a.periods[i] : 1.0f / powf(a.base, float(2 * i) / float(a.dims));
+  for (int b = 0; b < B; ++b) {
+    // cos and sin of this row's positions, shared by its heads
+    if (b == 0 || a.offset_count > 1) {
+      const int32_t off = a.offsets[a.offset_count > 1 ? b : 0];
+      for (int t = 0; t < T; ++t) {
+        const float pos = float(off + t) * a.scale;
+        for (int i = 0; i < half; ++i) {
+          const float th = pos * inv[i];
+          cs[(size_t(t) * half + i) * 2] = cosf(th);
+          cs[(size_t(t) * half + i) * 2 + 1] = sinf(th);
+        }
+      }
+    }
+    for (int h = 0; h < H; ++h)
+      for (int t = 0; t < T; ++t) {
+        const float* xr = x.row(b, h, t);
+        float* o = a.out + ((int64_t(b) * H + h) * T + t) * D;
+        const float* c = &cs[size_t(t) * half * 2];
+        if (a.traditional) {
+          for (int i = 0; i < half; ++i) {
+            const float x1 = xr[2 * i], x2 = xr[2 * i + 1], co = c[2 * i], si = c[2 * i + 1];
+            o[2 * i] = x1 * co - x2 * si;
+            o[2 * i + 1] = x1 * si + x2 * co;
+          }
+        } else {
+          for (int i = 0; i < half; ++i) {
+            const float x1 = xr[i], x2 = xr[i + half], co = c[2 * i], si = c[2 * i + 1];
+            o[i] = x1 * co - x2 * si;
+            o[i + half] = x2 * co + x1 * si;
+          }
+        }
+        for (int d = a.dims; d < D; ++d) o[d] = xr[d];
+      }
+  }
+}
+
+namespace {
+
+void attend_one(const AttendArgs& a, int item, std::vector<float>& qs, std::vector<float>& p) {
+  const int H = a.q.n[1], T = a.q.n[2], D = a.q.n[3], Hkv = a.k.n[1], S = a.k.n[2];
+  const int Dv = a.v.n[3];
+  const int b = item / (H * T), h = (item / T) % H, t = item % T, g = h / (H / Hkv);
+  const float* q = a.q.row(b, h, t);
+  for (int d = 0; d < D; ++d) qs[d] = q[d] * a.scale;  // the query scaled first, as MLX's
+  const int L = a.causal ? std::min(S, S - T + t + 1) : S;
+  const uint8_t* m = a.mask ? a.mask + b * a.mask_s[0] + t * a.mask_s[1] : nullptr;
+  float mx = -INFINITY;
+  for (int j = 0; j < L; ++j) {
+    float s = (m && !m[j * a.mask_s[2]]) ? -INFINITY : dot(qs.data(), a.k.row(b, g, j), D);
+    p[j] = s;
+    mx = std::max(mx, s);
+  }
+  float sum = 0.0f;
+  for (int j = 0; j < L; ++j) {
+    p[j] = exp_f32(p[j] - mx);
+    sum += p[j];
+  }
+  float* o = a.out + ((int64_t(b) * H + h) * T + t) * Dv;
+  std::fill(o, o + Dv, 0.0f);
+  for (int j = 0; j < L; ++j) {
+    const float pj = p[j] / sum;
+    const float* vr = a.v.row(b, g, j);
+    for (int d = 0; d < Dv; ++d) o[d] += pj * vr[d];
+  }
+}
+
+struct AttendCtx {
+  const AttendArgs* a;
+  int per_task, items;
+};
+
+void attend_task(void* vctx, int task) {
+  auto* c = static_cast<AttendCtx*>(vctx);
+  std::vector<float> qs(c->a->q.n[3]), p(c->a->k.n[2]);
+  const int i0 = task * c->per_task, i1 = std::min(c->items, i0 + c->per_task);
+  for (int i = i0; i < i1; ++i) attend_one(*c->a, i, qs, p);
+}
+
+struct GatedCtx {
+  const float *g, *u;
+  float* out;
+  int64_t n, per_task;
+  int act;
+};
+
+void gated_span(const float* g, const float* u, int64_t n, int act, float* out) {
+  if (act == 0) {
+    for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+  } else {
+    constexpr float c = -2.0f * 0.7978845608028654f;  // -2 sqrt(2/pi)
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = g[i];
+      out[i] = x / (1.0f + exp_f32(c * (x + 0.044715f * x * x * x))) * u[i];
+    }
+  }
+}
+
+void gated_task(void* vctx, int task) {
+  auto* c = static_cast<GatedCtx*>(vctx);
+  const int64_t i0 = task * c->per_task, n = std::min(c->n - i0, c->per_task);
+  gated_span(c->g + i0, c->u + i0, n, c->act, c->out + i0);
+}
+
+}  // namespace
+
+void attend(const AttendArgs& a) {
+  const int items = a.q.n[0] * a.q.n[1] * a.q.n[2];
+  const int64_t work = int64_t(items) * a.k.n[2] * (a.q.n[3] + a.v.n[3]);
+  AttendCtx ctx{&a, 1, items};
+  if (work < kParallelWork) {
+    ctx.per_task = items;
+    attend_task(&ctx, 0);
+    return;
+  }
+  const int tasks = std::min(items, 4 * num_threads());
+  ctx.per_task = (items + tasks - 1) / tasks;
+  parallel_for((items + ctx.per_task - 1) / ctx.per_task, attend_task, &ctx);
+}
+
+void gated(const float* g, const float* u, int64_t n, int act, float* out) {
+  if (n < kParallelWork) return gated_span(g, u, n, act, out);
+  GatedCtx ctx{g, u, out, n, 1 << 14, act};
+  parallel_for(int((n + ctx.per_task - 1) / ctx.per_task), gated_task, &ctx);
+}
+
+}  // namespace qmv
