@@ -1310,6 +1310,22 @@ MUTANTS = (
         "CPU kernels: a prompt's last, partial tile of weight rows skipped",
     ),
     Mutant(
+        "qmv-g16-second-group-scale",
+        "mlxlis/runtime/qmv/src/kernels_avx2.cpp",
+        "        acc[m] = _mm256_fmadd_ps(t1, s1, _mm256_fmadd_ps(t0, s0, acc[m]));",
+        "        acc[m] = _mm256_fmadd_ps(t1, s0, _mm256_fmadd_ps(t0, s0, acc[m]));",
+        (QMV_GRID,),
+        "CPU kernels, groups of 16 (Q6_K): a chunk's second group scaled as its first",
+    ),
+    Mutant(
+        "q6k-sub-block-bias",
+        "mlxlis/loading/quant_blocks.py",
+        "    np.multiply(s, -32, out=m)",
+        "    np.multiply(s, -31, out=m)",
+        ("tests/test_quants.py",),
+        "Q6_K held as groups of 16: the bias −31·d·sc instead of −32·d·sc",
+    ),
+    Mutant(
         "fused-rope-turned-backwards",
         "mlxlis/runtime/qmv/src/fused_kernels.cpp",
         "            o[i + half] = x2 * co + x1 * si;",

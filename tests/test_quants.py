@@ -72,6 +72,12 @@ def unpacked(c: quants.Converted) -> np.ndarray:
     scales and biases widened to float32 as the products read them."""
     if c.scales is None:
         return np.array(c.weight.astype(mx.float32))
+    if c.group_size == 16:  # Q6_K as the CPU kernels hold it: MLX has no group of 16
+        rows, k = c.weight.shape[0], c.weight.shape[1] * 32 // c.bits
+        as_bits = np.unpackbits(np.array(c.weight).view(np.uint8), axis=1, bitorder="little")
+        q = (as_bits.reshape(rows, k, c.bits) << np.arange(c.bits, dtype=np.uint8)).sum(2)
+        s, b = (np.repeat(np.array(a), 16, axis=1) for a in (c.scales, c.biases))
+        return q.astype(np.float32) * s + b  # float32, as the kernels' dequantized tiles
     wide = [
         a.astype(mx.float32) if a is not None and a.dtype == mx.float16 else a
         for a in (c.scales, c.biases)
@@ -145,6 +151,21 @@ def test_packing_matches_mx_quantize(bits: int):
     codes = np.rint((w - np.repeat(np.array(biases), 32, axis=1)) / s).astype(np.uint8)
     assert np.array_equal(codes * s + np.repeat(np.array(biases), 32, axis=1), w)
     assert np.array_equal(np.array(wq), pack_codes(codes, bits))
+
+
+def test_q6_k_as_groups_of_16_bit_exact(small_chunks):
+    """Reference parity: Q6_K held as groups of 16 (the CPU kernels' layout: 6-bit codes,
+    scale d·sc, bias −32·d·sc, both float32), unpacked by numpy, equals gguf-py bit for bit;
+    only when asked and not dense. The kernels' products on this layout: test_qmv."""
+    t = tensor("Q6_K", (8, 512))
+    raw = random_raw(t)
+    c = convert_tensor(t, raw, mx.float32, sub_blocks=True)
+    assert (c.bits, c.group_size) == (6, 16)
+    assert c.weight.shape == (8, 512 * 6 // 32) and c.scales.shape == c.biases.shape == (8, 32)
+    assert c.scales.dtype == c.biases.dtype == mx.float32
+    assert np.array_equal(unpacked(c), reference(t, raw))
+    assert convert_tensor(t, raw, mx.float32).scales is None
+    assert convert_tensor(t, raw, mx.float32, dequantize=True, sub_blocks=True).scales is None
 
 
 @pytest.mark.parametrize("name", ["Q6_K", "Q2_K", "Q3_K", "IQ4_NL"])
@@ -238,6 +259,9 @@ def test_real_tensors_bit_exact(name: str):
             quantized = t.type_name in QUANTIZABLE and len(t.shape) > 1
             assert (c.scales is not None) == quantized, t.name
             assert np.array_equal(unpacked(c), reference(t, raw)), (t.name, t.type_name)
+            if t.type_name in quants.SUB_BLOCKS:
+                c = convert_tensor(t, raw, mx.float32, path=str(f.path), sub_blocks=True)
+                assert c.group_size == 16 and np.array_equal(unpacked(c), reference(t, raw))
 
 
 @pytest.mark.parametrize(

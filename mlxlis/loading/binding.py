@@ -58,7 +58,42 @@ def quantize_like(
             return {**default, **override}
         return default or True
 
+    _sub_block_layers(model, weights, quant, path)
     nn.quantize(model, class_predicate=predicate)
+
+
+def _sub_block_layers(
+    model: nn.Module, weights: dict[str, mx.array], quant: dict, path: Path | str
+) -> None:
+    """The linear layers quantized in groups of 16 (Q6_K's sub-blocks, for mlxlis's CPU
+    kernels): made here, since MLX's `to_quantized` refuses that group size; their arrays are
+    placeholders of the right shapes until `bind`."""
+    for name, module in list(model.named_modules()):
+        q = quant.get(name)
+        sixteen = isinstance(q, dict) and q.get("group_size") == 16
+        if not sixteen or f"{name}.scales" not in weights:
+            continue
+        if type(module) is not nn.Linear:
+            raise ConfigError(
+                f"groups of 16 are only held for linear layers, not {type(module).__name__}",
+                path=path,
+                field=f"quantization.{name}",
+            )
+        out_dims, in_dims = module.weight.shape
+        layer = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
+        nn.Module.__init__(layer)
+        layer.group_size, layer.bits, layer.mode = 16, q["bits"], "affine"
+        layer.weight = mx.zeros((out_dims, in_dims * q["bits"] // 32), mx.uint32)
+        layer.scales = mx.zeros((out_dims, in_dims // 16))
+        layer.biases = mx.zeros((out_dims, in_dims // 16))
+        if "bias" in module:
+            layer.bias = module.bias
+        layer.freeze()
+        *parents, last = name.split(".")
+        owner = model
+        for part in parents:
+            owner = owner[int(part)] if isinstance(owner, list) else owner[part]
+        owner[last] = layer
 
 
 def _check_quant(quant: dict, path: Path | str) -> None:

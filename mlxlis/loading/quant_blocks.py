@@ -187,13 +187,15 @@ def _scale_k(b: np.ndarray, s: np.ndarray, m: np.ndarray) -> None:
 
 @dataclass(frozen=True)
 class Affine:
-    """A GGUF type that MLX's affine quantization (group 32) holds exactly."""
+    """A GGUF type that MLX's affine layout holds exactly (groups of 32; of 16 for the types
+    only mlxlis's CPU kernels take, runtime/qmv)."""
 
     bits: int
     pack: Callable[[np.ndarray, np.ndarray], None]  # blocks, w32 (n, words per block)
     codes: Callable[[np.ndarray], np.ndarray]  # blocks -> (n, block) uint8 codes
     scales: Callable[[np.ndarray, np.ndarray, np.ndarray], None]  # blocks, s, m (n, groups)
     offset: int | None = None  # k when the value is d·(q − k): scale d, bias −k·d
+    group: int = 32
 
 
 def _q8_0_pack(b: np.ndarray, w32: np.ndarray) -> None:
@@ -280,6 +282,17 @@ def _q6_k(b: np.ndarray, out: np.ndarray) -> None:
     qh[32h + l] as bits 4-5; minus 32.
     """
     n = b.shape[0]
+    q = _q6_k_codes(b)
+    q -= np.uint8(32)  # wraps: as int8 this is code − 32
+    sc = f16(b, 208).astype(np.float32)[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)
+    o = out.reshape(n, 16, 16)
+    o[...] = q.view(np.int8).reshape(n, 16, 16)
+    o *= sc[:, :, None]
+
+
+def _q6_k_codes(b: np.ndarray) -> np.ndarray:
+    """Q6_K -> (n, 256) uint8 codes 0..63 in element order (as _q6_k reads them)."""
+    n = b.shape[0]
     q = np.empty((n, 2, 4, 32), np.uint8)  # (n, h, k, l)
     ql, qv = b[:, 0:128].reshape(n, 2, 64), q.reshape(n, 2, 128)
     np.bitwise_and(ql, np.uint8(0x0F), out=qv[:, :, :64])
@@ -290,11 +303,36 @@ def _q6_k(b: np.ndarray, out: np.ndarray) -> None:
         t &= np.uint8(3)
         t <<= np.uint8(4)
         q[:, :, k] |= t
-    q -= np.uint8(32)  # wraps: as int8 this is code − 32
-    sc = f16(b, 208).astype(np.float32)[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)
-    o = out.reshape(n, 16, 16)
-    o[...] = q.view(np.int8).reshape(n, 16, 16)
-    o *= sc[:, :, None]
+    return q.reshape(n, 256)
+
+
+def _pack6(codes: np.ndarray, out32: np.ndarray) -> None:
+    """(n, 4m) 6-bit codes -> out32: the stream, 4 codes in 3 bytes (code j at bit 6j)."""
+    c = codes.reshape(-1, 4)
+    o = out32.view(np.uint8).reshape(-1, 3)
+    np.bitwise_or(c[:, 0], c[:, 1] << np.uint8(6), out=o[:, 0])
+    np.bitwise_or(c[:, 1] >> np.uint8(2), c[:, 2] << np.uint8(4), out=o[:, 1])
+    np.bitwise_or(c[:, 2] >> np.uint8(4), c[:, 3] << np.uint8(2), out=o[:, 2])
+
+
+def _q6_k_scales(b: np.ndarray, s: np.ndarray, m: np.ndarray) -> None:
+    """Q6_K's d·sc (fp16 × int8: ≤ 19 significant bits, exact in float32) and −32·d·sc, per
+    16 elements: (n, 16) each."""
+    np.multiply(f16(b, 208).astype(np.float32)[:, None], b[:, 192:208].view(np.int8), out=s)
+    np.multiply(s, -32, out=m)
+
+
+# Types of 16-element sub-blocks held as groups of 16 (only the CPU kernels take them)
+AFFINE16: dict[str, Affine] = {
+    "Q6_K": Affine(
+        6,
+        lambda b, w: _pack6(_q6_k_codes(b), w),
+        _q6_k_codes,
+        _q6_k_scales,
+        offset=32,
+        group=16,
+    ),
+}
 
 
 def _two_bit_codes(qs: np.ndarray) -> np.ndarray:

@@ -35,7 +35,7 @@ from typing import Any
 
 from mlxlis.errors import FileFormatError, UnsupportedQuantError
 from mlxlis.loading.gguf import GGML_TYPES, GGUFTensor
-from mlxlis.loading.quant_blocks import AFFINE, DENSE, Affine, affine_dense
+from mlxlis.loading.quant_blocks import AFFINE, AFFINE16, DENSE, Affine, affine_dense
 
 import mlx.core as mx
 import numpy as np
@@ -44,6 +44,7 @@ GROUP = 32
 CHUNK_ELEMENTS = 1 << 17  # weights per conversion chunk: keeps the temporaries in cache
 AFFINE_HELD: frozenset[str] = frozenset(AFFINE)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K
 QUANTIZABLE: frozenset[str] = AFFINE_HELD | {"MXFP4"}  # types MLX holds quantized
+SUB_BLOCKS: frozenset[str] = frozenset(AFFINE16)  # Q6_K: groups of 16, for the CPU kernels
 
 
 @dataclass
@@ -83,10 +84,14 @@ def convert_tensor(
     path: str = "",
     out: tuple[mx.array, ...] = (),
     done: Callable[[int, int], None] | None = None,
+    sub_blocks: bool = False,
 ) -> Converted:
     """Convert one GGUF tensor (its raw bytes) to MLX: quantized (see module doc) or dense.
 
-    `out`: the buffers from `allocate(t, dequantize=...)`, when the caller made them early.
+    `sub_blocks`: a SUB_BLOCKS type (Q6_K) held as groups of 16, a layout only mlxlis's CPU
+    kernels multiply (runtime/qmv; MLX's own products take groups of 32 and more).
+    `out`: the buffers from `allocate(t, dequantize=..., sub_blocks=...)`, when the caller made
+    them early.
     `done(start, stop)`: told, from any thread, when raw[start:stop] has been converted.
     """
     if t.ggml_type not in GGML_TYPES:
@@ -104,10 +109,18 @@ def convert_tensor(
                 _dense_blocks(t, raw, dtype, lambda b, o: affine_dense(kind, b, o), out, done)
             )
         return _quantized(t, raw, dtype, out, done)
+    if _as_sub_blocks(t, dequantize, sub_blocks):
+        return _quantized(t, raw, dtype, out, done, AFFINE16[t.type_name])
     return Converted(_dense(t, raw, dtype, path, out, done))
 
 
-def allocate(t: GGUFTensor, *, dequantize: bool = False) -> tuple[mx.array, ...]:
+def _as_sub_blocks(t: GGUFTensor, dequantize: bool, sub_blocks: bool) -> bool:
+    return sub_blocks and not dequantize and t.type_name in SUB_BLOCKS and len(t.shape) > 1
+
+
+def allocate(
+    t: GGUFTensor, *, dequantize: bool = False, sub_blocks: bool = False
+) -> tuple[mx.array, ...]:
     """The output buffers `convert_tensor` will fill for `t`, not yet evaluated.
 
     A loader can create them ahead and `mx.async_eval` them, so that MLX allocates and
@@ -118,6 +131,8 @@ def allocate(t: GGUFTensor, *, dequantize: bool = False) -> tuple[mx.array, ...]
         return ()  # repacked from the file's bytes
     if name in AFFINE_HELD and not dequantize and len(t.shape) > 1:
         return _quantized_buffers(t)
+    if _as_sub_blocks(t, dequantize, sub_blocks):
+        return _quantized_buffers(t, AFFINE16[name])
     if name in ("F32", "F16", "BF16") or t.ggml_type not in GGML_TYPES:
         return ()  # copied from the file as they are
     return (_zeros(t.shape, mx.float32),)
@@ -234,12 +249,13 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(packed).reshape(rows, -1).view("<u4")
 
 
-def _quantized_buffers(t: GGUFTensor) -> tuple[mx.array, mx.array, mx.array]:
+def _quantized_buffers(t: GGUFTensor, kind: Affine | None = None) -> tuple[mx.array, ...]:
+    kind = kind or AFFINE[t.type_name]
     rows, cols = math.prod(t.shape[:-1]), t.shape[-1]  # 1-D: one row
     return (
-        _zeros((rows, cols * AFFINE[t.type_name].bits // 32), mx.uint32),
-        _zeros((rows, cols // GROUP), mx.float32),
-        _zeros((rows, cols // GROUP), mx.float32),
+        _zeros((rows, cols * kind.bits // 32), mx.uint32),
+        _zeros((rows, cols // kind.group), mx.float32),
+        _zeros((rows, cols // kind.group), mx.float32),
     )
 
 
@@ -249,13 +265,14 @@ def _quantized(
     dtype: mx.Dtype,
     out: tuple[mx.array, ...],
     done: Callable[[int, int], None] | None = None,
+    kind: Affine | None = None,
 ) -> Converted:
     _, block, type_size = GGML_TYPES[t.ggml_type]
-    kind: Affine = AFFINE[t.type_name]
-    bits = kind.bits
+    kind = kind or AFFINE[t.type_name]
+    bits, group = kind.bits, kind.group
     cols = t.shape[-1]
     n_blocks = t.nbytes // type_size
-    w, s, m = out or _quantized_buffers(t)
+    w, s, m = out or _quantized_buffers(t, kind)
     # every block fills its own slots of the outputs, so blocks convert independently
     blocks = raw.reshape(n_blocks, type_size)
     wv, sv, mv = (_writable(a).reshape(n_blocks, -1) for a in (w, s, m))
@@ -267,14 +284,14 @@ def _quantized(
     _for_chunks(n_blocks, max(1, CHUNK_ELEMENTS // block), chunk, done, type_size)
     lead = t.shape[:-1]
     w = w.reshape(*lead, cols * bits // 32)
-    s = s.reshape(*lead, cols // GROUP)
-    m = m.reshape(*lead, cols // GROUP)
+    s = s.reshape(*lead, cols // group)
+    m = m.reshape(*lead, cols // group)
     if dtype != mx.float32:
         s, m = s.astype(dtype), m.astype(dtype)
         mx.eval(s, m)
     elif t.type_name in HALF_EXACT:
         s, m = _halved(s, m)
-    return Converted(weight=w, scales=s, biases=m, bits=bits, group_size=GROUP)
+    return Converted(weight=w, scales=s, biases=m, bits=bits, group_size=group)
 
 
 # block types whose scales and biases float16 holds exactly: d and m are float16 in the file,

@@ -11,7 +11,9 @@ Which tensors stay quantized by default depends on the device: see `dense_by_def
 from __future__ import annotations
 
 import math
+import re
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -97,9 +99,9 @@ def load_gguf(
         if placement is not None:
             part = placement.place(cfg, module_sizes(gf, cfg), str(path))
         held = part.holds if part is not None else None
-        dense = _dense_policy(gf, cfg, dtype, dequantize, part)
+        dense, sub_blocks = _dense_policy(gf, cfg, dtype, dequantize, part)
         spec = family(cfg.family)
-        weights, quant, specials, ignored = _convert(gf, cfg, dtype, dense, clock, held)
+        weights, quant, specials, ignored = _convert(gf, cfg, dtype, dense, clock, held, sub_blocks)
         rope_freqs = specials.pop("rope_freqs.weight", None)
         if spec.gguf_tensor_config is not None:
             cfg = spec.gguf_tensor_config(cfg, specials)
@@ -159,13 +161,22 @@ def _quantizable(t) -> bool:
     return t.type_name in QUANTIZABLE and len(t.shape) > 1
 
 
+# the projections whose Q6_K blocks the CPU kernels take as groups of 16: linear layers only
+# (MLX's own ops, which an embedding lookup or the experts' gather_qmm use, take no group 16)
+SUB_BLOCK_TENSOR = re.compile(
+    r"^(?:blk\.\d+\.(?:attn_(?:q|k|v|qkv|output)|ffn_(?:gate|up|down)(?:_shexp)?)|output)\.weight$"
+)
+
+
 def _dense_policy(
     gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dequantize: bool | None, part=None
-):
-    """GGUF tensor name -> convert it dense? (only quantized-form tensors are affected).
-    `part`: a pipeline rank's share, whose tensors alone count."""
+) -> tuple[Callable[[str], bool], Callable[[str], bool]]:
+    """GGUF tensor name -> convert it dense? (only quantized-form tensors are affected), and
+    -> hold its 16-element sub-blocks (Q6_K) as groups of 16? (the CPU kernels' default, in
+    float32). `part`: a pipeline rank's share, whose tensors alone count."""
+    never = lambda name: False  # noqa: E731
     if dequantize is not None:
-        return lambda name: dequantize
+        return (lambda name: dequantize), never
     # a pipeline rank that embeds but does not head uses a tied embedding as a lookup only
     tied_head = cfg.tie_word_embeddings and (part is None or part.last)
     # row lookups, never matmuls: an untied embedding, Gemma 4's per-layer embedding table
@@ -182,11 +193,12 @@ def _dense_policy(
         if _quantizable(t) and n not in lookup and n in held
     )
     if not dense_by_default(dense_bytes):
-        return lambda name: False
+        return never, never
     if qmv.load() is not None:  # the CPU kernels read the blocks as stored; MoE experts
         # (gather_qmm, which the kernels do not cover) stay dense
-        return lambda name: "_exps." in name
-    return lambda name: name not in lookup
+        sub = (lambda n: SUB_BLOCK_TENSOR.match(n) is not None) if dtype == mx.float32 else never
+        return (lambda name: "_exps." in name), sub
+    return (lambda name: name not in lookup), never
 
 
 def module_sizes(gf: GGUFFile, cfg: ModelConfig) -> dict[str, int]:
@@ -202,11 +214,14 @@ def module_sizes(gf: GGUFFile, cfg: ModelConfig) -> dict[str, int]:
     return sizes
 
 
-def _convert(gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dense, clock: _Clock, held=None):
+def _convert(
+    gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dense, clock: _Clock, held=None, sub=None
+):
     """Every tensor under its module name, conventions undone: (weights, quant, the tensors
     that are config — rope_freqs, the family's gguf_config_tensors — by name, names of the
     tensors the family ignores).
     dense(name): convert that tensor dense (else quantized where MLX can hold it).
+    sub(name): hold a Q6_K tensor as groups of 16 (the CPU kernels' layout; None: never).
     held(module name): whether this pipeline rank reads it (None: every tensor); the others
     are never read."""
     weights: dict[str, mx.array] = {}
@@ -233,7 +248,7 @@ def _convert(gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dense, clock: _Clo
     # costs no extra memory.
     names = [n for n in gf.tensors if n in targets]
     buffers = {
-        name: allocate(t, dequantize=dense(name))
+        name: allocate(t, dequantize=dense(name), sub_blocks=bool(sub and sub(name)))
         for name, t in gf.tensors.items()
         if name not in special and name in targets
     }
@@ -264,6 +279,7 @@ def _convert(gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dense, clock: _Clo
             path=path,
             out=buffers.pop(name, ()),
             done=lambda i, j, name=name: gf.release(name, i, j),
+            sub_blocks=bool(sub and sub(name)),
         )
         gf.release(name)  # the file pages of this tensor are no longer needed
         module = target.rsplit(".", 1)[0]

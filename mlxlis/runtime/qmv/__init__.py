@@ -19,7 +19,7 @@ from mlxlis.runtime.device import device_name
 import mlx.core as mx
 
 BITS = (2, 3, 4, 5, 6, 8)
-GROUPS = (32, 64, 128)
+GROUPS = (16, 32, 64, 128)  # 16: Q6_K's sub-blocks (MLX's own products take 32+)
 
 _module: ModuleType | None = None
 _why = "not loaded yet"
@@ -75,13 +75,13 @@ def _agrees_with_scalar(mod: ModuleType) -> bool:
 
     rng = np.random.default_rng(0)
     isa = mod.isa()
-    for bits in BITS:
+    for bits, group in [(b, g) for b in BITS for g in (16, 32)]:
         x = rng.standard_normal((3, 128)).astype(np.float32)
         wq = rng.integers(0, 2**32, (37, 128 * bits // 32), dtype=np.uint32)
-        s, b = (rng.standard_normal((37, 4)).astype(np.float32) for _ in range(2))
-        fast = mod.qmv_numpy(x, wq, s, b, 32, bits)
+        s, b = (rng.standard_normal((37, 128 // group)).astype(np.float32) for _ in range(2))
+        fast = mod.qmv_numpy(x, wq, s, b, group, bits)
         mod.set_isa("scalar")
-        slow = mod.qmv_numpy(x, wq, s, b, 32, bits)
+        slow = mod.qmv_numpy(x, wq, s, b, group, bits)
         mod.set_isa(isa)
         scale = np.abs(x).sum(1, keepdims=True) * (2**bits) * 4  # Σ|w||x| bound, roughly
         if not (np.abs(fast - slow) <= 1e-5 * scale).all():

@@ -44,8 +44,8 @@ NB_MODULE(_qmv, m) {
   m.def("qmv_numpy", [](F2 x, U2 wq, F2 scales, F2 biases, int group_size, int bits) {
         const int M = int(x.shape(0)), K = int(x.shape(1)), N = int(wq.shape(0));
         // bits and group_size first: K % group_size must not divide by zero
-        if (bits < 2 || bits > 8 || bits == 7 || group_size <= 0 || group_size % 32 ||
-            size_t(K) * bits != wq.shape(1) * 32 || K % group_size ||
+        if (bits < 2 || bits > 8 || bits == 7 || group_size <= 0 || group_size % 16 ||
+            size_t(K) * bits != wq.shape(1) * 32 || K % group_size || K % 32 ||
             scales.shape(0) != size_t(N) || scales.shape(1) != size_t(K / group_size) ||
             biases.shape(0) != scales.shape(0) || biases.shape(1) != scales.shape(1))
           throw std::invalid_argument("[qmv] inconsistent shapes, bits or group_size");

@@ -198,7 +198,11 @@ void compute(const Problem& p_in) {
       xsum[size_t(m) * G + g] = s;
     }
   p.xsum = xsum.data();
-  const Isa& i = cur_isa();
+  const Isa* ip = &cur_isa();
+#if defined(__aarch64__)
+  if (p.group < 32) ip = &kScalar;  // the NEON kernels go a group of 32+ at a time
+#endif
+  const Isa& i = *ip;
   if (p.M >= g_settings.prefill_min_m) {
     if (SgemmFn f = get_sgemm()) {
       c_prefill.fetch_add(1, std::memory_order_relaxed);

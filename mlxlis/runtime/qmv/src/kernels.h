@@ -16,8 +16,10 @@ enum ScaleType : int { SB_F32 = 0, SB_F16 = 1, SB_BF16 = 2 };
 // One product out (M x N) = x (M x K) @ w.T, w (N x K) in MLX's affine layout:
 // row n of wq is the little-endian bit stream of its K codes (code k at bit
 // k * bits), w[n, k] = scales[n, k / group] * q[n, k] + biases[n, k / group].
-// All arrays are dense row-major. K % group == 0 and group % 32 == 0, so every
-// 32 codes occupy exactly `bits` whole uint32 words ("a chunk").
+// All arrays are dense row-major. K % group == 0 and K % 32 == 0, so every 32 codes
+// occupy exactly `bits` whole uint32 words ("a chunk"); group is 16 (two groups a
+// chunk: Q6_K's sub-blocks), 32, 64 or 128. The NEON kernels take group >= 32 only
+// (compute.cpp sends groups of 16 to the scalar ones there).
 struct Problem {
   const float* x;      // M x K
   const float* xsum;   // M x G, G = K / group: sums of x over each group

@@ -156,8 +156,55 @@ void rows(const Problem& p, int m0, int n0, int n1) {
   }
 }
 
+// Groups of 16 (Q6_K's sub-blocks): a chunk's sub-blocks 0-1 are group 2c, 2-3 group 2c + 1.
+template <int B, int MB>
+void rows16(const Problem& p, int m0, int n0, int n1) {
+  const int K = p.K, G = K / 16;
+  const size_t row_bytes = size_t(K) * B / 8;
+  const float* x0 = p.x + size_t(m0) * K;
+  const float* xs0 = p.xsum + size_t(m0) * G;
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wrow = reinterpret_cast<const uint8_t*>(p.wq) + size_t(n) * row_bytes;
+    __m256 acc[MB];
+    float bsum[MB];
+    for (int m = 0; m < MB; ++m) {
+      acc[m] = _mm256_setzero_ps();
+      bsum[m] = 0.0f;
+    }
+    if (n + 1 < n1) _mm_prefetch(reinterpret_cast<const char*>(wrow + row_bytes), _MM_HINT_T0);
+    for (int chunk = 0; chunk < K / 32; ++chunk) {
+      const uint8_t* cp = wrow + size_t(chunk) * 4 * B;
+      const float* xk = x0 + chunk * 32;
+      const __m256 q0 = codes<B, 0>(cp), q1 = codes<B, 1>(cp);
+      const __m256 q2 = codes<B, 2>(cp), q3 = codes<B, 3>(cp);
+      const size_t gi = size_t(n) * G + 2 * chunk;
+      const __m256 s0 = _mm256_set1_ps(sb_get(p.scales, p.sb_type, gi));
+      const __m256 s1 = _mm256_set1_ps(sb_get(p.scales, p.sb_type, gi + 1));
+      const float b0 = sb_get(p.biases, p.sb_type, gi), b1 = sb_get(p.biases, p.sb_type, gi + 1);
+      for (int m = 0; m < MB; ++m) {
+        const float* xm = xk + size_t(m) * K;
+        const __m256 t0 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xm + 8),
+                                          _mm256_mul_ps(q0, _mm256_loadu_ps(xm)));
+        const __m256 t1 = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xm + 24),
+                                          _mm256_mul_ps(q2, _mm256_loadu_ps(xm + 16)));
+        acc[m] = _mm256_fmadd_ps(t1, s1, _mm256_fmadd_ps(t0, s0, acc[m]));
+        bsum[m] += b0 * xs0[size_t(m) * G + 2 * chunk] + b1 * xs0[size_t(m) * G + 2 * chunk + 1];
+      }
+    }
+    for (int m = 0; m < MB; ++m) p.out[size_t(m0 + m) * p.N + n] = hsum(acc[m]) + bsum[m];
+  }
+}
+
 template <int B>
 void rows_b(const Problem& p, int m0, int mb, int n0, int n1) {
+  if (p.group == 16) {
+    switch (mb) {
+      case 1: return rows16<B, 1>(p, m0, n0, n1);
+      case 2: return rows16<B, 2>(p, m0, n0, n1);
+      case 3: return rows16<B, 3>(p, m0, n0, n1);
+      default: return rows16<B, 4>(p, m0, n0, n1);
+    }
+  }
   switch (mb) {
     case 1: return rows<B, 1>(p, m0, n0, n1);
     case 2: return rows<B, 2>(p, m0, n0, n1);
@@ -174,15 +221,18 @@ void dequant(const Problem& p, int n0, int n1, float* dst) {
     const uint8_t* wrow = reinterpret_cast<const uint8_t*>(p.wq) + size_t(n) * row_bytes;
     float* d = dst + size_t(n - n0) * K;
     for (int chunk = 0; chunk < K / 32; ++chunk) {
-      const size_t gi = size_t(n) * G + chunk / cpg;
-      const __m256 s = _mm256_set1_ps(sb_get(p.scales, p.sb_type, gi));
-      const __m256 b = _mm256_set1_ps(sb_get(p.biases, p.sb_type, gi));
+      // the group of sub-blocks 0-1 and of 2-3 (different ones for groups of 16)
+      const size_t g0 = size_t(n) * G + (cpg ? chunk / cpg : 2 * chunk), g1 = g0 + (cpg ? 0 : 1);
+      const __m256 s0 = _mm256_set1_ps(sb_get(p.scales, p.sb_type, g0));
+      const __m256 b0 = _mm256_set1_ps(sb_get(p.biases, p.sb_type, g0));
+      const __m256 s1 = _mm256_set1_ps(sb_get(p.scales, p.sb_type, g1));
+      const __m256 b1 = _mm256_set1_ps(sb_get(p.biases, p.sb_type, g1));
       const uint8_t* cp = wrow + size_t(chunk) * 4 * B;
       float* dk = d + chunk * 32;
-      _mm256_storeu_ps(dk + 0, _mm256_fmadd_ps(codes<B, 0>(cp), s, b));
-      _mm256_storeu_ps(dk + 8, _mm256_fmadd_ps(codes<B, 1>(cp), s, b));
-      _mm256_storeu_ps(dk + 16, _mm256_fmadd_ps(codes<B, 2>(cp), s, b));
-      _mm256_storeu_ps(dk + 24, _mm256_fmadd_ps(codes<B, 3>(cp), s, b));
+      _mm256_storeu_ps(dk + 0, _mm256_fmadd_ps(codes<B, 0>(cp), s0, b0));
+      _mm256_storeu_ps(dk + 8, _mm256_fmadd_ps(codes<B, 1>(cp), s0, b0));
+      _mm256_storeu_ps(dk + 16, _mm256_fmadd_ps(codes<B, 2>(cp), s1, b1));
+      _mm256_storeu_ps(dk + 24, _mm256_fmadd_ps(codes<B, 3>(cp), s1, b1));
     }
   }
 }

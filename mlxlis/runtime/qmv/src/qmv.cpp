@@ -59,15 +59,15 @@ mx::array quantized_matvec(const mx::array& x_in, const mx::array& wq, const mx:
                            const mx::array& biases, int group_size, int bits) {
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     fail("bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
-  if (group_size != 32 && group_size != 64 && group_size != 128)
-    fail("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  if (group_size != 16 && group_size != 32 && group_size != 64 && group_size != 128)
+    fail("group_size must be 16, 32, 64 or 128, got " + std::to_string(group_size));
   if (wq.dtype() != mx::uint32 || wq.ndim() != 2)
     fail("wq must be a 2-D uint32 array, got " + shape_str(wq));
   const int N = wq.shape(0);
   const int64_t kbits = int64_t(wq.shape(1)) * 32;
   if (kbits % bits) fail("wq's width is not a whole number of codes");
   const int K = int(kbits / bits);
-  if (K == 0 || K % group_size) fail("K must be a positive multiple of group_size");
+  if (K == 0 || K % group_size || K % 32) fail("K must be a positive multiple of group_size and 32");
   const int G = K / group_size;
   for (const mx::array* a : {&scales, &biases}) {
     if (a->ndim() != 2 || a->shape(0) != N || a->shape(1) != G)

@@ -12,7 +12,8 @@ namespace mx = mlx::core;
 // returns it): wq uint32 (N, K*bits/32), scales and biases (N, K/group_size) of
 // float32, float16 or bfloat16. x: (..., K), float32 (float16/bfloat16 are cast
 // to float32); result (..., N) float32. Always evaluated on the CPU.
-// bits in {2, 3, 4, 5, 6, 8}, group_size in {32, 64, 128}.
+// bits in {2, 3, 4, 5, 6, 8}, group_size in {16, 32, 64, 128} (16: K a multiple of 32;
+// MLX's own quantized ops do not take it).
 mx::array quantized_matvec(const mx::array& x, const mx::array& wq, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits);
 
