@@ -112,7 +112,7 @@ struct DequantCtx {
   float* dst;
 };
 
-[[maybe_unused]] void dequant_task(void* vctx, int t) {
+void dequant_task(void* vctx, int t) {
   auto* c = static_cast<DequantCtx*>(vctx);
   const int a = c->n0 + t * c->rows_per_task, b = std::min(c->n1, a + c->rows_per_task);
   c->dequant(*c->p, a, b, c->dst + size_t(a - c->n0) * c->p->K);
@@ -131,17 +131,22 @@ SgemmFn get_sgemm() {
 
 void run_prefill(const Problem& p, const Isa& isa, SgemmFn sgemm) {
   int tile = g_settings.tile_rows;
-  if (tile <= 0) tile = int(std::clamp<size_t>((1u << 20) / (size_t(p.K) * 4), 32, 512));
+  // ~8 MiB of floats a tile: each sgemm call has a fixed cost (OpenBLAS wakes its threads
+  // and packs), so 1 MiB tiles (~1400 calls for Qwen2.5-0.5B's layers) made a 63-token
+  // prefill 570 ms against 376 ms dense; 8 MiB: 420 ms (16 MiB and more: 405 ms)
+  if (tile <= 0) tile = int(std::clamp<size_t>((8u << 20) / (size_t(p.K) * 4), 32, 1 << 16));
   tile = std::min(tile, p.N);
   // scratch reused across calls on this thread (MLX's stream thread)
   thread_local std::vector<float> scratch;
   if (scratch.size() < size_t(tile) * p.K) scratch.resize(size_t(tile) * p.K);
   for (int n0 = 0; n0 < p.N; n0 += tile) {
     const int n1 = std::min(p.N, n0 + tile);
-    // Dequantize on this thread only: pool workers spinning between tiles would fight
-    // OpenBLAS' own (spinning) threads for the cores -- measured 20-60x slowdowns on the
-    // 2-vCPU VM. (dequant_task / DequantCtx kept for a future overlapped pipeline.)
-    isa.dequant(p, n0, n1, scratch.data());
+    // the tile dequantized on the pool's threads too: with OpenBLAS's threads sleeping
+    // soon after each product (runtime/blas.py sets OPENBLAS_THREAD_TIMEOUT), the two pools
+    // no longer fight for the cores between tiles, as they did spinning (20-60x slowdowns)
+    const int per = std::max(1, (n1 - n0 + 2 * num_threads() - 1) / (2 * num_threads()));
+    DequantCtx dc{&p, isa.dequant, n0, n1, per, scratch.data()};
+    parallel_for((n1 - n0 + per - 1) / per, dequant_task, &dc);
     // out[:, n0:n1] = x (M x K) @ tile.T  (row-major, ldc = N)
     sgemm(101, 111, 112, p.M, n1 - n0, p.K, 1.0f, p.x, p.K, scratch.data(), p.K, 0.0f,
           p.out + n0, p.N);
