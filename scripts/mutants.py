@@ -1326,6 +1326,14 @@ MUTANTS = (
         "Q6_K held as groups of 16: the bias −31·d·sc instead of −32·d·sc",
     ),
     Mutant(
+        "embedding-lookup-in-float16",
+        "mlxlis/models/quantized.py",
+        "        if s.dtype == mx.float16 and self.get_lookup_dtype() == mx.float32:",
+        "        if False:",
+        ("tests/test_qmv.py",),
+        "an embedding's float16 scales not widened for a float32 lookup",
+    ),
+    Mutant(
         "fused-rope-turned-backwards",
         "mlxlis/runtime/qmv/src/fused_kernels.cpp",
         "            o[i + half] = x2 * co + x1 * si;",

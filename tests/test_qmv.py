@@ -273,3 +273,24 @@ def test_a_failed_build_is_said_and_not_tried_again(tmp_path, monkeypatch):
             build.ensure(retry=retry)
     assert len(calls) == 2
     assert (build.so_path().parent / "failed.txt").read_text() == "no C++ compiler (test)"
+
+
+def test_an_embedding_with_float16_scales_looks_up_float32_rows():
+    """binding.kept_narrow keeps an embedding's float16 scales beside float32 compute (the
+    tied head's product reads them as float32): its lookup widens the rows' scales, so the
+    rows are exactly those of the same scales stored as float32, where MLX's dequantize with
+    float16 scales would compute, and round, in float16."""
+    table = nn.Embedding(64, 256)
+    table.weight = mx.random.normal((64, 256), key=mx.random.key(3))
+    narrow = table.to_quantized(group_size=32, bits=8)
+    narrow.scales, narrow.biases = (
+        narrow.scales.astype(mx.float16),
+        narrow.biases.astype(mx.float16),
+    )
+    wide = table.to_quantized(group_size=32, bits=8)
+    wide.scales, wide.biases = narrow.scales.astype(mx.float32), narrow.biases.astype(mx.float32)
+    use_kernels(narrow, mx.float32)
+    ids = mx.array([[0, 5, 63, 5]])
+    got = narrow(ids)
+    assert got.dtype == mx.float32 and mx.array_equal(got, wide(ids)).item()
+    assert not mx.array_equal(nn.QuantizedEmbedding.__call__(narrow, ids), got).item()

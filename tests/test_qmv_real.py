@@ -70,14 +70,14 @@ print(json.dumps({"peak": mx.get_peak_memory(), "weights": weight_bytes(model), 
 @pytest.mark.parametrize(
     "name,held,sixteen",
     [
-        # Q4_1 and a Q8_0 embedding: 4-bit codes with float16 scales and biases, the file's
-        # own 5 bits (measured 1.03×)
+        # Q4_1 and a Q8_0 embedding: codes with float16 scales and biases, the file's own
+        # bits (measured 1.00×)
         ("smollm2-135m", 1.1, 0),
         # Q5_0 / Q8_0 (float16 scales), Q4_K (float32: d·sc needs 17 bits) and 12 Q6_K
         # down projections as groups of 16 (float32 scales and biases: 10 bits a weight
-        # against the file's 6.56; measured 1.15×, 1.45× with them dense)
+        # against the file's 6.56; measured 1.12×, 1.45× with them dense)
         ("qwen2.5-coder-0.5b", 1.3, 12),
-        pytest.param("gemma3-270m", 1.3, 9, marks=pytest.mark.extended),  # measured 1.15×
+        pytest.param("gemma3-270m", 1.3, 9, marks=pytest.mark.extended),  # measured 1.07×
     ],
 )
 def test_loading_and_decoding_hold_no_dense_copy(name, held, sixteen):

@@ -135,6 +135,14 @@ def write_weights(
     source module's tensors written again under the copy's name; `layout(k, array)`: the
     array as written; `regroup(params)`: the tensors as the reader expects them grouped."""
     params = dict(tree_flatten(net.parameters()))
+    for mod, m in net.named_modules():  # an embedding's float16 scales held beside float32
+        # compute (binding.kept_narrow) are written wide: other readers' lookups dequantize in
+        # the scales' dtype
+        if isinstance(m, nn.QuantizedEmbedding) and getattr(m, "_lookup_dtype", None) is not None:
+            for part in ("scales", "biases"):
+                v = params.get(f"{mod}.{part}")
+                if v is not None and v.dtype == mx.float16:
+                    params[f"{mod}.{part}"] = v.astype(m._lookup_dtype)
     if layout is not None:
         params = {k: layout(k, v) for k, v in params.items()}
     if regroup is not None:

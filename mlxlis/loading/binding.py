@@ -22,13 +22,13 @@ def kept_narrow(name: str, stored: mx.Dtype, dtype: mx.Dtype) -> bool:
     """A matmul's quantization scales / biases (`name`: the parameter) stored in float16 stay
     so under float32 compute where mlxlis's CPU kernels run the product: widening would change
     no value (float16 ⊂ float32) and cost 1 more bit per weight; the kernels read them as
-    float32. Not an embedding's (its lookup dequantizes in their dtype), nor MoE experts' or a
-    prediction head's, whose products are MLX's own (which would widen them at every call)."""
+    float32, and an embedding's lookup widens the rows it reads (models/quantized.py). Not MoE
+    experts' or a prediction head's, whose products are MLX's own (which would widen them at
+    every call)."""
     module, _, part = name.rpartition(".")
     if part not in ("scales", "biases") or stored != mx.float16 or dtype != mx.float32:
         return False
-    own = module.rpartition(".")[2]
-    if "embed" in own or any(k in module for k in ("switch_mlp", "experts", "mtp")):
+    if any(k in module for k in ("switch_mlp", "experts", "mtp")):
         return False
     return qmv.load() is not None
 

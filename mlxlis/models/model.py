@@ -57,7 +57,7 @@ class Model:
     ):
         self.config = config
         self.net = net
-        use_kernels(net)  # quantized products through mlxlis's CPU kernels where they apply
+        use_kernels(net, dtype)  # quantized products through mlxlis's CPU kernels where they apply
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.path = Path(path)

@@ -28,6 +28,21 @@ class QuantizedLinear(nn.QuantizedLinear):
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
+    def __call__(self, x: mx.array) -> mx.array:
+        """Rows of the table. float16 scales kept beside float32 compute (binding.kept_narrow)
+        are widened for the looked-up rows only: MLX's dequantize computes in the scales'
+        dtype, which would round d·q + bias to float16."""
+        s, b = self["scales"][x], self.get("biases")
+        b = None if b is None else b[x]
+        if s.dtype == mx.float16 and self.get_lookup_dtype() == mx.float32:
+            s, b = s.astype(mx.float32), None if b is None else b.astype(mx.float32)
+        return mx.dequantize(
+            self["weight"][x], s, b, group_size=self.group_size, bits=self.bits, mode=self.mode
+        )
+
+    def get_lookup_dtype(self) -> mx.Dtype | None:
+        return getattr(self, "_lookup_dtype", None)
+
     def as_linear(self, x: mx.array) -> mx.array:
         """The tied head: x @ embeddingᵀ."""
         return _product(self, x)
@@ -36,14 +51,17 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
 _OURS = {nn.QuantizedLinear: QuantizedLinear, nn.QuantizedEmbedding: QuantizedEmbedding}
 
 
-def use_kernels(net: nn.Module) -> int:
-    """Turn `net`'s MLX quantized layers into the kernel-aware ones; returns how many."""
+def use_kernels(net: nn.Module, dtype: mx.Dtype | None = None) -> int:
+    """Turn `net`'s MLX quantized layers into the kernel-aware ones (embeddings looking rows
+    up in `dtype`, the network's compute dtype); returns how many."""
     n = 0
     for _, m in net.named_modules():
         ours = _OURS.get(type(m))
         if ours is not None:
             m.__class__ = ours  # same attributes and parameters: only the products change
             n += 1
+        if isinstance(m, QuantizedEmbedding):
+            object.__setattr__(m, "_lookup_dtype", dtype)  # not a parameter
     if n and device_name() == "cpu":
         qmv.load()  # built (once) now, while loading, not inside the first product
     return n
