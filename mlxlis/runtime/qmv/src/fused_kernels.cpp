@@ -106,7 +106,8 @@ void rope(const RopeArgs& a) {
 
 namespace {
 
-void attend_one(const AttendArgs& a, int item, std::vector<float>& qs, std::vector<float>& p) {
+void attend_one(const AttendArgs& a, int item, std::vector<float>& qs, std::vector<float>& p,
+                std::vector<float>& blk) {
   const int H = a.q.n[1], T = a.q.n[2], D = a.q.n[3], Hkv = a.k.n[1], S = a.k.n[2];
   const int Dv = a.v.n[3];
   const int b = item / (H * T), h = (item / T) % H, t = item % T, g = h / (H / Hkv);
@@ -120,17 +121,27 @@ void attend_one(const AttendArgs& a, int item, std::vector<float>& qs, std::vect
     p[j] = s;
     mx = std::max(mx, s);
   }
-  float sum = 0.0f;
+  // Sums over thousands of keys: the denominator in double, the weighted values in blocks
+  // of kBlock keys added to the output block by block, so the rounding grows with
+  // kBlock + L / kBlock terms, not L (a sequential float sum over a 4000-token cache drifted
+  // ~5x further from BLAS's blocked products than those drift from float64)
+  double sum = 0.0;
   for (int j = 0; j < L; ++j) {
     p[j] = exp_f32(p[j] - mx);
     sum += p[j];
   }
+  const float fsum = float(sum);
   float* o = a.out + ((int64_t(b) * H + h) * T + t) * Dv;
   std::fill(o, o + Dv, 0.0f);
-  for (int j = 0; j < L; ++j) {
-    const float pj = p[j] / sum;
-    const float* vr = a.v.row(b, g, j);
-    for (int d = 0; d < Dv; ++d) o[d] += pj * vr[d];
+  constexpr int kBlock = 32;
+  for (int j0 = 0; j0 < L; j0 += kBlock) {
+    std::fill(blk.begin(), blk.end(), 0.0f);
+    for (int j = j0; j < std::min(L, j0 + kBlock); ++j) {
+      const float pj = p[j] / fsum;
+      const float* vr = a.v.row(b, g, j);
+      for (int d = 0; d < Dv; ++d) blk[d] += pj * vr[d];
+    }
+    for (int d = 0; d < Dv; ++d) o[d] += blk[d];
   }
 }
 
@@ -141,9 +152,9 @@ struct AttendCtx {
 
 void attend_task(void* vctx, int task) {
   auto* c = static_cast<AttendCtx*>(vctx);
-  std::vector<float> qs(c->a->q.n[3]), p(c->a->k.n[2]);
+  std::vector<float> qs(c->a->q.n[3]), p(c->a->k.n[2]), blk(c->a->v.n[3]);
   const int i0 = task * c->per_task, i1 = std::min(c->items, i0 + c->per_task);
-  for (int i = i0; i < i1; ++i) attend_one(*c->a, i, qs, p);
+  for (int i = i0; i < i1; ++i) attend_one(*c->a, i, qs, p, blk);
 }
 
 struct GatedCtx {
