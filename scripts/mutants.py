@@ -1328,7 +1328,7 @@ MUTANTS = (
     Mutant(
         "embedding-lookup-in-float16",
         "mlxlis/models/quantized.py",
-        "        if s.dtype == mx.float16 and self.get_lookup_dtype() == mx.float32:",
+        "        if s.dtype == mx.float16 and self._lookup_dtype == mx.float32:",
         "        if False:",
         ("tests/test_qmv.py",),
         "an embedding's float16 scales not widened for a float32 lookup",

@@ -75,17 +75,8 @@ def test_rope(trad, dims, periods, scale, rows):
     per = mx.array(rng.uniform(1.0, 5e4, dims // 2).astype(np.float32)) if periods else None
     offs = [900, 3, 57][:rows]
     offset = mx.array(offs) if rows > 1 else offs[0]
-    got = f64(
-        fused.rope(
-            x,
-            dims,
-            traditional=trad,
-            base=None if periods else base,
-            scale=scale,
-            offset=offset,
-            freqs=per,
-        )
-    )
+    args = dict(traditional=trad, base=None if periods else base, scale=scale, offset=offset)
+    got = f64(fused.rope(x, dims, **args, freqs=per))
     if periods:
         inv = 1.0 / f64(per)
     else:  # transformers: 1 / base ** (arange(0, dims, 2) / dims)
@@ -97,15 +88,7 @@ def test_rope(trad, dims, periods, scale, rows):
     pair = np.abs(f64(x)).max(-1, keepdims=True) * 2
     bound = pair * (8 * U + 4 * U * ang.max())
     assert np.all(np.abs(got - ref) <= bound)
-    mine = mx.fast.rope(
-        x,
-        dims,
-        traditional=trad,
-        base=None if periods else base,
-        scale=scale,
-        offset=offset,
-        freqs=per,
-    )
+    mine = mx.fast.rope(x, dims, **args, freqs=per)
     assert np.all(np.abs(got - f64(mine)) <= 2 * bound)
 
 

@@ -28,20 +28,19 @@ class QuantizedLinear(nn.QuantizedLinear):
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
+    _lookup_dtype: mx.Dtype | None = None  # the network's compute dtype (use_kernels)
+
     def __call__(self, x: mx.array) -> mx.array:
         """Rows of the table. float16 scales kept beside float32 compute (binding.kept_narrow)
         are widened for the looked-up rows only: MLX's dequantize computes in the scales'
         dtype, which would round d·q + bias to float16."""
         s, b = self["scales"][x], self.get("biases")
         b = None if b is None else b[x]
-        if s.dtype == mx.float16 and self.get_lookup_dtype() == mx.float32:
+        if s.dtype == mx.float16 and self._lookup_dtype == mx.float32:
             s, b = s.astype(mx.float32), None if b is None else b.astype(mx.float32)
         return mx.dequantize(
             self["weight"][x], s, b, group_size=self.group_size, bits=self.bits, mode=self.mode
         )
-
-    def get_lookup_dtype(self) -> mx.Dtype | None:
-        return getattr(self, "_lookup_dtype", None)
 
     def as_linear(self, x: mx.array) -> mx.array:
         """The tied head: x @ embeddingᵀ."""

@@ -4,8 +4,6 @@
 #include <string>
 
 #include "fused_kernels.h"
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "qmv.h"
 
@@ -114,11 +112,9 @@ mx::array fused_gated(const mx::array& g, const mx::array& u, int act) {
 }
 
 void Fused::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  if (out.size() == 0) return;
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
+  auto* e = cpu_encoder(stream(), inputs, out);
+  if (!e) return;
+  auto& enc = *e;
   float* o = out.data<float>();
   // inputs captured by value keep their buffers alive until the task has run
   switch (op_) {

@@ -89,16 +89,21 @@ mx::array quantized_matvec(const mx::array& x_in, const mx::array& wq, const mx:
                    {x, wq, scales, biases});
 }
 
-void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  // Runs on the thread that called eval; the work itself is enqueued on the
-  // stream's worker thread, in order after the tasks producing the inputs.
-  // The output buffer must be allocated here (the caller may chain further
-  // nodes on its pointer before the task runs).
+mx::cpu::CommandEncoder* cpu_encoder(const mx::Stream& s, const std::vector<mx::array>& inputs,
+                                     mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  if (out.size() == 0) return;
-  auto& enc = mx::cpu::get_command_encoder(stream());
+  if (out.size() == 0) return nullptr;
+  auto& enc = mx::cpu::get_command_encoder(s);
   for (auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
+  return &enc;
+}
+
+void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  // Runs on the thread that called eval; the work itself runs on the stream's thread.
+  auto* e = cpu_encoder(stream(), inputs, out);
+  if (!e) return;
+  auto& enc = *e;
   const int K = inputs[0].shape(-1), N = inputs[1].shape(0);
   enc.dispatch([x = inputs[0], wq = inputs[1], sc = inputs[2], bi = inputs[3],
                 out_ptr = out.data<float>(), M = int(inputs[0].size() / K), N, K,

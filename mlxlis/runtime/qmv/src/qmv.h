@@ -2,6 +2,7 @@
 #pragma once
 
 #include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
 namespace qmv {
@@ -20,6 +21,13 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& wq, const mx::ar
 // A pointer to a's elements in dense row-major order: a's own data when it is
 // row-contiguous, else a gathered copy kept in `keep`.
 const void* dense_data(const mx::array& a, std::vector<char>& keep);
+
+// The start of a CPU primitive's eval_cpu: out's buffer allocated here (the caller may
+// chain further nodes on its pointer before the task runs), the inputs and out registered
+// with the stream's encoder, whose dispatch then enqueues the work on the stream's thread
+// in order after the tasks producing the inputs. Null when out is empty (nothing to run).
+mx::cpu::CommandEncoder* cpu_encoder(const mx::Stream& s, const std::vector<mx::array>& inputs,
+                                     mx::array& out);
 
 class QuantizedMatVec : public mx::UnaryPrimitive {
  public:
