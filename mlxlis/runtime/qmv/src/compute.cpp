@@ -26,6 +26,7 @@ struct Isa {
 constexpr Isa kScalar{"scalar", rows_scalar, dequant_scalar};
 #if defined(__x86_64__)
 constexpr Isa kAvx2{"avx2", rows_avx2, dequant_avx2};
+constexpr Isa kAvx512{"avx512", rows_avx512, dequant_avx2};  // VNNI + VBMI; prefill as AVX2
 #endif
 #if defined(__aarch64__)
 constexpr Isa kNeon{"neon", rows_neon, dequant_neon};
@@ -38,6 +39,11 @@ bool isa_available(const Isa& i) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
            __builtin_cpu_supports("f16c");
   }
+  if (&i == &kAvx512) {
+    return isa_available(kAvx2) && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+  }
 #endif
   return true;  // scalar; NEON is baseline on arm64
 }
@@ -46,6 +52,7 @@ const Isa* best_isa() {
   const char* env = getenv("QMV_ISA");
   if (env && strcmp(env, "scalar") == 0) return &kScalar;
 #if defined(__x86_64__)
+  if (isa_available(kAvx512) && !(env && strcmp(env, "avx2") == 0)) return &kAvx512;
   if (isa_available(kAvx2)) return &kAvx2;
 #endif
 #if defined(__aarch64__)
@@ -161,7 +168,7 @@ bool set_isa(const char* name) {
   const Isa* cands[] = {
       &kScalar,
 #if defined(__x86_64__)
-      &kAvx2,
+      &kAvx2, &kAvx512,
 #endif
 #if defined(__aarch64__)
       &kNeon,
@@ -192,9 +199,37 @@ Counters counters() { return {c_decode.load(), c_prefill.load(), c_fallback.load
 
 void compute(const Problem& p_in) {
   Problem p = p_in;
+  const Isa* ip = &cur_isa();
+#if defined(__aarch64__)
+  if (p.group < 32) ip = &kScalar;  // the NEON kernels go a group of 32+ at a time
+#endif
+  if (p.M >= g_settings.prefill_min_m) {
+    if (SgemmFn f = get_sgemm()) {
+      c_prefill.fetch_add(1, std::memory_order_relaxed);
+      run_prefill(p, *ip, f);
+      return;
+    }
+    c_fallback.fetch_add(1, std::memory_order_relaxed);  // no BLAS: fused kernel
+  } else {
+    c_decode.fetch_add(1, std::memory_order_relaxed);
+  }
+  // scratch of the caller's thread (MLX's stream thread), reused across calls
+  thread_local std::vector<float> xsum, xe, xs4;
+  thread_local std::vector<int8_t> xd;
+#if defined(__x86_64__)
+  if (ip == &kAvx512) {
+    const size_t blocks = size_t(p.M) * ((p.K + 63) / 64);
+    if (xd.size() < blocks * 192) xd.resize(blocks * 192);
+    if (xe.size() < blocks * 16) xe.resize(blocks * 16), xs4.resize(blocks * 16);
+    prep_x_avx512(p.x, p.M, p.K, xd.data(), xe.data(), xs4.data());
+    p.xd = xd.data(), p.xe = xe.data(), p.xs4 = xs4.data();
+    run_decode(p, *ip);
+    return;
+  }
+#endif
+  // group sums of x, for the bias term of the float kernels
   const int G = p.K / p.group;
-  // group sums of x, for the bias term of the fused kernels
-  std::vector<float> xsum(size_t(p.M) * G);
+  if (xsum.size() < size_t(p.M) * G) xsum.resize(size_t(p.M) * G);
   for (int m = 0; m < p.M; ++m)
     for (int g = 0; g < G; ++g) {
       const float* xg = p.x + size_t(m) * p.K + size_t(g) * p.group;
@@ -203,22 +238,7 @@ void compute(const Problem& p_in) {
       xsum[size_t(m) * G + g] = s;
     }
   p.xsum = xsum.data();
-  const Isa* ip = &cur_isa();
-#if defined(__aarch64__)
-  if (p.group < 32) ip = &kScalar;  // the NEON kernels go a group of 32+ at a time
-#endif
-  const Isa& i = *ip;
-  if (p.M >= g_settings.prefill_min_m) {
-    if (SgemmFn f = get_sgemm()) {
-      c_prefill.fetch_add(1, std::memory_order_relaxed);
-      run_prefill(p, i, f);
-      return;
-    }
-    c_fallback.fetch_add(1, std::memory_order_relaxed);  // no BLAS: fused kernel
-  } else {
-    c_decode.fetch_add(1, std::memory_order_relaxed);
-  }
-  run_decode(p, i);
+  run_decode(p, *ip);
 }
 
 }  // namespace qmv

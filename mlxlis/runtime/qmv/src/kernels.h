@@ -29,6 +29,10 @@ struct Problem {
   const void* biases;  // N x G, of sb_type
   int sb_type;
   float* out;          // M x N (ldo = N)
+  // x as integers for the AVX-512 kernels (prep_x_avx512), per row and block of 64:
+  const int8_t* xd;    // M x ceil(K/64) x 192: digits d2, d1, d0 (64 bytes each)
+  const float* xe;     // M x ceil(K/64) x 16: 2^E of each lane of 4 x
+  const float* xs4;    // M x ceil(K/64) x 16: each lane's sum of x
 };
 
 // out[m, n] for m in [m0, m0 + mb), n in [n0, n1); mb <= kMaxMB.
@@ -40,6 +44,9 @@ void dequant_scalar(const Problem& p, int n0, int n1, float* dst);
 #if defined(__x86_64__) || defined(_M_X64)
 void rows_avx2(const Problem& p, int m0, int mb, int n0, int n1);
 void dequant_avx2(const Problem& p, int n0, int n1, float* dst);
+void rows_avx512(const Problem& p, int m0, int mb, int n0, int n1);
+// x (M x K) as rows_avx512 takes it
+void prep_x_avx512(const float* x, int M, int K, int8_t* xd, float* xe, float* xs4);
 #endif
 #if defined(__aarch64__)
 void rows_neon(const Problem& p, int m0, int mb, int n0, int n1);
