@@ -1,6 +1,7 @@
 """CPU quantized products that read GGUF blocks as they are stored: a custom MLX primitive
-(src/: the affine layout's x @ wᵀ, AVX2/FMA or NEON, threaded over rows, each weight read once
-per call for up to 16 input rows; more rows dequantize a tile of w at a time into BLAS sgemm),
+(src/: the affine layout's x @ wᵀ, AVX-512 integer dot products, AVX2/FMA or NEON, threaded
+over rows, each weight read once per call for up to 16 input rows; more rows dequantize a tile
+of w at a time into BLAS sgemm),
 built against the installed mlx (build.py) and loaded on first use.
 
 `matmul` is what quantized layers call on the CPU; it falls back to MLX's own
@@ -69,8 +70,9 @@ def available() -> ModuleType | None:
 
 
 def _agrees_with_scalar(mod: ModuleType) -> bool:
-    """The CPU's own kernels (AVX2, or NEON, which this project's CI cannot run) give the
-    scalar kernels' results on a small random problem of every width: checked once a process."""
+    """The CPU's own kernels (AVX-512, AVX2, or NEON, which this project's CI cannot run)
+    give the scalar kernels' results on a small random problem of every width: checked once a
+    process."""
     import numpy as np
 
     rng = np.random.default_rng(0)

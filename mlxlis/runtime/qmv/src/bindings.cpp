@@ -66,9 +66,9 @@ NB_MODULE(_qmv, m) {
   m.def("set_num_threads", &qmv::set_num_threads, "n"_a,
         "Threads per call, the calling thread included (<= 0: the default).");
   m.def("num_threads", &qmv::num_threads);
-  m.def("isa", &qmv::isa, "Kernels in use: 'avx2', 'neon' or 'scalar'.");
+  m.def("isa", &qmv::isa, "Kernels in use: 'avx512', 'avx2', 'neon' or 'scalar'.");
   m.def("set_isa", [](const std::string& s) { return qmv::set_isa(s.c_str()); }, "name"_a,
-        "'avx2' | 'neon' | 'scalar' | 'auto'; False if not available here.");
+        "'avx512' | 'avx2' | 'neon' | 'scalar' | 'auto'; False if not available here.");
   m.def("set_sgemm", [](uintptr_t addr) { qmv::set_sgemm(reinterpret_cast<void*>(addr)); },
         "address"_a,
         "Use this cblas_sgemm-compatible function (e.g. ctypes.cast(lib.scipy_cblas_sgemm, "

@@ -10,8 +10,8 @@ namespace qmv {
 using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*,
                          int, float, float*, int);
 
-// Which kernels run: "avx2", "neon" or "scalar" (chosen once from the CPU,
-// $QMV_ISA=scalar forces the fallback); set_isa returns false if unavailable.
+// Which kernels run: "avx512" (VNNI + VBMI), "avx2", "neon" or "scalar" (chosen once
+// from the CPU; $QMV_ISA=avx2 or scalar forces those); set_isa returns false if unavailable.
 const char* isa();
 bool set_isa(const char* name);
 
