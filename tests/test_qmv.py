@@ -131,11 +131,13 @@ def test_half_precision_scales(sb_dtype):
     try:
         for isa in ISAS:
             assert ext.set_isa(isa)
-            for bits, group in [(b, g) for b in (4, 5, 8) for g in qmv.GROUPS]:
-                x, wq, s, b = make(301, 288 // group * group, bits, group, 3, sb_dtype=sb_dtype)
+            for bits, group, m in [
+                (b, g, m) for b in (4, 5, 8) for g in qmv.GROUPS for m in (3, 17)
+            ]:
+                x, wq, s, b = make(301, 288 // group * group, bits, group, m, sb_dtype=sb_dtype)
                 ref, bound = reference(x, wq, s, b, group, bits)
-                y = ext.qmv(x, wq, s, b, group, bits)
-                check(y, ref, bound, f"{isa} {sb_dtype} {bits}-bit g={group}")
+                y = ext.qmv(x, wq, s, b, group, bits)  # 17 rows: the prefill path
+                check(y, ref, bound, f"{isa} {sb_dtype} {bits}-bit g={group} M={m}")
     finally:
         ext.set_isa("auto")
 
@@ -191,14 +193,18 @@ def test_prefill_dequantizes_tiles_into_sgemm(m, bits, group):
     """17+ rows: tiles of w dequantized into BLAS sgemm (a tile that does not divide N
     too), within the same bound; the counters say that path ran."""
     assert ext.sgemm_address() != 0, "no cblas_sgemm found"
-    for tile in (0, 48):
-        ext.set_prefill(17, tile)
-        before = ext.counters()["prefill"]
-        x, wq, s, b = make(211, max(group, 320 // group * group), bits, group, m)
-        ref, bound = reference(x, wq, s, b, group, bits)
-        check(ext.qmv(x, wq, s, b, group, bits), ref, bound, f"M={m} tile={tile}")
-        assert ext.counters()["prefill"] == before + 1
-    ext.set_prefill(17, 0)
+    x, wq, s, b = make(211, max(group, 320 // group * group), bits, group, m)
+    ref, bound = reference(x, wq, s, b, group, bits)
+    try:
+        for isa, tile in [(i, t) for i in ISAS for t in (0, 48)]:
+            assert ext.set_isa(isa)
+            ext.set_prefill(17, tile)
+            before = ext.counters()["prefill"]
+            check(ext.qmv(x, wq, s, b, group, bits), ref, bound, f"{isa} M={m} tile={tile}")
+            assert ext.counters()["prefill"] == before + 1
+    finally:
+        ext.set_prefill(17, 0)
+        ext.set_isa("auto")
 
 
 def test_inputs_of_any_layout_in_a_compiled_graph():
