@@ -76,7 +76,8 @@ def unpacked(c: quants.Converted) -> np.ndarray:
         rows, k = c.weight.shape[0], c.weight.shape[1] * 32 // c.bits
         as_bits = np.unpackbits(np.array(c.weight).view(np.uint8), axis=1, bitorder="little")
         q = (as_bits.reshape(rows, k, c.bits) << np.arange(c.bits, dtype=np.uint8)).sum(2)
-        s, b = (np.repeat(np.array(a), 16, axis=1) for a in (c.scales, c.biases))
+        s = np.repeat(np.array(c.scales), 16, axis=1)
+        b = -(2.0 ** (c.bits - 1)) * s if c.biases is None else np.repeat(np.array(c.biases), 16, 1)
         return q.astype(np.float32) * s + b  # float32, as the kernels' dequantized tiles
     wide = [
         a.astype(mx.float32) if a is not None and a.dtype == mx.float16 else a
@@ -155,14 +156,14 @@ def test_packing_matches_mx_quantize(bits: int):
 
 def test_q6_k_as_groups_of_16_bit_exact(small_chunks):
     """Reference parity: Q6_K held as groups of 16 (the CPU kernels' layout: 6-bit codes,
-    scale d·sc, bias −32·d·sc, both float32), unpacked by numpy, equals gguf-py bit for bit;
-    only when asked and not dense. The kernels' products on this layout: test_qmv."""
+    float32 scales d·sc and no biases, the kernels taking −32·d·sc), unpacked by numpy, equals
+    gguf-py bit for bit; only when asked and not dense. The kernels' products: test_qmv."""
     t = tensor("Q6_K", (8, 512))
     raw = random_raw(t)
     c = convert_tensor(t, raw, mx.float32, sub_blocks=True)
     assert (c.bits, c.group_size) == (6, 16)
-    assert c.weight.shape == (8, 512 * 6 // 32) and c.scales.shape == c.biases.shape == (8, 32)
-    assert c.scales.dtype == c.biases.dtype == mx.float32
+    assert c.weight.shape == (8, 512 * 6 // 32) and c.scales.shape == (8, 32)
+    assert c.scales.dtype == mx.float32 and c.biases is None
     assert np.array_equal(unpacked(c), reference(t, raw))
     assert convert_tensor(t, raw, mx.float32).scales is None
     assert convert_tensor(t, raw, mx.float32, dequantize=True, sub_blocks=True).scales is None

@@ -84,8 +84,7 @@ def _sub_block_layers(
         nn.Module.__init__(layer)
         layer.group_size, layer.bits, layer.mode = 16, q["bits"], "affine"
         layer.weight = mx.zeros((out_dims, in_dims * q["bits"] // 32), mx.uint32)
-        layer.scales = mx.zeros((out_dims, in_dims // 16))
-        layer.biases = mx.zeros((out_dims, in_dims // 16))
+        layer.scales = mx.zeros((out_dims, in_dims // 16))  # no biases: −2^(bits−1)·scale
         if "bias" in module:
             layer.bias = module.bias
         layer.freeze()

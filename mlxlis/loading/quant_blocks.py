@@ -196,6 +196,9 @@ class Affine:
     scales: Callable[[np.ndarray, np.ndarray, np.ndarray], None]  # blocks, s, m (n, groups)
     offset: int | None = None  # k when the value is d·(q − k): scale d, bias −k·d
     group: int = 32
+    # False: no biases held (the CPU kernels take −2^(bits−1)·scale, runtime/qmv): for the
+    # symmetric types (k = 2^(bits−1)) only the CPU kernels read
+    biases: bool = True
 
 
 def _q8_0_pack(b: np.ndarray, w32: np.ndarray) -> None:
@@ -315,11 +318,12 @@ def _pack6(codes: np.ndarray, out32: np.ndarray) -> None:
     np.bitwise_or(c[:, 2] >> np.uint8(4), c[:, 3] << np.uint8(2), out=o[:, 2])
 
 
-def _q6_k_scales(b: np.ndarray, s: np.ndarray, m: np.ndarray) -> None:
+def _q6_k_scales(b: np.ndarray, s: np.ndarray, m: np.ndarray | None) -> None:
     """Q6_K's d·sc (fp16 × int8: ≤ 19 significant bits, exact in float32) and −32·d·sc, per
-    16 elements: (n, 16) each."""
+    16 elements: (n, 16) each (no biases held: m None)."""
     np.multiply(f16(b, 208).astype(np.float32)[:, None], b[:, 192:208].view(np.int8), out=s)
-    np.multiply(s, -32, out=m)
+    if m is not None:
+        np.multiply(s, -32, out=m)
 
 
 # Types of 16-element sub-blocks held as groups of 16 (only the CPU kernels take them)
@@ -331,6 +335,7 @@ AFFINE16: dict[str, Affine] = {
         _q6_k_scales,
         offset=32,
         group=16,
+        biases=False,  # −32·d·sc: the kernels' bias_of (held, they cost 2 bits a weight)
     ),
 }
 

@@ -252,11 +252,9 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
 def _quantized_buffers(t: GGUFTensor, kind: Affine | None = None) -> tuple[mx.array, ...]:
     kind = kind or AFFINE[t.type_name]
     rows, cols = math.prod(t.shape[:-1]), t.shape[-1]  # 1-D: one row
-    return (
-        _zeros((rows, cols * kind.bits // 32), mx.uint32),
-        _zeros((rows, cols // kind.group), mx.float32),
-        _zeros((rows, cols // kind.group), mx.float32),
-    )
+    out = [_zeros((rows, cols * kind.bits // 32), mx.uint32)]
+    out += [_zeros((rows, cols // kind.group), mx.float32) for _ in range(1 + kind.biases)]
+    return tuple(out)
 
 
 def _quantized(
@@ -272,19 +270,23 @@ def _quantized(
     bits, group = kind.bits, kind.group
     cols = t.shape[-1]
     n_blocks = t.nbytes // type_size
-    w, s, m = out or _quantized_buffers(t, kind)
+    w, s, *rest = out or _quantized_buffers(t, kind)
+    m = rest[0] if rest else None  # None: no biases held (kind.biases)
     # every block fills its own slots of the outputs, so blocks convert independently
     blocks = raw.reshape(n_blocks, type_size)
-    wv, sv, mv = (_writable(a).reshape(n_blocks, -1) for a in (w, s, m))
+    wv, sv = (_writable(a).reshape(n_blocks, -1) for a in (w, s))
+    mv = None if m is None else _writable(m).reshape(n_blocks, -1)
 
     def chunk(i: int, j: int) -> None:
         kind.pack(blocks[i:j], wv[i:j])
-        kind.scales(blocks[i:j], sv[i:j], mv[i:j])
+        kind.scales(blocks[i:j], sv[i:j], None if mv is None else mv[i:j])
 
     _for_chunks(n_blocks, max(1, CHUNK_ELEMENTS // block), chunk, done, type_size)
     lead = t.shape[:-1]
     w = w.reshape(*lead, cols * bits // 32)
     s = s.reshape(*lead, cols // group)
+    if m is None:
+        return Converted(weight=w, scales=s, bits=bits, group_size=group)
     m = m.reshape(*lead, cols // group)
     if dtype != mx.float32:
         s, m = s.astype(dtype), m.astype(dtype)

@@ -21,9 +21,10 @@ using namespace nb::literals;
 NB_MODULE(_qmv, m) {
   m.doc() = "CPU quantized matrix-vector products on MLX's affine quantized layout";
 
-  m.def("qmv", &qmv::quantized_matvec, "x"_a, "wq"_a, "scales"_a, "biases"_a,
+  m.def("qmv", &qmv::quantized_matvec, "x"_a, "wq"_a, "scales"_a, "biases"_a.none(),
         "group_size"_a = 64, "bits"_a = 4,
-        "x @ w.T for w given as mx.quantize's (wq, scales, biases); float32 result, CPU.");
+        "x @ w.T for w given as mx.quantize's (wq, scales, biases); float32 result, CPU. "
+        "biases None: a symmetric format, bias = -2^(bits-1) * scale.");
 
   m.def("rms_norm", &qmv::fused_rms_norm, "x"_a, "w"_a.none(), "eps"_a,
         "x / sqrt(mean(x^2, -1) + eps) * w, float32, one CPU node.");
@@ -41,26 +42,28 @@ NB_MODULE(_qmv, m) {
   // cannot evaluate once the parent has (its stream thread is not in the child).
   using F2 = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
   using U2 = nb::ndarray<const uint32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-  m.def("qmv_numpy", [](F2 x, U2 wq, F2 scales, F2 biases, int group_size, int bits) {
+  m.def("qmv_numpy", [](F2 x, U2 wq, F2 scales, std::optional<F2> biases, int group_size,
+                        int bits) {
         const int M = int(x.shape(0)), K = int(x.shape(1)), N = int(wq.shape(0));
         // bits and group_size first: K % group_size must not divide by zero
         if (bits < 2 || bits > 8 || bits == 7 || group_size <= 0 || group_size % 16 ||
             size_t(K) * bits != wq.shape(1) * 32 || K % group_size || K % 32 ||
             scales.shape(0) != size_t(N) || scales.shape(1) != size_t(K / group_size) ||
-            biases.shape(0) != scales.shape(0) || biases.shape(1) != scales.shape(1))
+            (biases && (biases->shape(0) != scales.shape(0) ||
+                        biases->shape(1) != scales.shape(1))))
           throw std::invalid_argument("[qmv] inconsistent shapes, bits or group_size");
         float* out = new float[size_t(M) * N];
         nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
         qmv::Problem p{};
         p.x = x.data(); p.M = M; p.N = N; p.K = K; p.group = group_size; p.bits = bits;
-        p.wq = wq.data(); p.scales = scales.data(); p.biases = biases.data();
+        p.wq = wq.data(); p.scales = scales.data(); p.biases = biases ? biases->data() : nullptr;
         p.sb_type = qmv::SB_F32; p.out = out;
         {
           nb::gil_scoped_release unlocked;
           qmv::compute(p);
         }
         return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {size_t(M), size_t(N)}, owner);
-      }, "x"_a, "wq"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
+      }, "x"_a, "wq"_a, "scales"_a, "biases"_a.none(), "group_size"_a, "bits"_a,
       "qmv on float32 / uint32 numpy arrays (C-contiguous); returns a new numpy array.");
 
   m.def("set_num_threads", &qmv::set_num_threads, "n"_a,

@@ -201,7 +201,8 @@ void compute(const Problem& p_in) {
   Problem p = p_in;
   const Isa* ip = &cur_isa();
 #if defined(__aarch64__)
-  if (p.group < 32) ip = &kScalar;  // the NEON kernels go a group of 32+ at a time
+  // the NEON kernels go a group of 32+ at a time, with stored biases
+  if (p.group < 32 || !p.biases) ip = &kScalar;
 #endif
   if (p.M >= g_settings.prefill_min_m) {
     if (SgemmFn f = get_sgemm()) {

@@ -26,7 +26,7 @@ struct Problem {
   int M, N, K, group, bits;
   const uint32_t* wq;  // N x (K * bits / 32)
   const void* scales;  // N x G, of sb_type
-  const void* biases;  // N x G, of sb_type
+  const void* biases;  // N x G, of sb_type; null: a symmetric format (bias_of)
   int sb_type;
   float* out;          // M x N (ldo = N)
   // x as integers for the AVX-512 kernels (prep_x_avx512), per row and block of 64:
@@ -78,6 +78,12 @@ static inline float sb_load(const void* base, int type, size_t idx) {
   float f;
   __builtin_memcpy(&f, &bits, 4);
   return f;
+}
+
+// The bias of group idx whose scale is `scale`: the stored one, or, without biases (a
+// symmetric format: Q6_K's groups of 16, w = d·sc·(q − 32)), −2^(bits−1)·scale, exact.
+static inline float bias_of(const Problem& p, size_t idx, float scale) {
+  return p.biases ? sb_load(p.biases, p.sb_type, idx) : -float(1 << (p.bits - 1)) * scale;
 }
 
 }  // namespace qmv

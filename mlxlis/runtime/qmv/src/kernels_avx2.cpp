@@ -145,8 +145,9 @@ void rows(const Problem& p, int m0, int n0, int n1) {
 #undef QMV_SUB
       }
       const size_t gi = size_t(n) * G + g;
-      const __m256 s = _mm256_set1_ps(sb_get(p.scales, p.sb_type, gi));
-      const float b = sb_get(p.biases, p.sb_type, gi);
+      const float sv = sb_get(p.scales, p.sb_type, gi);
+      const __m256 s = _mm256_set1_ps(sv);
+      const float b = p.biases ? sb_get(p.biases, p.sb_type, gi) : bias_of(p, gi, sv);
       for (int m = 0; m < MB; ++m) {
         acc[m] = _mm256_fmadd_ps(t[m], s, acc[m]);
         bsum[m] += b * xs0[size_t(m) * G + g];
@@ -178,9 +179,10 @@ void rows16(const Problem& p, int m0, int n0, int n1) {
       const __m256 q0 = codes<B, 0>(cp), q1 = codes<B, 1>(cp);
       const __m256 q2 = codes<B, 2>(cp), q3 = codes<B, 3>(cp);
       const size_t gi = size_t(n) * G + 2 * chunk;
-      const __m256 s0 = _mm256_set1_ps(sb_get(p.scales, p.sb_type, gi));
-      const __m256 s1 = _mm256_set1_ps(sb_get(p.scales, p.sb_type, gi + 1));
-      const float b0 = sb_get(p.biases, p.sb_type, gi), b1 = sb_get(p.biases, p.sb_type, gi + 1);
+      const float sv0 = sb_get(p.scales, p.sb_type, gi), sv1 = sb_get(p.scales, p.sb_type, gi + 1);
+      const __m256 s0 = _mm256_set1_ps(sv0), s1 = _mm256_set1_ps(sv1);
+      const float b0 = p.biases ? sb_get(p.biases, p.sb_type, gi) : bias_of(p, gi, sv0);
+      const float b1 = p.biases ? sb_get(p.biases, p.sb_type, gi + 1) : bias_of(p, gi + 1, sv1);
       for (int m = 0; m < MB; ++m) {
         const float* xm = xk + size_t(m) * K;
         const __m256 t0 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xm + 8),
@@ -223,10 +225,10 @@ void dequant(const Problem& p, int n0, int n1, float* dst) {
     for (int chunk = 0; chunk < K / 32; ++chunk) {
       // the group of sub-blocks 0-1 and of 2-3 (different ones for groups of 16)
       const size_t g0 = size_t(n) * G + (cpg ? chunk / cpg : 2 * chunk), g1 = g0 + (cpg ? 0 : 1);
-      const __m256 s0 = _mm256_set1_ps(sb_get(p.scales, p.sb_type, g0));
-      const __m256 b0 = _mm256_set1_ps(sb_get(p.biases, p.sb_type, g0));
-      const __m256 s1 = _mm256_set1_ps(sb_get(p.scales, p.sb_type, g1));
-      const __m256 b1 = _mm256_set1_ps(sb_get(p.biases, p.sb_type, g1));
+      const float sv0 = sb_get(p.scales, p.sb_type, g0), sv1 = sb_get(p.scales, p.sb_type, g1);
+      const __m256 s0 = _mm256_set1_ps(sv0), s1 = _mm256_set1_ps(sv1);
+      const __m256 b0 = _mm256_set1_ps(p.biases ? sb_get(p.biases, p.sb_type, g0) : bias_of(p, g0, sv0));
+      const __m256 b1 = _mm256_set1_ps(p.biases ? sb_get(p.biases, p.sb_type, g1) : bias_of(p, g1, sv1));
       const uint8_t* cp = wrow + size_t(chunk) * 4 * B;
       float* dk = d + chunk * 32;
       _mm256_storeu_ps(dk + 0, _mm256_fmadd_ps(codes<B, 0>(cp), s0, b0));

@@ -108,7 +108,9 @@ inline __attribute__((always_inline)) void block(const Problem& p, const uint8_t
   const __m512i q = codes64<B>(wrow + size_t(b) * 8 * B, bytes);
   const size_t gi = g0 + (GR > 64 ? b * 64 / GR : b * (64 / (GR > 64 ? 64 : GR)));
   const __m512 s = lanes_of<GR, ST>(p.scales, gi, valid);
-  const __m512 bias = lanes_of<GR, ST>(p.biases, gi, valid);
+  // no biases: a symmetric format, −2^(B−1)·scale (exact)
+  const __m512 bias = p.biases ? lanes_of<GR, ST>(p.biases, gi, valid)
+                               : _mm512_mul_ps(s, _mm512_set1_ps(-float(1 << (B - 1))));
   for (int m = 0; m < MB; ++m) {
     const size_t xb = size_t(m) * nb + b;
     const int8_t* d = xd + xb * 192;

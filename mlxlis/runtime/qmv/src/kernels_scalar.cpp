@@ -34,7 +34,7 @@ void rows_scalar(const Problem& p, int m0, int mb, int n0, int n1) {
         for (int m = 0; m < mb; ++m) t[m] += q * p.x[size_t(m0 + m) * K + k];
       }
       float s = sb_load(p.scales, p.sb_type, size_t(n) * G + g);
-      float b = sb_load(p.biases, p.sb_type, size_t(n) * G + g);
+      float b = bias_of(p, size_t(n) * G + g, s);
       for (int m = 0; m < mb; ++m)
         acc[m] += t[m] * s + b * p.xsum[size_t(m0 + m) * G + g];
     }
@@ -50,8 +50,8 @@ void dequant_scalar(const Problem& p, int n0, int n1, float* dst) {
     float* d = dst + size_t(n - n0) * K;
     for (int k = 0; k < K; ++k) {
       const size_t gi = size_t(n) * G + k / p.group;
-      d[k] = sb_load(p.scales, p.sb_type, gi) * code_at(wrow, k, p.bits) +
-             sb_load(p.biases, p.sb_type, gi);
+      const float s = sb_load(p.scales, p.sb_type, gi);
+      d[k] = s * code_at(wrow, k, p.bits) + bias_of(p, gi, s);
     }
   }
 }

@@ -1,6 +1,7 @@
 #include "qmv.h"
 
 #include <cstring>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
@@ -56,7 +57,7 @@ const void* dense_data(const mx::array& a, std::vector<char>& keep) {
 
 
 mx::array quantized_matvec(const mx::array& x_in, const mx::array& wq, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits) {
+                           const std::optional<mx::array>& biases, int group_size, int bits) {
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     fail("bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
   if (group_size != 16 && group_size != 32 && group_size != 64 && group_size != 128)
@@ -69,13 +70,16 @@ mx::array quantized_matvec(const mx::array& x_in, const mx::array& wq, const mx:
   const int K = int(kbits / bits);
   if (K == 0 || K % group_size || K % 32) fail("K must be a positive multiple of group_size and 32");
   const int G = K / group_size;
-  for (const mx::array* a : {&scales, &biases}) {
+  std::vector<const mx::array*> sb{&scales};
+  if (biases) sb.push_back(&*biases);
+  for (const mx::array* a : sb) {
     if (a->ndim() != 2 || a->shape(0) != N || a->shape(1) != G)
       fail("scales and biases must have shape (" + std::to_string(N) + ", " + std::to_string(G) +
            "), got " + shape_str(*a));
     if (sb_type_of(a->dtype()) < 0) fail("scales and biases must be float32, float16 or bfloat16");
   }
-  if (scales.dtype() != biases.dtype()) fail("scales and biases must have the same dtype");
+  if (biases && scales.dtype() != biases->dtype())
+    fail("scales and biases must have the same dtype");
   if (x_in.ndim() < 1 || x_in.shape(-1) != K)
     fail("x must have last dimension K = " + std::to_string(K) + ", got " + shape_str(x_in));
   if (!mx::issubdtype(x_in.dtype(), mx::Dtype::Category::floating)) fail("x must be floating point");
@@ -84,9 +88,10 @@ mx::array quantized_matvec(const mx::array& x_in, const mx::array& wq, const mx:
   mx::array x = x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, s);
   mx::Shape out_shape = x.shape();
   out_shape.back() = N;
+  std::vector<mx::array> in{x, wq, scales};
+  if (biases) in.push_back(*biases);
   return mx::array(std::move(out_shape), mx::float32,
-                   std::make_shared<QuantizedMatVec>(s, group_size, bits),
-                   {x, wq, scales, biases});
+                   std::make_shared<QuantizedMatVec>(s, group_size, bits), std::move(in));
 }
 
 mx::cpu::CommandEncoder* cpu_encoder(const mx::Stream& s, const std::vector<mx::array>& inputs,
@@ -105,7 +110,10 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   if (!e) return;
   auto& enc = *e;
   const int K = inputs[0].shape(-1), N = inputs[1].shape(0);
-  enc.dispatch([x = inputs[0], wq = inputs[1], sc = inputs[2], bi = inputs[3],
+  // no biases (3 inputs): a symmetric format, the kernels' bias_of
+  std::optional<mx::array> bi;
+  if (inputs.size() > 3) bi = inputs[3];
+  enc.dispatch([x = inputs[0], wq = inputs[1], sc = inputs[2], bi,
                 out_ptr = out.data<float>(), M = int(inputs[0].size() / K), N, K,
                 group = group_size_, bits = bits_]() {
     // Arrays captured by value keep their buffers alive until the task ran
@@ -115,7 +123,7 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     p.x = static_cast<const float*>(dense_data(x, kx));
     p.wq = static_cast<const uint32_t*>(dense_data(wq, kw));
     p.scales = dense_data(sc, ks);
-    p.biases = dense_data(bi, kb);
+    p.biases = bi ? dense_data(*bi, kb) : nullptr;
     p.sb_type = sb_type_of(sc.dtype());
     p.M = M;
     p.N = N;

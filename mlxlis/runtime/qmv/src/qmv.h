@@ -1,6 +1,8 @@
 // The MLX side: an op building a graph node, and its Primitive.
 #pragma once
 
+#include <optional>
+
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
@@ -16,7 +18,7 @@ namespace mx = mlx::core;
 // bits in {2, 3, 4, 5, 6, 8}, group_size in {16, 32, 64, 128} (16: K a multiple of 32;
 // MLX's own quantized ops do not take it).
 mx::array quantized_matvec(const mx::array& x, const mx::array& wq, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits);
+                           const std::optional<mx::array>& biases, int group_size, int bits);
 
 // A pointer to a's elements in dense row-major order: a's own data when it is
 // row-contiguous, else a gathered copy kept in `keep`.
