@@ -225,6 +225,10 @@ void compute(const Problem& p_in) {
     prep_x_avx512(p.x, p.M, p.K, xd.data(), xe.data(), xs4.data());
     p.xd = xd.data(), p.xe = xe.data(), p.xs4 = xs4.data();
     run_decode(p, *ip);
+    if (xd.size() > (4u << 20)) {  // a prompt through the fused kernel (no BLAS): not kept
+      std::vector<int8_t>().swap(xd);
+      std::vector<float>().swap(xe), std::vector<float>().swap(xs4);
+    }
     return;
   }
 #endif
