@@ -211,6 +211,27 @@ def test_prefill_dequantizes_tiles_into_sgemm(m, bits, group):
         ext.set_isa("auto")
 
 
+def test_a_prompt_without_blas_runs_the_fused_kernels():
+    """No sgemm: 40 rows go through the decode kernels (counted as the fallback), within the
+    bound, by every ISA; K long enough that the integer kernels' scratch for x (4.5 MiB) is
+    released after the call, and a decode step after it still right."""
+    address = ext.sgemm_address()
+    x, wq, s, b = make(5, 38400, 4, 32, 40)
+    ref, bound = reference(x, wq, s, b, 32, 4)
+    x1, ref1, bound1 = x[:1], ref[:1], bound[:1]
+    try:
+        ext.set_sgemm(0)
+        for isa in ISAS:
+            assert ext.set_isa(isa)
+            before = ext.counters()["prefill_fallback"]
+            check(ext.qmv(x, wq, s, b, 32, 4), ref, bound, f"{isa} no BLAS")
+            assert ext.counters()["prefill_fallback"] == before + 1
+            check(ext.qmv(x1, wq, s, b, 32, 4), ref1, bound1, f"{isa} after")
+    finally:
+        ext.set_sgemm(address)
+        ext.set_isa("auto")
+
+
 def test_inputs_of_any_layout_in_a_compiled_graph():
     """A transposed x or scales, a float16 x, leading batch axes, inside mx.compile and many
     products evaluated at once: the same results."""
