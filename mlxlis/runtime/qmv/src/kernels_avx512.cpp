@@ -12,8 +12,8 @@
 // own rounding of that element, give or take a factor of 2. Then sum_i q_i X_i over a lane
 // is exact in int32 (vpdpbusd: 64 code x digit products an instruction, Horner in the
 // digits: ((q.d2) << 8 + q.d1) << 8 + q.d0, below 2^31 for codes of up to 6 bits; 8-bit
-// codes keep q.d2 apart), one
-// conversion to float and a multiply by 2^E per lane of 4 weights, not per weight.
+// codes keep q.d2 apart), then one conversion to float and a multiply by 2^E per lane of 4
+// weights, not per weight. Subnormal x are exact (E is never below -149).
 //
 // An inf or NaN in x makes its lane's digits garbage but its lane sum (the bias term's
 // xs4) inf or NaN, so the result is not finite, as a float product's would be.
