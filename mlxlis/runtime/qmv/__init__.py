@@ -120,11 +120,8 @@ def matmul(
 ) -> mx.array:
     """x @ wᵀ for w quantized (MLX's layout), in x's dtype. Affine without biases: a symmetric
     format held for these kernels only (Q6_K's groups of 16), bias −2^(bits−1)·scale."""
-    if (biases is not None or mode == "affine") and applies(bits, group_size, mode):
-        if (mod := load()) is not None:
-            return mod.qmv(x, w, scales, biases, group_size, bits).astype(x.dtype)
-    if biases is None and mode == "affine":
-        biases = scales * -(2 ** (bits - 1))  # MLX's own product needs them (groups of 32+)
+    if applies(bits, group_size, mode) and (mod := load()) is not None:
+        return mod.qmv(x, w, scales, biases, group_size, bits).astype(x.dtype)
     return mx.quantized_matmul(
         x, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode
     )
