@@ -193,7 +193,7 @@ def test_inf_and_nan_in_x_come_out_as_in_float():
 @pytest.mark.parametrize("bits,group", [(4, 32), (5, 64), (8, 128), (3, 32), (6, 16)])
 def test_prefill_dequantizes_tiles_into_sgemm(m, bits, group):
     """17+ rows: tiles of w dequantized into BLAS sgemm (a tile that does not divide N
-    too), within the same bound; the counters say that path ran."""
+    too) by every ISA, within the same bound; the counters say that path ran."""
     assert ext.sgemm_address() != 0, "no cblas_sgemm found"
     x, wq, s, b = make(211, max(group, 320 // group * group), bits, group, m)
     ref, bound = reference(x, wq, s, b, group, bits)
