@@ -110,6 +110,11 @@ inline float sb_get(const void* base, int type, size_t idx) {
   return sb_load(base, type, idx);
 }
 
+// Bias of group idx (scale sv): stored, else the symmetric −2^(bits−1)·sv (kernels.h bias_of).
+inline float bias_get(const Problem& p, size_t idx, float sv) {
+  return p.biases ? sb_get(p.biases, p.sb_type, idx) : bias_of(p, idx, sv);
+}
+
 // out[m0..m0+MB, n0..n1]. Per group: t_m = sum q*x (FMA, 8 lanes), then
 // acc_m += t_m * scale; the bias term is bias * (sum of x over the group).
 // The weight bytes of a row are read once for all MB rows of x.
@@ -147,7 +152,7 @@ void rows(const Problem& p, int m0, int n0, int n1) {
       const size_t gi = size_t(n) * G + g;
       const float sv = sb_get(p.scales, p.sb_type, gi);
       const __m256 s = _mm256_set1_ps(sv);
-      const float b = p.biases ? sb_get(p.biases, p.sb_type, gi) : bias_of(p, gi, sv);
+      const float b = bias_get(p, gi, sv);
       for (int m = 0; m < MB; ++m) {
         acc[m] = _mm256_fmadd_ps(t[m], s, acc[m]);
         bsum[m] += b * xs0[size_t(m) * G + g];
@@ -181,8 +186,7 @@ void rows16(const Problem& p, int m0, int n0, int n1) {
       const size_t gi = size_t(n) * G + 2 * chunk;
       const float sv0 = sb_get(p.scales, p.sb_type, gi), sv1 = sb_get(p.scales, p.sb_type, gi + 1);
       const __m256 s0 = _mm256_set1_ps(sv0), s1 = _mm256_set1_ps(sv1);
-      const float b0 = p.biases ? sb_get(p.biases, p.sb_type, gi) : bias_of(p, gi, sv0);
-      const float b1 = p.biases ? sb_get(p.biases, p.sb_type, gi + 1) : bias_of(p, gi + 1, sv1);
+      const float b0 = bias_get(p, gi, sv0), b1 = bias_get(p, gi + 1, sv1);
       for (int m = 0; m < MB; ++m) {
         const float* xm = xk + size_t(m) * K;
         const __m256 t0 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xm + 8),
@@ -227,8 +231,8 @@ void dequant(const Problem& p, int n0, int n1, float* dst) {
       const size_t g0 = size_t(n) * G + (cpg ? chunk / cpg : 2 * chunk), g1 = g0 + (cpg ? 0 : 1);
       const float sv0 = sb_get(p.scales, p.sb_type, g0), sv1 = sb_get(p.scales, p.sb_type, g1);
       const __m256 s0 = _mm256_set1_ps(sv0), s1 = _mm256_set1_ps(sv1);
-      const __m256 b0 = _mm256_set1_ps(p.biases ? sb_get(p.biases, p.sb_type, g0) : bias_of(p, g0, sv0));
-      const __m256 b1 = _mm256_set1_ps(p.biases ? sb_get(p.biases, p.sb_type, g1) : bias_of(p, g1, sv1));
+      const __m256 b0 = _mm256_set1_ps(bias_get(p, g0, sv0));
+      const __m256 b1 = _mm256_set1_ps(bias_get(p, g1, sv1));
       const uint8_t* cp = wrow + size_t(chunk) * 4 * B;
       float* dk = d + chunk * 32;
       _mm256_storeu_ps(dk + 0, _mm256_fmadd_ps(codes<B, 0>(cp), s0, b0));

@@ -106,7 +106,7 @@ inline __attribute__((always_inline)) void block(const Problem& p, const uint8_t
                                                  const float* xs, __mmask64 bytes, int valid,
                                                  __m512* acc, __m512* accb) {
   const __m512i q = codes64<B>(wrow + size_t(b) * 8 * B, bytes);
-  const size_t gi = g0 + (GR > 64 ? b * 64 / GR : b * (64 / (GR > 64 ? 64 : GR)));
+  const size_t gi = g0 + size_t(b) * 64 / GR;  // the block's first group
   const __m512 s = lanes_of<GR, ST>(p.scales, gi, valid);
   // no biases: a symmetric format, −2^(B−1)·scale (exact)
   const __m512 bias = p.biases ? lanes_of<GR, ST>(p.biases, gi, valid)
