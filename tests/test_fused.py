@@ -90,6 +90,30 @@ def test_rope(trad, dims, periods, scale, rows):
     assert np.all(np.abs(got - ref) <= bound)
     mine = mx.fast.rope(x, dims, **args, freqs=per)
     assert np.all(np.abs(got - f64(mine)) <= 2 * bound)
+    # heads last in, as the projections give them ((B, T, H, D), or flat (B, T, H·D)): the
+    # transpose done by the same pass, so the same arithmetic: equal bit for bit
+    assert np.array_equal(f64(fused.rope(buf, dims, **args, freqs=per, heads_last=True)), got)
+    offs_arr = mx.array(offs, mx.int32) if rows > 1 else None
+    flat = ext.rope(
+        buf.reshape(b, t, h * d),
+        dims,
+        trad,
+        0.0 if periods else base,
+        scale,
+        0 if rows > 1 else offs[0],
+        offs_arr,
+        per,
+        heads=h,
+    )
+    assert flat.shape == (b, h, t, d) and np.array_equal(f64(flat), got)
+
+
+def test_rope_heads_last_where_the_kernel_does_not_apply():
+    """float16 goes to mx.fast.rope, after the transpose the kernel would have done."""
+    buf = mx.array(rng.standard_normal((1, 3, 5, 64)).astype(np.float16))
+    args = dict(traditional=False, base=10000.0, scale=1.0, offset=7)
+    got = fused.rope(buf, 64, **args, heads_last=True)
+    assert np.array_equal(f64(got), f64(mx.fast.rope(buf.transpose(0, 2, 1, 3), 64, **args)))
 
 
 def attend_ref(q, k, v, scale, keep):
@@ -104,11 +128,21 @@ def attend_ref(q, k, v, scale, keep):
 
 
 @pytest.mark.parametrize(
-    "b,t,mask",
-    [(1, 1, None), (1, 4, "causal"), (3, 1, "rows"), (2, 5, "causal"), (2, 3, "array")],
+    "b,t,mask,h,hkv",
+    [
+        (1, 1, None, 6, 2),
+        (1, 4, "causal", 6, 2),
+        (3, 1, "rows", 6, 2),
+        (2, 5, "causal", 6, 2),
+        (2, 3, "array", 6, 2),
+        # a KV head's query heads in chunks (fewer KV heads than threads), or all together
+        (1, 1, None, 16, 1),
+        (1, 1, "causal", 9, 3),
+        (2, 2, "causal", 4, 4),
+    ],
 )
-def test_attention(b, t, mask):
-    h, hkv, d, s = 6, 2, 64, 70
+def test_attention(b, t, mask, h, hkv):
+    d, s = 64, 70
     # the cache's buffer is longer than its keys: k and v are strided slices of it
     kbuf = mx.array(rng.standard_normal((b, hkv, 128, d)).astype(np.float32))
     vbuf = mx.array(rng.standard_normal((b, hkv, 128, d)).astype(np.float32))
@@ -137,6 +171,9 @@ def test_attention(b, t, mask):
     vmax = np.abs(f64(v)).max()
     bound = (4 * d * U * max(smax, 1.0) + 4 * s * U) * vmax
     assert np.abs(f64(got) - ref).max() <= bound
+    # (B, T, H·Dv), as the output projection reads it: the same values, placed there
+    flat = fused.attend(q, k, v, scale, arg, heads_last=True)
+    assert np.array_equal(f64(flat), f64(got.transpose(0, 2, 1, 3).reshape(b, t, -1)))
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])

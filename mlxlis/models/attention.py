@@ -48,17 +48,37 @@ def attend(
     mask: str | mx.array | None,
     cap: float | None = None,
     sinks: mx.array | None = None,
+    heads_last: bool = False,
 ) -> mx.array:
     """q: (B, n_heads, T, head_dim); k, v: (B, n_kv_heads, S, head_dim), newest keys last when
     mask is "causal" (aligned to the newest keys, so chunks after a cache work); an array mask
     is boolean (T, S), or (B, 1, T, S) per sequence, True = attend; sinks (n_heads,) logits.
-    Returns (B, n_heads, T, head_dim)."""
-    fast = fastmath.enabled()
+    Returns (B, n_heads, T, head_dim), or (B, T, n_heads·head_dim) if `heads_last` (the output
+    projection's input)."""
     packed = isinstance(k, (QArray, Tailed))
     if cap is None and sinks is None and not packed:
-        out = fused.attend(q, k, v, scale, mask)  # one CPU node for a few queries
+        out = fused.attend(q, k, v, scale, mask, heads_last)  # one CPU node for a few queries
         if out is not None:
             return out
+    out = _attend(q, k, v, scale, mask, cap, sinks, packed)
+    if heads_last:
+        b, _, t, _ = out.shape
+        out = out.transpose(0, 2, 1, 3).reshape(b, t, -1)
+    return out
+
+
+def _attend(
+    q: mx.array,
+    k: Stored,
+    v: Stored,
+    scale: float,
+    mask: str | mx.array | None,
+    cap: float | None,
+    sinks: mx.array | None,
+    packed: bool,
+) -> mx.array:
+    """`attend` by MLX's operations: (B, n_heads, T, head_dim)."""
+    fast = fastmath.enabled()
     if packed and q.shape[2] > 1 and device_name() == "cpu":
         k, v = k.dequantize(), v.dequantize()  # this layer's, for this chunk (see above)
         packed = False

@@ -106,10 +106,11 @@ class Attention(nn.Module):
         q = q.reshape(b, t, self.n_heads, -1)
         if self.gated:  # (B, T, n_heads, 2·head_dim): each head's query, then its gate
             q, gate = mx.split(q, 2, axis=-1)
-        q = q.transpose(0, 2, 1, 3)
-        k = k.reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        k = k.reshape(b, t, self.n_kv_heads, -1)
         v = v.reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        # q: (B, n_heads, T, head_dim); k, v: (B, n_kv_heads, T, head_dim)
+        # q: (B, T, n_heads, head_dim), k: (B, T, n_kv_heads, head_dim): heads last until RoPE
+        # puts them first (one CPU node: the projections' layout in, the caches' out)
+        # v: (B, n_kv_heads, T, head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         if isinstance(cache, CacheBatch) and t == 1:  # one token per sequence, on its cache
@@ -122,36 +123,47 @@ class Attention(nn.Module):
             out = mx.concatenate(rows)
         else:
             out = self._attend(q, k, v, mask, cache, positions)
-        out = out.transpose(0, 2, 1, 3)  # (B, T, n_heads, head_dim)
+        # out: (B, T, n_heads·head_dim)
         if self.gated:
-            out = out * mx.sigmoid(gate)
-        return self.o_proj(out.reshape(b, t, -1))
+            out = out * mx.sigmoid(gate).reshape(b, t, -1)
+        return self.o_proj(out)
 
     def _attend(self, q, k, v, mask: Mask, cache: Cache | None, positions=None) -> mx.array:
+        """q, k heads last (B, T, heads, head_dim), v (B, n_kv_heads, T, head_dim) ->
+        (B, T, n_heads·head_dim)."""
         offset = cache.offset + cache.shift if cache is not None else 0
         if self.rope is None:
-            pass
+            q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         elif positions is not None:
+            q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
             q, k = self.rope.at(q, positions), self.rope.at(k, positions)
         else:
-            q, k = self.rope(q, offset), self.rope(k, offset)
+            q, k = self.rope(q, offset, heads_last=True), self.rope(k, offset, heads_last=True)
+        # q: (B, n_heads, T, head_dim), k: (B, n_kv_heads, T, head_dim)
         if self._l2_eps is not None or self._temperature is not None:  # Llama 4, Ministral 3
             q, k = self._after_rope(q, k, offset + mx.arange(q.shape[2]))
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        return attend(q, k, v, self.scale, mask, self.softcap, self.get("sinks"))
+        return self._attend_heads(q, k, v, mask)
 
     def _attend_batch(self, q, k, v, caches: list) -> mx.array:
-        """One new token per sequence (q, k, v: (B, heads, 1, head_dim)): RoPE at each one's
-        own position, then all attend at once over their caches stacked (KVBatch), each row
-        masked to its own keys."""
+        """One new token per sequence (q, k heads last (B, 1, heads, head_dim), v (B, n_kv_heads,
+        1, head_dim)): RoPE at each one's own position, then all attend at once over their
+        caches stacked (KVBatch), each row masked to its own keys: (B, 1, n_heads·head_dim)."""
         offsets = mx.array([c.offset + c.shift for c in caches])
         if self.rope is not None:
-            q, k = self.rope(q, offsets), self.rope(k, offsets)
+            q, k = self.rope(q, offsets, heads_last=True), self.rope(k, offsets, heads_last=True)
+        else:
+            q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         if self._l2_eps is not None or self._temperature is not None:
             q, k = self._after_rope(q, k, offsets[:, None, None])
         keys, values, mask = KVBatch.step_of(caches, k, v)
-        return attend(q, keys, values, self.scale, mask, self.softcap, self.get("sinks"))
+        return self._attend_heads(q, keys, values, mask)
+
+    def _attend_heads(self, q, k, v, mask) -> mx.array:
+        """(B, n_heads, T, head_dim) queries over the keys -> (B, T, n_heads·head_dim)."""
+        sinks = self.get("sinks")
+        return attend(q, k, v, self.scale, mask, self.softcap, sinks, heads_last=True)
 
     def _after_rope(self, q, k, positions: mx.array) -> tuple[mx.array, mx.array]:
         """Llama 4's L2 norm of q and k (RoPE layers), or the temperature on q (Llama 4's NoPE

@@ -124,10 +124,17 @@ class Rope(nn.Module):
         r = x[..., : self.dims] * mx.array(self.mscale, x.dtype)
         return r if self.dims == x.shape[-1] else mx.concatenate([r, x[..., self.dims :]], -1)
 
-    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+    def __call__(
+        self, x: mx.array, offset: int | mx.array = 0, heads_last: bool = False
+    ) -> mx.array:
         """x (B, heads, T, head_dim) turned from position `offset` (one per row, (B,), in a
-        batch). Longrope: the long factors for a pass reaching past the original context, as
+        batch); `heads_last`: x is (B, T, heads, head_dim), the result still (B, heads, T,
+        head_dim). Longrope: the long factors for a pass reaching past the original context, as
         transformers picks them per forward (each row its own, in a batch)."""
+        if self._long is None and self.mscale == 1.0:
+            return self._rope(x, offset, self._periods, heads_last)
+        if heads_last:
+            x = x.transpose(0, 2, 1, 3)
         if self._long is None:
             return self._rope(x, offset, self._periods)
         t = x.shape[-2]
@@ -139,7 +146,13 @@ class Rope(nn.Module):
             past, self._rope(x, offset, self._long), self._rope(x, offset, self._periods)
         )
 
-    def _rope(self, x: mx.array, offset: int | mx.array, periods: mx.array | None) -> mx.array:
+    def _rope(
+        self,
+        x: mx.array,
+        offset: int | mx.array,
+        periods: mx.array | None,
+        heads_last: bool = False,
+    ) -> mx.array:
         return fused.rope(
             self._scaled(x),
             self.dims,
@@ -148,6 +161,7 @@ class Rope(nn.Module):
             scale=self.scale,
             offset=offset,
             freqs=periods,
+            heads_last=heads_last,
         )
 
 

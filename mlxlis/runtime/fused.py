@@ -51,8 +51,11 @@ def rope(
     scale: float,
     offset: int | mx.array,
     freqs: mx.array | None = None,
+    heads_last: bool = False,
 ) -> mx.array:
-    """mx.fast.rope(x, …): x (B, heads, T, head_dim), from `offset` (an int, or one per row)."""
+    """mx.fast.rope(x, …): x (B, heads, T, head_dim), from `offset` (an int, or one per row).
+    `heads_last`: x is (B, T, heads, head_dim), as the projections give it; the result is
+    still (B, heads, T, head_dim) (the kernel transposes as it turns: no node for it)."""
     fit = x.ndim == 4 and (freqs is None) != (base is None)
     if fit and (k := _kernels(x, *([] if freqs is None else [freqs]))) is not None:
         many = isinstance(offset, mx.array)
@@ -65,24 +68,33 @@ def rope(
             0 if many else offset,
             offset.reshape(-1) if many else None,
             freqs,
+            x.shape[2] if heads_last else 0,
         )
+    if heads_last:
+        x = x.transpose(0, 2, 1, 3)
     return mx.fast.rope(
         x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs
     )
 
 
 def attend(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: str | mx.array | None
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask: str | mx.array | None,
+    heads_last: bool = False,
 ) -> mx.array | None:
     """softmax((q·scale)·kᵀ, masked)·v for up to MAX_QUERIES queries (q (B, H, T, D), k and v
     (B, Hkv, S, ·), `mask` "causal" aligned to the newest keys, or boolean broadcasting to
-    (B, 1, T, S)); None where the kernel does not apply (the caller computes it)."""
+    (B, 1, T, S)): (B, H, T, Dv), or (B, T, H·Dv) if `heads_last`; None where the kernel does
+    not apply (the caller computes it)."""
     if q.shape[2] > MAX_QUERIES or (isinstance(mask, mx.array) and mask.dtype != mx.bool_):
         return None
     if (kern := _kernels(q, k, v)) is None:
         return None
     causal = isinstance(mask, str)
-    return kern.attend(q, k, v, scale, causal, None if causal else mask)
+    return kern.attend(q, k, v, scale, causal, None if causal else mask, heads_last)
 
 
 def gated(act: str, gate: mx.array, up: mx.array) -> mx.array | None:

@@ -29,11 +29,13 @@ NB_MODULE(_qmv, m) {
   m.def("rms_norm", &qmv::fused_rms_norm, "x"_a, "w"_a.none(), "eps"_a,
         "x / sqrt(mean(x^2, -1) + eps) * w, float32, one CPU node.");
   m.def("rope", &qmv::fused_rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a,
-        "offset"_a, "offsets"_a.none(), "periods"_a.none(),
-        "RoPE of x (B, H, T, D) from `offset` (or per-row `offsets`), float32, one CPU node.");
+        "offset"_a, "offsets"_a.none(), "periods"_a.none(), "heads"_a = 0,
+        "RoPE of x (B, H, T, D) from `offset` (or per-row `offsets`), float32, one CPU node; "
+        "heads > 0: x (B, T, heads[, D]) in, (B, heads, T, D) out.");
   m.def("attend", &qmv::fused_attend, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a,
-        "mask"_a.none(),
-        "softmax((q * scale) k^T [masked]) v for GQA heads, float32, one CPU node.");
+        "mask"_a.none(), "heads_last"_a = false,
+        "softmax((q * scale) k^T [masked]) v for GQA heads, float32, one CPU node; "
+        "heads_last: out (B, T, H * Dv).");
   m.def("gated", &qmv::fused_gated, "gate"_a, "up"_a, "act"_a,
         "act(gate) * up (act 0 silu, 1 gelu_tanh), float32, one CPU node.");
 

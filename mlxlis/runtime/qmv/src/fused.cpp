@@ -1,5 +1,6 @@
 #include "fused.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -34,6 +35,25 @@ View4 view4(const mx::array& a, std::vector<char>& keep) {
   return v;
 }
 
+// x (B, T, H, D), or (B, T, H * D) with `heads` H, seen as (B, H, T, D)
+View4 view4_heads_last(const mx::array& a, int heads, std::vector<char>& keep) {
+  const bool flat = a.ndim() == 3;
+  const int D = flat ? a.shape(2) / heads : a.shape(3);
+  View4 v{};
+  v.n[0] = a.shape(0), v.n[1] = heads, v.n[2] = a.shape(1), v.n[3] = D;
+  const float* p = a.data<float>();
+  std::vector<int64_t> s(a.strides().begin(), a.strides().end());
+  if (s.back() != 1 && a.shape(-1) != 1) {  // a dense copy, its own strides
+    p = static_cast<const float*>(dense_data(a, keep));
+    s.back() = 1;
+    for (int d = a.ndim() - 2; d >= 0; --d) s[d] = s[d + 1] * a.shape(d + 1);
+  }
+  v.p = p;
+  v.s[0] = s[0], v.s[2] = s[1], v.s[3] = 1;
+  v.s[1] = flat ? int64_t(D) : s[2];
+  return v;
+}
+
 }  // namespace
 
 mx::array fused_rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps) {
@@ -53,10 +73,21 @@ mx::array fused_rms_norm(const mx::array& x, const std::optional<mx::array>& w, 
 
 mx::array fused_rope(const mx::array& x, int dims, bool traditional, float base, float scale,
                      int offset, const std::optional<mx::array>& offsets,
-                     const std::optional<mx::array>& periods) {
+                     const std::optional<mx::array>& periods, int heads) {
   need_f32(x, "x");
-  if (x.ndim() != 4) fail("x must be (B, H, T, D)");
-  if (dims <= 0 || dims % 2 || dims > x.shape(3)) fail("dims must be even, within D");
+  mx::Shape shape = x.shape();  // (B, H, T, D)
+  if (heads > 0) {
+    if (x.ndim() == 4 && x.shape(2) == heads) {
+      shape = {x.shape(0), heads, x.shape(1), x.shape(3)};
+    } else if (x.ndim() == 3 && x.shape(2) % heads == 0) {
+      shape = {x.shape(0), heads, x.shape(1), x.shape(2) / heads};
+    } else {
+      fail("x must be (B, T, heads, D) or (B, T, heads * D)");
+    }
+  } else if (x.ndim() != 4) {
+    fail("x must be (B, H, T, D)");
+  }
+  if (dims <= 0 || dims % 2 || dims > shape[3]) fail("dims must be even, within D");
   std::vector<mx::array> in{x};
   int flags = 0;
   if (offsets) {
@@ -71,14 +102,15 @@ mx::array fused_rope(const mx::array& x, int dims, bool traditional, float base,
     in.push_back(*periods);
     flags |= 2;
   }
-  return mx::array(x.shape(), mx::float32,
+  return mx::array(std::move(shape), mx::float32,
                    std::make_shared<Fused>(cpu(), FusedOp::Rope, std::vector<float>{base, scale},
-                                           std::vector<int>{dims, traditional, offset, flags}),
+                                           std::vector<int>{dims, traditional, offset, flags,
+                                                            std::max(heads, 0)}),
                    std::move(in));
 }
 
 mx::array fused_attend(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                       bool causal, const std::optional<mx::array>& mask) {
+                       bool causal, const std::optional<mx::array>& mask, bool heads_last) {
   for (auto* a : {&q, &k, &v}) {
     need_f32(*a, "q, k and v");
     if (a->ndim() != 4) fail("q, k and v must be 4-D");
@@ -93,10 +125,10 @@ mx::array fused_attend(const mx::array& q, const mx::array& k, const mx::array& 
     if (mask->dtype() != mx::bool_) fail("mask must be boolean");
     in.push_back(mx::broadcast_to(*mask, {B, 1, T, S}, cpu()));
   }
-  mx::Shape shape{B, H, T, v.shape(3)};
+  mx::Shape shape = heads_last ? mx::Shape{B, T, H * v.shape(3)} : mx::Shape{B, H, T, v.shape(3)};
   return mx::array(std::move(shape), mx::float32,
                    std::make_shared<Fused>(cpu(), FusedOp::Attend, std::vector<float>{scale},
-                                           std::vector<int>{causal, bool(mask)}),
+                                           std::vector<int>{causal, bool(mask), heads_last}),
                    std::move(in));
 }
 
@@ -131,7 +163,7 @@ void Fused::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       enc.dispatch([in = inputs, o, f = f_, i = i_]() {
         std::vector<char> kx, kp, ko;
         RopeArgs a{};
-        a.x = view4(in[0], kx);
+        a.x = i[4] > 0 ? view4_heads_last(in[0], i[4], kx) : view4(in[0], kx);
         a.dims = i[0];
         a.traditional = i[1];
         a.base = f[0];
@@ -160,6 +192,7 @@ void Fused::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
         a.v = view4(in[2], kv);
         a.scale = scale;
         a.causal = i[0];
+        a.heads_last = i[2];
         if (i[1]) {
           const auto& m = in[3];
           a.mask = m.data<uint8_t>();
@@ -200,11 +233,17 @@ bool Fused::is_equivalent(const mx::Primitive& other) const {
 }
 
 std::vector<mx::Shape> Fused::output_shapes(const std::vector<mx::array>& inputs) {
+  const auto& x = inputs[0];
   if (op_ == FusedOp::Attend) {
-    const auto& q = inputs[0];
-    return {{q.shape(0), q.shape(1), q.shape(2), inputs[2].shape(3)}};
+    const int Dv = inputs[2].shape(3);
+    if (i_[2]) return {{x.shape(0), x.shape(2), x.shape(1) * Dv}};
+    return {{x.shape(0), x.shape(1), x.shape(2), Dv}};
   }
-  return {inputs[0].shape()};
+  if (op_ == FusedOp::Rope && i_[4] > 0) {
+    const int h = i_[4], D = x.ndim() == 3 ? x.shape(2) / h : x.shape(3);
+    return {{x.shape(0), h, x.shape(1), D}};
+  }
+  return {x.shape()};
 }
 
 }  // namespace qmv

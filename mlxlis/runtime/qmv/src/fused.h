@@ -18,14 +18,17 @@ enum class FusedOp : int { RmsNorm = 0, Rope = 1, Attend = 2, Gated = 3 };
 
 // x (..., D) [w (D)]: x / sqrt(mean(x^2) + eps) * w
 mx::array fused_rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps);
-// x (B, H, T, D) turned from position `offset` (an int, or offsets (B,) int32)
+// x (B, H, T, D) turned from position `offset` (an int, or offsets (B,) int32); with
+// `heads` > 0, x is (B, T, heads, D) or (B, T, heads * D) (a projection's output) and the
+// result is still (B, heads, T, D): the transpose done by the same pass
 mx::array fused_rope(const mx::array& x, int dims, bool traditional, float base, float scale,
                      int offset, const std::optional<mx::array>& offsets,
-                     const std::optional<mx::array>& periods);
-// q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) -> (B, H, T, Dv);
+                     const std::optional<mx::array>& periods, int heads);
+// q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) -> (B, H, T, Dv), or (B, T, H * Dv)
+// when `heads_last` (the output projection's input, without a transpose and a reshape);
 // mask: bool broadcastable to (B, 1, T, S), True = attend
 mx::array fused_attend(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                       bool causal, const std::optional<mx::array>& mask);
+                       bool causal, const std::optional<mx::array>& mask, bool heads_last);
 // act(g) * u, act 0 silu, 1 gelu_tanh
 mx::array fused_gated(const mx::array& g, const mx::array& u, int act);
 

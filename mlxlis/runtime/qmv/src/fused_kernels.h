@@ -36,7 +36,7 @@ struct RopeArgs {
 void rope(const RopeArgs& a);
 
 // Attention of few queries: q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv)
-// (H a multiple of Hkv), out (B, H, T, Dv) dense. Scores (q * scale) . k, query t of
+// (H a multiple of Hkv), out (B, H, T, Dv) dense (or (B, T, H, Dv): heads_last). Scores (q * scale) . k, query t of
 // a causal chunk sees keys [0, S - T + t]; mask (uint8, B or 1, T, S with strides)
 // where 0 hides a key. Softmax in float32; probabilities times v.
 struct AttendArgs {
@@ -45,6 +45,7 @@ struct AttendArgs {
   bool causal;
   const uint8_t* mask;  // null: none
   int64_t mask_s[3];    // strides of (B, T, S); 0 broadcasts
+  bool heads_last;      // out (B, T, H, Dv) (what the output projection reads) if set
   float* out;
 };
 void attend(const AttendArgs& a);

@@ -30,6 +30,12 @@ namespace qmv {
 
 namespace {
 
+#ifndef PF_W
+#define PF_W 2048
+#endif
+#ifndef PF_S
+#define PF_S 256
+#endif
 constexpr int kMaxX = 8355711;  // 127 * (1 + 256 + 65536): the largest 3-digit value
 
 // Byte-permute and multishift controls for `bits`.
@@ -107,6 +113,16 @@ inline __attribute__((always_inline)) void block(const Problem& p, const uint8_t
                                                  __m512* acc, __m512* accb) {
   const __m512i q = codes64<B>(wrow + size_t(b) * 8 * B, bytes);
   const size_t gi = g0 + size_t(b) * 64 / GR;  // the block's first group
+  if constexpr (PF_W > 0) {
+    const size_t wo = size_t(b) * 8 * B + (wrow - reinterpret_cast<const uint8_t*>(p.wq));
+    if ((wo & 63) < 8 * B) _mm_prefetch(reinterpret_cast<const char*>(wrow + size_t(b) * 8 * B + PF_W), _MM_HINT_T0);
+    constexpr int ss = ST == SB_F32 ? 4 : 2;
+    constexpr int sb = (GR >= 64 ? 1 : 64 / GR) * ss;
+    if (((gi * ss) & 63) < sb) {
+      _mm_prefetch(static_cast<const char*>(p.scales) + gi * ss + PF_S, _MM_HINT_T0);
+      if (p.biases) _mm_prefetch(static_cast<const char*>(p.biases) + gi * ss + PF_S, _MM_HINT_T0);
+    }
+  }
   const __m512 s = lanes_of<GR, ST>(p.scales, gi, valid);
   // no biases: a symmetric format, −2^(B−1)·scale (exact)
   const __m512 bias = p.biases ? lanes_of<GR, ST>(p.biases, gi, valid)
