@@ -144,7 +144,7 @@ class Attention(nn.Module):
             q, k = self._after_rope(q, k, offset + mx.arange(q.shape[2]))
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        return self._attend_heads(q, k, v, mask)
+        return self._attend_heads(q, k, v, mask, self.get("sinks"))
 
     def _attend_batch(self, q, k, v, caches: list) -> mx.array:
         """One new token per sequence (q, k heads last (B, 1, heads, head_dim), v (B, n_kv_heads,
@@ -158,11 +158,10 @@ class Attention(nn.Module):
         if self._l2_eps is not None or self._temperature is not None:
             q, k = self._after_rope(q, k, offsets[:, None, None])
         keys, values, mask = KVBatch.step_of(caches, k, v)
-        return self._attend_heads(q, keys, values, mask)
+        return self._attend_heads(q, keys, values, mask, self.get("sinks"))
 
-    def _attend_heads(self, q, k, v, mask) -> mx.array:
+    def _attend_heads(self, q, k, v, mask, sinks) -> mx.array:
         """(B, n_heads, T, head_dim) queries over the keys -> (B, T, n_heads·head_dim)."""
-        sinks = self.get("sinks")
         return attend(q, k, v, self.scale, mask, self.softcap, sinks, heads_last=True)
 
     def _after_rope(self, q, k, positions: mx.array) -> tuple[mx.array, mx.array]:
