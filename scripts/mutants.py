@@ -50,6 +50,8 @@ NET4 = "mlxlis/models/qwen4_exp_net.py"
 PARTS4 = "mlxlis/models/qwen4_exp_parts.py"
 QMV_GRID = "tests/test_qmv.py::test_every_width_and_group_matches_float64_and_mlx"
 QMV_PREFILL = "tests/test_qmv.py::test_prefill_dequantizes_tiles_into_sgemm"
+QMV_SUPER = "tests/test_qmv.py::test_super_block_formats_equal_the_float_scales_layout"
+QUANTS_SUPER = "tests/test_quants.py::test_k_quants_held_as_stored_bit_exact"
 FUSED = "tests/test_fused.py"
 Q4X_HF = "tests/test_qwen4_exp.py::test_logits_match_transformers_fp32"
 Q4X_CACHE = (
@@ -1358,18 +1360,58 @@ MUTANTS = (
         "AVX-512 kernels: subnormal x rounded to multiples of 2^-126 (lost)",
     ),
     Mutant(
+        "super-expand-dmin-first-half",
+        "mlxlis/runtime/qmv/src/kernels_avx512.cpp",
+        "_mm512_set1_ps(_cvtsh_ss(kd[2 * k + (two ? 3 : 1)])));",
+        "_mm512_set1_ps(_cvtsh_ss(kd[2 * k + 1])));",
+        (QMV_SUPER,),
+        "super-block rows (AVX-512): groups 8-15 of 16 take the first super-block's dmin",
+    ),
+    Mutant(
+        "super-scale-super-block-of-32",
+        "mlxlis/runtime/qmv/src/kernels.h",
+        "  const float d = sb_load(p.kd, SB_F16, 2 * (idx >> p.gshift));",
+        "  const float d = sb_load(p.kd, SB_F16, 2 * (idx >> 3));",
+        (QMV_SUPER,),
+        "super-block formats (scalar): Q6_K's 16 groups a super-block read as 8 (the wrong d)",
+    ),
+    Mutant(
+        "super-avx2-bias-sign",
+        "mlxlis/runtime/qmv/src/kernels_avx2.cpp",
+        "  return -(dmin * float(static_cast<const uint8_t*>(p.biases)[idx]));",
+        "  return dmin * float(static_cast<const uint8_t*>(p.biases)[idx]);",
+        (QMV_SUPER,),
+        "super-block formats (AVX2): the bias +dmin·m instead of −dmin·m",
+    ),
+    Mutant(
+        "super-mins-high-bits",
+        "mlxlis/loading/quant_blocks.py",
+        "(mid >> np.uint8(6)) << np.uint8(4), out=mn",
+        "(lo >> np.uint8(6)) << np.uint8(4), out=mn",
+        (QUANTS_SUPER,),
+        "Q4_K/Q5_K mins 4-7: their high bits taken from the scales' bytes",
+    ),
+    Mutant(
+        "super-q6k-d-offset",
+        "mlxlis/loading/quant_blocks.py",
+        "        d=208,",
+        "        d=206,",
+        (QUANTS_SUPER,),
+        "Q6_K held as stored: d read two bytes early",
+    ),
+    Mutant(
         "q6k-sub-block-bias",
         "mlxlis/runtime/qmv/src/kernels.h",
-        ": -float(1 << (p.bits - 1)) * scale;",
-        ": -float((1 << (p.bits - 1)) - 1) * scale;",
+        "  if (!p.biases) return -float(1 << (p.bits - 1)) * scale;",
+        "  if (!p.biases) return -float((1 << (p.bits - 1)) - 1) * scale;",
         (QMV_GRID,),
         "Q6_K held without biases: the scalar / AVX2 kernels' bias −31·d·sc instead of −32·d·sc",
     ),
     Mutant(
         "qmv512-symmetric-bias",
         "mlxlis/runtime/qmv/src/kernels_avx512.cpp",
-        "                               : _mm512_mul_ps(s, _mm512_set1_ps(-float(1 << (B - 1))));",
-        "                               : _mm512_mul_ps(s, _mm512_set1_ps(-float(1 << (B - 2))));",
+        "                             : _mm512_mul_ps(s, _mm512_set1_ps(-float(1 << (B - 1))));",
+        "                             : _mm512_mul_ps(s, _mm512_set1_ps(-float(1 << (B - 2))));",
         (QMV_GRID,),
         "AVX-512 kernels, a format held without biases: −2^(bits−2)·scale",
     ),

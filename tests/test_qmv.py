@@ -251,6 +251,77 @@ def test_inputs_of_any_layout_in_a_compiled_graph():
         check(y, ref, bound, "lazy")
 
 
+def make_super(n, k, bits, group, m, seed=0):
+    """A super-block format (K-quants as stored): random codes, integer scales (uint8 0..63 with
+    uint8 mins, or int8 without, as Q4_K/Q5_K and Q6_K), float16 (d, dmin) per 256 weights;
+    and the same weights in MLX's layout, float32 d·sc and −dmin·m computed here by numpy."""
+    rng = np.random.default_rng(seed)
+    g = k // group
+    codes = rng.integers(0, 2**bits, (n, k), dtype=np.uint8)
+    as_bits = np.unpackbits(codes[..., None], axis=2, bitorder="little")[..., :bits]
+    wq = mx.array(np.packbits(as_bits.reshape(n, -1), axis=1, bitorder="little").view("<u4"))
+    signed = group == 16
+    sc = rng.integers(-128 if signed else 0, 128 if signed else 64, (n, g))
+    sc = sc.astype(np.int8 if signed else np.uint8)
+    mins = None if signed else rng.integers(0, 64, (n, g)).astype(np.uint8)
+    kd = rng.uniform(1e-4, 2e-3, (n, k // 256, 2)).astype(np.float16)
+    pair = np.repeat(kd.astype(np.float32), 256 // group, axis=1)
+    s = pair[..., 0] * sc.astype(np.float32)
+    b = -(2.0 ** (bits - 1)) * s if signed else -(pair[..., 1] * mins.astype(np.float32))
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+    stored = (mx.array(sc), None if mins is None else mx.array(mins), mx.array(kd))
+    return x, wq, stored, mx.array(s), mx.array(b.astype(np.float32))
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (5, 32), (6, 16)])
+def test_super_block_formats_equal_the_float_scales_layout(bits, group):
+    """K-quants held as stored (integer scales, a float16 (d, dmin) per 256 weights): every
+    ISA, decode rows 1-16 and prefill rows, equal the same weights with float32 scales d·sc
+    and biases −dmin·m (the layout the kernels are proven on above) bit for bit, since the
+    kernels form those same products; and within the float64 reference's bound. A row longer
+    than the AVX-512 kernels expand on the stack (2048 groups) goes to the AVX2 ones."""
+    try:
+        for n, k in [(37, 768), (3, 256), (2, 2049 * 32 // 256 * 256 + 256)]:
+            for m in (1, 3, 16, 17):
+                x, wq, stored, s, b = make_super(n, k, bits, group, m, seed=n + m)
+                ref, bound = reference(x, wq, s, b, group, bits)
+                # MLX's layout for other devices (qmv.matmul off the CPU): the same floats
+                s2, b2 = qmv.super_scales_as_float(*stored, group)
+                assert np.array_equal(np.array(s2), np.array(s))
+                assert (b2 is None) == (group == 16)
+                assert b2 is None or np.array_equal(np.array(b2), np.array(b))
+                for isa in ISAS:
+                    assert ext.set_isa(isa)
+                    sc, mins, kd = stored
+                    y = ext.qmv(x, wq, sc, mins, group, bits, kd)
+                    if isa == "avx512" and k // group > 2048 and m < 17:
+                        assert ext.set_isa("avx2")  # where such a row goes
+                    plain = ext.qmv(x, wq, s, None if mins is None else b, group, bits)
+                    what = f"{isa} N={n} K={k} M={m} bits={bits}"
+                    assert np.array_equal(np.array(y), np.array(plain)), what
+                    check(y, ref, bound, what)
+    finally:
+        ext.set_isa("auto")
+
+
+def test_super_block_formats_refuse_what_they_cannot_be():
+    x, wq, (sc, mins, kd), s, b = make_super(4, 512, 4, 32, 1)
+    bad = [
+        (x, wq, sc, mins, 64, 4, kd),  # groups of 64
+        (x, wq, s, b, 32, 4, kd),  # float scales with super-block pairs
+        (x, wq, sc.astype(mx.int32), mins, 32, 4, kd),
+        (x, wq, sc, mins, 32, 4, kd.astype(mx.float32)),
+        (x, wq, sc, mins, 32, 4, kd[:, :1]),
+        (x, wq, sc, mins.astype(mx.int8), 32, 4, kd),
+    ]
+    for args in bad:
+        with pytest.raises(ValueError):
+            ext.qmv(*args)
+    ints = mx.zeros((4, 9), mx.uint8)  # K = 288: not whole super-blocks
+    with pytest.raises(ValueError, match="multiple of 256"):
+        ext.qmv(mx.zeros((1, 288)), mx.zeros((4, 36), mx.uint32), ints, ints, 32, 4, kd)
+
+
 def test_bad_arguments_are_refused():
     x, wq, s, b = make(8, 64, 4, 32, 1)
     for args in ((x, wq, s, b, 32, 7), (x, wq, s, b, 48, 4), (x[:, :32], wq, s, b, 32, 4)):

@@ -72,19 +72,32 @@ def unpacked(c: quants.Converted) -> np.ndarray:
     scales and biases widened to float32 as the products read them."""
     if c.scales is None:
         return np.array(c.weight.astype(mx.float32))
+    if c.super_scales is not None:  # K-quants as stored: the group's d·sc and −dmin·m
+        kd = np.array(c.super_scales).astype(np.float32)
+        kd = np.repeat(kd, 256 // c.group_size, axis=1)  # (rows, groups, 2)
+        s = kd[..., 0] * np.array(c.scales).astype(np.float32)
+        b = None if c.biases is None else -(kd[..., 1] * np.array(c.biases).astype(np.float32))
+        return numpy_dequantized(c, s, b)
     if c.group_size == 16:  # Q6_K as the CPU kernels hold it: MLX has no group of 16
-        rows, k = c.weight.shape[0], c.weight.shape[1] * 32 // c.bits
-        as_bits = np.unpackbits(np.array(c.weight).view(np.uint8), axis=1, bitorder="little")
-        q = (as_bits.reshape(rows, k, c.bits) << np.arange(c.bits, dtype=np.uint8)).sum(2)
-        s = np.repeat(np.array(c.scales), 16, axis=1)
-        b = -(2.0 ** (c.bits - 1)) * s if c.biases is None else np.repeat(np.array(c.biases), 16, 1)
-        return q.astype(np.float32) * s + b  # float32, as the kernels' dequantized tiles
+        s, b = np.array(c.scales), None if c.biases is None else np.array(c.biases)
+        return numpy_dequantized(c, s, b)
     wide = [
         a.astype(mx.float32) if a is not None and a.dtype == mx.float16 else a
         for a in (c.scales, c.biases)
     ]
     w = mx.dequantize(c.weight, *wide, group_size=c.group_size, bits=c.bits, mode=c.mode)
     return np.array(w.astype(mx.float32))
+
+
+def numpy_dequantized(c: quants.Converted, s: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    """c's codes unpacked by numpy, times the group scales s, plus the biases b (None: the
+    symmetric −2^(bits−1)·s), in float32 as the kernels' dequantized tiles."""
+    rows, k = c.weight.shape[0], c.weight.shape[1] * 32 // c.bits
+    as_bits = np.unpackbits(np.array(c.weight).view(np.uint8), axis=1, bitorder="little")
+    q = (as_bits.reshape(rows, k, c.bits) << np.arange(c.bits, dtype=np.uint8)).sum(2)
+    s = np.repeat(s, c.group_size, axis=1)
+    b = -(2.0 ** (c.bits - 1)) * s if b is None else np.repeat(b, c.group_size, axis=1)
+    return q.astype(np.float32) * s + b
 
 
 @pytest.fixture
@@ -154,18 +167,32 @@ def test_packing_matches_mx_quantize(bits: int):
     assert np.array_equal(np.array(wq), pack_codes(codes, bits))
 
 
-def test_q6_k_as_groups_of_16_bit_exact(small_chunks):
-    """Reference parity: Q6_K held as groups of 16 (the CPU kernels' layout: 6-bit codes,
-    float32 scales d·sc and no biases, the kernels taking −32·d·sc), unpacked by numpy, equals
-    gguf-py bit for bit; only when asked and not dense. The kernels' products: test_qmv."""
-    t = tensor("Q6_K", (8, 512))
+@pytest.mark.parametrize(
+    "name,bits,group,scales",
+    [("Q4_K", 4, 32, "uint8"), ("Q5_K", 5, 32, "uint8"), ("Q6_K", 6, 16, "int8")],
+)
+def test_k_quants_held_as_stored_bit_exact(name, bits, group, scales, small_chunks):
+    """Reference parity: K-quants held as the file holds them (the CPU kernels' super-block
+    layout: codes, each group's integer scale sc and min m, each 256 weights' float16 d and
+    dmin), taken as d·sc·q − dmin·m by numpy, equal gguf-py bit for bit; only when asked and
+    not dense. Q4_K/Q5_K's d·sc and −dmin·m equal the float32 scales and biases of MLX's
+    layout (what the kernels compute them as: test_qmv proves their products equal)."""
+    t = tensor(name, (8, 512))
     raw = random_raw(t)
     c = convert_tensor(t, raw, mx.float32, sub_blocks=True)
-    assert (c.bits, c.group_size) == (6, 16)
-    assert c.weight.shape == (8, 512 * 6 // 32) and c.scales.shape == (8, 32)
-    assert c.scales.dtype == mx.float32 and c.biases is None
+    assert (c.bits, c.group_size) == (bits, group)
+    assert c.weight.shape == (8, 512 * bits // 32) and c.scales.shape == (8, 512 // group)
+    assert c.scales.dtype == getattr(mx, scales) and c.super_scales.dtype == mx.float16
+    assert c.super_scales.shape == (8, 2, 2)
+    assert (c.biases is None) == (name == "Q6_K")
     assert np.array_equal(unpacked(c), reference(t, raw))
-    assert convert_tensor(t, raw, mx.float32).scales is None
+    if name != "Q6_K":  # MLX's layout: float32 scales and biases
+        plain = convert_tensor(t, raw, mx.float32)
+        kd = np.repeat(np.array(c.super_scales).astype(np.float32), 8, axis=1)
+        assert np.array_equal(kd[..., 0] * np.array(c.scales), np.array(plain.scales))
+        assert np.array_equal(-(kd[..., 1] * np.array(c.biases)), np.array(plain.biases))
+    else:
+        assert convert_tensor(t, raw, mx.float32).scales is None  # dense without the kernels
     assert convert_tensor(t, raw, mx.float32, dequantize=True, sub_blocks=True).scales is None
 
 
@@ -260,26 +287,44 @@ def test_real_tensors_bit_exact(name: str):
             quantized = t.type_name in QUANTIZABLE and len(t.shape) > 1
             assert (c.scales is not None) == quantized, t.name
             assert np.array_equal(unpacked(c), reference(t, raw)), (t.name, t.type_name)
-            if t.type_name in quants.SUB_BLOCKS:
+            if t.type_name in quants.SUPER_HELD and len(t.shape) == 2:  # the kernels' layout
                 c = convert_tensor(t, raw, mx.float32, path=str(f.path), sub_blocks=True)
-                assert c.group_size == 16 and np.array_equal(unpacked(c), reference(t, raw))
+                assert c.super_scales is not None, t.name
+                assert np.array_equal(unpacked(c), reference(t, raw)), (t.name, t.type_name)
 
 
 @pytest.mark.parametrize(
-    "name,dequantize", [("Q5_0", False), ("Q4_K", False), ("Q8_0", True), ("Q6_K", False)]
+    "name,dequantize,stored",
+    [
+        ("Q5_0", False, False),
+        ("Q4_K", False, False),
+        ("Q8_0", True, False),
+        ("Q6_K", False, False),
+        ("Q4_K", False, True),
+    ],
 )
-def test_threaded_chunks_equal_serial(name: str, dequantize: bool, small_chunks, monkeypatch):
+def test_threaded_chunks_equal_serial(
+    name: str, dequantize: bool, stored: bool, small_chunks, monkeypatch
+):
     """Self-consistency: a tensor's chunks converted on 3 threads (machines with > 2 cores)
-    give the same bits as on one, and `done` is told of every raw byte exactly once."""
+    give the same bits as on one, and `done` is told of every raw byte exactly once
+    (`stored`: the kernels' super-block layout)."""
     t = tensor(name, (16, 512))
     raw = random_raw(t)
-    serial = convert_tensor(t, raw, mx.float32, dequantize=dequantize)
+    serial = convert_tensor(t, raw, mx.float32, dequantize=dequantize, sub_blocks=stored)
     monkeypatch.setattr(quants, "_workers", lambda: 3)
     spans: list[tuple[int, int]] = []
     threaded = convert_tensor(
-        t, raw, mx.float32, dequantize=dequantize, done=lambda i, j: spans.append((i, j))
+        t,
+        raw,
+        mx.float32,
+        dequantize=dequantize,
+        done=lambda i, j: spans.append((i, j)),
+        sub_blocks=stored,
     )
-    for a, b in ((serial.weight, threaded.weight), (serial.scales, threaded.scales)):
+    pairs = [(serial.weight, threaded.weight), (serial.scales, threaded.scales)]
+    pairs += [(serial.biases, threaded.biases), (serial.super_scales, threaded.super_scales)]
+    for a, b in pairs:
         assert (a is None) == (b is None) and (a is None or mx.array_equal(a, b).item())
     spans.sort()
     assert len(spans) > 3 and spans[0][0] == 0 and spans[-1][1] == t.nbytes

@@ -26,6 +26,8 @@ def kept_narrow(name: str, stored: mx.Dtype, dtype: mx.Dtype) -> bool:
     experts' or a prediction head's, whose products are MLX's own (which would widen them at
     every call)."""
     module, _, part = name.rpartition(".")
+    if part == "super_scales":  # a super-block format's d, dmin: float16 is its layout
+        return True
     if part not in ("scales", "biases") or stored != mx.float16 or dtype != mx.float32:
         return False
     if any(k in module for k in ("switch_mlp", "experts", "mtp")):
@@ -65,26 +67,33 @@ def quantize_like(
 def _sub_block_layers(
     model: nn.Module, weights: dict[str, mx.array], quant: dict, path: Path | str
 ) -> None:
-    """The linear layers quantized in groups of 16 (Q6_K's sub-blocks, for mlxlis's CPU
-    kernels): made here, since MLX's `to_quantized` refuses that group size; their arrays are
+    """The linear layers in the layouts only mlxlis's CPU kernels take: groups of 16 (Q6_K's
+    sub-blocks) and super-block formats (K-quants as stored: integer scales, a float16 pair
+    per 256 weights). Made here, since MLX's `to_quantized` refuses them; their arrays are
     placeholders of the right shapes until `bind`."""
     for name, module in list(model.named_modules()):
         q = quant.get(name)
-        sixteen = isinstance(q, dict) and q.get("group_size") == 16
-        if not sixteen or f"{name}.scales" not in weights:
+        own = isinstance(q, dict) and (q.get("group_size") == 16 or q.get("super"))
+        if not own or f"{name}.scales" not in weights:
             continue
         if type(module) is not nn.Linear:
             raise ConfigError(
-                f"groups of 16 are only held for linear layers, not {type(module).__name__}",
+                f"groups of 16 and super-block formats are only held for linear layers, not "
+                f"{type(module).__name__}",
                 path=path,
                 field=f"quantization.{name}",
             )
         out_dims, in_dims = module.weight.shape
+        group = q["group_size"]
         layer = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
         nn.Module.__init__(layer)
-        layer.group_size, layer.bits, layer.mode = 16, q["bits"], "affine"
+        layer.group_size, layer.bits, layer.mode = group, q["bits"], "affine"
         layer.weight = mx.zeros((out_dims, in_dims * q["bits"] // 32), mx.uint32)
-        layer.scales = mx.zeros((out_dims, in_dims // 16))  # no biases: −2^(bits−1)·scale
+        layer.scales = mx.zeros((out_dims, in_dims // group))  # no biases: −2^(bits−1)·scale
+        if f"{name}.biases" in weights:
+            layer.biases = mx.zeros((out_dims, in_dims // group))
+        if q.get("super"):
+            layer.super_scales = mx.zeros((out_dims, in_dims // 256, 2), mx.float16)
         if "bias" in module:
             layer.bias = module.bias
         layer.freeze()

@@ -173,13 +173,22 @@ def _scale_dm(b: np.ndarray, s: np.ndarray, m: np.ndarray) -> None:  # d·q + m
     m[:, 0] = f16(b, 2)
 
 
+def _k_ints(b: np.ndarray, sc: np.ndarray, mn: np.ndarray | None) -> None:
+    """Q4_K/Q5_K: the 12 bytes of 6-bit sub-block scales and mins -> sc, mn (n, 8) uint8."""
+    lo, mid, hi = b[:, 4:8], b[:, 8:12], b[:, 12:16]
+    np.bitwise_and(lo, np.uint8(63), out=sc[:, :4])
+    np.bitwise_or(hi & np.uint8(0x0F), (lo >> np.uint8(6)) << np.uint8(4), out=sc[:, 4:])
+    if mn is not None:
+        np.bitwise_and(mid, np.uint8(63), out=mn[:, :4])
+        np.bitwise_or(hi >> np.uint8(4), (mid >> np.uint8(6)) << np.uint8(4), out=mn[:, 4:])
+
+
 def _scale_k(b: np.ndarray, s: np.ndarray, m: np.ndarray) -> None:
     """Q4_K/Q5_K: d, dmin (fp16) and 12 bytes of 6-bit sub-block scales/mins -> (n, 8) each."""
     d = f16(b, 0).astype(np.float32)[:, None]
     dmin = f16(b, 2).astype(np.float32)[:, None]
-    lo, mid, hi = b[:, 4:8], b[:, 8:12], b[:, 12:16]
-    sc = np.concatenate([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], axis=1)
-    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
+    sc, mn = np.empty((2, b.shape[0], 8), np.uint8)
+    _k_ints(b, sc, mn)
     np.multiply(d, sc.astype(np.float32), out=s)
     np.multiply(dmin, mn.astype(np.float32), out=m)
     np.negative(m, out=m)
@@ -336,6 +345,50 @@ AFFINE16: dict[str, Affine] = {
         offset=32,
         group=16,
         biases=False,  # −32·d·sc: the kernels' bias_of (held, they cost 2 bits a weight)
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Super:
+    """A K-quant held as its file holds it, for mlxlis's CPU kernels only (runtime/qmv): the
+    codes as MLX's affine stream, each group's integer scale sc (and min m), each super-block
+    of 256 weights' float16 d (and dmin). The kernels take the group's scale as d·sc and its
+    bias as −dmin·m in float32, the values _scale_k computes (exact: 11 × 8 bits), so products
+    equal the float32-scale layout's bit for bit, at the file's size (Q4_K: 4.625 bits a
+    weight against 6)."""
+
+    bits: int
+    pack: Callable[[np.ndarray, np.ndarray], None]  # blocks, w32 (n, words per block)
+    ints: Callable[[np.ndarray, np.ndarray, np.ndarray | None], None]  # blocks -> sc, m (n, g)
+    d: int  # byte offset of d (float16) in a block; dmin follows it when `biases`
+    group: int = 32
+    signed: bool = False  # int8 scales (else uint8)
+    biases: bool = True  # uint8 mins held; False: symmetric, −2^(bits−1)·scale
+
+    def supers(self, b: np.ndarray, out: np.ndarray) -> None:
+        """d and dmin (0 without biases) of each block: out (n, 2) uint16, float16 bits."""
+        out[:, 0] = b[:, self.d : self.d + 2].view("<u2")[:, 0]
+        out[:, 1] = b[:, self.d + 2 : self.d + 4].view("<u2")[:, 0] if self.biases else 0
+
+
+def _q6_k_ints(b: np.ndarray, sc: np.ndarray, mn: np.ndarray | None) -> None:
+    """Q6_K's int8 sub-block scales, (n, 16) (as bytes: `sc` may be a uint8 view)."""
+    sc[...] = b[:, 192:208]
+
+
+SUPER: dict[str, Super] = {
+    "Q4_K": Super(4, _q4_k_pack, _k_ints, d=0),
+    "Q5_K": Super(5, lambda b, w: _pack5(_q5_k_codes(b), w), _k_ints, d=0),
+    # symmetric: the kernels take −32·d·sc, as for the groups of 16 with float32 scales
+    "Q6_K": Super(
+        6,
+        lambda b, w: _pack6(_q6_k_codes(b), w),
+        _q6_k_ints,
+        d=208,
+        group=16,
+        signed=True,
+        biases=False,
     ),
 }
 

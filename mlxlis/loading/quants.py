@@ -9,7 +9,10 @@ of a row as one little-endian bit stream in uint32 words (code j at bit j·bits)
     Q4_K / Q5_K         d·sc·q − dmin·m      scale d·sc,  bias −dmin·m   (per 32-sub-block)
 
 Scales and biases are computed in float32 (d·sc has ≤ 17 significant bits, so it is exact
-there) and then cast to the compute dtype. MXFP4 (gpt-oss's experts: 32 e2m1 codes and one
+there) and then cast to the compute dtype. Where mlxlis's CPU kernels run the products
+(`sub_blocks`), Q4_K / Q5_K / Q6_K are held as stored instead (quant_blocks.Super: each
+group's integer scale and min, each 256 weights' float16 d and dmin; the kernels form the same
+d·sc and −dmin·m), at the file's size. MXFP4 (gpt-oss's experts: 32 e2m1 codes and one
 E8M0 exponent a block) is MLX's "mxfp4" mode with the codes reordered (ggml keeps codes j and
 j + 16 in byte j; MLX codes 2b and 2b + 1 in byte b) and the exponent as the scale, bit for
 bit. Everything else becomes a dense array.
@@ -35,7 +38,7 @@ from typing import Any
 
 from mlxlis.errors import FileFormatError, UnsupportedQuantError
 from mlxlis.loading.gguf import GGML_TYPES, GGUFTensor
-from mlxlis.loading.quant_blocks import AFFINE, AFFINE16, DENSE, Affine, affine_dense
+from mlxlis.loading.quant_blocks import AFFINE, AFFINE16, DENSE, SUPER, Affine, Super, affine_dense
 
 import mlx.core as mx
 import numpy as np
@@ -45,16 +48,19 @@ CHUNK_ELEMENTS = 1 << 17  # weights per conversion chunk: keeps the temporaries 
 AFFINE_HELD: frozenset[str] = frozenset(AFFINE)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K
 QUANTIZABLE: frozenset[str] = AFFINE_HELD | {"MXFP4"}  # types MLX holds quantized
 SUB_BLOCKS: frozenset[str] = frozenset(AFFINE16)  # Q6_K: groups of 16, for the CPU kernels
+SUPER_HELD: frozenset[str] = frozenset(SUPER)  # Q4_K Q5_K Q6_K as stored, for the kernels
 
 
 @dataclass
 class Converted:
     weight: mx.array  # packed uint32 codes (quantized) or dense array in `dtype`
-    scales: mx.array | None = None  # (rows, cols // group) in `dtype`
+    scales: mx.array | None = None  # (rows, cols // group) in `dtype` (super-block: integers)
     biases: mx.array | None = None
     bits: int | None = None
     group_size: int | None = None
     mode: str = "affine"
+    # a super-block format (quant_blocks.Super): (rows, cols // 256, 2) float16 d, dmin
+    super_scales: mx.array | None = None
 
     @property
     def quantized(self) -> bool:
@@ -68,11 +74,14 @@ class Converted:
         out = {"weight": self.weight, "scales": self.scales}
         if self.biases is not None:  # mxfp4 has none
             out["biases"] = self.biases
+        if self.super_scales is not None:
+            out["super_scales"] = self.super_scales
         return out
 
     def quant_block(self) -> dict[str, Any]:
         """The module's entry in a quantization block (quantize_like's)."""
-        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+        block = {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+        return block | ({"super": True} if self.super_scales is not None else {})
 
 
 def convert_tensor(
@@ -88,8 +97,10 @@ def convert_tensor(
 ) -> Converted:
     """Convert one GGUF tensor (its raw bytes) to MLX: quantized (see module doc) or dense.
 
-    `sub_blocks`: a SUB_BLOCKS type (Q6_K) held as groups of 16, a layout only mlxlis's CPU
-    kernels multiply (runtime/qmv; MLX's own products take groups of 32 and more).
+    `sub_blocks`: a SUPER_HELD type (Q4_K, Q5_K, Q6_K) held as stored (quant_blocks.Super),
+    else a SUB_BLOCKS one (Q6_K) as groups of 16 with float32 scales: layouts only mlxlis's
+    CPU kernels multiply (runtime/qmv; MLX's own products take float scales in groups of 32
+    and more).
     `out`: the buffers from `allocate(t, dequantize=..., sub_blocks=...)`, when the caller made
     them early.
     `done(start, stop)`: told, from any thread, when raw[start:stop] has been converted.
@@ -102,6 +113,8 @@ def convert_tensor(
         )
     if t.type_name == "MXFP4" and not dequantize and len(t.shape) > 1:
         return _mxfp4(t, raw)
+    if _as_super(t, dequantize, sub_blocks):
+        return _super(t, raw, out, done)
     if t.type_name in AFFINE_HELD:
         if dequantize or len(t.shape) < 2:  # dense: scale·q + bias in float32, as MLX would
             kind = AFFINE[t.type_name]
@@ -118,6 +131,18 @@ def _as_sub_blocks(t: GGUFTensor, dequantize: bool, sub_blocks: bool) -> bool:
     return sub_blocks and not dequantize and t.type_name in SUB_BLOCKS and len(t.shape) > 1
 
 
+def _as_super(t: GGUFTensor, dequantize: bool, sub_blocks: bool) -> bool:
+    """Held as stored (a super-block format): where the kernels' layouts are asked for
+    (`sub_blocks`), 2-D, rows of whole super-blocks."""
+    return (
+        sub_blocks
+        and not dequantize
+        and t.type_name in SUPER_HELD
+        and len(t.shape) == 2
+        and t.shape[-1] % 256 == 0
+    )
+
+
 def allocate(
     t: GGUFTensor, *, dequantize: bool = False, sub_blocks: bool = False
 ) -> tuple[mx.array, ...]:
@@ -129,6 +154,8 @@ def allocate(
     name = t.type_name
     if name == "MXFP4" and not dequantize and len(t.shape) > 1:
         return ()  # repacked from the file's bytes
+    if _as_super(t, dequantize, sub_blocks):
+        return _super_buffers(t, SUPER[name])
     if name in AFFINE_HELD and not dequantize and len(t.shape) > 1:
         return _quantized_buffers(t)
     if _as_sub_blocks(t, dequantize, sub_blocks):
@@ -255,6 +282,50 @@ def _quantized_buffers(t: GGUFTensor, kind: Affine | None = None) -> tuple[mx.ar
     out = [_zeros((rows, cols * kind.bits // 32), mx.uint32)]
     out += [_zeros((rows, cols // kind.group), mx.float32) for _ in range(1 + kind.biases)]
     return tuple(out)
+
+
+def _super_buffers(t: GGUFTensor, kind: Super) -> tuple[mx.array, ...]:
+    rows, cols = t.shape
+    g = cols // kind.group
+    out = [_zeros((rows, cols * kind.bits // 32), mx.uint32)]
+    out += [_zeros((rows, g), mx.int8 if kind.signed else mx.uint8)]
+    out += [_zeros((rows, g), mx.uint8)] if kind.biases else []
+    return (*out, _zeros((rows, cols // 256, 2), mx.float16))
+
+
+def _super(
+    t: GGUFTensor,
+    raw: np.ndarray,
+    out: tuple[mx.array, ...],
+    done: Callable[[int, int], None] | None = None,
+) -> Converted:
+    """A K-quant held as stored (quant_blocks.Super): codes, sc, m, (d, dmin)."""
+    _, block, type_size = GGML_TYPES[t.ggml_type]
+    kind = SUPER[t.type_name]
+    rows, cols = t.shape
+    n_blocks = t.nbytes // type_size
+    w, s, *rest = out or _super_buffers(t, kind)
+    m, kd = (rest[0], rest[1]) if kind.biases else (None, rest[0])
+    blocks = raw.reshape(n_blocks, type_size)
+    wv, sv, kv = (_writable(a).reshape(n_blocks, -1) for a in (w, s, kd))
+    sv = sv.view(np.uint8)  # int8 scales are written as their bytes
+    mv = None if m is None else _writable(m).reshape(n_blocks, -1)
+    kv = kv.view(np.uint16)
+
+    def chunk(i: int, j: int) -> None:
+        kind.pack(blocks[i:j], wv[i:j])
+        kind.ints(blocks[i:j], sv[i:j], None if mv is None else mv[i:j])
+        kind.supers(blocks[i:j], kv[i:j])
+
+    _for_chunks(n_blocks, max(1, CHUNK_ELEMENTS // block), chunk, done, type_size)
+    return Converted(
+        weight=w.reshape(rows, cols * kind.bits // 32),
+        scales=s,
+        biases=m,
+        bits=kind.bits,
+        group_size=kind.group,
+        super_scales=kd,
+    )
 
 
 def _quantized(

@@ -161,7 +161,8 @@ def _quantizable(t) -> bool:
     return t.type_name in QUANTIZABLE and len(t.shape) > 1
 
 
-# the projections whose Q6_K blocks the CPU kernels take as groups of 16: linear layers only
+# the projections whose K-quant blocks the CPU kernels take as stored (quant_blocks.Super;
+# Q6_K's in groups of 16): linear layers only
 # (MLX's own ops, which an embedding lookup or the experts' gather_qmm use, take no group 16)
 SUB_BLOCK_TENSOR = re.compile(
     r"^(?:blk\.\d+\.(?:attn_(?:q|k|v|qkv|output)|ffn_(?:gate|up|down)(?:_shexp)?)|output)\.weight$"
@@ -172,8 +173,9 @@ def _dense_policy(
     gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dequantize: bool | None, part=None
 ) -> tuple[Callable[[str], bool], Callable[[str], bool]]:
     """GGUF tensor name -> convert it dense? (only quantized-form tensors are affected), and
-    -> hold its 16-element sub-blocks (Q6_K) as groups of 16? (the CPU kernels' default, in
-    float32). `part`: a pipeline rank's share, whose tensors alone count."""
+    -> hold its K-quant blocks as stored (Q4_K / Q5_K / Q6_K: integer scales and a float16
+    pair per 256 weights, Q6_K in groups of 16; the CPU kernels' default, in float32)?
+    `part`: a pipeline rank's share, whose tensors alone count."""
     never = lambda name: False  # noqa: E731
     if dequantize is not None:
         return (lambda name: dequantize), never
@@ -221,7 +223,7 @@ def _convert(
     that are config — rope_freqs, the family's gguf_config_tensors — by name, names of the
     tensors the family ignores).
     dense(name): convert that tensor dense (else quantized where MLX can hold it).
-    sub(name): hold a Q6_K tensor as groups of 16 (the CPU kernels' layout; None: never).
+    sub(name): hold a K-quant tensor as stored (the CPU kernels' layout; None: never).
     held(module name): whether this pipeline rank reads it (None: every tensor); the others
     are never read."""
     weights: dict[str, mx.array] = {}

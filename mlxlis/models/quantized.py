@@ -18,7 +18,7 @@ import mlx.nn as nn
 def _product(m: nn.Module, x: mx.array) -> mx.array:
     """x @ wᵀ for the quantized weight of `m` (a QuantizedLinear or QuantizedEmbedding)."""
     w, scales, biases = m["weight"], m["scales"], m.get("biases")
-    return qmv.matmul(x, w, scales, biases, m.group_size, m.bits, m.mode)
+    return qmv.matmul(x, w, scales, biases, m.group_size, m.bits, m.mode, m.get("super_scales"))
 
 
 class QuantizedLinear(nn.QuantizedLinear):

@@ -117,11 +117,28 @@ def matmul(
     group_size: int,
     bits: int,
     mode: str = "affine",
+    supers: mx.array | None = None,
 ) -> mx.array:
     """x @ wᵀ for w quantized (MLX's layout), in x's dtype. Affine without biases: a symmetric
-    format held for these kernels only (Q6_K's groups of 16), bias −2^(bits−1)·scale."""
+    format held for these kernels only (Q6_K), bias −2^(bits−1)·scale.
+    `supers` (N, K/256, 2) float16: a super-block format held for these kernels only (GGUF's
+    K-quants as stored: integer scales sc and mins m, the group's scale d·sc, bias −dmin·m)."""
     if applies(bits, group_size, mode) and (mod := load()) is not None:
-        return mod.qmv(x, w, scales, biases, group_size, bits).astype(x.dtype)
+        return mod.qmv(x, w, scales, biases, group_size, bits, supers).astype(x.dtype)
+    if supers is not None:  # another device: MLX's product on the float scales and biases
+        scales, biases = super_scales_as_float(scales, biases, supers, group_size)
     return mx.quantized_matmul(
         x, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode
     )
+
+
+def super_scales_as_float(
+    scales: mx.array, biases: mx.array | None, supers: mx.array, group_size: int
+) -> tuple[mx.array, mx.array | None]:
+    """A super-block format's float32 scales d·sc and biases −dmin·m, (N, K/group) each
+    (biases None where none are held)."""
+    per = 256 // group_size  # groups a super-block
+    pair = mx.repeat(supers.astype(mx.float32), per, axis=1)  # (N, K/group, 2)
+    s = pair[..., 0] * scales.astype(mx.float32)
+    b = None if biases is None else -(pair[..., 1] * biases.astype(mx.float32))
+    return s, b

@@ -22,9 +22,11 @@ NB_MODULE(_qmv, m) {
   m.doc() = "CPU quantized matrix-vector products on MLX's affine quantized layout";
 
   m.def("qmv", &qmv::quantized_matvec, "x"_a, "wq"_a, "scales"_a, "biases"_a.none(),
-        "group_size"_a = 64, "bits"_a = 4,
+        "group_size"_a = 64, "bits"_a = 4, "supers"_a.none() = nb::none(),
         "x @ w.T for w given as mx.quantize's (wq, scales, biases); float32 result, CPU. "
-        "biases None: a symmetric format, bias = -2^(bits-1) * scale.");
+        "biases None: a symmetric format, bias = -2^(bits-1) * scale. supers (N, K/256, 2) "
+        "float16: a super-block format, uint8/int8 scales sc and uint8 biases m, the group's "
+        "scale d*sc and bias -dmin*m.");
 
   m.def("rms_norm", &qmv::fused_rms_norm, "x"_a, "w"_a.none(), "eps"_a,
         "x / sqrt(mean(x^2, -1) + eps) * w, float32, one CPU node.");

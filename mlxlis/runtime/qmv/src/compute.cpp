@@ -201,8 +201,12 @@ void compute(const Problem& p_in) {
   Problem p = p_in;
   const Isa* ip = &cur_isa();
 #if defined(__aarch64__)
-  // the NEON kernels go a group of 32+ at a time, with stored biases
-  if (p.group < 32 || !p.biases) ip = &kScalar;
+  // the NEON kernels go a group of 32+ at a time, with stored float biases
+  if (p.group < 32 || !p.biases || sb_super(p.sb_type)) ip = &kScalar;
+#endif
+#if defined(__x86_64__)
+  // the AVX-512 kernels expand a row's super-block scales on the stack (kMaxSuperGroups)
+  if (ip == &kAvx512 && sb_super(p.sb_type) && p.K / p.group > kMaxSuperGroups) ip = &kAvx2;
 #endif
   if (p.M >= g_settings.prefill_min_m) {
     if (SgemmFn f = get_sgemm()) {

@@ -10,8 +10,13 @@
 
 namespace qmv {
 
-// dtype of scales and biases
-enum ScaleType : int { SB_F32 = 0, SB_F16 = 1, SB_BF16 = 2 };
+// dtype of scales and biases. SB_U8 / SB_I8: a super-block format (GGUF's K-quants held as
+// the file has them): the scale of a group is d·sc and its bias −dmin·m, sc the group's
+// integer (uint8 / int8 scales), m its uint8 min (biases), d and dmin the float16 pair of its
+// super-block of 256 weights (Problem.kd); each product is exact in float32 (11 x 8 bits).
+enum ScaleType : int { SB_F32 = 0, SB_F16 = 1, SB_BF16 = 2, SB_U8 = 3, SB_I8 = 4 };
+
+inline bool sb_super(int type) { return type == SB_U8 || type == SB_I8; }
 
 // One product out (M x N) = x (M x K) @ w.T, w (N x K) in MLX's affine layout:
 // row n of wq is the little-endian bit stream of its K codes (code k at bit
@@ -28,6 +33,8 @@ struct Problem {
   const void* scales;  // N x G, of sb_type
   const void* biases;  // N x G, of sb_type; null: a symmetric format (bias_of)
   int sb_type;
+  const uint16_t* kd;  // SB_U8 / SB_I8: N x K/256 x 2 float16 (d, dmin) of the super-blocks
+  int gshift;          // SB_U8 / SB_I8: log2 of the groups a super-block (256 / group)
   float* out;          // M x N (ldo = N)
   // x as integers for the AVX-512 kernels (prep_x_avx512), per row and block of 64:
   const int8_t* xd;    // M x ceil(K/64) x 192: digits d2, d1, d0 (64 bytes each)
@@ -37,6 +44,8 @@ struct Problem {
 
 // out[m, n] for m in [m0, m0 + mb), n in [n0, n1); mb <= kMaxMB.
 constexpr int kMaxMB = 4;
+// groups of a row the AVX-512 kernels take in a super-block format (K <= 65536 at group 32)
+constexpr int kMaxSuperGroups = 2048;
 void rows_scalar(const Problem& p, int m0, int mb, int n0, int n1);
 // rows n0..n1 of w, dequantized to float32 into dst ((n1 - n0) x K, ld K)
 void dequant_scalar(const Problem& p, int n0, int n1, float* dst);
@@ -80,10 +89,22 @@ static inline float sb_load(const void* base, int type, size_t idx) {
   return f;
 }
 
-// The bias of group idx whose scale is `scale`: the stored one, or, without biases (a
-// symmetric format: Q6_K's groups of 16, w = d·sc·(q − 32)), −2^(bits−1)·scale, exact.
+// The scale of group idx (flat over rows): stored, or d·sc (super-block formats).
+static inline float scale_of(const Problem& p, size_t idx) {
+  if (!sb_super(p.sb_type)) return sb_load(p.scales, p.sb_type, idx);
+  const float d = sb_load(p.kd, SB_F16, 2 * (idx >> p.gshift));
+  return p.sb_type == SB_U8 ? d * float(static_cast<const uint8_t*>(p.scales)[idx])
+                            : d * float(static_cast<const int8_t*>(p.scales)[idx]);
+}
+
+// The bias of group idx whose scale is `scale`: the stored one, −dmin·m (super-block
+// formats), or, without biases (a symmetric format: Q6_K, w = d·sc·(q − 32)),
+// −2^(bits−1)·scale, exact.
 static inline float bias_of(const Problem& p, size_t idx, float scale) {
-  return p.biases ? sb_load(p.biases, p.sb_type, idx) : -float(1 << (p.bits - 1)) * scale;
+  if (!p.biases) return -float(1 << (p.bits - 1)) * scale;
+  if (!sb_super(p.sb_type)) return sb_load(p.biases, p.sb_type, idx);
+  const float dmin = sb_load(p.kd, SB_F16, 2 * (idx >> p.gshift) + 1);
+  return -(dmin * float(static_cast<const uint8_t*>(p.biases)[idx]));
 }
 
 }  // namespace qmv

@@ -110,9 +110,21 @@ inline float sb_get(const void* base, int type, size_t idx) {
   return sb_load(base, type, idx);
 }
 
-// Bias of group idx (scale sv): stored, else the symmetric −2^(bits−1)·sv (kernels.h bias_of).
+// Scale of group idx: stored, or d·sc (kernels.h scale_of), with F16C.
+inline float scale_get(const Problem& p, size_t idx) {
+  if (!sb_super(p.sb_type)) return sb_get(p.scales, p.sb_type, idx);
+  const float d = _cvtsh_ss(p.kd[2 * (idx >> p.gshift)]);
+  return p.sb_type == SB_U8 ? d * float(static_cast<const uint8_t*>(p.scales)[idx])
+                            : d * float(static_cast<const int8_t*>(p.scales)[idx]);
+}
+
+// Bias of group idx (scale sv): stored, −dmin·m, else the symmetric −2^(bits−1)·sv
+// (kernels.h bias_of).
 inline float bias_get(const Problem& p, size_t idx, float sv) {
-  return p.biases ? sb_get(p.biases, p.sb_type, idx) : bias_of(p, idx, sv);
+  if (!p.biases) return bias_of(p, idx, sv);
+  if (!sb_super(p.sb_type)) return sb_get(p.biases, p.sb_type, idx);
+  const float dmin = _cvtsh_ss(p.kd[2 * (idx >> p.gshift) + 1]);
+  return -(dmin * float(static_cast<const uint8_t*>(p.biases)[idx]));
 }
 
 // out[m0..m0+MB, n0..n1]. Per group: t_m = sum q*x (FMA, 8 lanes), then
@@ -150,7 +162,7 @@ void rows(const Problem& p, int m0, int n0, int n1) {
 #undef QMV_SUB
       }
       const size_t gi = size_t(n) * G + g;
-      const float sv = sb_get(p.scales, p.sb_type, gi);
+      const float sv = scale_get(p, gi);
       const __m256 s = _mm256_set1_ps(sv);
       const float b = bias_get(p, gi, sv);
       for (int m = 0; m < MB; ++m) {
@@ -184,7 +196,7 @@ void rows16(const Problem& p, int m0, int n0, int n1) {
       const __m256 q0 = codes<B, 0>(cp), q1 = codes<B, 1>(cp);
       const __m256 q2 = codes<B, 2>(cp), q3 = codes<B, 3>(cp);
       const size_t gi = size_t(n) * G + 2 * chunk;
-      const float sv0 = sb_get(p.scales, p.sb_type, gi), sv1 = sb_get(p.scales, p.sb_type, gi + 1);
+      const float sv0 = scale_get(p, gi), sv1 = scale_get(p, gi + 1);
       const __m256 s0 = _mm256_set1_ps(sv0), s1 = _mm256_set1_ps(sv1);
       const float b0 = bias_get(p, gi, sv0), b1 = bias_get(p, gi + 1, sv1);
       for (int m = 0; m < MB; ++m) {
@@ -229,7 +241,7 @@ void dequant(const Problem& p, int n0, int n1, float* dst) {
     for (int chunk = 0; chunk < K / 32; ++chunk) {
       // the group of sub-blocks 0-1 and of 2-3 (different ones for groups of 16)
       const size_t g0 = size_t(n) * G + (cpg ? chunk / cpg : 2 * chunk), g1 = g0 + (cpg ? 0 : 1);
-      const float sv0 = sb_get(p.scales, p.sb_type, g0), sv1 = sb_get(p.scales, p.sb_type, g1);
+      const float sv0 = scale_get(p, g0), sv1 = scale_get(p, g1);
       const __m256 s0 = _mm256_set1_ps(sv0), s1 = _mm256_set1_ps(sv1);
       const __m256 b0 = _mm256_set1_ps(bias_get(p, g0, sv0));
       const __m256 b1 = _mm256_set1_ps(bias_get(p, g1, sv1));

@@ -80,6 +80,7 @@ inline __m512i codes64(const uint8_t* c, __mmask64 bytes) {
 // in a tail block; the others read as 0, never as garbage that could be NaN).
 template <int GR, int ST>
 inline __m512 lanes_of(const void* base, size_t gi, int valid) {
+  static_assert(ST == SB_F32 || ST == SB_F16 || ST == SB_BF16, "super-block rows are expanded");
   if constexpr (GR >= 64) {
     if constexpr (ST == SB_F16) return _mm512_set1_ps(_cvtsh_ss(static_cast<const uint16_t*>(base)[gi]));
     return _mm512_set1_ps(sb_load(base, ST, gi));
@@ -106,11 +107,13 @@ inline __m512 lanes_of(const void* base, size_t gi, int valid) {
 // integer sum of code x digits, times 2^E (xe), times the group's scale into acc; bias x the
 // lane's sum of x (xs4) into accb (apart: one chain of two multiply-adds a block was the
 // kernel's bound, their latency, not the ports).
-template <int B, int GR, int MB, int ST>
-inline __attribute__((always_inline)) void block(const Problem& p, const uint8_t* wrow, size_t g0,
-                                                 int b, int nb, const int8_t* xd, const float* xe,
-                                                 const float* xs, __mmask64 bytes, int valid,
-                                                 __m512* acc, __m512* accb) {
+template <int B, int GR, int MB, int ST, bool PFS>
+inline __attribute__((always_inline)) void block(const Problem& p, const void* scales,
+                                                 const void* biases, const uint8_t* wrow,
+                                                 size_t g0, int b, int nb, const int8_t* xd,
+                                                 const float* xe, const float* xs,
+                                                 __mmask64 bytes, int valid, __m512* acc,
+                                                 __m512* accb) {
   const __m512i q = codes64<B>(wrow + size_t(b) * 8 * B, bytes);
   const size_t gi = g0 + size_t(b) * 64 / GR;  // the block's first group
   if constexpr (PF_W > 0) {
@@ -118,15 +121,15 @@ inline __attribute__((always_inline)) void block(const Problem& p, const uint8_t
     if ((wo & 63) < 8 * B) _mm_prefetch(reinterpret_cast<const char*>(wrow + size_t(b) * 8 * B + PF_W), _MM_HINT_T0);
     constexpr int ss = ST == SB_F32 ? 4 : 2;
     constexpr int sb = (GR >= 64 ? 1 : 64 / GR) * ss;
-    if (((gi * ss) & 63) < sb) {
-      _mm_prefetch(static_cast<const char*>(p.scales) + gi * ss + PF_S, _MM_HINT_T0);
-      if (p.biases) _mm_prefetch(static_cast<const char*>(p.biases) + gi * ss + PF_S, _MM_HINT_T0);
+    if (PFS && ((gi * ss) & 63) < sb) {  // not a row expanded on the stack
+      _mm_prefetch(static_cast<const char*>(scales) + gi * ss + PF_S, _MM_HINT_T0);
+      if (biases) _mm_prefetch(static_cast<const char*>(biases) + gi * ss + PF_S, _MM_HINT_T0);
     }
   }
-  const __m512 s = lanes_of<GR, ST>(p.scales, gi, valid);
+  const __m512 s = lanes_of<GR, ST>(scales, gi, valid);
   // no biases: a symmetric format, −2^(B−1)·scale (exact)
-  const __m512 bias = p.biases ? lanes_of<GR, ST>(p.biases, gi, valid)
-                               : _mm512_mul_ps(s, _mm512_set1_ps(-float(1 << (B - 1))));
+  const __m512 bias = biases ? lanes_of<GR, ST>(biases, gi, valid)
+                             : _mm512_mul_ps(s, _mm512_set1_ps(-float(1 << (B - 1))));
   for (int m = 0; m < MB; ++m) {
     const size_t xb = size_t(m) * nb + b;
     const int8_t* d = xd + xb * 192;
@@ -150,9 +153,51 @@ inline __attribute__((always_inline)) void block(const Problem& p, const uint8_t
   }
 }
 
+// Row n's scales d·sc and biases −dmin·m in float32 (a super-block format: ST SB_U8 /
+// SB_I8), into s and b (G each; b untouched without biases), 16 groups at a time.
+template <int GR, int ST>
+inline void expand_row(const Problem& p, int n, float* s, float* b) {
+  constexpr int per = 256 / GR;  // groups a super-block: 8 or 16
+  const int G = p.K / GR;
+  const size_t g0 = size_t(n) * G;
+  const uint16_t* kd = p.kd + 2 * (g0 / per);
+  const auto* sc = static_cast<const uint8_t*>(p.scales) + g0;
+  const auto* mn = p.biases ? static_cast<const uint8_t*>(p.biases) + g0 : nullptr;
+  // (d, dmin) of the 16 groups' super-blocks, 8 a super-block: [d0, m0, d1, m1] -> lanes
+  // 0-7 the first's, 8-15 the second's; 16 a super-block: all the first's
+  const __m512i di = per == 8 ? _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0)
+                              : _mm512_setzero_si512();
+  const __m512i mi = _mm512_add_epi32(di, _mm512_set1_epi32(1));
+  for (int g = 0; g < G; g += 64) {  // the next row's integers, a line at a time
+    _mm_prefetch(reinterpret_cast<const char*>(sc + G + g), _MM_HINT_T0);
+    if (mn) _mm_prefetch(reinterpret_cast<const char*>(mn + G + g), _MM_HINT_T0);
+  }
+  for (int g = 0; g < G; g += 16) {
+    const int left = G - g;
+    const __mmask16 m = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+    const __mmask8 halves = per == 8 && left > 8 ? 0xF : 0x3;
+    const __m512 pair = _mm512_castps128_ps512(
+        _mm_cvtph_ps(_mm_maskz_loadu_epi16(halves, kd + 2 * (g / per))));
+    const __m128i q8 = _mm_maskz_loadu_epi8(m, sc + g);
+    const __m512i q = ST == SB_U8 ? _mm512_cvtepu8_epi32(q8) : _mm512_cvtepi8_epi32(q8);
+    _mm512_mask_storeu_ps(s + g, m, _mm512_mul_ps(_mm512_permutexvar_ps(di, pair),
+                                                  _mm512_cvtepi32_ps(q)));
+    if (mn) {  // −dmin·m as (−dmin)·m: the same float32 value, sign included
+      const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(
+          _mm512_castps_si512(_mm512_permutexvar_ps(mi, pair)), _mm512_set1_epi32(INT32_MIN)));
+      const __m512i mq = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, mn + g));
+      _mm512_mask_storeu_ps(b + g, m, _mm512_mul_ps(neg, _mm512_cvtepi32_ps(mq)));
+    }
+  }
+}
+
 // out[m0..m0+MB, n0..n1]; the weight bytes of a row are unpacked once for all MB rows of x.
+// A super-block format's row scales are expanded to float32 first (expand_row), then read
+// as float32 ones.
 template <int B, int GR, int MB, int ST>
 void rows(const Problem& p, int m0, int n0, int n1) {
+  constexpr bool super = ST == SB_U8 || ST == SB_I8;
+  constexpr int SF = super ? SB_F32 : ST;  // the scales' type as block() reads them
   const int K = p.K, G = K / GR, nb = (K + 63) / 64, full = K / 64;
   const size_t row_bytes = size_t(K) * B / 8;
   const __mmask64 all = B == 8 ? ~__mmask64(0) : (__mmask64(1) << (8 * B)) - 1;
@@ -161,17 +206,25 @@ void rows(const Problem& p, int m0, int n0, int n1) {
   const int8_t* xd = p.xd + size_t(m0) * nb * 192;
   const float* xe = p.xe + size_t(m0) * nb * 16;
   const float* xs = p.xs4 + size_t(m0) * nb * 16;
+  alignas(64) float srow[super ? kMaxSuperGroups : 1], brow[super ? kMaxSuperGroups : 1];
   for (int n = n0; n < n1; ++n) {
     const uint8_t* wrow = reinterpret_cast<const uint8_t*>(p.wq) + size_t(n) * row_bytes;
     if (n + 1 < n1) _mm_prefetch(reinterpret_cast<const char*>(wrow + row_bytes), _MM_HINT_T0);
     __m512 acc[MB], accb[MB];
     for (int m = 0; m < MB; ++m) acc[m] = accb[m] = _mm512_setzero_ps();
-    const size_t g0 = size_t(n) * G;
+    size_t g0 = size_t(n) * G;
+    const void* sb = p.scales;
+    const void* bb = p.biases;
+    if constexpr (super) {
+      expand_row<GR, ST>(p, n, srow, brow);
+      sb = srow, bb = p.biases ? brow : nullptr, g0 = 0;
+    }
     for (int b = 0; b < full; ++b)
-      block<B, GR, MB, ST>(p, wrow, g0, b, nb, xd, xe, xs, all, per_block, acc, accb);
+      block<B, GR, MB, SF, !super>(p, sb, bb, wrow, g0, b, nb, xd, xe, xs, all, per_block, acc,
+                                   accb);
     if (full < nb)  // the last 32 weights of a row (K % 64 == 32: groups of 16 or 32)
-      block<B, GR, MB, ST>(p, wrow, g0, full, nb, xd, xe, xs, half, (per_block + 1) / 2, acc,
-                           accb);
+      block<B, GR, MB, SF, !super>(p, sb, bb, wrow, g0, full, nb, xd, xe, xs, half,
+                                   (per_block + 1) / 2, acc, accb);
     for (int m = 0; m < MB; ++m)
       p.out[size_t(m0 + m) * p.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], accb[m]));
   }
@@ -192,7 +245,12 @@ void rows_g(const Problem& p, int m0, int mb, int n0, int n1) {
   switch (p.sb_type) {
     case SB_F32: return rows_m<B, GR, SB_F32>(p, m0, mb, n0, n1);
     case SB_F16: return rows_m<B, GR, SB_F16>(p, m0, mb, n0, n1);
-    default: return rows_m<B, GR, SB_BF16>(p, m0, mb, n0, n1);
+    case SB_BF16: return rows_m<B, GR, SB_BF16>(p, m0, mb, n0, n1);
+    default:  // super-block formats: groups of 16 or 32 only (the binding checks)
+      if constexpr (GR <= 32) {
+        if (p.sb_type == SB_U8) return rows_m<B, GR, SB_U8>(p, m0, mb, n0, n1);
+        return rows_m<B, GR, SB_I8>(p, m0, mb, n0, n1);
+      }
   }
 }
 

@@ -33,7 +33,7 @@ void rows_scalar(const Problem& p, int m0, int mb, int n0, int n1) {
         const float q = code_at(wrow, k, p.bits);
         for (int m = 0; m < mb; ++m) t[m] += q * p.x[size_t(m0 + m) * K + k];
       }
-      float s = sb_load(p.scales, p.sb_type, size_t(n) * G + g);
+      float s = scale_of(p, size_t(n) * G + g);
       float b = bias_of(p, size_t(n) * G + g, s);
       for (int m = 0; m < mb; ++m)
         acc[m] += t[m] * s + b * p.xsum[size_t(m0 + m) * G + g];
@@ -50,7 +50,7 @@ void dequant_scalar(const Problem& p, int n0, int n1, float* dst) {
     float* d = dst + size_t(n - n0) * K;
     for (int k = 0; k < K; ++k) {
       const size_t gi = size_t(n) * G + k / p.group;
-      const float s = sb_load(p.scales, p.sb_type, gi);
+      const float s = scale_of(p, gi);
       d[k] = s * code_at(wrow, k, p.bits) + bias_of(p, gi, s);
     }
   }

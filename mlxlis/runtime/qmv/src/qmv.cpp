@@ -57,7 +57,8 @@ const void* dense_data(const mx::array& a, std::vector<char>& keep) {
 
 
 mx::array quantized_matvec(const mx::array& x_in, const mx::array& wq, const mx::array& scales,
-                           const std::optional<mx::array>& biases, int group_size, int bits) {
+                           const std::optional<mx::array>& biases, int group_size, int bits,
+                           const std::optional<mx::array>& supers) {
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     fail("bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
   if (group_size != 16 && group_size != 32 && group_size != 64 && group_size != 128)
@@ -76,10 +77,24 @@ mx::array quantized_matvec(const mx::array& x_in, const mx::array& wq, const mx:
     if (a->ndim() != 2 || a->shape(0) != N || a->shape(1) != G)
       fail("scales and biases must have shape (" + std::to_string(N) + ", " + std::to_string(G) +
            "), got " + shape_str(*a));
-    if (sb_type_of(a->dtype()) < 0) fail("scales and biases must be float32, float16 or bfloat16");
   }
-  if (biases && scales.dtype() != biases->dtype())
-    fail("scales and biases must have the same dtype");
+  if (supers) {
+    if (group_size != 16 && group_size != 32) fail("a super-block format takes groups of 16 or 32");
+    if (K % 256) fail("a super-block format needs K a multiple of 256, got " + std::to_string(K));
+    if (supers->dtype() != mx::float16 || supers->ndim() != 3 || supers->shape(0) != N ||
+        supers->shape(1) != K / 256 || supers->shape(2) != 2)
+      fail("supers must be float16 (" + std::to_string(N) + ", " + std::to_string(K / 256) +
+           ", 2), got " + shape_str(*supers));
+    if (scales.dtype() != mx::uint8 && scales.dtype() != mx::int8)
+      fail("a super-block format's scales must be uint8 or int8");
+    if (biases && biases->dtype() != mx::uint8) fail("a super-block format's biases must be uint8");
+  } else {
+    for (const mx::array* a : sb)
+      if (sb_type_of(a->dtype()) < 0)
+        fail("scales and biases must be float32, float16 or bfloat16");
+    if (biases && scales.dtype() != biases->dtype())
+      fail("scales and biases must have the same dtype");
+  }
   if (x_in.ndim() < 1 || x_in.shape(-1) != K)
     fail("x must have last dimension K = " + std::to_string(K) + ", got " + shape_str(x_in));
   if (!mx::issubdtype(x_in.dtype(), mx::Dtype::Category::floating)) fail("x must be floating point");
@@ -90,8 +105,11 @@ mx::array quantized_matvec(const mx::array& x_in, const mx::array& wq, const mx:
   out_shape.back() = N;
   std::vector<mx::array> in{x, wq, scales};
   if (biases) in.push_back(*biases);
-  return mx::array(std::move(out_shape), mx::float32,
-                   std::make_shared<QuantizedMatVec>(s, group_size, bits), std::move(in));
+  if (supers) in.push_back(*supers);
+  return mx::array(
+      std::move(out_shape), mx::float32,
+      std::make_shared<QuantizedMatVec>(s, group_size, bits, bool(biases), bool(supers)),
+      std::move(in));
 }
 
 mx::cpu::CommandEncoder* cpu_encoder(const mx::Stream& s, const std::vector<mx::array>& inputs,
@@ -110,21 +128,28 @@ void QuantizedMatVec::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   if (!e) return;
   auto& enc = *e;
   const int K = inputs[0].shape(-1), N = inputs[1].shape(0);
-  // no biases (3 inputs): a symmetric format, the kernels' bias_of
-  std::optional<mx::array> bi;
-  if (inputs.size() > 3) bi = inputs[3];
-  enc.dispatch([x = inputs[0], wq = inputs[1], sc = inputs[2], bi,
+  // no biases: a symmetric format, the kernels' bias_of
+  std::optional<mx::array> bi, su;
+  if (biases_) bi = inputs[3];
+  if (supers_) su = inputs[biases_ ? 4 : 3];
+  enc.dispatch([x = inputs[0], wq = inputs[1], sc = inputs[2], bi, su,
                 out_ptr = out.data<float>(), M = int(inputs[0].size() / K), N, K,
                 group = group_size_, bits = bits_]() {
     // Arrays captured by value keep their buffers alive until the task ran
     // (MLX also holds them, through a no-op task enqueued after this one).
-    std::vector<char> kx, kw, ks, kb;
+    std::vector<char> kx, kw, ks, kb, ku;
     Problem p{};
     p.x = static_cast<const float*>(dense_data(x, kx));
     p.wq = static_cast<const uint32_t*>(dense_data(wq, kw));
     p.scales = dense_data(sc, ks);
     p.biases = bi ? dense_data(*bi, kb) : nullptr;
-    p.sb_type = sb_type_of(sc.dtype());
+    if (su) {
+      p.sb_type = sc.dtype() == mx::uint8 ? SB_U8 : SB_I8;
+      p.kd = static_cast<const uint16_t*>(dense_data(*su, ku));
+      p.gshift = group == 16 ? 4 : 3;
+    } else {
+      p.sb_type = sb_type_of(sc.dtype());
+    }
     p.M = M;
     p.N = N;
     p.K = K;
@@ -141,7 +166,8 @@ void QuantizedMatVec::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 bool QuantizedMatVec::is_equivalent(const mx::Primitive& other) const {
   auto* o = dynamic_cast<const QuantizedMatVec*>(&other);
-  return o && o->group_size_ == group_size_ && o->bits_ == bits_;
+  return o && o->group_size_ == group_size_ && o->bits_ == bits_ && o->biases_ == biases_ &&
+         o->supers_ == supers_;
 }
 
 std::vector<mx::Shape> QuantizedMatVec::output_shapes(const std::vector<mx::array>& inputs) {

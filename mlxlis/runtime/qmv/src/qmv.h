@@ -17,8 +17,12 @@ namespace mx = mlx::core;
 // to float32); result (..., N) float32. Always evaluated on the CPU.
 // bits in {2, 3, 4, 5, 6, 8}, group_size in {16, 32, 64, 128} (16: K a multiple of 32;
 // MLX's own quantized ops do not take it).
+// `supers` (N, K/256, 2) float16: a super-block format (GGUF's K-quants as stored): scales
+// uint8 or int8 (sc), biases uint8 (m) or none, group 16 or 32, K a multiple of 256; the
+// group's scale is d·sc and its bias −dmin·m, (d, dmin) its super-block's pair.
 mx::array quantized_matvec(const mx::array& x, const mx::array& wq, const mx::array& scales,
-                           const std::optional<mx::array>& biases, int group_size, int bits);
+                           const std::optional<mx::array>& biases, int group_size, int bits,
+                           const std::optional<mx::array>& supers);
 
 // A pointer to a's elements in dense row-major order: a's own data when it is
 // row-contiguous, else a gathered copy kept in `keep`.
@@ -33,8 +37,12 @@ mx::cpu::CommandEncoder* cpu_encoder(const mx::Stream& s, const std::vector<mx::
 
 class QuantizedMatVec : public mx::UnaryPrimitive {
  public:
-  QuantizedMatVec(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  QuantizedMatVec(mx::Stream stream, int group_size, int bits, bool biases, bool supers)
+      : mx::UnaryPrimitive(stream),
+        group_size_(group_size),
+        bits_(bits),
+        biases_(biases),
+        supers_(supers) {}
 
   // Allocates the output and enqueues the kernel on the stream's thread.
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -46,6 +54,7 @@ class QuantizedMatVec : public mx::UnaryPrimitive {
 
  private:
   int group_size_, bits_;
+  bool biases_, supers_;  // which of the optional inputs follow x, wq, scales
 };
 
 }  // namespace qmv
