@@ -1360,12 +1360,12 @@ MUTANTS = (
         "AVX-512 kernels: subnormal x rounded to multiples of 2^-126 (lost)",
     ),
     Mutant(
-        "super-expand-dmin-first-half",
+        "super-expand-second-block",
         "mlxlis/runtime/qmv/src/kernels_avx512.cpp",
-        "_mm512_set1_ps(_cvtsh_ss(kd[2 * k + (two ? 3 : 1)])));",
-        "_mm512_set1_ps(_cvtsh_ss(kd[2 * k + 1])));",
+        "  const __m512i di = per == 8 ? _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0,",
+        "  const __m512i di = per == 8 ? _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0,",
         (QMV_SUPER,),
-        "super-block rows (AVX-512): groups 8-15 of 16 take the first super-block's dmin",
+        "super-block rows (AVX-512): groups 8-15 of 16 take the first super-block's d and dmin",
     ),
     Mutant(
         "super-scale-super-block-of-32",
