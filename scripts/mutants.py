@@ -1368,6 +1368,14 @@ MUTANTS = (
         "super-block rows (AVX-512): groups 8-15 of 16 take the first super-block's d and dmin",
     ),
     Mutant(
+        "half-scales-first-chunk-only",
+        "mlxlis/loading/quants.py",
+        "        for i in range(0, av.size, CHUNK_ELEMENTS):",
+        "        for i in range(0, min(av.size, CHUNK_ELEMENTS), CHUNK_ELEMENTS):",
+        ("tests/test_quants.py::test_float16_scales_only_where_every_value_survives",),
+        "float16 scales and biases: only the first chunk checked for a value float16 loses",
+    ),
+    Mutant(
         "super-scale-super-block-of-32",
         "mlxlis/runtime/qmv/src/kernels.h",
         "  const float d = sb_load(p.kd, SB_F16, 2 * (idx >> p.gshift));",
@@ -1458,10 +1466,10 @@ MUTANTS = (
     Mutant(
         "fused-attention-denominator-tail",
         "mlxlis/runtime/qmv/src/fused_kernels.cpp",
-        "    for (; j < L; ++j) sums[0] += pi[j];",
-        "",
+        "    for (int j = 0; j < L; ++j) sum += pi[j];",
+        "    for (int j = 0; j + 1 < L; ++j) sum += pi[j];",
         (FUSED,),
-        "fused attention: the softmax denominator without the keys past a multiple of 4",
+        "fused attention: the softmax denominator without its last key",
     ),
     Mutant(
         "fused-attention-heads-last-ignored",

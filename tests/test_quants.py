@@ -124,6 +124,22 @@ def test_quantized_random_blocks_bit_exact(name: str, small_chunks):
     assert forced.scales is None and np.array_equal(unpacked(forced), ref)
 
 
+def test_float16_scales_only_where_every_value_survives(small_chunks):
+    """Q8_0's scales d and biases −128·d are held in float16 only when every one round-trips
+    (checked a chunk at a time): one d of 1000 in the last row (−128 000 overflows float16)
+    keeps the whole tensor's in float32, bit-exact either way."""
+    t = tensor("Q8_0", (160, 512))  # 2560 scales: 3 chunks of the check
+    blocks = random_raw(t).reshape(-1, 34)
+    d = np.linspace(-0.05, 0.05, len(blocks)).astype(np.float16)
+    blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+    for big in (False, True):
+        if big:
+            blocks[-1, 0:2] = np.frombuffer(np.float16(1000.0).tobytes(), np.uint8)
+        c = convert_tensor(t, blocks.reshape(-1), mx.float32)
+        assert c.scales.dtype == c.biases.dtype == (mx.float32 if big else mx.float16)
+        assert np.array_equal(unpacked(c), reference(t, blocks.reshape(-1)))
+
+
 def test_mxfp4_blocks_are_mlx_mxfp4_bit_exact():
     """Reference parity: random MXFP4 blocks (every code; exponents from 2⁻²⁰ to 2¹⁰) ->
     MLX's mxfp4 (codes reordered, the exponent byte as the scale) -> mx.dequantize ==

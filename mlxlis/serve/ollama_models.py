@@ -50,7 +50,7 @@ def parameter_count(net: nn.Module) -> int:
     total = 0
     for name, a in tree_flatten(net.parameters()):
         owner, _, leaf = name.rpartition(".")
-        if owner not in bits or leaf not in ("weight", "scales", "biases"):
+        if owner not in bits or leaf not in ("weight", "scales", "biases", "super_scales"):
             total += a.size
         elif leaf == "weight":  # 32 // bits values in each uint32
             total += a.size * 32 // bits[owner]

@@ -23,13 +23,12 @@ namespace qmv {
 
 namespace {
 
-// a . b over n floats, 16 partial sums (so the compiler vectorises it without -ffast-math)
+// a . b over n floats, 8 partial sums (so the compiler vectorises it without -ffast-math)
 inline float dot(const float* a, const float* b, int n) {
-  float acc[16] = {};
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int u = 0; u < 16; ++u) acc[u] += a[i + u] * b[i + u];
-  for (int u = 0; u < 8; ++u) acc[u] += acc[u + 8];
+  for (; i + 8 <= n; i += 8)
+    for (int u = 0; u < 8; ++u) acc[u] += a[i + u] * b[i + u];
   float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
@@ -149,18 +148,15 @@ inline __attribute__((always_inline)) void attend_heads(const AttendArgs& a, int
   // of kBlock keys added to the output block by block, so the rounding grows with
   // kBlock + L / kBlock terms, not L (a sequential float sum over a 4000-token cache drifted
   // ~5x further from BLAS's blocked products than those drift from float64)
-  float inv[64];  // 1 / each head's denominator (nh <= 64: attend's split)
+  float den[64];  // each head's softmax denominator (nh <= 64: attend's split)
   for (int i = 0; i < nh; ++i) {
     float* pi = p + size_t(i) * S;
     float mx = -INFINITY;
     for (int j = 0; j < L; ++j) mx = std::max(mx, pi[j]);
     for (int j = 0; j < L; ++j) pi[j] = exp_inline(pi[j] - mx);
-    double sums[4] = {0.0, 0.0, 0.0, 0.0};
-    int j = 0;
-    for (; j + 4 <= L; j += 4)
-      for (int u = 0; u < 4; ++u) sums[u] += pi[j + u];
-    for (; j < L; ++j) sums[0] += pi[j];
-    inv[i] = float((sums[0] + sums[1]) + (sums[2] + sums[3]));
+    double sum = 0.0;
+    for (int j = 0; j < L; ++j) sum += pi[j];
+    den[i] = float(sum);
   }
   float* blk = w.blk.data();  // (nh, Dv)
   auto out_of = [&](int h) {
@@ -173,7 +169,7 @@ inline __attribute__((always_inline)) void attend_heads(const AttendArgs& a, int
     for (int j = j0; j < std::min(L, j0 + kBlock); ++j) {
       const float* vr = a.v.row(b, g, j);
       for (int i = 0; i < nh; ++i) {
-        const float pj = p[size_t(i) * S + j] / inv[i];
+        const float pj = p[size_t(i) * S + j] / den[i];
         float* bi = blk + size_t(i) * Dv;
         for (int d = 0; d < Dv; ++d) bi[d] += pj * vr[d];
       }
