@@ -78,9 +78,6 @@ def unpacked(c: quants.Converted) -> np.ndarray:
         s = kd[..., 0] * np.array(c.scales).astype(np.float32)
         b = None if c.biases is None else -(kd[..., 1] * np.array(c.biases).astype(np.float32))
         return numpy_dequantized(c, s, b)
-    if c.group_size == 16:  # Q6_K as the CPU kernels hold it: MLX has no group of 16
-        s, b = np.array(c.scales), None if c.biases is None else np.array(c.biases)
-        return numpy_dequantized(c, s, b)
     wide = [
         a.astype(mx.float32) if a is not None and a.dtype == mx.float16 else a
         for a in (c.scales, c.biases)

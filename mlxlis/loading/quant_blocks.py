@@ -196,8 +196,7 @@ def _scale_k(b: np.ndarray, s: np.ndarray, m: np.ndarray) -> None:
 
 @dataclass(frozen=True)
 class Affine:
-    """A GGUF type that MLX's affine layout holds exactly (groups of 32; of 16 for the types
-    only mlxlis's CPU kernels take, runtime/qmv)."""
+    """A GGUF type that MLX's affine layout holds exactly (groups of 32)."""
 
     bits: int
     pack: Callable[[np.ndarray, np.ndarray], None]  # blocks, w32 (n, words per block)
@@ -205,9 +204,6 @@ class Affine:
     scales: Callable[[np.ndarray, np.ndarray, np.ndarray], None]  # blocks, s, m (n, groups)
     offset: int | None = None  # k when the value is d·(q − k): scale d, bias −k·d
     group: int = 32
-    # False: no biases held (the CPU kernels take −2^(bits−1)·scale, runtime/qmv): for the
-    # symmetric types (k = 2^(bits−1)) only the CPU kernels read
-    biases: bool = True
 
 
 def _q8_0_pack(b: np.ndarray, w32: np.ndarray) -> None:
@@ -327,28 +323,6 @@ def _pack6(codes: np.ndarray, out32: np.ndarray) -> None:
     np.bitwise_or(c[:, 2] >> np.uint8(4), c[:, 3] << np.uint8(2), out=o[:, 2])
 
 
-def _q6_k_scales(b: np.ndarray, s: np.ndarray, m: np.ndarray | None) -> None:
-    """Q6_K's d·sc (fp16 × int8: ≤ 19 significant bits, exact in float32) and −32·d·sc, per
-    16 elements: (n, 16) each (no biases held: m None)."""
-    np.multiply(f16(b, 208).astype(np.float32)[:, None], b[:, 192:208].view(np.int8), out=s)
-    if m is not None:
-        np.multiply(s, -32, out=m)
-
-
-# Types of 16-element sub-blocks held as groups of 16 (only the CPU kernels take them)
-AFFINE16: dict[str, Affine] = {
-    "Q6_K": Affine(
-        6,
-        lambda b, w: _pack6(_q6_k_codes(b), w),
-        _q6_k_codes,
-        _q6_k_scales,
-        offset=32,
-        group=16,
-        biases=False,  # −32·d·sc: the kernels' bias_of (held, they cost 2 bits a weight)
-    ),
-}
-
-
 @dataclass(frozen=True)
 class Super:
     """A K-quant held as its file holds it, for mlxlis's CPU kernels only (runtime/qmv): the
@@ -380,7 +354,7 @@ def _q6_k_ints(b: np.ndarray, sc: np.ndarray, mn: np.ndarray | None) -> None:
 SUPER: dict[str, Super] = {
     "Q4_K": Super(4, _q4_k_pack, _k_ints, d=0),
     "Q5_K": Super(5, lambda b, w: _pack5(_q5_k_codes(b), w), _k_ints, d=0),
-    # symmetric: the kernels take −32·d·sc, as for the groups of 16 with float32 scales
+    # symmetric (d·sc·(q − 32)): no mins held, the kernels take the bias as −32·d·sc
     "Q6_K": Super(
         6,
         lambda b, w: _pack6(_q6_k_codes(b), w),

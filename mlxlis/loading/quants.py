@@ -38,7 +38,7 @@ from typing import Any
 
 from mlxlis.errors import FileFormatError, UnsupportedQuantError
 from mlxlis.loading.gguf import GGML_TYPES, GGUFTensor
-from mlxlis.loading.quant_blocks import AFFINE, AFFINE16, DENSE, SUPER, Affine, Super, affine_dense
+from mlxlis.loading.quant_blocks import AFFINE, DENSE, SUPER, Super, affine_dense
 
 import mlx.core as mx
 import numpy as np
@@ -47,7 +47,6 @@ GROUP = 32
 CHUNK_ELEMENTS = 1 << 17  # weights per conversion chunk: keeps the temporaries in cache
 AFFINE_HELD: frozenset[str] = frozenset(AFFINE)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K
 QUANTIZABLE: frozenset[str] = AFFINE_HELD | {"MXFP4"}  # types MLX holds quantized
-SUB_BLOCKS: frozenset[str] = frozenset(AFFINE16)  # Q6_K: groups of 16, for the CPU kernels
 SUPER_HELD: frozenset[str] = frozenset(SUPER)  # Q4_K Q5_K Q6_K as stored, for the kernels
 
 
@@ -98,9 +97,8 @@ def convert_tensor(
     """Convert one GGUF tensor (its raw bytes) to MLX: quantized (see module doc) or dense.
 
     `sub_blocks`: a SUPER_HELD type (Q4_K, Q5_K, Q6_K) held as stored (quant_blocks.Super),
-    else a SUB_BLOCKS one (Q6_K) as groups of 16 with float32 scales: layouts only mlxlis's
-    CPU kernels multiply (runtime/qmv; MLX's own products take float scales in groups of 32
-    and more).
+    a layout only mlxlis's CPU kernels multiply (runtime/qmv; MLX's own products take float
+    scales in groups of 32 and more).
     `out`: the buffers from `allocate(t, dequantize=..., sub_blocks=...)`, when the caller made
     them early.
     `done(start, stop)`: told, from any thread, when raw[start:stop] has been converted.
@@ -122,13 +120,7 @@ def convert_tensor(
                 _dense_blocks(t, raw, dtype, lambda b, o: affine_dense(kind, b, o), out, done)
             )
         return _quantized(t, raw, dtype, out, done)
-    if _as_sub_blocks(t, dequantize, sub_blocks):
-        return _quantized(t, raw, dtype, out, done, AFFINE16[t.type_name])
     return Converted(_dense(t, raw, dtype, path, out, done))
-
-
-def _as_sub_blocks(t: GGUFTensor, dequantize: bool, sub_blocks: bool) -> bool:
-    return sub_blocks and not dequantize and t.type_name in SUB_BLOCKS and len(t.shape) > 1
 
 
 def _as_super(t: GGUFTensor, dequantize: bool, sub_blocks: bool) -> bool:
@@ -158,8 +150,6 @@ def allocate(
         return _super_buffers(t, SUPER[name])
     if name in AFFINE_HELD and not dequantize and len(t.shape) > 1:
         return _quantized_buffers(t)
-    if _as_sub_blocks(t, dequantize, sub_blocks):
-        return _quantized_buffers(t, AFFINE16[name])
     if name in ("F32", "F16", "BF16") or t.ggml_type not in GGML_TYPES:
         return ()  # copied from the file as they are
     return (_zeros(t.shape, mx.float32),)
@@ -276,12 +266,14 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(packed).reshape(rows, -1).view("<u4")
 
 
-def _quantized_buffers(t: GGUFTensor, kind: Affine | None = None) -> tuple[mx.array, ...]:
-    kind = kind or AFFINE[t.type_name]
+def _quantized_buffers(t: GGUFTensor) -> tuple[mx.array, ...]:
+    kind = AFFINE[t.type_name]
     rows, cols = math.prod(t.shape[:-1]), t.shape[-1]  # 1-D: one row
-    out = [_zeros((rows, cols * kind.bits // 32), mx.uint32)]
-    out += [_zeros((rows, cols // kind.group), mx.float32) for _ in range(1 + kind.biases)]
-    return tuple(out)
+    return (
+        _zeros((rows, cols * kind.bits // 32), mx.uint32),
+        _zeros((rows, cols // kind.group), mx.float32),
+        _zeros((rows, cols // kind.group), mx.float32),
+    )
 
 
 def _super_buffers(t: GGUFTensor, kind: Super) -> tuple[mx.array, ...]:
@@ -334,30 +326,25 @@ def _quantized(
     dtype: mx.Dtype,
     out: tuple[mx.array, ...],
     done: Callable[[int, int], None] | None = None,
-    kind: Affine | None = None,
 ) -> Converted:
     _, block, type_size = GGML_TYPES[t.ggml_type]
-    kind = kind or AFFINE[t.type_name]
+    kind = AFFINE[t.type_name]
     bits, group = kind.bits, kind.group
     cols = t.shape[-1]
     n_blocks = t.nbytes // type_size
-    w, s, *rest = out or _quantized_buffers(t, kind)
-    m = rest[0] if rest else None  # None: no biases held (kind.biases)
+    w, s, m = out or _quantized_buffers(t)
     # every block fills its own slots of the outputs, so blocks convert independently
     blocks = raw.reshape(n_blocks, type_size)
-    wv, sv = (_writable(a).reshape(n_blocks, -1) for a in (w, s))
-    mv = None if m is None else _writable(m).reshape(n_blocks, -1)
+    wv, sv, mv = (_writable(a).reshape(n_blocks, -1) for a in (w, s, m))
 
     def chunk(i: int, j: int) -> None:
         kind.pack(blocks[i:j], wv[i:j])
-        kind.scales(blocks[i:j], sv[i:j], None if mv is None else mv[i:j])
+        kind.scales(blocks[i:j], sv[i:j], mv[i:j])
 
     _for_chunks(n_blocks, max(1, CHUNK_ELEMENTS // block), chunk, done, type_size)
     lead = t.shape[:-1]
     w = w.reshape(*lead, cols * bits // 32)
     s = s.reshape(*lead, cols // group)
-    if m is None:
-        return Converted(weight=w, scales=s, bits=bits, group_size=group)
     m = m.reshape(*lead, cols // group)
     if dtype != mx.float32:
         s, m = s.astype(dtype), m.astype(dtype)

@@ -131,12 +131,10 @@ class Rope(nn.Module):
         batch); `heads_last`: x is (B, T, heads, head_dim), the result still (B, heads, T,
         head_dim). Longrope: the long factors for a pass reaching past the original context, as
         transformers picks them per forward (each row its own, in a batch)."""
-        if self._long is None and self.mscale == 1.0:
+        if self._long is None:  # (yarn's factor scales head_dim, the last axis either way)
             return self._rope(x, offset, self._periods, heads_last)
         if heads_last:
             x = x.transpose(0, 2, 1, 3)
-        if self._long is None:
-            return self._rope(x, offset, self._periods)
         t = x.shape[-2]
         if not isinstance(offset, mx.array):
             long = offset + t > self._within

@@ -16,7 +16,7 @@ namespace qmv {
 // super-block of 256 weights (Problem.kd); each product is exact in float32 (11 x 8 bits).
 enum ScaleType : int { SB_F32 = 0, SB_F16 = 1, SB_BF16 = 2, SB_U8 = 3, SB_I8 = 4 };
 
-inline bool sb_super(int type) { return type == SB_U8 || type == SB_I8; }
+constexpr bool sb_super(int type) { return type == SB_U8 || type == SB_I8; }
 
 // One product out (M x N) = x (M x K) @ w.T, w (N x K) in MLX's affine layout:
 // row n of wq is the little-endian bit stream of its K codes (code k at bit
@@ -89,12 +89,19 @@ static inline float sb_load(const void* base, int type, size_t idx) {
   return f;
 }
 
+// A super-block format's integers of group idx (flat over rows): its scale sc and min m.
+static inline float sub_scale(const Problem& p, size_t idx) {
+  return p.sb_type == SB_U8 ? float(static_cast<const uint8_t*>(p.scales)[idx])
+                            : float(static_cast<const int8_t*>(p.scales)[idx]);
+}
+static inline float sub_min(const Problem& p, size_t idx) {
+  return float(static_cast<const uint8_t*>(p.biases)[idx]);
+}
+
 // The scale of group idx (flat over rows): stored, or d·sc (super-block formats).
 static inline float scale_of(const Problem& p, size_t idx) {
   if (!sb_super(p.sb_type)) return sb_load(p.scales, p.sb_type, idx);
-  const float d = sb_load(p.kd, SB_F16, 2 * (idx >> p.gshift));
-  return p.sb_type == SB_U8 ? d * float(static_cast<const uint8_t*>(p.scales)[idx])
-                            : d * float(static_cast<const int8_t*>(p.scales)[idx]);
+  return sb_load(p.kd, SB_F16, 2 * (idx >> p.gshift)) * sub_scale(p, idx);
 }
 
 // The bias of group idx whose scale is `scale`: the stored one, −dmin·m (super-block
@@ -103,8 +110,7 @@ static inline float scale_of(const Problem& p, size_t idx) {
 static inline float bias_of(const Problem& p, size_t idx, float scale) {
   if (!p.biases) return -float(1 << (p.bits - 1)) * scale;
   if (!sb_super(p.sb_type)) return sb_load(p.biases, p.sb_type, idx);
-  const float dmin = sb_load(p.kd, SB_F16, 2 * (idx >> p.gshift) + 1);
-  return -(dmin * float(static_cast<const uint8_t*>(p.biases)[idx]));
+  return -(sb_load(p.kd, SB_F16, 2 * (idx >> p.gshift) + 1) * sub_min(p, idx));
 }
 
 }  // namespace qmv

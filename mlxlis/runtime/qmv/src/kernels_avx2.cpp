@@ -113,9 +113,7 @@ inline float sb_get(const void* base, int type, size_t idx) {
 // Scale of group idx: stored, or d·sc (kernels.h scale_of), with F16C.
 inline float scale_get(const Problem& p, size_t idx) {
   if (!sb_super(p.sb_type)) return sb_get(p.scales, p.sb_type, idx);
-  const float d = _cvtsh_ss(p.kd[2 * (idx >> p.gshift)]);
-  return p.sb_type == SB_U8 ? d * float(static_cast<const uint8_t*>(p.scales)[idx])
-                            : d * float(static_cast<const int8_t*>(p.scales)[idx]);
+  return _cvtsh_ss(p.kd[2 * (idx >> p.gshift)]) * sub_scale(p, idx);
 }
 
 // Bias of group idx (scale sv): stored, −dmin·m, else the symmetric −2^(bits−1)·sv
@@ -123,8 +121,7 @@ inline float scale_get(const Problem& p, size_t idx) {
 inline float bias_get(const Problem& p, size_t idx, float sv) {
   if (!p.biases) return bias_of(p, idx, sv);
   if (!sb_super(p.sb_type)) return sb_get(p.biases, p.sb_type, idx);
-  const float dmin = _cvtsh_ss(p.kd[2 * (idx >> p.gshift) + 1]);
-  return -(dmin * float(static_cast<const uint8_t*>(p.biases)[idx]));
+  return -(_cvtsh_ss(p.kd[2 * (idx >> p.gshift) + 1]) * sub_min(p, idx));
 }
 
 // out[m0..m0+MB, n0..n1]. Per group: t_m = sum q*x (FMA, 8 lanes), then
