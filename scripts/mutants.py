@@ -50,6 +50,7 @@ NET4 = "mlxlis/models/qwen4_exp_net.py"
 PARTS4 = "mlxlis/models/qwen4_exp_parts.py"
 QMV_GRID = "tests/test_qmv.py::test_every_width_and_group_matches_float64_and_mlx"
 QMV_PREFILL = "tests/test_qmv.py::test_prefill_dequantizes_tiles_into_sgemm"
+QMV_GEMM = "tests/test_qmv.py::test_prompt_rows_through_the_avx512_product"
 QMV_SUPER = "tests/test_qmv.py::test_super_block_formats_equal_the_float_scales_layout"
 QUANTS_SUPER = "tests/test_quants.py::test_k_quants_held_as_stored_bit_exact"
 FUSED = "tests/test_fused.py"
@@ -1310,6 +1311,38 @@ MUTANTS = (
         "    const int n1 = n0 + tile;\n    if (n1 > p.N) break;",
         (QMV_PREFILL,),
         "CPU kernels: a prompt's last, partial tile of weight rows skipped",
+    ),
+    Mutant(
+        "gemm-panel-of-63-over-48-lanes",
+        "mlxlis/runtime/qmv/src/gemm_avx512.cpp",
+        "      if (rows > 48) panel<4, 6>(wbuf, nbp, xp, kc, cp, first);",
+        "      if (rows > 63) panel<4, 6>(wbuf, nbp, xp, kc, cp, first);",
+        (QMV_GEMM,),
+        "AVX-512 prompt product: a panel of 49-63 rows of x summed over 3 vectors (48 rows)",
+    ),
+    Mutant(
+        "gemm-x-block-offset",
+        "mlxlis/runtime/qmv/src/gemm_avx512.cpp",
+        "      const float* xp = xt + (size_t(pi) * p.K + k0) * kP;",
+        "      const float* xp = xt + size_t(pi) * p.K * kP;",
+        (QMV_GEMM,),
+        "AVX-512 prompt product: every block of w's columns times x's first block",
+    ),
+    Mutant(
+        "gemm-blocks-not-accumulated",
+        "mlxlis/runtime/qmv/src/gemm_avx512.cpp",
+        "      const int rows = p.M - kP * pi, first = k0 == 0;",
+        "      const int rows = p.M - kP * pi, first = 1;",
+        (QMV_GEMM,),
+        "AVX-512 prompt product: each block of 128 columns overwrites the sums of the last",
+    ),
+    Mutant(
+        "gemm-pack-first-panel",
+        "mlxlis/runtime/qmv/src/gemm_avx512.cpp",
+        "    const float* xr = x + size_t(kP * pi + j) * K;",
+        "    const float* xr = x + size_t(j) * K;",
+        (QMV_GEMM,),
+        "AVX-512 prompt product: every panel of x packed from its first 64 rows",
     ),
     Mutant(
         "qmv-g16-second-group-scale",

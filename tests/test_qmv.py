@@ -11,8 +11,9 @@ weight (the kernels sum scale·q·x and bias·x separately per group), plus K st
 Second reference: MLX's own `mx.quantized_matmul` on the same arrays, within twice the bound
 (groups of 32 and more: MLX has no group of 16, which holds Q6_K's sub-blocks).
 Every bit width × group size, shapes whose rows are not a multiple of a task or a tile, 1–16
-input rows (decode and the server's batched decode), 17+ rows (the prefill path: dequantized
-tiles into sgemm), threads 1–3, each instruction set this CPU runs, and a forked child.
+input rows through the decode kernels (decode and the server's batched decode), prompt rows
+(the prefill paths: AVX-512's own product from 10 rows, dequantized tiles into sgemm from 17
+elsewhere), threads 1–3, each instruction set this CPU runs, and a forked child.
 
 The AVX-512 kernels multiply integers: each 4 consecutive x are written as 24-bit integers
 under one power of two (an error of at most 2⁻²³ of the 4's largest |x|, about float32's own
@@ -86,6 +87,7 @@ def check(y, ref, bound, what=""):
 
 
 def grid(bits, group, rows, threads):
+    ext.set_prefill(17)  # rows up to 16 through the decode kernels on every ISA
     for isa in ISAS:
         assert ext.set_isa(isa)
         try:
@@ -110,6 +112,7 @@ def grid(bits, group, rows, threads):
         finally:
             ext.set_isa("auto")
             ext.set_num_threads(0)
+            ext.set_prefill()
 
 
 @pytest.mark.parametrize("bits", qmv.BITS)
@@ -193,22 +196,52 @@ def test_inf_and_nan_in_x_come_out_as_in_float():
 @pytest.mark.parametrize("bits,group", [(4, 32), (5, 64), (8, 128), (3, 32), (6, 16)])
 def test_prefill_dequantizes_tiles_into_sgemm(m, bits, group):
     """17+ rows: tiles of w dequantized into BLAS sgemm (a tile that does not divide N
-    too) by every ISA, within the same bound; the counters say that path ran."""
+    too) by every ISA (AVX-512's own product set aside), within the same bound; the counters
+    say that path ran."""
     assert ext.sgemm_address() != 0, "no cblas_sgemm found"
     x, wq, s, b = make(211, max(group, 320 // group * group), bits, group, m)
     ref, bound = reference(x, wq, s, b, group, bits)
     try:
         for isa, tile in [(i, t) for i in ISAS for t in (0, 48)]:
             assert ext.set_isa(isa)
-            ext.set_prefill(17, tile)
+            ext.set_prefill(17, tile, gemm=False)
             before = ext.counters()["prefill"]
             check(ext.qmv(x, wq, s, b, group, bits), ref, bound, f"{isa} M={m} tile={tile}")
             assert ext.counters()["prefill"] == before + 1
             if group == 16:  # held without biases
                 check(ext.qmv(x, wq, s, None, group, bits), ref, bound, f"{isa} no biases")
     finally:
-        ext.set_prefill(17, 0)
+        ext.set_prefill()
         ext.set_isa("auto")
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (5, 64), (8, 128), (3, 32), (6, 16), (2, 16)])
+def test_prompt_rows_through_the_avx512_product(bits, group):
+    """AVX-512's own prompt product (w dequantized 128 columns at a time into cache, register
+    tiles of 6-24 weight rows × 16-64 rows of x): 10 rows (where it takes over from the
+    decode kernels) to 202 (panels of 64 rows; a last panel of 10, 20, 40 and 63 rows: every
+    tile shape), N not a multiple of a tile's 24 rows nor of a task's, K not a multiple of the
+    128-column block, threads 1–3, and groups of 16 held without biases: within the float64
+    bound; the counters say that product ran."""
+    if "avx512" not in ISAS:
+        pytest.skip("no AVX-512 on this CPU")
+    try:
+        assert ext.set_isa("avx512")
+        for n, k in [(211, 352), (24, 128), (5, 64)]:
+            k = max(group, k // group * group)
+            for m, th in [(10, 1), (40, 2), (63, 3), (84, 2), (202, 3)]:
+                ext.set_num_threads(th)
+                x, wq, s, b = make(n, k, bits, group, m, seed=n + m)
+                ref, bound = reference(x, wq, s, b, group, bits)
+                what = f"N={n} K={k} M={m} threads={th}"
+                before = ext.counters()["gemm"]
+                check(ext.qmv(x, wq, s, b, group, bits), ref, bound, what)
+                assert ext.counters()["gemm"] == before + 1
+                if group == 16:  # Q6_K's: held without biases
+                    check(ext.qmv(x, wq, s, None, group, bits), ref, bound, what + " no biases")
+    finally:
+        ext.set_isa("auto")
+        ext.set_num_threads(0)
 
 
 def test_a_prompt_without_blas_runs_the_fused_kernels():
@@ -221,6 +254,7 @@ def test_a_prompt_without_blas_runs_the_fused_kernels():
     x1, ref1, bound1 = x[:1], ref[:1], bound[:1]
     try:
         ext.set_sgemm(0)
+        ext.set_prefill(gemm=False)  # (AVX-512 has a prompt product of its own, above)
         for isa in ISAS:
             assert ext.set_isa(isa)
             before = ext.counters()["prefill_fallback"]
@@ -229,6 +263,7 @@ def test_a_prompt_without_blas_runs_the_fused_kernels():
             check(ext.qmv(x1, wq, s, b, 32, 4), ref1, bound1, f"{isa} after")
     finally:
         ext.set_sgemm(address)
+        ext.set_prefill()
         ext.set_isa("auto")
 
 
@@ -282,7 +317,7 @@ def test_super_block_formats_equal_the_float_scales_layout(bits, group):
     than the AVX-512 kernels expand on the stack (2048 groups) goes to the AVX2 ones."""
     try:
         for n, k in [(37, 768), (3, 256), (2, 2049 * 32 // 256 * 256 + 256)]:
-            for m in (1, 3, 16, 17):
+            for m in (1, 3, 9, 17):
                 x, wq, stored, s, b = make_super(n, k, bits, group, m, seed=n + m)
                 ref, bound = reference(x, wq, s, b, group, bits)
                 # MLX's layout for other devices (qmv.matmul off the CPU): the same floats
@@ -293,8 +328,11 @@ def test_super_block_formats_equal_the_float_scales_layout(bits, group):
                 for isa in ISAS:
                     assert ext.set_isa(isa)
                     sc, mins, kd = stored
+                    decoded = ext.counters()["decode"]
                     y = ext.qmv(x, wq, sc, mins, group, bits, kd)
-                    if isa == "avx512" and k // group > 2048 and m < 17:
+                    mx.eval(y)
+                    decoded = ext.counters()["decode"] > decoded
+                    if isa == "avx512" and k // group > 2048 and decoded:
                         assert ext.set_isa("avx2")  # where such a row goes
                     plain = ext.qmv(x, wq, s, None if mins is None else b, group, bits)
                     what = f"{isa} N={n} K={k} M={m} bits={bits}"
@@ -345,7 +383,8 @@ def test_quantized_layers_use_it_and_match_mlx():
         y = net.layers[0](x)
         mx.eval(y)
         after = ext.counters()
-        assert after["decode"] + after["prefill"] == before["decode"] + before["prefill"] + 1
+        assert sum(after.values()) == sum(before.values()) + 1
+        assert after["prefill_fallback"] == before["prefill_fallback"]
         layer = net.layers[0]
         ref, bound = reference(x, layer.weight, layer.scales, layer.biases, 32, 5)
         check(y - layer.bias, ref, bound + 1e-6, f"M={m}")

@@ -1,7 +1,8 @@
 """CPU quantized products that read GGUF blocks as they are stored: a custom MLX primitive
 (src/: the affine layout's x @ wᵀ, AVX-512 integer dot products, AVX2/FMA or NEON, threaded
-over rows, each weight read once per call for up to 16 input rows; more rows dequantize a tile
-of w at a time into BLAS sgemm),
+over rows, each weight read once per call for a few input rows; more rows (a prompt, a large
+batch) dequantize w a block at a time into cache for AVX-512's own register-tiled product, or
+elsewhere a tile at a time into BLAS sgemm),
 built against the installed mlx (build.py) and loaded on first use.
 
 `matmul` is what quantized layers call on the CPU; it falls back to MLX's own
@@ -71,14 +72,14 @@ def available() -> ModuleType | None:
 
 def _agrees_with_scalar(mod: ModuleType) -> bool:
     """The CPU's own kernels (AVX-512, AVX2, or NEON, which this project's CI cannot run)
-    give the scalar kernels' results on a small random problem of every width: checked once a
-    process."""
+    give the scalar kernels' results on a small random problem of every width, a decode's
+    rows and a prompt's: checked once a process."""
     import numpy as np
 
     rng = np.random.default_rng(0)
     isa = mod.isa()
-    for bits, group in [(b, g) for b in BITS for g in (16, 32)]:
-        x = rng.standard_normal((3, 128)).astype(np.float32)
+    for bits, group, m in [(b, g, m) for b in BITS for g in (16, 32) for m in (3, 20)]:
+        x = rng.standard_normal((m, 128)).astype(np.float32)
         wq = rng.integers(0, 2**32, (37, 128 * bits // 32), dtype=np.uint32)
         s, b = (rng.standard_normal((37, 128 // group)).astype(np.float32) for _ in range(2))
         fast = mod.qmv_numpy(x, wq, s, b, group, bits)

@@ -79,18 +79,22 @@ NB_MODULE(_qmv, m) {
   m.def("set_sgemm", [](uintptr_t addr) { qmv::set_sgemm(reinterpret_cast<void*>(addr)); },
         "address"_a,
         "Use this cblas_sgemm-compatible function (e.g. ctypes.cast(lib.scipy_cblas_sgemm, "
-        "c_void_p).value) for M >= prefill_min_m; 0 disables the prefill path.");
+        "c_void_p).value) for the prefill path's tiles; 0: none (prompts then take the ISA's own "
+        "product, or else the decode kernels).");
   m.def("sgemm_address", [] { return reinterpret_cast<uintptr_t>(qmv::sgemm_ptr()); });
-  m.def("set_prefill", [](int min_m, int tile_rows) {
+  m.def("set_prefill", [](int min_m, int tile_rows, bool gemm) {
         qmv::settings().prefill_min_m = min_m;
         qmv::settings().tile_rows = tile_rows;
-      }, "min_m"_a = 17, "tile_rows"_a = 0,
-      "M >= min_m uses dequantized tiles of tile_rows rows + sgemm (0: automatic).");
+        qmv::settings().gemm = gemm;
+      }, "min_m"_a = 0, "tile_rows"_a = 0, "gemm"_a = true,
+      "M >= min_m (0: automatic): the ISA's own prefill product (AVX-512) if gemm, else "
+      "dequantized tiles of tile_rows rows (0: automatic) into sgemm.");
   m.def("counters", [] {
     auto c = qmv::counters();
     nb::dict d;
     d["decode"] = c.decode;
     d["prefill"] = c.prefill;
+    d["gemm"] = c.gemm;
     d["prefill_fallback"] = c.prefill_fallback;
     return d;
   });

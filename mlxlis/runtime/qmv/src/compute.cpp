@@ -21,15 +21,16 @@ struct Isa {
   const char* name;
   RowsFn rows;
   DequantFn dequant;
+  bool gemm;  // a prefill product of its own (gemm_avx512.cpp), else dequantized tiles + sgemm
 };
 
-constexpr Isa kScalar{"scalar", rows_scalar, dequant_scalar};
+constexpr Isa kScalar{"scalar", rows_scalar, dequant_scalar, false};
 #if defined(__x86_64__)
-constexpr Isa kAvx2{"avx2", rows_avx2, dequant_avx2};
-constexpr Isa kAvx512{"avx512", rows_avx512, dequant_avx2};  // VNNI + VBMI; prefill as AVX2
+constexpr Isa kAvx2{"avx2", rows_avx2, dequant_avx2, false};
+constexpr Isa kAvx512{"avx512", rows_avx512, dequant_avx2, true};  // VNNI + VBMI
 #endif
 #if defined(__aarch64__)
-constexpr Isa kNeon{"neon", rows_neon, dequant_neon};
+constexpr Isa kNeon{"neon", rows_neon, dequant_neon, false};
 #endif
 
 bool isa_available(const Isa& i) {
@@ -74,7 +75,7 @@ const Isa& cur_isa() {
 std::atomic<void*> g_sgemm{nullptr};
 std::atomic<bool> g_sgemm_looked{false};
 Settings g_settings;
-std::atomic<long> c_decode{0}, c_prefill{0}, c_fallback{0};
+std::atomic<long> c_decode{0}, c_prefill{0}, c_gemm{0}, c_fallback{0};
 
 // ---- decode path: fused kernel, rows split into tasks ----------------------
 
@@ -160,6 +161,53 @@ void run_prefill(const Problem& p, const Isa& isa, SgemmFn sgemm) {
   }
 }
 
+#if defined(__x86_64__)
+// ---- prefill path on AVX-512: the product of its own -----------------------
+
+struct PackCtx {
+  const float* x;
+  int M, K, kstep, nk;
+  float* xt;
+};
+
+void pack_task(void* vctx, int t) {
+  auto* c = static_cast<PackCtx*>(vctx);
+  const int k0 = (t % c->nk) * c->kstep;
+  pack_x_avx512(c->x, c->M, c->K, t / c->nk, k0, std::min(c->K, k0 + c->kstep), c->xt);
+}
+
+struct GemmCtx {
+  const Problem* p;
+  const float* xt;
+  int rows_per_task;
+};
+
+void gemm_task(void* vctx, int t) {
+  auto* c = static_cast<GemmCtx*>(vctx);
+  const Problem& p = *c->p;
+  thread_local std::vector<float> scratch;  // each thread's: dequantized w, out transposed
+  const size_t need = gemm_scratch_avx512(p.M, c->rows_per_task);
+  if (scratch.size() < need) scratch.resize(need);
+  const int n0 = t * c->rows_per_task;
+  gemm_avx512(p, c->xt, n0, std::min(p.N, n0 + c->rows_per_task), scratch.data());
+}
+
+void run_gemm(const Problem& p) {
+  thread_local std::vector<float> xt;  // the caller's (MLX's stream thread)
+  const int panels = (p.M + kGemmPanel - 1) / kGemmPanel;
+  if (xt.size() < size_t(panels) * p.K * kGemmPanel) xt.resize(size_t(panels) * p.K * kGemmPanel);
+  PackCtx pc{p.x, p.M, p.K, 256, (p.K + 255) / 256, xt.data()};
+  parallel_for(panels * pc.nk, pack_task, &pc);
+  // up to 96 weight rows a task (x's panels reused from cache across them), >= ~4 tasks a
+  // thread for balance; a multiple of 24 (the register tiles' rows)
+  const int nth = num_threads();
+  const int rows = std::clamp((p.N + 4 * nth - 1) / (4 * nth) + 23, 24, 96 + 23) / 24 * 24;
+  GemmCtx gc{&p, xt.data(), rows};
+  parallel_for((p.N + rows - 1) / rows, gemm_task, &gc);
+  if (xt.size() > (4u << 20)) std::vector<float>().swap(xt);  // a long prompt's: not kept
+}
+#endif
+
 }  // namespace
 
 const char* isa() { return cur_isa().name; }
@@ -195,7 +243,7 @@ void* sgemm_ptr() { return reinterpret_cast<void*>(get_sgemm()); }
 
 Settings& settings() { return g_settings; }
 
-Counters counters() { return {c_decode.load(), c_prefill.load(), c_fallback.load()}; }
+Counters counters() { return {c_decode.load(), c_prefill.load(), c_gemm.load(), c_fallback.load()}; }
 
 void compute(const Problem& p_in) {
   Problem p = p_in;
@@ -208,7 +256,19 @@ void compute(const Problem& p_in) {
   // the AVX-512 kernels expand a row's super-block scales on the stack (kMaxSuperGroups)
   if (ip == &kAvx512 && sb_super(p.sb_type) && p.K / p.group > kMaxSuperGroups) ip = &kAvx2;
 #endif
-  if (p.M >= g_settings.prefill_min_m) {
+  const bool gemm = cur_isa().gemm && g_settings.gemm;
+  // automatic: from 10 rows the AVX-512 product beats the decode kernels (those read w once
+  // but redo its codes' unpacking and a group's reduction for every 4 rows of x), from 17
+  // the sgemm route does
+  const int min_m = g_settings.prefill_min_m > 0 ? g_settings.prefill_min_m : gemm ? 10 : 17;
+  if (p.M >= min_m) {
+#if defined(__x86_64__)
+    if (gemm) {  // (no limit on a row's super-block groups)
+      c_gemm.fetch_add(1, std::memory_order_relaxed);
+      run_gemm(p);
+      return;
+    }
+#endif
     if (SgemmFn f = get_sgemm()) {
       c_prefill.fetch_add(1, std::memory_order_relaxed);
       run_prefill(p, *ip, f);

@@ -22,14 +22,15 @@ void set_sgemm(void* fn);
 void* sgemm_ptr();
 
 struct Settings {
-  int prefill_min_m = 17;  // M >= this: dequantized tiles + sgemm
-  int tile_rows = 0;       // rows of w per dequantized tile (0: ~1 MiB of floats)
+  int prefill_min_m = 0;   // M >= this: the prefill path (0: 10 with the ISA's own, else 17)
+  int tile_rows = 0;       // rows of w per dequantized tile into sgemm (0: ~8 MiB of floats)
+  bool gemm = true;        // the ISA's own prefill product where it has one (AVX-512)
 };
 Settings& settings();
 
 // Per-path call counters (for tests).
 struct Counters {
-  long decode = 0, prefill = 0, prefill_fallback = 0;
+  long decode = 0, prefill = 0, gemm = 0, prefill_fallback = 0;
 };
 Counters counters();
 

@@ -229,13 +229,13 @@ void rows_b(const Problem& p, int m0, int mb, int n0, int n1) {
 }
 
 template <int B>
-void dequant(const Problem& p, int n0, int n1, float* dst) {
+void dequant(const Problem& p, int n0, int n1, int c0, int c1, float* dst, int ld) {
   const int K = p.K, G = K / p.group, cpg = p.group / 32;
   const size_t row_bytes = size_t(K) * B / 8;
   for (int n = n0; n < n1; ++n) {
     const uint8_t* wrow = reinterpret_cast<const uint8_t*>(p.wq) + size_t(n) * row_bytes;
-    float* d = dst + size_t(n - n0) * K;
-    for (int chunk = 0; chunk < K / 32; ++chunk) {
+    float* d = dst + size_t(n - n0) * ld;
+    for (int chunk = c0; chunk < c1; ++chunk) {
       // the group of sub-blocks 0-1 and of 2-3 (different ones for groups of 16)
       const size_t g0 = size_t(n) * G + (cpg ? chunk / cpg : 2 * chunk), g1 = g0 + (cpg ? 0 : 1);
       const float sv0 = scale_get(p, g0), sv1 = scale_get(p, g1);
@@ -243,7 +243,7 @@ void dequant(const Problem& p, int n0, int n1, float* dst) {
       const __m256 b0 = _mm256_set1_ps(bias_get(p, g0, sv0));
       const __m256 b1 = _mm256_set1_ps(bias_get(p, g1, sv1));
       const uint8_t* cp = wrow + size_t(chunk) * 4 * B;
-      float* dk = d + chunk * 32;
+      float* dk = d + (chunk - c0) * 32;
       _mm256_storeu_ps(dk + 0, _mm256_fmadd_ps(codes<B, 0>(cp), s0, b0));
       _mm256_storeu_ps(dk + 8, _mm256_fmadd_ps(codes<B, 1>(cp), s0, b0));
       _mm256_storeu_ps(dk + 16, _mm256_fmadd_ps(codes<B, 2>(cp), s1, b1));
@@ -266,13 +266,17 @@ void rows_avx2(const Problem& p, int m0, int mb, int n0, int n1) {
 }
 
 void dequant_avx2(const Problem& p, int n0, int n1, float* dst) {
+  dequant_cols_avx2(p, n0, n1, 0, p.K / 32, dst, p.K);
+}
+
+void dequant_cols_avx2(const Problem& p, int n0, int n1, int c0, int c1, float* dst, int ld) {
   switch (p.bits) {
-    case 2: return dequant<2>(p, n0, n1, dst);
-    case 3: return dequant<3>(p, n0, n1, dst);
-    case 4: return dequant<4>(p, n0, n1, dst);
-    case 5: return dequant<5>(p, n0, n1, dst);
-    case 6: return dequant<6>(p, n0, n1, dst);
-    default: return dequant<8>(p, n0, n1, dst);
+    case 2: return dequant<2>(p, n0, n1, c0, c1, dst, ld);
+    case 3: return dequant<3>(p, n0, n1, c0, c1, dst, ld);
+    case 4: return dequant<4>(p, n0, n1, c0, c1, dst, ld);
+    case 5: return dequant<5>(p, n0, n1, c0, c1, dst, ld);
+    case 6: return dequant<6>(p, n0, n1, c0, c1, dst, ld);
+    default: return dequant<8>(p, n0, n1, c0, c1, dst, ld);
   }
 }
 
