@@ -50,7 +50,7 @@ NET4 = "mlxlis/models/qwen4_exp_net.py"
 PARTS4 = "mlxlis/models/qwen4_exp_parts.py"
 QMV_GRID = "tests/test_qmv.py::test_every_width_and_group_matches_float64_and_mlx"
 QMV_PREFILL = "tests/test_qmv.py::test_prefill_dequantizes_tiles_into_sgemm"
-QMV_GEMM = "tests/test_qmv.py::test_prompt_rows_through_the_avx512_product"
+QMV_GEMM = "tests/test_qmv.py::test_prompt_rows_through_the_isas_own_product"
 QMV_SUPER = "tests/test_qmv.py::test_super_block_formats_equal_the_float_scales_layout"
 QUANTS_SUPER = "tests/test_quants.py::test_k_quants_held_as_stored_bit_exact"
 FUSED = "tests/test_fused.py"
@@ -1313,36 +1313,52 @@ MUTANTS = (
         "CPU kernels: a prompt's last, partial tile of weight rows skipped",
     ),
     Mutant(
-        "gemm-panel-of-63-over-48-lanes",
-        "mlxlis/runtime/qmv/src/gemm_avx512.cpp",
-        "      if (rows > 48) panel<4, 6>(wbuf, nbp, xp, kc, cp, first);",
-        "      if (rows > 63) panel<4, 6>(wbuf, nbp, xp, kc, cp, first);",
+        "gemm-full-panel-one-vector-short",
+        "mlxlis/runtime/qmv/src/gemm_impl.h",
+        "      const int vecs = rows >= P ? P / W : (rows + W - 1) / W;",
+        "      const int vecs = rows >= P ? P / W - 1 : (rows + W - 1) / W;",
         (QMV_GEMM,),
-        "AVX-512 prompt product: a panel of 49-63 rows of x summed over 3 vectors (48 rows)",
+        "CPU prompt product: a full panel of x's rows summed over one vector fewer",
     ),
     Mutant(
         "gemm-x-block-offset",
-        "mlxlis/runtime/qmv/src/gemm_avx512.cpp",
-        "      const float* xp = xt + (size_t(pi) * p.K + k0) * kP;",
-        "      const float* xp = xt + size_t(pi) * p.K * kP;",
+        "mlxlis/runtime/qmv/src/gemm_impl.h",
+        "      const float* xp = xt + (size_t(pi) * p.K + k0) * P;",
+        "      const float* xp = xt + size_t(pi) * p.K * P;",
         (QMV_GEMM,),
-        "AVX-512 prompt product: every block of w's columns times x's first block",
+        "CPU prompt product: every block of w's columns times x's first block",
     ),
     Mutant(
         "gemm-blocks-not-accumulated",
-        "mlxlis/runtime/qmv/src/gemm_avx512.cpp",
-        "      const int rows = p.M - kP * pi, first = k0 == 0;",
-        "      const int rows = p.M - kP * pi, first = 1;",
+        "mlxlis/runtime/qmv/src/gemm_impl.h",
+        "      const int rows = p.M - P * pi, first = k0 == 0;",
+        "      const int rows = p.M - P * pi, first = 1;",
         (QMV_GEMM,),
-        "AVX-512 prompt product: each block of 128 columns overwrites the sums of the last",
+        "CPU prompt product: each block of 128 columns overwrites the sums of the last",
     ),
     Mutant(
         "gemm-pack-first-panel",
-        "mlxlis/runtime/qmv/src/gemm_avx512.cpp",
-        "    const float* xr = x + size_t(kP * pi + j) * K;",
-        "    const float* xr = x + size_t(j) * K;",
+        "mlxlis/runtime/qmv/src/gemm_impl.h",
+        "    Vec::pack(rows ? x + size_t(P * pi + j0) * K : x, K, rows, dst + j0, k0, k1);",
+        "    Vec::pack(rows ? x + size_t(j0) * K : x, K, rows, dst + j0, k0, k1);",
         (QMV_GEMM,),
-        "AVX-512 prompt product: every panel of x packed from its first 64 rows",
+        "CPU prompt product: every panel of x packed from its first rows",
+    ),
+    Mutant(
+        "gemm-avx2-pack-high-columns",
+        "mlxlis/runtime/qmv/src/gemm_avx2.cpp",
+        "                         _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));",
+        "                         _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));",
+        (QMV_GEMM,),
+        "AVX2 prompt product: x's columns 4-7 of each 8 packed as its columns 0-3",
+    ),
+    Mutant(
+        "gemm-avx512-pack-lane-order",
+        "mlxlis/runtime/qmv/src/gemm_avx512.cpp",
+        "_mm512_storeu_ps(dst + size_t(k + 4 + c) * P, _mm512_shuffle_f32x4(u0, u2, 0xDD));",
+        "_mm512_storeu_ps(dst + size_t(k + 4 + c) * P, _mm512_shuffle_f32x4(u0, u2, 0x88));",
+        (QMV_GEMM,),
+        "AVX-512 prompt product: x's columns 4-7 of each 16 packed as its columns 0-3",
     ),
     Mutant(
         "qmv-g16-second-group-scale",

@@ -12,8 +12,8 @@ Second reference: MLX's own `mx.quantized_matmul` on the same arrays, within twi
 (groups of 32 and more: MLX has no group of 16, which holds Q6_K's sub-blocks).
 Every bit width × group size, shapes whose rows are not a multiple of a task or a tile, 1–16
 input rows through the decode kernels (decode and the server's batched decode), prompt rows
-(the prefill paths: AVX-512's own product from 10 rows, dequantized tiles into sgemm from 17
-elsewhere), threads 1–3, each instruction set this CPU runs, and a forked child.
+(the prefill paths: the x86 kernels' own product, dequantized tiles into sgemm elsewhere),
+threads 1–3, each instruction set this CPU runs, and a forked child.
 
 The AVX-512 kernels multiply integers: each 4 consecutive x are written as 24-bit integers
 under one power of two (an error of at most 2⁻²³ of the 4's largest |x|, about float32's own
@@ -196,8 +196,8 @@ def test_inf_and_nan_in_x_come_out_as_in_float():
 @pytest.mark.parametrize("bits,group", [(4, 32), (5, 64), (8, 128), (3, 32), (6, 16)])
 def test_prefill_dequantizes_tiles_into_sgemm(m, bits, group):
     """17+ rows: tiles of w dequantized into BLAS sgemm (a tile that does not divide N
-    too) by every ISA (AVX-512's own product set aside), within the same bound; the counters
-    say that path ran."""
+    too) by every ISA (the x86 ones' own product set aside), within the same bound; the
+    counters say that path ran."""
     assert ext.sgemm_address() != 0, "no cblas_sgemm found"
     x, wq, s, b = make(211, max(group, 320 // group * group), bits, group, m)
     ref, bound = reference(x, wq, s, b, group, bits)
@@ -215,30 +215,39 @@ def test_prefill_dequantizes_tiles_into_sgemm(m, bits, group):
         ext.set_isa("auto")
 
 
+GEMM_ISAS = [i for i in ("avx512", "avx2") if i in ISAS]  # a prompt product of their own
+
+
 @pytest.mark.parametrize("bits,group", [(4, 32), (5, 64), (8, 128), (3, 32), (6, 16), (2, 16)])
-def test_prompt_rows_through_the_avx512_product(bits, group):
-    """AVX-512's own prompt product (w dequantized 128 columns at a time into cache, register
-    tiles of 6-24 weight rows × 16-64 rows of x): 10 rows (where it takes over from the
-    decode kernels) to 202 (panels of 64 rows; a last panel of 10, 20, 40 and 63 rows: every
-    tile shape), N not a multiple of a tile's 24 rows nor of a task's, K not a multiple of the
-    128-column block, threads 1–3, and groups of 16 held without biases: within the float64
-    bound; the counters say that product ran."""
-    if "avx512" not in ISAS:
-        pytest.skip("no AVX-512 on this CPU")
+def test_prompt_rows_through_the_isas_own_product(bits, group):
+    """The prompt product of AVX-512 and AVX2 (w dequantized 128 columns at a time into
+    cache, register tiles of weight rows × panels of x's rows: 64 rows in 4 vectors, 24 in 3):
+    10 rows (where it takes over from the decode kernels) to 202, so that a last panel of
+    every width meets every tile shape, N not a multiple of a tile's rows nor of a task's, K
+    not a multiple of the 128-column block, threads 1–3, and groups of 16 held without
+    biases: within the float64 bound; the counters say that product ran. Each output is one
+    float32 dot product summed in order, so both ISAs give the same bits."""
+    if not GEMM_ISAS:
+        pytest.skip("no AVX2 on this CPU")
     try:
-        assert ext.set_isa("avx512")
         for n, k in [(211, 352), (24, 128), (5, 64)]:
             k = max(group, k // group * group)
-            for m, th in [(10, 1), (40, 2), (63, 3), (84, 2), (202, 3)]:
+            for m, th in [(10, 1), (29, 2), (40, 3), (63, 1), (84, 2), (202, 3)]:
                 ext.set_num_threads(th)
                 x, wq, s, b = make(n, k, bits, group, m, seed=n + m)
                 ref, bound = reference(x, wq, s, b, group, bits)
-                what = f"N={n} K={k} M={m} threads={th}"
-                before = ext.counters()["gemm"]
-                check(ext.qmv(x, wq, s, b, group, bits), ref, bound, what)
-                assert ext.counters()["gemm"] == before + 1
-                if group == 16:  # Q6_K's: held without biases
-                    check(ext.qmv(x, wq, s, None, group, bits), ref, bound, what + " no biases")
+                ys = []
+                for isa in GEMM_ISAS:
+                    assert ext.set_isa(isa)
+                    what = f"{isa} N={n} K={k} M={m} threads={th}"
+                    before = ext.counters()["gemm"]
+                    ys.append(np.array(ext.qmv(x, wq, s, b, group, bits)))
+                    assert ext.counters()["gemm"] == before + 1
+                    check(mx.array(ys[-1]), ref, bound, what)
+                    if group == 16:  # Q6_K's: held without biases
+                        y = ext.qmv(x, wq, s, None, group, bits)
+                        check(y, ref, bound, what + " no biases")
+                assert all(np.array_equal(y, ys[0]) for y in ys), f"N={n} K={k} M={m}"
     finally:
         ext.set_isa("auto")
         ext.set_num_threads(0)
@@ -254,7 +263,7 @@ def test_a_prompt_without_blas_runs_the_fused_kernels():
     x1, ref1, bound1 = x[:1], ref[:1], bound[:1]
     try:
         ext.set_sgemm(0)
-        ext.set_prefill(gemm=False)  # (AVX-512 has a prompt product of its own, above)
+        ext.set_prefill(gemm=False)  # (AVX-512 and AVX2 have a prompt product of their own)
         for isa in ISAS:
             assert ext.set_isa(isa)
             before = ext.counters()["prefill_fallback"]
@@ -315,6 +324,7 @@ def test_super_block_formats_equal_the_float_scales_layout(bits, group):
     and biases −dmin·m (the layout the kernels are proven on above) bit for bit, since the
     kernels form those same products; and within the float64 reference's bound. A row longer
     than the AVX-512 kernels expand on the stack (2048 groups) goes to the AVX2 ones."""
+    ext.set_prefill(17)  # rows 1-9 through the decode kernels, 17 through the prompt paths
     try:
         for n, k in [(37, 768), (3, 256), (2, 2049 * 32 // 256 * 256 + 256)]:
             for m in (1, 3, 9, 17):
@@ -339,6 +349,7 @@ def test_super_block_formats_equal_the_float_scales_layout(bits, group):
                     assert np.array_equal(np.array(y), np.array(plain)), what
                     check(y, ref, bound, what)
     finally:
+        ext.set_prefill()
         ext.set_isa("auto")
 
 

@@ -17,20 +17,32 @@ namespace {
 using RowsFn = void (*)(const Problem&, int, int, int, int);
 using DequantFn = void (*)(const Problem&, int, int, float*);
 
+// An ISA's prompt product (gemm_impl.h): from how many rows of x it runs (where it beats the
+// decode kernels, which read w once but redo its codes' unpacking and each group's reduction
+// for every 4 rows of x: measured on the 1.5B's shapes), its panel of x rows, entry points.
+struct Gemm {
+  int min_m, panel;
+  void (*pack)(const float*, int, int, int, int, int, float*);
+  size_t (*scratch)(int, int);
+  void (*run)(const Problem&, const float*, int, int, float*);
+};
+
 struct Isa {
   const char* name;
   RowsFn rows;
   DequantFn dequant;
-  bool gemm;  // a prefill product of its own (gemm_avx512.cpp), else dequantized tiles + sgemm
+  const Gemm* gemm;  // a prompt product of its own, else dequantized tiles + sgemm
 };
 
-constexpr Isa kScalar{"scalar", rows_scalar, dequant_scalar, false};
+constexpr Isa kScalar{"scalar", rows_scalar, dequant_scalar, nullptr};
 #if defined(__x86_64__)
-constexpr Isa kAvx2{"avx2", rows_avx2, dequant_avx2, false};
-constexpr Isa kAvx512{"avx512", rows_avx512, dequant_avx2, true};  // VNNI + VBMI
+constexpr Gemm kGemmAvx2{6, kPanelAvx2, pack_x_avx2, gemm_scratch_avx2, gemm_avx2};
+constexpr Gemm kGemmAvx512{10, kPanelAvx512, pack_x_avx512, gemm_scratch_avx512, gemm_avx512};
+constexpr Isa kAvx2{"avx2", rows_avx2, dequant_avx2, &kGemmAvx2};
+constexpr Isa kAvx512{"avx512", rows_avx512, dequant_avx2, &kGemmAvx512};  // VNNI + VBMI
 #endif
 #if defined(__aarch64__)
-constexpr Isa kNeon{"neon", rows_neon, dequant_neon, false};
+constexpr Isa kNeon{"neon", rows_neon, dequant_neon, nullptr};
 #endif
 
 bool isa_available(const Isa& i) {
@@ -161,10 +173,10 @@ void run_prefill(const Problem& p, const Isa& isa, SgemmFn sgemm) {
   }
 }
 
-#if defined(__x86_64__)
-// ---- prefill path on AVX-512: the product of its own -----------------------
+// ---- prefill path: the ISA's own product (gemm_impl.h) ---------------------
 
 struct PackCtx {
+  const Gemm* g;
   const float* x;
   int M, K, kstep, nk;
   float* xt;
@@ -173,10 +185,11 @@ struct PackCtx {
 void pack_task(void* vctx, int t) {
   auto* c = static_cast<PackCtx*>(vctx);
   const int k0 = (t % c->nk) * c->kstep;
-  pack_x_avx512(c->x, c->M, c->K, t / c->nk, k0, std::min(c->K, k0 + c->kstep), c->xt);
+  c->g->pack(c->x, c->M, c->K, t / c->nk, k0, std::min(c->K, k0 + c->kstep), c->xt);
 }
 
 struct GemmCtx {
+  const Gemm* g;
   const Problem* p;
   const float* xt;
   int rows_per_task;
@@ -186,27 +199,26 @@ void gemm_task(void* vctx, int t) {
   auto* c = static_cast<GemmCtx*>(vctx);
   const Problem& p = *c->p;
   thread_local std::vector<float> scratch;  // each thread's: dequantized w, out transposed
-  const size_t need = gemm_scratch_avx512(p.M, c->rows_per_task);
+  const size_t need = c->g->scratch(p.M, c->rows_per_task);
   if (scratch.size() < need) scratch.resize(need);
   const int n0 = t * c->rows_per_task;
-  gemm_avx512(p, c->xt, n0, std::min(p.N, n0 + c->rows_per_task), scratch.data());
+  c->g->run(p, c->xt, n0, std::min(p.N, n0 + c->rows_per_task), scratch.data());
 }
 
-void run_gemm(const Problem& p) {
+void run_gemm(const Problem& p, const Gemm& g) {
   thread_local std::vector<float> xt;  // the caller's (MLX's stream thread)
-  const int panels = (p.M + kGemmPanel - 1) / kGemmPanel;
-  if (xt.size() < size_t(panels) * p.K * kGemmPanel) xt.resize(size_t(panels) * p.K * kGemmPanel);
-  PackCtx pc{p.x, p.M, p.K, 256, (p.K + 255) / 256, xt.data()};
+  const int panels = (p.M + g.panel - 1) / g.panel;
+  if (xt.size() < size_t(panels) * p.K * g.panel) xt.resize(size_t(panels) * p.K * g.panel);
+  PackCtx pc{&g, p.x, p.M, p.K, 256, (p.K + 255) / 256, xt.data()};
   parallel_for(panels * pc.nk, pack_task, &pc);
   // up to 96 weight rows a task (x's panels reused from cache across them), >= ~4 tasks a
   // thread for balance; a multiple of 24 (the register tiles' rows)
   const int nth = num_threads();
   const int rows = std::clamp((p.N + 4 * nth - 1) / (4 * nth) + 23, 24, 96 + 23) / 24 * 24;
-  GemmCtx gc{&p, xt.data(), rows};
+  GemmCtx gc{&g, &p, xt.data(), rows};
   parallel_for((p.N + rows - 1) / rows, gemm_task, &gc);
   if (xt.size() > (4u << 20)) std::vector<float>().swap(xt);  // a long prompt's: not kept
 }
-#endif
 
 }  // namespace
 
@@ -256,19 +268,17 @@ void compute(const Problem& p_in) {
   // the AVX-512 kernels expand a row's super-block scales on the stack (kMaxSuperGroups)
   if (ip == &kAvx512 && sb_super(p.sb_type) && p.K / p.group > kMaxSuperGroups) ip = &kAvx2;
 #endif
-  const bool gemm = cur_isa().gemm && g_settings.gemm;
-  // automatic: from 10 rows the AVX-512 product beats the decode kernels (those read w once
-  // but redo its codes' unpacking and a group's reduction for every 4 rows of x), from 17
-  // the sgemm route does
-  const int min_m = g_settings.prefill_min_m > 0 ? g_settings.prefill_min_m : gemm ? 10 : 17;
+  const Gemm* gemm = g_settings.gemm ? cur_isa().gemm : nullptr;
+  // automatic: the ISA's product's own threshold, else from 17 rows the sgemm route
+  const int min_m = g_settings.prefill_min_m > 0 ? g_settings.prefill_min_m
+                    : gemm                       ? gemm->min_m
+                                                 : 17;
   if (p.M >= min_m) {
-#if defined(__x86_64__)
     if (gemm) {  // (no limit on a row's super-block groups)
       c_gemm.fetch_add(1, std::memory_order_relaxed);
-      run_gemm(p);
+      run_gemm(p, *gemm);
       return;
     }
-#endif
     if (SgemmFn f = get_sgemm()) {
       c_prefill.fetch_add(1, std::memory_order_relaxed);
       run_prefill(p, *ip, f);

@@ -22,9 +22,9 @@ void set_sgemm(void* fn);
 void* sgemm_ptr();
 
 struct Settings {
-  int prefill_min_m = 0;   // M >= this: the prefill path (0: 10 with the ISA's own, else 17)
+  int prefill_min_m = 0;   // M >= this: the prefill path (0: the ISA's product's own, else 17)
   int tile_rows = 0;       // rows of w per dequantized tile into sgemm (0: ~8 MiB of floats)
-  bool gemm = true;        // the ISA's own prefill product where it has one (AVX-512)
+  bool gemm = true;        // the ISA's own prefill product where it has one (x86)
 };
 Settings& settings();
 

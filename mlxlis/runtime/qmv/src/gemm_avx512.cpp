@@ -1,117 +1,61 @@
-// The prefill product on AVX-512 (M >= prefill_min_m rows of x), x86-64. Compiled with the
-// AVX-512 flags and entered only after the runtime CPU check (compute.cpp); same rules as
-// kernels_avx2.cpp: no headers with inline / template code shared with other TUs.
-//
-// out (M x N) = x (M x K) @ w.T with w dequantized kKc columns at a time into a buffer that
-// stays in cache, never as a whole float copy. The BLAS route (dequantized tiles of ~8 MiB
-// into sgemm) writes each weight as a float to memory and reads it back to pack it; at a
-// prompt's 64 rows that was ~15% slower than the dense model's one sgemm. Here:
-//  - x is packed once a call as panels of 64 rows, transposed (xt[k][64]: row 64·panel + j
-//    in lane j; rows past M are zeros), so a k's 64 rows are 4 vector loads;
-//  - a task's weight rows (a multiple of 24) are dequantized kKc columns at a time;
-//  - a register tile of R weight rows × V vectors of x rows (R·V = 24 accumulators) sums
-//    w[r, k] (broadcast) · xt[k] over the kKc columns, in k order, with FMA: each output is
-//    one float32 dot product of length K summed in order, whatever the tiling or threads;
-//  - the tiles accumulate transposed (ct[r][64]); out is written once, at the end.
-#include <immintrin.h>
-#include <string.h>
-
-#include "kernels.h"
+// The prompt product on AVX-512 (gemm_impl.h): panels of 64 rows of x (4 vectors), 24
+// accumulators a tile (6-24 weight rows). Compiled with the AVX-512 flags.
+#include "gemm_impl.h"
 
 namespace qmv {
 
 namespace {
 
-constexpr int kP = kGemmPanel;  // x rows a panel (lanes of 4 vectors)
-
-// ct[r][0..16V) += sum over k < kc of w[r·kKc + k] · xt[k·kP + 0..16V), r < R.
-template <int V, int R>
-inline void tile(const float* w, const float* xt, int kc, float* ct, bool first) {
-  __m512 acc[R][V];
-#pragma GCC unroll 32
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v)
-      acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(ct + r * kP + 16 * v);
-  for (int k = 0; k < kc; ++k) {
-    __m512 xv[V];
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(xt + size_t(k) * kP + 16 * v);
-#pragma GCC unroll 32
-    for (int r = 0; r < R; ++r) {
-      const __m512 wr = _mm512_set1_ps(w[r * kGemmKc + k]);
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(wr, xv[v], acc[r][v]);
+struct Avx512 {
+  using T = __m512;
+  static constexpr int W = 16, P = kPanelAvx512, kAcc = 24;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T set1(float f) { return _mm512_set1_ps(f); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  // columns k0..k1 of `rows` rows of x (ld K) down lanes dst.. of the panel: 16 x 16 blocks
+  // transposed in registers (2-float, 4-float, then 128-bit lane interleaves)
+  static void pack(const float* x, int K, int rows, float* dst, int k0, int k1) {
+    for (int k = k0; k < k1; k += 16) {
+      __m512 r[16], t[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = i < rows ? _mm512_loadu_ps(x + size_t(i) * K + k) : _mm512_setzero_ps();
+      for (int i = 0; i < 8; ++i) {  // per 128-bit lane: a0 b0 a1 b1 / a2 b2 a3 b3
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      for (int i = 0; i < 4; ++i) {  // r[4i + c], lane L: column 4L + c of rows 4i..4i+3
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+      }
+      for (int c = 0; c < 4; ++c) {  // lane L of r[c], r[4 + c], r[8 + c], r[12 + c]: column 4L + c
+        const __m512 u0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44);
+        const __m512 u1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
+        const __m512 u2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512 u3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
+        _mm512_storeu_ps(dst + size_t(k + c) * P, _mm512_shuffle_f32x4(u0, u2, 0x88));
+        _mm512_storeu_ps(dst + size_t(k + 4 + c) * P, _mm512_shuffle_f32x4(u0, u2, 0xDD));
+        _mm512_storeu_ps(dst + size_t(k + 8 + c) * P, _mm512_shuffle_f32x4(u1, u3, 0x88));
+        _mm512_storeu_ps(dst + size_t(k + 12 + c) * P, _mm512_shuffle_f32x4(u1, u3, 0xDD));
+      }
     }
   }
-#pragma GCC unroll 32
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(ct + r * kP + 16 * v, acc[r][v]);
-}
-
-// Every R-row tile of a panel's nbp rows over one block of kc columns.
-template <int V, int R>
-void panel(const float* wbuf, int nbp, const float* xt, int kc, float* ct, bool first) {
-  for (int r0 = 0; r0 < nbp; r0 += R) tile<V, R>(wbuf + r0 * kGemmKc, xt, kc, ct + r0 * kP, first);
-}
+};
 
 }  // namespace
 
-size_t gemm_scratch_avx512(int M, int rows) {
-  const size_t nbp = size_t(rows + 23) / 24 * 24, panels = size_t(M + kP - 1) / kP;
-  return nbp * kGemmKc + panels * nbp * kP;
-}
-
 void pack_x_avx512(const float* x, int M, int K, int pi, int k0, int k1, float* xt) {
-  // xt[k·kP + j] = x[(kP·pi + j)·K + k]: a row's 16 columns scattered down a lane
-  float* dst = xt + size_t(pi) * K * kP;
-  const int rows = M - kP * pi < kP ? M - kP * pi : kP;
-  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
-                                                            5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(kP));
-  for (int j = 0; j < rows; ++j) {
-    const float* xr = x + size_t(kP * pi + j) * K;
-    for (int k = k0; k < k1; k += 16)  // K % 32 == 0
-      _mm512_i32scatter_ps(dst + size_t(k) * kP + j, lanes, _mm512_loadu_ps(xr + k), 4);
-  }
-  for (int k = k0; k < k1; ++k)
-    for (int j = rows; j < kP; ++j) dst[size_t(k) * kP + j] = 0.0f;
+  pack_x<Avx512>(x, M, K, pi, k0, k1, xt);
 }
-
+size_t gemm_scratch_avx512(int M, int rows) { return gemm_scratch<Avx512>(M, rows); }
 void gemm_avx512(const Problem& p, const float* xt, int n0, int n1, float* scratch) {
-  const int nr = n1 - n0, nbp = (nr + 23) / 24 * 24, panels = (p.M + kP - 1) / kP;
-  float* wbuf = scratch;               // nbp x kGemmKc: w's rows n0.., kc columns
-  float* ct = wbuf + nbp * kGemmKc;    // panels x nbp x kP: out transposed
-  memset(wbuf + size_t(nr) * kGemmKc, 0, size_t(nbp - nr) * kGemmKc * 4);  // rows past n1
-  for (int k0 = 0; k0 < p.K; k0 += kGemmKc) {
-    const int kc = p.K - k0 < kGemmKc ? p.K - k0 : kGemmKc;
-    if (k0 + kc < p.K)  // the next block's x into L2 while this one is summed
-      for (int pi = 0; pi < panels; ++pi) {
-        const char* next = reinterpret_cast<const char*>(xt + (size_t(pi) * p.K + k0 + kc) * kP);
-        const int lines = (p.K - k0 - kc < kGemmKc ? p.K - k0 - kc : kGemmKc) * kP * 4 / 64;
-        for (int l = 0; l < lines; ++l) _mm_prefetch(next + 64 * l, _MM_HINT_T1);
-      }
-    dequant_cols_avx2(p, n0, n1, k0 / 32, (k0 + kc) / 32, wbuf, kGemmKc);
-    for (int pi = 0; pi < panels; ++pi) {
-      const float* xp = xt + (size_t(pi) * p.K + k0) * kP;
-      float* cp = ct + size_t(pi) * nbp * kP;
-      const int rows = p.M - kP * pi, first = k0 == 0;
-      // as many vectors as the panel has rows, 24 accumulators either way
-      if (rows > 48) panel<4, 6>(wbuf, nbp, xp, kc, cp, first);
-      else if (rows > 32) panel<3, 8>(wbuf, nbp, xp, kc, cp, first);
-      else if (rows > 16) panel<2, 12>(wbuf, nbp, xp, kc, cp, first);
-      else panel<1, 24>(wbuf, nbp, xp, kc, cp, first);
-    }
-  }
-  for (int pi = 0; pi < panels; ++pi) {
-    const int rows = p.M - kP * pi < kP ? p.M - kP * pi : kP;
-    const float* cp = ct + size_t(pi) * nbp * kP;
-    for (int j = 0; j < rows; ++j) {
-      float* o = p.out + size_t(kP * pi + j) * p.N + n0;
-      for (int r = 0; r < nr; ++r) o[r] = cp[r * kP + j];
-    }
-  }
+  gemm<Avx512>(p, xt, n0, n1, scratch);
 }
 
 }  // namespace qmv

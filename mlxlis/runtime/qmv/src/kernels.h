@@ -55,14 +55,17 @@ void rows_avx2(const Problem& p, int m0, int mb, int n0, int n1);
 void dequant_avx2(const Problem& p, int n0, int n1, float* dst);
 // the 32-column chunks c0..c1 of rows n0..n1 of w into dst ((n1 - n0) x 32 (c1 - c0), ld ld)
 void dequant_cols_avx2(const Problem& p, int n0, int n1, int c0, int c1, float* dst, int ld);
-// The prefill product (gemm_avx512.cpp): x packed as panels of kGemmPanel rows, transposed
-// (pack_x_avx512: panel pi's columns k0..k1, multiples of 16, into xt, ceil(M / kGemmPanel)
-// x K x kGemmPanel floats); then out[:, n0:n1] by gemm_avx512 with gemm_scratch_avx512(M,
-// n1 - n0) floats of scratch of its own.
-constexpr int kGemmPanel = 64, kGemmKc = 128;
+// The prompt product (gemm_impl.h) of each ISA: x packed as panels of kPanel* rows,
+// transposed (pack_x_*: panel pi's columns k0..k1, multiples of 16, into xt, ceil(M / panel)
+// x K x panel floats); then out[:, n0:n1] by gemm_* with gemm_scratch_*(M, n1 - n0) floats of
+// scratch of its own. w dequantized kGemmKc columns at a time.
+constexpr int kGemmKc = 128, kPanelAvx512 = 64, kPanelAvx2 = 24;
 void pack_x_avx512(const float* x, int M, int K, int pi, int k0, int k1, float* xt);
 size_t gemm_scratch_avx512(int M, int rows);
 void gemm_avx512(const Problem& p, const float* xt, int n0, int n1, float* scratch);
+void pack_x_avx2(const float* x, int M, int K, int pi, int k0, int k1, float* xt);
+size_t gemm_scratch_avx2(int M, int rows);
+void gemm_avx2(const Problem& p, const float* xt, int n0, int n1, float* scratch);
 void rows_avx512(const Problem& p, int m0, int mb, int n0, int n1);
 // x (M x K) as rows_avx512 takes it
 void prep_x_avx512(const float* x, int M, int K, int8_t* xd, float* xe, float* xs4);
