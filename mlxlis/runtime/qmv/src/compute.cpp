@@ -255,7 +255,9 @@ void* sgemm_ptr() { return reinterpret_cast<void*>(get_sgemm()); }
 
 Settings& settings() { return g_settings; }
 
-Counters counters() { return {c_decode.load(), c_prefill.load(), c_gemm.load(), c_fallback.load()}; }
+Counters counters() {
+  return {c_decode.load(), c_prefill.load(), c_gemm.load(), c_fallback.load()};
+}
 
 void compute(const Problem& p_in) {
   Problem p = p_in;
