@@ -102,10 +102,11 @@ def describe(build: bool = False) -> str:
     mod = load(build, retry=build)
     if mod is None:
         return f"MLX's own (the mlxlis kernels: {_why})"
-    if mod.isa() in ("avx512", "avx2"):
-        prompts = "their own product"
-    else:
-        prompts = "dequantized tiles into sgemm" if mod.sgemm_address() else "the decode kernels"
+    prompts = {
+        "own": "their own product",
+        "sgemm": "dequantized tiles into sgemm",
+        "decode": "the decode kernels",
+    }[mod.prompt_route()]
     return f"mlxlis qmv ({mod.isa()}, {mod.num_threads()} threads; prompts: {prompts})"
 
 

@@ -74,6 +74,9 @@ NB_MODULE(_qmv, m) {
         "Threads per call, the calling thread included (<= 0: the default).");
   m.def("num_threads", &qmv::num_threads);
   m.def("isa", &qmv::isa, "Kernels in use: 'avx512', 'avx2', 'neon' or 'scalar'.");
+  m.def("prompt_route", &qmv::prompt_route,
+        "Where prompt rows go: 'own' (the ISA's product), 'sgemm' (dequantized tiles into "
+        "sgemm) or 'decode' (the decode kernels).");
   m.def("set_isa", [](const std::string& s) { return qmv::set_isa(s.c_str()); }, "name"_a,
         "'avx512' | 'avx2' | 'neon' | 'scalar' | 'auto'; False if not available here.");
   m.def("set_sgemm", [](uintptr_t addr) { qmv::set_sgemm(reinterpret_cast<void*>(addr)); },

@@ -220,9 +220,16 @@ void run_gemm(const Problem& p, const Gemm& g) {
   if (xt.size() > (4u << 20)) std::vector<float>().swap(xt);  // a long prompt's: not kept
 }
 
+// The ISA's prompt product when it has one and it is not set aside.
+const Gemm* prompt_gemm() { return g_settings.gemm ? cur_isa().gemm : nullptr; }
+
 }  // namespace
 
 const char* isa() { return cur_isa().name; }
+
+const char* prompt_route() {
+  return prompt_gemm() ? "own" : get_sgemm() ? "sgemm" : "decode";
+}
 
 bool set_isa(const char* name) {
   const Isa* cands[] = {
@@ -270,7 +277,7 @@ void compute(const Problem& p_in) {
   // the AVX-512 kernels expand a row's super-block scales on the stack (kMaxSuperGroups)
   if (ip == &kAvx512 && sb_super(p.sb_type) && p.K / p.group > kMaxSuperGroups) ip = &kAvx2;
 #endif
-  const Gemm* gemm = g_settings.gemm ? cur_isa().gemm : nullptr;
+  const Gemm* gemm = prompt_gemm();
   // automatic: the ISA's product's own threshold, else from 17 rows the sgemm route
   const int min_m = g_settings.prefill_min_m > 0 ? g_settings.prefill_min_m
                     : gemm                       ? gemm->min_m

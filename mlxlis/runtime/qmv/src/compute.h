@@ -15,6 +15,10 @@ using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int,
 const char* isa();
 bool set_isa(const char* name);
 
+// Where prompt rows go (compute's choice): "own" (the ISA's product, gemm_impl.h), "sgemm"
+// (dequantized tiles into sgemm) or "decode" (the decode kernels: no BLAS).
+const char* prompt_route();
+
 // sgemm for the prefill path: set explicitly (an address from ctypes), else
 // looked up once as dlsym(RTLD_DEFAULT, "cblas_sgemm") -- the symbol MLX
 // itself resolves, i.e. mlxlis' dispatch to OpenBLAS when it is loaded.
