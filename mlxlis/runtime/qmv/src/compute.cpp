@@ -192,17 +192,18 @@ struct GemmCtx {
   const Gemm* g;
   const Problem* p;
   const float* xt;
-  int rows_per_task;
+  int units, ntasks, max_rows;  // w's rows in units of 24, split evenly into ntasks
 };
 
 void gemm_task(void* vctx, int t) {
   auto* c = static_cast<GemmCtx*>(vctx);
   const Problem& p = *c->p;
   thread_local std::vector<float> scratch;  // each thread's: dequantized w, out transposed
-  const size_t need = c->g->scratch(p.M, c->rows_per_task);
+  const size_t need = c->g->scratch(p.M, c->max_rows);
   if (scratch.size() < need) scratch.resize(need);
-  const int n0 = t * c->rows_per_task;
-  c->g->run(p, c->xt, n0, std::min(p.N, n0 + c->rows_per_task), scratch.data());
+  const int n0 = int(long(t) * c->units / c->ntasks) * 24;
+  const int n1 = int(long(t + 1) * c->units / c->ntasks) * 24;
+  c->g->run(p, c->xt, n0, std::min(p.N, n1), scratch.data());
 }
 
 void run_gemm(const Problem& p, const Gemm& g) {
@@ -211,12 +212,13 @@ void run_gemm(const Problem& p, const Gemm& g) {
   if (xt.size() < size_t(panels) * p.K * g.panel) xt.resize(size_t(panels) * p.K * g.panel);
   PackCtx pc{&g, p.x, p.M, p.K, 256, (p.K + 255) / 256, xt.data()};
   parallel_for(panels * pc.nk, pack_task, &pc);
-  // up to 96 weight rows a task (x's panels reused from cache across them), >= ~4 tasks a
-  // thread for balance; a multiple of 24 (the register tiles' rows)
-  const int nth = num_threads();
-  const int rows = std::clamp((p.N + 4 * nth - 1) / (4 * nth) + 23, 24, 96 + 23) / 24 * 24;
-  GemmCtx gc{&g, &p, xt.data(), rows};
-  parallel_for((p.N + rows - 1) / rows, gemm_task, &gc);
+  // up to 96 weight rows a task (x's panels reused from cache across them), a multiple of 24
+  // (the register tiles' rows); the task count a multiple of the threads, the units split
+  // evenly: 640 rows were 7 tasks of 96 on 2 threads (one idle an eighth of the time), now 8
+  const int nth = num_threads(), units = (p.N + 23) / 24;
+  const int ntasks = std::min(units, nth * ((units + 4 * nth - 1) / (4 * nth)));
+  GemmCtx gc{&g, &p, xt.data(), units, ntasks, (units + ntasks - 1) / ntasks * 24};
+  parallel_for(ntasks, gemm_task, &gc);
   if (xt.size() > (4u << 20)) std::vector<float>().swap(xt);  // a long prompt's: not kept
 }
 

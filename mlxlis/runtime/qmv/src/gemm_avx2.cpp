@@ -15,13 +15,13 @@ struct Avx2 {
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static T add(T a, T b) { return _mm256_add_ps(a, b); }
   static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
-  // columns k0..k1 of `rows` rows of x (ld K) down lanes dst.. of the panel: 8 x 8 blocks
-  // transposed in registers (2-float, 4-float, then 128-bit lane interleaves)
-  static void pack(const float* x, int K, int rows, float* dst, int k0, int k1) {
-    for (int k = k0; k < k1; k += 8) {
+  // d[k·ldd + i] = s[i·lds + k] for k < cols (a multiple of 8), i < 8 (rows past `rows`:
+  // zeros): 8 x 8 blocks transposed in registers (2-float, 4-float, then 128-bit interleaves)
+  static void transpose(const float* s, size_t lds, int rows, float* d, size_t ldd, int cols) {
+    for (int k = 0; k < cols; k += 8) {
       __m256 r[8], t[8];
       for (int i = 0; i < 8; ++i)
-        r[i] = i < rows ? _mm256_loadu_ps(x + size_t(i) * K + k) : _mm256_setzero_ps();
+        r[i] = i < rows ? _mm256_loadu_ps(s + i * lds + k) : _mm256_setzero_ps();
       for (int i = 0; i < 4; ++i) {
         t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
         t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -33,9 +33,8 @@ struct Avx2 {
         r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
       }
       for (int c = 0; c < 4; ++c) {
-        _mm256_storeu_ps(dst + size_t(k + c) * P, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
-        _mm256_storeu_ps(dst + size_t(k + 4 + c) * P,
-                         _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
+        _mm256_storeu_ps(d + (k + c) * ldd, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
+        _mm256_storeu_ps(d + (k + 4 + c) * ldd, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
       }
     }
   }

@@ -15,13 +15,13 @@ struct Avx512 {
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
   static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
-  // columns k0..k1 of `rows` rows of x (ld K) down lanes dst.. of the panel: 16 x 16 blocks
-  // transposed in registers (2-float, 4-float, then 128-bit lane interleaves)
-  static void pack(const float* x, int K, int rows, float* dst, int k0, int k1) {
-    for (int k = k0; k < k1; k += 16) {
+  // d[k·ldd + i] = s[i·lds + k] for k < cols (a multiple of 16), i < 16 (rows past `rows`:
+  // zeros): 16 x 16 blocks transposed in registers (2-float, 4-float, then 128-bit interleaves)
+  static void transpose(const float* s, size_t lds, int rows, float* d, size_t ldd, int cols) {
+    for (int k = 0; k < cols; k += 16) {
       __m512 r[16], t[16];
       for (int i = 0; i < 16; ++i)
-        r[i] = i < rows ? _mm512_loadu_ps(x + size_t(i) * K + k) : _mm512_setzero_ps();
+        r[i] = i < rows ? _mm512_loadu_ps(s + i * lds + k) : _mm512_setzero_ps();
       for (int i = 0; i < 8; ++i) {  // per 128-bit lane: a0 b0 a1 b1 / a2 b2 a3 b3
         t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
         t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -39,10 +39,10 @@ struct Avx512 {
         const __m512 u1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
         const __m512 u2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
         const __m512 u3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
-        _mm512_storeu_ps(dst + size_t(k + c) * P, _mm512_shuffle_f32x4(u0, u2, 0x88));
-        _mm512_storeu_ps(dst + size_t(k + 4 + c) * P, _mm512_shuffle_f32x4(u0, u2, 0xDD));
-        _mm512_storeu_ps(dst + size_t(k + 8 + c) * P, _mm512_shuffle_f32x4(u1, u3, 0x88));
-        _mm512_storeu_ps(dst + size_t(k + 12 + c) * P, _mm512_shuffle_f32x4(u1, u3, 0xDD));
+        _mm512_storeu_ps(d + (k + c) * ldd, _mm512_shuffle_f32x4(u0, u2, 0x88));
+        _mm512_storeu_ps(d + (k + 4 + c) * ldd, _mm512_shuffle_f32x4(u0, u2, 0xDD));
+        _mm512_storeu_ps(d + (k + 8 + c) * ldd, _mm512_shuffle_f32x4(u1, u3, 0x88));
+        _mm512_storeu_ps(d + (k + 12 + c) * ldd, _mm512_shuffle_f32x4(u1, u3, 0xDD));
       }
     }
   }

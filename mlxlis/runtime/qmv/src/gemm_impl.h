@@ -14,7 +14,8 @@
 //    sums w[r, k] (broadcast) · xt[k] over the block's columns, in k order, with FMA, and
 //    adds that to the sums of the blocks before: each output the same float32 sums in the
 //    same order whatever the tiling, the tasks, the threads or the vector width;
-//  - the tiles accumulate transposed (ct[r][P]); out is written once, at the end.
+//  - the tiles accumulate transposed (ct[r][P]); out is written once, at the end, transposed
+//    back W x W in registers.
 #pragma once
 
 #include <immintrin.h>
@@ -76,14 +77,36 @@ size_t gemm_scratch(int M, int rows) {
 }
 
 // Panel pi's columns k0..k1 (multiples of 16) of x, transposed into xt: W rows at a time
-// (Vec::pack: a W x W block transposed in registers; rows past M as zeros).
+// (Vec::transpose: a W x W block transposed in registers; rows past M as zeros).
 template <class Vec>
 void pack_x(const float* x, int M, int K, int pi, int k0, int k1, float* xt) {
   constexpr int P = Vec::P, W = Vec::W;
-  float* dst = xt + size_t(pi) * K * P;
+  float* dst = xt + (size_t(pi) * K + k0) * P;
   for (int j0 = 0; j0 < P; j0 += W) {
     const int left = M - P * pi - j0, rows = left < 0 ? 0 : left < W ? left : W;
-    Vec::pack(rows ? x + size_t(P * pi + j0) * K : x, K, rows, dst + j0, k0, k1);
+    Vec::transpose(rows ? x + size_t(P * pi + j0) * K + k0 : x, K, rows, dst + j0, P, k1 - k0);
+  }
+}
+
+// out[j·N + r] = ct[r·P + j] for a panel's rows j < rows and a task's weight rows r < nr, W x W
+// blocks transposed in registers; an edge block (fewer than W of either) through a buffer, so
+// nothing past row `rows` or column nr is written.
+template <class Vec>
+void unpack_out(const float* ct, int nr, int rows, float* out, size_t N) {
+  constexpr int P = Vec::P, W = Vec::W;
+  for (int r0 = 0; r0 < nr; r0 += W) {
+    const int nw = nr - r0 < W ? nr - r0 : W;
+    for (int j0 = 0; j0 < rows; j0 += W) {
+      const float* src = ct + r0 * P + j0;
+      if (nw == W && j0 + W <= rows) {
+        Vec::transpose(src, P, W, out + j0 * N + r0, N, W);
+        continue;
+      }
+      alignas(64) float edge[W * W];
+      Vec::transpose(src, P, nw, edge, W, W);
+      for (int j = 0; j < W && j0 + j < rows; ++j)
+        memcpy(out + (j0 + j) * N + r0, edge + j * W, size_t(nw) * 4);
+    }
   }
 }
 
@@ -117,11 +140,7 @@ void gemm(const Problem& p, const float* xt, int n0, int n1, float* scratch) {
   }
   for (int pi = 0; pi < panels; ++pi) {
     const int rows = p.M - P * pi < P ? p.M - P * pi : P;
-    const float* cp = ct + size_t(pi) * nbp * P;
-    for (int j = 0; j < rows; ++j) {
-      float* o = p.out + size_t(P * pi + j) * p.N + n0;
-      for (int r = 0; r < nr; ++r) o[r] = cp[r * P + j];
-    }
+    unpack_out<Vec>(ct + size_t(pi) * nbp * P, nr, rows, p.out + size_t(P * pi) * p.N + n0, p.N);
   }
 }
 
