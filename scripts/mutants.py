@@ -1363,10 +1363,26 @@ MUTANTS = (
     Mutant(
         "gemm-task-split-drops-a-unit",
         "mlxlis/runtime/qmv/src/compute.cpp",
-        "  const int n1 = int(long(t + 1) * c->units / c->ntasks) * 24;",
-        "  const int n1 = int(long(t + 1) * c->units / c->ntasks) * 24 - (t == 0) * 24;",
+        "  const int n1 = std::min(p.N, int(long(u + 1) * c->units / c->nu) * 24);",
+        "  const int n1 = std::min(p.N, int(long(u + 1) * c->units / c->nu) * 24 - (u == 0) * 24);",
         (QMV_GEMM,),
         "CPU prompt product: the first task's last 24 weight rows never computed",
+    ),
+    Mutant(
+        "gemm-panel-group-drops-a-panel",
+        "mlxlis/runtime/qmv/src/compute.cpp",
+        "pb = int(long(gi + 1) * c->panels / c->ng);",
+        "pb = int(long(gi + 1) * c->panels / c->ng) - (gi == 0);",
+        (QMV_GEMM,),
+        "CPU prompt product: the first group's last panel of x's rows never computed",
+    ),
+    Mutant(
+        "gemm-panel-group-out-offset",
+        "mlxlis/runtime/qmv/src/gemm_impl.h",
+        "      float* cp = ct + size_t(pi - pa) * nbp * P;",
+        "      float* cp = ct + size_t(pi % (pb - pa)) * nbp * P;",
+        (QMV_GEMM,),
+        "CPU prompt product: a later group's panels summed into the wrong rows of its scratch",
     ),
     Mutant(
         "gemm-avx2-pack-high-columns",

@@ -225,16 +225,17 @@ def test_prompt_rows_through_the_isas_own_product(bits, group):
     """The prompt product of AVX-512 and AVX2 (w dequantized 128 columns at a time into
     cache, register tiles of weight rows × panels of x's rows: 64 rows in 4 vectors, 24 in 3):
     10 rows (where it takes over from the decode kernels) to 202, so that a last panel of
-    every width meets every tile shape, N not a multiple of a tile's rows nor of a task's, K
-    not a multiple of the 128-column block, threads 1–3, and groups of 16 held without
-    biases: within the float64 bound; the counters say that product ran. Each output is one
+    every width meets every tile shape, and 600 (more than a task's group of ~512 rows; few
+    weight rows also split x's panels among tasks), N not a multiple of a tile's rows nor of a
+    task's, K not a multiple of the 128-column block, threads 1–3, and groups of 16 held
+    without biases: within the float64 bound; the counters say that product ran. Each output is one
     float32 dot product summed in order, so both ISAs give the same bits."""
     if not GEMM_ISAS:
         pytest.skip("no AVX2 on this CPU")
     try:
         for n, k in [(211, 352), (24, 128), (5, 64)]:
             k = max(group, k // group * group)
-            for m, th in [(10, 1), (29, 2), (40, 3), (63, 1), (84, 2), (202, 3)]:
+            for m, th in [(10, 1), (29, 2), (40, 3), (63, 1), (84, 2), (202, 3), (600, 2)]:
                 ext.set_num_threads(th)
                 x, wq, s, b = make(n, k, bits, group, m, seed=n + m)
                 ref, bound = reference(x, wq, s, b, group, bits)

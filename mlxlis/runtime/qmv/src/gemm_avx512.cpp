@@ -53,9 +53,9 @@ struct Avx512 {
 void pack_x_avx512(const float* x, int M, int K, int pi, int k0, int k1, float* xt) {
   pack_x<Avx512>(x, M, K, pi, k0, k1, xt);
 }
-size_t gemm_scratch_avx512(int M, int rows) { return gemm_scratch<Avx512>(M, rows); }
-void gemm_avx512(const Problem& p, const float* xt, int n0, int n1, float* scratch) {
-  gemm<Avx512>(p, xt, n0, n1, scratch);
+size_t gemm_scratch_avx512(int panels, int rows) { return gemm_scratch<Avx512>(panels, rows); }
+void gemm_avx512(const Problem& p, const float* xt, int n0, int n1, int pa, int pb, float* scratch) {
+  gemm<Avx512>(p, xt, n0, n1, pa, pb, scratch);
 }
 
 }  // namespace qmv

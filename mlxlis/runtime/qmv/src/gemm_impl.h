@@ -71,9 +71,9 @@ void panel(const float* wbuf, int nbp, const float* xt, int kc, float* ct, bool 
 }
 
 template <class Vec>
-size_t gemm_scratch(int M, int rows) {
+size_t gemm_scratch(int panels, int rows) {
   const size_t nbp = size_t(rows + kRowsMultiple - 1) / kRowsMultiple * kRowsMultiple;
-  return nbp * kGemmKc + size_t(M + Vec::P - 1) / Vec::P * nbp * Vec::P;
+  return nbp * kGemmKc + size_t(panels) * nbp * Vec::P;
 }
 
 // Panel pi's columns k0..k1 (multiples of 16) of x, transposed into xt: W rows at a time
@@ -110,20 +110,20 @@ void unpack_out(const float* ct, int nr, int rows, float* out, size_t N) {
   }
 }
 
+// out[P·pa.., n0..n1): x's panels pa..pb by w's rows n0..n1
 template <class Vec>
-void gemm(const Problem& p, const float* xt, int n0, int n1, float* scratch) {
+void gemm(const Problem& p, const float* xt, int n0, int n1, int pa, int pb, float* scratch) {
   constexpr int P = Vec::P, W = Vec::W;
   const int nr = n1 - n0, nbp = (nr + kRowsMultiple - 1) / kRowsMultiple * kRowsMultiple;
-  const int panels = (p.M + P - 1) / P;
   float* wbuf = scratch;             // nbp x kGemmKc: w's rows n0.., kc columns
-  float* ct = wbuf + nbp * kGemmKc;  // panels x nbp x P: out transposed
+  float* ct = wbuf + nbp * kGemmKc;  // (pb - pa) x nbp x P: out transposed
   memset(wbuf + size_t(nr) * kGemmKc, 0, size_t(nbp - nr) * kGemmKc * 4);  // rows past n1
   for (int k0 = 0; k0 < p.K; k0 += kGemmKc) {
     const int kc = p.K - k0 < kGemmKc ? p.K - k0 : kGemmKc;
     dequant_cols_avx2(p, n0, n1, k0 / 32, (k0 + kc) / 32, wbuf, kGemmKc);
-    for (int pi = 0; pi < panels; ++pi) {
+    for (int pi = pa; pi < pb; ++pi) {
       const float* xp = xt + (size_t(pi) * p.K + k0) * P;
-      float* cp = ct + size_t(pi) * nbp * P;
+      float* cp = ct + size_t(pi - pa) * nbp * P;
       const int rows = p.M - P * pi, first = k0 == 0;
       // as many vectors as the panel has rows, kAcc accumulators either way
       const int vecs = rows >= P ? P / W : (rows + W - 1) / W;
@@ -138,9 +138,10 @@ void gemm(const Problem& p, const float* xt, int n0, int n1, float* scratch) {
       else panel<Vec, 1>(wbuf, nbp, xp, kc, cp, first);
     }
   }
-  for (int pi = 0; pi < panels; ++pi) {
+  for (int pi = pa; pi < pb; ++pi) {
     const int rows = p.M - P * pi < P ? p.M - P * pi : P;
-    unpack_out<Vec>(ct + size_t(pi) * nbp * P, nr, rows, p.out + size_t(P * pi) * p.N + n0, p.N);
+    unpack_out<Vec>(ct + size_t(pi - pa) * nbp * P, nr, rows, p.out + size_t(P * pi) * p.N + n0,
+                    p.N);
   }
 }
 

@@ -57,15 +57,16 @@ void dequant_avx2(const Problem& p, int n0, int n1, float* dst);
 void dequant_cols_avx2(const Problem& p, int n0, int n1, int c0, int c1, float* dst, int ld);
 // The prompt product (gemm_impl.h) of each ISA: x packed as panels of kPanel* rows,
 // transposed (pack_x_*: panel pi's columns k0..k1, multiples of 16, into xt, ceil(M / panel)
-// x K x panel floats); then out[:, n0:n1] by gemm_* with gemm_scratch_*(M, n1 - n0) floats of
-// scratch of its own. w dequantized kGemmKc columns at a time.
+// x K x panel floats); then out's rows of panels pa..pb, columns n0..n1 by gemm_* with
+// gemm_scratch_*(pb - pa, n1 - n0) floats of scratch of its own. w dequantized kGemmKc columns
+// at a time.
 constexpr int kGemmKc = 128, kPanelAvx512 = 64, kPanelAvx2 = 24;
 void pack_x_avx512(const float* x, int M, int K, int pi, int k0, int k1, float* xt);
-size_t gemm_scratch_avx512(int M, int rows);
-void gemm_avx512(const Problem& p, const float* xt, int n0, int n1, float* scratch);
+size_t gemm_scratch_avx512(int panels, int rows);
+void gemm_avx512(const Problem& p, const float* xt, int n0, int n1, int pa, int pb, float* scratch);
 void pack_x_avx2(const float* x, int M, int K, int pi, int k0, int k1, float* xt);
-size_t gemm_scratch_avx2(int M, int rows);
-void gemm_avx2(const Problem& p, const float* xt, int n0, int n1, float* scratch);
+size_t gemm_scratch_avx2(int panels, int rows);
+void gemm_avx2(const Problem& p, const float* xt, int n0, int n1, int pa, int pb, float* scratch);
 void rows_avx512(const Problem& p, int m0, int mb, int n0, int n1);
 // x (M x K) as rows_avx512 takes it
 void prep_x_avx512(const float* x, int M, int K, int8_t* xd, float* xe, float* xs4);
