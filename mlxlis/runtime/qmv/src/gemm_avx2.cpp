@@ -15,6 +15,9 @@ struct Avx2 {
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static T add(T a, T b) { return _mm256_add_ps(a, b); }
   static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static void dequant(const Problem& p, int n0, int n1, int c0, int c1, float* dst, int ld) {
+    dequant_cols_avx2(p, n0, n1, c0, c1, dst, ld);
+  }
   // d[k·ldd + i] = s[i·lds + k] for k < cols (a multiple of 8), i < 8 (rows past `rows`:
   // zeros): 8 x 8 blocks transposed in registers (2-float, 4-float, then 128-bit interleaves)
   static void transpose(const float* s, size_t lds, int rows, float* d, size_t ldd, int cols) {

@@ -120,7 +120,7 @@ void gemm(const Problem& p, const float* xt, int n0, int n1, int pa, int pb, flo
   memset(wbuf + size_t(nr) * kGemmKc, 0, size_t(nbp - nr) * kGemmKc * 4);  // rows past n1
   for (int k0 = 0; k0 < p.K; k0 += kGemmKc) {
     const int kc = p.K - k0 < kGemmKc ? p.K - k0 : kGemmKc;
-    dequant_cols_avx2(p, n0, n1, k0 / 32, (k0 + kc) / 32, wbuf, kGemmKc);
+    Vec::dequant(p, n0, n1, k0 / 32, (k0 + kc) / 32, wbuf, kGemmKc);
     for (int pi = pa; pi < pb; ++pi) {
       const float* xp = xt + (size_t(pi) * p.K + k0) * P;
       float* cp = ct + size_t(pi - pa) * nbp * P;
