@@ -9,7 +9,8 @@
 // prompt's 64 rows that was ~15% slower than the dense model's one sgemm. Here:
 //  - x is packed once a call as panels of P rows, transposed (xt[k][P]: row P·panel + j in
 //    lane j; rows past M are zeros), so a k's rows are P / W vector loads;
-//  - a task's weight rows (a multiple of 24) are dequantized kGemmKc columns at a time;
+//  - a task (some of w's rows, a multiple of 24, by a group of x's panels: compute.cpp) has
+//    its weight rows dequantized kGemmKc columns at a time (Vec::dequant);
 //  - a register tile of R weight rows × V vectors of x rows (R·V = Vec::kAcc accumulators)
 //    sums w[r, k] (broadcast) · xt[k] over the block's columns, in k order, with FMA, and
 //    adds that to the sums of the blocks before: each output the same float32 sums in the
