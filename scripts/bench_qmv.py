@@ -3,11 +3,13 @@ mlxlis/runtime/qmv), made dense in float32 (`--dequantize`, the old default) and
 (when `llama_cpp` is installed), on the catalog models and the 1.5B when pulled.
 
 Each measurement in a fresh process (scripts/bench_worker.py: load, a PROMPT-token prefill,
-DECODE greedy tokens; peak RSS), engines alternating, best of --rounds; one row and 8 rows
-decoding together (mlxlis's batched step; llama.cpp: one row only). Prints a Markdown table
-and writes bench-results/qmv.json.
+DECODE greedy tokens; peak RSS), engines alternating, best of --rounds (decode and prefill each
+their own best); one row and 8 rows decoding together (mlxlis's batched step; llama.cpp: one
+row only). Prints a Markdown table and writes bench-results/qmv.json.
 
-usage: python scripts/bench_qmv.py [--models NAME ...] [--rounds N]
+usage: python scripts/bench_qmv.py [--models NAME ...] [--rounds N] [--prompt N] [--decode N]
+                                   [--rows N ...]
+(`--prompt 512 --decode 16 --rows 1`: long prompts' prefill, where sgemm does best)
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def main() -> int:
     pulled = [n for n in catalog.CATALOG if catalog.is_pulled(n)]
     ap.add_argument("--models", nargs="*", default=pulled)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens (at most 512)")
+    ap.add_argument("--decode", type=int, default=DECODE, help="greedy tokens (8 rows: a 4th)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="rows decoding together")
     a = ap.parse_args()
     try:
         import llama_cpp  # noqa: F401
@@ -45,16 +50,21 @@ def main() -> int:
     rows = []
     for name in a.models:
         gguf = catalog.model_path(name)
-        ids = prompt_ids(gguf)[:PROMPT]
-        runs = [("mlxlis", 1), ("mlxlis-dense", 1), ("mlxlis", 8), ("mlxlis-dense", 8)]
-        runs += [("llama.cpp", 1)] if llama else []
+        ids = prompt_ids(gguf)[: a.prompt]
+        if len(ids) < a.prompt:
+            ap.error(f"--prompt {a.prompt}: the benchmark's text is {len(ids)} tokens for {name}")
+        runs = [(e, b) for b in a.rows for e in ("mlxlis", "mlxlis-dense")]
+        runs += [("llama.cpp", 1)] if llama and 1 in a.rows else []
         best: dict[tuple[str, int], dict] = {}
         for _ in range(a.rounds):
             for engine, b in runs:
-                r = run(engine, gguf, ids, DECODE if b == 1 else DECODE // 4, b)
+                r = run(engine, gguf, ids, a.decode if b == 1 else max(1, a.decode // 4), b)
                 old = best.get((engine, b))
                 if "error" in r or old is None or r["decode_tps"] > old["decode_tps"]:
                     best[(engine, b)] = {**(old or {}), **r} if "error" not in r else r
+                if "error" not in r and "error" not in best[(engine, b)]:  # prefill: its own best
+                    p = max(r["prefill_tps"], (old or r).get("prefill_tps", 0.0))
+                    best[(engine, b)]["prefill_tps"] = p
                 print(f"  {name} {engine} ×{b}: {r}", flush=True)
         for (engine, b), r in best.items():
             rows.append({"model": name, "engine": engine, "rows": b, **r})
