@@ -228,8 +228,8 @@ def test_prompt_rows_through_the_isas_own_product(bits, group):
     every width meets every tile shape, and 600 (more than a task's group of ~512 rows; few
     weight rows also split x's panels among tasks), N not a multiple of a tile's rows nor of a
     task's, K not a multiple of the 128-column block, threads 1–3, and groups of 16 held
-    without biases: within the float64 bound; the counters say that product ran. Each output is one
-    float32 dot product summed in order, so both ISAs give the same bits."""
+    without biases: within the float64 bound; the counters say that product ran. Each output
+    is one float32 dot product summed in order, so both ISAs give the same bits."""
     if not GEMM_ISAS:
         pytest.skip("no AVX2 on this CPU")
     try:

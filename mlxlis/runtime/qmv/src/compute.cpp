@@ -219,8 +219,8 @@ void run_gemm(const Problem& p, const Gemm& g) {
   // A task: up to 384 weight rows (16 units of 24, the register tiles' rows) by a group of
   // ~512 of x's rows. A block of a panel of x (128 columns) comes into L1 from outer caches
   // once a task and is read there by each of the task's register tiles (6-24 weight rows
-  // each): 96-row tasks fetched x four times as often, and the 1.5B's 512-row products were
-  // ~10% slower. The groups of panels keep a task's out (transposed, summed block by block)
+  // each): 96-row tasks fetched x four times as often, and the 1.5B's 512-row products took
+  // ~6% longer. The groups of panels keep a task's out (transposed, summed block by block)
   // in L2: 768 KiB at 384 x 512. The task count a multiple of the threads where the rows
   // allow it (640 rows in 96-row tasks were 7 on 2 threads, one idle an eighth of the time),
   // else more groups of panels (a few weight rows by a long prompt: every thread busy).
