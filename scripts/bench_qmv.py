@@ -60,11 +60,13 @@ def main() -> int:
             for engine, b in runs:
                 r = run(engine, gguf, ids, a.decode if b == 1 else max(1, a.decode // 4), b)
                 old = best.get((engine, b))
-                if "error" in r or old is None or r["decode_tps"] > old["decode_tps"]:
-                    best[(engine, b)] = {**(old or {}), **r} if "error" not in r else r
-                if "error" not in r and "error" not in best[(engine, b)]:  # prefill: its own best
-                    p = max(r["prefill_tps"], (old or r).get("prefill_tps", 0.0))
-                    best[(engine, b)]["prefill_tps"] = p
+                if old is not None and "error" in old:  # a failed run is what the row shows
+                    pass
+                elif "error" in r or old is None:
+                    best[(engine, b)] = r
+                else:  # decode and prefill each their own best
+                    best[(engine, b)] = r if r["decode_tps"] > old["decode_tps"] else old
+                    best[(engine, b)]["prefill_tps"] = max(r["prefill_tps"], old["prefill_tps"])
                 print(f"  {name} {engine} ×{b}: {r}", flush=True)
         for (engine, b), r in best.items():
             rows.append({"model": name, "engine": engine, "rows": b, **r})
