@@ -1616,6 +1616,33 @@ MUTANTS = (
         (FUSED,),
         "RoPE heads last where the kernel does not apply: MLX's rope on the untransposed input",
     ),
+    Mutant(
+        "vocabulary-limit-dropped",
+        "mlxlis/generation/core.py",
+        "        limit = [VocabularyLimit(model.tokenizer.vocab_size)]",
+        "        limit = []",
+        ("tests/test_serve_hostile.py::test_padded_ids_are_never_sampled",),
+        "ids of a head padded past the tokenizer left in the distributions sampled from",
+    ),
+    Mutant(
+        "accept-guard-dropped",
+        "mlxlis/generation/core.py",
+        "                try:\n                    out += [(s, ev) for ev in s.accept(token)]\n"
+        "                except Exception as e:  # noqa: BLE001 — an unreadable token\n"
+        "                    out += self._fail([s], e)\n",
+        "                out += [(s, ev) for ev in s.accept(token)]\n",
+        ("tests/test_engine_guards.py::test_an_unreadable_token_ends_its_request_alone",),
+        "a token that cannot be read fails the whole step, not its own request",
+    ),
+    Mutant(
+        "engine-step-guard-dropped",
+        "mlxlis/generation/engine.py",
+        "        except Exception as e:  # noqa: BLE001 — no one request's\n"
+        "            self._step_failed(e)\n",
+        "        except ZeroDivisionError as e:\n            self._step_failed(e)\n",
+        ("tests/test_engine_guards.py::test_a_failed_step_ends_its_requests_and_the_loop_goes_on",),
+        "a step that fails outside the per-request guards ends the engine's loop silently",
+    ),
 )
 
 IGNORE = shutil.ignore_patterns(

@@ -149,11 +149,13 @@ def build_tiny(
     seed: int = 0,
     tokenizer_kw: dict | None = None,
     adjust=None,
+    pad_vocab: int = 0,
     **config_kw,
 ):
     """Write a tiny random checkpoint of `spec` ("kind": a transformers model type, the rest
     config keys) to `folder`; returns the transformers model (fp32, eval). `tokenizer_kw` go
-    to train_tokenizer; `adjust(model)` changes weights after randomize (before saving)."""
+    to train_tokenizer; `adjust(model)` changes weights after randomize (before saving);
+    `pad_vocab`: rows of embedding and head past the tokenizer's ids (Qwen2.5 has 271)."""
     import torch
     import transformers
 
@@ -163,7 +165,7 @@ def build_tiny(
     vocab = train_tokenizer(folder, **(tokenizer_kw or {}))
     cfg = transformers.AutoConfig.for_model(
         TEXT_KINDS.get(kind, kind),
-        vocab_size=vocab,
+        vocab_size=vocab + pad_vocab,
         bos_token_id=0,
         eos_token_id=2,
         **config_kw,

@@ -440,3 +440,28 @@ def test_gguf_matches_transformers_on_the_files_weights(gemma3n, tmp_path, qtype
         low = [t % 300 for t in ids]
         a = np.array(model.logits(low))
         assert np.abs(a - np.array(mlxlis.load(folder, "float32").logits(low))).max() < 1e-5
+
+
+def test_an_audio_part_is_refused_not_rendered_as_silence(gemma3n, tmp_path):
+    """A checkpoint whose audio tower is skipped, under an official template that writes an
+    audio marker for an audio part (Gemma 4's, llama.cpp's copy): the part is refused naming
+    it — through encode_chat, render_chat and ChatSession — instead of its marker reaching the
+    prompt while nothing hears it (the template does write the marker: checked first)."""
+    from conftest import llama_cpp_reference
+
+    template = llama_cpp_reference("templates/google-gemma-4-31B-it.jinja")
+    folder, _ = gemma3n(next(iter(SPECS)))
+    model = mlxlis.load(
+        wrapped(folder, tmp_path / "wrapped"), "float32", chat_template=str(template)
+    )
+    assert any(s.startswith("model.audio_tower") for s in model.skipped)
+    heard = [{"type": "text", "text": "What is said?"}, {"type": "audio", "audio": b"RIFF"}]
+    messages = [{"role": "user", "content": heard}]
+    assert "<|audio|>" in model.template.render(messages, add_generation_prompt=True)
+    for call in (model.encode_chat, model.render_chat):
+        with pytest.raises(UnsupportedError, match="audio tower is not loaded") as e:
+            call(messages)
+        assert e.value.field == "messages[0].content[1].type"
+    chat = mlxlis.ChatSession(model)
+    with pytest.raises(UnsupportedError, match="cannot hear this audio part"):
+        list(chat.send(heard))

@@ -378,17 +378,23 @@ def test_unknown_model_is_404(server, client):
 
 
 def test_context_length_is_never_exceeded(server, client):
-    """A prompt longer than --max-context, or a prompt plus max_tokens over it, gets 400
-    context_length_exceeded (never truncated); without max_tokens, a long prompt's reply is
-    bounded by what is left of the context."""
+    """A prompt longer than --max-context gets 400 context_length_exceeded (never truncated);
+    a max_tokens over what the context leaves is a ceiling (without --strict-context): the
+    reply stops at the context's end with finish_reason "length", and the cut is logged;
+    without max_tokens, a long prompt's reply is bounded by what is left of the context."""
     long_text = "naïve café 🙂 " * 1500
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="llama_long", prompt=long_text, max_tokens=1)
     assert e.value.body["code"] == "context_length_exceeded"
-    with pytest.raises(openai.BadRequestError) as e:
-        chat(client, max_tokens=CONTEXT)
-    assert e.value.body["code"] == "context_length_exceeded"
-    assert e.value.body["param"] == "messages"
+    seen = len(server.log().splitlines())
+    ids = [5 + i % 300 for i in range(CONTEXT - 6)]
+    body = {"prompt": ids, "ignore_eos": True, "max_tokens": 32000}
+    status, body = server.request("POST", "/v1/completions", body)
+    assert status == 200 and body["usage"]["total_tokens"] == CONTEXT
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert "max_tokens 32000 cut to 6: the context (4096 tokens) holds a prompt of 4090" in (
+        server.log_line("cut to", skip=seen)
+    )
     ids = [5 + i % 300 for i in range(CONTEXT - 9)]
     status, body = server.request("POST", "/v1/completions", {"prompt": ids, "ignore_eos": True})
     assert status == 200 and body["usage"]["total_tokens"] == CONTEXT

@@ -109,13 +109,18 @@ def test_chat_reply_splits_reasoning_content_and_calls(tokenizer):
 
 
 def test_context_bound():
-    """prompt + an explicit max_tokens over the context, or a prompt that fills it, is 400
-    context_length_exceeded; a default max_tokens is cut to what is left."""
+    """prompt + an explicit max_tokens over the context (when refused: --strict-context), or
+    a prompt that fills it, is 400 context_length_exceeded, named by the max field the client
+    set or by the prompt; a max_tokens not held to is cut to what is left."""
     p = SamplingParams(max_tokens=100)
     assert bound_context([1] * 50, p, True, 150, "prompt").max_tokens == 100
     with pytest.raises(APIError) as e:
-        bound_context([1] * 51, p, True, 150, "prompt")
-    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+        bound_context([1] * 51, p, True, 150, "prompt", "max_completion_tokens")
+    assert e.value.code == "context_length_exceeded"
+    assert e.value.param == "max_completion_tokens" and "or max_completion_tokens." in str(e.value)
+    with pytest.raises(APIError) as e:
+        bound_context([1] * 150, p, True, 150, "prompt")
+    assert e.value.param == "prompt"
     assert bound_context([1] * 120, p, False, 150, "prompt").max_tokens == 30
     with pytest.raises(APIError):
         bound_context([1] * 150, p, False, 150, "messages")

@@ -495,6 +495,14 @@ def serve_parser() -> argparse.ArgumentParser:
         "auto: the longest --max-batch requests' caches fit in the memory beside the weights)",
     )
     p.add_argument(
+        "--strict-context",
+        action="store_true",
+        help="refuse a request whose prompt + max_tokens exceed the context (400 "
+        "context_length_exceeded, OpenAI's rule); by default max_tokens is a ceiling: the "
+        "reply stops at the context's end with the API's length stop reason (what agents "
+        "such as Claude Code and Codex need: they ask for 32 000 tokens as a matter of course)",
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("MLXLIS_API_KEY"),
         metavar="KEY",
@@ -607,6 +615,7 @@ def run_serve(argv: list[str]) -> int:
                 a.prefix_cache_dir,
                 a.prefix_cache_disk_gb,
                 a.allow_image_urls,
+                a.strict_context,
             ),
         )
 

@@ -40,7 +40,7 @@ from mlxlis.cache import Cache
 from mlxlis.cache.store import KVChoice, by_format, resolve
 from mlxlis.errors import MlxlisError, PipelineError, UnsupportedError
 from mlxlis.generation.events import Event, Usage
-from mlxlis.generation.processors import LogitsProcessor, processors_for
+from mlxlis.generation.processors import LogitsProcessor, VocabularyLimit, processors_for
 from mlxlis.generation.sampling import SamplingParams, make_sampler
 from mlxlis.generation.speculative import SpecState, Speculation
 from mlxlis.generation.steps import PREFILL_CHUNK, Steps
@@ -107,7 +107,8 @@ class Sequence:
         self.marks = sorted({p for p in asked if len(self.fed) < p < n and p not in inside})
         self.snapshot_end = not asked or n in asked
         self.sampler = make_sampler(req.params)
-        self.processors = [*processors_for(req.params), *req.processors]
+        limit = [VocabularyLimit(model.tokenizer.vocab_size)]  # before any processor reads it
+        self.processors = [*limit, *processors_for(req.params), *req.processors]
         self.decoder = StreamDecoder(model.tokenizer)
         self.stops = StopMatcher(req.stop_strings)
         self.pending: mx.array | None = None  # (1,) the sampled token, not read yet
@@ -328,7 +329,10 @@ class Core:
             for s, token in zip(decoding, tokens, strict=True):
                 if id(s) in fed:
                     s.fed.append(token)
-                out += [(s, ev) for ev in s.accept(token)]
+                try:
+                    out += [(s, ev) for ev in s.accept(token)]
+                except Exception as e:  # noqa: BLE001 — an unreadable token
+                    out += self._fail([s], e)
         for i, s in enumerate(going):
             if not s.done:
                 try:
@@ -429,8 +433,8 @@ class Core:
 
     def _fail(self, seqs: list[Sequence], e: Exception) -> list[tuple[Sequence, Event]]:
         out = []
-        for s in seqs:
-            ev = s.final("error", error=f"{type(e).__name__}: {e}")
+        for s in seqs:  # the detokenizer may hold what failed: its tail is not read
+            ev = s.final("error", flush=False, error=f"{type(e).__name__}: {e}")
             s.fed = []  # left mid-step: the caches are not consistent
             ev.fed = []
             out.append((s, ev))

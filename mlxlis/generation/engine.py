@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import queue
 import threading
+import traceback
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -47,6 +49,10 @@ __all__ = [
     "Stream",
     "TooLongForMemoryError",
 ]
+
+
+MAX_FAILED_ROUNDS = 3  # steps failing in a row before the engine stops (fatal)
+_log = logging.getLogger("mlxlis.engine")
 
 
 class QueueFullError(MlxlisError):
@@ -113,10 +119,13 @@ class Stream:
         self.cancelled.set()
 
     def _put(self, ev: Event) -> None:
-        if self._async is not None:
-            self._loop.call_soon_threadsafe(self._async.put_nowait, ev)
-        else:
+        if self._async is None:
             self._sync.put(ev)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._async.put_nowait, ev)
+        except RuntimeError:  # its event loop is closed: nobody reads it any more
+            self.cancelled.set()
 
     def _admit(self, usage: Usage) -> None:
         fut = self.admitted
@@ -163,6 +172,10 @@ class Engine:
         self.core = Core(model, self.steps)
         self.fatal: str | None = None  # why the engine stopped on its own (a rank was lost)
         self.on_fatal: Callable[[str], None] | None = None  # told it, on the MLX thread
+        # told of a step that failed outside any one request (with its traceback): its
+        # requests end with an error, the loop goes on
+        self.on_error: Callable[[str], None] = _log.error
+        self._failed_rounds = 0  # in a row: MAX_FAILED_ROUNDS of them and the engine stops
         self._queue: list[tuple[Request, Stream]] = []
         self._active: list[tuple[Sequence, Stream]] = []
         self._cv = threading.Condition()
@@ -178,7 +191,11 @@ class Engine:
         stream = Stream(loop)
         with self._cv:
             if self._stopping:
-                raise MlxlisError("the server is shutting down")
+                raise MlxlisError(
+                    f"the engine stopped: {self.fatal}"
+                    if self.fatal
+                    else "the server is shutting down"
+                )
             self._drop_cancelled()
             # places: the free running ones plus the waiting room (not yet admitted counts)
             if len(self._queue) + len(self._active) >= self.max_active + self.max_queued:
@@ -235,6 +252,9 @@ class Engine:
         try:
             while self._round():
                 pass
+        except BaseException as e:  # the loop's own failure: said, never a silent hang
+            self.on_error(traceback.format_exc())
+            self._fail(f"the engine's loop failed: {type(e).__name__}: {e}")
         finally:
             self._close_steps()
 
@@ -263,9 +283,38 @@ class Engine:
         except PipelineError as e:  # the ranks are out of step: nothing more can run
             self._fail(str(e))
             return False
+        except Exception as e:  # noqa: BLE001 — no one request's
+            self._step_failed(e)
+            if self._stopping:
+                return False
+        else:
+            self._failed_rounds = 0
         with self._cv:
             self._active = [(s, st) for s, st in self._active if not s.done]
         return True
+
+    def _step_failed(self, e: Exception) -> None:
+        """A step failed outside the core's per-request guards (a bug): its requests end with
+        an error and their caches are dropped (left mid-step); the loop goes on unless it
+        keeps failing."""
+        self.on_error(traceback.format_exc())
+        message = f"the engine's step failed: {type(e).__name__}: {e}"
+        for seq, stream in self._active:
+            if seq.done:
+                continue
+            try:
+                stream._put(seq.final("error", flush=False, error=message))
+                if seq.caches is not None:
+                    caches, seq.caches = seq.caches, None
+                    self.steps.release(seq.id, None, caches)
+            except PipelineError:
+                raise
+            except Exception:  # noqa: BLE001 — it has ended whatever else is wrong
+                seq.done = True
+                stream._put(_ended("error", message, seq.usage))
+        self._failed_rounds += 1
+        if self._failed_rounds >= MAX_FAILED_ROUNDS:
+            self._fail(f"{message} ({self._failed_rounds} steps in a row)")
 
     def _admit(self, req: Request, stream: Stream) -> None:
         try:

@@ -46,6 +46,25 @@ class RepetitionPenalty:
         return apply_repetition_penalty(logits, list(history[-self.context :]), self.penalty)
 
 
+class VocabularyLimit:
+    """Ids at or past the tokenizer's size masked out of every distribution: a checkpoint's
+    head is often padded past its tokenizer (Qwen2.5: 151 936 rows for 151 665 tokens), and a
+    padded id has no text (sampled at temperature 100 it ended the engine's loop)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._mask: mx.array | None = None  # (1, width): 0 for real ids, -inf past them
+
+    def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
+        width = logits.shape[-1]
+        if width <= self.size:
+            return logits
+        if self._mask is None or self._mask.shape[-1] != width:
+            real = mx.arange(width) < self.size
+            self._mask = mx.where(real, 0.0, -mx.inf).astype(mx.float32)[None]
+        return logits + self._mask
+
+
 def processors_for(params: SamplingParams) -> list[LogitsProcessor]:
     """The processors a request's sampling parameters ask for, in the order they apply."""
     if params.repetition_penalty == 1.0:

@@ -297,6 +297,7 @@ class Model:
         (e.g. enable_thinking=False)."""
         if self.template is None:
             raise NoChatTemplateError(self.missing_template_diagnosis(), path=self.path)
+        self._refuse_unread_parts(messages)
         tok = self.tokenizer
         return self.template.render(
             messages,
@@ -305,6 +306,24 @@ class Model:
             eos_token=tok.eos_token,
             **template_vars,
         )
+
+    def _refuse_unread_parts(self, messages: list[dict]) -> None:
+        """UnsupportedError naming the first content part this model cannot read: a template
+        renders an audio part as its marker token (Gemma 3n's, Gemma 4's) though the tower that
+        would hear it is not loaded, and the reply would pretend it heard nothing."""
+        for i, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("text", "image"):
+                    continue
+                if kind in ("audio", "input_audio"):
+                    towers = any("audio" in n for n in self.skipped)
+                    why = "its audio tower is not loaded" if towers else "it takes no audio"
+                    message = f"{self.name} cannot hear this audio part: {why}"
+                else:
+                    message = f"only text and image parts are read, not {kind!r}"
+                raise UnsupportedError(message, field=f"messages[{i}].content[{j}].type")
 
     def missing_template_diagnosis(self) -> str:
         if self._diagnosis is not None:

@@ -129,10 +129,12 @@ def create_app(state: State) -> FastAPI:
         }
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> Any:
         running, waiting = state.engine.counts
-        return {
-            "status": "stopping" if state.stopping else "ok",
+        fatal = state.engine.fatal  # the engine stopped on its own: nothing more is served
+        body = {
+            "status": "error" if fatal else "stopping" if state.stopping else "ok",
+            **({"error": fatal} if fatal else {}),
             "model": state.model_id,
             "running": running,
             "waiting": waiting,
@@ -140,6 +142,7 @@ def create_app(state: State) -> FastAPI:
             "memory_bytes": mx.get_active_memory(),  # MLX's arrays now (weights included)
             **memory_report(state.engine),
         }
+        return JSONResponse(body, status_code=503) if fatal else body
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:

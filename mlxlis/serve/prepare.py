@@ -39,6 +39,10 @@ class Target:
     max_context: int
     stop_ids: frozenset[int]
     speculation: Speculation | None = None  # --speculative / --draft-model: every request
+    # --strict-context: prompt + an explicit max_tokens over the context is a 400 (OpenAI's
+    # rule); by default max_tokens is a ceiling, cut to what the context leaves (llama.cpp's
+    # and Ollama's: agents ask for 32 000 as a matter of course)
+    strict_context: bool = False
 
 
 @dataclass
@@ -48,6 +52,7 @@ class Prepared:
     tools: frozenset[str] | None  # the offered tools' names: tool calls are parsed; None: no
     tool_format: ToolFormat | None = None  # how the template has the model write calls
     forced: str = ""  # text the prompt ends with that opens a call (tool_choice), for the parser
+    asked: int | None = None  # the max_tokens asked for, when the context cut it (logged)
 
 
 def bad(message: str, param: str | None, code: str | None = "invalid_value") -> APIError:
@@ -109,17 +114,26 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def bound_context(
-    ids: list[int], params: SamplingParams, explicit: bool, max_context: int, param: str
+    ids: list[int],
+    params: SamplingParams,
+    explicit: bool,
+    max_context: int,
+    param: str,
+    max_field: str = "max_tokens",
 ) -> SamplingParams:
-    """The one context check (generation.context), its refusal worded as OpenAI words it."""
+    """The one context check (generation.context), its refusal worded as OpenAI words it;
+    `explicit`: an explicit max_tokens (`max_field`) over what the context leaves is refused
+    (else it is cut)."""
     try:
         return fit_context(len(ids), params, max_context, explicit=explicit, field=param)
     except ContextOverflow as e:
         if e.completion:
+            if e.prompt < e.limit:  # the field the client set is what cannot be honoured
+                param = max_field
             message = (
                 f"However, you requested {e.prompt + e.completion} tokens ({e.prompt} "
                 f"in the prompt, {e.completion} in the completion). Reduce the prompt "
-                "or max_tokens."
+                f"or {max_field}."
             )
         else:
             message = (
@@ -313,7 +327,10 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
             where,
             "context_length_exceeded",
         )
-    params = bound_context(ids, params, explicit is not None, t.max_context, "messages")
+    strict = explicit is not None and t.strict_context
+    fitted = bound_context(ids, params, strict, t.max_context, "messages", max_field)
+    asked = params.max_tokens if fitted.max_tokens < params.max_tokens and explicit else None
+    params = fitted
     gen = Request(
         ids,
         params,
@@ -326,7 +343,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         kv_format=kv_choice(t, req),
         images=spans,
     )
-    return Prepared(gen, prompt, tools, fmt, forced)
+    return Prepared(gen, prompt, tools, fmt, forced, asked)
 
 
 def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
@@ -357,7 +374,10 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
         ids = list(prompt)
     if not ids:
         raise bad("prompt: empty", "prompt")
-    params = bound_context(ids, params, req.max_tokens is not None, t.max_context, "prompt")
+    strict = req.max_tokens is not None and t.strict_context
+    fitted = bound_context(ids, params, strict, t.max_context, "prompt")
+    asked = params.max_tokens if fitted.max_tokens < params.max_tokens and req.max_tokens else None
+    params = fitted
     gen = Request(
         ids,
         params,
@@ -368,7 +388,7 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
         speculation=t.speculation,
         kv_format=kv_choice(t, req),
     )
-    return Prepared(gen, None, None)
+    return Prepared(gen, None, None, asked=asked)
 
 
 def masks(

@@ -57,6 +57,7 @@ class ServeOptions:
     prefix_cache_dir: str | None = None  # finished requests' caches also kept on disk
     prefix_cache_disk_gb: float = 10.0
     allow_image_urls: bool = False  # fetch requests' http(s) image URLs (serve/images.py)
+    strict_context: bool = False  # prompt + max_tokens over the context: 400, not cut
 
 
 class _Server(uvicorn.Server):
@@ -176,7 +177,7 @@ def serve(model: Any, opts: ServeOptions) -> int:
         context = opts.max_context
     names = {opts.name, model.name, str(model.path)}
     stops = frozenset(model.stop_ids())
-    target = Target(model, opts.defaults, context, stops, opts.speculation)
+    target = Target(model, opts.defaults, context, stops, opts.speculation, opts.strict_context)
     sock = listen(opts.host, opts.port)
     # the fused kernels compile before the engine's loop starts on the same thread: the first
     # request waits for what is left of it instead of compiling them itself (generation/warmup)
@@ -204,11 +205,12 @@ def serve(model: Any, opts: ServeOptions) -> int:
     )
     server = _Server(config, state)
 
-    def fatal(message: str) -> None:  # a pipeline rank was lost: nothing more can be served
+    def fatal(message: str) -> None:  # a rank was lost, the loop failed: nothing more runs
         log.error("error: %s", message)
         server.should_exit = True
 
     engine.on_fatal = fatal
+    engine.on_error = lambda text: log.error("error: %s", text.rstrip())
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     log.info(

@@ -265,12 +265,23 @@ class Service:
         try:
             if self.state.allow_image_urls:  # on threads of their own, not the preparing one
                 args = tuple([await fetch_images(a) for a in args])
-            return await loop.run_in_executor(
+            prep = await loop.run_in_executor(
                 self.state.worker, partial(fn, self.state.target, *args)
             )
         except APIError as e:
             moved = args[0]._renames if args and isinstance(args[0], ChatCompletionRequest) else {}
             raise renamed(e, {**moved, **(names or {})}) from None
+        if prep.asked is not None:  # a ceiling, not a wish (--strict-context refuses instead)
+            max_tokens = (names or {}).get("max_tokens", "max_tokens")
+            log.info(
+                "%s %d cut to %d: the context (%d tokens) holds a prompt of %d",
+                max_tokens,
+                prep.asked,
+                prep.gen.params.max_tokens,
+                self.state.target.max_context,
+                len(prep.gen.prompt),
+            )
+        return prep
 
     def chat_reply(self, prep: Prepared, logprobs: bool = False) -> ChatReply:
         """The reply to a prepared chat request, built from its events."""
