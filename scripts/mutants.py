@@ -493,10 +493,10 @@ MUTANTS = (
     Mutant(
         "disk-hash-unchecked",
         "mlxlis/cache/disk.py",
-        'if meta.get("sha256") != content_hash(arrays):',
+        'if not hmac.compare_digest(meta.get("mac", ""), seal(self.key, meta, arrays)):',
         "if False:",
         ("tests/test_prefix_disk.py::test_a_bad_entry_is_skipped_warned_and_deleted",),
-        "prefix cache on disk: a file whose bytes changed is loaded",
+        "prefix cache on disk: a file whose bytes changed is loaded (its seal unchecked)",
     ),
     Mutant(
         "kv-tail-dropped",
@@ -1642,6 +1642,34 @@ MUTANTS = (
         "        except ZeroDivisionError as e:\n            self._step_failed(e)\n",
         ("tests/test_engine_guards.py::test_a_failed_step_ends_its_requests_and_the_loop_goes_on",),
         "a step that fails outside the per-request guards ends the engine's loop silently",
+    ),
+    Mutant(
+        "disk-header-unsealed",
+        "mlxlis/cache/sealed.py",
+        'h.update(json.dumps(facts, sort_keys=True).encode() + b"\\0")',
+        'h.update(b"\\0")',
+        (
+            "tests/test_prefix_disk_hostile.py::test_an_entry_altered_without_the_key_is_not_believed",
+        ),
+        "prefix cache on disk: the header (ids, model, layers) left out of the seal",
+    ),
+    Mutant(
+        "disk-symlink-followed",
+        "mlxlis/cache/sealed.py",
+        "READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK",
+        "READ = os.O_RDONLY | os.O_NONBLOCK",
+        (
+            "tests/test_prefix_disk_hostile.py::test_a_link_in_the_folder_is_never_followed_nor_deleted",
+        ),
+        "prefix cache on disk: an entry opened through a symbolic link",
+    ),
+    Mutant(
+        "disk-not-regular-read",
+        "mlxlis/cache/sealed.py",
+        "    if not stat.S_ISREG(st.st_mode):\n",
+        "    if False:\n",
+        ("tests/test_prefix_disk_hostile.py::test_a_fifo_in_the_folder_is_never_read",),
+        "prefix cache on disk: what is not a regular file (a FIFO) read and deleted",
     ),
 )
 

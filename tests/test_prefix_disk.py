@@ -6,10 +6,11 @@ What is proved here:
   sliding-window rings past their window, the hybrid's recurrent layers (their snapshot), a
   quantized KV cache — and the logits of the rest of the prompt equal a cold run's
   (self-consistency against the plain prefill, which the parity tests tie to transformers);
-- nothing doubtful is loaded: a truncated file, a flipped byte, an entry of another model
-  and a write that fails (the file-size limit hit: EFBIG, as a full disk gives
-  ENOSPC) each give a cold prefill, one warning line and no file left behind; an entry of
-  another KV format of the same model is not taken, and stays;
+- nothing doubtful is loaded: a truncated file, a flipped byte, an entry of the format before
+  the seal, an entry of another model and a write that fails (the file-size limit hit: EFBIG,
+  as a full disk gives ENOSPC) each give a cold prefill, one warning line and no file left
+  behind; an entry of another KV format of the same model is not taken, and stays (hostile
+  files: test_prefix_disk_hostile.py);
 - the folder stays within its bound, least recently used first;
 - a real `mlxlis serve --prefix-cache-dir` stopped and started again answers a conversation's
   second turn from the file (cached_tokens > 0, only the new tokens prefilled) with the tokens
@@ -24,9 +25,10 @@ from pathlib import Path
 
 import mlxlis
 from mlxlis.cache import KVFormat
-from mlxlis.cache.disk import DiskCache, content_hash
+from mlxlis.cache.disk import DiskCache
 from mlxlis.cache.prefix import PrefixCache
 from mlxlis.cache.rewind import snapshot
+from mlxlis.cache.sealed import KEY_NAME, seal
 
 import mlx.core as mx
 import pytest
@@ -118,19 +120,22 @@ def bad(path: Path, how: str) -> None:
     elif how == "flipped":
         data[-3] ^= 0x40  # a byte of the last tensor
         path.write_bytes(bytes(data))
-    elif how == "reshaped":  # a first layer's keys cut to 5 positions, the hash made to match
+    elif how == "reshaped":  # a first layer's keys cut to 5 positions, sealed with the key
         arrays, meta = mx.load(str(path), return_metadata=True)
         arrays["L0.k.0"] = arrays["L0.k.0"][:, :, :5]
-        meta["sha256"] = content_hash(arrays)
+        meta["mac"] = seal((path.parent / KEY_NAME).read_bytes(), meta, arrays)
         mx.save_safetensors(str(path), arrays, metadata=meta)
+    elif how == "old":  # an entry of the format before the seal
+        arrays, meta = mx.load(str(path), return_metadata=True)
+        mx.save_safetensors(str(path), arrays, metadata=meta | {"mlxlis": "prefix-1"})
 
 
-@pytest.mark.parametrize("how", ["truncated", "flipped", "reshaped", "foreign"])
+@pytest.mark.parametrize("how", ["truncated", "flipped", "reshaped", "old", "foreign"])
 def test_a_bad_entry_is_skipped_warned_and_deleted(models, how, tmp_path):
     """The entry spoilt (cut in half; one byte of a tensor flipped; a layer's keys holding
-    fewer positions than its facts say, under a matching hash), or opened by another model's
-    cache: the next prompt is prefilled cold, one warning names the file, and the file is
-    gone."""
+    fewer positions than its facts say, under a valid seal; marked as the format before the
+    seal), or opened by another model's cache: the next prompt is prefilled cold, one warning
+    names the file, and the file is gone."""
     model = models("llama")
     one = trajectory(40, vocab=model.config.vocab_size)
     warns: list[str] = []
@@ -187,12 +192,13 @@ def test_the_folder_keeps_within_its_bound_least_recently_used_first(models, tmp
 
 def test_a_write_that_fails_leaves_no_entry(models, tmp_path):
     """The file-size limit (RLIMIT_FSIZE, what a full disk does to a write) hit while an entry
-    is written: one warning line, no entry, no temporary file left; the process goes on."""
+    is written: one warning line, no entry, no temporary file left (the folder's key alone);
+    the process goes on."""
     model = models("llama")
     script = r"""
 import resource, signal, sys
 import mlxlis
-from mlxlis.cache.disk import DiskCache, content_hash
+from mlxlis.cache.disk import DiskCache
 from mlxlis.generation.steps import prefill
 import mlx.core as mx
 model = mlxlis.load(sys.argv[1], "float32")
@@ -213,7 +219,7 @@ print("went on")
     lines = r.stdout.splitlines()
     assert r.returncode == 0, r.stderr
     assert len(lines) == 2 and "could not write" in lines[0] and lines[1] == "went on"
-    assert [p for p in (tmp_path / "d").rglob("*") if p.is_file()] == []
+    assert [p.name for p in (tmp_path / "d").rglob("*") if p.is_file()] == [KEY_NAME]
 
 
 def test_serve_answers_a_second_turn_from_disk_after_a_restart(tiny, tiny_server, tmp_path):
