@@ -6,7 +6,7 @@ reference: the same conversation (tool calls and results included) gives the sam
 the same tokens through both; blocks, stop reasons and usage follow Anthropic's rules; the
 stream's events come in Anthropic's order and the client's helpers rebuild the whole message;
 a reasoning budget ends the reasoning where the unbudgeted reply's reasoning goes on;
-refusals are 4xx in Anthropic's error shape, naming the field.
+refusals are 4xx in Anthropic's error shape, naming the field as this API calls it.
 """
 
 from __future__ import annotations
@@ -321,8 +321,8 @@ def test_a_claude_code_shaped_request_is_answered(tiny_server):
 
 def test_refusals_name_the_field_in_anthropic_error_shape(client, tiny_server):
     """A wrong type, a missing max_tokens, a bad image block, an image to a text-only model,
-    an Anthropic-defined tool and a
-    budget over max_tokens are 400 invalid_request_error naming the field; an unknown model is
+    an Anthropic-defined tool, a budget over max_tokens and a tool_choice naming no offered
+    tool are 400 invalid_request_error naming the field (this API's name); an unknown model is
     404 not_found_error; all in `{"type": "error", "error": {type, message}}`."""
     cases = [
         ({"max_tokens": "12"}, "max_tokens"),
@@ -338,6 +338,7 @@ def test_refusals_name_the_field_in_anthropic_error_shape(client, tiny_server):
         ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0].type"),
         ({"thinking": {"type": "enabled", "budget_tokens": 50}}, "thinking.budget_tokens"),
         ({"stop_sequences": [f"s{i}" for i in range(17)]}, "stop_sequences"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
     ]
     for change, field in cases:
         body = {"model": MODEL, "max_tokens": 12, "messages": HELLO, **change}

@@ -4,7 +4,8 @@ request gives the same tokens). The reference is the server's Chat Completions: 
 conversation (instructions, a stored previous response, function calls and their outputs)
 gives the same prompt and tokens; the stream's events come in the API's order with
 consecutive sequence numbers and the client's helper rebuilds the response; the store
-answers GET / DELETE and previous_response_id; refusals name the field. Last, one
+answers GET / DELETE and previous_response_id; namespace tools are offered by a name that
+maps back, their calls returned with `namespace` apart; refusals name the field. Last, one
 conversation through all four APIs gives the same tokens.
 """
 
@@ -17,6 +18,7 @@ import jsonschema
 import ollama
 import openai
 import pytest
+from openai.types.responses import ResponseFunctionToolCall
 
 MODEL = "llama_long"
 PARAMS = {
@@ -161,6 +163,89 @@ def test_function_call_round_trip(client):
     assert args == call.arguments
 
 
+SPAWN = {
+    "type": "function",
+    "name": "spawn_agent",
+    "description": "Spawns an agent",
+    "strict": False,
+    "parameters": {
+        "type": "object",
+        "properties": {"message": {"type": "string", "maxLength": 4}},
+        "required": ["message"],
+        "additionalProperties": False,
+    },
+}
+AGENTS = {
+    "type": "namespace",
+    "name": "multi_agent_v1",
+    "description": "Agents working beside you",
+    "tools": [SPAWN, {**SPAWN, "name": "wait", "description": "Waits for agents"}],
+}
+
+
+def test_namespace_tools_are_offered_and_their_calls_come_back_named_apart(client):
+    """A namespace of function tools beside plain ones (Codex's request: tools[4] is its
+    multi_agent_v1 namespace) is taken: a call forced to its function comes back as the
+    client's ResponseFunctionToolCall with `name` and `namespace` apart, streamed the same
+    (the items' events, the arguments' done event named as the item); the call sent back
+    with its namespace (stored, or as an input item) gives the prompt of Chat Completions
+    with the function offered and called as `multi_agent_v1.spawn_agent`."""
+    tools = [{**TOOL, "name": f"tool{i}"} for i in range(4)] + [AGENTS]
+    choice = {"type": "function", "name": "spawn_agent"}  # the function's own name
+    kw = {"tools": tools, "tool_choice": choice, "max_output_tokens": 150}
+    r = client.responses.create(model=MODEL, input="Delegate.", **kw)
+    (call,) = r.output
+    assert isinstance(call, ResponseFunctionToolCall) and call.type == "function_call"
+    assert (call.namespace, call.name) == ("multi_agent_v1", "spawn_agent")
+    jsonschema.validate(json.loads(call.arguments), SPAWN["parameters"])
+    events = list(client.responses.create(model=MODEL, input="Delegate.", stream=True, **kw))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.namespace, i.name, i.arguments) for i in done] == [
+        ("multi_agent_v1", "spawn_agent", call.arguments)
+    ]
+    (args_done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert args_done.name == "spawn_agent" and args_done.arguments == call.arguments
+    out = {"type": "function_call_output", "call_id": call.call_id, "output": "started"}
+    follow = client.responses.create(
+        model=MODEL, input=[out], previous_response_id=r.id, tools=tools, max_output_tokens=4
+    )
+    spaced = "multi_agent_v1.spawn_agent"
+    chat_tools = [
+        {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+        for t in tools[:4]
+    ] + [
+        {
+            "type": "function",
+            "function": {
+                **{k: v for k, v in t.items() if k != "type"},
+                "name": f"multi_agent_v1.{t['name']}",
+                "description": f"{AGENTS['description']}\n\n{t['description']}",
+            },
+        }
+        for t in AGENTS["tools"]
+    ]
+    fn = {"name": spaced, "arguments": call.arguments}
+    messages = [
+        {"role": "user", "content": "Delegate."},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": call.call_id, "type": "function", "function": fn}],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "content": "started"},
+    ]
+    n, _ = prompt_tokens(client, messages, tools=chat_tools)
+    assert follow.usage.input_tokens == n
+    sent = client.responses.create(  # the whole conversation sent back, as Codex does
+        model=MODEL,
+        input=[{"role": "user", "content": "Delegate."}, call.model_dump(exclude_none=True), out],
+        tools=tools,
+        max_output_tokens=4,
+        store=False,
+    )
+    assert sent.usage.input_tokens == n
+
+
 def test_a_codex_shaped_request_is_answered(client):
     """Instructions, developer and user message items with input_text parts, function tools
     with strict false, reasoning effort and summary, store false, include, prompt_cache_key
@@ -210,8 +295,10 @@ def test_a_codex_shaped_request_is_answered(client):
 
 
 def test_refusals_name_the_field(client, tiny_server):
-    """A hosted tool, an image part, a wrong type and a bad tool_choice are 400s naming the
-    field in OpenAI's error shape; text.format's schema is enforced (the reply validates)."""
+    """A hosted tool, an image part, a wrong type, a bad tool_choice (one naming no offered
+    function, or none), two tools offered under one name and a namespace's custom tool are
+    400s naming the field (this API's name for it) in OpenAI's error shape; text.format's
+    schema is enforced (the reply validates)."""
     cases = [
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         (
@@ -221,6 +308,19 @@ def test_refusals_name_the_field(client, tiny_server):
         ({"max_output_tokens": "5"}, "max_output_tokens"),
         ({"tool_choice": {"type": "file_search"}, "tools": [TOOL]}, "tool_choice"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
+        (
+            {"tool_choice": {"type": "function", "name": "nope"}, "tools": [TOOL]},
+            "tool_choice.name",
+        ),
+        ({"tool_choice": {"type": "function"}, "tools": [TOOL]}, "tool_choice.name"),
+        (  # two tools offered to the model under one name: no way back to one
+            {"tools": [{**TOOL, "name": "multi_agent_v1.wait"}, AGENTS]},
+            "tools[1].tools[1].name",
+        ),
+        (
+            {"tools": [{**AGENTS, "tools": [{"type": "custom", "name": "x"}]}]},
+            "tools[0].tools[0].type",
+        ),
     ]
     for change, field in cases:
         status, err = tiny_server.request(

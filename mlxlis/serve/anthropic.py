@@ -1,7 +1,8 @@
 """Anthropic's Messages API: `POST /v1/messages` and `/v1/messages/count_tokens`.
 
 A thin adapter: the body becomes the server's chat request (system and messages as a chat
-template takes them, `tool_use` blocks as tool calls, `tool_result` blocks as tool messages,
+template takes them, system turns inside `messages` where the template takes them
+(system_turns.py), `tool_use` blocks as tool calls, `tool_result` blocks as tool messages,
 `thinking` as the template's `enable_thinking`, `image` blocks as image parts), prepared and
 generated like any other; the events become content blocks (`thinking`, `text`, `tool_use`),
 streamed as Anthropic's event sequence. Fields a local model has no use for (`metadata`,
@@ -12,20 +13,18 @@ see) is a 400 naming it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any, Literal
 
-from mlxlis.generation.events import Usage
 from mlxlis.generation.processors import ReasoningBudget
 from mlxlis.prompt.reasoning import ReasoningSplitter
-from mlxlis.serve.anthropic_blocks import Blocks, content, event, stop_reason, usage
+from mlxlis.serve.anthropic_blocks import content, message_stream, stop_reason, usage
 from mlxlis.serve.images import data_url
 from mlxlis.serve.openai_format import APIError, new_id
 from mlxlis.serve.prepare import Prepared, prepare_chat
-from mlxlis.serve.reply import ChatReply
 from mlxlis.serve.schemas import ChatCompletionRequest, _Body
-from mlxlis.serve.service import Run, Service, collect, end_error, read_body
+from mlxlis.serve.service import Service, collect, read_body
+from mlxlis.serve.system_turns import place_systems
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -33,7 +32,11 @@ from pydantic import Field
 
 EFFORT_THINKS = {"low": False, "medium": True, "high": True, "max": True}
 # the chat request's parameter names as this API calls them (in refusals)
-NAMES = {"stop": "stop_sequences", "response_format": "output_config.format"}
+NAMES = {
+    "stop": "stop_sequences",
+    "response_format": "output_config.format",
+    "tool_choice.function.name": "tool_choice.name",
+}
 
 
 class Block(_Body):
@@ -52,7 +55,7 @@ class Block(_Body):
 
 
 class Message(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: anywhere (system_turns.py)
     content: str | list[Block]
 
 
@@ -124,7 +127,7 @@ def _text(blocks: str | list[Block] | None, where: str) -> str:
 
 def _user(blocks: list[Block], i: int) -> list[dict[str, Any]]:
     """A user turn: each tool_result a tool message, in order, then its text and images (if
-    any); an image part carries `_from`, its block's index (for the names of refusals)."""
+    any); an image part carries `_from`, its place (for the names of refusals)."""
     out: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     for j, b in enumerate(blocks):
@@ -143,7 +146,7 @@ def _user(blocks: list[Block], i: int) -> list[dict[str, Any]]:
             )
         elif b.type == "image":
             url, field = _image_url(b.source, f"{where}.source")
-            parts.append({"type": "image_url", "image_url": {"url": url}, "_from": (j, field)})
+            parts.append({"type": "image_url", "image_url": {"url": url}, "_from": (where, field)})
         else:
             raise bad(f"a user turn's block cannot be {b.type!r} here", f"{where}.type")
     if any(p["type"] == "image_url" for p in parts):
@@ -208,20 +211,25 @@ def _tools(tools: list[Tool]) -> list[dict[str, Any]]:
     return out
 
 
-def to_chat(req: CountTokensRequest, thinks: bool) -> ChatCompletionRequest:
-    """The server's chat request for `req` (`thinks`: the template has the reasoning switch)."""
+def to_chat(req: CountTokensRequest, thinks: bool, model: Any = None) -> ChatCompletionRequest:
+    """The server's chat request for `req` (`thinks`: the template has the reasoning switch;
+    `model`: whose template places the system turns of `messages`, system_turns.py)."""
     messages: list[dict[str, Any]] = []
-    renames: dict[str, str] = {}
     if req.system:
         messages.append({"role": "system", "content": _text(req.system, "system")})
     for i, m in enumerate(req.messages):
-        if isinstance(m.content, str):
+        if m.role == "system":
+            messages.append(
+                {"role": "system", "content": _text(m.content, f"messages[{i}].content")}
+            )
+        elif isinstance(m.content, str):
             messages.append({"role": m.role, "content": m.content})
         elif m.role == "user":
             messages += _user(m.content, i)
-            _note_images(messages[-1], len(messages) - 1, i, renames)
         else:
             messages.append(_assistant(m.content, i))
+    messages = place_systems(messages, model)
+    renames = _image_renames(messages)
     body: dict[str, Any] = {"messages": messages}
     kwargs: dict[str, Any] = {}
     thinking = req.thinking.type if req.thinking else None
@@ -265,17 +273,17 @@ def to_chat(req: CountTokensRequest, thinks: bool) -> ChatCompletionRequest:
     return chat
 
 
-def _note_images(message: dict[str, Any], k: int, i: int, renames: dict[str, str]) -> None:
-    """Where each image part of the converted message `k` came from (messages[i]'s blocks),
-    the part's URL first: what a refusal of it names."""
-    if not isinstance(message["content"], list):
-        return
-    for n, part in enumerate(message["content"]):
-        if "_from" in part:
-            j, field = part.pop("_from")
-            ours = f"messages[{k}].content[{n}]"
-            renames[f"{ours}.image_url.url"] = field
-            renames[ours] = f"messages[{i}].content[{j}]"
+def _image_renames(messages: list[dict[str, Any]]) -> dict[str, str]:
+    """Where each image part of the converted `messages` came from (its block, and the
+    source field a refusal of its URL names): what a refusal of it names."""
+    out = {}
+    for k, m in enumerate(messages):
+        for n, part in enumerate(m["content"] if isinstance(m["content"], list) else []):
+            if "_from" in part:
+                block, field = part.pop("_from")
+                out[f"messages[{k}].content[{n}].image_url.url"] = field
+                out[f"messages[{k}].content[{n}]"] = block
+    return out
 
 
 def _budget(req: MessagesRequest) -> int | None:
@@ -314,51 +322,6 @@ def with_budget(prep: Prepared, model: Any, budget: int) -> Prepared:
     return prep
 
 
-async def message_stream(
-    run: Run, reply: ChatReply, message: dict[str, Any], keepalive: float
-) -> AsyncIterator[str]:
-    """Anthropic's event sequence. `message_start` goes out when the engine admits the request
-    (its usage then has the reused prompt tokens), or after `keepalive` seconds in the queue
-    (its usage then counts the whole prompt as input; `message_delta` gives the true split);
-    a `ping` follows, and another after each `keepalive` seconds of a long prompt's reading."""
-    blocks, started = Blocks(), False
-
-    def start(u: Usage) -> list[str]:
-        msg = {**message, "usage": {**usage(u, False), "output_tokens": 0}}
-        return [event("message_start", {"message": msg}), event("ping", {})]
-
-    try:
-        async for ev in run.paced(keepalive):
-            if ev is None or isinstance(ev, Usage):
-                if started and ev is None:
-                    yield event("ping", {})
-                elif not started:
-                    started = True
-                    for out in start(ev or Usage(prompt_tokens=run.prompt)):
-                        yield out
-                continue
-            if ev.finish_reason == "error":  # before message_start or after: the stream ends
-                e = end_error(run.state, ev)
-                kind = "overloaded_error" if e.status == 503 else "api_error"
-                yield event("error", {"error": {"type": kind, "message": e.message}})
-                return
-            if not started:
-                started = True
-                for out in start(ev.usage):
-                    yield out
-            for out in blocks.feed(reply.feed(ev)):
-                yield out
-            if ev.finish_reason is not None:
-                for out in blocks.stop():
-                    yield out
-                reason = stop_reason(ev.finish_reason, bool(reply.tool_calls), ev.stop_sequence)
-                delta = {"stop_reason": reason, "stop_sequence": ev.stop_sequence}
-                yield event("message_delta", {"delta": delta, "usage": usage(ev.usage)})
-                yield event("message_stop", {})
-    finally:
-        run.close()
-
-
 def router(svc: Service, auth: list) -> APIRouter:
     r = APIRouter()
     state = svc.state
@@ -366,7 +329,7 @@ def router(svc: Service, auth: list) -> APIRouter:
     async def prepared(req: CountTokensRequest) -> Prepared:
         svc.check_model(req.model)
         model = state.target.model
-        chat = to_chat(req, model.supports_thinking)
+        chat = to_chat(req, model.supports_thinking, model)
         return await svc.prepare(prepare_chat, chat, names=NAMES)
 
     @r.post("/v1/messages/count_tokens", dependencies=auth)

@@ -1,12 +1,16 @@
 """A Messages API reply as Anthropic writes it: content blocks (thinking, text, tool_use),
-stop reasons, usage with the cached prompt tokens apart, and the stream's events."""
+stop reasons, usage with the cached prompt tokens apart, and the stream's events
+(`message_stream`)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
+from mlxlis.generation.events import Usage
 from mlxlis.serve.reply import ChatReply, Delta
+from mlxlis.serve.service import Run, end_error
 
 
 def usage(u: Any, output: bool = True) -> dict[str, Any]:
@@ -91,3 +95,48 @@ class Blocks:
             partial = json.dumps(block["input"], ensure_ascii=False)
             out.append(self._delta({"type": "input_json_delta", "partial_json": partial}))
         return out
+
+
+async def message_stream(
+    run: Run, reply: ChatReply, message: dict[str, Any], keepalive: float
+) -> AsyncIterator[str]:
+    """Anthropic's event sequence. `message_start` goes out when the engine admits the request
+    (its usage then has the reused prompt tokens), or after `keepalive` seconds in the queue
+    (its usage then counts the whole prompt as input; `message_delta` gives the true split);
+    a `ping` follows, and another after each `keepalive` seconds of a long prompt's reading."""
+    blocks, started = Blocks(), False
+
+    def start(u: Usage) -> list[str]:
+        msg = {**message, "usage": {**usage(u, False), "output_tokens": 0}}
+        return [event("message_start", {"message": msg}), event("ping", {})]
+
+    try:
+        async for ev in run.paced(keepalive):
+            if ev is None or isinstance(ev, Usage):
+                if started and ev is None:
+                    yield event("ping", {})
+                elif not started:
+                    started = True
+                    for out in start(ev or Usage(prompt_tokens=run.prompt)):
+                        yield out
+                continue
+            if ev.finish_reason == "error":  # before message_start or after: the stream ends
+                e = end_error(run.state, ev)
+                kind = "overloaded_error" if e.status == 503 else "api_error"
+                yield event("error", {"error": {"type": kind, "message": e.message}})
+                return
+            if not started:
+                started = True
+                for out in start(ev.usage):
+                    yield out
+            for out in blocks.feed(reply.feed(ev)):
+                yield out
+            if ev.finish_reason is not None:
+                for out in blocks.stop():
+                    yield out
+                reason = stop_reason(ev.finish_reason, bool(reply.tool_calls), ev.stop_sequence)
+                delta = {"stop_reason": reason, "stop_sequence": ev.stop_sequence}
+                yield event("message_delta", {"delta": delta, "usage": usage(ev.usage)})
+                yield event("message_stop", {})
+    finally:
+        run.close()

@@ -79,7 +79,8 @@ class ChatReply:
             else:
                 d.content += text
         if ev.finish_reason is not None and self.tools is not None:
-            text, calls = self.tools.flush()
+            # cut by max_tokens: a call the cut stopped is dropped, not shown as its markup
+            text, calls = self.tools.flush(cut=ev.finish_reason == "length")
             d.content += text
             d.tool_calls += calls
         if self.want_logprobs and ev.token is not None and ev.logprob is not None:

@@ -5,9 +5,10 @@ A thin adapter like anthropic.py: `instructions` and the `input` items (messages
 events become output items (`reasoning`, `message` with `output_text`, `function_call`),
 streamed as the API's `response.*` events. Responses are kept (unless `store` is false) in a
 bounded in-memory store, so that `previous_response_id` continues a conversation: its input
-and output come before the new input (its instructions do not, as OpenAI does it).
-Function tools only: hosted tools (web_search, file_search, computer use…) are a 400 naming
-them.
+and output come before the new input (its instructions do not, as OpenAI does it). System
+and developer items after the first message go where the template takes them
+(system_turns.py). Function tools, and namespaces of them (responses_tools.py); hosted tools
+(web_search, file_search, computer use…) are a 400 naming them.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from mlxlis.serve.prepare import prepare_chat
 from mlxlis.serve.reply import ChatReply
 from mlxlis.serve.responses_items import Output, as_items
 from mlxlis.serve.responses_schemas import Item, Part, ResponsesRequest
+from mlxlis.serve.responses_tools import SEP, tool_choice, tools_of
 from mlxlis.serve.schemas import ChatCompletionRequest
 from mlxlis.serve.service import Run, Service, collect, end_error, read_body
+from mlxlis.serve.system_turns import place_systems
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -112,7 +115,8 @@ def to_messages(items: list[Item], where: str = "input") -> list[dict[str, Any]]
                 out.append(last)
             if reasoning is not None:
                 last["reasoning_content"], reasoning = reasoning, None
-            fn = {"name": it.name, "arguments": it.arguments or "{}"}
+            name = f"{it.namespace}{SEP}{it.name}" if it.namespace else it.name
+            fn = {"name": name, "arguments": it.arguments or "{}"}
             last.setdefault("tool_calls", []).append(
                 {"id": it.call_id, "type": "function", "function": fn}
             )
@@ -129,26 +133,6 @@ def to_messages(items: list[Item], where: str = "input") -> list[dict[str, Any]]
     return out
 
 
-def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for k, t in enumerate(tools):
-        if t.get("type") != "function" or not isinstance(t.get("name"), str):
-            raise bad(
-                f"only function tools can run here, not {t.get('type')!r}", f"tools[{k}].type"
-            )
-        fn = {key: t[key] for key in ("name", "description", "parameters", "strict") if key in t}
-        out.append({"type": "function", "function": fn})
-    return out
-
-
-def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
-    if isinstance(choice, str):
-        return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise bad("a string or {type: function, name}", "tool_choice")
-
-
 def _format(fmt: dict[str, Any]) -> dict[str, Any] | None:
     kind = fmt.get("type")
     if kind in (None, "text"):
@@ -162,15 +146,18 @@ def _format(fmt: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def to_chat(
-    req: ResponsesRequest, history: list[Item], thinks: bool
-) -> tuple[ChatCompletionRequest, list[Item]]:
-    """The chat request for `req` after the stored conversation `history`, and the whole
-    conversation's input items (what a later response continues)."""
+    req: ResponsesRequest, history: list[Item], thinks: bool, model: Any = None
+) -> tuple[ChatCompletionRequest, list[Item], dict[str, tuple[str, str]]]:
+    """The chat request for `req` after the stored conversation `history`, the whole
+    conversation's input items (what a later response continues) and the namespaced names
+    offered (`namespace.name` -> (namespace, name)). `model`: whose template places the
+    system turns after the first (system_turns.py)."""
     items = [Item(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     conversation = [*history, *items]
     messages = to_messages(conversation)
     if req.instructions:
         messages.insert(0, {"role": "system", "content": req.instructions})
+    messages = place_systems(messages, model)
     body: dict[str, Any] = {"messages": messages}
     for ours, theirs in (
         ("max_tokens", "max_output_tokens"),
@@ -182,22 +169,24 @@ def to_chat(
     ):
         if (v := getattr(req, theirs)) is not None:
             body[ours] = v
-    if req.tools:
-        body["tools"] = _tools(req.tools)
+    tools = tools_of(req.tools or [])
+    if tools.chat:
+        body["tools"] = tools.chat
     if req.tool_choice is not None:
-        body["tool_choice"] = _tool_choice(req.tool_choice)
+        body["tool_choice"] = tool_choice(req.tool_choice, tools)
     if req.text and req.text.format and (fmt := _format(req.text.format)) is not None:
         body["response_format"] = fmt
     effort = req.reasoning.effort if req.reasoning else None
     if thinks and effort in THINKS:
         body["chat_template_kwargs"] = {"enable_thinking": THINKS[effort]}
-    renames = _renames(messages)
+    renames = {**_renames(messages), **tools.renames}  # what a refusal names
     chat = ChatCompletionRequest.model_validate(body)
     chat._renames = renames
-    return chat, conversation
+    return chat, conversation, tools.spaces
 
 
 NAMES = {
+    "tool_choice.function.name": "tool_choice.name",
     "max_tokens": "max_output_tokens",
     "response_format": "text.format",
     "messages": "input",
@@ -286,9 +275,14 @@ def router(svc: Service, auth: list) -> APIRouter:
         return out
 
     async def stream(
-        run: Run, reply: ChatReply, rid: str, req: ResponsesRequest, conversation: list[Item]
+        run: Run,
+        reply: ChatReply,
+        rid: str,
+        req: ResponsesRequest,
+        conversation: list[Item],
+        spaces: dict[str, tuple[str, str]],
     ) -> AsyncIterator[str]:
-        out, seq = Output(), 0
+        out, seq = Output(spaces), 0
 
         def emit(ev: dict[str, Any]) -> str:
             nonlocal seq
@@ -333,18 +327,19 @@ def router(svc: Service, auth: list) -> APIRouter:
                 e.param = "previous_response_id"
                 raise e
             history = got[1]
-        chat, conversation = to_chat(req, history, state.target.model.supports_thinking)
+        model = state.target.model
+        chat, conversation, spaces = to_chat(req, history, model.supports_thinking, model)
         prep = await svc.prepare(prepare_chat, chat, names=NAMES)
         rid = new_id("resp").replace("-", "_")
         reply = svc.chat_reply(prep)
         run = svc.submit(prep, rid, request)
         if req.stream:
             return StreamingResponse(
-                stream(run, reply, rid, req, conversation),
+                stream(run, reply, rid, req, conversation, spaces),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        out = Output()
+        out = Output(spaces)
         ev = await collect(run, lambda ev: out.feed(reply.feed(ev)))
         out.stop()
         status = "incomplete" if ev.finish_reason == "length" else "completed"

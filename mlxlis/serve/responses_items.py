@@ -1,5 +1,7 @@
 """The output items of a /v1/responses reply (reasoning, message, function_call), built
-from the reply's deltas, with the stream events that announce them."""
+from the reply's deltas, with the stream events that announce them. A call of a namespace's
+function (offered as `namespace.name`, responses_tools.py) is a function_call item with its
+`name` and `namespace` apart, as the API returns it."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ class Output:
     """The output items of one response, built from the reply's deltas: a delta of another
     kind ends the open item; `feed` gives the stream's events (without sequence numbers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, spaces: dict[str, tuple[str, str]] | None = None) -> None:
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
+        self.spaces = spaces or {}  # a namespaced name offered -> (namespace, name)
 
     def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         out = self.stop()
@@ -90,14 +93,17 @@ class Output:
             out.append(delta)
         for call in d.tool_calls:
             fn = call["function"]
+            space, name = self.spaces.get(fn["name"], (None, fn["name"]))
             item = {
                 "type": "function_call",
                 "id": new_id("fc").replace("-", "_"),
                 "call_id": call["id"],
-                "name": fn["name"],
+                "name": name,
                 "arguments": "",
                 "status": "in_progress",
             }
+            if space is not None:
+                item["namespace"] = space
             out += self._start(item)
             item["arguments"] = fn["arguments"]
             out.append(
@@ -149,6 +155,7 @@ def as_items(output: list[dict[str, Any]]) -> list[Item]:
                     type="function_call",
                     call_id=it["call_id"],
                     name=it["name"],
+                    namespace=it.get("namespace"),
                     arguments=it["arguments"],
                 )
             )

@@ -23,6 +23,7 @@ class Item(_Body):
     content: str | list[Part] | None = None
     call_id: str | None = None
     name: str | None = None
+    namespace: str | None = None  # a function_call's, when its function is a namespace's
     arguments: str | None = None
     output: str | list[Part] | None = None
     summary: list[Part] | None = None

@@ -8,10 +8,18 @@ small Qwen models answer so too, so every format takes it when it
 names an offered tool); what does not parse comes back as the text it was, never dropped, and
 so does a call the reply leaves open, unless what it holds is a whole call of an offered tool
 (models often end the reply where the closing tag would be). Whitespace between calls is dropped.
+
+A reply cut by max_tokens (`flush(cut=True)`) is the exception: a call it was cut inside never
+came, so its markup is no text the model meant to show; it is dropped (a possible start of a
+tag too), and the calls completed before the cut are kept (one whose closing tag alone was cut
+included); the finish reason tells the client. A bare-JSON reply is dropped so only while it
+can still be a call of an offered tool: a cut JSON answer stays the text it is.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from mlxlis.prompt.segments import partial_suffix
@@ -98,11 +106,15 @@ class ToolCallParser:
         self.calls += new
         return out, new
 
-    def flush(self) -> tuple[str, list[dict[str, Any]]]:
+    def flush(self, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """What is held at the end of the reply: text (an unclosed call included) and the
-        calls that end with the reply (a bare-JSON reply, a format without a closing tag)."""
-        if self._lead:  # the reply ended inside what could have been a tag: text
+        calls that end with the reply (a bare-JSON reply, a format without a closing tag).
+        `cut`: the reply was cut (max_tokens), so what is held as a possible call is dropped
+        and the whole calls before the cut are kept (see the module docstring)."""
+        if self._lead:  # the reply ended inside what could have been a tag
             lead, self._lead = self._lead, ""
+            if cut:
+                return "", []
             shown, _ = self.feed(lead, final=True)
             rest, calls = self.flush()
             return shown + rest, calls
@@ -110,6 +122,11 @@ class ToolCallParser:
             reply, self._json = self._json, None
             parsed = parse_json(reply)
             if parsed is None or any(p[0] not in self.names for p in parsed):
+                if cut and (whole := self._cut_json(reply)) is not None:
+                    shown, parsed = whole
+                    new = [self._call(p) for p in parsed]
+                    self.calls += new
+                    return shown, new
                 return reply, []
             new = [self._call(p) for p in parsed]
             self.calls += new
@@ -120,6 +137,8 @@ class ToolCallParser:
             return "", new
         if self._inside:  # a call the reply ended in: whole without its closing tag?
             body, self._buf, self._inside = self._buf, "", False
+            if cut and self.fmt.close is not None:  # the cut may fall in the closing tag
+                body = body[: len(body) - partial_suffix(body, self.fmt.close)]
             parsed = self.fmt.parse(body)
             if parsed is not None and (
                 self.fmt.close is None or all(p[0] in self.names for p in parsed)
@@ -128,13 +147,56 @@ class ToolCallParser:
                 self.calls += new
                 self._ws = ""
                 return "", new
+            if cut:  # cut inside the call: the calls before it in its body, if any, are whole
+                new = [self._call(p) for p in self._before_cut(body)]
+                self.calls += new
+                self._ws = ""
+                return "", new
             self._buf = self.fmt.open + body
         held = (self.fmt.open if self._inside else "") + self._buf
         self._buf, self._inside = "", False
         ws, self._ws = self._ws, ""
-        if held:
+        if held and not cut:
             return ws + held, []
-        return ("" if self.calls else ws), []
+        # cut: what is held is a possible start of the open tag, a call the cut stopped,
+        # dropped with the whitespace before it
+        return ("" if self.calls or held else ws), []
+
+    def _before_cut(self, body: str) -> list[ParsedCall]:
+        """The whole calls at the start of a cut call body of a format whose calls run to the
+        end of the reply (Mistral's `[TOOL_CALLS]`, one tag before each call; or its JSON
+        list, the list's whole items); none for the formats that close each call."""
+        if self.fmt.close is not None:
+            return []
+        text = body.strip()
+        if text.startswith("["):  # a JSON list cut in one of its items
+            items, _ = _objects(text[1:], ",")
+            return (self.fmt.parse(json.dumps(items)) or []) if items else []
+        text = text[: len(text) - partial_suffix(text, self.fmt.open)]  # cut in the next tag
+        while not (parsed := self.fmt.parse(text)) and self.fmt.open in text:
+            text = text[: text.rindex(self.fmt.open)]
+        return parsed or []
+
+    def _cut_json(self, reply: str) -> tuple[str, list[ParsedCall]] | None:
+        """A bare-JSON reply cut by max_tokens: (the text between Llama 4's tags, the whole
+        calls before the cut) while what follows them can still be a call of an offered
+        tool, else None (it is text). The tags are read as parse_json reads them; text cut
+        between them is the turn's text."""
+        body, shown = reply.strip().removeprefix("<|python_tag|>").strip(), ""
+        in_tags = False
+        if body.startswith(PY_START):
+            inner, sep, after = body[len(PY_START) :].partition(PY_END)
+            if not sep:  # cut inside the tags, maybe in <|python_end|> itself
+                inner = inner[: len(inner) - partial_suffix(inner, PY_END)]
+            in_tags = not (sep and after.strip())
+            shown, body = ("", inner) if in_tags else (inner.strip(), after)
+        objects, rest = _objects(body)
+        parsed = [parse_json(json.dumps(o, ensure_ascii=False)) for o in objects]
+        if any(p is None or p[0][0] not in self.names for p in parsed) or not _call_start(
+            rest, self.names
+        ):
+            return (body.strip(), []) if in_tags and not objects else None
+        return shown, [p[0] for p in parsed if p]
 
     def _text(self, text: str) -> str:
         body = text.rstrip()
@@ -144,3 +206,35 @@ class ToolCallParser:
         out = self._ws + body
         self._ws = text[len(body) :]
         return out
+
+
+def _objects(text: str, sep: str = "") -> tuple[list[Any], str]:
+    """The whole JSON values at the start of `text` (whitespace and `sep` between them), and
+    the rest."""
+    out: list[Any] = []
+    decoder, at = json.JSONDecoder(), 0
+    while True:
+        rest = text[at:].lstrip()
+        if out and sep and rest.startswith(sep):
+            rest = rest[len(sep) :].lstrip()
+        try:
+            value, end = decoder.raw_decode(rest)
+        except ValueError:
+            return out, rest
+        out.append(value)
+        text, at = rest, end
+
+
+def _call_start(text: str, names: frozenset[str]) -> bool:
+    """Whether `text` can still become `{"name": N, …}` for an offered tool N (whitespace
+    aside): the start of that opening, or that opening with the start of an offered name."""
+    compact = re.sub(r"\s+", "", text)
+    head = '{"name":"'
+    if len(compact) <= len(head):
+        return head.startswith(compact)
+    if not compact.startswith(head):
+        return False
+    name = compact[len(head) :]
+    name = name[: name.index('"')] if '"' in name else name
+    closed = '"' in compact[len(head) :]
+    return any(n == name or (not closed and n.startswith(name)) for n in names)
