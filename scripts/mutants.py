@@ -1671,6 +1671,52 @@ MUTANTS = (
         ("tests/test_prefix_disk_hostile.py::test_a_fifo_in_the_folder_is_never_read",),
         "prefix cache on disk: what is not a regular file (a FIFO) read and deleted",
     ),
+    Mutant(
+        "schema-depth-unbounded",
+        "mlxlis/generation/schema_bounds.py",
+        "MAX_DEPTH = 64\n",
+        "MAX_DEPTH = 1 << 30\n",
+        (
+            "tests/test_constraints_hostile.py::test_bounds_and_the_first_tokens_are_checked_at_compile_time",
+        ),
+        "structured output: a schema's nesting through $ref unbounded (a chain of 2500 crashed)",
+    ),
+    Mutant(
+        "constraint-probe-dropped",
+        "mlxlis/generation/constraints.py",
+        "    probe(mask.matcher, tok, stops, where)\n",
+        "",
+        (
+            "tests/test_constraints_hostile.py::test_bounds_and_the_first_tokens_are_checked_at_compile_time",
+        ),
+        "structured output: a grammar's first tokens not tried before the reply (fails mid-reply)",
+    ),
+    Mutant(
+        "schema-finiteness-unchecked",
+        "mlxlis/generation/schema_bounds.py",
+        "    _finite(schema, done, refs, field)\n",
+        "",
+        ("tests/test_constraints_hostile.py::test_anthropic_and_responses_name_their_own_fields",),
+        "structured output: a schema only a $ref to itself left to the engine (an empty reply)",
+    ),
+    Mutant(
+        "schema-row-unbounded",
+        "mlxlis/generation/schema_bounds.py",
+        "MAX_ROW = 1_500\n",
+        "MAX_ROW = 1 << 30\n",
+        (
+            "tests/test_constraints_hostile.py::test_bounds_and_the_first_tokens_are_checked_at_compile_time",
+        ),
+        "structured output: a value's alternatives past the parser's row (fails mid-reply)",
+    ),
+    Mutant(
+        "tool-parameters-not-their-own-resource",
+        "mlxlis/serve/tool_grammar.py",
+        '            params = {**params, "$id": f"urn:mlxlis:tools:{i}"}\n',
+        "            pass\n",
+        ("tests/test_constraints_hostile.py::test_pydantic_schemas_are_forced_in_every_dialect",),
+        "forced tool calls: a tool's $defs left unresolvable inside the call object",
+    ),
 )
 
 IGNORE = shutil.ignore_patterns(

@@ -20,11 +20,17 @@ stop tokens are allowed, so the reply ends there ("stop"); cut by max_tokens fir
   {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}
   {"type": "regex", "regex": "..."}
   {"type": "grammar", "grammar": "...", "syntax": "lark" | "gbnf"}   (lark by default)
+
+Every constraint is compiled before anything generates, within bounds (schema_bounds.py: the
+nesting a schema reaches through `$ref`, its size, its regexes' size, a value it can hold at
+all), and its first tokens are tried (`probe`): it is enforced to the end or refused, naming
+the field, never a crash or a reply that silently ignores it.
 """
 
 from __future__ import annotations
 
 import copy
+import random
 import re
 import threading
 import weakref
@@ -32,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlxlis.errors import MlxlisError
+from mlxlis.generation.schema_bounds import ConstraintError, check_regex, check_schema
 from mlxlis.prompt.reasoning import STYLES, ends_after_reasoning, starts_in_reasoning, tag_ids
 from mlxlis.tokenizer import Tokenizer
 
@@ -44,10 +50,12 @@ import numpy as np
 FIELD = "response_format"
 TYPES = ("json_object", "json_schema", "regex", "grammar")
 NEG_INF = float("-inf")
-
-
-class ConstraintError(MlxlisError):
-    """A constraint that cannot be enforced (invalid, or a feature the engine lacks)."""
+# llguidance's own resource bounds at their defaults, its errors without the parser's state
+# (verbose, a failure at a token wrote out the grammar and the parser's items)
+LIMITS = llg.LLParserLimits(verbose_errors=False)
+# tokens `probe` tries at compile time: the engine builds its lexer lazily, so a grammar it
+# validates can still fail at the first token ((a{1000}){1000}: "too many expressions")
+PROBE_STEPS = 8
 
 
 class _Vocabulary:
@@ -125,6 +133,7 @@ def grammar(response_format: Any, field: str = FIELD) -> str:
         rx = response_format.get("regex")
         if not isinstance(rx, str) or not rx:
             raise ConstraintError("regex: a non-empty string is required", field=f"{field}.regex")
+        check_regex(rx, f"{field}.regex")
         return llg.LLMatcher.grammar_from_regex(rx)
     if kind == "grammar":
         text, syntax = response_format.get("grammar"), response_format.get("syntax", "lark")
@@ -149,6 +158,7 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 
 def _json_schema(schema: dict | bool, field: str) -> str:
+    check_schema(schema, field)
     try:
         return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
     except Exception as e:  # noqa: BLE001
@@ -158,21 +168,75 @@ def _json_schema(schema: dict | bool, field: str) -> str:
 def check(grammar_text: str, tok: llg.LLTokenizer, source: Any, field: str = FIELD) -> None:
     """ConstraintError for a grammar the engine refuses, naming the schema path of the
     keyword it names (llguidance's messages name the keyword, not where it is)."""
-    error = llg.LLMatcher.validate_grammar(grammar_text, tok)
+    error = llg.LLMatcher.validate_grammar(grammar_text, tok, limits=LIMITS)
     if not error:
         return
+    if isinstance(source, dict) and source.get("type") == "json_schema":
+        raise _refusal(error, source["json_schema"]["schema"], f"{field}.json_schema.schema")
+    raise ConstraintError(_first_line(error), field=_where(source, field))
+
+
+def check_json_schema(schema: Any, field: str) -> None:
+    """ConstraintError naming `field` (and the place in it) for a JSON schema the engine
+    cannot enforce or that is out of bounds (a tool's parameters, before they are embedded
+    in a call's grammar)."""
+    if not isinstance(schema, dict):
+        raise ConstraintError("must be a JSON schema object", field=field)
+    error = llg.LLMatcher.validate_grammar(_json_schema(schema, field), limits=LIMITS)
+    if error:
+        raise _refusal(error, schema, field)
+
+
+def _refusal(error: str, schema: Any, path: str) -> ConstraintError:
+    keys = re.findall(r'"([^"]+)"', error.split("\n", 1)[0]) if "keys" in error else []
+    pointer = re.search(r"Pointer '([^']*)'", error)
+    found = _find_key(schema, keys) if keys else None
+    if found is not None:
+        path += "".join(f".{p}" for p in found)
+    elif pointer is not None:
+        path += "".join(f".{p}" for p in pointer.group(1).strip("/").split("/") if p)
+    return ConstraintError(_first_line(error), field=path)
+
+
+def _first_line(error: str) -> str:
+    return error.strip().splitlines()[0].replace(" <non-verbose/>", "")
+
+
+def _where(source: Any, field: str) -> str:
+    """The field of a response_format that holds its constraint."""
     kind = source.get("type") if isinstance(source, dict) else None
-    path = f"{field}.{kind}" if kind in ("regex", "grammar") else field
     if kind == "json_schema":
-        path = f"{field}.json_schema.schema"
-        keys = re.findall(r'"([^"]+)"', error.split("\n", 1)[0]) if "keys" in error else []
-        pointer = re.search(r"Pointer '([^']*)'", error)
-        found = _find_key(source["json_schema"]["schema"], keys) if keys else None
-        if found is not None:
-            path += "".join(f".{p}" for p in found)
-        elif pointer is not None:
-            path += "".join(f".{p}" for p in pointer.group(1).strip("/").split("/") if p)
-    raise ConstraintError(error.strip().splitlines()[0], field=path)
+        return f"{field}.json_schema.schema"
+    return f"{field}.{kind}" if kind in ("regex", "grammar") else field
+
+
+def probe(matcher: llg.LLMatcher, tok: llg.LLTokenizer, stops: Sequence[int], field: str) -> None:
+    """ConstraintError for a grammar that fails at its first tokens or allows none but a
+    stop: PROBE_STEPS tokens it allows (seeded draws) consumed on a copy of `matcher`.
+    What it catches reached a reply before as a 500 at the first token, or as an empty reply
+    that "succeeded" (a grammar that accepts nothing allows only the stop token)."""
+    m, vocab = matcher.deep_copy(), tok.vocab_size
+    bitmask = llnp.allocate_token_bitmask(1, vocab)
+    ends = [s for s in stops if s < vocab]
+    draw = random.Random(0)
+    for step in range(PROBE_STEPS):
+        llnp.fill_next_token_bitmask(m, bitmask, 0)
+        bits = np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")[:vocab]
+        bits[ends] = 0
+        text = np.flatnonzero(bits)
+        if step == 0 and not len(text) and not m.is_accepting():
+            raise ConstraintError("no text satisfies it: it allows only the stop", field=field)
+        if m.is_error():
+            raise ConstraintError(
+                f"the engine fails on it: {_first_line(m.get_error())}", field=field
+            )
+        if not len(text):
+            return  # complete: only a stop is left
+        if not m.consume_token(int(text[draw.randrange(len(text))])):
+            raise ConstraintError(
+                f"the engine fails on it at token {step + 1}: {_first_line(m.get_error())}",
+                field=field,
+            )
 
 
 def _find_key(node: Any, keys: list[str], path: tuple = ()) -> tuple | None:
@@ -234,10 +298,11 @@ class GrammarMask:
         grammar_text: str,
         vocab: int,
         reasoning: Reasoning | None = None,
+        field: str = FIELD,
     ):
-        self.matcher = llg.LLMatcher(tok, grammar_text, log_level=0)
+        self.matcher = llg.LLMatcher(tok, grammar_text, log_level=0, limits=LIMITS)
         if self.matcher.is_error():
-            raise ConstraintError(self.matcher.get_error(), field=FIELD)
+            raise ConstraintError(_first_line(self.matcher.get_error()), field=field)
         self.vocab = vocab
         self.bitmask = llnp.allocate_token_bitmask(1, tok.vocab_size)
         self.reasoning = reasoning
@@ -312,4 +377,7 @@ def constraint(
     text = grammar(response_format, field)
     tok = engine_tokenizer(tokenizer, vocab, stops, special)
     check(text, tok, response_format, field)
-    return GrammarMask(tok, text, vocab, reasoning_of(tokenizer, prompt))
+    where = _where(response_format, field)
+    mask = GrammarMask(tok, text, vocab, reasoning_of(tokenizer, prompt), where)
+    probe(mask.matcher, tok, stops, where)
+    return mask

@@ -242,6 +242,8 @@ def to_chat(req: CountTokensRequest, thinks: bool, model: Any = None) -> ChatCom
         body["chat_template_kwargs"] = kwargs
     if req.tools:
         body["tools"] = _tools(req.tools)
+        for k in range(len(req.tools)):  # what a refusal of a tool's schema names
+            renames[f"tools[{k}].function.parameters"] = f"tools[{k}].input_schema"
         choice = req.tool_choice
         if choice is not None:
             if choice.type == "tool":

@@ -19,8 +19,8 @@ from mlxlis.serve.images import image_bytes
 from mlxlis.serve.openai_format import MAX_TOP_LOGPROBS, APIError
 from mlxlis.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
 from mlxlis.serve.tool_formats import ToolFormat, for_template
+from mlxlis.serve.tool_grammar import ParametersError, tool_grammar
 from mlxlis.serve.tool_grammar import tag_ids as call_tags
-from mlxlis.serve.tool_grammar import tool_grammar
 from mlxlis.serve.tools import tool_names
 
 MAX_STOP_STRINGS = 16
@@ -274,11 +274,13 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         required = req.tool_choice not in (None, "auto")  # "required" or a named function
         strict = any((tl.get("function") or {}).get("strict") is True for tl in offered)
         if required or strict:
-            try:  # the call's syntax and arguments enforced token by token
+            try:  # the call's syntax and arguments enforced token by token (all the tools:
+                # `name` picks the one named, its place in them names its parameters)
                 parallel = req.parallel_tool_calls is True
-                call_grammar = tool_grammar(fmt, offered, model.tokenizer, name, required, parallel)
+                tokenizer = model.tokenizer
+                call_grammar = tool_grammar(fmt, req.tools, tokenizer, name, required, parallel)
             except ConstraintError as e:
-                if strict:  # refused, never ignored
+                if strict or isinstance(e, ParametersError):  # refused, never ignored
                     raise bad(str(e), e.field or "tools") from None
                 forced = fmt.forced(name)  # a call started in the prompt (Gemma 4's syntax)
     elif req.tool_choice not in (None, "auto", "none"):
@@ -422,6 +424,8 @@ def masks(
         mask = constraint(fmt, t.model.tokenizer, vocab, stops, prompt=prompt, special=special)
         return (mask,)
     except ConstraintError as e:
+        if call_grammar is not None:  # the calls' grammar, built from `tools`
+            raise bad(f"tools: {e.message}", "tools") from None
         raise bad(str(e), e.field or "response_format") from None
 
 

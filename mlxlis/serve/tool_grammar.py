@@ -11,7 +11,8 @@ the arguments held to each tool's `parameters`.
 What a template's syntax cannot hold this way is refused (a 400 naming the field): Gemma 4's
 calls are not JSON, and a format without a call tag (Llama 3's bare JSON object) cannot tell a
 strict call from free text under "auto", nor gpt-oss's (harmony) whose calls follow its
-reasoning.
+reasoning. Each tool's parameters are checked on their own first (the bounds and refusals of
+a response_format's schema, named by `tools[i].function.parameters`): a ParametersError.
 """
 
 from __future__ import annotations
@@ -19,24 +20,36 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlxlis.generation.constraints import JSON_LAYOUT, ConstraintError
+from mlxlis.generation.constraints import JSON_LAYOUT, ConstraintError, check_json_schema
 from mlxlis.serve.tool_formats import ToolFormat
 from mlxlis.tokenizer import Tokenizer
 
 ID_SCHEMA = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}  # Mistral's 9-character call ids
 
 
+class ParametersError(ConstraintError):
+    """A tool's parameters the engine cannot hold: a 400 whatever the tool_choice (a call
+    syntax the grammar cannot hold may instead leave a forced call unconstrained)."""
+
+
 def _functions(tools: list[dict[str, Any]], name: str | None) -> list[tuple[str, dict]]:
+    """(name, parameters) of the tools a call may name, each schema checked (named by its
+    place in `tools`)."""
     out = []
     for i, t in enumerate(tools):
         fn = t.get("function") or {}
         if name is not None and fn.get("name") != name:
             continue
         params = fn.get("parameters", {"type": "object"})
-        if not isinstance(params, dict):
-            raise ConstraintError(
-                "must be a JSON schema object", field=f"tools[{i}].function.parameters"
-            )
+        try:
+            check_json_schema(params, f"tools[{i}].function.parameters")
+        except ConstraintError as e:
+            raise ParametersError(e.message, field=e.field) from None
+        # its own resource: the `$ref`s inside ("#", "#/$defs/…") resolve against the
+        # parameters, not the call object they are embedded in, and each tool's $defs stay
+        # apart from another's of the same name
+        if not isinstance(params.get("$id"), str):
+            params = {**params, "$id": f"urn:mlxlis:tools:{i}"}
         out.append((fn["name"], params))
     return out
 
@@ -80,19 +93,25 @@ def tool_grammar(
     function may be called; one call unless `parallel` (a small model asked for a call with
     room for more writes the same call again until max_tokens)."""
     more = ' ("\\n" call)*' if parallel else ""
-    functions = _functions(tools, name)
     if fmt.name == "gemma4":
         raise ConstraintError(
             "Gemma 4's tool-call syntax is not JSON: its arguments cannot be held to a schema",
             field="tools",
         )
+    if fmt.name == "json" and not required:
+        raise ConstraintError(
+            "a template without a call tag cannot tell a strict call "
+            'from free text under tool_choice "auto"',
+            field="tools",
+        )
+    if fmt.name == "harmony" and not required:  # one call a reply: its <|call|> ends it
+        raise ConstraintError(
+            'gpt-oss\'s strict calls under tool_choice "auto" cannot be enforced: its '
+            "reply reasons first and may call at any message",
+            field="tools",
+        )
+    functions = _functions(tools, name)
     if fmt.name == "json":  # the reply is the call object itself
-        if not required:
-            raise ConstraintError(
-                "a template without a call tag cannot tell a strict call "
-                'from free text under tool_choice "auto"',
-                field="tools",
-            )
         key = "parameters" if '"parameters"' in fmt.forced("x") else "arguments"
         return f"start: %json {json.dumps(_call_schema(functions, key))}\n"
     if fmt.name == "hermes":
@@ -119,13 +138,7 @@ def tool_grammar(
             calls += "".join(
                 f"args{i}: %json {json.dumps(p)}\n" for i, (_, p) in enumerate(functions)
             )
-    elif fmt.name == "harmony":  # one call a reply: its <|call|> ends the reply
-        if not required:
-            raise ConstraintError(
-                'gpt-oss\'s strict calls under tool_choice "auto" cannot be enforced: its '
-                "reply reasons first and may call at any message",
-                field="tools",
-            )
+    elif fmt.name == "harmony":
         ch, msg = _tag(tokenizer, "<|channel|>"), _tag(tokenizer, "<|message|>")
         rules = [
             f"{ch} {json.dumps(f'commentary to=functions.{n} ')} "
