@@ -1717,6 +1717,30 @@ MUTANTS = (
         ("tests/test_constraints_hostile.py::test_pydantic_schemas_are_forced_in_every_dialect",),
         "forced tool calls: a tool's $defs left unresolvable inside the call object",
     ),
+    Mutant(
+        "reasoning-close-misspelled",
+        "mlxlis/prompt/reasoning_styles.py",
+        'THINK = ReasoningStyle("think", "<think>", "</think>")',
+        'THINK = ReasoningStyle("think", "<think>", "</thinking>")',
+        ("tests/test_reasoning_corpus.py::test_template_reasoning_splits_exactly",),
+        "reasoning styles: the <think> style's close tag misspelled",
+    ),
+    Mutant(
+        "reasoning-prompt-open-ignored",
+        "mlxlis/prompt/reasoning.py",
+        "            in_reasoning=starts_in_reasoning(prompt, style.open),\n",
+        "            in_reasoning=False,\n",
+        ("tests/test_reasoning_corpus.py::test_template_reasoning_splits_exactly",),
+        "reasoning split: a generation prompt that opens the block not seen (reasoning as answer)",
+    ),
+    Mutant(
+        "reasoning-prompt-open-not-probed",
+        "mlxlis/prompt/reasoning_styles.py",
+        '            return TemplateReasoning(style, True, "generation prompt")\n',
+        "            pass\n",
+        ("tests/test_reasoning_corpus.py::test_template_reasoning_splits_exactly",),
+        "reasoning styles: tags shown only by the generation prompt opening them (QwQ, R1) unseen",
+    ),
 )
 
 IGNORE = shutil.ignore_patterns(

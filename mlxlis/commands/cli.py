@@ -151,7 +151,11 @@ def stream_reply(
     """Generate: the answer to stdout, the reasoning (`<think>` block) to stderr, dimmed when
     stderr is a terminal; `prompt` None (raw completion) prints everything to stdout. Returns
     the final Event."""
-    splitter = None if prompt is None else ReasoningSplitter.for_prompt(model.tokenizer, prompt)
+    splitter = (
+        None
+        if prompt is None
+        else ReasoningSplitter.for_prompt(model.tokenizer, prompt, model.template)
+    )
     tty = sys.stderr.isatty()
     in_reasoning = False
     final = None

@@ -197,7 +197,7 @@ class ChatSession:
         except Exception:
             self.turns.pop()  # a refused turn leaves the conversation as it was
             raise
-        splitter = ReasoningSplitter.for_prompt(self.model.tokenizer, prompt)
+        splitter = ReasoningSplitter.for_prompt(self.model.tokenizer, prompt, self.model.template)
         snapshots = turn_start(self.model, self.messages, ids, **self.template_vars)
         req = Request(
             ids,

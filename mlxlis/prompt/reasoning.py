@@ -2,16 +2,20 @@
 
 Qwen3-style models open their reply with `<think>`, reason, close with `</think>` and then
 answer; some templates (Qwen3.5, DeepSeek-R1) put `<think>\\n` at the end of the generation
-prompt, so the reply starts inside the reasoning with no opening tag. Gemma 4 reasons in a
-channel: `<|channel>thought\\n…<channel|>`; Mistral's reasoning models write `[THINK]…[/THINK]`
-(STYLES: the tag pairs and the channel label).
+prompt, so the reply starts inside the reasoning with no opening tag. Other models use other
+tags (Gemma 4's `<|channel>thought\\n…<channel|>`, Mistral's `[THINK]…[/THINK]`, Seed-OSS's
+`<seed:think>`, Command A's `<|START_THINKING|>` with its answer in `<|START_TEXT|>…<|END_TEXT|>`):
+the styles are data (reasoning_styles.TABLE), and the one a model writes is read from its chat
+template by a probe render (`template_reasoning`); gpt-oss's harmony channels are harmony.py's.
 `ReasoningSplitter` turns decoded pieces into ("reasoning", text) / ("answer", text) segments:
 
 - the tags are matched by token id when the tokenizer has each as a single token (its
   special / added tokens), else by text, held back while a piece could be the start of a tag;
 - an opening tag counts only before any visible answer text, a closing tag only inside the
   reasoning: later tags are answer text (text matching) or dropped (ids);
-- the tags never show; whitespace around the reasoning and right after `</think>` is dropped.
+- the tags never show, nor do a style's answer tags (matched as text);
+- whitespace: the reasoning is stripped at both ends (inner whitespace kept) and so is what
+  lies between the closing tag and the answer; the answer is otherwise kept as written.
 
 A reply without tags is all answer, byte for byte.
 """
@@ -21,17 +25,16 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from mlxlis.prompt.harmony import HarmonySplitter, speaks_harmony
+from mlxlis.prompt.reasoning_styles import HARMONY, TABLE, ReasoningStyle, template_reasoning
 from mlxlis.prompt.segments import ANSWER, REASONING, Segment, join, partial_suffix
+from mlxlis.prompt.template import ChatTemplate
 
 __all__ = ["ANSWER", "REASONING", "ReasoningSplitter", "Segment", "Splitter", "join"]
 
 OPEN_TAG, CLOSE_TAG = "<think>", "</think>"
-# (open tag, close tag, label right after the open tag that is not reasoning text)
-STYLES = (
-    (OPEN_TAG, CLOSE_TAG, ""),
-    ("<|channel>", "<channel|>", "thought"),
-    ("[THINK]", "[/THINK]", ""),  # Magistral, Ministral 3 Reasoning (tags of its vocabulary)
-)
+# (open tag, close tag, label right after the open tag that is not reasoning text), in the
+# table's order: <think>, Gemma 4's channel, Mistral's [THINK], then the others
+STYLES = tuple((s.open, s.close, s.label) for s in TABLE if s is not HARMONY)
 
 _START, _THINK, _AFTER, _ANSWER = "start", "reasoning", "after", "answer"
 
@@ -73,9 +76,11 @@ def starts_in_reasoning(prompt: str, open_tag: str = OPEN_TAG) -> bool:
     return prompt.rstrip().endswith(open_tag)
 
 
-def ends_after_reasoning(prompt: str, close_tag: str = CLOSE_TAG) -> bool:
-    """True when the prompt ends right after a closed block (`<think>\\n\\n</think>\\n\\n`)."""
-    return prompt.rstrip().endswith(close_tag)
+def ends_after_reasoning(prompt: str, close_tag: str = CLOSE_TAG, answer_open: str = "") -> bool:
+    """True when the prompt ends right after a closed block (`<think>\\n\\n</think>\\n\\n`),
+    or opens the answer itself (Kimi K3 with thinking off ends with its answer tag)."""
+    tail = prompt.rstrip()
+    return tail.endswith(close_tag) or bool(answer_open) and tail.endswith(answer_open)
 
 
 class ReasoningSplitter:
@@ -90,8 +95,11 @@ class ReasoningSplitter:
         open_tag: str = OPEN_TAG,
         close_tag: str = CLOSE_TAG,
         label: str = "",
+        answer_open: str = "",
+        answer_close: str = "",
     ):
         self.open_tag, self.close_tag, self.label = open_tag, close_tag, label
+        self.answer_open, self.answer_close = answer_open, answer_close
         self._label = ""  # the channel label still expected at the start of the reasoning
         self._ids = dict(ids or {})
         self._state = _THINK if in_reasoning else _AFTER if after_reasoning else _START
@@ -103,25 +111,47 @@ class ReasoningSplitter:
         self.reasoning_tokens = 0
 
     @classmethod
-    def for_prompt(cls, tokenizer: Any, prompt: str) -> Splitter:
-        """A splitter for the reply to `prompt`: harmony's after its generation prompt
-        (gpt-oss, harmony.py); else this one with `tokenizer`'s tag ids when it has them,
-        the first style whose two tags are tokens of the vocabulary, else `<think>` as text."""
-        if speaks_harmony(prompt):
+    def for_prompt(
+        cls, tokenizer: Any, prompt: str, template: ChatTemplate | None = None
+    ) -> Splitter:
+        """A splitter for the reply to `prompt`. The style is the one `template` (the chat
+        template that rendered the prompt) renders, harmony's for gpt-oss (harmony.py);
+        without a template or a style found in it: harmony's after its generation prompt,
+        else the first style whose two tags are tokens of `tokenizer`'s vocabulary, else
+        `<think>` as text. Tags that are tokens of the vocabulary are matched by id
+        (`tokenizer` None: all as text)."""
+        found = template_reasoning(template) if template is not None else None
+        style = found.style if found is not None else None
+        if style is HARMONY or (style is None and speaks_harmony(prompt)):
             return HarmonySplitter()
-        style, ids = STYLES[0], {}
-        for candidate in STYLES:
-            if found := tag_ids(tokenizer, candidate[:2]):
-                style, ids = candidate, found
-                break
-        open_tag, close_tag, label = style
+        ids: dict[int, str] = {}
+        if style is None:
+            style = TABLE[0]
+            for candidate in TABLE if tokenizer is not None else ():
+                if candidate is not HARMONY and (
+                    found_ids := tag_ids(tokenizer, (candidate.open, candidate.close))
+                ):
+                    style, ids = candidate, found_ids
+                    break
+        elif tokenizer is not None:
+            ids = tag_ids(tokenizer, (style.open, style.close))
+        return cls.for_style(style, prompt, ids)
+
+    @classmethod
+    def for_style(
+        cls, style: ReasoningStyle, prompt: str, ids: dict[int, str] | None = None
+    ) -> ReasoningSplitter:
+        """A splitter for `style` after `prompt`: the prompt's tail says where the reply
+        starts (inside the block, after it, or free to open one)."""
         return cls(
             ids=ids,
-            in_reasoning=starts_in_reasoning(prompt, open_tag),
-            after_reasoning=ends_after_reasoning(prompt, close_tag),
-            open_tag=open_tag,
-            close_tag=close_tag,
-            label=label,
+            in_reasoning=starts_in_reasoning(prompt, style.open),
+            after_reasoning=ends_after_reasoning(prompt, style.close, style.answer_open),
+            open_tag=style.open,
+            close_tag=style.close,
+            label=style.label,
+            answer_open=style.answer_open,
+            answer_close=style.answer_close,
         )
 
     @property
@@ -146,11 +176,12 @@ class ReasoningSplitter:
         return out
 
     def flush(self) -> list[Segment]:
-        """Whatever is held back at the end of the reply."""
+        """Whatever is held back at the end of the reply (a tag's start that never finished
+        is text)."""
         out: list[Segment] = []
         buf, self._buf = self._buf, ""
-        if self._state == _START and buf:
-            out.append((ANSWER, buf))
+        if self._state in (_START, _AFTER, _ANSWER) and buf:
+            out.append((ANSWER, buf.lstrip() if self._state == _AFTER else buf))
         elif self._state == _THINK and buf:
             self._reason(buf, out)
         self._ws = ""
@@ -178,14 +209,10 @@ class ReasoningSplitter:
     def _text(self, text: str, out: list[Segment]) -> None:
         while text:
             if self._state == _ANSWER:
-                out.append((ANSWER, text))
-                return
-            if self._state == _AFTER:
-                text = text.lstrip()
-                if text:
-                    self._state = _ANSWER
-                continue
-            if self._state == _START:
+                text = self._answer(text, out)
+            elif self._state == _AFTER:
+                text = self._after(text)
+            elif self._state == _START:
                 text = self._start(text, out)
             else:
                 text = self._think(text, out)
@@ -197,11 +224,48 @@ class ReasoningSplitter:
         if not self._ids and body.startswith(self.open_tag):
             self._open()
             return body[len(self.open_tag) :]
-        if not body or (not self._ids and self.open_tag.startswith(body)):
+        if self.answer_open and body.startswith(self.answer_open):  # no reasoning this time
+            self._buf, self._state = "", _ANSWER
+            return body[len(self.answer_open) :]
+        if (
+            not body
+            or (not self._ids and self.open_tag.startswith(body))
+            or self.answer_open.startswith(body)
+        ):
             self._buf = buf
             return ""
         self._buf, self._state = "", _ANSWER
         return buf
+
+    def _after(self, text: str) -> str:
+        """After the reasoning: whitespace, then the answer's own tag if the style has one."""
+        body = (self._buf + text).lstrip()
+        self._buf = ""
+        if not body:
+            return ""
+        if self.answer_open:
+            if body.startswith(self.answer_open):
+                body = body[len(self.answer_open) :]
+            elif self.answer_open.startswith(body):
+                self._buf = body
+                return ""
+        self._state = _ANSWER
+        return body
+
+    def _answer(self, text: str, out: list[Segment]) -> str:
+        """Answer text, as written; only the style's answer-closing tag is dropped."""
+        buf, self._buf = self._buf + text, ""
+        if self.answer_close:
+            at = buf.find(self.answer_close)
+            if at >= 0:
+                if at:
+                    out.append((ANSWER, buf[:at]))
+                return buf[at + len(self.answer_close) :]
+            keep = partial_suffix(buf, self.answer_close)
+            buf, self._buf = buf[: len(buf) - keep], buf[len(buf) - keep :]
+        if buf:
+            out.append((ANSWER, buf))
+        return ""
 
     def _think(self, text: str, out: list[Segment]) -> str:
         buf = self._buf + text

@@ -14,6 +14,7 @@ from typing import Any
 from mlxlis.generation.events import Event
 from mlxlis.prompt.harmony import HarmonySplitter
 from mlxlis.prompt.reasoning import ANSWER, ReasoningSplitter
+from mlxlis.prompt.template import ChatTemplate
 from mlxlis.serve.openai_format import CompletionLogprobs, TokenText, chat_logprob
 from mlxlis.serve.tool_formats import HERMES, ToolFormat
 from mlxlis.serve.tools import ToolCallParser
@@ -46,8 +47,10 @@ class ChatReply:
         tools: frozenset[str] | None,
         tool_format: ToolFormat | None = None,
         forced: str = "",
+        template: ChatTemplate | None = None,
     ):
-        self.splitter = ReasoningSplitter.for_prompt(tokenizer, prompt)
+        # the template that rendered the prompt says which reasoning tags the model writes
+        self.splitter = ReasoningSplitter.for_prompt(tokenizer, prompt, template)
         self.tools = None
         if tools is not None:
             self.tools = ToolCallParser(tools, tool_format or HERMES)

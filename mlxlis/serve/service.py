@@ -294,6 +294,7 @@ class Service:
             tools=prep.tools,
             tool_format=prep.tool_format,
             forced=prep.forced,
+            template=self.state.target.model.template,
         )
 
     def submit(self, prep: Prepared, rid: str, request: Request) -> Run:
