@@ -129,7 +129,7 @@ def test_tool_call_after_thinking_parses_back(template, tokenizer, piece):
 def test_past_reasoning_reaches_the_template_as_thinking(template):
     """The server hands a message's reasoning_content to this template as `thinking`, the
     field it reads (it renders the analysis before a past tool call)."""
-    from mlxlis.serve.prepare import message_dict
+    from mlxlis.serve.chat_messages import message_dict
     from mlxlis.serve.schemas import ChatMessage
 
     class Model:  # only what message_dict reads of a model: its template

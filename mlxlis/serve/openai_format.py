@@ -234,3 +234,7 @@ class Head:
             "choices": [choice],
             "usage": usage,
         }
+
+
+def bad(message: str, param: str | None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)

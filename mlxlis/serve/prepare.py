@@ -3,7 +3,6 @@ values checked, the context bounded. Every refusal is an APIError naming the fie
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +14,9 @@ from mlxlis.generation.core import Request
 from mlxlis.generation.sampling import SamplingError, SamplingParams
 from mlxlis.generation.session import turn_start
 from mlxlis.generation.speculative import Speculation
-from mlxlis.serve.images import image_bytes
-from mlxlis.serve.openai_format import MAX_TOP_LOGPROBS, APIError
-from mlxlis.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
+from mlxlis.serve.chat_messages import image_parts, message_dict, with_prepared
+from mlxlis.serve.openai_format import MAX_TOP_LOGPROBS, bad
+from mlxlis.serve.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from mlxlis.serve.tool_formats import ToolFormat, for_template
 from mlxlis.serve.tool_grammar import ParametersError, tool_grammar
 from mlxlis.serve.tool_grammar import tag_ids as call_tags
@@ -53,10 +52,6 @@ class Prepared:
     tool_format: ToolFormat | None = None  # how the template has the model write calls
     forced: str = ""  # text the prompt ends with that opens a call (tool_choice), for the parser
     asked: int | None = None  # the max_tokens asked for, when the context cut it (logged)
-
-
-def bad(message: str, param: str | None, code: str | None = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 def sampling(
@@ -145,93 +140,6 @@ def bound_context(
             param,
             "context_length_exceeded",
         ) from None
-
-
-def message_dict(m: ChatMessage, i: int, model: Any = None) -> dict[str, Any]:
-    """One message as chat templates expect it (tool-call arguments as objects, as in
-    transformers' convention; "developer" is OpenAI's newer name for "system"). Content
-    parts with an image stay parts (Model.encode_chat's), their images as bytes; text-only
-    parts are joined; an image to a `model` that does not see is refused here."""
-    if isinstance(m.content, list):
-        parts: list[dict[str, Any]] = []
-        for j, part in enumerate(m.content):
-            where = f"messages[{i}].content[{j}]"
-            if part.type == "text" and part.text is not None:
-                parts.append({"type": "text", "text": part.text})
-            elif part.type == "image_url" and part.image_url is not None:
-                if model is not None and model.vision is None:
-                    raise bad(f"{where}: {model.text_only_reason()}", where)
-                data = image_bytes(part.image_url.url, f"{where}.image_url.url")
-                parts.append({"type": "image", "image": data, "name": f"image {j + 1}"})
-            else:
-                raise bad(
-                    f"{where}: only text and image_url parts are supported, not {part.type!r}",
-                    f"{where}.type",
-                )
-        seen = any(p["type"] == "image" for p in parts)
-        content: Any = parts if seen else "".join(p["text"] for p in parts)
-    else:
-        content = m.content or ""
-    out: dict[str, Any] = {
-        "role": "system" if m.role == "developer" else m.role,
-        "content": content,
-    }
-    if m.name is not None:
-        out["name"] = m.name
-    if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
-    if m.reasoning_content is not None:
-        out["reasoning_content"] = m.reasoning_content
-        if (
-            getattr(model, "template", None) is not None
-            and "message.thinking" in model.template.text
-        ):
-            out["thinking"] = m.reasoning_content  # gpt-oss's template reads this name
-    if m.tool_calls:
-        calls = []
-        for c in m.tool_calls:
-            args: Any = c.function.arguments
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except ValueError:
-                    pass  # the template gets the text as it came
-            calls.append(
-                {
-                    "id": c.id,
-                    "type": c.type,
-                    "function": {"name": c.function.name, "arguments": args},
-                }
-            )
-        out["tool_calls"] = calls
-    return out
-
-
-def with_prepared(messages: list[dict[str, Any]], encoded: Any) -> list[dict[str, Any]]:
-    """`messages` with each image part holding its prepared image (so that rendering them
-    again, as turn_start does, reads no image twice)."""
-    prepared = iter(encoded.images[encoded.sources.index(k)] for k in sorted(set(encoded.sources)))
-    out = []
-    for m in messages:
-        if isinstance(m["content"], list):
-            content = [
-                {**p, "image": next(prepared)} if p.get("type") == "image" else p
-                for p in m["content"]
-            ]
-            m = {**m, "content": content}
-        out.append(m)
-    return out
-
-
-def image_parts(messages: list[dict[str, Any]]) -> list[str]:
-    """Where each image part is (messages[i].content[j]), in the prompt's order."""
-    return [
-        f"messages[{i}].content[{j}]"
-        for i, m in enumerate(messages)
-        if isinstance(m["content"], list)
-        for j, p in enumerate(m["content"])
-        if p.get("type") == "image"
-    ]
 
 
 def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:

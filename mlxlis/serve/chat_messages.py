@@ -1,0 +1,98 @@
+"""A chat request's messages as chat templates take them (the request builder's first step,
+serve/prepare.py): roles, content parts (images read and checked), tool calls and reasoning."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mlxlis.serve.images import image_bytes
+from mlxlis.serve.openai_format import bad
+from mlxlis.serve.schemas import ChatMessage
+
+
+def message_dict(m: ChatMessage, i: int, model: Any = None) -> dict[str, Any]:
+    """One message as chat templates expect it (tool-call arguments as objects, as in
+    transformers' convention; "developer" is OpenAI's newer name for "system"). Content
+    parts with an image stay parts (Model.encode_chat's), their images as bytes; text-only
+    parts are joined; an image to a `model` that does not see is refused here."""
+    if isinstance(m.content, list):
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(m.content):
+            where = f"messages[{i}].content[{j}]"
+            if part.type == "text" and part.text is not None:
+                parts.append({"type": "text", "text": part.text})
+            elif part.type == "image_url" and part.image_url is not None:
+                if model is not None and model.vision is None:
+                    raise bad(f"{where}: {model.text_only_reason()}", where)
+                data = image_bytes(part.image_url.url, f"{where}.image_url.url")
+                parts.append({"type": "image", "image": data, "name": f"image {j + 1}"})
+            else:
+                raise bad(
+                    f"{where}: only text and image_url parts are supported, not {part.type!r}",
+                    f"{where}.type",
+                )
+        seen = any(p["type"] == "image" for p in parts)
+        content: Any = parts if seen else "".join(p["text"] for p in parts)
+    else:
+        content = m.content or ""
+    out: dict[str, Any] = {
+        "role": "system" if m.role == "developer" else m.role,
+        "content": content,
+    }
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content is not None:
+        out["reasoning_content"] = m.reasoning_content
+        if (
+            getattr(model, "template", None) is not None
+            and "message.thinking" in model.template.text
+        ):
+            out["thinking"] = m.reasoning_content  # gpt-oss's template reads this name
+    if m.tool_calls:
+        calls = []
+        for c in m.tool_calls:
+            args: Any = c.function.arguments
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    pass  # the template gets the text as it came
+            calls.append(
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": args},
+                }
+            )
+        out["tool_calls"] = calls
+    return out
+
+
+def with_prepared(messages: list[dict[str, Any]], encoded: Any) -> list[dict[str, Any]]:
+    """`messages` with each image part holding its prepared image (so that rendering them
+    again, as turn_start does, reads no image twice)."""
+    prepared = iter(encoded.images[encoded.sources.index(k)] for k in sorted(set(encoded.sources)))
+    out = []
+    for m in messages:
+        if isinstance(m["content"], list):
+            content = [
+                {**p, "image": next(prepared)} if p.get("type") == "image" else p
+                for p in m["content"]
+            ]
+            m = {**m, "content": content}
+        out.append(m)
+    return out
+
+
+def image_parts(messages: list[dict[str, Any]]) -> list[str]:
+    """Where each image part is (messages[i].content[j]), in the prompt's order."""
+    return [
+        f"messages[{i}].content[{j}]"
+        for i, m in enumerate(messages)
+        if isinstance(m["content"], list)
+        for j, p in enumerate(m["content"])
+        if p.get("type") == "image"
+    ]
