@@ -283,7 +283,7 @@ BAD_CHAT = [  # (changes to a good chat body, the field the 400 must name)
     ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-        "messages[0].content[0].type",
+        "messages[0].content[0].image_url",  # the part its type needs
     ),
     ({"tool_choice": "required", "tools": []}, "tool_choice"),
     (

@@ -34,7 +34,6 @@ EFFORT_THINKS = {"low": False, "medium": True, "high": True, "max": True}
 # the chat request's parameter names as this API calls them (in refusals)
 NAMES = {
     "stop": "stop_sequences",
-    "response_format": "output_config.format",
     "tool_choice.function.name": "tool_choice.name",
 }
 
@@ -96,6 +95,7 @@ class CountTokensRequest(_Body):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # output_config.format's place in its beta
 
 
 class MessagesRequest(CountTokensRequest):
@@ -240,25 +240,27 @@ def to_chat(req: CountTokensRequest, thinks: bool, model: Any = None) -> ChatCom
         kwargs["enable_thinking"] = EFFORT_THINKS[effort]
     if kwargs:
         body["chat_template_kwargs"] = kwargs
+    choice = req.tool_choice
     if req.tools:
         body["tools"] = _tools(req.tools)
         for k in range(len(req.tools)):  # what a refusal of a tool's schema names
             renames[f"tools[{k}].function.parameters"] = f"tools[{k}].input_schema"
-        choice = req.tool_choice
-        if choice is not None:
-            if choice.type == "tool":
-                if choice.name is None:
-                    raise bad('a "tool" choice needs the tool\'s name', "tool_choice.name")
-                body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
-            else:
-                body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[
-                    choice.type
-                ]
-            body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+        body["parallel_tool_calls"] = not (choice and choice.disable_parallel_tool_use)
+    if choice is not None:  # without tools, "any" and "tool" are refused, never ignored
+        if choice.type == "tool":
+            if choice.name is None:
+                raise bad('a "tool" choice needs the tool\'s name', "tool_choice.name")
+            body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
         else:
-            body["parallel_tool_calls"] = True
-    if req.output_config and req.output_config.format:
-        schema = req.output_config.format.schema_
+            body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    fmt, place = req.output_config and req.output_config.format, "output_config.format"
+    if req.output_format is not None:  # where the structured outputs beta had it
+        if fmt:
+            raise bad("output_config.format is given too", "output_format")
+        fmt, place = req.output_format, "output_format"
+    renames |= {"response_format.json_schema.schema": f"{place}.schema", "response_format": place}
+    if fmt:
+        schema = fmt.schema_
         body["response_format"] = {
             "type": "json_schema",
             "json_schema": {"name": "output", "schema": schema, "strict": True},

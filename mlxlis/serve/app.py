@@ -192,7 +192,22 @@ def create_app(state: State) -> FastAPI:
 
     for api in (anthropic, responses, ollama):
         app.include_router(api.router(svc, auth))
+    app.add_middleware(HeadAsGet)
     return app
+
+
+class HeadAsGet:
+    """HEAD answered wherever GET is (RFC 9110 9.3.2: GET's headers, no body; uvicorn drops
+    the body of a HEAD request's answer): health checks send it, and Ollama answers it on
+    /api/tags and /api/version."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}  # uvicorn keeps its own scope: still HEAD
+        await self.app(scope, receive, send)
 
 
 def sse_response(body: AsyncIterator[str]) -> StreamingResponse:

@@ -27,6 +27,8 @@ def message_dict(m: ChatMessage, i: int, model: Any = None) -> dict[str, Any]:
                     raise bad(f"{where}: {model.text_only_reason()}", where)
                 data = image_bytes(part.image_url.url, f"{where}.image_url.url")
                 parts.append({"type": "image", "image": data, "name": f"image {j + 1}"})
+            elif part.type in ("text", "image_url"):  # without the field its type names
+                raise bad(f"{where}: a {part.type} part needs {part.type}", f"{where}.{part.type}")
             else:
                 raise bad(
                     f"{where}: only text and image_url parts are supported, not {part.type!r}",
@@ -58,7 +60,7 @@ def message_dict(m: ChatMessage, i: int, model: Any = None) -> dict[str, Any]:
             if isinstance(args, str):
                 try:
                     args = json.loads(args)
-                except ValueError:
+                except (ValueError, RecursionError):  # nested past json's reach too
                     pass  # the template gets the text as it came
             calls.append(
                 {

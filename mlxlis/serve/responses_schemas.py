@@ -3,7 +3,7 @@ fields ignored, as schemas.py's)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from mlxlis.serve.schemas import _Body
 
@@ -54,3 +54,10 @@ class ResponsesRequest(_Body):
     store: bool = True
     previous_response_id: str | None = None
     stream: bool = False
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    REFUSED: ClassVar[dict[str, str]] = {
+        "conversation": "conversations are not kept here: send previous_response_id, or the "
+        "whole input",
+        "prompt": "stored prompts are not kept here: send instructions and input",
+    }

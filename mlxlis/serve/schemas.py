@@ -2,18 +2,30 @@
 
 Ranges are checked where they are defined once, `mlxlis.SamplingParams` (prepare.py), so the
 server refuses exactly what the CLI and the library refuse. Fields the API has and mlxlis
-does not use (presence_penalty, user, ...) and unknown fields are ignored.
+does not use (presence_penalty, user, ...) and unknown fields are ignored; those that would
+change the answer in a way mlxlis cannot honour (a body's REFUSED: logit_bias, the legacy
+functions) are a 400 naming them when set (service.read_body), never ignored.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+    # fields of the API that change the answer and cannot be honoured here -> why: set (not
+    # null, false or empty), a 400 naming the field
+    REFUSED: ClassVar[dict[str, str]] = {}
+
+    def refused(self) -> tuple[str, str] | None:
+        """(field, why) of the first REFUSED field this body sets."""
+        for name, why in self.REFUSED.items():
+            if getattr(self, name) not in (None, False, "", [], {}):
+                return name, why
+        return None
 
 
 class StreamOptions(_Body):
@@ -84,6 +96,14 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # enforced calls: one unless true
     chat_template_kwargs: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
+    functions: list[Any] | None = None  # the API's first, deprecated, form of tools
+    function_call: str | dict[str, Any] | None = None
+    REFUSED: ClassVar[dict[str, str]] = {
+        "logit_bias": "not supported: a token's bias would be ignored",
+        "functions": "the deprecated functions API is not served: send tools",
+        "function_call": "the deprecated functions API is not served: send tool_choice",
+    }
 
 
 class CompletionRequest(_Sampling):
@@ -129,3 +149,21 @@ def param_path(loc: tuple[str | int, ...], names: frozenset[str] = FIELD_NAMES) 
         elif part in names:
             out += f".{part}" if out else part
     return out or None
+
+
+def offending(errors: list[Any], names: frozenset[str] = FIELD_NAMES) -> tuple[str | None, int]:
+    """The field pydantic's `errors` name first (param_path) and the index of its error. A
+    field of several types (content: text or a list of parts) has an error per type: the one
+    that got deepest names the place (messages[1].content[0].input, not messages[1].content:
+    a list was sent), unless places tie."""
+    param = param_path(errors[0]["loc"], names)
+    if param is None:
+        return None, 0
+    paths = [param_path(x["loc"], names) or "" for x in errors]
+    inside = {
+        p: p.count(".") + p.count("[")
+        for p in paths
+        if p.startswith(param) and p[len(param) : len(param) + 1] in ("", ".", "[")
+    }
+    deepest = [p for p, n in inside.items() if n == max(inside.values())]
+    return (deepest[0], paths.index(deepest[0])) if len(deepest) == 1 else (param, 0)

@@ -33,15 +33,23 @@ from mlxlis.serve.images import FETCHERS, SCHEMES, fetch
 from mlxlis.serve.openai_format import APIError, TokenText
 from mlxlis.serve.prepare import Prepared, Target
 from mlxlis.serve.reply import ChatReply
-from mlxlis.serve.schemas import FIELD_NAMES, ChatCompletionRequest, field_names, param_path
+from mlxlis.serve.schemas import (
+    FIELD_NAMES,
+    ChatCompletionRequest,
+    _Body,
+    field_names,
+    offending,
+    param_path,
+)
 
 from fastapi import Request
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("mlxlis.serve")
 MAX_BODY_BYTES = 8 << 20  # a request body; 100k tokens of text are < 1 MiB
 MAX_VISION_BODY_BYTES = 64 << 20  # a model that sees: base64 images (4/3 of their bytes)
-B = TypeVar("B", bound=BaseModel)
+B = TypeVar("B", bound=_Body)
 
 
 @dataclass
@@ -73,16 +81,15 @@ class State:
 
 
 def validation_error(e: ValidationError, names: frozenset[str] = FIELD_NAMES) -> APIError:
-    """pydantic's errors -> one 400 naming the first offending field."""
+    """pydantic's errors -> one 400 naming the first offending field (schemas.offending)."""
     errors = e.errors(include_url=False)
-    first = errors[0]
-    if first["type"] == "json_invalid":
-        return APIError(400, f"malformed JSON body: {first['msg']}", code="invalid_json")
-    param = param_path(first["loc"], names)
+    if errors[0]["type"] == "json_invalid":
+        return APIError(400, f"malformed JSON body: {errors[0]['msg']}", code="invalid_json")
+    param, k = offending(errors, names)
     if param is None:
-        return APIError(400, f"the body must be a JSON object: {first['msg']}", code="invalid_json")
-    msgs = list(dict.fromkeys(e["msg"] for e in errors if param_path(e["loc"], names) == param))
-    kind, code = first["type"], "invalid_value"
+        return APIError(400, f"the body must be an object: {errors[0]['msg']}", code="invalid_json")
+    msgs = list(dict.fromkeys(x["msg"] for x in errors if param_path(x["loc"], names) == param))
+    kind, code = errors[k]["type"], "invalid_value"
     if kind == "missing":
         code = "missing_required_parameter"
     elif kind.endswith(("_type", "_parsing")):
@@ -100,15 +107,22 @@ async def read_body(request: Request, cls: type[B], limit: int) -> B:
     if declared.isdigit() and int(declared) > limit:
         raise too_big
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_big
     try:
-        return cls.model_validate_json(bytes(body))
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_big
+    except ClientDisconnect:  # the client left while sending: no answer reaches it
+        raise APIError(499, "the client closed the connection before its body was read") from None
+    try:
+        req = cls.model_validate_json(bytes(body))
     except ValidationError as e:
         names = _NAMES.setdefault(cls, field_names(cls))
         raise validation_error(e, names) from None
+    if (refused := req.refused()) is not None:
+        name, why = refused
+        raise APIError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
+    return req
 
 
 FIRST = asyncio.FIRST_COMPLETED

@@ -17,7 +17,9 @@ Read from the templates themselves (what they render for an assistant message's
   `to=functions.NAME<|message|>{…}<|call|>`, which is what is parsed here
 
 A parse function takes the text of a call (between the tags) and gives
-[(name, arguments JSON text, id or None)], or None when it does not parse.
+[(name, arguments JSON text, id or None)], or None when it does not parse — as for a body
+nested deeper than Python's readers go (json's and Gemma 4's recursive one stop at about a
+thousand levels with a RecursionError): a model may write one, and it is text like any other.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import secrets
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import wraps
 from typing import Any
 
 from mlxlis.prompt.harmony import CALL, CALL_OPEN, CHANNEL, MESSAGE
@@ -46,6 +49,19 @@ class ToolFormat:
     # tool_choice: what starts a call (of that name and up to its arguments' "{", if named)
     forced: Callable[[str | None], str]
     new_id: Callable[[], str]
+
+
+def _parser(parse: Callable[[str], list[ParsedCall] | None]) -> Callable:
+    """`parse` with a body nested too deep to read (RecursionError) read as no call."""
+
+    @wraps(parse)
+    def guarded(body: str) -> list[ParsedCall] | None:
+        try:
+            return parse(body)
+        except RecursionError:
+            return None
+
+    return guarded
 
 
 def _openai_id() -> str:
@@ -85,11 +101,13 @@ def _json_object(body: str, keys: tuple[str, ...]) -> ParsedCall | None:
     return _call(_loads(body), keys)
 
 
+@_parser
 def parse_hermes(body: str) -> list[ParsedCall] | None:
     call = _json_object(body.strip(), ("arguments", "parameters"))
     return [call] if call else None
 
 
+@_parser
 def parse_json(body: str) -> list[ParsedCall] | None:
     body = body.strip().removeprefix("<|python_tag|>").strip()
     if body.startswith(PY_START):  # Llama 4: the turn's text between the tags, the calls after
@@ -109,6 +127,7 @@ def parse_json(body: str) -> list[ParsedCall] | None:
     return calls or None
 
 
+@_parser
 def parse_harmony(body: str) -> list[ParsedCall] | None:
     """`NAME<|message|>{…}` (the text between harmony.CALL_OPEN and <|call|>)."""
     name, sep, args = body.partition(MESSAGE)
@@ -126,6 +145,7 @@ def _harmony_forced(name: str | None) -> str:
     )
 
 
+@_parser
 def parse_mistral(body: str) -> list[ParsedCall] | None:
     """The text after the first [TOOL_CALLS]: a JSON list, or `name[ARGS]{…}` calls separated
     by further [TOOL_CALLS] tags (with `[CALL_ID]id` before [ARGS] in some versions)."""
@@ -153,6 +173,7 @@ def parse_mistral(body: str) -> list[ParsedCall] | None:
 _Q = '<|"|>'  # Gemma 4's string quote
 
 
+@_parser
 def parse_gemma4(body: str) -> list[ParsedCall] | None:
     """`call:name{key:value,…}`; values: <|"|>strings<|"|>, numbers, true/false/null,
     {…} and […] (keys bare or quoted) — the template's format_argument, inverted."""

@@ -219,7 +219,7 @@ def _objects(text: str, sep: str = "") -> tuple[list[Any], str]:
             rest = rest[len(sep) :].lstrip()
         try:
             value, end = decoder.raw_decode(rest)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past json's reach
             return out, rest
         out.append(value)
         text, at = rest, end
