@@ -11,6 +11,7 @@ a plain greedy request gets exactly the answer it got before (`still_serving`):
   the template's text as they came (a 500 before); a text part without text is named so;
 - a client that leaves while sending its body is logged as having left (499), not as a 500
   with a traceback;
+- a request's own text echoed in the log (a 7 MB model name in its 404) is cut there;
 - HEAD is answered wherever GET is (RFC 9110; Ollama answers it on /api/tags and
   /api/version): GET's status and headers, no body — it was a 405;
 - a field of several types (content: text or a list of blocks) is named where it went wrong
@@ -162,6 +163,16 @@ def test_a_client_leaving_mid_body_is_no_server_error(tiny_server, still_serving
     assert " 499 " in line, line
     later = "\n".join(tiny_server.log().splitlines()[skip:])
     assert "Traceback" not in later and " 500 " not in later, later
+    still_serving()
+
+
+def test_a_request_cannot_fill_the_log(tiny_server, oai, still_serving):
+    """A 7 MB model name, echoed in its 404: the log line is cut (it was the whole name, 7 MB
+    a request)."""
+    size = len(tiny_server.log())
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="m" * (7 << 20), messages=HELLO, max_tokens=2)
+    assert len(tiny_server.log()) - size < 4000
     still_serving()
 
 

@@ -95,9 +95,24 @@ def listen(host: str, port: int) -> socket.socket:
         ) from None
 
 
+class Clipped(logging.Formatter):
+    """Log records bounded: a line past LINE characters and a record past LINES lines are cut
+    (saying how much was), so a request's own text (a 7 MB model name echoed in its 404) can
+    not fill the log; a traceback's lines are far shorter."""
+
+    LINE, LINES = 1000, 200
+
+    def format(self, record: logging.LogRecord) -> str:
+        lines = super().format(record).split("\n")
+        out = [x if len(x) <= self.LINE else f"{x[: self.LINE]}… ({len(x)} chars)" for x in lines]
+        if len(out) > self.LINES:
+            out = [*out[: self.LINES], f"… ({len(out) - self.LINES} more lines)"]
+        return "\n".join(out)
+
+
 def setup_logging(verbose: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("mlxlis serve: %(message)s"))
+    handler.setFormatter(Clipped("mlxlis serve: %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.DEBUG if verbose else logging.INFO)
     log.propagate = False
