@@ -11,7 +11,7 @@ import json
 import re
 
 from mlxlis.prompt.template import ChatTemplate
-from mlxlis.serve.tool_formats import for_template
+from mlxlis.serve.tool_formats import for_template, template_format
 from mlxlis.serve.tools import ToolCallParser
 
 import pytest
@@ -38,7 +38,7 @@ def test_a_cut_call_never_shows_as_text(name):
     cut falls one character into the last call, all of them uncut."""
     _, eos = TEMPLATES[name]
     template = ChatTemplate("test", template_text(name))
-    fmt = for_template(template.text)
+    fmt = template_format(template)
     single = name.startswith("meta-llama")  # Llama 3's templates take one call per message
     names = ("get_weather", "search")[: 1 if single else 2]
     sent = [

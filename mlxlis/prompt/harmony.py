@@ -31,6 +31,8 @@ GENERATION_PROMPT = "<|start|>assistant"
 CALL_OPEN = "to=functions."  # the canonical call text the tool-call parser reads
 BODY_ENDS = (END, CALL, RETURN, START)
 HEADER_MAX = 512  # characters of header without <|message|>: the model is not writing one
+# how a header starts: a tag, or the recipient the template writes before the channel
+HEADS = ("<|", "to=")
 _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 
@@ -85,7 +87,7 @@ class HarmonySplitter:
         buf, self._buf = self._buf, ""
         if self._kind is None:
             head = buf.lstrip()
-            if head and not head.startswith("<|"):  # never a header: plain answer text
+            if head and not head.startswith(HEADS):  # never a header: plain answer text
                 self._open(ANSWER)
                 self._emit(buf, out)
         else:
@@ -100,7 +102,7 @@ class HarmonySplitter:
         if at < 0:
             head = self._buf.lstrip()
             if len(self._buf) > HEADER_MAX or (
-                head and not (head.startswith("<|") or "<|".startswith(head))
+                head and not any(head.startswith(h) or h.startswith(head) for h in HEADS)
             ):  # not harmony: answer text as it came, to the next tag
                 self._open(ANSWER)
                 cut = self._buf.find(START, 1)

@@ -9,6 +9,7 @@ from typing import Any
 from mlxlis.serve.images import image_bytes
 from mlxlis.serve.openai_format import bad
 from mlxlis.serve.schemas import ChatMessage
+from mlxlis.serve.tool_formats import call_arguments
 
 
 def message_dict(m: ChatMessage, i: int, model: Any = None) -> dict[str, Any]:
@@ -55,9 +56,15 @@ def message_dict(m: ChatMessage, i: int, model: Any = None) -> dict[str, Any]:
             out["thinking"] = m.reasoning_content  # gpt-oss's template reads this name
     if m.tool_calls:
         calls = []
+        template = getattr(model, "template", None)
+        # a template that concatenates the arguments to its text (functionary v3.2) takes
+        # them as the JSON text they came as
+        as_text = template is not None and call_arguments(template) == "text"
         for c in m.tool_calls:
             args: Any = c.function.arguments
-            if isinstance(args, str):
+            if as_text and not isinstance(args, str):
+                args = json.dumps(args, ensure_ascii=False)
+            elif isinstance(args, str) and not as_text:
                 try:
                     args = json.loads(args)
                 except (ValueError, RecursionError):  # nested past json's reach too

@@ -17,10 +17,10 @@ from mlxlis.generation.speculative import Speculation
 from mlxlis.serve.chat_messages import image_parts, message_dict, with_prepared
 from mlxlis.serve.openai_format import MAX_TOP_LOGPROBS, bad
 from mlxlis.serve.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
-from mlxlis.serve.tool_formats import ToolFormat, for_template
+from mlxlis.serve.tool_formats import ToolFormat, for_template, template_format
 from mlxlis.serve.tool_grammar import ParametersError, tool_grammar
 from mlxlis.serve.tool_grammar import tag_ids as call_tags
-from mlxlis.serve.tools import tool_names
+from mlxlis.serve.tools import tool_names, tool_schemas
 
 MAX_STOP_STRINGS = 16
 MAX_IMAGES = 16  # images in one request: each is decoded and preprocessed before it runs
@@ -48,7 +48,9 @@ class Target:
 class Prepared:
     gen: Request
     prompt: str | None  # the rendered chat prompt (where a reply's reasoning starts), or None
-    tools: frozenset[str] | None  # the offered tools' names: tool calls are parsed; None: no
+    # the offered tools' parameters by name: tool calls are parsed (their arguments by these
+    # schemas, where a format writes them as text); None: no tools
+    tools: dict[str, Any] | None
     tool_format: ToolFormat | None = None  # how the template has the model write calls
     forced: str = ""  # text the prompt ends with that opens a call (tool_choice), for the parser
     asked: int | None = None  # the max_tokens asked for, when the context cut it (logged)
@@ -177,8 +179,8 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
                 "tools",
             )
         variables["tools"] = offered
-        tools = tool_names(offered)
-        fmt = for_template(model.template.text if model.template is not None else "")
+        tools = tool_schemas(offered)
+        fmt = template_format(model.template) if model.template is not None else for_template("")
         required = req.tool_choice not in (None, "auto")  # "required" or a named function
         strict = any((tl.get("function") or {}).get("strict") is True for tl in offered)
         if required or strict:

@@ -8,6 +8,7 @@ non-streamed response). `CompletionReply` does the same for /v1/completions' pla
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +45,7 @@ class ChatReply:
         prompt: str,
         *,
         logprobs: bool,
-        tools: frozenset[str] | None,
+        tools: Mapping[str, Any] | frozenset[str] | None,
         tool_format: ToolFormat | None = None,
         forced: str = "",
         template: ChatTemplate | None = None,
@@ -53,7 +54,10 @@ class ChatReply:
         self.splitter = ReasoningSplitter.for_prompt(tokenizer, prompt, template)
         self.tools = None
         if tools is not None:
-            self.tools = ToolCallParser(tools, tool_format or HERMES)
+            # the offered tools (their parameters by name, where given: how a format that
+            # writes arguments as text reads them)
+            schemas = tools if isinstance(tools, Mapping) else None
+            self.tools = ToolCallParser(frozenset(tools), tool_format or HERMES, schemas)
             # the prompt opened the call (tool_choice): all of it held; a harmony header
             # (gpt-oss) is the splitter's to read first, as if the model had written it
             pieces = [forced]

@@ -119,7 +119,7 @@ def tool_grammar(
         schema = json.dumps(_call_schema(functions, "arguments"))
         calls = f'calls: call{more}\ncall: {open_} "\\n" body "\\n" {close}\n'
         calls += f"body: %json {schema}\n"
-    elif fmt.name == "mistral":
+    elif fmt.name.startswith("mistral"):
         open_ = _tag(tokenizer, "[TOOL_CALLS]")
         if fmt.forced(None).endswith("["):  # the JSON-list generation, with call ids
             schema = {
@@ -130,8 +130,11 @@ def tool_grammar(
             }
             calls = f"calls: {open_} body\nbody: %json {json.dumps(schema)}\n"
         else:  # `name[ARGS]{…}` per call
+            call_id = ""  # Mistral Small 3.2 writes an id of 9 letters and digits first
+            if "[CALL_ID]" in fmt.call:
+                call_id = f"{_tag(tokenizer, '[CALL_ID]')} /[a-zA-Z0-9]{{9}}/ "
             rules = [
-                f"{open_} {json.dumps(n)} {_tag(tokenizer, '[ARGS]')} args{i}"
+                f"{open_} {json.dumps(n)} {call_id}{_tag(tokenizer, '[ARGS]')} args{i}"
                 for i, (n, _) in enumerate(functions)
             ]
             calls = f"calls: call{'+' if parallel else ''}\ncall: " + " | ".join(rules) + "\n"

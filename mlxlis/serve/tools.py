@@ -19,29 +19,44 @@ can still be a call of an offered tool: a cut JSON answer stays the text it is.
 from __future__ import annotations
 
 import json
+import logging
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from mlxlis.prompt.segments import partial_suffix
 from mlxlis.serve.tool_formats import HERMES, PY_END, PY_START, ParsedCall, ToolFormat, parse_json
 
+log = logging.getLogger("mlxlis.serve")
 LEADS = ("<|python_tag|>", PY_START)  # tags a bare-JSON call may start with (Llama 3.1, 4)
 
 
 def tool_names(tools: list[dict[str, Any]]) -> frozenset[str]:
     """The function names of a request's `tools`."""
-    out = set()
+    return frozenset(tool_schemas(tools))
+
+
+def tool_schemas(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each offered function's parameters schema, by name (what a format that writes
+    arguments as text reads their values by)."""
+    out: dict[str, Any] = {}
     for t in tools:
         fn = t.get("function") if isinstance(t, dict) else None
         if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            out.add(fn["name"])
-    return frozenset(out)
+            out[fn["name"]] = fn.get("parameters")
+    return out
 
 
 class ToolCallParser:
-    def __init__(self, names: frozenset[str] = frozenset(), fmt: ToolFormat = HERMES) -> None:
+    def __init__(
+        self,
+        names: frozenset[str] = frozenset(),
+        fmt: ToolFormat = HERMES,
+        schemas: Mapping[str, Any] | None = None,
+    ) -> None:
         self.names = names  # the offered tools: a bare-JSON reply must name one
         self.fmt = fmt
+        self.schemas = schemas or {}  # their parameters, by name: how text values read
         self.calls: list[dict[str, Any]] = []
         self._buf = ""  # held: a possible start of the open tag, or an open call's body
         self._ws = ""  # whitespace held until text (emitted) or a call (dropped) follows
@@ -88,8 +103,13 @@ class ToolCallParser:
                     break
                 body, buf = buf[:at], buf[at + len(cl) :]
                 self._inside = False
-                parsed = self.fmt.parse(body)
-                if parsed is None:
+                parsed = self.fmt.parse(body, self.schemas)
+                if parsed is None:  # the model broke the format: what it wrote, as text
+                    log.warning(
+                        "a %s tool call did not parse; returned as text (%d characters)",
+                        self.fmt.name,
+                        len(op + body + cl),
+                    )
                     out += self._text(op + body + cl)
                 else:
                     self._ws = ""
@@ -139,7 +159,7 @@ class ToolCallParser:
             body, self._buf, self._inside = self._buf, "", False
             if cut and self.fmt.close is not None:  # the cut may fall in the closing tag
                 body = body[: len(body) - partial_suffix(body, self.fmt.close)]
-            parsed = self.fmt.parse(body)
+            parsed = self.fmt.parse(body, self.schemas)
             if parsed is not None and (
                 self.fmt.close is None or all(p[0] in self.names for p in parsed)
             ):
@@ -171,9 +191,9 @@ class ToolCallParser:
         text = body.strip()
         if text.startswith("["):  # a JSON list cut in one of its items
             items, _ = _objects(text[1:], ",")
-            return (self.fmt.parse(json.dumps(items)) or []) if items else []
+            return (self.fmt.parse(json.dumps(items), self.schemas) or []) if items else []
         text = text[: len(text) - partial_suffix(text, self.fmt.open)]  # cut in the next tag
-        while not (parsed := self.fmt.parse(text)) and self.fmt.open in text:
+        while not (parsed := self.fmt.parse(text, self.schemas)) and self.fmt.open in text:
             text = text[: text.rindex(self.fmt.open)]
         return parsed or []
 
