@@ -1644,6 +1644,22 @@ MUTANTS = (
         "a step that fails outside the per-request guards ends the engine's loop silently",
     ),
     Mutant(
+        "head-deadline-dropped",
+        "mlxlis/serve/http_protocol.py",
+        "                self.transport.close()\n",
+        "                pass\n",
+        ("tests/test_serve_hostile.py::test_a_connection_that_stalls_in_its_head_is_closed",),
+        "a connection that stalls in a request's head held forever",
+    ),
+    Mutant(
+        "unread-bound-dropped",
+        "mlxlis/generation/engine.py",
+        "        if self._sent - self._read > MAX_UNREAD:",
+        "        if False:",
+        ("tests/test_engine_guards.py::test_a_stream_nobody_reads_is_cancelled_at_its_bound",),
+        "a stream nobody reads holds its whole reply",
+    ),
+    Mutant(
         "disk-header-unsealed",
         "mlxlis/cache/sealed.py",
         'h.update(json.dumps(facts, sort_keys=True).encode() + b"\\0")',

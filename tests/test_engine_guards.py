@@ -125,3 +125,23 @@ def test_a_stream_whose_event_loop_closed_is_cancelled(padded):
         assert gone.cancelled.wait(30)
     finally:
         engine.shutdown()
+
+
+def test_a_stream_nobody_reads_is_cancelled_at_its_bound(padded):
+    """A client that stops reading held its whole reply as events in memory: past
+    MAX_UNREAD unread events its request is cancelled, and what the stream holds stays
+    within the bound (a stream read as it comes never comes near it: the first test's)."""
+    from mlxlis.generation.engine import MAX_UNREAD
+
+    model = padded
+    ids = trajectory(6, seed=7, vocab=model.tokenizer.vocab_size)
+    engine = Engine(model, max_active=2, prefix_cache_bytes=0)
+    try:
+        params = SamplingParams(max_tokens=MAX_UNREAD * 3)
+        unread = engine.submit(Request(ids, params, stop_ids=frozenset()))
+        assert unread.cancelled.wait(120)
+        events = list(unread)
+        assert events[-1].finish_reason == "cancelled"
+        assert MAX_UNREAD < len(events) < MAX_UNREAD + 8  # a step or two past the bound
+    finally:
+        engine.shutdown()

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
+import socket
+import time
 
 import ollama
 import openai
@@ -25,6 +27,7 @@ from serve_process import ServeProcess
 
 CONTEXT = 256
 PAD = 64
+HEAD_S = 1.0  # --head-timeout
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +46,8 @@ def server(tmp_path_factory):
         "--max-context",
         str(CONTEXT),
         "--strict-context",
+        "--head-timeout",
+        str(HEAD_S),
         "--chat-template",
         str(tmp / "t.jinja"),
     )
@@ -103,3 +108,42 @@ def test_ollama_images_to_a_model_that_does_not_see(server):
             stream=False,
         )
     assert e.value.status_code == 400 and "messages[0].images[0]" in e.value.error
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": " "}}]}, "tools[0].function.name"),
+        ({"kv_bits": 8, "kv_group_size": 0}, "kv_group_size"),
+    ],
+)
+def test_what_cannot_run_is_refused_by_its_field(server, change, param):
+    """A tool with no function (or no name) was rendered into the prompt or accepted under
+    tool_choice "required"; a KV group of 0 was read as unset (the default 64)."""
+    body = {"model": "padded", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    status, reply = server.request("POST", "/v1/chat/completions", {**body, **change})
+    assert status == 400 and reply["error"]["param"] == param, reply
+
+
+def test_a_connection_that_stalls_in_its_head_is_closed(server):
+    """A client that sends part of a request's head and waits (slowloris) was held forever:
+    now it is closed after --head-timeout; a connection whose requests come whole is served
+    and reused meanwhile, and the server serves new ones after."""
+    stalled = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(20)]
+    for s in stalled:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    alive = server.connect()
+    for _ in range(2):  # one connection, kept alive between its requests
+        alive.request("GET", "/health")
+        reply = alive.getresponse()
+        assert reply.status == 200 and reply.read()
+    alive.close()
+    time.sleep(HEAD_S * 3)
+    for s in stalled:
+        s.settimeout(5)
+        assert s.recv(1024) == b""  # closed by the server, nothing answered
+        s.close()
+    status, health = server.request("GET", "/health")
+    assert status == 200 and health["status"] == "ok"

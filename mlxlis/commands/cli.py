@@ -553,6 +553,15 @@ def serve_parser() -> argparse.ArgumentParser:
         "or reading a long prompt, so that clients and proxies do not time out (default 10)",
     )
     p.add_argument(
+        "--head-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds a connection has to send a request's line and headers (after it opens, "
+        "or after its previous response); a client that stalls there is disconnected "
+        "(default 30)",
+    )
+    p.add_argument(
         "--allow-image-urls",
         action="store_true",
         help="fetch the http(s) image URLs requests name (at most 20 MiB, 10 s each); by "
@@ -569,6 +578,7 @@ SERVE_BOUNDS = {
     "prefix_cache_mb": (0, 1 << 30),
     "responses_store_mb": (0, 1 << 20),
     "keepalive": (0.01, 3600),
+    "head_timeout": (0.1, 3600),
     "prefix_cache_disk_gb": (0.001, 1 << 20),
 }
 
@@ -620,6 +630,7 @@ def run_serve(argv: list[str]) -> int:
                 a.prefix_cache_disk_gb,
                 a.allow_image_urls,
                 a.strict_context,
+                a.head_timeout,
             ),
         )
 

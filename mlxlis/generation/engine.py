@@ -52,6 +52,10 @@ __all__ = [
 
 
 MAX_FAILED_ROUNDS = 3  # steps failing in a row before the engine stops (fatal)
+# events a stream may hold unread before its request is cancelled: a client that stops reading
+# (its socket's buffers full) held its whole reply in memory, ~17 MB for 4 000 tokens with 20
+# top logprobs; one that reads keeps a handful
+MAX_UNREAD = 1024
 _log = logging.getLogger("mlxlis.engine")
 
 
@@ -110,6 +114,7 @@ class Stream:
         self._sync: queue.Queue[Event] = queue.Queue()
         self._async: asyncio.Queue[Event] | None = asyncio.Queue() if loop else None
         self.cancelled = threading.Event()
+        self._sent = self._read = 0  # each written by one thread only: their difference unread
         # set when the core takes the request: its Usage (prompt and reused tokens) known
         # before its prompt is read, for an API that reports them at the start of a stream
         self.admitted: asyncio.Future[Usage] | None = loop.create_future() if loop else None
@@ -119,6 +124,9 @@ class Stream:
         self.cancelled.set()
 
     def _put(self, ev: Event) -> None:
+        self._sent += 1
+        if self._sent - self._read > MAX_UNREAD:  # nobody reads it: it ends (cancelled)
+            self.cancelled.set()
         if self._async is None:
             self._sync.put(ev)
             return
@@ -135,6 +143,7 @@ class Stream:
     def __iter__(self) -> Iterator[Event]:
         while True:
             ev = self._sync.get()
+            self._read += 1
             yield ev
             if ev.finish_reason is not None:
                 return
@@ -143,6 +152,7 @@ class Stream:
         assert self._async is not None, "submitted without an event loop: iterate it instead"
         while True:
             ev = await self._async.get()
+            self._read += 1
             yield ev
             if ev.finish_reason is not None:
                 return

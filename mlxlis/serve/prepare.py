@@ -93,7 +93,8 @@ def kv_choice(t: Target, req: _Sampling) -> KVChoice:
     kv: KVFormat | None = None
     try:
         if bits != 16:
-            kv = KVFormat(bits or own.bits, group or (own.group_size if own else 64))
+            fallback = own.group_size if own else 64  # 0 is a value (refused), not unset
+            kv = KVFormat(bits or own.bits, fallback if group is None else group)
         if kv != own and t.model.part is not None:
             raise MlxlisError("a pipelined model's caches keep its --kv-bits", field="kv_bits")
         t.model.check_kv(kv)
@@ -344,6 +345,18 @@ def tool_choice(
 ) -> tuple[list[dict[str, Any]], str | None]:
     """(the tools the template is given, the function a call must name): "auto" / "required"
     offer all; {"type": "function", "function": {"name": N}} offers N alone and forces it."""
+    for i, t in enumerate(tools):  # each dialect's tools arrive in Chat's shape
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise bad(
+                f'tools[{i}]: only {{"type": "function", "function": {{…}}}} tools run here',
+                f"tools[{i}]",
+            )
+        name = fn.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise bad(
+                f"tools[{i}].function.name: a function needs a name", f"tools[{i}].function.name"
+            )
     if choice in (None, "auto"):
         return tools, None
     if choice == "required":  # with one tool offered, it is that tool's call that is required

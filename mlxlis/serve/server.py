@@ -28,6 +28,7 @@ from mlxlis.models.footprint import Footprint, footprint
 from mlxlis.runtime import mlx_thread
 from mlxlis.runtime.memory import memory_budget, wire
 from mlxlis.serve.app import State, create_app, log
+from mlxlis.serve.http_protocol import HEAD_WAIT_S, with_deadline
 from mlxlis.serve.prepare import Target
 from mlxlis.serve.service import MAX_VISION_BODY_BYTES
 
@@ -58,6 +59,7 @@ class ServeOptions:
     prefix_cache_disk_gb: float = 10.0
     allow_image_urls: bool = False  # fetch requests' http(s) image URLs (serve/images.py)
     strict_context: bool = False  # prompt + max_tokens over the context: 400, not cut
+    head_timeout: float = HEAD_WAIT_S  # seconds a connection has to send a request's head
 
 
 class _Server(uvicorn.Server):
@@ -217,6 +219,7 @@ def serve(model: Any, opts: ServeOptions) -> int:
         access_log=opts.verbose,
         lifespan="off",
         timeout_graceful_shutdown=int(SHUTDOWN_WAIT_S),
+        http=with_deadline(opts.head_timeout),  # a request's head within it (http_protocol.py)
     )
     server = _Server(config, state)
 
