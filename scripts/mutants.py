@@ -59,6 +59,8 @@ Q4X_CACHE = (
     "tests/test_qwen4_exp.py::test_a_trimmed_verification_and_a_saved_cache_decode_on_exactly"
 )
 G3N_CACHE = "tests/test_gemma3n.py::test_cached_decode_and_batches_equal_the_full_forward"
+TOOL_CORPUS = "tests/test_tool_corpus.py"
+TOOL_FORCING = "tests/test_tool_forcing.py::test_a_forced_call_reads_back_and_validates"
 
 MUTANTS = (
     Mutant(
@@ -1756,6 +1758,71 @@ MUTANTS = (
         "            pass\n",
         ("tests/test_reasoning_corpus.py::test_template_reasoning_splits_exactly",),
         "reasoning styles: tags shown only by the generation prompt opening them (QwQ, R1) unseen",
+    ),
+    Mutant(
+        "tool-xml-integer-a-string",
+        "mlxlis/serve/tool_formats/values.py",
+        "        return True, int(word)\n",
+        "        return True, word\n",
+        (TOOL_CORPUS,),
+        "tool calls: an XML integer parameter left the string it was written as",
+    ),
+    Mutant(
+        "tool-second-call-dropped",
+        "mlxlis/serve/tools.py",
+        "                    new += [self._call(p) for p in parsed]\n",
+        "                    new += [self._call(p) for p in parsed[:1]]\n",
+        (TOOL_CORPUS,),
+        "tool calls: the second of two parallel calls in one block dropped",
+    ),
+    Mutant(
+        "tool-text-before-call-lost",
+        "mlxlis/serve/tools.py",
+        "            out += self._text(buf[:at])\n",
+        "            self._text(buf[:at])\n",
+        (TOOL_CORPUS,),
+        "tool calls: the text before a call lost",
+    ),
+    Mutant(
+        "tool-open-tag-not-held",
+        "mlxlis/serve/tools.py",
+        "                keep = partial_suffix(buf, op)\n",
+        "                keep = 0\n",
+        (TOOL_CORPUS,),
+        "tool calls: a call tag's start streamed out as text before the rest of the tag came",
+    ),
+    Mutant(
+        "tool-close-tag-not-held",
+        "mlxlis/serve/tools.py",
+        "                at = buf.find(cl) if cl is not None else -1\n",
+        "                at = buf.find(cl, len(buf) - len(text)) if cl is not None else -1\n",
+        (TOOL_CORPUS,),
+        "tool calls: a close tag split across pieces not held together (only the newest looked at)",
+    ),
+    Mutant(
+        "tool-grammar-required-optional",
+        "mlxlis/serve/tool_lark.py",
+        "        items = [(self.row(k, p, params), k in required) for k, p in props]\n",
+        "        items = [(self.row(k, p, params), False) for k, p in props]\n",
+        (TOOL_FORCING,),
+        "forced tool calls: an XML format's required parameters left optional",
+    ),
+    Mutant(
+        "tool-grammar-greedy-string",
+        "mlxlis/serve/tool_lark.py",
+        '        return self.rule(_join(quoted[0], value, quoted[1]), "[lazy]")\n',
+        "        return self.terminal(_join(quoted[0], value, quoted[1]))\n",
+        ("tests/test_tool_forcing.py::test_the_templates_own_calls_are_what_the_grammar_writes",),
+        "forced tool calls: a string value and its closing tag one greedy lexeme (llguidance "
+        "panics at the tag token after an unbounded one)",
+    ),
+    Mutant(
+        "grammar-specials-unchecked",
+        "mlxlis/generation/constraints.py",
+        "            elif not self.matcher.validate_tokens([int(token)]):\n",
+        "            elif False:\n",
+        (TOOL_FORCING,),
+        "grammar masks: the special tokens llguidance over-allows after an optional piece kept",
     ),
 )
 

@@ -18,6 +18,7 @@ the formats still unread, and why. A template of a family mlxlis runs or adds is
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -190,6 +191,20 @@ def _transformers_renders(text: str, messages: list) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=4)
+def _tools_for(template: ChatTemplate) -> list:
+    """TOOLS, or PLAIN_TOOLS for a template that renders no prompt with TOOLS."""
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    for tools in (TOOLS, PLAIN_TOOLS):
+        for switches in SWITCHES:
+            try:
+                _render(template, user, True, switches, tools)
+            except TemplateError:
+                continue
+            return tools
+    return TOOLS
+
+
 def reply_of(template: ChatTemplate, text: str, calls: list) -> tuple[str, str, list] | None:
     """(the generation prompt, what the model writes after it for this turn, the tools it
     was rendered with), or None when the template refuses the conversation. Thinking switches
@@ -199,7 +214,8 @@ def reply_of(template: ChatTemplate, text: str, calls: list) -> tuple[str, str, 
     reasoning open. Text arguments only where objects do not render (functionary v3.2)."""
     user = [{"role": "user", "content": "Weather in Paris?"}]
     rendered = []
-    for tools, as_text in ((TOOLS, False), (TOOLS, True), (PLAIN_TOOLS, False)):
+    tools = _tools_for(template)
+    for as_text in (False, True):
         message = _message(text, calls, as_text)
         for switches in SWITCHES:
             try:

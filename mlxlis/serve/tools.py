@@ -1,4 +1,4 @@
-"""Tool calls in a reply, in the form the model's template asks for (tool_formats.py).
+"""Tool calls in a reply, in the form the model's template asks for (tool_formats/).
 
 `ToolCallParser` takes the answer text as it streams and splits it into plain text and
 parsed calls, in OpenAI's shape. A call is held back from its opening tag to its closing one

@@ -199,6 +199,9 @@ _SOURCE_MARKERS: tuple[tuple[str, ToolFormat], ...] = (
     ("<｜tool▁call▁begin｜>' + tool['type']", t.DEEPSEEK_R1),  # the R1 distills' source
     ("<｜tool▁call▁begin｜>", t.DEEPSEEK_V31),
     ("<|tool_call_start|>", t.LFM2),
+    ("<|tool_list_start|>", t.LFM2),  # LFM2's templates that render no call
+    ("List of tools: [", t.LFM2),  # (LFM2.5 Instruct's)
+    ("<|tool_call|>", t.GRANITE),
     ("<TOOLCALL>", t.NEMOTRON_V2),
     ("<|START_ACTION|>", t.COHERE),
     ("<|tools_prefix|>", t.APERTUS),

@@ -109,6 +109,16 @@ MISTRAL = ToolFormat(  # v3 (Nemo): one list, each call with its id
     models="Mistral Nemo, Mistral v3",
 )
 
+GRANITE = ToolFormat(  # from its system prompt: its template renders no past call
+    "granite",
+    "<|tool_call|>",
+    None,
+    block="<|tool_call|>[{calls}]",
+    call=_HERMES_CALL,
+    sep=", ",
+    models="Granite 3.x",
+)
+
 # ---------------------------------------------------------------- a name, then a JSON object
 
 MISTRAL_ARGS = ToolFormat(
