@@ -111,3 +111,48 @@ def test_values_follow_the_schema():
 def test_the_probe_finds_the_format_a_template_renders(name, fmt):
     template = ChatTemplate("test", llama_cpp_reference(f"templates/{name}").read_text())
     assert template_format(template).name == fmt
+
+
+def test_past_calls_go_back_as_each_template_takes_them():
+    """A past call's arguments reach a template as an object (transformers' convention)
+    unless only text renders: of the corpus, functionary v3.2 alone concatenates them to its
+    text; message_dict hands it the JSON text and the others the object, and the turn renders
+    what the template renders for text arguments (transformers refuses objects there)."""
+    from mlxlis.serve.chat_messages import message_dict
+    from mlxlis.serve.schemas import ChatMessage
+    from mlxlis.serve.tool_formats import call_arguments
+
+    from test_tool_corpus import CORPUS
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    texts = {
+        p.name
+        for p in CORPUS.glob("*.jinja")
+        if call_arguments(ChatTemplate("c", p.read_text())) == "text"
+    }
+    assert texts == {"meetkai-functionary-medium-v3.2.jinja"}
+    source = (CORPUS / "meetkai-functionary-medium-v3.2.jinja").read_text()
+    args = '{"city": "Paris", "days": 3}'
+    msg = ChatMessage.model_validate(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}
+            ],
+        }
+    )
+
+    class Model:  # what message_dict reads of a model: its template
+        template = ChatTemplate("c", source)
+        vision = None
+
+    sent = message_dict(msg, 0, Model())
+    assert sent["tool_calls"][0]["function"]["arguments"] == args
+    assert message_dict(msg, 0)["tool_calls"][0]["function"]["arguments"] == json.loads(args)
+    user = {"role": "user", "content": "Weather?"}
+    ours = Model.template.render([user, sent], add_generation_prompt=False, bos_token="<s>")
+    theirs, _ = render_jinja_template(
+        [[user, {**sent, "content": ""}]], chat_template=source, bos_token="<s>"
+    )
+    assert ours == theirs[0] and ">>>f\n" + args in ours
