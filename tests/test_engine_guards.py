@@ -111,17 +111,30 @@ def test_a_failed_step_ends_its_requests_and_the_loop_goes_on(padded, monkeypatc
         engine.shutdown()
 
 
-def test_a_stream_whose_event_loop_closed_is_cancelled(padded):
+@pytest.mark.parametrize("when", ["before admission", "while decoding"])
+def test_a_stream_whose_event_loop_closed_is_cancelled(padded, when):
+    """A library caller's asyncio loop closed with its request unread: the request is
+    cancelled, and the request beside it (submitted in the same round) is served; before,
+    the closed loop's error ended the engine's round and lost the request waiting after it."""
+    import time
+
     model = padded
     ids = trajectory(6, seed=6, vocab=model.tokenizer.vocab_size)
     engine = Engine(model, max_active=2, prefix_cache_bytes=0)
     try:
         loop = asyncio.new_event_loop()
+        if when == "before admission":
+            loop.close()
         gone = engine.submit(Request(ids, SamplingParams(max_tokens=400)), loop)
-        loop.close()  # its owner went away without reading it
+        if when == "while decoding":
+            deadline = time.monotonic() + 30
+            while not gone.id and time.monotonic() < deadline:  # admitted: it decodes
+                time.sleep(0.01)
+            loop.close()  # its owner went away without reading it
         params = SamplingParams(max_tokens=8)
         served = list(engine.submit(Request(ids, params)))
         assert served[-1].finish_reason == "length"
+        assert [e.token for e in served if e.token] == alone(model, ids, params)
         assert gone.cancelled.wait(30)
     finally:
         engine.shutdown()

@@ -138,7 +138,10 @@ class Stream:
     def _admit(self, usage: Usage) -> None:
         fut = self.admitted
         if fut is not None:
-            self._loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(usage))
+            try:
+                self._loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(usage))
+            except RuntimeError:  # its event loop is closed: nobody reads it any more
+                self.cancelled.set()
 
     def __iter__(self) -> Iterator[Event]:
         while True:
@@ -281,8 +284,13 @@ class Engine:
             while self._queue and len(self._active) + len(waiting) < self.max_active:
                 waiting.append(self._queue.pop(0))
         try:
-            for req, stream in waiting:
-                self._admit(req, stream)
+            for req, stream in waiting:  # each admitted or ended: never lost between
+                try:
+                    self._admit(req, stream)
+                except PipelineError:
+                    raise
+                except Exception as e:  # noqa: BLE001 — it fails, not those after it
+                    stream._put(_ended("error", f"{type(e).__name__}: {e}"))
             for seq, stream in self._active:
                 if stream.cancelled.is_set():
                     seq.cancelled = True
