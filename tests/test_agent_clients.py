@@ -102,7 +102,6 @@ def test_claude_code_answers(bins, server, tmp_path):
         "DISABLE_TELEMETRY": "1",
         "DISABLE_AUTOUPDATER": "1",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "API_TIMEOUT_MS": str(RUN_S * 1000),  # a cold prefill outlasts its 10 minutes here
     }
     out = run_cli(
         server,
