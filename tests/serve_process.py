@@ -91,6 +91,13 @@ class ServeProcess:
         kw.setdefault("api_key", self.api_key or "unused")
         return openai.OpenAI(base_url=self.base_url, max_retries=0, timeout=120, **kw)
 
+    def anthropic_client(self, **kw: Any):
+        import anthropic
+
+        kw.setdefault("api_key", self.api_key or "unused")
+        url = f"http://127.0.0.1:{self.port}"
+        return anthropic.Anthropic(base_url=url, max_retries=0, timeout=120, **kw)
+
     def connect(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
 

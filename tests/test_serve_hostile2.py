@@ -51,8 +51,7 @@ def oai(tiny_server):
 
 @pytest.fixture(scope="module")
 def claude(tiny_server):
-    url = f"http://127.0.0.1:{tiny_server.port}"
-    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    return tiny_server.anthropic_client()
 
 
 @pytest.fixture(scope="module")

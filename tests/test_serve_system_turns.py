@@ -22,8 +22,7 @@ BRIEF_FRENCH = "Be brief.\n\nAnswer in French."
 
 @pytest.fixture(scope="module")
 def client(tiny_server):
-    url = f"http://127.0.0.1:{tiny_server.port}"
-    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    return tiny_server.anthropic_client()
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +77,7 @@ def test_system_turns_joined_where_the_template_takes_one_only(tiny, tmp_path):
     srv = ServeProcess(tmp_path, "-m", str(tmp_path / MODEL), "--chat-template", str(template))
     try:
         oai = srv.client()
-        url = f"http://127.0.0.1:{srv.port}"
-        client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        client = srv.anthropic_client()
         user: MessageParam = {"role": "user", "content": "Hello, world!"}
         late: SystemMessageParam = {"role": "system", "content": "Answer in French."}
         with pytest.raises(openai.BadRequestError, match="System message must be at the"):

@@ -8,7 +8,6 @@ text block, content or message item; the stop reason says the reply was cut.
 
 from __future__ import annotations
 
-import anthropic
 import pytest
 
 MODEL = "llama_long"
@@ -26,8 +25,7 @@ THREE_CALLS = "had by word but"
 
 @pytest.fixture(scope="module")
 def client(tiny_server):
-    url = f"http://127.0.0.1:{tiny_server.port}"
-    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    return tiny_server.anthropic_client()
 
 
 @pytest.fixture(scope="module")

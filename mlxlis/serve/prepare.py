@@ -145,6 +145,23 @@ def bound_context(
         ) from None
 
 
+def fit(
+    t: Target,
+    ids: list[int],
+    params: SamplingParams,
+    explicit: bool,
+    param: str,
+    max_field: str = "max_tokens",
+) -> tuple[SamplingParams, int | None]:
+    """`params` bounded by the context (an explicit max_tokens refused past it only under
+    --strict-context), and the max_tokens asked for when an explicit one was cut (logged)."""
+    fitted = bound_context(
+        ids, params, explicit and t.strict_context, t.max_context, param, max_field
+    )
+    cut = explicit and fitted.max_tokens < params.max_tokens
+    return fitted, params.max_tokens if cut else None
+
+
 def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
     model = t.model
     if not req.messages:
@@ -240,10 +257,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
             where,
             "context_length_exceeded",
         )
-    strict = explicit is not None and t.strict_context
-    fitted = bound_context(ids, params, strict, t.max_context, "messages", max_field)
-    asked = params.max_tokens if fitted.max_tokens < params.max_tokens and explicit else None
-    params = fitted
+    params, asked = fit(t, ids, params, explicit is not None, "messages", max_field)
     gen = Request(
         ids,
         params,
@@ -287,10 +301,7 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
         ids = list(prompt)
     if not ids:
         raise bad("prompt: empty", "prompt")
-    strict = req.max_tokens is not None and t.strict_context
-    fitted = bound_context(ids, params, strict, t.max_context, "prompt")
-    asked = params.max_tokens if fitted.max_tokens < params.max_tokens and req.max_tokens else None
-    params = fitted
+    params, asked = fit(t, ids, params, req.max_tokens is not None, "prompt")
     gen = Request(
         ids,
         params,
