@@ -34,6 +34,7 @@ from mlxlis.prompt.reasoning_styles import (
 )
 from mlxlis.prompt.template import END_OF_TURN_MARKERS, ChatTemplate
 from mlxlis.serve.tool_formats import template_format
+from mlxlis.serve.tool_formats.partial import streams
 from mlxlis.serve.tools import ToolCallParser, tool_schemas
 
 import pytest
@@ -41,6 +42,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from fetch_references import reference_dir  # noqa: E402
 from test_reasoning_corpus import FAMILIES  # noqa: E402
+from tool_pieces import check_pieces, joined  # noqa: E402
 
 CORPUS = reference_dir() / "templates"
 NAMES = sorted(p.name for p in CORPUS.glob("*.jinja")) or ["(corpus not fetched)"]
@@ -254,20 +256,41 @@ def cut_at_turn_end(reply: str) -> str:
 
 
 def read_back(template: ChatTemplate, head: str, reply: str, tools: list, piece: int):
-    """(content, reasoning, calls) as the server reads `reply`, streamed `piece` at a time."""
+    """(content, reasoning, calls) as the server reads `reply`, streamed `piece` at a time;
+    the calls' stream checked on the way (tool_pieces.py), and, in a format that streams,
+    each call with two arguments or more begun and its first argument sent before the reply
+    ended, in pieces of whole arguments."""
     splitter = ReasoningSplitter.for_prompt(None, head, template)
-    parser = ToolCallParser(frozenset(PARAMS), template_format(template), tool_schemas(tools))
-    content, reasoning, calls = "", "", []
+    fmt = template_format(template)
+    parser = ToolCallParser(frozenset(PARAMS), fmt, tool_schemas(tools))
+    content, reasoning, calls, pieces, early = "", "", [], [], set()
     chunks = [reply[i : i + piece] for i in range(0, len(reply), piece)]
-    segments = [s for c in chunks for s in splitter.feed(c)] + splitter.flush()
-    for kind, text in segments:
+    for chunk in chunks:
+        for kind, text in splitter.feed(chunk):
+            if kind == REASONING:
+                reasoning += text
+            elif kind == ANSWER:
+                shown, new = parser.feed(text)
+                content, calls = content + shown, calls + new
+        taken = parser.take_pieces()
+        early |= {p["index"] for p in taken if p["function"]["arguments"]}
+        pieces += taken
+    for kind, text in splitter.flush():
         if kind == REASONING:
             reasoning += text
         elif kind == ANSWER:
             shown, new = parser.feed(text)
             content, calls = content + shown, calls + new
     shown, new = parser.flush()
-    got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls + new]
+    calls += new
+    pieces += parser.take_pieces()
+    check_pieces(pieces, calls)
+    if streams(fmt) and piece < len(reply):
+        for i, c in enumerate(calls):
+            if len(json.loads(c["function"]["arguments"])) >= 2:
+                assert i in early, (fmt.name, i, pieces)
+                assert len(joined(pieces)[i]) >= 3, (fmt.name, i, pieces)
+    got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
     return (content + shown).strip(), reasoning.strip(), got
 
 

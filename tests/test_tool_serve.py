@@ -33,6 +33,7 @@ import jsonschema
 import pytest
 from conftest import llama_cpp_reference
 from serve_process import ServeProcess
+from tool_pieces import whole_prefix
 
 TEMPLATES = ("Qwen3.5-4B.jinja", "GLM-4.7-Flash.jinja")
 SCHEMA = {
@@ -80,12 +81,47 @@ def test_a_required_call_through_the_openai_client(server):
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
-    name, args = "", ""
+    name, args = "", []
     for chunk in client.chat.completions.create(**kw, stream=True):
         for delta in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
             name += delta.function.name or ""
-            args += delta.function.arguments or ""
-    assert name == "get_weather" and json.loads(args) == json.loads(call.function.arguments)
+            args += [delta.function.arguments] if delta.function.arguments else []
+    # the same greedy reply, its three arguments streamed one at a time: at least three
+    # deltas, each ending on a whole value, together the whole reply's arguments exactly
+    assert name == "get_weather" and "".join(args) == call.function.arguments
+    final = json.loads(call.function.arguments)
+    assert len(args) >= 3 and all(
+        whole_prefix("".join(args[: i + 1]), final) for i in range(len(args))
+    )
+
+
+def test_a_required_call_through_the_responses_api(server):
+    """Responses, streamed: the call's item opens, its arguments come in deltas of whole
+    arguments, and the done events and the completed response hold their concatenation,
+    the arguments of the same request unstreamed."""
+    client = server.client()
+    kw = dict(
+        model="llama_long",
+        input="Weather in Paris?",
+        tools=[{"type": "function", "name": "get_weather", "parameters": SCHEMA}],
+        tool_choice="required",
+        max_output_tokens=200,
+        temperature=0,
+        reasoning={"effort": "none"},  # the call is the answer, no reasoning before it
+    )
+    whole = client.responses.create(**kw)
+    (item,) = whole.output
+    jsonschema.validate(json.loads(item.arguments), SCHEMA)
+    deltas, done, completed = [], None, None
+    for ev in client.responses.create(**kw, stream=True):
+        if ev.type == "response.function_call_arguments.delta":
+            deltas.append(ev.delta)
+        elif ev.type == "response.function_call_arguments.done":
+            done = ev.arguments
+        elif ev.type == "response.completed":
+            completed = ev.response
+    assert len(deltas) >= 3 and "".join(deltas) == done == item.arguments
+    assert completed.output[0].arguments == item.arguments
 
 
 def test_a_required_call_through_the_anthropic_client(server):
@@ -104,8 +140,11 @@ def test_a_required_call_through_the_anthropic_client(server):
     assert [b.type for b in r.content] == ["tool_use"] and r.stop_reason == "tool_use"
     jsonschema.validate(r.content[0].input, SCHEMA)
     with client.messages.stream(**kw) as s:
+        parts = [e.delta.partial_json for e in s if e.type == "content_block_delta"]
         final = s.get_final_message()
-    assert final.content[0].input == r.content[0].input
+    # input_json_delta by whole arguments: three or more, each ending on a whole value
+    assert final.content[0].input == r.content[0].input and len(parts) >= 3
+    assert all(whole_prefix("".join(parts[: i + 1]), r.content[0].input) for i in range(len(parts)))
 
 
 @pytest.mark.parametrize("name", TEMPLATES)

@@ -58,7 +58,8 @@ def event(kind: str, data: dict[str, Any]) -> str:
 
 class Blocks:
     """The streamed content blocks: a delta of another kind closes the open block and opens
-    one of its own; each tool call is a block of its own, its input sent as one delta."""
+    one of its own; each tool call is a block of its own, its input sent argument by argument
+    as the call streams."""
 
     def __init__(self) -> None:
         self.index, self.open = -1, None
@@ -89,11 +90,14 @@ class Blocks:
             if self.open != "text":
                 out += self._start("text", {"type": "text", "text": ""})
             out.append(self._delta({"type": "text_delta", "text": d.content}))
-        for call in d.tool_calls:
-            block = tool_block(call)
-            out += self._start("tool_use", {**block, "input": {}})
-            partial = json.dumps(block["input"], ensure_ascii=False)
-            out.append(self._delta({"type": "input_json_delta", "partial_json": partial}))
+        for piece in d.call_pieces:  # a call's first piece opens its block (tools.py)
+            fn = piece["function"]
+            if "id" in piece:
+                block = {"type": "tool_use", "id": piece["id"], "name": fn["name"], "input": {}}
+                out += self._start("tool_use", block)
+            if fn["arguments"]:
+                delta = {"type": "input_json_delta", "partial_json": fn["arguments"]}
+                out.append(self._delta(delta))
         return out
 
 

@@ -25,11 +25,15 @@ from mlxlis.serve.tools import ToolCallParser
 class Delta:
     content: str = ""
     reasoning: str = ""
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # whole, as they end
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    # the calls as they stream (OpenAI's chunk shape: tools.ToolCallParser.take_pieces)
+    call_pieces: list[dict[str, Any]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning or self.tool_calls or self.logprobs)
+        return bool(
+            self.content or self.reasoning or self.tool_calls or self.logprobs or self.call_pieces
+        )
 
 
 def finish_reason(engine_reason: str, tool_calls: bool) -> str:
@@ -90,6 +94,8 @@ class ChatReply:
             text, calls = self.tools.flush(cut=ev.finish_reason == "length")
             d.content += text
             d.tool_calls += calls
+        if self.tools is not None:
+            d.call_pieces = self.tools.take_pieces()
         if self.want_logprobs and ev.token is not None and ev.logprob is not None:
             d.logprobs.append(chat_logprob(self.token_text, ev.token, ev.logprob, ev.top_logprobs))
         for i, call in enumerate(d.tool_calls, start=len(self.tool_calls)):
@@ -120,10 +126,10 @@ class ChatReply:
         out: dict[str, Any] = {}
         if d.reasoning:
             out["reasoning_content"] = d.reasoning
-        if d.content or not (d.reasoning or d.tool_calls):
+        if d.content or not (d.reasoning or d.call_pieces):
             out["content"] = d.content
-        if d.tool_calls:
-            out["tool_calls"] = d.tool_calls
+        if d.call_pieces:
+            out["tool_calls"] = d.call_pieces
         return out
 
 

@@ -282,7 +282,7 @@ def router(svc: Service, auth: list) -> APIRouter:
         conversation: list[Item],
         spaces: dict[str, tuple[str, str]],
     ) -> AsyncIterator[str]:
-        out, seq = Output(spaces), 0
+        out, seq = Output(spaces, streaming=True), 0
 
         def emit(ev: dict[str, Any]) -> str:
             nonlocal seq

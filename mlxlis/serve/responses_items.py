@@ -17,10 +17,15 @@ class Output:
     """The output items of one response, built from the reply's deltas: a delta of another
     kind ends the open item; `feed` gives the stream's events (without sequence numbers)."""
 
-    def __init__(self, spaces: dict[str, tuple[str, str]] | None = None) -> None:
+    def __init__(
+        self, spaces: dict[str, tuple[str, str]] | None = None, streaming: bool = False
+    ) -> None:
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
         self.spaces = spaces or {}  # a namespaced name offered -> (namespace, name)
+        # streamed: a call's item opens as it begins (its arguments follow as they come); else
+        # each call is an item once whole, and a call the reply was cut in is none
+        self.streaming = streaming
 
     def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         out = self.stop()
@@ -91,30 +96,39 @@ class Output:
             if kind == "message":
                 delta["logprobs"] = []
             out.append(delta)
-        for call in d.tool_calls:
-            fn = call["function"]
-            space, name = self.spaces.get(fn["name"], (None, fn["name"]))
-            item = {
-                "type": "function_call",
-                "id": new_id("fc").replace("-", "_"),
-                "call_id": call["id"],
-                "name": name,
-                "arguments": "",
-                "status": "in_progress",
-            }
-            if space is not None:
-                item["namespace"] = space
-            out += self._start(item)
-            item["arguments"] = fn["arguments"]
-            out.append(
-                {
-                    "type": "response.function_call_arguments.delta",
-                    "item_id": item["id"],
-                    "output_index": len(self.items) - 1,
-                    "delta": fn["arguments"],
+        pieces = d.call_pieces if self.streaming else [whole(c) for c in d.tool_calls]
+        for piece in pieces:  # a call's first piece opens its item (tools.py)
+            fn = piece["function"]
+            if "id" in piece:
+                space, name = self.spaces.get(fn["name"], (None, fn["name"]))
+                item = {
+                    "type": "function_call",
+                    "id": new_id("fc").replace("-", "_"),
+                    "call_id": piece["id"],
+                    "name": name,
+                    "arguments": "",
+                    "status": "in_progress",
                 }
-            )
+                if space is not None:
+                    item["namespace"] = space
+                out += self._start(item)
+            if fn["arguments"]:
+                assert self.open is not None  # pieces go on the call their first one opened
+                self.open["arguments"] += fn["arguments"]
+                out.append(
+                    {
+                        "type": "response.function_call_arguments.delta",
+                        "item_id": self.open["id"],
+                        "output_index": len(self.items) - 1,
+                        "delta": fn["arguments"],
+                    }
+                )
         return out
+
+
+def whole(call: dict[str, Any]) -> dict[str, Any]:
+    """A whole call as one piece of the stream's shape."""
+    return {"id": call["id"], "function": call["function"]}
 
 
 def _new_item(kind: str) -> dict[str, Any]:

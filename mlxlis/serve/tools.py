@@ -14,6 +14,11 @@ came, so its markup is no text the model meant to show; it is dropped (a possibl
 tag too), and the calls completed before the cut are kept (one whose closing tag alone was cut
 included); the finish reason tells the client. A bare-JSON reply is dropped so only while it
 can still be a call of an offered tool: a cut JSON answer stays the text it is.
+
+The calls also stream (`take_pieces`): a call begins once its name is whole and its arguments
+go out one whole argument at a time (tool_formats/partial.py), the rest when the call is read
+whole; a call of a tool not offered goes out whole. A call begun and then broken keeps what
+was sent (a warning says so) and its text is returned as above.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 
 from mlxlis.prompt.segments import partial_suffix
 from mlxlis.serve.tool_formats import HERMES, PY_END, PY_START, ParsedCall, ToolFormat, parse_json
+from mlxlis.serve.tool_formats.partial import read_open
 
 log = logging.getLogger("mlxlis.serve")
 LEADS = ("<|python_tag|>", PY_START)  # tags a bare-JSON call may start with (Llama 3.1, 4)
@@ -64,14 +70,68 @@ class ToolCallParser:
         self._json: str | None = None  # the reply so far, when it started with "{"
         self._started = False  # some answer text (not whitespace) was seen
         self._lead = ""  # the reply's start while it may still become a LEADS tag
+        self.pieces: list[dict[str, Any]] = []  # the stream's call deltas not yet taken
+        self._sent: list[list[str]] = []  # the open block's calls begun: [id, name, args sent]
+        self._held = False  # the open block's calls go out whole, when it closes
 
-    def _call(self, parsed: ParsedCall) -> dict[str, Any]:
-        name, args, _ = parsed  # ids are the server's to give (unique; the format's shape)
-        return {
-            "id": self.fmt.new_id(),
-            "type": "function",
-            "function": {"name": name, "arguments": args},
-        }
+    def take_pieces(self) -> list[dict[str, Any]]:
+        """The calls' stream since the last take, in OpenAI's chunk shape: a call's first
+        piece has its index, id and name, the next ones more of its arguments' JSON text,
+        whole arguments at a time (partial.py); all of a call's pieces come before the next
+        call's, and together its arguments are the call's `arguments`."""
+        out, self.pieces = self.pieces, []
+        return out
+
+    def _advance(self, body: str) -> None:
+        """Send what the open block's calls hold so far (`body`: the block's text)."""
+        if self._held:
+            return
+        for j, call in enumerate(read_open(self.fmt, body, self.schemas)):
+            index = len(self.calls) + j
+            if j == len(self._sent):
+                if self.names and call.name not in self.names:
+                    self._held = True  # not a tool offered: it goes out as it reads whole
+                    return
+                self._sent.append([self.fmt.new_id(), call.name, ""])
+                fn = {"name": call.name, "arguments": ""}
+                self.pieces.append(
+                    {"index": index, "id": self._sent[j][0], "type": "function", "function": fn}
+                )
+            sent, text = self._sent[j][2], call.text()
+            if len(text) > len(sent) and text.startswith(sent):
+                self.pieces.append({"index": index, "function": {"arguments": text[len(sent) :]}})
+                self._sent[j][2] = text
+
+    def _finish(self, parsed: list[ParsedCall], cut: bool = False) -> list[dict[str, Any]]:
+        """The calls of a block read whole (ids are the server's to give: unique, in the
+        format's shape); what their stream still lacks goes out."""
+        new = []
+        for j, (name, args, _) in enumerate(parsed):
+            index = len(self.calls) + j
+            if j < len(self._sent):
+                call_id, sent_name, sent = self._sent[j]
+                if sent_name != name or not args.startswith(sent):
+                    log.warning(
+                        "a %s tool call read whole differs from what streamed of it", self.fmt.name
+                    )
+                elif len(args) > len(sent):
+                    self.pieces.append(
+                        {"index": index, "function": {"arguments": args[len(sent) :]}}
+                    )
+            else:
+                call_id = self.fmt.new_id()
+                fn = {"name": name, "arguments": args}
+                self.pieces.append(
+                    {"index": index, "id": call_id, "type": "function", "function": fn}
+                )
+            new.append(
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            )
+        if len(self._sent) > len(parsed) and not cut:
+            log.warning("a %s tool call begun in the stream did not read whole", self.fmt.name)
+        self._sent, self._held = [], False
+        self.calls += new
+        return new
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """(plain text to show, calls completed by `text`)."""
@@ -100,11 +160,13 @@ class ToolCallParser:
                 at = buf.find(cl) if cl is not None else -1
                 if at < 0:
                     self._buf = buf
+                    self._advance(buf)
                     break
                 body, buf = buf[:at], buf[at + len(cl) :]
                 self._inside = False
                 parsed = self.fmt.parse(body, self.schemas)
                 if parsed is None:  # the model broke the format: what it wrote, as text
+                    self._finish([])
                     log.warning(
                         "a %s tool call did not parse; returned as text (%d characters)",
                         self.fmt.name,
@@ -113,7 +175,7 @@ class ToolCallParser:
                     out += self._text(op + body + cl)
                 else:
                     self._ws = ""
-                    new += [self._call(p) for p in parsed]
+                    new += self._finish(parsed)
                 continue
             at = buf.find(op)
             if at < 0:
@@ -123,7 +185,6 @@ class ToolCallParser:
                 break
             out += self._text(buf[:at])
             buf, self._inside = buf[at + len(op) :], True
-        self.calls += new
         return out, new
 
     def flush(self, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
@@ -144,12 +205,9 @@ class ToolCallParser:
             if parsed is None or any(p[0] not in self.names for p in parsed):
                 if cut and (whole := self._cut_json(reply)) is not None:
                     shown, parsed = whole
-                    new = [self._call(p) for p in parsed]
-                    self.calls += new
-                    return shown, new
+                    return shown, self._finish(parsed)
                 return reply, []
-            new = [self._call(p) for p in parsed]
-            self.calls += new
+            new = self._finish(parsed)
             body = reply.strip()  # Llama 4: the turn's text between its tags is content
             if body.startswith(PY_START) and PY_END in body:
                 inner, _, after = body[len(PY_START) :].partition(PY_END)
@@ -163,15 +221,12 @@ class ToolCallParser:
             if parsed is not None and (
                 self.fmt.close is None or all(p[0] in self.names for p in parsed)
             ):
-                new = [self._call(p) for p in parsed]
-                self.calls += new
                 self._ws = ""
-                return "", new
+                return "", self._finish(parsed)
             if cut:  # cut inside the call: the calls before it in its body, if any, are whole
-                new = [self._call(p) for p in self._before_cut(body)]
-                self.calls += new
                 self._ws = ""
-                return "", new
+                return "", self._finish(self._before_cut(body), cut=True)
+            self._finish([])
             self._buf = self.fmt.open + body
         held = (self.fmt.open if self._inside else "") + self._buf
         self._buf, self._inside = "", False

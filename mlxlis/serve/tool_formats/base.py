@@ -119,7 +119,7 @@ class ToolFormat:
     # ---------------------------------------------------------------- the compiled pieces
 
     @cached_property
-    def _parts(self) -> dict[str, Any]:
+    def parts(self) -> dict[str, Any]:
         head, tail = self.block.split("{calls}")
         call_head, call_tail = self.call.split("{args}")
         return {
@@ -152,7 +152,7 @@ class ToolFormat:
         return out
 
     @cached_property
-    def _object_keys(self) -> dict[str, str] | None:
+    def object_keys(self) -> dict[str, str] | None:
         """placeholder -> its key ("name" -> "name", "args" -> "arguments"; "keyed": the
         name is the key, the arguments its value)."""
         if self.object_layout is None:
@@ -177,7 +177,7 @@ class ToolFormat:
             return None
 
     def _read(self, text: str, schemas: Mapping[str, Any]) -> list[ParsedCall] | None:
-        p = self._parts
+        p = self.parts
         m = p["block_head"].match(text)
         if m is None:
             return None
@@ -201,10 +201,10 @@ class ToolFormat:
     def _read_call(
         self, text: str, pos: int, index: int, schemas: Mapping[str, Any]
     ) -> tuple[ParsedCall, int] | None:
-        keys = self._object_keys
+        keys = self.object_keys
         if keys is not None:
             return self._read_object(text, pos, keys)
-        p = self._parts
+        p = self.parts
         m = p["call_head"].match(text, pos)
         if m is None:
             return None
@@ -256,17 +256,23 @@ class ToolFormat:
             return codecs.read_gemma4(text, codecs.skip_ws(text, pos))
         if self.args == "python":
             return codecs.read_python(text, pos)
-        row = self._parts["row"]
-        out: dict[str, Any] = {}
+        out: list[tuple[str, Any]] = []
+        end = self.read_rows(text, pos, schema, out)
+        return dict(out), end
+
+    def read_rows(self, text: str, pos: int, schema: Any, out: list[tuple[str, Any]]) -> int:
+        """The whole argument rows at `pos` ("xml"), each (key, value) into `out`; where they
+        end. `schema`: the tool's parameters."""
+        row = self.parts["row"]
         while (m := row.match(text, pos)) is not None:
             found = m.groupdict()
             hint = "string" if found.get("string") == "true" else found.get("type")
             key = m.group("key")
             # DeepSeek's string="false": JSON, whatever the schema says
             prop = None if found.get("string") == "false" else property_schema(schema, key)
-            out[key] = read_value(m.group("value"), prop, schema, hint)
+            out.append((key, read_value(m.group("value"), prop, schema, hint)))
             pos = m.end()
-        return out, pos
+        return pos
 
     # ---------------------------------------------------------------- writing
 
