@@ -35,6 +35,7 @@ from mlxlis.serve.tool_formats.partial import read_open
 
 log = logging.getLogger("mlxlis.serve")
 LEADS = ("<|python_tag|>", PY_START)  # tags a bare-JSON call may start with (Llama 3.1, 4)
+ENDS = frozenset(",}>")  # where an open call's argument or the call may end (_advance)
 
 
 def tool_names(tools: list[dict[str, Any]]) -> frozenset[str]:
@@ -73,6 +74,7 @@ class ToolCallParser:
         self.pieces: list[dict[str, Any]] = []  # the stream's call deltas not yet taken
         self._sent: list[list[str]] = []  # the open block's calls begun: [id, name, args sent]
         self._held = False  # the open block's calls go out whole, when it closes
+        self._between = True  # no call of the open block is open: a name may begin any time
 
     def take_pieces(self) -> list[dict[str, Any]]:
         """The calls' stream since the last take, in OpenAI's chunk shape: a call's first
@@ -82,11 +84,16 @@ class ToolCallParser:
         out, self.pieces = self.pieces, []
         return out
 
-    def _advance(self, body: str) -> None:
-        """Send what the open block's calls hold so far (`body`: the block's text)."""
-        if self._held:
+    def _advance(self, body: str, new: str) -> None:
+        """Send what the open block's calls hold so far (`body`: the block's text, `new` its
+        last piece). Inside a call, an argument or the call ends only at one of ENDS (JSON's
+        "," and "}", a tag's ">"): without one the block is not read again (a long argument
+        would be read once a token); between calls a name may end anywhere."""
+        if self._held or not (self._between or any(c in new for c in ENDS)):
             return
-        for j, call in enumerate(read_open(self.fmt, body, self.schemas)):
+        calls = read_open(self.fmt, body, self.schemas)
+        self._between = not calls or calls[-1].done
+        for j, call in enumerate(calls):
             index = len(self.calls) + j
             if j == len(self._sent):
                 if self.names and call.name not in self.names:
@@ -129,7 +136,7 @@ class ToolCallParser:
             )
         if len(self._sent) > len(parsed) and not cut:
             log.warning("a %s tool call begun in the stream did not read whole", self.fmt.name)
-        self._sent, self._held = [], False
+        self._sent, self._held, self._between = [], False, True
         self.calls += new
         return new
 
@@ -160,7 +167,7 @@ class ToolCallParser:
                 at = buf.find(cl) if cl is not None else -1
                 if at < 0:
                     self._buf = buf
-                    self._advance(buf)
+                    self._advance(buf, text)
                     break
                 body, buf = buf[:at], buf[at + len(cl) :]
                 self._inside = False

@@ -129,6 +129,7 @@ class ToolFormat:
             "call_head": re.compile(_pattern(call_head)),
             "call_tail": re.compile(_pattern(call_tail)),
             "row": _row_pattern(self.arg) if self.args == "xml" else None,
+            "row_closer": (self.arg.split("{value}")[-1].split() or [""])[0],
         }
 
     @cached_property
@@ -263,8 +264,10 @@ class ToolFormat:
     def read_rows(self, text: str, pos: int, schema: Any, out: list[tuple[str, Any]]) -> int:
         """The whole argument rows at `pos` ("xml"), each (key, value) into `out`; where they
         end. `schema`: the tool's parameters."""
-        row = self.parts["row"]
-        while (m := row.match(text, pos)) is not None:
+        row, closer = self.parts["row"], self.parts["row_closer"]
+        # a row ends with its closing tag: no need to try one that has not come (a long
+        # value streaming in would be scanned again at each piece)
+        while text.find(closer, pos) >= 0 and (m := row.match(text, pos)) is not None:
             found = m.groupdict()
             hint = "string" if found.get("string") == "true" else found.get("type")
             key = m.group("key")
