@@ -55,6 +55,8 @@ a hostile file causes is linear in the bytes actually read, which are themselves
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 GGUF_MAX_TENSORS = 1 << 20
 GGUF_MAX_KV = 1 << 16
 GGUF_MAX_KEY_BYTES = 1 << 16
@@ -89,7 +91,8 @@ MANIFEST_MAX_STRING = 4096
 MANIFEST_MAX_BINDINGS = 1 << 20
 MANIFEST_MAX_SOURCES = 64
 
-# ModelConfig field -> its bound, for every size a model file states
+# ModelConfig field -> its bound, for the sizes the shared blocks read; a family bounds its
+# own keys (its module's BOUNDS, passed to check_sizes)
 SIZE_BOUNDS = {
     "num_hidden_layers": CONFIG_MAX_LAYERS,
     "hidden_size": CONFIG_MAX_DIM,
@@ -106,7 +109,6 @@ SIZE_BOUNDS = {
     "decoder_sparse_step": CONFIG_MAX_LAYERS,
     "no_rope_layer_interval": CONFIG_MAX_LAYERS,
     "attention_chunk_size": CONFIG_MAX_CONTEXT,
-    "floor_scale": CONFIG_MAX_CONTEXT,
     "shared_expert_intermediate_size": CONFIG_MAX_DIM,
     "linear_num_key_heads": CONFIG_MAX_DIM,
     "linear_num_value_heads": CONFIG_MAX_DIM,
@@ -114,43 +116,20 @@ SIZE_BOUNDS = {
     "linear_value_head_dim": CONFIG_MAX_DIM,
     "linear_conv_kernel_dim": CONFIG_MAX_DIM,
     "rotary_dim": CONFIG_MAX_DIM,
-    # Gemma 4
-    "global_head_dim": CONFIG_MAX_DIM,
-    "num_global_key_value_heads": CONFIG_MAX_DIM,
-    "hidden_size_per_layer_input": CONFIG_MAX_DIM,
-    "vocab_size_per_layer_input": CONFIG_MAX_VOCAB,
-    "num_kv_shared_layers": CONFIG_MAX_LAYERS,
-    # Gemma 3n: its residual streams (the active one's index), the LAuReL rank
-    "altup_num_inputs": 64,
-    "altup_active_idx": 64,
-    "laurel_rank": CONFIG_MAX_DIM,
-    # Qwen4-Exp: hyper-connection streams and rank, the n-gram embeddings, the QSA indexer
-    "hc_count": 64,
-    "hc_lowrank": CONFIG_MAX_DIM,
-    "ple_embed_dim": CONFIG_MAX_DIM,
-    "ple_conv_kernel_size": 64,
-    "ngram_size": 16,
-    "heads_per_ngram": 256,
-    "ngram_vocab_size_base": 1 << 31,  # the primes from it are found by trial division
-    "make_ngram_vocab_size_divisible_by": 1 << 20,
-    "split_ngram_parts": 1 << 20,
-    "indexer_n_heads": CONFIG_MAX_DIM,
-    "indexer_kv_heads": 1,
-    "indexer_head_dim": CONFIG_MAX_DIM,
-    "indexer_budget": CONFIG_MAX_CONTEXT,
-    "indexer_compress_ratio": CONFIG_MAX_CONTEXT,
 }
 
 
-def check_sizes(sizes: dict[str, tuple[str, object]], path: str) -> dict[str, int]:
-    """Each `field: (key in the file, value)` must be an integer in 1..its bound (a float with
-    an integral value counts); returns `field: int`, else raises a ConfigError naming the file
-    and the key as the file spells it."""
+def check_sizes(
+    sizes: dict[str, tuple[str, object]], path: str, bounds: Mapping[str, int] | None = None
+) -> dict[str, int]:
+    """Each `field: (key in the file, value)` must be an integer in 1..its bound (SIZE_BOUNDS,
+    or the family's own `bounds`; a float with an integral value counts); returns
+    `field: int`, else raises a ConfigError naming the file and the key as the file spells it."""
     from mlxlis.errors import ConfigError
 
     out: dict[str, int] = {}
     for name, (key, value) in sizes.items():
-        bound = SIZE_BOUNDS[name]
+        bound = bounds[name] if bounds is not None and name in bounds else SIZE_BOUNDS[name]
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= bound:

@@ -21,22 +21,34 @@ those two models, and a population standard deviation in the sparse gate as tran
 
 from __future__ import annotations
 
+import functools
 import math
 from statistics import NormalDist
 from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.limits import check_sizes
+from mlxlis.limits import CONFIG_MAX_DIM, check_sizes
 from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig, RopeConfig
 from mlxlis.models.gemma3n_net import AltUpStructure, Gemma3n
-from mlxlis.models.gemma4 import _int, kv_sources
+from mlxlis.models.gemma4 import int_key, kv_sources
+from mlxlis.models.gemma4_gguf import BOUNDS as GEMMA4_BOUNDS
 from mlxlis.models.gemma4_gguf import GGUF_BLOCK as GEMMA4_BLOCK
 from mlxlis.models.gemma4_gguf import GGUF_TOP as GEMMA4_TOP
-from mlxlis.models.gemma4_gguf import _per_layer, layer_types, unused_kv
+from mlxlis.models.gemma4_gguf import layer_types, per_layer, unused_kv
 from mlxlis.models.gemma4_net import FULL, PLAIN_ACTS, SLIDING, STRUCTURE
 
 import numpy as np
+
+# its own sizes beside Gemma 4's (limits.check_sizes): the residual streams (the active
+# one's index) and the LAuReL rank
+BOUNDS = {
+    **GEMMA4_BOUNDS,
+    "altup_num_inputs": 64,
+    "altup_active_idx": 64,
+    "laurel_rank": CONFIG_MAX_DIM,
+}
+_int = functools.partial(int_key, bounds=BOUNDS)
 
 HF_DEFAULTS = {  # transformers' Gemma3nTextConfig, for the keys the shared parser reads
     "vocab_size": 262400,
@@ -261,10 +273,11 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
             "laurel_rank": ("blk.0.laurel_l.weight", rank),
         },
         path,
+        BOUNDS,
     )
     window = m.get("attention.sliding_window")
     check_sizes({"sliding_window": (m.key("attention.sliding_window"), window)}, path)
-    ffn = _per_layer(m, "feed_forward_length", n, "intermediate_size")
+    ffn = per_layer(m, "feed_forward_length", n, "intermediate_size")
     structure = _structure(
         base,
         kv_source=_gguf_sources(types, shared, m),

@@ -24,6 +24,7 @@ layer type, and `convert` of a GGUF (its RoPE is in rope_freqs values, not in co
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
@@ -52,10 +53,18 @@ ROPE_DEFAULTS = {  # transformers' Gemma4TextConfig when rope_parameters is abse
 }
 
 
-def _int(
-    cfg: dict, key: str, default: Any, path: str, low: int = 1, size: str = "", fld: str = ""
+def int_key(
+    cfg: dict,
+    key: str,
+    default: Any,
+    path: str,
+    low: int = 1,
+    size: str = "",
+    fld: str = "",
+    bounds: Mapping[str, int] = gemma4_gguf.BOUNDS,
 ) -> int:
-    """An integer ≥ low from `cfg` (default when absent or null), bounded as SIZE_BOUNDS[size]."""
+    """An integer ≥ low from `cfg` (default when absent or null), bounded as
+    limits.SIZE_BOUNDS or `bounds` bound `size` (`key` by default)."""
     v = cfg.get(key, default)
     v = default if v is None else v
     if isinstance(v, float) and v.is_integer():
@@ -64,7 +73,7 @@ def _int(
         raise ConfigError(
             f"expected an integer ≥ {low}, got {v!r}"[:200], path=path, field=fld or key
         )
-    return check_sizes({size or key: (fld or key, v)}, path)[size or key] if v else v
+    return check_sizes({size or key: (fld or key, v)}, path, bounds)[size or key] if v else v
 
 
 def _layer_types(cfg: dict, n: int, path: str) -> tuple[str, ...]:
@@ -90,10 +99,10 @@ def _full_shape(
     """(sliding head_dim, sliding KV heads, full head_dim, full KV heads)."""
     plc = cfg.get("per_layer_config")
     if plc is None:  # the hub's keys; transformers: global KV heads only with attention_k_eq_v
-        hd = _int(cfg, "global_head_dim", 512, path)
+        hd = int_key(cfg, "global_head_dim", 512, path)
         kv = base.num_key_value_heads
         if cfg.get("attention_k_eq_v"):
-            kv = _int(cfg, "num_global_key_value_heads", kv, path)
+            kv = int_key(cfg, "num_global_key_value_heads", kv, path)
         shape, fld = (base.head_dim, base.num_key_value_heads, hd, kv), "num_global_key_value_heads"
     else:
         if not isinstance(plc, dict):
@@ -119,8 +128,8 @@ def _full_shape(
             sub = f"per_layer_config.{i}"
             per[t].add(
                 (
-                    _int(v, "head_dim", base.head_dim, path, fld=f"{sub}.head_dim"),
-                    _int(
+                    int_key(v, "head_dim", base.head_dim, path, fld=f"{sub}.head_dim"),
+                    int_key(
                         v,
                         "num_key_value_heads",
                         base.num_key_value_heads,
@@ -218,7 +227,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     local, local_rot, local_factor = (
         _rope(params, SLIDING, head, path) if SLIDING in types else (rope, None, 1.0)
     )
-    shared = _int(cfg, "num_kv_shared_layers", 0, path, low=0)
+    shared = int_key(cfg, "num_kv_shared_layers", 0, path, low=0)
     if shared >= n:
         raise ConfigError(
             f"{shared} of {n} layers cannot all share K/V", path=path, field="num_kv_shared_layers"
@@ -228,12 +237,12 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     sizes = tuple(
         base.intermediate_size * (2 if double and src != i else 1) for i, src in enumerate(source)
     )
-    ple = _int(cfg, "hidden_size_per_layer_input", 256, path, low=0)
+    ple = int_key(cfg, "hidden_size_per_layer_input", 256, path, low=0)
     moe: dict[str, Any] = {}
     if cfg.get("enable_moe_block"):
         e, k = (
-            _int(cfg, "num_experts", None, path),
-            _int(cfg, "top_k_experts", None, path, size="num_experts_per_tok"),
+            int_key(cfg, "num_experts", None, path),
+            int_key(cfg, "top_k_experts", None, path, size="num_experts_per_tok"),
         )
         if k > e:
             raise ConfigError(f"{k} experts per token of {e}", path=path, field="top_k_experts")
@@ -241,10 +250,10 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
             num_experts=e,
             num_experts_per_tok=k,
             norm_topk_prob=True,
-            moe_intermediate_size=_int(cfg, "moe_intermediate_size", None, path),
+            moe_intermediate_size=int_key(cfg, "moe_intermediate_size", None, path),
             sparse_layers=(True,) * n,
         )
-    window = _int(cfg, "sliding_window", 512, path)
+    window = int_key(cfg, "sliding_window", 512, path)
     softcap = cfg.get("final_logit_softcapping")
     if softcap is not None and (
         isinstance(softcap, bool)
@@ -269,7 +278,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         full_rope_factor=full_factor,
         local_rope_factor=local_factor,
         per_layer_dim=ple,
-        per_layer_vocab=_int(cfg, "vocab_size_per_layer_input", 262144, path) if ple else 0,
+        per_layer_vocab=int_key(cfg, "vocab_size_per_layer_input", 262144, path) if ple else 0,
         bidirectional=bidirectional,
     )
     return base.with_(

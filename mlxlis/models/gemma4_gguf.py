@@ -17,15 +17,25 @@ from dataclasses import replace
 from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.limits import check_sizes
+from mlxlis.limits import CONFIG_MAX_DIM, CONFIG_MAX_LAYERS, CONFIG_MAX_VOCAB, check_sizes
 from mlxlis.models.base import GGUF_LLAMA_BLOCK, GGUFMeta
 from mlxlis.models.config import ModelConfig, RopeConfig
 from mlxlis.models.gemma4_net import FULL, SLIDING, STRUCTURE, Structure
 
 import numpy as np
 
+# Gemma 4's own sizes, bounded as limits.SIZE_BOUNDS bounds the shared ones (config.json and
+# GGUF alike; Gemma 3n reads the per-layer inputs' too)
+BOUNDS = {
+    "global_head_dim": CONFIG_MAX_DIM,
+    "num_global_key_value_heads": CONFIG_MAX_DIM,
+    "hidden_size_per_layer_input": CONFIG_MAX_DIM,
+    "vocab_size_per_layer_input": CONFIG_MAX_VOCAB,
+    "num_kv_shared_layers": CONFIG_MAX_LAYERS,
+}
 
-def _per_layer(m: GGUFMeta, name: str, n: int, size: str) -> tuple[int, ...]:
+
+def per_layer(m: GGUFMeta, name: str, n: int, size: str) -> tuple[int, ...]:
     """A key llama.cpp reads as one value or one per layer (get_key_or_arr)."""
     v = m.md.get(m.key(name))
     if isinstance(v, np.ndarray):
@@ -37,7 +47,7 @@ def _per_layer(m: GGUFMeta, name: str, n: int, size: str) -> tuple[int, ...]:
     else:
         vals = (m.get(name),) * n
     for x in set(vals):
-        check_sizes({size: (m.key(name), x)}, m.path)
+        check_sizes({size: (m.key(name), x)}, m.path, BOUNDS)
     return vals
 
 
@@ -76,7 +86,7 @@ def layer_types(m: GGUFMeta, n: int) -> tuple[str, ...]:
 def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     n, path, shapes = base.num_hidden_layers, m.path, m.shapes
     types = layer_types(m, n)
-    kv = _per_layer(m, "attention.head_count_kv", n, "num_key_value_heads")
+    kv = per_layer(m, "attention.head_count_kv", n, "num_key_value_heads")
     kv_s, kv_f = (_per_type(kv, types, t, m, "attention.head_count_kv") for t in (SLIDING, FULL))
     for h in (kv_s, kv_f):
         if base.num_attention_heads % h:
@@ -86,7 +96,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
                 field=m.key("attention.head_count_kv"),
             )
     head_f, head_s = base.head_dim, m.get("attention.key_length_swa")  # llama.cpp requires it
-    check_sizes({"head_dim": (m.key("attention.key_length_swa"), head_s)}, path)
+    check_sizes({"head_dim": (m.key("attention.key_length_swa"), head_s)}, path, BOUNDS)
     for key, want in (("attention.value_length", head_f), ("attention.value_length_swa", head_s)):
         if m.get(key, want) != want:  # llama.cpp: "Gemma 4 requires n_embd_head_k == _v"
             raise UnsupportedError(
@@ -143,6 +153,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
                 "vocab_size_per_layer_input": ("per_layer_token_embd.weight", ple_vocab),
             },
             path,
+            BOUNDS,
         )
     sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in shapes for i in range(n))
     fused = {f"blk.{i}.ffn_gate_up_exps.weight" in shapes for i in range(n) if sparse[i]}
@@ -167,8 +178,8 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
             )
         moe = dict(size, norm_topk_prob=True, sparse_layers=sparse)
     window = m.get("attention.sliding_window")
-    check_sizes({"sliding_window": (m.key("attention.sliding_window"), window)}, path)
-    ffn = _per_layer(m, "feed_forward_length", n, "intermediate_size")
+    check_sizes({"sliding_window": (m.key("attention.sliding_window"), window)}, path, BOUNDS)
+    ffn = per_layer(m, "feed_forward_length", n, "intermediate_size")
     structure = Structure(
         global_head_dim=head_f,
         global_kv_heads=kv_f,

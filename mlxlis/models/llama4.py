@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.limits import check_sizes
+from mlxlis.limits import CONFIG_MAX_CONTEXT, check_sizes
 from mlxlis.models.base import GGUF_LLAMA_BLOCK, Family, GGUFMeta
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.decoder import Decoder
@@ -46,6 +46,7 @@ SIZES = {  # our field: (its config.json key, transformers' Llama4TextConfig def
     "no_rope_layer_interval": ("no_rope_layer_interval", 4),
     "floor_scale": ("floor_scale", 8192),
 }
+BOUNDS = {"floor_scale": CONFIG_MAX_CONTEXT}  # its own sizes' bounds (limits.check_sizes)
 CHUNK_DEFAULT = 8192
 ATTN_SCALE_DEFAULT = 0.1
 # llama.cpp's llama4 graph: constants it sets rather than reads (llama_model_llama4 hparams)
@@ -67,7 +68,7 @@ def _layers(cfg: dict, key: str, path: str) -> list[int] | None:
 
 def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     n = base.num_hidden_layers
-    size = expert_sizes({f: (k, cfg.get(k, v)) for f, (k, v) in SIZES.items()}, path)
+    size = expert_sizes({f: (k, cfg.get(k, v)) for f, (k, v) in SIZES.items()}, path, BOUNDS)
     moe = _layers(cfg, "moe_layers", path)
     if moe is None:
         step = size["decoder_sparse_step"]

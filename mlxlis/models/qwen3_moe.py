@@ -28,8 +28,10 @@ HF_DEFAULTS = {
 }
 
 
-def expert_sizes(sizes: dict[str, tuple[str, Any]], path: str) -> dict[str, int]:
-    size = check_sizes(sizes, path)
+def expert_sizes(
+    sizes: dict[str, tuple[str, Any]], path: str, bounds: dict[str, int] | None = None
+) -> dict[str, int]:
+    size = check_sizes(sizes, path, bounds)
     if size["num_experts_per_tok"] > size["num_experts"]:
         key = sizes["num_experts_per_tok"][0]
         raise ConfigError(

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlxlis.errors import ConfigError
-from mlxlis.limits import check_sizes
+from mlxlis.limits import CONFIG_MAX_CONTEXT, CONFIG_MAX_DIM, check_sizes
 from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.qwen3_5 import _export, _hf_parser
@@ -33,6 +33,24 @@ from mlxlis.models.qwen4_exp_parts import Qwen4ExpStructure
 
 import mlx.core as mx
 
+# its own sizes (limits.check_sizes): hyper-connection streams and rank, the n-gram
+# embeddings, the QSA indexer
+BOUNDS = {
+    "hc_count": 64,
+    "hc_lowrank": CONFIG_MAX_DIM,
+    "ple_embed_dim": CONFIG_MAX_DIM,
+    "ple_conv_kernel_size": 64,
+    "ngram_size": 16,
+    "heads_per_ngram": 256,
+    "ngram_vocab_size_base": 1 << 31,  # the primes from it are found by trial division
+    "make_ngram_vocab_size_divisible_by": 1 << 20,
+    "split_ngram_parts": 1 << 20,
+    "indexer_n_heads": CONFIG_MAX_DIM,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": CONFIG_MAX_DIM,
+    "indexer_budget": CONFIG_MAX_CONTEXT,
+    "indexer_compress_ratio": CONFIG_MAX_CONTEXT,
+}
 HF_DEFAULTS = {  # transformers' Qwen4ExpTextConfig, for the keys the shared parser reads
     "vocab_size": 248320,
     "hidden_size": 2048,
@@ -76,7 +94,7 @@ def _own(cfg: dict, base: ModelConfig, path: str) -> Qwen4ExpStructure:
             field=missing[0],
         )
     size = check_sizes(
-        {k: (k, v) for k, v in {**sizes, **{k: cfg[k] for k in INDEXER}}.items()}, path
+        {k: (k, v) for k, v in {**sizes, **{k: cfg[k] for k in INDEXER}}.items()}, path, BOUNDS
     )
     if size["hc_count"] < 2:
         raise ConfigError("Qwen4-Exp needs 2 or more streams", path=path, field="hc_count")
