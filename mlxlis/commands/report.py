@@ -31,6 +31,7 @@ The JSON shape (`schema` 1) is stable: keys are only ever added, never renamed o
                 "hyper_connections": null},        # Qwen4-Exp: {"count", "rank",
                                                    #   "ple_layers", "ngram_size", "qsa":
                                                    #   {"budget", "block", "heads"}}
+                                                   # (a family's own keys: its Description)
      "weights": {"arrays": 272, "bytes": 538000000},  # as held in memory after loading
      "stop_ids": [2],
      "memory": {"kv_format": "dense",               # or e.g. "8-bit (groups of 64)" (--kv-bits)
@@ -46,9 +47,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlxlis.models import REGISTRY, family
 from mlxlis.models.footprint import footprint, weight_arrays
 from mlxlis.models.model import Model
-from mlxlis.models.qwen4_exp_parts import Qwen4ExpStructure
 from mlxlis.runtime.memory import memory_budget
 
 SCHEMA = 1
@@ -107,8 +108,9 @@ def model_report(model: Model) -> dict[str, Any]:
             }
             if c.num_experts
             else None,
-            "streams": _streams(c),
-            "hyper_connections": _hyper(c),
+            # the families' own keys (models/*_describe.py), null but for the model's
+            **{k: None for f in REGISTRY.values() for k in f.describe.keys},
+            **family(c.family).describe.config(c),
         },
         "weights": {"arrays": len(seen), "bytes": sum(seen.values())},
         "stop_ids": sorted(model.stop_ids()),
@@ -168,8 +170,7 @@ def format_report(r: dict[str, Any]) -> str:
             + (", a sink logit each" if c.get("attention_sinks") else ""),
         ),
         *_experts_row(c.get("experts")),
-        *_streams_row(c.get("streams")),
-        *_hyper_row(c.get("hyper_connections")),
+        *family(r["family"]).describe.rows(c),
         ("vocab", str(c["vocab_size"])),
         ("context", f"{c['context_length']}{window}"),
         ("rope", rope_text),
@@ -178,61 +179,6 @@ def format_report(r: dict[str, Any]) -> str:
         *_memory_row(r.get("memory")),
     ]
     return "\n".join(f"{k:>9}: {v}" for k, v in rows)
-
-
-def _streams(c: Any) -> dict[str, Any] | None:
-    """Gemma 3n's AltUp residual streams, LAuReL rank and sparse MLP gates."""
-    s = c.family_config
-    if not hasattr(s, "altup_num_inputs"):
-        return None
-    return {
-        "count": s.altup_num_inputs,
-        "active": s.altup_active_idx,
-        "laurel_rank": s.laurel_rank,
-        "sparse_gate_layers": [i for i, x in enumerate(s.sparsity_std) if x is not None],
-    }
-
-
-def _streams_row(s: dict[str, Any] | None) -> list[tuple[str, str]]:
-    if not s:
-        return []
-    sparse = s["sparse_gate_layers"]
-    text = (
-        f"{s['count']} AltUp streams (stream {s['active']} active), LAuReL rank {s['laurel_rank']}"
-    )
-    if sparse:
-        text += f", sparse MLP gates in {len(sparse)} layers ({', '.join(map(str, sparse))})"
-    return [("residual", text)]
-
-
-def _hyper(c: Any) -> dict[str, Any] | None:
-    """Qwen4-Exp's residual streams, its n-gram embedding layers and its QSA budget."""
-    s = c.family_config
-    if not isinstance(s, Qwen4ExpStructure):
-        return None
-    return {
-        "count": s.hc_count,
-        "rank": s.hc_lowrank,
-        "ple_layers": list(s.ple_layers),
-        "ngram_size": s.ngram_size,
-        "qsa": {
-            "budget": s.indexer_budget,
-            "block": s.indexer_compress_ratio,
-            "heads": s.indexer_n_heads,
-        },
-    }
-
-
-def _hyper_row(h: dict[str, Any] | None) -> list[tuple[str, str]]:
-    if not h:
-        return []
-    text = f"{h['count']} hyper-connection streams (mix rank {h['rank']})"
-    if h["ple_layers"]:
-        layers = ", ".join(map(str, h["ple_layers"]))
-        text += f", 2..{h['ngram_size']}-gram embeddings in layers {layers}"
-    q = h["qsa"]
-    qsa = f"the best {q['budget']} tokens in blocks of {q['block']} ({q['heads']} index heads)"
-    return [("residual", text), ("attention", qsa + " plus the query's own block")]
 
 
 def _memory_row(m: dict[str, Any] | None) -> list[tuple[str, str]]:

@@ -44,6 +44,25 @@ GGUF_LLAMA_BLOCK = {
 }
 
 
+def _no_keys(cfg: ModelConfig) -> dict[str, Any]:
+    return {}
+
+
+def _no_rows(config: dict[str, Any]) -> list[tuple[str, str]]:
+    return []
+
+
+@dataclass(frozen=True)
+class Description:
+    """What `mlxlis inspect` says of a family beyond the shared keys: its own keys under the
+    report's "config" (`keys`, null for every other family: the report's shape is one for
+    all), their values for a config, and the text rows that say them (from the report)."""
+
+    keys: tuple[str, ...] = ()
+    config: Callable[[ModelConfig], dict[str, Any]] = _no_keys
+    rows: Callable[[dict[str, Any]], list[tuple[str, str]]] = _no_rows
+
+
 @dataclass(frozen=True)
 class Family:
     """Everything about one model family, as data and small functions."""
@@ -108,6 +127,7 @@ class Family:
     # their names, and (cfg, {name: values}) -> cfg once they are read
     gguf_config_tensors: tuple[str, ...] = ()
     gguf_tensor_config: Callable[[ModelConfig, dict[str, mx.array]], ModelConfig] | None = None
+    describe: Description = Description()  # its own part of `inspect`
 
     def gguf_module_name(self, gguf_name: str) -> str | None:
         """The module tensor name for a GGUF tensor, or None when no row takes it. A row keyed

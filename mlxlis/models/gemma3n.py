@@ -30,6 +30,7 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import CONFIG_MAX_DIM, check_sizes
 from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig, RopeConfig
+from mlxlis.models.gemma3n_describe import DESCRIPTION
 from mlxlis.models.gemma3n_net import AltUpStructure, Gemma3n
 from mlxlis.models.gemma4 import int_key, kv_sources
 from mlxlis.models.gemma4_gguf import BOUNDS as GEMMA4_BOUNDS
@@ -423,4 +424,5 @@ GEMMA3N = Family(
         ("language_model.lm_head.", "lm_head."),
     ),
     hf_dropped=_TOWERS + tuple(f"model.{t}" for t in _TOWERS),
+    describe=DESCRIPTION,
 )

@@ -28,6 +28,7 @@ from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.qwen3_5 import _export, _hf_parser
 from mlxlis.models.qwen3_next import MOE_DEFAULTS, norm_topk  # Qwen4-Exp's are the same
+from mlxlis.models.qwen4_exp_describe import DESCRIPTION
 from mlxlis.models.qwen4_exp_net import Qwen4Exp
 from mlxlis.models.qwen4_exp_parts import Qwen4ExpStructure
 
@@ -239,4 +240,5 @@ QWEN4_EXP = Family(
     hf_renames=_RENAMES,
     hf_dropped=_DROPPED,
     hf_defaults=HF_DEFAULTS,
+    describe=DESCRIPTION,
 )
