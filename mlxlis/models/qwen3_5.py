@@ -19,240 +19,20 @@ Defaults are transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig.
 
 from __future__ import annotations
 
-from typing import Any
-
-from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.limits import check_sizes
-from mlxlis.models.base import Family, GGUFMeta
-from mlxlis.models.config import ModelConfig
-from mlxlis.models.conventions import QWEN35_GGUF, ZERO_CENTRED_NORM_MINUS_ONE
+from mlxlis.models.base import Family
+from mlxlis.models.conventions import QWEN35_GGUF
 from mlxlis.models.decoder import Decoder
-from mlxlis.models.llama import check_act
+from mlxlis.models.hybrid import (
+    DROPPED,
+    GGUF_BLOCK,
+    MLX,
+    MOE_DEFAULTS,
+    exporter,
+    gguf_parser,
+    hf_parser,
+    mtp_tensor,
+)
 from mlxlis.models.qwen3_5_vision import load_images
-
-LAYER_TYPES = ("linear_attention", "full_attention")
-HF_DEFAULTS = {  # transformers' Qwen3_5TextConfig
-    "head_dim": 256,
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-}
-MOE_DEFAULTS = {
-    "num_experts": 256,
-    "num_experts_per_tok": 8,
-    "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512,
-}
-
-
-def _layer_types(cfg: dict, n: int, path: str) -> tuple[str, ...]:
-    if cfg.get("layer_types") is not None:
-        types = tuple(cfg["layer_types"])
-        if len(types) != n or any(t not in LAYER_TYPES for t in types):
-            raise ConfigError(
-                f"expected {n} of {LAYER_TYPES}, got {cfg['layer_types']!r}"[:300],
-                path=path,
-                field="layer_types",
-            )
-        return types
-    every = cfg.get("full_attention_interval", 4)
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ConfigError(f"bad interval {every!r}", path=path, field="full_attention_interval")
-    return tuple(LAYER_TYPES[(i + 1) % every == 0] for i in range(n))
-
-
-def _rotary_dim(cfg: dict, head_dim: int, path: str) -> int:
-    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-        raise ConfigError(
-            f"expected a number in (0, 1], got {factor!r}", path=path, field="partial_rotary_factor"
-        )
-    dim = int(head_dim * factor)
-    if dim % 2:
-        raise ConfigError(
-            f"rotary dims {dim} must be even", path=path, field="partial_rotary_factor"
-        )
-    return dim
-
-
-def _hf_parser(moe: bool):
-    def parse(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
-        keys = {**HF_DEFAULTS, **(MOE_DEFAULTS if moe else {})}
-        size = check_sizes(
-            {k: (k, cfg.get(k) if cfg.get(k) is not None else v) for k, v in keys.items()}, path
-        )
-        if size["linear_num_value_heads"] % size["linear_num_key_heads"]:
-            raise ConfigError(
-                "linear_num_key_heads must divide linear_num_value_heads",
-                path=path,
-                field="linear_num_key_heads",
-            )
-        n = base.num_hidden_layers
-        changes: dict[str, Any] = dict(
-            norm="rms_plus_one",
-            qk_norm=True,
-            attn_output_gate=True,
-            mlp_bias=False,
-            o_bias=base.attention_bias,
-            head_dim=size["head_dim"],
-            rotary_dim=_rotary_dim(cfg, size["head_dim"], path),
-            layer_types=_layer_types(cfg, n, path),
-            **{k: size[k] for k in HF_DEFAULTS if k != "head_dim"},
-        )
-        if moe:
-            if size["num_experts_per_tok"] > size["num_experts"]:
-                raise ConfigError(
-                    "more experts per token than experts", path=path, field="num_experts_per_tok"
-                )
-            changes.update(
-                {k: size[k] for k in MOE_DEFAULTS}, norm_topk_prob=True, sparse_layers=(True,) * n
-            )  # the router always renormalises
-        return check_act(base.with_(**changes), path)
-
-    return parse
-
-
-def _gguf_parser(moe: bool):
-    """llama.cpp's reading of qwen35 / qwen35moe (src/models/qwen35*.cpp): the ssm.* keys give
-    the DeltaNet sizes (one state size for k and v heads), attention.recurrent_layers or
-    full_attention_interval the layer types; block_count counts the MTP layers too."""
-
-    def parse(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
-        mtp = m.get("nextn_predict_layers", 0)
-        n = base.num_hidden_layers - mtp
-        if not 0 < n:
-            raise ConfigError(
-                f"{mtp} prediction layers of {base.num_hidden_layers}",
-                path=m.path,
-                field=m.key("nextn_predict_layers"),
-            )
-        vh = m.get("ssm.time_step_rank")
-        check_sizes({"linear_num_value_heads": (m.key("ssm.time_step_rank"), vh)}, m.path)
-        size = check_sizes(
-            {
-                "linear_conv_kernel_dim": (m.key("ssm.conv_kernel"), m.get("ssm.conv_kernel")),
-                "linear_key_head_dim": (m.key("ssm.state_size"), m.get("ssm.state_size")),
-                "linear_num_key_heads": (m.key("ssm.group_count"), m.get("ssm.group_count")),
-                "linear_num_value_heads": (m.key("ssm.time_step_rank"), vh),
-                "linear_value_head_dim": (m.key("ssm.inner_size"), m.get("ssm.inner_size") // vh),
-                "rotary_dim": (m.key("rope.dimension_count"), m.get("rope.dimension_count")),
-            },
-            m.path,
-        )
-        flags = m.md.get(m.key("attention.recurrent_layers"))
-        if flags is not None:
-            types = tuple(LAYER_TYPES[not bool(f)] for f in list(flags)[:n])
-        else:
-            types = _layer_types(
-                {"full_attention_interval": m.get("full_attention_interval", 4)}, n, m.path
-            )
-        if len(types) != n:
-            raise ConfigError(
-                f"expected {n} flags", path=m.path, field=m.key("attention.recurrent_layers")
-            )
-        changes: dict[str, Any] = dict(
-            num_hidden_layers=n,
-            norm="rms_plus_one",
-            qk_norm=True,
-            attn_output_gate=True,
-            layer_types=types,
-            **size,
-        )
-        if moe:
-            changes.update(
-                num_experts=m.get("expert_count"),
-                num_experts_per_tok=m.get("expert_used_count"),
-                moe_intermediate_size=m.get("expert_feed_forward_length"),
-                shared_expert_intermediate_size=m.get("expert_shared_feed_forward_length", 0),
-                norm_topk_prob=True,
-                sparse_layers=(True,) * n,
-            )
-        return base.with_(**changes)
-
-    return parse
-
-
-def _mtp_tensor(name: str, cfg: ModelConfig) -> bool:
-    """The multi-token-prediction blocks llama.cpp appends after the model's layers (read on
-    their own by qwen3_5_mtp_load.py when drafting)."""
-    parts = name.split(".")
-    return parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= cfg.num_hidden_layers
-
-
-# llama.cpp's names (gguf-py TensorNameMap for QWEN35 / QWEN35MOE); rows keyed "name.part" or
-# "name." map to whole parameter paths
-GGUF_BLOCK = {
-    "attn_norm": "input_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_qkv": "linear_attn.in_proj_qkv",
-    "attn_gate": "linear_attn.in_proj_z",
-    "ssm_beta": "linear_attn.in_proj_b",
-    "ssm_alpha": "linear_attn.in_proj_a",
-    "ssm_conv1d": "linear_attn.conv1d",
-    "ssm_dt.bias": "linear_attn.dt_bias",
-    "ssm_a.": "linear_attn.A_log",
-    "ssm_norm": "linear_attn.norm",
-    "ssm_out": "linear_attn.out_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
-    "ffn_up_exps": "mlp.switch_mlp.up_proj",
-    "ffn_down_exps": "mlp.switch_mlp.down_proj",
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
-    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-}
-
-
-def _export(moe: bool):
-    def export(cfg: ModelConfig) -> dict[str, Any]:
-        if cfg.rope.type != "default":  # its rope_parameters below would drop the scaling
-            raise UnsupportedError(
-                f"writing a {cfg.family} model with {cfg.rope.type} RoPE scaling is not supported",
-                path=cfg.source,
-                field="rope_parameters",
-            )
-        factor = (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim
-        out = {
-            "layer_types": list(cfg.layer_types),
-            # as Qwen3.5's own configs: readers take θ and the factor from rope_parameters
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": cfg.rope.theta,
-                "partial_rotary_factor": factor,
-            },
-            "attention_bias": cfg.attention_bias,
-            **{k: getattr(cfg, k) for k in HF_DEFAULTS},
-        }
-        every = next(
-            (
-                n
-                for n in range(1, len(cfg.layer_types) + 1)
-                if cfg.layer_types
-                == _layer_types({"full_attention_interval": n}, len(cfg.layer_types), "")
-            ),
-            None,
-        )
-        if every:  # readers that know only the interval (mlx-lm) place the layers right
-            out["full_attention_interval"] = every
-        if moe:
-            out.update({k: getattr(cfg, k) for k in MOE_DEFAULTS})
-        return out
-
-    return export
-
 
 # multimodal checkpoints: the language model under model.language_model.* (mlx-lm saves it
 # as language_model.model.*); the vision tower (read by `vision`: qwen3_5_vision.py) and the
@@ -263,50 +43,42 @@ _RENAMES = (
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
 )
-_DROPPED = ("model.visual.", "mtp.")
-# mlx-lm's sanitize moves the conv1d kernel axis last (C, kernel, 1) and adds 1 to the
-# zero-centred norms; a folder it saved has that conv layout
-_MLX = dict(
-    mlx_layouts={"linear_attn.conv1d.weight": (0, 2, 1)},
-    mlx_conventions=(ZERO_CENTRED_NORM_MINUS_ONE,),
-)
-
 QWEN3_5 = Family(
     name="qwen3_5",
     hf_model_types=("qwen3_5", "qwen3_5_text"),
     gguf_archs=("qwen35",),
-    parse_hf=_hf_parser(False),
-    parse_gguf=_gguf_parser(False),
+    parse_hf=hf_parser(False),
+    parse_gguf=gguf_parser(False),
     network=Decoder,
     gguf_block=GGUF_BLOCK,
     gguf_conventions=QWEN35_GGUF,
-    gguf_ignored=_mtp_tensor,
+    gguf_ignored=mtp_tensor,
     export_model_type="qwen3_5_text",
     export_architecture="Qwen3_5ForCausalLM",
     export_wrapper="qwen3_5",  # mlx-lm reads the wrapper type only
-    export_config=_export(False),
+    export_config=exporter(False),
     hf_renames=_RENAMES,
-    hf_dropped=_DROPPED,
+    hf_dropped=DROPPED,
     vision=load_images,  # the ViT and merger, where the folder has their processor
-    **_MLX,
+    **MLX,
 )
 QWEN3_5_MOE = Family(
     name="qwen3_5_moe",
     hf_model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
     gguf_archs=("qwen35moe",),
-    parse_hf=_hf_parser(True),
-    parse_gguf=_gguf_parser(True),
+    parse_hf=hf_parser(True),
+    parse_gguf=gguf_parser(True),
     gguf_block=GGUF_BLOCK,
     gguf_conventions=QWEN35_GGUF,
-    gguf_ignored=_mtp_tensor,
+    gguf_ignored=mtp_tensor,
     network=Decoder,
     export_model_type="qwen3_5_moe_text",
     export_wrapper="qwen3_5_moe",
     export_architecture="Qwen3_5MoeForCausalLM",
-    export_config=_export(True),
+    export_config=exporter(True),
     hf_renames=_RENAMES,
-    hf_dropped=_DROPPED,
+    hf_dropped=DROPPED,
     vision=load_images,
-    **_MLX,
+    **MLX,
     hf_defaults={"intermediate_size": MOE_DEFAULTS["moe_intermediate_size"]},  # no dense MLP
 )

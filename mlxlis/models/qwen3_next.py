@@ -27,15 +27,15 @@ from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.conventions import QWEN3NEXT_GGUF, is_zero_centred_norm
 from mlxlis.models.decoder import Decoder
-from mlxlis.models.qwen3_5 import (
-    _DROPPED,
-    _MLX,
-    _export,
-    _gguf_parser,
-    _hf_parser,
-    _mtp_tensor,
+from mlxlis.models.hybrid import (
+    DROPPED,
+    MLX,
+    exporter,
+    gguf_parser,
+    hf_parser,
+    mtp_tensor,
 )
-from mlxlis.models.qwen3_5 import (
+from mlxlis.models.hybrid import (
     GGUF_BLOCK as QWEN35_BLOCK,
 )
 from mlxlis.models.qwen3_moe import sparse_layers
@@ -60,7 +60,7 @@ MOE_DEFAULTS = {
     "shared_expert_intermediate_size": 512,
 }
 FUSED = ("qkvz", "ba")
-_parse_hybrid = _hf_parser(True)
+_parse_hybrid = hf_parser(True)
 
 
 def _sparse_layers(cfg: dict, n: int, path: str) -> tuple[bool, ...]:
@@ -91,7 +91,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     )
 
 
-_parse_gguf_hybrid = _gguf_parser(True)
+_parse_gguf_hybrid = gguf_parser(True)
 
 
 def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
@@ -118,7 +118,7 @@ GGUF_BLOCK = {
     "ssm_ba": "linear_attn.in_proj_ba",  # β and α still fused per key head
     "ssm_in": "linear_attn.in_proj_qkvz",  # older files: qkvz as transformers has it
 }
-_export_hybrid = _export(True)
+_export_hybrid = exporter(True)
 
 
 def export(cfg: ModelConfig) -> dict[str, Any]:
@@ -169,12 +169,12 @@ QWEN3_NEXT = Family(
     network=Decoder,
     gguf_block=GGUF_BLOCK,
     gguf_conventions=QWEN3NEXT_GGUF,
-    gguf_ignored=_mtp_tensor,
+    gguf_ignored=mtp_tensor,
     export_model_type="qwen3_next",
     export_architecture="Qwen3NextForCausalLM",
     export_config=export,
     export_layout=mlx_lm_layout,
     hf_defaults=HF_DEFAULTS,
-    hf_dropped=_DROPPED,
-    **_MLX,
+    hf_dropped=DROPPED,
+    **MLX,
 )

@@ -26,7 +26,7 @@ from mlxlis.errors import ConfigError
 from mlxlis.limits import CONFIG_MAX_CONTEXT, CONFIG_MAX_DIM, check_sizes
 from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig
-from mlxlis.models.qwen3_5 import _export, _hf_parser
+from mlxlis.models.hybrid import exporter, hf_parser
 from mlxlis.models.qwen3_next import MOE_DEFAULTS, norm_topk  # Qwen4-Exp's are the same
 from mlxlis.models.qwen4_exp_describe import DESCRIPTION
 from mlxlis.models.qwen4_exp_net import Qwen4Exp
@@ -80,7 +80,7 @@ INDEXER = (
     "indexer_budget",
     "indexer_compress_ratio",
 )
-_parse_hybrid = _hf_parser(True)
+_parse_hybrid = hf_parser(True)
 
 
 def _own(cfg: dict, base: ModelConfig, path: str) -> Qwen4ExpStructure:
@@ -178,7 +178,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:  # pragma: no cov
     )
 
 
-_export_hybrid = _export(True)
+_export_hybrid = exporter(True)
 
 
 def export(cfg: ModelConfig) -> dict[str, Any]:
@@ -223,7 +223,7 @@ def fused_experts(params: dict[str, mx.array]) -> dict[str, mx.array]:
 # the wrapper's language model under model.language_model.*; its vision tower and any
 # multi-token-prediction head are not read
 _RENAMES = (("model.language_model.", "model."),)
-_DROPPED = ("model.visual.", "mtp.")
+DROPPED = ("model.visual.", "mtp.")
 
 
 QWEN4_EXP = Family(
@@ -238,7 +238,7 @@ QWEN4_EXP = Family(
     export_config=export,
     export_regroup=fused_experts,
     hf_renames=_RENAMES,
-    hf_dropped=_DROPPED,
+    hf_dropped=DROPPED,
     hf_defaults=HF_DEFAULTS,
     describe=DESCRIPTION,
 )
