@@ -2,18 +2,28 @@
 
 usage: python scripts/fingerprint.py save FILE.npz   (before the change)
        python scripts/fingerprint.py check FILE.npz  (after: every array bit-identical)
+       (--tiny after FILE: the tiny checkpoints only)
 
-For one tiny random checkpoint of every family (built once with transformers into
-$MLXLIS_FINGERPRINT_MODELS, default /tmp/mlxlis-fingerprint, so both runs read the same
-weights) in float32 and float16, and for the three catalog models in float32, it records: the
-full-forward logits of a fixed trajectory, the logits of a cached decode (prompt prefilled,
-then one token at a time), greedy tokens through `mlxlis.generate` (a prompt longer than every
-sliding window), seeded sampled tokens with the repetition penalty, and greedy tokens with
-their log-probabilities from the serving engine decoding 4 requests as one batch.
+For tiny random checkpoints of every family in the registry (mlxlis.models.REGISTRY: a
+family with none stops the run, named, before anything is recorded; add it to tiny_specs),
+built once with transformers into $MLXLIS_FINGERPRINT_MODELS, default /tmp/mlxlis-fingerprint,
+so both runs read the same weights, in float32 and float16, and for the three catalog models in
+float32, it records: the full-forward logits of a fixed trajectory, the logits of a cached
+decode (prompt prefilled, then one token at a time), greedy tokens through `mlxlis.generate` (a
+prompt longer than every sliding window), seeded sampled tokens with the repetition penalty,
+and greedy tokens with their log-probabilities from the serving engine decoding 4 requests as
+one batch. The MoE families run in float32 only on the CPU (MLX's gather_mm there is float32
+only).
+
+A Gemma 4 assistant (gemma4_assistant) has no caches or tokens of its own: it drafts from its
+Gemma 4 target's caches and hidden state. It is fingerprinted as a drafter through the
+speculative path (record_assistant), a random one and one that repeats its last token (drafts
+kept as well as rejected), both for the E2B-like tiny Gemma 4 target.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -32,13 +42,33 @@ CATALOG = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")
 
 
 def tiny_specs() -> dict[str, tuple[dict, object]]:
+    """name -> (spec, build(folder, spec)): the tiny checkpoints, each family's richest spec
+    from its test module, built as that module builds it."""
     from conftest import TINY, build_tiny
+    from test_gemma3n import SPECS as G3N
+    from test_gemma3n import build as build_g3n
     from test_gemma4 import SPECS as G4
     from test_gemma4 import build as build_g4
     from test_gemma_parity import SPECS as GEMMA
+    from test_gpt_oss import SPECS as OSS
+    from test_gpt_oss import _sinks_of_unit_size
+    from test_llama4 import SPECS as L4
+    from test_mistral3 import SPECS as MISTRAL
+    from test_phi3 import SPECS as PHI
     from test_qwen3 import SPECS as QWEN3
     from test_qwen3_5 import SPECS as Q35
     from test_qwen3_5 import build as build_q35
+    from test_qwen3_5 import realistic
+    from test_qwen3_next import SPECS as NEXT
+    from test_qwen4_exp import SPECS as Q4
+    from test_qwen4_exp import ple_weights
+    from test_smollm3 import SPECS as SMOL
+
+    def pad1(f, s):
+        return build_tiny(f, s, pad_token_id=1)
+
+    def adjusted(adjust):
+        return lambda f, s: build_tiny(f, s, adjust=adjust)
 
     return {
         "llama": (TINY["llama"], build_tiny),
@@ -53,7 +83,47 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
         "qwen3_5": (Q35["qwen3_5"], build_q35),
         "qwen3_5_moe": (Q35["qwen3_5_moe"], build_q35),
         "gemma4": (G4["all"], build_g4),
+        "llama4": (L4["scout"], build_tiny),  # chunked attention, interleaved MoE, llama3 RoPE
+        "llama4_maverick": (L4["maverick"], build_tiny),  # NoPE layers, listed MoE layers
+        "mistral3": (MISTRAL["ministral3"], build_tiny),  # YaRN, sliding window
+        "smollm3": (SMOL["window"], pad1),  # sliding window, NoPE layers
+        "phi3": (PHI["mini"], pad1),  # LongRoPE (past its original length), partial rotary
+        "gpt_oss": (OSS["oss"], adjusted(_sinks_of_unit_size)),  # sinks, YaRN, window
+        "qwen3_next": (NEXT["next"], adjusted(realistic)),
+        "qwen4_exp": (Q4["exp"], adjusted(ple_weights)),
+        "qwen4_exp_sig": (Q4["sig"], adjusted(ple_weights)),  # sigmoid output gate
+        "gemma3n": (G3N["e2b"], build_g3n),  # AltUp, LAuReL, KV sharing, sparse gate
+        "gemma3n_alt": (G3N["alt"], build_g3n),  # another AltUp input, classic RoPE θ keys
+        "gemma4_assistant": (G4["e2b"], build_assistants),
     }
+
+
+def build_assistants(folder: Path, spec: dict) -> None:
+    """Gemma 4 assistants drafting for the Gemma 4 target `spec` (folder/target): one that
+    repeats its last token, so drafts are both kept and rejected (folder/copier), and a random
+    one (folder, written last: its config.json marks the whole built)."""
+    from test_gemma4 import build as build_g4
+    from test_speculative_gemma4 import build_assistant
+
+    ref = build_g4(folder / "target", spec)
+    vocab = ref.config.vocab_size
+    build_assistant(folder / "copier", folder / "target", vocab, copier=ref)
+    build_assistant(folder, folder / "target", vocab)
+
+
+def check_coverage(folders: dict[str, Path]) -> None:
+    """Fails unless every family in the registry has a tiny checkpoint."""
+    from mlxlis.models import REGISTRY, config_from_hf
+
+    covered = {
+        config_from_hf(json.loads((f / "config.json").read_text())).family for f in folders.values()
+    }
+    missing = sorted(set(REGISTRY) - covered)
+    if missing:
+        raise SystemExit(
+            f"fingerprint: no tiny checkpoint of the registered families {', '.join(missing)}"
+            " (add them to tiny_specs in scripts/fingerprint.py)"
+        )
 
 
 def tiny_folder(name: str, spec: dict, build) -> Path:
@@ -130,14 +200,50 @@ def record(out: dict, key: str, model, vocab: int, long_n: int) -> None:
     out[f"{key}/batched_logprobs"] = np.array(logps, dtype=np.float64)
 
 
+def record_assistant(out: dict, key: str, target, assistant) -> None:
+    """A Gemma 4 assistant reads its target's caches and hidden state, so it runs only as a
+    drafter: greedy and seeded sampled tokens speculating 3 at a time, with how many drafts
+    were proposed and kept, and one 4-token sampled proposal with its probabilities."""
+    from mlxlis.generation.assistant import AssistantDrafter
+    from mlxlis.generation.sampling import SamplingParams
+    from mlxlis.generation.speculative import Speculation
+    from mlxlis.generation.steps import forward
+
+    ids = trajectory(20, 4, target.config.vocab_size)  # past the sliding window (8)
+    spec = Speculation("draft", assistant, tokens=3)
+    for mode, kw in (("greedy", {}), ("sampled", dict(temperature=0.8, top_p=0.9, seed=3))):
+        events = list(
+            mlxlis.generate(target, ids, max_tokens=40, stop_ids=set(), speculation=spec, **kw)
+        )
+        out[f"{key}/{mode}"] = np.array([e.token for e in events if e.token is not None])
+        usage = events[-1].usage
+        out[f"{key}/{mode}_drafts"] = np.array([usage.draft_tokens, usage.accepted_tokens])
+    caches = target.make_cache()
+    logits, hidden = forward(target.net, [caches], mx.array(ids, mx.int32), "prompt+hidden")
+    first = int(mx.argmax(logits, axis=-1).item())
+    params = SamplingParams(temperature=1.0, seed=5)
+    drafter = AssistantDrafter(assistant, target, params, caches)
+    drafter.feed_hidden(ids, hidden)
+    proposal = drafter.propose([*ids, first], 4)
+    out[f"{key}/proposal"] = np.array(proposal.tokens)
+    out[f"{key}/proposal_q"] = np.array(proposal.q.astype(mx.float32))
+
+
 def fingerprint(tiny_only: bool = False) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
-    for name, (spec, build) in tiny_specs().items():
-        folder = tiny_folder(name, spec, build)
+    folders = {n: tiny_folder(n, spec, build) for n, (spec, build) in tiny_specs().items()}
+    check_coverage(folders)
+    for name, folder in folders.items():
         for dtype in ("float32", "float16"):
             model = mlxlis.load(folder, dtype)
             try:
-                record(out, f"{name}/{dtype}", model, model.config.vocab_size, 48)
+                if model.config.family == "gemma4_assistant":
+                    target = mlxlis.load(folder / "target", dtype)
+                    record_assistant(out, f"{name}/{dtype}/random", target, model)
+                    copier = mlxlis.load(folder / "copier", dtype)
+                    record_assistant(out, f"{name}/{dtype}/copier", target, copier)
+                else:
+                    record(out, f"{name}/{dtype}", model, model.config.vocab_size, 48)
             except RuntimeError as e:  # MLX's CPU gather_mm is float32 only (the MoE families)
                 print(f"{name} {dtype}: skipped ({e})", flush=True)
                 continue
