@@ -55,6 +55,7 @@ QMV_SUPER = "tests/test_qmv.py::test_super_block_formats_equal_the_float_scales_
 QUANTS_SUPER = "tests/test_quants.py::test_k_quants_held_as_stored_bit_exact"
 FUSED = "tests/test_fused.py"
 Q4X_HF = "tests/test_qwen4_exp.py::test_logits_match_transformers_fp32"
+THINKING_SWITCH = "tests/test_thinking_switch.py"
 Q4X_CACHE = (
     "tests/test_qwen4_exp.py::test_a_trimmed_verification_and_a_saved_cache_decode_on_exactly"
 )
@@ -1823,6 +1824,66 @@ MUTANTS = (
         "            elif False:\n",
         (TOOL_FORCING,),
         "grammar masks: the special tokens llguidance over-allows after an optional piece kept",
+    ),
+    Mutant(
+        "thinking-off-unrendered",
+        "mlxlis/prompt/thinking_switch.py",
+        "    return on_value, next((v for v, shows in found if shows), found[0][0])\n",
+        "    return on_value, _off_values(name)[0]\n",
+        (THINKING_SWITCH,),
+        "thinking switch: reasoning_effort's first off value taken without rendering it (Hy3 "
+        'refuses "none")',
+    ),
+    Mutant(
+        "thinking-off-not-preferred",
+        "mlxlis/prompt/thinking_switch.py",
+        "    return on_value, next((v for v, shows in found if shows), found[0][0])\n",
+        "    return on_value, found[0][0]\n",
+        (THINKING_SWITCH,),
+        "thinking switch: the first off value that changes the prompt taken, not the one whose "
+        "prompt shows thinking off",
+    ),
+    Mutant(
+        "thinking-level-as-switch",
+        "mlxlis/prompt/thinking_switch.py",
+        "    return isinstance(off_value, str) and off.replace(off_value, str(on_value)) == on\n",
+        "    return False\n",
+        (THINKING_SWITCH,),
+        "thinking switch: a level the template only prints taken as off (gpt-oss' "
+        '"Reasoning: none")',
+    ),
+    Mutant(
+        "thinking-switch-unread",
+        "mlxlis/models/model.py",
+        "        return thinking_vars(self.template, on) if self.template is not None else {}\n",
+        "        return {**thinking_vars(self.template, on), 'enable_thinking': on} "
+        "if self.template is not None else {}\n",
+        (THINKING_SWITCH,),
+        "--think / --no-think: enable_thinking set on a template that does not read it",
+    ),
+    Mutant(
+        "thinking-supports-enable-only",
+        "mlxlis/models/model.py",
+        "        return self.template is not None and has_thinking_switch(self.template)\n",
+        '        return "enable_thinking" in self.template_variables\n',
+        (THINKING_SWITCH,),
+        "supports_thinking: only Qwen3's enable_thinking counts as a thinking switch",
+    ),
+    Mutant(
+        "thinking-session-enable-only",
+        "mlxlis/generation/session.py",
+        "        return self.model.thinking_vars(bool(self.thinking))\n",
+        '        return {"enable_thinking": bool(self.thinking)}\n',
+        (THINKING_SWITCH,),
+        "ChatSession: thinking passed as enable_thinking whatever the template reads",
+    ),
+    Mutant(
+        "thinking-ollama-enable-only",
+        "mlxlis/serve/ollama_requests.py",
+        "        if switch := model.thinking_vars(on):\n",
+        '        if switch := {"enable_thinking": on}:\n',
+        (THINKING_SWITCH,),
+        "Ollama's think: passed as enable_thinking whatever the template reads",
     ),
 )
 

@@ -308,14 +308,14 @@ def test_cli_no_think_renders_the_empty_think_block(thinker, model):
     assert res.returncode == 0 and res.stdout == ANSWER_TEXT + "\n", res.stderr
     assert REASONING_TEXT not in res.stderr
     assert prompt_tokens(res.stderr) == len(model.tokenizer.encode(expected, special=True))
-    # ChatML has no enable_thinking; its prompt ends in "\n", so the model still reasons
+    # ChatML has no thinking switch; its prompt ends in "\n", so the model still reasons
     chatml_dir = thinker.folder.parent / "thinker-chatml"
     shutil.copytree(thinker.folder, chatml_dir, dirs_exist_ok=True)
     (chatml_dir / "chat_template.jinja").write_text(builtin_template("chatml").text)
     res = mlxlis_cli("-m", str(chatml_dir), "--no-think", "Hi")
     assert res.returncode == 0 and res.stdout == ANSWER_TEXT + "\n", res.stderr
     assert res.stderr.splitlines() == [
-        "mlxlis: note: --no-think: the chat template has no enable_thinking switch; "
+        "mlxlis: note: --no-think: the chat template has no thinking switch; "
         "the prompt is the same without it"
     ]
     bad = mlxlis_cli("-m", str(thinker.folder), "--no-chat", "--think", "Hi")

@@ -118,8 +118,9 @@ def _layers_split(text: str) -> list[int]:
 
 
 def add_thinking_args(p: argparse.ArgumentParser) -> None:
-    """--think / --no-think: the chat template's `enable_thinking` (dest `thinking`: True,
-    False, or None for the template's default)."""
+    """--think / --no-think: the chat template's thinking switch, spelled as the template
+    spells it (mlxlis.prompt.thinking_switch; dest `thinking`: True, False, or None for the
+    template's default)."""
     g = p.add_mutually_exclusive_group()
     g.add_argument(
         "--think",
@@ -127,15 +128,16 @@ def add_thinking_args(p: argparse.ArgumentParser) -> None:
         action="store_const",
         const=True,
         default=None,
-        help="reasoning models: pass enable_thinking=true to the chat template",
+        help="reasoning models: turn the chat template's thinking switch on (enable_thinking, "
+        "thinking, thinking_mode, reasoning_effort, ... as the template reads it)",
     )
     g.add_argument(
         "--no-think",
         dest="thinking",
         action="store_const",
         const=False,
-        help="reasoning models: pass enable_thinking=false to the chat template and show no "
-        "reasoning",
+        help="reasoning models: turn the chat template's thinking switch off (e.g. "
+        "enable_thinking=false, thinking_budget=0) and show no reasoning",
     )
 
 
@@ -145,7 +147,7 @@ def check_thinking(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         flag = "--think" if a.thinking else "--no-think"
         p.exit(
             2,
-            f"{p.prog}: error: {flag} sets the chat template's enable_thinking; "
+            f"{p.prog}: error: {flag} sets the chat template's thinking switch; "
             "--no-chat uses no template\n",
         )
 

@@ -11,6 +11,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 from mlxlis.commands.args import (
     add_format_args,
@@ -114,26 +115,25 @@ def print_details(model: Model) -> None:
         say(f"{k:>9}: {v}")
 
 
-def thinking_vars(model: Model, thinking: bool | None) -> dict[str, bool]:
-    """enable_thinking=`thinking` when it is set and the template has that switch."""
-    if thinking is not None and model.supports_thinking:
-        return {"enable_thinking": thinking}
-    return {}
+def thinking_vars(model: Model, thinking: bool | None) -> dict[str, Any]:
+    """The template's own thinking switch set to `thinking` (`enable_thinking`,
+    `thinking_budget`, `reasoning_effort`, ...) when it is set and the template has one."""
+    return model.thinking_vars(thinking) if thinking is not None else {}
 
 
 def chat_prompt(
     model: Model, user: str, system: str | None = None, thinking: bool | None = None
 ) -> str:
-    """The one-shot prompt: `user` (after `system`) through the model's chat template, with
-    enable_thinking=`thinking` when it is set and the template has that switch."""
+    """The one-shot prompt: `user` (after `system`) through the model's chat template, its
+    thinking switch set to `thinking` when it is set and the template has one."""
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": user})
     variables = thinking_vars(model, thinking)
     prompt = model.render_chat(messages, **variables)  # no template: the one error line only
-    if thinking is not None and not model.supports_thinking:
+    if thinking is not None and not variables:
         flag = "--think" if thinking else "--no-think"
         say(
-            f"mlxlis: note: {flag}: the chat template has no enable_thinking switch; "
+            f"mlxlis: note: {flag}: the chat template has no thinking switch; "
             "the prompt is the same without it"
         )
     return prompt

@@ -13,7 +13,8 @@ ContextLimitError (no silent truncation); `reset()` starts over.
 Replies of reasoning models (`<think>…</think>`, see mlxlis.prompt.reasoning) stream as Events
 whose `reasoning` and `answer` say which part of each piece is which; the history keeps the
 answer as the message content and the reasoning as its `reasoning_content`, the field Qwen3-style
-templates read. `thinking` sets the template's `enable_thinking` switch when it has one.
+templates read. `thinking` sets the template's thinking switch when it has one, as the template
+spells it (`enable_thinking`, `thinking_budget`, `reasoning_effort`, ...).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class ChatSession:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     context_limit: int | None = None
     turns: list[Turn] = field(default_factory=list)
-    thinking: bool | None = None  # enable_thinking for the template; None: its default
+    thinking: bool | None = None  # the template's thinking switch; None: its default
     response_format: dict | None = None  # every reply constrained (generation/constraints)
     speculation: Speculation | None = None  # every reply drafted and verified (speculative.py)
     # a folder where `save_cache` keeps the conversation's caches: a later session of the same
@@ -125,11 +126,12 @@ class ChatSession:
 
     @property
     def template_vars(self) -> dict[str, Any]:
-        """Variables passed to the template on every render: `enable_thinking` when `thinking`
-        is set and the template reads it (a template without the switch never gets it)."""
-        if self.thinking is None or not getattr(self.model, "supports_thinking", False):
+        """Variables passed to the template on every render: its thinking switch set to
+        `thinking` when that is set and the template has one (a template without a switch
+        gets none)."""
+        if self.thinking is None:
             return {}
-        return {"enable_thinking": bool(self.thinking)}
+        return self.model.thinking_vars(bool(self.thinking))
 
     def render(self, add_generation_prompt: bool = True) -> str:
         """The exact text the model sees next (special tokens included; each image's

@@ -20,6 +20,7 @@ from mlxlis.models.placement import Share
 from mlxlis.models.quantized import use_kernels
 from mlxlis.prompt.images import ImageError, open_image
 from mlxlis.prompt.template import ChatTemplate, diagnose_missing_template, end_of_turn_tokens
+from mlxlis.prompt.thinking_switch import has_thinking_switch, thinking_vars
 from mlxlis.runtime import blas, device, qmv
 from mlxlis.tokenizer import Tokenizer
 
@@ -287,8 +288,14 @@ class Model:
 
     @property
     def supports_thinking(self) -> bool:
-        """The chat template has Qwen3's reasoning switch, the `enable_thinking` variable."""
-        return "enable_thinking" in self.template_variables
+        """The chat template has a thinking switch (`enable_thinking`, `thinking_budget`,
+        `reasoning_effort`, ...: mlxlis.prompt.thinking_switch)."""
+        return self.template is not None and has_thinking_switch(self.template)
+
+    def thinking_vars(self, on: bool) -> dict[str, Any]:
+        """The template variables that turn the chat template's thinking on or off (empty
+        without a switch)."""
+        return thinking_vars(self.template, on) if self.template is not None else {}
 
     def render_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, **template_vars: Any

@@ -3,7 +3,7 @@
 A thin adapter: the body becomes the server's chat request (system and messages as a chat
 template takes them, system turns inside `messages` where the template takes them
 (system_turns.py), `tool_use` blocks as tool calls, `tool_result` blocks as tool messages,
-`thinking` as the template's `enable_thinking`, `image` blocks as image parts), prepared and
+`thinking` as the template's own thinking switch, `image` blocks as image parts), prepared and
 generated like any other; the events become content blocks (`thinking`, `text`, `tool_use`),
 streamed as Anthropic's event sequence. Fields a local model has no use for (`metadata`,
 `cache_control`, `service_tier`, `speed`, `container`, …) are accepted and ignored, as a proxy
@@ -211,9 +211,9 @@ def _tools(tools: list[Tool]) -> list[dict[str, Any]]:
     return out
 
 
-def to_chat(req: CountTokensRequest, thinks: bool, model: Any = None) -> ChatCompletionRequest:
-    """The server's chat request for `req` (`thinks`: the template has the reasoning switch;
-    `model`: whose template places the system turns of `messages`, system_turns.py)."""
+def to_chat(req: CountTokensRequest, model: Any = None) -> ChatCompletionRequest:
+    """The server's chat request for `req` (`model`: whose template places the system turns
+    of `messages`, system_turns.py, and has the thinking switch `thinking` sets)."""
     messages: list[dict[str, Any]] = []
     if req.system:
         messages.append({"role": "system", "content": _text(req.system, "system")})
@@ -231,15 +231,15 @@ def to_chat(req: CountTokensRequest, thinks: bool, model: Any = None) -> ChatCom
     messages = place_systems(messages, model)
     renames = _image_renames(messages)
     body: dict[str, Any] = {"messages": messages}
-    kwargs: dict[str, Any] = {}
     thinking = req.thinking.type if req.thinking else None
     effort = req.output_config.effort if req.output_config else None
-    if thinks and thinking in ("enabled", "disabled"):
-        kwargs["enable_thinking"] = thinking == "enabled"
-    elif thinks and thinking is None and effort is not None:
-        kwargs["enable_thinking"] = EFFORT_THINKS[effort]
-    if kwargs:
-        body["chat_template_kwargs"] = kwargs
+    on = None
+    if thinking in ("enabled", "disabled"):
+        on = thinking == "enabled"
+    elif thinking is None and effort is not None:
+        on = EFFORT_THINKS[effort]
+    if on is not None and model is not None and (switch := model.thinking_vars(on)):
+        body["chat_template_kwargs"] = switch  # the template's own spelling
     choice = req.tool_choice
     if req.tools:
         body["tools"] = _tools(req.tools)
@@ -333,7 +333,7 @@ def router(svc: Service, auth: list) -> APIRouter:
     async def prepared(req: CountTokensRequest) -> Prepared:
         svc.check_model(req.model)
         model = state.target.model
-        chat = to_chat(req, model.supports_thinking, model)
+        chat = to_chat(req, model)
         return await svc.prepare(prepare_chat, chat, names=NAMES)
 
     @r.post("/v1/messages/count_tokens", dependencies=auth)

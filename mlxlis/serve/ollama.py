@@ -3,7 +3,7 @@
 
 A thin adapter, like anthropic.py: a chat body becomes the server's chat request (`thinking`
 as reasoning_content, tool calls with object arguments, `tool_name` as the tool message's name,
-`think` as the template's `enable_thinking`, `format` as response_format, `options` as the
+`think` as the template's thinking switch, `format` as response_format, `options` as the
 sampling values), prepared and generated like any other; /api/generate renders its prompt as a
 user turn through the chat template, or (`raw`) tokenizes it as it is. Replies stream as
 NDJSON, one object a line, the last with `done` and Ollama's counts and durations (in
@@ -236,7 +236,7 @@ def router(svc: Service, auth: list) -> APIRouter:
         check(req.model)
         if not req.messages:
             return loaded(req.model, {"message": {"role": "assistant", "content": ""}})
-        prep = await prepared(prepare_chat, to_chat(req, state.target.model.supports_thinking))
+        prep = await prepared(prepare_chat, to_chat(req, state.target.model))
         shape = Shape(req.model, chat_body, bool(req.logprobs), started)
         return await answer(
             request, prep, svc.chat_reply(prep, bool(req.logprobs)), shape, req.stream
@@ -256,7 +256,7 @@ def router(svc: Service, auth: list) -> APIRouter:
             prep = await prepared(prepare_raw, generate_raw(req))
             reply = RawReply(state.token_text, bool(req.logprobs))
         else:
-            chat = generate_chat(req, state.target.model.supports_thinking)
+            chat = generate_chat(req, state.target.model)
             prep = await prepared(prepare_chat, chat)
             reply = svc.chat_reply(prep, bool(req.logprobs))
         return await answer(request, prep, reply, shape, req.stream)

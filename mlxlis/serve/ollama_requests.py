@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from mlxlis.errors import MlxlisError
+from mlxlis.models.model import Model
 from mlxlis.serve.images import data_url
 from mlxlis.serve.openai_format import MAX_TOP_LOGPROBS, APIError
 from mlxlis.serve.prepare import Prepared, Target, prepare_completion
@@ -144,13 +145,14 @@ def sampling(req: _Request) -> dict[str, Any]:
     return body
 
 
-def templated(req: _Request, thinks: bool) -> dict[str, Any]:
-    """`sampling` plus what only a templated prompt has: the reasoning switch, logprobs."""
+def templated(req: _Request, model: Model) -> dict[str, Any]:
+    """`sampling` plus what only a templated prompt has: the model's thinking switch (as its
+    template spells it), logprobs."""
     body = sampling(req)
     if req.think is not None:
         on = req.think is not False  # a level ("low" … "max") turns it on
-        if thinks:
-            body["chat_template_kwargs"] = {"enable_thinking": on}
+        if switch := model.thinking_vars(on):
+            body["chat_template_kwargs"] = switch
         elif on:
             raise bad("the model does not think (its chat template has no switch)", "think")
     if req.logprobs:
@@ -177,9 +179,10 @@ def message_dict(m: Message, i: int, renames: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def to_chat(req: ChatRequest, thinks: bool) -> ChatCompletionRequest:
-    """The server's chat request for `req` (`thinks`: the template has the reasoning switch)."""
-    body = templated(req, thinks)
+def to_chat(req: ChatRequest, model: Model) -> ChatCompletionRequest:
+    """The server's chat request for `req` (`model`: whose template has the thinking switch
+    `think` sets)."""
+    body = templated(req, model)
     renames: dict[str, str] = {}
     body["messages"] = [message_dict(m, i, renames) for i, m in enumerate(req.messages)]
     if req.tools:
@@ -215,9 +218,9 @@ def check_generate(req: GenerateRequest) -> None:
         raise bad("not with raw: a raw prompt is used as it is", "system")
 
 
-def generate_chat(req: GenerateRequest, thinks: bool) -> ChatCompletionRequest:
+def generate_chat(req: GenerateRequest, model: Model) -> ChatCompletionRequest:
     """A templated /api/generate: the prompt as one user turn, after the system prompt."""
-    body = templated(req, thinks)
+    body = templated(req, model)
     system = [{"role": "system", "content": req.system}] if req.system else []
     body["messages"] = [*system, {"role": "user", "content": with_images(req.prompt, req.images)}]
     chat = ChatCompletionRequest.model_validate(body)

@@ -146,12 +146,13 @@ def _format(fmt: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def to_chat(
-    req: ResponsesRequest, history: list[Item], thinks: bool, model: Any = None
+    req: ResponsesRequest, history: list[Item], model: Any = None
 ) -> tuple[ChatCompletionRequest, list[Item], dict[str, tuple[str, str]]]:
     """The chat request for `req` after the stored conversation `history`, the whole
     conversation's input items (what a later response continues) and the namespaced names
     offered (`namespace.name` -> (namespace, name)). `model`: whose template places the
-    system turns after the first (system_turns.py)."""
+    system turns after the first (system_turns.py) and has the thinking switch
+    `reasoning.effort` sets."""
     items = [Item(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     conversation = [*history, *items]
     messages = to_messages(conversation)
@@ -177,8 +178,8 @@ def to_chat(
     if req.text and req.text.format and (fmt := _format(req.text.format)) is not None:
         body["response_format"] = fmt
     effort = req.reasoning.effort if req.reasoning else None
-    if thinks and effort in THINKS:
-        body["chat_template_kwargs"] = {"enable_thinking": THINKS[effort]}
+    if effort in THINKS and model is not None and (switch := model.thinking_vars(THINKS[effort])):
+        body["chat_template_kwargs"] = switch  # the template's own spelling
     renames = {**_renames(messages), **tools.renames}  # what a refusal names
     chat = ChatCompletionRequest.model_validate(body)
     chat._renames = renames
@@ -328,7 +329,7 @@ def router(svc: Service, auth: list) -> APIRouter:
                 raise e
             history = got[1]
         model = state.target.model
-        chat, conversation, spaces = to_chat(req, history, model.supports_thinking, model)
+        chat, conversation, spaces = to_chat(req, history, model)
         prep = await svc.prepare(prepare_chat, chat, names=NAMES)
         rid = new_id("resp").replace("-", "_")
         reply = svc.chat_reply(prep)
