@@ -26,7 +26,7 @@ from mlxlis.models.config import FamilyConfig, ModelConfig, number
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.experts import PROJECTIONS, ExpertSource, SwitchGLU
 from mlxlis.models.layers import PreNormBlock
-from mlxlis.models.qwen3_moe import expert_sizes, gguf_expert_sizes
+from mlxlis.models.reading import expert_sizes, gguf_expert_sizes
 from mlxlis.models.rope import Rope
 
 import mlx.core as mx

@@ -14,7 +14,7 @@ from mlxlis.limits import check_sizes
 from mlxlis.models.base import GGUFMeta
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.conventions import ZERO_CENTRED_NORM_MINUS_ONE
-from mlxlis.models.llama import check_act
+from mlxlis.models.reading import check_act
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 HF_DEFAULTS = {  # transformers' Qwen3_5TextConfig

@@ -29,8 +29,13 @@ from mlxlis.models.config import ModelConfig
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.experts import PROJECTIONS, ExpertSource, SwitchGLU
 from mlxlis.models.layers import MLP, PreNormBlock
-from mlxlis.models.llama import check_act, rope_freqs_as_config
-from mlxlis.models.qwen3_moe import expert_sizes, flag, gguf_expert_sizes
+from mlxlis.models.reading import (
+    check_act,
+    expert_sizes,
+    flag,
+    gguf_expert_sizes,
+    rope_freqs_as_config,
+)
 from mlxlis.models.rope import Rope
 
 import mlx.core as mx

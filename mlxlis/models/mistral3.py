@@ -24,7 +24,7 @@ from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig, number, yarn_keys, yarn_mscale
 from mlxlis.models.conventions import UNPERMUTE_K, UNPERMUTE_Q
 from mlxlis.models.decoder import Decoder
-from mlxlis.models.llama import check_act, rope_freqs_as_config
+from mlxlis.models.reading import check_act, rope_freqs_as_config
 
 SLIDING = "sliding_attention"
 

@@ -24,7 +24,7 @@ from mlxlis.limits import check_sizes
 from mlxlis.models.base import GGUF_LLAMA_BLOCK, Family, GGUFMeta
 from mlxlis.models.config import ModelConfig, RopeConfig
 from mlxlis.models.decoder import Decoder
-from mlxlis.models.llama import check_act
+from mlxlis.models.reading import check_act
 
 import mlx.core as mx
 

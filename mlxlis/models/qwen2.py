@@ -8,7 +8,7 @@ from __future__ import annotations
 from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.decoder import Decoder
-from mlxlis.models.llama import check_act
+from mlxlis.models.reading import check_act
 
 
 def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:

@@ -12,7 +12,7 @@ from mlxlis.limits import check_sizes
 from mlxlis.models.base import GGUF_LLAMA_BLOCK, Family, GGUFMeta
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.decoder import Decoder
-from mlxlis.models.llama import check_act
+from mlxlis.models.reading import check_act
 
 HEAD_DIM_DEFAULT = 128  # transformers' Qwen3Config default when config.json omits head_dim
 GGUF_BLOCK = {

@@ -8,16 +8,13 @@ mlx-lm's stacked `mlp.switch_mlp.*` loads as it is), GGUF `qwen3moe` (stacked 3-
 
 from __future__ import annotations
 
-from typing import Any
-
-from mlxlis.errors import ConfigError
-from mlxlis.limits import check_sizes
 from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.qwen3 import GGUF_BLOCK as QWEN3_BLOCK
 from mlxlis.models.qwen3 import parse_gguf as qwen3_gguf
 from mlxlis.models.qwen3 import parse_hf as qwen3_hf
+from mlxlis.models.reading import expert_sizes, flag, gguf_expert_sizes, sparse_layers
 
 # transformers' Qwen3MoeConfig defaults for keys a config.json may omit
 HF_DEFAULTS = {
@@ -26,53 +23,6 @@ HF_DEFAULTS = {
     "moe_intermediate_size": 768,
     "decoder_sparse_step": 1,
 }
-
-
-def expert_sizes(
-    sizes: dict[str, tuple[str, Any]], path: str, bounds: dict[str, int] | None = None
-) -> dict[str, int]:
-    size = check_sizes(sizes, path, bounds)
-    if size["num_experts_per_tok"] > size["num_experts"]:
-        key = sizes["num_experts_per_tok"][0]
-        raise ConfigError(
-            f"{size['num_experts_per_tok']} experts per token of {size['num_experts']}",
-            path=path,
-            field=key,
-        )
-    return size
-
-
-def gguf_expert_sizes(meta: GGUFMeta) -> dict[str, int]:
-    """expert_count, expert_used_count and expert_feed_forward_length, checked (each error
-    naming its key): num_experts, num_experts_per_tok, moe_intermediate_size."""
-    keys = {
-        "num_experts": "expert_count",
-        "num_experts_per_tok": "expert_used_count",
-        "moe_intermediate_size": "expert_feed_forward_length",
-    }
-    return expert_sizes({f: (meta.key(k), meta.get(k)) for f, k in keys.items()}, meta.path)
-
-
-def flag(cfg: dict, key: str, path: str) -> bool:
-    value = cfg.get(key, False)
-    if not isinstance(value, bool):  # a string "false" must not read as true
-        raise ConfigError(f"expected true or false, got {value!r}"[:200], path=path, field=key)
-    return value
-
-
-def sparse_layers(cfg: dict, n: int, step: int, path: str) -> tuple[bool, ...]:
-    """transformers: the expert block on every step-th layer not listed in mlp_only_layers (a
-    dense MLP there); Qwen3-Next reads the same."""
-    dense = cfg.get("mlp_only_layers") or []
-    if not isinstance(dense, list) or any(
-        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in dense
-    ):
-        raise ConfigError(
-            f"expected layer indices below {n}, got {dense!r}"[:200],
-            path=path,
-            field="mlp_only_layers",
-        )
-    return tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
 
 
 def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:

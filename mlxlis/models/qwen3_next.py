@@ -38,7 +38,7 @@ from mlxlis.models.hybrid import (
 from mlxlis.models.hybrid import (
     GGUF_BLOCK as QWEN35_BLOCK,
 )
-from mlxlis.models.qwen3_moe import sparse_layers
+from mlxlis.models.reading import sparse_layers
 
 import mlx.core as mx
 

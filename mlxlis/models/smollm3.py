@@ -20,7 +20,7 @@ from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.conventions import UNPERMUTE_K, UNPERMUTE_Q
 from mlxlis.models.decoder import Decoder
-from mlxlis.models.llama import check_act
+from mlxlis.models.reading import check_act
 
 HF_DEFAULTS = {  # transformers' SmolLM3Config, for the keys the shared parser reads
     "vocab_size": 128256,
