@@ -137,7 +137,7 @@ class CommandsMixin:
             what = (
                 "raw completion uses no template"
                 if self.engine.raw
-                else ("this model's chat template has no thinking switch (enable_thinking)")
+                else "this model's chat template has no thinking switch"
             )
             raise CommandError(f"/think: {what}")
         if not arg:

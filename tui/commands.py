@@ -41,7 +41,8 @@ Ctrl+Q quit
 | `/temp X` | set the sampling temperature (0 = greedy) |
 | `/params [k=v ...]` | show/set max_tokens, temp, top_p, top_k, min_p, repetition_penalty, seed |
 | `/think on` · `off` · `default` | reasoning models: the template's thinking switch \
-(`enable_thinking`) for the next messages; `/think` shows it |
+(`enable_thinking`, `thinking_budget`, `reasoning_effort`, … as it spells it) for the next \
+messages; `/think` shows it |
 | `/json on` · `off` · `FILE` | the next replies as one JSON object (`on`), following the \
 JSON schema in FILE, or free (`off`), enforced token by token; `/json` shows it |
 | `/save [PATH]` | write the conversation as Markdown, and keep its cache for `/open` |

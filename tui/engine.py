@@ -280,7 +280,7 @@ class Engine:
     # --- reasoning models ---
     @property
     def thinking_supported(self) -> bool:
-        """The chat template has the enable_thinking switch (Qwen3-style reasoning)."""
+        """The chat template has a thinking switch (prompt/thinking_switch.py)."""
         return not self.raw and bool(getattr(self.model, "supports_thinking", False))
 
     @property
