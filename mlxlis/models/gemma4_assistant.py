@@ -24,7 +24,8 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.models import gemma4
 from mlxlis.models.base import Family
 from mlxlis.models.config import ModelConfig
-from mlxlis.models.gemma4_net import FULL, SLIDING, Gemma4Layer, RMSNorm, Structure, _rope
+from mlxlis.models.gemma4_net import FULL, SLIDING, Gemma4Layer, RMSNorm, Structure
+from mlxlis.models.rope import proportional_rope
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -135,10 +136,10 @@ class Gemma4Assistant(nn.Module):
         self.config, s = cfg, cfg.own(AssistantStructure)
         self._family = family
         ropes = {
-            FULL: _rope(
+            FULL: proportional_rope(
                 s.full_rope_dims, cfg.rope.theta, s.full_rotated, s.full_rope_factor, None, ""
             ),
-            SLIDING: _rope(
+            SLIDING: proportional_rope(
                 s.local_rope_dims,
                 cfg.rope_local.theta,
                 s.local_rotated,

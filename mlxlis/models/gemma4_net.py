@@ -17,14 +17,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mlxlis.cache import CacheBatch, KVBatch, KVCache, KVFormat, RotatingKVCache, window_mask
-from mlxlis.errors import ConfigError
 from mlxlis.models.activations import gated
 from mlxlis.models.attention import attend, softcap
-from mlxlis.models.config import FamilyConfig, ModelConfig, RopeConfig
+from mlxlis.models.config import FamilyConfig, ModelConfig
 from mlxlis.models.experts import SORT_FROM, ExpertSource, SwitchGLU, SwitchLinear
 from mlxlis.models.layers import MLP, Mask
 from mlxlis.models.multimodal import Inserts, with_blocks
-from mlxlis.models.rope import Rope
+from mlxlis.models.rope import Rope, proportional_rope
 from mlxlis.runtime import fused
 
 import mlx.core as mx
@@ -100,22 +99,6 @@ class RMSNorm(nn.Module):
             return fused.rms_norm(x.astype(mx.float32), None, self.eps).astype(x.dtype)
         w = self.weight.astype(mx.float32)
         return fused.rms_norm(x.astype(mx.float32), w, self.eps).astype(self.weight.dtype)
-
-
-def _rope(
-    dims: int, theta: float, rotated: int | None, factor: float, factors: mx.array | None, path: str
-) -> Rope:
-    """Proportional RoPE (transformers): only the first `rotated` pairs of each half turn, at
-    frequencies over all `dims`; the rest get an infinite wavelength. A GGUF states the same
-    as `rope_freqs` factors (1 turned, 1e30 not), read as llama.cpp reads them."""
-    if factors is not None and factors.size != dims // 2:
-        raise ConfigError(
-            f"{factors.size} values for {dims} rotary dims", path=path, field="rope_freqs.weight"
-        )
-    if factors is None and rotated is not None and rotated < dims // 2:
-        factors = mx.concatenate([mx.ones((rotated,)), mx.full((dims // 2 - rotated,), mx.inf)])
-    rope = RopeConfig(theta=theta, type="linear", factor=factor)  # positions ÷ factor
-    return Rope(dims, rope if factor != 1 else RopeConfig(theta=theta), factors)
 
 
 class Attention(nn.Module):
@@ -305,7 +288,7 @@ class Gemma4(nn.Module):
         self.config, s = cfg, cfg.own(Structure)
         self._family = family  # underscores: plain data, not part of the parameter tree
         self._rope_freq_factors = rope_freq_factors  # GGUF: the full layers' RoPE (a buffer)
-        full = _rope(
+        full = proportional_rope(
             s.full_rope_dims,
             cfg.rope.theta,
             s.full_rotated,
@@ -313,7 +296,7 @@ class Gemma4(nn.Module):
             rope_freq_factors,
             cfg.source,
         )
-        local = _rope(
+        local = proportional_rope(
             s.local_rope_dims,
             cfg.rope_local.theta,
             s.local_rotated,

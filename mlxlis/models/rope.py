@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from mlxlis.errors import ConfigError
 from mlxlis.models.config import RopeConfig
 from mlxlis.runtime import fused
 
@@ -199,3 +200,19 @@ def llama3_from_factors(theta: float, dims: int, factors: list[float]) -> RopeCo
         ):
             return rope
     return None
+
+
+def proportional_rope(
+    dims: int, theta: float, rotated: int | None, factor: float, factors: mx.array | None, path: str
+) -> Rope:
+    """Proportional RoPE (transformers): only the first `rotated` pairs of each half turn, at
+    frequencies over all `dims`; the rest get an infinite wavelength. A GGUF states the same
+    as `rope_freqs` factors (1 turned, 1e30 not), read as llama.cpp reads them."""
+    if factors is not None and factors.size != dims // 2:
+        raise ConfigError(
+            f"{factors.size} values for {dims} rotary dims", path=path, field="rope_freqs.weight"
+        )
+    if factors is None and rotated is not None and rotated < dims // 2:
+        factors = mx.concatenate([mx.ones((rotated,)), mx.full((dims // 2 - rotated,), mx.inf)])
+    rope = RopeConfig(theta=theta, type="linear", factor=factor)  # positions ÷ factor
+    return Rope(dims, rope if factor != 1 else RopeConfig(theta=theta), factors)
