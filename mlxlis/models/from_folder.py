@@ -90,4 +90,5 @@ def load_folder(
         skipped=skipped,
         part=part,
         vision=vision,
+        sees=spec.vision is not None,
     )

@@ -154,6 +154,7 @@ def load_gguf(
         skipped=sorted(ignored),
         part=part,
         vision=vision,
+        sees=family(cfg.family).vision is not None,
     )
 
 

@@ -32,7 +32,6 @@ FEATURES_KEPT = 8  # images whose features a model keeps (a second request about
 VISION_NAMES = ("vision_tower.", "model.vision_tower.", "model.visual.", "visual.", "embed_vision.")
 VISION_NAMES += ("model.embed_vision.", "multi_modal_projector.", "model.multi_modal_projector.")
 VISION_NAMES += ("vision_model.",)
-SEEING_FAMILIES = frozenset({"gemma3", "gemma4", "qwen3_5", "qwen3_5_moe"})  # mmproj exists
 
 # (model, prefix cache) -> the generation core's Steps for this model (mlxlis.generation.steps,
 # a layer above): set by the loader for a model pipelined across ranks, None for a lone one
@@ -55,6 +54,7 @@ class Model:
         skipped: list[str] | None = None,
         part: Share | None = None,
         vision: Vision | None = None,
+        sees: bool = False,
     ):
         self.config = config
         self.net = net
@@ -71,6 +71,7 @@ class Model:
         self.steps_factory: StepsFactory | None = None  # None: steps in this process
         self.kv_format: KVFormat | None = None  # quantized KV caches (set_kv_format), or dense
         self.vision = vision  # how it sees images (multimodal.Vision), None: text only
+        self.sees = sees  # its family has a vision tower (Family.vision), loaded or not
         self._features: OrderedDict[str, mx.array] = OrderedDict()  # by image digest
 
     @property
@@ -201,13 +202,13 @@ class Model:
         if self.part is not None:
             return "images with a model pipelined across ranks are not supported"
         if any(n.startswith(VISION_NAMES) or ".vision" in n for n in self.skipped):
-            if self.config.family not in SEEING_FAMILIES:
+            if not self.sees:
                 return f"{self.name}'s vision tower is not implemented: text only"
             return (
                 f"{self.name}'s vision tower is not loaded (it needs the image processor's "
                 "settings beside it, preprocessor_config.json): text only"
             )
-        if self.format == "gguf" and self.config.family in SEEING_FAMILIES:
+        if self.format == "gguf" and self.sees:
             return (
                 f"{self.name} is loaded text only: a GGUF's vision tower is llama.cpp's mmproj "
                 "file (--mmproj FILE, or one beside the model)"
