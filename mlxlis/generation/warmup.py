@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from mlxlis.generation.processors import processors_for
 from mlxlis.generation.sampling import SamplingParams, make_sampler
 from mlxlis.generation.steps import forward, prefill
-from mlxlis.models import build_model, config_from_hf
+from mlxlis.models import WARMUP_CONFIGS, build_model, config_from_hf
 from mlxlis.models.model import Model
 from mlxlis.models.network import Network
 
@@ -40,31 +40,9 @@ _TINY = dict(
     head_dim=16,
     max_position_embeddings=256,
 )
-# one tiny config.json per kind of block: what `make install` compiles the kernels of
-TINY_CONFIGS: tuple[dict, ...] = (
-    dict(model_type="llama", num_hidden_layers=1, **_TINY),
-    dict(
-        model_type="gemma3_text",
-        num_hidden_layers=2,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
-        hidden_activation="gelu_pytorch_tanh",
-        query_pre_attn_scalar=16,
-        **_TINY,
-    ),
-    dict(
-        model_type="qwen3_5_text",
-        num_hidden_layers=2,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        layer_types=["linear_attention", "full_attention"],
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
-        **_TINY,
-    ),
-)
+# one tiny config.json per kind of block (each family's own keys: Family.warmup): what
+# `make install` compiles the kernels of
+TINY_CONFIGS: tuple[dict, ...] = tuple({**c, **_TINY} for c in WARMUP_CONFIGS)
 
 
 def warm_network(

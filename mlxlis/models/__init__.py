@@ -56,6 +56,8 @@ REGISTRY: dict[str, Family] = {
 }
 HF_MODEL_TYPES: dict[str, Family] = {t: f for f in REGISTRY.values() for t in f.hf_model_types}
 GGUF_ARCHS: dict[str, Family] = {a: f for f in REGISTRY.values() for a in f.gguf_archs}
+# the families' tiny configs that `make install` warms the kernels with (Family.warmup)
+WARMUP_CONFIGS: tuple[dict, ...] = tuple(f.warmup for f in REGISTRY.values() if f.warmup)
 
 
 # keys a multimodal wrapper may hold outside its text_config (Qwen3.5: tie_word_embeddings)

@@ -128,6 +128,10 @@ class Family:
     gguf_config_tensors: tuple[str, ...] = ()
     gguf_tensor_config: Callable[[ModelConfig, dict[str, mx.array]], ModelConfig] | None = None
     describe: Description = Description()  # its own part of `inspect`
+    # a tiny config.json of the family's own keys (model_type, layers, what its blocks need),
+    # whose random network `make install` runs to compile kernels no other family's run does
+    # (generation/warmup.py adds the sizes); None: the others' cover it
+    warmup: dict[str, Any] | None = None
 
     def gguf_module_name(self, gguf_name: str) -> str | None:
         """The module tensor name for a GGUF tensor, or None when no row takes it. A row keyed

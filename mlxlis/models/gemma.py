@@ -299,4 +299,12 @@ GEMMA3 = Family(
         "model.multi_modal_projector.",
     ),
     vision=load_images,
+    warmup={  # GELU, a sliding window
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 2,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 16,
+    },
 )

@@ -38,4 +38,5 @@ LLAMA = Family(
     export_model_type="llama",
     export_architecture="LlamaForCausalLM",
     export_config=_export,
+    warmup={"model_type": "llama", "num_hidden_layers": 1},  # SiLU, full attention
 )

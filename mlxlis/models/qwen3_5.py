@@ -61,6 +61,21 @@ QWEN3_5 = Family(
     hf_dropped=DROPPED,
     vision=load_images,  # the ViT and merger, where the folder has their processor
     **MLX,
+    warmup={  # Gated DeltaNet, a gated attention with partial RoPE
+        "model_type": "qwen3_5_text",
+        "num_hidden_layers": 2,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "layer_types": ["linear_attention", "full_attention"],
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e4,
+            "partial_rotary_factor": 0.25,
+        },
+    },
 )
 QWEN3_5_MOE = Family(
     name="qwen3_5_moe",
