@@ -26,6 +26,7 @@ from pathlib import Path
 
 import mlxlis
 from mlxlis.errors import MlxlisError
+from mlxlis.models import PROJECTORS
 from mlxlis.models.mmproj import load_mmproj
 
 import gguf
@@ -266,7 +267,9 @@ def test_gemma3_mmproj_beside_its_text_gguf(tmp_path):
 
     legacy = tmp_path / "legacy-mmproj.gguf"
     write_gemma3(legacy, ref, legacy=True)
-    features_equal(model, load_mmproj(legacy, model.config, model.tokenizer, {}, mx_f32()), IMAGES)
+    features_equal(
+        model, load_mmproj(legacy, model.config, model.tokenizer, {}, mx_f32(), PROJECTORS), IMAGES
+    )
 
 
 def mx_f32():
@@ -281,9 +284,8 @@ def test_gemma4_mmproj_gives_the_folders_features(tmp_path):
     model = mlxlis.load(str(folder), dtype="float32")
     path = tmp_path / "mmproj-g4.gguf"
     write_gemma4(path, ref)
-    vision = load_mmproj(
-        path, model.config, model.tokenizer, {"tokenizer.ggml.padding_token_id": 1}, mx_f32()
-    )
+    meta = {"tokenizer.ggml.padding_token_id": 1}
+    vision = load_mmproj(path, model.config, model.tokenizer, meta, mx_f32(), PROJECTORS)
     features_equal(model, vision, IMAGES)
     assert vision.fill_id == model.vision.fill_id
     inputs = gemma4_inputs(
@@ -299,7 +301,7 @@ def test_qwen3_5_mmproj_gives_the_folders_features(tmp_path):
     path = tmp_path / "mmproj-q.gguf"
     write_qwen3_5(path, ref)
     meta = {"general.architecture": "qwen35", "qwen35.rope.dimension_sections": [3, 3, 2, 0]}
-    vision = load_mmproj(path, model.config, model.tokenizer, meta, mx_f32())
+    vision = load_mmproj(path, model.config, model.tokenizer, meta, mx_f32(), PROJECTORS)
     features_equal(model, vision, IMAGES)
     msgs = [
         {
@@ -319,9 +321,9 @@ def test_qwen3_5_mmproj_gives_the_folders_features(tmp_path):
     other = tmp_path / "mmproj-g3.gguf"
     write_gemma3(other, build_gemma3(tmp_path / "g3"))
     with pytest.raises(MlxlisError) as e:
-        load_mmproj(other, model.config, model.tokenizer, meta, mx_f32())
+        load_mmproj(other, model.config, model.tokenizer, meta, mx_f32(), PROJECTORS)
     assert e.value.field == "clip.projector_type" and str(other) in str(e.value)
     narrow = model.config.with_(hidden_size=model.config.hidden_size * 2)
     with pytest.raises(MlxlisError) as e:
-        load_mmproj(path, narrow, model.tokenizer, meta, mx_f32())
+        load_mmproj(path, narrow, model.tokenizer, meta, mx_f32(), PROJECTORS)
     assert e.value.field == "clip.vision.projection_dim"

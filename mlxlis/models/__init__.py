@@ -12,7 +12,7 @@ and listed below.
 from __future__ import annotations
 
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.models.base import Family
+from mlxlis.models.base import Family, Projector
 from mlxlis.models.config import ModelConfig, base_config, eos_list
 from mlxlis.models.gemma import GEMMA, GEMMA2, GEMMA3
 from mlxlis.models.gemma3n import GEMMA3N
@@ -56,6 +56,8 @@ REGISTRY: dict[str, Family] = {
 }
 HF_MODEL_TYPES: dict[str, Family] = {t: f for f in REGISTRY.values() for t in f.hf_model_types}
 GGUF_ARCHS: dict[str, Family] = {a: f for f in REGISTRY.values() for a in f.gguf_archs}
+# the families that see, by name: their towers in llama.cpp's mmproj files (Family.mmproj)
+PROJECTORS: dict[str, Projector] = {f.name: f.mmproj for f in REGISTRY.values() if f.mmproj}
 # the families' tiny configs that `make install` warms the kernels with (Family.warmup)
 WARMUP_CONFIGS: tuple[dict, ...] = tuple(f.warmup for f in REGISTRY.values() if f.warmup)
 

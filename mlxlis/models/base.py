@@ -64,6 +64,17 @@ class Description:
 
 
 @dataclass(frozen=True)
+class Projector:
+    """How a family's vision tower is stored in llama.cpp's mmproj files (mmproj.py): the
+    projector type the file states, and what builds the tower and its image processing from
+    the file's metadata and tensors (path, metadata, tensors, cfg, tokenizer, the text
+    GGUF's metadata, dtype) -> multimodal.Vision."""
+
+    kind: str
+    build: Callable[..., Any]
+
+
+@dataclass(frozen=True)
 class Family:
     """Everything about one model family, as data and small functions."""
 
@@ -132,6 +143,7 @@ class Family:
     # whose random network `make install` runs to compile kernels no other family's run does
     # (generation/warmup.py adds the sizes); None: the others' cover it
     warmup: dict[str, Any] | None = None
+    mmproj: Projector | None = None  # its tower in llama.cpp's mmproj files, if it sees
 
     def gguf_module_name(self, gguf_name: str) -> str | None:
         """The module tensor name for a GGUF tensor, or None when no row takes it. A row keyed

@@ -22,10 +22,10 @@ from mlxlis.loading.binding import bind, kept_narrow, quantize_like
 from mlxlis.loading.gguf import GGUFFile
 from mlxlis.loading.gguf_split import read_gguf
 from mlxlis.loading.quants import QUANTIZABLE, allocate, convert_tensor
-from mlxlis.models import build_model, family
+from mlxlis.models import PROJECTORS, build_model, family
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.gguf_config import config_from_gguf
-from mlxlis.models.mmproj import FAMILY_PROJECTOR, beside, load_mmproj
+from mlxlis.models.mmproj import beside, load_mmproj
 from mlxlis.models.model import Model
 from mlxlis.models.placement import Placement
 from mlxlis.prompt.template import diagnose_missing_template, discover_template
@@ -118,10 +118,11 @@ def load_gguf(
         tok = tokenizer.result()
         clock("tokenizer (wait)")
     vision = None
-    if mmproj is not False and part is None and cfg.family in FAMILY_PROJECTOR:
-        proj = beside(path, cfg) if mmproj in (None, True) else Path(mmproj)
+    if mmproj is not False and part is None and cfg.family in PROJECTORS:
+        kind = PROJECTORS[cfg.family].kind
+        proj = beside(path, cfg, kind) if mmproj in (None, True) else Path(mmproj)
         if proj is not None:
-            vision = load_mmproj(proj, cfg, tok, md, dtype)
+            vision = load_mmproj(proj, cfg, tok, md, dtype, PROJECTORS)
             clock("vision")
     elif mmproj not in (None, False, True):
         raise UnsupportedError(

@@ -23,6 +23,7 @@ from mlxlis.models.base import GGUF_LLAMA_BLOCK, Family, GGUFMeta
 from mlxlis.models.config import ModelConfig, RopeConfig, parse_rope
 from mlxlis.models.conventions import NORM_MINUS_ONE
 from mlxlis.models.decoder import Decoder
+from mlxlis.models.gemma3_mmproj import PROJECTOR as GEMMA3_MMPROJ
 from mlxlis.models.gemma3_vision import load_images
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -299,6 +300,7 @@ GEMMA3 = Family(
         "model.multi_modal_projector.",
     ),
     vision=load_images,
+    mmproj=GEMMA3_MMPROJ,  # llama.cpp's "gemma3" projector
     warmup={  # GELU, a sliding window
         "model_type": "gemma3_text",
         "num_hidden_layers": 2,

@@ -33,6 +33,7 @@ from mlxlis.models import gemma4_gguf
 from mlxlis.models.activations import GATED
 from mlxlis.models.base import Family
 from mlxlis.models.config import ModelConfig, RopeConfig
+from mlxlis.models.gemma4_mmproj import PROJECTOR as MMPROJ
 from mlxlis.models.gemma4_net import FULL, PLAIN_ACTS, SLIDING, STRUCTURE, Gemma4, Structure
 from mlxlis.models.gemma4_vision import load_images
 
@@ -405,4 +406,5 @@ GEMMA4 = Family(
     ),
     hf_dropped=_TOWERS + tuple(f"model.{t}" for t in _TOWERS),
     vision=load_images,  # the vision tower and embedder, where the folder has their processor
+    mmproj=MMPROJ,  # llama.cpp's "gemma4v" projector
 )

@@ -32,6 +32,7 @@ from mlxlis.models.hybrid import (
     hf_parser,
     mtp_tensor,
 )
+from mlxlis.models.qwen3_5_mmproj import PROJECTOR as MMPROJ
 from mlxlis.models.qwen3_5_vision import load_images
 
 # multimodal checkpoints: the language model under model.language_model.* (mlx-lm saves it
@@ -60,6 +61,7 @@ QWEN3_5 = Family(
     hf_renames=_RENAMES,
     hf_dropped=DROPPED,
     vision=load_images,  # the ViT and merger, where the folder has their processor
+    mmproj=MMPROJ,  # llama.cpp's "qwen3vl_merger" projector
     **MLX,
     warmup={  # Gated DeltaNet, a gated attention with partial RoPE
         "model_type": "qwen3_5_text",
@@ -94,6 +96,7 @@ QWEN3_5_MOE = Family(
     hf_renames=_RENAMES,
     hf_dropped=DROPPED,
     vision=load_images,
+    mmproj=MMPROJ,
     **MLX,
     hf_defaults={"intermediate_size": MOE_DEFAULTS["moe_intermediate_size"]},  # no dense MLP
 )
