@@ -1,6 +1,7 @@
-"""`--speculative mtp`: the target's own multi-token-prediction block as the drafter
-(models/qwen3_5_mtp.py), chained for more than one token as vLLM, SGLang and llama.cpp chain
-it: the block's output state for one drafted token is the state it reads with the next.
+"""`--speculative mtp`: the target's own multi-token-prediction block as the drafter (its
+family's `mtp`: models/qwen3_5_mtp.py), chained for more than one token as vLLM, SGLang and
+llama.cpp chain it: the block's output state for one drafted token is the state it reads with
+the next.
 
 Bookkeeping. The block's KV cache holds one entry per pair (x_{t+1}, g_t) of the sequence,
 g_t the target's state at t (`feed_hidden`, every position once, in order). A proposal after
@@ -20,18 +21,25 @@ from collections.abc import Sequence
 from mlxlis.generation.processors import LogitsProcessor, processors_for
 from mlxlis.generation.proposal import Picker, Proposal, SpeculativeError
 from mlxlis.generation.sampling import SamplingParams
+from mlxlis.models import family
 from mlxlis.models.model import Model
-from mlxlis.models.qwen3_5_mtp import MTPHead
-from mlxlis.models.qwen3_5_mtp_load import NoMTPBlock, mtp_head
+from mlxlis.models.network import DraftHead, NoDraftHead
 
 import mlx.core as mx
 
 
-def mtp_head_of(target: Model) -> MTPHead:
-    """The target's MTP block (loaded on first use), else a SpeculativeError naming it."""
+def mtp_head_of(target: Model) -> DraftHead:
+    """The target's MTP block (its family's `mtp`, loaded on first use), else a
+    SpeculativeError naming it."""
+    spec = family(target.config.family)
     try:
-        return mtp_head(target)
-    except NoMTPBlock as e:
+        if spec.mtp is None:
+            raise NoDraftHead(
+                f"{target.name} (a {spec.name} model) has no multi-token-prediction block to "
+                "draft with"
+            )
+        return spec.mtp(target, spec)
+    except NoDraftHead as e:
         raise SpeculativeError(str(e), field="speculative") from None
 
 
@@ -44,7 +52,7 @@ class MTPDrafter:
 
     def __init__(self, target: Model, params: SamplingParams):
         self.head = mtp_head_of(target)
-        self.cache = self.head.block.make_cache()
+        self.cache = self.head.make_cache()
         self.processors: list[LogitsProcessor] = processors_for(params)
         self.pick = Picker(params)
         self.pending: mx.array | None = None  # (1, hidden) g of the last position, unpaired

@@ -144,6 +144,9 @@ class Family:
     # (generation/warmup.py adds the sizes); None: the others' cover it
     warmup: dict[str, Any] | None = None
     mmproj: Projector | None = None  # its tower in llama.cpp's mmproj files, if it sees
+    # its own multi-token-prediction head as a drafter, loaded on first use: (model, this
+    # family) -> a network.DraftHead, or network.NoDraftHead saying why the model has none
+    mtp: Callable[[Any, Family], Any] | None = None
 
     def gguf_module_name(self, gguf_name: str) -> str | None:
         """The module tensor name for a GGUF tensor, or None when no row takes it. A row keyed

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from mlxlis.cache import Cache, KVFormat
+from mlxlis.errors import MlxlisError
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.multimodal import Inserts
 
@@ -52,3 +53,28 @@ class Network(Protocol):
         """One token for each of B sequences (`tokens` (B,) int32), each with its own caches:
         (B, vocab) logits (or a stage's send)."""
         ...
+
+
+class DraftHead(Protocol):
+    """A model's own drafting block (a multi-token-prediction head) on its target: what
+    `--speculative mtp` drafts with (generation/mtp.py); a family's `Family.mtp` gives it."""
+
+    def make_cache(self) -> list[Cache]:
+        """The block's own caches."""
+        ...
+
+    def target_states(self, hidden: mx.array) -> mx.array:
+        """The target's last-layer outputs (T, hidden) -> what the block reads."""
+        ...
+
+    def step(self, ids: list[int], states: mx.array, cache: list[Cache]) -> mx.array:
+        """Pairs (ids[i], states[i]) through the block: (T, hidden)."""
+        ...
+
+    def logits(self, out: mx.array) -> mx.array:
+        """(T, hidden) block states -> (T, vocab) float32 logits."""
+        ...
+
+
+class NoDraftHead(MlxlisError):
+    """The model has no drafting block of its own to draft with."""

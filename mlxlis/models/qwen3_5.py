@@ -33,6 +33,7 @@ from mlxlis.models.hybrid import (
     mtp_tensor,
 )
 from mlxlis.models.qwen3_5_mmproj import PROJECTOR as MMPROJ
+from mlxlis.models.qwen3_5_mtp_load import mtp_head
 from mlxlis.models.qwen3_5_vision import load_images
 
 # multimodal checkpoints: the language model under model.language_model.* (mlx-lm saves it
@@ -62,6 +63,7 @@ QWEN3_5 = Family(
     hf_dropped=DROPPED,
     vision=load_images,  # the ViT and merger, where the folder has their processor
     mmproj=MMPROJ,  # llama.cpp's "qwen3vl_merger" projector
+    mtp=mtp_head,  # `--speculative mtp` (qwen3_5_mtp.py, qwen3_5_mtp_load.py)
     **MLX,
     warmup={  # Gated DeltaNet, a gated attention with partial RoPE
         "model_type": "qwen3_5_text",
@@ -97,6 +99,7 @@ QWEN3_5_MOE = Family(
     hf_dropped=DROPPED,
     vision=load_images,
     mmproj=MMPROJ,
+    mtp=mtp_head,
     **MLX,
     hf_defaults={"intermediate_size": MOE_DEFAULTS["moe_intermediate_size"]},  # no dense MLP
 )

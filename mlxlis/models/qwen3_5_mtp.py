@@ -107,6 +107,9 @@ class MTPHead:
         self.block = block
         self.net = net
 
+    def make_cache(self) -> list[KVCache]:
+        return self.block.make_cache()
+
     def target_states(self, hidden: mx.array) -> mx.array:
         """The target's last-layer outputs (T, hidden), before its final norm -> after it
         (what the block reads)."""

@@ -10,16 +10,17 @@ from __future__ import annotations
 import threading
 import weakref
 
-from mlxlis.errors import MlxlisError, UnexpectedTensorError, UnsupportedError
+from mlxlis.errors import UnexpectedTensorError, UnsupportedError
 from mlxlis.loading.binding import bind, quantize_like
 from mlxlis.loading.gguf_split import read_gguf
 from mlxlis.loading.manifest import as_manifest
 from mlxlis.loading.plan import plan_bindings
 from mlxlis.loading.quants import convert_tensor
-from mlxlis.models import family
+from mlxlis.models.base import Family
 from mlxlis.models.conventions import gemma_norm_minus_one
 from mlxlis.models.experts import QuantizedSwitchLinear
 from mlxlis.models.model import Model
+from mlxlis.models.network import NoDraftHead
 from mlxlis.models.qwen3_5_mtp import (
     GGUF_NEXTN_COPIES,
     MTPBlock,
@@ -33,36 +34,32 @@ from mlxlis.models.qwen3_5_mtp import (
 import mlx.core as mx
 import mlx.nn as nn
 
-FAMILIES = ("qwen3_5", "qwen3_5_moe")
 _LOADED: weakref.WeakKeyDictionary[Model, MTPHead] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
-class NoMTPBlock(MlxlisError):
-    """The model has no multi-token-prediction block to draft with."""
-
-
-def mtp_head(model: Model) -> MTPHead:
-    """The model's MTP block on the model (loaded on the first call), or NoMTPBlock saying why
-    there is none."""
+def mtp_head(model: Model, spec: Family) -> MTPHead:
+    """The model's MTP block on the model (loaded on the first call; `spec` its family), or
+    NoDraftHead saying why there is none."""
     with _LOCK:
         head = _LOADED.get(model)
         if head is None:
-            head = MTPHead(_load(model), model.net)
+            head = MTPHead(_load(model, spec), model.net)
             _LOADED[model] = head
         return head
 
 
-def _load(model: Model) -> MTPBlock:
+def _load(model: Model, spec: Family) -> MTPBlock:
     cfg = model.config
-    if cfg.family not in FAMILIES or model.part is not None:
-        why = "pipelined" if model.part is not None else f"a {cfg.family} model"
-        raise NoMTPBlock(f"{model.name} ({why}) has no multi-token-prediction block to draft with")
+    if model.part is not None:
+        raise NoDraftHead(
+            f"{model.name} (pipelined) has no multi-token-prediction block to draft with"
+        )
     if model.format == "gguf":
-        return _from_gguf(model)
+        return _from_gguf(model, spec)
     layers = hf_block_layers(model.skipped)
     if layers == 0:
-        raise NoMTPBlock(
+        raise NoDraftHead(
             f"{model.name} has no multi-token-prediction block (no mtp.* tensors: a conversion "
             "such as mlx-lm's drops them)"
         )
@@ -71,7 +68,6 @@ def _load(model: Model) -> MTPBlock:
             f"{layers} MTP layers: only a one-layer block is supported", path=model.path
         )
     block = MTPBlock(cfg)
-    spec = family(cfg.family)
     plan = plan_bindings(block, cfg, as_manifest(None), model.path, layouts=spec.mlx_layouts)
     bind(block, plan.load(), plan.origin or model.path, model.dtype)
     return block
@@ -83,17 +79,16 @@ def _quantized(net) -> bool:
     return any(isinstance(m, kinds) for _, m in net.model.named_modules())
 
 
-def _from_gguf(model: Model) -> MTPBlock:
+def _from_gguf(model: Model, spec: Family) -> MTPBlock:
     cfg, path, dtype = model.config, model.path, model.dtype
     first = gguf_block_index(model.skipped)
     if first is None or first != cfg.num_hidden_layers:
-        raise NoMTPBlock(
+        raise NoDraftHead(
             f"{model.name} has no multi-token-prediction block (no blk.N.nextn.* tensors: "
             "converted without it, e.g. --no-mtp)"
         )
     if any(n.startswith(f"blk.{first + 1}.") for n in model.skipped):
         raise UnsupportedError("more than one MTP layer: only one is supported", path=path)
-    spec = family(cfg.family)
     dense = not _quantized(model.net)
     weights: dict[str, mx.array] = {}
     quant: dict[str, dict] = {}
