@@ -1,4 +1,5 @@
-"""The Gemma 4 assistant as a drafter (models/gemma4_assistant.py has the network): it reads the
+"""An assistant as a drafter (a family with `assists`: the Gemma 4 assistant, whose network is
+models/gemma4_assistant.py): it reads the
 target's state — the last hidden state the target kept (after its final norm), the target's
 scaled embedding of each token, and the keys/values in the target sequence's own caches of
 the last layer of each type with K/V — and drafts k tokens, all at the position of the token
@@ -16,58 +17,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mlxlis.cache import Cache
+from mlxlis.errors import MlxlisError
 from mlxlis.generation.processors import LogitsProcessor, processors_for
 from mlxlis.generation.proposal import Picker, Proposal, SpeculativeError
 from mlxlis.generation.sampling import SamplingParams
-from mlxlis.models.gemma4_assistant import AssistantStructure, SharedKV
-from mlxlis.models.gemma4_net import FULL, SLIDING, Structure
 from mlxlis.models.model import Model
+from mlxlis.models.network import Assistant, SharedKV, TargetView
 
 import mlx.core as mx
 
-FAMILY = "gemma4_assistant"
-
 
 def check_assistant(assistant: Model, target: Model) -> None:
-    """The assistant must read this target: its backbone width, vocabulary, and per layer
-    type the target's head dim and KV heads; else a SpeculativeError naming the field."""
-    a, t = assistant.config, target.config
-    if t.family != "gemma4":
-        raise SpeculativeError(
-            f"a Gemma 4 assistant drafts for a Gemma 4 target, not {t.family}", field="draft_model"
-        )
-    sa, st = a.own(AssistantStructure), t.own(Structure)
-    types = set(a.layer_types)
-    pairs = [
-        ("backbone_hidden_size", sa.backbone_hidden_size, t.hidden_size),
-        ("vocab_size", a.vocab_size, t.vocab_size),
-    ]
-    if SLIDING in types:
-        pairs += [
-            ("head_dim", a.head_dim, t.head_dim),
-            ("num_key_value_heads", a.num_key_value_heads, t.num_key_value_heads),
-        ]
-    if FULL in types:
-        pairs += [
-            ("global_head_dim", sa.global_head_dim, st.global_head_dim),
-            ("num_global_key_value_heads", sa.global_kv_heads, st.global_kv_heads),
-        ]
-    for name, mine, theirs in pairs:
-        if mine != theirs:
-            raise SpeculativeError(
-                f"the assistant's {name} is {mine}, the target's {theirs}: not its assistant",
-                field=name,
-            )
-    if not types <= set(t.layer_types):
-        raise SpeculativeError(
-            "the target lacks a layer type the assistant reads", field="layer_types"
-        )
-    if SLIDING in types and a.sliding_window + 1 < t.sliding_window:
-        raise SpeculativeError(
-            f"the assistant's window {a.sliding_window} is narrower than the target's "
-            f"{t.sliding_window}",
-            field="sliding_window",
-        )
+    """The assistant must read this target (its network's check), else a SpeculativeError
+    naming the field."""
+    net: Assistant = assistant.net  # type: ignore[assignment]  (Family.assists)
+    try:
+        net.check_target(target.config)
+    except MlxlisError as e:
+        raise SpeculativeError(e.message, field=e.field or "draft_model") from None
 
 
 class AssistantDrafter:
@@ -84,8 +51,9 @@ class AssistantDrafter:
         caches: list[Cache] | None = None,
     ):
         check_assistant(assistant, target)
-        self.net, self.target = assistant.net, target.net
-        self.slots = target.net.kv_slots()  # layer type -> cache index
+        self.net: Assistant = assistant.net  # type: ignore[assignment]
+        self.target: TargetView = target.net  # type: ignore[assignment]
+        self.slots = self.target.kv_slots()  # layer type -> cache index
         self.caches = caches  # the target sequence's (the core hands them over)
         self.last: mx.array | None = None  # (1, hidden) the newest state the target kept
         self.processors: list[LogitsProcessor] = processors_for(params)
@@ -112,7 +80,7 @@ class AssistantDrafter:
             raise SpeculativeError("no target hidden state was fed", field="draft_model")
         position = len(history) - 1  # the token after the newest state the target kept
         shared = self.shared()
-        state = self.target.model.norm(self.last)[None]  # (1, 1, hidden): after the final norm
+        state = self.target.final_norm(self.last)[None]  # (1, 1, hidden): after the final norm
         seq, tokens = list(history), []
         token = mx.array([[history[-1]]], mx.int32)
         for _ in range(k):
@@ -125,4 +93,4 @@ class AssistantDrafter:
         return self.pick.proposal(tokens)
 
 
-__all__ = ["FAMILY", "AssistantDrafter", "check_assistant"]
+__all__ = ["AssistantDrafter", "check_assistant"]

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Protocol
 
 from mlxlis.cache import Cache
 from mlxlis.cache.rewind import common_prefix, rewind
-from mlxlis.generation.assistant import FAMILY as ASSISTANT
 from mlxlis.generation.assistant import AssistantDrafter
 from mlxlis.generation.events import Usage
 from mlxlis.generation.processors import LogitsProcessor, forked, processors_for
 from mlxlis.generation.proposal import Picker, Proposal, SpeculativeError
 from mlxlis.generation.sampling import SamplingParams, make_filter, make_key
 from mlxlis.generation.steps import forward, prefill
+from mlxlis.models import family
 
 import mlx.core as mx
 
@@ -377,7 +377,7 @@ class Speculation:
             from mlxlis.generation.mtp import MTPDrafter
 
             return MTPDrafter(target, params)
-        if self.draft_model.config.family == ASSISTANT:
+        if family(self.draft_model.config.family).assists:
             return AssistantDrafter(self.draft_model, target, params, caches)
         vocab = target.config.vocab_size
         return ModelDrafter(self.draft_model, params, processors or None, vocab)

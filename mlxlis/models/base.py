@@ -147,6 +147,9 @@ class Family:
     # its own multi-token-prediction head as a drafter, loaded on first use: (model, this
     # family) -> a network.DraftHead, or network.NoDraftHead saying why the model has none
     mtp: Callable[[Any, Family], Any] | None = None
+    # an assistant: its network (a network.Assistant) drafts for a target from the target's
+    # state (network.TargetView), not from tokens alone
+    assists: bool = False
 
     def gguf_module_name(self, gguf_name: str) -> str | None:
         """The module tensor name for a GGUF tensor, or None when no row takes it. A row keyed

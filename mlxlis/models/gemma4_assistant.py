@@ -20,11 +20,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from mlxlis.cache import KVFormat
-from mlxlis.errors import ConfigError, UnsupportedError
+from mlxlis.errors import ConfigError, MlxlisError, UnsupportedError
 from mlxlis.models import gemma4
 from mlxlis.models.base import Family
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.gemma4_net import FULL, SLIDING, Gemma4Layer, RMSNorm, Structure
+from mlxlis.models.network import SharedKV
 from mlxlis.models.rope import proportional_rope
 
 import mlx.core as mx
@@ -40,7 +41,6 @@ OUTER_KEYS = (
     "num_centroids",
     "centroid_intermediate_top_k",
 )
-SharedKV = dict[str, tuple[mx.array, mx.array]]  # layer type -> (B, n_kv_heads, S, head_dim) x 2
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,49 @@ class Gemma4Assistant(nn.Module):
     def make_cache(self, kv: KVFormat | None = None) -> list[Cache]:
         return []  # it reads the target's
 
+    def check_target(self, t: ModelConfig) -> None:
+        """The target must be one this assistant reads: a Gemma 4, its backbone width,
+        vocabulary, and per layer type the target's head dim and KV heads; else an
+        MlxlisError naming the field."""
+        a = self.config
+        if type(t.family_config) is not Structure:
+            raise MlxlisError(
+                f"a Gemma 4 assistant drafts for a Gemma 4 target, not {t.family}",
+                field="draft_model",
+            )
+        sa, st = a.own(AssistantStructure), t.own(Structure)
+        types = set(a.layer_types)
+        pairs = [
+            ("backbone_hidden_size", sa.backbone_hidden_size, t.hidden_size),
+            ("vocab_size", a.vocab_size, t.vocab_size),
+        ]
+        if SLIDING in types:
+            pairs += [
+                ("head_dim", a.head_dim, t.head_dim),
+                ("num_key_value_heads", a.num_key_value_heads, t.num_key_value_heads),
+            ]
+        if FULL in types:
+            pairs += [
+                ("global_head_dim", sa.global_head_dim, st.global_head_dim),
+                ("num_global_key_value_heads", sa.global_kv_heads, st.global_kv_heads),
+            ]
+        for name, mine, theirs in pairs:
+            if mine != theirs:
+                raise MlxlisError(
+                    f"the assistant's {name} is {mine}, the target's {theirs}: not its assistant",
+                    field=name,
+                )
+        if not types <= set(t.layer_types):
+            raise MlxlisError(
+                "the target lacks a layer type the assistant reads", field="layer_types"
+            )
+        if SLIDING in types and a.sliding_window + 1 < t.sliding_window:
+            raise MlxlisError(
+                f"the assistant's window {a.sliding_window} is narrower than the target's "
+                f"{t.sliding_window}",
+                field="sliding_window",
+            )
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return {n: a for n, a in weights.items() if self._family.hf_name(n) is not None}
 
@@ -197,4 +240,5 @@ GEMMA4_ASSISTANT = Family(
     export_model_type="gemma4_assistant",  # `convert` of an assistant: not written yet
     export_architecture="Gemma4AssistantForCausalLM",
     hf_defaults=gemma4.HF_DEFAULTS,
+    assists=True,  # drafts from its target's state (generation/assistant.py)
 )

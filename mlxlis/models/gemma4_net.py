@@ -394,6 +394,10 @@ class Gemma4(nn.Module):
         h = self.model.embed_tokens(inputs)
         return h * mx.array(self.config.hidden_size**0.5, mx.float32).astype(h.dtype)
 
+    def final_norm(self, h: mx.array) -> mx.array:
+        """The last layer's output -> after the final norm (what an assistant reads)."""
+        return self.model.norm(h)
+
     def kv_slots(self) -> dict[str, int]:
         """Layer type -> the cache index of the last layer of that type with K/V of its own
         (transformers' "store" layers: what the KV-shared layers and an assistant read)."""

@@ -76,5 +76,39 @@ class DraftHead(Protocol):
         ...
 
 
+SharedKV = dict[str, tuple[mx.array, mx.array]]  # layer type -> (B, n_kv_heads, S, head_dim) x 2
+
+
+class TargetView(Protocol):
+    """What an assistant reads of its target's network."""
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """(B, T) ids -> the embedding (B, T, hidden) as the first layer reads it."""
+        ...
+
+    def final_norm(self, h: mx.array) -> mx.array:
+        """The last layer's output -> after the final norm."""
+        ...
+
+    def kv_slots(self) -> dict[str, int]:
+        """Layer type -> the cache index whose keys/values an assistant reads."""
+        ...
+
+
+class Assistant(Protocol):
+    """A network that drafts for a target from the target's state (Family.assists)."""
+
+    def check_target(self, target: ModelConfig) -> None:
+        """An MlxlisError naming the field when it cannot read `target`."""
+        ...
+
+    def __call__(
+        self, inputs: mx.array, position: int, shared: SharedKV
+    ) -> tuple[mx.array, mx.array]:
+        """(B, 1, input) at `position`, the target's keys/values by layer type -> (logits
+        (B, 1, vocab), the next state)."""
+        ...
+
+
 class NoDraftHead(MlxlisError):
     """The model has no drafting block of its own to draft with."""
