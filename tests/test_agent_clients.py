@@ -1,4 +1,4 @@
-"""The real agent CLIs against a real `mlxlis serve`, set up exactly as the README says:
+"""The real agent CLIs against a real `mlxlis serve`, set up exactly as docs/serving.md says:
 Claude Code (npm `@anthropic-ai/claude-code`, the Messages API) and Codex (npm
 `@openai/codex`, the Responses API), each asked one thing in its non-interactive mode on
 Qwen2.5-Coder-0.5B (the smallest catalog model whose context holds their ~12 000-token
@@ -119,7 +119,7 @@ def test_codex_answers(bins, server, tmp_path):
     seen = len(server.log().splitlines())
     home = tmp_path / "codex"
     home.mkdir()
-    # the README's configuration (web search off: a hosted tool cannot run here, and is refused)
+    # docs/serving.md's configuration (web search off: a hosted tool cannot run here: refused)
     (home / "config.toml").write_text(
         f'model = "{MODEL}"\nmodel_provider = "mlxlis"\nweb_search = "disabled"\n\n'
         "[model_providers.mlxlis]\n"

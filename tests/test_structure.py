@@ -1,7 +1,8 @@
 """The package's shape, read from the source: every import of every module (those inside
 functions and under TYPE_CHECKING too) resolved to the module it names, then no import circle
-between modules, and no module importing a layer above its own (the order the README's map
-declares); the app never imports the CLI; the family registry is consistent.
+between modules, and no module importing a layer above its own (the order the layer table of
+docs/architecture.md declares); the app never imports the CLI; the family registry is
+consistent, and docs/models.md's family table names what it reads.
 
 Not an import of each module in a fresh interpreter: without circles, no import order can
 fail, and this reads 100-odd modules in well under a second."""
@@ -19,7 +20,7 @@ from mlxlis.models import GGUF_ARCHS, HF_MODEL_TYPES, REGISTRY
 import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-# bottom to top: a module may import its own layer and the ones below (README "Layers")
+# bottom to top: a module may import its own layer and the ones below (docs/architecture.md)
 LAYERS = (
     ("errors", ("mlxlis.errors", "mlxlis.limits", "mlxlis.bounded")),
     ("runtime", ("mlxlis.runtime",)),
@@ -83,7 +84,9 @@ def layer(name: str) -> int:
         key=lambda x: x[1],
         default=None,
     )
-    assert best is not None, f"{name} belongs to no layer: add it to LAYERS and the README map"
+    assert best is not None, (
+        f"{name} belongs to no layer: add it to LAYERS and docs/architecture.md"
+    )
     return best[0]
 
 
@@ -238,13 +241,24 @@ def test_registry_names_are_unique_and_complete():
         assert HF_MODEL_TYPES[spec.export_model_type] is spec  # convert writes a name we read
 
 
-def test_the_readme_family_table_lists_every_name():
+def table_rows(page: str, heading: str) -> list[list[str]]:
+    """The cells of the first Markdown table under `## heading` in `page` (header and rule
+    left out)."""
+    section = (ROOT / page).read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]]
+
+
+def test_the_family_table_lists_every_name():
     """Every config.json model_type and GGUF architecture the registry reads is in the
-    README's family table (and the table names no other)."""
-    text = (ROOT / "README.md").read_text()
-    table = text.split("### Families", 1)[1].split("\n\n", 2)[2].split("\n\n", 1)[0]
-    rows = [r.split("|")[2:4] for r in table.splitlines()[2:]]
+    family table of docs/models.md (and the table names no other)."""
+    rows = [r[1:3] for r in table_rows("docs/models.md", "Families")]
     types = {t for cell, _ in rows for t in re.findall(r"`([^`]+)`", cell)}
     archs = {a for _, cell in rows for a in re.findall(r"`([^`]+)`", cell)}
     assert types == set(HF_MODEL_TYPES)
     assert archs == set(GGUF_ARCHS)
+
+
+def test_the_architecture_page_lists_the_layers_in_order():
+    """The layer table of docs/architecture.md names LAYERS, bottom to top, in their order."""
+    assert [r[0] for r in table_rows("docs/architecture.md", "Layers")] == [n for n, _ in LAYERS]
