@@ -262,3 +262,131 @@ def test_the_family_table_lists_every_name():
 def test_the_architecture_page_lists_the_layers_in_order():
     """The layer table of docs/architecture.md names LAYERS, bottom to top, in their order."""
     assert [r[0] for r in table_rows("docs/architecture.md", "Layers")] == [n for n, _ in LAYERS]
+
+
+# ---------------------------------------------------------------- a family is one unit
+
+PREFIX = "mlxlis.models."
+
+
+def _family_modules() -> dict[str, list[str]]:
+    """Each module of mlxlis.models that defines a Family (`X = Family(name=…)`) -> the names
+    of the families it defines."""
+    out: dict[str, list[str]] = {}
+    for name, path in MODULES.items():
+        if not name.startswith(PREFIX):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            call = node.value if isinstance(node, ast.Assign) else None
+            if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "Family":
+                fam = next(k.value.value for k in call.keywords if k.arg == "name")
+                out.setdefault(name, []).append(fam)
+    return out
+
+
+DEFINES = _family_modules()
+UNIT_OF_FAMILY = {f: m for m, fams in DEFINES.items() for f in fams}
+
+
+def unit(module: str) -> str | None:
+    """The family unit a module belongs to: the module defining the family whose name is the
+    longest prefix of the module's (gemma4_net -> gemma4's, gemma3_vision -> gemma's), or
+    None for the shared modules (the library, the engine)."""
+    if not module.startswith(PREFIX):
+        return None
+    short = module.removeprefix(PREFIX)
+    names = [f for f in UNIT_OF_FAMILY if short == f or short.startswith(f + "_")]
+    return UNIT_OF_FAMILY[max(names, key=len)] if names else None
+
+
+# Modules outside a family's unit whose code holds a family's name, each with why: formats
+# that share a word with a family name (tokenizer kinds, chat-template and tool-call formats)
+# and the catalog's rows. They name a format or a row of data, not a family's code.
+NAMES_FAMILIES = {
+    "mlxlis.loading.catalog": "catalog rows: each model's family, as data the tests check",
+    "mlxlis.prompt.diagnosis": "chat-template formats (gemma's turn markers)",
+    "mlxlis.prompt.template": "chat-template formats (gemma's turn markers)",
+    "mlxlis.prompt.reasoning_styles": "reasoning formats named for who writes them",
+    "mlxlis.serve.tool_formats.base": "tool-call argument syntaxes (gemma4's)",
+    "mlxlis.serve.tool_formats.json_calls": "tool-call formats named for who writes them",
+    "mlxlis.serve.tool_formats.table": "tool-call formats named for who writes them",
+    "mlxlis.serve.tool_lark": "tool-call argument syntaxes (gemma4's)",
+    "mlxlis.serve.tool_lark_values": "tool-call argument syntaxes (gemma4's)",
+    "mlxlis.tokenizer.gguf": "GGUF tokenizer kinds and pre-tokenizers (llama.cpp's names)",
+    "mlxlis.tokenizer.tokenizer": "GGUF tokenizer kinds (llama.cpp's names)",
+}
+
+
+def _names_a_family(module: str) -> list[str]:
+    """What in `module`'s code names a family: an import of a unit's module, a string that is
+    a registered family name, config.json model_type or GGUF architecture (docstrings
+    aside), or a class only a unit defines."""
+    words = set(REGISTRY) | set(HF_MODEL_TYPES) | set(GGUF_ARCHS)
+    tree = ast.parse(MODULES[module].read_text())
+    docs = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+    }
+    found = [f"imports {t}" for t in sorted(GRAPH[module]) if unit(t)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value in words and id(node) not in docs:
+            found.append(f"line {node.lineno}: {node.value!r}")
+        name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+        if isinstance(node, (ast.Name, ast.Attribute)) and name in UNIT_CLASSES:
+            found.append(f"line {node.lineno}: {name}")
+    return found
+
+
+def _classes(modules) -> set[str]:
+    return {
+        n.name
+        for m in modules
+        for n in ast.walk(ast.parse(MODULES[m].read_text()))
+        if isinstance(n, ast.ClassDef)
+    }
+
+
+UNIT_CLASSES = _classes(m for m in MODULES if unit(m)) - _classes(m for m in MODULES if not unit(m))
+
+
+def test_no_module_outside_a_family_names_a_family():
+    """A family's config, network, formats and description live in its unit: the engine and
+    the shared library name no family (the registry, mlxlis.models itself, lists them)."""
+    outside = [m for m in MODULES if unit(m) is None and m != "mlxlis.models"]
+    named = {m: hits for m in outside if (hits := _names_a_family(m))}
+    assert set(named) <= set(NAMES_FAMILIES), {
+        m: hits for m, hits in named.items() if m not in NAMES_FAMILIES
+    }
+    stale = set(NAMES_FAMILIES) - set(named)
+    assert not stale, f"no longer names a family: take it off NAMES_FAMILIES: {sorted(stale)}"
+
+
+def test_no_family_imports_another_familys_private_names():
+    """A family composes the library and, at most, another family's public names."""
+    bad = []
+    for module in MODULES:
+        mine = unit(module)
+        if mine is None:
+            continue
+        for node in ast.walk(ast.parse(MODULES[module].read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            other = unit(node.module)
+            if other is not None and other != mine:
+                bad += [
+                    f"{module}: {a.name} from {node.module}" for a in node.names if a.name[0] == "_"
+                ]
+    assert bad == []
+
+
+def test_the_unit_reader_finds_every_family():
+    """Self-check of the two tests above: every registered family has a unit, and the units
+    are the modules the families' names lead to."""
+    assert set(UNIT_OF_FAMILY) == set(REGISTRY)
+    assert unit("mlxlis.models.gemma4_net") == unit("mlxlis.models.gemma4") == PREFIX + "gemma4"
+    assert unit("mlxlis.models.gemma3_vision") == PREFIX + "gemma"
+    assert unit("mlxlis.models.qwen3_5_mtp") == PREFIX + "qwen3_5"
+    assert unit("mlxlis.models.decoder") is None and unit("mlxlis.models.reading") is None
