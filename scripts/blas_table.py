@@ -4,7 +4,7 @@ usage: python scripts/blas_table.py [--models NAME ...] [--prompt N] [--decode N
 
 Each cell is the best of R fresh `bench_worker.py mlxlis` processes with MLXLIS_BLAS set to
 wheel (scipy-openblas32, routed by the dispatch), system (apt's libopenblas0) or bundled (MLX's
-own reference BLAS). Prints a Markdown table (the README's speed section quotes it).
+own reference BLAS). Prints a Markdown table (docs/performance.md quotes it).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ grammar) enforced token by token, as one more logits processor of the request's 
 The grammar engine is llguidance (the Earley parser with a lexer that llama.cpp, vLLM and
 SGLang use): it needs no torch, computes a mask of a 152k vocabulary in ~0.1 ms (p99 ~0.6 ms)
 with the GIL released, compiles a schema in milliseconds, and refuses the JSON-schema keywords
-it cannot enforce by name. xgrammar was measured too (scripts/bench_grammar.py, the README's
-table): faster median masks, but it imports torch and transformers, ignores `not`,
-`uniqueItems` and `if/then` silently and matches `pattern` as a whole string.
+it cannot enforce by name. xgrammar was measured too (scripts/bench_grammar.py, the table in
+docs/structured-output.md): faster median masks, but it imports torch and transformers,
+ignores `not`, `uniqueItems` and `if/then` silently and matches `pattern` as a whole string.
 
 Its vocabulary is built from mlxlis's own tokenizer (each token's exact bytes, special tokens
 marked, the model's stop ids as its end-of-sequence tokens), so GGUF models need nothing else.

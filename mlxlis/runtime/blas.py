@@ -15,7 +15,7 @@ slower than OpenBLAS). Two faster ones can take its place:
 `MLXLIS_BLAS=auto|wheel|system|bundled` chooses; auto takes a system OpenBLAS of at least
 `SYSTEM_PREFERRED` when one is installed, else the wheel (measured on a 2-core x86 machine,
 `scripts/blas_table.py`: the system 0.3.21 decoded the catalog models 6-15% faster than the
-wheel's 0.3.34, prefill equal within noise; see the README's speed section).
+wheel's 0.3.34, prefill equal within noise; see docs/performance.md).
 `MLXLIS_BLAS_GEMV=0` keeps matrix-vector products in sgemm (and turns the dispatch off);
 `MLXLIS_BLAS_SKINNY=0` keeps the products of 2..16 rows by a weight matrix (a batched decoding
 step) in sgemm instead of the dispatch's own AVX2 kernel (`_skinny_gemm.c`).
