@@ -62,6 +62,12 @@ Q4X_CACHE = (
 G3N_CACHE = "tests/test_gemma3n.py::test_cached_decode_and_batches_equal_the_full_forward"
 TOOL_CORPUS = "tests/test_tool_corpus.py"
 TOOL_FORCING = "tests/test_tool_forcing.py::test_a_forced_call_reads_back_and_validates"
+STYLES_WRITER = (
+    "tests/test_tool_forcing_styles.py::test_the_writers_text_is_what_the_grammar_allows"
+)
+STYLES_WALKS = (
+    "tests/test_tool_forcing_styles.py::test_random_calls_read_back_valid_and_write_back_the_same"
+)
 
 MUTANTS = (
     Mutant(
@@ -1802,7 +1808,7 @@ MUTANTS = (
     ),
     Mutant(
         "tool-grammar-required-optional",
-        "mlxlis/serve/tool_lark.py",
+        "mlxlis/serve/tool_lark_args.py",
         "        items = [(self.row(k, p, params), k in required) for k, p in props]\n",
         "        items = [(self.row(k, p, params), False) for k, p in props]\n",
         (TOOL_FORCING,),
@@ -1810,9 +1816,9 @@ MUTANTS = (
     ),
     Mutant(
         "tool-grammar-greedy-string",
-        "mlxlis/serve/tool_lark.py",
-        '        return self.rule(_join(quoted[0], value, quoted[1]), "[lazy]")\n',
-        "        return self.terminal(_join(quoted[0], value, quoted[1]))\n",
+        "mlxlis/serve/tool_lark_args.py",
+        '        return self.lark.rule(join(quoted[0], value, quoted[1]), "[lazy]")\n',
+        "        return self.lark.terminal(join(quoted[0], value, quoted[1]))\n",
         ("tests/test_tool_forcing.py::test_the_templates_own_calls_are_what_the_grammar_writes",),
         "forced tool calls: a string value and its closing tag one greedy lexeme (llguidance "
         "panics at the tag token after an unbounded one)",
@@ -1884,6 +1890,62 @@ MUTANTS = (
         '        if switch := {"enable_thinking": on}:\n',
         (THINKING_SWITCH,),
         "Ollama's think: passed as enable_thinking whatever the template reads",
+    ),
+    Mutant(
+        "tool-python-bool-json",
+        "mlxlis/serve/tool_lark_values.py",
+        '    "python": Syntax(("True", "False", "None"),',
+        '    "python": Syntax(("true", "false", "None"),',
+        (STYLES_WRITER,),
+        "forced tool calls: Python-style values (Seed-OSS, MiniCPM5, LFM2) write JSON's true",
+    ),
+    Mutant(
+        "tool-python-string-double-quoted",
+        "mlxlis/serve/tool_lark_lexemes.py",
+        """    return rules.terminal(f'"\\'" {single} "\\'" | "\\\\"" {double} "\\\\""')""",
+        """    return rules.terminal(f'"\\\\"" {single} "\\\\"" | "\\\\"" {double} "\\\\""')""",
+        (STYLES_WRITER,),
+        "forced tool calls: Python reprs' strings in double quotes where repr writes single",
+    ),
+    Mutant(
+        "tool-number-trailing-zeros",
+        "mlxlis/serve/tool_lark_lexemes.py",
+        r'        r"/-?[1-9][0-9]*\.[0-9]*[1-9]/ & /-?[0-9.]{3,16}/",',
+        r'        r"/-?[1-9][0-9]*\.[0-9]+/ & /-?[0-9.]{3,16}/",',
+        (STYLES_WRITER,),
+        "forced tool calls: a float written with trailing zeros (2.50) repr never writes",
+    ),
+    Mutant(
+        "tool-lfm2-list-as-json",
+        "mlxlis/serve/tool_lark_args.py",
+        '(fmt.args, kind) == ("python", "array")',
+        '(fmt.args, kind) == ("python", "list")',
+        (STYLES_WRITER,),
+        "forced tool calls: LFM2's lists as JSON where its template writes Python's repr",
+    ),
+    Mutant(
+        "tool-cdata-raw-markup",
+        "mlxlis/serve/tool_lark_args.py",
+        '        plain = self.string(prop, root, closing, extra=[*extra, r"/[^<&\\n]*/"])',
+        "        plain = self.string(prop, root, closing, extra=extra)",
+        (STYLES_WALKS,),
+        "forced tool calls: MiniCPM5's text holding < or a newline left out of its CDATA",
+    ),
+    Mutant(
+        "tool-lfm2-escape-unread",
+        "mlxlis/serve/tool_formats/args.py",
+        '        if quote and c == "\\\\":  # an escape: the next character is no quote\'s end',
+        "        if False:",
+        (STYLES_WRITER,),
+        "LFM2's reader: an escape inside a quoted literal not skipped (its \\' taken for the end)",
+    ),
+    Mutant(
+        "tool-sequence-ungrouped",
+        "mlxlis/serve/tool_lark.py",
+        """                return f"({' | '.join(f'({f})' for f in firsts)})"\n""",
+        """                return " | ".join(f"({f})" for f in firsts)\n""",
+        (STYLES_WALKS,),
+        "forced tool calls: optional keys before a required one, ungrouped (Gemma 4's `{` lost)",
     ),
 )
 

@@ -188,8 +188,6 @@ def test_the_templates_own_calls_are_what_the_grammar_writes(tok, name):
         pytest.skip(f"the template spaces its calls its own way ({how} by the probe)")
     checked, stop = 0, tok.special_tokens["<|im_end|>"]
     for calls in (SIMPLE, LAST_A_STRING, TWO):
-        if (fmt.values in ("python", "cdata") or fmt.args == "python") and calls is TWO:
-            continue  # Seed-OSS, MiniCPM, LFM2 write arrays as Python's repr; forced: JSON
         got = reply_of(template, "", calls)  # the calls as the template renders them
         if got is None:
             continue

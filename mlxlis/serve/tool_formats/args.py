@@ -130,8 +130,10 @@ def _py_value(text: str, pos: int) -> tuple[Any, int]:
     depth, at, quote = 0, pos, ""
     while at < len(text):  # a literal to the comma or parenthesis that ends it
         c = text[at]
-        if quote:
-            quote = "" if c == quote and text[at - 1] != "\\" else quote
+        if quote and c == "\\":  # an escape: the next character is no quote's end
+            at += 1
+        elif quote:
+            quote = "" if c == quote else quote
         elif c in "'\"":
             quote = c
         elif c in _OPENERS:

@@ -27,8 +27,9 @@ from collections.abc import Mapping
 from typing import Any
 
 STYLES = ("json", "python-scalars", "python", "cdata")
-_INT = re.compile(r"-?(?:0|[1-9]\d*)")
-_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+# ASCII digits (\d takes any script's: "١٢" would read as 12, and be written "12")
+_INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _WORDS = {"true": True, "false": False, "True": True, "False": False, "null": None, "None": None}
 _CDATA = ("<![CDATA[", "]]>")
 # the JSON type names a value of a Python type has (bool before int: bool is an int)
