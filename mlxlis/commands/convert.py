@@ -247,7 +247,7 @@ def convert(
         _need_transformers(path)  # before any work: the tokenizer files are written last
     # GGUF blocks stay quantized unless asked; a folder's weights are written as stored
     model = load(path, dtype, dequantize=dequantize if is_gguf or dequantize else None)
-    if getattr(model.net, "_rope_freq_factors", None) is not None:
+    if model.net.rope_freq_factors is not None:
         raise UnsupportedError(
             "rope_freqs (per-frequency RoPE factors stored as a tensor: Llama 3 scaling, "
             "Gemma 4's proportional RoPE) cannot be expressed in config.json yet",

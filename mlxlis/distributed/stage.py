@@ -21,14 +21,16 @@ from mlxlis.cache import Cache, CacheBatch
 from mlxlis.distributed.group import Ranks
 from mlxlis.distributed.split import Part
 from mlxlis.errors import UnsupportedError
+from mlxlis.models.network import VerifiesAlone
 
 import mlx.core as mx
 
 
-class PipelineNet:
+class PipelineNet(VerifiesAlone):
     """The network of a pipelined Model: called like the Decoder (inputs, cache, last_only),
     it returns logits on the last rank and, on the others, the send of its hidden states
-    (an array whose evaluation passes them on). Other attributes are the Decoder's."""
+    (an array whose evaluation passes them on). Other attributes are the Decoder's. It does
+    not verify in batch (the core refuses to speculate on a pipelined model)."""
 
     def __init__(self, net: Any, ranks: Ranks, part: Part, dtype: mx.Dtype):
         self.net = net
@@ -80,6 +82,10 @@ class PipelineNet:
     @property
     def heads(self) -> bool:
         return self.part.last
+
+    @property
+    def rope_freq_factors(self) -> mx.array | None:
+        return self.net.rope_freq_factors
 
     def decode_batch(self, tokens: mx.array, caches: list[list[Cache]]) -> mx.array:
         """One token for each of B sequences (`tokens` (B,)), each with this rank's caches

@@ -1,6 +1,6 @@
 """The generation core's speculative step (core.py): each speculating sequence's pending token
 read and its drafter's proposals made, every row verified — in one batched forward when
-several speculate and the network has one (`verify_batch`), else one forward each — then each
+several speculate and the network has one (`verifies_in_batch`), else one forward each — then each
 row's verdict taken position by position (speculative.Judge), its caches trimmed back to what
 it kept and the target's own next token left pending.
 
@@ -23,6 +23,7 @@ import mlx.core as mx
 if TYPE_CHECKING:
     from mlxlis.generation.speculative import Proposal
     from mlxlis.generation.steps import Steps
+    from mlxlis.models.network import Network
 
 Sequence = Any  # core.Sequence, a running request (not imported: core imports this module)
 
@@ -50,12 +51,12 @@ def propose(s: Sequence, k: int) -> Draft:
     return Draft(s, tokens, prop, time.perf_counter() - t0)
 
 
-def verify(steps: Steps, net, drafts: list[Draft]) -> list[tuple[Sequence, Event]]:
+def verify(steps: Steps, net: Network, drafts: list[Draft]) -> list[tuple[Sequence, Event]]:
     """Verify every row of `drafts`, then take each one's verdict: the events they made."""
     if len(groups := by_format(drafts, lambda d: d.seq.kv)) > 1:
         return [ev for group in groups for ev in verify(steps, net, group)]
     t0 = time.perf_counter()
-    batch = len(drafts) > 1 and hasattr(net, "verify_batch")
+    batch = len(drafts) > 1 and net.verifies_in_batch
     if batch and not any(d.seq.spec.wants_hidden for d in drafts):
         width = max(len(d.tokens) for d in drafts)
         rows = [d.tokens + d.tokens[-1:] * (width - len(d.tokens)) for d in drafts]

@@ -106,6 +106,7 @@ class Decoder(nn.Module):
     its caches are those of its own layers, in order."""
 
     layer = DecoderLayer  # a family's own block (llama4.py), built as layer(cfg, rope, index)
+    verifies_in_batch = True  # verify_batch: the rows' caches through CacheBatch
 
     def __init__(
         self,
@@ -143,6 +144,10 @@ class Decoder(nn.Module):
     @property
     def heads(self) -> bool:
         return self._heads
+
+    @property
+    def rope_freq_factors(self) -> mx.array | None:
+        return self._rope_freq_factors
 
     def make_cache(self, kv: KVFormat | None = None) -> list[Cache]:
         cfg = self.config

@@ -23,6 +23,7 @@ from mlxlis.models.config import FamilyConfig, ModelConfig
 from mlxlis.models.experts import SORT_FROM, ExpertSource, SwitchGLU, SwitchLinear
 from mlxlis.models.layers import MLP, Mask
 from mlxlis.models.multimodal import Inserts, with_blocks
+from mlxlis.models.network import VerifiesAlone
 from mlxlis.models.rope import Rope, proportional_rope
 from mlxlis.runtime import fused
 
@@ -205,9 +206,8 @@ class FusedSwitchGLU(nn.Module):
 class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.switch_glu = (
-            FusedSwitchGLU(cfg) if cfg.own(Structure).fused_gate_up else SwitchGLU(cfg)
-        )
+        glu = FusedSwitchGLU if cfg.own(Structure).fused_gate_up else SwitchGLU
+        self.switch_glu = glu(cfg)
 
     def __call__(self, x: mx.array, inds: mx.array, weights: mx.array) -> mx.array:
         y = self.switch_glu(x, inds)  # (B, T, k, hidden)
@@ -278,7 +278,7 @@ class Gemma4Model(nn.Module):
             self.per_layer_projection_norm = RMSNorm(s.per_layer_dim, cfg.rms_norm_eps)
 
 
-class Gemma4(nn.Module):
+class Gemma4(VerifiesAlone, nn.Module):
     """inputs (B, T) token ids -> logits (B, T, vocab) in the compute dtype (T = 1 if last_only)."""
 
     model_class: type[Gemma4Model] = Gemma4Model  # Gemma 3n's (gemma3n_net.py)
@@ -351,6 +351,10 @@ class Gemma4(nn.Module):
 
     heads = True  # the whole network, always (Gemma 4 does not run pipelined)
 
+    @property
+    def rope_freq_factors(self) -> mx.array | None:
+        return self._rope_freq_factors
+
     def decode_batch(self, tokens: mx.array, caches: list[list[Cache]]) -> mx.array:
         """One token for each of B sequences (`tokens` (B,)), each with its own caches:
         (B, vocab) logits. The projections and MLPs run on the batch; attention over the
@@ -409,11 +413,7 @@ class Gemma4(nn.Module):
         return h
 
     def _run(
-        self,
-        inputs: mx.array,
-        cache: list[Cache] | None,
-        last_only: bool,
-        inserts: Inserts | None = None,
+        self, inputs: mx.array, cache: list[Cache] | None, last_only: bool, inserts: Inserts | None
     ) -> mx.array:
         """The embedding and the layers: (B, T, hidden) before the final norm (only the newest
         position from the first KV-shared layer on when `last_only`). With `inserts`, the

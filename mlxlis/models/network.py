@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from mlxlis.cache import Cache, KVFormat
-from mlxlis.errors import MlxlisError
+from mlxlis.errors import MlxlisError, UnsupportedError
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.multimodal import Inserts
 
@@ -53,6 +53,34 @@ class Network(Protocol):
         """One token for each of B sequences (`tokens` (B,) int32), each with its own caches:
         (B, vocab) logits (or a stage's send)."""
         ...
+
+    @property
+    def verifies_in_batch(self) -> bool:
+        """Whether `verify_batch` runs several sequences' speculative verifications in one
+        forward (else the core verifies each speculating sequence in a forward of its own)."""
+        ...
+
+    def verify_batch(self, tokens: mx.array, caches: list[list[Cache]]) -> mx.array:
+        """T tokens for each of B sequences (`tokens` (B, T): a batched speculative
+        verification), each with its own caches: (B, T, vocab) logits. Called only where
+        `verifies_in_batch`."""
+        ...
+
+    @property
+    def rope_freq_factors(self) -> mx.array | None:
+        """The per-frequency RoPE factors a GGUF stores as a tensor (rope_freqs) that this
+        network applies, None when none."""
+        ...
+
+
+class VerifiesAlone:
+    """What a network without a batched verification states (Network.verifies_in_batch): the
+    core verifies each speculating sequence in a forward of its own."""
+
+    verifies_in_batch = False
+
+    def verify_batch(self, tokens: mx.array, caches: list[list[Cache]]) -> mx.array:
+        raise UnsupportedError("this network verifies one sequence per forward")
 
 
 class DraftHead(Protocol):

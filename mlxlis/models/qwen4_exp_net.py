@@ -204,6 +204,8 @@ class Qwen4Exp(nn.Module):
     """inputs (B, T) token ids -> logits (B, T, vocab) in the compute dtype (T = 1 if last_only)."""
 
     heads = True  # the whole network, always (it does not run pipelined)
+    verifies_in_batch = True  # verify_batch: the rows' caches through CacheBatch
+    rope_freq_factors = None  # its RoPE is built without a GGUF's rope_freqs
 
     def __init__(self, cfg: ModelConfig, family: Family, rope_freq_factors: mx.array | None = None):
         super().__init__()
