@@ -7,6 +7,7 @@ Which tensor feeds which parameter is decided and validated beforehand by `manif
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Protocol
 
 from mlxlis.errors import ConfigError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from mlxlis.runtime import qmv
@@ -16,6 +17,25 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+class Bindable(Protocol):
+    """What binding a checkpoint asks of a network (an nn.Module: its modules and parameters,
+    and how its family reads a checkpoint's names); plan.py binds against it."""
+
+    def named_modules(self) -> list[tuple[str, nn.Module]]: ...
+
+    def parameters(self) -> dict: ...
+
+    def sanitize(self, weights: dict[str, Any]) -> dict[str, Any]:
+        """Checkpoint names -> ours (the family's renames; what it drops left out), values
+        unchanged: applied to names only by the plan."""
+        ...
+
+    def expert_stacks(self) -> dict[str, Any]:
+        """Stacked expert parameters -> where Hugging Face checkpoints keep them (an
+        ExpertSource of models/experts.py, or a tuple of alternatives); empty when none."""
+        ...
 
 
 def kept_narrow(name: str, stored: mx.Dtype, dtype: mx.Dtype) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 
 from mlxlis import limits
 from mlxlis.errors import ConfigError, FileFormatError
+from mlxlis.loading.binding import Bindable, quantize_like
 from mlxlis.loading.manifest import (
     _QUANT_PARTS,
     _TIED,
@@ -223,7 +224,7 @@ def _more(items: list, n: int = 5) -> str:
 
 
 def plan_bindings(
-    net: nn.Module,
+    net: Bindable,
     cfg: Any,
     manifest: Manifest,
     folder: Path,
@@ -238,8 +239,6 @@ def plan_bindings(
     transpose (another converter's layout, e.g. mlx-lm's conv1d) binds, transposed at load.
     `held(param)`: a pipeline rank's share (`net` holds only those layers); the tensors of the
     other ranks' parameters are left to them, neither bound nor reported."""
-    from mlxlis.loading.binding import quantize_like
-
     folder = Path(folder)
     where = manifest.origin or str(folder)  # what errors about the mapping name
     sources = {spec.name: _open_source(spec, manifest, folder) for spec in manifest.sources}
@@ -252,9 +251,7 @@ def plan_bindings(
     # by-name lookups go through the family's own renames (net.sanitize, e.g. the prefixes of
     # multimodal Gemma 3 checkpoints), applied to the names only; what it drops is ignored
     by_name: dict[str, str] = {k: k for k in default.tensors}
-    sanitize = getattr(net, "sanitize", None)
-    if callable(sanitize):
-        by_name = {k: v for k, v in sanitize(by_name).items() if v in default.tensors}
+    by_name = {k: v for k, v in net.sanitize(by_name).items() if v in default.tensors}
     dropped = set(default.tensors) - set(by_name.values())
     if held is not None:
         elsewhere |= {(default.name, v) for k, v in by_name.items() if not held(k)}
@@ -263,7 +260,7 @@ def plan_bindings(
     # quantized modules: those whose `.scales` is bound, by the manifest, by name or (MXFP4
     # experts) by a Hugging Face layout of the family's
     quantizable = _quantizable(net)
-    stacks = net.expert_stacks() if callable(getattr(net, "expert_stacks", None)) else {}
+    stacks = net.expert_stacks()
     scaled = []
     for m in sorted(quantizable):
         p = f"{m}.scales"
