@@ -289,7 +289,9 @@ def read_back(template: ChatTemplate, head: str, reply: str, tools: list, piece:
         for i, c in enumerate(calls):
             if len(json.loads(c["function"]["arguments"])) >= 2:
                 assert i in early, (fmt.name, i, pieces)
-                assert len(joined(pieces)[i]) >= 3, (fmt.name, i, pieces)
+                # a character at a time, each argument in a piece of its own (in larger
+                # pieces two may end in one: LFM2's string ends where the next key is seen)
+                assert piece > 1 or len(joined(pieces)[i]) >= 3, (fmt.name, i, pieces)
     got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
     return (content + shown).strip(), reasoning.strip(), got
 

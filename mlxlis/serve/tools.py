@@ -35,7 +35,9 @@ from mlxlis.serve.tool_formats.partial import read_open
 
 log = logging.getLogger("mlxlis.serve")
 LEADS = ("<|python_tag|>", PY_START)  # tags a bare-JSON call may start with (Llama 3.1, 4)
-ENDS = frozenset(",}>")  # where an open call's argument or the call may end (_advance)
+# where an open call's argument or the call may end (_advance): JSON's and Gemma 4's "," and
+# "}", a tag's ">", LFM2's ")" and the "=" of the key after a string
+ENDS = frozenset(",}>)=")
 
 
 def tool_names(tools: list[dict[str, Any]]) -> frozenset[str]:
@@ -86,9 +88,9 @@ class ToolCallParser:
 
     def _advance(self, body: str, new: str) -> None:
         """Send what the open block's calls hold so far (`body`: the block's text, `new` its
-        last piece). Inside a call, an argument or the call ends only at one of ENDS (JSON's
-        "," and "}", a tag's ">"): without one the block is not read again (a long argument
-        would be read once a token); between calls a name may end anywhere."""
+        last piece). Inside a call, an argument or the call ends only at one of ENDS: without
+        one the block is not read again (a long argument would be read once a token); between
+        calls a name may end anywhere."""
         if self._held or not (self._between or any(c in new for c in ENDS)):
             return
         calls = read_open(self.fmt, body, self.schemas)

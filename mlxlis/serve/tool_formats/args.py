@@ -52,16 +52,7 @@ def g4_value(s: str, i: int) -> tuple[Any, int]:
         out: dict[str, Any] = {}
         i += 1
         while s[i] != "}":
-            if s.startswith(Q, i):
-                key, i = g4_value(s, i)
-            else:
-                m = _G4_KEY.match(s, i)
-                if not m:
-                    raise ValueError("no key")
-                key, i = m.group().strip(), m.end()
-            if s[i] != ":":
-                raise ValueError("no colon")
-            out[key], i = g4_value(s, i + 1)
+            key, out[key], i = g4_member(s, i)
             if s[i] == ",":
                 i += 1
         return out, i + 1
@@ -81,6 +72,41 @@ def g4_value(s: str, i: int) -> tuple[Any, int]:
     if word in _G4_SCALARS:
         return _G4_SCALARS[word], m.end()
     return json.loads(word), m.end()  # a number (json raises ValueError on anything else)
+
+
+def g4_member(s: str, i: int) -> tuple[str, Any, int]:
+    """`key:value` at `i` (the key bare or quoted): (key, value, where it ends)."""
+    if s.startswith(Q, i):
+        key, i = g4_value(s, i)
+    else:
+        m = _G4_KEY.match(s, i)
+        if not m:
+            raise ValueError("no key")
+        key, i = m.group().strip(), m.end()
+    if s[i] != ":":
+        raise ValueError("no colon")
+    value, i = g4_value(s, i + 1)
+    return key, value, i
+
+
+def g4_members(text: str, pos: int, out: list[tuple[str, Any]]) -> int | None:
+    """The whole members of Gemma 4's object at `pos` into `out` (each once the "," or "}"
+    after it came: "2" may go on); where the object ends, or None while it is open."""
+    if not text.startswith("{", pos):
+        return None
+    i = pos + 1
+    while i < len(text):
+        if text[i] == "}":
+            return i + 1
+        try:
+            key, value, i = g4_member(text, i)
+        except (ValueError, IndexError):  # a member still coming in
+            return None
+        if i >= len(text) or text[i] not in ",}":
+            return None
+        out.append((key, value))
+        i += text[i] == ","
+    return None
 
 
 def read_gemma4(text: str, pos: int) -> Read:
@@ -146,6 +172,25 @@ def _py_value(text: str, pos: int) -> tuple[Any, int]:
             break
         at += 1
     return literal(text[pos:at].strip()), at
+
+
+def python_members(text: str, pos: int, out: list[tuple[str, Any]]) -> int | None:
+    """The whole `key=value` arguments at `pos` into `out` (each once the "," or ")" after it
+    came); where the call's closing parenthesis is, or None while it has not come."""
+    while m := _PY_KEY.match(text, pos):
+        try:
+            value, end = _py_value(text, m.end())
+        except (ValueError, IndexError):  # a string still coming in
+            return None
+        at = skip_ws(text, end)
+        if at >= len(text) or text[at] not in ",)":
+            return None
+        out.append((m.group(1), value))
+        if text[at] == ")":
+            return at
+        pos = at + 1
+    at = skip_ws(text, pos)
+    return at if text.startswith(")", at) else None
 
 
 def read_python(text: str, pos: int) -> Read:

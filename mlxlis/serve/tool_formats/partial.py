@@ -7,9 +7,9 @@ value ends (a number once something follows it: "3" may become "35"), a tagged r
 closing tag came. A value is never sent in part, so a call the model breaks midway leaves
 whole arguments behind, never a cut one. `done` says the call's arguments have all come.
 
-Formats with a reader of their own (bare JSON, whose reply may not be a call at all) and
-those whose arguments are not JSON nor rows (Gemma 4's, LFM2's Python call) are read whole
-only: `read_open` gives nothing for them.
+Formats with a reader of their own (bare JSON, whose reply may not be a call at all) are
+read whole only: `read_open` gives nothing for them. Gemma 4's arguments and LFM2's Python
+call stream argument by argument as JSON ones do.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from json.decoder import scanstring
 from typing import Any
 
-from mlxlis.serve.tool_formats.args import skip_ws
+from mlxlis.serve.tool_formats.args import g4_members, python_members, skip_ws
 from mlxlis.serve.tool_formats.base import _PATTERNS, ToolFormat
 
 _DECODER = json.JSONDecoder()
@@ -50,7 +50,7 @@ class OpenCall:
 
 def streams(fmt: ToolFormat) -> bool:
     """Whether a format's calls can be read while they stream."""
-    return fmt.reader is None and fmt.args in ("json", "xml") and bool(fmt.open)
+    return fmt.reader is None and (fmt.args in MEMBERS or fmt.args == "xml") and bool(fmt.open)
 
 
 def read_open(fmt: ToolFormat, body: str, schemas: Mapping[str, Any]) -> list[OpenCall]:
@@ -95,9 +95,9 @@ def _open_call(
     if m is None or m.end() >= len(text):  # the name may go on ("get_wea" | "ther")
         return None
     call = OpenCall(m.group("name"), [])
-    if fmt.args == "json":
-        end = _members(text, m.end(), call.members)
-        call.done = end is not None  # the object closed: its arguments are all there
+    if fmt.args != "xml":
+        end = MEMBERS[fmt.args](text, m.end(), call.members)
+        call.done = end is not None  # the arguments closed: they are all there
     else:
         end = fmt.read_rows(text, m.end(), schemas.get(call.name), call.members)
         if not fmt.call.split("{args}")[1].strip():  # no tag of its own closes the call
@@ -212,3 +212,8 @@ def _open_object(text: str, pos: int, keys: dict[str, str]) -> tuple[OpenCall, i
         elif key in (keys["args"], *_ARGS) and call is None:
             return None  # its arguments before its name: read whole when the call ends
         i = end
+
+
+# a format's arguments -> the reader of their whole members (each (text, pos, out) -> where
+# they end, or None while they are open); "xml" rows are base.py's
+MEMBERS = {"json": _members, "gemma4": g4_members, "python": python_members}
