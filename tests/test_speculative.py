@@ -28,6 +28,7 @@ from mlxlis.generation.engine import Engine
 from mlxlis.generation.generate import run
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import (
+    Drafter,
     Judge,
     Proposal,
     Speculation,
@@ -111,10 +112,12 @@ def test_greedy_speculation_gives_the_plain_greedy_tokens(models, name):
         assert seq.usage.draft_tokens > 0, (spec.kind, seq.usage)
 
 
-class Corrupted:
+class Corrupted(Drafter):
     """A drafter that knows the plain greedy sequence `truth` and proposes it with one token
     wrong, at position (its call count mod k + 1) of each proposal: a verification must keep
     exactly the proposals before that one (all of them when it falls past the end)."""
+
+    wants_hidden = False
 
     def __init__(self, truth: list[int], vocab: int):
         self.truth, self.vocab = truth, vocab

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import mlxlis
 from mlxlis.generation.sampling import SamplingParams
-from mlxlis.generation.speculative import Proposal, Speculation, SpeculativeError
+from mlxlis.generation.speculative import Drafter, Proposal, Speculation, SpeculativeError
 from mlxlis.generation.steps import forward
 
 import gguf
@@ -251,7 +251,7 @@ def test_greedy_mtp_speculation_gives_the_plain_greedy_tokens(tiny, which):
         assert seq.usage.draft_tokens > 0, spec.tokens
 
 
-class Corrupted:
+class Corrupted(Drafter):
     """The MTP drafter run as it is (its cache fed, drafted on and trimmed), its proposals
     replaced by the plain greedy continuation `truth` with one token wrong at position (call
     count mod k + 1): each verification keeps a known number of them."""

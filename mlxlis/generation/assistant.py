@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from mlxlis.cache import Cache
 from mlxlis.errors import MlxlisError
 from mlxlis.generation.processors import LogitsProcessor, processors_for
-from mlxlis.generation.proposal import Picker, Proposal, SpeculativeError
+from mlxlis.generation.proposal import Drafter, Picker, Proposal, SpeculativeError
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.models.model import Model
 from mlxlis.models.network import Assistant, SharedKV, TargetView
@@ -37,7 +37,7 @@ def check_assistant(assistant: Model, target: Model) -> None:
         raise SpeculativeError(e.message, field=e.field or "draft_model") from None
 
 
-class AssistantDrafter:
+class AssistantDrafter(Drafter):
     """Drafts with a Gemma 4 assistant from the target's state (module docstring); greedy
     for a greedy target, else sampled under the request's processors and filters (q)."""
 

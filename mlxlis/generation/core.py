@@ -423,7 +423,7 @@ class Core:
             s.set_shift(self.model)
             if logits is not None:
                 s.sample(logits)
-                if s.spec is not None and hasattr(s.spec.drafter, "prepare"):
+                if s.spec is not None:
                     s.spec.drafter.prepare(s.history)  # a draft model reads the prompt now
         except PipelineError:
             raise

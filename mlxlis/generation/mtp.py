@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mlxlis.generation.processors import LogitsProcessor, processors_for
-from mlxlis.generation.proposal import Picker, Proposal, SpeculativeError
+from mlxlis.generation.proposal import Drafter, Picker, Proposal, SpeculativeError
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.models import family
 from mlxlis.models.model import Model
@@ -43,7 +43,7 @@ def mtp_head_of(target: Model) -> DraftHead:
         raise SpeculativeError(str(e), field="speculative") from None
 
 
-class MTPDrafter:
+class MTPDrafter(Drafter):
     """Drafts with the target's MTP block (loaded on first use; a SpeculativeError when it has
     none), greedy for a greedy target, else sampled from the block's distribution under the
     request's processors and filters (the q of the ratio test)."""

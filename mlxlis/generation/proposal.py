@@ -1,10 +1,12 @@
-"""What a drafter hands the generation core, and how it picks each proposal (speculative.py
-re-exports the names; drafters in modules of their own import them from here)."""
+"""What a drafter is to the generation core (Drafter), what it hands the core and how it
+picks each proposal (speculative.py re-exports the names; drafters in modules of their own
+import them from here)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from mlxlis.errors import MlxlisError
 from mlxlis.generation.processors import LogitsProcessor
@@ -23,6 +25,27 @@ class Proposal:
 
     tokens: list[int]
     q: mx.array | None = None  # (len(tokens), vocab) the drafter's probabilities; None: point
+
+
+class Drafter(Protocol):
+    """Proposes the tokens a speculating sequence's verification checks. A drafter class
+    subclasses it, stating `wants_hidden`; `prepare` and `feed_hidden` do nothing unless it
+    has something to read there."""
+
+    wants_hidden: bool  # whether the core hands it the target's hidden states (feed_hidden)
+
+    def propose(self, history: Sequence[int], k: int) -> Proposal:
+        """Up to `k` tokens to follow `history` (the prompt and every token so far)."""
+        ...
+
+    def prepare(self, prompt: Sequence[int]) -> None:
+        """Read the prompt while the target's first token is on its way (the request's time
+        to first token, not its decoding, pays for it)."""
+
+    def feed_hidden(self, ids: Sequence[int], hidden: mx.array) -> None:
+        """The target's last-layer outputs (len(ids), hidden), before its final norm, for the
+        positions of `ids` (in order, every position of the sequence exactly once: the prompt's
+        chunks, then each verification's kept positions); handed only where `wants_hidden`."""
 
 
 class Picker:

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from mlxlis.cache import Cache
 from mlxlis.cache.rewind import common_prefix, rewind
 from mlxlis.generation.assistant import AssistantDrafter
 from mlxlis.generation.events import Usage
 from mlxlis.generation.processors import LogitsProcessor, forked, processors_for
-from mlxlis.generation.proposal import Picker, Proposal, SpeculativeError
+from mlxlis.generation.proposal import Drafter, Picker, Proposal, SpeculativeError
 from mlxlis.generation.sampling import SamplingParams, make_filter, make_key
 from mlxlis.generation.steps import forward, prefill
 from mlxlis.models import family
@@ -43,32 +43,14 @@ KINDS = ("ngram", "draft", "mtp")  # --speculative (a draft model: --draft-model
 MAX_DRAFT = 16  # the most tokens one verification checks (a recurrent layer keeps as many states)
 
 
-class Drafter(Protocol):
-    def propose(self, history: Sequence[int], k: int) -> Proposal:
-        """Up to `k` tokens to follow `history` (the prompt and every token so far)."""
-        ...
-
-
-class HiddenDrafter(Drafter, Protocol):
-    """A drafter that reads the target's hidden states (a multi-token-prediction head): it
-    says so with `wants_hidden = True`, and the core hands it each state it keeps."""
-
-    wants_hidden: bool
-
-    def feed_hidden(self, ids: Sequence[int], hidden: mx.array) -> None:
-        """The target's last-layer outputs (len(ids), hidden), before its final norm, for the
-        positions of `ids` (in order, every position of the sequence exactly once: the prompt's
-        chunks, then each verification's kept positions)."""
-        ...
-
-
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the longest
     suffix of the sequence (MAX_N down to MIN_N tokens long) — the large win when a reply
     copies from its prompt (edits, summaries, retrieval answers). Each n-gram's latest
     position is indexed as the sequence grows, so a lookup costs O(MAX_N)."""
 
     MIN_N, MAX_N = 1, 4
+    wants_hidden = False
 
     def __init__(self) -> None:
         self.seen = 0  # history positions indexed so far
@@ -88,7 +70,7 @@ class NgramDrafter:
         return Proposal([])
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """A smaller model of the target's vocabulary, run ahead on caches of its own: it catches
     up with the sequence (rewinding to what it shares with its caches), then drafts `k` tokens
     one step each, greedy for a greedy target, else sampled from its own distribution under
@@ -96,6 +78,8 @@ class ModelDrafter:
     to it through copies made for each proposal (`forked`): a grammar's mask moves on with the
     drafted tokens there, and with the kept ones only in the request's own; its logits are
     read over the target's vocabulary (`vocab`: ids it lacks at -inf, ids past it cut)."""
+
+    wants_hidden = False
 
     def __init__(
         self,
@@ -113,8 +97,7 @@ class ModelDrafter:
         self.vocab = vocab or model.config.vocab_size
 
     def prepare(self, prompt: Sequence[int]) -> None:
-        """Read the prompt while the target's first token is on its way (the request's time to
-        first token, not its decoding, pays for it)."""
+        """Read the prompt: the draft's caches catch up with it."""
         self._catch_up(prompt)
         mx.eval([c.state for c in self.caches])
 
@@ -335,7 +318,7 @@ class Governor:
 class Speculation:
     """How a request speculates: with which drafter (`kind` "ngram", "draft", the draft
     model for "draft", or "mtp", the target's own multi-token-prediction block: generation/
-    mtp.py; or a drafter of one's own, `make(params)` giving one per request), and
+    mtp.py; or a Drafter of one's own, `make(params)` giving one per request), and
     `tokens` per verification (None: chosen by the Governor)."""
 
     kind: str
@@ -397,7 +380,7 @@ class SpecState:
     ):
         self.spec = spec
         self.drafter = spec.drafter(params, target, caches, processors)
-        self.wants_hidden = bool(getattr(self.drafter, "wants_hidden", False))
+        self.wants_hidden = self.drafter.wants_hidden
         self.judge = Judge(params)
         self.governor = Governor(fixed=spec.tokens)
 
