@@ -210,7 +210,7 @@ MUTANTS = (
     ),
     Mutant(
         "sparse-step-off-by-one",
-        "mlxlis/models/qwen3_moe.py",
+        "mlxlis/models/reading.py",
         "return tuple(i not in dense and (i + 1) % step == 0 for i in range(n))",
         "return tuple(i not in dense and i % step == 0 for i in range(n))",
         ("tests/test_qwen3.py",),
@@ -637,7 +637,7 @@ MUTANTS = (
     ),
     Mutant(
         "mmproj-gemma3-norm-shift",
-        "mlxlis/models/mmproj.py",
+        "mlxlis/models/gemma3_mmproj.py",
         "        - 1.0,\n",
         "        - 0.0,\n",
         ("tests/test_mmproj.py",),
@@ -645,7 +645,7 @@ MUTANTS = (
     ),
     Mutant(
         "mmproj-gemma4-patch-layout",
-        "mlxlis/models/mmproj.py",
+        "mlxlis/models/gemma4_mmproj.py",
         "w.transpose(0, 2, 3, 1).reshape(d, -1)",
         "w.reshape(d, -1)",
         ("tests/test_mmproj.py",),
@@ -653,7 +653,7 @@ MUTANTS = (
     ),
     Mutant(
         "mmproj-qwen-one-frame",
-        "mlxlis/models/mmproj.py",
+        "mlxlis/models/qwen3_5_mmproj.py",
         "np.stack(frames, axis=2)",
         "np.stack([frames[0], frames[0]], axis=2)",
         ("tests/test_mmproj.py",),
@@ -1736,7 +1736,7 @@ MUTANTS = (
     ),
     Mutant(
         "tool-parameters-not-their-own-resource",
-        "mlxlis/serve/tool_grammar.py",
+        "mlxlis/generation/tool_grammar/__init__.py",
         '            params = {**params, "$id": f"urn:mlxlis:tools:{i}"}\n',
         "            pass\n",
         ("tests/test_constraints_hostile.py::test_pydantic_schemas_are_forced_in_every_dialect",),
@@ -1768,7 +1768,7 @@ MUTANTS = (
     ),
     Mutant(
         "tool-xml-integer-a-string",
-        "mlxlis/serve/tool_formats/values.py",
+        "mlxlis/prompt/tool_formats/values.py",
         "        return True, int(word)\n",
         "        return True, word\n",
         (TOOL_CORPUS,),
@@ -1776,7 +1776,7 @@ MUTANTS = (
     ),
     Mutant(
         "tool-second-call-dropped",
-        "mlxlis/serve/tools.py",
+        "mlxlis/prompt/tool_calls.py",
         "                    new += self._finish(parsed)\n",
         "                    new += self._finish(parsed[:1])\n",
         (TOOL_CORPUS,),
@@ -1784,7 +1784,7 @@ MUTANTS = (
     ),
     Mutant(
         "tool-text-before-call-lost",
-        "mlxlis/serve/tools.py",
+        "mlxlis/prompt/tool_calls.py",
         "            out += self._text(buf[:at])\n",
         "            self._text(buf[:at])\n",
         (TOOL_CORPUS,),
@@ -1792,7 +1792,7 @@ MUTANTS = (
     ),
     Mutant(
         "tool-open-tag-not-held",
-        "mlxlis/serve/tools.py",
+        "mlxlis/prompt/tool_calls.py",
         "                keep = partial_suffix(buf, op)\n",
         "                keep = 0\n",
         (TOOL_CORPUS,),
@@ -1800,7 +1800,7 @@ MUTANTS = (
     ),
     Mutant(
         "tool-close-tag-not-held",
-        "mlxlis/serve/tools.py",
+        "mlxlis/prompt/tool_calls.py",
         "                at = buf.find(cl) if cl is not None else -1\n",
         "                at = buf.find(cl, len(buf) - len(text)) if cl is not None else -1\n",
         (TOOL_CORPUS,),
@@ -1808,7 +1808,7 @@ MUTANTS = (
     ),
     Mutant(
         "tool-grammar-required-optional",
-        "mlxlis/serve/tool_lark_args.py",
+        "mlxlis/generation/tool_grammar/args.py",
         "        items = [(self.row(k, p, params), k in required) for k, p in props]\n",
         "        items = [(self.row(k, p, params), False) for k, p in props]\n",
         (TOOL_FORCING,),
@@ -1816,7 +1816,7 @@ MUTANTS = (
     ),
     Mutant(
         "tool-grammar-greedy-string",
-        "mlxlis/serve/tool_lark_args.py",
+        "mlxlis/generation/tool_grammar/args.py",
         '        return self.lark.rule(join(quoted[0], value, quoted[1]), "[lazy]")\n',
         "        return self.lark.terminal(join(quoted[0], value, quoted[1]))\n",
         ("tests/test_tool_forcing.py::test_the_templates_own_calls_are_what_the_grammar_writes",),
@@ -1893,7 +1893,7 @@ MUTANTS = (
     ),
     Mutant(
         "tool-python-bool-json",
-        "mlxlis/serve/tool_lark_values.py",
+        "mlxlis/generation/tool_grammar/values.py",
         '    "python": Syntax(("True", "False", "None"),',
         '    "python": Syntax(("true", "false", "None"),',
         (STYLES_WRITER,),
@@ -1901,7 +1901,7 @@ MUTANTS = (
     ),
     Mutant(
         "tool-python-string-double-quoted",
-        "mlxlis/serve/tool_lark_lexemes.py",
+        "mlxlis/generation/tool_grammar/lexemes.py",
         """    return rules.terminal(f'"\\'" {single} "\\'" | "\\\\"" {double} "\\\\""')""",
         """    return rules.terminal(f'"\\\\"" {single} "\\\\"" | "\\\\"" {double} "\\\\""')""",
         (STYLES_WRITER,),
@@ -1909,7 +1909,7 @@ MUTANTS = (
     ),
     Mutant(
         "tool-number-trailing-zeros",
-        "mlxlis/serve/tool_lark_lexemes.py",
+        "mlxlis/generation/tool_grammar/lexemes.py",
         r'        r"/-?[1-9][0-9]*\.[0-9]*[1-9]/ & /-?[0-9.]{3,16}/",',
         r'        r"/-?[1-9][0-9]*\.[0-9]+/ & /-?[0-9.]{3,16}/",',
         (STYLES_WRITER,),
@@ -1917,7 +1917,7 @@ MUTANTS = (
     ),
     Mutant(
         "tool-lfm2-list-as-json",
-        "mlxlis/serve/tool_lark_args.py",
+        "mlxlis/generation/tool_grammar/args.py",
         '(fmt.args, kind) == ("python", "array")',
         '(fmt.args, kind) == ("python", "list")',
         (STYLES_WRITER,),
@@ -1925,7 +1925,7 @@ MUTANTS = (
     ),
     Mutant(
         "tool-cdata-raw-markup",
-        "mlxlis/serve/tool_lark_args.py",
+        "mlxlis/generation/tool_grammar/args.py",
         '        plain = self.string(prop, root, closing, extra=[*extra, r"/[^<&\\n]*/"])',
         "        plain = self.string(prop, root, closing, extra=extra)",
         (STYLES_WALKS,),
@@ -1933,7 +1933,7 @@ MUTANTS = (
     ),
     Mutant(
         "tool-lfm2-escape-unread",
-        "mlxlis/serve/tool_formats/args.py",
+        "mlxlis/prompt/tool_formats/args.py",
         '        if quote and c == "\\\\":  # an escape: the next character is no quote\'s end',
         "        if False:",
         (STYLES_WRITER,),
@@ -1941,7 +1941,7 @@ MUTANTS = (
     ),
     Mutant(
         "tool-sequence-ungrouped",
-        "mlxlis/serve/tool_lark.py",
+        "mlxlis/generation/tool_grammar/lark.py",
         """                return f"({' | '.join(f'({f})' for f in firsts)})"\n""",
         """                return " | ".join(f"({f})" for f in firsts)\n""",
         (STYLES_WALKS,),
@@ -1949,7 +1949,7 @@ MUTANTS = (
     ),
     Mutant(
         "stream-number-whole-at-text-end",
-        "mlxlis/serve/tool_formats/partial.py",
+        "mlxlis/prompt/tool_formats/partial.py",
         'return text[skip_ws(text, end) : skip_ws(text, end) + 1] in (",", "}")',
         'return text[skip_ws(text, end) : skip_ws(text, end) + 1] in (",", "}", "")',
         ("tests/test_tool_stream.py", TOOL_CORPUS),
@@ -1957,7 +1957,7 @@ MUTANTS = (
     ),
     Mutant(
         "stream-brace-before-done",
-        "mlxlis/serve/tool_formats/partial.py",
+        "mlxlis/prompt/tool_formats/partial.py",
         'return "{" + body + ("}" if self.done else "")',
         'return "{" + body + "}"',
         ("tests/test_tool_stream.py",),
@@ -1965,7 +1965,7 @@ MUTANTS = (
     ),
     Mutant(
         "stream-rest-not-sent",
-        "mlxlis/serve/tools.py",
+        "mlxlis/prompt/tool_calls.py",
         "                elif len(args) > len(sent):\n",
         "                elif False:\n",
         ("tests/test_tool_stream.py",),
@@ -1973,7 +1973,7 @@ MUTANTS = (
     ),
     Mutant(
         "stream-unoffered-tool-streamed",
-        "mlxlis/serve/tools.py",
+        "mlxlis/prompt/tool_calls.py",
         "                if self.names and call.name not in self.names:\n",
         "                if False:\n",
         ("tests/test_tool_stream.py",),
@@ -1998,7 +1998,7 @@ MUTANTS = (
     ),
     Mutant(
         "stream-row-closer-any",
-        "mlxlis/serve/tool_formats/base.py",
+        "mlxlis/prompt/tool_formats/base.py",
         "while text.find(closer, pos) >= 0 and (m := row.match(text, pos)) is not None:",
         "while text.find(closer, pos) < 0 and (m := row.match(text, pos)) is not None:",
         (TOOL_CORPUS, "tests/test_tool_stream.py"),

@@ -412,8 +412,8 @@ def test_tool_call_grammars_refuse_what_they_cannot_hold(tiny):
     whose calls follow reasoning (gpt-oss's harmony) or whose tag is no token of the
     vocabulary are refused; a required call in each syntax compiles in the engine (every
     format's calls: test_tool_forcing; through a server: test_serve_real)."""
-    from mlxlis.serve.tool_formats import GEMMA4, HARMONY, HERMES, for_template
-    from mlxlis.serve.tool_grammar import tool_grammar
+    from mlxlis.generation.tool_grammar import tool_grammar
+    from mlxlis.prompt.tool_formats import GEMMA4, HARMONY, HERMES, for_template
 
     folder, _ = tiny("llama")
     model = mlxlis.load(folder, "float32")

@@ -1,4 +1,4 @@
-"""Hostile constraints (generation/schema_bounds.py, constraints.py, serve/tool_grammar.py):
+"""Hostile constraints (generation/schema_bounds.py, constraints.py, generation/tool_grammar/):
 every constraint compiles before anything runs, within bounds, or is refused with a 400 naming
 the field the client sent and the bound; never a crash, a 500 mid-reply, or an empty reply
 that "succeeded".

@@ -16,8 +16,8 @@ import json
 from mlxlis.prompt.harmony import HarmonySplitter
 from mlxlis.prompt.reasoning import ANSWER, REASONING, ReasoningSplitter
 from mlxlis.prompt.template import ChatTemplate
-from mlxlis.serve.tool_formats import for_template
-from mlxlis.serve.tools import ToolCallParser
+from mlxlis.prompt.tool_calls import ToolCallParser
+from mlxlis.prompt.tool_formats import for_template
 from mlxlis.tokenizer import Tokenizer
 
 import pytest
@@ -183,8 +183,8 @@ def test_a_forced_call_opens_through_the_splitter(template, tokenizer):
     prompt (HARMONY.forced): the server's reply reads that header as the model's own, and
     the arguments the model then writes come back as the call."""
     from mlxlis.generation.events import Event, Usage
+    from mlxlis.prompt.tool_formats import HARMONY
     from mlxlis.serve.reply import ChatReply
-    from mlxlis.serve.tool_formats import HARMONY
 
     prompt = template.render(USER, add_generation_prompt=True, tools=TOOLS)
     forced = HARMONY.forced("get_weather")

@@ -31,8 +31,8 @@ import json
 import socket
 import time
 
-from mlxlis.serve.tool_formats import GEMMA4, HARMONY, HERMES, for_template
-from mlxlis.serve.tools import ToolCallParser
+from mlxlis.prompt.tool_calls import ToolCallParser
+from mlxlis.prompt.tool_formats import GEMMA4, HARMONY, HERMES, for_template
 
 import anthropic
 import openai

@@ -261,7 +261,7 @@ def test_required_calls_in_each_format(tmp_path_factory, template, fmt):
     another family's official template: the call comes in that template's syntax (Llama 3's
     bare JSON object, Mistral's [TOOL_CALLS] list, gpt-oss's harmony message to
     functions.NAME), parsed, its arguments valid."""
-    from mlxlis.serve.tool_formats import for_template
+    from mlxlis.prompt.tool_formats import for_template
 
     from conftest import llama_cpp_reference
 

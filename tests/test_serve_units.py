@@ -9,11 +9,11 @@ import json
 import mlxlis
 from mlxlis.generation.events import Event, Usage
 from mlxlis.generation.sampling import SamplingParams
+from mlxlis.prompt.tool_calls import ToolCallParser
 from mlxlis.serve.openai_format import APIError, TokenText
 from mlxlis.serve.prepare import bound_context
 from mlxlis.serve.reply import ChatReply
 from mlxlis.serve.schemas import param_path
-from mlxlis.serve.tools import ToolCallParser
 
 import pytest
 

@@ -33,9 +33,9 @@ from mlxlis.prompt.reasoning_styles import (
     template_reasoning,
 )
 from mlxlis.prompt.template import END_OF_TURN_MARKERS, ChatTemplate
-from mlxlis.serve.tool_formats import template_format
-from mlxlis.serve.tool_formats.partial import streams
-from mlxlis.serve.tools import ToolCallParser, tool_schemas
+from mlxlis.prompt.tool_calls import ToolCallParser, tool_schemas
+from mlxlis.prompt.tool_formats import template_format
+from mlxlis.prompt.tool_formats.partial import streams
 
 import pytest
 

@@ -11,8 +11,8 @@ import json
 import re
 
 from mlxlis.prompt.template import ChatTemplate
-from mlxlis.serve.tool_formats import for_template, template_format
-from mlxlis.serve.tools import ToolCallParser
+from mlxlis.prompt.tool_calls import ToolCallParser
+from mlxlis.prompt.tool_formats import for_template, template_format
 
 import pytest
 from test_tool_formats import ARGS, TEMPLATES, assistant_text, template_text

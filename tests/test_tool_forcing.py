@@ -18,10 +18,10 @@ from typing import Any
 
 import mlxlis
 from mlxlis.generation.constraints import ConstraintError, constraint
+from mlxlis.generation.tool_grammar import tag_ids, tool_grammar
 from mlxlis.prompt.template import ChatTemplate
-from mlxlis.serve.tool_formats import TABLE, template_match
-from mlxlis.serve.tool_grammar import tag_ids, tool_grammar
-from mlxlis.serve.tools import ToolCallParser, tool_schemas
+from mlxlis.prompt.tool_calls import ToolCallParser, tool_schemas
+from mlxlis.prompt.tool_formats import TABLE, template_match
 
 import jsonschema
 import numpy as np

@@ -1,7 +1,7 @@
 """Forced calls are written as the model's own template writes them, byte for byte, in the
 formats whose values are not JSON: Seed-OSS's and MiniCPM5's Python reprs (XML parameters),
 LFM2's Python call (`[f(city='Paris', tags=['a'])]`), Qwen3-Coder's True / None beside JSON
-objects, Gemma 4's own syntax (tool_lark_values.py).
+objects, Gemma 4's own syntax (generation/tool_grammar/values.py).
 
 The next turn's prompt renders the call the model wrote through the template again: where the
 forced text differs from the template's (a JSON `["a", true]` in a Python `['a', True]`'s
@@ -23,10 +23,10 @@ import json
 
 import mlxlis
 from mlxlis.generation.constraints import constraint
+from mlxlis.generation.tool_grammar import tag_ids, tool_grammar
 from mlxlis.prompt.template import ChatTemplate
-from mlxlis.serve.tool_formats import TABLE, template_match
-from mlxlis.serve.tool_grammar import tag_ids, tool_grammar
-from mlxlis.serve.tools import ToolCallParser, tool_schemas
+from mlxlis.prompt.tool_calls import ToolCallParser, tool_schemas
+from mlxlis.prompt.tool_formats import TABLE, template_match
 
 import jsonschema
 import pytest

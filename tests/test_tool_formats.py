@@ -14,8 +14,8 @@ import json
 import re
 
 from mlxlis.prompt.template import ChatTemplate
-from mlxlis.serve.tool_formats import for_template, parse_gemma4, template_format
-from mlxlis.serve.tools import ToolCallParser
+from mlxlis.prompt.tool_calls import ToolCallParser
+from mlxlis.prompt.tool_formats import for_template, parse_gemma4, template_format
 
 import pytest
 from conftest import llama_cpp_reference

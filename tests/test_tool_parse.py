@@ -11,9 +11,9 @@ import json
 import logging
 
 from mlxlis.prompt.template import ChatTemplate
-from mlxlis.serve.tool_formats import TABLE, template_format
-from mlxlis.serve.tool_formats.values import read_value, types_of
-from mlxlis.serve.tools import ToolCallParser
+from mlxlis.prompt.tool_calls import ToolCallParser
+from mlxlis.prompt.tool_formats import TABLE, template_format
+from mlxlis.prompt.tool_formats.values import read_value, types_of
 
 import pytest
 from conftest import llama_cpp_reference
@@ -118,9 +118,9 @@ def test_past_calls_go_back_as_each_template_takes_them():
     unless only text renders: of the corpus, functionary v3.2 alone concatenates them to its
     text; message_dict hands it the JSON text and the others the object, and the turn renders
     what the template renders for text arguments (transformers refuses objects there)."""
+    from mlxlis.prompt.tool_formats import call_arguments
     from mlxlis.serve.chat_messages import message_dict
     from mlxlis.serve.schemas import ChatMessage
-    from mlxlis.serve.tool_formats import call_arguments
 
     from test_tool_corpus import CORPUS
     from transformers.utils.chat_template_utils import render_jinja_template

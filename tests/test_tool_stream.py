@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import logging
 
-from mlxlis.serve.tool_formats import TABLE
-from mlxlis.serve.tool_formats.partial import streams
-from mlxlis.serve.tools import ToolCallParser
+from mlxlis.prompt.tool_calls import ToolCallParser
+from mlxlis.prompt.tool_formats import TABLE
+from mlxlis.prompt.tool_formats.partial import streams
 
 import pytest
 from tool_pieces import check_pieces, joined

@@ -1,5 +1,5 @@
 """What a streamed tool call must be, checked on the pieces a parser gave (OpenAI's chunk
-shape: `tools.ToolCallParser.take_pieces`) against the calls it read whole."""
+shape: `prompt.tool_calls.ToolCallParser.take_pieces`) against the calls it read whole."""
 
 from __future__ import annotations
 

@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from mlxlis.prompt.segments import partial_suffix
-from mlxlis.serve.tool_formats import HERMES, PY_END, PY_START, ParsedCall, ToolFormat, parse_json
-from mlxlis.serve.tool_formats.partial import read_open
+from mlxlis.prompt.tool_formats import HERMES, PY_END, PY_START, ParsedCall, ToolFormat, parse_json
+from mlxlis.prompt.tool_formats.partial import read_open
 
 log = logging.getLogger("mlxlis.serve")
 LEADS = ("<|python_tag|>", PY_START)  # tags a bare-JSON call may start with (Llama 3.1, 4)

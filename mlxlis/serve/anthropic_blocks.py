@@ -90,7 +90,7 @@ class Blocks:
             if self.open != "text":
                 out += self._start("text", {"type": "text", "text": ""})
             out.append(self._delta({"type": "text_delta", "text": d.content}))
-        for piece in d.call_pieces:  # a call's first piece opens its block (tools.py)
+        for piece in d.call_pieces:  # a call's first piece opens its block (tool_calls.py)
             fn = piece["function"]
             if "id" in piece:
                 block = {"type": "tool_use", "id": piece["id"], "name": fn["name"], "input": {}}

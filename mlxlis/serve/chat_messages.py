@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from mlxlis.prompt.tool_formats import call_arguments
 from mlxlis.serve.images import image_bytes
 from mlxlis.serve.openai_format import bad
 from mlxlis.serve.schemas import ChatMessage
-from mlxlis.serve.tool_formats import call_arguments
 
 
 def message_dict(m: ChatMessage, i: int, model: Any = None) -> dict[str, Any]:

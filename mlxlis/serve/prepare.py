@@ -14,13 +14,13 @@ from mlxlis.generation.core import Request
 from mlxlis.generation.sampling import SamplingError, SamplingParams
 from mlxlis.generation.session import turn_start
 from mlxlis.generation.speculative import Speculation
+from mlxlis.generation.tool_grammar import ParametersError, tool_grammar
+from mlxlis.generation.tool_grammar import tag_ids as call_tags
+from mlxlis.prompt.tool_calls import tool_names, tool_schemas
+from mlxlis.prompt.tool_formats import ToolFormat, for_template, template_format
 from mlxlis.serve.chat_messages import image_parts, message_dict, with_prepared
 from mlxlis.serve.openai_format import MAX_TOP_LOGPROBS, bad
 from mlxlis.serve.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
-from mlxlis.serve.tool_formats import ToolFormat, for_template, template_format
-from mlxlis.serve.tool_grammar import ParametersError, tool_grammar
-from mlxlis.serve.tool_grammar import tag_ids as call_tags
-from mlxlis.serve.tools import tool_names, tool_schemas
 
 MAX_STOP_STRINGS = 16
 MAX_IMAGES = 16  # images in one request: each is decoded and preprocessed before it runs

@@ -16,9 +16,9 @@ from mlxlis.generation.events import Event
 from mlxlis.prompt.harmony import HarmonySplitter
 from mlxlis.prompt.reasoning import ANSWER, ReasoningSplitter
 from mlxlis.prompt.template import ChatTemplate
+from mlxlis.prompt.tool_calls import ToolCallParser
+from mlxlis.prompt.tool_formats import HERMES, ToolFormat
 from mlxlis.serve.openai_format import CompletionLogprobs, TokenText, chat_logprob
-from mlxlis.serve.tool_formats import HERMES, ToolFormat
-from mlxlis.serve.tools import ToolCallParser
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Delta:
     reasoning: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # whole, as they end
     logprobs: list[dict[str, Any]] = field(default_factory=list)
-    # the calls as they stream (OpenAI's chunk shape: tools.ToolCallParser.take_pieces)
+    # the calls as they stream (OpenAI's chunk shape: tool_calls.ToolCallParser.take_pieces)
     call_pieces: list[dict[str, Any]] = field(default_factory=list)
 
     def __bool__(self) -> bool:

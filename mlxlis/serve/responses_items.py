@@ -97,7 +97,7 @@ class Output:
                 delta["logprobs"] = []
             out.append(delta)
         pieces = d.call_pieces if self.streaming else [whole(c) for c in d.tool_calls]
-        for piece in pieces:  # a call's first piece opens its item (tools.py)
+        for piece in pieces:  # a call's first piece opens its item (tool_calls.py)
             fn = piece["function"]
             if "id" in piece:
                 space, name = self.spaces.get(fn["name"], (None, fn["name"]))

@@ -8,7 +8,7 @@ the arguments held to each tool's `parameters`.
   follow the schemas (tags written as the model's single special tokens, which free text can
   never produce, so text and calls cannot be confused).
 
-Every format of tool_formats/ is held in its own syntax (tool_lark.py builds the grammar from
+Every format of prompt/tool_formats/ is held in its own syntax (lark.py builds the grammar from
 its definition); what a template's syntax cannot hold is refused (a 400 naming the field): a
 format without a call tag (Llama 3's bare JSON object) cannot tell a strict call from free
 text under "auto", nor can gpt-oss's (harmony), whose calls follow its reasoning, nor a format
@@ -23,9 +23,9 @@ import json
 from typing import Any
 
 from mlxlis.generation.constraints import JSON_LAYOUT, ConstraintError, check_json_schema
-from mlxlis.serve.tool_formats import HARMONY, ToolFormat
-from mlxlis.serve.tool_lark import lark_calls
-from mlxlis.serve.tool_lark import tag_ids as tag_ids
+from mlxlis.generation.tool_grammar.lark import lark_calls
+from mlxlis.generation.tool_grammar.lark import tag_ids as tag_ids
+from mlxlis.prompt.tool_formats import HARMONY, ToolFormat
 from mlxlis.tokenizer import Tokenizer
 
 

@@ -1,5 +1,5 @@
 """A call's arguments in the formats that do not write them as one JSON object: XML rows of
-tags, Gemma 4's syntax, LFM2's Python call (tool_lark.py builds the rest of the grammar)."""
+tags, Gemma 4's syntax, LFM2's Python call (lark.py builds the rest of the grammar)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 from mlxlis.generation.constraints import JSON_LAYOUT
-from mlxlis.serve.tool_formats import ToolFormat
-from mlxlis.serve.tool_formats.args import Q
-from mlxlis.serve.tool_formats.values import _resolve, json_type, types_of, write_value
-from mlxlis.serve.tool_lark_lexemes import Rules, Unsupported, join, pattern_rx, rx
-from mlxlis.serve.tool_lark_values import ORDER, Walk, allows, branches, narrow
+from mlxlis.generation.tool_grammar.lexemes import Rules, Unsupported, join, pattern_rx, rx
+from mlxlis.generation.tool_grammar.values import ORDER, Walk, allows, branches, narrow
+from mlxlis.prompt.tool_formats import ToolFormat
+from mlxlis.prompt.tool_formats.args import Q
+from mlxlis.prompt.tool_formats.values import _resolve, json_type, types_of, write_value
 
 _NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 _PYTHON = ("python-scalars", "python", "cdata")  # styles that write True / None
 
 
 class Grammar(Rules, Protocol):
-    """What the arguments need of the grammar they are written into (tool_lark.Lark)."""
+    """What the arguments need of the grammar they are written into (lark.Lark)."""
 
     fmt: ToolFormat
 

@@ -6,18 +6,18 @@
   text.
 - A call written as a JSON object, or arguments written as one, is `%json` of a schema: the
   call's keys in the template's order, the arguments by the tool's `parameters`.
-- Arguments written otherwise (tool_lark_args.py): XML rows of tags, one per parameter in the
+- Arguments written otherwise (args.py): XML rows of tags, one per parameter in the
   order the schema lists them, the required ones always; Gemma 4's and LFM2's own syntaxes.
   A string row is any text that does not hold the tag that ends it (with its enum, length and
   pattern where the schema says them; MiniCPM5's in <![CDATA[…]]> where it holds <, & or a
   newline, as its template writes it; never text that would read back as another type the
   property allows); other values exactly as the format's writer writes them
-  (tool_lark_values.py: numbers as repr writes them, within the schema's bounds; true /
+  (values.py: numbers as repr writes them, within the schema's bounds; true /
   True; objects and arrays `tojson`, Python's repr in Seed-OSS, MiniCPM5 and LFM2's lists,
   Gemma 4's own syntax); the kind a tag says (DeepSeek's `string=`, Kimi K3's `type=`)
   follows the value's.
 
-Where the walk of tool_lark_values.py holds the schema, what the format's reader reads back
+Where the walk of values.py holds the schema, what the format's reader reads back
 from a text the grammar allows its writer writes again byte for byte: the next turn's prompt
 renders the call as the model wrote it. `%json` (arguments written as one JSON object, and a
 schema the walk does not hold) holds the schema, not the bytes: `1.50` reads as 1.5, written
@@ -37,11 +37,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from mlxlis.generation.constraints import JSON_LAYOUT
-from mlxlis.serve.tool_formats import TABLE, ToolFormat
-from mlxlis.serve.tool_formats.args import Q
-from mlxlis.serve.tool_formats.base import FIELD
-from mlxlis.serve.tool_lark_args import Arguments
-from mlxlis.serve.tool_lark_lexemes import join
+from mlxlis.generation.tool_grammar.args import Arguments
+from mlxlis.generation.tool_grammar.lexemes import join
+from mlxlis.prompt.tool_formats import TABLE, ToolFormat
+from mlxlis.prompt.tool_formats.args import Q
+from mlxlis.prompt.tool_formats.base import FIELD
 from mlxlis.tokenizer import Tokenizer
 
 _TAG = re.compile(r"<[^<>\s]{1,40}>|\[[A-Z_]{2,20}\]")

@@ -1,6 +1,6 @@
 """The lexemes of forced argument values, as regular expressions for llguidance's Lark
 terminals (with its `&` and `~`): numbers and quoted strings exactly as Python's repr and
-json.dumps write them (tool_lark_values.py says why, and which).
+json.dumps write them (values.py says why, and which).
 
 Numbers are Python's repr, which is also json.dumps': integers without a sign on zero; floats
 with at most 15 significant digits (a decimal of 15 digits is its own shortest repr: it reads
@@ -37,7 +37,7 @@ class Unsupported(Exception):
 
 
 class Rules(Protocol):
-    """What the walk needs of the grammar it writes into (tool_lark.Lark)."""
+    """What the walk needs of the grammar it writes into (lark.Lark)."""
 
     def rule(self, body: str, options: str = "") -> str: ...
     def lit(self, text: str) -> str: ...

@@ -12,7 +12,7 @@ Three syntaxes of nested values, as the templates print them:
   "), True / False / None;
 - "gemma4": Gemma 4's own, `{key:<|"|>text<|"|>,n:[1,true,None]}`, its keys sorted.
 
-Numbers and strings are the lexemes of tool_lark_lexemes.py. Objects hold the properties the
+Numbers and strings are the lexemes of lexemes.py. Objects hold the properties the
 schema lists, in its order (the writer keeps the order it reads); arrays their items within
 minItems and maxItems; unions (type lists, anyOf, oneOf whose branches' types are apart) each
 branch; a recursive schema ($ref to itself) a rule that names itself.
@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mlxlis.serve.tool_formats.args import write_g4
-from mlxlis.serve.tool_formats.values import _resolve, types_of
-from mlxlis.serve.tool_lark_lexemes import Rules, Unsupported, number, string
+from mlxlis.generation.tool_grammar.lexemes import Rules, Unsupported, number, string
+from mlxlis.prompt.tool_formats.args import write_g4
+from mlxlis.prompt.tool_formats.values import _resolve, types_of
 
 ORDER = ("string", "integer", "number", "boolean", "null", "object", "array")
 IGNORED = {  # keywords that say nothing about which values are valid

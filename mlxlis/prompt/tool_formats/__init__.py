@@ -24,15 +24,15 @@ A parse takes the text of a block (between its tags) and the offered tools' sche
 
 from __future__ import annotations
 
-from mlxlis.serve.tool_formats.bare import PY_END, PY_START, parse_json
-from mlxlis.serve.tool_formats.base import Call, ParsedCall, ToolFormat
-from mlxlis.serve.tool_formats.detect import (
+from mlxlis.prompt.tool_formats.bare import PY_END, PY_START, parse_json
+from mlxlis.prompt.tool_formats.base import Call, ParsedCall, ToolFormat
+from mlxlis.prompt.tool_formats.detect import (
     call_arguments,
     for_template,
     template_format,
     template_match,
 )
-from mlxlis.serve.tool_formats.table import GEMMA4, HARMONY, HERMES, TABLE
+from mlxlis.prompt.tool_formats.table import GEMMA4, HARMONY, HERMES, TABLE
 
 
 def parse_gemma4(body: str) -> list[ParsedCall] | None:

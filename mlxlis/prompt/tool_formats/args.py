@@ -9,7 +9,7 @@ import json
 import re
 from typing import Any
 
-from mlxlis.serve.tool_formats.values import literal
+from mlxlis.prompt.tool_formats.values import literal
 
 Read = tuple[dict[str, Any], int] | None
 _WS = re.compile(r"\s*")

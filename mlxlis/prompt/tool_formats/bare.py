@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlxlis.prompt.harmony import CHANNEL, MESSAGE
-from mlxlis.serve.tool_formats.base import ParsedCall
+from mlxlis.prompt.tool_formats.base import ParsedCall
 
 PY_START, PY_END = "<|python_start|>", "<|python_end|>"  # Llama 4's tags before its calls
 PYTHON_TAG = "<|python_tag|>"

@@ -13,7 +13,7 @@ A format is a few templates of text with placeholders:
   `{key}` and `{value}` in it, and `{string}` / `{type}` where a template says a value's kind
   in the tag; values written in `values` style, read by the tool's schema: values.py),
   "gemma4" or "python" (args.py);
-- `open` / `close`: the tags the streaming parser looks for (tools.py): what starts a block and
+- `open` / `close`: the tags the streaming parser looks for (tool_calls.py): what starts a block and
   what ends it (None: the block runs to the end of the reply, as Mistral's does).
 
 Reading is lenient where models are: whitespace in a template's text may be any whitespace or
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from mlxlis.serve.tool_formats import args as codecs
-from mlxlis.serve.tool_formats.values import json_type, property_schema, read_value, write_value
+from mlxlis.prompt.tool_formats import args as codecs
+from mlxlis.prompt.tool_formats.values import json_type, property_schema, read_value, write_value
 
 ParsedCall = tuple[str, str, str | None]  # (name, arguments as JSON text, id given by the model)
 Call = tuple[str, Mapping[str, Any]]  # (name, arguments) to write

@@ -26,9 +26,9 @@ from mlxlis.prompt.harmony import CALL, CHANNEL
 from mlxlis.prompt.reasoning import ANSWER, ReasoningSplitter
 from mlxlis.prompt.reasoning_styles import THINKING_OFF
 from mlxlis.prompt.template import ChatTemplate
-from mlxlis.serve.tool_formats import table as t
-from mlxlis.serve.tool_formats.bare import PY_START, PYTHON_TAG
-from mlxlis.serve.tool_formats.base import Call, ToolFormat
+from mlxlis.prompt.tool_formats import table as t
+from mlxlis.prompt.tool_formats.bare import PY_START, PYTHON_TAG
+from mlxlis.prompt.tool_formats.base import Call, ToolFormat
 
 _TEXT = {"type": "string", "description": "A probe."}  # Command R+ prints each description
 _PARAMS = {

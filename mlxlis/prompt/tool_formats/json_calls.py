@@ -9,8 +9,14 @@ from __future__ import annotations
 import functools
 
 from mlxlis.prompt.harmony import CALL, CALL_OPEN
-from mlxlis.serve.tool_formats.bare import PY_END, PY_START, harmony_opener, json_opener, parse_json
-from mlxlis.serve.tool_formats.base import ToolFormat, mistral_id
+from mlxlis.prompt.tool_formats.bare import (
+    PY_END,
+    PY_START,
+    harmony_opener,
+    json_opener,
+    parse_json,
+)
+from mlxlis.prompt.tool_formats.base import ToolFormat, mistral_id
 
 _HERMES_CALL = '{"name": "{name}", "arguments": {args}}'
 

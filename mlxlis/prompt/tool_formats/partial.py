@@ -1,5 +1,6 @@
 """A block of calls read while it streams, so that each call's name and arguments can go out
-before the block ends (tools.py streams them; base.py reads the whole block when it closes).
+before the block ends (prompt/tool_calls.py streams them; base.py reads the whole block when
+it closes).
 
 `read_open` gives the calls begun so far: each one's name, once it is whole, and its arguments
 that are whole so far, argument by argument, in the order written — a JSON argument once its
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 from json.decoder import scanstring
 from typing import Any
 
-from mlxlis.serve.tool_formats.args import g4_members, python_members, skip_ws
-from mlxlis.serve.tool_formats.base import _PATTERNS, ToolFormat
+from mlxlis.prompt.tool_formats.args import g4_members, python_members, skip_ws
+from mlxlis.prompt.tool_formats.base import _PATTERNS, ToolFormat
 
 _DECODER = json.JSONDecoder()
 _NAME = re.compile(_PATTERNS["name"])

@@ -5,8 +5,8 @@ text exactly wins, else the first that reads it back. The definitions live by fa
 
 from __future__ import annotations
 
-from mlxlis.serve.tool_formats.base import ToolFormat
-from mlxlis.serve.tool_formats.json_calls import (
+from mlxlis.prompt.tool_formats.base import ToolFormat
+from mlxlis.prompt.tool_formats.json_calls import (
     APERTUS,
     APRIEL,
     COHERE,
@@ -30,7 +30,7 @@ from mlxlis.serve.tool_formats.json_calls import (
     SOLAR,
     bare_json,
 )
-from mlxlis.serve.tool_formats.xml_calls import (
+from mlxlis.prompt.tool_formats.xml_calls import (
     DSML_V4,
     DSML_V32,
     GLM,

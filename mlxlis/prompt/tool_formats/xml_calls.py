@@ -6,7 +6,7 @@ message's `tool_calls` (llama.cpp's copies); base.py says what the fields mean."
 
 from __future__ import annotations
 
-from mlxlis.serve.tool_formats.base import ToolFormat
+from mlxlis.prompt.tool_formats.base import ToolFormat
 
 QWEN3_CODER = ToolFormat(
     "qwen3-coder",
