@@ -35,8 +35,9 @@ from mlxlis.cache.prefix import PrefixCache  # noqa: E402
 from mlxlis.generation.core import Core, Request  # noqa: E402
 from mlxlis.generation.engine import Engine  # noqa: E402
 from mlxlis.generation.generate import run  # noqa: E402
+from mlxlis.generation.processors import LogitsProcessor  # noqa: E402
 from mlxlis.generation.sampling import SamplingParams  # noqa: E402
-from mlxlis.generation.session import turn_start  # noqa: E402
+from mlxlis.generation.request import turn_start  # noqa: E402
 from mlxlis.generation.steps import LocalSteps  # noqa: E402
 from mlxlis.models.model import Model  # noqa: E402
 from mlxlis.prompt.template import ChatTemplate  # noqa: E402
@@ -128,7 +129,7 @@ def turn(i: int) -> tuple[str, str, dict, str]:
     return reasoning, answer, call, "\n".join(lines)
 
 
-class Forced:
+class Forced(LogitsProcessor):
     """Forces the scripted reply token by token (random weights or not, the cache then holds
     what a server's would)."""
 

@@ -38,8 +38,9 @@ from mlxlis.cache.prefix import PrefixCache
 from mlxlis.generation.core import Core, Request
 from mlxlis.generation.engine import Engine
 from mlxlis.generation.generate import run
+from mlxlis.generation.processors import LogitsProcessor
 from mlxlis.generation.sampling import SamplingParams
-from mlxlis.generation.session import turn_start
+from mlxlis.generation.request import turn_start
 from mlxlis.generation.steps import LocalSteps
 
 import mlx.core as mx
@@ -151,7 +152,7 @@ def assistant(reasoning: str, answer: str, call: dict, i: int) -> dict:
     }
 
 
-class Scripted:
+class Scripted(LogitsProcessor):
     """A logits processor forcing `ids` as the reply (greedy on a one-hot row) that keeps the
     logits it was given at the reply's first `keep` steps."""
 

@@ -18,6 +18,7 @@ import mlxlis
 from mlxlis.errors import MlxlisError
 from mlxlis.generation.core import Request
 from mlxlis.generation.engine import MAX_FAILED_ROUNDS, Engine
+from mlxlis.generation.processors import LogitsProcessor
 from mlxlis.generation.sampling import SamplingParams
 
 import mlx.core as mx
@@ -36,7 +37,7 @@ def padded(tmp_path_factory):
     return model
 
 
-class ForcePadded:
+class ForcePadded(LogitsProcessor):
     """From its third call on, every id but one past the tokenizer at -inf."""
 
     def __init__(self, token: int):

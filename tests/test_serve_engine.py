@@ -18,6 +18,7 @@ import mlxlis
 from mlxlis.cache.prefix import PrefixCache
 from mlxlis.generation.core import Request
 from mlxlis.generation.engine import Engine, QueueFullError
+from mlxlis.generation.processors import LogitsProcessor
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.stops import StopMatcher
 
@@ -115,7 +116,7 @@ def test_batched_rows_keep_their_own_processors_and_samplers(models):
     assert want[0] != want[1]  # the penalty changed the second request's tokens
 
 
-class Broken:
+class Broken(LogitsProcessor):
     """A logits processor that turns on its third call and gives a row of the wrong shape."""
 
     def __init__(self) -> None:

@@ -14,16 +14,23 @@ import mlx.core as mx
 
 
 class LogitsProcessor(Protocol):
+    """A processor class subclasses it (or states `fork` itself)."""
+
     def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
         """(1, vocab) float32 logits -> the changed logits; `history`: the prompt and the
         tokens generated so far, oldest first."""
         ...
 
+    def fork(self) -> LogitsProcessor:
+        """A copy that goes on on its own (a drafter's proposals): one with state of its own
+        (a grammar mask, a reasoning budget) copies it; one that holds none, by default, is
+        itself (shared)."""
+        return self
+
 
 def forked(processors: Sequence[LogitsProcessor]) -> list[LogitsProcessor]:
-    """Copies of `processors` for a drafter's proposals: one with state of its own (a grammar
-    mask, a reasoning budget) says how with `fork()`; a stateless one is shared."""
-    return [p.fork() if hasattr(p, "fork") else p for p in processors]
+    """Copies of `processors` for a drafter's proposals (each one's `fork`)."""
+    return [p.fork() for p in processors]
 
 
 def apply_repetition_penalty(logits: mx.array, history: list[int], penalty: float) -> mx.array:
@@ -36,7 +43,7 @@ def apply_repetition_penalty(logits: mx.array, history: list[int], penalty: floa
     return logits
 
 
-class RepetitionPenalty:
+class RepetitionPenalty(LogitsProcessor):
     """The penalty over the last `context` tokens of the history."""
 
     def __init__(self, penalty: float, context: int):
@@ -46,7 +53,7 @@ class RepetitionPenalty:
         return apply_repetition_penalty(logits, list(history[-self.context :]), self.penalty)
 
 
-class VocabularyLimit:
+class VocabularyLimit(LogitsProcessor):
     """Ids at or past the tokenizer's size masked out of every distribution: a checkpoint's
     head is often padded past its tokenizer (Qwen2.5: 151 936 rows for 151 665 tokens), and a
     padded id has no text (sampled at temperature 100 it ended the engine's loop)."""
@@ -72,7 +79,7 @@ def processors_for(params: SamplingParams) -> list[LogitsProcessor]:
     return [RepetitionPenalty(params.repetition_penalty, params.repetition_context)]
 
 
-class ReasoningBudget:
+class ReasoningBudget(LogitsProcessor):
     """Ends the reasoning once `budget` tokens were spent in it (Anthropic's
     `thinking.budget_tokens`): from then on the closing tag's tokens are forced, one a step,
     all of them, and the model answers after it. The reasoning opens with the prompt
