@@ -3,9 +3,12 @@ generation core): a Protocol, so a new kind (a quantized KV cache, say) is one c
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
+
+if TYPE_CHECKING:
+    from mlxlis.cache.store import Store
 
 
 class Cache(Protocol):
@@ -14,6 +17,12 @@ class Cache(Protocol):
     offset: int  # positions fed so far
     shift: int  # how far RoPE positions run ahead of `offset` (Qwen3.5's images; else 0)
     label: str  # its kind, in words (why a rewind stopped: "recurrent", "sliding window")
+
+    @property
+    def store(self) -> Store | None:
+        """How its keys/values are kept (dense or quantized: its KV format, `store.fmt`); None
+        for a cache that holds none."""
+        ...
 
     @property
     def state(self) -> list[mx.array]:
@@ -42,4 +51,34 @@ class Cache(Protocol):
     def snapshot(self) -> None:
         """Remember the current position as one to return to (recurrent states and rings whose
         positions rotate out need it; its memory counts in `state`)."""
+        ...
+
+
+class BatchedKV(Cache, Protocol):
+    """A KV cache a KVBatch stacks with others while their sequences decode together (kv.py's:
+    the batch holds its buffers meanwhile, batch.py): what the batch reads of it."""
+
+    step: int  # positions a block of its buffers holds
+    tailed: bool  # in a quantized format, it keeps its newest block's positions dense too
+    tail_start: int  # the first position of that dense tail (0: not tailed)
+
+    @property
+    def held(self) -> int:
+        """Valid slots in its buffers (the first `held`)."""
+        ...
+
+    @property
+    def tail(self) -> tuple[mx.array, mx.array] | None:
+        """The dense tail's keys and values, (B, n_kv_heads, offset - tail_start, head_dim)
+        each; None when it holds none."""
+        ...
+
+    def claim_one(self) -> tuple[int, int]:
+        """Bookkeeping of a one-token write the batch does: (the slot it goes to, valid slots
+        after it)."""
+        ...
+
+    def visible(self, slot: int, width: int) -> mx.array | None:
+        """After a one-token write into `slot`: which of the first `width` slots the new query
+        sees, (width,) bool, or None for every valid one."""
         ...

@@ -3,6 +3,7 @@ each) and KVBatch (their KV buffers stacked for one masked attention)."""
 
 from __future__ import annotations
 
+from mlxlis.cache.base import BatchedKV
 from mlxlis.cache.store import Stored, Tailed
 
 import mlx.core as mx
@@ -37,7 +38,7 @@ class KVBatch:
 
     step = 256  # capacity grows in blocks of this many slots
 
-    def __init__(self, caches: list, k: mx.array, v: mx.array) -> None:
+    def __init__(self, caches: list[BatchedKV], k: mx.array, v: mx.array) -> None:
         """Stack `caches`, whose new keys and values are shaped like k, v (B, kv, T, dim)."""
         self.members = list(caches)
         self.store = st = caches[0].store  # the caches of one layer share their format
@@ -46,7 +47,7 @@ class KVBatch:
         b, h = len(caches), k.shape[1]
         self.keys = st.zeros((b, h, self.cap, k.shape[3]), dtype)
         self.values = st.zeros((b, h, self.cap, v.shape[3]), dtype)
-        self.tailed = getattr(caches[0], "tailed", False)
+        self.tailed = caches[0].tailed
         if self.tailed:  # dense: (B, kv, step, dim), each row's tail from slot 0
             step = caches[0].step
             self.tail = [mx.zeros((b, h, step, x.shape[3]), x.dtype) for x in (k, v)]
@@ -55,14 +56,14 @@ class KVBatch:
             if n:
                 self.keys[row : row + 1, :, :n] = c._keys[..., :n, :]
                 self.values[row : row + 1, :, :n] = c._values[..., :n, :]
-            if self.tailed and c._tail is not None:
-                for buf, a in zip(self.tail, c._tail, strict=True):
+            if self.tailed and c.tail is not None:
+                for buf, a in zip(self.tail, c.tail, strict=True):
                     buf[row : row + 1, :, : a.shape[2]] = a
             c._keys = c._values = c._tail = None  # the batch holds them now
             c._batch, c._row = self, row
 
     @classmethod
-    def step_of(cls, caches: list, k: mx.array, v: mx.array) -> tuple[mx.array, ...]:
+    def step_of(cls, caches: list[BatchedKV], k: mx.array, v: mx.array) -> tuple[mx.array, ...]:
         """Write k, v (B, n_kv_heads, 1, head_dim) into the caches' batch (stacking them first
         unless they are already, in this order): the (B, kv, S, head_dim) keys and values to
         attend over and the (B, 1, 1, S) mask of each row's valid slots."""
@@ -78,7 +79,7 @@ class KVBatch:
         return batch._step(k, v)
 
     def _step(self, k: mx.array, v: mx.array) -> tuple[Stored, Stored, mx.array]:
-        starts = [getattr(c, "tail_start", 0) for c in self.members]  # before this token
+        starts = [c.tail_start for c in self.members]  # before this token
         slots, valid = zip(*(c.claim_one() for c in self.members), strict=True)
         st = self.store
         if max(slots) >= self.cap:
@@ -135,5 +136,5 @@ class KVBatch:
         # copied now: a copy left lazy would hold the whole stack alive (a cache kept by the
         # prefix cache is not evaluated again until a later prompt takes it)
         mx.eval([a for c in members for x in (c._keys, c._values) for a in self.store.arrays(x)])
-        mx.eval([a for c in members for a in (getattr(c, "_tail", None) or ())])
+        mx.eval([a for c in members for a in (c.tail or ())])
         self.keys = self.values = self.tail = None

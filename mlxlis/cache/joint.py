@@ -34,7 +34,7 @@ class JointCache:
     def store(self):
         """The KV store of its first part that has one (the KV format the caches are in), or
         None (store.format_of reads it)."""
-        return next((p.store for p in self.parts if getattr(p, "store", None) is not None), None)
+        return next((p.store for p in self.parts if p.store is not None), None)
 
     @property
     def label(self) -> str:

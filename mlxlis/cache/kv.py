@@ -23,6 +23,8 @@ class _Lendable:
     _batch: KVBatch | None = None  # holding this cache's keys/values as its row `_row`
     _row = 0
     store: Store = DENSE  # dense or quantized keys/values (store.py)
+    tailed, tail_start = False, 0  # a KVCache's dense tail (store.py): [tail_start, offset)
+    _tail: tuple[mx.array, mx.array] | None = None  # (B, n_kv_heads, ·, head_dim) each
     # positions RoPE runs ahead of `offset` (0 but after Qwen3.5's images, whose M-RoPE
     # positions advance less than their tokens): set by the generation core, not saved
     shift = 0
@@ -44,6 +46,11 @@ class _Lendable:
     @values.setter
     def values(self, value: Stored | None) -> None:
         self._values = value
+
+    @property
+    def tail(self) -> tuple[mx.array, mx.array] | None:
+        self._settle()
+        return self._tail
 
     def visible(self, slot: int, width: int) -> mx.array | None:
         """After a one-token write into `slot` (a KVBatch's step): which of the first `width`
@@ -71,18 +78,11 @@ class KVCache(_Lendable):
         self.keys: Stored | None = None
         self.values: Stored | None = None
         self.offset = 0
-        self.tail_start = 0  # positions [tail_start, offset) are also in `_tail`, dense
-        self._tail: tuple[mx.array, mx.array] | None = None  # (B, n_kv_heads, ·, head_dim) each
 
     @property
     def held(self) -> int:
         """Valid positions in the buffers (the first `held`)."""
         return self.offset
-
-    @property
-    def tail(self) -> tuple[mx.array, mx.array] | None:
-        self._settle()
-        return self._tail
 
     def claim_one(self) -> tuple[int, int]:
         """Bookkeeping of a one-token write done by a KVBatch: (the slot it goes to, valid

@@ -15,6 +15,7 @@ class RecurrentCache:
     SNAPSHOTS = 2
     label = "recurrent"
     shift = 0  # no positions (kv.py's `shift`)
+    store = None  # no keys/values
 
     def __init__(self) -> None:
         self.conv_state: mx.array | None = None

@@ -267,7 +267,6 @@ def by_format(items: list[T], kv_of: Callable[[T], KVFormat | None]) -> list[lis
 def format_of(caches: list) -> KVFormat | None:
     """The KV format of a sequence's caches (their KV layers'; None: dense, or none has KV)."""
     for c in caches:
-        store = getattr(c, "store", None)
-        if store is not None:
-            return store.fmt
+        if c.store is not None:
+            return c.store.fmt
     return None
