@@ -36,8 +36,8 @@ from mlxlis.generation.core import Core, Request  # noqa: E402
 from mlxlis.generation.engine import Engine  # noqa: E402
 from mlxlis.generation.generate import run  # noqa: E402
 from mlxlis.generation.processors import LogitsProcessor  # noqa: E402
-from mlxlis.generation.sampling import SamplingParams  # noqa: E402
 from mlxlis.generation.request import turn_start  # noqa: E402
+from mlxlis.generation.sampling import SamplingParams  # noqa: E402
 from mlxlis.generation.steps import LocalSteps  # noqa: E402
 from mlxlis.models.model import Model  # noqa: E402
 from mlxlis.prompt.template import ChatTemplate  # noqa: E402

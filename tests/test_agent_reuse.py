@@ -39,8 +39,8 @@ from mlxlis.generation.core import Core, Request
 from mlxlis.generation.engine import Engine
 from mlxlis.generation.generate import run
 from mlxlis.generation.processors import LogitsProcessor
-from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.request import turn_start
+from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.steps import LocalSteps
 
 import mlx.core as mx

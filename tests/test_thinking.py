@@ -300,7 +300,7 @@ def test_cli_no_think_renders_the_empty_think_block(thinker, model):
     through the CLI's prompt function; same token count in the subprocess), and the model
     answers at once. On a template without the switch it says so on stderr and still hides
     the reasoning the model writes."""
-    from mlxlis.commands.cli import chat_prompt
+    from mlxlis.commands.one_shot import chat_prompt
 
     expected = official(thinker.template, [user("Hi")], enable_thinking=False)
     assert chat_prompt(model, "Hi", thinking=False) == expected

@@ -237,7 +237,7 @@ def test_cli_no_think_on_a_seed_oss_model(seed_model, tiny, capsys):
     Seed-OSS' gives transformers' prompt for thinking_budget=0, and `--think` the one for the
     unlimited budget, with no note; a chat session does the same. ChatML has no switch: the
     note says so."""
-    from mlxlis.commands.cli import chat_prompt
+    from mlxlis.commands.one_shot import chat_prompt
 
     from transformers.utils.chat_template_utils import render_jinja_template
 

@@ -70,6 +70,18 @@ def generate(
     yield from run(core, seq, should_stop)
 
 
+def run_request(
+    model: Model,
+    req: Request,
+    should_stop: Callable[[], bool] | None = None,
+    prefill_step: int = PREFILL_CHUNK,
+) -> Iterator[Event]:
+    """One Request (generation/request.py's `build`) through a core of its own, as `generate`
+    runs its prompt."""
+    core = Core(model, steps_for(model, PrefixCache(0)), prefill_step)
+    yield from run(core, core.start(req), should_stop)
+
+
 def run(core: Core, seq: Running, should_stop: Callable[[], bool] | None = None) -> Iterator[Event]:
     """The events of one sequence, stepped alone until it ends; a consumer that leaves early
     (the generator closed) ends it as cancelled, its caches released whole."""

@@ -1,8 +1,9 @@
 """ChatSession: a multi-turn conversation that reuses the KV cache between turns.
 
 Before each turn the whole conversation is rendered with the model's chat template and
-tokenized; the caches of the previous turn (a prefix cache of one entry, the server's code)
-are rewound to the longest token prefix they share with it and only the rest is prefilled.
+tokenized (the one request builder, generation/request.py); the caches of the previous turn
+(a prefix cache of one entry, the server's code) are rewound to the longest token prefix they
+share with it and only the rest is prefilled.
 The caches keep a snapshot where the conversation ends before the generation prompt
 (`turn_start`): templates re-render a past reply differently (without its reasoning,
 trimmed), so that is where the next turn's prompt parts from this one, and recurrent layers
@@ -26,33 +27,15 @@ from typing import Any
 
 from mlxlis.cache.disk import DiskCache
 from mlxlis.cache.prefix import PrefixCache
-from mlxlis.cache.rewind import common_prefix
-from mlxlis.errors import MlxlisError
-from mlxlis.generation.context import fit_context
 from mlxlis.generation.core import Core, Request
 from mlxlis.generation.events import Event
-from mlxlis.generation.generate import constraint_for, run
+from mlxlis.generation.generate import run
+from mlxlis.generation.request import Ask, build
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import Speculation
 from mlxlis.generation.steps import steps_for
 from mlxlis.models.model import Model
 from mlxlis.prompt.reasoning import ANSWER, REASONING, ReasoningSplitter, Splitter, join
-
-
-def turn_start(
-    model: Model, messages: list[dict], ids: list[int], **variables: Any
-) -> tuple[int, ...]:
-    """The snapshot position for a chat prompt `ids` (`messages` rendered with the generation
-    prompt): where it parts from the same messages rendered without it, the end of the
-    conversation before the reply's turn, which a later turn's prompt shares. () when there is
-    none inside the prompt (the template refuses that render, or nothing precedes the
-    generation prompt): the caches then snapshot the prompt's end."""
-    try:  # images expanded as in the prompt, so the two part after the conversation
-        head = model.encode_chat(messages, add_generation_prompt=False, **variables).ids
-    except MlxlisError:
-        return ()
-    n = common_prefix(head, ids)
-    return (n,) if 0 < n < len(ids) else ()
 
 
 @dataclass
@@ -181,36 +164,23 @@ class ChatSession:
         try:
             if isinstance(text, list):
                 self.turns[-1].content = self._prepared(text, len(self.messages) - 1)
-            encoded = self.model.encode_chat(self.messages, **self.template_vars)
-            prompt, ids = encoded.text, encoded.ids
-            spans = self.model.image_spans(ids, encoded.images)
-            params = fit_context(
-                len(ids),
+            ask = Ask(
+                self.messages,
                 params,
-                self.context_limit,
-                hint="start a new session (/clear) or shorten it",
+                thinking=self.thinking,
+                response_format=self.response_format,
+                stop_ids=None if stop_ids is None else frozenset(stop_ids),
+                speculation=self.speculation,
+                context_field="context",
+                context_hint="start a new session (/clear) or shorten it",
             )
-            stops = self.model.stop_ids() if stop_ids is None else stop_ids
-            masks = (
-                ()
-                if self.response_format is None
-                else (constraint_for(self.model, self.response_format, stops, prompt),)
-            )
+            built = build(self.model, ask, context=self.context_limit or 0)
         except Exception:
             self.turns.pop()  # a refused turn leaves the conversation as it was
             raise
+        prompt = built.prompt
         splitter = ReasoningSplitter.for_prompt(self.model.tokenizer, prompt, self.model.template)
-        snapshots = turn_start(self.model, self.messages, ids, **self.template_vars)
-        req = Request(
-            ids,
-            params,
-            frozenset(stops),
-            processors=masks,
-            snapshot_at=snapshots,
-            speculation=self.speculation,
-            images=spans,
-        )
-        yield from self._reply(req, should_stop, splitter)
+        yield from self._reply(built.request, should_stop, splitter)
 
     def _prepared(self, parts: list[dict], index: int) -> list[dict]:
         """`parts` with each image opened and preprocessed now (a bad one refused, naming

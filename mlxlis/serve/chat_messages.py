@@ -78,30 +78,3 @@ def message_dict(m: ChatMessage, i: int, model: Any = None) -> dict[str, Any]:
             )
         out["tool_calls"] = calls
     return out
-
-
-def with_prepared(messages: list[dict[str, Any]], encoded: Any) -> list[dict[str, Any]]:
-    """`messages` with each image part holding its prepared image (so that rendering them
-    again, as turn_start does, reads no image twice)."""
-    prepared = iter(encoded.images[encoded.sources.index(k)] for k in sorted(set(encoded.sources)))
-    out = []
-    for m in messages:
-        if isinstance(m["content"], list):
-            content = [
-                {**p, "image": next(prepared)} if p.get("type") == "image" else p
-                for p in m["content"]
-            ]
-            m = {**m, "content": content}
-        out.append(m)
-    return out
-
-
-def image_parts(messages: list[dict[str, Any]]) -> list[str]:
-    """Where each image part is (messages[i].content[j]), in the prompt's order."""
-    return [
-        f"messages[{i}].content[{j}]"
-        for i, m in enumerate(messages)
-        if isinstance(m["content"], list)
-        for j, p in enumerate(m["content"])
-        if p.get("type") == "image"
-    ]

@@ -1,29 +1,26 @@
-"""An API request -> the generation core's Request: the prompt rendered and tokenized, the sampling
-values checked, the context bounded. Every refusal is an APIError naming the field."""
+"""An API request -> the generation core's Request: the API's own fields checked in its terms
+(sampling values, logprobs, stop strings, KV format), then a chat request through the one
+request builder (generation/request.py), a completion's raw prompt tokenized here; the
+context bounded. Every refusal is an APIError naming the field."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxlis.cache.store import BITS, KVChoice, KVFormat
 from mlxlis.errors import ContextLimitError, MlxlisError, NoChatTemplateError, TemplateError
-from mlxlis.generation.constraints import ConstraintError, constraint
 from mlxlis.generation.context import ContextOverflow, fit_context
 from mlxlis.generation.core import Request
+from mlxlis.generation.request import Ask, RequestError, build, masks
 from mlxlis.generation.sampling import SamplingError, SamplingParams
-from mlxlis.generation.session import turn_start
 from mlxlis.generation.speculative import Speculation
-from mlxlis.generation.tool_grammar import ParametersError, tool_grammar
-from mlxlis.generation.tool_grammar import tag_ids as call_tags
-from mlxlis.prompt.tool_calls import tool_names, tool_schemas
-from mlxlis.prompt.tool_formats import ToolFormat, for_template, template_format
-from mlxlis.serve.chat_messages import image_parts, message_dict, with_prepared
-from mlxlis.serve.openai_format import MAX_TOP_LOGPROBS, bad
+from mlxlis.prompt.tool_formats import ToolFormat
+from mlxlis.serve.chat_messages import message_dict
+from mlxlis.serve.openai_format import MAX_TOP_LOGPROBS, APIError, bad
 from mlxlis.serve.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 
 MAX_STOP_STRINGS = 16
-MAX_IMAGES = 16  # images in one request: each is decoded and preprocessed before it runs
 # template variables a request may not set through chat_template_kwargs (render_chat's own)
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
@@ -125,24 +122,30 @@ def bound_context(
     try:
         return fit_context(len(ids), params, max_context, explicit=explicit, field=param)
     except ContextOverflow as e:
-        if e.completion:
-            if e.prompt < e.limit:  # the field the client set is what cannot be honoured
-                param = max_field
-            message = (
-                f"However, you requested {e.prompt + e.completion} tokens ({e.prompt} "
-                f"in the prompt, {e.completion} in the completion). Reduce the prompt "
-                f"or {max_field}."
-            )
-        else:
-            message = (
-                f"However, your prompt has {e.prompt} tokens, which leaves no room for "
-                "a completion."
-            )
-        raise bad(
-            f"This model's maximum context length is {e.limit} tokens. {message}",
-            param,
-            "context_length_exceeded",
-        ) from None
+        raise overflow(e, max_field) from None
+
+
+def overflow(e: ContextOverflow, max_field: str = "max_tokens") -> APIError:
+    """A context refusal as OpenAI words it, naming the prompt's field, or `max_field` when
+    the prompt alone fits."""
+    param = e.field or "messages"
+    if e.completion:
+        if e.prompt < e.limit:  # the field the client set is what cannot be honoured
+            param = max_field
+        message = (
+            f"However, you requested {e.prompt + e.completion} tokens ({e.prompt} "
+            f"in the prompt, {e.completion} in the completion). Reduce the prompt "
+            f"or {max_field}."
+        )
+    else:
+        message = (
+            f"However, your prompt has {e.prompt} tokens, which leaves no room for a completion."
+        )
+    return bad(
+        f"This model's maximum context length is {e.limit} tokens. {message}",
+        param,
+        "context_length_exceeded",
+    )
 
 
 def fit(
@@ -163,6 +166,8 @@ def fit(
 
 
 def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
+    """A chat request's checks in OpenAI's terms, then the one request builder
+    (generation/request.py), its refusals worded as OpenAI words them."""
     model = t.model
     if not req.messages:
         raise bad("messages: at least one message is required", "messages")
@@ -182,95 +187,45 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     params = sampling(req, t.defaults, max_field, explicit)
-    stops = stop_strings(req.stop)
-
     variables = dict(req.chat_template_kwargs or {})
     if clash := sorted(RESERVED_TEMPLATE_VARS & variables.keys()):
         raise bad(f"chat_template_kwargs: {', '.join(clash)} cannot be set", "chat_template_kwargs")
-    tools, fmt, forced, call_grammar = None, None, "", None
-    if req.tools and req.tool_choice != "none":
-        offered, name = tool_choice(req.tools, req.tool_choice)
-        if model.template is not None and "tools" not in model.template_variables:
-            raise bad(
-                "tools: the model's chat template does not take tools (it would leave "
-                "them out of the prompt)",
-                "tools",
-            )
-        variables["tools"] = offered
-        tools = tool_schemas(offered)
-        fmt = template_format(model.template) if model.template is not None else for_template("")
-        required = req.tool_choice not in (None, "auto")  # "required" or a named function
-        strict = any((tl.get("function") or {}).get("strict") is True for tl in offered)
-        if required or strict:
-            try:  # the call's syntax and arguments enforced token by token (all the tools:
-                # `name` picks the one named, its place in them names its parameters)
-                parallel = req.parallel_tool_calls is True
-                tokenizer = model.tokenizer
-                call_grammar = tool_grammar(fmt, req.tools, tokenizer, name, required, parallel)
-            except ConstraintError as e:
-                if strict or isinstance(e, ParametersError):  # refused, never ignored
-                    raise bad(str(e), e.field or "tools") from None
-                forced = fmt.forced(name)  # a call started in the prompt (Gemma 4's syntax)
-    elif req.tool_choice not in (None, "auto", "none"):
-        raise bad("tool_choice: needs tools", "tool_choice")
-    messages = [message_dict(m, i, model) for i, m in enumerate(req.messages)]
-    seeing = any(isinstance(m["content"], list) for m in messages)
-    parts = image_parts(messages)
-    if len(parts) > MAX_IMAGES:
-        raise bad(f"{parts[MAX_IMAGES]}: at most {MAX_IMAGES} images a request", parts[MAX_IMAGES])
+    ask = Ask(
+        [message_dict(m, i, model) for i, m in enumerate(req.messages)],
+        params,
+        template_vars=variables,
+        tools=req.tools,
+        tool_choice=req.tool_choice,
+        parallel_tool_calls=req.parallel_tool_calls is True,
+        response_format=req.response_format,
+        stop_strings=stop_strings(req.stop),
+        stop_ids=t.stop_ids,
+        ignore_eos=bool(req.ignore_eos),
+        top_logprobs=top,
+        speculation=t.speculation,
+        kv_format=kv_choice(t, req),
+        explicit=explicit is not None,
+        strict=t.strict_context,
+    )
     try:
-        if seeing:  # each image opened, preprocessed and expanded into its placeholders, in
-            # order, stopping at the one past the context
-            encoded = model.encode_chat(
-                messages, add_generation_prompt=True, max_image_tokens=t.max_context, **variables
-            )
-            prompt, images, sources = encoded.text, encoded.images, encoded.sources
-            messages = with_prepared(messages, encoded)  # what turn_start renders: not again
-        else:
-            prompt = model.render_chat(messages, add_generation_prompt=True, **variables)
-            images, sources = (), ()
+        built = build(model, ask, context=t.max_context)
+    except RequestError as e:
+        raise bad(str(e), e.field, e.code) from None
     except NoChatTemplateError:
         raise bad(model.missing_template_diagnosis(), "messages", "no_chat_template") from None
     except TemplateError as e:
         raise bad(f"the chat template refused the messages: {e}", "messages") from None
+    except ContextOverflow as e:
+        raise overflow(e, max_field) from None
     except ContextLimitError as e:  # images past the context, named by the first one over
         raise bad(
             f"{e.field}: {e.message}", e.field or "messages", "context_length_exceeded"
         ) from None
     except MlxlisError as e:  # a bad image, a text-only model: named by its part
         raise bad(f"{e.field or 'messages'}: {e.message}", e.field or "messages") from None
-    if seeing and not forced:
-        ids = encoded.ids  # encode_chat tokenized this very text
-    else:
-        ids = encode(model, prompt + forced, special=True)
-    try:
-        spans = model.image_spans(ids, images)
-    except MlxlisError as e:
-        raise bad(f"messages: {e.message}", "messages") from None
-    if over := [k for k, s in enumerate(spans) if s.end >= t.max_context]:
-        k = over[0]
-        part = sources[k]  # the message part it comes from (pan and scan: a crop of one)
-        where = image_parts(messages)[part]
-        raise bad(
-            f"{where}: image {part + 1} reaches token {spans[k].end}, past the context "
-            f"({t.max_context} tokens): send fewer images or a shorter conversation",
-            where,
-            "context_length_exceeded",
-        )
-    params, asked = fit(t, ids, params, explicit is not None, "messages", max_field)
-    gen = Request(
-        ids,
-        params,
-        stop_ids=frozenset() if req.ignore_eos else t.stop_ids,
-        stop_strings=stops,
-        top_logprobs=top,
-        processors=masks(t, req, prompt + forced, call_grammar),
-        snapshot_at=turn_start(model, messages, ids, **variables),  # where the next turn parts
-        speculation=t.speculation,
-        kv_format=kv_choice(t, req),
-        images=spans,
+    return Prepared(
+        built.request, built.prompt, built.tools, built.tool_format, built.forced, built.asked
     )
-    return Prepared(gen, prompt, tools, fmt, forced, asked)
 
 
 def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
@@ -308,86 +263,11 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
         stop_ids=frozenset() if req.ignore_eos else t.stop_ids,
         stop_strings=stops,
         top_logprobs=req.logprobs,
-        processors=masks(t, req),
+        processors=completion_masks(t, req),
         speculation=t.speculation,
         kv_format=kv_choice(t, req),
     )
     return Prepared(gen, None, None, asked=asked)
-
-
-def masks(
-    t: Target, req: _Sampling, prompt: str | None = None, call_grammar: str | None = None
-) -> tuple:
-    """The grammar mask a request's response_format (or its enforced tool calls,
-    `call_grammar`) asks for ({"type": "text"}: none), after the reasoning when `prompt` is a
-    reasoning model's; a constraint that cannot be enforced is a 400 naming the part, never
-    ignored."""
-    fmt = req.response_format
-    special: tuple[int, ...] = ()
-    if call_grammar is not None:
-        if fmt and fmt.get("type") != "text":
-            raise bad(
-                "response_format: not with enforced tool calls (tool_choice "
-                '"required", a named function or strict tools)',
-                "response_format",
-            )
-        fmt = {"type": "grammar", "grammar": call_grammar}
-        special = call_tags(t.model.tokenizer)
-    if not fmt or fmt.get("type") == "text":
-        return ()
-    if req.ignore_eos:
-        raise bad(
-            "response_format: a constrained reply ends on the end-of-sequence token, "
-            "which ignore_eos removes",
-            "ignore_eos",
-        )
-    try:
-        vocab, stops = t.model.config.vocab_size, sorted(t.stop_ids)
-        mask = constraint(fmt, t.model.tokenizer, vocab, stops, prompt=prompt, special=special)
-        return (mask,)
-    except ConstraintError as e:
-        if call_grammar is not None:  # the calls' grammar, built from `tools`
-            raise bad(f"tools: {e.message}", "tools") from None
-        raise bad(str(e), e.field or "response_format") from None
-
-
-def tool_choice(
-    tools: list[dict[str, Any]], choice: Any
-) -> tuple[list[dict[str, Any]], str | None]:
-    """(the tools the template is given, the function a call must name): "auto" / "required"
-    offer all; {"type": "function", "function": {"name": N}} offers N alone and forces it."""
-    for i, t in enumerate(tools):  # each dialect's tools arrive in Chat's shape
-        fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
-            raise bad(
-                f'tools[{i}]: only {{"type": "function", "function": {{…}}}} tools run here',
-                f"tools[{i}]",
-            )
-        name = fn.get("name")
-        if not isinstance(name, str) or not name.strip():
-            raise bad(
-                f"tools[{i}].function.name: a function needs a name", f"tools[{i}].function.name"
-            )
-    if choice in (None, "auto"):
-        return tools, None
-    if choice == "required":  # with one tool offered, it is that tool's call that is required
-        names = tool_names(tools)
-        return tools, next(iter(names)) if len(names) == 1 else None
-    fn = choice.get("function") if isinstance(choice, dict) else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(name, str) or (isinstance(choice, dict) and choice.get("type") != "function"):
-        raise bad(
-            'tool_choice: "none", "auto", "required" or {"type": "function", '
-            '"function": {"name": …}}',
-            "tool_choice",
-        )
-    named = [t for t in tools if tool_names([t]) == {name}]
-    if not named:
-        raise bad(
-            f"tool_choice.function.name: {name!r} is not among the tools",
-            "tool_choice.function.name",
-        )
-    return named, name
 
 
 def encode(model: Any, text: str, *, special: bool) -> list[int]:
@@ -397,3 +277,13 @@ def encode(model: Any, text: str, *, special: bool) -> list[int]:
         raise bad(
             f"the prompt could not be tokenized: {e}", "messages" if special else "prompt", None
         ) from None
+
+
+def completion_masks(t: Target, req: CompletionRequest) -> tuple:
+    """The grammar mask a completion's response_format asks for (the request builder's)."""
+    ask = Ask([], SamplingParams(), response_format=req.response_format)
+    ask = replace(ask, ignore_eos=bool(req.ignore_eos))
+    try:
+        return masks(t.model, ask, t.stop_ids)
+    except RequestError as e:
+        raise bad(str(e), e.field, e.code) from None
