@@ -1,7 +1,7 @@
 """The public API's assembly: `load` (a reference resolved, the model built from its files,
 placed across the ranks under mlx.launch) and `load_tokenizer`. It sits above the pipeline
-layer, which it hands to the model builders as their Placement and to the generation core as
-the model's steps."""
+layer, which it hands to the model builders as their Placement (the generation core finds a
+pipelined model's steps by its placement: mlxlis.distributed registers them)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 from mlxlis.bounded import check_folder_json, read_json_file
 from mlxlis.cache import KVFormat
 from mlxlis.distributed import Pipeline
-from mlxlis.distributed.leader import LeaderSteps
 from mlxlis.errors import BindingError, TokenizerError, UnsupportedError, UnsupportedFormatError
 from mlxlis.loading.gguf_split import read_gguf
 from mlxlis.loading.manifest import as_manifest
@@ -109,10 +108,9 @@ def load(
 
 
 def _ready(model: Model, pipeline: Pipeline, kv: KVFormat | None) -> Model:
-    """Every rank has its share; a pipelined model's generation steps are led from rank 0."""
+    """Every rank has its share (a pipelined model's generation steps are led from rank 0:
+    generation.steps_for)."""
     model.set_kv_format(kv)
-    if model.part is not None:
-        model.steps_factory = LeaderSteps
     pipeline.ready()
     return model
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import mlxlis  # noqa: F401  (chooses the BLAS before mlx.core loads)
 from mlxlis.distributed.leader import LeaderSteps, finish, follow, ranks_of
+from mlxlis.generation.steps import pipeline_steps
 from mlxlis.runtime.device import proc_bytes
 
 import mlx.core as mx
@@ -54,7 +55,7 @@ def run(job: dict, out: Path) -> None:
     ids = model.tokenizer.encode(job["prompt"])
     tokens: list[int] = []
     if model.rank == 0:
-        model.steps_factory = Recording
+        pipeline_steps(Recording)
         Recording.seen = []
         try:
             tokens = [
@@ -63,6 +64,7 @@ def run(job: dict, out: Path) -> None:
                 if e.token is not None
             ]
         finally:
+            pipeline_steps(LeaderSteps)
             finish(ranks_of(model))
         np.save(out / f"{job['name']}-logits.npy", np.stack(Recording.seen))
     else:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxlis.distributed.group import Ranks, launched, world
+from mlxlis.distributed.leader import LeaderSteps
 from mlxlis.distributed.split import (
     Part,
     check_fit,
@@ -25,6 +26,7 @@ from mlxlis.distributed.split import (
 )
 from mlxlis.distributed.stage import PipelineNet
 from mlxlis.errors import PipelineError, TooLargeError, UnsupportedError
+from mlxlis.generation.steps import pipeline_steps
 from mlxlis.runtime.memory import memory_budget
 
 import mlx.core as mx
@@ -41,6 +43,8 @@ __all__ = [
 ]
 
 MiB = 1 << 20
+
+pipeline_steps(LeaderSteps)  # the core runs a pipelined model's steps led from rank 0
 
 
 @dataclass

@@ -2,9 +2,10 @@
 and whatever runs the network.
 
 The core decides what runs (core.py); a Steps object runs it. `LocalSteps` keeps every cache in
-this process. A model pipelined across ranks comes with its own (the distributed layer's
-LeaderSteps, set by the loader as `Model.steps_factory`), which tells the other ranks each step
-before running its own share; the core never knows which it has.
+this process. A model pipelined across ranks (`Model.part` set) runs through the pipeline's
+Steps, which tell the other ranks each step before running this rank's share: the distributed
+layer, above this one, registers them here (`pipeline_steps`); the core never knows which it
+has.
 
 A step's `kind`: "chunk" (part of a prompt with more to come: nothing comes back), "mark" (a
 chunk at whose end the caches keep a snapshot: a position later prompts will share), "prompt"
@@ -17,12 +18,13 @@ position, (T, vocab) or (B, T, vocab)).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from mlxlis.cache import Cache, snapshot
 from mlxlis.cache.prefix import PrefixCache
 from mlxlis.cache.store import KVFormat
+from mlxlis.errors import PipelineError
 from mlxlis.models.model import Model
 from mlxlis.models.multimodal import Inserts
 from mlxlis.models.network import Network
@@ -99,10 +101,24 @@ class LocalSteps:
         pass
 
 
+StepsFactory = Callable[[Model, PrefixCache], Steps]
+_pipelined: list[StepsFactory] = []  # the distributed layer's, once it is imported
+
+
+def pipeline_steps(factory: StepsFactory) -> None:
+    """The Steps of a model pipelined across ranks from now on (the distributed layer's
+    LeaderSteps, registered when it is imported; a later registration replaces it)."""
+    _pipelined[:] = [factory]
+
+
 def steps_for(model: Model, prefix: PrefixCache) -> Steps:
-    """The model's own Steps (a pipelined model's), else LocalSteps."""
-    factory = model.steps_factory or LocalSteps
-    return factory(model, prefix)
+    """The pipeline's Steps for a model pipelined across ranks (`model.part`), else
+    LocalSteps."""
+    if model.part is None:
+        return LocalSteps(model, prefix)
+    if not _pipelined:
+        raise PipelineError("no pipeline steps: mlxlis.distributed is not loaded", field="model")
+    return _pipelined[0](model, prefix)
 
 
 def forward(

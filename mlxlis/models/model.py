@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +32,6 @@ FEATURES_KEPT = 8  # images whose features a model keeps (a second request about
 VISION_NAMES = ("vision_tower.", "model.vision_tower.", "model.visual.", "visual.", "embed_vision.")
 VISION_NAMES += ("model.embed_vision.", "multi_modal_projector.", "model.multi_modal_projector.")
 VISION_NAMES += ("vision_model.",)
-
-# (model, prefix cache) -> the generation core's Steps for this model (mlxlis.generation.steps,
-# a layer above): set by the loader for a model pipelined across ranks, None for a lone one
-StepsFactory = Callable[[Any, Any], Any]
 
 
 class Model:
@@ -68,7 +64,6 @@ class Model:
         self._diagnosis = diagnosis
         self.skipped = sorted(skipped or [])  # file tensors not used (a vision tower, an MTP head)
         self.part = part  # this rank's share of the layers when pipelined, else None
-        self.steps_factory: StepsFactory | None = None  # None: steps in this process
         self.kv_format: KVFormat | None = None  # quantized KV caches (set_kv_format), or dense
         self.vision = vision  # how it sees images (multimodal.Vision), None: text only
         self.sees = sees  # its family has a vision tower (Family.vision), loaded or not
