@@ -1266,10 +1266,8 @@ MUTANTS = (
     Mutant(
         "q4x-gate-always-silu",
         "mlxlis/models/qwen4_exp.py",
-        "    return out.with_(family_config=s, linear_gate_act=gate, "
-        "norm_topk_prob=norm_topk(cfg, path))",
-        '    return out.with_(family_config=s, linear_gate_act="silu", '
-        "norm_topk_prob=norm_topk(cfg, path))",
+        "        deltanet=replace(out.deltanet, gate_act=gate),",
+        '        deltanet=replace(out.deltanet, gate_act="silu"),',
         (Q4X_HF,),
         "Qwen4-Exp: output_gate_type sigmoid ignored",
     ),

@@ -92,7 +92,7 @@ def test_logits_match_transformers_fp32(qwen3n, name):
     folder, ref = qwen3n(name)
     model = mlxlis.load(folder, "float32")
     cfg = model.config
-    assert cfg.family == "qwen3_next" and cfg.linear_fused == ("qkvz", "ba")
+    assert cfg.family == "qwen3_next" and cfg.deltanet.fused == ("qkvz", "ba")
     assert cfg.sparse_layers == tuple(i not in ref.config.mlp_only_layers for i in range(4))
     ids = trajectory(72, vocab=cfg.vocab_size)
     ours, theirs = np.array(model.logits(ids)), reference_logits(ref, ids)
@@ -332,7 +332,7 @@ def test_gguf_matches_transformers_on_the_files_weights(
     twin.load_state_dict(held, strict=False)
     twin.tie_weights()
     model = mlxlis.load(path, "float32", dequantize=dequantize)
-    assert model.config.linear_fused == (("qkvz", "ba") if legacy else ("ba",))
+    assert model.config.deltanet.fused == (("qkvz", "ba") if legacy else ("ba",))
     ids = trajectory(72, vocab=model.config.vocab_size)
     ours, theirs = np.array(model.logits(ids)), reference_logits(twin, ids)
     delta = np.abs(ours - theirs).max()

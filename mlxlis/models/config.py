@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from mlxlis import limits
 from mlxlis.errors import ConfigError, UnsupportedError
+from mlxlis.models.config_groups import DeltaNetConfig
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 PER_TYPE_ROPE_TYPES = ("default", "linear", "llama3")  # under rope_parameters' layer types
@@ -109,16 +110,7 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum 1
     sparse_layers: tuple[bool, ...] = ()
     shared_expert_intermediate_size: int = 0  # a shared expert beside the routed ones (> 0)
-    # Gated DeltaNet (linear attention) layers (Qwen3.5)
-    linear_num_key_heads: int = 0
-    linear_num_value_heads: int = 0
-    linear_key_head_dim: int = 0
-    linear_value_head_dim: int = 0
-    linear_conv_kernel_dim: int = 0
-    # the DeltaNet's projections fused per key head (Qwen3-Next): "qkvz" (in_proj_qkvz: each
-    # key head's q, k, its value heads' v then z), "ba" (in_proj_ba: its value heads' β then α)
-    linear_fused: tuple[str, ...] = ()
-    linear_gate_act: str = "silu"  # the DeltaNet's output gate (Qwen4-Exp: also "sigmoid")
+    deltanet: DeltaNetConfig | None = None  # Gated DeltaNet (linear attention) layers
     # one q|k|v projection (qkv_proj) and one gate|up projection (gate_up_proj): Phi-3 / Phi-4
     fused_qkv: bool = False
     fused_gate_up: bool = False

@@ -88,8 +88,9 @@ def untile_heads(w: mx.array, kh: int, vh: int, axis: int) -> mx.array:
 
 def _v_rows_of_qkv(w: mx.array, c, part: str) -> mx.array:
     """in_proj_qkv / conv1d: rows [Q | K | V]; only the V rows are reordered."""
-    kd = c.linear_num_key_heads * c.linear_key_head_dim
-    v = untile_heads(w[2 * kd :], c.linear_num_key_heads, c.linear_num_value_heads, 0)
+    net = c.deltanet
+    kd = net.num_key_heads * net.key_head_dim
+    v = untile_heads(w[2 * kd :], net.num_key_heads, net.num_value_heads, 0)
     return mx.concatenate([w[: 2 * kd], v], axis=0)
 
 
@@ -98,7 +99,9 @@ def _ends(*suffixes: str) -> Callable[[str], bool]:
 
 
 def _heads(axis: int):
-    return lambda w, c, _: untile_heads(w, c.linear_num_key_heads, c.linear_num_value_heads, axis)
+    return lambda w, c, _: untile_heads(
+        w, c.deltanet.num_key_heads, c.deltanet.num_value_heads, axis
+    )
 
 
 # conv1d is stored squeezed, (C, kernel): back to transformers' (C, 1, kernel)

@@ -12,7 +12,7 @@ which equals the step form up to rounding. Before the rule: one projection to q|
 causal depthwise convolution over it (its last kernel−1 inputs are state too) and SiLU; after:
 an RMSNorm of each head's output gated by SiLU(z), then the output projection.
 Parameter names equal the Hugging Face names (`linear_attn.in_proj_qkv`, `conv1d`, `A_log`, ...).
-Qwen3-Next fuses the projections per key head (cfg.linear_fused): in_proj_qkvz holds, for each
+Qwen3-Next fuses the projections per key head (cfg.deltanet.fused): in_proj_qkvz holds, for each
 key head, its q, its k, then its value heads' v and z; in_proj_ba its value heads' β then α.
 """
 
@@ -81,7 +81,7 @@ def delta_chunked(q, k, v, g, beta, state):
     return o, state
 
 
-GATE_ACTS = {"silu": nn.silu, "sigmoid": mx.sigmoid}  # the output gate's (cfg.linear_gate_act)
+GATE_ACTS = {"silu": nn.silu, "sigmoid": mx.sigmoid}  # the output gate's (cfg.deltanet.gate_act)
 
 
 class GatedRMSNorm(nn.Module):
@@ -103,12 +103,13 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d = cfg.hidden_size
-        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.kernel = cfg.linear_conv_kernel_dim
+        net = cfg.deltanet
+        self.hk, self.hv = net.num_key_heads, net.num_value_heads
+        self.dk, self.dv = net.key_head_dim, net.value_head_dim
+        self.kernel = net.conv_kernel_dim
         key_dim, value_dim = self.hk * self.dk, self.hv * self.dv
         self.conv_dim = 2 * key_dim + value_dim
-        self.fused = cfg.linear_fused
+        self.fused = net.fused
         if "qkvz" in self.fused:
             self.in_proj_qkvz = nn.Linear(d, self.conv_dim + value_dim, bias=False)
         else:
@@ -123,7 +124,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d.weight = mx.zeros((self.conv_dim, 1, self.kernel))  # HF (C, 1, kernel)
         self.dt_bias = mx.ones((self.hv,))
         self.A_log = mx.zeros((self.hv,))
-        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, cfg.linear_gate_act)
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, net.gate_act)
         self.out_proj = nn.Linear(value_dim, d, bias=False)
 
     def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:

@@ -13,6 +13,7 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models.base import GGUFMeta
 from mlxlis.models.config import ModelConfig
+from mlxlis.models.config_groups import DeltaNetConfig
 from mlxlis.models.conventions import ZERO_CENTRED_NORM_MINUS_ONE
 from mlxlis.models.reading import check_act
 
@@ -25,6 +26,7 @@ HF_DEFAULTS = {  # transformers' Qwen3_5TextConfig
     "linear_num_key_heads": 16,
     "linear_num_value_heads": 32,
 }
+DELTANET = tuple(k for k in HF_DEFAULTS if k.startswith("linear_"))  # DeltaNetConfig's, prefixed
 MOE_DEFAULTS = {
     "num_experts": 256,
     "num_experts_per_tok": 8,
@@ -64,6 +66,11 @@ def read_rotary_dim(cfg: dict, head_dim: int, path: str) -> int:
     return dim
 
 
+def deltanet(size: dict[str, int], **more: Any) -> DeltaNetConfig:
+    """The DeltaNet's shape from its `linear_*` sizes."""
+    return DeltaNetConfig(**{k.removeprefix("linear_"): size[k] for k in DELTANET}, **more)
+
+
 def hf_parser(moe: bool):
     def parse(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         keys = {**HF_DEFAULTS, **(MOE_DEFAULTS if moe else {})}
@@ -86,7 +93,7 @@ def hf_parser(moe: bool):
             head_dim=size["head_dim"],
             rotary_dim=read_rotary_dim(cfg, size["head_dim"], path),
             layer_types=read_layer_types(cfg, n, path),
-            **{k: size[k] for k in HF_DEFAULTS if k != "head_dim"},
+            deltanet=deltanet(size),
         )
         if moe:
             if size["num_experts_per_tok"] > size["num_experts"]:
@@ -128,6 +135,7 @@ def gguf_parser(moe: bool):
             },
             m.path,
         )
+        rotary = size.pop("rotary_dim")
         flags = m.md.get(m.key("attention.recurrent_layers"))
         if flags is not None:
             types = tuple(LAYER_TYPES[not bool(f)] for f in list(flags)[:n])
@@ -145,7 +153,8 @@ def gguf_parser(moe: bool):
             qk_norm=True,
             attn_output_gate=True,
             layer_types=types,
-            **size,
+            rotary_dim=rotary,
+            deltanet=deltanet(size),
         )
         if moe:
             changes.update(
@@ -220,7 +229,8 @@ def exporter(moe: bool):
                 "partial_rotary_factor": factor,
             },
             "attention_bias": cfg.attention_bias,
-            **{k: getattr(cfg, k) for k in HF_DEFAULTS},
+            "head_dim": cfg.head_dim,
+            **{k: getattr(cfg.deltanet, k.removeprefix("linear_")) for k in DELTANET},
         }
         every = next(
             (

@@ -6,7 +6,7 @@ the shared decoder) with its differences as data.
              a sigmoid output gate from a doubled q_proj, RoPE on a quarter of each head,
              routed experts (softmax, top-k) plus a shared expert gated by a sigmoid
   differs    DeltaNet's projections fused per key head (`in_proj_qkvz`, `in_proj_ba`:
-             cfg.linear_fused); dense MLP layers where `mlp_only_layers` / `decoder_sparse_step`
+             cfg.deltanet.fused); dense MLP layers where `mlp_only_layers` / `decoder_sparse_step`
              say so; `norm_topk_prob` read (default true); no multimodal wrapper
 HF `qwen3_next` (experts one tensor each, or transformers 5's fused ones); mlx-lm's layout (its
 conv1d kernel axis last, 1 added to the zero-centred norms, experts stacked as switch_mlp).
@@ -20,6 +20,7 @@ Defaults are transformers' Qwen3NextConfig.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
@@ -87,7 +88,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     return out.with_(
         sparse_layers=_sparse_layers(cfg, out.num_hidden_layers, path),
         norm_topk_prob=top,
-        linear_fused=FUSED,
+        deltanet=replace(out.deltanet, fused=FUSED),
     )
 
 
@@ -110,7 +111,8 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
         raise UnsupportedError(
             "ssm_in in some DeltaNet layers only", path=m.path, field="ssm_in.weight"
         )
-    return out.with_(linear_fused=FUSED if legacy == {True} else ("ba",))
+    fused = FUSED if legacy == {True} else ("ba",)
+    return out.with_(deltanet=replace(out.deltanet, fused=fused))
 
 
 GGUF_BLOCK = {
@@ -122,7 +124,7 @@ _export_hybrid = exporter(True)
 
 
 def export(cfg: ModelConfig) -> dict[str, Any]:
-    if cfg.linear_fused != FUSED:
+    if cfg.deltanet.fused != FUSED:
         raise UnsupportedError(
             "this Qwen3-Next layout (a GGUF's split attn_qkv / attn_gate) has no config.json form",
             path=cfg.source,

@@ -20,6 +20,7 @@ Defaults are transformers' Qwen4ExpTextConfig.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from mlxlis.errors import ConfigError
@@ -169,7 +170,11 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
             path=path,
             field="indexer_head_dim",
         )
-    return out.with_(family_config=s, linear_gate_act=gate, norm_topk_prob=norm_topk(cfg, path))
+    return out.with_(
+        family_config=s,
+        deltanet=replace(out.deltanet, gate_act=gate),
+        norm_topk_prob=norm_topk(cfg, path),
+    )
 
 
 def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:  # pragma: no cover - no arch
@@ -191,7 +196,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
             t if t == "linear_attention" else "indexed_attention" for t in cfg.layer_types
         ],
         "norm_topk_prob": cfg.norm_topk_prob,
-        "output_gate_type": cfg.linear_gate_act,
+        "output_gate_type": cfg.deltanet.gate_act,
         "ple_layer_ids": [i + 1 for i in s.ple_layers],
         "eos_token_id": s.eos_token_id,
         "indexer_kv_heads": 1,

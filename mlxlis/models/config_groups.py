@@ -1,0 +1,23 @@
+"""The typed groups of ModelConfig that the shared blocks read, each beside the others here
+(config.py holds ModelConfig and its readers): a block takes its group, and a family that has
+no such block holds None."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeltaNetConfig:
+    """The Gated DeltaNet (linear attention) layers' shape (Qwen3.5, Qwen3-Next, Qwen4-Exp):
+    read by deltanet.py and by the conventions that reorder its value heads."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_dim: int
+    # the projections fused per key head (Qwen3-Next): "qkvz" (in_proj_qkvz: each key head's
+    # q, k, its value heads' v then z), "ba" (in_proj_ba: its value heads' β then α)
+    fused: tuple[str, ...] = ()
+    gate_act: str = "silu"  # the output gate (Qwen4-Exp: also "sigmoid")
