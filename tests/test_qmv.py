@@ -27,7 +27,8 @@ import subprocess
 import sys
 
 import mlxlis  # noqa: F401  (the BLAS routing first, as the engine runs)
-from mlxlis.models.quantized import QuantizedLinear, use_kernels
+from mlxlis.loading.binding import quantize_like
+from mlxlis.models.quantized import Kernels, QuantizedLinear
 from mlxlis.runtime import qmv
 
 import mlx.core as mx
@@ -384,12 +385,13 @@ def test_bad_arguments_are_refused():
 
 
 def test_quantized_layers_use_it_and_match_mlx():
-    """A model's QuantizedLinear (after use_kernels) runs the kernel on the CPU for a decode
-    step and a prompt, with MLX's own product's result within the bound; a mode the kernels
-    lack (mxfp4) goes to MLX's own."""
+    """A model's QuantizedLinear (as a loader builds it: Kernels) runs the kernel on the CPU
+    for a decode step and a prompt, with MLX's own product's result within the bound; a mode
+    the kernels lack (mxfp4) goes to MLX's own."""
     net = nn.Sequential(nn.Linear(256, 96, bias=True), nn.Linear(96, 64, bias=False))
-    nn.quantize(net, group_size=32, bits=5)
-    assert use_kernels(net) == 2 and isinstance(net.layers[0], QuantizedLinear)
+    scaled = dict.fromkeys(["layers.0.scales", "layers.1.scales"])
+    quantize_like(net, scaled, {"group_size": 32, "bits": 5}, quantizer=Kernels())
+    assert all(type(layer) is QuantizedLinear for layer in net.layers)
     mx.random.seed(0)
     for m in (1, 40):
         x = mx.random.normal((m, 256))
@@ -402,8 +404,9 @@ def test_quantized_layers_use_it_and_match_mlx():
         layer = net.layers[0]
         ref, bound = reference(x, layer.weight, layer.scales, layer.biases, 32, 5)
         check(y - layer.bias, ref, bound + 1e-6, f"M={m}")
-    fp4 = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4, mode="mxfp4")
-    use_kernels(fp4)
+    fp4 = Kernels().quantize(
+        nn.Linear(64, 32, bias=False), dict(group_size=32, bits=4, mode="mxfp4")
+    )
     before = ext.counters()
     want = mx.quantized_matmul(
         mx.ones((1, 64)), fp4.weight, fp4.scales, None, True, 32, 4, mode="mxfp4"
@@ -493,14 +496,13 @@ def test_an_embedding_with_float16_scales_looks_up_float32_rows():
     float16 scales would compute, and round, in float16."""
     table = nn.Embedding(64, 256)
     table.weight = mx.random.normal((64, 256), key=mx.random.key(3))
-    narrow = table.to_quantized(group_size=32, bits=8)
+    narrow = Kernels(mx.float32).quantize(table, {"group_size": 32, "bits": 8})  # a loader's
     narrow.scales, narrow.biases = (
         narrow.scales.astype(mx.float16),
         narrow.biases.astype(mx.float16),
     )
     wide = table.to_quantized(group_size=32, bits=8)
     wide.scales, wide.biases = narrow.scales.astype(mx.float32), narrow.biases.astype(mx.float32)
-    use_kernels(narrow, mx.float32)
     ids = mx.array([[0, 5, 63, 5]])
     got = narrow(ids)
     assert got.dtype == mx.float32 and mx.array_equal(got, wide(ids)).item()

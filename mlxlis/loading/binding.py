@@ -14,7 +14,7 @@ from mlxlis.runtime import qmv
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
@@ -36,6 +36,30 @@ class Bindable(Protocol):
         """Stacked expert parameters -> where Hugging Face checkpoints keep them (an
         ExpertSource of models/experts.py, or a tuple of alternatives); empty when none."""
         ...
+
+
+class Quantizer(Protocol):
+    """Which quantized layers a network is built with (models/quantized.py's Kernels: the same
+    parameters and names as MLX's, the products through mlxlis's CPU kernels)."""
+
+    def quantize(self, module: nn.Module, params: dict[str, Any]) -> nn.Module:
+        """`module` quantized as its `to_quantized(**params)` would be."""
+        ...
+
+    def empty_linear(self) -> nn.QuantizedLinear:
+        """A quantized linear layer with nothing set yet (filled in by hand: the layouts
+        `to_quantized` refuses)."""
+        ...
+
+
+class MLXLayers:
+    """MLX's own quantized layers."""
+
+    def quantize(self, module: nn.Module, params: dict[str, Any]) -> nn.Module:
+        return module.to_quantized(**params)
+
+    def empty_linear(self) -> nn.QuantizedLinear:
+        return nn.QuantizedLinear.__new__(nn.QuantizedLinear)
 
 
 def kept_narrow(name: str, stored: mx.Dtype, dtype: mx.Dtype) -> bool:
@@ -60,12 +84,15 @@ def quantize_like(
     weights: dict[str, mx.array],
     quant: dict | None,
     path: Path | str = "config.json",
+    quantizer: Quantizer | None = None,
 ) -> None:
     """Turn the Linear/Embedding modules whose tensors arrive with `.scales` into quantized ones.
 
     `quant` is config.json's "quantization" block: defaults plus per-module overrides
-    ({"bits", "group_size"} or False), as mlx_lm.convert writes it.
+    ({"bits", "group_size"} or False), as mlx_lm.convert writes it. `quantizer`: which
+    quantized layers are built (None: MLX's own).
     """
+    quantizer = quantizer or MLXLayers()
     quant = quant or {}
     _check_quant(quant, path)
     default = {k: quant[k] for k in ("group_size", "bits", "mode") if k in quant}
@@ -80,12 +107,27 @@ def quantize_like(
             return {**default, **override}
         return default or True
 
-    _sub_block_layers(model, weights, quant, path)
-    nn.quantize(model, class_predicate=predicate)
+    def quantized(name: str, module: nn.Module) -> nn.Module:  # as nn.quantize reads `predicate`
+        params = predicate(name, module)
+        if not params:
+            return module
+        if params is True:
+            params = {"group_size": None, "bits": None, "mode": "affine"}
+        if not params.get("quantize_input", True):
+            params = {k: v for k, v in params.items() if k != "quantize_input"}
+        return quantizer.quantize(module, params)
+
+    _sub_block_layers(model, weights, quant, path, quantizer)
+    leaves = tree_map_with_path(quantized, model.leaf_modules(), is_leaf=nn.Module.is_module)
+    model.update_modules(leaves)
 
 
 def _sub_block_layers(
-    model: nn.Module, weights: dict[str, mx.array], quant: dict, path: Path | str
+    model: nn.Module,
+    weights: dict[str, mx.array],
+    quant: dict,
+    path: Path | str,
+    quantizer: Quantizer,
 ) -> None:
     """The linear layers in the layouts only mlxlis's CPU kernels take: groups of 16 (Q6_K's
     sub-blocks) and super-block formats (K-quants as stored: integer scales, a float16 pair
@@ -105,7 +147,7 @@ def _sub_block_layers(
             )
         out_dims, in_dims = module.weight.shape
         group = q["group_size"]
-        layer = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
+        layer = quantizer.empty_linear()
         nn.Module.__init__(layer)
         layer.group_size, layer.bits, layer.mode = group, q["bits"], "affine"
         layer.weight = mx.zeros((out_dims, in_dims * q["bits"] // 32), mx.uint32)

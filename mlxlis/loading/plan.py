@@ -16,7 +16,7 @@ from typing import Any
 
 from mlxlis import limits
 from mlxlis.errors import ConfigError, FileFormatError
-from mlxlis.loading.binding import Bindable, quantize_like
+from mlxlis.loading.binding import Bindable, Quantizer, quantize_like
 from mlxlis.loading.manifest import (
     _QUANT_PARTS,
     _TIED,
@@ -232,13 +232,13 @@ def plan_bindings(
     strict: bool = True,
     layouts: dict[str, tuple[int, ...]] | None = None,
     held: Callable[[str], bool] | None = None,
+    quantizer: Quantizer | None = None,
 ) -> BindingPlan:
-    """Validate `manifest` against the model and the sources' headers; quantize the modules
-    whose scales are bound (mutates `net`); return the plan. Reads headers only. `layouts`:
-    parameter name suffix -> axes; a tensor whose shape is the parameter's only after that
-    transpose (another converter's layout, e.g. mlx-lm's conv1d) binds, transposed at load.
-    `held(param)`: a pipeline rank's share (`net` holds only those layers); the tensors of the
-    other ranks' parameters are left to them, neither bound nor reported."""
+    """Validate `manifest` against the model and the sources' headers (reads headers only);
+    quantize the modules whose scales are bound (mutates `net`, `quantizer` building them, None:
+    MLX's); return the plan. `layouts`: parameter name suffix -> the axes of a transpose at load
+    (another converter's layout, e.g. mlx-lm's conv1d). `held(param)`: a pipeline rank's share
+    (`net` holds only it); the other ranks' parameters' tensors are neither bound nor reported."""
     folder = Path(folder)
     where = manifest.origin or str(folder)  # what errors about the mapping name
     sources = {spec.name: _open_source(spec, manifest, folder) for spec in manifest.sources}
@@ -261,17 +261,17 @@ def plan_bindings(
     # experts) by a Hugging Face layout of the family's
     quantizable = _quantizable(net)
     stacks = net.expert_stacks()
-    scaled = []
+    scaled: dict[str, None] = {}  # the `.scales` parameters bound, in order
     for m in sorted(quantizable):
         p = f"{m}.scales"
         if (p in explicit and explicit[p][1] in sources[explicit[p][0]].tensors) or (
             p not in explicit
             and (p in by_name or (p in stacks and _has_layout(stacks[p], by_name, default)))
         ):
-            scaled.append(p)
+            scaled[p] = None
     if scaled:
         try:
-            quantize_like(net, dict.fromkeys(scaled), cfg.quantization, folder / "config.json")
+            quantize_like(net, scaled, cfg.quantization, folder / "config.json", quantizer)
         except ConfigError:
             raise
         except (ValueError, TypeError, KeyError, ArithmeticError, RuntimeError) as e:

@@ -19,6 +19,7 @@ from mlxlis.models import build_model, config_from_hf, family
 from mlxlis.models.config import read_json
 from mlxlis.models.model import Model
 from mlxlis.models.placement import Placement
+from mlxlis.models.quantized import Kernels
 from mlxlis.prompt.template import discover_template
 from mlxlis.tokenizer import Tokenizer
 
@@ -58,6 +59,7 @@ def load_folder(
         strict=strict,
         layouts=spec.mlx_layouts,
         held=part.holds if part is not None else None,
+        quantizer=Kernels(dtype),  # products through mlxlis's CPU kernels where they apply
     )
     weights = plan.load()
     if plan.relaid:  # saved by mlx-lm after its sanitize: undo what that folded in

@@ -28,6 +28,7 @@ from mlxlis.models.gguf_config import config_from_gguf
 from mlxlis.models.mmproj import beside, load_mmproj
 from mlxlis.models.model import Model
 from mlxlis.models.placement import Placement
+from mlxlis.models.quantized import Kernels
 from mlxlis.prompt.template import diagnose_missing_template, discover_template
 from mlxlis.runtime import device, qmv
 from mlxlis.runtime.memory import available_memory
@@ -112,7 +113,7 @@ def load_gguf(
             extras.update(layers=part.layers, embeds=part.first, heads=part.last)
         net = build_model(cfg, **extras)
         if quant:
-            quantize_like(net, weights, quant)
+            quantize_like(net, weights, quant, quantizer=Kernels(dtype))  # mlxlis's CPU kernels
         bind(net, weights, path, dtype)
         clock("bind")
         tok = tokenizer.result()

@@ -17,7 +17,6 @@ from mlxlis.models.experts import QuantizedSwitchLinear, SwitchLinear
 from mlxlis.models.multimodal import ImageSpan, Inserts, Prompt, PromptImage, Vision, image_spans
 from mlxlis.models.network import Network
 from mlxlis.models.placement import Share
-from mlxlis.models.quantized import use_kernels
 from mlxlis.prompt.images import ImageError, open_image
 from mlxlis.prompt.template import ChatTemplate, diagnose_missing_template, end_of_turn_tokens
 from mlxlis.prompt.thinking_switch import has_thinking_switch, thinking_vars
@@ -54,7 +53,6 @@ class Model:
     ):
         self.config = config
         self.net = net
-        use_kernels(net, dtype)  # quantized products through mlxlis's CPU kernels where they apply
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.path = Path(path)

@@ -2,11 +2,12 @@
 apply, and MLX's own `mx.quantized_matmul` everywhere else: the same parameters, names and
 results (within float32 rounding) as MLX's QuantizedLinear / QuantizedEmbedding.
 
-`use_kernels(net)` turns a loaded network's MLX quantized layers into these (a class change
-only: no parameter is copied). MLX's `nn.quantize` builds its own classes, so a loader calls
-this after quantizing."""
+A loader builds its network with these (`Kernels`, the quantized layers binding.quantize_like
+makes): ours in place of MLX's QuantizedLinear / QuantizedEmbedding, MLX's own for the rest."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from mlxlis.runtime import qmv
 from mlxlis.runtime.device import device_name
@@ -28,7 +29,7 @@ class QuantizedLinear(nn.QuantizedLinear):
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
-    _lookup_dtype: mx.Dtype | None = None  # the network's compute dtype (use_kernels)
+    _lookup_dtype: mx.Dtype | None = None  # the network's compute dtype (Kernels)
 
     def __call__(self, x: mx.array) -> mx.array:
         """Rows of the table. float16 scales kept beside float32 compute (binding.kept_narrow)
@@ -47,20 +48,29 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
         return _product(self, x)
 
 
-_OURS = {nn.QuantizedLinear: QuantizedLinear, nn.QuantizedEmbedding: QuantizedEmbedding}
+class Kernels:
+    """The quantized layers of a network computing in `dtype` (binding.Quantizer): ours where
+    MLX's `to_quantized` would make a QuantizedLinear or QuantizedEmbedding (an embedding
+    looking its rows up in `dtype`), MLX's own for the rest (experts)."""
 
+    def __init__(self, dtype: mx.Dtype | None = None):
+        self.dtype = dtype
 
-def use_kernels(net: nn.Module, dtype: mx.Dtype | None = None) -> int:
-    """Turn `net`'s MLX quantized layers into the kernel-aware ones (embeddings looking rows
-    up in `dtype`, the network's compute dtype); returns how many."""
-    n = 0
-    for _, m in net.named_modules():
-        ours = _OURS.get(type(m))
-        if ours is not None:
-            m.__class__ = ours  # same attributes and parameters: only the products change
-            n += 1
-        if isinstance(m, QuantizedEmbedding):
-            object.__setattr__(m, "_lookup_dtype", dtype)  # not a parameter
-    if n and device_name() == "cpu":
-        qmv.load()  # built (once) now, while loading, not inside the first product
-    return n
+    def quantize(self, module: nn.Module, params: dict[str, Any]) -> nn.Module:
+        if params.get("quantize_input"):  # activations quantized too: MLX's QQLinear
+            return module.to_quantized(**params)
+        if type(module) is nn.Linear:
+            return self._made(QuantizedLinear.from_linear(module, **params))
+        if type(module) is nn.Embedding:
+            layer = QuantizedEmbedding.from_embedding(module, **params)
+            object.__setattr__(layer, "_lookup_dtype", self.dtype)  # not a parameter
+            return self._made(layer)
+        return module.to_quantized(**params)
+
+    def empty_linear(self) -> nn.QuantizedLinear:
+        return self._made(QuantizedLinear.__new__(QuantizedLinear))
+
+    def _made(self, layer: nn.Module) -> nn.Module:
+        if device_name() == "cpu":
+            qmv.load()  # built (once) now, while loading, not inside the first product
+        return layer
