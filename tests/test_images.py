@@ -15,7 +15,8 @@ What is proved here:
 - caches by content: a second chat turn about the same image reuses the caches past it; the
   same text about another image reuses nothing of the image (self-consistency: reuse counts);
 - refusals: an image to a text-only model, a template that drops an image, a bad image, a
-  prompt whose placeholders do not pair with its images — each an MlxlisError naming the part.
+  prompt whose placeholders do not pair with its images — each an MlxlisError naming the part;
+- the loader's tower keeps the last images' features (multimodal.CachedVision: call counts).
 """
 
 from __future__ import annotations
@@ -325,3 +326,33 @@ def test_pan_and_scan_equals_the_processor(seeing, tmp_path):
     with torch.no_grad():
         want = ref(**theirs).logits[0].numpy()
     assert np.abs(np.array(model.logits(prompt.ids, images=prompt.images)) - want).max() < 1e-4
+
+
+def test_a_loaded_tower_keeps_the_last_images_features(seeing):
+    """The loader's tower (multimodal.CachedVision) runs an image through the tower once while
+    it is among the last FEATURES_KEPT asked for, and again once it fell out (self-consistency:
+    call counts and the same features)."""
+    from mlxlis.models.multimodal import FEATURES_KEPT, CachedVision, PromptImage
+
+    import mlx.core as mx
+
+    class Counting:
+        def __init__(self):
+            self.calls = 0
+
+        def features(self, image):
+            self.calls += 1
+            return mx.full((image.tokens, 4), float(image.pixels[0, 0]))
+
+    _, _, model = seeing
+    assert isinstance(model.vision, CachedVision)
+    tower = Counting()
+    kept = CachedVision(tower)
+    images = [PromptImage.of(np.full((2, 2), k), (2, 2), 3) for k in range(FEATURES_KEPT + 1)]
+    first = kept.features(images[0])
+    for image in images[1:FEATURES_KEPT]:
+        kept.features(image)
+    assert kept.features(images[0]) is first and tower.calls == FEATURES_KEPT
+    kept.features(images[FEATURES_KEPT])  # images[1], the oldest now, falls out
+    kept.features(images[1])
+    assert tower.calls == FEATURES_KEPT + 2

@@ -90,7 +90,7 @@ def test_placeholders_and_features_equal_transformers(seeing, two, monkeypatch):
             inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True
         ).pooler_output
     for image, want in zip(prompt.images, feats, strict=True):
-        got = np.array(model.vision.features(image))  # not the kept features
+        got = np.array(model.vision.tower.features(image))  # not the kept features
         assert got.shape == tuple(want.shape)
         assert np.abs(got - want.numpy()).max() < 1e-4
 

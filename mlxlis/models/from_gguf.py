@@ -27,6 +27,7 @@ from mlxlis.models.config import ModelConfig
 from mlxlis.models.gguf_config import config_from_gguf
 from mlxlis.models.mmproj import beside, load_mmproj
 from mlxlis.models.model import Model
+from mlxlis.models.multimodal import CachedVision
 from mlxlis.models.placement import Placement
 from mlxlis.models.quantized import Kernels
 from mlxlis.prompt.template import diagnose_missing_template, discover_template
@@ -123,7 +124,7 @@ def load_gguf(
         kind = PROJECTORS[cfg.family].kind
         proj = beside(path, cfg, kind) if mmproj in (None, True) else Path(mmproj)
         if proj is not None:
-            vision = load_mmproj(proj, cfg, tok, md, dtype, PROJECTORS)
+            vision = CachedVision(load_mmproj(proj, cfg, tok, md, dtype, PROJECTORS))
             clock("vision")
     elif mmproj not in (None, False, True):
         raise UnsupportedError(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ from mlxlis.tokenizer import Tokenizer
 import mlx.core as mx
 import mlx.nn as nn
 
-FEATURES_KEPT = 8  # images whose features a model keeps (a second request about one)
 # skipped tensors that are a vision tower's (a multimodal folder read text only)
 VISION_NAMES = ("vision_tower.", "model.vision_tower.", "model.visual.", "visual.", "embed_vision.")
 VISION_NAMES += ("model.embed_vision.", "multi_modal_projector.", "model.multi_modal_projector.")
@@ -65,7 +63,6 @@ class Model:
         self.kv_format: KVFormat | None = None  # quantized KV caches (set_kv_format), or dense
         self.vision = vision  # how it sees images (multimodal.Vision), None: text only
         self.sees = sees  # its family has a vision tower (Family.vision), loaded or not
-        self._features: OrderedDict[str, mx.array] = OrderedDict()  # by image digest
 
     @property
     def name(self) -> str:
@@ -153,17 +150,11 @@ class Model:
         return image_spans(ids, images, self.vision.image_token_id)
 
     def image_features(self, image: PromptImage) -> mx.array:
-        """(tokens per image, hidden) embeddings of `image` (the last few kept by digest)."""
+        """(tokens per image, hidden) embeddings of `image` (a loader's tower keeps the last
+        few: multimodal.CachedVision)."""
         if self.vision is None:
             raise UnsupportedError(self.text_only_reason(), path=self.path, field="images")
-        out = self._features.pop(image.digest, None)
-        if out is None:
-            out = self.vision.features(image)
-            mx.eval(out)
-        self._features[image.digest] = out
-        while len(self._features) > FEATURES_KEPT:
-            self._features.popitem(last=False)
-        return out
+        return self.vision.features(image)
 
     def prepare_image(self, source: Any, field: str = "image", name: str = "") -> PromptImage:
         """`source` (a path, bytes or a PIL image) opened and preprocessed for this model; an

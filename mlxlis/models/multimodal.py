@@ -14,6 +14,7 @@ ids derived from the image's digest, so a prefix entry is reused only for the sa
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,6 +131,61 @@ class Vision(Protocol):
     def describe(self) -> str:
         """The vision part, in words (for `describe`)."""
         ...
+
+
+FEATURES_KEPT = 8  # images whose features a tower keeps (a second request about one)
+
+
+class CachedVision:
+    """A vision tower that keeps the features of the last FEATURES_KEPT images it gave, by
+    digest (a chat's later turns, a second request about one image); the rest is the tower's."""
+
+    def __init__(self, tower: Vision):
+        self.tower = tower
+        self._features: OrderedDict[str, mx.array] = OrderedDict()  # by image digest
+
+    @property
+    def image_token_id(self) -> int:
+        return self.tower.image_token_id
+
+    @property
+    def fill_id(self) -> int:
+        return self.tower.fill_id
+
+    @property
+    def bidirectional(self) -> bool:
+        return self.tower.bidirectional
+
+    def features(self, image: PromptImage) -> mx.array:
+        out = self._features.pop(image.digest, None)
+        if out is None:
+            out = self.tower.features(image)
+            mx.eval(out)
+        self._features[image.digest] = out
+        while len(self._features) > FEATURES_KEPT:
+            self._features.popitem(last=False)
+        return out
+
+    def positions(self, spans: Sequence[ImageSpan], at: int, n: int) -> mx.array | None:
+        return self.tower.positions(spans, at, n)
+
+    def shift(self, spans: Sequence[ImageSpan], p: int) -> int:
+        return self.tower.shift(spans, p)
+
+    def expand(self, text: str, images: Sequence[PromptImage]) -> str:
+        return self.tower.expand(text, images)
+
+    def marker_count(self, text: str) -> int:
+        return self.tower.marker_count(text)
+
+    def prepare(self, image: Image.Image, name: str) -> PromptImage:
+        return self.tower.prepare(image, name)
+
+    def uses(self, name: str) -> bool:
+        return self.tower.uses(name)
+
+    def describe(self) -> str:
+        return self.tower.describe()
 
 
 class BlockPositions:
