@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 import mlxlis  # noqa: E402,F401  (importing mlxlis preloads the BLAS first)
 from mlxlis.models import build_model  # noqa: E402
 from mlxlis.models.config import ModelConfig, RopeConfig  # noqa: E402
+from mlxlis.models.config_groups import MoEConfig  # noqa: E402
 from mlxlis.runtime.device import select_device, setup_process  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
@@ -51,11 +52,7 @@ def config(kind: str, layers: int) -> ModelConfig:
         return ModelConfig(
             family="qwen3_moe",
             intermediate_size=TOP_K * EXPERT_WIDTH,
-            num_experts=EXPERTS,
-            num_experts_per_tok=TOP_K,
-            moe_intermediate_size=EXPERT_WIDTH,
-            norm_topk_prob=True,
-            sparse_layers=(True,) * layers,
+            moe=MoEConfig(EXPERTS, TOP_K, EXPERT_WIDTH, (True,) * layers, norm_topk_prob=True),
             **common,
         )
     width = TOP_K * EXPERT_WIDTH if kind == "dense-active" else EXPERTS * EXPERT_WIDTH

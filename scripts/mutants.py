@@ -219,8 +219,8 @@ MUTANTS = (
     Mutant(
         "qwen3moe-gguf-no-renorm",
         "mlxlis/models/qwen3_moe.py",
-        "norm_topk_prob=True,  # llama.cpp's qwen3moe graph always renormalises the top k",
-        "norm_topk_prob=False,",
+        "return base.with_(moe=moe_config(size, sparse, norm_topk_prob=True))",
+        "return base.with_(moe=moe_config(size, sparse, norm_topk_prob=False))",
         ("tests/test_qwen3_gguf.py",),
         "Qwen3-MoE GGUF: top-k weights not renormalised as llama.cpp does",
     ),
@@ -1115,8 +1115,8 @@ MUTANTS = (
     Mutant(
         "q3n-topk-always-renormalised",
         "mlxlis/models/qwen3_next.py",
-        "        norm_topk_prob=top,",
-        "        norm_topk_prob=True,",
+        "moe=replace(out.moe, sparse_layers=sparse, norm_topk_prob=top),",
+        "moe=replace(out.moe, sparse_layers=sparse, norm_topk_prob=True),",
         (Q3N_HF,),
         "Qwen3-Next: norm_topk_prob false ignored",
     ),

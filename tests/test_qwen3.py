@@ -144,7 +144,7 @@ def test_sparse_layers_follow_the_config(qwen):
     ):
         folder, ref = qwen(name)
         model = mlxlis.load(folder, "float32")
-        assert model.config.sparse_layers == want
+        assert model.config.moe.sparse_layers == want
         for i, sparse in enumerate(want):
             assert ("switch_mlp" in model.net.model.layers[i].mlp) == sparse
             assert hasattr(ref.model.layers[i].mlp, "experts") == sparse

@@ -209,8 +209,8 @@ def test_gguf_matches_transformers_on_the_files_weights(files, case, dequantize)
     assert delta < BOUND[case], f"max |Δ| = {delta}"
     assert np.abs(theirs).max() > 0.5
     if "moe" in case:
-        assert model.config.family == "qwen3_moe" and all(model.config.sparse_layers)
-        assert model.config.norm_topk_prob  # llama.cpp's qwen3moe always renormalises
+        assert model.config.family == "qwen3_moe" and all(model.config.moe.sparse_layers)
+        assert model.config.moe.norm_topk_prob  # llama.cpp's qwen3moe always renormalises
         experts = model.net.model.layers[0].mlp.switch_mlp
         kept = dequantize is False and not case.endswith("f32")
         assert isinstance(experts.gate_proj, QuantizedSwitchLinear) == kept

@@ -93,7 +93,7 @@ def test_logits_match_transformers_fp32(qwen3n, name):
     model = mlxlis.load(folder, "float32")
     cfg = model.config
     assert cfg.family == "qwen3_next" and cfg.deltanet.fused == ("qkvz", "ba")
-    assert cfg.sparse_layers == tuple(i not in ref.config.mlp_only_layers for i in range(4))
+    assert cfg.moe.sparse_layers == tuple(i not in ref.config.mlp_only_layers for i in range(4))
     ids = trajectory(72, vocab=cfg.vocab_size)
     ours, theirs = np.array(model.logits(ids)), reference_logits(ref, ids)
     delta = np.abs(ours - theirs).max()

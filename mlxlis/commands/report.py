@@ -100,13 +100,13 @@ def model_report(model: Model) -> dict[str, Any]:
                 "layers": "all" if c.attn_temperature_all else "nope",
             },
             "experts": {
-                "count": c.num_experts,
-                "per_token": c.num_experts_per_tok,
-                "width": c.moe_intermediate_size,
-                "sparse_layers": [i for i, s in enumerate(c.sparse_layers) if s],
-                "norm_topk_prob": c.norm_topk_prob,
+                "count": c.moe.num_experts,
+                "per_token": c.moe.num_experts_per_tok,
+                "width": c.moe.intermediate_size,
+                "sparse_layers": [i for i, s in enumerate(c.moe.sparse_layers) if s],
+                "norm_topk_prob": c.moe.norm_topk_prob,
             }
-            if c.num_experts
+            if c.moe is not None
             else None,
             # the families' own keys (models/*_describe.py), null but for the model's
             **{k: None for f in REGISTRY.values() for k in f.describe.keys},

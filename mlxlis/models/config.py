@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from mlxlis import limits
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.models.config_groups import DeltaNetConfig
+from mlxlis.models.config_groups import DeltaNetConfig, MoEConfig
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 PER_TYPE_ROPE_TYPES = ("default", "linear", "llama3")  # under rope_parameters' layer types
@@ -103,13 +103,7 @@ class ModelConfig:
     # False: an encoder, every position seeing every other (Gemma 4's
     # use_bidirectional_attention "all"): its logits are read whole, it does not generate
     causal: bool = True
-    # mixture of experts (Qwen3-MoE); sparse_layers[i]: layer i's MLP is the expert block
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum 1
-    sparse_layers: tuple[bool, ...] = ()
-    shared_expert_intermediate_size: int = 0  # a shared expert beside the routed ones (> 0)
+    moe: MoEConfig | None = None  # a mixture of experts in its sparse layers
     deltanet: DeltaNetConfig | None = None  # Gated DeltaNet (linear attention) layers
     # one q|k|v projection (qkv_proj) and one gate|up projection (gate_up_proj): Phi-3 / Phi-4
     fused_qkv: bool = False
@@ -156,7 +150,8 @@ class ModelConfig:
         return not any(self.is_ring(i) or self.is_linear(i) for i in range(n))
 
     def is_sparse(self, layer: int) -> bool:
-        return bool(self.sparse_layers) and self.sparse_layers[layer]
+        moe = self.moe
+        return moe is not None and bool(moe.sparse_layers) and moe.sparse_layers[layer]
 
     def with_(self, **changes: Any) -> ModelConfig:
         return replace(self, **changes)

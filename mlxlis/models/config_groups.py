@@ -21,3 +21,16 @@ class DeltaNetConfig:
     # q, k, its value heads' v then z), "ba" (in_proj_ba: its value heads' β then α)
     fused: tuple[str, ...] = ()
     gate_act: str = "silu"  # the output gate (Qwen4-Exp: also "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture of experts (Qwen3-MoE and the hybrids, Llama 4, gpt-oss, Gemma 4): read by
+    experts.py and by the families' own expert blocks."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int  # each expert's width
+    sparse_layers: tuple[bool, ...]  # [i]: layer i's MLP is the expert block
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum 1
+    shared_expert_intermediate_size: int = 0  # a shared expert beside the routed ones (> 0)

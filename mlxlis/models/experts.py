@@ -147,7 +147,7 @@ class SwitchGLU(nn.Module):
 
     def __init__(self, cfg: ModelConfig, bias: bool = False, act: Gated | None = None):
         super().__init__()
-        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        e, d, f = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
         self.gate_proj = SwitchLinear(e, d, f, bias)
         self.up_proj = SwitchLinear(e, d, f, bias)
         self.down_proj = SwitchLinear(e, f, d, bias)
@@ -180,12 +180,13 @@ class SparseMoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.top_k = cfg.num_experts_per_tok
-        self.norm_topk_prob = cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        moe = cfg.moe
+        self.top_k = moe.num_experts_per_tok
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)  # the router
         self.switch_mlp = SwitchGLU(cfg)
-        if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, moe.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def expert_stacks(self, prefix: str) -> dict[str, ExpertSource]:

@@ -33,6 +33,7 @@ from mlxlis.models import gemma4_gguf
 from mlxlis.models.activations import GATED
 from mlxlis.models.base import Family
 from mlxlis.models.config import ModelConfig, RopeConfig
+from mlxlis.models.config_groups import MoEConfig
 from mlxlis.models.gemma4_mmproj import PROJECTOR as MMPROJ
 from mlxlis.models.gemma4_net import FULL, PLAIN_ACTS, SLIDING, STRUCTURE, Gemma4, Structure
 from mlxlis.models.gemma4_vision import load_images
@@ -239,7 +240,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         base.intermediate_size * (2 if double and src != i else 1) for i, src in enumerate(source)
     )
     ple = int_key(cfg, "hidden_size_per_layer_input", 256, path, low=0)
-    moe: dict[str, Any] = {}
+    moe = None
     if cfg.get("enable_moe_block"):
         e, k = (
             int_key(cfg, "num_experts", None, path),
@@ -247,13 +248,8 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         )
         if k > e:
             raise ConfigError(f"{k} experts per token of {e}", path=path, field="top_k_experts")
-        moe = dict(
-            num_experts=e,
-            num_experts_per_tok=k,
-            norm_topk_prob=True,
-            moe_intermediate_size=int_key(cfg, "moe_intermediate_size", None, path),
-            sparse_layers=(True,) * n,
-        )
+        width = int_key(cfg, "moe_intermediate_size", None, path)
+        moe = MoEConfig(e, k, width, (True,) * n, norm_topk_prob=True)
     window = int_key(cfg, "sliding_window", 512, path)
     softcap = cfg.get("final_logit_softcapping")
     if softcap is not None and (
@@ -284,7 +280,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     )
     return base.with_(
         **STRUCTURE,
-        **moe,
+        moe=moe,
         hidden_act=act,
         head_dim=head,
         num_key_value_heads=kv,
@@ -318,7 +314,7 @@ def _rope_out(theta: float, rotated: int | None, dims: int, factor: float) -> di
 
 def export(cfg: ModelConfig) -> dict[str, Any]:
     s: Structure = cfg.own(Structure)
-    n, types = cfg.num_hidden_layers, cfg.layer_types
+    n, types, moe = cfg.num_hidden_layers, cfg.layer_types, cfg.moe
     shared = sum(src != i for i, src in enumerate(s.kv_source))
     double = s.intermediate_sizes != (cfg.intermediate_size,) * n
     hf = (
@@ -331,7 +327,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
                 cfg.intermediate_size * (2 if src != i else 1) for i, src in enumerate(s.kv_source)
             ),
         )
-        and len(set(cfg.sparse_layers)) <= 1
+        and (moe is None or len(set(moe.sparse_layers)) <= 1)
         and (s.full_rope_dims, s.local_rope_dims) == (s.global_head_dim, cfg.head_dim)
     )
     if not hf:
@@ -362,10 +358,10 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         "use_double_wide_mlp": double,
         "hidden_size_per_layer_input": s.per_layer_dim,
         "vocab_size_per_layer_input": s.per_layer_vocab or cfg.vocab_size,
-        "enable_moe_block": bool(cfg.num_experts),
-        "num_experts": cfg.num_experts or None,
-        "top_k_experts": cfg.num_experts_per_tok or None,
-        "moe_intermediate_size": cfg.moe_intermediate_size or None,
+        "enable_moe_block": moe is not None,
+        "num_experts": moe.num_experts if moe else None,
+        "top_k_experts": moe.num_experts_per_tok if moe else None,
+        "moe_intermediate_size": moe.intermediate_size if moe else None,
         "use_bidirectional_attention": s.bidirectional,
     }
 

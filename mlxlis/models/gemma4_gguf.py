@@ -21,6 +21,7 @@ from mlxlis.limits import CONFIG_MAX_DIM, CONFIG_MAX_LAYERS, CONFIG_MAX_VOCAB, c
 from mlxlis.models.base import GGUF_LLAMA_BLOCK, GGUFMeta
 from mlxlis.models.config import ModelConfig, RopeConfig
 from mlxlis.models.gemma4_net import FULL, SLIDING, STRUCTURE, Structure
+from mlxlis.models.reading import moe_config
 
 import numpy as np
 
@@ -157,7 +158,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
         )
     sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in shapes for i in range(n))
     fused = {f"blk.{i}.ffn_gate_up_exps.weight" in shapes for i in range(n) if sparse[i]}
-    moe: dict[str, Any] = {}
+    moe = None
     if any(sparse):
         size = check_sizes(
             {
@@ -176,7 +177,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
                 path=path,
                 field=m.key("expert_used_count"),
             )
-        moe = dict(size, norm_topk_prob=True, sparse_layers=sparse)
+        moe = moe_config(size, sparse, norm_topk_prob=True)
     window = m.get("attention.sliding_window")
     check_sizes({"sliding_window": (m.key("attention.sliding_window"), window)}, path, BOUNDS)
     ffn = per_layer(m, "feed_forward_length", n, "intermediate_size")
@@ -197,7 +198,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     )
     return base.with_(
         **STRUCTURE,
-        **moe,
+        moe=moe,
         hidden_act="gelu_pytorch_tanh",
         head_dim=head_s,
         num_key_value_heads=kv_s,

@@ -159,11 +159,11 @@ class Router(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.eps, self.k = cfg.rms_norm_eps, cfg.num_experts_per_tok
+        self.eps, self.k = cfg.rms_norm_eps, cfg.moe.num_experts_per_tok
         self.root = cfg.hidden_size**-0.5
-        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.moe.num_experts, bias=False)
         self.scale = mx.ones((cfg.hidden_size,))
-        self.per_expert_scale = mx.ones((cfg.num_experts,))
+        self.per_expert_scale = mx.ones((cfg.moe.num_experts,))
 
     def __call__(self, h: mx.array) -> tuple[mx.array, mx.array]:
         x = fused.rms_norm(h.astype(mx.float32), None, self.eps) * self.scale * self.root
@@ -182,7 +182,7 @@ class FusedSwitchGLU(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        e, d, f = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
         self.gate_up_proj = SwitchLinear(e, d, 2 * f)
         self.down_proj = SwitchLinear(e, f, d)
         self.act = gated(cfg.hidden_act)
@@ -343,7 +343,7 @@ class Gemma4(VerifiesAlone, nn.Module):
         for i, layer in enumerate(self.model.layers):
             if "experts" not in layer or "gate_proj" not in layer.experts.switch_glu:
                 continue
-            p, n = f"model.layers.{i}.experts", self.config.num_experts
+            p, n = f"model.layers.{i}.experts", self.config.moe.num_experts
             for proj, (joined, half) in halves.items():
                 parts = tuple(f"{p}.{e}.{proj}.weight" for e in range(n))
                 stacks[f"{p}.switch_glu.{proj}.weight"] = ExpertSource(parts, f"{p}.{joined}", half)

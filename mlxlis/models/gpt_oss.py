@@ -26,7 +26,7 @@ from mlxlis.models.config import FamilyConfig, ModelConfig, number
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.experts import PROJECTIONS, ExpertSource, SwitchGLU
 from mlxlis.models.layers import PreNormBlock
-from mlxlis.models.reading import expert_sizes, gguf_expert_sizes
+from mlxlis.models.reading import expert_sizes, gguf_expert_sizes, moe_config
 from mlxlis.models.rope import Rope
 
 import mlx.core as mx
@@ -97,10 +97,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
             raise ConfigError(f"expected a positive number, got {v!r}"[:200], path=path, field=key)
         act[key] = float(v)
     return base.with_(
-        num_experts=size["num_experts"],
-        num_experts_per_tok=size["num_experts_per_tok"],
-        moe_intermediate_size=size["moe_intermediate_size"],
-        sparse_layers=(True,) * base.num_hidden_layers,
+        moe=moe_config(size, (True,) * base.num_hidden_layers),
         sliding_window=window,
         layer_types=_layer_types(cfg, base.num_hidden_layers, window, path),
         attn_sinks=True,
@@ -123,10 +120,7 @@ def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
             field=meta.key("attention.sliding_window_pattern"),
         )
     return base.with_(
-        num_experts=size["num_experts"],
-        num_experts_per_tok=size["num_experts_per_tok"],
-        moe_intermediate_size=size["moe_intermediate_size"],
-        sparse_layers=(True,) * n,
+        moe=moe_config(size, (True,) * n),
         sliding_window=window,
         layer_types=tuple(LAYER_TYPES[i % 2] for i in range(n)),
         attn_sinks=True,
@@ -139,9 +133,9 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
     act = cfg.own(Swiglu)
     return {
         "attention_bias": True,
-        "intermediate_size": cfg.moe_intermediate_size,
-        "num_local_experts": cfg.num_experts,
-        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "intermediate_size": cfg.moe.intermediate_size,
+        "num_local_experts": cfg.moe.num_experts,
+        "num_experts_per_tok": cfg.moe.num_experts_per_tok,
         "sliding_window": cfg.sliding_window,
         "layer_types": list(cfg.layer_types),
         "swiglu_alpha": act.alpha,
@@ -156,8 +150,8 @@ class GptOssMoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         act = cfg.own(Swiglu)
-        self.top_k = cfg.num_experts_per_tok
-        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=True)
+        self.top_k = cfg.moe.num_experts_per_tok
+        self.router = nn.Linear(cfg.hidden_size, cfg.moe.num_experts, bias=True)
         self.experts = SwitchGLU(cfg, bias=True, act=clamped_swiglu(act.alpha, act.limit))
 
     def __call__(self, x: mx.array) -> mx.array:

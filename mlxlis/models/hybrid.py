@@ -13,9 +13,9 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models.base import GGUFMeta
 from mlxlis.models.config import ModelConfig
-from mlxlis.models.config_groups import DeltaNetConfig
+from mlxlis.models.config_groups import DeltaNetConfig, MoEConfig
 from mlxlis.models.conventions import ZERO_CENTRED_NORM_MINUS_ONE
-from mlxlis.models.reading import check_act
+from mlxlis.models.reading import check_act, moe_config
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 HF_DEFAULTS = {  # transformers' Qwen3_5TextConfig
@@ -71,6 +71,16 @@ def deltanet(size: dict[str, int], **more: Any) -> DeltaNetConfig:
     return DeltaNetConfig(**{k.removeprefix("linear_"): size[k] for k in DELTANET}, **more)
 
 
+def moe_keys(moe: MoEConfig) -> dict[str, int]:
+    """The experts' config.json keys (MOE_DEFAULTS')."""
+    return {
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        "moe_intermediate_size": moe.intermediate_size,
+        "shared_expert_intermediate_size": moe.shared_expert_intermediate_size,
+    }
+
+
 def hf_parser(moe: bool):
     def parse(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         keys = {**HF_DEFAULTS, **(MOE_DEFAULTS if moe else {})}
@@ -100,9 +110,12 @@ def hf_parser(moe: bool):
                 raise ConfigError(
                     "more experts per token than experts", path=path, field="num_experts_per_tok"
                 )
-            changes.update(
-                {k: size[k] for k in MOE_DEFAULTS}, norm_topk_prob=True, sparse_layers=(True,) * n
-            )  # the router always renormalises
+            shared = size["shared_expert_intermediate_size"]
+            changes.update(  # the router always renormalises
+                moe=moe_config(
+                    size, (True,) * n, norm_topk_prob=True, shared_expert_intermediate_size=shared
+                )
+            )
         return check_act(base.with_(**changes), path)
 
     return parse
@@ -158,12 +171,14 @@ def gguf_parser(moe: bool):
         )
         if moe:
             changes.update(
-                num_experts=m.get("expert_count"),
-                num_experts_per_tok=m.get("expert_used_count"),
-                moe_intermediate_size=m.get("expert_feed_forward_length"),
-                shared_expert_intermediate_size=m.get("expert_shared_feed_forward_length", 0),
-                norm_topk_prob=True,
-                sparse_layers=(True,) * n,
+                moe=MoEConfig(
+                    m.get("expert_count"),
+                    m.get("expert_used_count"),
+                    m.get("expert_feed_forward_length"),
+                    (True,) * n,
+                    norm_topk_prob=True,
+                    shared_expert_intermediate_size=m.get("expert_shared_feed_forward_length", 0),
+                )
             )
         return base.with_(**changes)
 
@@ -244,7 +259,7 @@ def exporter(moe: bool):
         if every:  # readers that know only the interval (mlx-lm) place the layers right
             out["full_attention_interval"] = every
         if moe:
-            out.update({k: getattr(cfg, k) for k in MOE_DEFAULTS})
+            out.update(moe_keys(cfg.moe))
         return out
 
     return export

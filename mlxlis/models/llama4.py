@@ -34,6 +34,7 @@ from mlxlis.models.reading import (
     expert_sizes,
     flag,
     gguf_expert_sizes,
+    moe_config,
     rope_freqs_as_config,
 )
 from mlxlis.models.rope import Rope
@@ -120,10 +121,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     return check_act(
         base.with_(
             intermediate_size=size["intermediate_size"],
-            moe_intermediate_size=size["moe_intermediate_size"],
-            num_experts=size["num_experts"],
-            num_experts_per_tok=size["num_experts_per_tok"],
-            sparse_layers=tuple(i in moe for i in range(n)),
+            moe=moe_config(size, tuple(i in moe for i in range(n))),
             rope_interleaved=True,
             no_rope_layers=tuple(not r for r in rope_on[:n]),
             qk_l2_norm=flag({"use_qk_norm": cfg.get("use_qk_norm", True)}, "use_qk_norm", path),
@@ -147,11 +145,9 @@ def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
     n = base.num_hidden_layers
     size = gguf_expert_sizes(meta)
     nope = tuple((i + 1) % GGUF_NOPE_EVERY == 0 for i in range(n))
+    sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in meta.shapes for i in range(n))
     return base.with_(
-        num_experts=size["num_experts"],
-        num_experts_per_tok=size["num_experts_per_tok"],
-        moe_intermediate_size=size["moe_intermediate_size"],
-        sparse_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in meta.shapes for i in range(n)),
+        moe=moe_config(size, sparse),
         rope_interleaved=True,
         no_rope_layers=nope,
         qk_l2_norm=size["num_experts"] != GGUF_NO_QK_NORM_EXPERTS,
@@ -163,7 +159,7 @@ def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
 
 def export(cfg: ModelConfig) -> dict[str, Any]:
     """Llama4TextConfig's keys (mlx-lm's llama4 reads them under the wrapper's text_config)."""
-    sparse = [i for i, s in enumerate(cfg.sparse_layers) if s]
+    sparse = [i for i, s in enumerate(cfg.moe.sparse_layers) if s]
     step = sparse[0] + 1 if sparse else 1
     if sparse != list(range(step - 1, cfg.num_hidden_layers, step)):
         raise UnsupportedError(
@@ -174,10 +170,10 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
     floor, scale = cfg.attn_temperature or (SIZES["floor_scale"][1], ATTN_SCALE_DEFAULT)
     return {
         "attention_bias": cfg.attention_bias,
-        "intermediate_size": cfg.moe_intermediate_size,
+        "intermediate_size": cfg.moe.intermediate_size,
         "intermediate_size_mlp": cfg.intermediate_size,
-        "num_local_experts": cfg.num_experts,
-        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "num_local_experts": cfg.moe.num_experts,
+        "num_experts_per_tok": cfg.moe.num_experts_per_tok,
         "interleave_moe_layer_step": step,
         "moe_layers": sparse,
         "no_rope_layers": [int(not x) for x in cfg.no_rope_layers],
@@ -198,10 +194,10 @@ class Llama4MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.top_k = cfg.num_experts_per_tok
-        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.top_k = cfg.moe.num_experts_per_tok
+        self.router = nn.Linear(cfg.hidden_size, cfg.moe.num_experts, bias=False)
         self.experts = SwitchGLU(cfg)
-        self.shared_expert = MLP(cfg, cfg.moe_intermediate_size)
+        self.shared_expert = MLP(cfg, cfg.moe.intermediate_size)
 
     def __call__(self, x: mx.array) -> mx.array:
         k = self.top_k

@@ -24,6 +24,7 @@ N = the model's layer count: a normal full-attention block `blk.N.*` plus `blk.N
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 from mlxlis.cache import KVCache, KVFormat
 from mlxlis.models.config import ModelConfig
@@ -56,7 +57,7 @@ def block_config(cfg: ModelConfig) -> ModelConfig:
     return cfg.with_(
         num_hidden_layers=1,
         layer_types=("full_attention",),
-        sparse_layers=(True,) if cfg.sparse_layers else (),
+        moe=replace(cfg.moe, sparse_layers=(True,)) if cfg.moe else None,
     )
 
 

@@ -14,7 +14,13 @@ from mlxlis.models.decoder import Decoder
 from mlxlis.models.qwen3 import GGUF_BLOCK as QWEN3_BLOCK
 from mlxlis.models.qwen3 import parse_gguf as qwen3_gguf
 from mlxlis.models.qwen3 import parse_hf as qwen3_hf
-from mlxlis.models.reading import expert_sizes, flag, gguf_expert_sizes, sparse_layers
+from mlxlis.models.reading import (
+    expert_sizes,
+    flag,
+    gguf_expert_sizes,
+    moe_config,
+    sparse_layers,
+)
 
 # transformers' Qwen3MoeConfig defaults for keys a config.json may omit
 HF_DEFAULTS = {
@@ -31,13 +37,8 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         cfg = {**cfg, "num_experts": cfg["num_local_experts"]}  # transformers 5 saves this name
     size = expert_sizes({k: (k, cfg.get(k, v)) for k, v in HF_DEFAULTS.items()}, path)
     sparse = sparse_layers(cfg, base.num_hidden_layers, size["decoder_sparse_step"], path)
-    return base.with_(
-        num_experts=size["num_experts"],
-        num_experts_per_tok=size["num_experts_per_tok"],
-        moe_intermediate_size=size["moe_intermediate_size"],
-        norm_topk_prob=flag(cfg, "norm_topk_prob", path),
-        sparse_layers=sparse,
-    )
+    top = flag(cfg, "norm_topk_prob", path)
+    return base.with_(moe=moe_config(size, sparse, norm_topk_prob=top))
 
 
 def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
@@ -46,25 +47,21 @@ def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
     # a layer is sparse when the file has its router (llama.cpp's qwen3moe: every layer)
     n = base.num_hidden_layers
     sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in meta.shapes for i in range(n))
-    return base.with_(
-        num_experts=size["num_experts"],
-        num_experts_per_tok=size["num_experts_per_tok"],
-        moe_intermediate_size=size["moe_intermediate_size"],
-        norm_topk_prob=True,  # llama.cpp's qwen3moe graph always renormalises the top k
-        sparse_layers=sparse,
-    )
+    # llama.cpp's qwen3moe graph always renormalises the top k
+    return base.with_(moe=moe_config(size, sparse, norm_topk_prob=True))
 
 
 def export(cfg: ModelConfig) -> dict:
+    moe = cfg.moe
     return {
         "attention_bias": cfg.attention_bias,
         "use_sliding_window": False,
-        "num_experts": cfg.num_experts,
-        "num_experts_per_tok": cfg.num_experts_per_tok,
-        "moe_intermediate_size": cfg.moe_intermediate_size,
-        "norm_topk_prob": cfg.norm_topk_prob,
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        "moe_intermediate_size": moe.intermediate_size,
+        "norm_topk_prob": moe.norm_topk_prob,
         "decoder_sparse_step": 1,
-        "mlp_only_layers": [i for i, s in enumerate(cfg.sparse_layers) if not s],
+        "mlp_only_layers": [i for i, s in enumerate(moe.sparse_layers) if not s],
     }
 
 

@@ -85,9 +85,9 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     cfg = {**MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
     top = norm_topk(cfg, path)
     out = _parse_hybrid(cfg, base, path)
+    sparse = _sparse_layers(cfg, out.num_hidden_layers, path)
     return out.with_(
-        sparse_layers=_sparse_layers(cfg, out.num_hidden_layers, path),
-        norm_topk_prob=top,
+        moe=replace(out.moe, sparse_layers=sparse, norm_topk_prob=top),
         deltanet=replace(out.deltanet, fused=FUSED),
     )
 
@@ -146,7 +146,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         "partial_rotary_factor": out["rope_parameters"]["partial_rotary_factor"],
         "decoder_sparse_step": 1,
         "mlp_only_layers": dense,
-        "norm_topk_prob": cfg.norm_topk_prob,
+        "norm_topk_prob": cfg.moe.norm_topk_prob,
     }
 
 

@@ -173,7 +173,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     return out.with_(
         family_config=s,
         deltanet=replace(out.deltanet, gate_act=gate),
-        norm_topk_prob=norm_topk(cfg, path),
+        moe=replace(out.moe, norm_topk_prob=norm_topk(cfg, path)),
     )
 
 
@@ -195,7 +195,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         "layer_types": [
             t if t == "linear_attention" else "indexed_attention" for t in cfg.layer_types
         ],
-        "norm_topk_prob": cfg.norm_topk_prob,
+        "norm_topk_prob": cfg.moe.norm_topk_prob,
         "output_gate_type": cfg.deltanet.gate_act,
         "ple_layer_ids": [i + 1 for i in s.ple_layers],
         "eos_token_id": s.eos_token_id,

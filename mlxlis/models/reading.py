@@ -11,6 +11,7 @@ from mlxlis.limits import check_sizes
 from mlxlis.models.activations import GATED
 from mlxlis.models.base import GGUFMeta
 from mlxlis.models.config import ModelConfig
+from mlxlis.models.config_groups import MoEConfig
 from mlxlis.models.rope import llama3_from_factors
 
 import mlx.core as mx
@@ -45,6 +46,13 @@ def expert_sizes(
             field=key,
         )
     return size
+
+
+def moe_config(size: dict[str, int], sparse: tuple[bool, ...], **more: Any) -> MoEConfig:
+    """The experts of checked sizes (num_experts, num_experts_per_tok, moe_intermediate_size)
+    in the `sparse` layers."""
+    n, k, f = size["num_experts"], size["num_experts_per_tok"], size["moe_intermediate_size"]
+    return MoEConfig(n, k, f, sparse, **more)
 
 
 def gguf_expert_sizes(meta: GGUFMeta) -> dict[str, int]:
