@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import mlxlis
-from mlxlis.runtime import qmv
+from mlxlis.runtime import process, qmv
 
 import numpy as np
 import pytest
@@ -41,7 +41,7 @@ def greedy(model, ids: list[int], n: int) -> list[int]:
 def test_the_quantized_default_decodes_as_the_dense_weights(name):
     need_pulled(name)
     quantized = mlxlis.load(name, "float32")
-    assert quantized.describe()["kernels"].startswith("mlxlis qmv")
+    assert process.describe()["kernels"].startswith("mlxlis qmv")
     assert "quantized modules" in quantized.quant_summary
     ids = list(range(1000, 1064))
     lq = np.array(quantized.logits(ids))

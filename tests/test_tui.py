@@ -61,8 +61,6 @@ class FakeModel:
             "format": "gguf",
             "quant": "4-bit g32×30",
             "dtype": "float32",
-            "device": "cpu",
-            "blas": "none",
             "template": self.template_source or "none",
         }
 

@@ -20,6 +20,7 @@ from mlxlis.generation.session import Turn
 from mlxlis.loading import catalog
 from mlxlis.models.model import Model
 from mlxlis.prompt.images import open_image
+from mlxlis.runtime import process
 
 from tui.store import data_dir
 
@@ -214,7 +215,7 @@ class Engine:
             self.session = (session_factory or default_session)(model, options.system)
             if options.thinking is not None:
                 self.thinking = options.thinking
-        self.info = dict(model.describe())
+        self.info = {**model.describe(), **process.describe()}  # the model and what runs it
         self._turns_before = 0
         self.attachments: list = []  # images (PromptImage) the next message carries: /image
         self._sent_attachments: list = []

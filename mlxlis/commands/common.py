@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from mlxlis.errors import MlxlisError
 from mlxlis.models.model import Model
+from mlxlis.runtime import process
 
 SUBCOMMANDS = ("chat", "serve", "inspect", "pull", "models", "rm", "convert")
 
@@ -57,7 +58,16 @@ def load_model(a: argparse.Namespace):
 
 
 def print_details(model: Model) -> None:
+    """The model's facts, this process's (device, BLAS, kernels) after its dtype, and why a
+    faster BLAS is not in use last, when so."""
+    facts = process.describe()
+    notice = facts.pop("notice", None)
+    rows: list[tuple[str, str]] = []
     for k, v in model.describe().items():
+        rows.append((k, v))
+        if k == "dtype":
+            rows += facts.items()
+    for k, v in rows + ([("notice", notice)] if notice else []):
         say(f"{k:>9}: {v}")
 
 

@@ -50,6 +50,7 @@ from typing import Any
 from mlxlis.models import REGISTRY, family
 from mlxlis.models.footprint import footprint, weight_arrays
 from mlxlis.models.model import Model
+from mlxlis.runtime import process
 from mlxlis.runtime.memory import memory_budget
 
 SCHEMA = 1
@@ -57,7 +58,7 @@ SCHEMA = 1
 
 def model_report(model: Model) -> dict[str, Any]:
     """The inspect report of a loaded Model (see the module docstring for the shape)."""
-    d = model.describe()
+    d, run = model.describe(), process.describe()
     c = model.config
     seen = weight_arrays(model)
     return {
@@ -68,10 +69,10 @@ def model_report(model: Model) -> dict[str, Any]:
         "family": d["family"],
         "quant": d["quant"],
         "dtype": d["dtype"],
-        "device": d["device"],
-        "blas": d["blas"],
-        "blas_notice": d.get("notice"),  # why a faster BLAS is not in use, or null
-        "kernels": d["kernels"],  # what runs quantized products (the CPU: mlxlis qmv or MLX's)
+        "device": run["device"],
+        "blas": run["blas"],
+        "blas_notice": run.get("notice"),  # why a faster BLAS is not in use, or null
+        "kernels": run["kernels"],  # what runs quantized products (the CPU: mlxlis qmv or MLX's)
         "template": model.template_source,
         "skipped": d.get("skipped"),
         "vision": d.get("vision"),

@@ -19,7 +19,6 @@ from mlxlis.models.placement import Share
 from mlxlis.prompt.images import ImageError, open_image
 from mlxlis.prompt.template import ChatTemplate, diagnose_missing_template, end_of_turn_tokens
 from mlxlis.prompt.thinking_switch import has_thinking_switch, thinking_vars
-from mlxlis.runtime import blas, device, qmv
 from mlxlis.tokenizer import Tokenizer
 
 import mlx.core as mx
@@ -327,16 +326,13 @@ class Model:
         )
 
     def describe(self) -> dict[str, str]:
-        """What runs, in words; "notice" only when a faster BLAS could not be used."""
+        """The model, in words (what the process runs it on: runtime.process.describe)."""
         details = {
             "model": self.name,
             "family": self.config.family,
             "format": self.format,
             "quant": self.quant_summary,
             "dtype": str(self.dtype).replace("mlx.core.", ""),
-            "device": device.device_name(),
-            "blas": blas.state.name,
-            "kernels": qmv.describe() if device.device_name() == "cpu" else "MLX's own",
             "template": self.template_source or "none",
         }
         if self.vision is not None:
@@ -345,8 +341,6 @@ class Model:
             details["skipped"] = skipped_summary(self.skipped, self.vision is None)
         if self.part is not None:
             details["pipeline"] = self.part.describe()
-        if blas.state.notice:
-            details["notice"] = blas.state.notice
         return details
 
 
