@@ -24,8 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import mlxlis  # noqa: E402,F401  (importing mlxlis preloads the BLAS first)
 from mlxlis.models import build_model  # noqa: E402
-from mlxlis.models.config import ModelConfig, RopeConfig  # noqa: E402
-from mlxlis.models.config_groups import MoEConfig  # noqa: E402
+from mlxlis.models.config import ModelConfig, MoEConfig, RopeConfig  # noqa: E402
 from mlxlis.runtime.device import select_device, setup_process  # noqa: E402
 
 import mlx.core as mx  # noqa: E402

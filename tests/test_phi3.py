@@ -87,7 +87,7 @@ def test_logits_match_transformers_fp32(phi, name, length):
     folder, ref = phi(name)
     model = mlxlis.load(folder, "float32")
     cfg = model.config
-    assert cfg.family == "phi3" and cfg.fused_qkv and cfg.fused_gate_up
+    assert cfg.family == "phi3" and cfg.fused_qkv and cfg.mlp.fused_gate_up
     ids = trajectory(length, vocab=cfg.vocab_size)
     ours, theirs = np.array(model.logits(ids)), reference_logits(ref, ids)
     delta = np.abs(ours - theirs).max()

@@ -59,7 +59,7 @@ def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str
         "rope_theta": cfg.rope.theta,
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
-        "hidden_act": cfg.hidden_act,
+        "hidden_act": cfg.mlp.hidden_act,
         "torch_dtype": str(dtype).replace("mlx.core.", ""),
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": list(cfg.eos_token_ids)

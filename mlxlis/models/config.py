@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from mlxlis import limits
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.models.config_groups import DeltaNetConfig, MoEConfig
+from mlxlis.models.config_groups import DeltaNetConfig, MLPConfig, MoEConfig
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 PER_TYPE_ROPE_TYPES = ("default", "linear", "llama3")  # under rope_parameters' layer types
@@ -67,8 +67,6 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v (Qwen2; Llama's attention_bias)
     o_bias: bool = False  # bias on o_proj (Llama's attention_bias also covers o_proj)
-    mlp_bias: bool = False
-    hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # block structure (defaults are the Llama behaviour)
@@ -105,9 +103,8 @@ class ModelConfig:
     causal: bool = True
     moe: MoEConfig | None = None  # a mixture of experts in its sparse layers
     deltanet: DeltaNetConfig | None = None  # Gated DeltaNet (linear attention) layers
-    # one q|k|v projection (qkv_proj) and one gate|up projection (gate_up_proj): Phi-3 / Phi-4
-    fused_qkv: bool = False
-    fused_gate_up: bool = False
+    fused_qkv: bool = False  # one q|k|v projection (qkv_proj): Phi-3 / Phi-4
+    mlp: MLPConfig = MLPConfig()
     # what the fields above do not describe, typed by the family (e.g. Gemma 4's Structure)
     family_config: FamilyConfig | None = None
     # MLX quantization from config.json ({"group_size", "bits", per-layer overrides}) or None
@@ -379,7 +376,6 @@ def base_config(cfg: dict, family: str, path: str) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),
         o_bias=bool(cfg.get("attention_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-        hidden_act=act,
+        mlp=MLPConfig(hidden_act=act, bias=bool(cfg.get("mlp_bias", False))),
         source=path,
     )

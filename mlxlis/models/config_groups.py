@@ -1,6 +1,6 @@
-"""The typed groups of ModelConfig that the shared blocks read, each beside the others here
-(config.py holds ModelConfig and its readers): a block takes its group, and a family that has
-no such block holds None."""
+"""The typed groups of ModelConfig that the shared blocks read (config.py holds ModelConfig and
+its readers, and is where the rest of the package imports these from): a block reads its group,
+and a model without such a block holds None where the group is optional."""
 
 from __future__ import annotations
 
@@ -34,3 +34,13 @@ class MoEConfig:
     sparse_layers: tuple[bool, ...]  # [i]: layer i's MLP is the expert block
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum 1
     shared_expert_intermediate_size: int = 0  # a shared expert beside the routed ones (> 0)
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    """The gated MLP, down(act(gate(x)) · up(x)): read by layers.MLP (and its activation by
+    the experts)."""
+
+    hidden_act: str = "silu"  # the gate's: SwiGLU (silu), GeGLU (the GELUs)
+    bias: bool = False
+    fused_gate_up: bool = False  # one gate|up projection (gate_up_proj): Phi-3 / Phi-4

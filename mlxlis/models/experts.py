@@ -143,7 +143,7 @@ class QuantizedSwitchLinear(nn.Module):
 
 class SwitchGLU(nn.Module):
     """The experts: down(act(gate(x)) · up(x)) with each token's own k experts; `act` a
-    family's own gated activation (gpt-oss), else cfg.hidden_act's."""
+    family's own gated activation (gpt-oss), else cfg.mlp.hidden_act's."""
 
     def __init__(self, cfg: ModelConfig, bias: bool = False, act: Gated | None = None):
         super().__init__()
@@ -151,7 +151,7 @@ class SwitchGLU(nn.Module):
         self.gate_proj = SwitchLinear(e, d, f, bias)
         self.up_proj = SwitchLinear(e, d, f, bias)
         self.down_proj = SwitchLinear(e, f, d, bias)
-        self.act = act or gated(cfg.hidden_act)
+        self.act = act or gated(cfg.mlp.hidden_act)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x (B, T, hidden), or (B, T, k, hidden) with each (token, expert) pair's own input

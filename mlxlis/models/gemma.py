@@ -13,7 +13,7 @@ settings: gemma3_vision.py); GGUF `gemma` / `gemma2` / `gemma3`. llama.cpp's con
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
@@ -159,7 +159,7 @@ def _hf_parser(v: _Version):
         qpas = _positive(cfg, "query_pre_attn_scalar", v.query_pre_attn_scalar, path)
         return base.with_(
             **_structure(v),
-            hidden_act=_act(cfg, v, path),
+            mlp=replace(base.mlp, hidden_act=_act(cfg, v, path)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
             rope=rope,
             rope_local=rope_local,
@@ -185,7 +185,9 @@ def _gguf_parser(v: _Version, big_layers: int):
         # llama.cpp: the 27B models scale by hidden/heads, every other size by head_dim
         qpas = cfg.head_dim if n != big_layers else cfg.hidden_size // cfg.num_attention_heads
         changes: dict[str, Any] = dict(
-            _structure(v), hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=float(qpas)
+            _structure(v),
+            mlp=replace(cfg.mlp, hidden_act="gelu_pytorch_tanh"),
+            query_pre_attn_scalar=float(qpas),
         )
         if v.pattern is not None:
             window = m.get("attention.sliding_window", v.gguf_window)
@@ -209,7 +211,7 @@ def _export(v: _Version):
     def export(cfg: ModelConfig) -> dict[str, Any]:
         q = cfg.query_pre_attn_scalar
         out: dict[str, Any] = {
-            "hidden_activation": cfg.hidden_act,
+            "hidden_activation": cfg.mlp.hidden_act,
             "query_pre_attn_scalar": int(q) if q is not None and float(q).is_integer() else q,
         }
         if v.pattern is not None:

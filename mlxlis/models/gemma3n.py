@@ -29,7 +29,7 @@ from typing import Any
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import CONFIG_MAX_DIM, check_sizes
 from mlxlis.models.base import Family, GGUFMeta
-from mlxlis.models.config import ModelConfig, RopeConfig
+from mlxlis.models.config import MLPConfig, ModelConfig, RopeConfig
 from mlxlis.models.gemma3n_describe import DESCRIPTION
 from mlxlis.models.gemma3n_net import AltUpStructure, Gemma3n
 from mlxlis.models.gemma4 import int_key, kv_sources
@@ -211,7 +211,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     )
     return base.with_(
         **STRUCTURE,
-        hidden_act=act,
+        mlp=MLPConfig(act),
         intermediate_size=sizes[0],
         tie_word_embeddings=_flag(cfg, "tie_word_embeddings", True, path),
         rope=RopeConfig(theta=_theta(cfg, FULL, path)),
@@ -292,7 +292,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     )
     return base.with_(
         **STRUCTURE,
-        hidden_act="gelu_pytorch_tanh",
+        mlp=MLPConfig("gelu_pytorch_tanh"),
         intermediate_size=ffn[0],
         layer_types=types,
         rope=RopeConfig(theta=base.rope.theta),
@@ -357,7 +357,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
             field="activation_sparsity_pattern",
         )
     return {
-        "hidden_activation": cfg.hidden_act,
+        "hidden_activation": cfg.mlp.hidden_act,
         "layer_types": list(types),
         "sliding_window": cfg.sliding_window,
         "final_logit_softcapping": cfg.final_logit_softcapping,

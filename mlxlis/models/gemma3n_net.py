@@ -124,7 +124,7 @@ class SparseMLP(nn.Module):
         self.gate_proj = nn.Linear(d, hidden, bias=False)
         self.up_proj = nn.Linear(d, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, d, bias=False)
-        self.act = PLAIN_ACTS[cfg.hidden_act]
+        self.act = PLAIN_ACTS[cfg.mlp.hidden_act]
         self.std = std
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -156,7 +156,7 @@ class Gemma3nLayer(nn.Module):
         self.laurel = Laurel(cfg)
         self.per_layer_input_gate = nn.Linear(d, s.per_layer_dim, bias=False)
         self.per_layer_projection = nn.Linear(s.per_layer_dim, d, bias=False)
-        self.act = PLAIN_ACTS[cfg.hidden_act]
+        self.act = PLAIN_ACTS[cfg.mlp.hidden_act]
         self.correct_scale = s.altup_correct_scale
 
     def __call__(

@@ -32,8 +32,7 @@ from mlxlis.limits import check_sizes
 from mlxlis.models import gemma4_gguf
 from mlxlis.models.activations import GATED
 from mlxlis.models.base import Family
-from mlxlis.models.config import ModelConfig, RopeConfig
-from mlxlis.models.config_groups import MoEConfig
+from mlxlis.models.config import MLPConfig, ModelConfig, MoEConfig, RopeConfig
 from mlxlis.models.gemma4_mmproj import PROJECTOR as MMPROJ
 from mlxlis.models.gemma4_net import FULL, PLAIN_ACTS, SLIDING, STRUCTURE, Gemma4, Structure
 from mlxlis.models.gemma4_vision import load_images
@@ -281,7 +280,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     return base.with_(
         **STRUCTURE,
         moe=moe,
-        hidden_act=act,
+        mlp=MLPConfig(act),
         head_dim=head,
         num_key_value_heads=kv,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
@@ -338,7 +337,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         )
     full = {"head_dim": s.global_head_dim, "num_key_value_heads": s.global_kv_heads}
     return {
-        "hidden_activation": cfg.hidden_act,
+        "hidden_activation": cfg.mlp.hidden_act,
         "layer_types": list(types),
         "sliding_window": cfg.sliding_window,
         "attention_bias": cfg.attention_bias,

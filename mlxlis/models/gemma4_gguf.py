@@ -19,7 +19,7 @@ from typing import Any
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import CONFIG_MAX_DIM, CONFIG_MAX_LAYERS, CONFIG_MAX_VOCAB, check_sizes
 from mlxlis.models.base import GGUF_LLAMA_BLOCK, GGUFMeta
-from mlxlis.models.config import ModelConfig, RopeConfig
+from mlxlis.models.config import MLPConfig, ModelConfig, RopeConfig
 from mlxlis.models.gemma4_net import FULL, SLIDING, STRUCTURE, Structure
 from mlxlis.models.reading import moe_config
 
@@ -199,7 +199,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     return base.with_(
         **STRUCTURE,
         moe=moe,
-        hidden_act="gelu_pytorch_tanh",
+        mlp=MLPConfig("gelu_pytorch_tanh"),
         head_dim=head_s,
         num_key_value_heads=kv_s,
         intermediate_size=ffn[0],

@@ -73,7 +73,6 @@ STRUCTURE = dict(
     sandwich_norms=True,
     embed_scale=True,
     residual_f32=True,
-    mlp_bias=False,
 )
 # transformers' ACT2FN for the per-layer input gate (a plain activation, not a gated pair)
 PLAIN_ACTS = {
@@ -185,7 +184,7 @@ class FusedSwitchGLU(nn.Module):
         e, d, f = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
         self.gate_up_proj = SwitchLinear(e, d, 2 * f)
         self.down_proj = SwitchLinear(e, f, d)
-        self.act = gated(cfg.hidden_act)
+        self.act = gated(cfg.mlp.hidden_act)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x (B, T, hidden), indices (B, T, k) -> (B, T, k, hidden), as SwitchGLU."""
@@ -237,7 +236,7 @@ class Gemma4Layer(nn.Module):
             self.per_layer_input_gate = nn.Linear(d, s.per_layer_dim, bias=False)
             self.per_layer_projection = nn.Linear(s.per_layer_dim, d, bias=False)
             self.post_per_layer_input_norm = RMSNorm(d, eps)
-            self.act = PLAIN_ACTS[cfg.hidden_act]
+            self.act = PLAIN_ACTS[cfg.mlp.hidden_act]
         self.layer_scalar = mx.ones((1,))
 
     def __call__(

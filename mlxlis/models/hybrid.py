@@ -7,13 +7,13 @@ shared decoder's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models.base import GGUFMeta
-from mlxlis.models.config import ModelConfig
-from mlxlis.models.config_groups import DeltaNetConfig, MoEConfig
+from mlxlis.models.config import DeltaNetConfig, ModelConfig, MoEConfig
 from mlxlis.models.conventions import ZERO_CENTRED_NORM_MINUS_ONE
 from mlxlis.models.reading import check_act, moe_config
 
@@ -98,7 +98,7 @@ def hf_parser(moe: bool):
             norm="rms_plus_one",
             qk_norm=True,
             attn_output_gate=True,
-            mlp_bias=False,
+            mlp=replace(base.mlp, bias=False),
             o_bias=base.attention_bias,
             head_dim=size["head_dim"],
             rotary_dim=read_rotary_dim(cfg, size["head_dim"], path),

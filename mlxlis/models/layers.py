@@ -187,18 +187,18 @@ def row_mask(cache: Cache, t: int) -> Mask:
 
 
 class MLP(nn.Module):
-    """down(act(gate(x)) · up(x)): SwiGLU (Llama, Qwen) or GeGLU (Gemma) by cfg.hidden_act."""
+    """down(act(gate(x)) · up(x)): SwiGLU (Llama, Qwen) or GeGLU (Gemma) by cfg.mlp.hidden_act."""
 
     def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
-        d, f = cfg.hidden_size, hidden or cfg.intermediate_size
-        if cfg.fused_gate_up:  # Phi-3 / Phi-4: one projection, the gate's rows first
-            self.gate_up_proj = nn.Linear(d, 2 * f, bias=cfg.mlp_bias)
+        d, f, mlp = cfg.hidden_size, hidden or cfg.intermediate_size, cfg.mlp
+        if mlp.fused_gate_up:  # Phi-3 / Phi-4: one projection, the gate's rows first
+            self.gate_up_proj = nn.Linear(d, 2 * f, bias=mlp.bias)
         else:
-            self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
-            self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
-        self.act = gated(cfg.hidden_act)
+            self.gate_proj = nn.Linear(d, f, bias=mlp.bias)
+            self.up_proj = nn.Linear(d, f, bias=mlp.bias)
+        self.down_proj = nn.Linear(f, d, bias=mlp.bias)
+        self.act = gated(mlp.hidden_act)
 
     def __call__(self, x: mx.array) -> mx.array:
         if "gate_up_proj" in self:

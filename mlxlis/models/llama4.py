@@ -20,6 +20,7 @@ Llama4TextConfig.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
@@ -128,7 +129,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
             attention_chunk_size=chunk,
             layer_types=tuple(types),
             attn_temperature=(size["floor_scale"], float(scale)) if tuning else None,
-            mlp_bias=False,
+            mlp=replace(base.mlp, bias=False),
         ),
         path,
     )

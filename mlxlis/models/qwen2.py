@@ -5,6 +5,8 @@ HF `qwen2`, GGUF `qwen2`; llama.cpp leaves Qwen2's Q/K rows as they are (no perm
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.decoder import Decoder
@@ -13,7 +15,8 @@ from mlxlis.models.reading import check_act
 
 def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     # Qwen2 always has a bias on q/k/v and none on o_proj, whatever config.json says
-    return check_act(base.with_(attention_bias=True, o_bias=False, mlp_bias=False), path)
+    mlp = replace(base.mlp, bias=False)
+    return check_act(base.with_(attention_bias=True, o_bias=False, mlp=mlp), path)
 
 
 def _parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:

@@ -7,6 +7,8 @@ the two norms attn_q_norm / attn_k_norm.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mlxlis.errors import UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models.base import GGUF_LLAMA_BLOCK, Family, GGUFMeta
@@ -33,7 +35,8 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     if cfg.get("head_dim") is None:
         head_dim = check_sizes({"head_dim": ("head_dim", HEAD_DIM_DEFAULT)}, path)["head_dim"]
     # attention_bias covers q/k/v and o_proj in Qwen3, as in Llama; the MLP has none
-    return check_act(base.with_(qk_norm=True, head_dim=head_dim, mlp_bias=False), path)
+    mlp = replace(base.mlp, bias=False)
+    return check_act(base.with_(qk_norm=True, head_dim=head_dim, mlp=mlp), path)
 
 
 def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:

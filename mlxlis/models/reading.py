@@ -10,8 +10,7 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models.activations import GATED
 from mlxlis.models.base import GGUFMeta
-from mlxlis.models.config import ModelConfig
-from mlxlis.models.config_groups import MoEConfig
+from mlxlis.models.config import ModelConfig, MoEConfig
 from mlxlis.models.rope import llama3_from_factors
 
 import mlx.core as mx
@@ -19,9 +18,9 @@ import numpy as np
 
 
 def check_act(cfg: ModelConfig, path: str) -> ModelConfig:
-    if cfg.hidden_act not in GATED:
+    if cfg.mlp.hidden_act not in GATED:
         raise UnsupportedError(
-            f"activation {cfg.hidden_act!r} is not implemented", path=path, field="hidden_act"
+            f"activation {cfg.mlp.hidden_act!r} is not implemented", path=path, field="hidden_act"
         )
     return cfg
 
