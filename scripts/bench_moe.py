@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import mlxlis  # noqa: E402,F401  (importing mlxlis preloads the BLAS first)
 from mlxlis.models import build_model  # noqa: E402
-from mlxlis.models.config import ModelConfig, MoEConfig, RopeConfig  # noqa: E402
+from mlxlis.models.config import ModelConfig, MoEConfig, NormConfig, RopeConfig  # noqa: E402
 from mlxlis.runtime.device import select_device, setup_process  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
@@ -42,8 +42,8 @@ def config(kind: str, layers: int) -> ModelConfig:
         num_attention_heads=16,
         num_key_value_heads=4,
         head_dim=64,
-        rms_norm_eps=1e-6,
         rope=RopeConfig(theta=1e6),
+        norms=NormConfig(1e-6),
         qk_norm=True,
         max_position_embeddings=4096,
     )

@@ -163,7 +163,7 @@ MUTANTS = (
     Mutant(
         "rmsnorm-eps",
         "mlxlis/models/layers.py",
-        "return RMSNorm(dims, eps=cfg.rms_norm_eps)",
+        "return RMSNorm(dims, eps=cfg.norms.eps)",
         "return RMSNorm(dims, eps=1e-2)",
         ("tests/test_llama_parity.py",),
         "RMSNorm eps not taken from the config (Llama/Qwen norms)",

@@ -20,7 +20,7 @@ from mlxlis.loading import catalog
 from mlxlis.loading.gguf_split import read_gguf
 from mlxlis.models import REGISTRY, build_model, conventions, family
 from mlxlis.models import from_gguf as gguf_model
-from mlxlis.models.config import ModelConfig, RopeConfig
+from mlxlis.models.config import ModelConfig, NormConfig, RopeConfig
 from mlxlis.models.conventions import unpermute_rows
 from mlxlis.models.from_gguf import SPECIAL
 from mlxlis.models.gguf_config import config_from_gguf
@@ -86,8 +86,8 @@ def config(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 16) -
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=1e-6,
         rope=RopeConfig(theta=10000.0),
+        norms=NormConfig(1e-6),
     )
 
 

@@ -55,7 +55,7 @@ def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps,
+        "rms_norm_eps": cfg.norms.eps,
         "rope_theta": cfg.rope.theta,
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,

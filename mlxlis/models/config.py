@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from mlxlis import limits
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.models.config_groups import DeltaNetConfig, MLPConfig, MoEConfig
+from mlxlis.models.config_groups import DeltaNetConfig, MLPConfig, MoEConfig, NormConfig
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 PER_TYPE_ROPE_TYPES = ("default", "linear", "llama3")  # under rope_parameters' layer types
@@ -61,8 +61,8 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float
     rope: RopeConfig
+    norms: NormConfig
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v (Qwen2; Llama's attention_bias)
@@ -70,11 +70,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # block structure (defaults are the Llama behaviour)
-    norm: str = "rms"  # "rms" | "rms_plus_one" (Gemma: x̂·(1 + w), computed in float32)
     qk_norm: bool = False  # RMSNorm over head_dim on each head's q and k before RoPE
-    sandwich_norms: bool = False  # also norm each sublayer's output (Gemma 2/3)
-    embed_scale: bool = False  # embeddings × √hidden (Gemma)
-    residual_f32: bool = False  # residual stream in float32 whatever the compute dtype (Gemma)
     attn_output_gate: bool = False  # q_proj also yields a per-head gate: out · sigmoid(gate)
     rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of each head (None: all)
     rope_interleaved: bool = False  # RoPE pairs adjacent dims (2i, 2i+1) (Llama 4's complex form)
@@ -97,7 +93,6 @@ class ModelConfig:
     attn_sinks: bool = False  # a learnt sink logit per head in each softmax (gpt-oss)
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
-    final_logit_softcapping: float | None = None
     # False: an encoder, every position seeing every other (Gemma 4's
     # use_bidirectional_attention "all"): its logits are read whole, it does not generate
     causal: bool = True
@@ -370,8 +365,8 @@ def base_config(cfg: dict, family: str, path: str) -> ModelConfig:
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(eps),
         rope=rope,
+        norms=NormConfig(float(eps)),
         max_position_embeddings=size["max_position_embeddings"],
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),

@@ -44,3 +44,16 @@ class MLPConfig:
     hidden_act: str = "silu"  # the gate's: SwiGLU (silu), GeGLU (the GELUs)
     bias: bool = False
     fused_gate_up: bool = False  # one gate|up projection (gate_up_proj): Phi-3 / Phi-4
+
+
+@dataclass(frozen=True)
+class NormConfig:
+    """The residual stream's norms and scales: read by layers.norm and the decoders (the
+    embedding's scale, the float32 residual, the sandwich norms, the final logits' softcap)."""
+
+    eps: float
+    kind: str = "rms"  # "rms" | "rms_plus_one" (Gemma: x̂·(1 + w), computed in float32)
+    sandwich: bool = False  # also norm each sublayer's output (Gemma 2/3)
+    embed_scale: bool = False  # embeddings × √hidden (Gemma)
+    residual_f32: bool = False  # residual stream in float32 whatever the compute dtype (Gemma)
+    final_logit_softcapping: float | None = None  # the head's logits to tanh(x / c)·c (Gemma 2)

@@ -57,7 +57,7 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(cfg) if cfg.is_sparse(layer) else MLP(cfg)
         self.input_layernorm = norm(cfg, d)
         self.post_attention_layernorm = norm(cfg, d)
-        self.sandwich = cfg.sandwich_norms
+        self.sandwich = cfg.norms.sandwich
         if self.sandwich:  # Gemma 2/3 also norm each sublayer's output
             self.pre_feedforward_layernorm = norm(cfg, d)
             self.post_feedforward_layernorm = norm(cfg, d)
@@ -221,9 +221,11 @@ class Decoder(nn.Module):
         """(B, T) token ids -> (B, T, hidden), the residual stream's dtype (`hidden_dtype`)."""
         cfg = self.config
         h = self.model.embed_tokens(inputs)  # (B, T, hidden)
-        if cfg.embed_scale:  # √hidden is rounded to the compute dtype first, as transformers does
+        if (
+            cfg.norms.embed_scale
+        ):  # √hidden is rounded to the compute dtype first, as transformers does
             h = h * mx.array(cfg.hidden_size**0.5, mx.float32).astype(h.dtype)
-        if cfg.residual_f32:
+        if cfg.norms.residual_f32:
             # Gemma's residual stream outgrows float16's 65 504 (Gemma 3 270M reaches 1.04e5
             # within 300 tokens; a float16 residual turned all of its logits NaN, clipping adds
             # to ±65 504 as mlx-lm does left them off by up to 15.7). Sublayers read it through
@@ -233,7 +235,7 @@ class Decoder(nn.Module):
 
     def hidden_dtype(self, dtype: mx.Dtype) -> mx.Dtype:
         """The residual stream's dtype for compute dtype `dtype` (what passes between stages)."""
-        return mx.float32 if self.config.residual_f32 else dtype
+        return mx.float32 if self.config.norms.residual_f32 else dtype
 
     def run_layers(
         self,
@@ -284,6 +286,6 @@ class Decoder(nn.Module):
             logits = self.model.embed_tokens.as_linear(h)
         else:
             logits = self.lm_head(h)
-        if cfg.final_logit_softcapping is not None:
-            logits = softcap(logits, cfg.final_logit_softcapping)
+        if cfg.norms.final_logit_softcapping is not None:
+            logits = softcap(logits, cfg.norms.final_logit_softcapping)
         return logits

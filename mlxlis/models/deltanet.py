@@ -124,7 +124,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d.weight = mx.zeros((self.conv_dim, 1, self.kernel))  # HF (C, 1, kernel)
         self.dt_bias = mx.ones((self.hv,))
         self.A_log = mx.zeros((self.hv,))
-        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, net.gate_act)
+        self.norm = GatedRMSNorm(self.dv, cfg.norms.eps, net.gate_act)
         self.out_proj = nn.Linear(value_dim, d, bias=False)
 
     def _project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:

@@ -73,14 +73,16 @@ def _positive(cfg: dict, key: str, default: Any, path: str) -> float | None:
     return value
 
 
-def _structure(v: _Version) -> dict[str, Any]:
-    return dict(
-        norm="rms_plus_one",
+def _structure(v: _Version, base: ModelConfig, final_softcap: float | None) -> dict[str, Any]:
+    norms = replace(
+        base.norms,
+        kind="rms_plus_one",
         embed_scale=True,
         residual_f32=True,
-        sandwich_norms=v.sandwich,
-        qk_norm=v.qk_norm,
+        sandwich=v.sandwich,
+        final_logit_softcapping=final_softcap,
     )
+    return dict(norms=norms, qk_norm=v.qk_norm)
 
 
 def _act(cfg: dict, v: _Version, path: str) -> str:
@@ -157,9 +159,12 @@ def _hf_parser(v: _Version):
             )
         rope, rope_local = _ropes(cfg, path) if v.local_rope else (base.rope, None)
         qpas = _positive(cfg, "query_pre_attn_scalar", v.query_pre_attn_scalar, path)
+        act = _act(cfg, v, path)
+        attn_cap = _positive(cfg, "attn_logit_softcapping", v.attn_softcap, path)
+        final = _positive(cfg, "final_logit_softcapping", v.final_softcap, path)
         return base.with_(
-            **_structure(v),
-            mlp=replace(base.mlp, hidden_act=_act(cfg, v, path)),
+            **_structure(v, base, final),
+            mlp=replace(base.mlp, hidden_act=act),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
             rope=rope,
             rope_local=rope_local,
@@ -168,10 +173,7 @@ def _hf_parser(v: _Version):
             query_pre_attn_scalar=(
                 float(qpas) if qpas is not None and v.query_pre_attn_scalar else None
             ),
-            attn_logit_softcapping=_positive(cfg, "attn_logit_softcapping", v.attn_softcap, path),
-            final_logit_softcapping=_positive(
-                cfg, "final_logit_softcapping", v.final_softcap, path
-            ),
+            attn_logit_softcapping=attn_cap,
         )
 
     return parse
@@ -185,9 +187,7 @@ def _gguf_parser(v: _Version, big_layers: int):
         # llama.cpp: the 27B models scale by hidden/heads, every other size by head_dim
         qpas = cfg.head_dim if n != big_layers else cfg.hidden_size // cfg.num_attention_heads
         changes: dict[str, Any] = dict(
-            _structure(v),
-            mlp=replace(cfg.mlp, hidden_act="gelu_pytorch_tanh"),
-            query_pre_attn_scalar=float(qpas),
+            mlp=replace(cfg.mlp, hidden_act="gelu_pytorch_tanh"), query_pre_attn_scalar=float(qpas)
         )
         if v.pattern is not None:
             window = m.get("attention.sliding_window", v.gguf_window)
@@ -195,11 +195,13 @@ def _gguf_parser(v: _Version, big_layers: int):
             # llama.cpp: Gemma 2 slides on even layers; Gemma 3 on 5 of every 6
             types = tuple(LAYER_TYPES[(i + 1) % v.pattern != 0] for i in range(n))
             changes.update(sliding_window=window, layer_types=types)
+        final = None
         if v.attn_softcap is not None:
             changes.update(
-                attn_logit_softcapping=m.get("attn_logit_softcapping", v.attn_softcap, float),
-                final_logit_softcapping=m.get("final_logit_softcapping", v.final_softcap, float),
+                attn_logit_softcapping=m.get("attn_logit_softcapping", v.attn_softcap, float)
             )
+            final = m.get("final_logit_softcapping", v.final_softcap, float)
+        changes.update(_structure(v, cfg, final))
         if v.local_rope:
             changes["rope_local"] = RopeConfig(theta=10000.0)  # llama.cpp's local base
         return cfg.with_(**changes)
@@ -219,7 +221,7 @@ def _export(v: _Version):
             out["layer_types"] = list(cfg.layer_types)
         if v.attn_softcap is not None:
             out["attn_logit_softcapping"] = cfg.attn_logit_softcapping
-            out["final_logit_softcapping"] = cfg.final_logit_softcapping
+            out["final_logit_softcapping"] = cfg.norms.final_logit_softcapping
         if v.local_rope:
             out["rope_local_base_freq"] = cfg.rope_local.theta if cfg.rope_local else 10000.0
             pattern = _pattern(cfg.layer_types)

@@ -37,7 +37,7 @@ from mlxlis.models.gemma4_gguf import BOUNDS as GEMMA4_BOUNDS
 from mlxlis.models.gemma4_gguf import GGUF_BLOCK as GEMMA4_BLOCK
 from mlxlis.models.gemma4_gguf import GGUF_TOP as GEMMA4_TOP
 from mlxlis.models.gemma4_gguf import layer_types, per_layer, unused_kv
-from mlxlis.models.gemma4_net import FULL, PLAIN_ACTS, SLIDING, STRUCTURE
+from mlxlis.models.gemma4_net import FULL, PLAIN_ACTS, SLIDING, structure_fields
 
 import numpy as np
 
@@ -210,7 +210,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         altup_coef_clip=None if clip is None else _number(clip, path, "altup_coef_clip"),
     )
     return base.with_(
-        **STRUCTURE,
+        **structure_fields(base, softcap),
         mlp=MLPConfig(act),
         intermediate_size=sizes[0],
         tie_word_embeddings=_flag(cfg, "tie_word_embeddings", True, path),
@@ -219,7 +219,6 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         layer_types=types,
         sliding_window=_int(cfg, "sliding_window", 512, path),
         family_config=structure,
-        final_logit_softcapping=softcap,
     )
 
 
@@ -290,17 +289,18 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
         laurel_rank=rank,
         sparsity_std=stds,
     )
+    local = RopeConfig(theta=m.get("rope.freq_base_swa", 10000.0, float))
+    # llama.cpp's gemma3n never reads the key and caps at 30 (what the converter writes)
+    cap = m.get("final_logit_softcapping", 30.0, float) or None
     return base.with_(
-        **STRUCTURE,
+        **structure_fields(base, cap),
         mlp=MLPConfig("gelu_pytorch_tanh"),
         intermediate_size=ffn[0],
         layer_types=types,
         rope=RopeConfig(theta=base.rope.theta),
-        rope_local=RopeConfig(theta=m.get("rope.freq_base_swa", 10000.0, float)),
+        rope_local=local,
         sliding_window=window,
         family_config=structure,
-        # llama.cpp's gemma3n never reads the key and caps at 30 (what the converter writes)
-        final_logit_softcapping=m.get("final_logit_softcapping", 30.0, float) or None,
     )
 
 
@@ -360,7 +360,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_activation": cfg.mlp.hidden_act,
         "layer_types": list(types),
         "sliding_window": cfg.sliding_window,
-        "final_logit_softcapping": cfg.final_logit_softcapping,
+        "final_logit_softcapping": cfg.norms.final_logit_softcapping,
         # transformers 5's rope_parameters and the classic keys mlx-lm reads
         "rope_parameters": {
             FULL: {"rope_type": "default", "rope_theta": cfg.rope.theta},

@@ -79,7 +79,7 @@ class AltUp(nn.Module):
         self.correction_coefs = nn.Linear(self.n, self.n, bias=False)
         self.prediction_coefs = nn.Linear(self.n, self.n * self.n, bias=False)
         self.modality_router = nn.Linear(d, self.n, bias=False)
-        self.router_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.router_norm = RMSNorm(d, cfg.norms.eps)
 
     def modalities(self, x: mx.array) -> mx.array:
         """(B, T, hidden) -> (B, T, streams), tanh in float32."""
@@ -108,7 +108,7 @@ class Laurel(nn.Module):
         d, r = cfg.hidden_size, cfg.own(AltUpStructure).laurel_rank
         self.linear_left = nn.Linear(d, r, bias=False)
         self.linear_right = nn.Linear(r, d, bias=False)
-        self.post_laurel_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_laurel_norm = RMSNorm(d, cfg.norms.eps)
 
     def __call__(self, x: mx.array) -> mx.array:
         return x + self.post_laurel_norm(self.linear_right(self.linear_left(x)))
@@ -140,7 +140,7 @@ class SparseMLP(nn.Module):
 class Gemma3nLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: Rope):
         super().__init__()
-        d, eps, s = cfg.hidden_size, cfg.rms_norm_eps, cfg.own(AltUpStructure)
+        d, eps, s = cfg.hidden_size, cfg.norms.eps, cfg.own(AltUpStructure)
         self.active = s.altup_active_idx
         self.self_attn = Attention(cfg, layer, rope)
         self.mlp = SparseMLP(cfg, s.intermediate_sizes[layer], s.sparsity_std[layer])

@@ -34,7 +34,7 @@ from mlxlis.models.activations import GATED
 from mlxlis.models.base import Family
 from mlxlis.models.config import MLPConfig, ModelConfig, MoEConfig, RopeConfig
 from mlxlis.models.gemma4_mmproj import PROJECTOR as MMPROJ
-from mlxlis.models.gemma4_net import FULL, PLAIN_ACTS, SLIDING, STRUCTURE, Gemma4, Structure
+from mlxlis.models.gemma4_net import FULL, PLAIN_ACTS, SLIDING, Gemma4, Structure, structure_fields
 from mlxlis.models.gemma4_vision import load_images
 
 HF_DEFAULTS = {  # transformers' Gemma4TextConfig, for the keys the shared parser reads
@@ -278,7 +278,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         bidirectional=bidirectional,
     )
     return base.with_(
-        **STRUCTURE,
+        **structure_fields(base, float(softcap) if softcap is not None else None),
         moe=moe,
         mlp=MLPConfig(act),
         head_dim=head,
@@ -289,7 +289,6 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         layer_types=types,
         sliding_window=window,
         family_config=structure,
-        final_logit_softcapping=float(softcap) if softcap is not None else None,
         causal=bidirectional != "all",  # "all": an encoder (Model.logits only)
     )
 
@@ -341,7 +340,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         "layer_types": list(types),
         "sliding_window": cfg.sliding_window,
         "attention_bias": cfg.attention_bias,
-        "final_logit_softcapping": cfg.final_logit_softcapping,
+        "final_logit_softcapping": cfg.norms.final_logit_softcapping,
         "rope_parameters": {
             FULL: _rope_out(cfg.rope.theta, s.full_rotated, s.full_rope_dims, s.full_rope_factor),
             SLIDING: _rope_out(

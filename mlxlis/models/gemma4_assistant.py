@@ -87,7 +87,8 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
             path=path,
             field="num_centroids",
         )
-    return replace(text, family_config=structure, final_logit_softcapping=None)
+    norms = replace(text.norms, final_logit_softcapping=None)
+    return replace(text, family_config=structure, norms=norms)
 
 
 class MaskedEmbedder(nn.Module):
@@ -122,7 +123,7 @@ class AssistantModel(nn.Module):
             Gemma4Layer(cfg, i, ropes[SLIDING if cfg.is_sliding(i) else FULL])
             for i in range(cfg.num_hidden_layers)
         ]
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norms.eps)
 
 
 class Gemma4Assistant(nn.Module):

@@ -20,7 +20,7 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import CONFIG_MAX_DIM, CONFIG_MAX_LAYERS, CONFIG_MAX_VOCAB, check_sizes
 from mlxlis.models.base import GGUF_LLAMA_BLOCK, GGUFMeta
 from mlxlis.models.config import MLPConfig, ModelConfig, RopeConfig
-from mlxlis.models.gemma4_net import FULL, SLIDING, STRUCTURE, Structure
+from mlxlis.models.gemma4_net import FULL, SLIDING, Structure, structure_fields
 from mlxlis.models.reading import moe_config
 
 import numpy as np
@@ -196,8 +196,10 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
         full_rope_factor=base.rope.factor if base.rope.type == "linear" else 1.0,
         fused_gate_up=fused == {True},
     )
+    local = RopeConfig(theta=m.get("rope.freq_base_swa", 10000.0, float))
+    cap = m.get("final_logit_softcapping", 0.0, float) or None  # 0: none
     return base.with_(
-        **STRUCTURE,
+        **structure_fields(base, cap),
         moe=moe,
         mlp=MLPConfig("gelu_pytorch_tanh"),
         head_dim=head_s,
@@ -205,10 +207,9 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
         intermediate_size=ffn[0],
         layer_types=types,
         rope=RopeConfig(theta=base.rope.theta),
-        rope_local=RopeConfig(theta=m.get("rope.freq_base_swa", 10000.0, float)),
+        rope_local=local,
         sliding_window=window,
         family_config=structure,
-        final_logit_softcapping=m.get("final_logit_softcapping", 0.0, float) or None,  # 0: none
     )
 
 

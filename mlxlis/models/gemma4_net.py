@@ -13,13 +13,13 @@ the Hugging Face tensor names; the experts use mlx-lm's `experts.switch_glu.*` l
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from mlxlis.cache import CacheBatch, KVBatch, KVCache, KVFormat, RotatingKVCache, window_mask
 from mlxlis.models.activations import gated
 from mlxlis.models.attention import attend, softcap
-from mlxlis.models.config import FamilyConfig, ModelConfig
+from mlxlis.models.config import FamilyConfig, ModelConfig, NormConfig
 from mlxlis.models.experts import SORT_FROM, ExpertSource, SwitchGLU, SwitchLinear
 from mlxlis.models.layers import MLP, Mask
 from mlxlis.models.multimodal import Inserts, with_blocks
@@ -66,14 +66,14 @@ class Structure(FamilyConfig):
     bidirectional: str | None = None
 
 
-# the ModelConfig fields every Gemma 4 has
-STRUCTURE = dict(
-    norm="rms",
-    qk_norm=True,
-    sandwich_norms=True,
-    embed_scale=True,
-    residual_f32=True,
-)
+def structure_fields(base: ModelConfig, final_softcap: float | None) -> dict:
+    """The ModelConfig fields every Gemma 3n / 4 sets: x̂·w, sandwich and q/k norms, the scaled
+    embedding, a float32 residual; the final logits' cap as read."""
+    eps = base.norms.eps
+    norms = NormConfig(eps, "rms", sandwich=True, embed_scale=True, residual_f32=True)
+    return dict(norms=replace(norms, final_logit_softcapping=final_softcap), qk_norm=True)
+
+
 # transformers' ACT2FN for the per-layer input gate (a plain activation, not a gated pair)
 PLAIN_ACTS = {
     "gelu_pytorch_tanh": nn.gelu_approx,
@@ -105,7 +105,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: Rope):
         super().__init__()
         s, full = cfg.own(Structure), not cfg.is_sliding(layer)
-        d, eps, bias = cfg.hidden_size, cfg.rms_norm_eps, cfg.attention_bias
+        d, eps, bias = cfg.hidden_size, cfg.norms.eps, cfg.attention_bias
         hd = s.global_head_dim if full else cfg.head_dim
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = s.global_kv_heads if full else cfg.num_key_value_heads
@@ -158,7 +158,7 @@ class Router(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.eps, self.k = cfg.rms_norm_eps, cfg.moe.num_experts_per_tok
+        self.eps, self.k = cfg.norms.eps, cfg.moe.num_experts_per_tok
         self.root = cfg.hidden_size**-0.5
         self.proj = nn.Linear(cfg.hidden_size, cfg.moe.num_experts, bias=False)
         self.scale = mx.ones((cfg.hidden_size,))
@@ -216,7 +216,7 @@ class Experts(nn.Module):
 class Gemma4Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: Rope):
         super().__init__()
-        d, eps, s = cfg.hidden_size, cfg.rms_norm_eps, cfg.own(Structure)
+        d, eps, s = cfg.hidden_size, cfg.norms.eps, cfg.own(Structure)
         self.self_attn = Attention(cfg, layer, rope)
         self.mlp = MLP(cfg, s.intermediate_sizes[layer])
         for name in (
@@ -270,11 +270,11 @@ class Gemma4Model(nn.Module):
         d, s, n = cfg.hidden_size, cfg.own(Structure), cfg.num_hidden_layers
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
         self.layers = [self.layer_class(cfg, i, ropes[i]) for i in range(n)]
-        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.norm = RMSNorm(d, cfg.norms.eps)
         if s.per_layer_dim:
             self.embed_tokens_per_layer = nn.Embedding(s.per_layer_vocab, n * s.per_layer_dim)
             self.per_layer_model_projection = nn.Linear(d, n * s.per_layer_dim, bias=False)
-            self.per_layer_projection_norm = RMSNorm(s.per_layer_dim, cfg.rms_norm_eps)
+            self.per_layer_projection_norm = RMSNorm(s.per_layer_dim, cfg.norms.eps)
 
 
 class Gemma4(VerifiesAlone, nn.Module):
@@ -474,6 +474,6 @@ class Gemma4(VerifiesAlone, nn.Module):
             h = h[:, -1:, :]
         h = m.norm(h)
         logits = m.embed_tokens.as_linear(h) if cfg.tie_word_embeddings else self.lm_head(h)
-        if cfg.final_logit_softcapping is not None:
-            logits = softcap(logits, cfg.final_logit_softcapping)
+        if cfg.norms.final_logit_softcapping is not None:
+            logits = softcap(logits, cfg.norms.final_logit_softcapping)
         return logits

@@ -9,7 +9,7 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models import GGUF_ARCHS
 from mlxlis.models.base import GGUFMeta
-from mlxlis.models.config import ModelConfig, RopeConfig, yarn_mscale
+from mlxlis.models.config import ModelConfig, NormConfig, RopeConfig, yarn_mscale
 
 import numpy as np
 
@@ -95,8 +95,8 @@ def config_from_gguf(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=m.get("attention.layer_norm_rms_epsilon", 1e-6, float),
         rope=rope,
+        norms=NormConfig(m.get("attention.layer_norm_rms_epsilon", 1e-6, float)),
         max_position_embeddings=size["max_position_embeddings"],
         tie_word_embeddings="output.weight" not in tensor_shapes,  # llama.cpp omits it when tied
         attention_bias="blk.0.attn_q.bias" in tensor_shapes,

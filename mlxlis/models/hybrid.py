@@ -95,7 +95,7 @@ def hf_parser(moe: bool):
             )
         n = base.num_hidden_layers
         changes: dict[str, Any] = dict(
-            norm="rms_plus_one",
+            norms=replace(base.norms, kind="rms_plus_one"),
             qk_norm=True,
             attn_output_gate=True,
             mlp=replace(base.mlp, bias=False),
@@ -162,7 +162,7 @@ def gguf_parser(moe: bool):
             )
         changes: dict[str, Any] = dict(
             num_hidden_layers=n,
-            norm="rms_plus_one",
+            norms=replace(base.norms, kind="rms_plus_one"),
             qk_norm=True,
             attn_output_gate=True,
             layer_types=types,

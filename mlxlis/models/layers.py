@@ -48,10 +48,10 @@ class GemmaRMSNorm(nn.Module):
 
 
 def norm(cfg: ModelConfig, dims: int) -> nn.Module:
-    """The family's RMSNorm over `dims` (cfg.norm: "rms" x̂·w, "rms_plus_one" x̂·(1 + w))."""
-    if cfg.norm == "rms_plus_one":
-        return GemmaRMSNorm(dims, cfg.rms_norm_eps)
-    return RMSNorm(dims, eps=cfg.rms_norm_eps)
+    """The family's RMSNorm over `dims` (cfg.norms.kind: "rms" x̂·w, "rms_plus_one" x̂·(1 + w))."""
+    if cfg.norms.kind == "rms_plus_one":
+        return GemmaRMSNorm(dims, cfg.norms.eps)
+    return RMSNorm(dims, eps=cfg.norms.eps)
 
 
 class Attention(nn.Module):
@@ -88,7 +88,7 @@ class Attention(nn.Module):
         if cfg.attn_sinks:  # gpt-oss: one softmax sink logit per head
             self.sinks = mx.zeros((self.n_heads,))
         self.rope = rope
-        self._l2_eps = cfg.rms_norm_eps if cfg.qk_l2_norm and rope is not None else None
+        self._l2_eps = cfg.norms.eps if cfg.qk_l2_norm and rope is not None else None
         everywhere = rope is None or cfg.attn_temperature_all
         self._temperature = cfg.attn_temperature if everywhere else None
         self._temperature_offset = float(cfg.attn_temperature_offset)

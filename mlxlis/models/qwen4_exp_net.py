@@ -42,7 +42,7 @@ class HyperConnection(nn.Module):
         super().__init__()
         n, d = s.hc_count, cfg.hidden_size
         self.n, self.d = n, d
-        self.hc_norm = StreamNorm(n * d, d, cfg.rms_norm_eps)
+        self.hc_norm = StreamNorm(n * d, d, cfg.norms.eps)
         self.input_mix_weight_down = nn.Linear(n * d, s.hc_lowrank, bias=False)
         self.input_mix_weight_up = nn.Linear(s.hc_lowrank, n * d, bias=False)
         if combine:

@@ -173,9 +173,9 @@ class PLE(nn.Module):
         self.ple_embedding = NGramEmbedding(cfg, s, index)
         self.key_proj = nn.Linear(e, n * d, bias=False)
         self.value_proj = nn.Linear(e, d, bias=False)
-        self.norm_key = StreamNorm(n * d, d, cfg.rms_norm_eps)
-        self.norm_query = StreamNorm(n * d, d, cfg.rms_norm_eps)
-        self.norm_conv = StreamNorm(n * d, d, cfg.rms_norm_eps)
+        self.norm_key = StreamNorm(n * d, d, cfg.norms.eps)
+        self.norm_query = StreamNorm(n * d, d, cfg.norms.eps)
+        self.norm_conv = StreamNorm(n * d, d, cfg.norms.eps)
         self.kernel, self.dilation = s.ple_conv_kernel_size, s.ngram_size
         self.span = (self.kernel - 1) * self.dilation
         self.conv1d = nn.Module()
