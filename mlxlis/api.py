@@ -5,7 +5,9 @@ pipelined model's steps by its placement: mlxlis.distributed registers them)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from mlxlis.bounded import check_folder_json, read_json_file
 from mlxlis.cache import KVFormat
@@ -22,7 +24,27 @@ from mlxlis.tokenizer import Tokenizer
 
 import mlx.core as mx
 
-__all__ = ["load", "load_tokenizer"]
+__all__ = ["LoadOptions", "load", "load_tokenizer"]
+
+
+@dataclass
+class LoadOptions:
+    """`load`'s keyword arguments, as a surface collects them (the command line, the app):
+    `load(ref, **options.kwargs())`. The defaults are `load`'s."""
+
+    dtype: str | mx.Dtype | None = None
+    dequantize: bool | None = None
+    chat_template: str | None = None
+    bindings: str | Path | dict | None = None
+    strict: bool = True
+    layers_split: str | list[int] | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    mmproj: str | Path | bool | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        """The options by `load`'s keyword names (a subclass's own fields left out)."""
+        return {f.name: getattr(self, f.name) for f in fields(LoadOptions)}
 
 
 def load(
@@ -38,7 +60,8 @@ def load(
     kv_group_size: int = 64,
     mmproj: str | Path | bool | None = None,
 ) -> Model:
-    """Load a model folder, GGUF file or catalog name. dtype None = the device default.
+    """Load a model folder, GGUF file or catalog name. dtype None = the device default. The
+    keyword arguments, gathered: LoadOptions (`load(ref, **options.kwargs())`).
 
     `dequantize` (GGUF): True = every weight dense, False = quantized blocks kept as MLX
     quantized arrays, None = per device (dense matmul weights on CPU when they fit comfortably,

@@ -899,6 +899,7 @@ def test_load_model_pulls_a_missing_catalog_model_with_progress(monkeypatch):
             "chat_template": "chatml",
             "bindings": None,
             "strict": True,
+            "layers_split": None,
             "kv_bits": None,
             "kv_group_size": 64,
             "mmproj": None,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlxlis
+from mlxlis.api import LoadOptions
 from mlxlis.errors import MlxlisError
 from mlxlis.generation.context import fit_context
 from mlxlis.generation.events import Event
@@ -28,25 +29,18 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total), as catalog.p
 
 
 @dataclass
-class Options:
-    """What `mlxlis chat` was asked for on the command line."""
+class Options(LoadOptions):
+    """What `mlxlis chat` was asked for on the command line: how the model loads (the
+    LoadOptions it is) and the chat's own options."""
 
     model: str = catalog.DEFAULT_MODEL
-    dtype: str | None = None
-    dequantize: bool | None = None  # None: the device's default
-    chat_template: str | None = None
     system: str | None = None
     no_chat: bool = False
-    bindings: str | None = None
-    strict: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
     thinking: bool | None = None  # --think / --no-think; None: the template's default
     speculative: str | None = None  # --speculative / --draft-model: "ngram" | "draft" | None
     draft_model: str | None = None
     draft_tokens: int | None = None
-    kv_bits: int | None = None  # --kv-bits: quantized KV caches
-    kv_group_size: int = 64
-    mmproj: str | bool | None = None  # --mmproj FILE / --no-mmproj; None: one beside
     draft: Model | None = None  # the draft model, once load_model loaded it
 
 
@@ -110,17 +104,7 @@ def load_model(options: Options, progress: Progress):
         vision = options.mmproj is not False  # --no-mmproj: a GGUF's mmproj not fetched
         name = str(resolve(name, progress=progress, vision=vision))  # a Hub repo, scanned name
     progress("loading weights", 0, 0)
-    model = mlxlis.load(
-        name,
-        options.dtype,
-        dequantize=options.dequantize,
-        chat_template=options.chat_template,
-        bindings=options.bindings,
-        strict=options.strict,
-        kv_bits=options.kv_bits,
-        kv_group_size=options.kv_group_size,
-        mmproj=options.mmproj,
-    )
+    model = mlxlis.load(name, **options.kwargs())
     if options.draft_model:  # --draft-model: fetched and loaded the same way
         draft = Options(**{**vars(options), "model": options.draft_model, "draft_model": None})
         draft.chat_template = draft.bindings = None

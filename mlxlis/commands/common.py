@@ -24,22 +24,23 @@ def load_model(a: argparse.Namespace):
     import warnings
 
     from mlxlis import load
+    from mlxlis.api import LoadOptions
     from mlxlis.loading.manifest import UnboundTensorsWarning
 
+    options = LoadOptions(
+        dtype=a.dtype,
+        dequantize=a.dequantize,
+        chat_template=a.chat_template,
+        bindings=getattr(a, "bindings", None),
+        strict=getattr(a, "strict", True),
+        layers_split=getattr(a, "layers_split", None),
+        kv_bits=a.kv_bits,
+        kv_group_size=a.kv_group_size,
+        mmproj=getattr(a, "mmproj", None),
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnboundTensorsWarning)
-        model = load(
-            a.model,
-            a.dtype,
-            dequantize=a.dequantize,
-            chat_template=a.chat_template,
-            bindings=getattr(a, "bindings", None),
-            strict=getattr(a, "strict", True),
-            layers_split=getattr(a, "layers_split", None),
-            kv_bits=a.kv_bits,
-            kv_group_size=a.kv_group_size,
-            mmproj=getattr(a, "mmproj", None),
-        )
+        model = load(a.model, **options.kwargs())
     for w in caught:
         if isinstance(w.message, UnboundTensorsWarning):
             tensors = w.message.tensors
