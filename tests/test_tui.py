@@ -49,6 +49,7 @@ class FakeTokenizer:
 
 class FakeModel:
     context_length = 4096
+    supports_thinking = False
 
     def __init__(self, template: str | None = "fake:chatml"):
         self.template_source = template
@@ -100,6 +101,8 @@ class FakeSession:
         self.context_limit = model.context_length
         self.context_used = 0
         self.last_prompt_tokens = 0
+        self.thinking: bool | None = None
+        self.response_format: dict | None = None
         self.script, self.delay = script, delay
         self.step = step  # called before token i instead of sleeping `delay`, when given
         self.fail, self.fail_after = fail, fail_after

@@ -130,6 +130,8 @@ class RawPad:
         self.last_prompt_tokens = 0
         self._generate = generate or mlxlis.generate
         self.speculation = None  # --speculative: drafts verified in one forward
+        self.thinking: bool | None = None  # always: no template, no thinking switch
+        self.response_format: dict | None = None  # always: raw completion constrains nothing
 
     def reset(self) -> None:
         self.turns.clear()
@@ -215,7 +217,7 @@ class Engine:
     # --- what the header shows ---
     @property
     def template_source(self) -> str | None:
-        return getattr(self.model, "template_source", None)
+        return self.model.template_source
 
     @property
     def blocked(self) -> bool:
@@ -260,17 +262,17 @@ class Engine:
         return self.session.context_used, self.session.context_limit
 
     def streaming_context(self, generated: int) -> int:
-        return getattr(self.session, "last_prompt_tokens", 0) + generated
+        return self.session.last_prompt_tokens + generated
 
     # --- reasoning models ---
     @property
     def thinking_supported(self) -> bool:
         """The chat template has a thinking switch (prompt/thinking_switch.py)."""
-        return not self.raw and bool(getattr(self.model, "supports_thinking", False))
+        return not self.raw and self.model.supports_thinking
 
     @property
     def thinking(self) -> bool | None:
-        return getattr(self.session, "thinking", None)
+        return self.session.thinking
 
     @thinking.setter
     def thinking(self, value: bool | None) -> None:
@@ -279,7 +281,7 @@ class Engine:
     @property
     def response_format(self) -> dict | None:
         """What the next replies are constrained to (/json), None: free."""
-        return getattr(self.session, "response_format", None)
+        return self.session.response_format
 
     @response_format.setter
     def response_format(self, value: dict | None) -> None:
