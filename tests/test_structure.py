@@ -303,7 +303,6 @@ def unit(module: str) -> str | None:
 # that share a word with a family name (tokenizer kinds, chat-template and tool-call formats)
 # and the catalog's rows. They name a format or a row of data, not a family's code.
 NAMES_FAMILIES = {
-    "mlxlis.loading.catalog": "catalog rows: each model's family, as data the tests check",
     "mlxlis.prompt.diagnosis": "chat-template formats (gemma's turn markers)",
     "mlxlis.prompt.template": "chat-template formats (gemma's turn markers)",
     "mlxlis.prompt.reasoning_styles": "reasoning formats named for who writes them",
