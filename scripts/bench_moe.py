@@ -24,7 +24,13 @@ sys.path.insert(0, str(ROOT))
 
 import mlxlis  # noqa: E402,F401  (importing mlxlis preloads the BLAS first)
 from mlxlis.models import build_model  # noqa: E402
-from mlxlis.models.config import ModelConfig, MoEConfig, NormConfig, RopeConfig  # noqa: E402
+from mlxlis.models.config import (  # noqa: E402
+    AttentionConfig,
+    ModelConfig,
+    MoEConfig,
+    NormConfig,
+    RopeConfig,
+)
 from mlxlis.runtime.device import select_device, setup_process  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
@@ -44,7 +50,7 @@ def config(kind: str, layers: int) -> ModelConfig:
         head_dim=64,
         rope=RopeConfig(theta=1e6),
         norms=NormConfig(1e-6),
-        qk_norm=True,
+        attention=AttentionConfig(qk_norm=True),
         max_position_embeddings=4096,
     )
     if kind == "moe":

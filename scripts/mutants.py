@@ -89,8 +89,8 @@ MUTANTS = (
     Mutant(
         "gemma3-local-rope",
         "mlxlis/models/gemma.py",
-        'changes["rope_local"] = RopeConfig(theta=10000.0)',
-        'changes["rope_local"] = RopeConfig(theta=1000000.0)',
+        'attention["rope_local"] = RopeConfig(theta=10000.0)',
+        'attention["rope_local"] = RopeConfig(theta=1000000.0)',
         ("tests/test_gguf_tiny.py",),
         "Gemma 3 GGUF local RoPE base 1e4 -> 1e6",
     ),
@@ -251,8 +251,8 @@ MUTANTS = (
     Mutant(
         "partial-rope-full",
         "mlxlis/models/decoder.py",
-        "dims, inter = cfg.rotary_dim or cfg.head_dim, cfg.rope_interleaved",
-        "dims, inter = cfg.head_dim, cfg.rope_interleaved",
+        "dims, inter = a.rotary_dim or cfg.head_dim, a.rope_interleaved",
+        "dims, inter = cfg.head_dim, a.rope_interleaved",
         ("tests/test_qwen3_5.py",),
         "partial RoPE rotates every dim",
     ),
@@ -765,9 +765,9 @@ MUTANTS = (
     Mutant(
         "llama4-temperature-floor",
         "mlxlis/models/llama4.py",
-        '            attn_temperature=(size["floor_scale"], float(scale)) if tuning else None,',
-        '            attn_temperature=(size["floor_scale"], float(scale)) if tuning else None,'
-        "\n            attn_temperature_offset=0,",
+        '        temperature=(size["floor_scale"], float(scale)) if tuning else None,',
+        '        temperature=(size["floor_scale"], float(scale)) if tuning else None,'
+        "\n        temperature_offset=0,",
         (LLAMA4_HF,),
         "Llama 4: NoPE temperature from ⌊p / floor⌋ instead of ⌊(p + 1) / floor⌋",
     ),
@@ -790,8 +790,8 @@ MUTANTS = (
     Mutant(
         "llama4-rope-halves",
         "mlxlis/models/llama4.py",
-        "            rope_interleaved=True,\n            no_rope_layers=tuple(",
-        "            rope_interleaved=False,\n            no_rope_layers=tuple(",
+        "        rope_interleaved=True,\n        qk_l2_norm=flag(",
+        "        rope_interleaved=False,\n        qk_l2_norm=flag(",
         (LLAMA4_HF,),
         "Llama 4: RoPE on rotate-half pairs instead of adjacent ones",
     ),
@@ -918,17 +918,15 @@ MUTANTS = (
     Mutant(
         "m3-temperature-offset",
         "mlxlis/models/mistral3.py",
-        "    return _window(base, window).with_(\n"
-        "        attn_temperature=temperature, attn_temperature_offset=0,",
-        "    return _window(base, window).with_(\n"
-        "        attn_temperature=temperature, attn_temperature_offset=1,",
+        "cfg.attention, temperature=temperature, temperature_offset=0,",
+        "cfg.attention, temperature=temperature, temperature_offset=1,",
         (M3_HF,),
         "Ministral 3: the temperature from ⌊(p + 1) / floor⌋ instead of ⌊p / floor⌋",
     ),
     Mutant(
         "m3-temperature-nope-only",
         "mlxlis/models/layers.py",
-        "        everywhere = rope is None or cfg.attn_temperature_all",
+        "        everywhere = rope is None or a.temperature_all",
         "        everywhere = rope is None",
         (M3_HF,),
         "Ministral 3: the temperature on NoPE layers only (none)",

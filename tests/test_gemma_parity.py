@@ -223,8 +223,9 @@ def test_gemma3_classic_keys_parse_like_transformers5(tiny_gemma):
     )
     a, b = config_from_hf(t5), config_from_hf(classic)
     assert a.rope == b.rope and a.rope.type == "linear" and a.rope.factor == 4.0
-    assert a.rope.theta == 200000.0 and a.rope_local == b.rope_local
-    assert a.rope_local.theta == 5000.0 and a.rope_local.type == "default"
+    assert a.rope.theta == 200000.0 and a.attention.rope_local == b.attention.rope_local
+    local = a.attention.rope_local
+    assert local.theta == 5000.0 and local.type == "default"
     assert b.layer_types == ("sliding_attention", "full_attention") * 2
     assert a.sliding_window == b.sliding_window == WINDOW
     # defaults when the keys are absent, as transformers' Gemma3TextConfig has them
@@ -234,7 +235,7 @@ def test_gemma3_classic_keys_parse_like_transformers5(tiny_gemma):
         if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling", "sliding_window_pattern")
     }
     c = config_from_hf(bare)
-    assert (c.rope.theta, c.rope_local.theta) == (1e6, 1e4)
+    assert (c.rope.theta, c.attention.rope_local.theta) == (1e6, 1e4)
     assert c.layer_types.count("full_attention") == 0  # 4 layers: the 6th would be global
 
 

@@ -292,7 +292,7 @@ def test_gemma_gguf_matches_transformers(tiny_gemma, arch):
         assert cfg.sliding_window == theirs.sliding_window == WINDOW
     if arch == "gemma3":
         local = theirs.rope_parameters["sliding_attention"]["rope_theta"]
-        assert cfg.rope_local.theta == local == 10000.0
+        assert cfg.attention.rope_local.theta == local == 10000.0
         assert (cfg.rope.theta, cfg.rope.type, cfg.rope.factor) == (1e6, "linear", 4.0)
     ids = trajectory(GEMMA_N, vocab=cfg.vocab_size)
     delta, ours, reference = logits_delta(model, ref, ids)

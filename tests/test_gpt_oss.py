@@ -122,7 +122,7 @@ def test_logits_match_transformers_fp32(oss, mxfp4, layout):
     folder, ref = oss("oss") if layout == "dense" else mxfp4
     model = mlxlis.load(folder, "float32")
     cfg = model.config
-    assert cfg.family == "gpt_oss" and cfg.attn_sinks and cfg.rope.type == "yarn"
+    assert cfg.family == "gpt_oss" and cfg.attention.sinks and cfg.rope.type == "yarn"
     assert not cfg.rope.truncate and cfg.layer_types[:2] == ("sliding_attention", "full_attention")
     experts = model.net.model.layers[0].mlp.experts.gate_proj
     assert isinstance(experts, QuantizedSwitchLinear) == (layout == "mxfp4")

@@ -93,7 +93,7 @@ def test_logits_match_transformers_fp32(mistral, name):
     cfg = model.config
     assert cfg.family == "mistral3" and cfg.layer_types == ("sliding_attention",) * 3
     if name == "ministral3":
-        assert cfg.rope.type == "yarn" and cfg.attn_temperature == (32, 0.5)
+        assert cfg.rope.type == "yarn" and cfg.attention.temperature == (32, 0.5)
     ids = trajectory(72, vocab=cfg.vocab_size)
     ours, theirs = np.array(model.logits(ids)), reference_logits(ref, ids)
     delta = np.abs(ours - theirs).max()
@@ -247,7 +247,7 @@ def test_gguf_matches_transformers_on_the_files_weights(mistral, tmp_path, dequa
     twin.load_state_dict(held, strict=True)
     model = mlxlis.load(path, "float32", dequantize=dequantize)
     cfg = model.config
-    assert cfg.family == "mistral3" and cfg.attn_temperature == (32, 0.5)
+    assert cfg.family == "mistral3" and cfg.attention.temperature == (32, 0.5)
     ids = trajectory(72, vocab=cfg.vocab_size)
     ours, theirs = np.array(model.logits(ids)), reference_logits(twin, ids)
     delta = np.abs(ours - theirs).max()

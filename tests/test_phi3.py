@@ -87,7 +87,7 @@ def test_logits_match_transformers_fp32(phi, name, length):
     folder, ref = phi(name)
     model = mlxlis.load(folder, "float32")
     cfg = model.config
-    assert cfg.family == "phi3" and cfg.fused_qkv and cfg.mlp.fused_gate_up
+    assert cfg.family == "phi3" and cfg.attention.fused_qkv and cfg.mlp.fused_gate_up
     ids = trajectory(length, vocab=cfg.vocab_size)
     ours, theirs = np.array(model.logits(ids)), reference_logits(ref, ids)
     delta = np.abs(ours - theirs).max()
@@ -211,7 +211,7 @@ def test_gguf_matches_transformers_on_the_files_weights(phi, tmp_path, qtype):
     )
     twin.tie_weights()
     model = mlxlis.load(path, "float32", dequantize=False)
-    assert model.config.rope.type == "longrope" and model.config.rotary_dim == 12
+    assert model.config.rope.type == "longrope" and model.config.attention.rotary_dim == 12
     for length in (24, 72):
         ids = trajectory(length, vocab=model.config.vocab_size)
         delta = np.abs(np.array(model.logits(ids)) - reference_logits(twin, ids)).max()

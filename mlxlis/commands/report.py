@@ -91,14 +91,14 @@ def model_report(model: Model) -> dict[str, Any]:
             "layer_types": list(c.layer_types),
             "attention_chunk_size": c.attention_chunk_size,
             "no_rope_layers": [i for i, x in enumerate(c.no_rope_layers) if x],
-            "attention_sinks": c.attn_sinks,
+            "attention_sinks": c.attention.sinks,
             "query_temperature": None  # q · (1 + scale·log(1 + ⌊(p + offset) / floor⌋))
-            if c.attn_temperature is None
+            if c.attention.temperature is None
             else {
-                "floor": c.attn_temperature[0],
-                "scale": c.attn_temperature[1],
-                "offset": c.attn_temperature_offset,
-                "layers": "all" if c.attn_temperature_all else "nope",
+                "floor": c.attention.temperature[0],
+                "scale": c.attention.temperature[1],
+                "offset": c.attention.temperature_offset,
+                "layers": "all" if c.attention.temperature_all else "nope",
             },
             "experts": {
                 "count": c.moe.num_experts,

@@ -14,7 +14,14 @@ from typing import Any, TypeVar
 
 from mlxlis import limits
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.models.config_groups import DeltaNetConfig, MLPConfig, MoEConfig, NormConfig
+from mlxlis.models.config_groups import (
+    AttentionConfig,
+    DeltaNetConfig,
+    MLPConfig,
+    MoEConfig,
+    NormConfig,
+    RopeConfig,
+)
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 PER_TYPE_ROPE_TYPES = ("default", "linear", "llama3")  # under rope_parameters' layer types
@@ -27,28 +34,6 @@ class FamilyConfig:
 
 
 F = TypeVar("F", bound=FamilyConfig)
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    type: str = "default"  # "default" | "linear" | "llama3" | "yarn" | "longrope"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    # yarn: the ramp between rotations beta_fast and beta_slow, its ends rounded out
-    # (`truncate`, transformers' default; gpt-oss says false), q and k scaled by
-    # attention_factor (cos and sin are, in transformers)
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    attention_factor: float = 1.0
-    # longrope (Phi-3 / Phi-4): per-pair factors dividing each frequency, short_factor while
-    # a pass stays within original_max_position_embeddings, long_factor past it;
-    # attention_factor on q and k as yarn's
-    short_factor: tuple[float, ...] = ()
-    long_factor: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,40 +50,23 @@ class ModelConfig:
     norms: NormConfig
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # bias on q/k/v (Qwen2; Llama's attention_bias)
-    o_bias: bool = False  # bias on o_proj (Llama's attention_bias also covers o_proj)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # block structure (defaults are the Llama behaviour)
-    qk_norm: bool = False  # RMSNorm over head_dim on each head's q and k before RoPE
-    attn_output_gate: bool = False  # q_proj also yields a per-head gate: out · sigmoid(gate)
-    rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of each head (None: all)
-    rope_interleaved: bool = False  # RoPE pairs adjacent dims (2i, 2i+1) (Llama 4's complex form)
+    attention: AttentionConfig = AttentionConfig()
     no_rope_layers: tuple[bool, ...] = ()  # [i]: layer i has no RoPE (NoPE: Llama 4, SmolLM3)
-    qk_l2_norm: bool = False  # RMSNorm without weight on q and k after RoPE (Llama 4, RoPE layers)
-    # NoPE layers (Llama 4), or every layer (attn_temperature_all: Ministral 3's
-    # llama_4_scaling_beta), scale q by 1 + scale·log(1 + ⌊(p + offset) / floor⌋) at
-    # position p: (floor, scale); the offset 1 (Llama 4) or 0 (Ministral 3)
-    attn_temperature: tuple[int, float] | None = None
-    attn_temperature_offset: int = 1
-    attn_temperature_all: bool = False
-    # sliding-window attention and softcaps (Gemma 2/3)
-    rope_local: RopeConfig | None = None  # RoPE of sliding-window layers (Gemma 3)
+    # sliding-window attention (Gemma 2/3)
     sliding_window: int | None = None
     # chunked layers see the keys of their own chunk of this many positions only (Llama 4)
     attention_chunk_size: int | None = None
     # per layer: "full_attention" | "sliding_attention" | "chunked_attention" |
     # "linear_attention" (Gated DeltaNet)
     layer_types: tuple[str, ...] = ()
-    attn_sinks: bool = False  # a learnt sink logit per head in each softmax (gpt-oss)
-    query_pre_attn_scalar: float | None = None
-    attn_logit_softcapping: float | None = None
     # False: an encoder, every position seeing every other (Gemma 4's
     # use_bidirectional_attention "all"): its logits are read whole, it does not generate
     causal: bool = True
     moe: MoEConfig | None = None  # a mixture of experts in its sparse layers
     deltanet: DeltaNetConfig | None = None  # Gated DeltaNet (linear attention) layers
-    fused_qkv: bool = False  # one q|k|v projection (qkv_proj): Phi-3 / Phi-4
     mlp: MLPConfig = MLPConfig()
     # what the fields above do not describe, typed by the family (e.g. Gemma 4's Structure)
     family_config: FamilyConfig | None = None
@@ -108,8 +76,9 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
-        if self.query_pre_attn_scalar:  # Gemma 2/3 scale by a configured constant
-            return 1.0 / math.sqrt(self.query_pre_attn_scalar)
+        scalar = self.attention.query_pre_attn_scalar
+        if scalar:  # Gemma 2/3 scale by a configured constant
+            return 1.0 / math.sqrt(scalar)
         return self.head_dim**-0.5
 
     def is_sliding(self, layer: int) -> bool:
@@ -356,6 +325,7 @@ def base_config(cfg: dict, family: str, path: str) -> ModelConfig:
     act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
     if not isinstance(act, str):
         raise ConfigError(f"expected a string, got {act!r}"[:200], path=path, field="hidden_act")
+    bias = cfg.get("attention_bias", False)
     return ModelConfig(
         family=family,
         vocab_size=size["vocab_size"],
@@ -369,8 +339,7 @@ def base_config(cfg: dict, family: str, path: str) -> ModelConfig:
         norms=NormConfig(float(eps)),
         max_position_embeddings=size["max_position_embeddings"],
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        o_bias=bool(cfg.get("attention_bias", False)),
+        attention=AttentionConfig(bias=bool(bias), o_bias=bool(bias)),
         mlp=MLPConfig(hidden_act=act, bias=bool(cfg.get("mlp_bias", False))),
         source=path,
     )

@@ -8,6 +8,28 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    type: str = "default"  # "default" | "linear" | "llama3" | "yarn" | "longrope"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    # yarn: the ramp between rotations beta_fast and beta_slow, its ends rounded out
+    # (`truncate`, transformers' default; gpt-oss says false), q and k scaled by
+    # attention_factor (cos and sin are, in transformers)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    # longrope (Phi-3 / Phi-4): per-pair factors dividing each frequency, short_factor while
+    # a pass stays within original_max_position_embeddings, long_factor past it;
+    # attention_factor on q and k as yarn's
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class DeltaNetConfig:
     """The Gated DeltaNet (linear attention) layers' shape (Qwen3.5, Qwen3-Next, Qwen4-Exp):
     read by deltanet.py and by the conventions that reorder its value heads."""
@@ -57,3 +79,28 @@ class NormConfig:
     embed_scale: bool = False  # embeddings × √hidden (Gemma)
     residual_f32: bool = False  # residual stream in float32 whatever the compute dtype (Gemma)
     final_logit_softcapping: float | None = None  # the head's logits to tanh(x / c)·c (Gemma 2)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """The softmax attention's options beyond its heads: read by layers.Attention (and the
+    families' own attention), the RoPE variants by the decoders that build its Ropes."""
+
+    bias: bool = False  # bias on q/k/v (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # bias on o_proj (Llama's attention_bias also covers o_proj)
+    fused_qkv: bool = False  # one q|k|v projection (qkv_proj): Phi-3 / Phi-4
+    qk_norm: bool = False  # RMSNorm over head_dim on each head's q and k before RoPE
+    qk_l2_norm: bool = False  # RMSNorm without weight on q and k after RoPE (Llama 4, RoPE layers)
+    output_gate: bool = False  # q_proj also yields a per-head gate: out · sigmoid(gate)
+    sinks: bool = False  # a learnt sink logit per head in each softmax (gpt-oss)
+    query_pre_attn_scalar: float | None = None  # the scale 1/√this (Gemma 2/3), not 1/√head_dim
+    logit_softcapping: float | None = None  # scores to tanh(x / c)·c (Gemma 2)
+    # NoPE layers (Llama 4), or every layer (temperature_all: Ministral 3's
+    # llama_4_scaling_beta), scale q by 1 + scale·log(1 + ⌊(p + offset) / floor⌋) at
+    # position p: (floor, scale); the offset 1 (Llama 4) or 0 (Ministral 3)
+    temperature: tuple[int, float] | None = None
+    temperature_offset: int = 1
+    temperature_all: bool = False
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of each head (None: all)
+    rope_interleaved: bool = False  # RoPE pairs adjacent dims (2i, 2i+1) (Llama 4's complex form)
+    rope_local: RopeConfig | None = None  # RoPE of sliding-window layers (Gemma 3)

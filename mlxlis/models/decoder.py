@@ -125,9 +125,10 @@ class Decoder(nn.Module):
         self._held = range(cfg.num_hidden_layers) if layers is None else layers
         self._embeds, self._heads = embeds, heads
         # one module, shared by layers; partial RoPE turns the first rotary_dim dims only
-        dims, inter = cfg.rotary_dim or cfg.head_dim, cfg.rope_interleaved
+        a = cfg.attention
+        dims, inter = a.rotary_dim or cfg.head_dim, a.rope_interleaved
         rope = Rope(dims, cfg.rope, rope_freq_factors, inter)
-        local = Rope(cfg.head_dim, cfg.rope_local, None, inter) if cfg.rope_local else rope
+        local = Rope(cfg.head_dim, a.rope_local, None, inter) if a.rope_local else rope
         self._sliding = tuple(cfg.is_ring(i) for i in self._held)  # of the held layers
         ropes = [
             (local if cfg.is_sliding(i) else rope) if cfg.has_rope(i) else None

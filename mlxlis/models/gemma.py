@@ -73,7 +73,11 @@ def _positive(cfg: dict, key: str, default: Any, path: str) -> float | None:
     return value
 
 
-def _structure(v: _Version, base: ModelConfig, final_softcap: float | None) -> dict[str, Any]:
+def _structure(
+    v: _Version, base: ModelConfig, final_softcap: float | None, **attention: Any
+) -> dict[str, Any]:
+    """The norms every Gemma has (final_softcap: the final logits' cap), and its attention's
+    q/k norms with `attention`'s fields."""
     norms = replace(
         base.norms,
         kind="rms_plus_one",
@@ -82,7 +86,7 @@ def _structure(v: _Version, base: ModelConfig, final_softcap: float | None) -> d
         sandwich=v.sandwich,
         final_logit_softcapping=final_softcap,
     )
-    return dict(norms=norms, qk_norm=v.qk_norm)
+    return dict(norms=norms, attention=replace(base.attention, qk_norm=v.qk_norm, **attention))
 
 
 def _act(cfg: dict, v: _Version, path: str) -> str:
@@ -162,18 +166,20 @@ def _hf_parser(v: _Version):
         act = _act(cfg, v, path)
         attn_cap = _positive(cfg, "attn_logit_softcapping", v.attn_softcap, path)
         final = _positive(cfg, "final_logit_softcapping", v.final_softcap, path)
-        return base.with_(
-            **_structure(v, base, final),
-            mlp=replace(base.mlp, hidden_act=act),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-            rope=rope,
+        attention = dict(
             rope_local=rope_local,
-            layer_types=layer_types,
-            sliding_window=int(window) if window is not None and layer_types else None,
             query_pre_attn_scalar=(
                 float(qpas) if qpas is not None and v.query_pre_attn_scalar else None
             ),
-            attn_logit_softcapping=attn_cap,
+            logit_softcapping=attn_cap,
+        )
+        return base.with_(
+            **_structure(v, base, final, **attention),
+            mlp=replace(base.mlp, hidden_act=act),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            rope=rope,
+            layer_types=layer_types,
+            sliding_window=int(window) if window is not None and layer_types else None,
         )
 
     return parse
@@ -186,9 +192,8 @@ def _gguf_parser(v: _Version, big_layers: int):
         n = cfg.num_hidden_layers
         # llama.cpp: the 27B models scale by hidden/heads, every other size by head_dim
         qpas = cfg.head_dim if n != big_layers else cfg.hidden_size // cfg.num_attention_heads
-        changes: dict[str, Any] = dict(
-            mlp=replace(cfg.mlp, hidden_act="gelu_pytorch_tanh"), query_pre_attn_scalar=float(qpas)
-        )
+        changes: dict[str, Any] = dict(mlp=replace(cfg.mlp, hidden_act="gelu_pytorch_tanh"))
+        attention: dict[str, Any] = dict(query_pre_attn_scalar=float(qpas))
         if v.pattern is not None:
             window = m.get("attention.sliding_window", v.gguf_window)
             check_sizes({"sliding_window": (m.key("attention.sliding_window"), window)}, m.path)
@@ -197,21 +202,18 @@ def _gguf_parser(v: _Version, big_layers: int):
             changes.update(sliding_window=window, layer_types=types)
         final = None
         if v.attn_softcap is not None:
-            changes.update(
-                attn_logit_softcapping=m.get("attn_logit_softcapping", v.attn_softcap, float)
-            )
+            attention["logit_softcapping"] = m.get("attn_logit_softcapping", v.attn_softcap, float)
             final = m.get("final_logit_softcapping", v.final_softcap, float)
-        changes.update(_structure(v, cfg, final))
         if v.local_rope:
-            changes["rope_local"] = RopeConfig(theta=10000.0)  # llama.cpp's local base
-        return cfg.with_(**changes)
+            attention["rope_local"] = RopeConfig(theta=10000.0)  # llama.cpp's local base
+        return cfg.with_(**changes, **_structure(v, cfg, final, **attention))
 
     return parse
 
 
 def _export(v: _Version):
     def export(cfg: ModelConfig) -> dict[str, Any]:
-        q = cfg.query_pre_attn_scalar
+        q = cfg.attention.query_pre_attn_scalar
         out: dict[str, Any] = {
             "hidden_activation": cfg.mlp.hidden_act,
             "query_pre_attn_scalar": int(q) if q is not None and float(q).is_integer() else q,
@@ -220,10 +222,11 @@ def _export(v: _Version):
             out["sliding_window"] = cfg.sliding_window
             out["layer_types"] = list(cfg.layer_types)
         if v.attn_softcap is not None:
-            out["attn_logit_softcapping"] = cfg.attn_logit_softcapping
+            out["attn_logit_softcapping"] = cfg.attention.logit_softcapping
             out["final_logit_softcapping"] = cfg.norms.final_logit_softcapping
         if v.local_rope:
-            out["rope_local_base_freq"] = cfg.rope_local.theta if cfg.rope_local else 10000.0
+            local = cfg.attention.rope_local
+            out["rope_local_base_freq"] = local.theta if local else 10000.0
             pattern = _pattern(cfg.layer_types)
             if pattern:
                 out["sliding_window_pattern"] = pattern

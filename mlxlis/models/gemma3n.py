@@ -209,13 +209,14 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         sparsity_std=stds,
         altup_coef_clip=None if clip is None else _number(clip, path, "altup_coef_clip"),
     )
+    tied = _flag(cfg, "tie_word_embeddings", True, path)
+    rope, local = (RopeConfig(theta=_theta(cfg, t, path)) for t in (FULL, SLIDING))
     return base.with_(
-        **structure_fields(base, softcap),
+        **structure_fields(base, softcap, local),
         mlp=MLPConfig(act),
         intermediate_size=sizes[0],
-        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", True, path),
-        rope=RopeConfig(theta=_theta(cfg, FULL, path)),
-        rope_local=RopeConfig(theta=_theta(cfg, SLIDING, path)),
+        tie_word_embeddings=tied,
+        rope=rope,
         layer_types=types,
         sliding_window=_int(cfg, "sliding_window", 512, path),
         family_config=structure,
@@ -293,12 +294,11 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     # llama.cpp's gemma3n never reads the key and caps at 30 (what the converter writes)
     cap = m.get("final_logit_softcapping", 30.0, float) or None
     return base.with_(
-        **structure_fields(base, cap),
+        **structure_fields(base, cap, local),
         mlp=MLPConfig("gelu_pytorch_tanh"),
         intermediate_size=ffn[0],
         layer_types=types,
         rope=RopeConfig(theta=base.rope.theta),
-        rope_local=local,
         sliding_window=window,
         family_config=structure,
     )
@@ -364,10 +364,10 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         # transformers 5's rope_parameters and the classic keys mlx-lm reads
         "rope_parameters": {
             FULL: {"rope_type": "default", "rope_theta": cfg.rope.theta},
-            SLIDING: {"rope_type": "default", "rope_theta": cfg.rope_local.theta},
+            SLIDING: {"rope_type": "default", "rope_theta": cfg.attention.rope_local.theta},
         },
         "rope_theta": cfg.rope.theta,
-        "rope_local_base_freq": cfg.rope_local.theta,
+        "rope_local_base_freq": cfg.attention.rope_local.theta,
         "intermediate_size": list(s.intermediate_sizes),
         "activation_sparsity_pattern": pattern,
         "num_kv_shared_layers": shared,

@@ -278,14 +278,13 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         bidirectional=bidirectional,
     )
     return base.with_(
-        **structure_fields(base, float(softcap) if softcap is not None else None),
+        **structure_fields(base, float(softcap) if softcap is not None else None, local),
         moe=moe,
         mlp=MLPConfig(act),
         head_dim=head,
         num_key_value_heads=kv,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         rope=rope,
-        rope_local=local,
         layer_types=types,
         sliding_window=window,
         family_config=structure,
@@ -339,12 +338,12 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_activation": cfg.mlp.hidden_act,
         "layer_types": list(types),
         "sliding_window": cfg.sliding_window,
-        "attention_bias": cfg.attention_bias,
+        "attention_bias": cfg.attention.bias,
         "final_logit_softcapping": cfg.norms.final_logit_softcapping,
         "rope_parameters": {
             FULL: _rope_out(cfg.rope.theta, s.full_rotated, s.full_rope_dims, s.full_rope_factor),
             SLIDING: _rope_out(
-                cfg.rope_local.theta, s.local_rotated, cfg.head_dim, s.local_rope_factor
+                cfg.attention.rope_local.theta, s.local_rotated, cfg.head_dim, s.local_rope_factor
             ),
         },
         # the hub's keys (mlx-lm reads these) and transformers 5's per_layer_config

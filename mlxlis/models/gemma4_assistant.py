@@ -142,7 +142,7 @@ class Gemma4Assistant(nn.Module):
             ),
             SLIDING: proportional_rope(
                 s.local_rope_dims,
-                cfg.rope_local.theta,
+                cfg.attention.rope_local.theta,
                 s.local_rotated,
                 s.local_rope_factor,
                 None,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from mlxlis.cache import CacheBatch, KVBatch, KVCache, KVFormat, RotatingKVCache, window_mask
 from mlxlis.models.activations import gated
 from mlxlis.models.attention import attend, softcap
-from mlxlis.models.config import FamilyConfig, ModelConfig, NormConfig
+from mlxlis.models.config import FamilyConfig, ModelConfig, NormConfig, RopeConfig
 from mlxlis.models.experts import SORT_FROM, ExpertSource, SwitchGLU, SwitchLinear
 from mlxlis.models.layers import MLP, Mask
 from mlxlis.models.multimodal import Inserts, with_blocks
@@ -41,9 +41,9 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 class Structure(FamilyConfig):
     """What ModelConfig's shared fields do not say about a Gemma 4 (its `family_config`). The
     shared fields describe the sliding layers (head_dim, num_key_value_heads); RoPE: θ is
-    cfg.rope's for full layers, cfg.rope_local's for sliding ones, each turning `*_rope_dims`
-    dims, of which only the first `*_rotated` pairs of each half (proportional RoPE; None: all
-    of them), positions ÷ `*_rope_factor`."""
+    cfg.rope's for full layers, cfg.attention.rope_local's for sliding ones, each turning
+    `*_rope_dims` dims, of which only the first `*_rotated` pairs of each half (proportional
+    RoPE; None: all of them), positions ÷ `*_rope_factor`."""
 
     global_head_dim: int
     global_kv_heads: int
@@ -66,12 +66,12 @@ class Structure(FamilyConfig):
     bidirectional: str | None = None
 
 
-def structure_fields(base: ModelConfig, final_softcap: float | None) -> dict:
+def structure_fields(base: ModelConfig, final_softcap: float | None, local: RopeConfig) -> dict:
     """The ModelConfig fields every Gemma 3n / 4 sets: x̂·w, sandwich and q/k norms, the scaled
-    embedding, a float32 residual; the final logits' cap as read."""
-    eps = base.norms.eps
-    norms = NormConfig(eps, "rms", sandwich=True, embed_scale=True, residual_f32=True)
-    return dict(norms=replace(norms, final_logit_softcapping=final_softcap), qk_norm=True)
+    embedding, a float32 residual; the final logits' cap and the sliding layers' RoPE as read."""
+    norms = NormConfig(base.norms.eps, "rms", sandwich=True, embed_scale=True, residual_f32=True)
+    attention = replace(base.attention, qk_norm=True, rope_local=local)
+    return dict(norms=replace(norms, final_logit_softcapping=final_softcap), attention=attention)
 
 
 # transformers' ACT2FN for the per-layer input gate (a plain activation, not a gated pair)
@@ -105,7 +105,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: Rope):
         super().__init__()
         s, full = cfg.own(Structure), not cfg.is_sliding(layer)
-        d, eps, bias = cfg.hidden_size, cfg.norms.eps, cfg.attention_bias
+        d, eps, bias = cfg.hidden_size, cfg.norms.eps, cfg.attention.bias
         hd = s.global_head_dim if full else cfg.head_dim
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = s.global_kv_heads if full else cfg.num_key_value_heads
@@ -297,7 +297,7 @@ class Gemma4(VerifiesAlone, nn.Module):
         )
         local = proportional_rope(
             s.local_rope_dims,
-            cfg.rope_local.theta,
+            cfg.attention.rope_local.theta,
             s.local_rotated,
             s.local_rope_factor,
             None,

@@ -9,7 +9,7 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models import GGUF_ARCHS
 from mlxlis.models.base import GGUFMeta
-from mlxlis.models.config import ModelConfig, NormConfig, RopeConfig, yarn_mscale
+from mlxlis.models.config import AttentionConfig, ModelConfig, NormConfig, RopeConfig, yarn_mscale
 
 import numpy as np
 
@@ -99,8 +99,10 @@ def config_from_gguf(
         norms=NormConfig(m.get("attention.layer_norm_rms_epsilon", 1e-6, float)),
         max_position_embeddings=size["max_position_embeddings"],
         tie_word_embeddings="output.weight" not in tensor_shapes,  # llama.cpp omits it when tied
-        attention_bias="blk.0.attn_q.bias" in tensor_shapes,
-        o_bias="blk.0.attn_output.bias" in tensor_shapes,
+        attention=AttentionConfig(
+            bias="blk.0.attn_q.bias" in tensor_shapes,
+            o_bias="blk.0.attn_output.bias" in tensor_shapes,
+        ),
         bos_token_id=bos if isinstance(bos, int) else None,
         eos_token_ids=(eos,) if isinstance(eos, int) else (),
         source=path,

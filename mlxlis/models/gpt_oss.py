@@ -15,7 +15,7 @@ the same way; its YaRN always rounds the ramp's ends, config.py's truncate).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxlis.errors import ConfigError
@@ -100,7 +100,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         moe=moe_config(size, (True,) * base.num_hidden_layers),
         sliding_window=window,
         layer_types=_layer_types(cfg, base.num_hidden_layers, window, path),
-        attn_sinks=True,
+        attention=replace(base.attention, sinks=True),
         family_config=Swiglu(act["swiglu_alpha"], act["swiglu_limit"]),
     )
 
@@ -123,7 +123,7 @@ def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
         moe=moe_config(size, (True,) * n),
         sliding_window=window,
         layer_types=tuple(LAYER_TYPES[i % 2] for i in range(n)),
-        attn_sinks=True,
+        attention=replace(base.attention, sinks=True),
         family_config=Swiglu(),
     )
 

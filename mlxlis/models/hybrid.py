@@ -96,12 +96,15 @@ def hf_parser(moe: bool):
         n = base.num_hidden_layers
         changes: dict[str, Any] = dict(
             norms=replace(base.norms, kind="rms_plus_one"),
-            qk_norm=True,
-            attn_output_gate=True,
             mlp=replace(base.mlp, bias=False),
-            o_bias=base.attention_bias,
             head_dim=size["head_dim"],
-            rotary_dim=read_rotary_dim(cfg, size["head_dim"], path),
+            attention=replace(
+                base.attention,
+                qk_norm=True,
+                output_gate=True,
+                o_bias=base.attention.bias,
+                rotary_dim=read_rotary_dim(cfg, size["head_dim"], path),
+            ),
             layer_types=read_layer_types(cfg, n, path),
             deltanet=deltanet(size),
         )
@@ -163,10 +166,8 @@ def gguf_parser(moe: bool):
         changes: dict[str, Any] = dict(
             num_hidden_layers=n,
             norms=replace(base.norms, kind="rms_plus_one"),
-            qk_norm=True,
-            attn_output_gate=True,
+            attention=replace(base.attention, qk_norm=True, output_gate=True, rotary_dim=rotary),
             layer_types=types,
-            rotary_dim=rotary,
             deltanet=deltanet(size),
         )
         if moe:
@@ -234,7 +235,7 @@ def exporter(moe: bool):
                 path=cfg.source,
                 field="rope_parameters",
             )
-        factor = (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim
+        factor = (cfg.attention.rotary_dim or cfg.head_dim) / cfg.head_dim
         out = {
             "layer_types": list(cfg.layer_types),
             # as Qwen3.5's own configs: readers take θ and the factor from rope_parameters
@@ -243,7 +244,7 @@ def exporter(moe: bool):
                 "rope_theta": cfg.rope.theta,
                 "partial_rotary_factor": factor,
             },
-            "attention_bias": cfg.attention_bias,
+            "attention_bias": cfg.attention.bias,
             "head_dim": cfg.head_dim,
             **{k: getattr(cfg.deltanet, k.removeprefix("linear_")) for k in DELTANET},
         }

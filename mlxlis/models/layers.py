@@ -60,7 +60,7 @@ class Attention(nn.Module):
     4), the scale (1/√head_dim or 1/√query_pre_attn_scalar), a logit softcap (Gemma 2), a
     sigmoid output gate carried by a doubled q_proj (Qwen3.5: per head, head_dim query values
     then head_dim gate values), a sink logit per head (gpt-oss). `rope` None: a NoPE layer
-    (Llama 4, SmolLM3), whose queries Llama 4 scales by position (cfg.attn_temperature, as
+    (Llama 4, SmolLM3), whose queries Llama 4 scales by position (temperature, as
     Ministral 3 does on every layer). A
     sliding window or an attention chunk is the mask's and the cache's business, not this
     module's."""
@@ -69,29 +69,30 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = cfg.num_key_value_heads
+        a = cfg.attention
         self.scale = cfg.attn_scale
-        self.softcap = cfg.attn_logit_softcapping
+        self.softcap = a.logit_softcapping
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.gated = cfg.attn_output_gate
+        self.gated = a.output_gate
         q_out = self.n_heads * hd * (2 if self.gated else 1)
-        if cfg.fused_qkv:  # Phi-3 / Phi-4: one projection, q rows then k then v
-            self.qkv_proj = nn.Linear(d, q_out + 2 * self.n_kv_heads * hd, bias=cfg.attention_bias)
+        if a.fused_qkv:  # Phi-3 / Phi-4: one projection, q rows then k then v
+            self.qkv_proj = nn.Linear(d, q_out + 2 * self.n_kv_heads * hd, bias=a.bias)
             self._split = (q_out, q_out + self.n_kv_heads * hd)
         else:
-            self.q_proj = nn.Linear(d, q_out, bias=cfg.attention_bias)
-            self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
-            self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=cfg.o_bias)
-        if cfg.qk_norm:
+            self.q_proj = nn.Linear(d, q_out, bias=a.bias)
+            self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=a.bias)
+            self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=a.bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=a.o_bias)
+        if a.qk_norm:
             self.q_norm = norm(cfg, hd)
             self.k_norm = norm(cfg, hd)
-        if cfg.attn_sinks:  # gpt-oss: one softmax sink logit per head
+        if a.sinks:  # gpt-oss: one softmax sink logit per head
             self.sinks = mx.zeros((self.n_heads,))
         self.rope = rope
-        self._l2_eps = cfg.norms.eps if cfg.qk_l2_norm and rope is not None else None
-        everywhere = rope is None or cfg.attn_temperature_all
-        self._temperature = cfg.attn_temperature if everywhere else None
-        self._temperature_offset = float(cfg.attn_temperature_offset)
+        self._l2_eps = cfg.norms.eps if a.qk_l2_norm and rope is not None else None
+        everywhere = rope is None or a.temperature_all
+        self._temperature = a.temperature if everywhere else None
+        self._temperature_offset = float(a.temperature_offset)
 
     def __call__(
         self, x: mx.array, mask: Mask, cache: Cache | None, positions: mx.array | None = None

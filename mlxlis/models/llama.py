@@ -23,7 +23,7 @@ def _parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
 
 
 def _export(cfg: ModelConfig) -> dict:
-    return {"attention_bias": cfg.attention_bias}
+    return {"attention_bias": cfg.attention.bias}
 
 
 LLAMA = Family(

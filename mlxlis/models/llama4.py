@@ -119,16 +119,20 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     scale = cfg.get("attn_scale", ATTN_SCALE_DEFAULT)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ConfigError(f"expected a number, got {scale!r}", path=path, field="attn_scale")
+    attention = replace(
+        base.attention,
+        rope_interleaved=True,
+        qk_l2_norm=flag({"use_qk_norm": cfg.get("use_qk_norm", True)}, "use_qk_norm", path),
+        temperature=(size["floor_scale"], float(scale)) if tuning else None,
+    )
     return check_act(
         base.with_(
             intermediate_size=size["intermediate_size"],
             moe=moe_config(size, tuple(i in moe for i in range(n))),
-            rope_interleaved=True,
+            attention=attention,
             no_rope_layers=tuple(not r for r in rope_on[:n]),
-            qk_l2_norm=flag({"use_qk_norm": cfg.get("use_qk_norm", True)}, "use_qk_norm", path),
             attention_chunk_size=chunk,
             layer_types=tuple(types),
-            attn_temperature=(size["floor_scale"], float(scale)) if tuning else None,
             mlp=replace(base.mlp, bias=False),
         ),
         path,
@@ -147,14 +151,18 @@ def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
     size = gguf_expert_sizes(meta)
     nope = tuple((i + 1) % GGUF_NOPE_EVERY == 0 for i in range(n))
     sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in meta.shapes for i in range(n))
+    attention = replace(
+        base.attention,
+        rope_interleaved=True,
+        qk_l2_norm=size["num_experts"] != GGUF_NO_QK_NORM_EXPERTS,
+        temperature=(GGUF_FLOOR, GGUF_TEMP),
+    )
     return base.with_(
         moe=moe_config(size, sparse),
-        rope_interleaved=True,
+        attention=attention,
         no_rope_layers=nope,
-        qk_l2_norm=size["num_experts"] != GGUF_NO_QK_NORM_EXPERTS,
         attention_chunk_size=GGUF_CHUNK,
         layer_types=tuple(LAYER_TYPES[x] for x in nope),
-        attn_temperature=(GGUF_FLOOR, GGUF_TEMP),
     )
 
 
@@ -168,9 +176,9 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
             path=cfg.source,
             field="moe_layers",
         )
-    floor, scale = cfg.attn_temperature or (SIZES["floor_scale"][1], ATTN_SCALE_DEFAULT)
+    floor, scale = cfg.attention.temperature or (SIZES["floor_scale"][1], ATTN_SCALE_DEFAULT)
     return {
-        "attention_bias": cfg.attention_bias,
+        "attention_bias": cfg.attention.bias,
         "intermediate_size": cfg.moe.intermediate_size,
         "intermediate_size_mlp": cfg.intermediate_size,
         "num_local_experts": cfg.moe.num_experts,
@@ -180,8 +188,8 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         "no_rope_layers": [int(not x) for x in cfg.no_rope_layers],
         "attention_chunk_size": cfg.attention_chunk_size,
         "layer_types": list(cfg.layer_types),
-        "use_qk_norm": cfg.qk_l2_norm,
-        "attn_temperature_tuning": cfg.attn_temperature is not None,
+        "use_qk_norm": cfg.attention.qk_l2_norm,
+        "attn_temperature_tuning": cfg.attention.temperature is not None,
         "floor_scale": floor,
         "attn_scale": scale,
         # mlx-lm's llama4 requires the key (the shared writer gives it only when scaled)

@@ -16,6 +16,7 @@ is configured (mlx-lm's ministral3 reads them from rope_parameters), else `mistr
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
@@ -61,9 +62,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
                 field=fld,
             )
         temperature = (orig, float(beta)) if beta else None
-    return _window(base, window).with_(
-        attn_temperature=temperature, attn_temperature_offset=0, attn_temperature_all=True
-    )
+    return _temperature(_window(base, window), temperature)
 
 
 def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
@@ -77,9 +76,15 @@ def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
                 field=meta.key("attention.temperature_scale"),
             )
         temperature = (base.rope.original_max_position_embeddings, beta)
-    return base.with_(
-        attn_temperature=temperature, attn_temperature_offset=0, attn_temperature_all=True
+    return _temperature(base, temperature)
+
+
+def _temperature(cfg: ModelConfig, temperature: tuple[int, float] | None) -> ModelConfig:
+    """Ministral 3's temperature on every layer's queries, from position 0."""
+    att = replace(
+        cfg.attention, temperature=temperature, temperature_offset=0, temperature_all=True
     )
+    return cfg.with_(attention=att)
 
 
 def export(cfg: ModelConfig) -> dict[str, Any]:
@@ -88,7 +93,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
     gives the attention factor) when a temperature or YaRN is configured."""
     out: dict[str, Any] = {"sliding_window": cfg.sliding_window}
     r = cfg.rope
-    if cfg.attn_temperature is None and r.type != "yarn":
+    if cfg.attention.temperature is None and r.type != "yarn":
         return out
     if r.type not in ("default", "yarn"):  # Ministral3Config's rope_parameters say no other
         raise UnsupportedError(
@@ -103,7 +108,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
             (m1 / r.attention_factor - 1) / (0.1 * math.log(r.factor)) if r.factor > 1 else 1.0
         )
         params.update(yarn_keys(r), mscale=1.0, mscale_all_dim=all_dim)
-    floor, beta = cfg.attn_temperature or (r.original_max_position_embeddings, 0.0)
+    floor, beta = cfg.attention.temperature or (r.original_max_position_embeddings, 0.0)
     if r.type == "yarn" and floor != r.original_max_position_embeddings:
         raise ConfigError(
             f"the temperature's floor {floor} is not YaRN's original context "

@@ -132,8 +132,9 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     return check_act(
         base.with_(
             rope=rope,
-            rotary_dim=dims if dims != base.head_dim else None,
-            fused_qkv=True,
+            attention=replace(
+                base.attention, rotary_dim=dims if dims != base.head_dim else None, fused_qkv=True
+            ),
             mlp=replace(base.mlp, fused_gate_up=True),
             sliding_window=window,
             layer_types=("sliding_attention",) * n if window else (),
@@ -143,7 +144,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
 
 
 def export(cfg: ModelConfig) -> dict[str, Any]:
-    r, dims = cfg.rope, cfg.rotary_dim or cfg.head_dim
+    r, dims = cfg.rope, cfg.attention.rotary_dim or cfg.head_dim
     part = dims / cfg.head_dim
     rope: dict[str, Any] = {
         "rope_type": "default",
@@ -220,8 +221,11 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     return check_act(
         base.with_(
             rope=rope,
-            rotary_dim=dims if dims != base.head_dim else None,
-            fused_qkv="blk.0.attn_qkv.weight" in m.shapes,
+            attention=replace(
+                base.attention,
+                rotary_dim=dims if dims != base.head_dim else None,
+                fused_qkv="blk.0.attn_qkv.weight" in m.shapes,
+            ),
             mlp=replace(base.mlp, fused_gate_up="blk.0.ffn_gate.weight" not in m.shapes),
             sliding_window=window,
             layer_types=("sliding_attention",) * n if window else (),

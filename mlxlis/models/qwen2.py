@@ -16,7 +16,8 @@ from mlxlis.models.reading import check_act
 def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     # Qwen2 always has a bias on q/k/v and none on o_proj, whatever config.json says
     mlp = replace(base.mlp, bias=False)
-    return check_act(base.with_(attention_bias=True, o_bias=False, mlp=mlp), path)
+    attention = replace(base.attention, bias=True, o_bias=False)
+    return check_act(base.with_(attention=attention, mlp=mlp), path)
 
 
 def _parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:

@@ -36,15 +36,16 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         head_dim = check_sizes({"head_dim": ("head_dim", HEAD_DIM_DEFAULT)}, path)["head_dim"]
     # attention_bias covers q/k/v and o_proj in Qwen3, as in Llama; the MLP has none
     mlp = replace(base.mlp, bias=False)
-    return check_act(base.with_(qk_norm=True, head_dim=head_dim, mlp=mlp), path)
+    attention = replace(base.attention, qk_norm=True)
+    return check_act(base.with_(attention=attention, head_dim=head_dim, mlp=mlp), path)
 
 
 def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
-    return base.with_(qk_norm=True)
+    return base.with_(attention=replace(base.attention, qk_norm=True))
 
 
 def export(cfg: ModelConfig) -> dict:
-    return {"attention_bias": cfg.attention_bias, "use_sliding_window": False}
+    return {"attention_bias": cfg.attention.bias, "use_sliding_window": False}
 
 
 QWEN3 = Family(

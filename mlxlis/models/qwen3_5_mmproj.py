@@ -71,7 +71,7 @@ def build(path, md, tensors, cfg, tokenizer, meta, dtype) -> Vision:
     (pad,), (image_id,) = image_markers(tokenizer, (("<|image_pad|>", 248056),), path)
     arch = meta.get("general.architecture", "qwen35")
     sections = [int(x) for x in meta.get(f"{arch}.rope.dimension_sections", [11, 11, 10])][:3]
-    rotary = cfg.rotary_dim or cfg.head_dim
+    rotary = cfg.attention.rotary_dim or cfg.head_dim
     return Qwen35Images(net, processing, pad, image_id, rotary, tuple(sections), dtype)
 
 

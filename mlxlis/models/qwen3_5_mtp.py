@@ -72,7 +72,9 @@ class MTPBlock(nn.Module):
         self.fc = nn.Linear(2 * d, d, bias=False)
         self.pre_fc_norm_embedding = norm(one, d)
         self.pre_fc_norm_hidden = norm(one, d)
-        self.layers = [DecoderLayer(one, Rope(cfg.rotary_dim or cfg.head_dim, cfg.rope), 0)]
+        self.layers = [
+            DecoderLayer(one, Rope(cfg.attention.rotary_dim or cfg.head_dim, cfg.rope), 0)
+        ]
         self.norm = norm(one, d)
 
     def __call__(self, embeds: mx.array, hidden: mx.array, cache: list[KVCache]) -> mx.array:

@@ -54,7 +54,7 @@ def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
 def export(cfg: ModelConfig) -> dict:
     moe = cfg.moe
     return {
-        "attention_bias": cfg.attention_bias,
+        "attention_bias": cfg.attention.bias,
         "use_sliding_window": False,
         "num_experts": moe.num_experts,
         "num_experts_per_tok": moe.num_experts_per_tok,

@@ -163,7 +163,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
                 path=path,
                 field="ple_layer_ids",
             )
-    rotary = out.rotary_dim or out.head_dim
+    rotary = out.attention.rotary_dim or out.head_dim
     if rotary > s.indexer_head_dim:
         raise ConfigError(
             f"the {rotary} rotary dims must fit the indexer's head",

@@ -211,7 +211,7 @@ class Qwen4Exp(nn.Module):
         super().__init__()
         self.config = cfg
         self._family = family
-        rope = Rope(cfg.rotary_dim or cfg.head_dim, cfg.rope)
+        rope = Rope(cfg.attention.rotary_dim or cfg.head_dim, cfg.rope)
         self.model = Qwen4ExpModel(cfg, rope)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -28,7 +28,7 @@ def check_act(cfg: ModelConfig, path: str) -> ModelConfig:
 def rope_freqs_as_config(cfg: ModelConfig, factors: mx.array) -> tuple[ModelConfig, Any]:
     """A GGUF's rope_freqs that are a published llama3 scaling's factors become that scaling
     (so `convert` can write it); any other factors stay a buffer."""
-    dims = cfg.rotary_dim or cfg.head_dim
+    dims = cfg.attention.rotary_dim or cfg.head_dim
     rope = llama3_from_factors(cfg.rope.theta, dims, np.asarray(factors, np.float64).tolist())
     return (cfg, factors) if rope is None else (cfg.with_(rope=rope), None)
 

@@ -97,7 +97,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
 
 def export(cfg: ModelConfig) -> dict[str, Any]:
     return {
-        "attention_bias": cfg.attention_bias,
+        "attention_bias": cfg.attention.bias,
         "mlp_bias": cfg.mlp.bias,
         "no_rope_layers": [int(not x) for x in cfg.no_rope_layers],
         "use_sliding_window": cfg.sliding_window is not None,
