@@ -70,6 +70,7 @@ bench: install-test models
 	$(PY) scripts/bench_kv.py
 	$(PY) scripts/bench_spec.py
 	$(PY) scripts/bench_qmv.py
+	$(PY) scripts/bench_tool_stream.py
 
 # does the suite notice small wrong changes to the numerics? (before a refactor, after a family)
 mutants: install-test models references
