@@ -22,7 +22,7 @@ from mlxlis.prompt.tool_formats import table  # noqa: E402
 from mlxlis.prompt.tool_formats.base import ToolFormat  # noqa: E402
 from mlxlis.prompt.tool_formats.detect import for_template  # noqa: E402
 
-from fetch_references import reference_dir  # noqa: E402
+from fetch_references import fetch  # noqa: E402
 
 SCHEMAS = {
     "w": {"type": "object", "properties": {"text": {"type": "string"}, "n": {"type": "integer"}}}
@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--chars", type=int, default=50_000)
     big = "x" * ap.parse_args().chars
     want = {"text": big, "n": 3}
-    qwen = (reference_dir() / "templates" / "Qwen3.5-4B.jinja").read_text()
+    qwen = (fetch() / "templates" / "Qwen3.5-4B.jinja").read_text()
     cases = {
         "Hermes JSON": (
             table.HERMES,
