@@ -598,7 +598,8 @@ MUTANTS = (
     Mutant(
         "gemma4-image-blocks-ignored",
         "mlxlis/models/gemma4_net.py",
-        "                masks[True] = with_blocks(masks[True], blocks, cfg.sliding_window)",
+        "                masks[True] = with_blocks("
+        "masks[True], blocks, cfg.attention.sliding_window)",
         "                pass",
         ("tests/test_gemma4_vision.py",),
         "Gemma 4 (use_bidirectional_attention vision): an image's positions attend causally",
@@ -910,8 +911,8 @@ MUTANTS = (
     Mutant(
         "m3-window-ignored",
         "mlxlis/models/mistral3.py",
-        "    return cfg.with_(sliding_window=window, layer_types=(SLIDING,) * n if window else ())",
-        "    return cfg.with_(sliding_window=window, layer_types=())",
+        "    return cfg.with_(attention=attention, layer_types=(SLIDING,) * n if window else ())",
+        "    return cfg.with_(attention=attention, layer_types=())",
         (M3_HF,),
         "Mistral: the sliding window left out",
     ),
@@ -1154,8 +1155,7 @@ MUTANTS = (
     Mutant(
         "smollm3-gguf-all-rope",
         "mlxlis/models/smollm3.py",
-        "    return base.with_(no_rope_layers=tuple((i + 1) % GGUF_NOPE_EVERY == 0 "
-        "for i in range(n)))",
+        "    return base.with_(attention=replace(base.attention, no_rope_layers=nope))",
         "    return base",
         ("tests/test_smollm3.py::test_gguf_matches_transformers_on_the_files_weights",),
         "SmolLM3 GGUF: RoPE on every layer (llama.cpp's fixed NoPE step ignored)",

@@ -227,7 +227,7 @@ def test_gemma3_classic_keys_parse_like_transformers5(tiny_gemma):
     local = a.attention.rope_local
     assert local.theta == 5000.0 and local.type == "default"
     assert b.layer_types == ("sliding_attention", "full_attention") * 2
-    assert a.sliding_window == b.sliding_window == WINDOW
+    assert a.attention.sliding_window == b.attention.sliding_window == WINDOW
     # defaults when the keys are absent, as transformers' Gemma3TextConfig has them
     bare = {
         k: v
@@ -346,7 +346,7 @@ def test_multimodal_gemma3_checkpoint_names(tiny_gemma, tmp_path):
         net = load_net(mm)
     except MissingTensorError as e:
         pytest.fail(f"the loader must pass the tensors through net.sanitize before binding: {e}")
-    assert net.config.family == "gemma3" and net.config.sliding_window == WINDOW
+    assert net.config.family == "gemma3" and net.config.attention.sliding_window == WINDOW
     ids = trajectory(N, vocab=net.config.vocab_size)
     delta = np.abs(ours(net, ids) - reference_logits(ref, ids)).max()
     assert delta < 2e-4, f"max |Δ| = {delta}"  # measured 1.8e-5

@@ -289,7 +289,7 @@ def test_gemma_gguf_matches_transformers(tiny_gemma, arch):
     assert cfg.family == arch and cfg.tie_word_embeddings
     if arch != "gemma":  # the layer pattern and window llama.cpp assumes are transformers'
         assert list(cfg.layer_types) == list(theirs.layer_types)
-        assert cfg.sliding_window == theirs.sliding_window == WINDOW
+        assert cfg.attention.sliding_window == theirs.sliding_window == WINDOW
     if arch == "gemma3":
         local = theirs.rope_parameters["sliding_attention"]["rope_theta"]
         assert cfg.attention.rope_local.theta == local == 10000.0

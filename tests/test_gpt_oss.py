@@ -317,7 +317,7 @@ def test_gguf_matches_transformers_on_the_files_weights(gguf_file, dequantize):
     path, twin = gguf_file
     model = mlxlis.load(path, "float32", dequantize=dequantize)
     cfg = model.config
-    assert cfg.family == "gpt_oss" and cfg.sliding_window == 8 and cfg.rope.truncate
+    assert cfg.family == "gpt_oss" and cfg.attention.sliding_window == 8 and cfg.rope.truncate
     experts = model.net.model.layers[1].mlp.experts.down_proj
     assert isinstance(experts, QuantizedSwitchLinear) == (dequantize is False)
     ids = trajectory(72, vocab=cfg.vocab_size)

@@ -117,7 +117,7 @@ def test_logits_match_transformers_fp32(llama4, name):
     cfg = model.config
     assert cfg.family == "llama4" and cfg.attention.rope_interleaved
     assert cfg.layer_types == ("chunked_attention",) * 3 + ("full_attention",)
-    assert cfg.no_rope_layers == (False, False, False, True)
+    assert cfg.attention.no_rope_layers == (False, False, False, True)
     assert cfg.moe.sparse_layers == (False, True, False, True)
     ids = trajectory(72, vocab=cfg.vocab_size)
     ours, theirs = np.array(model.logits(ids)), reference_logits(ref, ids)
@@ -396,7 +396,7 @@ def test_gguf_matches_transformers_on_the_files_weights(gguf_file, dequantize):
     path, twin, _ = gguf_file
     model = mlxlis.load(path, "float32", dequantize=dequantize)
     cfg = model.config
-    assert cfg.family == "llama4" and cfg.attention_chunk_size == 8192 and cfg.attention.qk_l2_norm
+    assert cfg.family == "llama4" and cfg.attention.chunk_size == 8192 and cfg.attention.qk_l2_norm
     assert cfg.moe.sparse_layers == (False, True, False, True)
     ids = trajectory(64, vocab=cfg.vocab_size)
     ours, theirs = np.array(model.logits(ids)), reference_logits(twin, ids)

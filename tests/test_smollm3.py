@@ -72,7 +72,7 @@ def test_logits_match_transformers_fp32(smol, name):
     model = mlxlis.load(folder, "float32")
     cfg = model.config
     assert cfg.family == "smollm3" and cfg.rope.theta == ref.config.rope_parameters["rope_theta"]
-    assert cfg.no_rope_layers == tuple(not r for r in ref.config.no_rope_layers)
+    assert cfg.attention.no_rope_layers == tuple(not r for r in ref.config.no_rope_layers)
     ids = trajectory(72, vocab=cfg.vocab_size)
     ours, theirs = np.array(model.logits(ids)), reference_logits(ref, ids)
     delta = np.abs(ours - theirs).max()
@@ -196,7 +196,7 @@ def test_gguf_matches_transformers_on_the_files_weights(smol, tmp_path, qtype):
     twin.tie_weights()
     model = mlxlis.load(path, "float32", dequantize=False)
     assert model.config.family == "smollm3"
-    assert model.config.no_rope_layers == (False, False, False, True, False, False)
+    assert model.config.attention.no_rope_layers == (False, False, False, True, False, False)
     ids = trajectory(72, vocab=model.config.vocab_size)
     delta = np.abs(np.array(model.logits(ids)) - reference_logits(twin, ids)).max()
     assert delta < 5e-5, f"max |Δ| = {delta}"

@@ -166,7 +166,7 @@ def test_a_drafting_step_matches_transformers_fp32(pair):
     first = int(mx.argmax(logits, axis=-1).item())
     drafter = AssistantDrafter(assistant, target, SamplingParams(temperature=0), caches)
     drafter.feed_hidden(ids, hidden)
-    window = target.config.sliding_window
+    window = target.config.attention.sliding_window
     theirs, x, shared = reference_steps(ref, aref, ids, first, window)
     assert drafter.propose([*ids, first], 2).tokens == [int(np.argmax(t)) for t in theirs]
     state = target.net.model.norm(hidden[-1:])[None]  # (1, 1, hidden)

@@ -87,10 +87,10 @@ def model_report(model: Model) -> dict[str, Any]:
             "context_length": c.max_position_embeddings,
             "tie_word_embeddings": c.tie_word_embeddings,
             "rope": {"theta": c.rope.theta, "type": c.rope.type, "factor": c.rope.factor},
-            "sliding_window": c.sliding_window,
+            "sliding_window": c.attention.sliding_window,
             "layer_types": list(c.layer_types),
-            "attention_chunk_size": c.attention_chunk_size,
-            "no_rope_layers": [i for i, x in enumerate(c.no_rope_layers) if x],
+            "attention_chunk_size": c.attention.chunk_size,
+            "no_rope_layers": [i for i, x in enumerate(c.attention.no_rope_layers) if x],
             "attention_sinks": c.attention.sinks,
             "query_temperature": None  # q · (1 + scale·log(1 + ⌊(p + offset) / floor⌋))
             if c.attention.temperature is None

@@ -249,7 +249,7 @@ class Core:
         if not req.prompt:
             raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
         req.params.validate()
-        if not self.model.config.causal:
+        if not self.model.config.attention.causal:
             raise UnsupportedError(
                 'an encoder (use_bidirectional_attention "all": every position sees every '
                 "other) does not generate; read its logits whole (Model.logits)",

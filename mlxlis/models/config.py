@@ -54,17 +54,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # block structure (defaults are the Llama behaviour)
     attention: AttentionConfig = AttentionConfig()
-    no_rope_layers: tuple[bool, ...] = ()  # [i]: layer i has no RoPE (NoPE: Llama 4, SmolLM3)
-    # sliding-window attention (Gemma 2/3)
-    sliding_window: int | None = None
-    # chunked layers see the keys of their own chunk of this many positions only (Llama 4)
-    attention_chunk_size: int | None = None
     # per layer: "full_attention" | "sliding_attention" | "chunked_attention" |
     # "linear_attention" (Gated DeltaNet)
     layer_types: tuple[str, ...] = ()
-    # False: an encoder, every position seeing every other (Gemma 4's
-    # use_bidirectional_attention "all"): its logits are read whole, it does not generate
-    causal: bool = True
     moe: MoEConfig | None = None  # a mixture of experts in its sparse layers
     deltanet: DeltaNetConfig | None = None  # Gated DeltaNet (linear attention) layers
     mlp: MLPConfig = MLPConfig()
@@ -94,11 +86,12 @@ class ModelConfig:
     def ring_window(self, layer: int) -> int | None:
         """How many of the newest positions the layer's cache must hold (None: all)."""
         if self.is_chunked(layer):
-            return self.attention_chunk_size
-        return self.sliding_window if self.is_sliding(layer) else None
+            return self.attention.chunk_size
+        return self.attention.sliding_window if self.is_sliding(layer) else None
 
     def has_rope(self, layer: int) -> bool:
-        return not (self.no_rope_layers and self.no_rope_layers[layer])
+        nope = self.attention.no_rope_layers
+        return not (nope and nope[layer])
 
     def is_linear(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"

@@ -104,3 +104,10 @@ class AttentionConfig:
     rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of each head (None: all)
     rope_interleaved: bool = False  # RoPE pairs adjacent dims (2i, 2i+1) (Llama 4's complex form)
     rope_local: RopeConfig | None = None  # RoPE of sliding-window layers (Gemma 3)
+    no_rope_layers: tuple[bool, ...] = ()  # [i]: layer i has no RoPE (NoPE: Llama 4, SmolLM3)
+    sliding_window: int | None = None  # the keys a sliding layer sees (Gemma 2/3, Mistral, ...)
+    # chunked layers see the keys of their own chunk of this many positions only (Llama 4)
+    chunk_size: int | None = None
+    # False: an encoder, every position seeing every other (Gemma 4's
+    # use_bidirectional_attention "all"): its logits are read whole, it does not generate
+    causal: bool = True

@@ -161,8 +161,8 @@ class Decoder(nn.Module):
         if cfg.is_linear(i):
             return RecurrentCache()
         if cfg.is_chunked(i):
-            return ChunkedKVCache(cfg.attention_chunk_size, kv)
-        return RotatingKVCache(cfg.sliding_window, kv) if cfg.is_sliding(i) else KVCache(kv)
+            return ChunkedKVCache(cfg.attention.chunk_size, kv)
+        return RotatingKVCache(cfg.ring_window(i), kv) if cfg.is_sliding(i) else KVCache(kv)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Checkpoint names under ours: the family's renames applied, its dropped names gone."""
@@ -260,9 +260,9 @@ class Decoder(nn.Module):
             elif cache is not None:
                 sliding_mask = cache[i].mask(t)
             elif t > 1 and cfg.is_chunked(self._held[i]):
-                sliding_mask = window_mask(0, t, 0, t, None, cfg.attention_chunk_size)
+                sliding_mask = window_mask(0, t, 0, t, None, cfg.attention.chunk_size)
             elif t > 1:
-                sliding_mask = window_mask(0, t, 0, t, cfg.sliding_window)
+                sliding_mask = window_mask(0, t, 0, t, cfg.attention.sliding_window)
         if blocks is not None and t > 1:
             held = zip(self._held, self._sliding, strict=True)
             full = [j for j, (i, s) in enumerate(held) if not s and not cfg.is_linear(i)]
@@ -270,7 +270,7 @@ class Decoder(nn.Module):
                 at = cache[full[0]].offset if cache is not None else 0
                 full_mask = with_blocks(window_mask(at, t, 0, at + t, None), blocks, None)
             if sliding_mask is not None:
-                sliding_mask = with_blocks(sliding_mask, blocks, cfg.sliding_window)
+                sliding_mask = with_blocks(sliding_mask, blocks, cfg.attention.sliding_window)
         layers = self.model.layers
         for j, i in enumerate(self._held):
             mask = sliding_mask if self._sliding[j] else full_mask

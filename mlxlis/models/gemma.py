@@ -168,6 +168,7 @@ def _hf_parser(v: _Version):
         final = _positive(cfg, "final_logit_softcapping", v.final_softcap, path)
         attention = dict(
             rope_local=rope_local,
+            sliding_window=int(window) if window is not None and layer_types else None,
             query_pre_attn_scalar=(
                 float(qpas) if qpas is not None and v.query_pre_attn_scalar else None
             ),
@@ -179,7 +180,6 @@ def _hf_parser(v: _Version):
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
             rope=rope,
             layer_types=layer_types,
-            sliding_window=int(window) if window is not None and layer_types else None,
         )
 
     return parse
@@ -199,7 +199,8 @@ def _gguf_parser(v: _Version, big_layers: int):
             check_sizes({"sliding_window": (m.key("attention.sliding_window"), window)}, m.path)
             # llama.cpp: Gemma 2 slides on even layers; Gemma 3 on 5 of every 6
             types = tuple(LAYER_TYPES[(i + 1) % v.pattern != 0] for i in range(n))
-            changes.update(sliding_window=window, layer_types=types)
+            changes.update(layer_types=types)
+            attention["sliding_window"] = window
         final = None
         if v.attn_softcap is not None:
             attention["logit_softcapping"] = m.get("attn_logit_softcapping", v.attn_softcap, float)
@@ -219,7 +220,7 @@ def _export(v: _Version):
             "query_pre_attn_scalar": int(q) if q is not None and float(q).is_integer() else q,
         }
         if v.pattern is not None:
-            out["sliding_window"] = cfg.sliding_window
+            out["sliding_window"] = cfg.attention.sliding_window
             out["layer_types"] = list(cfg.layer_types)
         if v.attn_softcap is not None:
             out["attn_logit_softcapping"] = cfg.attention.logit_softcapping

@@ -211,14 +211,14 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     )
     tied = _flag(cfg, "tie_word_embeddings", True, path)
     rope, local = (RopeConfig(theta=_theta(cfg, t, path)) for t in (FULL, SLIDING))
+    window = _int(cfg, "sliding_window", 512, path)
     return base.with_(
-        **structure_fields(base, softcap, local),
+        **structure_fields(base, softcap, local, window),
         mlp=MLPConfig(act),
         intermediate_size=sizes[0],
         tie_word_embeddings=tied,
         rope=rope,
         layer_types=types,
-        sliding_window=_int(cfg, "sliding_window", 512, path),
         family_config=structure,
     )
 
@@ -294,12 +294,11 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     # llama.cpp's gemma3n never reads the key and caps at 30 (what the converter writes)
     cap = m.get("final_logit_softcapping", 30.0, float) or None
     return base.with_(
-        **structure_fields(base, cap, local),
+        **structure_fields(base, cap, local, window),
         mlp=MLPConfig("gelu_pytorch_tanh"),
         intermediate_size=ffn[0],
         layer_types=types,
         rope=RopeConfig(theta=base.rope.theta),
-        sliding_window=window,
         family_config=structure,
     )
 
@@ -359,7 +358,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
     return {
         "hidden_activation": cfg.mlp.hidden_act,
         "layer_types": list(types),
-        "sliding_window": cfg.sliding_window,
+        "sliding_window": cfg.attention.sliding_window,
         "final_logit_softcapping": cfg.norms.final_logit_softcapping,
         # transformers 5's rope_parameters and the classic keys mlx-lm reads
         "rope_parameters": {

@@ -278,7 +278,13 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         bidirectional=bidirectional,
     )
     return base.with_(
-        **structure_fields(base, float(softcap) if softcap is not None else None, local),
+        **structure_fields(
+            base,
+            float(softcap) if softcap is not None else None,
+            local,
+            window,
+            causal=bidirectional != "all",  # "all": an encoder (Model.logits only)
+        ),
         moe=moe,
         mlp=MLPConfig(act),
         head_dim=head,
@@ -286,9 +292,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         rope=rope,
         layer_types=types,
-        sliding_window=window,
         family_config=structure,
-        causal=bidirectional != "all",  # "all": an encoder (Model.logits only)
     )
 
 
@@ -337,7 +341,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
     return {
         "hidden_activation": cfg.mlp.hidden_act,
         "layer_types": list(types),
-        "sliding_window": cfg.sliding_window,
+        "sliding_window": cfg.attention.sliding_window,
         "attention_bias": cfg.attention.bias,
         "final_logit_softcapping": cfg.norms.final_logit_softcapping,
         "rope_parameters": {

@@ -197,10 +197,10 @@ class Gemma4Assistant(nn.Module):
             raise MlxlisError(
                 "the target lacks a layer type the assistant reads", field="layer_types"
             )
-        if SLIDING in types and a.sliding_window + 1 < t.sliding_window:
+        aw, tw = a.attention.sliding_window, t.attention.sliding_window
+        if SLIDING in types and aw + 1 < tw:
             raise MlxlisError(
-                f"the assistant's window {a.sliding_window} is narrower than the target's "
-                f"{t.sliding_window}",
+                f"the assistant's window {aw} is narrower than the target's {tw}",
                 field="sliding_window",
             )
 
@@ -214,7 +214,8 @@ class Gemma4Assistant(nn.Module):
         self, inputs: mx.array, position: int, shared: SharedKV
     ) -> tuple[mx.array, mx.array]:
         cfg, m = self.config, self.model
-        window = cfg.sliding_window + 1  # transformers' bidirectional window: |Δ| ≤ window
+        # transformers' bidirectional window: |Δ| ≤ window
+        window = cfg.attention.sliding_window + 1
         kvs = {t: (k[..., -window:, :], v[..., -window:, :]) for t, (k, v) in shared.items()}
         kvs[FULL] = shared.get(FULL)
         h = self.pre_projection(inputs.astype(self.pre_projection.weight.dtype))

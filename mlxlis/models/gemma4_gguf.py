@@ -199,7 +199,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     local = RopeConfig(theta=m.get("rope.freq_base_swa", 10000.0, float))
     cap = m.get("final_logit_softcapping", 0.0, float) or None  # 0: none
     return base.with_(
-        **structure_fields(base, cap, local),
+        **structure_fields(base, cap, local, window),
         moe=moe,
         mlp=MLPConfig("gelu_pytorch_tanh"),
         head_dim=head_s,
@@ -207,7 +207,6 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
         intermediate_size=ffn[0],
         layer_types=types,
         rope=RopeConfig(theta=base.rope.theta),
-        sliding_window=window,
         family_config=structure,
     )
 

@@ -66,11 +66,20 @@ class Structure(FamilyConfig):
     bidirectional: str | None = None
 
 
-def structure_fields(base: ModelConfig, final_softcap: float | None, local: RopeConfig) -> dict:
+def structure_fields(
+    base: ModelConfig,
+    final_softcap: float | None,
+    local: RopeConfig,
+    window: int | None,
+    causal: bool = True,
+) -> dict:
     """The ModelConfig fields every Gemma 3n / 4 sets: x̂·w, sandwich and q/k norms, the scaled
-    embedding, a float32 residual; the final logits' cap and the sliding layers' RoPE as read."""
+    embedding, a float32 residual; the final logits' cap, the sliding layers' RoPE and window
+    and whether attention is causal as read."""
     norms = NormConfig(base.norms.eps, "rms", sandwich=True, embed_scale=True, residual_f32=True)
-    attention = replace(base.attention, qk_norm=True, rope_local=local)
+    attention = replace(
+        base.attention, qk_norm=True, rope_local=local, sliding_window=window, causal=causal
+    )
     return dict(norms=replace(norms, final_logit_softcapping=final_softcap), attention=attention)
 
 
@@ -313,7 +322,7 @@ class Gemma4(VerifiesAlone, nn.Module):
 
     def make_cache(self, kv: KVFormat | None = None) -> list[Cache]:
         """One cache per layer with its own K/V (the KV-shared layers read theirs)."""
-        w = self.config.sliding_window
+        w = self.config.attention.sliding_window
         if kv is not None:
             kv.check(self.config.head_dim, " (sliding layers)")
             kv.check(self.config.own(Structure).global_head_dim, " (full layers)")
@@ -436,7 +445,7 @@ class Gemma4(VerifiesAlone, nn.Module):
         h = self._expand(h.astype(mx.float32))  # the residual (decoder.py: Gemma outgrows f16)
         masks: dict[bool, Mask] = {False: "causal" if t > 1 else None, True: None}
         if s.bidirectional == "all":  # an encoder's one pass (the core refuses to generate)
-            reach = cfg.sliding_window // 2 + 1
+            reach = cfg.attention.sliding_window // 2 + 1
             pos = mx.arange(t)
             masks = {False: None, True: mx.abs(pos[:, None] - pos[None, :]) <= reach}
         elif any(self._sliding) and not batch:  # a batch's mask comes with its stacked keys
@@ -444,11 +453,11 @@ class Gemma4(VerifiesAlone, nn.Module):
             masks[True] = (
                 cache[self._slot[first]].mask(t)
                 if cache
-                else (window_mask(0, t, 0, t, cfg.sliding_window) if t > 1 else None)
+                else (window_mask(0, t, 0, t, cfg.attention.sliding_window) if t > 1 else None)
             )
             if inserts and s.bidirectional == "vision" and masks[True] is not None:
                 blocks = inserts.blocks(t)  # sliding layers only: full layers stay causal
-                masks[True] = with_blocks(masks[True], blocks, cfg.sliding_window)
+                masks[True] = with_blocks(masks[True], blocks, cfg.attention.sliding_window)
         kvs: dict[int, tuple] = {}
         for i, layer in enumerate(m.layers):
             src = s.kv_source[i]

@@ -98,9 +98,8 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         act[key] = float(v)
     return base.with_(
         moe=moe_config(size, (True,) * base.num_hidden_layers),
-        sliding_window=window,
         layer_types=_layer_types(cfg, base.num_hidden_layers, window, path),
-        attention=replace(base.attention, sinks=True),
+        attention=replace(base.attention, sinks=True, sliding_window=window),
         family_config=Swiglu(act["swiglu_alpha"], act["swiglu_limit"]),
     )
 
@@ -121,9 +120,8 @@ def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
         )
     return base.with_(
         moe=moe_config(size, (True,) * n),
-        sliding_window=window,
         layer_types=tuple(LAYER_TYPES[i % 2] for i in range(n)),
-        attention=replace(base.attention, sinks=True),
+        attention=replace(base.attention, sinks=True, sliding_window=window),
         family_config=Swiglu(),
     )
 
@@ -136,7 +134,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         "intermediate_size": cfg.moe.intermediate_size,
         "num_local_experts": cfg.moe.num_experts,
         "num_experts_per_tok": cfg.moe.num_experts_per_tok,
-        "sliding_window": cfg.sliding_window,
+        "sliding_window": cfg.attention.sliding_window,
         "layer_types": list(cfg.layer_types),
         "swiglu_alpha": act.alpha,
         "swiglu_limit": act.limit,

@@ -124,14 +124,14 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         rope_interleaved=True,
         qk_l2_norm=flag({"use_qk_norm": cfg.get("use_qk_norm", True)}, "use_qk_norm", path),
         temperature=(size["floor_scale"], float(scale)) if tuning else None,
+        no_rope_layers=tuple(not r for r in rope_on[:n]),
+        chunk_size=chunk,
     )
     return check_act(
         base.with_(
             intermediate_size=size["intermediate_size"],
             moe=moe_config(size, tuple(i in moe for i in range(n))),
             attention=attention,
-            no_rope_layers=tuple(not r for r in rope_on[:n]),
-            attention_chunk_size=chunk,
             layer_types=tuple(types),
             mlp=replace(base.mlp, bias=False),
         ),
@@ -156,12 +156,12 @@ def parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
         rope_interleaved=True,
         qk_l2_norm=size["num_experts"] != GGUF_NO_QK_NORM_EXPERTS,
         temperature=(GGUF_FLOOR, GGUF_TEMP),
+        no_rope_layers=nope,
+        chunk_size=GGUF_CHUNK,
     )
     return base.with_(
         moe=moe_config(size, sparse),
         attention=attention,
-        no_rope_layers=nope,
-        attention_chunk_size=GGUF_CHUNK,
         layer_types=tuple(LAYER_TYPES[x] for x in nope),
     )
 
@@ -185,8 +185,8 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         "num_experts_per_tok": cfg.moe.num_experts_per_tok,
         "interleave_moe_layer_step": step,
         "moe_layers": sparse,
-        "no_rope_layers": [int(not x) for x in cfg.no_rope_layers],
-        "attention_chunk_size": cfg.attention_chunk_size,
+        "no_rope_layers": [int(not x) for x in cfg.attention.no_rope_layers],
+        "attention_chunk_size": cfg.attention.chunk_size,
         "layer_types": list(cfg.layer_types),
         "use_qk_norm": cfg.attention.qk_l2_norm,
         "attn_temperature_tuning": cfg.attention.temperature is not None,

@@ -32,7 +32,8 @@ SLIDING = "sliding_attention"
 
 def _window(cfg: ModelConfig, window: int | None) -> ModelConfig:
     n = cfg.num_hidden_layers
-    return cfg.with_(sliding_window=window, layer_types=(SLIDING,) * n if window else ())
+    attention = replace(cfg.attention, sliding_window=window)
+    return cfg.with_(attention=attention, layer_types=(SLIDING,) * n if window else ())
 
 
 def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
@@ -91,7 +92,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
     """MistralConfig's keys, or Ministral3Config's (rope_parameters with the temperature's
     beta and YaRN's mscale pair, which mlx-lm reads: mscale 1 and the mscale_all_dim that
     gives the attention factor) when a temperature or YaRN is configured."""
-    out: dict[str, Any] = {"sliding_window": cfg.sliding_window}
+    out: dict[str, Any] = {"sliding_window": cfg.attention.sliding_window}
     r = cfg.rope
     if cfg.attention.temperature is None and r.type != "yarn":
         return out
@@ -117,7 +118,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
             field="llama_4_scaling_beta",
         )
     params.update(llama_4_scaling_beta=beta, original_max_position_embeddings=floor)
-    if cfg.sliding_window:  # mlx-lm's ministral3 reads the window per layer type only
+    if cfg.attention.sliding_window:  # mlx-lm's ministral3 reads the window per layer type only
         out["layer_types"] = list(cfg.layer_types)
     return {
         **out,

@@ -133,10 +133,12 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         base.with_(
             rope=rope,
             attention=replace(
-                base.attention, rotary_dim=dims if dims != base.head_dim else None, fused_qkv=True
+                base.attention,
+                rotary_dim=dims if dims != base.head_dim else None,
+                fused_qkv=True,
+                sliding_window=window,
             ),
             mlp=replace(base.mlp, fused_gate_up=True),
-            sliding_window=window,
             layer_types=("sliding_attention",) * n if window else (),
         ),
         path,
@@ -174,7 +176,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         "original_max_position_embeddings": r.original_max_position_embeddings
         if r.type == "longrope"
         else cfg.max_position_embeddings,
-        "sliding_window": cfg.sliding_window,
+        "sliding_window": cfg.attention.sliding_window,
     }
 
 
@@ -225,9 +227,9 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
                 base.attention,
                 rotary_dim=dims if dims != base.head_dim else None,
                 fused_qkv="blk.0.attn_qkv.weight" in m.shapes,
+                sliding_window=window,
             ),
             mlp=replace(base.mlp, fused_gate_up="blk.0.ffn_gate.weight" not in m.shapes),
-            sliding_window=window,
             layer_types=("sliding_attention",) * n if window else (),
         ),
         m.path,

@@ -12,6 +12,7 @@ empty <think></think> starts the answer (prompt/reasoning.py).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from mlxlis.errors import ConfigError
@@ -82,9 +83,12 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         types, window = [], None
     return check_act(
         base.with_(
-            no_rope_layers=tuple(not r for r in rope_on),
+            attention=replace(
+                base.attention,
+                no_rope_layers=tuple(not r for r in rope_on),
+                sliding_window=window,
+            ),
             layer_types=tuple(types),
-            sliding_window=window,
         ),
         path,
     )
@@ -92,16 +96,17 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
 
 def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     n = base.num_hidden_layers
-    return base.with_(no_rope_layers=tuple((i + 1) % GGUF_NOPE_EVERY == 0 for i in range(n)))
+    nope = tuple((i + 1) % GGUF_NOPE_EVERY == 0 for i in range(n))
+    return base.with_(attention=replace(base.attention, no_rope_layers=nope))
 
 
 def export(cfg: ModelConfig) -> dict[str, Any]:
     return {
         "attention_bias": cfg.attention.bias,
         "mlp_bias": cfg.mlp.bias,
-        "no_rope_layers": [int(not x) for x in cfg.no_rope_layers],
-        "use_sliding_window": cfg.sliding_window is not None,
-        "sliding_window": cfg.sliding_window,
+        "no_rope_layers": [int(not x) for x in cfg.attention.no_rope_layers],
+        "use_sliding_window": cfg.attention.sliding_window is not None,
+        "sliding_window": cfg.attention.sliding_window,
         "layer_types": list(cfg.layer_types) or ["full_attention"] * cfg.num_hidden_layers,
     }
 
