@@ -16,9 +16,9 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(RUNTIME): pyproject.toml setup.py $(wildcard mlxlis/runtime/*.c mlxlis/runtime/*.h mlxlis/runtime/qmv/src/*) | $(VENV)/bin/python
+$(RUNTIME): pyproject.toml setup.py $(wildcard mlxlis/runtime/*.c mlxlis/runtime/*.h mlxlis/runtime/kernels/src/*) | $(VENV)/bin/python
 	$(PY) -m pip install -q -e .
-	$(PY) -m mlxlis.runtime.qmv
+	$(PY) -m mlxlis.runtime.kernels
 	$(PY) -m mlxlis.generation.warmup
 	touch $(RUNTIME)
 

@@ -1,5 +1,5 @@
 """`make bench`: GGUF decoding on the CPU with the blocks kept quantized (mlxlis's kernels,
-mlxlis/runtime/qmv), made dense in float32 (`--dequantize`, the old default) and llama.cpp
+mlxlis/runtime/kernels), made dense in float32 (`--dequantize`, the old default) and llama.cpp
 (when `llama_cpp` is installed), on the catalog models and the 1.5B when pulled.
 
 Each measurement in a fresh process (scripts/bench_worker.py: load, a PROMPT-token prefill,
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mlxlis.loading import catalog  # noqa: E402
-from mlxlis.runtime import qmv  # noqa: E402
+from mlxlis.runtime import kernels  # noqa: E402
 
 from bench import prompt_ids, run  # noqa: E402
 
@@ -46,7 +46,7 @@ def main() -> int:
         llama = True
     except ImportError:
         llama = False
-    print("kernels:", qmv.describe(build=True), flush=True)
+    print("kernels:", kernels.describe(build=True), flush=True)
     rows = []
     for name in a.models:
         gguf = catalog.model_path(name)

@@ -1287,7 +1287,7 @@ MUTANTS = (
     ),
     Mutant(
         "qmv-scale-of-next-group",
-        "mlxlis/runtime/qmv/src/kernels_avx2.cpp",
+        "mlxlis/runtime/kernels/src/kernels_avx2.cpp",
         "      const size_t gi = size_t(n) * G + g;",
         "      const size_t gi = size_t(n) * G + (g + 1) % G;",
         (QMV_GRID,),
@@ -1295,7 +1295,7 @@ MUTANTS = (
     ),
     Mutant(
         "qmv-5bit-high-bits-lost",
-        "mlxlis/runtime/qmv/src/kernels_avx2.cpp",
+        "mlxlis/runtime/kernels/src/kernels_avx2.cpp",
         "          c[1] = byte + 1 < 8 ? int8_t(byte + 1) : int8_t(-128);",
         "          c[1] = int8_t(-128);",
         (QMV_GRID,),
@@ -1303,7 +1303,7 @@ MUTANTS = (
     ),
     Mutant(
         "qmv-decode-remainder-skipped",
-        "mlxlis/runtime/qmv/src/compute.cpp",
+        "mlxlis/runtime/kernels/src/compute.cpp",
         "  const int ntasks = (p.N + rpt - 1) / rpt;",
         "  const int ntasks = p.N / rpt;",
         (QMV_GRID,),
@@ -1311,7 +1311,7 @@ MUTANTS = (
     ),
     Mutant(
         "qmv-prefill-tile-remainder-skipped",
-        "mlxlis/runtime/qmv/src/compute.cpp",
+        "mlxlis/runtime/kernels/src/compute.cpp",
         "    const int n1 = std::min(p.N, n0 + tile);",
         "    const int n1 = n0 + tile;\n    if (n1 > p.N) break;",
         (QMV_PREFILL,),
@@ -1319,7 +1319,7 @@ MUTANTS = (
     ),
     Mutant(
         "gemm-full-panel-one-vector-short",
-        "mlxlis/runtime/qmv/src/gemm_impl.h",
+        "mlxlis/runtime/kernels/src/gemm_impl.h",
         "      const int vecs = rows >= P ? P / W : (rows + W - 1) / W;",
         "      const int vecs = rows >= P ? P / W - 1 : (rows + W - 1) / W;",
         (QMV_GEMM,),
@@ -1327,7 +1327,7 @@ MUTANTS = (
     ),
     Mutant(
         "gemm-x-block-offset",
-        "mlxlis/runtime/qmv/src/gemm_impl.h",
+        "mlxlis/runtime/kernels/src/gemm_impl.h",
         "      const float* xp = xt + (size_t(pi) * p.K + k0) * P;",
         "      const float* xp = xt + size_t(pi) * p.K * P;",
         (QMV_GEMM,),
@@ -1335,7 +1335,7 @@ MUTANTS = (
     ),
     Mutant(
         "gemm-blocks-not-accumulated",
-        "mlxlis/runtime/qmv/src/gemm_impl.h",
+        "mlxlis/runtime/kernels/src/gemm_impl.h",
         "      const int rows = p.M - P * pi, first = k0 == 0;",
         "      const int rows = p.M - P * pi, first = 1;",
         (QMV_GEMM,),
@@ -1343,7 +1343,7 @@ MUTANTS = (
     ),
     Mutant(
         "gemm-pack-first-panel",
-        "mlxlis/runtime/qmv/src/gemm_impl.h",
+        "mlxlis/runtime/kernels/src/gemm_impl.h",
         "Vec::transpose(rows ? x + size_t(P * pi + j0) * K + k0 : x,",
         "Vec::transpose(rows ? x + size_t(j0) * K + k0 : x,",
         (QMV_GEMM,),
@@ -1351,7 +1351,7 @@ MUTANTS = (
     ),
     Mutant(
         "gemm-unpack-edge-width",
-        "mlxlis/runtime/qmv/src/gemm_impl.h",
+        "mlxlis/runtime/kernels/src/gemm_impl.h",
         "        memcpy(out + (j0 + j) * N + r0, edge + j * W, size_t(nw) * 4);",
         "        memcpy(out + (j0 + j) * N + r0, edge + j * W, size_t(nw - 1) * 4);",
         (QMV_GEMM,),
@@ -1359,7 +1359,7 @@ MUTANTS = (
     ),
     Mutant(
         "gemm-unpack-full-block-at-edge",
-        "mlxlis/runtime/qmv/src/gemm_impl.h",
+        "mlxlis/runtime/kernels/src/gemm_impl.h",
         "      if (nw == W && j0 + W <= rows) {",
         "      if (j0 + W <= rows) {",
         (QMV_GEMM,),
@@ -1367,7 +1367,7 @@ MUTANTS = (
     ),
     Mutant(
         "gemm-task-split-drops-a-unit",
-        "mlxlis/runtime/qmv/src/compute.cpp",
+        "mlxlis/runtime/kernels/src/compute.cpp",
         "  const int n1 = std::min(p.N, int(long(u + 1) * c->units / c->nu) * 24);",
         "  const int n1 = std::min(p.N, int(long(u + 1) * c->units / c->nu) * 24 - (u == 0) * 24);",
         (QMV_GEMM,),
@@ -1375,7 +1375,7 @@ MUTANTS = (
     ),
     Mutant(
         "gemm-panel-group-drops-a-panel",
-        "mlxlis/runtime/qmv/src/compute.cpp",
+        "mlxlis/runtime/kernels/src/compute.cpp",
         "pb = int(long(gi + 1) * c->panels / c->ng);",
         "pb = int(long(gi + 1) * c->panels / c->ng) - (gi == 0);",
         (QMV_GEMM,),
@@ -1383,7 +1383,7 @@ MUTANTS = (
     ),
     Mutant(
         "gemm-panel-group-out-offset",
-        "mlxlis/runtime/qmv/src/gemm_impl.h",
+        "mlxlis/runtime/kernels/src/gemm_impl.h",
         "      float* cp = ct + size_t(pi - pa) * nbp * P;",
         "      float* cp = ct + size_t(pi % (pb - pa)) * nbp * P;",
         (QMV_GEMM,),
@@ -1391,7 +1391,7 @@ MUTANTS = (
     ),
     Mutant(
         "dequant512-second-half-first-group",
-        "mlxlis/runtime/qmv/src/gemm_avx512.cpp",
+        "mlxlis/runtime/kernels/src/gemm_avx512.cpp",
         "_mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), _mm512_set1_ps(sc[i1]),",
         "_mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), _mm512_set1_ps(sc[i0]),",
         (QMV_GEMM,),
@@ -1399,7 +1399,7 @@ MUTANTS = (
     ),
     Mutant(
         "dequant512-code-high-byte-dropped",
-        "mlxlis/runtime/qmv/src/gemm_avx512.cpp",
+        "mlxlis/runtime/kernels/src/gemm_avx512.cpp",
         "u.idx[h][4 * i + 1] = uint8_t(byte + 1 < 4 * B ? byte + 1 : 63);",
         "u.idx[h][4 * i + 1] = 63;",
         (QMV_GEMM,),
@@ -1407,7 +1407,7 @@ MUTANTS = (
     ),
     Mutant(
         "dequant512-super-min-from-d",
-        "mlxlis/runtime/qmv/src/gemm_avx512.cpp",
+        "mlxlis/runtime/kernels/src/gemm_avx512.cpp",
         "_mm256_set1_ps(-_cvtsh_ss(p.kd[2 * sup + 1]));",
         "_mm256_set1_ps(-_cvtsh_ss(p.kd[2 * sup]));",
         (QMV_SUPER,),
@@ -1415,7 +1415,7 @@ MUTANTS = (
     ),
     Mutant(
         "dequant512-bfloat16-as-float16",
-        "mlxlis/runtime/qmv/src/gemm_avx512.cpp",
+        "mlxlis/runtime/kernels/src/gemm_avx512.cpp",
         "if (p.sb_type == SB_F16) return _mm256_cvtph_ps(h);",
         "if (p.sb_type != SB_F32) return _mm256_cvtph_ps(h);",
         ("tests/test_qmv.py::test_half_precision_scales",),
@@ -1423,7 +1423,7 @@ MUTANTS = (
     ),
     Mutant(
         "gemm-avx2-pack-high-columns",
-        "mlxlis/runtime/qmv/src/gemm_avx2.cpp",
+        "mlxlis/runtime/kernels/src/gemm_avx2.cpp",
         "_mm256_storeu_ps(d + (k + 4 + c) * ldd, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));",
         "_mm256_storeu_ps(d + (k + 4 + c) * ldd, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));",
         (QMV_GEMM,),
@@ -1431,7 +1431,7 @@ MUTANTS = (
     ),
     Mutant(
         "gemm-avx512-pack-lane-order",
-        "mlxlis/runtime/qmv/src/gemm_avx512.cpp",
+        "mlxlis/runtime/kernels/src/gemm_avx512.cpp",
         "_mm512_storeu_ps(d + (k + 4 + c) * ldd, _mm512_shuffle_f32x4(u0, u2, 0xDD));",
         "_mm512_storeu_ps(d + (k + 4 + c) * ldd, _mm512_shuffle_f32x4(u0, u2, 0x88));",
         (QMV_GEMM,),
@@ -1439,7 +1439,7 @@ MUTANTS = (
     ),
     Mutant(
         "qmv-g16-second-group-scale",
-        "mlxlis/runtime/qmv/src/kernels_avx2.cpp",
+        "mlxlis/runtime/kernels/src/kernels_avx2.cpp",
         "        acc[m] = _mm256_fmadd_ps(t1, s1, _mm256_fmadd_ps(t0, s0, acc[m]));",
         "        acc[m] = _mm256_fmadd_ps(t1, s0, _mm256_fmadd_ps(t0, s0, acc[m]));",
         (QMV_GRID,),
@@ -1447,7 +1447,7 @@ MUTANTS = (
     ),
     Mutant(
         "qmv512-digit-shift",
-        "mlxlis/runtime/qmv/src/kernels_avx512.cpp",
+        "mlxlis/runtime/kernels/src/kernels_avx512.cpp",
         "      t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), q, _mm512_loadu_si512(d + 64));",
         "      t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 7), q, _mm512_loadu_si512(d + 64));",
         (QMV_GRID,),
@@ -1455,7 +1455,7 @@ MUTANTS = (
     ),
     Mutant(
         "qmv512-8bit-high-digit",
-        "mlxlis/runtime/qmv/src/kernels_avx512.cpp",
+        "mlxlis/runtime/kernels/src/kernels_avx512.cpp",
         "      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.0f),",
         "      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65535.0f),",
         (QMV_GRID,),
@@ -1463,7 +1463,7 @@ MUTANTS = (
     ),
     Mutant(
         "qmv512-exponent-not-raised",
-        "mlxlis/runtime/qmv/src/kernels_avx512.cpp",
+        "mlxlis/runtime/kernels/src/kernels_avx512.cpp",
         "        ex = _mm512_mask_add_ps(ex, over, ex, _mm512_set1_ps(1.0f));",
         "",
         ("tests/test_qmv.py",),
@@ -1471,7 +1471,7 @@ MUTANTS = (
     ),
     Mutant(
         "qmv512-tail-block-skipped",
-        "mlxlis/runtime/qmv/src/kernels_avx512.cpp",
+        "mlxlis/runtime/kernels/src/kernels_avx512.cpp",
         "    if (full < nb)  // the last 32 weights of a row (K % 64 == 32: groups of 16 or 32)",
         "    if (false)",
         (QMV_GRID,),
@@ -1479,7 +1479,7 @@ MUTANTS = (
     ),
     Mutant(
         "qmv512-tiny-x-underflow",
-        "mlxlis/runtime/qmv/src/kernels_avx512.cpp",
+        "mlxlis/runtime/kernels/src/kernels_avx512.cpp",
         "        ex = _mm512_max_ps(ex, _mm512_set1_ps(-149.0f));",
         "        ex = _mm512_max_ps(ex, _mm512_set1_ps(-126.0f));",
         ("tests/test_qmv.py::test_x_of_any_magnitude",),
@@ -1487,7 +1487,7 @@ MUTANTS = (
     ),
     Mutant(
         "super-expand-second-block",
-        "mlxlis/runtime/qmv/src/kernels_avx512.cpp",
+        "mlxlis/runtime/kernels/src/kernels_avx512.cpp",
         "  const __m512i di = per == 8 ? _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0,",
         "  const __m512i di = per == 8 ? _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0,",
         (QMV_SUPER,),
@@ -1503,7 +1503,7 @@ MUTANTS = (
     ),
     Mutant(
         "super-scale-super-block-of-32",
-        "mlxlis/runtime/qmv/src/kernels.h",
+        "mlxlis/runtime/kernels/src/kernels.h",
         "  return sb_load(p.kd, SB_F16, 2 * (idx >> p.gshift)) * sub_scale(p, idx);",
         "  return sb_load(p.kd, SB_F16, 2 * (idx >> 3)) * sub_scale(p, idx);",
         (QMV_SUPER,),
@@ -1511,7 +1511,7 @@ MUTANTS = (
     ),
     Mutant(
         "super-avx2-bias-sign",
-        "mlxlis/runtime/qmv/src/kernels_avx2.cpp",
+        "mlxlis/runtime/kernels/src/kernels_avx2.cpp",
         "  return -(_cvtsh_ss(p.kd[2 * (idx >> p.gshift) + 1]) * sub_min(p, idx));",
         "  return _cvtsh_ss(p.kd[2 * (idx >> p.gshift) + 1]) * sub_min(p, idx);",
         (QMV_SUPER,),
@@ -1535,7 +1535,7 @@ MUTANTS = (
     ),
     Mutant(
         "q6k-sub-block-bias",
-        "mlxlis/runtime/qmv/src/kernels.h",
+        "mlxlis/runtime/kernels/src/kernels.h",
         "  if (!p.biases) return -float(1 << (p.bits - 1)) * scale;",
         "  if (!p.biases) return -float((1 << (p.bits - 1)) - 1) * scale;",
         (QMV_GRID,),
@@ -1543,7 +1543,7 @@ MUTANTS = (
     ),
     Mutant(
         "qmv512-symmetric-bias",
-        "mlxlis/runtime/qmv/src/kernels_avx512.cpp",
+        "mlxlis/runtime/kernels/src/kernels_avx512.cpp",
         "                             : _mm512_mul_ps(s, _mm512_set1_ps(-float(1 << (B - 1))));",
         "                             : _mm512_mul_ps(s, _mm512_set1_ps(-float(1 << (B - 2))));",
         (QMV_GRID,),
@@ -1559,7 +1559,7 @@ MUTANTS = (
     ),
     Mutant(
         "fused-rope-turned-backwards",
-        "mlxlis/runtime/qmv/src/fused_kernels.cpp",
+        "mlxlis/runtime/kernels/src/fused_kernels.cpp",
         "            o[i + half] = x2 * co + x1 * si;",
         "            o[i + half] = x2 * co - x1 * si;",
         (FUSED,),
@@ -1567,7 +1567,7 @@ MUTANTS = (
     ),
     Mutant(
         "fused-attention-sees-the-next-key",
-        "mlxlis/runtime/qmv/src/fused_kernels.cpp",
+        "mlxlis/runtime/kernels/src/fused_kernels.cpp",
         "  const int L = a.causal ? std::min(S, S - T + t + 1) : S;",
         "  const int L = a.causal ? std::min(S, S - T + t + 2) : S;",
         (FUSED,),
@@ -1575,7 +1575,7 @@ MUTANTS = (
     ),
     Mutant(
         "fused-rms-norm-without-eps",
-        "mlxlis/runtime/qmv/src/fused_kernels.cpp",
+        "mlxlis/runtime/kernels/src/fused_kernels.cpp",
         "    const float inv = 1.0f / sqrtf(dot(xr, xr, D) / float(D) + eps);",
         "    const float inv = 1.0f / sqrtf(dot(xr, xr, D) / float(D));",
         (FUSED,),
@@ -1583,7 +1583,7 @@ MUTANTS = (
     ),
     Mutant(
         "fused-attention-other-kv-head",
-        "mlxlis/runtime/qmv/src/fused_kernels.cpp",
+        "mlxlis/runtime/kernels/src/fused_kernels.cpp",
         "    attend_heads(a, b, g, t, g * G + first,",
         "    attend_heads(a, b, (g + 1) % Hkv, t, g * G + first,",
         (FUSED,),
@@ -1591,7 +1591,7 @@ MUTANTS = (
     ),
     Mutant(
         "fused-attention-denominator-tail",
-        "mlxlis/runtime/qmv/src/fused_kernels.cpp",
+        "mlxlis/runtime/kernels/src/fused_kernels.cpp",
         "    for (int j = 0; j < L; ++j) sum += pi[j];",
         "    for (int j = 0; j + 1 < L; ++j) sum += pi[j];",
         (FUSED,),
@@ -1599,7 +1599,7 @@ MUTANTS = (
     ),
     Mutant(
         "fused-attention-heads-last-ignored",
-        "mlxlis/runtime/qmv/src/fused_kernels.cpp",
+        "mlxlis/runtime/kernels/src/fused_kernels.cpp",
         "(a.heads_last ? (int64_t(b) * T + t) * H + h : (int64_t(b) * H + h) * T + t)",
         "((int64_t(b) * H + h) * T + t)",
         (FUSED,),
@@ -1607,7 +1607,7 @@ MUTANTS = (
     ),
     Mutant(
         "fused-rope-flat-head-stride",
-        "mlxlis/runtime/qmv/src/fused.cpp",
+        "mlxlis/runtime/kernels/src/fused.cpp",
         "  v.s[1] = flat ? int64_t(D) : s[2];",
         "  v.s[1] = s[2];",
         (FUSED,),

@@ -385,26 +385,26 @@ def kinds(model) -> dict[str, str]:
 
 
 def test_default_is_dense_matmuls_on_cpu_quantized_elsewhere(tiny_llamas, tmp_path, monkeypatch):
-    """dequantize=None (the default) on the CPU without mlxlis's kernels (runtime/qmv not
+    """dequantize=None (the default) on the CPU without mlxlis's kernels (runtime/kernels not
     built): every matmul weight is dense (MLX's CPU quantized matmul is ~15x slower at prompt
     processing) but an untied embedding, a row lookup, stays quantized; tied, it is the head
     and goes dense. With the kernels: every block stays quantized, their layers the kernels'.
     Quantized when the dense weights would not fit comfortably, and on Metal / CUDA. False and
     True force either way. (Loaded in the HF layout.)"""
     from mlxlis.models.quantized import QuantizedLinear
-    from mlxlis.runtime import qmv
+    from mlxlis.runtime import kernels
 
     monkeypatch.setattr(mlxlis.runtime.device, "device_name", lambda: "cpu")
     for tied in (False, True):
         folder, ref = tiny_llamas[tied]
         path = tmp_path / f"q8-{tied}.gguf"
         write_llama_gguf(path, ref, folder, "Q8_0")
-        if qmv.load() is not None:
+        if kernels.load() is not None:
             model = mlxlis.load(path, "float32")
             assert set(kinds(model).values()) == {"QuantizedLinear", "QuantizedEmbedding"}
             assert isinstance(model.net.model.layers[0].self_attn.q_proj, QuantizedLinear)
         with monkeypatch.context() as m:
-            m.setattr(qmv, "load", lambda build=True: None)
+            m.setattr(kernels, "load", lambda build=True: None)
             got = kinds(mlxlis.load(path, "float32"))
         embed = got.pop("model.embed_tokens")
         assert embed == ("Embedding" if tied else "QuantizedEmbedding")

@@ -1,4 +1,4 @@
-"""The fused CPU operations (mlxlis/runtime/fused.py, runtime/qmv/src/fused*.cpp) against
+"""The fused CPU operations (mlxlis/runtime/fused.py, runtime/kernels/src/fused*.cpp) against
 independent references: float64 numpy formulas (transformers' definitions) within float32
 rounding bounds, and MLX's own operations on the same inputs. Inputs take the forms a decode
 step gives them: a cache's keys as a strided slice of a longer buffer, grouped heads, per-row
@@ -12,14 +12,14 @@ equal MLX's operations within float32 rounding.
 from __future__ import annotations
 
 import mlxlis  # noqa: F401  (the BLAS routing first, as the engine runs)
-from mlxlis.runtime import fused, qmv
+from mlxlis.runtime import fused, kernels
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-ext = qmv.load()
-pytestmark = pytest.mark.skipif(ext is None, reason=f"kernels not built: {qmv.why()}")
+ext = kernels.load()
+pytestmark = pytest.mark.skipif(ext is None, reason=f"kernels not built: {kernels.why()}")
 U = 2.0**-24  # float32 unit roundoff
 rng = np.random.default_rng(7)
 

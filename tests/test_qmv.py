@@ -1,4 +1,4 @@
-"""The CPU quantized kernels (mlxlis/runtime/qmv) against independent references.
+"""The CPU quantized kernels (mlxlis/runtime/kernels) against independent references.
 
 Reference: float64 numpy on the dequantized weights (the codes unpacked from MLX's packed
 words in numpy, w = scale·q + bias in float64) times x. The bound, per output element, is the
@@ -29,15 +29,15 @@ import sys
 import mlxlis  # noqa: F401  (the BLAS routing first, as the engine runs)
 from mlxlis.loading.binding import quantize_like
 from mlxlis.models.quantized import Kernels, QuantizedLinear
-from mlxlis.runtime import qmv
+from mlxlis.runtime import kernels
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
-ext = qmv.load()
-pytestmark = pytest.mark.skipif(ext is None, reason=f"qmv not built: {qmv.why()}")
+ext = kernels.load()
+pytestmark = pytest.mark.skipif(ext is None, reason=f"qmv not built: {kernels.why()}")
 ISAS = [i for i in ("avx512", "avx2", "neon", "scalar") if ext is not None and ext.set_isa(i)]
 if ext is not None:
     ext.set_isa("auto")
@@ -116,8 +116,8 @@ def grid(bits, group, rows, threads):
             ext.set_prefill()
 
 
-@pytest.mark.parametrize("bits", qmv.BITS)
-@pytest.mark.parametrize("group", qmv.GROUPS)
+@pytest.mark.parametrize("bits", kernels.BITS)
+@pytest.mark.parametrize("group", kernels.GROUPS)
 def test_every_width_and_group_matches_float64_and_mlx(bits, group):
     """Within the bound of float64 and of mx.quantized_matmul: rows 1, 7, 16, threads 1 and
     3, odd N, K not a multiple of 64 or 128 where the group allows."""
@@ -125,8 +125,8 @@ def test_every_width_and_group_matches_float64_and_mlx(bits, group):
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("bits", qmv.BITS)
-@pytest.mark.parametrize("group", qmv.GROUPS)
+@pytest.mark.parametrize("bits", kernels.BITS)
+@pytest.mark.parametrize("group", kernels.GROUPS)
 def test_every_row_count_and_thread_count(bits, group):
     """The same, every row count 1–16 × threads 1–3 (make test-all)."""
     grid(bits, group, rows=range(1, 17), threads=(1, 2, 3))
@@ -138,7 +138,7 @@ def test_half_precision_scales(sb_dtype):
         for isa in ISAS:
             assert ext.set_isa(isa)
             for bits, group, m in [
-                (b, g, m) for b in (4, 5, 8) for g in qmv.GROUPS for m in (3, 17)
+                (b, g, m) for b in (4, 5, 8) for g in kernels.GROUPS for m in (3, 17)
             ]:
                 x, wq, s, b = make(301, 288 // group * group, bits, group, m, sb_dtype=sb_dtype)
                 ref, bound = reference(x, wq, s, b, group, bits)
@@ -334,8 +334,8 @@ def test_super_block_formats_equal_the_float_scales_layout(bits, group):
             for m in (1, 3, 9, 17):
                 x, wq, stored, s, b = make_super(n, k, bits, group, m, seed=n + m)
                 ref, bound = reference(x, wq, s, b, group, bits)
-                # MLX's layout for other devices (qmv.matmul off the CPU): the same floats
-                s2, b2 = qmv.super_scales_as_float(*stored, group)
+                # MLX's layout for other devices (kernels.matmul off the CPU): the same floats
+                s2, b2 = kernels.super_scales_as_float(*stored, group)
                 assert np.array_equal(np.array(s2), np.array(s))
                 assert (b2 is None) == (group == 16)
                 assert b2 is None or np.array_equal(np.array(b2), np.array(b))
@@ -422,8 +422,8 @@ import os, sys
 import numpy as np
 import mlxlis  # noqa: F401
 import mlx.core as mx
-from mlxlis.runtime import qmv
-ext = qmv.load()
+from mlxlis.runtime import kernels
+ext = kernels.load()
 d = np.load(sys.argv[1])
 args, ref, bound = [d["x"], d["wq"], d["s"], d["b"]], d["ref"], d["bound"]
 ext.set_num_threads(int(sys.argv[2]))
@@ -471,8 +471,8 @@ def test_a_forked_child_runs_its_own_threads(tmp_path, threads):
 def test_a_failed_build_is_said_and_not_tried_again(tmp_path, monkeypatch):
     """Where the kernels cannot be built (here: the build raises as a missing compiler does),
     the reason is kept beside the key: the next loads say it without building again, until a
-    retry (`python -m mlxlis.runtime.qmv`)."""
-    from mlxlis.runtime.qmv import build
+    retry (`python -m mlxlis.runtime.kernels`)."""
+    from mlxlis.runtime.kernels import build
 
     monkeypatch.setenv("MLXLIS_KERNELS", str(tmp_path))
     calls = []

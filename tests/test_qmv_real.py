@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import mlxlis
-from mlxlis.runtime import process, qmv
+from mlxlis.runtime import kernels, process
 
 import numpy as np
 import pytest
@@ -24,7 +24,7 @@ from conftest import REAL_MODELS, need_pulled
 
 pytestmark = [
     pytest.mark.real,
-    pytest.mark.skipif(qmv.load() is None, reason=f"qmv not built: {qmv.why()}"),
+    pytest.mark.skipif(kernels.load() is None, reason=f"qmv not built: {kernels.why()}"),
 ]
 # SmolLM2 in make test; the other two (about 25 s each here) in make test-all
 MODELS = [

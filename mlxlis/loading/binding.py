@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mlxlis.errors import ConfigError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
-from mlxlis.runtime import qmv
+from mlxlis.runtime import kernels
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -76,7 +76,7 @@ def kept_narrow(name: str, stored: mx.Dtype, dtype: mx.Dtype) -> bool:
         return False
     if any(k in module for k in ("switch_mlp", "experts", "mtp")):
         return False
-    return qmv.load() is not None
+    return kernels.load() is not None
 
 
 def quantize_like(

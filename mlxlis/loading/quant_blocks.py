@@ -325,7 +325,7 @@ def _pack6(codes: np.ndarray, out32: np.ndarray) -> None:
 
 @dataclass(frozen=True)
 class Super:
-    """A K-quant held as its file holds it, for mlxlis's CPU kernels only (runtime/qmv): the
+    """A K-quant held as its file holds it, for mlxlis's CPU kernels only (runtime/kernels): the
     codes as MLX's affine stream, each group's integer scale sc (and min m), each super-block
     of 256 weights' float16 d (and dmin). The kernels take the group's scale as d·sc and its
     bias as −dmin·m in float32, the values _scale_k computes (exact: 11 × 8 bits), so products

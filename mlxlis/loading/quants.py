@@ -97,7 +97,7 @@ def convert_tensor(
     """Convert one GGUF tensor (its raw bytes) to MLX: quantized (see module doc) or dense.
 
     `sub_blocks`: a SUPER_HELD type (Q4_K, Q5_K, Q6_K) held as stored (quant_blocks.Super),
-    a layout only mlxlis's CPU kernels multiply (runtime/qmv; MLX's own products take float
+    a layout only mlxlis's CPU kernels multiply (runtime/kernels; MLX's own products take float
     scales in groups of 32 and more).
     `out`: the buffers from `allocate(t, dequantize=..., sub_blocks=...)`, when the caller made
     them early.

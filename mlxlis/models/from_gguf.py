@@ -31,7 +31,7 @@ from mlxlis.models.multimodal import CachedVision
 from mlxlis.models.placement import Placement
 from mlxlis.models.quantized import Kernels
 from mlxlis.prompt.template import diagnose_missing_template, discover_template
-from mlxlis.runtime import device, qmv
+from mlxlis.runtime import device, kernels
 from mlxlis.runtime.memory import available_memory
 from mlxlis.tokenizer import Tokenizer
 
@@ -46,7 +46,7 @@ import mlx.core as mx
 #   Qwen2.5-Coder-0.5B Q4_K_M  3.8 / 2.0     120-126 / 4.6       760 MB / 2.1 GB (*)
 # (*) embedding kept quantized. MLX's CPU quantized matmul has no BLAS path: prompt processing
 # is 15-30x slower than dense fp32, and decoding is no faster (up to 2.3x slower). So on CPU,
-# without mlxlis's own kernels (runtime/qmv: not built), every matmul weight goes dense when
+# without mlxlis's own kernels (runtime/kernels: not built), every matmul weight goes dense when
 # the dense weights fit comfortably; an untied embedding (a row lookup, never a matmul) stays
 # quantized. With them, the blocks stay quantized (MoE experts aside: the kernels do not cover
 # gather_qmm) — see scripts/bench_qmv.py for the figures. On Metal and CUDA the quantized
@@ -200,7 +200,7 @@ def _dense_policy(
     )
     if not dense_by_default(dense_bytes):
         return never, never
-    if qmv.load() is not None:  # the CPU kernels read the blocks as stored; MoE experts
+    if kernels.load() is not None:  # the CPU kernels read the blocks as stored; MoE experts
         # (gather_qmm, which the kernels do not cover) stay dense
         sub = (lambda n: SUB_BLOCK_TENSOR.match(n) is not None) if dtype == mx.float32 else never
         return (lambda name: "_exps." in name), sub

@@ -1,4 +1,4 @@
-"""Quantized layers whose products go through mlxlis's CPU kernels (runtime/qmv) where they
+"""Quantized layers whose products go through mlxlis's CPU kernels (runtime/kernels) where they
 apply, and MLX's own `mx.quantized_matmul` everywhere else: the same parameters, names and
 results (within float32 rounding) as MLX's QuantizedLinear / QuantizedEmbedding.
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxlis.runtime import qmv
+from mlxlis.runtime import kernels
 from mlxlis.runtime.device import device_name
 
 import mlx.core as mx
@@ -19,7 +19,7 @@ import mlx.nn as nn
 def _product(m: nn.Module, x: mx.array) -> mx.array:
     """x @ wᵀ for the quantized weight of `m` (a QuantizedLinear or QuantizedEmbedding)."""
     w, scales, biases = m["weight"], m["scales"], m.get("biases")
-    return qmv.matmul(x, w, scales, biases, m.group_size, m.bits, m.mode, m.get("super_scales"))
+    return kernels.matmul(x, w, scales, biases, m.group_size, m.bits, m.mode, m.get("super_scales"))
 
 
 class QuantizedLinear(nn.QuantizedLinear):
@@ -72,5 +72,5 @@ class Kernels:
 
     def _made(self, layer: nn.Module) -> nn.Module:
         if device_name() == "cpu":
-            qmv.load()  # built (once) now, while loading, not inside the first product
+            kernels.load()  # built (once) now, while loading, not inside the first product
         return layer

@@ -64,7 +64,7 @@ def preload() -> BlasState:
         return state
     # OpenBLAS's threads busy-wait 2^28 cycles (~0.1 s) after each product by default, so
     # between a decoding step's few dense products they held a core the CPU kernels'
-    # threads needed (runtime/qmv): with 2^4, Gemma 3 270M decoded 17.6 -> 25.7 tok/s and
+    # threads needed (runtime/kernels): with 2^4, Gemma 3 270M decoded 17.6 -> 25.7 tok/s and
     # Qwen2.5-0.5B 11.5 -> 15.8 on a 2-core x86 VM, prefill unchanged (scripts/bench_qmv.py)
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     choice = os.environ.get("MLXLIS_BLAS", "auto").lower()

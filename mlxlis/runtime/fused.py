@@ -1,5 +1,5 @@
 """RMSNorm, RoPE, attention of a few queries and the gated activations as single CPU nodes
-(runtime/qmv/src/fused*.cpp, built with the quantized kernels), for the per-token work around
+(runtime/kernels/src/fused*.cpp, built with the quantized kernels), for the per-token work around
 the matrix products.
 
 Why: MLX's CPU backend runs `mx.fast.rope` and `mx.fast.rms_norm` as chains of small
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-from mlxlis.runtime import qmv
+from mlxlis.runtime import kernels
 from mlxlis.runtime.device import device_name
 
 import mlx.core as mx
@@ -32,7 +32,7 @@ def _kernels(*arrays: mx.array) -> ModuleType | None:
         return None
     if os.environ.get("MLXLIS_FUSED", "1") == "0" or device_name() != "cpu":
         return None
-    return qmv.available()
+    return kernels.available()
 
 
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:

@@ -3,7 +3,7 @@ the kernels that run quantized products (a model's own facts are `Model.describe
 
 from __future__ import annotations
 
-from mlxlis.runtime import blas, device, qmv
+from mlxlis.runtime import blas, device, kernels
 
 
 def describe() -> dict[str, str]:
@@ -11,7 +11,7 @@ def describe() -> dict[str, str]:
     details = {
         "device": device.device_name(),
         "blas": blas.state.name,
-        "kernels": qmv.describe() if device.device_name() == "cpu" else "MLX's own",
+        "kernels": kernels.describe() if device.device_name() == "cpu" else "MLX's own",
     }
     if blas.state.notice:
         details["notice"] = blas.state.notice

@@ -1,5 +1,5 @@
-"""Building the quantized matrix-vector extension (src/, CMakeLists.txt) against the MLX that
-runs it: `python -m mlxlis.runtime.qmv` (make install runs it; a first use builds it too).
+"""Building the CPU kernels' extension (src/, CMakeLists.txt) against the MLX that
+runs it: `python -m mlxlis.runtime.kernels` (make install runs it; a first use builds it too).
 
 Not in setup.py: pip builds in an isolated environment that would install its own newest
 mlx to compile against, while libmlx's C++ ABI and mlx.core's nanobind internals are not stable
@@ -120,7 +120,7 @@ def build(target: Path, verbose: bool = False) -> Path:
     cmake = _cmake()
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="mlxlis-qmv-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="mlxlis-kernels-") as tmp:
         run = dict(check=True, capture_output=not verbose, text=True)
         configure = [
             *(cmake, "-S", str(HERE), "-B", tmp, *gen),
@@ -144,7 +144,7 @@ def build(target: Path, verbose: bool = False) -> Path:
 def ensure(verbose: bool = False, retry: bool = False) -> Path:
     """The module's path, built first if missing (one builder per key; others wait). A build
     that failed is not tried again for the same key (its reason is kept beside it) unless
-    `retry` (`python -m mlxlis.runtime.qmv`)."""
+    `retry` (`python -m mlxlis.runtime.kernels`)."""
     target = so_path()
     if target.is_file():
         return target

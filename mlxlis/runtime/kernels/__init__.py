@@ -40,12 +40,12 @@ def load(build: bool = True, retry: bool = False) -> ModuleType | None:
         return _module
     if _failed and not retry:
         return None
-    from mlxlis.runtime.qmv.build import BuildError, ensure, so_path
+    from mlxlis.runtime.kernels.build import BuildError, ensure, so_path
 
     try:
         path = ensure(retry=retry) if build else so_path()
         if not path.is_file():
-            _why = "not built (python -m mlxlis.runtime.qmv builds it)"
+            _why = "not built (python -m mlxlis.runtime.kernels builds it)"
             return None
         spec = importlib.util.spec_from_file_location("_qmv", path)
         mod = importlib.util.module_from_spec(spec)
