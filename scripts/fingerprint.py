@@ -207,7 +207,7 @@ def record_assistant(out: dict, key: str, target, assistant) -> None:
     from mlxlis.generation.assistant import AssistantDrafter
     from mlxlis.generation.sampling import SamplingParams
     from mlxlis.generation.speculative import Speculation
-    from mlxlis.generation.steps import forward
+    from mlxlis.generation.steps import StepKind, forward
 
     ids = trajectory(20, 4, target.config.vocab_size)  # past the sliding window (8)
     spec = Speculation("draft", assistant, tokens=3)
@@ -219,7 +219,9 @@ def record_assistant(out: dict, key: str, target, assistant) -> None:
         usage = events[-1].usage
         out[f"{key}/{mode}_drafts"] = np.array([usage.draft_tokens, usage.accepted_tokens])
     caches = target.make_cache()
-    logits, hidden = forward(target.net, [caches], mx.array(ids, mx.int32), "prompt+hidden")
+    logits, hidden = forward(
+        target.net, [caches], mx.array(ids, mx.int32), StepKind.PROMPT, hidden=True
+    )
     first = int(mx.argmax(logits, axis=-1).item())
     params = SamplingParams(temperature=1.0, seed=5)
     drafter = AssistantDrafter(assistant, target, params, caches)

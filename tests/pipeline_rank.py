@@ -39,8 +39,8 @@ class Recording(LeaderSteps):
 
     seen: list[np.ndarray] = []
 
-    def run(self, rids, caches, tokens, kind):
-        out = super().run(rids, caches, tokens, kind)
+    def run(self, rids, caches, tokens, kind, inserts=None, *, hidden=False):
+        out = super().run(rids, caches, tokens, kind, inserts, hidden=hidden)
         if out is not None:
             Recording.seen.append(np.array(out[0]))
         return out

@@ -41,7 +41,7 @@ from mlxlis.generation.generate import run
 from mlxlis.generation.processors import LogitsProcessor
 from mlxlis.generation.request import turn_start
 from mlxlis.generation.sampling import SamplingParams
-from mlxlis.generation.steps import LocalSteps
+from mlxlis.generation.steps import LocalSteps, StepKind
 
 import mlx.core as mx
 import numpy as np
@@ -413,28 +413,31 @@ def test_snapshot_bytes_count_in_the_prefix_cache():
 # ---------------------------------------------------------------- asking for the snapshots
 
 
+CHUNK, MARK, PROMPT, LAST = StepKind.CHUNK, StepKind.MARK, StepKind.PROMPT, StepKind.LAST
+
+
 class Recording(LocalSteps):
     def __init__(self, model, prefix):
         super().__init__(model, prefix)
-        self.log: list[tuple[int, str]] = []
+        self.log: list[tuple[int, StepKind]] = []
 
-    def run(self, rids, caches, tokens, kind):
-        if kind != "decode":
+    def run(self, rids, caches, tokens, kind, inserts=None, *, hidden=False):
+        if kind != StepKind.DECODE:
             self.log.append((tokens.size, kind))
-        return super().run(rids, caches, tokens, kind)
+        return super().run(rids, caches, tokens, kind, inserts, hidden=hidden)
 
 
 @pytest.mark.parametrize(
     "name, marks, chunks",
     [
-        ("gemma3", (), [(8, "chunk"), (8, "chunk"), (8, "chunk"), (6, "prompt")]),
-        ("gemma3", (5, 20), [(5, "mark"), (8, "chunk"), (7, "mark"), (8, "chunk"), (2, "last")]),
-        ("gemma3", (16, 30), [(8, "chunk"), (8, "mark"), (8, "chunk"), (6, "prompt")]),
-        ("llama", (5, 20), [(8, "chunk"), (8, "chunk"), (8, "chunk"), (6, "prompt")]),
+        ("gemma3", (), [(8, CHUNK), (8, CHUNK), (8, CHUNK), (6, PROMPT)]),
+        ("gemma3", (5, 20), [(5, MARK), (8, CHUNK), (7, MARK), (8, CHUNK), (2, LAST)]),
+        ("gemma3", (16, 30), [(8, CHUNK), (8, MARK), (8, CHUNK), (6, PROMPT)]),
+        ("llama", (5, 20), [(8, CHUNK), (8, CHUNK), (8, CHUNK), (6, PROMPT)]),
     ],
 )
 def test_prefill_chunks_end_at_the_snapshot_positions(models, name, marks, chunks):
-    """The core's chunks end at each requested position ("mark": the caches snapshot there);
+    """The core's chunks end at each requested position (MARK: the caches snapshot there);
     the prompt's end is snapshotted only when no position was asked for, or it was. A model
     of full attention alone needs no snapshot: its chunks are not cut (a cut costs one more
     forward: on the bench's hybrid, 0.2 s of a reused turn's 1.9 s to the first token)."""

@@ -35,7 +35,7 @@ from mlxlis.generation.speculative import (
     SpeculativeError,
     check_vocabulary,
 )
-from mlxlis.generation.steps import forward, prefill, steps_for
+from mlxlis.generation.steps import StepKind, forward, prefill, steps_for
 
 import mlx.core as mx
 import numpy as np
@@ -204,11 +204,11 @@ def test_a_rejection_at_each_position_rewinds_every_cache_exactly(models, name):
     for j in range(k + 1):
         caches = model.make_cache()
         prefill(model.net, prompt, caches)
-        forward(model.net, [caches], mx.array(step, mx.int32), "verify")
+        forward(model.net, [caches], mx.array(step, mx.int32), StepKind.VERIFY)
         assert all(c.trim(k - j) == k - j for c in caches)
         ref = model.make_cache()
         prefill(model.net, prompt, ref)
-        forward(model.net, [ref], mx.array(step[: j + 1], mx.int32), "verify")
+        forward(model.net, [ref], mx.array(step[: j + 1], mx.int32), StepKind.VERIFY)
         exact = j > 2  # see above: fewer rows, other kernels
         for a, b in zip(caches, ref, strict=True):
             kinds.add(type(a).__name__)
@@ -216,8 +216,8 @@ def test_a_rejection_at_each_position_rewinds_every_cache_exactly(models, name):
             for x, y in zip(cache_arrays(a), cache_arrays(b), strict=True):
                 assert same(x, y, exact), (j, type(a).__name__)
         after = mx.array([step[0]], mx.int32)
-        got = forward(model.net, [caches], after, "decode")
-        want = forward(model.net, [ref], after, "decode")
+        got = forward(model.net, [caches], after, StepKind.DECODE)
+        want = forward(model.net, [ref], after, StepKind.DECODE)
         assert same(np.array(got), np.array(want), exact and name != "gemma3"), j
     want_kinds = {"llama": {"KVCache"}, "gemma3": {"KVCache", "RotatingKVCache"}}
     assert kinds == want_kinds.get(name, {"KVCache", "RecurrentCache"})

@@ -25,7 +25,7 @@ from mlxlis.generation.core import Core, Request
 from mlxlis.generation.generate import run
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import Speculation, SpeculativeError
-from mlxlis.generation.steps import forward, steps_for
+from mlxlis.generation.steps import StepKind, forward, steps_for
 
 import mlx.core as mx
 import numpy as np
@@ -162,7 +162,9 @@ def test_a_drafting_step_matches_transformers_fp32(pair):
     assert assistant.config.family == "gemma4_assistant"
     ids = trajectory(PROMPT, vocab=target.config.vocab_size)
     caches = target.make_cache()
-    logits, hidden = forward(target.net, [caches], mx.array(ids, mx.int32), "prompt+hidden")
+    logits, hidden = forward(
+        target.net, [caches], mx.array(ids, mx.int32), StepKind.PROMPT, hidden=True
+    )
     first = int(mx.argmax(logits, axis=-1).item())
     drafter = AssistantDrafter(assistant, target, SamplingParams(temperature=0), caches)
     drafter.feed_hidden(ids, hidden)

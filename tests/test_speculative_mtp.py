@@ -38,7 +38,7 @@ from pathlib import Path
 import mlxlis
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import Drafter, Proposal, Speculation, SpeculativeError
-from mlxlis.generation.steps import forward
+from mlxlis.generation.steps import StepKind, forward
 
 import gguf
 import mlx.core as mx
@@ -195,7 +195,7 @@ def propose(model, ids: list[int], k: int, params: SamplingParams):
     over), and the target's greedy next token appended."""
     drafter = Speculation("mtp").drafter(params, model)
     logits, states = forward(
-        model.net, [model.make_cache()], mx.array(ids, mx.int32), "prompt+hidden"
+        model.net, [model.make_cache()], mx.array(ids, mx.int32), StepKind.PROMPT, hidden=True
     )
     drafter.feed_hidden(ids, states)
     first = int(mx.argmax(logits, axis=-1).item())
@@ -293,7 +293,11 @@ def test_the_block_cache_holds_each_position_once_after_kept_and_rejected_drafts
     assert drafter.fed == (prompt + plain)[: len(drafter.fed)] and len(drafter.fed) > PROMPT + 50
     once = Speculation("mtp").drafter(SamplingParams(), model)
     _, states = forward(
-        model.net, [model.make_cache()], mx.array(drafter.fed, mx.int32), "prompt+hidden"
+        model.net,
+        [model.make_cache()],
+        mx.array(drafter.fed, mx.int32),
+        StepKind.PROMPT,
+        hidden=True,
     )
     once.feed_hidden(drafter.fed, states)
     (a,), (b,) = inner.cache, once.cache

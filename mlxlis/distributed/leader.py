@@ -5,14 +5,15 @@ announces (`follow`).
 
 Every step of rank 0's core (generation/steps.py) is first broadcast to all ranks as one small
 JSON message, then run by every rank on its own layers, hidden states passing rank to rank
-as in a lone generation (stage.py). The message carries the request ids, the tokens to feed
-and the step's kind, and the cache changes since the last one ("fresh" caches for a request,
-"keep" a finished request's caches as prefix-cache entry K, "drop" them, "evict" entry K), so
+as in a lone generation (stage.py). The message carries the request ids, the tokens to feed,
+the step's kind (its StepKind's value) and whether it wants the hidden states, and the cache
+changes since the last one ("fresh" caches for a request, "keep" a finished request's caches
+as prefix-cache entry K, "drop" them, "evict" entry K), so
 each rank's caches are those of rank 0's engine, request by request. Taking a prefix-cache
 entry is a step of its own: the ranks agree on the furthest position every one of their
 layers can return to exactly (their layers differ: a recurrent state returns only to a
 snapshot, a sliding window within its ring or to a snapshot) before trimming. Snapshots are
-taken on every rank at the same steps (a "mark" chunk, a prompt's end), so the ranks' layers
+taken on every rank at the same steps (a MARK chunk, a prompt's end), so the ranks' layers
 return to the same positions.
 
 The last rank sends the step's float32 logits (B, vocab) to rank 0 (its neighbour in the
@@ -38,7 +39,7 @@ from mlxlis.cache.prefix import PrefixCache
 from mlxlis.distributed.group import Ranks
 from mlxlis.distributed.stage import PipelineNet
 from mlxlis.errors import PipelineError, UnsupportedError
-from mlxlis.generation.steps import LocalSteps, forward
+from mlxlis.generation.steps import LocalSteps, StepKind, WithHidden, forward
 from mlxlis.models.model import Model
 
 import mlx.core as mx
@@ -88,15 +89,18 @@ class LeaderSteps(LocalSteps):
         rids: Sequence[int],
         caches: Sequence[list[Cache]],
         tokens: mx.array,
-        kind: str,
+        kind: StepKind,
         inserts: object = None,
-    ) -> mx.array | None:
+        *,
+        hidden: bool = False,
+    ) -> mx.array | WithHidden | None:
         if inserts:  # Model.image_spans refuses a pipelined model's images before this
             raise UnsupportedError("images with a pipelined model", field="images")
         with collective():
-            self._tell(run=[list(rids), tokens.tolist(), kind])  # waits for the sampled ids
+            # waits for the sampled ids
+            self._tell(run=[list(rids), tokens.tolist(), kind.value, hidden])
             with self.ranks.waiting():
-                sent = forward(self.net, caches, tokens, kind)
+                sent = forward(self.net, caches, tokens, kind, hidden=hidden)
                 if sent is None:  # a chunk or a mark: evaluated, nothing comes back
                     return None
                 mx.eval(sent, [c.state for cs in caches for c in cs])
@@ -189,9 +193,10 @@ def follow(model: Model) -> None:
                 if take(ranks, caches, held, position):
                     live[rid] = caches
         if "run" in step:
-            rids, tokens, kind = step["run"]
+            rids, tokens, kind, hidden = step["run"]
             with ranks.waiting():
-                out = forward(net, [live[r] for r in rids], mx.array(tokens, mx.int32), kind)
+                ids = mx.array(tokens, mx.int32)
+                out = forward(net, [live[r] for r in rids], ids, StepKind(kind), hidden=hidden)
                 if out is None:
                     continue
                 if net.is_last:  # the logits go back to rank 0, which samples

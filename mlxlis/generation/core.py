@@ -43,7 +43,7 @@ from mlxlis.generation.events import Event, Usage
 from mlxlis.generation.processors import LogitsProcessor, VocabularyLimit, processors_for
 from mlxlis.generation.sampling import SamplingParams, make_sampler
 from mlxlis.generation.speculative import SpecState, Speculation
-from mlxlis.generation.steps import PREFILL_CHUNK, Steps
+from mlxlis.generation.steps import PREFILL_CHUNK, StepKind, Steps
 from mlxlis.generation.stops import StopMatcher
 from mlxlis.generation.verify import propose, verify
 from mlxlis.models.model import Model
@@ -122,7 +122,7 @@ class Sequence:
             self.spec = SpecState(spec, req.params, model, caches, self.processors)
         self.t_plain: float | None = None  # when its last plain decode step ended
 
-    def next_chunk(self, size: int) -> tuple[int, str]:
+    def next_chunk(self, size: int) -> tuple[int, StepKind]:
         """How many prompt ids the next prefill step feeds (at most `size`, ending at the next
         snapshot position) and its kind for `Steps.run`."""
         at = len(self.fed)
@@ -132,8 +132,8 @@ class Sequence:
             if s.start < at + n < s.end:
                 n = s.start - at if s.start > at else s.end - at
         if n < len(self.todo):
-            return n, "mark" if at + n == mark else "chunk"
-        return len(self.todo), "prompt" if self.snapshot_end else "last"
+            return n, StepKind.MARK if at + n == mark else StepKind.CHUNK
+        return len(self.todo), StepKind.PROMPT if self.snapshot_end else StepKind.LAST
 
     def inserts(self, model: Model, n: int) -> Inserts | None:
         """The images whose runs the next `n` prompt ids hold, their features computed."""
@@ -311,7 +311,7 @@ class Core:
                             [s.id for s in g],
                             [s.caches for s in g],
                             mx.concatenate([s.pending for s in g]),
-                            "decode",
+                            StepKind.DECODE,
                         )
                         for g in groups
                     ]
@@ -408,12 +408,11 @@ class Core:
         hidden = s.spec is not None and s.spec.wants_hidden
         try:
             tokens = mx.array(chunk, mx.int32)
-            kind = kind + "+hidden" if hidden else kind
             inserts = s.inserts(self.model, n)
             if inserts is None:
-                out = self.steps.run([s.id], [s.caches], tokens, kind)
+                out = self.steps.run([s.id], [s.caches], tokens, kind, hidden=hidden)
             else:
-                out = self.steps.run([s.id], [s.caches], tokens, kind, inserts)
+                out = self.steps.run([s.id], [s.caches], tokens, kind, inserts, hidden=hidden)
             logits = out
             if hidden:  # a drafter reading the target's hidden states gets the prompt's
                 logits, states = out

@@ -31,7 +31,7 @@ from mlxlis.generation.events import Usage
 from mlxlis.generation.processors import LogitsProcessor, forked, processors_for
 from mlxlis.generation.proposal import Drafter, Picker, Proposal, SpeculativeError
 from mlxlis.generation.sampling import SamplingParams, make_filter, make_key
-from mlxlis.generation.steps import forward, prefill
+from mlxlis.generation.steps import StepKind, forward, prefill
 from mlxlis.models import family
 
 import mlx.core as mx
@@ -117,7 +117,7 @@ class ModelDrafter(Drafter):
         rows = self.model.config.vocab_size
         todo = [t if t < rows else 0 for t in todo]
         if len(todo) == 1:
-            return forward(self.model.net, [self.caches], mx.array(todo, mx.int32), "last")
+            return forward(self.model.net, [self.caches], mx.array(todo, mx.int32), StepKind.LAST)
         return prefill(self.model.net, todo, self.caches)
 
     def _over_target(self, logits: mx.array) -> mx.array:
@@ -142,7 +142,7 @@ class ModelDrafter(Drafter):
             if i < k - 1:
                 self.fed.append(t)
                 token = mx.array([t], mx.int32)
-                logits = forward(self.model.net, [self.caches], token, "last")
+                logits = forward(self.model.net, [self.caches], token, StepKind.LAST)
         return self.pick.proposal(tokens)
 
 

@@ -7,19 +7,22 @@ Steps, which tell the other ranks each step before running this rank's share: th
 layer, above this one, registers them here (`pipeline_steps`); the core never knows which it
 has.
 
-A step's `kind`: "chunk" (part of a prompt with more to come: nothing comes back), "mark" (a
-chunk at whose end the caches keep a snapshot: a position later prompts will share), "prompt"
-(the prompt's last chunk: the first token's logits; the caches snapshot its end), "last" (the
-same without the snapshot: the request asked for its snapshots elsewhere), "decode" (one token
-per sequence), "verify" (a speculative step: a few tokens of one sequence, or (B, T) of
+A step's `kind` (StepKind): CHUNK (part of a prompt with more to come: nothing comes back),
+MARK (a chunk at whose end the caches keep a snapshot: a position later prompts will share),
+PROMPT (the prompt's last chunk: the first token's logits; the caches snapshot its end), LAST
+(the same without the snapshot: the request asked for its snapshots elsewhere), DECODE (one
+token per sequence), VERIFY (a speculative step: a few tokens of one sequence, or (B, T) of
 several, whose caches must be able to forget any of them but the first; logits of every
-position, (T, vocab) or (B, T, vocab)).
+position, (T, vocab) or (B, T, vocab)). A step of one sequence may also ask for its `hidden`
+states: the (T, hidden) states before the final norm come back beside the logits (a drafter
+reading the target's, as an MTP head does).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from enum import Enum
+from typing import Literal, Protocol, overload
 
 from mlxlis.cache import Cache, snapshot
 from mlxlis.cache.prefix import PrefixCache
@@ -34,6 +37,22 @@ import mlx.core as mx
 PREFILL_CHUNK = 512  # prompt tokens per step (a pipeline's ranks overlap on these chunks)
 
 
+class StepKind(str, Enum):
+    """What a step feeds and what comes back (the module's docstring). A str: a pipeline's
+    leader sends its value to the other ranks, which read it back with StepKind(value)."""
+
+    CHUNK = "chunk"
+    MARK = "mark"
+    PROMPT = "prompt"
+    LAST = "last"
+    DECODE = "decode"
+    VERIFY = "verify"
+
+
+# with hidden=True: the logits (None for a CHUNK or a MARK) and the (T, hidden) states
+WithHidden = tuple[mx.array | None, mx.array]
+
+
 class Steps(Protocol):
     def admit(self, rid: int, ids: list[int], kv: KVFormat | None) -> tuple[list[Cache], int, str]:
         """Caches in KV format `kv` for request `rid` whose prompt is `ids`: a prefix-cache
@@ -41,18 +60,45 @@ class Steps(Protocol):
         ones; how many ids they hold; and why that many (PrefixCache.note)."""
         ...
 
+    @overload
     def run(
         self,
         rids: Sequence[int],
         caches: Sequence[list[Cache]],
         tokens: mx.array,
-        kind: str,
+        kind: StepKind,
         inserts: Inserts | None = None,
-    ) -> mx.array | None:
+        *,
+        hidden: Literal[False] = False,
+    ) -> mx.array | None: ...
+
+    @overload
+    def run(
+        self,
+        rids: Sequence[int],
+        caches: Sequence[list[Cache]],
+        tokens: mx.array,
+        kind: StepKind,
+        inserts: Inserts | None = None,
+        *,
+        hidden: Literal[True],
+    ) -> WithHidden: ...
+
+    def run(
+        self,
+        rids: Sequence[int],
+        caches: Sequence[list[Cache]],
+        tokens: mx.array,
+        kind: StepKind,
+        inserts: Inserts | None = None,
+        *,
+        hidden: bool = False,
+    ) -> mx.array | WithHidden | None:
         """Feed `tokens` to the requests `rids`: a (1, T) prompt chunk for one request, or one
         token each, (B,), to decode. (B, vocab) float32 logits of each one's newest position
-        (lazy), None for a "chunk". `inserts`: the images whose placeholder runs a prompt
-        chunk holds (models/multimodal.py)."""
+        (lazy), None for a CHUNK or a MARK. `inserts`: the images whose placeholder runs a
+        prompt chunk holds (models/multimodal.py). `hidden` (one request's step): (those
+        logits or None, its (T, hidden) states before the final norm)."""
         ...
 
     def release(self, rid: int, ids: list[int] | None, caches: list[Cache]) -> None:
@@ -83,13 +129,13 @@ class LocalSteps:
         rids: Sequence[int],
         caches: Sequence[list[Cache]],
         tokens: mx.array,
-        kind: str,
+        kind: StepKind,
         inserts: Inserts | None = None,
-    ) -> mx.array | None:
-        out = forward(self.model.net, caches, tokens, kind, inserts)
-        if kind.startswith(
-            "prompt"
-        ):  # the snapshots' copies made now, not held lazily by the cache
+        *,
+        hidden: bool = False,
+    ) -> mx.array | WithHidden | None:
+        out = forward(self.model.net, caches, tokens, kind, inserts, hidden=hidden)
+        if kind == StepKind.PROMPT:  # the snapshots' copies made now, not held lazily by the cache
             mx.async_eval([c.state for c in caches[0]])
         return out
 
@@ -121,46 +167,77 @@ def steps_for(model: Model, prefix: PrefixCache) -> Steps:
     return _pipelined[0](model, prefix)
 
 
+@overload
 def forward(
     net: Network,
     caches: Sequence[list[Cache]],
     tokens: mx.array,
-    kind: str,
+    kind: StepKind,
     inserts: Inserts | None = None,
-):
+    *,
+    hidden: Literal[False] = False,
+) -> mx.array | None: ...
+
+
+@overload
+def forward(
+    net: Network,
+    caches: Sequence[list[Cache]],
+    tokens: mx.array,
+    kind: StepKind,
+    inserts: Inserts | None = None,
+    *,
+    hidden: Literal[True],
+) -> WithHidden: ...
+
+
+def forward(
+    net: Network,
+    caches: Sequence[list[Cache]],
+    tokens: mx.array,
+    kind: StepKind,
+    inserts: Inserts | None = None,
+    *,
+    hidden: bool = False,
+) -> mx.array | WithHidden | None:
     """One step on this process's network (a lone one, or one rank's pipeline stage). A network
     that heads gives logits as `Steps.run` says; a stage that does not gives the send of its
-    hidden states (evaluated here for a "chunk", which returns None). `inserts` (a prompt
-    chunk's images) reach a network that sees as its `inserts=` argument."""
-    if kind == "decode" and len(caches) > 1:
+    hidden states (evaluated here for a CHUNK or a MARK, which return None). `inserts` (a
+    prompt chunk's images) reach a network that sees as its `inserts=` argument. `hidden`
+    (one sequence's step): also the (T, hidden) states before the final norm (a drafter
+    reading the target's, as an MTP head does): (logits or None, hidden)."""
+    if kind == StepKind.DECODE and len(caches) > 1 and not hidden:
         out = net.decode_batch(tokens, list(caches))  # (B, vocab) or a send
         return out.astype(mx.float32) if net.heads else out
-    if kind == "verify" and len(caches) > 1:  # several sequences' (B, T) tokens
+    if (
+        kind == StepKind.VERIFY and len(caches) > 1 and not hidden
+    ):  # several sequences' (B, T) tokens
         for row in caches:
             for c in row:
                 c.expect_rewind(tokens.shape[1] - 1)
         return net.verify_batch(tokens, list(caches)).astype(mx.float32)  # (B, T, vocab)
-    # kind + "+hidden": also the (T, hidden) states before the final norm (a drafter reading
-    # the target's, as an MTP head does): (logits or None, hidden)
-    kind, hidden = kind.removesuffix("+hidden"), kind.endswith("+hidden")
     inputs = tokens.reshape(1, -1).astype(mx.int32)  # (1, T)
-    if kind == "verify":  # logits of every position; the caches ready to forget all but one
+    if kind == StepKind.VERIFY:  # logits of every position; the caches ready to forget all but one
         for c in caches[0]:
             c.expect_rewind(inputs.shape[1] - 1)
-    last = kind != "verify"
+    last = kind != StepKind.VERIFY
     seen = {"inserts": inserts} if inserts else {}
     if hidden:
         h = net.hidden_states(inputs, caches[0], **seen)  # (1, T, hidden)
         out = net.head(h, last_only=last)
     else:
         out = net(inputs, cache=caches[0], last_only=last, **seen)
-    if kind in ("mark", "prompt"):
+    if kind in (StepKind.MARK, StepKind.PROMPT):
         snapshot(caches[0])  # a point recurrent layers and rings rewind to (a later prefix)
-    if kind in ("chunk", "mark"):  # only the caches matter (and a stage's send)
+    if kind in (StepKind.CHUNK, StepKind.MARK):  # only the caches matter (and a stage's send)
         mx.eval([c.state for c in caches[0]], [] if net.heads else out)
         out = None
     elif net.heads:
-        out = out[0].astype(mx.float32) if kind == "verify" else out[:, -1, :].astype(mx.float32)
+        out = (
+            out[0].astype(mx.float32)
+            if kind == StepKind.VERIFY
+            else out[:, -1, :].astype(mx.float32)
+        )
     return (out, h[0]) if hidden else out
 
 
@@ -173,5 +250,5 @@ def prefill(
     for start in range(0, len(ids), step):
         chunk = mx.array(list(ids[start : start + step]), mx.int32)
         last = start + step >= len(ids)
-        out = forward(net, [cache], chunk, "prompt" if last else "chunk")
+        out = forward(net, [cache], chunk, StepKind.PROMPT if last else StepKind.CHUNK)
     return out

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from mlxlis.cache.store import by_format
 from mlxlis.errors import MlxlisError
 from mlxlis.generation.events import Event
+from mlxlis.generation.steps import StepKind
 
 import mlx.core as mx
 
@@ -62,7 +63,10 @@ def verify(steps: Steps, net: Network, drafts: list[Draft]) -> list[tuple[Sequen
         rows = [d.tokens + d.tokens[-1:] * (width - len(d.tokens)) for d in drafts]
         seqs = [d.seq for d in drafts]
         logits = steps.run(
-            [s.id for s in seqs], [s.caches for s in seqs], mx.array(rows, mx.int32), "verify"
+            [s.id for s in seqs],
+            [s.caches for s in seqs],
+            mx.array(rows, mx.int32),
+            StepKind.VERIFY,
         )
         mx.eval(logits)  # (B, T, vocab)
         each = (time.perf_counter() - t0) / len(drafts)
@@ -74,8 +78,8 @@ def verify(steps: Steps, net: Network, drafts: list[Draft]) -> list[tuple[Sequen
     for d in drafts:
         t = time.perf_counter()
         s, hidden = d.seq, d.seq.spec.wants_hidden
-        kind = "verify+hidden" if hidden else "verify"
-        res = steps.run([s.id], [s.caches], mx.array(d.tokens, mx.int32), kind)
+        tokens = mx.array(d.tokens, mx.int32)
+        res = steps.run([s.id], [s.caches], tokens, StepKind.VERIFY, hidden=hidden)
         logits, states = res if hidden else (res, None)
         mx.eval(logits)  # (T, vocab)
         out += judge(d, logits, states, len(d.tokens), time.perf_counter() - t)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from mlxlis.generation.processors import processors_for
 from mlxlis.generation.sampling import SamplingParams, make_sampler
-from mlxlis.generation.steps import forward, prefill
+from mlxlis.generation.steps import StepKind, forward, prefill
 from mlxlis.models import WARMUP_CONFIGS, build_model, config_from_hf
 from mlxlis.models.model import Model
 from mlxlis.models.network import Network
@@ -63,7 +63,7 @@ def warm_network(
             logits = process(logits, history)
         token = sample(logits)
         history.append(int(token.item()))
-        logits = forward(net, [cache], token, "decode")
+        logits = forward(net, [cache], token, StepKind.DECODE)
     mx.eval(logits)
 
 
