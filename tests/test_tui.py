@@ -103,6 +103,7 @@ class FakeSession:
         self.last_prompt_tokens = 0
         self.thinking: bool | None = None
         self.response_format: dict | None = None
+        self.save_cache = None  # keeps no cache, as a raw pad
         self.script, self.delay = script, delay
         self.step = step  # called before token i instead of sleeping `delay`, when given
         self.fail, self.fail_after = fail, fail_after

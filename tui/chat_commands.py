@@ -186,7 +186,7 @@ class CommandsMixin:
     async def cmd_save(self, arg: str) -> None:
         path = Path(arg).expanduser() if arg else Path.cwd() / f"mlxlis-chat-{self.record_id}.md"
         atomic_write(path, to_markdown(self.engine.record(self.record_id)))
-        save = getattr(self.engine.session, "save_cache", None)  # a raw pad keeps none
+        save = self.engine.session.save_cache  # None: a raw pad keeps no cache
         # MLX work (the cache's arrays written) on the process's MLX thread, not the UI's
         kept = save is not None and await asyncio.wrap_future(mlx_thread().submit(save))
         self.notify(f"saved {path}" + (" and the conversation's cache (for /open)" if kept else ""))

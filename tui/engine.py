@@ -117,9 +117,12 @@ def load_model(options: Options, progress: Progress):
 class RawPad:
     """--no-chat: each text is fed as is (no template) and the continuation streamed back.
 
-    Same surface as ChatSession (send, turns, reset, prompt_preview, context_*), so the UI
-    does not care which one it drives. Earlier turns are kept for display and saving only.
+    Same surface as ChatSession (send, turns, reset, prompt_preview, context_*, save_cache),
+    so the UI does not care which one it drives. Earlier turns are kept for display and saving
+    only.
     """
+
+    save_cache: Callable[[], bool] | None = None  # always: a raw pad keeps no cache for /save
 
     def __init__(self, model: Model, generate: Callable[..., Iterator] | None = None):
         self.model = model

@@ -4,15 +4,18 @@ serve/prepare.py): roles, content parts (images read and checked), tool calls an
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxlis.prompt.tool_formats import call_arguments
 from mlxlis.serve.images import image_bytes
 from mlxlis.serve.openai_format import bad
 from mlxlis.serve.schemas import ChatMessage
 
+if TYPE_CHECKING:
+    from mlxlis.models.model import Model
 
-def message_dict(m: ChatMessage, i: int, model: Any = None) -> dict[str, Any]:
+
+def message_dict(m: ChatMessage, i: int, model: Model | None = None) -> dict[str, Any]:
     """One message as chat templates expect it (tool-call arguments as objects, as in
     transformers' convention; "developer" is OpenAI's newer name for "system"). Content
     parts with an image stay parts (Model.encode_chat's), their images as bytes; text-only
@@ -39,6 +42,7 @@ def message_dict(m: ChatMessage, i: int, model: Any = None) -> dict[str, Any]:
         content: Any = parts if seen else "".join(p["text"] for p in parts)
     else:
         content = m.content or ""
+    template = model.template if model is not None else None
     out: dict[str, Any] = {
         "role": "system" if m.role == "developer" else m.role,
         "content": content,
@@ -49,14 +53,10 @@ def message_dict(m: ChatMessage, i: int, model: Any = None) -> dict[str, Any]:
         out["tool_call_id"] = m.tool_call_id
     if m.reasoning_content is not None:
         out["reasoning_content"] = m.reasoning_content
-        if (
-            getattr(model, "template", None) is not None
-            and "message.thinking" in model.template.text
-        ):
+        if template is not None and "message.thinking" in template.text:
             out["thinking"] = m.reasoning_content  # gpt-oss's template reads this name
     if m.tool_calls:
         calls = []
-        template = getattr(model, "template", None)
         # a template that concatenates the arguments to its text (functionary v3.2) takes
         # them as the JSON text they came as
         as_text = template is not None and call_arguments(template) == "text"
