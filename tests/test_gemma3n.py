@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import mlxlis
@@ -272,7 +273,8 @@ def test_convert_round_trip_and_mlx_lm(gemma3n, tmp_path):
     ids = trajectory(40, vocab=400)
     assert bool(mx.array_equal(again.logits(ids), src.logits(ids)))
     assert again.config == src.config.with_(
-        source=again.config.source, eos_token_ids=again.config.eos_token_ids
+        source=again.config.source,
+        special=replace(src.config.special, eos=again.config.special.eos),
     )
     written = json.loads((out / "config.json").read_text())
     assert written["model_type"] == "gemma3n"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import mlxlis
@@ -343,7 +344,8 @@ def test_convert_round_trip_and_mlx_lm(gemma4, name, tmp_path):
     ids = trajectory(40, vocab=400)
     assert bool(mx.array_equal(again.logits(ids), src.logits(ids)))
     assert again.config == src.config.with_(
-        source=again.config.source, eos_token_ids=again.config.eos_token_ids
+        source=again.config.source,
+        special=replace(src.config.special, eos=again.config.special.eos),
     )
     theirs_model, _ = mlx_lm_load(str(out))
     theirs = np.array(theirs_model(mx.array([ids]))[0].astype(mx.float32))

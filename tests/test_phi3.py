@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import replace
 
 import mlxlis
 from mlxlis.errors import ConfigError, UnsupportedError
@@ -135,7 +136,8 @@ def test_mlx_lm_and_the_convert_round_trip(phi, tmp_path):
         )
         assert np.array_equal(np.array(again.logits(ids)), np.array(src.logits(ids)))
         assert again.config == src.config.with_(
-            source=again.config.source, eos_token_ids=again.config.eos_token_ids
+            source=again.config.source,
+            special=replace(src.config.special, eos=again.config.special.eos),
         )
 
 

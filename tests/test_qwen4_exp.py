@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import mlxlis
@@ -261,7 +262,8 @@ def test_convert_round_trip_and_transformers_reads_it(qwen4, tmp_path):
     ids = ids_with_eos(40)
     assert bool(mx.array_equal(again.logits(ids), src.logits(ids)))
     assert again.config == src.config.with_(
-        source=again.config.source, eos_token_ids=again.config.eos_token_ids
+        source=again.config.source,
+        special=replace(src.config.special, eos=again.config.special.eos),
     )
     ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert np.abs(np.array(again.logits(ids)) - reference_logits(ref, ids)).max() < 1e-4

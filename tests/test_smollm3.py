@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import mlxlis
 from mlxlis.prompt.reasoning import ANSWER, REASONING, ReasoningSplitter, join
@@ -151,7 +152,8 @@ def test_mlx_lm_and_the_convert_round_trip(smol, tmp_path):
     again = mlxlis.load(out, "float32")
     assert np.array_equal(np.array(again.logits(ids)), ours)
     assert again.config == src.config.with_(
-        source=again.config.source, eos_token_ids=again.config.eos_token_ids
+        source=again.config.source,
+        special=replace(src.config.special, eos=again.config.special.eos),
     )
 
 

@@ -61,10 +61,8 @@ def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "hidden_act": cfg.mlp.hidden_act,
         "torch_dtype": str(dtype).replace("mlx.core.", ""),
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": list(cfg.eos_token_ids)
-        if len(cfg.eos_token_ids) != 1
-        else cfg.eos_token_ids[0],
+        "bos_token_id": cfg.special.bos,
+        "eos_token_id": list(cfg.special.eos) if len(cfg.special.eos) != 1 else cfg.special.eos[0],
     }
     if cfg.rope.type == "linear":
         out["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope.factor}
@@ -274,7 +272,7 @@ def convert(
         (tmp / "config.json").write_text(
             json.dumps(hf_config(model.config, model.dtype, quant), indent=2)
         )
-        gen = {"bos_token_id": model.config.bos_token_id, "eos_token_id": sorted(model.stop_ids())}
+        gen = {"bos_token_id": model.config.special.bos, "eos_token_id": sorted(model.stop_ids())}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         write_tokenizer(model, tmp)
         _verify(model, tmp)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.models.base import Family, Projector
-from mlxlis.models.config import ModelConfig, base_config, eos_list
+from mlxlis.models.config import ModelConfig, SpecialTokens, base_config, eos_list
 from mlxlis.models.gemma import GEMMA, GEMMA2, GEMMA3
 from mlxlis.models.gemma3n import GEMMA3N
 from mlxlis.models.gemma4 import GEMMA4
@@ -131,7 +131,6 @@ def config_from_hf(
         }
         quant.pop(None, None)  # overrides of dropped modules (a vision tower)
     return base.with_(
-        eos_token_ids=eos,
-        bos_token_id=bos if isinstance(bos, int) else None,
+        special=SpecialTokens(bos if isinstance(bos, int) else None, eos),
         quantization=quant if isinstance(quant, dict) else None,
     )

@@ -21,6 +21,7 @@ from mlxlis.models.config_groups import (
     MoEConfig,
     NormConfig,
     RopeConfig,
+    SpecialTokens,
 )
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -50,8 +51,7 @@ class ModelConfig:
     norms: NormConfig
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
+    special: SpecialTokens = SpecialTokens()  # bos and eos ids
     # block structure (defaults are the Llama behaviour)
     attention: AttentionConfig = AttentionConfig()
     # per layer: "full_attention" | "sliding_attention" | "chunked_attention" |

@@ -30,6 +30,15 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class SpecialTokens:
+    """The model's own special ids (config.json with generation_config.json, or the GGUF's
+    tokenizer keys): read by the stop ids and the converter's written config."""
+
+    bos: int | None = None  # the id a prompt begins with
+    eos: tuple[int, ...] = ()  # the ids that end generation
+
+
+@dataclass(frozen=True)
 class DeltaNetConfig:
     """The Gated DeltaNet (linear attention) layers' shape (Qwen3.5, Qwen3-Next, Qwen4-Exp):
     read by deltanet.py and by the conventions that reorder its value heads."""

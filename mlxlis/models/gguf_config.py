@@ -9,7 +9,14 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models import GGUF_ARCHS
 from mlxlis.models.base import GGUFMeta
-from mlxlis.models.config import AttentionConfig, ModelConfig, NormConfig, RopeConfig, yarn_mscale
+from mlxlis.models.config import (
+    AttentionConfig,
+    ModelConfig,
+    NormConfig,
+    RopeConfig,
+    SpecialTokens,
+    yarn_mscale,
+)
 
 import numpy as np
 
@@ -103,8 +110,9 @@ def config_from_gguf(
             bias="blk.0.attn_q.bias" in tensor_shapes,
             o_bias="blk.0.attn_output.bias" in tensor_shapes,
         ),
-        bos_token_id=bos if isinstance(bos, int) else None,
-        eos_token_ids=(eos,) if isinstance(eos, int) else (),
+        special=SpecialTokens(
+            bos if isinstance(bos, int) else None, (eos,) if isinstance(eos, int) else ()
+        ),
         source=path,
     )
     return spec.parse_gguf(cfg, GGUFMeta(md, arch, path, tensor_shapes) if per_layer else m)

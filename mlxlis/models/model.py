@@ -256,7 +256,7 @@ class Model:
         """EOS ids from config and tokenizer, plus the template's end-of-turn tokens; in a
         harmony vocabulary (gpt-oss: <|return|> and <|call|> end a reply) <|end|> only ends
         a message and more follow, so it is not one (llama.cpp's o200k_harmony rule)."""
-        ids = set(self.config.eos_token_ids) | set(self.tokenizer.stop_ids)
+        ids = set(self.config.special.eos) | set(self.tokenizer.stop_ids)
         if self.template is not None:
             ids |= set(end_of_turn_tokens(self.template.text, self.tokenizer.special_tokens))
         special = self.tokenizer.special_tokens
