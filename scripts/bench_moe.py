@@ -26,6 +26,7 @@ import mlxlis  # noqa: E402,F401  (importing mlxlis preloads the BLAS first)
 from mlxlis.models import build_model  # noqa: E402
 from mlxlis.models.config import (  # noqa: E402
     AttentionConfig,
+    MLPConfig,
     ModelConfig,
     MoEConfig,
     NormConfig,
@@ -56,12 +57,12 @@ def config(kind: str, layers: int) -> ModelConfig:
     if kind == "moe":
         return ModelConfig(
             family="qwen3_moe",
-            intermediate_size=TOP_K * EXPERT_WIDTH,
+            mlp=MLPConfig(TOP_K * EXPERT_WIDTH),
             moe=MoEConfig(EXPERTS, TOP_K, EXPERT_WIDTH, (True,) * layers, norm_topk_prob=True),
             **common,
         )
     width = TOP_K * EXPERT_WIDTH if kind == "dense-active" else EXPERTS * EXPERT_WIDTH
-    return ModelConfig(family="qwen3", intermediate_size=width, **common)
+    return ModelConfig(family="qwen3", mlp=MLPConfig(width), **common)
 
 
 def build(kind: str, layers: int):

@@ -20,7 +20,7 @@ from mlxlis.loading import catalog
 from mlxlis.loading.gguf_split import read_gguf
 from mlxlis.models import REGISTRY, build_model, conventions, family
 from mlxlis.models import from_gguf as gguf_model
-from mlxlis.models.config import ModelConfig, NormConfig, RopeConfig
+from mlxlis.models.config import MLPConfig, ModelConfig, NormConfig, RopeConfig
 from mlxlis.models.conventions import unpermute_rows
 from mlxlis.models.from_gguf import SPECIAL
 from mlxlis.models.gguf_config import config_from_gguf
@@ -81,13 +81,13 @@ def config(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 16) -
         family=family,
         vocab_size=64,
         hidden_size=heads * head_dim,
-        intermediate_size=64,
         num_hidden_layers=1,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         rope=RopeConfig(theta=10000.0),
         norms=NormConfig(1e-6),
+        mlp=MLPConfig(64),
     )
 
 

@@ -50,7 +50,7 @@ def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str
         "model_type": spec.export_model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
+        "intermediate_size": cfg.mlp.intermediate_size,
         "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,

@@ -79,7 +79,7 @@ def model_report(model: Model) -> dict[str, Any]:
         "config": {
             "layers": c.num_hidden_layers,
             "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size,
+            "intermediate_size": c.mlp.intermediate_size,
             "attention_heads": c.num_attention_heads,
             "kv_heads": c.num_key_value_heads,
             "head_dim": c.head_dim,

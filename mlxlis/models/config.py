@@ -42,13 +42,13 @@ class ModelConfig:
     family: str
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
     rope: RopeConfig
     norms: NormConfig
+    mlp: MLPConfig
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     special: SpecialTokens = SpecialTokens()  # bos and eos ids
@@ -59,7 +59,6 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     moe: MoEConfig | None = None  # a mixture of experts in its sparse layers
     deltanet: DeltaNetConfig | None = None  # Gated DeltaNet (linear attention) layers
-    mlp: MLPConfig = MLPConfig()
     # what the fields above do not describe, typed by the family (e.g. Gemma 4's Structure)
     family_config: FamilyConfig | None = None
     # MLX quantization from config.json ({"group_size", "bits", per-layer overrides}) or None
@@ -323,7 +322,6 @@ def base_config(cfg: dict, family: str, path: str) -> ModelConfig:
         family=family,
         vocab_size=size["vocab_size"],
         hidden_size=hidden,
-        intermediate_size=size["intermediate_size"],
         num_hidden_layers=size["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -333,6 +331,8 @@ def base_config(cfg: dict, family: str, path: str) -> ModelConfig:
         max_position_embeddings=size["max_position_embeddings"],
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention=AttentionConfig(bias=bool(bias), o_bias=bool(bias)),
-        mlp=MLPConfig(hidden_act=act, bias=bool(cfg.get("mlp_bias", False))),
+        mlp=MLPConfig(
+            size["intermediate_size"], hidden_act=act, bias=bool(cfg.get("mlp_bias", False))
+        ),
         source=path,
     )

@@ -72,6 +72,7 @@ class MLPConfig:
     """The gated MLP, down(act(gate(x)) · up(x)): read by layers.MLP (and its activation by
     the experts)."""
 
+    intermediate_size: int  # its width (a dense layer's; the experts' is the MoE's own)
     hidden_act: str = "silu"  # the gate's: SwiGLU (silu), GeGLU (the GELUs)
     bias: bool = False
     fused_gate_up: bool = False  # one gate|up projection (gate_up_proj): Phi-3 / Phi-4

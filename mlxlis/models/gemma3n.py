@@ -214,8 +214,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     window = _int(cfg, "sliding_window", 512, path)
     return base.with_(
         **structure_fields(base, softcap, local, window),
-        mlp=MLPConfig(act),
-        intermediate_size=sizes[0],
+        mlp=MLPConfig(sizes[0], act),
         tie_word_embeddings=tied,
         rope=rope,
         layer_types=types,
@@ -295,8 +294,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     cap = m.get("final_logit_softcapping", 30.0, float) or None
     return base.with_(
         **structure_fields(base, cap, local, window),
-        mlp=MLPConfig("gelu_pytorch_tanh"),
-        intermediate_size=ffn[0],
+        mlp=MLPConfig(ffn[0], "gelu_pytorch_tanh"),
         layer_types=types,
         rope=RopeConfig(theta=base.rope.theta),
         family_config=structure,

@@ -236,7 +236,8 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     source = kv_sources(types, shared, path, "num_kv_shared_layers")
     double = bool(cfg.get("use_double_wide_mlp", False))
     sizes = tuple(
-        base.intermediate_size * (2 if double and src != i else 1) for i, src in enumerate(source)
+        base.mlp.intermediate_size * (2 if double and src != i else 1)
+        for i, src in enumerate(source)
     )
     ple = int_key(cfg, "hidden_size_per_layer_input", 256, path, low=0)
     moe = None
@@ -286,7 +287,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
             causal=bidirectional != "all",  # "all": an encoder (Model.logits only)
         ),
         moe=moe,
-        mlp=MLPConfig(act),
+        mlp=MLPConfig(base.mlp.intermediate_size, act),
         head_dim=head,
         num_key_value_heads=kv,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
@@ -317,15 +318,16 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
     s: Structure = cfg.own(Structure)
     n, types, moe = cfg.num_hidden_layers, cfg.layer_types, cfg.moe
     shared = sum(src != i for i, src in enumerate(s.kv_source))
-    double = s.intermediate_sizes != (cfg.intermediate_size,) * n
+    double = s.intermediate_sizes != (cfg.mlp.intermediate_size,) * n
     hf = (
         not s.fused_gate_up
         and s.kv_source == kv_sources(types, shared, cfg.source, "")
         and s.intermediate_sizes
         in (
-            (cfg.intermediate_size,) * n,
+            (cfg.mlp.intermediate_size,) * n,
             tuple(
-                cfg.intermediate_size * (2 if src != i else 1) for i, src in enumerate(s.kv_source)
+                cfg.mlp.intermediate_size * (2 if src != i else 1)
+                for i, src in enumerate(s.kv_source)
             ),
         )
         and (moe is None or len(set(moe.sparse_layers)) <= 1)

@@ -201,10 +201,9 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     return base.with_(
         **structure_fields(base, cap, local, window),
         moe=moe,
-        mlp=MLPConfig("gelu_pytorch_tanh"),
+        mlp=MLPConfig(ffn[0], "gelu_pytorch_tanh"),
         head_dim=head_s,
         num_key_value_heads=kv_s,
-        intermediate_size=ffn[0],
         layer_types=types,
         rope=RopeConfig(theta=base.rope.theta),
         family_config=structure,

@@ -11,6 +11,7 @@ from mlxlis.models import GGUF_ARCHS
 from mlxlis.models.base import GGUFMeta
 from mlxlis.models.config import (
     AttentionConfig,
+    MLPConfig,
     ModelConfig,
     NormConfig,
     RopeConfig,
@@ -97,13 +98,13 @@ def config_from_gguf(
         family=spec.name,
         vocab_size=size["vocab_size"],
         hidden_size=size["hidden_size"],
-        intermediate_size=size["intermediate_size"],
         num_hidden_layers=size["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         rope=rope,
         norms=NormConfig(m.get("attention.layer_norm_rms_epsilon", 1e-6, float)),
+        mlp=MLPConfig(size["intermediate_size"]),
         max_position_embeddings=size["max_position_embeddings"],
         tie_word_embeddings="output.weight" not in tensor_shapes,  # llama.cpp omits it when tied
         attention=AttentionConfig(

@@ -192,7 +192,7 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
-        d, f, mlp = cfg.hidden_size, hidden or cfg.intermediate_size, cfg.mlp
+        d, f, mlp = cfg.hidden_size, hidden or cfg.mlp.intermediate_size, cfg.mlp
         if mlp.fused_gate_up:  # Phi-3 / Phi-4: one projection, the gate's rows first
             self.gate_up_proj = nn.Linear(d, 2 * f, bias=mlp.bias)
         else:

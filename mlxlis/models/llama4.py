@@ -129,11 +129,10 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     )
     return check_act(
         base.with_(
-            intermediate_size=size["intermediate_size"],
             moe=moe_config(size, tuple(i in moe for i in range(n))),
             attention=attention,
             layer_types=tuple(types),
-            mlp=replace(base.mlp, bias=False),
+            mlp=replace(base.mlp, intermediate_size=size["intermediate_size"], bias=False),
         ),
         path,
     )
@@ -180,7 +179,7 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
     return {
         "attention_bias": cfg.attention.bias,
         "intermediate_size": cfg.moe.intermediate_size,
-        "intermediate_size_mlp": cfg.intermediate_size,
+        "intermediate_size_mlp": cfg.mlp.intermediate_size,
         "num_local_experts": cfg.moe.num_experts,
         "num_experts_per_tok": cfg.moe.num_experts_per_tok,
         "interleave_moe_layer_step": step,

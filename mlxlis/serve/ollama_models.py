@@ -84,7 +84,7 @@ def model_info(model: Any, context: int, count: int) -> dict[str, Any]:
         f"{arch}.context_length": context,
         f"{arch}.embedding_length": c.hidden_size,
         f"{arch}.block_count": c.num_hidden_layers,
-        f"{arch}.feed_forward_length": c.intermediate_size,
+        f"{arch}.feed_forward_length": c.mlp.intermediate_size,
         f"{arch}.attention.head_count": c.num_attention_heads,
         f"{arch}.attention.head_count_kv": c.num_key_value_heads,
         f"{arch}.vocab_size": c.vocab_size,
