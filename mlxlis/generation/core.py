@@ -409,10 +409,7 @@ class Core:
         try:
             tokens = mx.array(chunk, mx.int32)
             inserts = s.inserts(self.model, n)
-            if inserts is None:
-                out = self.steps.run([s.id], [s.caches], tokens, kind, hidden=hidden)
-            else:
-                out = self.steps.run([s.id], [s.caches], tokens, kind, inserts, hidden=hidden)
+            out = self.steps.run([s.id], [s.caches], tokens, kind, inserts, hidden=hidden)
             logits = out
             if hidden:  # a drafter reading the target's hidden states gets the prompt's
                 logits, states = out

@@ -167,30 +167,6 @@ def steps_for(model: Model, prefix: PrefixCache) -> Steps:
     return _pipelined[0](model, prefix)
 
 
-@overload
-def forward(
-    net: Network,
-    caches: Sequence[list[Cache]],
-    tokens: mx.array,
-    kind: StepKind,
-    inserts: Inserts | None = None,
-    *,
-    hidden: Literal[False] = False,
-) -> mx.array | None: ...
-
-
-@overload
-def forward(
-    net: Network,
-    caches: Sequence[list[Cache]],
-    tokens: mx.array,
-    kind: StepKind,
-    inserts: Inserts | None = None,
-    *,
-    hidden: Literal[True],
-) -> WithHidden: ...
-
-
 def forward(
     net: Network,
     caches: Sequence[list[Cache]],
