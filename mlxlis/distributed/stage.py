@@ -17,20 +17,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxlis.cache import Cache, CacheBatch
+from mlxlis.cache import Cache, CacheBatch, KVFormat
 from mlxlis.distributed.group import Ranks
 from mlxlis.distributed.split import Part
 from mlxlis.errors import UnsupportedError
+from mlxlis.models.config import ModelConfig
 from mlxlis.models.network import VerifiesAlone
 
 import mlx.core as mx
+import mlx.nn as nn
 
 
 class PipelineNet(VerifiesAlone):
     """The network of a pipelined Model: called like the Decoder (inputs, cache, last_only),
     it returns logits on the last rank and, on the others, the send of its hidden states
-    (an array whose evaluation passes them on). Other attributes are the Decoder's. It does
-    not verify in batch (the core refuses to speculate on a pipelined model)."""
+    (an array whose evaluation passes them on); its weights and caches are its share of the
+    Decoder's. It does not verify in batch (the core refuses to speculate on a pipelined
+    model)."""
 
     def __init__(self, net: Any, ranks: Ranks, part: Part, dtype: mx.Dtype):
         self.net = net
@@ -38,8 +41,25 @@ class PipelineNet(VerifiesAlone):
         self.part = part
         self.hidden_dtype = net.hidden_dtype(dtype)
 
-    def __getattr__(self, name: str) -> Any:  # parameters(), config, make_cache, ...
-        return getattr(self.__dict__["net"], name)
+    @property
+    def config(self) -> ModelConfig:
+        return self.net.config
+
+    def make_cache(self, kv: KVFormat | None = None) -> list[Cache]:
+        """This rank's layers' caches."""
+        return self.net.make_cache(kv)
+
+    def parameters(self) -> dict:
+        """This rank's share of the weights (what memory figures and Ollama's sizes count)."""
+        return self.net.parameters()
+
+    def named_modules(self) -> list[tuple[str, nn.Module]]:
+        return self.net.named_modules()
+
+    def hidden_states(
+        self, inputs: mx.array, cache: list[Cache] | None = None, inserts: object = None
+    ) -> mx.array:
+        raise UnsupportedError("hidden states of a pipelined model (no speculation on one)")
 
     @property
     def rank(self) -> int:
