@@ -296,7 +296,7 @@ def write_model(folder: Path, raw: dict) -> None:
     mx.random.seed(0)
     spec = family(cfg.family)  # the tensors named as `convert` writes them
     params = dict(tree_flatten(net.parameters()))
-    for copy, src in (spec.export_copies(cfg) if spec.export_copies else {}).items():
+    for copy, src in (spec.export.copies(cfg) if spec.export.copies else {}).items():
         params.update({copy + k[len(src) :]: v for k, v in params.items() if k.startswith(src)})
     params = {  # integer buffers (Qwen4-Exp's hash constants) as the model computes them
         k: (mx.random.normal(v.shape) * 0.02 if v.ndim > 1 else mx.ones(v.shape) * 0.5)
@@ -307,9 +307,9 @@ def write_model(folder: Path, raw: dict) -> None:
     for k in params:
         if k.endswith("A_log"):
             params[k] = mx.log(mx.random.uniform(0.5, 4.0, params[k].shape))
-    if spec.export_layout is not None:
-        params = {k: spec.export_layout(k, v) for k, v in params.items()}
-    params = {spec.export_name(k): v for k, v in params.items()}
+    if spec.export.layout is not None:
+        params = {k: spec.export.layout(k, v) for k, v in params.items()}
+    params = {spec.export.name(k): v for k, v in params.items()}
     mx.save_safetensors(str(folder / "model.safetensors"), params, {"format": "pt"})
     (folder / "config.json").write_text(json.dumps(hf_config(cfg, mx.float32, None)))
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

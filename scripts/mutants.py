@@ -951,8 +951,8 @@ MUTANTS = (
     Mutant(
         "m3-gguf-unpermuted",
         "mlxlis/models/mistral3.py",
-        "    gguf_conventions=(UNPERMUTE_Q, UNPERMUTE_K),  # Ministral3Model is a LlamaModel",
-        "    gguf_conventions=(),",
+        "        conventions=(UNPERMUTE_Q, UNPERMUTE_K),  # Ministral3Model is a LlamaModel",
+        "        conventions=(),",
         (M3_GGUF,),
         "Ministral 3 GGUF: Q/K left in llama.cpp's permuted order",
     ),

@@ -1,5 +1,5 @@
 """Converter conventions (mlxlis.models.conventions, declared per family) and the families'
-GGUF name tables (`Family.gguf_block`).
+GGUF name tables (`Family.gguf.block`).
 
 Reference parity: the un-permute against llama.cpp's own `permute` formula (copied below from
 convert_hf_to_gguf.py), on dense rows and on MLX-quantized rows; and, on the full load path, a
@@ -53,13 +53,13 @@ def undo(name: str, arr: mx.array, cfg: ModelConfig, part: str) -> mx.array:
 
 
 def module_name(fam: str, gguf_name: str) -> str | None:
-    return family(fam).gguf_module_name(gguf_name)
+    return family(fam).gguf.module_name(gguf_name)
 
 
 def permuted_by_llama_cpp(fam: str) -> bool:
     """llama.cpp's converter permutes Q/K for its LlamaModel's architectures: `llama`, and
     `mistral3` and `smollm3` (Ministral3Model and SmolLM3Model subclass it)."""
-    return any(a in ("llama", "mistral3", "smollm3") for a in REGISTRY[fam].gguf_archs)
+    return any(a in ("llama", "mistral3", "smollm3") for a in REGISTRY[fam].gguf.archs)
 
 
 def norms_plus_one_in_gguf(fam: str) -> bool:
@@ -67,13 +67,13 @@ def norms_plus_one_in_gguf(fam: str) -> bool:
     Qwen3.5 converters (Qwen3NextModel) to every norm but DeltaNet's gated one (not in
     GEMMA_NORMS below)."""
     archs = ("gemma", "gemma2", "gemma3", "qwen35", "qwen35moe", "qwen3next")
-    return any(a in archs for a in REGISTRY[fam].gguf_archs)
+    return any(a in archs for a in REGISTRY[fam].gguf.archs)
 
 
 def qwen35_layout(fam: str) -> bool:
     """llama.cpp's Qwen3.5 converter also reorders value heads, stores −exp(A_log), squeezes
     conv1d: a convention set of its own (test_qwen3_5_gguf.py checks it against a file)."""
-    return any(a in ("qwen35", "qwen35moe") for a in REGISTRY[fam].gguf_archs)
+    return any(a in ("qwen35", "qwen35moe") for a in REGISTRY[fam].gguf.archs)
 
 
 def config(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 16) -> ModelConfig:
@@ -192,10 +192,10 @@ def test_every_family_declares_exactly_llama_cpps_conventions():
     own sets, nothing for the rest."""
     for fam, spec in REGISTRY.items():
         if qwen35_layout(fam):
-            assert spec.gguf_conventions == conventions.QWEN35_GGUF, fam
+            assert spec.gguf.conventions == conventions.QWEN35_GGUF, fam
             continue
-        if "qwen3next" in spec.gguf_archs:  # Qwen3.5's set without its value-head reorder
-            assert spec.gguf_conventions == conventions.QWEN3NEXT_GGUF, fam
+        if "qwen3next" in spec.gguf.archs:  # Qwen3.5's set without its value-head reorder
+            assert spec.gguf.conventions == conventions.QWEN3NEXT_GGUF, fam
             continue
         want = []
         if permuted_by_llama_cpp(fam):
@@ -205,7 +205,7 @@ def test_every_family_declares_exactly_llama_cpps_conventions():
         names = {
             id(getattr(conventions, n)): n for n in ("UNPERMUTE_Q", "UNPERMUTE_K", "NORM_MINUS_ONE")
         }
-        assert [names[id(x)] for x in spec.gguf_conventions] == want, fam
+        assert [names[id(x)] for x in spec.gguf.conventions] == want, fam
 
 
 # --- name tables ---

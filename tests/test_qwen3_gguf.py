@@ -250,7 +250,7 @@ def test_convert_round_trip_and_mlx_lm(files, case, tmp_path):
     ids = trajectory(40, vocab=src.config.vocab_size)
     assert bool(mx.array_equal(again.logits(ids), src.logits(ids)))
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == family(src.config.family).export_model_type
+    assert cfg["model_type"] == family(src.config.family).export.model_type
     theirs_model, _ = mlx_lm_load(str(out))  # classic keys, as convert writes them
     theirs = np.array(theirs_model(mx.array([ids]))[0].astype(mx.float32))
     assert np.abs(np.array(again.logits(ids)) - theirs).max() < 1e-4

@@ -231,14 +231,14 @@ def test_dependencies_match_imports():
 
 def test_registry_names_are_unique_and_complete():
     """Every family is reachable from its names, and no name is claimed twice."""
-    types = [t for f in REGISTRY.values() for t in f.hf_model_types]
-    archs = [a for f in REGISTRY.values() for a in f.gguf_archs]
+    types = [t for f in REGISTRY.values() for t in f.hf.model_types]
+    archs = [a for f in REGISTRY.values() for a in f.gguf.archs]
     assert len(types) == len(set(types)) and len(archs) == len(set(archs))
     for name, spec in REGISTRY.items():
         assert spec.name == name
-        assert all(HF_MODEL_TYPES[t] is spec for t in spec.hf_model_types)
-        assert all(GGUF_ARCHS[a] is spec for a in spec.gguf_archs)
-        assert HF_MODEL_TYPES[spec.export_model_type] is spec  # convert writes a name we read
+        assert all(HF_MODEL_TYPES[t] is spec for t in spec.hf.model_types)
+        assert all(GGUF_ARCHS[a] is spec for a in spec.gguf.archs)
+        assert HF_MODEL_TYPES[spec.export.model_type] is spec  # convert writes a name we read
 
 
 def table_rows(page: str, heading: str) -> list[list[str]]:

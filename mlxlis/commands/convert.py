@@ -44,10 +44,10 @@ def sha256_file(path: Path) -> str:
 
 def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str, Any]:
     """config.json in the classic keys that mlx-lm and transformers both read."""
-    spec = family(cfg.family)
+    export = family(cfg.family).export
     out: dict[str, Any] = {
-        "architectures": [spec.export_architecture],
-        "model_type": spec.export_model_type,
+        "architectures": [export.architecture],
+        "model_type": export.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.mlp.intermediate_size,
@@ -77,17 +77,17 @@ def hf_config(cfg: ModelConfig, dtype: mx.Dtype, quant: dict | None) -> dict[str
         }
     elif cfg.rope.type == "yarn":
         out["rope_scaling"] = yarn_keys(cfg.rope)
-    out.update(spec.export_config(cfg))
-    if spec.export_wrapper:  # readers know this family under its multimodal wrapper type only
+    out.update(export.config(cfg))
+    if export.wrapper:  # readers know this family under its multimodal wrapper type only
         out = {
             "architectures": out.pop("architectures"),
-            "model_type": spec.export_wrapper,
+            "model_type": export.wrapper,
             "tie_word_embeddings": out["tie_word_embeddings"],
             "eos_token_id": out["eos_token_id"],
             "text_config": out,
         }
     if quant:  # per-module overrides under the names the tensors are written with
-        quant = {(spec.export_name(k) if isinstance(v, dict) else k): v for k, v in quant.items()}
+        quant = {(export.name(k) if isinstance(v, dict) else k): v for k, v in quant.items()}
         out["quantization"] = quant
         out["quantization_config"] = quant
     return out
@@ -198,7 +198,7 @@ def write_tokenizer(model: Model, folder: Path) -> None:
     # most of a conversion: 32 s of 40 here); the type we export names the same class, and the
     # files come out the same. A type with no class of its own gets the generic fast
     # tokenizer, as AutoTokenizer gives it.
-    kind = family(model.config.family).export_model_type
+    kind = family(model.config.family).export.model_type
     try:
         if TOKENIZER_MAPPING_NAMES.get(kind):
             tok = AutoTokenizer.from_pretrained(
@@ -257,17 +257,17 @@ def convert(
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
     try:
-        spec = family(model.config.family)
-        copies = spec.export_copies(model.config) if spec.export_copies else {}
+        export = family(model.config.family).export
+        copies = export.copies(model.config) if export.copies else {}
         quant, qmods, dense = quantization_block(model.net)
         quant = with_copies(quant, copies)
         files = write_weights(
             model.net,
             tmp,
-            name=spec.export_name,
+            name=export.name,
             copies=copies,
-            layout=spec.export_layout,
-            regroup=spec.export_regroup,
+            layout=export.layout,
+            regroup=export.regroup,
         )
         (tmp / "config.json").write_text(
             json.dumps(hf_config(model.config, model.dtype, quant), indent=2)

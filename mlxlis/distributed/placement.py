@@ -45,7 +45,7 @@ def _header(path_or_name: str | Path) -> tuple[Any, dict[str, int], Path]:
     from mlxlis.models.config import read_json
 
     cfg = config_from_hf(read_json(path / "config.json"), str(path / "config.json"))
-    return cfg, folder_sizes(path, family(cfg.family).hf_name), path
+    return cfg, folder_sizes(path, family(cfg.family).hf.name), path
 
 
 def placement_report(

@@ -54,8 +54,8 @@ REGISTRY: dict[str, Family] = {
         *(GEMMA, GEMMA2, GEMMA3, GEMMA3N, GEMMA4, GEMMA4_ASSISTANT),
     )
 }
-HF_MODEL_TYPES: dict[str, Family] = {t: f for f in REGISTRY.values() for t in f.hf_model_types}
-GGUF_ARCHS: dict[str, Family] = {a: f for f in REGISTRY.values() for a in f.gguf_archs}
+HF_MODEL_TYPES: dict[str, Family] = {t: f for f in REGISTRY.values() for t in f.hf.model_types}
+GGUF_ARCHS: dict[str, Family] = {a: f for f in REGISTRY.values() for a in f.gguf.archs}
 # the families that see, by name: their towers in llama.cpp's mmproj files (Family.mmproj)
 PROJECTORS: dict[str, Projector] = {f.name: f.mmproj for f in REGISTRY.values() if f.mmproj}
 # the families' tiny configs that `make install` warms the kernels with (Family.warmup)
@@ -112,10 +112,10 @@ def config_from_hf(
         outer = {k: cfg[k] for k in _OUTER_KEYS if k in cfg}  # some wrappers keep these outside
         cfg = {**outer, **text, "model_type": text.get("model_type", model_type)}
     base = base_config(
-        {**spec.hf_defaults, **(spec.hf_base(cfg) if spec.hf_base else cfg)}, spec.name, path
+        {**spec.hf.defaults, **(spec.hf.base(cfg) if spec.hf.base else cfg)}, spec.name, path
     )
     try:
-        base = spec.parse_hf(cfg, base, path)
+        base = spec.hf.parse(cfg, base, path)
     except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
         # config.json is untrusted: a value of the wrong type is a bad file, not a crash
         raise ConfigError(f"malformed value ({type(e).__name__}: {e})"[:300], path=path) from None
@@ -127,7 +127,7 @@ def config_from_hf(
         bos = generation["bos_token_id"]
     if isinstance(quant, dict):  # per-module overrides are keyed by checkpoint module paths
         quant = {
-            (spec.hf_name(k) if isinstance(v, (dict, bool)) else k): v for k, v in quant.items()
+            (spec.hf.name(k) if isinstance(v, (dict, bool)) else k): v for k, v in quant.items()
         }
         quant.pop(None, None)  # overrides of dropped modules (a vision tower)
     return base.with_(

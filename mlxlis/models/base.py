@@ -1,4 +1,5 @@
-"""What a family module declares (`Family`), and the GGUF metadata reader its parsers use.
+"""What a family module declares (`Family`, with a record per format: `HFFormat`,
+`GGUFFormat`, `MLXFormat`, `Export`), and the GGUF metadata reader its parsers use.
 
 A family module (llama.py, gemma.py, qwen3.py, ...) builds one `Family` per model family it
 implements; `models/__init__.py` lists them. Everything the loaders, `convert` and `inspect`
@@ -75,69 +76,141 @@ class Projector:
 
 
 @dataclass(frozen=True)
-class Family:
-    """Everything about one model family, as data and small functions."""
+class HFFormat:
+    """How a family reads Hugging Face's format: config.json and safetensors checkpoints."""
 
-    name: str  # ModelConfig.family
-    hf_model_types: tuple[str, ...]  # config.json model_type values read as this family
-    gguf_archs: tuple[str, ...]  # GGUF general.architecture values read as this family
+    model_types: tuple[str, ...]  # config.json model_type values read as this family
     # config.json dict + the shared fields (config.base_config) -> the family's ModelConfig
-    parse_hf: Callable[[dict, ModelConfig, str], ModelConfig]
+    parse: Callable[[dict, ModelConfig, str], ModelConfig]
+    # config.json keys the shared parser needs that this family's configs may omit
+    defaults: dict[str, Any] = field(default_factory=dict)
+    # config.json -> what the shared parser reads, where the family says it otherwise (Gemma
+    # 3n: intermediate_size per layer); `parse` still reads the file's own keys
+    base: Callable[[dict], dict] | None = None
+    # checkpoint name prefixes renamed to ours, and prefixes dropped (e.g. a vision tower)
+    renames: tuple[tuple[str, str], ...] = ()
+    dropped: tuple[str, ...] = ()
+
+    def name(self, name: str) -> str | None:
+        """A checkpoint tensor name under our module names; None for a dropped tensor."""
+        if name.startswith(self.dropped):
+            return None
+        for old, new in self.renames:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
+
+@dataclass(frozen=True)
+class GGUFFormat:
+    """How a family reads llama.cpp's GGUF files: metadata and tensor names."""
+
+    archs: tuple[str, ...]  # GGUF general.architecture values read as this family
     # GGUF: the shared fields + metadata -> the family's ModelConfig
-    parse_gguf: Callable[[ModelConfig, GGUFMeta], ModelConfig]
-    network: type[nn.Module]  # built as network(cfg, family, **loader extras)
-    gguf_block: dict[str, str] = field(default_factory=lambda: dict(GGUF_LLAMA_BLOCK))
-    gguf_conventions: tuple[Convention, ...] = ()  # undone on GGUF tensors, in this order
-    # `convert`: config.json's model_type / architectures, and the family's own keys
-    export_model_type: str = ""
-    export_architecture: str = ""
-    export_config: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
-    export_wrapper: str = ""  # write config.json as this wrapper type around a text_config
-    export_prefix: str = ""  # write the tensors under this prefix (the wrapper's language model)
+    parse: Callable[[ModelConfig, GGUFMeta], ModelConfig]
+    block: dict[str, str] = field(default_factory=lambda: dict(GGUF_LLAMA_BLOCK))
+    conventions: tuple[Convention, ...] = ()  # undone on GGUF tensors, in this order
+    # GGUF tensors the model does not use (e.g. a multi-token-prediction head), by name + config
+    ignored: Callable[[str, ModelConfig], bool] | None = None
+    # GGUF names the block/top tables cannot express (a family's own mapping, tried first)
+    names: Callable[[str], str | None] | None = None
+    # `{arch}.*` keys llama.cpp reads per layer that `parse` reads whole (the shared fields
+    # take layer 0's value)
+    per_layer_keys: tuple[str, ...] = ()
+    # a `rope_freqs` tensor the family can state as config instead (then `convert` can write
+    # it): (cfg, factors) -> (cfg, the factors still needed or None)
+    rope_freqs: RopeFreqsHook | None = None
+    # a GGUF tensor that stacks on axis 0 what the checkpoint keeps as one module per index
+    # (Gemma 3n's altup_proj): GGUF name -> the modules' tensor name, "{}" the index
+    stacked: dict[str, str] = field(default_factory=dict)
+    # GGUF tensors that are config, not parameters (Phi-3's rope_factors_long / _short):
+    # their names, and (cfg, {name: values}) -> cfg once they are read
+    config_tensors: tuple[str, ...] = ()
+    tensor_config: Callable[[ModelConfig, dict[str, mx.array]], ModelConfig] | None = None
+
+    def module_name(self, gguf_name: str) -> str | None:
+        """The module tensor name for a GGUF tensor, or None when no row takes it. A row keyed
+        `name.part` (or a bare `name`, for tensors llama.cpp writes without a suffix) maps to
+        a whole parameter path; a row keyed `name` maps to a module whose `part` it feeds. A
+        stacked tensor (`stacked`) names its first module."""
+        if gguf_name in self.config_tensors:
+            return None
+        if gguf_name in self.stacked:
+            return self.stacked[gguf_name].format(0)
+        if self.names is not None and (own := self.names(gguf_name)) is not None:
+            return own
+        m = _BLOCK_RE.match(gguf_name)
+        if m:
+            i, key, part = m.groups()
+            if f"{key}.{part}" in self.block:
+                return f"model.layers.{int(i)}.{self.block[f'{key}.{part}']}"
+            target = self.block.get(key)
+            return f"model.layers.{int(i)}.{target}.{part}" if target else None
+        m = _BARE_RE.match(gguf_name)
+        if m and f"{m.group(2)}." in self.block:
+            return f"model.layers.{int(m.group(1))}.{self.block[m.group(2) + '.']}"
+        m = _TOP_RE.match(gguf_name)
+        if m:
+            key, part = m.groups()
+            target = GGUF_TOP.get(key)
+            return f"{target}.{part}" if target else None
+        return None
+
+
+@dataclass(frozen=True)
+class MLXFormat:
+    """How a family reads safetensors saved by mlx-lm after its sanitize: tensors of these name
+    suffixes come in its layout (transposed by these axes into ours), and these conventions
+    undo what it folded into the values; the layout is the sign a folder was saved so."""
+
+    layouts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    conventions: tuple[Convention, ...] = ()
+
+
+@dataclass(frozen=True)
+class Export:
+    """What `convert` writes: config.json's model_type / architectures, and the family's own
+    keys."""
+
+    model_type: str = ""
+    architecture: str = ""
+    config: Callable[[ModelConfig], dict[str, Any]] = _no_keys
+    wrapper: str = ""  # write config.json as this wrapper type around a text_config
+    prefix: str = ""  # write the tensors under this prefix (the wrapper's language model)
     # or renamed, the first (old prefix, new prefix) that matches (Gemma 3n: model.language_model.)
-    export_renames: tuple[tuple[str, str], ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
     # modules `convert` writes again under another name, for readers that require them
     # (Gemma 3n's KV-shared layers' unused K/V, which mlx-lm loads): cfg -> {copy: source}
-    export_copies: Callable[[ModelConfig], dict[str, str]] | None = None
+    copies: Callable[[ModelConfig], dict[str, str]] | None = None
     # a tensor as `convert` writes it, where readers expect another layout than the module's:
     # (name, array) -> array (Qwen3-Next: mlx-lm's sanitized layout)
-    export_layout: Callable[[str, mx.array], mx.array] | None = None
+    layout: Callable[[str, mx.array], mx.array] | None = None
     # the tensors `convert` writes, regrouped where the reader keeps them otherwise (Qwen4-Exp:
     # transformers' fused experts, as no MLX reader has the type): params -> params
-    export_regroup: Callable[[dict[str, mx.array]], dict[str, mx.array]] | None = None
-    # safetensors saved by mlx-lm after its sanitize: tensors of these name suffixes come in
-    # its layout (transposed by these axes into ours), and these conventions undo what it
-    # folded into the values; the layout is the sign a folder was saved so
-    mlx_layouts: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    mlx_conventions: tuple[Convention, ...] = ()
-    # config.json keys the shared parser needs that this family's configs may omit
-    hf_defaults: dict[str, Any] = field(default_factory=dict)
-    # config.json -> what the shared parser reads, where the family says it otherwise (Gemma
-    # 3n: intermediate_size per layer); parse_hf still reads the file's own keys
-    hf_base: Callable[[dict], dict] | None = None
-    # checkpoint name prefixes renamed to ours, and prefixes dropped (e.g. a vision tower)
-    hf_renames: tuple[tuple[str, str], ...] = ()
-    hf_dropped: tuple[str, ...] = ()
+    regroup: Callable[[dict[str, mx.array]], dict[str, mx.array]] | None = None
+
+    def name(self, name: str) -> str:
+        """The name `convert` writes a module tensor under."""
+        for old, new in self.renames:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return self.prefix + name
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything about one model family, as data and small functions: its own parts, and how
+    each format names, shapes and configures them."""
+
+    name: str  # ModelConfig.family
+    hf: HFFormat
+    gguf: GGUFFormat
+    network: type[nn.Module]  # built as network(cfg, family, **loader extras)
+    export: Export = Export()
+    mlx: MLXFormat = MLXFormat()
     # a multimodal folder's way of seeing: (folder, config.json, tokenizer, dtype) ->
     # multimodal.Vision, or None for a text-only folder
     vision: Callable[[Path, dict, Any, Any], Any] | None = None
-    # GGUF tensors the model does not use (e.g. a multi-token-prediction head), by name + config
-    gguf_ignored: Callable[[str, ModelConfig], bool] | None = None
-    # GGUF names the block/top tables cannot express (a family's own mapping, tried first)
-    gguf_names: Callable[[str], str | None] | None = None
-    # `{arch}.*` keys llama.cpp reads per layer that parse_gguf reads whole (the shared fields
-    # take layer 0's value)
-    gguf_per_layer_keys: tuple[str, ...] = ()
-    # a `rope_freqs` tensor the family can state as config instead (then `convert` can write
-    # it): (cfg, factors) -> (cfg, the factors still needed or None)
-    gguf_rope_freqs: RopeFreqsHook | None = None
-    # a GGUF tensor that stacks on axis 0 what the checkpoint keeps as one module per index
-    # (Gemma 3n's altup_proj): GGUF name -> the modules' tensor name, "{}" the index
-    gguf_stacked: dict[str, str] = field(default_factory=dict)
-    # GGUF tensors that are config, not parameters (Phi-3's rope_factors_long / _short):
-    # their names, and (cfg, {name: values}) -> cfg once they are read
-    gguf_config_tensors: tuple[str, ...] = ()
-    gguf_tensor_config: Callable[[ModelConfig, dict[str, mx.array]], ModelConfig] | None = None
     describe: Description = Description()  # its own part of `inspect`
     # a tiny config.json of the family's own keys (model_type, layers, what its blocks need),
     # whose random network `make install` runs to compile kernels no other family's run does
@@ -151,50 +224,6 @@ class Family:
     # state (network.TargetView), not from tokens alone
     assists: bool = False
 
-    def gguf_module_name(self, gguf_name: str) -> str | None:
-        """The module tensor name for a GGUF tensor, or None when no row takes it. A row keyed
-        `name.part` (or a bare `name`, for tensors llama.cpp writes without a suffix) maps to
-        a whole parameter path; a row keyed `name` maps to a module whose `part` it feeds. A
-        stacked tensor (`gguf_stacked`) names its first module."""
-        if gguf_name in self.gguf_config_tensors:
-            return None
-        if gguf_name in self.gguf_stacked:
-            return self.gguf_stacked[gguf_name].format(0)
-        if self.gguf_names is not None and (own := self.gguf_names(gguf_name)) is not None:
-            return own
-        m = _BLOCK_RE.match(gguf_name)
-        if m:
-            i, key, part = m.groups()
-            if f"{key}.{part}" in self.gguf_block:
-                return f"model.layers.{int(i)}.{self.gguf_block[f'{key}.{part}']}"
-            target = self.gguf_block.get(key)
-            return f"model.layers.{int(i)}.{target}.{part}" if target else None
-        m = _BARE_RE.match(gguf_name)
-        if m and f"{m.group(2)}." in self.gguf_block:
-            return f"model.layers.{int(m.group(1))}.{self.gguf_block[m.group(2) + '.']}"
-        m = _TOP_RE.match(gguf_name)
-        if m:
-            key, part = m.groups()
-            target = GGUF_TOP.get(key)
-            return f"{target}.{part}" if target else None
-        return None
-
-    def export_name(self, name: str) -> str:
-        """The name `convert` writes a module tensor under."""
-        for old, new in self.export_renames:
-            if name.startswith(old):
-                return new + name[len(old) :]
-        return self.export_prefix + name
-
-    def hf_name(self, name: str) -> str | None:
-        """A checkpoint tensor name under our module names; None for a dropped tensor."""
-        if name.startswith(self.hf_dropped):
-            return None
-        for old, new in self.hf_renames:
-            if name.startswith(old):
-                return new + name[len(old) :]
-        return name
-
     def undo(
         self,
         name: str,
@@ -204,7 +233,7 @@ class Family:
         conventions: tuple[Convention, ...] | None = None,
     ) -> mx.array:
         """Apply every convention (default: the GGUF ones) that matches module tensor `name`."""
-        for applies, fn in self.gguf_conventions if conventions is None else conventions:
+        for applies, fn in self.gguf.conventions if conventions is None else conventions:
             if applies(name):
                 arr = fn(arr, cfg, part)
         return arr

@@ -1,6 +1,6 @@
 """What converters fold into the weights, undone by named pure functions.
 
-Which ones apply is data: each family's `Family.gguf_conventions` (safetensors checkpoints are
+Which ones apply is data: each family's `Family.gguf.conventions` (safetensors checkpoints are
 in the Hugging Face convention already). The file format says whether a convention was
 applied; tensor values are never used to guess it.
 """

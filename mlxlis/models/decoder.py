@@ -168,7 +168,7 @@ class Decoder(nn.Module):
         """Checkpoint names under ours: the family's renames applied, its dropped names gone."""
         out = {}
         for name, arr in weights.items():
-            ours = self._family.hf_name(name)
+            ours = self._family.hf.name(name)
             if ours is not None:
                 out[ours] = arr
         return out

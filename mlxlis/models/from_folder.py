@@ -47,7 +47,7 @@ def load_folder(
     spec = family(cfg.family)
     part = None
     if placement is not None:  # under a launcher: this rank's share of the layers only
-        part = placement.place(cfg, module_sizes(folder, spec.hf_name), str(folder))
+        part = placement.place(cfg, module_sizes(folder, spec.hf.name), str(folder))
     stage = {} if part is None else dict(layers=part.layers, embeds=part.first, heads=part.last)
     net = build_model(cfg, **stage)
     # validates names, dtypes and shapes from the headers (family renames such as Gemma 3's
@@ -58,14 +58,14 @@ def load_folder(
         manifest,
         folder,
         strict=strict,
-        layouts=spec.mlx_layouts,
+        layouts=spec.mlx.layouts,
         held=part.holds if part is not None else None,
         quantizer=Kernels(dtype),  # products through mlxlis's CPU kernels where they apply
     )
     weights = plan.load()
     if plan.relaid:  # saved by mlx-lm after its sanitize: undo what that folded in
         weights = {
-            n: spec.undo(n, a, cfg, n.rsplit(".", 1)[1], spec.mlx_conventions)
+            n: spec.undo(n, a, cfg, n.rsplit(".", 1)[1], spec.mlx.conventions)
             for n, a in weights.items()
         }
     bind(net, weights, plan.origin or folder, dtype)

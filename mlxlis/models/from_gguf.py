@@ -105,10 +105,10 @@ def load_gguf(
         spec = family(cfg.family)
         weights, quant, specials, ignored = _convert(gf, cfg, dtype, dense, clock, held, sub_blocks)
         rope_freqs = specials.pop("rope_freqs.weight", None)
-        if spec.gguf_tensor_config is not None:
-            cfg = spec.gguf_tensor_config(cfg, specials)
-        if rope_freqs is not None and spec.gguf_rope_freqs is not None:
-            cfg, rope_freqs = spec.gguf_rope_freqs(cfg, rope_freqs)
+        if spec.gguf.tensor_config is not None:
+            cfg = spec.gguf.tensor_config(cfg, specials)
+        if rope_freqs is not None and spec.gguf.rope_freqs is not None:
+            cfg, rope_freqs = spec.gguf.rope_freqs(cfg, rope_freqs)
         extras = {} if rope_freqs is None else {"rope_freq_factors": rope_freqs}
         if part is not None:
             extras.update(layers=part.layers, embeds=part.first, heads=part.last)
@@ -192,7 +192,7 @@ def _dense_policy(
         if n.endswith("token_embd.weight") and (n != "token_embd.weight" or not tied_head)
     }
     family_ = family(cfg.family)
-    held = {n for n in gf.tensors if part is None or part.holds(family_.gguf_module_name(n) or "")}
+    held = {n for n in gf.tensors if part is None or part.holds(family_.gguf.module_name(n) or "")}
     dense_bytes = sum(
         math.prod(t.shape) * dtype.size
         for n, t in gf.tensors.items()
@@ -212,9 +212,9 @@ def module_sizes(gf: GGUFFile, cfg: ModelConfig) -> dict[str, int]:
     spec = family(cfg.family)
     sizes = {}
     for name, t in gf.tensors.items():
-        if name in SPECIAL or (spec.gguf_ignored and spec.gguf_ignored(name, cfg)):
+        if name in SPECIAL or (spec.gguf.ignored and spec.gguf.ignored(name, cfg)):
             continue
-        target = spec.gguf_module_name(name)
+        target = spec.gguf.module_name(name)
         if target is not None:
             sizes[target] = t.nbytes
     return sizes
@@ -224,7 +224,7 @@ def _convert(
     gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dense, clock: _Clock, held=None, sub=None
 ):
     """Every tensor under its module name, conventions undone: (weights, quant, the tensors
-    that are config — rope_freqs, the family's gguf_config_tensors — by name, names of the
+    that are config — rope_freqs, the family's gguf.config_tensors — by name, names of the
     tensors the family ignores).
     dense(name): convert that tensor dense (else quantized where MLX can hold it).
     sub(name): hold a K-quant tensor as stored (the CPU kernels' layout; None: never).
@@ -235,13 +235,13 @@ def _convert(
     specials: dict[str, mx.array] = {}
     path = str(gf.path)
     spec = family(cfg.family)
-    special = SPECIAL | set(spec.gguf_config_tensors)
-    ignored = {n for n in gf.tensors if spec.gguf_ignored and spec.gguf_ignored(n, cfg)}
+    special = SPECIAL | set(spec.gguf.config_tensors)
+    ignored = {n for n in gf.tensors if spec.gguf.ignored and spec.gguf.ignored(n, cfg)}
     targets = {}
     for name in gf.tensors:
         if name in ignored:
             continue
-        targets[name] = None if name in special else spec.gguf_module_name(name)
+        targets[name] = None if name in special else spec.gguf.module_name(name)
         if targets[name] is None and name not in special:
             raise UnexpectedTensorError(
                 f"no {cfg.family} module takes this tensor", path=gf.path, field=name
@@ -290,7 +290,7 @@ def _convert(
         gf.release(name)  # the file pages of this tensor are no longer needed
         module = target.rsplit(".", 1)[0]
         parts = conv.parts(target.rsplit(".", 1)[1])
-        stacked = spec.gguf_stacked.get(name)  # one module per index on axis 0
+        stacked = spec.gguf.stacked.get(name)  # one module per index on axis 0
         modules = [module]
         if stacked:  # t.shape is numpy's order: the stack's axis first
             modules = [stacked.format(k).rsplit(".", 1)[0] for k in range(t.shape[0])]

@@ -19,7 +19,7 @@ from typing import Any
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models.activations import GATED
-from mlxlis.models.base import GGUF_LLAMA_BLOCK, Family, GGUFMeta
+from mlxlis.models.base import GGUF_LLAMA_BLOCK, Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig, RopeConfig, parse_rope
 from mlxlis.models.conventions import NORM_MINUS_ONE
 from mlxlis.models.decoder import Decoder
@@ -258,54 +258,72 @@ _GEMMA3_BLOCK = {
 
 GEMMA = Family(
     name="gemma",
-    hf_model_types=("gemma",),
-    gguf_archs=("gemma",),
-    parse_hf=_hf_parser(_V1),
-    parse_gguf=_gguf_parser(_V1, 0),
+    hf=HFFormat(
+        model_types=("gemma",),
+        parse=_hf_parser(_V1),
+    ),
+    gguf=GGUFFormat(
+        archs=("gemma",),
+        parse=_gguf_parser(_V1, 0),
+        conventions=(NORM_MINUS_ONE,),
+    ),
     network=Decoder,
-    gguf_conventions=(NORM_MINUS_ONE,),
-    export_model_type="gemma",
-    export_architecture="GemmaForCausalLM",
-    export_config=_export(_V1),
+    export=Export(
+        model_type="gemma",
+        architecture="GemmaForCausalLM",
+        config=_export(_V1),
+    ),
 )
 GEMMA2 = Family(
     name="gemma2",
-    hf_model_types=("gemma2",),
-    gguf_archs=("gemma2",),
-    parse_hf=_hf_parser(_V2),
-    parse_gguf=_gguf_parser(_V2, 46),
+    hf=HFFormat(
+        model_types=("gemma2",),
+        parse=_hf_parser(_V2),
+    ),
+    gguf=GGUFFormat(
+        archs=("gemma2",),
+        parse=_gguf_parser(_V2, 46),
+        block=_GEMMA2_BLOCK,
+        conventions=(NORM_MINUS_ONE,),
+    ),
     network=Decoder,
-    gguf_block=_GEMMA2_BLOCK,
-    gguf_conventions=(NORM_MINUS_ONE,),
-    export_model_type="gemma2",
-    export_architecture="Gemma2ForCausalLM",
-    export_config=_export(_V2),
+    export=Export(
+        model_type="gemma2",
+        architecture="Gemma2ForCausalLM",
+        config=_export(_V2),
+    ),
 )
 GEMMA3 = Family(
     name="gemma3",
-    hf_model_types=("gemma3_text", "gemma3"),
-    gguf_archs=("gemma3",),
-    parse_hf=_hf_parser(_V3),
-    parse_gguf=_gguf_parser(_V3, 62),
-    network=Decoder,
-    gguf_block=_GEMMA3_BLOCK,
-    gguf_conventions=(NORM_MINUS_ONE,),  # q_norm / k_norm included
-    export_model_type="gemma3_text",
-    export_architecture="Gemma3ForCausalLM",
-    export_config=_export(_V3),
-    # multimodal checkpoints: the hub's `language_model.model.*`, transformers 5's
-    # `model.language_model.*`; the vision tower and projector are the text plan's dropped
-    # names, loaded by `vision`
-    hf_renames=(
-        ("language_model.model.", "model."),
-        ("model.language_model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
+    hf=HFFormat(
+        model_types=("gemma3_text", "gemma3"),
+        parse=_hf_parser(_V3),
+        # multimodal checkpoints: the hub's `language_model.model.*`, transformers 5's
+        # `model.language_model.*`; the vision tower and projector are the text plan's dropped
+        # names, loaded by `vision`
+        renames=(
+            ("language_model.model.", "model."),
+            ("model.language_model.", "model."),
+            ("language_model.lm_head.", "lm_head."),
+        ),
+        dropped=(
+            "vision_tower.",
+            "multi_modal_projector.",
+            "model.vision_tower.",
+            "model.multi_modal_projector.",
+        ),
     ),
-    hf_dropped=(
-        "vision_tower.",
-        "multi_modal_projector.",
-        "model.vision_tower.",
-        "model.multi_modal_projector.",
+    gguf=GGUFFormat(
+        archs=("gemma3",),
+        parse=_gguf_parser(_V3, 62),
+        block=_GEMMA3_BLOCK,
+        conventions=(NORM_MINUS_ONE,),  # q_norm / k_norm included
+    ),
+    network=Decoder,
+    export=Export(
+        model_type="gemma3_text",
+        architecture="Gemma3ForCausalLM",
+        config=_export(_V3),
     ),
     vision=load_images,
     mmproj=GEMMA3_MMPROJ,  # llama.cpp's "gemma3" projector

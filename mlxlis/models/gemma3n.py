@@ -28,7 +28,7 @@ from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import CONFIG_MAX_DIM, check_sizes
-from mlxlis.models.base import Family, GGUFMeta
+from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import MLPConfig, ModelConfig, RopeConfig
 from mlxlis.models.gemma3n_describe import DESCRIPTION
 from mlxlis.models.gemma3n_net import AltUpStructure, Gemma3n
@@ -394,32 +394,38 @@ _TOWERS = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")
 
 GEMMA3N = Family(
     name="gemma3n",
-    hf_model_types=("gemma3n_text", "gemma3n"),
-    gguf_archs=("gemma3n",),
-    parse_hf=parse_hf,
-    parse_gguf=parse_gguf,
-    network=Gemma3n,
-    gguf_block=GGUF_BLOCK,
-    gguf_names=gguf_name,
-    gguf_per_layer_keys=("feed_forward_length",),
-    gguf_ignored=unused_kv,
-    gguf_stacked={
-        "altup_proj.weight": "model.altup_projections.{}.weight",
-        "altup_unembd_proj.weight": "model.altup_unembed_projections.{}.weight",
-    },
-    export_model_type="gemma3n_text",
-    export_architecture="Gemma3nForConditionalGeneration",
-    export_config=export,
-    export_wrapper="gemma3n",  # mlx-lm reads the wrapper type only, its tensors under:
-    export_renames=(("model.", "model.language_model."),),
-    export_copies=export_copies,
-    hf_defaults=HF_DEFAULTS,
-    hf_base=hf_base,
-    hf_renames=(
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
+    hf=HFFormat(
+        model_types=("gemma3n_text", "gemma3n"),
+        parse=parse_hf,
+        defaults=HF_DEFAULTS,
+        base=hf_base,
+        renames=(
+            ("model.language_model.", "model."),
+            ("language_model.model.", "model."),
+            ("language_model.lm_head.", "lm_head."),
+        ),
+        dropped=_TOWERS + tuple(f"model.{t}" for t in _TOWERS),
     ),
-    hf_dropped=_TOWERS + tuple(f"model.{t}" for t in _TOWERS),
+    gguf=GGUFFormat(
+        archs=("gemma3n",),
+        parse=parse_gguf,
+        block=GGUF_BLOCK,
+        names=gguf_name,
+        per_layer_keys=("feed_forward_length",),
+        ignored=unused_kv,
+        stacked={
+            "altup_proj.weight": "model.altup_projections.{}.weight",
+            "altup_unembd_proj.weight": "model.altup_unembed_projections.{}.weight",
+        },
+    ),
+    network=Gemma3n,
+    export=Export(
+        model_type="gemma3n_text",
+        architecture="Gemma3nForConditionalGeneration",
+        config=export,
+        wrapper="gemma3n",  # mlx-lm reads the wrapper type only, its tensors under:
+        renames=(("model.", "model.language_model."),),
+        copies=export_copies,
+    ),
     describe=DESCRIPTION,
 )

@@ -31,7 +31,7 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models import gemma4_gguf
 from mlxlis.models.activations import GATED
-from mlxlis.models.base import Family
+from mlxlis.models.base import Export, Family, GGUFFormat, HFFormat
 from mlxlis.models.config import MLPConfig, ModelConfig, MoEConfig, RopeConfig
 from mlxlis.models.gemma4_mmproj import PROJECTOR as MMPROJ
 from mlxlis.models.gemma4_net import FULL, PLAIN_ACTS, SLIDING, Gemma4, Structure, structure_fields
@@ -383,27 +383,33 @@ _TOWERS = (
 
 GEMMA4 = Family(
     name="gemma4",
-    hf_model_types=("gemma4_text", "gemma4"),
-    gguf_archs=("gemma4",),
-    parse_hf=parse_hf,
-    parse_gguf=gemma4_gguf.parse_gguf,
-    network=Gemma4,
-    gguf_block=gemma4_gguf.GGUF_BLOCK,
-    gguf_names=gemma4_gguf.gguf_name,
-    # llama.cpp reads these per layer (get_key_or_arr); parse_gguf reads the whole arrays
-    gguf_per_layer_keys=("attention.head_count_kv", "feed_forward_length"),
-    gguf_rope_freqs=gemma4_gguf.rope_freqs_as_config,
-    gguf_ignored=gemma4_gguf.unused_kv,
-    export_model_type="gemma4_text",
-    export_architecture="Gemma4ForCausalLM",
-    export_config=export,
-    hf_defaults=HF_DEFAULTS,
-    hf_renames=(
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
+    hf=HFFormat(
+        model_types=("gemma4_text", "gemma4"),
+        parse=parse_hf,
+        defaults=HF_DEFAULTS,
+        renames=(
+            ("model.language_model.", "model."),
+            ("language_model.model.", "model."),
+            ("language_model.lm_head.", "lm_head."),
+        ),
+        dropped=_TOWERS + tuple(f"model.{t}" for t in _TOWERS),
     ),
-    hf_dropped=_TOWERS + tuple(f"model.{t}" for t in _TOWERS),
+    gguf=GGUFFormat(
+        archs=("gemma4",),
+        parse=gemma4_gguf.parse_gguf,
+        block=gemma4_gguf.GGUF_BLOCK,
+        names=gemma4_gguf.gguf_name,
+        # llama.cpp reads these per layer (get_key_or_arr); parse_gguf reads the whole arrays
+        per_layer_keys=("attention.head_count_kv", "feed_forward_length"),
+        rope_freqs=gemma4_gguf.rope_freqs_as_config,
+        ignored=gemma4_gguf.unused_kv,
+    ),
+    network=Gemma4,
+    export=Export(
+        model_type="gemma4_text",
+        architecture="Gemma4ForCausalLM",
+        config=export,
+    ),
     vision=load_images,  # the vision tower and embedder, where the folder has their processor
     mmproj=MMPROJ,  # llama.cpp's "gemma4v" projector
 )

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from mlxlis.cache import KVFormat
 from mlxlis.errors import ConfigError, MlxlisError, UnsupportedError
 from mlxlis.models import gemma4
-from mlxlis.models.base import Family
+from mlxlis.models.base import Export, Family, GGUFFormat, HFFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.gemma4_net import FULL, SLIDING, Gemma4Layer, RMSNorm, Structure
 from mlxlis.models.network import SharedKV
@@ -205,7 +205,7 @@ class Gemma4Assistant(nn.Module):
             )
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        return {n: a for n, a in weights.items() if self._family.hf_name(n) is not None}
+        return {n: a for n, a in weights.items() if self._family.hf.name(n) is not None}
 
     def expert_stacks(self) -> dict:
         return {}
@@ -234,13 +234,19 @@ class Gemma4Assistant(nn.Module):
 
 GEMMA4_ASSISTANT = Family(
     name="gemma4_assistant",
-    hf_model_types=("gemma4_assistant",),
-    gguf_archs=(),
-    parse_hf=parse_hf,
-    parse_gguf=gemma4.GEMMA4.parse_gguf,
+    hf=HFFormat(
+        model_types=("gemma4_assistant",),
+        parse=parse_hf,
+        defaults=gemma4.HF_DEFAULTS,
+    ),
+    gguf=GGUFFormat(
+        archs=(),
+        parse=gemma4.GEMMA4.gguf.parse,
+    ),
     network=Gemma4Assistant,
-    export_model_type="gemma4_assistant",  # `convert` of an assistant: not written yet
-    export_architecture="Gemma4AssistantForCausalLM",
-    hf_defaults=gemma4.HF_DEFAULTS,
+    export=Export(
+        model_type="gemma4_assistant",  # `convert` of an assistant: not written yet
+        architecture="Gemma4AssistantForCausalLM",
+    ),
     assists=True,  # drafts from its target's state (generation/assistant.py)
 )

@@ -333,7 +333,7 @@ class Gemma4(VerifiesAlone, nn.Module):
         checkpoints keep for KV-shared layers are dropped, as transformers ignores them."""
         out, source = {}, self.config.own(Structure).kv_source
         for name, arr in weights.items():
-            ours = self._family.hf_name(name)
+            ours = self._family.hf.name(name)
             hit = _SHARED_KV.match(ours or "")
             if ours is not None and not (hit and source[int(hit.group(1))] != int(hit.group(1))):
                 out[ours] = arr

@@ -1,5 +1,5 @@
 """ModelConfig from GGUF metadata (`{arch}.*` keys), mirroring what llama.cpp reads: the keys
-every architecture shares here, the family's own in its module (`Family.parse_gguf`)."""
+every architecture shares here, the family's own in its module (`Family.gguf.parse`)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def config_from_gguf(
     spec = GGUF_ARCHS[arch]
     # keys a family reads per layer itself (Gemma 4: head_count_kv, feed_forward_length): the
     # shared fields take layer 0's value, the family's parser gets the whole array
-    keys = {f"{arch}.{k}" for k in spec.gguf_per_layer_keys}
+    keys = {f"{arch}.{k}" for k in spec.gguf.per_layer_keys}
     per_layer = {
         k: v.flat[0].item()
         for k, v in md.items()
@@ -116,7 +116,7 @@ def config_from_gguf(
         ),
         source=path,
     )
-    return spec.parse_gguf(cfg, GGUFMeta(md, arch, path, tensor_shapes) if per_layer else m)
+    return spec.gguf.parse(cfg, GGUFMeta(md, arch, path, tensor_shapes) if per_layer else m)
 
 
 def _yarn(m, key, theta: float, ctx: int, path: str) -> RopeConfig:

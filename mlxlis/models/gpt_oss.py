@@ -21,7 +21,7 @@ from typing import Any
 from mlxlis.errors import ConfigError
 from mlxlis.limits import check_sizes
 from mlxlis.models.activations import clamped_swiglu
-from mlxlis.models.base import GGUF_LLAMA_BLOCK, Family, GGUFMeta
+from mlxlis.models.base import GGUF_LLAMA_BLOCK, Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import FamilyConfig, ModelConfig, number
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.experts import PROJECTIONS, ExpertSource, SwitchGLU
@@ -199,22 +199,28 @@ class GptOss(Decoder):
 _E = "mlp.experts"
 GPT_OSS = Family(
     name="gpt_oss",
-    hf_model_types=("gpt_oss",),
-    gguf_archs=("gpt-oss",),
-    parse_hf=parse_hf,
-    parse_gguf=parse_gguf,
+    hf=HFFormat(
+        model_types=("gpt_oss",),
+        parse=parse_hf,
+        defaults=HF_DEFAULTS,
+    ),
+    gguf=GGUFFormat(
+        archs=("gpt-oss",),
+        parse=parse_gguf,
+        block={
+            **{k: v for k, v in GGUF_LLAMA_BLOCK.items() if not k.startswith("ffn_")},
+            "post_attention_norm": "post_attention_layernorm",
+            "attn_sinks.weight": "self_attn.sinks",
+            "ffn_gate_inp": "mlp.router",
+            "ffn_gate_exps": f"{_E}.gate_proj",
+            "ffn_up_exps": f"{_E}.up_proj",
+            "ffn_down_exps": f"{_E}.down_proj",
+        },
+    ),
     network=GptOss,
-    hf_defaults=HF_DEFAULTS,
-    gguf_block={
-        **{k: v for k, v in GGUF_LLAMA_BLOCK.items() if not k.startswith("ffn_")},
-        "post_attention_norm": "post_attention_layernorm",
-        "attn_sinks.weight": "self_attn.sinks",
-        "ffn_gate_inp": "mlp.router",
-        "ffn_gate_exps": f"{_E}.gate_proj",
-        "ffn_up_exps": f"{_E}.up_proj",
-        "ffn_down_exps": f"{_E}.down_proj",
-    },
-    export_model_type="gpt_oss",
-    export_architecture="GptOssForCausalLM",
-    export_config=export,
+    export=Export(
+        model_type="gpt_oss",
+        architecture="GptOssForCausalLM",
+        config=export,
+    ),
 )

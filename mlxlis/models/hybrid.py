@@ -12,7 +12,7 @@ from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
-from mlxlis.models.base import GGUFMeta
+from mlxlis.models.base import GGUFMeta, MLXFormat
 from mlxlis.models.config import DeltaNetConfig, ModelConfig, MoEConfig
 from mlxlis.models.conventions import ZERO_CENTRED_NORM_MINUS_ONE
 from mlxlis.models.reading import check_act, moe_config
@@ -269,7 +269,7 @@ def exporter(moe: bool):
 DROPPED = ("model.visual.", "mtp.")
 # mlx-lm's sanitize moves the conv1d kernel axis last (C, kernel, 1) and adds 1 to the
 # zero-centred norms; a folder it saved has that conv layout
-MLX = dict(
-    mlx_layouts={"linear_attn.conv1d.weight": (0, 2, 1)},
-    mlx_conventions=(ZERO_CENTRED_NORM_MINUS_ONE,),
+MLX = MLXFormat(
+    layouts={"linear_attn.conv1d.weight": (0, 2, 1)},
+    conventions=(ZERO_CENTRED_NORM_MINUS_ONE,),
 )

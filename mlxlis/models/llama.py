@@ -7,7 +7,7 @@ llama.cpp's converter permutes the attn_q / attn_k rows into its interleaved RoP
 
 from __future__ import annotations
 
-from mlxlis.models.base import Family, GGUFMeta
+from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.conventions import UNPERMUTE_K, UNPERMUTE_Q
 from mlxlis.models.decoder import Decoder
@@ -28,15 +28,21 @@ def _export(cfg: ModelConfig) -> dict:
 
 LLAMA = Family(
     name="llama",
-    hf_model_types=("llama",),
-    gguf_archs=("llama",),
-    parse_hf=_parse_hf,
-    parse_gguf=_parse_gguf,
+    hf=HFFormat(
+        model_types=("llama",),
+        parse=_parse_hf,
+    ),
+    gguf=GGUFFormat(
+        archs=("llama",),
+        parse=_parse_gguf,
+        conventions=(UNPERMUTE_Q, UNPERMUTE_K),  # llama.cpp permutes Q/K for llama only
+        rope_freqs=rope_freqs_as_config,
+    ),
     network=Decoder,
-    gguf_conventions=(UNPERMUTE_Q, UNPERMUTE_K),  # llama.cpp permutes Q/K for llama only
-    gguf_rope_freqs=rope_freqs_as_config,
-    export_model_type="llama",
-    export_architecture="LlamaForCausalLM",
-    export_config=_export,
+    export=Export(
+        model_type="llama",
+        architecture="LlamaForCausalLM",
+        config=_export,
+    ),
     warmup={"model_type": "llama", "num_hidden_layers": 1},  # SiLU, full attention
 )

@@ -25,7 +25,7 @@ from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import CONFIG_MAX_CONTEXT, check_sizes
-from mlxlis.models.base import GGUF_LLAMA_BLOCK, Family, GGUFMeta
+from mlxlis.models.base import GGUF_LLAMA_BLOCK, Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.experts import PROJECTIONS, ExpertSource, SwitchGLU
@@ -250,32 +250,38 @@ class Llama4(Decoder):
 _FFN = "feed_forward"
 LLAMA4 = Family(
     name="llama4",
-    hf_model_types=("llama4_text", "llama4"),
-    gguf_archs=("llama4",),
-    parse_hf=parse_hf,
-    parse_gguf=parse_gguf,
+    hf=HFFormat(
+        model_types=("llama4_text", "llama4"),
+        parse=parse_hf,
+        defaults=HF_DEFAULTS,
+        renames=(("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
+        dropped=("vision_model.", "multi_modal_projector."),
+    ),
+    gguf=GGUFFormat(
+        archs=("llama4",),
+        parse=parse_gguf,
+        rope_freqs=rope_freqs_as_config,
+        block={
+            **{k: v for k, v in GGUF_LLAMA_BLOCK.items() if not k.startswith("ffn_")},
+            "ffn_norm": "post_attention_layernorm",
+            "ffn_gate": f"{_FFN}.gate_proj",
+            "ffn_up": f"{_FFN}.up_proj",
+            "ffn_down": f"{_FFN}.down_proj",
+            "ffn_gate_inp": f"{_FFN}.router",
+            "ffn_gate_exps": f"{_FFN}.experts.gate_proj",
+            "ffn_up_exps": f"{_FFN}.experts.up_proj",
+            "ffn_down_exps": f"{_FFN}.experts.down_proj",
+            "ffn_gate_shexp": f"{_FFN}.shared_expert.gate_proj",
+            "ffn_up_shexp": f"{_FFN}.shared_expert.up_proj",
+            "ffn_down_shexp": f"{_FFN}.shared_expert.down_proj",
+        },
+    ),
     network=Llama4,
-    hf_defaults=HF_DEFAULTS,
-    gguf_rope_freqs=rope_freqs_as_config,
-    gguf_block={
-        **{k: v for k, v in GGUF_LLAMA_BLOCK.items() if not k.startswith("ffn_")},
-        "ffn_norm": "post_attention_layernorm",
-        "ffn_gate": f"{_FFN}.gate_proj",
-        "ffn_up": f"{_FFN}.up_proj",
-        "ffn_down": f"{_FFN}.down_proj",
-        "ffn_gate_inp": f"{_FFN}.router",
-        "ffn_gate_exps": f"{_FFN}.experts.gate_proj",
-        "ffn_up_exps": f"{_FFN}.experts.up_proj",
-        "ffn_down_exps": f"{_FFN}.experts.down_proj",
-        "ffn_gate_shexp": f"{_FFN}.shared_expert.gate_proj",
-        "ffn_up_shexp": f"{_FFN}.shared_expert.up_proj",
-        "ffn_down_shexp": f"{_FFN}.shared_expert.down_proj",
-    },
-    export_model_type="llama4_text",
-    export_architecture="Llama4ForConditionalGeneration",
-    export_config=export,
-    export_wrapper="llama4",  # mlx-lm reads the wrapper type only, its tensors under:
-    export_prefix="language_model.",
-    hf_renames=(("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
-    hf_dropped=("vision_model.", "multi_modal_projector."),
+    export=Export(
+        model_type="llama4_text",
+        architecture="Llama4ForConditionalGeneration",
+        config=export,
+        wrapper="llama4",  # mlx-lm reads the wrapper type only, its tensors under:
+        prefix="language_model.",
+    ),
 )

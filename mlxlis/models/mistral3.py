@@ -21,7 +21,7 @@ from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
-from mlxlis.models.base import Family, GGUFMeta
+from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig, number, yarn_keys, yarn_mscale
 from mlxlis.models.conventions import UNPERMUTE_K, UNPERMUTE_Q
 from mlxlis.models.decoder import Decoder
@@ -131,25 +131,31 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
 
 MISTRAL3 = Family(
     name="mistral3",
-    hf_model_types=("mistral", "ministral3", "mistral3"),
-    gguf_archs=("mistral3",),
-    parse_hf=parse_hf,
-    parse_gguf=parse_gguf,
-    network=Decoder,
-    gguf_conventions=(UNPERMUTE_Q, UNPERMUTE_K),  # Ministral3Model is a LlamaModel
-    gguf_rope_freqs=rope_freqs_as_config,
-    export_model_type="mistral",
-    export_architecture="MistralForCausalLM",
-    export_config=export,
-    hf_renames=(
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
+    hf=HFFormat(
+        model_types=("mistral", "ministral3", "mistral3"),
+        parse=parse_hf,
+        renames=(
+            ("model.language_model.", "model."),
+            ("language_model.model.", "model."),
+            ("language_model.lm_head.", "lm_head."),
+        ),
+        dropped=(
+            "model.vision_tower.",
+            "model.multi_modal_projector.",
+            "vision_tower.",
+            "multi_modal_projector.",
+        ),
     ),
-    hf_dropped=(
-        "model.vision_tower.",
-        "model.multi_modal_projector.",
-        "vision_tower.",
-        "multi_modal_projector.",
+    gguf=GGUFFormat(
+        archs=("mistral3",),
+        parse=parse_gguf,
+        conventions=(UNPERMUTE_Q, UNPERMUTE_K),  # Ministral3Model is a LlamaModel
+        rope_freqs=rope_freqs_as_config,
+    ),
+    network=Decoder,
+    export=Export(
+        model_type="mistral",
+        architecture="MistralForCausalLM",
+        config=export,
     ),
 )

@@ -21,7 +21,7 @@ from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
-from mlxlis.models.base import GGUF_LLAMA_BLOCK, Family, GGUFMeta
+from mlxlis.models.base import GGUF_LLAMA_BLOCK, Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig, RopeConfig
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.reading import check_act
@@ -218,7 +218,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
             factor=factor,
             original_max_position_embeddings=orig,
             attention_factor=m.get("rope.scaling.attn_factor", default, float),
-        )  # the factors: gguf_tensor_config, once read
+        )  # the factors: gguf.tensor_config, once read
     n = base.num_hidden_layers
     return check_act(
         base.with_(
@@ -246,17 +246,23 @@ def rope_factors(cfg: ModelConfig, tensors: dict[str, mx.array]) -> ModelConfig:
 
 PHI3 = Family(
     name="phi3",
-    hf_model_types=("phi3",),
-    gguf_archs=("phi3",),
-    parse_hf=parse_hf,
-    parse_gguf=parse_gguf,
+    hf=HFFormat(
+        model_types=("phi3",),
+        parse=parse_hf,
+        defaults=HF_DEFAULTS,
+        base=hf_base,
+    ),
+    gguf=GGUFFormat(
+        archs=("phi3",),
+        parse=parse_gguf,
+        block=GGUF_BLOCK,
+        config_tensors=ROPE_TENSORS,
+        tensor_config=rope_factors,
+    ),
     network=Decoder,
-    gguf_block=GGUF_BLOCK,
-    gguf_config_tensors=ROPE_TENSORS,
-    gguf_tensor_config=rope_factors,
-    export_model_type="phi3",
-    export_architecture="Phi3ForCausalLM",
-    export_config=export,
-    hf_defaults=HF_DEFAULTS,
-    hf_base=hf_base,
+    export=Export(
+        model_type="phi3",
+        architecture="Phi3ForCausalLM",
+        config=export,
+    ),
 )

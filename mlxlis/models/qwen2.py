@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mlxlis.models.base import Family, GGUFMeta
+from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.reading import check_act
@@ -26,11 +26,17 @@ def _parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
 
 QWEN2 = Family(
     name="qwen2",
-    hf_model_types=("qwen2",),
-    gguf_archs=("qwen2",),
-    parse_hf=_parse_hf,
-    parse_gguf=_parse_gguf,
+    hf=HFFormat(
+        model_types=("qwen2",),
+        parse=_parse_hf,
+    ),
+    gguf=GGUFFormat(
+        archs=("qwen2",),
+        parse=_parse_gguf,
+    ),
     network=Decoder,
-    export_model_type="qwen2",
-    export_architecture="Qwen2ForCausalLM",
+    export=Export(
+        model_type="qwen2",
+        architecture="Qwen2ForCausalLM",
+    ),
 )

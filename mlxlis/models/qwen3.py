@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from mlxlis.errors import UnsupportedError
 from mlxlis.limits import check_sizes
-from mlxlis.models.base import GGUF_LLAMA_BLOCK, Family, GGUFMeta
+from mlxlis.models.base import GGUF_LLAMA_BLOCK, Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.reading import check_act
@@ -50,13 +50,19 @@ def export(cfg: ModelConfig) -> dict:
 
 QWEN3 = Family(
     name="qwen3",
-    hf_model_types=("qwen3",),
-    gguf_archs=("qwen3",),
-    parse_hf=parse_hf,
-    parse_gguf=parse_gguf,
+    hf=HFFormat(
+        model_types=("qwen3",),
+        parse=parse_hf,
+    ),
+    gguf=GGUFFormat(
+        archs=("qwen3",),
+        parse=parse_gguf,
+        block=GGUF_BLOCK,
+    ),
     network=Decoder,
-    gguf_block=GGUF_BLOCK,
-    export_model_type="qwen3",
-    export_architecture="Qwen3ForCausalLM",
-    export_config=export,
+    export=Export(
+        model_type="qwen3",
+        architecture="Qwen3ForCausalLM",
+        config=export,
+    ),
 )

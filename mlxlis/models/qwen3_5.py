@@ -19,7 +19,7 @@ Defaults are transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig.
 
 from __future__ import annotations
 
-from mlxlis.models.base import Family
+from mlxlis.models.base import Export, Family, GGUFFormat, HFFormat
 from mlxlis.models.conventions import QWEN35_GGUF
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.hybrid import (
@@ -47,24 +47,30 @@ _RENAMES = (
 )
 QWEN3_5 = Family(
     name="qwen3_5",
-    hf_model_types=("qwen3_5", "qwen3_5_text"),
-    gguf_archs=("qwen35",),
-    parse_hf=hf_parser(False),
-    parse_gguf=gguf_parser(False),
+    hf=HFFormat(
+        model_types=("qwen3_5", "qwen3_5_text"),
+        parse=hf_parser(False),
+        renames=_RENAMES,
+        dropped=DROPPED,
+    ),
+    gguf=GGUFFormat(
+        archs=("qwen35",),
+        parse=gguf_parser(False),
+        block=GGUF_BLOCK,
+        conventions=QWEN35_GGUF,
+        ignored=mtp_tensor,
+    ),
     network=Decoder,
-    gguf_block=GGUF_BLOCK,
-    gguf_conventions=QWEN35_GGUF,
-    gguf_ignored=mtp_tensor,
-    export_model_type="qwen3_5_text",
-    export_architecture="Qwen3_5ForCausalLM",
-    export_wrapper="qwen3_5",  # mlx-lm reads the wrapper type only
-    export_config=exporter(False),
-    hf_renames=_RENAMES,
-    hf_dropped=DROPPED,
+    export=Export(
+        model_type="qwen3_5_text",
+        architecture="Qwen3_5ForCausalLM",
+        wrapper="qwen3_5",  # mlx-lm reads the wrapper type only
+        config=exporter(False),
+    ),
     vision=load_images,  # the ViT and merger, where the folder has their processor
     mmproj=MMPROJ,  # llama.cpp's "qwen3vl_merger" projector
     mtp=mtp_head,  # `--speculative mtp` (qwen3_5_mtp.py, qwen3_5_mtp_load.py)
-    **MLX,
+    mlx=MLX,
     warmup={  # Gated DeltaNet, a gated attention with partial RoPE
         "model_type": "qwen3_5_text",
         "num_hidden_layers": 2,
@@ -83,23 +89,29 @@ QWEN3_5 = Family(
 )
 QWEN3_5_MOE = Family(
     name="qwen3_5_moe",
-    hf_model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
-    gguf_archs=("qwen35moe",),
-    parse_hf=hf_parser(True),
-    parse_gguf=gguf_parser(True),
-    gguf_block=GGUF_BLOCK,
-    gguf_conventions=QWEN35_GGUF,
-    gguf_ignored=mtp_tensor,
+    hf=HFFormat(
+        model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
+        parse=hf_parser(True),
+        renames=_RENAMES,
+        dropped=DROPPED,
+        defaults={"intermediate_size": MOE_DEFAULTS["moe_intermediate_size"]},  # no dense MLP
+    ),
+    gguf=GGUFFormat(
+        archs=("qwen35moe",),
+        parse=gguf_parser(True),
+        block=GGUF_BLOCK,
+        conventions=QWEN35_GGUF,
+        ignored=mtp_tensor,
+    ),
     network=Decoder,
-    export_model_type="qwen3_5_moe_text",
-    export_wrapper="qwen3_5_moe",
-    export_architecture="Qwen3_5MoeForCausalLM",
-    export_config=exporter(True),
-    hf_renames=_RENAMES,
-    hf_dropped=DROPPED,
+    export=Export(
+        model_type="qwen3_5_moe_text",
+        wrapper="qwen3_5_moe",
+        architecture="Qwen3_5MoeForCausalLM",
+        config=exporter(True),
+    ),
     vision=load_images,
     mmproj=MMPROJ,
     mtp=mtp_head,
-    **MLX,
-    hf_defaults={"intermediate_size": MOE_DEFAULTS["moe_intermediate_size"]},  # no dense MLP
+    mlx=MLX,
 )

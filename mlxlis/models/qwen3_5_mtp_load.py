@@ -68,7 +68,7 @@ def _load(model: Model, spec: Family) -> MTPBlock:
             f"{layers} MTP layers: only a one-layer block is supported", path=model.path
         )
     block = MTPBlock(cfg)
-    plan = plan_bindings(block, cfg, as_manifest(None), model.path, layouts=spec.mlx_layouts)
+    plan = plan_bindings(block, cfg, as_manifest(None), model.path, layouts=spec.mlx.layouts)
     bind(block, plan.load(), plan.origin or model.path, model.dtype)
     return block
 
@@ -96,7 +96,7 @@ def _from_gguf(model: Model, spec: Family) -> MTPBlock:
         for name, t in gf.tensors.items():
             if not name.startswith(f"blk.{first}."):
                 continue
-            ours = gguf_name(name, first, spec.gguf_module_name)
+            ours = gguf_name(name, first, spec.gguf.module_name)
             if ours is None:
                 if ".nextn." in name and name.split(".")[3] in GGUF_NEXTN_COPIES:
                     continue

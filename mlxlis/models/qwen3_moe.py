@@ -8,7 +8,7 @@ mlx-lm's stacked `mlp.switch_mlp.*` loads as it is), GGUF `qwen3moe` (stacked 3-
 
 from __future__ import annotations
 
-from mlxlis.models.base import Family, GGUFMeta
+from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.qwen3 import GGUF_BLOCK as QWEN3_BLOCK
@@ -67,19 +67,25 @@ def export(cfg: ModelConfig) -> dict:
 
 QWEN3_MOE = Family(
     name="qwen3_moe",
-    hf_model_types=("qwen3_moe",),
-    gguf_archs=("qwen3moe",),
-    parse_hf=parse_hf,
-    parse_gguf=parse_gguf,
+    hf=HFFormat(
+        model_types=("qwen3_moe",),
+        parse=parse_hf,
+    ),
+    gguf=GGUFFormat(
+        archs=("qwen3moe",),
+        parse=parse_gguf,
+        block={
+            **QWEN3_BLOCK,
+            "ffn_gate_inp": "mlp.gate",  # the router
+            "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+            "ffn_up_exps": "mlp.switch_mlp.up_proj",
+            "ffn_down_exps": "mlp.switch_mlp.down_proj",
+        },
+    ),
     network=Decoder,
-    gguf_block={
-        **QWEN3_BLOCK,
-        "ffn_gate_inp": "mlp.gate",  # the router
-        "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
-        "ffn_up_exps": "mlp.switch_mlp.up_proj",
-        "ffn_down_exps": "mlp.switch_mlp.down_proj",
-    },
-    export_model_type="qwen3_moe",
-    export_architecture="Qwen3MoeForCausalLM",
-    export_config=export,
+    export=Export(
+        model_type="qwen3_moe",
+        architecture="Qwen3MoeForCausalLM",
+        config=export,
+    ),
 )

@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.models.base import Family, GGUFMeta
+from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.conventions import QWEN3NEXT_GGUF, is_zero_centred_norm
 from mlxlis.models.decoder import Decoder
@@ -164,19 +164,25 @@ def mlx_lm_layout(name: str, w: mx.array) -> mx.array:
 
 QWEN3_NEXT = Family(
     name="qwen3_next",
-    hf_model_types=("qwen3_next",),
-    gguf_archs=("qwen3next",),
-    parse_hf=parse_hf,
-    parse_gguf=parse_gguf,
+    hf=HFFormat(
+        model_types=("qwen3_next",),
+        parse=parse_hf,
+        defaults=HF_DEFAULTS,
+        dropped=DROPPED,
+    ),
+    gguf=GGUFFormat(
+        archs=("qwen3next",),
+        parse=parse_gguf,
+        block=GGUF_BLOCK,
+        conventions=QWEN3NEXT_GGUF,
+        ignored=mtp_tensor,
+    ),
     network=Decoder,
-    gguf_block=GGUF_BLOCK,
-    gguf_conventions=QWEN3NEXT_GGUF,
-    gguf_ignored=mtp_tensor,
-    export_model_type="qwen3_next",
-    export_architecture="Qwen3NextForCausalLM",
-    export_config=export,
-    export_layout=mlx_lm_layout,
-    hf_defaults=HF_DEFAULTS,
-    hf_dropped=DROPPED,
-    **MLX,
+    export=Export(
+        model_type="qwen3_next",
+        architecture="Qwen3NextForCausalLM",
+        config=export,
+        layout=mlx_lm_layout,
+    ),
+    mlx=MLX,
 )

@@ -25,7 +25,7 @@ from typing import Any
 
 from mlxlis.errors import ConfigError
 from mlxlis.limits import CONFIG_MAX_CONTEXT, CONFIG_MAX_DIM, check_sizes
-from mlxlis.models.base import Family, GGUFMeta
+from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.hybrid import exporter, hf_parser
 from mlxlis.models.qwen3_next import MOE_DEFAULTS, norm_topk  # Qwen4-Exp's are the same
@@ -233,17 +233,23 @@ DROPPED = ("model.visual.", "mtp.")
 
 QWEN4_EXP = Family(
     name="qwen4_exp",
-    hf_model_types=("qwen4_exp_text", "qwen4_exp"),
-    gguf_archs=(),
-    parse_hf=parse_hf,
-    parse_gguf=parse_gguf,
+    hf=HFFormat(
+        model_types=("qwen4_exp_text", "qwen4_exp"),
+        parse=parse_hf,
+        renames=_RENAMES,
+        dropped=DROPPED,
+        defaults=HF_DEFAULTS,
+    ),
+    gguf=GGUFFormat(
+        archs=(),
+        parse=parse_gguf,
+    ),
     network=Qwen4Exp,
-    export_model_type="qwen4_exp_text",
-    export_architecture="Qwen4ExpForCausalLM",
-    export_config=export,
-    export_regroup=fused_experts,
-    hf_renames=_RENAMES,
-    hf_dropped=DROPPED,
-    hf_defaults=HF_DEFAULTS,
+    export=Export(
+        model_type="qwen4_exp_text",
+        architecture="Qwen4ExpForCausalLM",
+        config=export,
+        regroup=fused_experts,
+    ),
     describe=DESCRIPTION,
 )

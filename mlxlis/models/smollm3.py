@@ -17,7 +17,7 @@ from typing import Any
 
 from mlxlis.errors import ConfigError
 from mlxlis.limits import check_sizes
-from mlxlis.models.base import Family, GGUFMeta
+from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.conventions import UNPERMUTE_K, UNPERMUTE_Q
 from mlxlis.models.decoder import Decoder
@@ -113,14 +113,20 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
 
 SMOLLM3 = Family(
     name="smollm3",
-    hf_model_types=("smollm3",),
-    gguf_archs=("smollm3",),
-    parse_hf=parse_hf,
-    parse_gguf=parse_gguf,
+    hf=HFFormat(
+        model_types=("smollm3",),
+        parse=parse_hf,
+        defaults=HF_DEFAULTS,
+    ),
+    gguf=GGUFFormat(
+        archs=("smollm3",),
+        parse=parse_gguf,
+        conventions=(UNPERMUTE_Q, UNPERMUTE_K),  # SmolLM3Model is a LlamaModel
+    ),
     network=Decoder,
-    gguf_conventions=(UNPERMUTE_Q, UNPERMUTE_K),  # SmolLM3Model is a LlamaModel
-    export_model_type="smollm3",
-    export_architecture="SmolLM3ForCausalLM",
-    export_config=export,
-    hf_defaults=HF_DEFAULTS,
+    export=Export(
+        model_type="smollm3",
+        architecture="SmolLM3ForCausalLM",
+        config=export,
+    ),
 )
