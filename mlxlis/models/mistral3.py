@@ -24,7 +24,8 @@ from mlxlis.limits import check_sizes
 from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig, number, yarn_keys, yarn_mscale
 from mlxlis.models.conventions import UNPERMUTE_K, UNPERMUTE_Q
-from mlxlis.models.decoder import Decoder
+from mlxlis.models.decoder import Decoder, DecoderLayer
+from mlxlis.models.layers import TemperedAttention
 from mlxlis.models.reading import check_act, rope_freqs_as_config
 
 SLIDING = "sliding_attention"
@@ -129,13 +130,23 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+class Mistral3Layer(DecoderLayer):
+    attention = TemperedAttention  # the temperature on every layer, none where unset
+
+
+class Mistral3(Decoder):
+    """The shared decoder with Ministral 3's tempered attention."""
+
+    layer = Mistral3Layer
+
+
 MISTRAL3 = Family(
     name="mistral3",
     hf_model_types=("mistral", "ministral3", "mistral3"),
     gguf_archs=("mistral3",),
     parse_hf=parse_hf,
     parse_gguf=parse_gguf,
-    network=Decoder,
+    network=Mistral3,
     gguf_conventions=(UNPERMUTE_Q, UNPERMUTE_K),  # Ministral3Model is a LlamaModel
     gguf_rope_freqs=rope_freqs_as_config,
     export_model_type="mistral",

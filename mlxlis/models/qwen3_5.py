@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from mlxlis.models.base import Family
 from mlxlis.models.conventions import QWEN35_GGUF
-from mlxlis.models.decoder import Decoder
 from mlxlis.models.hybrid import (
     DROPPED,
     GGUF_BLOCK,
     MLX,
     MOE_DEFAULTS,
+    HybridDecoder,
     exporter,
     gguf_parser,
     hf_parser,
@@ -51,7 +51,7 @@ QWEN3_5 = Family(
     gguf_archs=("qwen35",),
     parse_hf=hf_parser(False),
     parse_gguf=gguf_parser(False),
-    network=Decoder,
+    network=HybridDecoder,
     gguf_block=GGUF_BLOCK,
     gguf_conventions=QWEN35_GGUF,
     gguf_ignored=mtp_tensor,
@@ -90,7 +90,7 @@ QWEN3_5_MOE = Family(
     gguf_block=GGUF_BLOCK,
     gguf_conventions=QWEN35_GGUF,
     gguf_ignored=mtp_tensor,
-    network=Decoder,
+    network=HybridDecoder,
     export_model_type="qwen3_5_moe_text",
     export_wrapper="qwen3_5_moe",
     export_architecture="Qwen3_5MoeForCausalLM",

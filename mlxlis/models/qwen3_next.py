@@ -27,10 +27,10 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.models.base import Family, GGUFMeta
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.conventions import QWEN3NEXT_GGUF, is_zero_centred_norm
-from mlxlis.models.decoder import Decoder
 from mlxlis.models.hybrid import (
     DROPPED,
     MLX,
+    HybridDecoder,
     exporter,
     gguf_parser,
     hf_parser,
@@ -168,7 +168,7 @@ QWEN3_NEXT = Family(
     gguf_archs=("qwen3next",),
     parse_hf=parse_hf,
     parse_gguf=parse_gguf,
-    network=Decoder,
+    network=HybridDecoder,
     gguf_block=GGUF_BLOCK,
     gguf_conventions=QWEN3NEXT_GGUF,
     gguf_ignored=mtp_tensor,
