@@ -93,15 +93,15 @@ class NormConfig:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """The softmax attention's options beyond its heads: read by layers.Attention (and the
-    families' own attention), the RoPE variants by the decoders that build its Ropes."""
+    """The softmax attention's options beyond its heads: read by layers.Attention and the
+    attention kinds (a family's own: fused_qkv, sinks, qk_l2_norm, temperature), the RoPE
+    variants by the decoders that build its Ropes."""
 
     bias: bool = False  # bias on q/k/v (Qwen2; Llama's attention_bias)
     o_bias: bool = False  # bias on o_proj (Llama's attention_bias also covers o_proj)
     fused_qkv: bool = False  # one q|k|v projection (qkv_proj): Phi-3 / Phi-4
     qk_norm: bool = False  # RMSNorm over head_dim on each head's q and k before RoPE
     qk_l2_norm: bool = False  # RMSNorm without weight on q and k after RoPE (Llama 4, RoPE layers)
-    output_gate: bool = False  # q_proj also yields a per-head gate: out · sigmoid(gate)
     sinks: bool = False  # a learnt sink logit per head in each softmax (gpt-oss)
     query_pre_attn_scalar: float | None = None  # the scale 1/√this (Gemma 2/3), not 1/√head_dim
     logit_softcapping: float | None = None  # scores to tanh(x / c)·c (Gemma 2)

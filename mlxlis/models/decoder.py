@@ -1,16 +1,19 @@
 """The decoder-only transformer the Llama, Qwen2/3 and Gemma 1/2/3 families share.
 
-One forward pass; what differs between the families is ModelConfig data:
+One forward pass; what differs between the families is ModelConfig data and the attention kind
+a family's block names (layers.py's common Attention unless said):
   Llama/Qwen2: pre-norm blocks, SwiGLU, RMSNorm x̂·w, tied or untied head, q/k/v bias (Qwen2).
   Qwen3:       + RMSNorm over head_dim on q and k before RoPE; Qwen3-MoE: + expert MLPs.
   Gemma 1:     GeGLU, x̂·(1 + w) RMSNorm, embedding × √hidden, float32 residual, tied head.
   Gemma 2:     + sandwich norms, attention-logit and final-logit softcaps,
                scale 1/√query_pre_attn_scalar, sliding-window layers.
   Gemma 3:     + q/k norms, a local RoPE base for sliding layers, usually no softcaps.
-  Qwen3.5:     Gated DeltaNet layers (deltanet.py) between gated full-attention layers with
-               partial RoPE, x̂·(1 + w) norms; Qwen3.5-MoE: + a shared expert.
+  Qwen3.5:     Gated DeltaNet layers (deltanet.py) between gated full-attention layers
+               (GatedAttention, hybrid.py's block) with partial RoPE, x̂·(1 + w) norms;
+               Qwen3.5-MoE: + a shared expert.
   Llama 4:     interleaved RoPE, chunked layers between NoPE full layers, L2 q/k norms, a
-               position temperature on NoPE queries; its own feed-forward blocks (llama4.py).
+               position temperature on NoPE queries; its own attention kind and feed-forward
+               blocks (llama4.py).
 Sliding layers see keys in (p − window, p] (transformers' `kv_idx > q_idx - sliding_window`);
 chunked layers those of p's chunk (`kv_idx // c == q_idx // c`); a model's ring layers (the
 two kinds, each a ring of its window's positions) are all of one kind.
@@ -34,7 +37,7 @@ from mlxlis.models.attention import softcap
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.deltanet import GatedDeltaNet
 from mlxlis.models.experts import ExpertSource, SparseMoE
-from mlxlis.models.layers import MLP, Attention, Cache, Mask, norm
+from mlxlis.models.layers import MLP, Attention, AttentionKind, Cache, Mask, norm
 from mlxlis.models.multimodal import Inserts, with_blocks
 from mlxlis.models.rope import Rope
 
@@ -46,6 +49,8 @@ if TYPE_CHECKING:
 
 
 class DecoderLayer(nn.Module):
+    attention: AttentionKind = Attention  # a family's own kind (phi3.py, mistral3.py, hybrid.py)
+
     def __init__(self, cfg: ModelConfig, rope: Rope | None, layer: int):
         super().__init__()
         d = cfg.hidden_size
@@ -53,7 +58,7 @@ class DecoderLayer(nn.Module):
         if self.linear:
             self.linear_attn = GatedDeltaNet(cfg)
         else:
-            self.self_attn = Attention(cfg, rope)
+            self.self_attn = self.attention(cfg, rope)
         self.mlp = SparseMoE(cfg) if cfg.is_sparse(layer) else MLP(cfg)
         self.input_layernorm = norm(cfg, d)
         self.post_attention_layernorm = norm(cfg, d)

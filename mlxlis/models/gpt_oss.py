@@ -21,11 +21,12 @@ from typing import Any
 from mlxlis.errors import ConfigError
 from mlxlis.limits import check_sizes
 from mlxlis.models.activations import clamped_swiglu
+from mlxlis.models.attention import attend
 from mlxlis.models.base import GGUF_LLAMA_BLOCK, Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import FamilyConfig, ModelConfig, number
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.experts import PROJECTIONS, ExpertSource, SwitchGLU
-from mlxlis.models.layers import PreNormBlock
+from mlxlis.models.layers import Attention, Mask, PreNormBlock
 from mlxlis.models.reading import expert_sizes, gguf_expert_sizes, moe_config
 from mlxlis.models.rope import Rope
 
@@ -162,8 +163,21 @@ class GptOssMoE(nn.Module):
         return (y * weights[..., None]).sum(axis=-2)
 
 
+class SinkAttention(Attention):
+    """The common attention with a learnt sink logit per head in each softmax."""
+
+    def __init__(self, cfg: ModelConfig, rope: Rope | None):
+        super().__init__(cfg, rope)
+        self.sinks = mx.zeros((self.n_heads,))
+
+    def attend_heads(self, q, k, v, mask: Mask) -> mx.array:
+        return attend(q, k, v, self.scale, mask, self.softcap, self.sinks, heads_last=True)
+
+
 class GptOssLayer(PreNormBlock):
     """Pre-norm attention (with sinks) and the MoE."""
+
+    attention = SinkAttention
 
     def __init__(self, cfg: ModelConfig, rope: Rope | None, layer: int):
         super().__init__(cfg, rope, GptOssMoE(cfg))

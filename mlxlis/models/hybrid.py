@@ -3,7 +3,7 @@ built on it (Qwen3.5 / 3.6, Qwen3-Next, Qwen4-Exp): its layer kinds, the DeltaNe
 sizes, the partial RoPE, config.json and GGUF readers, llama.cpp's tensor names, what
 `convert` writes, and the names a text load leaves out. A family composes these with its own
 defaults (qwen3_5.py, qwen3_next.py, qwen4_exp.py); the layers are deltanet.py's and the
-shared decoder's."""
+shared decoder's, its attention layers.GatedAttention (HybridLayer)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from mlxlis.limits import check_sizes
 from mlxlis.models.base import GGUFMeta, MLXFormat
 from mlxlis.models.config import DeltaNetConfig, ModelConfig, MoEConfig
 from mlxlis.models.conventions import ZERO_CENTRED_NORM_MINUS_ONE
+from mlxlis.models.decoder import Decoder, DecoderLayer
+from mlxlis.models.layers import GatedAttention
 from mlxlis.models.reading import check_act, moe_config
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -101,7 +103,6 @@ def hf_parser(moe: bool):
             attention=replace(
                 base.attention,
                 qk_norm=True,
-                output_gate=True,
                 o_bias=base.attention.bias,
                 rotary_dim=read_rotary_dim(cfg, size["head_dim"], path),
             ),
@@ -166,7 +167,7 @@ def gguf_parser(moe: bool):
         changes: dict[str, Any] = dict(
             num_hidden_layers=n,
             norms=replace(base.norms, kind="rms_plus_one"),
-            attention=replace(base.attention, qk_norm=True, output_gate=True, rotary_dim=rotary),
+            attention=replace(base.attention, qk_norm=True, rotary_dim=rotary),
             layer_types=types,
             deltanet=deltanet(size),
         )
@@ -273,3 +274,15 @@ MLX = MLXFormat(
     layouts={"linear_attn.conv1d.weight": (0, 2, 1)},
     conventions=(ZERO_CENTRED_NORM_MINUS_ONE,),
 )
+
+
+class HybridLayer(DecoderLayer):
+    """The shared decoder's block: a Gated DeltaNet or the gated attention, then the MLP."""
+
+    attention = GatedAttention
+
+
+class HybridDecoder(Decoder):
+    """The shared decoder over HybridLayer blocks (Qwen3.5 / 3.6, Qwen3-Next)."""
+
+    layer = HybridLayer

@@ -1,10 +1,14 @@
-"""The building blocks the decoder families share: norms, one Attention, the gated MLP.
+"""The building blocks the decoder families share: norms, the common Attention and the kinds
+more than one family composes (gated, tempered), the gated MLP.
 
-Module attribute names equal the Hugging Face tensor names, so a checkpoint binds by name. Every
-per-family difference is a ModelConfig field read here (bias, q/k norm, scale, softcap).
+Module attribute names equal the Hugging Face tensor names, so a checkpoint binds by name. The
+options many families share are ModelConfig fields read here (bias, q/k norm, scale, softcap);
+a family's own attention kind lives with the family (phi3.py, gpt_oss.py, llama4.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from mlxlis.cache import CacheBatch, KVBatch, KVCache, RecurrentCache, RotatingKVCache
 from mlxlis.models.activations import gated
@@ -55,15 +59,16 @@ def norm(cfg: ModelConfig, dims: int) -> nn.Module:
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped K/V heads; options from the config: q/k/v and o bias,
-    q/k RMSNorm over head_dim before RoPE (Qwen3, Gemma 3) or without weight after it (Llama
-    4), the scale (1/√head_dim or 1/√query_pre_attn_scalar), a logit softcap (Gemma 2), a
-    sigmoid output gate carried by a doubled q_proj (Qwen3.5: per head, head_dim query values
-    then head_dim gate values), a sink logit per head (gpt-oss). `rope` None: a NoPE layer
-    (Llama 4, SmolLM3), whose queries Llama 4 scales by position (temperature, as
-    Ministral 3 does on every layer). A
-    sliding window or an attention chunk is the mask's and the cache's business, not this
-    module's."""
+    """Multi-head attention with grouped K/V heads, the kind most families share; options from
+    the config: q/k/v and o bias, q/k RMSNorm over head_dim before RoPE (Qwen3, Gemma 3), the
+    scale (1/√head_dim or 1/√query_pre_attn_scalar), a logit softcap (Gemma 2). `rope` None: a
+    NoPE layer (Llama 4, SmolLM3). A sliding window or an attention chunk is the mask's and the
+    cache's business, not this module's.
+
+    A family's own kind overrides one step: `projections` and `project` (the q|k|v
+    projections: Phi-3's fused one), `after_rope` (Llama 4's L2 norm, TemperedAttention),
+    `attend_heads` (the softmax: gpt-oss's sinks), or wraps `__call__` around `attend` (the
+    gated output of GatedAttention)."""
 
     def __init__(self, cfg: ModelConfig, rope: Rope | None):
         super().__init__()
@@ -73,61 +78,56 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale
         self.softcap = a.logit_softcapping
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.gated = a.output_gate
-        q_out = self.n_heads * hd * (2 if self.gated else 1)
-        if a.fused_qkv:  # Phi-3 / Phi-4: one projection, q rows then k then v
-            self.qkv_proj = nn.Linear(d, q_out + 2 * self.n_kv_heads * hd, bias=a.bias)
-            self._split = (q_out, q_out + self.n_kv_heads * hd)
-        else:
-            self.q_proj = nn.Linear(d, q_out, bias=a.bias)
-            self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=a.bias)
-            self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=a.bias)
+        self.projections(d, self.n_heads * hd, self.n_kv_heads * hd, a.bias)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=a.o_bias)
         if a.qk_norm:
             self.q_norm = norm(cfg, hd)
             self.k_norm = norm(cfg, hd)
-        if a.sinks:  # gpt-oss: one softmax sink logit per head
-            self.sinks = mx.zeros((self.n_heads,))
         self.rope = rope
-        self._l2_eps = cfg.norms.eps if a.qk_l2_norm and rope is not None else None
-        everywhere = rope is None or a.temperature_all
-        self._temperature = a.temperature if everywhere else None
-        self._temperature_offset = float(a.temperature_offset)
+
+    def projections(self, d: int, q_out: int, kv_out: int, bias: bool) -> None:
+        """The q, k and v projections of `d` inputs: q_out query rows, kv_out key and value rows."""
+        self.q_proj = nn.Linear(d, q_out, bias=bias)
+        self.k_proj = nn.Linear(d, kv_out, bias=bias)
+        self.v_proj = nn.Linear(d, kv_out, bias=bias)
 
     def __call__(
         self, x: mx.array, mask: Mask, cache: Cache | None, positions: mx.array | None = None
     ) -> mx.array:
         """`positions` (T, rotary pairs): explicit RoPE positions of a prompt chunk (Rope.at),
         else each position's own (the cache's offset + shift onwards)."""
-        b, t, _ = x.shape
-        if "qkv_proj" in self:
-            q, k, v = mx.split(self.qkv_proj(x), self._split, axis=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.project(x)
+        return self.o_proj(self.attend(q, k, v, mask, cache, positions))
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """x (B, T, hidden) -> q, k, v by heads (`heads`)."""
+        return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
+
+    def heads(self, q, k, v) -> tuple[mx.array, mx.array, mx.array]:
+        """The projections (B, T, heads·width) by heads: q (B, T, n_heads, width), k (B, T,
+        n_kv_heads, head_dim) heads last until RoPE puts them first (one CPU node: the
+        projections' layout in, the caches' out), v (B, n_kv_heads, T, head_dim)."""
+        b, t, _ = q.shape
         q = q.reshape(b, t, self.n_heads, -1)
-        if self.gated:  # (B, T, n_heads, 2·head_dim): each head's query, then its gate
-            q, gate = mx.split(q, 2, axis=-1)
         k = k.reshape(b, t, self.n_kv_heads, -1)
         v = v.reshape(b, t, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        # q: (B, T, n_heads, head_dim), k: (B, T, n_kv_heads, head_dim): heads last until RoPE
-        # puts them first (one CPU node: the projections' layout in, the caches' out)
-        # v: (B, n_kv_heads, T, head_dim)
+        return q, k, v
+
+    def attend(self, q, k, v, mask: Mask, cache: Cache | None, positions=None) -> mx.array:
+        """q (B, T, n_heads, head_dim), k (B, T, n_kv_heads, head_dim), v (B, n_kv_heads, T,
+        head_dim) over the cache -> (B, T, n_heads·head_dim)."""
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
+        t = q.shape[1]
         if isinstance(cache, CacheBatch) and t == 1:  # one token per sequence, on its cache
-            out = self._attend_batch(q, k, v, cache.caches)
-        elif isinstance(cache, CacheBatch):  # a batched verification: each row on its cache
+            return self._attend_batch(q, k, v, cache.caches)
+        if isinstance(cache, CacheBatch):  # a batched verification: each row on its cache
             rows = [
                 self._attend(q[i : i + 1], k[i : i + 1], v[i : i + 1], row_mask(c, t), c)
                 for i, c in enumerate(cache.caches)
             ]
-            out = mx.concatenate(rows)
-        else:
-            out = self._attend(q, k, v, mask, cache, positions)
-        # out: (B, T, n_heads·head_dim)
-        if self.gated:
-            out = out * mx.sigmoid(gate).reshape(b, t, -1)
-        return self.o_proj(out)
+            return mx.concatenate(rows)
+        return self._attend(q, k, v, mask, cache, positions)
 
     def _attend(self, q, k, v, mask: Mask, cache: Cache | None, positions=None) -> mx.array:
         """q, k heads last (B, T, heads, head_dim), v (B, n_kv_heads, T, head_dim) ->
@@ -141,11 +141,10 @@ class Attention(nn.Module):
         else:
             q, k = self.rope(q, offset, heads_last=True), self.rope(k, offset, heads_last=True)
         # q: (B, n_heads, T, head_dim), k: (B, n_kv_heads, T, head_dim)
-        if self._l2_eps is not None or self._temperature is not None:  # Llama 4, Ministral 3
-            q, k = self._after_rope(q, k, offset + mx.arange(q.shape[2]))
+        q, k = self.after_rope(q, k, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        return self._attend_heads(q, k, v, mask, self.get("sinks"))
+        return self.attend_heads(q, k, v, mask)
 
     def _attend_batch(self, q, k, v, caches: list) -> mx.array:
         """One new token per sequence (q, k heads last (B, 1, heads, head_dim), v (B, n_kv_heads,
@@ -156,29 +155,65 @@ class Attention(nn.Module):
             q, k = self.rope(q, offsets, heads_last=True), self.rope(k, offsets, heads_last=True)
         else:
             q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        if self._l2_eps is not None or self._temperature is not None:
-            q, k = self._after_rope(q, k, offsets[:, None, None])
+        q, k = self.after_rope(q, k, offsets[:, None, None])
         keys, values, mask = KVBatch.step_of(caches, k, v)
-        return self._attend_heads(q, keys, values, mask, self.get("sinks"))
+        return self.attend_heads(q, keys, values, mask)
 
-    def _attend_heads(self, q, k, v, mask, sinks) -> mx.array:
-        """(B, n_heads, T, head_dim) queries over the keys -> (B, T, n_heads·head_dim)."""
-        return attend(q, k, v, self.scale, mask, self.softcap, sinks, heads_last=True)
-
-    def _after_rope(self, q, k, positions: mx.array) -> tuple[mx.array, mx.array]:
-        """Llama 4's L2 norm of q and k (RoPE layers), or the temperature on q (Llama 4's NoPE
-        layers, Ministral 3's every layer): q · (1 + scale·log(1 + ⌊(p + offset) / floor⌋))
-        at each position p (`positions` broadcasting over (B, heads, T), as T positions or
-        one per sequence)."""
-        if self._l2_eps is not None:
-            q = fused.rms_norm(q, None, self._l2_eps)
-            k = fused.rms_norm(k, None, self._l2_eps)
-        if self._temperature is not None:
-            floor, scale = self._temperature
-            p = positions.astype(mx.float32)
-            t = mx.log1p(mx.floor((p + self._temperature_offset) / floor)) * scale + 1.0
-            q = (q * t[..., None]).astype(q.dtype)
+    def after_rope(self, q, k, offset) -> tuple[mx.array, mx.array]:
+        """q (B, n_heads, T, head_dim) and k (B, n_kv_heads, T, head_dim) after RoPE, at the
+        positions offset + 0..T-1 (`offset` an int), or one new token per sequence at its
+        own (`offset` (B, 1, 1), each sequence's position): as they are here."""
         return q, k
+
+    def attend_heads(self, q, k, v, mask: Mask) -> mx.array:
+        """(B, n_heads, T, head_dim) queries over the keys -> (B, T, n_heads·head_dim)."""
+        return attend(q, k, v, self.scale, mask, self.softcap, None, heads_last=True)
+
+
+class GatedAttention(Attention):
+    """Qwen3.5's and Qwen3-Next's attention (Qwen4-Exp's under its indexer): a sigmoid output
+    gate carried by a doubled q_proj (per head, head_dim query values then head_dim gate
+    values), out · sigmoid(gate) before o_proj."""
+
+    def projections(self, d: int, q_out: int, kv_out: int, bias: bool) -> None:
+        super().projections(d, 2 * q_out, kv_out, bias)
+
+    def __call__(
+        self, x: mx.array, mask: Mask, cache: Cache | None, positions: mx.array | None = None
+    ) -> mx.array:
+        b, t, _ = x.shape
+        q, k, v = self.project(x)
+        # q: (B, T, n_heads, 2·head_dim): each head's query, then its gate
+        q, gate = mx.split(q, 2, axis=-1)
+        out = self.attend(q, k, v, mask, cache, positions)  # (B, T, n_heads·head_dim)
+        out = out * mx.sigmoid(gate).reshape(b, t, -1)
+        return self.o_proj(out)
+
+
+class TemperedAttention(Attention):
+    """Queries scaled by their position after RoPE (Ministral 3's llama_4_scaling_beta, on
+    every layer; Llama 4's NoPE layers, llama4.py): q · (1 + scale·log(1 + ⌊(p + offset) /
+    floor⌋)) at position p, attention.temperature (floor, scale) and temperature_offset (1:
+    Llama 4, 0: Ministral 3); none where the config has no temperature."""
+
+    def __init__(self, cfg: ModelConfig, rope: Rope | None):
+        super().__init__(cfg, rope)
+        self._temperature = cfg.attention.temperature
+        self._temperature_offset = float(cfg.attention.temperature_offset)
+
+    def after_rope(self, q, k, offset) -> tuple[mx.array, mx.array]:
+        if self._temperature is None:
+            return q, k
+        floor, scale = self._temperature
+        # p broadcasting over (B, heads, T): T positions, or one per sequence when batched
+        p = offset if isinstance(offset, mx.array) else offset + mx.arange(q.shape[2])
+        p = p.astype(mx.float32)
+        t = mx.log1p(mx.floor((p + self._temperature_offset) / floor)) * scale + 1.0
+        return (q * t[..., None]).astype(q.dtype), k
+
+
+# an attention kind: its class, or a family's choice of one by the config (phi3.py)
+AttentionKind = Callable[[ModelConfig, Rope | None], Attention]
 
 
 def row_mask(cache: Cache, t: int) -> Mask:
@@ -212,10 +247,11 @@ class PreNormBlock(nn.Module):
     it (`ffn_name`: Llama 4 calls it feed_forward) — a family's own block over its own MLP."""
 
     ffn_name = "mlp"
+    attention: AttentionKind = Attention  # the family's own kind (gpt_oss.py, llama4.py)
 
     def __init__(self, cfg: ModelConfig, rope: Rope | None, ffn: nn.Module):
         super().__init__()
-        self.self_attn = Attention(cfg, rope)
+        self.self_attn = self.attention(cfg, rope)
         setattr(self, self.ffn_name, ffn)
         self.input_layernorm = norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = norm(cfg, cfg.hidden_size)

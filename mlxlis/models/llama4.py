@@ -29,7 +29,7 @@ from mlxlis.models.base import GGUF_LLAMA_BLOCK, Export, Family, GGUFFormat, GGU
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.experts import PROJECTIONS, ExpertSource, SwitchGLU
-from mlxlis.models.layers import MLP, PreNormBlock
+from mlxlis.models.layers import MLP, PreNormBlock, TemperedAttention
 from mlxlis.models.reading import (
     check_act,
     expert_sizes,
@@ -39,6 +39,7 @@ from mlxlis.models.reading import (
     rope_freqs_as_config,
 )
 from mlxlis.models.rope import Rope
+from mlxlis.runtime import fused
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -217,11 +218,29 @@ class Llama4MoE(nn.Module):
         return y.sum(axis=-2) + self.shared_expert(x)  # (B, T, hidden)
 
 
+class Llama4Attention(TemperedAttention):
+    """RoPE layers: q and k RMSNormed without weight after RoPE (use_qk_norm); NoPE layers:
+    the queries' temperature (attn_temperature_tuning: TemperedAttention's, offset 1)."""
+
+    def __init__(self, cfg: ModelConfig, rope: Rope | None):
+        super().__init__(cfg, rope)
+        if rope is not None:
+            self._temperature = None
+        self._l2_eps = cfg.norms.eps if cfg.attention.qk_l2_norm and rope is not None else None
+
+    def after_rope(self, q, k, offset) -> tuple[mx.array, mx.array]:
+        if self._l2_eps is not None:
+            q = fused.rms_norm(q, None, self._l2_eps)
+            k = fused.rms_norm(k, None, self._l2_eps)
+        return super().after_rope(q, k, offset)
+
+
 class Llama4Layer(PreNormBlock):
     """Pre-norm attention and feed-forward (the MoE or a dense MLP) under the checkpoint's
     names (`feed_forward`, not `mlp`)."""
 
     ffn_name = "feed_forward"
+    attention = Llama4Attention
 
     def __init__(self, cfg: ModelConfig, rope: Rope | None, layer: int):
         super().__init__(cfg, rope, Llama4MoE(cfg) if cfg.is_sparse(layer) else MLP(cfg))

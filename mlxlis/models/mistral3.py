@@ -24,7 +24,8 @@ from mlxlis.limits import check_sizes
 from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig, number, yarn_keys, yarn_mscale
 from mlxlis.models.conventions import UNPERMUTE_K, UNPERMUTE_Q
-from mlxlis.models.decoder import Decoder
+from mlxlis.models.decoder import Decoder, DecoderLayer
+from mlxlis.models.layers import TemperedAttention
 from mlxlis.models.reading import check_act, rope_freqs_as_config
 
 SLIDING = "sliding_attention"
@@ -129,6 +130,16 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+class Mistral3Layer(DecoderLayer):
+    attention = TemperedAttention  # the temperature on every layer, none where unset
+
+
+class Mistral3(Decoder):
+    """The shared decoder with Ministral 3's tempered attention."""
+
+    layer = Mistral3Layer
+
+
 MISTRAL3 = Family(
     name="mistral3",
     hf=HFFormat(
@@ -152,7 +163,7 @@ MISTRAL3 = Family(
         conventions=(UNPERMUTE_Q, UNPERMUTE_K),  # Ministral3Model is a LlamaModel
         rope_freqs=rope_freqs_as_config,
     ),
-    network=Decoder,
+    network=Mistral3,
     export=Export(
         model_type="mistral",
         architecture="MistralForCausalLM",

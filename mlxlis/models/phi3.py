@@ -23,10 +23,13 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models.base import GGUF_LLAMA_BLOCK, Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig, RopeConfig
-from mlxlis.models.decoder import Decoder
+from mlxlis.models.decoder import Decoder, DecoderLayer
+from mlxlis.models.layers import Attention
 from mlxlis.models.reading import check_act
+from mlxlis.models.rope import Rope
 
 import mlx.core as mx
+import mlx.nn as nn
 
 HF_DEFAULTS = {  # transformers' Phi3Config, for the keys the shared parser reads
     "vocab_size": 32064,
@@ -244,6 +247,33 @@ def rope_factors(cfg: ModelConfig, tensors: dict[str, mx.array]) -> ModelConfig:
     return cfg.with_(rope=replace(cfg.rope, short_factor=short, long_factor=long))
 
 
+class FusedQKVAttention(Attention):
+    """The common attention over one q|k|v projection (qkv_proj: q rows, then k, then v)."""
+
+    def projections(self, d: int, q_out: int, kv_out: int, bias: bool) -> None:
+        self.qkv_proj = nn.Linear(d, q_out + 2 * kv_out, bias=bias)
+        self._split = (q_out, q_out + kv_out)
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        q, k, v = mx.split(self.qkv_proj(x), self._split, axis=-1)
+        return self.heads(q, k, v)
+
+
+def phi3_attention(cfg: ModelConfig, rope: Rope | None) -> Attention:
+    """Fused q|k|v, or the common kind where a GGUF carries them apart (attn_q, attn_k, attn_v)."""
+    return (FusedQKVAttention if cfg.attention.fused_qkv else Attention)(cfg, rope)
+
+
+class Phi3Layer(DecoderLayer):
+    attention = staticmethod(phi3_attention)
+
+
+class Phi3(Decoder):
+    """The shared decoder with Phi-3's attention."""
+
+    layer = Phi3Layer
+
+
 PHI3 = Family(
     name="phi3",
     hf=HFFormat(
@@ -259,7 +289,7 @@ PHI3 = Family(
         config_tensors=ROPE_TENSORS,
         tensor_config=rope_factors,
     ),
-    network=Decoder,
+    network=Phi3,
     export=Export(
         model_type="phi3",
         architecture="Phi3ForCausalLM",

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from mlxlis.models.base import Export, Family, GGUFFormat, HFFormat
 from mlxlis.models.conventions import QWEN35_GGUF
-from mlxlis.models.decoder import Decoder
 from mlxlis.models.hybrid import (
     DROPPED,
     GGUF_BLOCK,
     MLX,
     MOE_DEFAULTS,
+    HybridDecoder,
     exporter,
     gguf_parser,
     hf_parser,
@@ -60,7 +60,7 @@ QWEN3_5 = Family(
         conventions=QWEN35_GGUF,
         ignored=mtp_tensor,
     ),
-    network=Decoder,
+    network=HybridDecoder,
     export=Export(
         model_type="qwen3_5_text",
         architecture="Qwen3_5ForCausalLM",
@@ -103,7 +103,7 @@ QWEN3_5_MOE = Family(
         conventions=QWEN35_GGUF,
         ignored=mtp_tensor,
     ),
-    network=Decoder,
+    network=HybridDecoder,
     export=Export(
         model_type="qwen3_5_moe_text",
         wrapper="qwen3_5_moe",

@@ -28,8 +28,8 @@ from dataclasses import replace
 
 from mlxlis.cache import KVCache, KVFormat
 from mlxlis.models.config import ModelConfig
-from mlxlis.models.decoder import DecoderLayer
 from mlxlis.models.experts import ExpertSource, SparseMoE
+from mlxlis.models.hybrid import HybridLayer
 from mlxlis.models.layers import norm
 from mlxlis.models.network import Network
 from mlxlis.models.rope import Rope
@@ -73,7 +73,7 @@ class MTPBlock(nn.Module):
         self.pre_fc_norm_embedding = norm(one, d)
         self.pre_fc_norm_hidden = norm(one, d)
         self.layers = [
-            DecoderLayer(one, Rope(cfg.attention.rotary_dim or cfg.head_dim, cfg.rope), 0)
+            HybridLayer(one, Rope(cfg.attention.rotary_dim or cfg.head_dim, cfg.rope), 0)
         ]
         self.norm = norm(one, d)
 

@@ -27,10 +27,10 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.conventions import QWEN3NEXT_GGUF, is_zero_centred_norm
-from mlxlis.models.decoder import Decoder
 from mlxlis.models.hybrid import (
     DROPPED,
     MLX,
+    HybridDecoder,
     exporter,
     gguf_parser,
     hf_parser,
@@ -177,7 +177,7 @@ QWEN3_NEXT = Family(
         conventions=QWEN3NEXT_GGUF,
         ignored=mtp_tensor,
     ),
-    network=Decoder,
+    network=HybridDecoder,
     export=Export(
         model_type="qwen3_next",
         architecture="Qwen3NextForCausalLM",

@@ -22,7 +22,7 @@ from mlxlis.models.config import ModelConfig
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.deltanet import GatedDeltaNet
 from mlxlis.models.experts import ExpertSource, SparseMoE
-from mlxlis.models.layers import Attention, Cache, Mask, norm
+from mlxlis.models.layers import Cache, GatedAttention, Mask, norm
 from mlxlis.models.multimodal import Inserts
 from mlxlis.models.qwen4_exp_parts import F32, PLE, Qwen4ExpStructure, StreamNorm
 from mlxlis.models.rope import Rope
@@ -118,7 +118,7 @@ class Indexer(nn.Module):
         return (in_block | own)[:, None]  # (B, 1, T, S)
 
 
-class IndexedAttention(Attention):
+class IndexedAttention(GatedAttention):
     """Qwen3.5's gated attention over the keys the indexer chose. Its cache: a JointCache of
     the attention's KV cache and the indexer's keys (a KV cache of one head)."""
 
