@@ -19,6 +19,7 @@ from mlxlis.loading.resolve import gguf_tensor_count, resolve
 from mlxlis.models.from_folder import load_folder
 from mlxlis.models.from_gguf import load_gguf
 from mlxlis.models.model import Model
+from mlxlis.runtime import backend
 from mlxlis.runtime.device import resolve_dtype, select_device
 from mlxlis.tokenizer import Tokenizer
 
@@ -85,6 +86,7 @@ def load(
     """
     kv = KVFormat(kv_bits, kv_group_size) if kv_bits is not None else None  # checked first
     select_device()  # the GPU when MLX has a usable one, else the CPU; MLXLIS_DEVICE overrides
+    backend.select()  # the operations around the products, for that device and the settings
     dt = dtype if isinstance(dtype, mx.Dtype) else resolve_dtype(dtype)
     manifest = as_manifest(bindings)  # a bad manifest fails before anything else is read
     pipeline = Pipeline.from_env(layers_split)  # a bad split fails before the file is read

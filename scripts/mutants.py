@@ -1647,7 +1647,7 @@ MUTANTS = (
     ),
     Mutant(
         "rope-heads-last-untransposed",
-        "mlxlis/runtime/fused.py",
+        "mlxlis/runtime/backend.py",
         "        x = x.transpose(0, 2, 1, 3)\n",
         "        pass\n",
         (FUSED,),

@@ -217,6 +217,30 @@ def loaded_models(tmp_path_factory, specs: dict[str, dict], builders: dict | Non
     return load
 
 
+@pytest.fixture(autouse=True)
+def settings_follow_the_environment(monkeypatch) -> Iterator[None]:
+    """mlxlis reads its variables once (mlxlis.settings) and chooses its backend once: a test's
+    monkeypatch.setenv/delenv makes both be read again at their next use, as does its end
+    (when monkeypatch has put the environment back)."""
+    from mlxlis.runtime import backend
+    from mlxlis.settings import reload
+
+    def again() -> None:
+        reload()
+        backend.reset()
+
+    for name in ("setenv", "delenv"):
+        change = getattr(monkeypatch, name)
+
+        def changed(*args, _change=change, **kwargs) -> None:
+            _change(*args, **kwargs)
+            again()
+
+        setattr(monkeypatch, name, changed)
+    yield
+    again()
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """tiny(name) -> (folder, transformers model) of TINY[name]; built once per session."""

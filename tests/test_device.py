@@ -8,7 +8,7 @@ builds, a macOS runner without Metal) the GPU test skips and says why.
 from __future__ import annotations
 
 import mlxlis
-from mlxlis.errors import UnsupportedError
+from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.loading import catalog
 from mlxlis.runtime import device, process
 
@@ -35,7 +35,7 @@ def test_cpu_override_and_default_dtype(monkeypatch):
 
 def test_bad_override_is_refused(monkeypatch):
     monkeypatch.setenv("MLXLIS_DEVICE", "tpu")
-    with pytest.raises(UnsupportedError, match="MLXLIS_DEVICE"):
+    with pytest.raises(ConfigError, match="MLXLIS_DEVICE"):
         device.select_device()
 
 

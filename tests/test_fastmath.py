@@ -11,11 +11,13 @@ logits with fastmath on and off (the off path is MLX's own ops, as on Metal).
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import mlxlis
 from mlxlis.cache import window_mask
 from mlxlis.models import attention
-from mlxlis.runtime import fastmath
+from mlxlis.runtime import backend, fastmath
+from mlxlis.settings import settings
 
 import mlx.core as mx
 import numpy as np
@@ -26,7 +28,7 @@ rng = np.random.default_rng(0)
 
 @pytest.fixture(scope="module", autouse=True)
 def need_fastmath():
-    if not fastmath.enabled():
+    if not backend.current().fast_math:
         if shutil.which("g++") or shutil.which("c++"):
             from mlxlis.runtime.device import device_name
 
@@ -162,6 +164,6 @@ def test_model_same_with_fastmath_off(tiny, tmp_path, monkeypatch, name):
     ids = [3 + (i * 37) % 390 for i in range(200)]
     model = mlxlis.load(folder, "float32")
     on = np.array(model.logits(ids))
-    monkeypatch.setattr(fastmath, "enabled", lambda: False)
+    backend.select("cpu", replace(settings(), fast_math=False))
     off = np.array(model.logits(ids))
     assert np.abs(on - off).max() < 1e-4

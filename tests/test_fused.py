@@ -1,4 +1,5 @@
-"""The fused CPU operations (mlxlis/runtime/fused.py, runtime/kernels/src/fused*.cpp) against
+"""The fused CPU operations (mlxlis/runtime/nodes.py, runtime/kernels/src/fused*.cpp, through the
+CPU backend that runtime/fused.py forwards to) against
 independent references: float64 numpy formulas (transformers' definitions) within float32
 rounding bounds, and MLX's own operations on the same inputs. Inputs take the forms a decode
 step gives them: a cache's keys as a strided slice of a longer buffer, grouped heads, per-row
@@ -12,7 +13,7 @@ equal MLX's operations within float32 rounding.
 from __future__ import annotations
 
 import mlxlis  # noqa: F401  (the BLAS routing first, as the engine runs)
-from mlxlis.runtime import fused, kernels
+from mlxlis.runtime import backend, fused, kernels, nodes
 
 import mlx.core as mx
 import numpy as np
@@ -197,9 +198,9 @@ def test_refused_where_the_kernel_does_not_apply():
     """float16 inputs, or more queries than a decode, go to MLX's own operations."""
     q = mx.zeros((1, 2, 1, 8), mx.float16)
     assert fused.attend(q, q, q, 1.0, None) is None
-    q32 = mx.zeros((1, 2, fused.MAX_QUERIES + 1, 8))
+    q32 = mx.zeros((1, 2, nodes.MAX_QUERIES + 1, 8))
     assert fused.attend(q32, q32, q32, 1.0, "causal") is None
-    assert fused.gated("silu", mx.zeros((4,), mx.bfloat16), mx.zeros((4,), mx.bfloat16)) is None
+    assert nodes.gated("silu", mx.zeros((4,), mx.bfloat16), mx.zeros((4,), mx.bfloat16)) is None
     with pytest.raises(ValueError, match="multiple of Hkv"):
         ext.attend(
             mx.zeros((1, 3, 1, 8)), mx.zeros((1, 2, 4, 8)), mx.zeros((1, 2, 4, 8)), 1.0, False, None
@@ -218,6 +219,7 @@ def test_a_real_decode_with_the_fused_operations_equals_mlx_operations(monkeypat
     runs = []
     for flag in ("1", "0"):
         monkeypatch.setenv("MLXLIS_FUSED", flag)
+        backend.select()  # as a load does (the fixture in conftest.py read the variable again)
         cache = model.make_cache()
         logits = [prefill(model.net, list(range(100, 140)), cache)]  # (1, vocab)
         for _ in range(8):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import mlxlis
 from mlxlis.cache import KVBatch, KVCache, KVFormat, QArray, RotatingKVCache
@@ -38,8 +39,9 @@ from mlxlis.generation.speculative import Speculation
 from mlxlis.generation.steps import steps_for
 from mlxlis.models import attention
 from mlxlis.models.attention import attend
-from mlxlis.runtime import fastmath
+from mlxlis.runtime import backend
 from mlxlis.runtime.device import device_name
+from mlxlis.settings import settings
 
 import mlx.core as mx
 import numpy as np
@@ -109,8 +111,8 @@ def test_quantized_attention_equals_the_dequantized_reference(
     elif t == 1 or device_name() != "cpu":
         pytest.skip("a single query, or a GPU, always multiplies the packed form")
     if not fast:
-        monkeypatch.setattr(fastmath, "enabled", lambda: False)
-    elif not fastmath.enabled():
+        backend.select("cpu", replace(settings(), fast_math=False))
+    elif not backend.current().fast_math:
         pytest.skip("mlxlis's fast softmax is off on this machine")
     got = np.array(attend(q, qk, qv, HD**-0.5, "causal", cap))
     want = reference(q, qk.dequantize(), qv.dequantize(), HD**-0.5, cap, 32 - t)

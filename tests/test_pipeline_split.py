@@ -20,11 +20,10 @@ from mlxlis.distributed.split import (
     balanced_split,
     check_fit,
     check_split,
-    parse_split,
     plan_parts,
 )
 from mlxlis.errors import ConfigError, DoesNotFitError, LayersSplitError
-from mlxlis.runtime.memory import parse_bytes
+from mlxlis.settings import parse_bytes, parse_split
 
 import pytest
 from conftest import need_pulled

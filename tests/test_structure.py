@@ -22,7 +22,7 @@ import tomllib
 ROOT = Path(__file__).resolve().parent.parent
 # bottom to top: a module may import its own layer and the ones below (docs/architecture.md)
 LAYERS = (
-    ("errors", ("mlxlis.errors", "mlxlis.limits", "mlxlis.bounded")),
+    ("errors", ("mlxlis.errors", "mlxlis.limits", "mlxlis.bounded", "mlxlis.settings")),
     ("runtime", ("mlxlis.runtime",)),
     ("tokenizer", ("mlxlis.tokenizer",)),
     ("prompt", ("mlxlis.prompt",)),

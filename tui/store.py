@@ -15,12 +15,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from mlxlis.settings import settings
+
 
 def data_dir() -> Path:
     """The folder holding saved conversations (not created here)."""
-    env = os.environ.get("MLXLIS_DATA")
-    if env:
-        return Path(env).expanduser() / "conversations"
+    if (folder := settings().data) is not None:
+        return folder / "conversations"
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "mlxlis" / "conversations"
 

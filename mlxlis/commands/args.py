@@ -108,8 +108,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _layers_split(text: str) -> list[int]:
-    from mlxlis.distributed.split import parse_split
     from mlxlis.errors import LayersSplitError
+    from mlxlis.settings import parse_split
 
     try:
         return parse_split(text)

@@ -21,7 +21,9 @@ from mlxlis.commands.common import SUBCOMMANDS, guard, load_model, say
 from mlxlis.commands.one_shot import one_shot_parser, run_one_shot
 from mlxlis.commands.serve_command import run_serve
 from mlxlis.distributed.leader import finish, follow
+from mlxlis.errors import MlxlisError
 from mlxlis.loading import catalog
+from mlxlis.settings import reload, settings
 
 
 def run_inspect(argv: list[str]) -> int:
@@ -189,6 +191,7 @@ def _chat_launched(argv: list[str], tui_main: Callable[[list[str]], int]) -> int
     known, _ = p.parse_known_args(argv)
     if known.layers_split:  # the app's loader reads it from there (mlxlis.distributed)
         os.environ["MLXLIS_LAYERS_SPLIT"] = ",".join(map(str, known.layers_split))
+        reload()
     ranks = None
 
     def join() -> int:
@@ -233,6 +236,11 @@ def _attach_terminal() -> None:
 def main(argv: list[str] | None = None) -> int:
     from mlxlis.runtime.device import setup_process
 
+    try:
+        settings()  # the environment's variables, read and checked before any command
+    except MlxlisError as e:
+        say(f"mlxlis: error: {e}")
+        return 2
     setup_process()  # an application's process-wide settings (device.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:

@@ -15,6 +15,7 @@ from mlxlis.commands.args import (
 )
 from mlxlis.commands.common import guard, load_model, print_details
 from mlxlis.distributed.leader import follow
+from mlxlis.settings import settings
 
 
 def _context(text: str) -> int | str:
@@ -71,7 +72,7 @@ def serve_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("MLXLIS_API_KEY"),
+        default=settings().api_key,
         metavar="KEY",
         help="require `Authorization: Bearer KEY` (default: $MLXLIS_API_KEY; none: no key)",
     )

@@ -10,7 +10,6 @@ launcher nothing here runs. Imports the generation core and below; the core neve
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,13 +20,13 @@ from mlxlis.distributed.split import (
     Part,
     check_fit,
     check_split,
-    parse_split,
     plan_parts,
 )
 from mlxlis.distributed.stage import PipelineNet
 from mlxlis.errors import PipelineError, TooLargeError, UnsupportedError
 from mlxlis.generation.steps import pipeline_steps
 from mlxlis.runtime.memory import memory_budget
+from mlxlis.settings import parse_split, settings
 
 import mlx.core as mx
 
@@ -58,8 +57,8 @@ class Pipeline:
     @classmethod
     def from_env(cls, split: str | Sequence[int] | None = None) -> Pipeline:
         """The launched ranks (None outside a launcher) and `split`, else MLXLIS_LAYERS_SPLIT."""
-        if split is None and os.environ.get("MLXLIS_LAYERS_SPLIT"):
-            split = parse_split(os.environ["MLXLIS_LAYERS_SPLIT"], "MLXLIS_LAYERS_SPLIT")
+        if split is None:
+            split = settings().layers_split
         if isinstance(split, str):
             split = parse_split(split)
         return cls(world(), split)

@@ -19,13 +19,13 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-from mlxlis.errors import ConfigError, RankLostError
+from mlxlis.errors import RankLostError
+from mlxlis.settings import settings
 
 import mlx.core as mx
 
 # set by the launchers: mlx.launch (ring, jaccl, nccl) sets MLX_RANK; mpirun its own
 LAUNCH_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-DEFAULT_TIMEOUT = 30.0
 BACKEND_PREFIXES = ("[ring]", "[jaccl]", "[mpi]", "[nccl]", "[distributed]")
 
 
@@ -184,18 +184,7 @@ def world() -> Ranks | None:
 
 
 def rank_timeout() -> float:
-    raw = os.environ.get("MLXLIS_RANK_TIMEOUT")
-    if not raw:
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value != value or value == float("inf"):
-        raise ConfigError(
-            f"must be a positive number of seconds, not {raw!r}", field="MLXLIS_RANK_TIMEOUT"
-        )
-    return value
+    return settings().rank_timeout
 
 
 def ranks_on_this_host(rank: int) -> int:

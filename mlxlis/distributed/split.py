@@ -69,25 +69,6 @@ class Part:
         return f"rank {self.rank} of {self.size}: " + ", ".join(what)
 
 
-def parse_split(text: str, field: str = "--layers-split") -> list[int]:
-    """'14,14' -> [14, 14]: positive integers separated by commas (the CLI's --layers-split,
-    or MLXLIS_LAYERS_SPLIT: `field` names it in errors)."""
-    parts = [p.strip() for p in str(text).split(",")]
-    counts = []
-    for p in parts:
-        if not re.fullmatch(r"\d+", p):
-            raise LayersSplitError(
-                f"expected layer counts separated by commas (e.g. 14,14), got {text!r}",
-                field=field,
-            )
-        if int(p) == 0:
-            raise LayersSplitError(
-                f"every rank needs at least one layer, got {text!r}", field=field
-            )
-        counts.append(int(p))
-    return counts
-
-
 def check_split(split: Sequence[int], layers: int, ranks: int) -> list[int]:
     """A split of `layers` over `ranks`, or a LayersSplitError saying what is wrong."""
     split = list(split)

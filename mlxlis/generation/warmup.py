@@ -88,7 +88,9 @@ def warm_tiny(configs: Sequence[dict] = TINY_CONFIGS, dtype: mx.Dtype = mx.float
 
 
 if __name__ == "__main__":
+    from mlxlis.runtime import backend
     from mlxlis.runtime.device import resolve_dtype, select_device
 
     select_device()
+    backend.select()
     warm_tiny(dtype=resolve_dtype(None))

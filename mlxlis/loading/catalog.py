@@ -28,6 +28,7 @@ from importlib import resources
 from pathlib import Path
 
 from mlxlis.errors import MlxlisError, ModelNotFoundError
+from mlxlis.settings import settings
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,8 @@ def default_names() -> list[str]:
 
 def store_dir() -> Path:
     """Where pulled models live: $MLXLIS_MODELS, else ~/.cache/mlxlis/models."""
-    env = os.environ.get("MLXLIS_MODELS")
-    if env:
-        return Path(env).expanduser()
+    if (folder := settings().models) is not None:
+        return folder
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
     return Path(base) / "mlxlis" / "models"
 

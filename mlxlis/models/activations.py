@@ -1,38 +1,31 @@
-"""Gated MLP activations act(gate) · up by config name: runtime/fused's CPU node where it applies,
-else mlxlis.runtime.fastmath's fused CPU kernels or MLX's ops (chosen per call)."""
+"""Gated MLP activations act(gate) · up by config name: the backend's (runtime/backend.py: on the
+CPU a fused node or compiled kernel, else MLX's ops), or MLX's ops where it has none."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
-from mlxlis.runtime import fastmath, fused
+from mlxlis.runtime import fused
 
 import mlx.core as mx
 import mlx.nn as nn
 
 Gated = Callable[[mx.array, mx.array], mx.array]
 
-# name -> (runtime/fused's kernel name, fastmath kernel, MLX ops); None: MLX's only
-GATED: dict[str, tuple[str | None, Gated | None, Gated]] = {
-    "silu": ("silu", fastmath.swiglu, lambda g, u: nn.silu(g) * u),
-    # 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
-    "gelu_pytorch_tanh": ("gelu_tanh", fastmath.geglu_tanh, lambda g, u: nn.gelu_approx(g) * u),
-    "gelu_new": ("gelu_tanh", fastmath.geglu_tanh, lambda g, u: nn.gelu_approx(g) * u),
-    "gelu": (None, None, lambda g, u: nn.gelu(g) * u),  # exact, erf-based
+# name -> the backend's activation ("silu": g·σ(g); "gelu_tanh": 0.5·x·(1 + tanh(√(2/π)·(x +
+# 0.044715·x³)))), or MLX's ops where the backend has none
+GATED: dict[str, str | Gated] = {
+    "silu": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu": lambda g, u: nn.gelu(g) * u,  # exact, erf-based
 }
 
 
 def gated(name: str) -> Gated:
-    kernel, fast, plain = GATED[name]
-    if fast is None:
-        return plain
-
-    def act(gate: mx.array, up: mx.array) -> mx.array:
-        if (out := fused.gated(kernel, gate, up)) is not None:
-            return out
-        return fast(gate, up) if fastmath.enabled() else plain(gate, up)
-
-    return act
+    act = GATED[name]
+    return partial(fused.gated, act) if isinstance(act, str) else act
 
 
 def clamped_swiglu(alpha: float, limit: float) -> Gated:

@@ -3,11 +3,11 @@ logit softcap (Gemma 2), optional per-head sinks (gpt-oss: a logit each head's s
 normalises over, whose share of the probability goes to no value), the softmax in float32.
 
 Three ways, same mathematics:
-  kernel   runtime/fused's one CPU node, for up to 16 float32 queries (a decode step, a
+  kernel   runtime/nodes.py's one CPU node, for up to 16 float32 queries (a decode step, a
            speculative verification) over dense keys, without cap or sinks.
-  fused    mx.fast.scaled_dot_product_attention (no cap) — Metal and CUDA, or when
-           mlxlis.runtime.fastmath is off.
-  explicit scores = q·kᵀ, mask, softmax, ·v — on the CPU with mlxlis.runtime.fastmath on (MLX's CPU
+  fused    mx.fast.scaled_dot_product_attention (no cap) — Metal and CUDA, or when the
+           backend's fast_math is off (runtime/backend.py).
+  explicit scores = q·kᵀ, mask, softmax, ·v — on the CPU with fastmath's softmax (MLX's CPU
            exp, used by its softmax, was half of a SmolLM2 prefill there), and for softcaps.
            A causal chunk is split into query blocks that skip the keys after the block, so
            the masked upper triangle is never exponentiated (~40% fewer scores at 512 tokens).
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from mlxlis.cache import window_mask
 from mlxlis.cache.store import QArray, Stored, Tailed
-from mlxlis.runtime import fastmath, fused
+from mlxlis.runtime import backend, fused
 from mlxlis.runtime.device import device_name
 
 import mlx.core as mx
@@ -78,7 +78,7 @@ def _attend(
     packed: bool,
 ) -> mx.array:
     """`attend` by MLX's operations: (B, n_heads, T, head_dim)."""
-    fast = fastmath.enabled()
+    fast = backend.current().fast_math  # its softmax is fastmath's (see above)
     if packed and q.shape[2] > 1 and device_name() == "cpu":
         k, v = k.dequantize(), v.dequantize()  # this layer's, for this chunk (see above)
         packed = False
@@ -118,10 +118,9 @@ def _explicit(q, k, v, scale, mask, cap, fast, sinks=None) -> mx.array:
     if sinks is not None:  # one more logit per head and query, dropped after the softmax
         sink = sinks.astype(scores.dtype).reshape(n_kv, h // n_kv, 1, 1)
         scores = mx.concatenate([scores, mx.broadcast_to(sink, (*scores.shape[:-1], 1))], -1)
-    if fast:
-        probs = fastmath.softmax(scores).astype(v.dtype)
-    else:
-        probs = mx.softmax(scores, axis=-1, precise=True)
+    probs = backend.current().softmax(scores)
+    if fast:  # fastmath's is float32
+        probs = probs.astype(v.dtype)
     if sinks is not None:
         probs = probs[..., :-1]
     out = _product(probs, v, False)  # (B, n_kv, group, T, head_dim)

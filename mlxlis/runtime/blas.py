@@ -29,8 +29,11 @@ import ctypes
 import ctypes.util
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from mlxlis.errors import MlxlisError
+from mlxlis.settings import Settings, settings
 
 SYSTEM_CANDIDATES = (
     "libopenblas.so.0",
@@ -39,7 +42,6 @@ SYSTEM_CANDIDATES = (
     "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
     "/usr/lib64/libopenblas.so.0",
 )
-CHOICES = ("auto", "wheel", "system", "bundled")
 SYSTEM_PREFERRED = (0, 3, 21)  # a system OpenBLAS this recent decoded faster than the wheel
 
 
@@ -48,6 +50,7 @@ class BlasState:
     name: str = "platform default"  # what MLX's float32 matmuls run on, in words
     dispatch: ctypes.CDLL | None = None  # the loaded _blas_dispatch, when it routes
     notice: str | None = None  # why a faster path is not in use, for --verbose
+    env: Settings = field(default_factory=Settings)  # the variables it was chosen under
 
 
 state = BlasState()
@@ -67,12 +70,12 @@ def preload() -> BlasState:
     # threads needed (runtime/kernels): with 2^4, Gemma 3 270M decoded 17.6 -> 25.7 tok/s and
     # Qwen2.5-0.5B 11.5 -> 15.8 on a 2-core x86 VM, prefill unchanged (scripts/bench_qmv.py)
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-    choice = os.environ.get("MLXLIS_BLAS", "auto").lower()
-    if os.environ.get("MLXLIS_NO_OPENBLAS"):  # older spelling of MLXLIS_BLAS=bundled
-        choice = "bundled"
-    if choice not in CHOICES:
-        choice = "auto"
-        state.notice = f"MLXLIS_BLAS must be one of {', '.join(CHOICES)}; using auto"
+    try:
+        state.env = settings()
+    except MlxlisError as e:  # raised again, where it can be reported, by the next settings()
+        state.notice = f"{e}; the BLAS is chosen as if no mlxlis variable were set"
+    env = state.env
+    choice = "bundled" if env.no_openblas else env.blas  # older spelling of MLXLIS_BLAS=bundled
     misses: list[str] = []
     if choice == "auto":
         loaded = (
@@ -154,7 +157,7 @@ def _routes(routed: bool) -> str:
 
 
 def _gemv_wanted() -> bool:
-    return os.environ.get("MLXLIS_BLAS_GEMV", "1") != "0"
+    return state.env.blas_gemv
 
 
 def _openblas_version(lib: ctypes.CDLL) -> tuple[int, ...]:
@@ -181,7 +184,7 @@ def _init_dispatch(lib: ctypes.CDLL, sgemm, sgemv) -> bool:
         lib.mlxlis_blas_init(
             ctypes.cast(sgemm, as_ptr),
             ctypes.cast(sgemv, as_ptr) if sgemv else None,
-            ctypes.c_int(os.environ.get("MLXLIS_BLAS_SKINNY", "1") != "0"),
+            ctypes.c_int(state.env.blas_skinny),
         )
         ctypes.CDLL(lib._name, mode=ctypes.RTLD_GLOBAL)
     except (OSError, AttributeError):

@@ -10,8 +10,9 @@ BLAS, see blas.py).
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
+
+from mlxlis.settings import settings
 
 
 def tune_malloc() -> bool:
@@ -25,7 +26,7 @@ def tune_malloc() -> bool:
     for reuse (what is freed below a live allocation is never returned). Peak memory is
     unchanged in the loads measured. MLXLIS_MALLOC_TUNE=0 leaves glibc's defaults.
     """
-    if not sys.platform.startswith("linux") or os.environ.get("MLXLIS_MALLOC_TUNE") == "0":
+    if not sys.platform.startswith("linux") or not settings().malloc_tune:
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -61,11 +62,7 @@ def select_device() -> str:
 
     import mlx.core as mx
 
-    want = os.environ.get("MLXLIS_DEVICE", "").lower() or None
-    if want not in (None, "cpu", "gpu"):
-        raise UnsupportedError(
-            f"MLXLIS_DEVICE must be cpu or gpu, not {want!r}", field="MLXLIS_DEVICE"
-        )
+    want = settings().device  # None, "cpu" or "gpu" (another value is refused there)
     if want == "gpu" and not gpu_available():
         raise UnsupportedError(
             "MLXLIS_DEVICE=gpu but MLX reports no usable GPU here", field="MLXLIS_DEVICE"

@@ -13,14 +13,14 @@ Inputs below −86 give 0 (the true value is < 4.5e-38, at the bottom of the nor
 masked scores (−inf) contribute exactly nothing; above ln(FLT_MAX), inf; NaN stays NaN.
 
 Only for the CPU, and only when MLX can compile there (its CPU `compile` builds kernels with
-the system C++ compiler at first use): `enabled()` probes once. MLXLIS_FAST_MATH=0 turns it off.
-Metal and CUDA keep MLX's own kernels, which are fast there.
+the system C++ compiler at first use): `compiles()` probes once, and runtime/backend.py's CPU
+backend uses these unless MLXLIS_FAST_MATH=0. Metal and CUDA keep MLX's own kernels, which are
+fast there.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from functools import cache, partial
 
 import mlx.core as mx
@@ -93,14 +93,9 @@ def softmax(x: mx.array, axis: int = -1) -> mx.array:
 
 
 @cache
-def enabled() -> bool:
-    """True on the CPU when MLX's compiler works there (probed once) and not turned off."""
-    if os.environ.get("MLXLIS_FAST_MATH", "1") == "0":
-        return False
-    from mlxlis.runtime.device import device_name
-
-    if device_name() != "cpu":
-        return False
+def compiles() -> bool:
+    """True when MLX's compiler works for the default device (probed once: runtime/backend.py
+    asks only for the CPU, where MLXLIS_FAST_MATH is not 0)."""
     try:
         x = mx.array([-math.inf, -1.0, 0.0, 1.0])
         got = exp(x)

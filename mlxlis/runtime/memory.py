@@ -6,14 +6,11 @@ as mlx-lm does so that a large model's buffers are not paged out under pressure.
 from __future__ import annotations
 
 import os
-import re
 
-from mlxlis.errors import ConfigError
 from mlxlis.runtime.device import device_name, proc_bytes
+from mlxlis.settings import settings
 
 import mlx.core as mx
-
-ENV = "MLXLIS_MAX_MEMORY"
 
 
 def available_memory() -> int:
@@ -27,15 +24,6 @@ def available_memory() -> int:
         return 0
 
 
-def parse_bytes(text: str, field: str) -> int:
-    """'24G', '512M', '1.5G', '1000000' -> bytes (powers of 1024)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)I?B?\s*", text.upper())
-    if not m:
-        raise ConfigError(f"expected a size such as 24G or 512M, got {text!r}", field=field)
-    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2)]
-    return int(float(m.group(1)) * scale)
-
-
 def _working_set() -> int:
     info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
     return int(info.get("max_recommended_working_set_size", 0))
@@ -46,8 +34,8 @@ def memory_budget() -> int:
     caps what the machine offers — Metal's working set, or what is free plus what MLX holds."""
     offered = _working_set() if device_name() == "metal" else 0
     offered = offered or available_memory() + mx.get_active_memory()
-    raw = os.environ.get(ENV)
-    return min(offered, parse_bytes(raw, ENV)) if raw else offered
+    cap = settings().max_memory
+    return offered if cap is None else min(offered, cap)
 
 
 def wire(nbytes: int) -> None:

@@ -18,6 +18,7 @@ from mlxlis.errors import AmbiguousModelError, HubError, ModelNotFoundError, Uns
 from mlxlis.loading.hub.fetch import cache_root, repo_folder
 from mlxlis.loading.hub.refs import HubRef
 from mlxlis.loading.hub.select import FOLDER_FILES, GGUFModel, choice, gguf_models, select
+from mlxlis.settings import settings
 
 FAMILY_KEY = "general.architecture"
 
@@ -106,9 +107,8 @@ def _folder_details(folder: Path) -> tuple[str, str, str]:
 def scan_roots() -> list[tuple[str, Path]]:
     """(label, folder) of every folder `--scan` looks in, existing or not."""
     home = Path.home()
-    env = os.environ.get("MLXLIS_LMSTUDIO_MODELS")
-    if env is not None:
-        lms = [Path(p).expanduser() for p in env.split(os.pathsep) if p]
+    if (folders := settings().lmstudio_models) is not None:
+        lms = list(folders)
     else:
         lms = [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"]
     if os.environ.get("LLAMA_CACHE"):

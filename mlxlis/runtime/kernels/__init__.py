@@ -62,7 +62,7 @@ def load(build: bool = True, retry: bool = False) -> ModuleType | None:
 
 def available() -> ModuleType | None:
     """The extension when it is built (loaded at the first call; never builds: the fused
-    operations of runtime/fused.py use it only where a build exists)."""
+    operations of runtime/nodes.py use it only where a build exists)."""
     global _probed
     if _module is None and not _probed:
         _probed = True

@@ -29,6 +29,8 @@ import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from mlxlis.settings import settings
+
 HERE = Path(__file__).resolve().parent
 SOURCES = sorted((HERE / "src").glob("*.[ch]*")) + [HERE / "CMakeLists.txt"]
 MODULE = "_qmv"
@@ -39,9 +41,8 @@ class BuildError(RuntimeError):
 
 
 def cache_root() -> Path:
-    env = os.environ.get("MLXLIS_KERNELS")
-    if env:
-        return Path(env)
+    if (folder := settings().kernels) is not None:
+        return folder
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "mlxlis" / "kernels"
 
@@ -148,7 +149,7 @@ def ensure(verbose: bool = False, retry: bool = False) -> Path:
     target = so_path()
     if target.is_file():
         return target
-    if os.environ.get("MLXLIS_BUILD_KERNELS", "1") == "0":
+    if not settings().build_kernels:
         raise BuildError("not built, and MLXLIS_BUILD_KERNELS=0")
     failed = target.parent / "failed.txt"
     target.parent.mkdir(parents=True, exist_ok=True)
