@@ -1,7 +1,8 @@
 """The serving engine: many requests over one model, on the generation core, step by step.
 
 `Engine.submit(Request)` returns a `Stream` of Events (iterate it, or `async for` it when
-submitted with an event loop). One scheduler loop runs on the process's MLX thread: each round
+submitted with an event loop). The engine is a worker of the process's MLX thread
+(runtime/mlx_thread.py), in turn with the other models' engines: each round
 is one `Core.step` over the running requests (the decoding ones get one token each from a
 single batched forward, a request still reading its prompt gets one chunk), so a long prompt
 never stalls the streams already running, and a request that is cancelled (client gone)
@@ -14,7 +15,7 @@ takes over the one sharing its longest prefix and prefills only the rest. Where 
 live and how a step runs is the model's Steps (steps.py: this process, or a pipeline of ranks
 led from rank 0).
 
-An engine still running when the interpreter exits is shut down first (atexit): its loop on
+An engine still running when the interpreter exits is shut down first (atexit): its rounds on
 the MLX thread must not be torn down mid-step.
 """
 
@@ -28,6 +29,7 @@ import threading
 import traceback
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from mlxlis.cache.disk import DiskCache
@@ -193,7 +195,9 @@ class Engine:
         self._active: list[tuple[Sequence, Stream]] = []
         self._cv = threading.Condition()
         self._stopping = False
-        self._done = mlx_thread.shared().submit(self._loop)
+        self._done: Future = Future()  # set when the loop has stopped
+        self._thread = mlx_thread.shared()
+        self._thread.add(self)  # its rounds, in turn with other engines' (one per model)
         _live.add(self)
 
     # --- the caller's side ---
@@ -215,7 +219,7 @@ class Engine:
                 raise QueueFullError(f"{len(self._queue)} requests are waiting already")
             self._check_memory(req)
             self._queue.append((req, stream))
-            self._cv.notify()
+        self._thread.wake()
         return stream
 
     def _check_memory(self, req: Request) -> None:
@@ -244,7 +248,7 @@ class Engine:
         """Finish every request with an "error" event and stop the loop."""
         with self._cv:
             self._stopping = True
-            self._cv.notify()
+        self._thread.wake()
         self._done.result(timeout)
         _live.discard(self)
 
@@ -260,22 +264,30 @@ class Engine:
             self._queue.remove((req, stream))
             stream._put(_ended("cancelled", usage=Usage(prompt_tokens=len(req.prompt))))
 
-    # --- the MLX thread's side ---
-    def _loop(self) -> None:
+    # --- the MLX thread's side (mlx_thread.Worker) ---
+    def has_work(self) -> bool:
+        return bool(self._queue or self._active or self._stopping)
+
+    def run_round(self) -> bool:
+        """One round; False once the engine has stopped (its steps closed)."""
         try:
-            while self._round():
-                pass
+            more = self._round()
         except BaseException as e:  # the loop's own failure: said, never a silent hang
             self.on_error(traceback.format_exc())
             self._fail(f"the engine's loop failed: {type(e).__name__}: {e}")
-        finally:
-            self._close_steps()
+            more = False
+        if not more:
+            try:
+                self._close_steps()
+            finally:
+                self._done.set_result(None)
+        return more
 
     def _round(self) -> bool:
         """Admit what fits, run one core step; False once the engine is stopping."""
         with self._cv:
-            while not self._queue and not self._active and not self._stopping:
-                self._cv.wait()
+            if not self._queue and not self._active and not self._stopping:
+                return True
             if self._stopping:
                 self._end_all("the server is shutting down")
                 return False
