@@ -190,6 +190,9 @@ class Engine:
         # told of a step that failed outside any one request (with its traceback): its
         # requests end with an error, the loop goes on
         self.on_error: Callable[[str], None] = _log.error
+        # bytes the requests of the other models' engines in this process hold (serve/pool.py):
+        # this engine's requests fit in its plan's room less that
+        self.others: Callable[[], int] | None = None
         self._failed_rounds = 0  # in a row: MAX_FAILED_ROUNDS of them and the engine stops
         self._queue: list[tuple[Request, Stream]] = []
         self._active: list[tuple[Sequence, Stream]] = []
@@ -206,6 +209,7 @@ class Engine:
             raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
         req.params.validate()
         stream = Stream(loop)
+        others = self.others() if self.others is not None else 0
         with self._cv:
             if self._stopping:
                 raise MlxlisError(
@@ -217,17 +221,26 @@ class Engine:
             # places: the free running ones plus the waiting room (not yet admitted counts)
             if len(self._queue) + len(self._active) >= self.max_active + self.max_queued:
                 raise QueueFullError(f"{len(self._queue)} requests are waiting already")
-            self._check_memory(req)
+            self._check_memory(req, others)
             self._queue.append((req, stream))
         self._thread.wake()
         return stream
 
-    def _check_memory(self, req: Request) -> None:
+    def reserved(self) -> int:
+        """Bytes the caches of the requests running and waiting may reach (0 without a plan)."""
+        plan = self.memory
+        with self._cv:
+            held = [r for r, _ in self._queue] + [s.req for s, _ in self._active]
+        return plan.need(held) if plan is not None and held else 0
+
+    def _check_memory(self, req: Request, others: int = 0) -> None:
         """Under the lock: refuse `req` if its caches, with those of the requests running and
-        waiting, could outgrow the memory plan (before anything is allocated)."""
+        waiting (here, and `others` bytes in other engines), could outgrow the memory plan
+        (before anything is allocated)."""
         plan = self.memory
         if plan is None:
             return
+        room = plan.room - others
         alone = plan.need([req])
         if alone > plan.room:
             raise TooLongForMemoryError(
@@ -238,10 +251,13 @@ class Engine:
             )
         held = [r for r, _ in self._queue] + [s.req for s, _ in self._active]
         need = plan.need([*held, req])
-        if need > plan.room:
+        if need > room:
+            elsewhere = (
+                f", other models' requests holding {others / 2**20:.0f} MiB" if others else ""
+            )
             raise MemoryFullError(
                 f"the {len(held)} requests running and waiting hold the memory it needs "
-                f"({need / 2**20:.0f} MiB of {plan.room / 2**20:.0f} MiB with it)"
+                f"({need / 2**20:.0f} MiB of {room / 2**20:.0f} MiB with it{elsewhere})"
             )
 
     def shutdown(self, timeout: float = 10.0) -> None:
