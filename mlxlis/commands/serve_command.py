@@ -220,7 +220,7 @@ def run_serve(argv: list[str]) -> int:
                 field="-m",
             )
         listings = [of_ref(name, ref) for name, ref in refs]
-        listings += on_disk(dirs) if dirs or not refs else []
+        listings += on_disk(dirs, stores=not refs)  # without -m: every model on the disk
         names = table(listings, aliases)
         if not names:
             raise MlxlisError(
@@ -240,6 +240,7 @@ def run_serve(argv: list[str]) -> int:
                 print_details(model)
             spec = mlx_thread.shared().submit(lambda: load_speculation(a, model)).result()
             started.append(Started(main, model, spec))
+            del model, spec  # the pool's from now on: unloaded, nothing here keeps it
         elif a.speculative is not None:
             raise MlxlisError("speculation is for the model named by the first -m", field="-m")
         default = listings[0].name if refs else None

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 _lock = threading.Lock()
 _shared: MlxThread | None = None
+_loading: MlxThread | None = None
 
 
 class Worker(Protocol):
@@ -139,3 +140,14 @@ def shared() -> MlxThread:
         if _shared is None:
             _shared = MlxThread()
         return _shared
+
+
+def loading() -> MlxThread:
+    """The thread models are read on while the MLX thread goes on generating (a server's
+    models loaded on demand); MLX evaluates on several threads, each on its own stream, since
+    0.31.2."""
+    global _loading
+    with _lock:
+        if _loading is None:
+            _loading = MlxThread("mlxlis-load")
+        return _loading

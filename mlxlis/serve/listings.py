@@ -109,20 +109,22 @@ def of_ref(name: str, ref: str) -> Listing:
     return describe(name, ref, path)
 
 
-def on_disk(models_dirs: list[Path]) -> list[Listing]:
-    """Every model on the disk: the catalog's pulled models, the Hugging Face cache, and the
-    GGUF files and safetensors folders in each of `models_dirs` (named by file or folder)."""
-    from mlxlis.loading.hub.store import cached_models
+def on_disk(models_dirs: list[Path], stores: bool = True) -> list[Listing]:
+    """The GGUF files and safetensors folders in each of `models_dirs` (named by file or
+    folder), after (`stores`) the catalog's pulled models and the Hugging Face cache's."""
+    out: list[Listing] = []
+    if stores:
+        from mlxlis.loading.hub.store import cached_models
 
-    out = [
-        describe(name, name, catalog.model_path(name))
-        for name in catalog.CATALOG
-        if catalog.is_pulled(name)
-    ]
-    out += [
-        Listing(e.name, e.name, e.size, e.family, e.quant, e.format.split()[0], e.path)
-        for e in cached_models()
-    ]
+        out += [
+            describe(name, name, catalog.model_path(name))
+            for name in catalog.CATALOG
+            if catalog.is_pulled(name)
+        ]
+        out += [
+            Listing(e.name, e.name, e.size, e.family, e.quant, e.format.split()[0], e.path)
+            for e in cached_models()
+        ]
     for folder in models_dirs:
         if not folder.is_dir():
             raise ConfigError(f"not a folder: {folder}", field="--models-dir")
@@ -138,10 +140,11 @@ def on_disk(models_dirs: list[Path]) -> list[Listing]:
 def table(listings: list[Listing], aliases: dict[str, str]) -> dict[str, Listing]:
     """Every name a request may use -> its listing: each listing's name, its path, and the
     aliases (an alias's REF is a listed name, or a reference of its own). The first listing
-    of a name wins (-m before the disk's)."""
+    of a name, or of the same files, wins (-m before the disk's): one model, one load."""
     out: dict[str, Listing] = {}
     for x in listings:
-        out.setdefault(x.name, x)
+        same = out.get(str(x.path)) if x.path is not None else None
+        out.setdefault(x.name, same or x)  # the same files listed again: another name
         if x.path is not None:
             out.setdefault(str(x.path), x)
     for alias, ref in aliases.items():

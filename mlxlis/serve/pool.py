@@ -30,11 +30,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from mlxlis.errors import ConfigError, MlxlisError
 from mlxlis.generation.engine import Engine
 from mlxlis.runtime import mlx_thread
+from mlxlis.runtime.device import trim_malloc
 from mlxlis.serve.listings import Listing
 from mlxlis.serve.openai_format import TokenText
 from mlxlis.serve.prepare import Target
@@ -137,15 +139,15 @@ class Served:
         self.last_used = time.monotonic()
 
 
-# (listing) -> the loaded model's Served, built on the MLX thread; `budget_for(weights)` gives
-# the bytes its requests' caches may hold beside what the pool already holds
-Builder = Callable[[Listing, "Pool"], Served]
+Loader = Callable[[Listing], Any]  # a listing's files -> its Model (on the loading thread)
+Builder = Callable[[Listing, Any], Served]  # a loaded Model -> its Served (on the MLX thread)
 
 
 class Pool:
     def __init__(
         self,
         names: dict[str, Listing],
+        load: Loader,
         build: Builder,
         budget: int,
         margin: int,
@@ -153,7 +155,7 @@ class Pool:
         default: str | None = None,
     ):
         self.names = names  # every name a request may use -> its listing
-        self.build = build
+        self.load, self.build = load, build
         self.budget, self.margin, self.prefix_bytes = budget, margin, prefix_bytes
         self.default = default  # the model of a request that names none
         self.loaded: dict[str, Served] = {}  # by listing name
@@ -190,8 +192,15 @@ class Pool:
     # --- loading ---
     def add(self, served: Served) -> None:
         """A model loaded before the server starts (-m): kept as `served.keep_alive` says."""
+        served.engine.on_fatal = self.on_fatal
         self.loaded[served.name] = served
         self._plan_rooms()
+
+    def set_on_fatal(self, fn: Callable[[str], None]) -> None:
+        """`fn` told when any engine, loaded now or later, stops on its own."""
+        self.on_fatal = fn
+        for name in self.loaded:
+            self.loaded[name].engine.on_fatal = fn
 
     async def use(self, name: str | None, keep_alive: float | None | str = "") -> Served:
         """The named model, loaded if it is not (evicting idle ones as needed); the caller
@@ -216,13 +225,19 @@ class Pool:
             if self._lock is None:
                 self._lock = asyncio.Lock()
             async with self._lock:
-                await self._make_room(listing)
+                await self._make_room(listing.name, (listing.size or 0) + self.prefix_bytes)
                 started = time.monotonic()
-                job = mlx_thread.shared().submit(lambda: self.build(listing, self))
+                # read on a thread of its own: the other models' engines go on meanwhile
+                model = await asyncio.wrap_future(
+                    mlx_thread.loading().submit(_loaded(self.load, listing))
+                )
+                job = mlx_thread.shared().submit(partial(self.build, listing, model))
                 served = await asyncio.wrap_future(job)
+                del model
                 served.engine.on_fatal = self.on_fatal
                 self.loaded[listing.name] = served
                 self._plan_rooms()
+                await self._make_room(listing.name, 0)  # its weights as loaded, not as listed
                 log.info("loaded %s in %.1f s", listing.name, time.monotonic() - started)
             fut.set_result(served)
             return served
@@ -237,32 +252,40 @@ class Pool:
         """What the loaded models hold: weights, prefix-cache bounds, running requests' caches."""
         return sum(s.reserve + s.engine.reserved() for s in self.loaded.values())
 
-    async def _make_room(self, listing: Listing) -> None:
-        """Unload idle models, least recently used first, until `listing` fits; a PoolError
-        when it cannot fit even alone, or when the busy ones hold the room."""
-        need = (listing.size or 0) + self.prefix_bytes
+    async def _make_room(self, name: str, need: int) -> None:
+        """Unload idle models other than `name`, least recently used first, until `need` more
+        bytes fit; a PoolError, with nothing unloaded, when `need` cannot fit even alone or
+        when the busy models hold the room."""
         budget = self.budget - self.margin
         if need > budget:
             raise PoolError(
-                f"the model {listing.name!r} needs {need / 2**20:.0f} MiB (weights "
-                f"{(listing.size or 0) / 2**20:.0f} MiB and the prefix cache's bound), over "
-                f"the server's memory budget of {budget / 2**20:.0f} MiB (MLXLIS_MAX_MEMORY, "
-                "--prefix-cache-mb)",
+                f"the model {name!r} needs {need / 2**20:.0f} MiB (its weights and the prefix "
+                f"cache's bound), over the server's memory budget of {budget / 2**20:.0f} MiB "
+                "(MLXLIS_MAX_MEMORY, --prefix-cache-mb)",
                 400,
                 "model_too_large",
             )
-        while need + self.held_bytes() > budget:
-            idle = [s for s in self.loaded.values() if not s.busy]
-            if not idle:
-                busy = ", ".join(repr(s.name) for s in self.loaded.values())
-                raise PoolError(
-                    f"the model {listing.name!r} needs {need / 2**20:.0f} MiB and the models "
-                    f"with requests in flight ({busy}) hold {self.held_bytes() / 2**20:.0f} "
-                    f"MiB of {budget / 2**20:.0f} MiB; retry when they finish",
-                    503,
-                    "memory_full",
-                )
-            await self.unload(min(idle, key=lambda s: s.last_used).name)
+        others = [s for s in self.loaded.values() if s.name != name]
+        idle = [s.name for s in sorted(others, key=lambda s: s.last_used) if not s.busy]
+        kept = sum(s.reserve + s.engine.reserved() for s in others if s.name not in idle)
+        if need + kept + self._held_by(name) > budget:
+            busy = ", ".join(repr(s.name) for s in others if s.name not in idle)
+            raise PoolError(
+                f"the model {name!r} needs {need / 2**20:.0f} MiB and the models with requests "
+                f"in flight ({busy}) hold {kept / 2**20:.0f} MiB of {budget / 2**20:.0f} MiB; "
+                "retry when they finish",
+                503,
+                "memory_full",
+            )
+        del others  # names only from here: an unloaded model's last reference is unload's
+        for victim in idle:
+            if need + self.held_bytes() <= budget:
+                break
+            await self.unload(victim)
+
+    def _held_by(self, name: str) -> int:
+        s = self.loaded.get(name)
+        return 0 if s is None else s.reserve + s.engine.reserved()
 
     def _plan_rooms(self) -> None:
         """Each engine's room for its requests' caches: the budget less every loaded model's
@@ -274,8 +297,11 @@ class Pool:
             engine = s.engine
             if engine.memory is not None:
                 engine.memory = replace(engine.memory, room=room)
-            others = [o.engine for o in self.loaded.values() if o is not s]
-            engine.others = (lambda es=others: sum(e.reserved() for e in es)) if others else None
+            engine.others = partial(self._reserved_besides, s.name)
+
+    def _reserved_besides(self, name: str) -> int:
+        """What the requests of the loaded models other than `name` hold (Engine.others)."""
+        return sum(s.engine.reserved() for s in self.loaded.values() if s.name != name)
 
     # --- unloading ---
     async def unload(self, name: str) -> bool:
@@ -286,6 +312,7 @@ class Pool:
         del self.loaded[name]
         self._plan_rooms()
         engine = served.engine
+        engine.others = None
         del served
         await asyncio.to_thread(engine.shutdown)
         del engine
@@ -301,13 +328,16 @@ class Pool:
         while True:
             await asyncio.sleep(REAP_EVERY_S)
             now = time.monotonic()
-            for s in list(self.loaded.values()):
-                expires = s.expires()
-                if expires is not None and expires <= now and not s.busy:
-                    try:
-                        await self.unload(s.name)
-                    except Exception as e:  # noqa: BLE001 — said; the server goes on
-                        log.error("unloading %s failed: %s: %s", s.name, type(e).__name__, e)
+            due = [
+                s.name
+                for s in self.loaded.values()
+                if (t := s.expires()) is not None and t <= now and not s.busy
+            ]  # names: no reference to a model is held while it is unloaded
+            for name in due:
+                try:
+                    await self.unload(name)
+                except Exception as e:  # noqa: BLE001 — said; the server goes on
+                    log.error("unloading %s failed: %s: %s", name, type(e).__name__, e)
 
     async def close(self) -> None:
         if self._reaper is not None:
@@ -317,8 +347,18 @@ class Pool:
         return [s.engine for s in self.loaded.values()]
 
 
+def _loaded(load: Loader, listing: Listing) -> Callable[[], Any]:
+    def job() -> Any:
+        model = load(listing)
+        mx.eval(model.net.parameters())  # every weight read here, none left for the MLX thread
+        return model
+
+    return job
+
+
 def _free() -> None:
-    """On the MLX thread: the unloaded model's arrays released and MLX's buffer cache emptied,
-    so the memory returns to the system."""
+    """On the MLX thread: the unloaded model's arrays released, MLX's buffer cache emptied and
+    the allocator's free pages returned, so the memory goes back to the system."""
     gc.collect()
     mx.clear_cache()
+    trim_malloc()

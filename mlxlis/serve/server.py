@@ -16,6 +16,7 @@ import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -274,28 +275,24 @@ def serve(
     budget = memory_budget()
     several = len({x.name for x in names.values()}) > 1
 
-    def build(listing: Listing, pool: Pool) -> Served:  # on the MLX thread
-        model = load(listing)
-        if model.part is not None:
-            raise MlxlisError("a pipelined model is served alone", field="-m")
+    def build(listing: Listing, model: Any) -> Served:  # on the MLX thread
         return build_served(model, listing, opts, budget, several, None, opts.keep_alive)
 
     margin = max(MARGIN_BYTES, budget // 50)
-    pool = Pool(names, build, budget, margin, opts.prefix_cache_mb << 20, default)
-    for s in started:
-
-        def first(s: Started = s) -> Served:
-            return build_served(
-                s.model, s.listing, opts, budget, several, s.speculation, opts.start_keep_alive
-            )
-
-        pool.add(mlx_thread.shared().submit(first).result())
+    pool = Pool(names, load, build, budget, margin, opts.prefix_cache_mb << 20, default)
+    shown = [s.listing.name for s in started] or [f"{len(pool.listings())} models"]
+    while started:  # taken out of the list: an unloaded model keeps no reference here
+        s = started.pop(0)
+        first = partial(build_served, s.model, s.listing, opts, budget, several, s.speculation)
+        del s
+        pool.add(mlx_thread.shared().submit(partial(first, opts.start_keep_alive)).result())
+        del first
     sock = listen(opts.host, opts.port)
     state = State(pool, opts.api_key)
     state.responses_store_bytes = opts.responses_store_mb << 20
     state.keepalive = opts.keepalive
     state.allow_image_urls = opts.allow_image_urls
-    if several or any(s.model.vision is not None for s in started):  # base64 images fit
+    if several or any(s.model.vision is not None for s in pool.loaded.values()):  # images
         state.max_body = MAX_VISION_BODY_BYTES
     config = uvicorn.Config(
         create_app(state),
@@ -312,15 +309,12 @@ def serve(
         log.error("error: %s", message)
         server.should_exit = True
 
-    pool.on_fatal = fatal
-    for served in pool.loaded.values():
-        served.engine.on_fatal = fatal
+    pool.set_on_fatal(fatal)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    shown = [s.listing.name for s in started] or [f"{len(pool.listings())} models"]
     context = ""
-    if len(started) == 1:  # the one model's: what a client may fill
-        context = f", context {pool.loaded[started[0].listing.name].target.max_context}"
+    if len(pool.loaded) == 1:  # the one model's: what a client may fill
+        context = f", context {next(iter(pool.loaded.values())).target.max_context}"
     log.info(
         "%s on %s (batch %d, queue %d%s%s)",
         ", ".join(shown),
