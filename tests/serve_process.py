@@ -41,7 +41,7 @@ class ServeProcess:
     ):
         """`ranks` > 1: under `mlx.launch` (ring over loopback), in a session of its own."""
         self.api_key = api_key
-        self.model = args[args.index("-m") + 1]
+        self.model = args[args.index("-m") + 1] if "-m" in args else None
         self.log_path = folder / "serve.log"
         cmd = [sys.executable, "-m", "mlxlis", "serve", "--port", "0", *args]
         if api_key:

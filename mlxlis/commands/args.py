@@ -11,17 +11,34 @@ from mlxlis.bounded import read_json_file
 from mlxlis.errors import MlxlisError
 from mlxlis.loading import catalog
 
+MODEL_HELP = (
+    "model folder, .gguf file, catalog name, Hugging Face repo "
+    "ORG/NAME[:QUANT | /FILE.gguf][@REVISION] (fetched into the Hugging Face cache) or a "
+    "name `mlxlis models --scan` lists; a path that exists wins over a name"
+)
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "-m",
-        "--model",
-        default=catalog.DEFAULT_MODEL,
-        help="model folder, .gguf file, catalog name, Hugging Face repo "
-        "ORG/NAME[:QUANT | /FILE.gguf][@REVISION] (fetched into the Hugging Face cache) or a "
-        "name `mlxlis models --scan` lists; a path that exists wins over a name "
-        f"(default {catalog.DEFAULT_MODEL})",
-    )
+
+def add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """The model's flags; `several`: -m may be given more than once, as [NAME=]REF (a server's
+    models), and defaults to none."""
+    if several:
+        p.add_argument(
+            "-m",
+            "--model",
+            action="append",
+            default=None,
+            metavar="[NAME=]REF",
+            help=MODEL_HELP + "; may be given several times, NAME= names it for requests "
+            "(default: every model on the disk: the catalog's, the Hugging Face cache's and "
+            "--models-dir's, each loaded when a request names it)",
+        )
+    else:
+        p.add_argument(
+            "-m",
+            "--model",
+            default=catalog.DEFAULT_MODEL,
+            help=f"{MODEL_HELP} (default {catalog.DEFAULT_MODEL})",
+        )
     p.add_argument(
         "--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)"
     )

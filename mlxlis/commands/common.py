@@ -20,7 +20,8 @@ def say(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
 
-def load_model(a: argparse.Namespace):
+def load_model(a: argparse.Namespace, ref: str | None = None):
+    """The model `ref` (default: the -m flag's) names, loaded with the flags' options."""
     import warnings
 
     from mlxlis import load
@@ -40,7 +41,7 @@ def load_model(a: argparse.Namespace):
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnboundTensorsWarning)
-        model = load(a.model, **options.kwargs())
+        model = load(a.model if ref is None else ref, **options.kwargs())
     for w in caught:
         if isinstance(w.message, UnboundTensorsWarning):
             tensors = w.message.tensors

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import os
+from pathlib import Path
 
 from mlxlis.commands.args import (
     add_model_args,
@@ -15,6 +15,8 @@ from mlxlis.commands.args import (
 )
 from mlxlis.commands.common import guard, load_model, print_details
 from mlxlis.distributed.leader import follow
+from mlxlis.errors import MlxlisError
+from mlxlis.loading import catalog
 from mlxlis.settings import settings
 
 
@@ -28,14 +30,26 @@ def _context(text: str) -> int | str:
         raise argparse.ArgumentTypeError(message) from None
 
 
+def _keep_alive(text: str) -> float | None:
+    from mlxlis.serve.pool import keep_alive_seconds
+
+    try:
+        return keep_alive_seconds(text, "--keep-alive")
+    except MlxlisError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mlxlis serve",
-        description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
-        "/v1/completions, /v1/models, /health). The sampling flags set the defaults of "
-        "requests that leave a value out.",
+        description="Serve models over the OpenAI, Anthropic, Responses and Ollama HTTP APIs "
+        "(/v1/chat/completions, /v1/messages, /v1/responses, /api/chat, /v1/models, /health, "
+        "...). A request names its model; one not loaded is loaded then, within the memory "
+        "budget (the least recently used idle model unloaded to make room), and unloaded once "
+        "idle for its keep-alive. The sampling flags set the defaults of requests that leave a "
+        "value out.",
     )
-    add_model_args(p)
+    add_model_args(p, several=True)
     add_sampling_args(p)
     add_speculative_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -126,12 +140,44 @@ def serve_parser() -> argparse.ArgumentParser:
         "(default 30)",
     )
     p.add_argument(
+        "--models-dir",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="also serve the GGUF files and safetensors folders in DIR, by file or folder name "
+        "(may be given several times)",
+    )
+    p.add_argument(
+        "--alias",
+        action="append",
+        default=None,
+        metavar="NAME=REF",
+        help="another name for a model, one clients already send (e.g. a Claude model name "
+        "for a local model); REF is a served name or a model reference (several times)",
+    )
+    p.add_argument(
+        "--keep-alive",
+        type=_keep_alive,
+        default=None,
+        metavar="DURATION",
+        help="how long a model stays loaded once idle: 5m, 1h30m, 30s, seconds; -1 forever, 0 "
+        "unloaded as soon as its requests end (default: 5m for a model loaded on demand; "
+        "the first -m model, loaded at start, forever); a request's keep_alive overrides it",
+    )
+    p.add_argument(
         "--allow-image-urls",
         action="store_true",
         help="fetch the http(s) image URLs requests name (at most 20 MiB, 10 s each); by "
         "default only data: URLs and base64 images are read, and a URL is refused",
     )
     return p
+
+
+def named_alias(text: str) -> tuple[str, str]:
+    name, sep, ref = text.partition("=")
+    if not (sep and name and ref):
+        raise MlxlisError(f"expected NAME=REF, got {text!r}", field="--alias")
+    return name, ref
 
 
 SERVE_BOUNDS = {
@@ -161,23 +207,49 @@ def run_serve(argv: list[str]) -> int:
     def go() -> int:
         from mlxlis.distributed import launched
         from mlxlis.runtime import mlx_thread
-        from mlxlis.serve.server import ServeOptions, serve
+        from mlxlis.serve.listings import named, of_ref, on_disk, table
+        from mlxlis.serve.pool import DEFAULT_KEEP_ALIVE
+        from mlxlis.serve.server import ServeOptions, Started, serve
 
-        # the model is built on the thread the engine runs on (MLX streams are per thread)
-        model = mlx_thread.shared().submit(lambda: load_model(a)).result()
-        if launched() and model.rank != 0:  # rank 0 serves; the others run its steps
-            mlx_thread.shared().submit(lambda: follow(model)).result()
-            return 0
-        if a.verbose:
-            print_details(model)
-        spec = mlx_thread.shared().submit(lambda: load_speculation(a, model)).result()
-        name = (
-            a.model if not os.path.exists(a.model) else os.path.basename(os.path.normpath(a.model))
-        )
+        refs = [named(text) for text in a.model or []]
+        aliases = dict(named_alias(text) for text in a.alias or [])
+        dirs = [Path(d).expanduser() for d in a.models_dir or []]
+        if launched() and (len(refs) != 1 or dirs or aliases):
+            raise MlxlisError(
+                "a pipelined server (mlx.launch) serves one model: name it with one -m",
+                field="-m",
+            )
+        listings = [of_ref(name, ref) for name, ref in refs]
+        listings += on_disk(dirs, stores=not refs)  # without -m: every model on the disk
+        names = table(listings, aliases)
+        if not names:
+            raise MlxlisError(
+                "no model to serve: none is on the disk (mlxlis pull, or name one with -m or "
+                "--models-dir)",
+                field="-m",
+            )
+        started = []
+        if refs:  # the first -m is loaded now, with the speculation flags: errors show at once
+            main = listings[0]
+            # the model is built on the thread the engines run on (MLX streams are per thread)
+            model = mlx_thread.shared().submit(lambda: load_model(a, main.ref)).result()
+            if launched() and model.rank != 0:  # rank 0 serves; the others run its steps
+                mlx_thread.shared().submit(lambda: follow(model)).result()
+                return 0
+            if a.verbose:
+                print_details(model)
+            spec = mlx_thread.shared().submit(lambda: load_speculation(a, model)).result()
+            started.append(Started(main, model, spec))
+            del model, spec  # the pool's from now on: unloaded, nothing here keeps it
+        elif a.speculative is not None:
+            raise MlxlisError("speculation is for the model named by the first -m", field="-m")
+        default = listings[0].name if refs else None
+        if default is None and catalog.DEFAULT_MODEL in names:
+            default = catalog.DEFAULT_MODEL
+        keep = DEFAULT_KEEP_ALIVE if a.keep_alive is None else a.keep_alive
         return serve(
-            model,
+            names,
             ServeOptions(
-                name,
                 a.host,
                 a.port,
                 a.max_batch,
@@ -188,14 +260,18 @@ def run_serve(argv: list[str]) -> int:
                 params,
                 a.prefix_cache_mb,
                 a.responses_store_mb,
-                spec,
                 a.keepalive,
                 a.prefix_cache_dir,
                 a.prefix_cache_disk_gb,
                 a.allow_image_urls,
                 a.strict_context,
                 a.head_timeout,
+                keep,
+                None if a.keep_alive is None else a.keep_alive,
             ),
+            lambda listing: load_model(a, listing.ref),
+            started,
+            default,
         )
 
     return guard(a.debug, go)

@@ -1,7 +1,8 @@
 """The serving engine: many requests over one model, on the generation core, step by step.
 
 `Engine.submit(Request)` returns a `Stream` of Events (iterate it, or `async for` it when
-submitted with an event loop). One scheduler loop runs on the process's MLX thread: each round
+submitted with an event loop). The engine is a worker of the process's MLX thread
+(runtime/mlx_thread.py), in turn with the other models' engines: each round
 is one `Core.step` over the running requests (the decoding ones get one token each from a
 single batched forward, a request still reading its prompt gets one chunk), so a long prompt
 never stalls the streams already running, and a request that is cancelled (client gone)
@@ -14,7 +15,7 @@ takes over the one sharing its longest prefix and prefills only the rest. Where 
 live and how a step runs is the model's Steps (steps.py: this process, or a pipeline of ranks
 led from rank 0).
 
-An engine still running when the interpreter exits is shut down first (atexit): its loop on
+An engine still running when the interpreter exits is shut down first (atexit): its rounds on
 the MLX thread must not be torn down mid-step.
 """
 
@@ -28,6 +29,7 @@ import threading
 import traceback
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from mlxlis.cache.disk import DiskCache
@@ -188,12 +190,17 @@ class Engine:
         # told of a step that failed outside any one request (with its traceback): its
         # requests end with an error, the loop goes on
         self.on_error: Callable[[str], None] = _log.error
+        # bytes the requests of the other models' engines in this process hold (serve/pool.py):
+        # this engine's requests fit in its plan's room less that
+        self.others: Callable[[], int] | None = None
         self._failed_rounds = 0  # in a row: MAX_FAILED_ROUNDS of them and the engine stops
         self._queue: list[tuple[Request, Stream]] = []
         self._active: list[tuple[Sequence, Stream]] = []
         self._cv = threading.Condition()
         self._stopping = False
-        self._done = mlx_thread.shared().submit(self._loop)
+        self._done: Future = Future()  # set when the loop has stopped
+        self._thread = mlx_thread.shared()
+        self._thread.add(self)  # its rounds, in turn with other engines' (one per model)
         _live.add(self)
 
     # --- the caller's side ---
@@ -202,6 +209,7 @@ class Engine:
             raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
         req.params.validate()
         stream = Stream(loop)
+        others = self.others() if self.others is not None else 0
         with self._cv:
             if self._stopping:
                 raise MlxlisError(
@@ -213,17 +221,26 @@ class Engine:
             # places: the free running ones plus the waiting room (not yet admitted counts)
             if len(self._queue) + len(self._active) >= self.max_active + self.max_queued:
                 raise QueueFullError(f"{len(self._queue)} requests are waiting already")
-            self._check_memory(req)
+            self._check_memory(req, others)
             self._queue.append((req, stream))
-            self._cv.notify()
+        self._thread.wake()
         return stream
 
-    def _check_memory(self, req: Request) -> None:
+    def reserved(self) -> int:
+        """Bytes the caches of the requests running and waiting may reach (0 without a plan)."""
+        plan = self.memory
+        with self._cv:
+            held = [r for r, _ in self._queue] + [s.req for s, _ in self._active]
+        return plan.need(held) if plan is not None and held else 0
+
+    def _check_memory(self, req: Request, others: int = 0) -> None:
         """Under the lock: refuse `req` if its caches, with those of the requests running and
-        waiting, could outgrow the memory plan (before anything is allocated)."""
+        waiting (here, and `others` bytes in other engines), could outgrow the memory plan
+        (before anything is allocated)."""
         plan = self.memory
         if plan is None:
             return
+        room = plan.room - others
         alone = plan.need([req])
         if alone > plan.room:
             raise TooLongForMemoryError(
@@ -234,17 +251,20 @@ class Engine:
             )
         held = [r for r, _ in self._queue] + [s.req for s, _ in self._active]
         need = plan.need([*held, req])
-        if need > plan.room:
+        if need > room:
+            elsewhere = (
+                f", other models' requests holding {others / 2**20:.0f} MiB" if others else ""
+            )
             raise MemoryFullError(
                 f"the {len(held)} requests running and waiting hold the memory it needs "
-                f"({need / 2**20:.0f} MiB of {plan.room / 2**20:.0f} MiB with it)"
+                f"({need / 2**20:.0f} MiB of {room / 2**20:.0f} MiB with it{elsewhere})"
             )
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Finish every request with an "error" event and stop the loop."""
         with self._cv:
             self._stopping = True
-            self._cv.notify()
+        self._thread.wake()
         self._done.result(timeout)
         _live.discard(self)
 
@@ -260,22 +280,30 @@ class Engine:
             self._queue.remove((req, stream))
             stream._put(_ended("cancelled", usage=Usage(prompt_tokens=len(req.prompt))))
 
-    # --- the MLX thread's side ---
-    def _loop(self) -> None:
+    # --- the MLX thread's side (mlx_thread.Worker) ---
+    def has_work(self) -> bool:
+        return bool(self._queue or self._active or self._stopping)
+
+    def run_round(self) -> bool:
+        """One round; False once the engine has stopped (its steps closed)."""
         try:
-            while self._round():
-                pass
+            more = self._round()
         except BaseException as e:  # the loop's own failure: said, never a silent hang
             self.on_error(traceback.format_exc())
             self._fail(f"the engine's loop failed: {type(e).__name__}: {e}")
-        finally:
-            self._close_steps()
+            more = False
+        if not more:
+            try:
+                self._close_steps()
+            finally:
+                self._done.set_result(None)
+        return more
 
     def _round(self) -> bool:
         """Admit what fits, run one core step; False once the engine is stopping."""
         with self._cv:
-            while not self._queue and not self._active and not self._stopping:
-                self._cv.wait()
+            if not self._queue and not self._active and not self._stopping:
+                return True
             if self._stopping:
                 self._end_all("the server is shutting down")
                 return False

@@ -38,6 +38,17 @@ def tune_malloc() -> bool:
     return bool(mapped and trimmed)
 
 
+def trim_malloc() -> bool:
+    """glibc: give the free pages of every heap back to the kernel now (after a model is
+    unloaded: its buffers below the trim threshold stay in the process otherwise)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
 def setup_process() -> None:
     """What the mlxlis commands (the CLI and the chat app) set for their own process: the
     allocator tuning below. A library user may call it too; `import mlxlis` changes nothing

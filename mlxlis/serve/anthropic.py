@@ -21,6 +21,7 @@ from mlxlis.prompt.reasoning import ReasoningSplitter
 from mlxlis.serve.anthropic_blocks import content, message_stream, stop_reason, usage
 from mlxlis.serve.images import data_url
 from mlxlis.serve.openai_format import APIError, new_id
+from mlxlis.serve.pool import Served
 from mlxlis.serve.prepare import Prepared, prepare_chat
 from mlxlis.serve.schemas import ChatCompletionRequest, _Body
 from mlxlis.serve.service import Service, collect, read_body
@@ -107,6 +108,9 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     kv_bits: int | None = None  # mlxlis' extension: this request's KV cache format
     kv_group_size: int | None = None
+    # mlxlis' extension, as Ollama's: how long the model stays loaded once idle (a duration,
+    # seconds, -1 forever, 0 at once)
+    keep_alive: float | str | None = None
 
 
 def bad(message: str, param: str) -> APIError:
@@ -330,32 +334,34 @@ def router(svc: Service, auth: list) -> APIRouter:
     r = APIRouter()
     state = svc.state
 
-    async def prepared(req: CountTokensRequest) -> Prepared:
-        svc.check_model(req.model)
-        model = state.target.model
-        chat = to_chat(req, model)
-        return await svc.prepare(prepare_chat, chat, names=NAMES)
+    async def prepared(served: Served, req: CountTokensRequest) -> Prepared:
+        chat = to_chat(req, served.model)
+        return await svc.prepare(served, prepare_chat, chat, names=NAMES)
 
     @r.post("/v1/messages/count_tokens", dependencies=auth)
     async def count_tokens(request: Request) -> dict[str, Any]:
         req = await read_body(request, CountTokensRequest, state.max_body)
-        return {"input_tokens": len((await prepared(req)).gen.prompt)}
+        served = await svc.model(req.model)
+        with served.held():
+            return {"input_tokens": len((await prepared(served, req)).gen.prompt)}
 
     @r.post("/v1/messages", dependencies=auth)
     async def messages(request: Request) -> Any:
         req = await read_body(request, MessagesRequest, state.max_body)
         budget = _budget(req)
-        prep = await prepared(req)
-        if budget is not None:
-            prep = with_budget(prep, state.target.model, budget)
-        rid = new_id("msg").replace("-", "_")
-        reply = svc.chat_reply(prep)
-        run = svc.submit(prep, rid, request)
+        served = await svc.model(req.model, req.keep_alive)
+        with served.held():
+            prep = await prepared(served, req)
+            if budget is not None:
+                prep = with_budget(prep, served.model, budget)
+            rid = new_id("msg").replace("-", "_")
+            reply = svc.chat_reply(served, prep)
+            run = svc.submit(served, prep, rid, request)
         head = {
             "id": rid,
             "type": "message",
             "role": "assistant",
-            "model": state.model_id,
+            "model": served.name,
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,

@@ -14,7 +14,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from mlxlis.serve import anthropic, ollama, responses
+from mlxlis.serve.listings import Listing
 from mlxlis.serve.openai_format import APIError, Head, new_id, sse, usage_dict
+from mlxlis.serve.pool import PoolError, Served
 from mlxlis.serve.prepare import prepare_chat, prepare_completion
 from mlxlis.serve.reply import ChatReply, CompletionReply, finish_reason
 from mlxlis.serve.schemas import ChatCompletionRequest, CompletionRequest
@@ -26,6 +28,7 @@ from mlxlis.serve.service import (
     end_error,
     error_shape,
     log,
+    pool_error,
     read_body,
 )
 
@@ -117,50 +120,64 @@ def create_app(state: State) -> FastAPI:
         svc.check_key(request)
 
     auth = [Depends(check_key)]
-    check_model = svc.check_model
+    pool = state.pool
 
-    def card() -> dict[str, Any]:
+    def card(x: Listing) -> dict[str, Any]:
+        served = pool.loaded.get(x.name)
         return {
-            "id": state.model_id,
+            "id": x.name,
             "object": "model",
             "created": state.created,
             "owned_by": "mlxlis",
-            "context_length": state.target.max_context,
+            "context_length": served.target.max_context if served is not None else None,
+            "family": x.family,
+            "format": x.format,
+            "quantization": x.quant,
+            "size": x.size,
+            "loaded": served is not None,
         }
 
     @app.get("/health")
     async def health() -> Any:
-        running, waiting = state.engine.counts
-        fatal = state.engine.fatal  # the engine stopped on its own: nothing more is served
+        counts = [s.engine.counts for s in pool.loaded.values()]
+        fatal = state.fatal  # an engine stopped on its own: nothing more is served
         body = {
             "status": "error" if fatal else "stopping" if state.stopping else "ok",
             **({"error": fatal} if fatal else {}),
-            "model": state.model_id,
-            "running": running,
-            "waiting": waiting,
-            "prefix_cache_bytes": state.engine.prefix.bytes,
+            "model": pool.default,
+            "running": sum(r for r, _ in counts),
+            "waiting": sum(w for _, w in counts),
+            "prefix_cache_bytes": sum(s.engine.prefix.bytes for s in pool.loaded.values()),
             "memory_bytes": mx.get_active_memory(),  # MLX's arrays now (weights included)
-            **memory_report(state.engine),
+            "memory_budget_bytes": pool.budget,
+            "loaded": {s.name: loaded_report(s) for s in pool.loaded.values()},
         }
+        if len(pool.loaded) == 1:  # a server of one model: its memory at the top, as before
+            body |= memory_report(next(iter(pool.loaded.values())).engine)
         return JSONResponse(body, status_code=503) if fatal else body
 
     @app.get("/v1/models", dependencies=auth)
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card()]}
+    async def models(loaded: bool = False) -> dict[str, Any]:
+        """Every model the server can serve (`?loaded=true`: those loaded now)."""
+        shown = [x for x in pool.listings() if not loaded or x.name in pool.loaded]
+        return {"object": "list", "data": [card(x) for x in shown]}
 
     @app.get("/v1/models/{name:path}", dependencies=auth)
     async def model(name: str) -> dict[str, Any]:
-        check_model(name)
-        return card()
+        try:
+            return card(pool.listing(name))
+        except PoolError as e:
+            raise pool_error(e) from None
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(request: Request) -> Any:
         req = await read_body(request, ChatCompletionRequest, state.max_body)
-        check_model(req.model)
-        prep = await svc.prepare(prepare_chat, req)
-        head = Head(new_id("chatcmpl"), int(time.time()), state.model_id, state.fingerprint)
-        reply = svc.chat_reply(prep, bool(req.logprobs))
-        run = svc.submit(prep, head.id, request)
+        served = await svc.model(req.model, req.keep_alive)
+        with served.held():
+            prep = await svc.prepare(served, prepare_chat, req)
+            head = Head(new_id("chatcmpl"), int(time.time()), served.name, served.fingerprint)
+            reply = svc.chat_reply(served, prep, bool(req.logprobs))
+            run = svc.submit(served, prep, head.id, request)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
             return sse_response(chat_stream(run, head, reply, include_usage))
@@ -176,11 +193,12 @@ def create_app(state: State) -> FastAPI:
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Any:
         req = await read_body(request, CompletionRequest, state.max_body)
-        check_model(req.model)
-        prep = await svc.prepare(prepare_completion, req)
-        head = Head(new_id("cmpl"), int(time.time()), state.model_id, state.fingerprint)
-        reply = CompletionReply(state.token_text, logprobs=req.logprobs is not None)
-        run = svc.submit(prep, head.id, request)
+        served = await svc.model(req.model, req.keep_alive)
+        with served.held():
+            prep = await svc.prepare(served, prepare_completion, req)
+            head = Head(new_id("cmpl"), int(time.time()), served.name, served.fingerprint)
+            reply = CompletionReply(served.token_text, logprobs=req.logprobs is not None)
+            run = svc.submit(served, prep, head.id, request)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
             return sse_response(completion_stream(run, head, reply, include_usage))
@@ -217,7 +235,8 @@ def sse_response(body: AsyncIterator[str]) -> StreamingResponse:
 
 
 def memory_report(engine: Any) -> dict[str, Any]:
-    """/health's memory fields: the KV format, bytes per token and the room for caches."""
+    """/health's memory fields of a model: the KV format, bytes per token and the room for
+    caches."""
     model, plan = engine.model, engine.memory
     out: dict[str, Any] = {"kv_format": str(model.kv_format or "dense")}
     if plan is not None:
@@ -229,3 +248,16 @@ def memory_report(engine: Any) -> dict[str, Any]:
             "cache_room_bytes": plan.room,
         }
     return out
+
+
+def loaded_report(served: Served) -> dict[str, Any]:
+    """A loaded model in /health: its requests, memory and keep-alive."""
+    running, waiting = served.engine.counts
+    expires = served.expires()
+    return {
+        "running": running,
+        "waiting": waiting,
+        "prefix_cache_bytes": served.engine.prefix.bytes,
+        "expires_in_s": None if expires is None else round(expires - time.monotonic(), 1),
+        **memory_report(served.engine),
+    }

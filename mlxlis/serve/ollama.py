@@ -22,12 +22,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from functools import cache
 from typing import Any, Protocol
 
 from mlxlis import __version__
 from mlxlis.generation.events import Event
 from mlxlis.runtime.device import device_name
+from mlxlis.serve.listings import Listing
 from mlxlis.serve.ollama_models import (
     human,
     model_info,
@@ -35,7 +35,6 @@ from mlxlis.serve.ollama_models import (
     parameters,
     quantization,
     tag,
-    weights_bytes,
 )
 from mlxlis.serve.ollama_requests import (
     NAMES,
@@ -49,12 +48,12 @@ from mlxlis.serve.ollama_requests import (
     prepare_raw,
     to_chat,
 )
-from mlxlis.serve.openai_format import APIError, TokenText, chat_logprob, new_id
+from mlxlis.serve.openai_format import TokenText, chat_logprob, new_id
+from mlxlis.serve.pool import Served
 from mlxlis.serve.prepare import Prepared, prepare_chat
 from mlxlis.serve.reply import Delta
 from mlxlis.serve.service import Run, Service, collect, end_error, read_body
 
-import mlx.core as mx
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
@@ -168,62 +167,61 @@ async def ndjson(run: Run, reply: Reply, shape: Shape) -> AsyncIterator[str]:
         run.close()
 
 
-def loaded(model: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The answer to Ollama's "load the model" (a request with nothing to answer): the one
-    model is loaded while the server runs, and stays loaded (keep_alive 0 unloads nothing)."""
-    return {"model": model, "created_at": now(), **body, "done": True, "done_reason": "load"}
+def loaded(model: str, body: dict[str, Any], unloaded: bool = False) -> dict[str, Any]:
+    """The answer to Ollama's "load the model" (a request with nothing to answer), or to its
+    "unload it" (`keep_alive: 0`)."""
+    reason = "unload" if unloaded else "load"
+    return {"model": model, "created_at": now(), **body, "done": True, "done_reason": reason}
+
+
+def card(x: Listing, served: Served | None, fingerprint: str) -> dict[str, Any]:
+    """A model as /api/tags lists it (its parameter count once it is loaded)."""
+    details = {
+        "parent_model": "",
+        "format": x.format or "safetensors",
+        "family": x.family,
+        "families": [x.family] if x.family else None,
+        "parameter_size": human(parameter_count(served.model.net)) if served else "",
+        "quantization_level": quantization(served.model) if served else x.quant,
+    }
+    modified = datetime.fromtimestamp(x.path.stat().st_mtime, timezone.utc) if x.path else now()
+    return {
+        "name": tag(x.name),
+        "model": tag(x.name),
+        "modified_at": modified,
+        "size": x.size or 0,
+        "digest": hashlib.sha256(fingerprint.encode()).hexdigest(),
+        "details": details,
+    }
 
 
 def router(svc: Service, auth: list) -> APIRouter:
     r = APIRouter()
     state = svc.state
-    name = tag(state.model_id)
-    known = state.names | {tag(n) for n in state.names}
+    pool = state.pool
 
-    def check(model: str) -> None:
-        if model not in known:
-            raise APIError(404, f"model '{model}' not found", param="model")
-
-    @cache
-    def count() -> int:
-        return parameter_count(state.target.model.net)
-
-    @cache
-    def card() -> dict[str, Any]:
-        model = state.target.model
-        details = {
-            "parent_model": "",
-            "format": "gguf" if model.format == "gguf" else "safetensors",
-            "family": model.config.family,
-            "families": [model.config.family],
-            "parameter_size": human(count()),
-            "quantization_level": quantization(model),
-        }
-        return {
-            "name": name,
-            "model": name,
-            "modified_at": datetime.fromtimestamp(model.path.stat().st_mtime, timezone.utc),
-            "size": weights_bytes(model.path),
-            "digest": hashlib.sha256(state.fingerprint.encode()).hexdigest(),
-            "details": details,
-        }
-
-    async def listed() -> dict[str, Any]:
-        return await asyncio.to_thread(card)  # the first time, reads a GGUF's header
-
-    async def prepared(fn: Callable[..., Prepared], body: Any) -> Prepared:
-        return await svc.prepare(fn, body, names=NAMES)
+    def listed(x: Listing) -> dict[str, Any]:
+        served = pool.loaded.get(x.name)
+        return card(x, served, served.fingerprint if served else f"{x.name}|{x.ref}|{x.size}")
 
     async def answer(
-        request: Request, prep: Prepared, reply: Reply, shape: Shape, stream: bool
+        served: Served, request: Request, prep: Prepared, reply: Reply, shape: Shape, stream: bool
     ) -> Any:
-        run = svc.submit(prep, new_id("ollama"), request)
+        run = svc.submit(served, prep, new_id("ollama"), request)
         if stream:
             return StreamingResponse(ndjson(run, reply, shape), media_type="application/x-ndjson")
         ev = await collect(run, reply.feed)
         return shape.last(
             Delta(reply.content, reply.reasoning, reply.tool_calls, reply.logprobs), ev
         )
+
+    async def load_only(req: ChatRequest | GenerateRequest, body: dict[str, Any]) -> Any:
+        """An empty request: the model loaded (or with keep_alive 0, unloaded)."""
+        if req.keep_alive is not None and svc.keep_alive(req.keep_alive) == 0:
+            await svc.unload(req.model)  # a model with requests in flight stays
+            return loaded(req.model, body, unloaded=True)
+        await svc.model(req.model, req.keep_alive)
+        return loaded(req.model, body)
 
     @r.api_route("/", methods=["GET", "HEAD"], response_class=PlainTextResponse)
     async def root() -> str:
@@ -233,37 +231,42 @@ def router(svc: Service, auth: list) -> APIRouter:
     async def chat(request: Request) -> Any:
         started = time.monotonic_ns()
         req = await read_body(request, ChatRequest, state.max_body)
-        check(req.model)
         if not req.messages:
-            return loaded(req.model, {"message": {"role": "assistant", "content": ""}})
-        prep = await prepared(prepare_chat, to_chat(req, state.target.model))
-        shape = Shape(req.model, chat_body, bool(req.logprobs), started)
-        return await answer(
-            request, prep, svc.chat_reply(prep, bool(req.logprobs)), shape, req.stream
-        )
+            return await load_only(req, {"message": {"role": "assistant", "content": ""}})
+        served = await svc.model(req.model, req.keep_alive)
+        with served.held():
+            prep = await prepared(served, prepare_chat, to_chat(req, served.model))
+            shape = Shape(req.model, chat_body, bool(req.logprobs), started)
+            reply = svc.chat_reply(served, prep, bool(req.logprobs))
+            return await answer(served, request, prep, reply, shape, req.stream)
+
+    async def prepared(served: Served, fn: Callable[..., Prepared], body: Any) -> Prepared:
+        return await svc.prepare(served, fn, body, names=NAMES)
 
     @r.post("/api/generate", dependencies=auth)
     async def generate(request: Request) -> Any:
         started = time.monotonic_ns()
         req = await read_body(request, GenerateRequest, state.max_body)
-        check(req.model)
         check_generate(req)
         if not req.prompt and not req.images:
-            return loaded(req.model, {"response": ""})
-        shape = Shape(req.model, generate_body, bool(req.logprobs), started)
-        reply: Reply
-        if req.raw:
-            prep = await prepared(prepare_raw, generate_raw(req))
-            reply = RawReply(state.token_text, bool(req.logprobs))
-        else:
-            chat = generate_chat(req, state.target.model)
-            prep = await prepared(prepare_chat, chat)
-            reply = svc.chat_reply(prep, bool(req.logprobs))
-        return await answer(request, prep, reply, shape, req.stream)
+            return await load_only(req, {"response": ""})
+        served = await svc.model(req.model, req.keep_alive)
+        with served.held():
+            shape = Shape(req.model, generate_body, bool(req.logprobs), started)
+            reply: Reply
+            if req.raw:
+                prep = await prepared(served, prepare_raw, generate_raw(req))
+                reply = RawReply(served.token_text, bool(req.logprobs))
+            else:
+                chat = generate_chat(req, served.model)
+                prep = await prepared(served, prepare_chat, chat)
+                reply = svc.chat_reply(served, prep, bool(req.logprobs))
+            return await answer(served, request, prep, reply, shape, req.stream)
 
     @r.get("/api/tags", dependencies=auth)
     async def tags() -> dict[str, Any]:
-        return {"models": [await listed()]}
+        # the first time, reads each GGUF's header
+        return {"models": await asyncio.to_thread(lambda: [listed(x) for x in pool.listings()])}
 
     @r.post("/api/show", dependencies=auth)
     async def show(request: Request) -> dict[str, Any]:
@@ -271,18 +274,20 @@ def router(svc: Service, auth: list) -> APIRouter:
         asked = req.model or req.name
         if not asked:
             raise bad("is required", "model")
-        check(asked)
-        model, listing = state.target.model, await listed()
+        served = await svc.model(asked)  # loaded: the template and shape are the model's
+        with served.held():
+            model, listing = served.model, await asyncio.to_thread(listed, served.listing)
+        count = parameter_count(model.net)
         # the template is Jinja, the model's own: given in `template`, not as a TEMPLATE line
         modelfile = f"# served by mlxlis serve\nFROM {model.path}\n" + "".join(
-            f"PARAMETER {row}\n" for row in parameters(state).splitlines()
+            f"PARAMETER {row}\n" for row in parameters(served).splitlines()
         )
         return {
             "modelfile": modelfile,
-            "parameters": parameters(state),
+            "parameters": parameters(served),
             "template": model.template.text if model.template is not None else "",
             "details": listing["details"],
-            "model_info": model_info(model, state.target.max_context, count()),
+            "model_info": model_info(model, served.target.max_context, count),
             "capabilities": [
                 "completion",
                 *(["tools"] if "tools" in model.template_variables else []),
@@ -293,22 +298,25 @@ def router(svc: Service, auth: list) -> APIRouter:
 
     @r.get("/api/ps", dependencies=auth)
     async def ps() -> dict[str, Any]:
-        listing = {k: v for k, v in (await listed()).items() if k != "modified_at"}
-        size = mx.get_active_memory()  # MLX's arrays now, the weights included
-        # loaded for as long as the server runs: Ollama's keep_alive -1, which `ollama ps`
-        # shows as "Forever" (over 20 years ahead)
-        expires = datetime.now(timezone.utc) + timedelta(days=365 * 100)
-        return {
-            "models": [
+        out = []
+        for served in list(pool.loaded.values()):
+            listing = {k: v for k, v in listed(served.listing).items() if k != "modified_at"}
+            size = served.reserve + served.engine.reserved()  # weights, prefix cache, caches
+            expires = served.expires()
+            # forever: Ollama's keep_alive -1, which `ollama ps` shows as "Forever" (over 20
+            # years ahead)
+            left = 365 * 100 * 86400.0 if expires is None else max(0.0, expires - time.monotonic())
+            until = datetime.now(timezone.utc) + timedelta(seconds=left)
+            out.append(
                 {
                     **listing,
                     "size": size,
                     "size_vram": 0 if device_name() == "cpu" else size,
-                    "expires_at": expires.isoformat(),
-                    "context_length": state.target.max_context,
+                    "expires_at": until.isoformat(),
+                    "context_length": served.target.max_context,
                 }
-            ]
-        }
+            )
+        return {"models": out}
 
     @r.get("/api/version", dependencies=auth)
     async def version() -> dict[str, str]:

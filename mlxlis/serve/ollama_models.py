@@ -1,17 +1,14 @@
-"""What Ollama's /api/tags, /api/show and /api/ps say of the served model: its name with a
-tag, the weights' size and type, its parameter count and shape, the server's defaults."""
+"""What Ollama's /api/show and /api/ps say of a loaded model: its weights' type, its
+parameter count and shape, the server's defaults."""
 
 from __future__ import annotations
 
 import json
-from glob import escape
-from pathlib import Path
 from typing import Any
 
-from mlxlis.loading.gguf import peek_metadata
-from mlxlis.loading.gguf_split import SPLIT_NAME
 from mlxlis.models.experts import QuantizedSwitchLinear
-from mlxlis.serve.service import State
+from mlxlis.serve.listings import file_type
+from mlxlis.serve.pool import Served
 
 import mlx.nn as nn
 from mlx.utils import tree_flatten
@@ -22,26 +19,6 @@ DTYPES = {"mlx.core.float32": "F32", "mlx.core.float16": "F16", "mlx.core.bfloat
 
 def tag(name: str) -> str:
     return name if ":" in name else f"{name}:latest"
-
-
-def weights_bytes(path: Path) -> int:
-    """The weights' files: a folder's safetensors, a GGUF file (every part of a split one)."""
-    if path.is_dir():
-        return sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    m = SPLIT_NAME.match(path.name)
-    parts = path.parent.glob(f"{escape(m['prefix'])}-*-of-{m['count']}.gguf") if m else [path]
-    return sum(p.stat().st_size for p in parts)
-
-
-def file_type(path: Path) -> str | None:
-    """A GGUF's file type as llama.cpp (and Ollama) name it, Q4_K_M, when the file says."""
-    from gguf import LlamaFileType  # gguf-py's constants take 0.7 s to import
-
-    ftype = peek_metadata(path, ["general.file_type"]).get("general.file_type")
-    try:
-        return LlamaFileType(ftype).name.removeprefix("MOSTLY_").removeprefix("ALL_")
-    except ValueError:
-        return None
 
 
 def parameter_count(net: nn.Module) -> int:
@@ -91,13 +68,13 @@ def model_info(model: Any, context: int, count: int) -> dict[str, Any]:
     }
 
 
-def parameters(state: State) -> str:
+def parameters(served: Served) -> str:
     """The server's defaults as `ollama show` prints a model's parameters."""
-    d = state.target.defaults
-    rows: list[tuple[str, Any]] = [("num_ctx", state.target.max_context)]
+    d = served.target.defaults
+    rows: list[tuple[str, Any]] = [("num_ctx", served.target.max_context)]
     rows += [("num_predict", d.max_tokens), ("temperature", d.temperature), ("top_k", d.top_k)]
     rows += [("top_p", d.top_p), ("min_p", d.min_p), ("repeat_penalty", d.repetition_penalty)]
     rows += [("repeat_last_n", d.repetition_context)]
-    stops = sorted(s for s in map(state.token_text, state.target.stop_ids) if s.strip())
+    stops = sorted(s for s in map(served.token_text, served.target.stop_ids) if s.strip())
     rows += [("stop", json.dumps(s, ensure_ascii=False)) for s in stops]
     return "\n".join(f"{k:<30} {v}" for k, v in rows)

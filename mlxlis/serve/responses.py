@@ -242,12 +242,13 @@ def router(svc: Service, auth: list) -> APIRouter:
     def response(
         rid: str, req: ResponsesRequest, status: str, output: list, usage: Any, reasoning: int
     ) -> dict[str, Any]:
+        """`req.model` is the name of the model that answers (set by `create`)."""
         out = {
             "id": rid,
             "object": "response",
             "created_at": int(time.time()),
             "status": status,
-            "model": state.model_id,
+            "model": req.model,
             "output": output,
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"}
@@ -319,7 +320,8 @@ def router(svc: Service, auth: list) -> APIRouter:
     @r.post("/v1/responses", dependencies=auth)
     async def create(request: Request) -> Any:
         req = await read_body(request, ResponsesRequest, state.max_body)
-        svc.check_model(req.model)
+        served = await svc.model(req.model, req.keep_alive)
+        req.model = served.name  # what each response says answered
         history: list[Item] = []
         if req.previous_response_id is not None:
             got = store.get(req.previous_response_id)
@@ -328,12 +330,12 @@ def router(svc: Service, auth: list) -> APIRouter:
                 e.param = "previous_response_id"
                 raise e
             history = got[1]
-        model = state.target.model
-        chat, conversation, spaces = to_chat(req, history, model)
-        prep = await svc.prepare(prepare_chat, chat, names=NAMES)
-        rid = new_id("resp").replace("-", "_")
-        reply = svc.chat_reply(prep)
-        run = svc.submit(prep, rid, request)
+        with served.held():
+            chat, conversation, spaces = to_chat(req, history, served.model)
+            prep = await svc.prepare(served, prepare_chat, chat, names=NAMES)
+            rid = new_id("resp").replace("-", "_")
+            reply = svc.chat_reply(served, prep)
+            run = svc.submit(served, prep, rid, request)
         if req.stream:
             return StreamingResponse(
                 stream(run, reply, rid, req, conversation, spaces),

@@ -49,6 +49,7 @@ class ResponsesRequest(_Body):
     top_p: float | None = None
     kv_bits: int | None = None  # mlxlis' extension: this request's KV cache format
     kv_group_size: int | None = None
+    keep_alive: float | str | None = None  # mlxlis' extension, as Ollama's (schemas._Sampling)
     text: Text | None = None
     reasoning: Reasoning | None = None
     store: bool = True

@@ -82,6 +82,9 @@ class _Sampling(_Body):
     response_format: dict[str, Any] | None = None  # structured output (generation/constraints)
     kv_bits: int | None = None  # mlxlis': this request's KV cache format (4, 8; 16: dense)
     kv_group_size: int | None = None
+    # mlxlis' extension, as Ollama's: how long the model stays loaded once idle (a duration
+    # such as 5m, seconds, -1 forever, 0 at once)
+    keep_alive: float | str | None = None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -10,10 +10,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 from mlxlis import __version__
@@ -29,6 +33,8 @@ from mlxlis.runtime import mlx_thread
 from mlxlis.runtime.memory import memory_budget, wire
 from mlxlis.serve.app import State, create_app, log
 from mlxlis.serve.http_protocol import HEAD_WAIT_S, with_deadline
+from mlxlis.serve.listings import Listing, describe
+from mlxlis.serve.pool import DEFAULT_KEEP_ALIVE, Pool, Served
 from mlxlis.serve.prepare import Target
 from mlxlis.serve.service import MAX_VISION_BODY_BYTES
 
@@ -42,7 +48,6 @@ MARGIN_BYTES = 256 << 20
 
 @dataclass
 class ServeOptions:
-    name: str  # what /v1/models lists: the -m argument as given (a path: its last part)
     host: str = "127.0.0.1"
     port: int = 8080
     max_batch: int = 8
@@ -53,13 +58,25 @@ class ServeOptions:
     defaults: SamplingParams = SamplingParams()
     prefix_cache_mb: int = 1024  # the prefix cache's bound (0: off)
     responses_store_mb: int = 64  # /v1/responses kept for previous_response_id (0: none)
-    speculation: Speculation | None = None  # every request drafted and verified
     keepalive: float = 10.0  # seconds between an Anthropic stream's pings while it is quiet
     prefix_cache_dir: str | None = None  # finished requests' caches also kept on disk
     prefix_cache_disk_gb: float = 10.0
     allow_image_urls: bool = False  # fetch requests' http(s) image URLs (serve/images.py)
     strict_context: bool = False  # prompt + max_tokens over the context: 400, not cut
     head_timeout: float = HEAD_WAIT_S  # seconds a connection has to send a request's head
+    # a model loaded on demand stays loaded this long once idle (None: forever); one loaded at
+    # start (-m) stays loaded unless --keep-alive says otherwise (`start_keep_alive`)
+    keep_alive: float | None = DEFAULT_KEEP_ALIVE
+    start_keep_alive: float | None = None
+
+
+@dataclass
+class Started:
+    """A model loaded before the server starts (-m), with its flags' speculation."""
+
+    listing: Listing
+    model: Any
+    speculation: Speculation | None = None
 
 
 class _Server(uvicorn.Server):
@@ -67,17 +84,24 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self.state = state
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.state.pool.start()  # unloads idle models past their keep-alive
+        await super().startup(sockets)
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.state.stopping = True
-        await asyncio.get_running_loop().run_in_executor(None, stop_engine, self.state.engine)
+        await self.state.pool.close()
+        engines = self.state.pool.engines()
+        await asyncio.get_running_loop().run_in_executor(None, stop_engines, engines)
         await super().shutdown(sockets)
 
 
-def stop_engine(engine: Engine) -> None:
-    try:
-        engine.shutdown(timeout=SHUTDOWN_WAIT_S)
-    except TimeoutError:
-        log.warning("the engine did not stop within %.0f s", SHUTDOWN_WAIT_S)
+def stop_engines(engines: list[Engine]) -> None:
+    for engine in engines:
+        try:
+            engine.shutdown(timeout=SHUTDOWN_WAIT_S)
+        except TimeoutError:
+            log.warning("the engine did not stop within %.0f s", SHUTDOWN_WAIT_S)
 
 
 def fingerprint(model: Any) -> str:
@@ -120,15 +144,13 @@ def setup_logging(verbose: bool) -> None:
     log.propagate = False
 
 
-def memory_plan(model: Any, opts: ServeOptions) -> MemoryPlan | None:
+def memory_plan(
+    model: Any, opts: ServeOptions, prints: dict[KVFormat | None, Footprint], budget: int
+) -> MemoryPlan:
     """What the requests' caches may fill: the budget (runtime/memory.py) less the weights,
-    the prefix cache's bound and a margin for a step's transient arrays; None for a pipelined
-    model (each rank holds a share of the caches: not checked here)."""
-    if model.part is not None:
-        return None
-    prints = mlx_thread.shared().submit(lambda: footprints(model)).result()
+    the prefix cache's bound and a margin for a step's transient arrays (with several models
+    loaded, the pool plans each one's room beside the others: pool.Pool._plan_rooms)."""
     fp = prints[model.kv_format]
-    budget = memory_budget()
     margin = max(MARGIN_BYTES, budget // 50)
     room = budget - fp.weights - (opts.prefix_cache_mb << 20) - margin
     wire(budget - margin)  # Metal: the weights and caches stay resident (as mlx-lm does)
@@ -148,9 +170,10 @@ def footprints(model: Any) -> dict[KVFormat | None, Footprint]:
     return out
 
 
-def disk_cache(model: Any, opts: ServeOptions) -> DiskCache | None:
-    """--prefix-cache-dir: finished requests' caches kept on disk, read back across restarts."""
-    if opts.prefix_cache_dir is None:
+def disk_cache(model: Any, opts: ServeOptions, folder: str | None) -> DiskCache | None:
+    """--prefix-cache-dir: finished requests' caches kept on disk, read back across restarts
+    (`folder`: the model's own, in a server of several models)."""
+    if folder is None:
         return None
     if model.part is not None:
         raise MlxlisError(
@@ -159,7 +182,7 @@ def disk_cache(model: Any, opts: ServeOptions) -> DiskCache | None:
         )
     try:
         return DiskCache(
-            opts.prefix_cache_dir,
+            folder,
             int(opts.prefix_cache_disk_gb * (1 << 30)),
             model.cache_key(),
             model.make_cache,
@@ -169,11 +192,21 @@ def disk_cache(model: Any, opts: ServeOptions) -> DiskCache | None:
         raise MlxlisError(f"cannot use it: {e.strerror or e}", field="--prefix-cache-dir") from None
 
 
-def serve(model: Any, opts: ServeOptions) -> int:
-    """Serve `model` until Ctrl+C / SIGTERM; returns the exit status."""
-    setup_logging(opts.verbose)
+def cache_folder(opts: ServeOptions, name: str, several: bool) -> str | None:
+    """The model's --prefix-cache-dir folder: the folder itself for a server of one model, a
+    folder per model inside it for several (a model deletes the files of another as foreign)."""
+    if opts.prefix_cache_dir is None:
+        return None
+    if not several:
+        return opts.prefix_cache_dir
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name)[:80]
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return str(Path(opts.prefix_cache_dir) / f"{safe}-{digest}")
+
+
+def context_for(model: Any, opts: ServeOptions, plan: MemoryPlan | None) -> int:
+    """The context a request may fill: the model's, --max-context, or what auto finds."""
     context = model.context_length
-    plan = memory_plan(model, opts)
     if opts.max_context == "auto":  # the longest that --max-batch requests can all reach
         if plan is None:
             raise MlxlisError("auto needs the model on one machine", field="--max-context")
@@ -192,12 +225,26 @@ def serve(model: Any, opts: ServeOptions) -> int:
                 field="--max-context",
             )
         context = opts.max_context
-    names = {opts.name, model.name, str(model.path)}
+    return context
+
+
+def build_served(
+    model: Any,
+    listing: Listing,
+    opts: ServeOptions,
+    budget: int,
+    several: bool,
+    speculation: Speculation | None = None,
+    keep_alive: float | None = None,
+) -> Served:
+    """On the MLX thread: a loaded model's target, engine and memory plan, served by the pool."""
+    prints = footprints(model) if model.part is None else None
+    plan = memory_plan(model, opts, prints, budget) if prints is not None else None
+    context = context_for(model, opts, plan)
     stops = frozenset(model.stop_ids())
-    target = Target(model, opts.defaults, context, stops, opts.speculation, opts.strict_context)
-    sock = listen(opts.host, opts.port)
-    # the fused kernels compile before the engine's loop starts on the same thread: the first
-    # request waits for what is left of it instead of compiling them itself (generation/warmup)
+    target = Target(model, opts.defaults, context, stops, speculation, opts.strict_context)
+    # the kernels compile as the next job on this thread: the first request waits for what is
+    # left of it instead of compiling them itself (generation/warmup)
     mlx_thread.shared().submit(lambda: warm_up(model, opts.defaults))
     engine = Engine(
         model,
@@ -205,13 +252,47 @@ def serve(model: Any, opts: ServeOptions) -> int:
         max_queued=opts.max_queue,
         prefix_cache_bytes=opts.prefix_cache_mb << 20,
         memory=plan and replace(plan, context=context),
-        disk=disk_cache(model, opts),
+        disk=disk_cache(model, opts, cache_folder(opts, listing.name, several)),
     )
-    state = State(target, engine, opts.name, frozenset(names), fingerprint(model), opts.api_key)
+    engine.on_error = lambda text: log.error("error: %s", text.rstrip())
+    if listing.size is None and model.path is not None:  # fetched by this load
+        listing = describe(listing.name, listing.ref, Path(model.path))
+    weights = prints[model.kv_format].weights if prints is not None else 0
+    reserve = weights + (opts.prefix_cache_mb << 20)
+    return Served(listing, target, engine, fingerprint(model), reserve, keep_alive)
+
+
+def serve(
+    names: dict[str, Listing],
+    opts: ServeOptions,
+    load: Callable[[Listing], Any],
+    started: list[Started],
+    default: str | None,
+) -> int:
+    """Serve the listed models (`started` loaded already, the others by `load` on demand)
+    until Ctrl+C / SIGTERM; returns the exit status."""
+    setup_logging(opts.verbose)
+    budget = memory_budget()
+    several = len({x.name for x in names.values()}) > 1
+
+    def build(listing: Listing, model: Any) -> Served:  # on the MLX thread
+        return build_served(model, listing, opts, budget, several, None, opts.keep_alive)
+
+    margin = max(MARGIN_BYTES, budget // 50)
+    pool = Pool(names, load, build, budget, margin, opts.prefix_cache_mb << 20, default)
+    shown = [s.listing.name for s in started] or [f"{len(pool.listings())} models"]
+    while started:  # taken out of the list: an unloaded model keeps no reference here
+        s = started.pop(0)
+        first = partial(build_served, s.model, s.listing, opts, budget, several, s.speculation)
+        del s
+        pool.add(mlx_thread.shared().submit(partial(first, opts.start_keep_alive)).result())
+        del first
+    sock = listen(opts.host, opts.port)
+    state = State(pool, opts.api_key)
     state.responses_store_bytes = opts.responses_store_mb << 20
     state.keepalive = opts.keepalive
     state.allow_image_urls = opts.allow_image_urls
-    if model.vision is not None:  # base64 images: a screenshot or two fit
+    if several or any(s.model.vision is not None for s in pool.loaded.values()):  # images
         state.max_body = MAX_VISION_BODY_BYTES
     config = uvicorn.Config(
         create_app(state),
@@ -224,16 +305,19 @@ def serve(model: Any, opts: ServeOptions) -> int:
     server = _Server(config, state)
 
     def fatal(message: str) -> None:  # a rank was lost, the loop failed: nothing more runs
+        state.fatal = message
         log.error("error: %s", message)
         server.should_exit = True
 
-    engine.on_fatal = fatal
-    engine.on_error = lambda text: log.error("error: %s", text.rstrip())
+    pool.set_on_fatal(fatal)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    context = ""
+    if len(pool.loaded) == 1:  # the one model's: what a client may fill
+        context = f", context {next(iter(pool.loaded.values())).target.max_context}"
     log.info(
-        "%s on %s (batch %d, queue %d, context %d%s)",
-        opts.name,
+        "%s on %s (batch %d, queue %d%s%s)",
+        ", ".join(shown),
         url,
         opts.max_batch,
         opts.max_queue,
@@ -248,9 +332,9 @@ def serve(model: Any, opts: ServeOptions) -> int:
         server.run(sockets=[sock])
     finally:
         state.worker.shutdown(wait=False)
-        if not state.stopping:  # uvicorn failed before a signal: the engine still runs
-            stop_engine(engine)
-    if engine.fatal:
+        if not state.stopping:  # uvicorn failed before a signal: the engines still run
+            stop_engines(pool.engines())
+    if state.fatal is not None:
         return 1
     log.info("stopped")
     return 0

@@ -1,10 +1,13 @@
-"""What every API the server speaks shares: the state, bodies read and validated, requests
-prepared off the event loop and submitted to the one engine, the stream of a submitted one.
+"""What every API the server speaks shares: the state, bodies read and validated, the model a
+request names (serve/pool.py: loaded on demand), requests prepared off the event loop and
+submitted to that model's engine, the stream of a submitted one.
 
-Each API (openai_routes in app.py, anthropic.py, responses.py, ollama.py) is a thin adapter:
-its body becomes the server's one chat request (schemas.ChatCompletionRequest, prepared by
-prepare.py), the engine's events its reply; refusals are APIErrors, written in the shape of
-the API the request came to (`error_shape`).
+Each API (the OpenAI routes in app.py, anthropic.py, responses.py, ollama.py) is a thin
+adapter: its body becomes the server's one chat request (schemas.ChatCompletionRequest,
+prepared by prepare.py), the engine's events its reply; refusals are APIErrors, written in the
+shape of the API the request came to (`error_shape`). A route holds its model
+(`Served.held`) from the moment it has it until its request is submitted; the request's Run
+holds it until the request ends: a held model is never unloaded.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from typing import Any, TypeVar
 
 from mlxlis.errors import MlxlisError
 from mlxlis.generation.engine import (
-    Engine,
     MemoryFullError,
     QueueFullError,
     Stream,
@@ -30,8 +32,9 @@ from mlxlis.generation.engine import (
 from mlxlis.generation.events import Event, Usage
 from mlxlis.generation.speculative import speculation_line
 from mlxlis.serve.images import FETCHERS, SCHEMES, fetch
-from mlxlis.serve.openai_format import APIError, TokenText
-from mlxlis.serve.prepare import Prepared, Target
+from mlxlis.serve.openai_format import APIError
+from mlxlis.serve.pool import Pool, PoolError, Served, keep_alive_seconds
+from mlxlis.serve.prepare import Prepared
 from mlxlis.serve.reply import ChatReply
 from mlxlis.serve.schemas import (
     FIELD_NAMES,
@@ -54,16 +57,13 @@ B = TypeVar("B", bound=_Body)
 
 @dataclass
 class State:
-    """What the routes share: the model (through `target`), the engine and the settings."""
+    """What the routes share: the models (`pool`) and the server's settings."""
 
-    target: Target
-    engine: Engine
-    model_id: str  # the name /v1/models lists and responses carry
-    names: frozenset[str]  # the names a request's "model" may use
-    fingerprint: str
+    pool: Pool
     api_key: str | None = None
     max_body: int = MAX_BODY_BYTES
     stopping: bool = False  # set when the server shuts down: unfinished requests get 503
+    fatal: str | None = None  # why an engine stopped on its own: the server exits
     created: int = field(default_factory=lambda: int(time.time()))
     responses_store_bytes: int = 64 << 20  # /v1/responses kept for previous_response_id
     keepalive: float = 10.0  # seconds between keep-alive events of a stream that is quiet
@@ -72,12 +72,6 @@ class State:
     worker: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="mlxlis-prepare")
     )
-
-    def __post_init__(self) -> None:
-        tok = self.target.model.tokenizer
-        self.token_text = TokenText(
-            lambda ids: tok.decode(ids, clean_spaces=False), tok.token_bytes
-        )
 
 
 def validation_error(e: ValidationError, names: frozenset[str] = FIELD_NAMES) -> APIError:
@@ -133,8 +127,11 @@ class Run:
     """One submitted request: its stream, the task that notices the client leaving, the log
     line at the end."""
 
-    def __init__(self, state: State, rid: str, stream: Stream, request: Request, prompt: int):
-        self.state, self.rid, self.stream, self.prompt = state, rid, stream, prompt
+    def __init__(
+        self, state: State, served: Served, rid: str, stream: Stream, request: Request, n: int
+    ):
+        self.state, self.served, self.rid, self.stream, self.prompt = state, served, rid, stream, n
+        served.holds += 1  # not unloaded under it (released in close)
         self.tokens, self.final = 0, None
         self.watcher = asyncio.create_task(self._watch(request.receive))
         self.closed = False
@@ -143,6 +140,7 @@ class Run:
         while (await receive())["type"] != "http.disconnect":
             pass
         self.stream.cancel()
+        self.close()  # also where the reply never started streaming (its model released)
 
     async def events(self) -> AsyncIterator[Event]:
         async for ev in self.stream:
@@ -185,6 +183,7 @@ class Run:
         if self.closed:
             return
         self.closed = True
+        self.served.release()
         self.watcher.cancel()
         self.stream.cancel()  # a no-op once it finished; otherwise the client left
         ev = self.final
@@ -206,7 +205,7 @@ class Run:
         )
         if u.reuse_note:  # --verbose: what the prefix cache gave, and why no more
             log.debug("%s reuse: %s", self.rid, u.reuse_note)
-        spec = self.state.target.speculation
+        spec = self.served.target.speculation
         if spec is not None:  # drafts kept, and why speculation rested when it did
             log.info("%s speculative %s", self.rid, speculation_line(u, spec))
 
@@ -261,17 +260,45 @@ class Service:
                 code="invalid_api_key",
             )
 
-    def check_model(self, name: str | None, names: frozenset[str] | None = None) -> None:
-        if name is not None and name not in (names or self.state.names):
+    def keep_alive(self, value: Any) -> float | None | str:
+        """A request's keep_alive (Ollama's: a duration or seconds) -> seconds, None forever,
+        "" unchanged (not sent); a 400 naming it when it is not one."""
+        if value is None:
+            return ""
+        try:
+            return keep_alive_seconds(value)
+        except MlxlisError as e:
+            raise APIError(400, f"keep_alive: {e}", param="keep_alive") from None
+
+    async def model(self, name: str | None, keep_alive: Any = None) -> Served:
+        """The model a request names (None: the server's default), loaded if it is not; a 404
+        for a name the server does not serve, a 400 for a model too large for its memory
+        even alone, a 503 while busy models hold the memory it needs. `keep_alive` (Ollama's:
+        a duration or seconds; None: unchanged) is its keep-alive from this request on."""
+        seconds = self.keep_alive(keep_alive)
+        try:
+            return await self.state.pool.use(name, seconds)
+        except PoolError as e:
+            raise pool_error(e) from None
+        except MlxlisError as e:  # the listed model's files fail to load: not the request's
             raise APIError(
-                404,
-                f"the model {name!r} does not exist; this server runs {self.state.model_id!r}",
-                param="model",
-                code="model_not_found",
-            )
+                500, f"the model {name!r} could not be loaded: {e}", type="server_error"
+            ) from None
+
+    async def unload(self, name: str | None) -> bool:
+        """Unload the named model now unless requests are in flight on it."""
+        try:
+            listing = self.state.pool.listing(name)
+        except PoolError as e:
+            raise pool_error(e) from None
+        return await self.state.pool.unload(listing.name)
 
     async def prepare(
-        self, fn: Callable[..., Prepared], *args: Any, names: dict[str, str] | None = None
+        self,
+        served: Served,
+        fn: Callable[..., Prepared],
+        *args: Any,
+        names: dict[str, str] | None = None,
     ) -> Prepared:
         """`fn(target, *args)` on the preparing thread; a refusal names the field as the
         adapter's API does (`names`: the chat request's name -> the API's)."""
@@ -279,9 +306,7 @@ class Service:
         try:
             if self.state.allow_image_urls:  # on threads of their own, not the preparing one
                 args = tuple([await fetch_images(a) for a in args])
-            prep = await loop.run_in_executor(
-                self.state.worker, partial(fn, self.state.target, *args)
-            )
+            prep = await loop.run_in_executor(self.state.worker, partial(fn, served.target, *args))
         except APIError as e:
             moved = args[0]._renames if args and isinstance(args[0], ChatCompletionRequest) else {}
             raise renamed(e, {**moved, **(names or {})}) from None
@@ -292,29 +317,29 @@ class Service:
                 max_tokens,
                 prep.asked,
                 prep.gen.params.max_tokens,
-                self.state.target.max_context,
+                served.target.max_context,
                 len(prep.gen.prompt),
             )
         return prep
 
-    def chat_reply(self, prep: Prepared, logprobs: bool = False) -> ChatReply:
+    def chat_reply(self, served: Served, prep: Prepared, logprobs: bool = False) -> ChatReply:
         """The reply to a prepared chat request, built from its events."""
         assert prep.prompt is not None
         return ChatReply(
-            self.state.target.model.tokenizer,
-            self.state.token_text,
+            served.model.tokenizer,
+            served.token_text,
             prep.prompt,
             logprobs=logprobs,
             tools=prep.tools,
             tool_format=prep.tool_format,
             forced=prep.forced,
-            template=self.state.target.model.template,
+            template=served.model.template,
         )
 
-    def submit(self, prep: Prepared, rid: str, request: Request) -> Run:
+    def submit(self, served: Served, prep: Prepared, rid: str, request: Request) -> Run:
         state = self.state
         try:
-            stream = state.engine.submit(prep.gen, loop=asyncio.get_running_loop())
+            stream = served.engine.submit(prep.gen, loop=asyncio.get_running_loop())
         except QueueFullError as e:
             raise APIError(
                 429,
@@ -345,7 +370,18 @@ class Service:
             raise APIError(400, str(e), param=getattr(e, "field", None)) from None
         n = len(prep.gen.prompt)
         log.debug("%s %s prompt=%d %s", rid, request.url.path, n, prep.gen.params)
-        return Run(state, rid, stream, request, n)
+        return Run(state, served, rid, stream, request, n)
+
+
+def pool_error(e: PoolError) -> APIError:
+    return APIError(
+        e.status,
+        e.message,
+        param="model",
+        code=e.code,
+        type="server_error" if e.status >= 500 else "invalid_request_error",
+        retry_after=RETRY_AFTER_S if e.status == 503 else None,
+    )
 
 
 async def fetch_images(body: Any) -> Any:
