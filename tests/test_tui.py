@@ -24,7 +24,7 @@ from mlxlis.runtime.mlx_thread import shared as mlx_thread
 import pytest
 
 from tui.app import ChatApp, parse_args
-from tui.commands import CommandError, parse_command
+from tui.commands import CommandError, complete, parse_command
 from tui.engine import Options
 from tui.screens import PreviewScreen
 from tui.store import atomic_write, data_dir, list_records
@@ -838,6 +838,17 @@ def test_parse_command_and_params():
             SamplingParams().with_text(bad)
     with pytest.raises(CommandError):
         parse_command("/nope")
+
+
+def test_model_names_complete_to_what_they_share():
+    """Tab after "/model PREFIX" completes to the longest text the names starting with PREFIX
+    share; nothing when none matches, when nothing would be added, or outside /model."""
+    names = ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+    assert complete("/model smo", names) == "/model smollm2-135m"
+    assert complete("/model qw", names) == "/model qwen2.5-coder-"
+    assert complete("/model qwen2.5-coder-", names) is None
+    assert complete("/model llama", names) is None
+    assert complete("/system smo", names) is None and complete("/model", names) is None
 
 
 def test_atomic_write_and_records(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ the app works on real models; they do not check the text is right (see the parit
 from __future__ import annotations
 
 import asyncio
+import json
 
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.loading import catalog
@@ -134,5 +135,43 @@ def test_gemma3_no_chat_pad_completes_raw_text(tmp_path):
         await pilot.press("enter")
         await wait_done(pilot, app, 2, 60, "completion")
         assert reply_text(app).strip() and not app.query(Diagnosis)
+
+    run(app, scenario)
+
+
+@pulled("smollm2-135m")
+@pulled("qwen2.5-coder-0.5b")
+def test_model_switches_to_a_new_conversation_on_another_model(tmp_path):
+    """/model lists the models on the disk; Tab completes a name after "/model "; /model NAME
+    starts a new conversation on that model (loaded by the app's own worker: its header, its
+    template) and the reply comes from it; each conversation is saved under its own model."""
+    app = real_app(tmp_path, "smollm2-135m", max_tokens=4)
+
+    async def scenario(pilot):
+        app.prompt_input.insert("Hi")
+        await pilot.press("enter")
+        await wait_done(pilot, app, 2, 60, "first reply")
+        app.prompt_input.insert("/model qwen2.5-coder-0")
+        await pilot.press("tab")
+        assert app.prompt_input.text == "/model qwen2.5-coder-0.5b"
+        await pilot.press("enter")
+        await wait_for(
+            pilot,
+            lambda: app.engine is not None or errors(app),
+            timeout=120,
+            what="second model load",
+        )
+        assert not errors(app), errors(app)
+        assert app.engine.model.config.family == "qwen2" and not app.engine.turns
+        assert "Qwen2.5-Coder-0.5B" in str(app.query_one("#model-header").render())
+        app.prompt_input.insert("Hi")
+        await pilot.press("enter")
+        await wait_done(pilot, app, 2, 60, "reply from the second model")
+        saved = sorted((tmp_path / "conversations").glob("*.json"))
+        models = [json.loads(p.read_text())["model"] for p in saved]
+        assert models == [
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf",
+        ]
 
     run(app, scenario)

@@ -26,7 +26,14 @@ from textual.message import Message
 from textual.widgets import Footer, Markdown, Static
 
 from tui.chat_commands import CommandsMixin
-from tui.engine import Engine, Options, attachment_line, load_model, parse_args
+from tui.engine import (
+    Engine,
+    Options,
+    attachment_line,
+    load_model,
+    model_names_cached,
+    parse_args,
+)
 from tui.store import new_id, save_record
 from tui.style import CSS as APP_CSS
 from tui.widgets import Bubble, Diagnosis, Loading, PromptInput
@@ -137,10 +144,18 @@ class ChatApp(CommandsMixin, App[int]):
 
     def on_mount(self) -> None:
         self.prompt_input.focus()
+        self.prompt_input.completions = model_names_cached
         if self._model is not None:
             self.post_message(Loaded(self._model))
         else:
             self._load_worker()
+
+    async def start_loading(self) -> None:
+        """Load `options.model` (/model): the loading panel, then Loaded."""
+        self._set_header(f"mlxlis chat · loading {self.options.model} …")
+        await self.conversation.mount(Loading(self.options.model))
+        self.update_status()
+        self._load_worker()
 
     # --- loading ---
     def _load_worker(self) -> None:

@@ -21,13 +21,13 @@ from tui.commands import (
     parse_json_format,
     parse_thinking,
 )
-from tui.engine import attachment_line
+from tui.engine import attachment_line, model_names
 from tui.screens import PreviewScreen
 from tui.store import atomic_write, list_records, new_id, summary, to_markdown
 from tui.widgets import Bubble, Note, Thumbnail
 
 # commands that change the conversation wait until a reply is finished
-MUTATING = {"system", "clear", "open"}
+MUTATING = {"system", "clear", "open", "model"}
 
 
 class CommandsMixin:
@@ -105,6 +105,28 @@ class CommandsMixin:
             )
         else:
             self.notify("system prompt cleared" if arg == "-" else "system prompt set")
+
+    async def cmd_model(self, arg: str) -> None:
+        """`/model`: the models on the disk; `/model NAME`: a new conversation on NAME (the
+        model in use is let go first; --draft-model's speculation stays with the first)."""
+        names = await asyncio.to_thread(model_names)
+        if not arg:
+            rows = "\n".join(
+                f"- `{n}`" + (" (in use)" if n == self.options.model else "") for n in names
+            )
+            await self.add_note(
+                f"**Model:** `{self.options.model}`\n\n**On the disk** (`/model NAME`; Tab "
+                f"completes; any `-m` reference works too):\n\n{rows or '*none*'}"
+            )
+            return
+        self.persist()
+        self.options.model = arg
+        self.options.speculative = self.options.draft_model = self.options.draft = None
+        self.options.chat_template = self.options.bindings = self.options.mmproj = None
+        self.engine = None  # the old model goes once nothing else holds it
+        await self.conversation.remove_children()
+        self.record_id = new_id()
+        await self.start_loading()
 
     async def cmd_clear(self, arg: str) -> None:
         self.engine.reset()

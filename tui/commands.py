@@ -7,6 +7,7 @@ use too.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from mlxlis.bounded import read_json_file
@@ -27,6 +28,7 @@ COMMANDS = (
     "history",
     "open",
     "image",
+    "model",
 )
 
 HELP = """\
@@ -51,6 +53,8 @@ JSON schema in FILE, or free (`off`), enforced token by token; `/json` shows it 
 | `/open N` | reopen conversation N from `/history` |
 | `/image PATH` | attach an image to your next message (a model that sees); `/image` lists \
 the attached ones, `/image -` drops them |
+| `/model [NAME]` | switch to another model (a new conversation; Tab completes the names \
+of the models on the disk); `/model` lists them |
 | `/help` | this help |
 
 Start a message with `//` to send text that begins with `/`.
@@ -73,6 +77,19 @@ def parse_command(text: str) -> tuple[str, str] | None:
             "(start with // to send text beginning with /)"
         )
     return name, rest.strip()
+
+
+def complete(typed: str, names: list[str]) -> str | None:
+    """Tab after "/model PREFIX": the longest text every name starting with PREFIX shares
+    (the whole name when one matches); None when none does or nothing would be added."""
+    head, sep, prefix = typed.partition(" ")
+    if head.lower() != "/model" or not sep or "\n" in typed:
+        return None
+    matches = [n for n in names if n.startswith(prefix.lstrip())]
+    if not matches:
+        return None
+    shared = os.path.commonprefix(matches)
+    return f"/model {shared}" if len(shared) > len(prefix.lstrip()) else None
 
 
 def format_params(params: SamplingParams) -> str:

@@ -7,6 +7,7 @@ model; tests build it around a fake model and a fake session factory / generate 
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +91,25 @@ def parse_args(argv: list[str]) -> Options:
         kv_group_size=a.kv_group_size,
         mmproj=a.mmproj,
     )
+
+
+def model_names() -> list[str]:
+    """The names `/model` takes from the disk: the catalog's pulled models and the Hugging
+    Face cache's (what `mlxlis models` lists)."""
+    from mlxlis.loading.hub.store import cached_models
+
+    names = [n for n in catalog.CATALOG if catalog.is_pulled(n)]
+    try:
+        names += [e.name for e in cached_models()]
+    except Exception:  # noqa: BLE001 — an unreadable cache lists nothing, /model NAME still works
+        pass
+    return names
+
+
+@functools.cache
+def model_names_cached() -> list[str]:
+    """`model_names` read once, for Tab's completion (the disk is scanned on the first Tab)."""
+    return model_names()
 
 
 def load_model(options: Options, progress: Progress):

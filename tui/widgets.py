@@ -3,6 +3,8 @@ notes and the diagnosis panel."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from PIL import Image
 from rich.color import Color
 from rich.style import Style
@@ -12,6 +14,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Collapsible, Label, Markdown, ProgressBar, Static, TextArea
+
+from tui.commands import complete
 
 # Textual 8 reports Shift+Enter as "shift+enter" where the terminal speaks the kitty keyboard
 # protocol (kitty, WezTerm, foot, Ghostty, iTerm2 with the option on) and as "shift+\r" under
@@ -28,7 +32,18 @@ class PromptInput(TextArea):
             super().__init__()
             self.text = text
 
+    # the names Tab completes after "/model " (set by the app)
+    completions: Callable[[], list[str]] | None = None
+
     async def _on_key(self, event: events.Key) -> None:
+        if event.key == "tab" and self.completions is not None:
+            done = complete(self.text, self.completions())
+            if done is not None:
+                event.stop()
+                event.prevent_default()
+                self.text = done
+                self.move_cursor(self.document.end)
+                return
         if event.key == "enter":
             event.stop()
             event.prevent_default()
