@@ -56,6 +56,7 @@ QUANTS_SUPER = "tests/test_quants.py::test_k_quants_held_as_stored_bit_exact"
 FUSED = "tests/test_fused.py"
 Q4X_HF = "tests/test_qwen4_exp.py::test_logits_match_transformers_fp32"
 THINKING_SWITCH = "tests/test_thinking_switch.py"
+SERVE_MODELS = "tests/test_serve_models.py"
 Q4X_CACHE = (
     "tests/test_qwen4_exp.py::test_a_trimmed_verification_and_a_saved_cache_decode_on_exactly"
 )
@@ -2031,6 +2032,39 @@ MUTANTS = (
         "while text.find(closer, pos) < 0 and (m := row.match(text, pos)) is not None:",
         (TOOL_CORPUS, "tests/test_tool_stream.py"),
         "tool calls: a tagged row tried only when its closing tag has not come",
+    ),
+    Mutant(
+        "pool-lru-picks-busy",
+        "mlxlis/serve/pool.py",
+        "idle = [s.name for s in sorted(others, key=lambda s: s.last_used) if not s.busy]",
+        "idle = [s.name for s in sorted(others, key=lambda s: s.last_used)]",
+        (SERVE_MODELS,),
+        "several models: a model with requests in flight may be unloaded to make room",
+    ),
+    Mutant(
+        "pool-unload-keeps-reference",
+        "mlxlis/serve/pool.py",
+        "        engine.others = None\n        del served\n",
+        "        engine.others = None\n        self.gone = served\n",
+        (SERVE_MODELS,),
+        "several models: an unloaded model stays referenced (its memory not returned)",
+    ),
+    Mutant(
+        "serve-routes-to-first-model",
+        "mlxlis/serve/service.py",
+        "stream = served.engine.submit(prep.gen, loop=asyncio.get_running_loop())",
+        "stream = next(iter(state.pool.loaded.values())).engine.submit(\n"
+        "                prep.gen, loop=asyncio.get_running_loop()\n            )",
+        (SERVE_MODELS,),
+        "several models: a request submitted to the first loaded model's engine",
+    ),
+    Mutant(
+        "mlx-thread-no-turns",
+        "mlxlis/runtime/mlx_thread.py",
+        "later = [i for i in ready if i >= self._turn]",
+        "later = ready[:1]",
+        ("tests/test_mlx_thread.py",),
+        "several engines: the first with work always runs, the others wait",
     ),
 )
 

@@ -94,6 +94,7 @@ def active_mib(srv: ServeProcess) -> float:
 
 
 LONE: dict[str, str] = {}  # each model's greedy reply with nothing else in flight
+START: dict[str, float] = {}  # MLX's active memory with only the first -m loaded
 
 
 def test_every_model_is_listed_with_what_its_files_say(srv, oai, olm):
@@ -109,6 +110,8 @@ def test_every_model_is_listed_with_what_its_files_say(srv, oai, olm):
         assert cards[name]["family"] == catalog.CATALOG[ref].family  # the catalog's record
         assert cards[name]["loaded"] == (name == SMOL)
     assert cards["huge"]["size"] == HUGE
+    srv.wait_idle()
+    START["active"] = active_mib(srv)  # SmolLM2's weights, nothing run yet
     tags = {m.model: m.size for m in olm.list().models}
     assert tags == {f"{n}:latest": cards[n]["size"] for n in [*MODELS, "huge"]}
     assert loaded(olm) == {SMOL}
@@ -184,6 +187,9 @@ def test_keep_alive_unloads_and_the_memory_returns(srv, oai, olm):
     assert complete(oai, SMOL) == LONE[SMOL]  # loaded again if it was the one made room
     assert loaded(olm) == {SMOL}
     active, rss = active_mib(srv), rss_mib(srv)
+    # SmolLM2 alone again: what it held at start, and its prefix cache's entries since
+    prefix = srv.wait_idle()["prefix_cache_bytes"] / 2**20
+    assert abs(active - (START["active"] + prefix)) < 1.0, (active, START, prefix)
     lines = len(srv.log().splitlines())
     r = oai.completions.create(
         model=GEMMA, prompt=PROMPT, max_tokens=N, temperature=0, extra_body={"keep_alive": "1s"}
