@@ -85,10 +85,12 @@ def messages_reply(resp, stream: bool) -> tuple[str, str, int]:
     return text, reasons[0], used
 
 
-def run(server: ServeProcess, i: int) -> tuple[str, str, int] | None:
-    """(content, finish_reason, completion tokens) of request i, or None when its client
-    left."""
+def run(server: ServeProcess, i: int, models: tuple[str, ...] = ()) -> tuple[str, str, int] | None:
+    """(content, finish_reason, completion tokens) of request i (to models[i % len(models)],
+    when given), or None when its client left."""
     req, leave = body(i)
+    if models:
+        req["model"] = models[i % len(models)]
     path = "/v1/messages" if req.pop("anthropic", False) else "/v1/chat/completions"
     conn = server.connect()
     conn.request("POST", path, json.dumps(req).encode(), server.headers())
@@ -127,13 +129,53 @@ def run(server: ServeProcess, i: int) -> tuple[str, str, int] | None:
     return content, finishes[0], usage["completion_tokens"]
 
 
+@pytest.fixture(scope="module")
+def two_models(tiny, tmp_path_factory):
+    """Two models (the tiny Llama's weights under two names: two loads, two engines) in one
+    server, both loaded at start and kept."""
+    tmp = tmp_path_factory.mktemp("soak2")
+    for name in TWO:
+        (tmp / name).symlink_to(tiny("llama_long")[0])
+    args = [x for name in TWO for x in ("-m", f"{name}={tmp / name}")]
+    srv = ServeProcess(
+        tmp,
+        *args,
+        "--max-batch",
+        "8",
+        "--max-queue",
+        str(REQUESTS),
+        "--prefix-cache-mb",
+        str(CACHE_MB),
+        "--chat-template",
+        "chatml",
+        "--keep-alive",
+        "-1",
+    )
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+TWO = ("llama_a", "llama_b")
+
+
 @pytest.mark.extended  # `make test-all`: the engine's soak (test_serve_engine) is in make test
 def test_soak_over_http_loses_nothing_mixes_nothing_leaks_nothing(server):
-    for i in range(3):  # warm up: compiled kernels, buffers, the first prefix-cache entries
-        run(server, 10_000 + i)
+    soak(server, ())
+
+
+@pytest.mark.extended
+def test_soak_over_two_models_loses_nothing_mixes_nothing_leaks_nothing(two_models):
+    """The same soak, each request to one of two models (the second loaded by its first
+    request), their engines taking turns on the MLX thread."""
+    soak(two_models, TWO, caches=2)
+
+
+def soak(server: ServeProcess, models: tuple[str, ...], caches: int = 1) -> None:
+    for i in range(4):  # warm up: compiled kernels, buffers, the first prefix-cache entries
+        run(server, 10_000 + i, models)
     before = server.wait_idle()
     with ThreadPoolExecutor(CLIENTS) as pool:
-        results = list(pool.map(lambda i: run(server, i), range(REQUESTS)))
+        results = list(pool.map(lambda i: run(server, i, models), range(REQUESTS)))
     after = server.wait_idle(timeout=120)
     kept = [i for i, r in enumerate(results) if r is not None]
     assert REQUESTS // 2 < len(kept) < REQUESTS - 200  # a third of the clients left
@@ -142,8 +184,8 @@ def test_soak_over_http_loses_nothing_mixes_nothing_leaks_nothing(server):
         asked = body(i)[0]["max_tokens"]
         assert used == asked if finish == "length" else 0 < used <= asked, (i, results[i])
     for i in kept[::25]:  # the same request alone afterwards: the same greedy reply
-        assert run(server, i)[0] == results[i][0], i
-    assert after["prefix_cache_bytes"] <= CACHE_MB << 20
+        assert run(server, i, models)[0] == results[i][0], i
+    assert after["prefix_cache_bytes"] <= caches * CACHE_MB << 20
     held_before = before["memory_bytes"] - before["prefix_cache_bytes"]
     held_after = after["memory_bytes"] - after["prefix_cache_bytes"]
     assert held_after <= held_before + (256 << 10), (before, after)
