@@ -2059,6 +2059,14 @@ MUTANTS = (
         "several models: a request submitted to the first loaded model's engine",
     ),
     Mutant(
+        "engine-others-ignored",
+        "mlxlis/generation/engine.py",
+        "room = plan.room - others",
+        "room = plan.room",
+        (SERVE_MODELS,),
+        "several models: a request's caches checked without the other models' requests",
+    ),
+    Mutant(
         "mlx-thread-no-turns",
         "mlxlis/runtime/mlx_thread.py",
         "later = [i for i in ready if i >= self._turn]",

@@ -176,6 +176,24 @@ def test_a_busy_model_is_never_unloaded_to_make_room(srv, oai, olm):
     assert complete(oai, GEMMA) == LONE[GEMMA]
 
 
+def test_one_models_requests_count_against_the_others_room(srv, oai, olm):
+    """From any loaded: with SmolLM2 and Gemma 3 loaded, 320 MiB are left for requests'
+    caches. A SmolLM2 stream reserving about 264 MiB (6 000 tokens) and a Gemma 3 request of
+    about 117 MiB (20 000 tokens) each fit alone but not together: the second is a 503 that
+    names the other model's requests, and fits once the stream has ended."""
+    assert complete(oai, SMOL) == LONE[SMOL]
+    assert loaded(olm) == {SMOL, GEMMA}
+    body = {"model": SMOL, "prompt": PROMPT, "max_tokens": 6000, "stream": True}
+    conn, resp = srv.open_stream("/v1/completions", body)
+    next(events(resp))
+    with pytest.raises(openai.APIStatusError) as e:
+        complete(oai, GEMMA, n=20000)
+    assert e.value.status_code == 503 and "other models' requests" in e.value.body["message"]
+    conn.close()
+    srv.wait_idle()
+    assert complete(oai, GEMMA, n=20000, stop=["\n\n"])  # alone it fits
+
+
 def test_keep_alive_unloads_and_the_memory_returns(srv, oai, olm):
     """From any two loaded: keep_alive 0 on Ollama's empty generate unloads at once
     (done_reason "unload"), down to SmolLM2 alone; a request's keep_alive of 1s unloads
