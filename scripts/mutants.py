@@ -2067,6 +2067,14 @@ MUTANTS = (
         "several models: a request's caches checked without the other models' requests",
     ),
     Mutant(
+        "serve-draft-not-counted",
+        "mlxlis/serve/server.py",
+        "weights += footprint(speculation.draft_model, None).weights",
+        "weights += 0",
+        ("tests/test_speculative.py::test_a_served_draft_model_counts_in_its_targets_memory",),
+        "several models: a target's draft model left out of the memory it holds",
+    ),
+    Mutant(
         "mlx-thread-no-turns",
         "mlxlis/runtime/mlx_thread.py",
         "later = [i for i in ready if i >= self._turn]",

@@ -5,10 +5,12 @@ last and ends it."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import mlxlis
 
@@ -32,19 +34,27 @@ def server(tiny, tmp_path_factory):
 
 
 def test_bad_flags_exit_2(server):
-    """Out-of-range flags, and a --max-context over the model's own, end `mlxlis serve` with
-    status 2 and one line naming the flag (before anything listens)."""
-    for flags, flag in (
-        (["--max-batch", "0"], "--max-batch"),
-        (["--port", "70000"], "--port"),
-        (["--prefix-cache-mb", "-1"], "--prefix-cache-mb"),
-        (["-m", server.model, "--max-context", "999999999"], "--max-context"),
+    """Out-of-range flags, a --max-context over the model's own, a malformed --alias or
+    --keep-alive, a --models-dir that is no folder, and several models under mlx.launch (a
+    pipelined server serves one) end `mlxlis serve` with status 2 and one line naming the flag
+    (before anything listens)."""
+    launched = {**os.environ, "MLX_RANK": "0"}
+    for flags, flag, env in (
+        (["--max-batch", "0"], "--max-batch", None),
+        (["--port", "70000"], "--port", None),
+        (["--prefix-cache-mb", "-1"], "--prefix-cache-mb", None),
+        (["-m", server.model, "--max-context", "999999999"], "--max-context", None),
+        (["-m", server.model, "--alias", "claude-haiku"], "--alias", None),
+        (["-m", server.model, "--keep-alive", "soon"], "--keep-alive", None),
+        (["-m", server.model, "--models-dir", str(Path(server.model) / "x")], "--models-dir", None),
+        (["-m", server.model, "-m", server.model], "-m", launched),
     ):
         r = subprocess.run(
             [sys.executable, "-m", "mlxlis", "serve", *flags],
             capture_output=True,
             text=True,
             timeout=STARTUP_S,
+            env=env,
         )
         assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, r.stderr
 

@@ -383,6 +383,26 @@ def test_the_server_speculates_with_the_same_tokens(tiny, tiny_server, tmp_path)
         assert srv.stop() == 0, srv.log()
 
 
+def test_a_served_draft_model_counts_in_its_targets_memory(tiny, tmp_path):
+    """`mlxlis serve --speculative draft --draft-model`: the draft model is held with its
+    target, so what the target holds (/api/ps' size: what the pool counts against the budget)
+    is the target's weights, the draft's and the prefix cache's bound (self-consistency of the
+    accounting, the weights as /health reports them)."""
+    from serve_process import ServeProcess
+
+    folder = str(tiny("llama_long")[0])
+    srv = ServeProcess(
+        tmp_path, "-m", folder, "--speculative", "draft", "--draft-model", folder,
+        "--prefix-cache-mb", "1",
+    )  # fmt: skip
+    try:
+        size = srv.request("GET", "/api/ps")[1]["models"][0]["size"]
+        weights = srv.request("GET", "/health")[1]["weights_bytes"]
+        assert size == 2 * weights + (1 << 20)
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
 def test_a_constrained_draft_proposes_under_the_grammar(models):
     """A regex-constrained reply with the target drafting for itself: the plain constrained
     greedy tokens, and every proposal kept — the draft proposes under a copy of the request's

@@ -258,6 +258,8 @@ def build_served(
     if listing.size is None and model.path is not None:  # fetched by this load
         listing = describe(listing.name, listing.ref, Path(model.path))
     weights = prints[model.kv_format].weights if prints is not None else 0
+    if speculation is not None and speculation.draft_model is not None:  # held beside it
+        weights += footprint(speculation.draft_model, None).weights
     reserve = weights + (opts.prefix_cache_mb << 20)
     return Served(listing, target, engine, fingerprint(model), reserve, keep_alive)
 
