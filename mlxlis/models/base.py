@@ -45,6 +45,15 @@ GGUF_LLAMA_BLOCK = {
 }
 
 
+# a multimodal checkpoint's text model (transformers 5's `model.language_model.*`, the hub's
+# older `language_model.model.*`) under the text model's own names: HFFormat.renames
+LANGUAGE_MODEL_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
 def _no_keys(cfg: ModelConfig) -> dict[str, Any]:
     return {}
 

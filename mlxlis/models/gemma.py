@@ -19,7 +19,15 @@ from typing import Any
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models.activations import GATED
-from mlxlis.models.base import GGUF_LLAMA_BLOCK, Export, Family, GGUFFormat, GGUFMeta, HFFormat
+from mlxlis.models.base import (
+    GGUF_LLAMA_BLOCK,
+    LANGUAGE_MODEL_RENAMES,
+    Export,
+    Family,
+    GGUFFormat,
+    GGUFMeta,
+    HFFormat,
+)
 from mlxlis.models.config import ModelConfig, RopeConfig, parse_rope
 from mlxlis.models.conventions import NORM_MINUS_ONE
 from mlxlis.models.decoder import Decoder
@@ -301,11 +309,7 @@ GEMMA3 = Family(
         # multimodal checkpoints: the hub's `language_model.model.*`, transformers 5's
         # `model.language_model.*`; the vision tower and projector are the text plan's dropped
         # names, loaded by `vision`
-        renames=(
-            ("language_model.model.", "model."),
-            ("model.language_model.", "model."),
-            ("language_model.lm_head.", "lm_head."),
-        ),
+        renames=LANGUAGE_MODEL_RENAMES,
         dropped=(
             "vision_tower.",
             "multi_modal_projector.",

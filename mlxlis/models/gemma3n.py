@@ -28,7 +28,14 @@ from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import CONFIG_MAX_DIM, check_sizes
-from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
+from mlxlis.models.base import (
+    LANGUAGE_MODEL_RENAMES,
+    Export,
+    Family,
+    GGUFFormat,
+    GGUFMeta,
+    HFFormat,
+)
 from mlxlis.models.config import MLPConfig, ModelConfig, RopeConfig
 from mlxlis.models.gemma3n_describe import DESCRIPTION
 from mlxlis.models.gemma3n_net import AltUpStructure, Gemma3n
@@ -399,11 +406,7 @@ GEMMA3N = Family(
         parse=parse_hf,
         defaults=HF_DEFAULTS,
         base=hf_base,
-        renames=(
-            ("model.language_model.", "model."),
-            ("language_model.model.", "model."),
-            ("language_model.lm_head.", "lm_head."),
-        ),
+        renames=LANGUAGE_MODEL_RENAMES,
         dropped=_TOWERS + tuple(f"model.{t}" for t in _TOWERS),
     ),
     gguf=GGUFFormat(

@@ -31,7 +31,7 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models import gemma4_gguf
 from mlxlis.models.activations import GATED
-from mlxlis.models.base import Export, Family, GGUFFormat, HFFormat
+from mlxlis.models.base import LANGUAGE_MODEL_RENAMES, Export, Family, GGUFFormat, HFFormat
 from mlxlis.models.config import MLPConfig, ModelConfig, MoEConfig, RopeConfig
 from mlxlis.models.gemma4_mmproj import PROJECTOR as MMPROJ
 from mlxlis.models.gemma4_net import FULL, PLAIN_ACTS, SLIDING, Gemma4, Structure, structure_fields
@@ -387,11 +387,7 @@ GEMMA4 = Family(
         model_types=("gemma4_text", "gemma4"),
         parse=parse_hf,
         defaults=HF_DEFAULTS,
-        renames=(
-            ("model.language_model.", "model."),
-            ("language_model.model.", "model."),
-            ("language_model.lm_head.", "lm_head."),
-        ),
+        renames=LANGUAGE_MODEL_RENAMES,
         dropped=_TOWERS + tuple(f"model.{t}" for t in _TOWERS),
     ),
     gguf=GGUFFormat(

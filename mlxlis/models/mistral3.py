@@ -21,7 +21,14 @@ from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
-from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
+from mlxlis.models.base import (
+    LANGUAGE_MODEL_RENAMES,
+    Export,
+    Family,
+    GGUFFormat,
+    GGUFMeta,
+    HFFormat,
+)
 from mlxlis.models.config import ModelConfig, number, yarn_keys, yarn_mscale
 from mlxlis.models.conventions import UNPERMUTE_K, UNPERMUTE_Q
 from mlxlis.models.decoder import Decoder, DecoderLayer
@@ -145,11 +152,7 @@ MISTRAL3 = Family(
     hf=HFFormat(
         model_types=("mistral", "ministral3", "mistral3"),
         parse=parse_hf,
-        renames=(
-            ("model.language_model.", "model."),
-            ("language_model.model.", "model."),
-            ("language_model.lm_head.", "lm_head."),
-        ),
+        renames=LANGUAGE_MODEL_RENAMES,
         dropped=(
             "model.vision_tower.",
             "model.multi_modal_projector.",

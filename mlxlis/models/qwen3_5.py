@@ -19,7 +19,7 @@ Defaults are transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig.
 
 from __future__ import annotations
 
-from mlxlis.models.base import Export, Family, GGUFFormat, HFFormat
+from mlxlis.models.base import LANGUAGE_MODEL_RENAMES, Export, Family, GGUFFormat, HFFormat
 from mlxlis.models.conventions import QWEN35_GGUF
 from mlxlis.models.hybrid import (
     DROPPED,
@@ -37,20 +37,15 @@ from mlxlis.models.qwen3_5_mtp_load import mtp_head
 from mlxlis.models.qwen3_5_vision import load_images
 
 # multimodal checkpoints: the language model under model.language_model.* (mlx-lm saves it
-# as language_model.model.*); the vision tower (read by `vision`: qwen3_5_vision.py) and the
-# multi-token-prediction head (read on its own when drafting with it: qwen3_5_mtp_load.py) are
-# the text plan's dropped names
-_RENAMES = (
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-)
+# as language_model.model.*: LANGUAGE_MODEL_RENAMES); the vision tower (read by `vision`:
+# qwen3_5_vision.py) and the multi-token-prediction head (read on its own when drafting with
+# it: qwen3_5_mtp_load.py) are the text plan's dropped names
 QWEN3_5 = Family(
     name="qwen3_5",
     hf=HFFormat(
         model_types=("qwen3_5", "qwen3_5_text"),
         parse=hf_parser(False),
-        renames=_RENAMES,
+        renames=LANGUAGE_MODEL_RENAMES,
         dropped=DROPPED,
     ),
     gguf=GGUFFormat(
@@ -92,7 +87,7 @@ QWEN3_5_MOE = Family(
     hf=HFFormat(
         model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
         parse=hf_parser(True),
-        renames=_RENAMES,
+        renames=LANGUAGE_MODEL_RENAMES,
         dropped=DROPPED,
         defaults={"intermediate_size": MOE_DEFAULTS["moe_intermediate_size"]},  # no dense MLP
     ),
