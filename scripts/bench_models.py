@@ -5,6 +5,8 @@ catalog models, driven over HTTP.
   vs the same request once it is loaded, for each model (greedy, a short prompt).
 - Two models decoding at once (one stream each, started together) vs each alone: total
   generated tokens per second.
+- The longest pause between two tokens of a SmolLM2 stream, alone and while Qwen2.5-Coder
+  is loaded (its weights read on the loading thread) and answers its first token.
 
 Best of `--rounds` (the cold figure: the model unloaded with Ollama's keep_alive 0 between
 rounds). Prints a Markdown table; the machine should be quiet.
@@ -46,6 +48,28 @@ def first_token(srv: ServeProcess, model: str, tokens: int = 1) -> tuple[float, 
             ttft = ttft if ttft is not None else time.perf_counter() - t0
     conn.close()
     return ttft or 0.0, n, time.perf_counter() - t0
+
+
+def gaps(srv: ServeProcess, model: str, tokens: int, during=None) -> float:
+    """The longest wait between two streamed tokens of `model` (`during()` called once the
+    stream has started: another model's load)."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
+    conn, resp = srv.open_stream("/v1/completions", {**body, "stream": True})
+    stream = events(resp)
+    next(stream)
+    job = threading.Thread(target=during) if during else None
+    if job:
+        job.start()
+    last, worst = time.perf_counter(), 0.0
+    for ev in stream:
+        if ev == "[DONE]":
+            break
+        now = time.perf_counter()
+        worst, last = max(worst, now - last), now
+    conn.close()
+    if job:
+        job.join()
+    return worst
 
 
 def unload(srv: ServeProcess, model: str) -> None:
@@ -97,6 +121,15 @@ def main() -> int:
         alone = {m: max(together(srv, [m], a.tokens) for _ in range(a.rounds)) for m in pair}
         both = max(together(srv, pair, a.tokens) for _ in range(a.rounds))
         results["together"] = {"alone_tps": alone, "both_tps": both}
+        # a stream's longest pause, alone and while the largest model is read and warmed up
+        big = MODELS[-1]
+        calm, loading = [], []
+        for _ in range(a.rounds):
+            unload(srv, big)
+            calm.append(gaps(srv, MODELS[0], 4 * a.tokens))
+            unload(srv, big)
+            loading.append(gaps(srv, MODELS[0], 4 * a.tokens, lambda: first_token(srv, big)))
+        results["stream_gap_s"] = {"alone": min(calm), "during_load": min(loading)}
     finally:
         srv.stop()
     print("| model | first token, not loaded (load included) | first token, loaded |")
@@ -108,6 +141,12 @@ def main() -> int:
     for m, tps in alone.items():
         print(f"| {m} alone | {tps:.1f} |")
     print(f"| {' + '.join(pair)} at once | {both:.1f} |")
+    print()
+    gap = results["stream_gap_s"]
+    print(f"| {MODELS[0]} stream | longest pause between tokens |")
+    print("|---|---|")
+    print(f"| alone | {gap['alone'] * 1000:.0f} ms |")
+    print(f"| while {MODELS[-1]} loads | {gap['during_load'] * 1000:.0f} ms |")
     (ROOT / "bench-results" / "models.json").write_text(json.dumps(results, indent=1))
     return 0
 
