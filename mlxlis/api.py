@@ -5,6 +5,7 @@ pipelined model's steps by its placement: mlxlis.distributed registers them)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -13,11 +14,14 @@ from mlxlis.bounded import check_folder_json, read_json_file
 from mlxlis.cache import KVFormat
 from mlxlis.distributed import Pipeline
 from mlxlis.errors import BindingError, TokenizerError, UnsupportedError, UnsupportedFormatError
+from mlxlis.loading.adapters import Adapter, read_adapter
 from mlxlis.loading.gguf_split import read_gguf
 from mlxlis.loading.manifest import as_manifest
 from mlxlis.loading.resolve import gguf_tensor_count, resolve
+from mlxlis.models import family
 from mlxlis.models.from_folder import load_folder
 from mlxlis.models.from_gguf import load_gguf
+from mlxlis.models.lora import adapt
 from mlxlis.models.model import Model
 from mlxlis.runtime import backend
 from mlxlis.runtime.device import resolve_dtype, select_device
@@ -42,6 +46,7 @@ class LoadOptions:
     kv_bits: int | None = None
     kv_group_size: int = 64
     mmproj: str | Path | bool | None = None
+    adapters: tuple[str | Path, ...] = ()
 
     def kwargs(self) -> dict[str, Any]:
         """The options by `load`'s keyword names (a subclass's own fields left out)."""
@@ -60,6 +65,7 @@ def load(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     mmproj: str | Path | bool | None = None,
+    adapters: Sequence[str | Path] = (),
 ) -> Model:
     """Load a model folder, GGUF file or catalog name. dtype None = the device default. The
     keyword arguments, gathered: LoadOptions (`load(ref, **options.kwargs())`).
@@ -83,7 +89,13 @@ def load(
 
     `mmproj` (GGUF): llama.cpp's vision file for a model that sees; None: one found beside
     the model file (a .gguf whose name holds "mmproj"); False: text only.
+
+    `adapters`: LoRA adapter folders (PEFT's) applied unmerged, in order: y = W x + s·B(A x),
+    W as the file holds it (quantized stays quantized). Each is read and checked before the
+    model is; one that does not fit the model (a module it lacks, shapes of another base) is
+    an AdapterError naming the file and the module, and nothing of it applies.
     """
+    read = [read_adapter(a) for a in adapters]  # a bad adapter fails before the model is read
     kv = KVFormat(kv_bits, kv_group_size) if kv_bits is not None else None  # checked first
     select_device()  # the GPU when MLX has a usable one, else the CPU; MLXLIS_DEVICE overrides
     backend.select()  # the operations around the products, for that device and the settings
@@ -111,7 +123,7 @@ def load(
             placement=pipeline,
             mmproj=mmproj,
         )
-        return _ready(model, pipeline, kv)
+        return _ready(model, pipeline, kv, read)
     if path.is_file():
         raise UnsupportedFormatError("expected a model folder or a .gguf file", path=path)
     if mmproj not in (None, False):
@@ -129,12 +141,17 @@ def load(
     model = load_folder(
         path, dt, chat_template=chat_template, bindings=manifest, strict=strict, placement=pipeline
     )
-    return _ready(model, pipeline, kv)
+    return _ready(model, pipeline, kv, read)
 
 
-def _ready(model: Model, pipeline: Pipeline, kv: KVFormat | None) -> Model:
-    """Every rank has its share (a pipelined model's generation steps are led from rank 0:
-    generation.steps_for)."""
+def _ready(model: Model, pipeline: Pipeline, kv: KVFormat | None, adapters: list[Adapter]) -> Model:
+    """The adapters applied; every rank has its share (a pipelined model's generation steps
+    are led from rank 0: generation.steps_for)."""
+    if adapters and model.part is not None:
+        raise UnsupportedError("adapters on a pipelined model", field="adapters")
+    for adapter in adapters:
+        adapt(model.net, adapter, family(model.config.family).hf.name, model.dtype)
+        model.adapters.append(adapter)
     model.set_kv_format(kv)
     pipeline.ready()
     return model

@@ -44,6 +44,10 @@ class ConfigError(MlxlisError):
     """config.json / GGUF metadata is missing a field or has a bad value."""
 
 
+class AdapterError(MlxlisError):
+    """A LoRA adapter that cannot apply to the model (its files, its config, its targets)."""
+
+
 class WeightsError(MlxlisError):
     """Tensors do not match what the model expects (missing, unexpected, mis-shaped)."""
 

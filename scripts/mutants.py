@@ -57,6 +57,7 @@ FUSED = "tests/test_fused.py"
 Q4X_HF = "tests/test_qwen4_exp.py::test_logits_match_transformers_fp32"
 THINKING_SWITCH = "tests/test_thinking_switch.py"
 SERVE_MODELS = "tests/test_serve_models.py"
+LORA = "tests/test_lora.py"
 Q4X_CACHE = (
     "tests/test_qwen4_exp.py::test_a_trimmed_verification_and_a_saved_cache_decode_on_exactly"
 )
@@ -2073,6 +2074,38 @@ MUTANTS = (
         "weights += 0",
         ("tests/test_speculative.py::test_a_served_draft_model_counts_in_its_targets_memory",),
         "several models: a target's draft model left out of the memory it holds",
+    ),
+    Mutant(
+        "lora-scale-twice",
+        "mlxlis/models/lora.py",
+        "return y + delta * self.scale",
+        "return y + delta * self.scale * self.scale",
+        (LORA,),
+        "LoRA: the adapter's scale applied twice",
+    ),
+    Mutant(
+        "lora-scale-dropped",
+        "mlxlis/models/lora.py",
+        "return y + delta * self.scale",
+        "return y + delta",
+        (LORA,),
+        "LoRA: the adapter's scale not applied",
+    ),
+    Mutant(
+        "lora-rslora-ignored",
+        "mlxlis/loading/adapters.py",
+        "alpha / math.sqrt(r) if rslora else alpha / r",
+        "alpha / r",
+        (LORA,),
+        "LoRA: rsLoRA's alpha / √r read as alpha / r",
+    ),
+    Mutant(
+        "lora-cache-key-without-adapters",
+        "mlxlis/models/model.py",
+        'key = f"{self.path}|{stamp}|{self.dtype}|{self.quant_summary}|{adapters}"',
+        'key = f"{self.path}|{stamp}|{self.dtype}|{self.quant_summary}"',
+        (LORA,),
+        "LoRA: a cache saved under one adapter read under another",
     ),
     Mutant(
         "mlx-thread-no-turns",

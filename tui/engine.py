@@ -90,6 +90,7 @@ def parse_args(argv: list[str]) -> Options:
         kv_bits=a.kv_bits,
         kv_group_size=a.kv_group_size,
         mmproj=a.mmproj,
+        adapters=tuple(a.adapter or ()),
     )
 
 
@@ -129,6 +130,7 @@ def load_model(options: Options, progress: Progress):
         draft = Options(**{**vars(options), "model": options.draft_model, "draft_model": None})
         draft.chat_template = draft.bindings = None
         draft.mmproj = False
+        draft.adapters = ()
         progress("loading the draft model", 0, 0)
         options.draft = load_model(draft, progress)
     return model

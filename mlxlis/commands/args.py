@@ -39,6 +39,15 @@ def add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
             default=catalog.DEFAULT_MODEL,
             help=f"{MODEL_HELP} (default {catalog.DEFAULT_MODEL})",
         )
+        p.add_argument(
+            "--adapter",
+            action="append",
+            default=None,
+            metavar="FOLDER",
+            help="a LoRA adapter (PEFT's folder: adapter_config.json + "
+            "adapter_model.safetensors) applied unmerged to the model; may be given several "
+            "times",
+        )
     p.add_argument(
         "--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)"
     )

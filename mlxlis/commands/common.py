@@ -38,6 +38,7 @@ def load_model(a: argparse.Namespace, ref: str | None = None):
         kv_bits=a.kv_bits,
         kv_group_size=a.kv_group_size,
         mmproj=getattr(a, "mmproj", None),
+        adapters=tuple(getattr(a, "adapter", None) or ()),
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnboundTensorsWarning)

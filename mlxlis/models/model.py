@@ -10,6 +10,7 @@ from typing import Any
 from mlxlis.cache import Cache, KVFormat
 from mlxlis.cache.store import KVChoice, resolve
 from mlxlis.errors import ContextLimitError, MlxlisError, NoChatTemplateError, UnsupportedError
+from mlxlis.loading.adapters import Adapter
 from mlxlis.loading.hub import display_name
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.experts import QuantizedSwitchLinear, SwitchLinear
@@ -57,6 +58,7 @@ class Model:
         self.template = template
         self.quant_summary = quant_summary or _quant_summary(net)
         self._diagnosis = diagnosis
+        self.adapters: list[Adapter] = []  # LoRA adapters applied, in order (api.load)
         self.skipped = sorted(skipped or [])  # file tensors not used (a vision tower, an MTP head)
         self.part = part  # this rank's share of the layers when pipelined, else None
         self.kv_format: KVFormat | None = None  # quantized KV caches (set_kv_format), or dense
@@ -101,7 +103,8 @@ class Model:
             stamp = f"{st.st_size}:{st.st_mtime_ns}"
         except OSError:
             stamp = "?"
-        key = f"{self.path}|{stamp}|{self.dtype}|{self.quant_summary}"
+        adapters = ",".join(a.key for a in self.adapters)  # another adapter: another model
+        key = f"{self.path}|{stamp}|{self.dtype}|{self.quant_summary}|{adapters}"
         return "kv_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def set_kv_format(self, kv: KVFormat | None) -> None:
@@ -335,6 +338,8 @@ class Model:
             "dtype": str(self.dtype).replace("mlx.core.", ""),
             "template": self.template_source or "none",
         }
+        if self.adapters:
+            details["adapters"] = "; ".join(a.describe() for a in self.adapters)
         if self.vision is not None:
             details["vision"] = self.vision.describe()
         if self.skipped:
