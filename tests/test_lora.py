@@ -34,6 +34,7 @@ ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 BASES = {
     "llama": TINY["llama"],
+    "qwen2": TINY["qwen2"],
     "qwen3": QWEN3["qwen3"],
     "gemma3": {"kind": "gemma3", "pad_token_id": 0, **GEMMA["gemma3"]},
     "qwen3_5": QWEN3_5["qwen3_5"],
@@ -213,3 +214,51 @@ def test_the_one_shot_command_applies_an_adapter(bases, tmp_path):
     bad = run("--adapter", str(tmp_path / "a"))
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "adapter_config.json: lora_alpha: must be above 0" in bad.stderr, bad.stderr
+
+
+# (base, rank, scale, keys, layers): mlx-lm adapters, made by mlx-lm's own tuner
+MLX_LM = [
+    ("qwen2", 4, 10.0, ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"], 1),
+    ("qwen3", 8, 2.5, None, 2),  # mlx-lm's default keys for the family
+]
+
+
+@pytest.mark.parametrize("case", range(len(MLX_LM)), ids=[f"{m[0]}-r{m[1]}" for m in MLX_LM])
+def test_mlx_lm_adapters_give_mlx_lms_logits(bases, tmp_path, case):
+    """Reference parity with mlx-lm: an adapter made by mlx-lm's `linear_to_lora_layers` (B set
+    random, as after training) and saved as its trainer saves it, read back by mlx-lm's own
+    `load_adapters` on a fresh copy of the base: our logits with the same folder equal its
+    within 1e-5 (float32), on bases mlx-lm reads as we do (checked first: its Llama reader
+    misses transformers 5's rope_parameters, so the tiny Llama is not one)."""
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm import load as mlx_lm_load
+    from mlx_lm.tuner.utils import linear_to_lora_layers, load_adapters
+
+    name, rank, scale, keys, layers = MLX_LM[case]
+    folder = bases(name)[0]
+    params = {"rank": rank, "scale": scale, "dropout": 0.0, "keys": keys}
+    trained, _ = mlx_lm_load(str(folder))
+    trained.freeze()
+    linear_to_lora_layers(trained, layers, params)
+    mx.random.seed(case)
+    trained.update(
+        tree_map(lambda p: mx.random.normal(p.shape) * 0.2, trained.trainable_parameters())
+    )
+    out = tmp_path / "adapter"
+    out.mkdir()
+    mx.save_safetensors(
+        str(out / "adapters.safetensors"), dict(tree_flatten(trained.trainable_parameters()))
+    )
+    config = {"fine_tune_type": "lora", "num_layers": layers, "lora_parameters": params}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    reference, _ = mlx_lm_load(str(folder))
+    reference.set_dtype(mx.float32)
+    plain = np.array(mlxlis.load(folder, "float32").logits(ids := trajectory(40, seed=case)))
+    assert np.abs(plain - np.array(reference(mx.array([ids]))[0])).max() < 1e-5  # one base
+    load_adapters(reference, str(out))
+    model = mlxlis.load(folder, "float32", adapters=[out])
+    theirs = np.array(reference(mx.array([ids]))[0].astype(mx.float32))
+    ours = np.array(model.logits(ids))
+    assert np.abs(ours - theirs).max() < 1e-5
+    assert np.abs(plain - theirs).max() > 1e-3
+    assert {m.scale for _, m in model.net.named_modules() if isinstance(m, LoRALinear)} == {scale}

@@ -1,16 +1,20 @@
 """LoRA adapter files, read and checked before anything applies: PEFT's folder
-(`adapter_config.json` + `adapter_model.safetensors`, as `peft`'s `save_pretrained` writes it).
+(`adapter_config.json` + `adapter_model.safetensors`, as `peft`'s `save_pretrained` writes it)
+and mlx-lm's (`adapter_config.json` + `adapters.safetensors`, as `mlx_lm.lora` writes it).
 
 What PEFT's config says that changes the result is honoured or refused by name: `r` (each
 module's rank is its tensors'), `lora_alpha`, `use_rslora` (alpha / √r instead of alpha / r);
 DoRA, `fan_in_fan_out`, LoRA biases, per-module alphas, embedding adapters and
-`modules_to_save` are refused. Dropout is a training matter, ignored at inference.
+`modules_to_save` are refused. mlx-lm's: `fine_tune_type` "lora" (DoRA and full fine-tunes
+refused), `lora_parameters.scale` the multiplier itself, its `lora_a` (in, r) and `lora_b`
+(r, out) the transposes of PEFT's. Dropout is a training matter, ignored at inference.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +24,7 @@ from mlxlis.errors import AdapterError
 import mlx.core as mx
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+MLX_LM_WEIGHTS = "adapters.safetensors"
 PEFT_PREFIX = "base_model.model."  # PEFT's wrapper around the base model's own module names
 
 
@@ -38,22 +43,21 @@ class Adapter:
     """An adapter read from `path`: its LoRAs by the base checkpoint's module name."""
 
     path: Path
+    weights: Path  # its tensors' file
     layers: dict[str, LoRA]
     rank: int  # the largest
-    alpha: float
-    rslora: bool
+    scale: str  # how its scale is stated: "alpha 16", "alpha 16, rsLoRA", "scale 20"
     base: str | None  # the base model it was trained on, as its config says
 
     @property
     def key(self) -> str:
         """Names the adapter's files (path, size, modification time): cache keys include it."""
-        st = (self.path / PEFT_WEIGHTS).stat()
-        text = f"{self.path}|{st.st_size}|{st.st_mtime_ns}"
+        st = self.weights.stat()
+        text = f"{self.weights}|{st.st_size}|{st.st_mtime_ns}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
-        rs = ", rsLoRA" if self.rslora else ""
-        what = f"LoRA rank {self.rank}, alpha {self.alpha:g}{rs}, {len(self.layers)} modules"
+        what = f"LoRA rank {self.rank}, {self.scale}, {len(self.layers)} modules"
         return f"{self.path.name} ({what})"
 
 
@@ -67,75 +71,135 @@ REFUSED = {
 
 
 def read_adapter(ref: str | Path) -> Adapter:
-    """A PEFT adapter folder, checked: an AdapterError naming the file and the field or tensor
-    that is wrong (nothing is applied from an adapter that fails)."""
+    """A PEFT or mlx-lm adapter folder, checked: an AdapterError naming the file and the field
+    or tensor that is wrong (nothing is applied from an adapter that fails)."""
     folder = Path(ref).expanduser()
-    config_path, weights = folder / PEFT_CONFIG, folder / PEFT_WEIGHTS
+    config_path = folder / PEFT_CONFIG
     if not folder.is_dir() or not config_path.is_file():
-        raise AdapterError(f"expected a folder holding {PEFT_CONFIG} (PEFT's)", path=folder)
+        raise AdapterError(
+            f"expected a folder holding {PEFT_CONFIG} (PEFT's or mlx-lm's)", path=folder
+        )
     cfg = read_json_file(config_path, error=AdapterError, what=PEFT_CONFIG)
     if not isinstance(cfg, dict):
         raise AdapterError("expected a JSON object", path=config_path)
+    if (folder / MLX_LM_WEIGHTS).is_file() and not (folder / PEFT_WEIGHTS).is_file():
+        return _mlx_lm(folder, cfg, config_path)
+    return _peft(folder, cfg, config_path)
+
+
+def _peft(folder: Path, cfg: dict, config_path: Path) -> Adapter:
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError("only LoRA adapters apply", path=config_path, field="peft_type")
     for name, why in REFUSED.items():
         if cfg.get(name) not in (None, False, {}, []):
             raise AdapterError(why, path=config_path, field=name)
-    alpha = cfg.get("lora_alpha")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise AdapterError(
-            f"expected a finite number, got {alpha!r}", path=config_path, field="lora_alpha"
-        )
-    if alpha <= 0:
-        raise AdapterError(f"must be above 0, got {alpha}", path=config_path, field="lora_alpha")
+    alpha = _positive(cfg.get("lora_alpha"), config_path, "lora_alpha")
     rslora = cfg.get("use_rslora", False)
     if not isinstance(rslora, bool):
         raise AdapterError(
             f"expected true or false, got {rslora!r}", path=config_path, field="use_rslora"
         )
+    weights = folder / PEFT_WEIGHTS
     if not weights.is_file():
         raise AdapterError(f"no {PEFT_WEIGHTS} beside {PEFT_CONFIG}", path=folder)
-    try:
-        tensors = mx.load(str(weights))
-    except Exception as e:  # noqa: BLE001 — MLX's reader raises several kinds
-        raise AdapterError(f"unreadable safetensors: {e}", path=weights) from None
-    layers = _layers(tensors, float(alpha), rslora, weights)
+
+    def scale(r: int) -> float:
+        return alpha / math.sqrt(r) if rslora else alpha / r
+
+    pairs = _pairs(_tensors(weights), weights, ("lora_A", "lora_B"), PEFT_PREFIX)
+    layers = _layers(pairs, scale, weights, transposed=False)
     base = cfg.get("base_model_name_or_path")
+    how = f"alpha {alpha:g}" + (", rsLoRA" if rslora else "")
+    return Adapter(folder, weights, layers, _rank(layers), how, _text(base))
+
+
+def _mlx_lm(folder: Path, cfg: dict, config_path: Path) -> Adapter:
+    kind = cfg.get("fine_tune_type", "lora")
+    if kind != "lora":
+        what = "DoRA adapters" if kind == "dora" else f"{kind!r} fine-tunes"
+        raise AdapterError(
+            f"{what} are not supported (LoRA only)", path=config_path, field="fine_tune_type"
+        )
+    params = cfg.get("lora_parameters")
+    if not isinstance(params, dict):
+        raise AdapterError("expected an object", path=config_path, field="lora_parameters")
+    multiplier = _positive(params.get("scale"), config_path, "lora_parameters.scale")
+    weights = folder / MLX_LM_WEIGHTS
+    pairs = _pairs(_tensors(weights), weights, ("lora_a", "lora_b"), "")
+    layers = _layers(pairs, lambda r: multiplier, weights, transposed=True)
     return Adapter(
-        folder,
-        layers,
-        max(lo.a.shape[0] for lo in layers.values()),
-        float(alpha),
-        rslora,
-        base if isinstance(base, str) else None,
+        folder, weights, layers, _rank(layers), f"scale {multiplier:g}", _text(cfg.get("model"))
     )
 
 
-def _layers(
-    tensors: dict[str, mx.array], alpha: float, rslora: bool, path: Path
-) -> dict[str, LoRA]:
+def _positive(value: object, path: Path, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise AdapterError(f"expected a finite number, got {value!r}", path=path, field=field)
+    if value <= 0:
+        raise AdapterError(f"must be above 0, got {value}", path=path, field=field)
+    return float(value)
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _rank(layers: dict[str, LoRA]) -> int:
+    return max(lo.a.shape[0] for lo in layers.values())
+
+
+def _tensors(path: Path) -> dict[str, mx.array]:
+    try:
+        return mx.load(str(path))
+    except Exception as e:  # noqa: BLE001 — MLX's reader raises several kinds
+        raise AdapterError(f"unreadable safetensors: {e}", path=path) from None
+
+
+def _pairs(
+    tensors: dict[str, mx.array], path: Path, parts: tuple[str, str], prefix: str
+) -> dict[str, dict[str, mx.array]]:
+    """Module name -> {"a": tensor, "b": tensor}, from PEFT's `M.lora_A.weight` or mlx-lm's
+    `M.lora_a`; any other tensor is refused by name."""
     pairs: dict[str, dict[str, mx.array]] = {}
     for key, value in tensors.items():
-        name = key.removeprefix(PEFT_PREFIX)
-        for part in ("lora_A", "lora_B"):
-            if f".{part}." in name and name.endswith(".weight"):
-                module = name[: name.index(f".{part}.")]
-                pairs.setdefault(module, {})[part] = value
+        name = key.removeprefix(prefix)
+        for part, which in zip(parts, "ab", strict=True):
+            if prefix and f".{part}." in name and name.endswith(".weight"):
+                pairs.setdefault(name[: name.index(f".{part}.")], {})[which] = value
+                break
+            if not prefix and name.endswith(f".{part}"):
+                pairs.setdefault(name[: -len(part) - 1], {})[which] = value
                 break
         else:
-            raise AdapterError("not a LoRA tensor (lora_A / lora_B weights)", path=path, field=key)
+            want = " / ".join(parts)
+            raise AdapterError(f"not a LoRA tensor ({want})", path=path, field=key)
     if not pairs:
         raise AdapterError("no LoRA tensors", path=path)
+    return pairs
+
+
+def _layers(
+    pairs: dict[str, dict[str, mx.array]],
+    scale: Callable[[int], float],
+    path: Path,
+    transposed: bool,
+) -> dict[str, LoRA]:
+    """Each module's LoRA, A (r, in) and B (out, r) (mlx-lm keeps their transposes), checked:
+    both present, a pair of one rank above 0, floats."""
     out = {}
     for module, ab in sorted(pairs.items()):  # checked and reported in the file's name order
-        a, b = ab.get("lora_A"), ab.get("lora_B")
+        a, b = ab.get("a"), ab.get("b")
         if a is None or b is None:
-            missing = "lora_A" if a is None else "lora_B"
-            raise AdapterError(f"{missing} is missing", path=path, field=module)
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            missing = "A" if a is None else "B"
+            raise AdapterError(f"its lora_{missing} is missing", path=path, field=module)
+        if a.ndim != 2 or b.ndim != 2:
+            raise AdapterError("expected 2-D lora tensors", path=path, field=module)
+        if transposed:  # mlx-lm: lora_a (in, r), lora_b (r, out)
+            a, b = a.T, b.T
+        if a.shape[0] != b.shape[1]:
             raise AdapterError(
-                f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not a pair of rank r "
-                "(r, in) and (out, r)",
+                f"A {tuple(a.shape)} and B {tuple(b.shape)} are not a pair of rank r "
+                "((r, in) and (out, r))",
                 path=path,
                 field=module,
             )
@@ -144,5 +208,5 @@ def _layers(
             raise AdapterError("rank 0", path=path, field=module)
         if not (mx.issubdtype(a.dtype, mx.floating) and mx.issubdtype(b.dtype, mx.floating)):
             raise AdapterError(f"expected float tensors, got {a.dtype}", path=path, field=module)
-        out[module] = LoRA(a, b, alpha / math.sqrt(r) if rslora else alpha / r)
+        out[module] = LoRA(a, b, scale(r))
     return out
