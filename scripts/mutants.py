@@ -2108,6 +2108,14 @@ MUTANTS = (
         "LoRA: a cache saved under one adapter read under another",
     ),
     Mutant(
+        "lora-row-gets-another-rows-adapter",
+        "mlxlis/models/lora.py",
+        "pick = mx.maximum(ids, 0)",
+        "pick = mx.maximum(ids[::-1], 0)",
+        (LORA,),
+        "LoRA: a row's delta taken from another row's adapter",
+    ),
+    Mutant(
         "mlx-thread-no-turns",
         "mlxlis/runtime/mlx_thread.py",
         "later = [i for i in ready if i >= self._turn]",

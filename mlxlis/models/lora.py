@@ -9,7 +9,9 @@ with and without the adapter by a later change, and quantized weights stay quant
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from mlxlis.errors import AdapterError
 from mlxlis.loading.adapters import Adapter, LoRA
@@ -37,7 +39,7 @@ class LoRALinear(nn.Module):
 def dims(module: nn.Module) -> tuple[int, int] | None:
     """(in, out) of a linear module (a quantized one's unpacked, an adapted one's base),
     None for another kind."""
-    if isinstance(module, LoRALinear):
+    if isinstance(module, (LoRALinear, SwitchLoRA)):
         return dims(module.base)
     if isinstance(module, nn.QuantizedLinear):
         out, packed = module.weight.shape
@@ -114,3 +116,93 @@ def adapt(
             )
         layers[ours.removesuffix(".weight")] = lora
     apply(net, layers, dtype, str(adapter.path))
+
+
+# --- several adapters on one base, chosen per row -----------------------------------------
+
+_rows: contextvars.ContextVar[mx.array | None] = contextvars.ContextVar("lora_rows", default=None)
+
+
+@contextlib.contextmanager
+def rows(ids: Sequence[int] | None) -> Iterator[None]:
+    """The adapter of each row of the forwards built in the block: `ids[b]` an index into the
+    model's selectable adapters (`select`), -1 for none; None: no row has one."""
+    token = _rows.set(None if ids is None else mx.array(list(ids), mx.int32))
+    try:
+        yield
+    finally:
+        _rows.reset(token)
+
+
+class SwitchLoRA(nn.Module):
+    """`base` plus, per row, the low-rank delta of the adapter `rows` names for it: the
+    adapters' A and B stacked (ranks padded with zeros to the largest: a zero row or column
+    adds nothing), gathered by row, so rows on different adapters share one forward."""
+
+    def __init__(self, base: nn.Module, n_in: int, out: int):
+        super().__init__()
+        self.base = base
+        self.n_in, self.out = n_in, out
+        self.lora_a = mx.zeros((0, n_in, 1))  # (adapters, in, r)
+        self.lora_b = mx.zeros((0, 1, out))  # (adapters, r, out)
+        self.scales = mx.zeros((0,))  # (adapters,)
+
+    def add(self, lora: LoRA | None, dtype: mx.Dtype) -> None:
+        """One more adapter (None: one that leaves this module alone)."""
+        r = max(self.lora_a.shape[2], lora.a.shape[0] if lora is not None else 1)
+        a = mx.zeros((self.n_in, r), dtype)
+        b = mx.zeros((r, self.out), dtype)
+        scale = 0.0
+        if lora is not None:
+            k = lora.a.shape[0]
+            a[:, :k] = lora.a.T.astype(dtype)
+            b[:k, :] = lora.b.T.astype(dtype)
+            scale = lora.scale
+        pad = r - self.lora_a.shape[2]
+        stack_a = mx.pad(self.lora_a.astype(dtype), [(0, 0), (0, 0), (0, pad)])
+        stack_b = mx.pad(self.lora_b.astype(dtype), [(0, 0), (0, pad), (0, 0)])
+        self.lora_a = mx.concatenate([stack_a, a[None]])
+        self.lora_b = mx.concatenate([stack_b, b[None]])
+        self.scales = mx.concatenate([self.scales, mx.array([scale], mx.float32)])
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.base(x)  # (B, T, out)
+        ids = _rows.get()
+        if ids is None or self.scales.shape[0] == 0:
+            return y
+        pick = mx.maximum(ids, 0)  # (B,); -1 (none) reads adapter 0, scaled by 0
+        scale = mx.where(ids >= 0, self.scales[pick], 0.0).astype(y.dtype)
+        delta = (x @ self.lora_a[pick]) @ self.lora_b[pick]  # (B, T, r) -> (B, T, out)
+        return y + delta * scale[:, None, None]
+
+
+def select(
+    net: nn.Module, adapter: Adapter, names: Callable[[str], str | None], dtype: mx.Dtype
+) -> None:
+    """`adapter` made selectable per row (`rows`), after those selectable already: every
+    module any of them targets holds a slot for each (zeros where one leaves it alone)."""
+    layers = {}
+    for name, lora in adapter.layers.items():
+        ours = names(name + ".weight")
+        if ours is None:
+            raise AdapterError(
+                "a module this model does not load", path=str(adapter.path), field=name
+            )
+        layers[ours.removesuffix(".weight")] = lora
+    check(net, layers, str(adapter.path))
+    switches = [m for _, m in net.named_modules() if isinstance(m, SwitchLoRA)]
+    count = switches[0].scales.shape[0] if switches else 0
+    for name in layers:
+        parent, key, module = find(net, name)  # type: ignore[misc]
+        if not isinstance(module, SwitchLoRA):
+            n_in, out = dims(module)  # type: ignore[misc]
+            switch = SwitchLoRA(module, n_in, out)
+            for _ in range(count):  # the adapters before this one leave it alone
+                switch.add(None, dtype)
+            if isinstance(parent, list):
+                parent[key] = switch  # type: ignore[index]
+            else:
+                setattr(parent, key, switch)  # type: ignore[arg-type]
+    for name, m in net.named_modules():
+        if isinstance(m, SwitchLoRA):
+            m.add(layers.get(name), dtype)
