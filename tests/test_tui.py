@@ -918,6 +918,7 @@ def test_load_model_pulls_a_missing_catalog_model_with_progress(monkeypatch):
             "kv_bits": None,
             "kv_group_size": 64,
             "mmproj": None,
+            "adapters": (),
         },
     )
     engine.load_model(opts, lambda *a: seen.append(a))
