@@ -73,8 +73,11 @@ def gaps(srv: ServeProcess, model: str, tokens: int, during=None) -> float:
 
 
 def unload(srv: ServeProcess, model: str) -> None:
+    """Unloaded, and gone from /api/ps (a request just ended may still hold it a moment)."""
     status, body = srv.request("POST", "/api/generate", {"model": model, "keep_alive": 0})
     assert status == 200 and body["done_reason"] == "unload", body
+    while any(m["model"] == f"{model}:latest" for m in srv.request("GET", "/api/ps")[1]["models"]):
+        time.sleep(0.05)
 
 
 def together(srv: ServeProcess, pair: list[str], tokens: int) -> float:

@@ -149,7 +149,8 @@ def test_a_model_loads_when_named_and_the_least_recently_used_idle_one_makes_roo
 def test_a_busy_model_is_never_unloaded_to_make_room(srv, oai, olm):
     """From SmolLM2 and Qwen2.5-Coder loaded: with a stream in flight on each, a request to
     Gemma 3 (which needs one of them gone) is refused with a 503 naming the busy models, in
-    each API's shape, and nothing is unloaded; once they finish, Gemma 3 loads."""
+    each API's shape, and nothing is unloaded; Ollama's keep_alive 0 on one of them unloads it
+    only once its stream has ended; then Gemma 3 loads."""
     open_streams = []
     for name in (SMOL, QWEN):
         body = {"model": name, "prompt": PROMPT, "max_tokens": 400, "stream": True}
@@ -170,8 +171,13 @@ def test_a_busy_model_is_never_unloaded_to_make_room(srv, oai, olm):
         olm.generate(model=GEMMA, prompt="Hi")
     assert o.value.status_code == 503
     assert loaded(olm) == {SMOL, QWEN}
+    # keep_alive 0 on a busy model: unloaded once its requests end, not under them
+    lines = len(srv.log().splitlines())
+    assert olm.generate(model=QWEN, keep_alive=0).done_reason == "unload"
+    assert loaded(olm) == {SMOL, QWEN}
     for conn in open_streams:
         conn.close()  # the clients leave: their requests are cancelled
+    srv.log_line(f"unloaded {QWEN}", skip=lines)
     srv.wait_idle()
     assert complete(oai, GEMMA) == LONE[GEMMA]
 

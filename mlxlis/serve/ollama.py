@@ -218,7 +218,7 @@ def router(svc: Service, auth: list) -> APIRouter:
     async def load_only(req: ChatRequest | GenerateRequest, body: dict[str, Any]) -> Any:
         """An empty request: the model loaded (or with keep_alive 0, unloaded)."""
         if req.keep_alive is not None and svc.keep_alive(req.keep_alive) == 0:
-            await svc.unload(req.model)  # a model with requests in flight stays
+            await svc.unload(req.model)  # a model with requests in flight: once they end
             return loaded(req.model, body, unloaded=True)
         await svc.model(req.model, req.keep_alive)
         return loaded(req.model, body)

@@ -285,13 +285,19 @@ class Service:
                 500, f"the model {name!r} could not be loaded: {e}", type="server_error"
             ) from None
 
-    async def unload(self, name: str | None) -> bool:
-        """Unload the named model now unless requests are in flight on it."""
+    async def unload(self, name: str | None) -> None:
+        """Unload the named model now, or, while requests are in flight on it, as soon as they
+        end (its keep-alive 0: Ollama's `keep_alive: 0`)."""
+        pool = self.state.pool
         try:
-            listing = self.state.pool.listing(name)
+            listing = pool.listing(name)
         except PoolError as e:
             raise pool_error(e) from None
-        return await self.state.pool.unload(listing.name)
+        served = pool.loaded.get(listing.name)
+        if served is not None:
+            served.keep_alive = 0.0
+            del served
+            await pool.unload(listing.name)
 
     async def prepare(
         self,
