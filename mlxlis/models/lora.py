@@ -107,6 +107,11 @@ def adapt(
 ) -> None:
     """`adapter` applied to `net`, its module names (the base checkpoint's) mapped to the
     network's by `names` (the family's Hugging Face renames: Family.hf.name)."""
+    apply(net, targets(adapter, names), dtype, str(adapter.path))
+
+
+def targets(adapter: Adapter, names: Callable[[str], str | None]) -> dict[str, LoRA]:
+    """The adapter's LoRAs by the network's module names (`names`: Family.hf.name)."""
     layers = {}
     for name, lora in adapter.layers.items():
         ours = names(name + ".weight")
@@ -115,7 +120,7 @@ def adapt(
                 "a module this model does not load", path=str(adapter.path), field=name
             )
         layers[ours.removesuffix(".weight")] = lora
-    apply(net, layers, dtype, str(adapter.path))
+    return layers
 
 
 # --- several adapters on one base, chosen per row -----------------------------------------
@@ -181,14 +186,7 @@ def select(
 ) -> None:
     """`adapter` made selectable per row (`rows`), after those selectable already: every
     module any of them targets holds a slot for each (zeros where one leaves it alone)."""
-    layers = {}
-    for name, lora in adapter.layers.items():
-        ours = names(name + ".weight")
-        if ours is None:
-            raise AdapterError(
-                "a module this model does not load", path=str(adapter.path), field=name
-            )
-        layers[ours.removesuffix(".weight")] = lora
+    layers = targets(adapter, names)
     check(net, layers, str(adapter.path))
     switches = [m for _, m in net.named_modules() if isinstance(m, SwitchLoRA)]
     count = switches[0].scales.shape[0] if switches else 0
