@@ -211,9 +211,10 @@ def test_keep_alive_unloads_and_the_memory_returns(srv, oai, olm):
     assert complete(oai, SMOL) == LONE[SMOL]  # loaded again if it was the one made room
     assert loaded(olm) == {SMOL}
     active, rss = active_mib(srv), rss_mib(srv)
-    # SmolLM2 alone again: what it held at start, and its prefix cache's entries since
+    # SmolLM2 alone again: what it held at start and its prefix cache's entries since, and no
+    # other model's weights (the smaller, Gemma 3's, are 249 MiB) kept by the unloads above
     prefix = srv.wait_idle()["prefix_cache_bytes"] / 2**20
-    assert abs(active - (START["active"] + prefix)) < 1.0, (active, START, prefix)
+    assert active < START["active"] + prefix + 64, (active, START, prefix)
     lines = len(srv.log().splitlines())
     r = oai.completions.create(
         model=GEMMA, prompt=PROMPT, max_tokens=N, temperature=0, extra_body={"keep_alive": "1s"}
