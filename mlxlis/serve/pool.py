@@ -237,7 +237,10 @@ class Pool:
                 served.engine.on_fatal = self.on_fatal
                 self.loaded[listing.name] = served
                 self._plan_rooms()
-                await self._make_room(listing.name, 0)  # its weights as loaded, not as listed
+                try:  # its weights as loaded, not as listed: the others make room if they can
+                    await self._make_room(listing.name, 0)
+                except PoolError as e:  # busy ones hold it: their requests' checks bound the rest
+                    log.warning("loaded %s beyond the budget for now: %s", listing.name, e)
                 log.info("loaded %s in %.1f s", listing.name, time.monotonic() - started)
             fut.set_result(served)
             return served
