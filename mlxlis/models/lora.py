@@ -90,16 +90,20 @@ def check(net: nn.Module, layers: Mapping[str, LoRA], path: str) -> None:
             )
 
 
+def _replace(parent: object, key: str | int, module: nn.Module) -> None:
+    """`module` in place of the child `key` of `parent` (a module, or a list of layers)."""
+    if isinstance(parent, list):
+        parent[key] = module  # type: ignore[index]
+    else:
+        setattr(parent, key, module)  # type: ignore[arg-type]
+
+
 def apply(net: nn.Module, layers: Mapping[str, LoRA], dtype: mx.Dtype, path: str) -> None:
     """Every target wrapped (all checked first: an adapter never partly applies)."""
     check(net, layers, path)
     for name, lora in layers.items():
         parent, key, module = find(net, name)  # type: ignore[misc]
-        wrapped = LoRALinear(module, lora, dtype)
-        if isinstance(parent, list):
-            parent[key] = wrapped  # type: ignore[index]
-        else:
-            setattr(parent, key, wrapped)  # type: ignore[arg-type]
+        _replace(parent, key, LoRALinear(module, lora, dtype))
 
 
 def adapt(
@@ -197,10 +201,7 @@ def select(
             switch = SwitchLoRA(module, n_in, out)
             for _ in range(count):  # the adapters before this one leave it alone
                 switch.add(None, dtype)
-            if isinstance(parent, list):
-                parent[key] = switch  # type: ignore[index]
-            else:
-                setattr(parent, key, switch)  # type: ignore[arg-type]
+            _replace(parent, key, switch)
     for name, m in net.named_modules():
         if isinstance(m, SwitchLoRA):
             m.add(layers.get(name), dtype)

@@ -30,8 +30,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 _lock = threading.Lock()
-_shared: MlxThread | None = None
-_loading: MlxThread | None = None
+_threads: dict[str, MlxThread] = {}  # by name: the MLX thread, the loading thread
 
 
 class Worker(Protocol):
@@ -135,19 +134,19 @@ class MlxThread:
 
 def shared() -> MlxThread:
     """The process's MLX thread (started on first use)."""
-    global _shared
-    with _lock:
-        if _shared is None:
-            _shared = MlxThread()
-        return _shared
+    return _started("mlxlis-mlx")
 
 
 def loading() -> MlxThread:
     """The thread models are read on while the MLX thread goes on generating (a server's
     models loaded on demand); MLX evaluates on several threads, each on its own stream, since
     0.31.2."""
-    global _loading
+    return _started("mlxlis-load")
+
+
+def _started(name: str) -> MlxThread:
+    """The process's thread of that name, started on first use."""
     with _lock:
-        if _loading is None:
-            _loading = MlxThread("mlxlis-load")
-        return _loading
+        if name not in _threads:
+            _threads[name] = MlxThread(name)
+        return _threads[name]

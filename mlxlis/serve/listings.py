@@ -9,7 +9,6 @@ name clients already use (a Claude model name for a local model).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from mlxlis.errors import ConfigError, MlxlisError
 from mlxlis.loading import catalog
 from mlxlis.loading.gguf import peek_metadata
 from mlxlis.loading.gguf_split import SPLIT_NAME
+from mlxlis.loading.hub.store import cached_models, folder_details
 from mlxlis.loading.resolve import resolve
 
 GGUF_FAMILY = "general.architecture"
@@ -53,7 +53,7 @@ def describe(name: str, ref: str, path: Path) -> Listing:
     """A listing of the files at `path`: size, format, family and quantization as the files
     say them (an unreadable header leaves the details empty; loading says what is wrong)."""
     if path.is_dir():
-        family, quant = _folder_details(path)
+        _, quant, family = folder_details(path)
         return Listing(name, ref, weights_bytes(path), family, quant, "safetensors", path)
     family = quant = ""
     try:
@@ -73,19 +73,6 @@ def file_type(path: Path) -> str | None:
         return LlamaFileType(ftype).name.removeprefix("MOSTLY_").removeprefix("ALL_")
     except ValueError:
         return None
-
-
-def _folder_details(folder: Path) -> tuple[str, str]:
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return "", ""
-    if not isinstance(cfg, dict):
-        return "", ""
-    q = cfg.get("quantization") or cfg.get("quantization_config")
-    if isinstance(q, dict) and "bits" in q:
-        return str(cfg.get("model_type", "")), f"{q['bits']}-bit g{q.get('group_size', '?')}"
-    return str(cfg.get("model_type", "")), str(cfg.get("torch_dtype") or cfg.get("dtype") or "")
 
 
 def named(text: str, field: str = "-m") -> tuple[str, str]:
@@ -114,8 +101,6 @@ def on_disk(models_dirs: list[Path], stores: bool = True) -> list[Listing]:
     folder), after (`stores`) the catalog's pulled models and the Hugging Face cache's."""
     out: list[Listing] = []
     if stores:
-        from mlxlis.loading.hub.store import cached_models
-
         out += [
             describe(name, name, catalog.model_path(name))
             for name in catalog.CATALOG

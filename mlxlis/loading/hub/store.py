@@ -66,7 +66,7 @@ def _snapshot_entries(repo_id: str, suffix: str, snapshot: Path) -> list[Entry]:
     top = {p for p in listing if "/" not in p}
     if "config.json" in top and any(p.endswith(".safetensors") for p in top):
         size = sum(listing[p] for p in top if p.endswith(".safetensors") or p in FOLDER_FILES)
-        fmt, quant, family = _folder_details(snapshot)
+        fmt, quant, family = folder_details(snapshot)
         out.append(Entry(repo_id + suffix, fmt, quant, size, family, snapshot))
     models = gguf_models(listing)
     for m in models:
@@ -87,7 +87,9 @@ def _gguf_entry(name: str, m: GGUFModel, root: Path, listing: dict[str, int]) ->
     return Entry(name, "gguf", m.label or "", sum(listing[f] for f in m.files), family, first)
 
 
-def _folder_details(folder: Path) -> tuple[str, str, str]:
+def folder_details(folder: Path) -> tuple[str, str, str]:
+    """A safetensors folder's (format, quantization, family) as its config.json says them;
+    the family "?" when config.json is unreadable."""
     try:
         cfg = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
