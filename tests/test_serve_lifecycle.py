@@ -59,6 +59,24 @@ def test_bad_flags_exit_2(server):
         assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_keep_alive_forever_holds_for_models_loaded_on_demand(tiny, tmp_path):
+    """`--keep-alive -1`: a model loaded on demand never expires, as the first -m does
+    (/health's expires_in_s), not the 5 minutes of a server without the flag."""
+    for name in "ab":  # two paths: two models (one path under two names would be one)
+        (tmp_path / name).symlink_to(tiny("llama_long")[0])
+    a, b = f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}"
+    srv = ServeProcess(tmp_path, "-m", a, "-m", b, "--keep-alive", "-1")
+    try:
+        status, _ = srv.request(
+            "POST", "/v1/completions", {"model": "b", "prompt": "Hi", "max_tokens": 1}
+        )
+        assert status == 200
+        kept = srv.request("GET", "/health")[1]["loaded"]
+        assert kept["a"]["expires_in_s"] is None and kept["b"]["expires_in_s"] is None
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
 def test_api_key_is_required(server):
     """With --api-key, a request without `Authorization: Bearer KEY` or with another key gets
     401 invalid_api_key; the right key is served; /health needs no key."""

@@ -125,6 +125,9 @@ def test_a_model_loads_when_named_and_the_least_recently_used_idle_one_makes_roo
     and the stream's tokens are those SmolLM2 gives alone."""
     LONE[GEMMA] = complete(oai, GEMMA)
     assert loaded(olm) == {SMOL, GEMMA}
+    kept = srv.request("GET", "/health")[1]["loaded"]
+    assert kept[SMOL]["expires_in_s"] is None  # the first -m: kept without --keep-alive
+    assert 250 < kept[GEMMA]["expires_in_s"] <= 300  # loaded on demand: 5 minutes
     LONE[SMOL] = complete(oai, SMOL)
     long_alone = complete(oai, SMOL, n=48)
     conn, resp = srv.open_stream(

@@ -30,6 +30,9 @@ def _context(text: str) -> int | str:
         raise argparse.ArgumentTypeError(message) from None
 
 
+UNSET = object()  # --keep-alive not given (None is -1's forever)
+
+
 def _keep_alive(text: str) -> float | None:
     from mlxlis.serve.pool import keep_alive_seconds
 
@@ -158,7 +161,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-alive",
         type=_keep_alive,
-        default=None,
+        default=UNSET,
         metavar="DURATION",
         help="how long a model stays loaded once idle: 5m, 1h30m, 30s, seconds; -1 forever, 0 "
         "unloaded as soon as its requests end (default: 5m for a model loaded on demand; "
@@ -246,7 +249,8 @@ def run_serve(argv: list[str]) -> int:
         default = listings[0].name if refs else None
         if default is None and catalog.DEFAULT_MODEL in names:
             default = catalog.DEFAULT_MODEL
-        keep = DEFAULT_KEEP_ALIVE if a.keep_alive is None else a.keep_alive
+        given = a.keep_alive is not UNSET  # -1 (forever) parses to None: not "not given"
+        keep = a.keep_alive if given else DEFAULT_KEEP_ALIVE
         return serve(
             names,
             ServeOptions(
@@ -267,7 +271,7 @@ def run_serve(argv: list[str]) -> int:
                 a.strict_context,
                 a.head_timeout,
                 keep,
-                None if a.keep_alive is None else a.keep_alive,
+                a.keep_alive if given else None,
             ),
             lambda listing: load_model(a, listing.ref),
             started,

@@ -98,7 +98,6 @@ class Served:
     fingerprint: str
     reserve: int  # bytes it holds beside its requests' caches: weights + prefix-cache bound
     keep_alive: float | None  # seconds idle before it is unloaded; None: never
-    loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     holds: int = 0  # requests being prepared or running on it
     token_text: TokenText = field(init=False)
