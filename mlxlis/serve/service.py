@@ -268,7 +268,7 @@ class Service:
         try:
             return keep_alive_seconds(value)
         except MlxlisError as e:
-            raise APIError(400, f"keep_alive: {e}", param="keep_alive") from None
+            raise APIError(400, f"keep_alive: {e.message}", param="keep_alive") from None
 
     async def model(self, name: str | None, keep_alive: Any = None) -> Served:
         """The model a request names (None: the server's default), loaded if it is not; a 404
