@@ -232,9 +232,14 @@ def test_keep_alive_unloads_and_the_memory_returns(srv, oai, olm):
 
 
 def test_unknown_and_too_large_models_are_refused_in_each_apis_shape(srv, oai, olm):
-    """A name the server does not serve is a 404 in each API's shape; a model whose files
-    alone outgrow the budget is a 400 giving both sizes, before its file is read."""
+    """A keep_alive that is no duration is a 400 naming it; a name the server does not serve
+    is a 404 in each API's shape; a model whose files alone outgrow the budget is a 400
+    giving both sizes, before its file is read."""
     claude = srv.anthropic_client()
+    with pytest.raises(openai.BadRequestError) as e:  # a keep_alive that is no duration
+        complete(oai, SMOL, extra_body={"keep_alive": "soon"})
+    assert e.value.body["param"] == "keep_alive"
+    assert e.value.body["message"].startswith("keep_alive: expected a duration")
     with pytest.raises(openai.NotFoundError) as e:
         complete(oai, "nope")
     assert e.value.body["code"] == "model_not_found"
