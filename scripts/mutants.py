@@ -58,6 +58,7 @@ Q4X_HF = "tests/test_qwen4_exp.py::test_logits_match_transformers_fp32"
 THINKING_SWITCH = "tests/test_thinking_switch.py"
 SERVE_MODELS = "tests/test_serve_models.py"
 LORA = "tests/test_lora.py"
+LORA_ENGINE = "tests/test_lora_engine.py"
 Q4X_CACHE = (
     "tests/test_qwen4_exp.py::test_a_trimmed_verification_and_a_saved_cache_decode_on_exactly"
 )
@@ -2114,6 +2115,46 @@ MUTANTS = (
         "pick = mx.maximum(ids[::-1], 0)",
         (LORA,),
         "LoRA: a row's delta taken from another row's adapter",
+    ),
+    Mutant(
+        "lora-row-scale-ignored",
+        "mlxlis/models/lora.py",
+        "self.scales[pick] * mult, 0.0)",
+        "self.scales[pick], 0.0)",
+        (LORA_ENGINE,),
+        "LoRA: a request's adapter scale multiplier ignored",
+    ),
+    Mutant(
+        "lora-decode-lanes-dropped",
+        "mlxlis/generation/core.py",
+        "                            lanes=lanes(g),\n",
+        "                            lanes=None,\n",
+        (LORA_ENGINE,),
+        "LoRA: batched decode steps run every row on the base",
+    ),
+    Mutant(
+        "lora-verify-lanes-dropped",
+        "mlxlis/generation/verify.py",
+        "            lanes=lanes(seqs),\n",
+        "            lanes=None,\n",
+        (LORA_ENGINE,),
+        "LoRA: a batched speculative verification runs every row on the base",
+    ),
+    Mutant(
+        "prefix-cache-crosses-adapters",
+        "mlxlis/cache/prefix.py",
+        "if fmt != kv or made != tag or not (n := common_prefix(held, ids)):",
+        "if fmt != kv or not (n := common_prefix(held, ids)):",
+        (LORA_ENGINE,),
+        "LoRA: a prefix cached under one adapter taken under another",
+    ),
+    Mutant(
+        "disk-cache-crosses-adapters",
+        "mlxlis/cache/disk.py",
+        "            if fmt != kv or made != tag:",
+        "            if fmt != kv:",
+        (LORA_ENGINE,),
+        "LoRA: a prefix file written under one adapter read under another",
     ),
     Mutant(
         "mlx-thread-no-turns",

@@ -4,11 +4,12 @@ memory does.
 
 One safetensors file per entry, named by a hash of the model's fingerprint and the token ids.
 Its header (metadata) says what it is: `mlxlis` "prefix-2", the `fingerprint` of the model that
-made it, its `kv_format` (JSON: null for dense, else bits, group size and tail), the `ids` (JSON),
+made it, its `kv_format` (JSON: null for dense, else bits, group size and tail), the LoRA
+`adapter` tag it was made under ("" or absent: the base's; prefix.py), the `ids` (JSON),
 each layer's facts (`layers`: kind, offset, window, snapshots; cache/kv.py and recurrent.py
 `export`) and `mac`, an HMAC-SHA256 under the folder's own key of all of those and of every
 tensor's name, dtype, shape and bytes (sealed.py). A prompt reads back only an entry in its own
-KV format; entries of the model's other formats stay.
+KV format and adapter; entries of the model's other formats and adapters stay.
 An entry is written under a temporary name and renamed into place (never half-written); the
 folder is kept under `max_bytes`, least recently used first (a file's mtime is its use).
 
@@ -63,6 +64,14 @@ def format_from_json(text: str) -> KVFormat | None:
     return KVFormat(int(got["bits"]), int(got["group_size"]), bool(got["tail"]))
 
 
+def adapter_tag(meta: dict[str, str]) -> str:
+    """The adapter tag an entry was made under ("" absent: written before adapters were)."""
+    tag = meta.get("adapter", "")
+    if not isinstance(tag, str):
+        raise ValueError("its adapter is not text")
+    return tag
+
+
 def reason(e: BaseException) -> str:
     return getattr(e, "strerror", None) or str(e)
 
@@ -82,7 +91,8 @@ class DiskCache:
     ):
         self.folder, self.max_bytes, self.fingerprint = Path(folder), max_bytes, fingerprint
         self.make, self.warn = make, warn
-        self._index: dict[Path, tuple[tuple[int, ...], KVFormat | None]] = {}
+        # each entry's ids, KV format and adapter tag
+        self._index: dict[Path, tuple[tuple[int, ...], KVFormat | None, str]] = {}
         self._used: dict[Path, int] = {}  # a file's last use (its mtime, in ns), kept here too
         self._clock = 0  # the latest use given: uses stay ordered within one tick of the clock
         self.writable = False
@@ -148,13 +158,14 @@ class DiskCache:
             self._check(meta)
             ids = tuple(int(i) for i in json.loads(meta["ids"]))
             kv = format_from_json(meta["kv_format"])
+            tag = adapter_tag(meta)
         except NotOurs as e:
             self.warn(f"prefix cache: ignored {name}: {e}")
             return
         except (OSError, ValueError, KeyError, TypeError) as e:  # MlxlisError is a ValueError
             self._drop(name, e)
             return
-        self._index[self.folder / name] = (ids, kv)
+        self._index[self.folder / name] = (ids, kv, tag)
         self._used[self.folder / name] = st.st_mtime_ns
         self._clock = max(self._clock, st.st_mtime_ns)
 
@@ -192,19 +203,23 @@ class DiskCache:
         done = "skipped and deleted" if self.writable else "skipped"
         self.warn(f"prefix cache: {done} {name}: {why}")
 
-    def best(self, ids: list[int], kv: KVFormat | None) -> tuple[Path | None, int]:
-        """The entry in KV format `kv` sharing the longest prefix with `ids`, and how long."""
+    def best(self, ids: list[int], kv: KVFormat | None, tag: str = "") -> tuple[Path | None, int]:
+        """The entry in KV format `kv` made under adapter `tag` sharing the longest prefix
+        with `ids`, and how long."""
         best, n, size = None, 0, 0
-        for path, (held, fmt) in self._index.items():
-            if fmt != kv:
+        for path, (held, fmt, made) in self._index.items():
+            if fmt != kv or made != tag:
                 continue
             k = common_prefix(held, ids)  # of equals, the one holding least past it (prefix.py)
             if k > n or (k and k == n and len(held) < size):
                 best, n, size = path, k, len(held)
         return best, n
 
-    def load(self, path: Path, kv: KVFormat | None) -> tuple[list[Cache], tuple[int, ...]] | None:
-        """The caches `path` holds (in KV format `kv`) and their ids, or None (a bad file:
+    def load(
+        self, path: Path, kv: KVFormat | None, tag: str = ""
+    ) -> tuple[list[Cache], tuple[int, ...]] | None:
+        """The caches `path` holds (in KV format `kv`, under adapter `tag`) and their ids, or
+        None (a bad file:
         warned and deleted; not our file: warned and left)."""
         name = path.name
         try:
@@ -224,7 +239,7 @@ class DiskCache:
                 read_header(fd, st.st_size)  # its bounds, before MLX parses it
                 arrays, meta = mx.load(f, format="safetensors", return_metadata=True)
                 mx.eval(list(arrays.values()))  # read now, from this descriptor
-                caches, ids = self._restore(meta, arrays, kv)
+                caches, ids = self._restore(meta, arrays, kv, tag)
                 self._touch(name, f.fileno())
         except Exception as e:  # noqa: BLE001 — whatever is wrong with it, it is not loaded
             self._drop(name, e)
@@ -232,7 +247,7 @@ class DiskCache:
         return caches, ids
 
     def _restore(
-        self, meta: dict[str, str], arrays: dict[str, mx.array], kv: KVFormat | None
+        self, meta: dict[str, str], arrays: dict[str, mx.array], kv: KVFormat | None, tag: str
     ) -> tuple[list[Cache], tuple[int, ...]]:
         """The caches in KV format `kv` an entry's metadata and tensors make, and their ids
         (ValueError and the like: not a sound entry of this model and folder)."""
@@ -241,6 +256,8 @@ class DiskCache:
             raise ValueError("its seal does not match (altered, or not written here)")
         if (fmt := format_from_json(meta["kv_format"])) != kv:
             raise ValueError(f"its KV format changed to {fmt or 'dense'}")
+        if adapter_tag(meta) != tag:
+            raise ValueError("its adapter changed")
         ids = tuple(int(i) for i in json.loads(meta["ids"]))
         layers = json.loads(meta["layers"])
         caches = self.make(kv)
@@ -251,12 +268,13 @@ class DiskCache:
             c.restore(facts, own)
         return caches, ids
 
-    def write(self, ids: list[int], caches: list[Cache]) -> None:
-        """Keep `caches` (holding `ids`) as a file; a failure is one warning, no entry."""
+    def write(self, ids: list[int], caches: list[Cache], tag: str = "") -> None:
+        """Keep `caches` (holding `ids`, made under adapter `tag`) as a file; a failure is one
+        warning, no entry."""
         if self.key is None or not self.writable:
             return
         kv = format_of(caches)
-        key = f"{self.fingerprint}|{format_json(kv)}|{ids}"
+        key = f"{self.fingerprint}|{format_json(kv)}|{tag}|{ids}"
         name = hashlib.sha256(key.encode()).hexdigest()[:32] + SUFFIX
         if self.folder / name in self._index:
             self._touch(name)
@@ -271,6 +289,7 @@ class DiskCache:
             "mlxlis": TAG,
             "fingerprint": self.fingerprint,
             "kv_format": format_json(kv),
+            "adapter": tag,
             "ids": json.dumps(list(ids)),
             "layers": json.dumps(layers),
         }
@@ -291,7 +310,7 @@ class DiskCache:
             else:
                 self.warn(f"prefix cache: could not write {name}: {reason(e)}")
             return
-        self._index[self.folder / name] = (tuple(ids), kv)
+        self._index[self.folder / name] = (tuple(ids), kv, tag)
         self._touch(name)
         self._evict()
 

@@ -3,9 +3,10 @@
 A new prompt takes over the entry sharing its longest prefix, rewound to that prefix
 (`mlxlis.cache.rewind`: KV caches to any position, recurrent states and rotated rings to a
 snapshot), and prefills only the rest; `note` says how much the latest `take` reused and why
-it stopped there. Only an entry in the prompt's KV format is taken (a server's requests may
-each ask for their own). LRU, at most `max_bytes` (snapshots counted) and `max_entries` (a
-ChatSession keeps one: its conversation).
+it stopped there. Only an entry in the prompt's KV format, made under the prompt's LoRA
+adapter and scale (its `tag`), is taken (a server's requests may each ask for their own).
+LRU, at most `max_bytes` (snapshots counted) and `max_entries` (a ChatSession keeps one: its
+conversation).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from mlxlis.cache.store import KVFormat, format_of
 
 # (entry key, its caches, the ids they hold, the position wanted) -> the position reached
 Rewind = Callable[[int, list[Cache], int, int], int]
-# (the ids its caches hold, the caches, their bytes, their KV format)
-Entry = tuple[tuple[int, ...], list[Cache], int, KVFormat | None]
+# (the ids its caches hold, the caches, their bytes, their KV format, the adapter tag they
+# were made under: "" the base's, else Model.lane's)
+Entry = tuple[tuple[int, ...], list[Cache], int, KVFormat | None, str]
 # keys unique in the process: a pipeline's other ranks keep every prefix cache's entries by key
 _KEYS = itertools.count()
 
@@ -56,58 +58,59 @@ class PrefixCache:
         self.note = ""  # what the latest `take` reused, and why no more (a request's log line)
         self._refused = ""  # why the latest caches offered were not kept
 
-    def put(self, ids: list[int], caches: list[Cache]) -> int | None:
-        """Keep `caches` (holding `ids`); their key, or None when they are not kept."""
+    def put(self, ids: list[int], caches: list[Cache], tag: str = "") -> int | None:
+        """Keep `caches` (holding `ids`, made under adapter `tag`); their key, or None when
+        they are not kept."""
         if ids and self.disk is not None and self.write_through:
-            self.disk.write(ids, caches)
+            self.disk.write(ids, caches, tag)
         size = sum(a.nbytes for c in caches for a in c.state)
         if not ids or size > self.max_bytes:
             if ids:
                 self._refused = f"the last caches offered ({size >> 20} MiB) were over its bound"
             return None
         key = next(_KEYS)
-        self._entries[key] = (tuple(ids), caches, size, format_of(caches))
+        self._entries[key] = (tuple(ids), caches, size, format_of(caches), tag)
         self.bytes += size
         while self.bytes > self.max_bytes or (
             self.max_entries is not None and len(self._entries) > self.max_entries
         ):
-            old, (_, _, old_size, _) = self._entries.popitem(last=False)
+            old, (_, _, old_size, _, _) = self._entries.popitem(last=False)
             self.bytes -= old_size
             if self.on_drop is not None:
                 self.on_drop(old)
         return key
 
     def take(
-        self, ids: list[int], kv: KVFormat | None, rewind_to: Rewind = rewind_here
+        self, ids: list[int], kv: KVFormat | None, rewind_to: Rewind = rewind_here, tag: str = ""
     ) -> tuple[list[Cache] | None, int]:
-        """The caches in KV format `kv` sharing the longest prefix with `ids` (removed from
-        the store), rewound by `rewind_to` to that prefix (at least one id left to feed);
-        (None, 0) when none helps (an entry that shares ids but cannot return into them stays;
-        one whose rewind fails is dropped)."""
+        """The caches in KV format `kv`, made under adapter `tag`, sharing the longest prefix
+        with `ids` (removed from the store), rewound by `rewind_to` to that prefix (at least
+        one id left to feed); (None, 0) when none helps (an entry that shares ids but cannot
+        return into them stays; one whose rewind fails is dropped)."""
         best, best_n, best_reach = None, 0, -1
-        for key, (held, caches, _, fmt) in self._entries.items():
-            if fmt != kv or not (n := common_prefix(held, ids)):
+        for key, (held, caches, _, fmt, made) in self._entries.items():
+            if fmt != kv or made != tag or not (n := common_prefix(held, ids)):
                 continue
             # the entry whose layers all return furthest into the prompt (a ring or a recurrent
             # state only to its end or a snapshot), then the one sharing most
             reach = reachable(caches, min(n, len(ids) - 1))
             if (reach, n) > (best_reach, best_n):
                 best, best_n, best_reach = key, n, reach
-        path, on_disk = self.disk.best(ids, kv) if self.disk is not None else (None, 0)
-        if on_disk > best_n and (got := self.disk.load(path, kv)) is not None:
+        path, on_disk = self.disk.best(ids, kv, tag) if self.disk is not None else (None, 0)
+        if on_disk > best_n and (got := self.disk.load(path, kv, tag)) is not None:
             caches, held = got
             best, best_n, where = next(_KEYS), common_prefix(held, ids), " (read from disk)"
         elif best is None:
             self.note = self._nothing_shared()
             return None, 0
         elif best_reach == 0:  # shared, but no layer returns into it: kept for another prompt
-            held, caches, _, _ = self._entries[best]
+            held, caches, _, _, _ = self._entries[best]
             position = min(best_n, len(ids) - 1)
             short = short_of(caches, position)
             self.note = reuse_note(best_n, len(ids), 0, position, 0, short)
             return None, 0
         else:
-            held, caches, size, _ = self._entries.pop(best)
+            held, caches, size, _, _ = self._entries.pop(best)
             self.bytes -= size
             where = ""
         position = min(best_n, len(ids) - 1)
@@ -120,8 +123,8 @@ class PrefixCache:
         """Write every entry in memory to the disk tier; how many (0 without one)."""
         if self.disk is None:
             return 0
-        for held, caches, _, _ in self._entries.values():
-            self.disk.write(list(held), caches)
+        for held, caches, _, _, tag in self._entries.values():
+            self.disk.write(list(held), caches, tag)
         return len(self._entries)
 
     def _nothing_shared(self) -> str:
@@ -133,7 +136,7 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every entry."""
         while self._entries:
-            key, (_, _, size, _) = self._entries.popitem(last=False)
+            key, (_, _, size, _, _) = self._entries.popitem(last=False)
             self.bytes -= size
             if self.on_drop is not None:
                 self.on_drop(key)

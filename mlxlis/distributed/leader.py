@@ -39,7 +39,7 @@ from mlxlis.cache.prefix import PrefixCache
 from mlxlis.distributed.group import Ranks
 from mlxlis.distributed.stage import PipelineNet
 from mlxlis.errors import PipelineError, UnsupportedError
-from mlxlis.generation.steps import LocalSteps, StepKind, WithHidden, forward
+from mlxlis.generation.steps import Lanes, LocalSteps, StepKind, WithHidden, forward
 from mlxlis.models.model import Model
 
 import mlx.core as mx
@@ -68,8 +68,13 @@ class LeaderSteps(LocalSteps):
         with self.ranks.waiting():
             self.ranks.broadcast(json.dumps(step).encode())
 
-    def admit(self, rid: int, ids: list[int], kv: KVFormat | None) -> tuple[list[Cache], int, str]:
-        """(Every rank's caches are in the model's format: the core refuses another `kv`.)"""
+    def admit(
+        self, rid: int, ids: list[int], kv: KVFormat | None, tag: str = ""
+    ) -> tuple[list[Cache], int, str]:
+        """(Every rank's caches are in the model's format: the core refuses another `kv`; a
+        pipelined model has no selectable adapters: Model.select_adapter refuses them.)"""
+        if tag:
+            raise UnsupportedError("adapters on a pipelined model", field="adapter")
 
         def agreed(key: int, caches: list, held: int, position: int) -> int:
             with collective():
@@ -93,7 +98,10 @@ class LeaderSteps(LocalSteps):
         inserts: object = None,
         *,
         hidden: bool = False,
+        lanes: Lanes | None = None,
     ) -> mx.array | WithHidden | None:
+        if lanes is not None:
+            raise UnsupportedError("adapters on a pipelined model", field="adapter")
         if inserts:  # Model.image_spans refuses a pipelined model's images before this
             raise UnsupportedError("images with a pipelined model", field="images")
         with collective():
@@ -110,7 +118,7 @@ class LeaderSteps(LocalSteps):
                 mx.eval(logits)
                 return logits
 
-    def release(self, rid: int, ids: list[int] | None, caches: list[Cache]) -> None:
+    def release(self, rid: int, ids: list[int] | None, caches: list[Cache], tag: str = "") -> None:
         key = self.prefix.put(ids, caches) if ids else None
         self.pending.append(["keep", rid, key] if key is not None else ["drop", rid])
 

@@ -43,7 +43,7 @@ from mlxlis.generation.events import Event, Usage
 from mlxlis.generation.processors import LogitsProcessor, VocabularyLimit, processors_for
 from mlxlis.generation.sampling import SamplingParams, make_sampler
 from mlxlis.generation.speculative import SpecState, Speculation
-from mlxlis.generation.steps import PREFILL_CHUNK, StepKind, Steps
+from mlxlis.generation.steps import PREFILL_CHUNK, StepKind, Steps, lanes
 from mlxlis.generation.stops import StopMatcher
 from mlxlis.generation.verify import propose, verify
 from mlxlis.models.model import Model
@@ -76,6 +76,10 @@ class Request:
     # the images whose placeholder runs the prompt holds (Model.image_spans): each run is fed
     # in one chunk with its image's features in place of its embeddings
     images: tuple[ImageSpan, ...] = ()
+    # the LoRA adapter it runs under (one of Model.selectable, by name; None: the base) and
+    # a multiplier on its scale: rows on different adapters still share each forward
+    adapter: str | None = None
+    adapter_scale: float = 1.0
 
 
 class Sequence:
@@ -95,6 +99,8 @@ class Sequence:
         self.req = req
         self.caches = caches
         self.kv = resolve(req.kv_format, model.kv_format)  # its caches' format (None: dense)
+        # its adapter's lane (-1: none), scale, and the tag its caches are kept under
+        self.lane, self.lane_scale, self.tag = model.lane(req.adapter, req.adapter_scale)
         self.fed = list(held)  # ids the caches hold
         self.todo = list(todo)  # prompt ids not prefilled yet
         self.history = self.fed + self.todo  # the prompt, then each generated token
@@ -268,6 +274,7 @@ class Core:
                     field="kv_format",
                 )
             self.model.check_kv(kv)
+        _, _, tag = self.model.lane(req.adapter, req.adapter_scale)  # checked before admission
         if req.images and (caches is not None or held):
             raise MlxlisError("images come with a fresh request, not given caches", field="images")
         if caches is not None:
@@ -278,7 +285,7 @@ class Core:
             return Sequence(req, self.model, caches, held, req.prompt)
         rid = next(_IDS)
         keyed = cache_ids(req.prompt, req.images)  # an image's run keyed by its content
-        caches, reused, note = self.steps.admit(rid, keyed, kv)
+        caches, reused, note = self.steps.admit(rid, keyed, kv, tag)
         seq = Sequence(req, self.model, caches, req.prompt[:reused], req.prompt[reused:], rid)
         seq.usage.reuse_note = note
         for c in caches:  # an entry's caches may come with another request's shift
@@ -312,6 +319,7 @@ class Core:
                             [s.caches for s in g],
                             mx.concatenate([s.pending for s in g]),
                             StepKind.DECODE,
+                            lanes=lanes(g),
                         )
                         for g in groups
                     ]
@@ -409,7 +417,9 @@ class Core:
         try:
             tokens = mx.array(chunk, mx.int32)
             inserts = s.inserts(self.model, n)
-            out = self.steps.run([s.id], [s.caches], tokens, kind, inserts, hidden=hidden)
+            out = self.steps.run(
+                [s.id], [s.caches], tokens, kind, inserts, hidden=hidden, lanes=lanes([s])
+            )
             logits = out
             if hidden:  # a drafter reading the target's hidden states gets the prompt's
                 logits, states = out
@@ -440,7 +450,7 @@ class Core:
         if s.caches is None:
             return
         ok = reason != "error"  # whole steps only (a prompt's chunks too): consistent
-        self.steps.release(s.id, s.cache_ids(s.fed) if ok else None, s.caches)
+        self.steps.release(s.id, s.cache_ids(s.fed) if ok else None, s.caches, s.tag)
         s.caches = None
 
     def cancel(self, s: Sequence) -> Event | None:

@@ -208,6 +208,7 @@ class Engine:
         if not req.prompt:
             raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
         req.params.validate()
+        self.model.lane(req.adapter, req.adapter_scale)  # an adapter it has, a sane scale
         stream = Stream(loop)
         others = self.others() if self.others is not None else 0
         with self._cv:

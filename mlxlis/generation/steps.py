@@ -28,6 +28,7 @@ from mlxlis.cache import Cache, snapshot
 from mlxlis.cache.prefix import PrefixCache
 from mlxlis.cache.store import KVFormat
 from mlxlis.errors import PipelineError
+from mlxlis.models import lora
 from mlxlis.models.model import Model
 from mlxlis.models.multimodal import Inserts
 from mlxlis.models.network import Network
@@ -35,6 +36,20 @@ from mlxlis.models.network import Network
 import mlx.core as mx
 
 PREFILL_CHUNK = 512  # prompt tokens per step (a pipeline's ranks overlap on these chunks)
+# each row's LoRA adapter lane (an index into Model.selectable; -1: none) and scale multiplier
+Lanes = Sequence[tuple[int, float]]
+
+
+class Laned(Protocol):
+    lane: int
+    lane_scale: float
+
+
+def lanes(seqs: Sequence[Laned]) -> Lanes | None:
+    """Each sequence's adapter lane and scale for `Steps.run`; None when none has one."""
+    if all(s.lane < 0 for s in seqs):
+        return None
+    return [(s.lane, s.lane_scale) for s in seqs]
 
 
 class StepKind(str, Enum):
@@ -54,10 +69,13 @@ WithHidden = tuple[mx.array | None, mx.array]
 
 
 class Steps(Protocol):
-    def admit(self, rid: int, ids: list[int], kv: KVFormat | None) -> tuple[list[Cache], int, str]:
+    def admit(
+        self, rid: int, ids: list[int], kv: KVFormat | None, tag: str = ""
+    ) -> tuple[list[Cache], int, str]:
         """Caches in KV format `kv` for request `rid` whose prompt is `ids`: a prefix-cache
-        entry of that format rewound to the longest prefix it shares with `ids`, else fresh
-        ones; how many ids they hold; and why that many (PrefixCache.note)."""
+        entry of that format and adapter `tag` (Model.lane) rewound to the longest prefix it
+        shares with `ids`, else fresh ones; how many ids they hold; and why that many
+        (PrefixCache.note)."""
         ...
 
     @overload
@@ -70,6 +88,7 @@ class Steps(Protocol):
         inserts: Inserts | None = None,
         *,
         hidden: Literal[False] = False,
+        lanes: Lanes | None = None,
     ) -> mx.array | None: ...
 
     @overload
@@ -82,6 +101,7 @@ class Steps(Protocol):
         inserts: Inserts | None = None,
         *,
         hidden: Literal[True],
+        lanes: Lanes | None = None,
     ) -> WithHidden: ...
 
     def run(
@@ -93,17 +113,19 @@ class Steps(Protocol):
         inserts: Inserts | None = None,
         *,
         hidden: bool = False,
+        lanes: Lanes | None = None,
     ) -> mx.array | WithHidden | None:
         """Feed `tokens` to the requests `rids`: a (1, T) prompt chunk for one request, or one
         token each, (B,), to decode. (B, vocab) float32 logits of each one's newest position
         (lazy), None for a CHUNK or a MARK. `inserts`: the images whose placeholder runs a
         prompt chunk holds (models/multimodal.py). `hidden` (one request's step): (those
-        logits or None, its (T, hidden) states before the final norm)."""
+        logits or None, its (T, hidden) states before the final norm). `lanes`: each row's
+        LoRA adapter (None: the base for every row)."""
         ...
 
-    def release(self, rid: int, ids: list[int] | None, caches: list[Cache]) -> None:
-        """Request `rid` is over: keep its caches, which hold `ids`, for a later prefix (None:
-        they are not consistent, drop them)."""
+    def release(self, rid: int, ids: list[int] | None, caches: list[Cache], tag: str = "") -> None:
+        """Request `rid` is over: keep its caches, which hold `ids` under adapter `tag`, for a
+        later prefix (None: they are not consistent, drop them)."""
         ...
 
     def close(self) -> None:
@@ -118,8 +140,10 @@ class LocalSteps:
         self.model = model
         self.prefix = prefix
 
-    def admit(self, rid: int, ids: list[int], kv: KVFormat | None) -> tuple[list[Cache], int, str]:
-        caches, reused = self.prefix.take(ids, kv)
+    def admit(
+        self, rid: int, ids: list[int], kv: KVFormat | None, tag: str = ""
+    ) -> tuple[list[Cache], int, str]:
+        caches, reused = self.prefix.take(ids, kv, tag=tag)
         if caches is None:
             return self.model.make_cache(kv), 0, self.prefix.note
         return caches, reused, self.prefix.note
@@ -133,15 +157,18 @@ class LocalSteps:
         inserts: Inserts | None = None,
         *,
         hidden: bool = False,
+        lanes: Lanes | None = None,
     ) -> mx.array | WithHidden | None:
-        out = forward(self.model.net, caches, tokens, kind, inserts, hidden=hidden)
+        chosen = None if lanes is None else [lane for lane, _ in lanes]
+        with lora.rows(chosen, None if lanes is None else [scale for _, scale in lanes]):
+            out = forward(self.model.net, caches, tokens, kind, inserts, hidden=hidden)
         if kind == StepKind.PROMPT:  # the snapshots' copies made now, not held lazily by the cache
             mx.async_eval([c.state for c in caches[0]])
         return out
 
-    def release(self, rid: int, ids: list[int] | None, caches: list[Cache]) -> None:
+    def release(self, rid: int, ids: list[int] | None, caches: list[Cache], tag: str = "") -> None:
         if ids:
-            self.prefix.put(ids, caches)
+            self.prefix.put(ids, caches, tag)
 
     def close(self) -> None:
         pass

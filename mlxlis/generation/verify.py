@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from mlxlis.cache.store import by_format
 from mlxlis.errors import MlxlisError
 from mlxlis.generation.events import Event
-from mlxlis.generation.steps import StepKind
+from mlxlis.generation.steps import StepKind, lanes
 
 import mlx.core as mx
 
@@ -67,6 +67,7 @@ def verify(steps: Steps, net: Network, drafts: list[Draft]) -> list[tuple[Sequen
             [s.caches for s in seqs],
             mx.array(rows, mx.int32),
             StepKind.VERIFY,
+            lanes=lanes(seqs),
         )
         mx.eval(logits)  # (B, T, vocab)
         each = (time.perf_counter() - t0) / len(drafts)
@@ -79,7 +80,9 @@ def verify(steps: Steps, net: Network, drafts: list[Draft]) -> list[tuple[Sequen
         t = time.perf_counter()
         s, hidden = d.seq, d.seq.spec.wants_hidden
         tokens = mx.array(d.tokens, mx.int32)
-        res = steps.run([s.id], [s.caches], tokens, StepKind.VERIFY, hidden=hidden)
+        res = steps.run(
+            [s.id], [s.caches], tokens, StepKind.VERIFY, hidden=hidden, lanes=lanes([s])
+        )
         logits, states = res if hidden else (res, None)
         mx.eval(logits)  # (T, vocab)
         out += judge(d, logits, states, len(d.tokens), time.perf_counter() - t)

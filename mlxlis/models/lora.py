@@ -104,6 +104,8 @@ def apply(net: nn.Module, layers: Mapping[str, LoRA], dtype: mx.Dtype, path: str
     for name, lora in layers.items():
         parent, key, module = find(net, name)  # type: ignore[misc]
         _replace(parent, key, LoRALinear(module, lora, dtype))
+    # made now: a lazy array built on this thread cannot be evaluated on another's stream
+    mx.eval([m.parameters() for _, m in net.named_modules() if isinstance(m, LoRALinear)])
 
 
 def adapt(
@@ -129,14 +131,23 @@ def targets(adapter: Adapter, names: Callable[[str], str | None]) -> dict[str, L
 
 # --- several adapters on one base, chosen per row -----------------------------------------
 
-_rows: contextvars.ContextVar[mx.array | None] = contextvars.ContextVar("lora_rows", default=None)
+# (B,) each row's adapter (-1: none) and (B,) its scale multiplier; None: no row has one
+_rows: contextvars.ContextVar[tuple[mx.array, mx.array] | None] = contextvars.ContextVar(
+    "lora_rows", default=None
+)
 
 
 @contextlib.contextmanager
-def rows(ids: Sequence[int] | None) -> Iterator[None]:
+def rows(ids: Sequence[int] | None, scales: Sequence[float] | None = None) -> Iterator[None]:
     """The adapter of each row of the forwards built in the block: `ids[b]` an index into the
-    model's selectable adapters (`select`), -1 for none; None: no row has one."""
-    token = _rows.set(None if ids is None else mx.array(list(ids), mx.int32))
+    model's selectable adapters (`select`), -1 for none, its scale multiplied by `scales[b]`
+    (1 when not given); None: no row has one."""
+    if ids is None:
+        chosen = None
+    else:
+        mult = [1.0] * len(ids) if scales is None else list(scales)
+        chosen = (mx.array(list(ids), mx.int32), mx.array(mult, mx.float32))
+    token = _rows.set(chosen)
     try:
         yield
     finally:
@@ -176,11 +187,12 @@ class SwitchLoRA(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.base(x)  # (B, T, out)
-        ids = _rows.get()
-        if ids is None or self.scales.shape[0] == 0:
+        chosen = _rows.get()
+        if chosen is None or self.scales.shape[0] == 0:
             return y
+        ids, mult = chosen  # (B,), (B,)
         pick = mx.maximum(ids, 0)  # (B,); -1 (none) reads adapter 0, scaled by 0
-        scale = mx.where(ids >= 0, self.scales[pick], 0.0).astype(y.dtype)
+        scale = mx.where(ids >= 0, self.scales[pick] * mult, 0.0).astype(y.dtype)
         delta = (x @ self.lora_a[pick]) @ self.lora_b[pick]  # (B, T, r) -> (B, T, out)
         return y + delta * scale[:, None, None]
 
@@ -205,3 +217,4 @@ def select(
     for name, m in net.named_modules():
         if isinstance(m, SwitchLoRA):
             m.add(layers.get(name), dtype)
+    mx.eval([m.parameters() for _, m in net.named_modules() if isinstance(m, SwitchLoRA)])

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from mlxlis.cache import Cache, KVFormat
 from mlxlis.cache.store import KVChoice, resolve
-from mlxlis.errors import ContextLimitError, MlxlisError, NoChatTemplateError, UnsupportedError
+from mlxlis.errors import (
+    AdapterError,
+    ContextLimitError,
+    MlxlisError,
+    NoChatTemplateError,
+    UnsupportedError,
+)
 from mlxlis.loading.adapters import Adapter
 from mlxlis.loading.hub import display_name
+from mlxlis.models import lora
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.experts import QuantizedSwitchLinear, SwitchLinear
 from mlxlis.models.multimodal import ImageSpan, Inserts, Prompt, PromptImage, Vision, image_spans
@@ -59,6 +67,8 @@ class Model:
         self.quant_summary = quant_summary or _quant_summary(net)
         self._diagnosis = diagnosis
         self.adapters: list[Adapter] = []  # LoRA adapters applied, in order (api.load)
+        # LoRA adapters a request may choose (select_adapter), by name: lane i is the i-th
+        self.selectable: dict[str, Adapter] = {}
         self.skipped = sorted(skipped or [])  # file tensors not used (a vision tower, an MTP head)
         self.part = part  # this rank's share of the layers when pipelined, else None
         self.kv_format: KVFormat | None = None  # quantized KV caches (set_kv_format), or dense
@@ -106,6 +116,38 @@ class Model:
         adapters = ",".join(a.key for a in self.adapters)  # another adapter: another model
         key = f"{self.path}|{stamp}|{self.dtype}|{self.quant_summary}|{adapters}"
         return "kv_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def select_adapter(
+        self, name: str, adapter: Adapter, names: Callable[[str], str | None]
+    ) -> None:
+        """`adapter` made choosable per request as `name` (lora.select: rows on different
+        adapters share one forward); `names` maps its module names to the network's. Checked
+        whole first: an AdapterError leaves the model as it was."""
+        if name in self.selectable:
+            raise AdapterError(f"an adapter named {name!r} is selectable already", field=name)
+        if self.part is not None:
+            raise UnsupportedError("adapters on a pipelined model", field="adapters")
+        lora.select(self.net, adapter, names, self.dtype)
+        self.selectable[name] = adapter
+
+    def lane(self, name: str | None, scale: float = 1.0) -> tuple[int, float, str]:
+        """The adapter a request names (None: none): its lane (-1: none), its scale
+        multiplier, and the tag its caches are kept under ("": the base's; a prefix cached
+        under one adapter or scale is never taken under another)."""
+        if name is None:
+            return -1, 1.0, ""
+        adapter = self.selectable.get(name)
+        if adapter is None:
+            known = ", ".join(self.selectable) or "none"
+            why = f"no adapter {name!r} on this model (it has: {known})"
+            raise MlxlisError(why, field="adapter")
+        if not math.isfinite(scale) or scale < 0:
+            why = f"an adapter's scale must be 0 or above, not {scale}"
+            raise MlxlisError(why, field="adapter")
+        if scale == 0.0:  # its delta scaled to nothing: the base
+            return -1, 1.0, ""
+        lane = list(self.selectable).index(name)
+        return lane, scale, f"{adapter.key}*{scale!r}"
 
     def set_kv_format(self, kv: KVFormat | None) -> None:
         """Store every request's keys and values quantized in `kv` from now on (None: dense);
