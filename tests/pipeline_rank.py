@@ -39,8 +39,8 @@ class Recording(LeaderSteps):
 
     seen: list[np.ndarray] = []
 
-    def run(self, rids, caches, tokens, kind, inserts=None, *, hidden=False):
-        out = super().run(rids, caches, tokens, kind, inserts, hidden=hidden)
+    def run(self, rids, caches, tokens, kind, inserts=None, *, hidden=False, lanes=None):
+        out = super().run(rids, caches, tokens, kind, inserts, hidden=hidden, lanes=lanes)
         if out is not None:
             Recording.seen.append(np.array(out[0]))
         return out

@@ -421,10 +421,10 @@ class Recording(LocalSteps):
         super().__init__(model, prefix)
         self.log: list[tuple[int, StepKind]] = []
 
-    def run(self, rids, caches, tokens, kind, inserts=None, *, hidden=False):
+    def run(self, rids, caches, tokens, kind, inserts=None, *, hidden=False, lanes=None):
         if kind != StepKind.DECODE:
             self.log.append((tokens.size, kind))
-        return super().run(rids, caches, tokens, kind, inserts, hidden=hidden)
+        return super().run(rids, caches, tokens, kind, inserts, hidden=hidden, lanes=lanes)
 
 
 @pytest.mark.parametrize(
