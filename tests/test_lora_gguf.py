@@ -179,11 +179,13 @@ def test_bad_gguf_adapters_are_refused_by_name_and_nothing_applies(bases, adapte
     refused("arch", good, "general.architecture", "qwen2", arch="qwen2")
     cut = tmp_path / "cut.gguf"
     write_lora(cut, good)
-    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
-    with pytest.raises(AdapterError) as e:
-        read_adapter(cut)
-    assert e.value.path == str(cut) and "truncated" in e.value.message or "past" in str(e.value)
-    assert e.value.field
+    data = cut.read_bytes()
+    for size, field in ((len(data) // 2, ".lora_"), (100, "general.type"), (10, "header")):
+        cut.write_bytes(data[:size])  # in the tensor data, the metadata, the header
+        with pytest.raises(AdapterError) as e:
+            read_adapter(cut)
+        assert e.value.path == str(cut) and field in e.value.field, e.value
+        assert "truncated" in e.value.message or "past the end" in e.value.message
 
     last = sorted(k for k in good if k.endswith("lora_a"))[-1]  # checked in name order
     bad = {**good, last: np.zeros((RANK, 72), np.float32)}
