@@ -139,9 +139,8 @@ def test_gguf_adapter_gives_peft_logits(bases, adapters, tmp_path, kind, base_fo
     wrapped = [m for _, m in model.net.named_modules() if isinstance(m, LoRALinear)]
     assert len(wrapped) == ref.config.num_hidden_layers * len(TARGETS)
     assert {m.scale for m in wrapped} == {ALPHA / RANK}
-    assert model.adapters[0].naming == "gguf" and model.cache_key() != mlxlis.load(
-        base, "float32"
-    ).cache_key()
+    assert model.adapters[0].naming == "gguf"
+    assert model.cache_key() != mlxlis.load(base, "float32").cache_key()
 
 
 def test_bad_gguf_adapters_are_refused_by_name_and_nothing_applies(bases, adapters, tmp_path):
