@@ -169,6 +169,10 @@ def test_bad_gguf_adapters_are_refused_by_name_and_nothing_applies(bases, adapte
     refused("absent", {**good, **extra}, "blk.9.attn_q", "no such module")
     wide = {**good, "blk.1.attn_v.weight.lora_a": np.zeros((RANK, 72), np.float32)}
     refused("wide", wide, "blk.1.attn_v", "do not fit")
+    rows = {**good, "blk.0.attn_k.weight.lora_b": np.zeros((30, RANK), np.float32)}
+    refused("rows", rows, "blk.0.attn_k", "heads")  # 30 rows: no whole heads to un-permute
+    tall = {**good, "blk.0.attn_k.weight.lora_b": np.zeros((64, RANK), np.float32)}
+    refused("tall", tall, "blk.0.attn_k", "do not fit")  # whole heads, but q's rows, not k's
     ints = {**good, "blk.0.attn_q.weight.lora_a": a.astype(np.int32)}
     refused("ints", ints, "blk.0.attn_q.weight.lora_a", "float")
     norm = {**good, "blk.0.attn_norm.weight": np.ones(64, np.float32)}  # mergekit's norms

@@ -138,7 +138,9 @@ def adapt(
     apply(net, targets(adapter, names, undo), dtype, str(adapter.path), labels(adapter, names))
 
 
-def naming(adapter: Adapter, spec: Family, cfg: ModelConfig) -> tuple[Callable, Undo | None]:
+def naming(
+    adapter: Adapter, spec: Family, cfg: ModelConfig
+) -> tuple[Callable[[str], str | None], Undo | None]:
     """How `adapter`'s module names map onto a `spec` network (`names`), and what puts its
     LoRAs in that network's layout (`undo`): nothing for a checkpoint-named adapter; for a
     llama.cpp one, the family's GGUF names and the row conventions its converter folded
@@ -154,6 +156,8 @@ def naming(adapter: Adapter, spec: Family, cfg: ModelConfig) -> tuple[Callable, 
             field="general.architecture",
         )
 
+    own = labels(adapter, spec.gguf.module_name)  # errors name the adapter's tensors
+
     def undo(name: str, lora: LoRA) -> LoRA:
         b = lora.b  # (out, r): rows as the base's converter laid the weight's out
         for convention in spec.gguf.conventions:
@@ -164,9 +168,16 @@ def naming(adapter: Adapter, spec: Family, cfg: ModelConfig) -> tuple[Callable, 
                 raise AdapterError(
                     "llama.cpp's layout of this module is not undone for adapters",
                     path=path,
-                    field=name.removesuffix(".weight"),
+                    field=own.get(name.removesuffix(".weight"), name),
                 )
-            b = fn(b, cfg, "weight")
+            try:
+                b = fn(b, cfg, "weight")
+            except ValueError:  # rows that are no whole heads: an adapter of another base
+                raise AdapterError(
+                    f"lora_b {tuple(lora.b.shape)} does not fit this model's heads",
+                    path=path,
+                    field=own.get(name.removesuffix(".weight"), name),
+                ) from None
         return LoRA(lora.a, b, lora.scale)
 
     return spec.gguf.module_name, undo
