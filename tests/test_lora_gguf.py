@@ -9,7 +9,9 @@ moves B's rows, A stays), the name goes through gguf-py's tensor-name map, and t
 general.type "adapter", adapter.type "lora", adapter.lora.alpha (float32). mlxlis applying
 it to a tiny base (llama.cpp's GGUF of it, or its safetensors folder) gives PEFT's float32
 logits within test_lora.py's bound: that proves the names, A/B orientation, alpha / r and
-the un-permute of B. Bad files are refused by name; a repo name resolves through the cache.
+the un-permute of B. Bad files are refused by name. An adapter by repo name opens from the
+Hugging Face cache offline, and online (tests/hub_server.py's stand-in Hub) only its own
+files are downloaded.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import peft
 import pytest
 import torch
 from conftest import TINY, tiny_models, trajectory
+from hub_server import HubServer
+from huggingface_hub import constants
 from safetensors.numpy import load_file
 from test_conventions import llama_cpp_permute, write_llama_gguf
 
@@ -246,8 +250,6 @@ def test_adapters_by_repo_name_from_the_cache_offline(bases, adapters, tmp_path,
     """With HF_HUB_OFFLINE, an adapter named by repo id (PEFT's folder; a GGUF adapter by
     ORG/NAME and by ORG/NAME/FILE.gguf) opens from the Hub cache and gives the logits the
     same adapter gives by path; a repo the cache lacks is an error saying so."""
-    from huggingface_hub import constants
-
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     folder, ref = bases("llama")
@@ -264,3 +266,36 @@ def test_adapters_by_repo_name_from_the_cache_offline(bases, adapters, tmp_path,
         assert "snapshots" in str(model.adapters[0].path)
     with pytest.raises(mlxlis.errors.NotCachedError, match="HF_HUB_OFFLINE"):
         read_adapter("org/absent")
+
+
+def test_adapter_by_repo_name_downloads_its_files_only(bases, adapters, tmp_path, monkeypatch):
+    """Online (a stand-in Hub, tests/hub_server.py): an adapter repo that also holds a model's
+    weights and config gives only adapter_config.json and the adapter weights to the cache;
+    ORG/NAME/FILE.gguf only that GGUF of two."""
+    hub = HubServer()
+    try:
+        url = hub.endpoint
+        template = url + "/{repo_id}/resolve/{revision}/{filename}"
+        monkeypatch.setattr(constants, "ENDPOINT", url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        _, ref = bases("llama")
+        peft_folder, _ = adapters["llama"]
+        model_files = {"model.safetensors": b"\0" * 64, "config.json": b"{}", "README.md": b"#"}
+        hub.add_folder("org/lora", peft_folder, model_files)
+        adapter = read_adapter("org/lora")
+        assert sorted(p.name for p in adapter.path.iterdir()) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
+        assert len(adapter.layers) == len(TARGETS) * ref.config.num_hidden_layers
+        lora = tmp_path / "a.gguf"
+        write_lora(lora, converted(peft_folder, ref.config, "llama"))
+        hub.add("org/lora-GGUF", {"a-F32.gguf": lora, "b-F32.gguf": lora, "README.md": b"#"})
+        adapter = read_adapter("org/lora-GGUF/b-F32.gguf")
+        assert adapter.naming == "gguf" and adapter.path.name == "b-F32.gguf"
+        assert [p.name for p in adapter.path.parent.iterdir()] == ["b-F32.gguf"]
+    finally:
+        hub.close()
