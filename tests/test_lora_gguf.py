@@ -147,6 +147,39 @@ def test_gguf_adapter_gives_peft_logits(bases, adapters, tmp_path, kind, base_fo
     assert model.cache_key() != mlxlis.load(base, "float32").cache_key()
 
 
+def test_f16_and_q8_0_adapters_read_as_their_values(bases, adapters, tmp_path):
+    """The converter's --outtype f16 and q8_0: each tensor reads as gguf-py's own dequantized
+    values of it (so the logits equal those of an F32 file of those values)."""
+    folder, ref = bases("llama")
+    good = converted(adapters["llama"][0], ref.config, "llama")
+    ids = trajectory(12, seed=9, vocab=ref.config.vocab_size)
+    for qtype in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0):
+        w = gguf.GGUFWriter(str(tmp_path / f"{qtype.name}.gguf"), "llama")
+        w.add_string("general.type", "adapter")
+        w.add_string("adapter.type", "lora")
+        w.add_float32("adapter.lora.alpha", ALPHA)
+        held = {}
+        for name, t in good.items():
+            kind = qtype
+            try:
+                data = gguf.quants.quantize(t, kind)
+            except gguf.quants.QuantError:  # ModelBase.prepare_tensors: rows Q8_0 cannot
+                kind = gguf.GGMLQuantizationType.F16  # block (lora_b's r) fall back to F16
+                data = gguf.quants.quantize(t, kind)
+            held[name] = gguf.quants.dequantize(data, kind).astype(np.float32)
+            w.add_tensor(name, data, raw_dtype=kind)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        write_lora(tmp_path / "held.gguf", held)
+        got, want = (
+            np.array(mlxlis.load(folder, "float32", adapters=[p]).logits(ids))
+            for p in (tmp_path / f"{qtype.name}.gguf", tmp_path / "held.gguf")
+        )
+        assert np.abs(got - want).max() < 1e-6, qtype.name
+
+
 def test_bad_gguf_adapters_are_refused_by_name_and_nothing_applies(bases, adapters, tmp_path):
     """Another adapter.type, alpha missing / NaN / 0, a truncated file, a module the model
     lacks, an A that does not fit the base, an integer tensor, a tensor that is no LoRA, a
