@@ -21,7 +21,7 @@ from mlxlis.loading.resolve import gguf_tensor_count, resolve
 from mlxlis.models import family
 from mlxlis.models.from_folder import load_folder
 from mlxlis.models.from_gguf import load_gguf
-from mlxlis.models.lora import adapt
+from mlxlis.models.lora import adapt, naming
 from mlxlis.models.model import Model
 from mlxlis.runtime import backend
 from mlxlis.runtime.device import resolve_dtype, select_device
@@ -90,7 +90,8 @@ def load(
     `mmproj` (GGUF): llama.cpp's vision file for a model that sees; None: one found beside
     the model file (a .gguf whose name holds "mmproj"); False: text only.
 
-    `adapters`: LoRA adapter folders (PEFT's) applied unmerged, in order: y = W x + s·B(A x),
+    `adapters`: LoRA adapters (PEFT's or mlx-lm's folders, llama.cpp's .gguf files, or Hub
+    names of them) applied unmerged, in order: y = W x + s·B(A x),
     W as the file holds it (quantized stays quantized). Each is read and checked before the
     model is; one that does not fit the model (a module it lacks, shapes of another base) is
     an AdapterError naming the file and the module, and nothing of it applies.
@@ -150,7 +151,8 @@ def _ready(model: Model, pipeline: Pipeline, kv: KVFormat | None, adapters: list
     if adapters and model.part is not None:
         raise UnsupportedError("adapters on a pipelined model", field="adapters")
     for adapter in adapters:
-        adapt(model.net, adapter, family(model.config.family).hf.name, model.dtype)
+        names, undo = naming(adapter, family(model.config.family), model.config)
+        adapt(model.net, adapter, names, model.dtype, undo)
         model.adapters.append(adapter)
     model.set_kv_format(kv)
     pipeline.ready()

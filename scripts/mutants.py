@@ -59,6 +59,7 @@ THINKING_SWITCH = "tests/test_thinking_switch.py"
 SERVE_MODELS = "tests/test_serve_models.py"
 LORA = "tests/test_lora.py"
 LORA_ENGINE = "tests/test_lora_engine.py"
+LORA_GGUF = "tests/test_lora_gguf.py"
 Q4X_CACHE = (
     "tests/test_qwen4_exp.py::test_a_trimmed_verification_and_a_saved_cache_decode_on_exactly"
 )
@@ -2155,6 +2156,46 @@ MUTANTS = (
         "            if fmt != kv:",
         (LORA_ENGINE,),
         "LoRA: a prefix file written under one adapter read under another",
+    ),
+    Mutant(
+        "gguf-lora-b-not-unpermuted",
+        "mlxlis/models/lora.py",
+        'b = fn(b, cfg, "weight")',
+        "b = b",
+        (LORA_GGUF,),
+        "GGUF LoRA: B's rows left in llama.cpp's q/k permuted layout",
+    ),
+    Mutant(
+        "gguf-lora-alpha-ignored",
+        "mlxlis/loading/adapters.py",
+        "lambda r: alpha / r, path, transposed=False",
+        "lambda r: 1.0 / r, path, transposed=False",
+        (LORA_GGUF,),
+        "GGUF LoRA: adapter.lora.alpha not in the scale",
+    ),
+    Mutant(
+        "gguf-lora-a-read-transposed",
+        "mlxlis/loading/adapters.py",
+        "lambda r: alpha / r, path, transposed=False",
+        "lambda r: alpha / r, path, transposed=True",
+        (LORA_GGUF,),
+        "GGUF LoRA: lora_a / lora_b read in mlx-lm's orientation, not ggml's",
+    ),
+    Mutant(
+        "gguf-lora-arch-unchecked",
+        "mlxlis/models/lora.py",
+        "if adapter.arch not in spec.gguf.archs:",
+        "if adapter.arch is None:",
+        (LORA_GGUF,),
+        "GGUF LoRA: an adapter of another architecture applied",
+    ),
+    Mutant(
+        "hub-adapter-takes-model-weights",
+        "mlxlis/loading/hub/select.py",
+        "weights = tuple(w for w in ADAPTER_WEIGHTS if w in top)",
+        'weights = tuple(sorted(p for p in top if p.endswith(".safetensors")))',
+        (LORA_GGUF,),
+        "adapter by repo name: a model's weights beside the adapter downloaded too",
     ),
     Mutant(
         "mlx-thread-no-turns",

@@ -23,7 +23,6 @@ from mlxlis.generation.generate import run_request
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import Speculation
 from mlxlis.loading.adapters import read_adapter
-from mlxlis.models import family
 
 import numpy as np
 import pytest
@@ -53,9 +52,8 @@ def setup(tmp_path_factory):
     config["lora_alpha"] /= 2
     (root / "a-half" / "adapter_config.json").write_text(json.dumps(config))
     model = mlxlis.load(folder, "float32")
-    names = family(model.config.family).hf.name
     for name in ADAPTERS:
-        model.select_adapter(name, read_adapter(root / name), names)
+        model.select_adapter(name, read_adapter(root / name))
     return model, folder, root
 
 

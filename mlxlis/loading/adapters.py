@@ -8,6 +8,8 @@ DoRA, `fan_in_fan_out`, LoRA biases, per-module alphas, embedding adapters and
 `modules_to_save` are refused. mlx-lm's: `fine_tune_type` "lora" (DoRA and full fine-tunes
 refused), `lora_parameters.scale` the multiplier itself, its `lora_a` (in, r) and `lora_b`
 (r, out) the transposes of PEFT's. Dropout is a training matter, ignored at inference.
+llama.cpp's GGUF adapters: loading/lora_gguf.py. A Hugging Face repo name (ORG/NAME, or
+ORG/NAME/FILE.gguf) is fetched as models are (loading/hub), adapter files only.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from mlxlis.bounded import read_json_file
 from mlxlis.errors import AdapterError
+from mlxlis.loading.lora_gguf import read_gguf_lora
 
 import mlx.core as mx
 
@@ -48,6 +51,10 @@ class Adapter:
     rank: int  # the largest
     scale: str  # how its scale is stated: "alpha 16", "alpha 16, rsLoRA", "scale 20"
     base: str | None  # the base model it was trained on, as its config says
+    # how `layers` names modules: "hf" (the base checkpoint's, Family.hf.name maps them) or
+    # "gguf" (llama.cpp's tensor names, Family.gguf.module_name; B rows in llama.cpp's layout)
+    naming: str = "hf"
+    arch: str | None = None  # a GGUF adapter's general.architecture (llama.cpp's base arch)
 
     @property
     def key(self) -> str:
@@ -71,13 +78,18 @@ REFUSED = {
 
 
 def read_adapter(ref: str | Path) -> Adapter:
-    """A PEFT or mlx-lm adapter folder, checked: an AdapterError naming the file and the field
-    or tensor that is wrong (nothing is applied from an adapter that fails)."""
-    folder = Path(ref).expanduser()
+    """A PEFT or mlx-lm adapter folder, a llama.cpp GGUF adapter file, or a Hugging Face repo
+    name of one, checked: an AdapterError naming the file and the field or tensor that is
+    wrong (nothing is applied from an adapter that fails)."""
+    folder = _local(ref)
+    if folder.suffix.lower() == ".gguf" and folder.is_file():
+        return _gguf(folder)
     config_path = folder / PEFT_CONFIG
     if not folder.is_dir() or not config_path.is_file():
         raise AdapterError(
-            f"expected a folder holding {PEFT_CONFIG} (PEFT's or mlx-lm's)", path=folder
+            f"expected a folder holding {PEFT_CONFIG} (PEFT's or mlx-lm's) or a llama.cpp "
+            "adapter .gguf",
+            path=folder,
         )
     cfg = read_json_file(config_path, error=AdapterError, what=PEFT_CONFIG)
     if not isinstance(cfg, dict):
@@ -85,6 +97,28 @@ def read_adapter(ref: str | Path) -> Adapter:
     if (folder / MLX_LM_WEIGHTS).is_file() and not (folder / PEFT_WEIGHTS).is_file():
         return _mlx_lm(folder, cfg, config_path)
     return _peft(folder, cfg, config_path)
+
+
+def _local(ref: str | Path) -> Path:
+    """The path `ref` names: itself when it exists (or is no Hub name), else the adapter's
+    files fetched from the Hub into its cache (offline: from the cache alone), as for models."""
+    path = Path(ref).expanduser()
+    if path.exists():
+        return path
+    from mlxlis.loading import hub
+
+    name = hub.parse_ref(str(ref))
+    if name is None or name.quant is not None:
+        return path
+    return hub.fetch(name, hub.default_progress(), vision=False, adapter=True)
+
+
+def _gguf(path: Path) -> Adapter:
+    pairs, alpha, arch = read_gguf_lora(path)
+    layers = _layers(pairs, lambda r: alpha / r, path, transposed=False)  # llama.cpp: alpha / r
+    return Adapter(
+        path, path, layers, _rank(layers), f"alpha {alpha:g}", None, naming="gguf", arch=arch
+    )
 
 
 def _peft(folder: Path, cfg: dict, config_path: Path) -> Adapter:

@@ -15,6 +15,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from mlxlis.errors import AdapterError
 from mlxlis.loading.adapters import Adapter, LoRA
+from mlxlis.models.base import Family
+from mlxlis.models.config import ModelConfig
+from mlxlis.models.conventions import ROW_ONLY
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -68,17 +71,24 @@ def find(net: nn.Module, name: str) -> tuple[nn.Module, str | int, nn.Module] | 
     return (parent, key, node) if isinstance(node, nn.Module) else None  # type: ignore[return-value]
 
 
-def check(net: nn.Module, layers: Mapping[str, LoRA], path: str) -> None:
+def check(
+    net: nn.Module,
+    layers: Mapping[str, LoRA],
+    path: str,
+    labels: Mapping[str, str] | None = None,
+) -> None:
     """Every target a linear module of `net` whose (in, out) the adapter's shapes match; an
-    AdapterError naming the file and the first module that is not (nothing applied yet)."""
+    AdapterError naming the file and the first module that is not (nothing applied yet), by
+    the adapter's own name for it (`labels`: network name -> the adapter's)."""
     for name, lora in layers.items():
+        field = (labels or {}).get(name, name)
         found = find(net, name)
         if found is None:
-            raise AdapterError("the model has no such module", path=path, field=name)
+            raise AdapterError("the model has no such module", path=path, field=field)
         shape = dims(found[2])
         if shape is None:
             kind = type(found[2]).__name__
-            raise AdapterError(f"not a linear module ({kind})", path=path, field=name)
+            raise AdapterError(f"not a linear module ({kind})", path=path, field=field)
         n_in, out = shape
         r = lora.a.shape[0]
         if lora.a.shape[1] != n_in or lora.b.shape != (out, r):
@@ -86,7 +96,7 @@ def check(net: nn.Module, layers: Mapping[str, LoRA], path: str) -> None:
                 f"lora_A {tuple(lora.a.shape)} and lora_B {tuple(lora.b.shape)} do not fit a "
                 f"module of {n_in} inputs and {out} outputs (an adapter of another base?)",
                 path=path,
-                field=name,
+                field=field,
             )
 
 
@@ -98,9 +108,15 @@ def _replace(parent: object, key: str | int, module: nn.Module) -> None:
         setattr(parent, key, module)  # type: ignore[arg-type]
 
 
-def apply(net: nn.Module, layers: Mapping[str, LoRA], dtype: mx.Dtype, path: str) -> None:
+def apply(
+    net: nn.Module,
+    layers: Mapping[str, LoRA],
+    dtype: mx.Dtype,
+    path: str,
+    labels: Mapping[str, str] | None = None,
+) -> None:
     """Every target wrapped (all checked first: an adapter never partly applies)."""
-    check(net, layers, path)
+    check(net, layers, path, labels)
     for name, lora in layers.items():
         parent, key, module = find(net, name)  # type: ignore[misc]
         _replace(parent, key, LoRALinear(module, lora, dtype))
@@ -108,16 +124,72 @@ def apply(net: nn.Module, layers: Mapping[str, LoRA], dtype: mx.Dtype, path: str
     mx.eval([m.parameters() for _, m in net.named_modules() if isinstance(m, LoRALinear)])
 
 
+Undo = Callable[[str, LoRA], LoRA]  # (the network's tensor name, LoRA) -> LoRA in our layout
+
+
 def adapt(
-    net: nn.Module, adapter: Adapter, names: Callable[[str], str | None], dtype: mx.Dtype
+    net: nn.Module,
+    adapter: Adapter,
+    names: Callable[[str], str | None],
+    dtype: mx.Dtype,
+    undo: Undo | None = None,
 ) -> None:
-    """`adapter` applied to `net`, its module names (the base checkpoint's) mapped to the
-    network's by `names` (the family's Hugging Face renames: Family.hf.name)."""
-    apply(net, targets(adapter, names), dtype, str(adapter.path))
+    """`adapter` applied to `net`, its module names mapped to the network's by `names` (the
+    family's Hugging Face renames, Family.hf.name, or its GGUF names: `naming`), each LoRA
+    put in the network's layout by `undo` (a GGUF adapter's conventions)."""
+    apply(net, targets(adapter, names, undo), dtype, str(adapter.path), labels(adapter, names))
 
 
-def targets(adapter: Adapter, names: Callable[[str], str | None]) -> dict[str, LoRA]:
-    """The adapter's LoRAs by the network's module names (`names`: Family.hf.name)."""
+def naming(
+    adapter: Adapter, spec: Family, cfg: ModelConfig
+) -> tuple[Callable[[str], str | None], Undo | None]:
+    """How `adapter`'s module names map onto a `spec` network (`names`), and what puts its
+    LoRAs in that network's layout (`undo`): nothing for a checkpoint-named adapter; for a
+    llama.cpp one, the family's GGUF names and the row conventions its converter folded
+    into B (a convention that is not rows alone is refused, by module)."""
+    if adapter.naming != "gguf":
+        return spec.hf.name, None
+    path = str(adapter.path)
+    if adapter.arch not in spec.gguf.archs:
+        raise AdapterError(
+            f"an adapter of a {adapter.arch} model; this model is {cfg.family} "
+            f"({', '.join(spec.gguf.archs) or 'no GGUF architecture'})",
+            path=path,
+            field="general.architecture",
+        )
+
+    own = labels(adapter, spec.gguf.module_name)  # errors name the adapter's tensors
+
+    def undo(name: str, lora: LoRA) -> LoRA:
+        b = lora.b  # (out, r): rows as the base's converter laid the weight's out
+        for convention in spec.gguf.conventions:
+            applies, fn = convention
+            if not applies(name):
+                continue
+            if convention not in ROW_ONLY:
+                raise AdapterError(
+                    "llama.cpp's layout of this module is not undone for adapters",
+                    path=path,
+                    field=own.get(name.removesuffix(".weight"), name),
+                )
+            try:
+                b = fn(b, cfg, "weight")
+            except ValueError:  # rows that are no whole heads: an adapter of another base
+                raise AdapterError(
+                    f"lora_b {tuple(lora.b.shape)} does not fit this model's heads",
+                    path=path,
+                    field=own.get(name.removesuffix(".weight"), name),
+                ) from None
+        return LoRA(lora.a, b, lora.scale)
+
+    return spec.gguf.module_name, undo
+
+
+def targets(
+    adapter: Adapter, names: Callable[[str], str | None], undo: Undo | None = None
+) -> dict[str, LoRA]:
+    """The adapter's LoRAs by the network's module names (`names`: Family.hf.name, or the
+    GGUF names `naming` gives), in its layout (`undo`)."""
     layers = {}
     for name, lora in adapter.layers.items():
         ours = names(name + ".weight")
@@ -125,8 +197,18 @@ def targets(adapter: Adapter, names: Callable[[str], str | None]) -> dict[str, L
             raise AdapterError(
                 "a module this model does not load", path=str(adapter.path), field=name
             )
-        layers[ours.removesuffix(".weight")] = lora
+        layers[ours.removesuffix(".weight")] = lora if undo is None else undo(ours, lora)
     return layers
+
+
+def labels(adapter: Adapter, names: Callable[[str], str | None]) -> dict[str, str]:
+    """The network's module name -> the adapter's own name for it (errors name the latter)."""
+    out = {}
+    for name in adapter.layers:
+        ours = names(name + ".weight")
+        if ours is not None:
+            out[ours.removesuffix(".weight")] = name
+    return out
 
 
 # --- several adapters on one base, chosen per row -----------------------------------------
@@ -198,12 +280,16 @@ class SwitchLoRA(nn.Module):
 
 
 def select(
-    net: nn.Module, adapter: Adapter, names: Callable[[str], str | None], dtype: mx.Dtype
+    net: nn.Module,
+    adapter: Adapter,
+    names: Callable[[str], str | None],
+    dtype: mx.Dtype,
+    undo: Undo | None = None,
 ) -> None:
     """`adapter` made selectable per row (`rows`), after those selectable already: every
     module any of them targets holds a slot for each (zeros where one leaves it alone)."""
-    layers = targets(adapter, names)
-    check(net, layers, str(adapter.path))
+    layers = targets(adapter, names, undo)
+    check(net, layers, str(adapter.path), labels(adapter, names))
     switches = [m for _, m in net.named_modules() if isinstance(m, SwitchLoRA)]
     count = switches[0].scales.shape[0] if switches else 0
     for name in layers:

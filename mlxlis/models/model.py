@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,17 +117,18 @@ class Model:
         key = f"{self.path}|{stamp}|{self.dtype}|{self.quant_summary}|{adapters}"
         return "kv_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
-    def select_adapter(
-        self, name: str, adapter: Adapter, names: Callable[[str], str | None]
-    ) -> None:
+    def select_adapter(self, name: str, adapter: Adapter) -> None:
         """`adapter` made choosable per request as `name` (lora.select: rows on different
-        adapters share one forward); `names` maps its module names to the network's. Checked
-        whole first: an AdapterError leaves the model as it was."""
+        adapters share one forward). Checked whole first: an AdapterError leaves the model
+        as it was."""
         if name in self.selectable:
             raise AdapterError(f"an adapter named {name!r} is selectable already", field=name)
         if self.part is not None:
             raise UnsupportedError("adapters on a pipelined model", field="adapters")
-        lora.select(self.net, adapter, names, self.dtype)
+        from mlxlis.models import family  # the registry imports the families, which import this
+
+        names, undo = lora.naming(adapter, family(self.config.family), self.config)
+        lora.select(self.net, adapter, names, self.dtype, undo)
         self.selectable[name] = adapter
 
     def lane(self, name: str | None, scale: float = 1.0) -> tuple[int, float, str]:

@@ -50,23 +50,26 @@ def repo_folder(repo_id: str) -> Path:
     return cache_root() / ("models--" + repo_id.replace("/", "--"))
 
 
-def fetch(ref: HubRef, progress: Progress | None = None, vision: bool = True) -> Path:
+def fetch(
+    ref: HubRef, progress: Progress | None = None, vision: bool = True, adapter: bool = False
+) -> Path:
     """The local path of what `ref` names (a snapshot folder or a GGUF file), downloading
-    what the cache lacks (`vision` False: not a GGUF's mmproj). Offline, or with the Hub
-    unreachable, from the cache alone."""
+    what the cache lacks (`vision` False: not a GGUF's mmproj; `adapter`: a LoRA adapter's
+    files, select.py). Offline, or with the Hub unreachable, from the cache alone."""
     import httpx2  # the Hub library's HTTP client: how an unreachable endpoint shows
     from huggingface_hub import HfApi, constants
 
     if constants.is_offline_mode():
-        return from_cache(ref, "HF_HUB_OFFLINE is set")
+        return from_cache(ref, "HF_HUB_OFFLINE is set", adapter)
     try:
         info = HfApi(**LIBRARY).model_info(ref.repo_id, revision=ref.rev, files_metadata=True)
     except httpx2.TransportError as e:  # no network, or the endpoint is down: as the hub does
-        return from_cache(ref, f"{constants.ENDPOINT} cannot be reached ({type(e).__name__})")
+        reason = f"{constants.ENDPOINT} cannot be reached ({type(e).__name__})"
+        return from_cache(ref, reason, adapter)
     except Exception as e:  # noqa: BLE001 — the hub's HTTP errors, mapped to one line each
         status = getattr(getattr(e, "response", None), "status_code", 0) or 0
         if status >= 500 or status == 429:  # the Hub is down or busy: the cache, as the hub does
-            return from_cache(ref, f"{constants.ENDPOINT} answered HTTP {status}")
+            return from_cache(ref, f"{constants.ENDPOINT} answered HTTP {status}", adapter)
         raise hub_error(e, ref) from None
     siblings = {s.rfilename: s for s in info.siblings or ()}
     listing = {name: s.size for name, s in siblings.items()}
@@ -75,7 +78,7 @@ def fetch(ref: HubRef, progress: Progress | None = None, vision: bool = True) ->
         raise HubError(f"the Hub gave no commit for revision {ref.rev}", path=str(ref))
     storage = repo_folder(ref.repo_id)
     bar = bar_class(progress) if progress is not None else None
-    sel = select(ref, listing, vision=vision)
+    sel = select(ref, listing, vision=vision, adapter=adapter)
     if sel.needs_index:
         _fetch_files(ref, commit, sel.files, siblings, bar)
         sel = select(ref, listing, _shards(storage / "snapshots" / commit / INDEX), vision)
@@ -84,11 +87,12 @@ def fetch(ref: HubRef, progress: Progress | None = None, vision: bool = True) ->
     return _target(storage / "snapshots" / commit, sel, ref)
 
 
-def from_cache(ref: HubRef, reason: str) -> Path:
-    """What `ref` names in the cache, with no network call; NotCachedError saying what is
-    missing and how to fetch it."""
+def from_cache(ref: HubRef, reason: str, adapter: bool = False) -> Path:
+    """What `ref` names in the cache (`adapter`: a LoRA adapter's files), with no network
+    call; NotCachedError saying what is missing and how to fetch it."""
     storage = repo_folder(ref.repo_id)
-    hint = f"{reason}; fetch it with network access: mlxlis pull {ref}"
+    fix = "load it once with network access" if adapter else f"mlxlis pull {ref}"
+    hint = f"{reason}; fetch it with network access: {fix}"
     commit = ref.rev if COMMIT.match(ref.rev) else _read_ref(storage, ref.rev)
     snapshot = storage / "snapshots" / commit if commit else None
     if snapshot is None or not snapshot.is_dir():
@@ -101,7 +105,7 @@ def from_cache(ref: HubRef, reason: str) -> Path:
         for p in sorted(snapshot.rglob("*"))
         if p.is_file()
     }
-    sel = select(ref, listing)
+    sel = select(ref, listing, adapter=adapter)
     if sel.needs_index:
         shards = _shards(snapshot / INDEX)
         lacking = sorted(set(shards) - listing.keys())

@@ -6,8 +6,9 @@ the config, tokenizer, chat-template and generation files beside them; never pic
 never the README or images; the image processor's settings where the repo has them (a model
 that sees). A GGUF repo: the files of one model (all parts of a split one) and, where its folder
 has one, its vision projector (an mmproj file, of several the one whose precision is nearest the
-model's, as llama.cpp's -hf chooses); never the other quants. Ambiguity is an error listing
-choices.
+model's, as llama.cpp's -hf chooses); never the other quants. A LoRA adapter's repo
+(`adapter`): its adapter_config.json and weights (PEFT's or mlx-lm's), else its one GGUF
+adapter (or the one named). Ambiguity is an error listing choices.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ FOLDER_FILES = (
     "processor_config.json",
     INDEX,
 )
+# a LoRA adapter's files (PEFT's config and weights, mlx-lm's weights), as loading/adapters.py
+# reads them
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapters.safetensors")
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 SPLIT_PART = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.I)
 # the quant in a GGUF file name as llama.cpp's tools and the usual uploaders write it
@@ -107,9 +112,12 @@ def select(
     listing: Mapping[str, int | None],
     shards: Collection[str] | None = None,
     vision: bool = True,
+    adapter: bool = False,
 ) -> Selection:
     """The files `ref` needs from a repo whose files are `listing` (path -> size); `vision`
-    False: a GGUF's mmproj left out (loading text only)."""
+    False: a GGUF's mmproj left out (loading text only); `adapter`: a LoRA adapter's files."""
+    if adapter:
+        return _adapter(ref, listing)
     if not vision:
         listing = {p: n for p, n in listing.items() if "mmproj" not in p.rsplit("/", 1)[-1].lower()}
     models = gguf_models(listing)
@@ -151,6 +159,36 @@ def select(
             f"{len(found)} GGUF models match; name one: {names}", path=str(ref)
         )
     return _gguf(ref, found[0], listing)
+
+
+def _adapter(ref: HubRef, listing: Mapping[str, int | None]) -> Selection:
+    """A PEFT / mlx-lm adapter folder's config and weights, else a GGUF adapter (the one
+    named, or the repo's only one); never a model's weights or a projector."""
+    top = {p for p in listing if "/" not in p}
+    if ref.filename is None and ADAPTER_CONFIG in top:
+        weights = tuple(w for w in ADAPTER_WEIGHTS if w in top)
+        if not weights:
+            raise HubError(
+                f"{ADAPTER_CONFIG} but no adapter weights ({' or '.join(ADAPTER_WEIGHTS)})",
+                path=str(ref),
+            )
+        return Selection("adapter", (ADAPTER_CONFIG, *weights), "", "adapter")
+    ggufs = sorted(p for p in listing if p.lower().endswith(".gguf"))
+    if ref.filename is not None:
+        found = [p for p in ggufs if p.lower() == ref.filename.lower()]
+        if not found:
+            raise HubError(f"no file {ref.filename} in the repo", path=str(ref))
+    else:
+        found = ggufs
+    if len(found) == 1:
+        return Selection("gguf", (found[0],), found[0], found[0].rsplit("/", 1)[-1])
+    if found:
+        raise AmbiguousModelError(
+            f"{len(found)} GGUF files in the repo; name one: "
+            + ", ".join(f"{ref.repo_id}/{p}" for p in found),
+            path=str(ref),
+        )
+    raise HubError(f"no LoRA adapter in the repo (no {ADAPTER_CONFIG}, no .gguf)", path=str(ref))
 
 
 def _gguf(ref: HubRef, model: GGUFModel, listing: Collection[str]) -> Selection:
