@@ -2142,6 +2142,22 @@ MUTANTS = (
         "LoRA: a batched speculative verification runs every row on the base",
     ),
     Mutant(
+        "serve-adapter-name-runs-base",
+        "mlxlis/serve/pool.py",
+        "target=replace(self.target, adapter=listing.adapter),",
+        "target=self.target,",
+        ("tests/test_serve_lora.py",),
+        "serve: a request naming BASE:ADAPTER runs on the base",
+    ),
+    Mutant(
+        "serve-lora-field-scale-dropped",
+        "mlxlis/serve/prepare.py",
+        "chosen.append((names[entry.id], entry.scale))",
+        "chosen.append((names[entry.id], 1.0))",
+        ("tests/test_serve_lora.py",),
+        "serve: llama.cpp's per-request adapter scale ignored",
+    ),
+    Mutant(
         "prefix-cache-crosses-adapters",
         "mlxlis/cache/prefix.py",
         "if fmt != kv or made != tag or not (n := common_prefix(held, ids)):",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlxlis.commands.args import (
     add_model_args,
@@ -18,6 +19,10 @@ from mlxlis.distributed.leader import follow
 from mlxlis.errors import MlxlisError
 from mlxlis.loading import catalog
 from mlxlis.settings import settings
+
+if TYPE_CHECKING:  # imported where used: `mlxlis serve --help` stays quick
+    from mlxlis.loading.adapters import Adapter
+    from mlxlis.serve.listings import Listing
 
 
 def _context(text: str) -> int | str:
@@ -159,6 +164,18 @@ def serve_parser() -> argparse.ArgumentParser:
         "for a local model); REF is a served name or a model reference (several times)",
     )
     p.add_argument(
+        "--adapter",
+        dest="adapters",  # not `adapter`: load_model applies that one to the model itself
+        action="append",
+        default=None,
+        metavar="[MODEL:]NAME=PATH",
+        help="a LoRA adapter (PEFT's or mlx-lm's folder, llama.cpp's GGUF LoRA, or a Hub "
+        "name) on MODEL (default: the first -m), loaded with it and applied unmerged per "
+        "request: a request names MODEL:NAME (or NAME) as its model, or the adapter's id in "
+        "llama.cpp's `lora` field; requests on different adapters share each batch "
+        "(several times)",
+    )
+    p.add_argument(
         "--keep-alive",
         type=_keep_alive,
         default=UNSET,
@@ -174,6 +191,37 @@ def serve_parser() -> argparse.ArgumentParser:
         "default only data: URLs and base64 images are read, and a URL is refused",
     )
     return p
+
+
+def named_adapter(text: str) -> tuple[str | None, str, str]:
+    """`[MODEL:]NAME=PATH` -> (MODEL or None: the first -m, NAME, PATH)."""
+    head, sep, ref = text.partition("=")
+    model, colon, name = head.rpartition(":")
+    if not (sep and name and ref) or (colon and not model):
+        raise MlxlisError(f"expected [MODEL:]NAME=PATH, got {text!r}", field="--adapter")
+    return model or None, name, ref
+
+
+def adapters_of(
+    given: list[str], names: dict[str, Listing], first: str | None
+) -> dict[str, dict[str, Adapter]]:
+    """--adapter's adapters, read and checked now (a bad file: an error naming it), by the
+    name of the model each runs on."""
+    from mlxlis.loading.adapters import read_adapter
+
+    out: dict[str, dict[str, Adapter]] = {}
+    for text in given:
+        model, name, ref = named_adapter(text)
+        if model is None and first is None:
+            raise MlxlisError(f"{text}: name its model (MODEL:NAME=PATH)", field="--adapter")
+        listing = names.get(model or first or "")
+        if listing is None or listing.adapter:
+            raise MlxlisError(f"{text}: no served model {model!r}", field="--adapter")
+        own = out.setdefault(listing.name, {})
+        if name in own:
+            raise MlxlisError(f"{text}: {listing.name} has an adapter {name!r}", field="--adapter")
+        own[name] = read_adapter(ref)
+    return out
 
 
 def named_alias(text: str) -> tuple[str, str]:
@@ -210,7 +258,7 @@ def run_serve(argv: list[str]) -> int:
     def go() -> int:
         from mlxlis.distributed import launched
         from mlxlis.runtime import mlx_thread
-        from mlxlis.serve.listings import named, of_ref, on_disk, table
+        from mlxlis.serve.listings import named, of_ref, on_disk, table, with_adapters
         from mlxlis.serve.pool import DEFAULT_KEEP_ALIVE
         from mlxlis.serve.server import ServeOptions, Started, serve
 
@@ -231,6 +279,10 @@ def run_serve(argv: list[str]) -> int:
                 "--models-dir)",
                 field="-m",
             )
+        if a.adapters and launched():
+            raise MlxlisError("adapters on a pipelined model", field="--adapter")
+        adapters = adapters_of(a.adapters or [], names, listings[0].name if refs else None)
+        with_adapters(names, adapters)
         started = []
         if refs:  # the first -m is loaded now, with the speculation flags: errors show at once
             main = listings[0]
@@ -276,6 +328,7 @@ def run_serve(argv: list[str]) -> int:
             lambda listing: load_model(a, listing.ref),
             started,
             default,
+            adapters,
         )
 
     return guard(a.debug, go)

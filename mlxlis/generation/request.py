@@ -69,6 +69,8 @@ class Ask:
     strict: bool = False
     context_field: str = "messages"  # what a context refusal names
     context_hint: str = ""  # ends a context refusal's message (what the user can do)
+    adapter: str | None = None  # the LoRA adapter it runs under (Model.selectable's name)
+    adapter_scale: float = 1.0  # a multiplier on that adapter's scale
 
 
 @dataclass
@@ -157,6 +159,8 @@ def build(model: Model, ask: Ask, *, context: int) -> Built:
         speculation=ask.speculation,
         kv_format=ask.kv_format,
         images=spans,
+        adapter=ask.adapter,
+        adapter_scale=ask.adapter_scale,
     )
     asked = ask.params.max_tokens if cut else None
     return Built(request, prompt, tools.schemas, tools.fmt, tools.forced, asked, messages)

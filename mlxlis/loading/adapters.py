@@ -243,4 +243,6 @@ def _layers(
         if not (mx.issubdtype(a.dtype, mx.floating) and mx.issubdtype(b.dtype, mx.floating)):
             raise AdapterError(f"expected float tensors, got {a.dtype}", path=path, field=module)
         out[module] = LoRA(a, b, scale(r))
+    # read now: a lazy array read on this thread cannot be evaluated on another's stream
+    mx.eval([(lo.a, lo.b) for lo in out.values()])
     return out

@@ -123,7 +123,8 @@ def create_app(state: State) -> FastAPI:
     pool = state.pool
 
     def card(x: Listing) -> dict[str, Any]:
-        served = pool.loaded.get(x.name)
+        served = pool.loaded.get(x.base or x.name)  # an adapter's: its model's
+        adapter = {"parent": x.base} if x.base else {}
         return {
             "id": x.name,
             "object": "model",
@@ -135,6 +136,7 @@ def create_app(state: State) -> FastAPI:
             "quantization": x.quant,
             "size": x.size,
             "loaded": served is not None,
+            **adapter,
         }
 
     @app.get("/health")
@@ -159,7 +161,7 @@ def create_app(state: State) -> FastAPI:
     @app.get("/v1/models", dependencies=auth)
     async def models(loaded: bool = False) -> dict[str, Any]:
         """Every model the server can serve (`?loaded=true`: those loaded now)."""
-        shown = [x for x in pool.listings() if not loaded or x.name in pool.loaded]
+        shown = [x for x in pool.listings() if not loaded or (x.base or x.name) in pool.loaded]
         return {"object": "list", "data": [card(x) for x in shown]}
 
     @app.get("/v1/models/{name:path}", dependencies=auth)
@@ -168,6 +170,20 @@ def create_app(state: State) -> FastAPI:
             return card(pool.listing(name))
         except PoolError as e:
             raise pool_error(e) from None
+
+    @app.get("/lora-adapters", dependencies=auth)
+    async def lora_adapters(model: str | None = None) -> list[dict[str, Any]]:
+        """llama.cpp's list of a model's adapters (the default model's without `model`): the
+        ids its requests' `lora` field names, each at scale 1 (a request sets its own)."""
+        try:
+            listing = pool.listing(model)
+        except PoolError as e:
+            raise pool_error(e) from None
+        base = listing.base or listing.name
+        return [
+            {"id": i, "name": name, "model": f"{base}:{name}", "path": str(a.path), "scale": 1.0}
+            for i, (name, a) in enumerate(pool.adapters.get(base, {}).items())
+        ]
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(request: Request) -> Any:

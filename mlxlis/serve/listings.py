@@ -4,7 +4,9 @@ before it is loaded (for /v1/models, /api/tags, and the memory check before a lo
 `mlxlis serve -m REF` (or `-m NAME=REF`, several times) serves what it names; without `-m`,
 every model on the disk: the catalog's pulled models, the Hugging Face cache (what `mlxlis
 models` lists) and the files and folders of each `--models-dir`. `--alias NAME=REF` adds a
-name clients already use (a Claude model name for a local model).
+name clients already use (a Claude model name for a local model). `--adapter
+[MODEL:]NAME=PATH` lists a LoRA adapter on a served model as `MODEL:NAME` (and `NAME`, unless
+a model has that name): the model with that adapter chosen for every request.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from mlxlis.errors import ConfigError, MlxlisError
 from mlxlis.loading import catalog
+from mlxlis.loading.adapters import Adapter
 from mlxlis.loading.gguf import peek_metadata
 from mlxlis.loading.gguf_split import SPLIT_NAME
 from mlxlis.loading.hub.store import cached_models, folder_details
@@ -32,6 +35,8 @@ class Listing:
     quant: str = ""  # "Q4_K_M", "4-bit g64", "bfloat16"; "" when unknown
     format: str = ""  # "gguf", "safetensors"
     path: Path | None = None  # its files, where known without a download
+    base: str = ""  # an adapter's: the name of the model it runs on ("": a model)
+    adapter: str = ""  # an adapter's: its name on that model
 
 
 def weights_bytes(path: Path) -> int:
@@ -137,3 +142,36 @@ def table(listings: list[Listing], aliases: dict[str, str]) -> dict[str, Listing
         out.setdefault(target.name, target)
         out[alias] = target
     return out
+
+
+def adapter_listings(base: Listing, adapters: dict[str, Adapter]) -> list[Listing]:
+    """A listing per adapter of `base`, named BASE:NAME: its own file's size and path, the
+    base's family and quantization."""
+    return [
+        Listing(
+            f"{base.name}:{name}",
+            base.ref,
+            adapter.weights.stat().st_size,
+            base.family,
+            base.quant,
+            "lora",
+            adapter.path,
+            base=base.name,
+            adapter=name,
+        )
+        for name, adapter in adapters.items()
+    ]
+
+
+def with_adapters(names: dict[str, Listing], adapters: dict[str, dict[str, Adapter]]) -> None:
+    """Each adapter's listing added to `names` (`adapters`: model name -> adapter name ->
+    adapter) as MODEL:NAME, and as NAME where no model or other adapter has that name."""
+    listed = {x.name: x for x in names.values()}  # each listing once, by its own name
+    short: dict[str, list[Listing]] = {}
+    for model, own in adapters.items():
+        for x in adapter_listings(listed[model], own):
+            names[x.name] = x
+            short.setdefault(x.adapter, []).append(x)
+    for name, xs in short.items():
+        if len(xs) == 1:
+            names.setdefault(name, xs[0])

@@ -177,7 +177,7 @@ def loaded(model: str, body: dict[str, Any], unloaded: bool = False) -> dict[str
 def card(x: Listing, served: Served | None, fingerprint: str) -> dict[str, Any]:
     """A model as /api/tags lists it (its parameter count once it is loaded)."""
     details = {
-        "parent_model": "",
+        "parent_model": tag(x.base) if x.base else "",  # an adapter's model
         "format": x.format or "safetensors",
         "family": x.family,
         "families": [x.family] if x.family else None,
@@ -201,7 +201,7 @@ def router(svc: Service, auth: list) -> APIRouter:
     pool = state.pool
 
     def listed(x: Listing) -> dict[str, Any]:
-        served = pool.loaded.get(x.name)
+        served = pool.loaded.get(x.base or x.name)  # an adapter's: its model's
         return card(x, served, served.fingerprint if served else f"{x.name}|{x.ref}|{x.size}")
 
     async def answer(

@@ -11,6 +11,10 @@ model whose files alone outgrow the budget is refused before anything is read. E
 model's engine checks its requests' caches against what the others' weights, prefix caches
 and running requests leave (Engine.others).
 
+A LoRA adapter (`--adapter`) is loaded with its model, selectable per request (its bytes
+count with the model's); a request naming the adapter (BASE:NAME) gets the model as its view
+(`Served.view`): the same engine, every request of it on that adapter.
+
 A model is unloaded once idle for its keep-alive (`--keep-alive`, a request's `keep_alive`:
 a duration, `-1` forever, `0` as soon as its requests end); its engine stops and the arrays
 are freed (MLX's cache cleared), so the memory returns.
@@ -35,6 +39,7 @@ from typing import Any
 
 from mlxlis.errors import ConfigError, MlxlisError
 from mlxlis.generation.engine import Engine
+from mlxlis.loading.adapters import Adapter
 from mlxlis.runtime import mlx_thread
 from mlxlis.runtime.device import trim_malloc
 from mlxlis.serve.listings import Listing
@@ -100,6 +105,9 @@ class Served:
     keep_alive: float | None  # seconds idle before it is unloaded; None: never
     last_used: float = field(default_factory=time.monotonic)
     holds: int = 0  # requests being prepared or running on it
+    # its adapters that did not fit it when it loaded: name -> why (their requests get a 400)
+    refused: dict[str, str] = field(default_factory=dict)
+    owner: Served | None = None  # an adapter's view: the model's own Served
     token_text: TokenText = field(init=False)
 
     def __post_init__(self) -> None:
@@ -127,15 +135,35 @@ class Served:
     @contextmanager
     def held(self) -> Iterator[Served]:
         """Not unloaded while the block runs (a request being prepared and submitted)."""
-        self.holds += 1
+        (self.owner or self).holds += 1
         try:
             yield self
         finally:
             self.release()
 
     def release(self) -> None:
-        self.holds -= 1
-        self.last_used = time.monotonic()
+        own = self.owner or self
+        own.holds -= 1
+        own.last_used = time.monotonic()
+
+    def view(self, listing: Listing) -> Served:
+        """The model as the requests naming one of its adapters (`listing`) use it: that
+        adapter chosen for each, the same engine; held and kept alive as the model."""
+        if why := self.refused.get(listing.adapter):
+            raise PoolError(
+                f"the adapter {listing.name!r} does not fit its model: {why}",
+                400,
+                "adapter_unusable",
+            )
+        key = self.model.selectable[listing.adapter].key
+        return replace(
+            self,
+            listing=listing,
+            target=replace(self.target, adapter=listing.adapter),
+            fingerprint=f"{self.fingerprint}-{key[:8]}",
+            holds=0,
+            owner=self,
+        )
 
 
 Loader = Callable[[Listing], Any]  # a listing's files -> its Model (on the loading thread)
@@ -152,8 +180,10 @@ class Pool:
         margin: int,
         prefix_bytes: int,
         default: str | None = None,
+        adapters: dict[str, dict[str, Adapter]] | None = None,
     ):
         self.names = names  # every name a request may use -> its listing
+        self.adapters = adapters or {}  # a model's name -> its adapters by name
         self.load, self.build = load, build
         self.budget, self.margin, self.prefix_bytes = budget, margin, prefix_bytes
         self.default = default  # the model of a request that names none
@@ -191,9 +221,16 @@ class Pool:
     # --- loading ---
     def add(self, served: Served) -> None:
         """A model loaded before the server starts (-m): kept as `served.keep_alive` says."""
+        self._ids(served)
         served.engine.on_fatal = self.on_fatal
         self.loaded[served.name] = served
         self._plan_rooms()
+
+    def _ids(self, served: Served) -> None:
+        """Its adapters' ids for llama.cpp's `lora` field: their order on the command line
+        (one that did not fit keeps its id; a request naming it is refused)."""
+        names = tuple(self.adapters.get(served.name, {}))
+        served.target = replace(served.target, adapters=names)
 
     def set_on_fatal(self, fn: Callable[[str], None]) -> None:
         """`fn` told when any engine, loaded now or later, stops on its own."""
@@ -205,14 +242,15 @@ class Pool:
         """The named model, loaded if it is not (evicting idle ones as needed); the caller
         holds it (`Served.held`) before its next await. `keep_alive` ("": unchanged) is its
         keep-alive from now on."""
-        listing = self.listing(name)
+        chosen = self.listing(name)
+        listing = self.names[chosen.base] if chosen.adapter else chosen
         served = self.loaded.get(listing.name)
         if served is None:
             served = await self._load(listing)
         served.last_used = time.monotonic()
         if keep_alive != "":
             served.keep_alive = keep_alive  # type: ignore[assignment]
-        return served
+        return served.view(chosen) if chosen.adapter else served
 
     async def _load(self, listing: Listing) -> Served:
         pending = self._loading.get(listing.name)
@@ -224,14 +262,21 @@ class Pool:
             if self._lock is None:
                 self._lock = asyncio.Lock()
             async with self._lock:
-                await self._make_room(listing.name, (listing.size or 0) + self.prefix_bytes)
+                adapters = self.adapters.get(listing.name, {})
+                files = sum(a.weights.stat().st_size for a in adapters.values())
+                need = (listing.size or 0) + files + self.prefix_bytes
+                await self._make_room(listing.name, need)
                 started = time.monotonic()
                 # read on a thread of its own: the other models' engines go on meanwhile
-                model = await asyncio.wrap_future(
-                    mlx_thread.loading().submit(_loaded(self.load, listing))
+                model, refused = await asyncio.wrap_future(
+                    mlx_thread.loading().submit(_loaded(self.load, listing, adapters))
                 )
+                for name, why in refused.items():
+                    log.error("adapter %s:%s not loaded: %s", listing.name, name, why)
                 job = mlx_thread.shared().submit(partial(self.build, listing, model))
                 served = await asyncio.wrap_future(job)
+                served.refused = refused
+                self._ids(served)
                 del model
                 served.engine.on_fatal = self.on_fatal
                 self.loaded[listing.name] = served
@@ -349,13 +394,28 @@ class Pool:
         return [s.engine for s in self.loaded.values()]
 
 
-def _loaded(load: Loader, listing: Listing) -> Callable[[], Any]:
-    def job() -> Any:
+def _loaded(
+    load: Loader, listing: Listing, adapters: dict[str, Adapter]
+) -> Callable[[], tuple[Any, dict[str, str]]]:
+    def job() -> tuple[Any, dict[str, str]]:
         model = load(listing)
+        refused = attach(model, adapters)
         mx.eval(model.net.parameters())  # every weight read here, none left for the MLX thread
-        return model
+        return model, refused
 
     return job
+
+
+def attach(model: Any, adapters: dict[str, Adapter]) -> dict[str, str]:
+    """Each adapter made selectable on `model` (Model.select_adapter); those that do not fit
+    it (another base's, a module it lacks): name -> why, the model left without them."""
+    refused = {}
+    for name, adapter in adapters.items():
+        try:
+            model.select_adapter(name, adapter)
+        except MlxlisError as e:
+            refused[name] = str(e)
+    return refused
 
 
 def _free() -> None:

@@ -5,6 +5,7 @@ context bounded. Every refusal is an APIError naming the field."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -39,6 +40,8 @@ class Target:
     # rule); by default max_tokens is a ceiling, cut to what the context leaves (llama.cpp's
     # and Ollama's: agents ask for 32 000 as a matter of course)
     strict_context: bool = False
+    adapter: str | None = None  # the LoRA adapter its requests run under (a BASE:NAME model)
+    adapters: tuple[str, ...] = ()  # the model's adapters by id (`lora`; GET /lora-adapters)
 
 
 @dataclass
@@ -99,6 +102,27 @@ def kv_choice(t: Target, req: _Sampling) -> KVChoice:
         why = str(e).split(f"{e.field}: ", 1)[-1]
         raise bad(f"{e.field}: {why}", e.field) from None
     return "model" if kv == own else kv
+
+
+def adapter_choice(t: Target, req: _Sampling) -> tuple[str | None, float]:
+    """The adapter a request runs under and its scale: llama.cpp's `lora` list (one adapter
+    by id with a scale above 0; [] or every scale 0: the base) over the one its model name
+    chose."""
+    if req.lora is None:
+        return t.adapter, 1.0
+    names = t.adapters
+    chosen = []
+    for i, entry in enumerate(req.lora):
+        if not 0 <= entry.id < len(names):
+            have = f"ids 0 to {len(names) - 1}" if names else "none"
+            raise bad(f"lora[{i}].id: no adapter {entry.id} (this model has {have})", "lora")
+        if not (math.isfinite(entry.scale) and entry.scale >= 0):
+            raise bad(f"lora[{i}].scale: must be 0 or above, not {entry.scale}", "lora")
+        if entry.scale > 0:
+            chosen.append((names[entry.id], entry.scale))
+    if len(chosen) > 1:
+        raise bad("lora: one adapter per request (every other one's scale 0)", "lora")
+    return chosen[0] if chosen else (None, 1.0)
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -190,6 +214,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
     variables = dict(req.chat_template_kwargs or {})
     if clash := sorted(RESERVED_TEMPLATE_VARS & variables.keys()):
         raise bad(f"chat_template_kwargs: {', '.join(clash)} cannot be set", "chat_template_kwargs")
+    adapter, scale = adapter_choice(t, req)
     ask = Ask(
         [message_dict(m, i, model) for i, m in enumerate(req.messages)],
         params,
@@ -206,6 +231,8 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
         kv_format=kv_choice(t, req),
         explicit=explicit is not None,
         strict=t.strict_context,
+        adapter=adapter,
+        adapter_scale=scale,
     )
     try:
         built = build(model, ask, context=t.max_context)
@@ -257,6 +284,7 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
     if not ids:
         raise bad("prompt: empty", "prompt")
     params, asked = fit(t, ids, params, req.max_tokens is not None, "prompt")
+    adapter, scale = adapter_choice(t, req)
     gen = Request(
         ids,
         params,
@@ -266,6 +294,8 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
         processors=completion_masks(t, req),
         speculation=t.speculation,
         kv_format=kv_choice(t, req),
+        adapter=adapter,
+        adapter_scale=scale,
     )
     return Prepared(gen, None, None, asked=asked)
 

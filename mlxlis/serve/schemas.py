@@ -63,6 +63,14 @@ class ChatMessage(_Body):
     reasoning_content: str | None = None
 
 
+class LoraChoice(_Body):
+    """llama.cpp's per-request adapter: the id of one the server holds (GET /lora-adapters)
+    and its scale (0: left out)."""
+
+    id: int
+    scale: float = 1.0
+
+
 class _Sampling(_Body):
     """What chat and completion requests share."""
 
@@ -85,6 +93,9 @@ class _Sampling(_Body):
     # mlxlis' extension, as Ollama's: how long the model stays loaded once idle (a duration
     # such as 5m, seconds, -1 forever, 0 at once)
     keep_alive: float | str | None = None
+    # llama.cpp's: the LoRA adapter this request runs under, by id, and its scale (the
+    # model's name may choose one too: BASE:NAME); [] the base
+    lora: list[LoraChoice] | None = None
 
 
 class ChatCompletionRequest(_Sampling):

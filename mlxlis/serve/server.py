@@ -28,13 +28,14 @@ from mlxlis.generation.engine import Engine, MemoryPlan
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import Speculation
 from mlxlis.generation.warmup import warm_up
+from mlxlis.loading.adapters import Adapter
 from mlxlis.models.footprint import Footprint, footprint
 from mlxlis.runtime import mlx_thread
 from mlxlis.runtime.memory import memory_budget, wire
 from mlxlis.serve.app import State, create_app, log
 from mlxlis.serve.http_protocol import HEAD_WAIT_S, with_deadline
 from mlxlis.serve.listings import Listing, describe
-from mlxlis.serve.pool import DEFAULT_KEEP_ALIVE, Pool, Served
+from mlxlis.serve.pool import DEFAULT_KEEP_ALIVE, Pool, Served, attach
 from mlxlis.serve.prepare import Target
 from mlxlis.serve.service import MAX_VISION_BODY_BYTES
 
@@ -270,9 +271,13 @@ def serve(
     load: Callable[[Listing], Any],
     started: list[Started],
     default: str | None,
+    adapters: dict[str, dict[str, Adapter]] | None = None,
 ) -> int:
     """Serve the listed models (`started` loaded already, the others by `load` on demand)
-    until Ctrl+C / SIGTERM; returns the exit status."""
+    until Ctrl+C / SIGTERM; returns the exit status. `adapters`: a model's name -> its LoRA
+    adapters by name, loaded with it (those of a started model that do not fit it: an
+    MlxlisError now)."""
+    adapters = adapters or {}
     setup_logging(opts.verbose)
     budget = memory_budget()
     several = len({x.name for x in names.values()}) > 1
@@ -281,8 +286,13 @@ def serve(
         return build_served(model, listing, opts, budget, several, None, opts.keep_alive)
 
     margin = max(MARGIN_BYTES, budget // 50)
-    pool = Pool(names, load, build, budget, margin, opts.prefix_cache_mb << 20, default)
+    pool = Pool(names, load, build, budget, margin, opts.prefix_cache_mb << 20, default, adapters)
     shown = [s.listing.name for s in started] or [f"{len(pool.listings())} models"]
+    for s in started:  # their adapters now: one that does not fit is the operator's to fix
+        job = partial(attach, s.model, adapters.get(s.listing.name, {}))
+        if refused := mlx_thread.shared().submit(job).result():
+            name, why = next(iter(refused.items()))
+            raise MlxlisError(f"{s.listing.name}:{name}: {why}", field="--adapter")
     while started:  # taken out of the list: an unloaded model keeps no reference here
         s = started.pop(0)
         first = partial(build_served, s.model, s.listing, opts, budget, several, s.speculation)

@@ -293,11 +293,12 @@ class Service:
             listing = pool.listing(name)
         except PoolError as e:
             raise pool_error(e) from None
-        served = pool.loaded.get(listing.name)
+        name = listing.base or listing.name  # an adapter's: the model it runs on
+        served = pool.loaded.get(name)
         if served is not None:
             served.keep_alive = 0.0
             del served
-            await pool.unload(listing.name)
+            await pool.unload(name)
 
     async def prepare(
         self,
