@@ -202,3 +202,22 @@ def test_an_adapter_of_another_base_stops_the_server_at_start(tmp_path, adapters
     )
     assert r.returncode == 2, r.stderr
     assert str(bad) in r.stderr and "q_proj" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_structured_output_holds_on_an_adapter(srv):
+    """A JSON-schema response_format on an adapter's model: the reply parses as JSON of that
+    schema (the grammar engine's mask applies on top of the adapter's logits)."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    r = srv.client().chat.completions.create(
+        model="smol:a",
+        messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )
+    got = json.loads(r.choices[0].message.content)
+    assert list(got) == ["city"] and isinstance(got["city"], str) and len(got["city"]) <= 12
