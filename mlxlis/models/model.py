@@ -74,6 +74,7 @@ class Model:
         self.kv_format: KVFormat | None = None  # quantized KV caches (set_kv_format), or dense
         self.vision = vision  # how it sees images (multimodal.Vision), None: text only
         self.sees = sees  # its family has a vision tower (Family.vision), loaded or not
+        self.task = "generate"  # what it does: "generate"; "embed", "rerank" (an encoder)
 
     @property
     def name(self) -> str:

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mlxlis.serve import anthropic, ollama, responses
+from mlxlis.serve import anthropic, embeddings, ollama, responses
 from mlxlis.serve.listings import Listing
 from mlxlis.serve.openai_format import APIError, Head, new_id, sse, usage_dict
 from mlxlis.serve.pool import PoolError, Served
@@ -149,7 +149,7 @@ def create_app(state: State) -> FastAPI:
             "model": pool.default,
             "running": sum(r for r, _ in counts),
             "waiting": sum(w for _, w in counts),
-            "prefix_cache_bytes": sum(s.engine.prefix.bytes for s in pool.loaded.values()),
+            "prefix_cache_bytes": sum(prefix_bytes(s) for s in pool.loaded.values()),
             "memory_bytes": mx.get_active_memory(),  # MLX's arrays now (weights included)
             "memory_budget_bytes": pool.budget,
             "loaded": {s.name: loaded_report(s) for s in pool.loaded.values()},
@@ -224,7 +224,7 @@ def create_app(state: State) -> FastAPI:
             reply.text, ev.finish_reason, reply.logprobs, usage_dict(ev.usage)
         )
 
-    for api in (anthropic, responses, ollama):
+    for api in (anthropic, responses, ollama, embeddings):
         app.include_router(api.router(svc, auth))
     app.add_middleware(HeadAsGet)
     return app
@@ -273,7 +273,13 @@ def loaded_report(served: Served) -> dict[str, Any]:
     return {
         "running": running,
         "waiting": waiting,
-        "prefix_cache_bytes": served.engine.prefix.bytes,
+        "prefix_cache_bytes": prefix_bytes(served),
         "expires_in_s": None if expires is None else round(expires - time.monotonic(), 1),
         **memory_report(served.engine),
     }
+
+
+def prefix_bytes(served: Served) -> int:
+    """What its prefix cache holds (none for a model that does not generate)."""
+    prefix = served.engine.prefix
+    return prefix.bytes if prefix is not None else 0

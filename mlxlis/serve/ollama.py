@@ -220,7 +220,7 @@ def router(svc: Service, auth: list) -> APIRouter:
         if req.keep_alive is not None and svc.keep_alive(req.keep_alive) == 0:
             await svc.unload(req.model)  # a model with requests in flight: once they end
             return loaded(req.model, body, unloaded=True)
-        await svc.model(req.model, req.keep_alive)
+        await svc.model(req.model, req.keep_alive, task=None)
         return loaded(req.model, body)
 
     @r.api_route("/", methods=["GET", "HEAD"], response_class=PlainTextResponse)
@@ -274,7 +274,7 @@ def router(svc: Service, auth: list) -> APIRouter:
         asked = req.model or req.name
         if not asked:
             raise bad("is required", "model")
-        served = await svc.model(asked)  # loaded: the template and shape are the model's
+        served = await svc.model(asked, task=None)  # loaded: the template and shape are the model's
         with served.held():
             model, listing = served.model, await asyncio.to_thread(listed, served.listing)
         count = parameter_count(model.net)

@@ -93,13 +93,33 @@ class PoolError(MlxlisError):
         self.status, self.code = status, code
 
 
+class Idle:
+    """The runner of a model that keeps no engine (an embedding or reranking model: each
+    request's call runs as one job on the MLX thread, serve/embeddings.py): nothing queued,
+    no caches beyond its weights, nothing to stop."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.memory = None
+        self.others: Callable[[], int] | None = None
+        self.on_fatal: Callable[[str], None] | None = None
+        self.prefix = None  # no prefix cache
+        self.counts = (0, 0)  # its requests are its holds (Served.busy)
+
+    def reserved(self) -> int:
+        return 0
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        pass
+
+
 @dataclass(eq=False)
 class Served:
     """One loaded model as the routes use it."""
 
     listing: Listing
     target: Target
-    engine: Engine
+    engine: Engine | Idle  # Idle: a model that does not generate
     fingerprint: str
     reserve: int  # bytes it holds beside its requests' caches: weights + prefix-cache bound
     keep_alive: float | None  # seconds idle before it is unloaded; None: never
@@ -390,7 +410,7 @@ class Pool:
         if self._reaper is not None:
             self._reaper.cancel()
 
-    def engines(self) -> list[Engine]:
+    def engines(self) -> list[Engine | Idle]:
         return [s.engine for s in self.loaded.values()]
 
 

@@ -29,13 +29,13 @@ from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import Speculation
 from mlxlis.generation.warmup import warm_up
 from mlxlis.loading.adapters import Adapter
-from mlxlis.models.footprint import Footprint, footprint
+from mlxlis.models.footprint import Footprint, footprint, weight_bytes
 from mlxlis.runtime import mlx_thread
 from mlxlis.runtime.memory import memory_budget, wire
 from mlxlis.serve.app import State, create_app, log
 from mlxlis.serve.http_protocol import HEAD_WAIT_S, with_deadline
 from mlxlis.serve.listings import Listing, describe
-from mlxlis.serve.pool import DEFAULT_KEEP_ALIVE, Pool, Served, attach
+from mlxlis.serve.pool import DEFAULT_KEEP_ALIVE, Idle, Pool, Served, attach
 from mlxlis.serve.prepare import Target
 from mlxlis.serve.service import MAX_VISION_BODY_BYTES
 
@@ -97,7 +97,7 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def stop_engines(engines: list[Engine]) -> None:
+def stop_engines(engines: list[Engine | Idle]) -> None:
     for engine in engines:
         try:
             engine.shutdown(timeout=SHUTDOWN_WAIT_S)
@@ -238,7 +238,12 @@ def build_served(
     speculation: Speculation | None = None,
     keep_alive: float | None = None,
 ) -> Served:
-    """On the MLX thread: a loaded model's target, engine and memory plan, served by the pool."""
+    """On the MLX thread: a loaded model's target, engine and memory plan, served by the pool
+    (a model that does not generate: its weights and no engine, serve/embeddings.py)."""
+    if model.task != "generate":
+        target = Target(model, opts.defaults, model.context_length, frozenset())
+        reserve = weight_bytes(model)
+        return Served(listing, target, Idle(model), fingerprint(model), reserve, keep_alive)
     prints = footprints(model) if model.part is None else None
     plan = memory_plan(model, opts, prints, budget) if prints is not None else None
     context = context_for(model, opts, plan)

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from mlxlis.errors import MlxlisError
 from mlxlis.generation.engine import (
+    Engine,
     MemoryFullError,
     QueueFullError,
     Stream,
@@ -53,6 +54,12 @@ log = logging.getLogger("mlxlis.serve")
 MAX_BODY_BYTES = 8 << 20  # a request body; 100k tokens of text are < 1 MiB
 MAX_VISION_BODY_BYTES = 64 << 20  # a model that sees: base64 images (4/3 of their bytes)
 B = TypeVar("B", bound=_Body)
+# a model's task -> how a refusal names its kind, and the route it answers on
+TASKS = {
+    "generate": ("a chat model", "/v1/chat/completions"),
+    "embed": ("an embedding model", "/v1/embeddings"),
+    "rerank": ("a reranking model", "/v1/rerank"),
+}
 
 
 @dataclass
@@ -270,20 +277,29 @@ class Service:
         except MlxlisError as e:
             raise APIError(400, f"keep_alive: {e.message}", param="keep_alive") from None
 
-    async def model(self, name: str | None, keep_alive: Any = None) -> Served:
+    async def model(
+        self, name: str | None, keep_alive: Any = None, task: str | None = "generate"
+    ) -> Served:
         """The model a request names (None: the server's default), loaded if it is not; a 404
         for a name the server does not serve, a 400 for a model too large for its memory
-        even alone, a 503 while busy models hold the memory it needs. `keep_alive` (Ollama's:
-        a duration or seconds; None: unchanged) is its keep-alive from this request on."""
+        even alone, a 503 while busy models hold the memory it needs, a 400 for a model of
+        another `task` than the route's ("generate", "embed", "rerank"; None: any).
+        `keep_alive` (Ollama's: a duration or seconds; None: unchanged) is its keep-alive
+        from this request on."""
         seconds = self.keep_alive(keep_alive)
         try:
-            return await self.state.pool.use(name, seconds)
+            served = await self.state.pool.use(name, seconds)
         except PoolError as e:
             raise pool_error(e) from None
         except MlxlisError as e:  # the listed model's files fail to load: not the request's
             raise APIError(
                 500, f"the model {name!r} could not be loaded: {e}", type="server_error"
             ) from None
+        have = served.model.task
+        if task is not None and have != task:
+            kind, route = TASKS.get(have, (f"a {have} model", "?"))
+            raise APIError(400, f"{served.name!r} is {kind}: send it to {route}", param="model")
+        return served
 
     async def unload(self, name: str | None) -> None:
         """Unload the named model now, or, while requests are in flight on it, as soon as they
@@ -345,6 +361,7 @@ class Service:
 
     def submit(self, served: Served, prep: Prepared, rid: str, request: Request) -> Run:
         state = self.state
+        assert isinstance(served.engine, Engine)  # a chat route's model (Service.model's task)
         try:
             stream = served.engine.submit(prep.gen, loop=asyncio.get_running_loop())
         except QueueFullError as e:
