@@ -23,6 +23,7 @@ from mlxlis.generation.generate import run_request
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import Speculation
 from mlxlis.loading.adapters import read_adapter
+from mlxlis.serve.pool import attach
 
 import numpy as np
 import pytest
@@ -53,7 +54,7 @@ def setup(tmp_path_factory):
     (root / "a-half" / "adapter_config.json").write_text(json.dumps(config))
     model = mlxlis.load(folder, "float32")
     for name in ADAPTERS:
-        model.select_adapter(name, read_adapter(root / name))
+        assert attach(model, {name: read_adapter(root / name)}) == {}  # as the server does
     return model, folder, root
 
 

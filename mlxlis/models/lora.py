@@ -125,6 +125,7 @@ def apply(
 
 
 Undo = Callable[[str, LoRA], LoRA]  # (the network's tensor name, LoRA) -> LoRA in our layout
+Names = Callable[[str], str | None]  # an adapter's "<module>.weight" -> the network's name
 
 
 def adapt(

@@ -118,17 +118,17 @@ class Model:
         key = f"{self.path}|{stamp}|{self.dtype}|{self.quant_summary}|{adapters}"
         return "kv_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
-    def select_adapter(self, name: str, adapter: Adapter) -> None:
+    def select_adapter(
+        self, name: str, adapter: Adapter, names: lora.Names, undo: lora.Undo | None = None
+    ) -> None:
         """`adapter` made choosable per request as `name` (lora.select: rows on different
-        adapters share one forward). Checked whole first: an AdapterError leaves the model
-        as it was."""
+        adapters share one forward), its module names mapped by `names` and its tensors put
+        in this network's layout by `undo` (lora.naming). Checked whole first: an
+        AdapterError leaves the model as it was."""
         if name in self.selectable:
             raise AdapterError(f"an adapter named {name!r} is selectable already", field=name)
         if self.part is not None:
             raise UnsupportedError("adapters on a pipelined model", field="adapters")
-        from mlxlis.models import family  # the registry imports the families, which import this
-
-        names, undo = lora.naming(adapter, family(self.config.family), self.config)
         lora.select(self.net, adapter, names, self.dtype, undo)
         self.selectable[name] = adapter
 

@@ -40,6 +40,7 @@ from typing import Any
 from mlxlis.errors import ConfigError, MlxlisError
 from mlxlis.generation.engine import Engine
 from mlxlis.loading.adapters import Adapter
+from mlxlis.models import family, lora
 from mlxlis.runtime import mlx_thread
 from mlxlis.runtime.device import trim_malloc
 from mlxlis.serve.listings import Listing
@@ -432,7 +433,8 @@ def attach(model: Any, adapters: dict[str, Adapter]) -> dict[str, str]:
     refused = {}
     for name, adapter in adapters.items():
         try:
-            model.select_adapter(name, adapter)
+            names, undo = lora.naming(adapter, family(model.config.family), model.config)
+            model.select_adapter(name, adapter, names, undo)
         except MlxlisError as e:
             refused[name] = str(e)
     return refused
