@@ -86,6 +86,13 @@ def edited(folder, dest, **changes):
     return dest
 
 
+def local_theta_copy(folder, dest):
+    """A copy whose sliding layers turn by θ 5000 (the full layer keeps YaRN over θ 2e4)."""
+    params = json.loads((folder / "config.json").read_text())["rope_parameters"]
+    params[SLIDING]["rope_theta"] = 5000.0
+    return edited(folder, dest, rope_parameters=params)
+
+
 def test_logits_match_transformers_fp32(olmo, tmp_path):
     """Reference parity over 72 tokens (4× the window) within 2e-5: post-norm blocks, q/k norms
     over the whole projection, the window on the layers layer_types names, YaRN on the full
@@ -111,9 +118,7 @@ def test_sliding_layers_keep_their_own_rope(olmo, tmp_path):
     import transformers
 
     folder, ref = olmo()
-    params = json.loads((folder / "config.json").read_text())["rope_parameters"]
-    params[SLIDING]["rope_theta"] = 5000.0
-    copy = edited(folder, tmp_path / "local", rope_parameters=params)
+    copy = local_theta_copy(folder, tmp_path / "local")
     theirs_model = transformers.AutoModelForCausalLM.from_pretrained(
         copy, attn_implementation="eager"
     ).eval()
@@ -151,9 +156,10 @@ def test_cached_decode_batches_and_speculation_past_the_window(olmo):
 
 def test_gguf_from_llama_cpp_converter_equals_the_folder(olmo, tmp_path):
     """llama.cpp's convert_hf_to_gguf.py (arch olmo2: Q/K rows as they are, post_attention_norm
-    / post_ffw_norm, the window pattern, rope.freq_base_swa) at f32: the GGUF loads with the
-    folder's structure and gives the folder's logits (measured equal; bound 1e-6)."""
-    folder, _ = olmo()
+    / post_ffw_norm, the window pattern, rope.freq_base_swa) at f32, on the copy whose sliding
+    layers have their own θ: the GGUF loads with the folder's structure and gives the folder's
+    logits (measured equal; bound 1e-6)."""
+    folder = local_theta_copy(olmo()[0], tmp_path / "local")
     path = llama_cpp_convert(folder, tmp_path / "olmo3.gguf")
     model = mlxlis.load(path, "float32")
     src = mlxlis.load(folder, "float32")
