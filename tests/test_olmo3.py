@@ -34,6 +34,7 @@ from conftest import (
     build_tiny,
     check_batched_decode,
     check_cached_decode,
+    check_config_refused,
     tiny_models,
     trajectory,
 )
@@ -252,3 +253,23 @@ def test_classic_keys_and_derived_layer_types(olmo, tmp_path):
     want = transformers.AutoConfig.from_pretrained(derived).layer_types
     assert list(mlxlis.load(derived, "float32").config.layer_types) == want
     assert want == [SLIDING, SLIDING, SLIDING, FULL]
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"layer_types": [SLIDING, "chunked_attention", FULL, SLIDING]}, "layer_types"),
+        ({"layer_types": [SLIDING, FULL]}, "layer_types"),
+        ({"sliding_window": 0}, "sliding_window"),
+        (
+            {"rope_parameters": {FULL: {"rope_type": "dynamic", "factor": 2.0}}},
+            "rope_parameters.full_attention",
+        ),
+    ],
+)
+def test_bad_configs_are_refused_naming_the_field(olmo, tmp_path, change, field):
+    """An unknown or miscounted layer type, a window of 0, an unimplemented RoPE type: an
+    MlxlisError naming config.json and the field, never a model built on a guess."""
+    from mlxlis.errors import MlxlisError
+
+    check_config_refused(olmo()[0], tmp_path, change, MlxlisError, field)
