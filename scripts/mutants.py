@@ -60,6 +60,9 @@ SERVE_MODELS = "tests/test_serve_models.py"
 LORA = "tests/test_lora.py"
 LORA_ENGINE = "tests/test_lora_engine.py"
 LORA_GGUF = "tests/test_lora_gguf.py"
+OLMO3_HF = "tests/test_olmo3.py::test_logits_match_transformers_fp32"
+OLMO3_LOCAL = "tests/test_olmo3.py::test_sliding_layers_keep_their_own_rope"
+OLMO3_GGUF = "tests/test_olmo3.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
 Q4X_CACHE = (
     "tests/test_qwen4_exp.py::test_a_trimmed_verification_and_a_saved_cache_decode_on_exactly"
 )
@@ -1195,6 +1198,55 @@ MUTANTS = (
         "    return base",
         ("tests/test_smollm3.py::test_gguf_matches_transformers_on_the_files_weights",),
         "SmolLM3 GGUF: RoPE on every layer (llama.cpp's fixed NoPE step ignored)",
+    ),
+    Mutant(
+        "olmo3-norm-before-attn",
+        "mlxlis/models/layers.py",
+        "        h = h + self.post_attention_layernorm(self.self_attn(h, mask, cache, positions))",
+        "        h = h + self.self_attn(self.post_attention_layernorm(h), mask, cache, positions)",
+        (OLMO3_HF,),
+        "OLMo 3: the post-attention norm moved before attention (pre-norm)",
+    ),
+    Mutant(
+        "olmo3-q-norm-per-head",
+        "mlxlis/models/layers.py",
+        "self.heads(self.q_norm(self.q_proj(x)), ",
+        "self.heads(mx.fast.rms_norm(self.q_proj(x).reshape(*x.shape[:2], self.n_heads, -1), "
+        "None, 1e-5).reshape(*x.shape[:2], -1) * self.q_norm.weight, ",
+        (OLMO3_HF,),
+        "OLMo 3: q RMSNormed per head over head_dim, not over the whole projection",
+    ),
+    Mutant(
+        "olmo3-window-off-by-one",
+        "mlxlis/models/olmo3.py",
+        '("sliding_window", window)}, path)["sliding_window"]',
+        '("sliding_window", window)}, path)["sliding_window"] + 1',
+        (OLMO3_HF,),
+        "OLMo 3: the sliding window one key wider",
+    ),
+    Mutant(
+        "olmo3-local-rope-is-full",
+        "mlxlis/models/olmo3.py",
+        "rope_local=local if types else None)",
+        "rope_local=None)",
+        (OLMO3_LOCAL,),
+        "OLMo 3: the sliding layers turned by the full layers' RoPE (YaRN, their θ)",
+    ),
+    Mutant(
+        "olmo3-gguf-pattern-flipped",
+        "mlxlis/models/olmo3.py",
+        "        types = [SLIDING if x else FULL for x in pattern.tolist()]",
+        "        types = [FULL if x else SLIDING for x in pattern.tolist()]",
+        (OLMO3_GGUF,),
+        "OLMo 3 GGUF: sliding_window_pattern read inverted",
+    ),
+    Mutant(
+        "olmo3-gguf-swa-theta",
+        "mlxlis/models/olmo3.py",
+        'RopeConfig(theta=m.get("rope.freq_base_swa", base.rope.theta, float))',
+        "RopeConfig(theta=base.rope.theta)",
+        (OLMO3_GGUF,),
+        "OLMo 3 GGUF: rope.freq_base_swa ignored (the sliding layers on the full θ)",
     ),
     Mutant(
         "phi3-qkv-k-v-swapped",

@@ -22,6 +22,7 @@ from mlxlis.models.gpt_oss import GPT_OSS
 from mlxlis.models.llama import LLAMA
 from mlxlis.models.llama4 import LLAMA4
 from mlxlis.models.mistral3 import MISTRAL3
+from mlxlis.models.olmo3 import OLMO3
 from mlxlis.models.phi3 import PHI3
 from mlxlis.models.qwen2 import QWEN2
 from mlxlis.models.qwen3 import QWEN3
@@ -48,6 +49,7 @@ REGISTRY: dict[str, Family] = {
             QWEN3_NEXT,
             QWEN4_EXP,
             SMOLLM3,
+            OLMO3,
             PHI3,
             GPT_OSS,
         ),

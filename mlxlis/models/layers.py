@@ -1,5 +1,6 @@
 """The building blocks the decoder families share: norms, the common Attention and the kinds
-more than one family composes (gated, tempered), the gated MLP.
+more than one family composes (gated, tempered, whole-projection q/k norms), the gated MLP, the
+pre- and post-norm blocks.
 
 Module attribute names equal the Hugging Face tensor names, so a checkpoint binds by name. The
 options many families share are ModelConfig fields read here (bias, q/k norm, scale, softcap);
@@ -116,8 +117,7 @@ class Attention(nn.Module):
     def attend(self, q, k, v, mask: Mask, cache: Cache | None, positions=None) -> mx.array:
         """q (B, T, n_heads, head_dim), k (B, T, n_kv_heads, head_dim), v (B, n_kv_heads, T,
         head_dim) over the cache -> (B, T, n_heads·head_dim)."""
-        if "q_norm" in self:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.norm_heads(q, k)
         t = q.shape[1]
         if isinstance(cache, CacheBatch) and t == 1:  # one token per sequence, on its cache
             return self._attend_batch(q, k, v, cache.caches)
@@ -128,6 +128,13 @@ class Attention(nn.Module):
             ]
             return mx.concatenate(rows)
         return self._attend(q, k, v, mask, cache, positions)
+
+    def norm_heads(self, q, k) -> tuple[mx.array, mx.array]:
+        """q (B, T, n_heads, head_dim) and k by heads, before RoPE: each head RMSNormed over
+        head_dim where the config says (q_norm, k_norm), else as they are."""
+        if "q_norm" in self:
+            return self.q_norm(q), self.k_norm(k)
+        return q, k
 
     def _attend(self, q, k, v, mask: Mask, cache: Cache | None, positions=None) -> mx.array:
         """q, k heads last (B, T, heads, head_dim), v (B, n_kv_heads, T, head_dim) ->
@@ -188,6 +195,25 @@ class GatedAttention(Attention):
         out = self.attend(q, k, v, mask, cache, positions)  # (B, T, n_heads·head_dim)
         out = out * mx.sigmoid(gate).reshape(b, t, -1)
         return self.o_proj(out)
+
+
+class WholeQKNormAttention(Attention):
+    """q and k RMSNormed over the whole projection (every head at once: one weight of
+    n_heads·head_dim, one of n_kv_heads·head_dim) before they are split into heads and turned
+    by RoPE (OLMo 2 / OLMo 3), instead of per head over head_dim."""
+
+    def __init__(self, cfg: ModelConfig, rope: Rope | None):
+        super().__init__(cfg, rope)
+        hd = cfg.head_dim
+        self.q_norm = norm(cfg, self.n_heads * hd)
+        self.k_norm = norm(cfg, self.n_kv_heads * hd)
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        # the norms see (B, T, heads·head_dim): the statistics span all heads
+        return self.heads(self.q_norm(self.q_proj(x)), self.k_norm(self.k_proj(x)), self.v_proj(x))
+
+    def norm_heads(self, q, k) -> tuple[mx.array, mx.array]:
+        return q, k  # normed whole in `project`
 
 
 class TemperedAttention(Attention):
@@ -261,3 +287,24 @@ class PreNormBlock(nn.Module):
     ) -> mx.array:
         h = h + self.self_attn(self.input_layernorm(h), mask, cache, positions)
         return h + self[self.ffn_name](self.post_attention_layernorm(h))
+
+
+class PostNormBlock(nn.Module):
+    """h += norm(attn(h)); h += norm(ffn(h)): each sublayer's output normed inside the residual
+    and its input left as it is (OLMo 2 / OLMo 3; Gemma's sandwich norms both sides) — a
+    family's own block over its own attention kind and MLP."""
+
+    attention: AttentionKind = Attention
+
+    def __init__(self, cfg: ModelConfig, rope: Rope | None, ffn: nn.Module):
+        super().__init__()
+        self.self_attn = self.attention(cfg, rope)
+        self.mlp = ffn
+        self.post_attention_layernorm = norm(cfg, cfg.hidden_size)
+        self.post_feedforward_layernorm = norm(cfg, cfg.hidden_size)
+
+    def __call__(
+        self, h: mx.array, mask: Mask, cache: Cache | None, positions: mx.array | None = None
+    ) -> mx.array:
+        h = h + self.post_attention_layernorm(self.self_attn(h, mask, cache, positions))
+        return h + self.post_feedforward_layernorm(self.mlp(h))

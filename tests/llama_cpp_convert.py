@@ -1,0 +1,52 @@
+"""llama.cpp's own HF -> GGUF converter run on a tiny checkpoint, as a subprocess: the
+`convert_hf_to_gguf.py` of the pinned llama-cpp-python source (scripts/fetch_references.py puts
+it, its `conversion/` package and its own `gguf-py` in the reference folder), with one change:
+the BPE pre-tokenizer check. The converter names a tokenizer's pre-tokenizer by hashing its
+encoding of a test text against a table of released models; the tiny checkpoints' tokenizer
+trained here is in no table, so the check (get_vocab_base_pre) answers a fixed name instead of
+refusing. Everything the converter writes about the model — tensor names, layouts, folded
+conventions, metadata keys — is llama.cpp's own.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RUNNER = """
+import runpy, sys
+script, pre, *args = sys.argv[1:]
+sys.path.insert(0, script.rsplit("/", 1)[0])
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+sys.argv = [script, *args]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def converter() -> Path:
+    """convert_hf_to_gguf.py, or a skip naming the script that fetches it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from fetch_references import converter as where
+
+    path = where()
+    if not path.is_file():
+        pytest.skip("llama.cpp's converter not fetched (scripts/fetch_references.py)")
+    return path
+
+
+def convert(folder: Path, out: Path, outtype: str = "f32", pre: str = "gpt-2") -> Path:
+    """`folder` converted to the GGUF `out` by llama.cpp's converter (`--outtype outtype`), the
+    tokenizer's pre-tokenizer named `pre`; the converter's log in the failure message."""
+    args = [str(folder), "--outtype", outtype, "--outfile", str(out)]
+    run = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(converter()), pre, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out
