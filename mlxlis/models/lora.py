@@ -205,3 +205,96 @@ def select(
     for name, m in net.named_modules():
         if isinstance(m, SwitchLoRA):
             m.add(layers.get(name), dtype)
+
+
+# --- merging into the base weights ---------------------------------------------------------
+
+
+def dense_weight(module: nn.Module) -> mx.array:
+    """The (out, in) float32 weight of a linear module as it computes: a Linear's own, a
+    quantized one's dequantized (MLX's formats, and the forms held for the CPU kernels only:
+    GGUF's super-blocks, symmetric affine without biases)."""
+    if not isinstance(module, nn.QuantizedLinear):
+        return module.weight.astype(mx.float32)
+    scales, biases = module["scales"].astype(mx.float32), module.get("biases")
+    supers = module.get("super_scales")
+    if supers is not None:
+        from mlxlis.runtime.kernels import super_scales_as_float
+
+        scales, biases = super_scales_as_float(module["scales"], biases, supers, module.group_size)
+    elif biases is None and module.mode == "affine":  # symmetric: bias −2^(bits−1)·scale
+        biases = -(2 ** (module.bits - 1)) * scales
+    if biases is not None:
+        biases = biases.astype(mx.float32)
+    kw = {"group_size": module.group_size, "bits": module.bits, "mode": module.mode}
+    return mx.dequantize(module["weight"], scales, biases, **kw)
+
+
+def requantizable(module: nn.QuantizedLinear) -> bool:
+    """Whether `mx.quantize` makes the module's form again (an MLX-quantized folder's, a GGUF
+    block MLX holds as its own affine arrays): not the super-block and bias-free forms the
+    CPU kernels alone read, nor group sizes MLX does not quantize to."""
+    if "super_scales" in module or module.mode == "affine" and "biases" not in module:
+        return False
+    try:  # the one authority on which (bits, group, mode) MLX quantizes to
+        probe = mx.zeros((1, module.group_size * 4))
+        mx.quantize(probe, module.group_size, module.bits, mode=module.mode)
+    except ValueError:
+        return False
+    return True
+
+
+def _merged(module: LoRALinear) -> tuple[nn.Module, str]:
+    """The base of an adapted module (several adapters: nested) with every delta s·B·A added
+    to its weight, and how it is held now."""
+    delta: mx.array | None = None
+    node: nn.Module = module
+    while isinstance(node, LoRALinear):
+        # lora_a (in, r), lora_b (r, out): (B A)ᵀ = lora_a @ lora_b, (in, out)
+        d = (node.lora_a.astype(mx.float32) @ node.lora_b.astype(mx.float32)).T * node.scale
+        delta = d if delta is None else delta + d  # (out, in)
+        node = node.base
+    assert delta is not None
+    weight = dense_weight(node) + delta  # (out, in) float32
+    bias = node.get("bias")
+    if isinstance(node, nn.QuantizedLinear) and requantizable(node):
+        dt = node["scales"].dtype  # quantized as a merged checkpoint in that dtype would be
+        dt = dt if mx.issubdtype(dt, mx.floating) else mx.float32  # mxfp4's are uint8
+        w, *sb = mx.quantize(weight.astype(dt), node.group_size, node.bits, mode=node.mode)
+        node.weight, node.scales = w, sb[0]
+        if len(sb) > 1:
+            node.biases = sb[1]
+        g = f"{node.bits}-bit g{node.group_size}"
+        return node, f"merged and requantized to {g}" + (
+            f" {node.mode}" if node.mode != "affine" else ""
+        )
+    if isinstance(node, nn.QuantizedLinear):  # a form MLX does not make: dense from here
+        dt = bias.dtype if bias is not None else node["scales"].dtype
+        if dt not in (mx.float32, mx.float16, mx.bfloat16):
+            dt = mx.float32
+        out, n_in = weight.shape
+        dense = nn.Linear(n_in, out, bias=bias is not None)
+        dense.weight = weight.astype(dt)
+        if bias is not None:
+            dense.bias = bias
+        return dense, f"merged into dense {str(dt).replace('mlx.core.', '')} weights"
+    node.weight = weight.astype(node.weight.dtype)
+    return node, f"merged into dense {str(node.weight.dtype).replace('mlx.core.', '')} weights"
+
+
+def fuse(net: nn.Module) -> str:
+    """Every applied adapter (`LoRALinear`) merged into its base's weight, the wrapper gone:
+    a dense weight gets W + s·B·A in its dtype; an MLX-quantized one is dequantized, merged
+    and quantized again with its bits, group size and mode; a form only the CPU kernels read
+    (GGUF super-blocks) becomes dense. Returns what was done, e.g. "merged and requantized
+    to 4-bit g64 (28 modules)"; "" when nothing was adapted."""
+    done: dict[str, int] = {}
+    names = [n for n, m in net.named_modules() if isinstance(m, LoRALinear)]
+    outer = [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
+    for name in outer:
+        parent, key, module = find(net, name)  # type: ignore[misc]
+        merged, how = _merged(module)
+        _replace(parent, key, merged)
+        done[how] = done.get(how, 0) + 1
+    mx.eval(net.parameters())
+    return "; ".join(f"{how} ({n} modules)" for how, n in sorted(done.items()))

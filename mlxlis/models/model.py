@@ -59,6 +59,7 @@ class Model:
         self.quant_summary = quant_summary or _quant_summary(net)
         self._diagnosis = diagnosis
         self.adapters: list[Adapter] = []  # LoRA adapters applied, in order (api.load)
+        self.fused: str | None = None  # how they were merged into the weights (lora.fuse)
         self.skipped = sorted(skipped or [])  # file tensors not used (a vision tower, an MTP head)
         self.part = part  # this rank's share of the layers when pipelined, else None
         self.kv_format: KVFormat | None = None  # quantized KV caches (set_kv_format), or dense
@@ -104,6 +105,8 @@ class Model:
         except OSError:
             stamp = "?"
         adapters = ",".join(a.key for a in self.adapters)  # another adapter: another model
+        if self.fused:  # merged weights round differently from the unmerged sum
+            adapters += f"|fused {self.fused}"
         key = f"{self.path}|{stamp}|{self.dtype}|{self.quant_summary}|{adapters}"
         return "kv_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -340,6 +343,8 @@ class Model:
         }
         if self.adapters:
             details["adapters"] = "; ".join(a.describe() for a in self.adapters)
+            if self.fused:
+                details["adapters"] += f" — in the weights: {self.fused}"
         if self.vision is not None:
             details["vision"] = self.vision.describe()
         if self.skipped:
