@@ -175,7 +175,7 @@ def _ready(
         adapt(model.net, adapter, family(model.config.family).hf.name, model.dtype)
         model.adapters.append(adapter)
     if merge and adapters:
-        model.fused = fuse(model.net)
+        model.fused = fuse(model.net, model.dtype)
     model.set_kv_format(kv)
     pipeline.ready()
     return model

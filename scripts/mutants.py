@@ -58,6 +58,7 @@ Q4X_HF = "tests/test_qwen4_exp.py::test_logits_match_transformers_fp32"
 THINKING_SWITCH = "tests/test_thinking_switch.py"
 SERVE_MODELS = "tests/test_serve_models.py"
 LORA = "tests/test_lora.py"
+LORA_FUSE = "tests/test_lora_fuse.py"
 Q4X_CACHE = (
     "tests/test_qwen4_exp.py::test_a_trimmed_verification_and_a_saved_cache_decode_on_exactly"
 )
@@ -2078,16 +2079,16 @@ MUTANTS = (
     Mutant(
         "lora-scale-twice",
         "mlxlis/models/lora.py",
-        "return y + delta * self.scale",
-        "return y + delta * self.scale * self.scale",
+        "alpha=self.scale)",
+        "alpha=self.scale * self.scale)",
         (LORA,),
         "LoRA: the adapter's scale applied twice",
     ),
     Mutant(
         "lora-scale-dropped",
         "mlxlis/models/lora.py",
-        "return y + delta * self.scale",
-        "return y + delta",
+        "alpha=self.scale)",
+        ")",
         (LORA,),
         "LoRA: the adapter's scale not applied",
     ),
@@ -2110,10 +2111,66 @@ MUTANTS = (
     Mutant(
         "lora-row-gets-another-rows-adapter",
         "mlxlis/models/lora.py",
-        "pick = mx.maximum(ids, 0)",
-        "pick = mx.maximum(ids[::-1], 0)",
+        "slots = mx.array([i + 1 for i in ids], mx.int32)",
+        "slots = mx.array([i + 1 for i in ids[::-1]], mx.int32)",
         (LORA,),
         "LoRA: a row's delta taken from another row's adapter",
+    ),
+    Mutant(
+        "lora-row-scale-dropped",
+        "mlxlis/models/lora.py",
+        "(lora.b.T.astype(mx.float32) * lora.scale).astype(dtype)",
+        "lora.b.T.astype(dtype)",
+        (LORA,),
+        "LoRA: a selectable adapter's B stacked without its scale",
+    ),
+    Mutant(
+        "lora-fuse-scale-dropped",
+        "mlxlis/models/lora.py",
+        "node.lora_b.astype(mx.float32)).T * node.scale",
+        "node.lora_b.astype(mx.float32)).T",
+        (LORA_FUSE,),
+        "LoRA fuse: B·A merged without the adapter's scale",
+    ),
+    Mutant(
+        "lora-fuse-first-adapter-only",
+        "mlxlis/models/lora.py",
+        "delta = d if delta is None else delta + d",
+        "delta = d",
+        (LORA_FUSE,),
+        "LoRA fuse: of several adapters on a module only the first merged",
+    ),
+    Mutant(
+        "lora-fuse-requant-wrong-group",
+        "mlxlis/models/lora.py",
+        "mx.quantize(weight.astype(dt), node.group_size, node.bits, mode=node.mode)",
+        "mx.quantize(weight.astype(dt), 64, node.bits, mode=node.mode)",
+        (LORA_FUSE,),
+        "LoRA fuse: a merged weight requantized with another group size than its own",
+    ),
+    Mutant(
+        "lora-fuse-cache-key-unmerged",
+        "mlxlis/models/model.py",
+        'adapters += f"|fused {self.fused}"',
+        "pass",
+        (LORA_FUSE,),
+        "LoRA fuse: a fused model's caches keyed as the unmerged model's",
+    ),
+    Mutant(
+        "adapter-scale-ignored",
+        "mlxlis/api.py",
+        "read = [a.scaled(adapter_scale) for a in read]",
+        "read = list(read)",
+        (LORA_FUSE,),
+        "--adapter-scale: the multiplier not applied",
+    ),
+    Mutant(
+        "adapter-scale-zero-accepted",
+        "mlxlis/api.py",
+        "if not scale_ok or adapter_scale <= 0:",
+        "if not scale_ok or adapter_scale < 0:",
+        (LORA_FUSE,),
+        "--adapter-scale: 0 (no adapter at all) taken",
     ),
     Mutant(
         "mlx-thread-no-turns",

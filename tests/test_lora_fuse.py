@@ -58,6 +58,20 @@ def test_fused_dense_gives_peft_merged_logits(llama):
     assert np.abs(np.array(unmerged.logits(ids)) - merged).max() < 1e-5
 
 
+def test_several_adapters_fuse_to_their_unmerged_sum(llama, tmp_path):
+    """Two adapters on the same modules, fused: the logits of the two applied unmerged (the
+    PEFT-proved path, in order) within 1e-5; each module merged once."""
+    folder, ref, adapter, _ = llama
+    make_adapter(ref, tmp_path / "b", 2, 6, True, ["q_proj", "down_proj"])
+    both = [adapter, tmp_path / "b"]
+    fused = mlxlis.load(folder, "float32", adapters=both, fuse=True)
+    unmerged = mlxlis.load(folder, "float32", adapters=both)
+    ids = trajectory(24, seed=9, vocab=400)
+    assert np.abs(np.array(fused.logits(ids)) - np.array(unmerged.logits(ids))).max() < 1e-5
+    layers = fused.config.num_hidden_layers * len(TARGETS)
+    assert fused.fused == f"merged into dense float32 weights ({layers} modules)"
+
+
 def copy_merged(pm):
     """PEFT's merged model, from a copy (the fixture's PEFT model stays unmerged)."""
     import copy
@@ -172,3 +186,44 @@ def test_convert_with_an_adapter_writes_the_fused_model(llama, tmp_path, capsys)
     assert np.abs(np.array(written.logits(ids)) - merged).max() < 1e-5
     manifest = json.loads((out / "mlxlis-manifest.json").read_text())
     assert manifest["adapters"][0]["path"] == str(adapter) and manifest["adapters_merged"]
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (6, 16)])
+def test_gguf_super_block_weights_fuse_dense(bits, group):
+    """A module held in a form only the CPU kernels read (GGUF K-quants as stored: integer
+    scales, float16 (d, dmin) per 256 weights; Q6_K's signed scales in groups of 16, no
+    biases): its dequantized weight gives the kernels' own product (within 1e-5 relative),
+    and fused it becomes a dense Linear whose product is base + s·B·A (numpy, float64)."""
+    from mlxlis.loading.adapters import LoRA
+    from mlxlis.models.lora import dense_weight, fuse
+    from mlxlis.models.quantized import QuantizedLinear
+
+    rng = np.random.default_rng(bits)
+    n, k, r = 24, 512, 4
+    codes = rng.integers(0, 2**bits, (n, k), dtype=np.uint8)
+    as_bits = np.unpackbits(codes[..., None], axis=2, bitorder="little")[..., :bits]
+    packed = np.packbits(as_bits.reshape(n, -1), axis=1, bitorder="little").view("<u4")
+    signed = group == 16
+    sc = rng.integers(-128 if signed else 0, 128 if signed else 64, (n, k // group))
+    kd = rng.uniform(1e-4, 2e-3, (n, k // 256, 2)).astype(np.float16)
+    layer = QuantizedLinear(k, n, bias=False, group_size=32, bits=bits)
+    layer.weight = mx.array(packed)
+    layer.scales = mx.array(sc.astype(np.int8 if signed else np.uint8))
+    if signed:
+        del layer["biases"]
+    else:
+        layer.biases = mx.array(rng.integers(0, 64, (n, k // group)).astype(np.uint8))
+    layer.super_scales = mx.array(kd)
+    layer.group_size = group
+    x = mx.array(rng.standard_normal((3, k)).astype(np.float32))
+    kernel = np.array(layer(x))
+    dense = np.array(x) @ np.array(dense_weight(layer)).T
+    assert np.abs(dense - kernel).max() <= 1e-5 * np.abs(kernel).max()
+    a = rng.standard_normal((r, k)).astype(np.float32) * 0.1
+    b = rng.standard_normal((n, r)).astype(np.float32) * 0.1
+    net = nn.Sequential(LoRALinear(layer, LoRA(mx.array(a), mx.array(b), 0.5), mx.float32))
+    assert fuse(net, mx.float32) == "merged into dense float32 weights (1 module)"
+    assert type(net.layers[0]) is nn.Linear
+    want = kernel.astype(np.float64) + 0.5 * (np.array(x, np.float64) @ a.T) @ b.T
+    got = np.array(net(x))
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
