@@ -2149,6 +2149,14 @@ MUTANTS = (
         "LoRA fuse: a merged weight requantized with another group size than its own",
     ),
     Mutant(
+        "lora-fuse-symmetric-bias-dropped",
+        "mlxlis/models/lora.py",
+        "biases = -(2 ** (bits - 1)) * scales",
+        "biases = mx.zeros_like(scales)",
+        (LORA_FUSE,),
+        "LoRA fuse: a Q6_K-style symmetric block dequantized without its −2^(bits−1)·scale",
+    ),
+    Mutant(
         "lora-fuse-cache-key-unmerged",
         "mlxlis/models/model.py",
         'adapters += f"|fused {self.fused}"',

@@ -311,7 +311,7 @@ def fuse(net: nn.Module, dtype: mx.Dtype) -> str:
     for name in outer:
         parent, key, module = find(net, name)  # type: ignore[misc]
         merged, how = _merged(module, dtype)
+        mx.eval(merged.parameters())  # one module's float32 weight at a time, not the model's
         _replace(parent, key, merged)
         done[how] = done.get(how, 0) + 1
-    mx.eval(net.parameters())
     return "; ".join(f"{how} ({n} module{'s' if n > 1 else ''})" for how, n in sorted(done.items()))
