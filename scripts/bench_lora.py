@@ -2,8 +2,9 @@
 different adapters in one batch, with mlx-lm's own figure on the same files.
 
 The catalog's smollm2-135m is written once as an MLX folder (`mlxlis convert`, float32: its
-Q4_1 blocks kept as MLX 4-bit g32) under bench-results/lora/, with random rank-8 adapters on
-q/k/v/o/gate/up/down of every layer, made here with numpy in PEFT's layout
+Q4_1 blocks kept as MLX 4-bit g32; `--dense`: every weight float32) under
+bench-results/lora/, with random rank-8 adapters on q/k/v/o/gate/up/down of every layer,
+made here with numpy in PEFT's layout
 (adapter_config.json + adapter_model.safetensors) and, from the same weights, in mlx-lm's
 (adapters.safetensors: lora_a (in, r), lora_b (r, out)). Decode tok/s after a 64-token
 prefill, best of 4 rounds of 8 steps:
@@ -12,9 +13,9 @@ prefill, best of 4 rounds of 8 steps:
   rows with none (goal: within 25 % of the plain batch);
 - mlx-lm (`mlx_lm.load(adapter_path=...)`, `stream_generate`'s generation tok/s), base and
   adapted, in its own process (mlxlis not imported there).
-Prints a Markdown table and the ratios; writes bench-results/lora.json.
+Prints a Markdown table and the ratios; writes bench-results/lora.json (lora-dense.json).
 
-usage: python scripts/bench_lora.py [--model smollm2-135m] [--rounds 4]
+usage: python scripts/bench_lora.py [--model smollm2-135m] [--rounds 4] [--dense] [--no-mlx-lm]
 """
 
 from __future__ import annotations
@@ -166,14 +167,15 @@ def measure_mlx_lm(folder: Path, adapter: Path | None, rounds: int) -> float:
     return max(rates[1:])
 
 
-def prepare(name: str) -> tuple[Path, list[Path], list[Path]]:
-    """The model as an MLX folder and 8 adapters (PEFT's, mlx-lm's), made once."""
+def prepare(name: str, dense: bool) -> tuple[Path, list[Path], list[Path]]:
+    """The model as an MLX folder (`dense`: every weight float32) and 8 adapters (PEFT's,
+    mlx-lm's), made once."""
     from mlxlis.commands.convert import convert
 
     work = ROOT / "bench-results" / "lora"
-    folder = work / f"{name}-mlx"
+    folder = work / f"{name}-mlx{'-dense' if dense else ''}"
     if not (folder / "config.json").is_file():
-        convert(name, folder, dtype="float32", force=True)
+        convert(name, folder, dtype="float32", dequantize=dense, force=True)
     pairs = [write_adapters(folder, work / "adapters", seed) for seed in range(8)]
     return folder, [p for p, _ in pairs], [m for _, m in pairs]
 
@@ -183,6 +185,7 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--no-mlx-lm", action="store_true", help="mlxlis's figures only")
+    ap.add_argument("--dense", action="store_true", help="the weights written dense float32")
     ap.add_argument("--mlx-lm", nargs=2, help=argparse.SUPPRESS)  # worker: FOLDER ADAPTER|-
     args = ap.parse_args()
     if args.mlx_lm:
@@ -195,7 +198,7 @@ def main() -> int:
     if not catalog.is_pulled(args.model):
         print(f"{args.model}: not pulled (make models)", file=sys.stderr)
         return 0
-    folder, peft, mlx_lm = prepare(args.model)
+    folder, peft, mlx_lm = prepare(args.model, args.dense)
     ours = measure(folder, peft, args.rounds)
     theirs = {}
     for label, adapter in () if args.no_mlx_lm else (("base", "-"), ("adapter", str(mlx_lm[0]))):
@@ -206,9 +209,9 @@ def main() -> int:
             continue
         theirs[label] = float(res.stdout.strip().splitlines()[-1])
     rate = {k: (8 if k.startswith("batch") else 1) / t for k, t in ours.items()}
-    print(
-        f"| {args.model} (float32, 4-bit g32 weights, rank {RANK} on 7 modules a layer) | tok/s |"
-    )
+    weights = "dense" if args.dense else "4-bit g32"
+    what = f"float32, {weights} weights, rank {RANK} on 7 modules a layer"
+    print(f"| {args.model} ({what}) | tok/s |")
     print("|---|---|")
     for k, v in rate.items():
         print(f"| mlxlis {k.replace('_', ' ')} | {v:.1f} |")
@@ -226,8 +229,8 @@ def main() -> int:
         print(f"mlx-lm adapter / base: {theirs['adapter'] / theirs['base']:.2f}")
     out = ROOT / "bench-results"
     out.mkdir(exist_ok=True)
-    result = {"model": args.model, "tok_s": rate, "mlx_lm_tok_s": theirs}
-    (out / "lora.json").write_text(json.dumps(result, indent=2))
+    result = {"model": args.model, "weights": weights, "tok_s": rate, "mlx_lm_tok_s": theirs}
+    (out / f"lora{'-dense' if args.dense else ''}.json").write_text(json.dumps(result, indent=2))
     return 0
 
 
