@@ -72,6 +72,7 @@ bench: install-test models
 	$(PY) scripts/bench_qmv.py
 	$(PY) scripts/bench_tool_stream.py
 	$(PY) scripts/bench_models.py
+	$(PY) scripts/bench_lora.py
 
 # does the suite notice small wrong changes to the numerics? (before a refactor, after a family)
 mutants: install-test models references

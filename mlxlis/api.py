@@ -5,6 +5,7 @@ pipelined model's steps by its placement: mlxlis.distributed registers them)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -13,7 +14,13 @@ from typing import Any
 from mlxlis.bounded import check_folder_json, read_json_file
 from mlxlis.cache import KVFormat
 from mlxlis.distributed import Pipeline
-from mlxlis.errors import BindingError, TokenizerError, UnsupportedError, UnsupportedFormatError
+from mlxlis.errors import (
+    AdapterError,
+    BindingError,
+    TokenizerError,
+    UnsupportedError,
+    UnsupportedFormatError,
+)
 from mlxlis.loading.adapters import Adapter, read_adapter
 from mlxlis.loading.gguf_split import read_gguf
 from mlxlis.loading.manifest import as_manifest
@@ -21,7 +28,7 @@ from mlxlis.loading.resolve import gguf_tensor_count, resolve
 from mlxlis.models import family
 from mlxlis.models.from_folder import load_folder
 from mlxlis.models.from_gguf import load_gguf
-from mlxlis.models.lora import adapt, naming
+from mlxlis.models.lora import adapt, fuse, naming
 from mlxlis.models.model import Model
 from mlxlis.runtime import backend
 from mlxlis.runtime.device import resolve_dtype, select_device
@@ -47,6 +54,8 @@ class LoadOptions:
     kv_group_size: int = 64
     mmproj: str | Path | bool | None = None
     adapters: tuple[str | Path, ...] = ()
+    adapter_scale: float = 1.0
+    fuse: bool = False
 
     def kwargs(self) -> dict[str, Any]:
         """The options by `load`'s keyword names (a subclass's own fields left out)."""
@@ -66,6 +75,8 @@ def load(
     kv_group_size: int = 64,
     mmproj: str | Path | bool | None = None,
     adapters: Sequence[str | Path] = (),
+    adapter_scale: float = 1.0,
+    fuse: bool = False,
 ) -> Model:
     """Load a model folder, GGUF file or catalog name. dtype None = the device default. The
     keyword arguments, gathered: LoadOptions (`load(ref, **options.kwargs())`).
@@ -95,8 +106,17 @@ def load(
     W as the file holds it (quantized stays quantized). Each is read and checked before the
     model is; one that does not fit the model (a module it lacks, shapes of another base) is
     an AdapterError naming the file and the module, and nothing of it applies.
+    `adapter_scale`: a multiplier on every adapter's scale (above 0, finite). `fuse`: the
+    adapters merged into the weights once applied (lora.fuse: a quantized weight requantized
+    with its bits and group size, or made dense where MLX has no such format); the model's
+    `fused` says how.
     """
+    scale_ok = isinstance(adapter_scale, (int, float)) and math.isfinite(adapter_scale)
+    if not scale_ok or adapter_scale <= 0:
+        raise AdapterError("must be a finite number above 0", field="--adapter-scale")
     read = [read_adapter(a) for a in adapters]  # a bad adapter fails before the model is read
+    if adapter_scale != 1.0:
+        read = [a.scaled(adapter_scale) for a in read]
     kv = KVFormat(kv_bits, kv_group_size) if kv_bits is not None else None  # checked first
     select_device()  # the GPU when MLX has a usable one, else the CPU; MLXLIS_DEVICE overrides
     backend.select()  # the operations around the products, for that device and the settings
@@ -124,7 +144,7 @@ def load(
             placement=pipeline,
             mmproj=mmproj,
         )
-        return _ready(model, pipeline, kv, read)
+        return _ready(model, pipeline, kv, read, fuse)
     if path.is_file():
         raise UnsupportedFormatError("expected a model folder or a .gguf file", path=path)
     if mmproj not in (None, False):
@@ -142,18 +162,22 @@ def load(
     model = load_folder(
         path, dt, chat_template=chat_template, bindings=manifest, strict=strict, placement=pipeline
     )
-    return _ready(model, pipeline, kv, read)
+    return _ready(model, pipeline, kv, read, fuse)
 
 
-def _ready(model: Model, pipeline: Pipeline, kv: KVFormat | None, adapters: list[Adapter]) -> Model:
-    """The adapters applied; every rank has its share (a pipelined model's generation steps
-    are led from rank 0: generation.steps_for)."""
+def _ready(
+    model: Model, pipeline: Pipeline, kv: KVFormat | None, adapters: list[Adapter], merge: bool
+) -> Model:
+    """The adapters applied (merged when `merge`); every rank has its share (a pipelined
+    model's generation steps are led from rank 0: generation.steps_for)."""
     if adapters and model.part is not None:
         raise UnsupportedError("adapters on a pipelined model", field="adapters")
     for adapter in adapters:
         names, undo = naming(adapter, family(model.config.family), model.config)
         adapt(model.net, adapter, names, model.dtype, undo)
         model.adapters.append(adapter)
+    if merge and adapters:
+        model.fused = fuse(model.net, model.dtype)
     model.set_kv_format(kv)
     pipeline.ready()
     return model

@@ -63,6 +63,7 @@ LORA_GGUF = "tests/test_lora_gguf.py"
 OLMO3_HF = "tests/test_olmo3.py::test_logits_match_transformers_fp32"
 OLMO3_LOCAL = "tests/test_olmo3.py::test_sliding_layers_keep_their_own_rope"
 OLMO3_GGUF = "tests/test_olmo3.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
+LORA_FUSE = "tests/test_lora_fuse.py"
 Q4X_CACHE = (
     "tests/test_qwen4_exp.py::test_a_trimmed_verification_and_a_saved_cache_decode_on_exactly"
 )
@@ -186,8 +187,8 @@ MUTANTS = (
     Mutant(
         "qk-norm-skipped",
         "mlxlis/models/layers.py",
-        "q, k = self.q_norm(q), self.k_norm(k)",
-        "q, k = q, k",
+        "            return self.q_norm(q), self.k_norm(k)\n",
+        "            return q, k\n",
         ("tests/test_qwen3.py",),
         "Qwen3 / Gemma 3 q/k RMSNorm not applied",
     ),
@@ -2164,16 +2165,16 @@ MUTANTS = (
     Mutant(
         "lora-row-gets-another-rows-adapter",
         "mlxlis/models/lora.py",
-        "pick = mx.maximum(ids, 0)",
-        "pick = mx.maximum(ids[::-1], 0)",
+        "slots = mx.array([i + 1 for i in ids], mx.int32)",
+        "slots = mx.array([i + 1 for i in ids[::-1]], mx.int32)",
         (LORA,),
         "LoRA: a row's delta taken from another row's adapter",
     ),
     Mutant(
         "lora-row-scale-ignored",
         "mlxlis/models/lora.py",
-        "self.scales[pick] * mult, 0.0)",
-        "self.scales[pick], 0.0)",
+        "        if mult is not None:  # a request's own scale on its adapter's\n",
+        "        if False:\n",
         (LORA_ENGINE,),
         "LoRA: a request's adapter scale multiplier ignored",
     ),
@@ -2264,6 +2265,70 @@ MUTANTS = (
         'weights = tuple(sorted(p for p in top if p.endswith(".safetensors")))',
         (LORA_GGUF,),
         "adapter by repo name: a model's weights beside the adapter downloaded too",
+    ),
+    Mutant(
+        "lora-row-scale-dropped",
+        "mlxlis/models/lora.py",
+        "(lora.b.T.astype(mx.float32) * lora.scale).astype(dtype)",
+        "lora.b.T.astype(dtype)",
+        (LORA,),
+        "LoRA: a selectable adapter's B stacked without its scale",
+    ),
+    Mutant(
+        "lora-fuse-scale-dropped",
+        "mlxlis/models/lora.py",
+        "node.lora_b.astype(mx.float32)).T * node.scale",
+        "node.lora_b.astype(mx.float32)).T",
+        (LORA_FUSE,),
+        "LoRA fuse: B·A merged without the adapter's scale",
+    ),
+    Mutant(
+        "lora-fuse-first-adapter-only",
+        "mlxlis/models/lora.py",
+        "delta = d if delta is None else delta + d",
+        "delta = d",
+        (LORA_FUSE,),
+        "LoRA fuse: of several adapters on a module only the first merged",
+    ),
+    Mutant(
+        "lora-fuse-requant-wrong-group",
+        "mlxlis/models/lora.py",
+        "mx.quantize(weight.astype(dt), node.group_size, node.bits, mode=node.mode)",
+        "mx.quantize(weight.astype(dt), 64, node.bits, mode=node.mode)",
+        (LORA_FUSE,),
+        "LoRA fuse: a merged weight requantized with another group size than its own",
+    ),
+    Mutant(
+        "lora-fuse-symmetric-bias-dropped",
+        "mlxlis/models/lora.py",
+        "biases = -(2 ** (bits - 1)) * scales",
+        "biases = mx.zeros_like(scales)",
+        (LORA_FUSE,),
+        "LoRA fuse: a Q6_K-style symmetric block dequantized without its −2^(bits−1)·scale",
+    ),
+    Mutant(
+        "lora-fuse-cache-key-unmerged",
+        "mlxlis/models/model.py",
+        'adapters += f"|fused {self.fused}"',
+        "pass",
+        (LORA_FUSE,),
+        "LoRA fuse: a fused model's caches keyed as the unmerged model's",
+    ),
+    Mutant(
+        "adapter-scale-ignored",
+        "mlxlis/api.py",
+        "read = [a.scaled(adapter_scale) for a in read]",
+        "read = list(read)",
+        (LORA_FUSE,),
+        "--adapter-scale: the multiplier not applied",
+    ),
+    Mutant(
+        "adapter-scale-zero-accepted",
+        "mlxlis/api.py",
+        "if not scale_ok or adapter_scale <= 0:",
+        "if not scale_ok or adapter_scale < 0:",
+        (LORA_FUSE,),
+        "--adapter-scale: 0 (no adapter at all) taken",
     ),
     Mutant(
         "mlx-thread-no-turns",

@@ -919,6 +919,8 @@ def test_load_model_pulls_a_missing_catalog_model_with_progress(monkeypatch):
             "kv_group_size": 64,
             "mmproj": None,
             "adapters": (),
+            "adapter_scale": 1.0,
+            "fuse": False,
         },
     )
     engine.load_model(opts, lambda *a: seen.append(a))

@@ -91,6 +91,8 @@ def parse_args(argv: list[str]) -> Options:
         kv_group_size=a.kv_group_size,
         mmproj=a.mmproj,
         adapters=tuple(a.adapter or ()),
+        adapter_scale=a.adapter_scale,
+        fuse=a.fuse,
     )
 
 

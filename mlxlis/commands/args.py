@@ -5,6 +5,7 @@ come from mlxlis.generation.sampling."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from mlxlis.bounded import read_json_file
@@ -16,6 +17,17 @@ MODEL_HELP = (
     "ORG/NAME[:QUANT | /FILE.gguf][@REVISION] (fetched into the Hugging Face cache) or a "
     "name `mlxlis models --scan` lists; a path that exists wins over a name"
 )
+
+
+def adapter_scale(text: str) -> float:
+    """--adapter-scale's value: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text!r}")
+    return value
 
 
 def add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
@@ -47,6 +59,19 @@ def add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
             help="a LoRA adapter (PEFT's folder: adapter_config.json + "
             "adapter_model.safetensors) applied unmerged to the model; may be given several "
             "times",
+        )
+        p.add_argument(
+            "--adapter-scale",
+            type=adapter_scale,
+            default=1.0,
+            metavar="S",
+            help="a multiplier on every --adapter's scale (above 0; default 1)",
+        )
+        p.add_argument(
+            "--fuse",
+            action="store_true",
+            help="merge the --adapters into the weights once (a quantized weight is "
+            "requantized with its bits and group size): the base's decode speed",
         )
     p.add_argument(
         "--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)"

@@ -39,6 +39,8 @@ def load_model(a: argparse.Namespace, ref: str | None = None):
         kv_group_size=a.kv_group_size,
         mmproj=getattr(a, "mmproj", None),
         adapters=tuple(getattr(a, "adapter", None) or ()),
+        adapter_scale=getattr(a, "adapter_scale", 1.0),
+        fuse=getattr(a, "fuse", False),
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnboundTensorsWarning)
@@ -57,6 +59,9 @@ def load_model(a: argparse.Namespace, ref: str | None = None):
                 )
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    if model.fused:
+        names = ", ".join(ad.path.name for ad in model.adapters)
+        say(f"mlxlis: --fuse: {names} {model.fused}")
     return model
 
 

@@ -1,5 +1,7 @@
 """`mlxlis convert`: a GGUF (or a folder) to an MLX / Hugging Face layout folder that mlx-lm
 loads, with quantized blocks written unchanged (no requantisation) and conventions undone.
+With adapters, they are merged first (lora.fuse: the modules they adapt requantized with their
+own bits and group size, or dense) and the folder is the fine-tuned model.
 
 The output is assembled in a temporary sibling folder, verified by reopening it (its logits must
 equal the source's bit for bit), and only then renamed into place: nothing half-written remains
@@ -16,7 +18,7 @@ import signal
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -231,8 +233,12 @@ def convert(
     dtype: str | None = None,
     dequantize: bool = False,
     force: bool = False,
+    adapters: Sequence[str | Path] = (),
+    adapter_scale: float = 1.0,
+    merged: Callable[[str], None] | None = None,
 ) -> Path:
-    """Convert `source` (GGUF file, folder or catalog name) into the folder `output`."""
+    """Convert `source` (GGUF file, folder or catalog name) into the folder `output`;
+    `adapters` (LoRA folders) merged into its weights first, `merged` told how."""
     from mlxlis import load
     from mlxlis.loading.resolve import resolve
 
@@ -244,7 +250,16 @@ def convert(
     if is_gguf:
         _need_transformers(path)  # before any work: the tokenizer files are written last
     # GGUF blocks stay quantized unless asked; a folder's weights are written as stored
-    model = load(path, dtype, dequantize=dequantize if is_gguf or dequantize else None)
+    model = load(
+        path,
+        dtype,
+        dequantize=dequantize if is_gguf or dequantize else None,
+        adapters=adapters,
+        adapter_scale=adapter_scale,
+        fuse=True,
+    )
+    if model.fused and merged is not None:
+        merged(model.fused)
     if model.net.rope_freq_factors is not None:
         raise UnsupportedError(
             "rope_freqs (per-frequency RoPE factors stored as a tensor: Llama 3 scaling, "
@@ -283,6 +298,8 @@ def convert(
             "dtype": str(model.dtype).replace("mlx.core.", ""),
             "quantized_modules": qmods,
             "dense_modules": dense,
+            "adapters": [{"path": str(a.path), "scale": a.multiplier} for a in model.adapters],
+            "adapters_merged": model.fused,
             "files": {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()},
         }
         (tmp / "mlxlis-manifest.json").write_text(json.dumps(manifest, indent=2))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mlxlis.bounded import read_json_file
@@ -55,16 +55,26 @@ class Adapter:
     # "gguf" (llama.cpp's tensor names, Family.gguf.module_name; B rows in llama.cpp's layout)
     naming: str = "hf"
     arch: str | None = None  # a GGUF adapter's general.architecture (llama.cpp's base arch)
+    multiplier: float = 1.0  # on every module's scale (`scaled`: --adapter-scale)
 
     @property
     def key(self) -> str:
-        """Names the adapter's files (path, size, modification time): cache keys include it."""
+        """Names the adapter's files (path, size, modification time) and its multiplier:
+        cache keys include it."""
         st = self.weights.stat()
         text = f"{self.weights}|{st.st_size}|{st.st_mtime_ns}"
+        if self.multiplier != 1.0:
+            text += f"|x{self.multiplier!r}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def scaled(self, factor: float) -> Adapter:
+        """The adapter with every module's scale times `factor` (llama.cpp's --lora-scaled)."""
+        layers = {n: replace(lora, scale=lora.scale * factor) for n, lora in self.layers.items()}
+        return replace(self, layers=layers, multiplier=self.multiplier * factor)
+
     def describe(self) -> str:
-        what = f"LoRA rank {self.rank}, {self.scale}, {len(self.layers)} modules"
+        times = f" ×{self.multiplier:g}" if self.multiplier != 1.0 else ""
+        what = f"LoRA rank {self.rank}, {self.scale}{times}, {len(self.layers)} modules"
         return f"{self.path.name} ({what})"
 
 

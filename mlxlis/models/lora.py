@@ -21,6 +21,7 @@ from mlxlis.models.conventions import ROW_ONLY
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 
 class LoRALinear(nn.Module):
@@ -214,10 +215,10 @@ def labels(adapter: Adapter, names: Callable[[str], str | None]) -> dict[str, st
 
 # --- several adapters on one base, chosen per row -----------------------------------------
 
-# (B,) each row's adapter (-1: none) and (B,) its scale multiplier; None: no row has one
-_rows: contextvars.ContextVar[tuple[mx.array, mx.array] | None] = contextvars.ContextVar(
-    "lora_rows", default=None
-)
+# (B,) the rows, (B,) each row's slot (slot 0: none; adapter k: slot k + 1), and (B,) each
+# row's scale multiplier or None (every one 1); None: no row has one
+Picked = tuple[mx.array, mx.array, mx.array | None]
+_rows: contextvars.ContextVar[Picked | None] = contextvars.ContextVar("lora_rows", default=None)
 
 
 @contextlib.contextmanager
@@ -226,11 +227,13 @@ def rows(ids: Sequence[int] | None, scales: Sequence[float] | None = None) -> It
     model's selectable adapters (`select`), -1 for none, its scale multiplied by `scales[b]`
     (1 when not given); None: no row has one."""
     if ids is None:
-        chosen = None
+        token = _rows.set(None)
     else:
-        mult = [1.0] * len(ids) if scales is None else list(scales)
-        chosen = (mx.array(list(ids), mx.int32), mx.array(mult, mx.float32))
-    token = _rows.set(chosen)
+        slots = mx.array([i + 1 for i in ids], mx.int32)
+        mult = None
+        if scales is not None and any(k != 1.0 for k in scales):
+            mult = mx.array(list(scales), mx.float32)
+        token = _rows.set((mx.arange(len(slots), dtype=mx.int32), slots, mult))
     try:
         yield
     finally:
@@ -239,15 +242,17 @@ def rows(ids: Sequence[int] | None, scales: Sequence[float] | None = None) -> It
 
 class SwitchLoRA(nn.Module):
     """`base` plus, per row, the low-rank delta of the adapter `rows` names for it: the
-    adapters' A and B stacked (ranks padded with zeros to the largest: a zero row or column
-    adds nothing), gathered by row, so rows on different adapters share one forward."""
+    adapters' A and s·B stacked behind a slot of zeros (no adapter), ranks padded with zeros
+    to the largest (a zero row or column adds nothing), each row's pair taken by
+    `mx.gather_mm` straight from the stacks, so rows on different adapters share one forward
+    and nothing is copied per row."""
 
     def __init__(self, base: nn.Module, n_in: int, out: int):
         super().__init__()
         self.base = base
         self.n_in, self.out = n_in, out
-        self.lora_a = mx.zeros((0, n_in, 1))  # (adapters, in, r)
-        self.lora_b = mx.zeros((0, 1, out))  # (adapters, r, out)
+        self.lora_a = mx.zeros((1, n_in, 1))  # (1 + adapters, in, r); slot 0: none
+        self.lora_b = mx.zeros((1, 1, out))  # (1 + adapters, r, out), each times its scale
         self.scales = mx.zeros((0,))  # (adapters,)
 
     def add(self, lora: LoRA | None, dtype: mx.Dtype) -> None:
@@ -259,7 +264,7 @@ class SwitchLoRA(nn.Module):
         if lora is not None:
             k = lora.a.shape[0]
             a[:, :k] = lora.a.T.astype(dtype)
-            b[:k, :] = lora.b.T.astype(dtype)
+            b[:k, :] = (lora.b.T.astype(mx.float32) * lora.scale).astype(dtype)
             scale = lora.scale
         pad = r - self.lora_a.shape[2]
         stack_a = mx.pad(self.lora_a.astype(dtype), [(0, 0), (0, 0), (0, pad)])
@@ -270,14 +275,15 @@ class SwitchLoRA(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.base(x)  # (B, T, out)
-        chosen = _rows.get()
-        if chosen is None or self.scales.shape[0] == 0:
+        picked = _rows.get()
+        if picked is None or self.scales.shape[0] == 0:
             return y
-        ids, mult = chosen  # (B,), (B,)
-        pick = mx.maximum(ids, 0)  # (B,); -1 (none) reads adapter 0, scaled by 0
-        scale = mx.where(ids >= 0, self.scales[pick] * mult, 0.0).astype(y.dtype)
-        delta = (x @ self.lora_a[pick]) @ self.lora_b[pick]  # (B, T, r) -> (B, T, out)
-        return y + delta * scale[:, None, None]
+        batch, slots, mult = picked
+        h = mx.gather_mm(x, self.lora_a, batch, slots)  # (B, T, r)
+        delta = mx.gather_mm(h, self.lora_b, batch, slots)  # (B, T, out)
+        if mult is not None:  # a request's own scale on its adapter's
+            delta = delta * mult.astype(delta.dtype)[:, None, None]
+        return y + delta
 
 
 def select(
@@ -305,3 +311,103 @@ def select(
         if isinstance(m, SwitchLoRA):
             m.add(layers.get(name), dtype)
     mx.eval([m.parameters() for _, m in net.named_modules() if isinstance(m, SwitchLoRA)])
+
+
+# --- merging into the base weights ---------------------------------------------------------
+
+
+def dense_weight(module: nn.Module) -> mx.array:
+    """The (out, in) float32 weight of a linear module as it computes: a Linear's own, a
+    quantized one's dequantized (MLX's formats, and the forms held for the CPU kernels only:
+    GGUF's super-blocks, symmetric affine without biases, groups of 16)."""
+    if not isinstance(module, nn.QuantizedLinear):
+        return module.weight.astype(mx.float32)
+    scales, biases = module["scales"], module.get("biases")
+    group, bits, mode = module.group_size, module.bits, module.mode
+    supers = module.get("super_scales")
+    if supers is None and (biases is not None or mode != "affine") and group in (32, 64, 128):
+        return mx.dequantize(
+            module["weight"], scales, biases, group_size=group, bits=bits, mode=mode
+        ).astype(mx.float32)
+    if supers is not None:
+        from mlxlis.runtime.kernels import super_scales_as_float
+
+        scales, biases = super_scales_as_float(scales, biases, supers, group)
+    scales = scales.astype(mx.float32)
+    if biases is None:  # symmetric (Q6_K): bias −2^(bits−1)·scale
+        biases = -(2 ** (bits - 1)) * scales
+    # the codes: a little-endian bit stream of `bits` per weight, as MLX packs them
+    packed = np.array(module["weight"]).view(np.uint8)  # (out, in·bits/8)
+    stream = np.unpackbits(packed, axis=1, bitorder="little")  # (out, in·bits)
+    out = stream.shape[0]
+    codes = stream.reshape(out, -1, bits) @ (1 << np.arange(bits))  # (out, in)
+    w = mx.array(codes.astype(np.float32)).reshape(out, -1, group)  # (out, groups, group)
+    w = w * scales[..., None] + biases.astype(mx.float32)[..., None]
+    return w.reshape(out, -1)
+
+
+def requantizable(module: nn.QuantizedLinear) -> bool:
+    """Whether `mx.quantize` makes the module's form again (an MLX-quantized folder's, a GGUF
+    block MLX holds as its own affine arrays): not the super-block and bias-free forms the
+    CPU kernels alone read, nor group sizes MLX does not quantize to."""
+    if "super_scales" in module or module.mode == "affine" and "biases" not in module:
+        return False
+    try:  # the one authority on which (bits, group, mode) MLX quantizes to
+        probe = mx.zeros((1, module.group_size * 4))
+        mx.quantize(probe, module.group_size, module.bits, mode=module.mode)
+    except ValueError:
+        return False
+    return True
+
+
+def _merged(module: LoRALinear, dtype: mx.Dtype) -> tuple[nn.Module, str]:
+    """The base of an adapted module (several adapters: nested) with every delta s·B·A added
+    to its weight, and how it is held now."""
+    delta: mx.array | None = None
+    node: nn.Module = module
+    while isinstance(node, LoRALinear):
+        # lora_a (in, r), lora_b (r, out): (B A)ᵀ = lora_a @ lora_b, (in, out)
+        d = (node.lora_a.astype(mx.float32) @ node.lora_b.astype(mx.float32)).T * node.scale
+        delta = d if delta is None else delta + d  # (out, in)
+        node = node.base
+    assert delta is not None
+    weight = dense_weight(node) + delta  # (out, in) float32
+    bias = node.get("bias")
+    if isinstance(node, nn.QuantizedLinear) and requantizable(node):
+        dt = node["scales"].dtype  # quantized as a merged checkpoint in that dtype would be
+        dt = dt if mx.issubdtype(dt, mx.floating) else mx.float32  # mxfp4's are uint8
+        w, *sb = mx.quantize(weight.astype(dt), node.group_size, node.bits, mode=node.mode)
+        node.weight, node.scales = w, sb[0]
+        if len(sb) > 1:
+            node.biases = sb[1]
+        g = f"{node.bits}-bit g{node.group_size}"
+        return node, f"merged and requantized to {g}" + (
+            f" {node.mode}" if node.mode != "affine" else ""
+        )
+    if isinstance(node, nn.QuantizedLinear):  # a form MLX does not make: dense from here
+        out, n_in = weight.shape
+        dense = nn.Linear(n_in, out, bias=bias is not None)
+        dense.weight = weight.astype(dtype)
+        if bias is not None:
+            dense.bias = bias
+        return dense, f"merged into dense {str(dtype).replace('mlx.core.', '')} weights"
+    node.weight = weight.astype(node.weight.dtype)
+    return node, f"merged into dense {str(node.weight.dtype).replace('mlx.core.', '')} weights"
+
+
+def fuse(net: nn.Module, dtype: mx.Dtype) -> str:
+    """Every applied adapter (`LoRALinear`) merged into its base's weight, the wrapper gone:
+    a dense weight gets W + s·B·A in its dtype; an MLX-quantized one is dequantized, merged
+    and quantized again with its bits, group size and mode; a form only the CPU kernels read
+    (GGUF super-blocks) becomes dense in `dtype`. Returns what was done, e.g. "merged and
+    requantized to 4-bit g64 (28 modules)"; "" when nothing was adapted."""
+    done: dict[str, int] = {}
+    names = [n for n, m in net.named_modules() if isinstance(m, LoRALinear)]
+    outer = [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
+    for name in outer:
+        parent, key, module = find(net, name)  # type: ignore[misc]
+        merged, how = _merged(module, dtype)
+        mx.eval(merged.parameters())  # one module's float32 weight at a time, not the model's
+        _replace(parent, key, merged)
+        done[how] = done.get(how, 0) + 1
+    return "; ".join(f"{how} ({n} module{'s' if n > 1 else ''})" for how, n in sorted(done.items()))

@@ -67,6 +67,7 @@ class Model:
         self.quant_summary = quant_summary or _quant_summary(net)
         self._diagnosis = diagnosis
         self.adapters: list[Adapter] = []  # LoRA adapters applied, in order (api.load)
+        self.fused: str | None = None  # how they were merged into the weights (lora.fuse)
         # LoRA adapters a request may choose (select_adapter), by name: lane i is the i-th
         self.selectable: dict[str, Adapter] = {}
         self.skipped = sorted(skipped or [])  # file tensors not used (a vision tower, an MTP head)
@@ -115,6 +116,8 @@ class Model:
         except OSError:
             stamp = "?"
         adapters = ",".join(a.key for a in self.adapters)  # another adapter: another model
+        if self.fused:  # merged weights round differently from the unmerged sum
+            adapters += f"|fused {self.fused}"
         key = f"{self.path}|{stamp}|{self.dtype}|{self.quant_summary}|{adapters}"
         return "kv_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -384,6 +387,8 @@ class Model:
         }
         if self.adapters:
             details["adapters"] = "; ".join(a.describe() for a in self.adapters)
+            if self.fused:
+                details["adapters"] += f" — in the weights: {self.fused}"
         if self.vision is not None:
             details["vision"] = self.vision.describe()
         if self.skipped:
