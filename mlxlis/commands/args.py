@@ -55,10 +55,10 @@ def add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
             "--adapter",
             action="append",
             default=None,
-            metavar="FOLDER",
-            help="a LoRA adapter (PEFT's folder: adapter_config.json + "
-            "adapter_model.safetensors) applied unmerged to the model; may be given several "
-            "times",
+            metavar="PATH",
+            help="a LoRA adapter applied unmerged to the model (--fuse merges it): PEFT's or "
+            "mlx-lm's folder, llama.cpp's GGUF LoRA, or a Hugging Face name; may be given "
+            "several times",
         )
         p.add_argument(
             "--adapter-scale",
