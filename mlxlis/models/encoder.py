@@ -133,7 +133,9 @@ class AbsoluteEmbeddings(nn.Module):
     def __call__(self, ids: mx.array, mask: mx.array, types: mx.array | None) -> mx.array:
         x = self.words(ids) + self.positions(self.position_ids(ids, mask))
         if self.enc.type_vocab_size:
-            types = mx.zeros_like(ids) if types is None else types
+            # one type (XLM-R): its tokenizer states none, whatever a pair encoding says
+            one = types is None or self.enc.type_vocab_size == 1
+            types = mx.zeros_like(ids) if one else types
             x = x + self.types(types)
         return self.norm(x)  # (B, T, hidden)
 
