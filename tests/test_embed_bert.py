@@ -10,14 +10,13 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
-from conftest import need_pulled
-from encoders import MAX_SEQ, cross_encoder_folder, sentence_folder
-
 import mlxlis
 from mlxlis.errors import MlxlisError
 
 import numpy as np
+import pytest
+from conftest import need_pulled
+from encoders import MAX_SEQ, cross_encoder_folder, sentence_folder
 
 TEXTS = [
     "hello world",
