@@ -13,7 +13,7 @@ import re
 from dataclasses import replace
 
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.models.base import Family, GGUFFormat, GGUFMeta, HFFormat
+from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.encoder import ACTIVATIONS, Encoder, EncoderConfig
 
@@ -156,5 +156,6 @@ BERT = Family(
     hf=HFFormat(model_types=("bert", "xlm-roberta", "roberta"), parse=_parse_hf),
     gguf=GGUFFormat(archs=(), parse=_parse_gguf),
     network=BertNetwork,
+    export=Export(model_type="bert", architecture="BertModel"),
     kind="encoder",
 )
