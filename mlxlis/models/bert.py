@@ -43,7 +43,7 @@ def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         )
     heads = [_HEADS[a] for a in cfg.get("architectures") or () if a in _HEADS]
     labels = cfg.get("id2label")
-    num_labels = len(labels) if isinstance(labels, dict) else int(cfg.get("num_labels", 1))
+    num_labels = len(labels) if isinstance(labels, dict) else cfg.get("num_labels", 1)
     pad = cfg.get("pad_token_id")
     pad = (1 if model_type != "bert" else 0) if pad is None else pad
     if not isinstance(pad, int) or pad < 0:
@@ -53,9 +53,18 @@ def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         raise ConfigError(
             f"expected a small number, got {eps!r}", path=path, field="layer_norm_eps"
         )
+    types = cfg.get("type_vocab_size", 2)
+    if not isinstance(types, int) or isinstance(types, bool) or not 0 <= types <= 1 << 16:
+        raise ConfigError(
+            f"expected a count, got {types!r}"[:200], path=path, field="type_vocab_size"
+        )
+    if not isinstance(num_labels, int) or not 1 <= num_labels <= 1 << 16:
+        raise ConfigError(
+            f"expected a count, got {num_labels!r}"[:200], path=path, field="num_labels"
+        )
     enc = EncoderConfig(
         layer_norm_eps=float(eps),
-        type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+        type_vocab_size=types,
         pad_token_id=pad,
         position_offset=0 if model_type == "bert" else pad + 1,
         hidden_act=act,
