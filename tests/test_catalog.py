@@ -77,3 +77,32 @@ def test_pull_help_names_the_on_demand_entries(capsys) -> None:
     assert exc.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "fetched only when named: qwen2.5-coder-1.5b" in text
+
+
+def test_unzip_folder_refuses_members_that_leave_it(tmp_path) -> None:
+    """A zipped model folder unpacks its plain files under the new folder; a member named
+    '../x' or '/x', or a symbolic link, is refused by name and nothing is published."""
+    import zipfile
+
+    from mlxlis.errors import MlxlisError
+
+    good = tmp_path / "good.zip"
+    with zipfile.ZipFile(good, "w") as zf:
+        zf.writestr("config.json", "{}")
+        zf.writestr("1_Pooling/config.json", "{}")
+    catalog.unzip_folder(good, tmp_path / "out")
+    assert (tmp_path / "out" / "1_Pooling" / "config.json").read_text() == "{}"
+    for name in ("../evil", "/abs/evil", "a/../../evil"):
+        bad = tmp_path / "bad.zip"
+        with zipfile.ZipFile(bad, "w") as zf:
+            zf.writestr(name, "x")
+        with pytest.raises(MlxlisError) as e:
+            catalog.unzip_folder(bad, tmp_path / f"out{len(name)}")
+        assert e.value.field == name
+    link = zipfile.ZipInfo("link")
+    link.external_attr = 0o120777 << 16  # a symbolic link's mode
+    with zipfile.ZipFile(tmp_path / "link.zip", "w") as zf:
+        zf.writestr(link, "/etc/passwd")
+    with pytest.raises(MlxlisError, match="not a plain file"):
+        catalog.unzip_folder(tmp_path / "link.zip", tmp_path / "outl")
+    assert not (tmp_path.parent / "evil").exists()

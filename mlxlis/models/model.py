@@ -420,6 +420,8 @@ class Model:
             "dtype": str(self.dtype).replace("mlx.core.", ""),
             "template": self.template_source or "none",
         }
+        if self.task != "generate":
+            details["task"] = self.task  # an encoder: embed or rerank, no chat
         if self.adapters:
             details["adapters"] = "; ".join(a.describe() for a in self.adapters)
         if self.vision is not None:
