@@ -7,7 +7,10 @@ max |Δ| 1e-5 of `SentenceTransformer.encode` in float32; scores within 1e-5 of
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import mlxlis
@@ -129,6 +132,7 @@ def test_rerank_matches_cross_encoder_predict(tmp_path, kind):
     np.testing.assert_allclose(model.rerank(query, TEXTS), ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.real
 def test_real_minilm_matches_sentence_transformers():
     """The catalog's all-MiniLM-L6-v2 (mean pooling, Normalize, max_seq_length 256) vs
     SentenceTransformer on the same folder, with an input past 256 tokens."""
@@ -173,3 +177,23 @@ def test_refusals_name_the_file_and_field(embedders, tmp_path, tiny):
     with pytest.raises(MlxlisError, match="does not embed") as e:
         chat.embed(["hello"])
     assert e.value.field == "model"
+
+
+def test_embed_command_prints_the_vectors_and_refuses_in_one_line(embedders):
+    """`mlxlis embed --json` (a subprocess) prints the vectors model.embed gives; a bad
+    --dimensions exits 2 with one line on stderr naming the field."""
+    folder, _ = embedders("bert-mean")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "mlxlis", "embed", "-m", str(folder), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=root)
+
+    done = run("--json", "--dimensions", "8", *TEXTS[:2])
+    assert done.returncode == 0, done.stderr
+    want = mlxlis.load(folder).embed(TEXTS[:2], dimensions=8)
+    close(json.loads(done.stdout), np.array(want))
+    bad = run("--dimensions", "0", "hello")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.count("\n") == 1 and "dimensions" in bad.stderr
