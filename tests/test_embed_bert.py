@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlxlis
 from mlxlis.errors import MlxlisError
+from mlxlis.models.embedding import BUCKET_GROWTH, BUCKET_SLACK, BUCKET_TOKENS, buckets
 
 import numpy as np
 import pytest
@@ -107,6 +108,33 @@ def test_prompt_name_prepends_the_checkpoints_prompt(embedders):
     assert e.value.field == "prompt_name"
 
 
+def test_plain_hugging_face_folder_pools_as_sentence_transformers_wraps_it(embedders):
+    """A BERT folder without modules.json: mean pooling, no normalisation, as
+    SentenceTransformer(folder) builds it."""
+    from sentence_transformers import SentenceTransformer
+
+    folder, _ = embedders("bert-cls")
+    raw = folder.parent / f"{folder.name}-raw"
+    assert not (raw / "modules.json").exists()
+    ref = SentenceTransformer(str(raw), device="cpu").encode(TEXTS, convert_to_numpy=True)
+    close(np.array(mlxlis.load(raw).embed(TEXTS)), ref)
+
+
+def test_buckets_group_similar_lengths_and_cover_every_input():
+    """Sorted by length, each bucket's longest within 1.25 × its shortest + 8 tokens and its
+    padded size within the budget (one long input alone excepted): no row pays for much more
+    than its own length; every input in exactly one bucket."""
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in rng.integers(1, 512, 1000)]
+    groups = buckets(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(1000))
+    for g in groups:
+        lo, hi = min(lengths[i] for i in g), max(lengths[i] for i in g)
+        assert hi <= lo * BUCKET_GROWTH + BUCKET_SLACK
+        assert len(g) * hi <= BUCKET_TOKENS or len(g) == 1
+    assert len(groups) < 1000 / 8  # many inputs share a forward
+
+
 def test_token_ids_and_truncate_false(embedders):
     """Lists of ids embed as the tokenizer's ids of the same text do; with truncate=False an
     input past the model's maximum is refused naming its index."""
@@ -171,6 +199,8 @@ def test_refusals_name_the_file_and_field(embedders, tmp_path, tiny):
         list(mlxlis.generate(model, [5, 6, 7], max_tokens=2))
     with pytest.raises(MlxlisError, match="does not rerank"):
         model.rerank("q", ["d"])
+    with pytest.raises(MlxlisError, match="no logits"):
+        model.logits([5, 6, 7])
 
     chat = mlxlis.load(tiny("llama")[0])
     assert chat.task == "generate"

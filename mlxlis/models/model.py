@@ -199,6 +199,11 @@ class Model:
         """[len(ids), vocab] float32 logits of one full forward pass, no cache (pipelined:
         on the last rank; the others return their hidden states, passed on). `images`: the
         preprocessed images whose placeholder runs `ids` hold (`encode_chat`'s prompt)."""
+        if self.task != "generate":
+            raise UnsupportedError(
+                f"{self.name} is an encoder ({self.task}): it has no logits; use model.{self.task}",
+                field="model",
+            )
         inputs = mx.array([list(ids)], dtype=mx.int32)
         spans = self.image_spans(ids, images)
         if not spans:
