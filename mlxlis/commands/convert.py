@@ -245,6 +245,12 @@ def convert(
         _need_transformers(path)  # before any work: the tokenizer files are written last
     # GGUF blocks stay quantized unless asked; a folder's weights are written as stored
     model = load(path, dtype, dequantize=dequantize if is_gguf or dequantize else None)
+    if model.task != "generate":  # its folder is already what mlxlis and its users read
+        raise UnsupportedError(
+            f"converting an {model.task} model is not supported (load its folder as it is)",
+            path=path,
+            field="model",
+        )
     if model.net.rope_freq_factors is not None:
         raise UnsupportedError(
             "rope_freqs (per-frequency RoPE factors stored as a tensor: Llama 3 scaling, "
