@@ -2260,6 +2260,14 @@ MUTANTS = (
         "Matryoshka dimensions of a normalising model are cut but not renormalised",
     ),
     Mutant(
+        "xlmr-positions-from-zero",
+        "mlxlis/models/bert.py",
+        'position_offset=0 if model_type == "bert" else pad + 1,',
+        "position_offset=0,",
+        (EMBED_ST,),
+        "XLM-R counts positions from 0 instead of from past its padding index",
+    ),
+    Mutant(
         "rerank-no-sigmoid",
         "mlxlis/models/embedding.py",
         'return mx.sigmoid(logits) if self.activation == "sigmoid" else logits',

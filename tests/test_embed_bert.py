@@ -179,6 +179,24 @@ def _copy(folder: Path, tmp_path: Path) -> Path:
     return out
 
 
+def test_legacy_pooling_flags_read_as_sentence_transformers_reads_them(embedders, tmp_path):
+    """A 1_Pooling/config.json in the 2.x spelling (one pooling_mode_*_tokens flag per mode,
+    word_embedding_dimension) pools as sentence-transformers 6 reads it."""
+    from sentence_transformers import SentenceTransformer
+
+    folder = _copy(embedders("bert-max-dense")[0], tmp_path)
+    legacy = {
+        "word_embedding_dimension": 48,
+        "pooling_mode_cls_token": True,
+        "pooling_mode_mean_tokens": False,
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+    }
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(legacy))
+    ref = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, convert_to_numpy=True)
+    close(np.array(mlxlis.load(folder).embed(TEXTS)), ref)
+
+
 def test_refusals_name_the_file_and_field(embedders, tmp_path, tiny):
     """An unknown pooling mode, a Dense only in pytorch_model.bin, generating with an embed
     model and embedding with a chat model: one MlxlisError each, naming what is wrong."""
