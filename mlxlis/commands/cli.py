@@ -1,4 +1,5 @@
-"""Command line: `mlxlis [-m MODEL] [--no-chat] PROMPT`, `mlxlis chat`, `serve`, `inspect`, `pull`.
+"""Command line: `mlxlis [-m MODEL] [--no-chat] PROMPT`, `mlxlis chat`, `serve`, `inspect`, `pull`,
+`embed`.
 
 Exit codes: 0 success, 2 bad input / unsupported / no template (message on stderr, no
 traceback unless --debug), 1 a bug, 130 interrupted.
@@ -20,6 +21,7 @@ from mlxlis.commands.args import (
     speculative_flags,
 )
 from mlxlis.commands.common import SUBCOMMANDS, guard, load_model, say
+from mlxlis.commands.embed import run_embed
 from mlxlis.commands.one_shot import one_shot_parser, run_one_shot
 from mlxlis.commands.serve_command import run_serve
 from mlxlis.distributed.leader import finish, follow
@@ -280,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             "models": run_models,
             "rm": run_rm,
             "convert": run_convert,
+            "embed": run_embed,
         }[cmd](rest)
     p = one_shot_parser()
     a = p.parse_args(argv)

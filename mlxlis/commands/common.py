@@ -13,7 +13,7 @@ from mlxlis.errors import MlxlisError
 from mlxlis.models.model import Model
 from mlxlis.runtime import process
 
-SUBCOMMANDS = ("chat", "serve", "inspect", "pull", "models", "rm", "convert")
+SUBCOMMANDS = ("chat", "serve", "inspect", "pull", "models", "rm", "convert", "embed")
 
 
 def say(*parts: object) -> None:

@@ -258,6 +258,12 @@ def convert(
         adapter_scale=adapter_scale,
         fuse=True,
     )
+    if model.task != "generate":  # its folder is already what mlxlis and its users read
+        raise UnsupportedError(
+            f"converting an {model.task} model is not supported (load its folder as it is)",
+            path=path,
+            field="model",
+        )
     if model.fused and merged is not None:
         merged(model.fused)
     if model.net.rope_freq_factors is not None:

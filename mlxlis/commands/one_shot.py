@@ -20,7 +20,7 @@ from mlxlis.commands.args import (
 )
 from mlxlis.commands.common import SUBCOMMANDS, load_model, print_details, say
 from mlxlis.distributed.leader import finish, follow, ranks_of
-from mlxlis.errors import MlxlisError, PipelineError
+from mlxlis.errors import MlxlisError, PipelineError, UnsupportedError
 from mlxlis.generation.events import Event
 from mlxlis.generation.generate import generate, run_request
 from mlxlis.generation.request import Ask, Built, build
@@ -160,6 +160,13 @@ def stream_reply(
 def run_one_shot(a: argparse.Namespace, params) -> int:
     prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
     model = load_model(a)
+    if model.task != "generate":  # before the template diagnosis, which would mislead
+        raise UnsupportedError(
+            f"{model.name} is {'an embedding' if model.task == 'embed' else 'a reranking'} "
+            "model: it does not generate "
+            "(`mlxlis embed -m MODEL TEXT...`)",
+            field="model",
+        )
     if model.rank != 0:  # pipelined: rank 0 generates, this rank runs its share of each step
         follow(model)
         return 0

@@ -40,7 +40,8 @@ The JSON shape (`schema` 1) is stable: keys are only ever added, never renamed o
                 "budget_bytes": 25000000000,        # what mlxlis may fill (MLXLIS_MAX_MEMORY)
                 "max_context": 8192}}               # the longest one sequence's caches fit
                                                     # beside the weights (≤ context_length)
-    (a model pipelined across ranks reports "memory": null: each rank holds a share)
+    (a model pipelined across ranks reports "memory": null: each rank holds a share; so does
+    an embedding or reranking model, which keeps no KV cache)
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def model_report(model: Model) -> dict[str, Any]:
 
 
 def _memory(model: Model) -> dict[str, Any] | None:
-    if model.part is not None:
+    if model.part is not None or model.task != "generate":  # an encoder keeps no KV cache
         return None
     fp, budget = footprint(model), memory_budget()
     room = budget - fp.weights

@@ -255,6 +255,15 @@ class Core:
         if not req.prompt:
             raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
         req.params.validate()
+        task = getattr(self.model, "task", "generate")  # the tests' stand-in models have none
+        if task != "generate":
+            kind = "an embedding model" if task == "embed" else "a reranking model"
+            raise UnsupportedError(
+                f"{self.model.name} is {kind}: it does not generate (use model.{task} or "
+                f"`mlxlis embed`)",
+                path=self.model.path,
+                field="model",
+            )
         if not self.model.config.attention.causal:
             raise UnsupportedError(
                 'an encoder (use_bidirectional_attention "all": every position sees every '

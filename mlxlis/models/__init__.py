@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.models.base import Family, Projector
+from mlxlis.models.bert import BERT
 from mlxlis.models.config import ModelConfig, SpecialTokens, base_config, eos_list
 from mlxlis.models.gemma import GEMMA, GEMMA2, GEMMA3
 from mlxlis.models.gemma3n import GEMMA3N
@@ -53,6 +54,7 @@ REGISTRY: dict[str, Family] = {
             PHI3,
             GPT_OSS,
         ),
+        BERT,
         *(GEMMA, GEMMA2, GEMMA3, GEMMA3N, GEMMA4, GEMMA4_ASSISTANT),
     )
 }

@@ -232,6 +232,10 @@ class Family:
     # an assistant: its network (a network.Assistant) drafts for a target from the target's
     # state (network.TargetView), not from tokens alone
     assists: bool = False
+    # "decoder" (a Network: logits, caches, generation) or "encoder" (an
+    # encoder.EncoderNetwork: hidden states of a padded batch, embedded or scored by
+    # embedding.py; its folders load through from_encoder.py)
+    kind: str = "decoder"
 
     def undo(
         self,

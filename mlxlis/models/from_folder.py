@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlxlis.bounded import check_folder_json
+from mlxlis.errors import UnsupportedError
 from mlxlis.loading.binding import bind
 from mlxlis.loading.manifest import Manifest, as_manifest
 from mlxlis.loading.plan import plan_bindings
@@ -45,6 +46,16 @@ def load_folder(
     generation = read_json(gen_path) if gen_path.is_file() else None
     cfg = config_from_hf(read_json(cfg_path), str(cfg_path), generation)
     spec = family(cfg.family)
+    # an encoder embeds or reranks: its own files beside the weights; loaded whole on every
+    # rank of a launcher (small models: nothing to gain from splitting them)
+    if spec.kind == "encoder":
+        if manifest.origin is not None:
+            raise UnsupportedError(
+                "an encoder binds by its own names, not a manifest", path=folder, field="bindings"
+            )
+        from mlxlis.models.from_encoder import load_encoder_folder
+
+        return load_encoder_folder(folder, cfg, dtype)
     part = None
     if placement is not None:  # under a launcher: this rank's share of the layers only
         part = placement.place(cfg, module_sizes(folder, spec.hf.name), str(folder))

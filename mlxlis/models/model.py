@@ -21,6 +21,7 @@ from mlxlis.loading.adapters import Adapter
 from mlxlis.loading.hub import display_name
 from mlxlis.models import lora
 from mlxlis.models.config import ModelConfig
+from mlxlis.models.embedding import Embedder
 from mlxlis.models.experts import QuantizedSwitchLinear, SwitchLinear
 from mlxlis.models.multimodal import ImageSpan, Inserts, Prompt, PromptImage, Vision, image_spans
 from mlxlis.models.network import Network
@@ -56,6 +57,8 @@ class Model:
         part: Share | None = None,
         vision: Vision | None = None,
         sees: bool = False,
+        task: str = "generate",
+        embedder: Embedder | None = None,
     ):
         self.config = config
         self.net = net
@@ -75,7 +78,9 @@ class Model:
         self.kv_format: KVFormat | None = None  # quantized KV caches (set_kv_format), or dense
         self.vision = vision  # how it sees images (multimodal.Vision), None: text only
         self.sees = sees  # its family has a vision tower (Family.vision), loaded or not
-        self.task = "generate"  # what it does: "generate"; "embed", "rerank" (an encoder)
+        # "generate" (a decoder), "embed" (vectors: embed) or "rerank" (scores: rerank)
+        self.task = task
+        self.embedder = embedder  # an encoder's tokenizer, pooling and head (embedding.py)
 
     @property
     def name(self) -> str:
@@ -93,6 +98,39 @@ class Model:
     def rank(self) -> int:
         """This process's rank when the model runs pipelined under a launcher, else 0."""
         return self.part.rank if self.part is not None else 0
+
+    def _encoder(self, task: str) -> Embedder:
+        """The embedder when this model does `task`, else UnsupportedError saying what it is."""
+        if self.task != task or self.embedder is None:
+            what = {"generate": "a generative (chat) model", "embed": "an embedding model"}
+            kind = what.get(self.task, "a reranking model")
+            does = "embed texts" if task == "embed" else "rerank documents"
+            raise UnsupportedError(f"{self.name} is {kind}: it does not {does}", field="model")
+        return self.embedder
+
+    def embed(
+        self,
+        texts: Sequence[str | Sequence[int]],
+        *,
+        dimensions: int | None = None,
+        prompt_name: str | None = None,
+        truncate: bool = True,
+    ) -> mx.array:
+        """(len(texts), d) float32 vectors of an embedding model, as its files say to pool,
+        project and normalise them. `texts`: strings, or lists of token ids taken as they are
+        (special tokens included). `dimensions`: the first d values (Matryoshka), renormalised
+        when the model normalises. `prompt_name`: a prompt from the model's
+        config_sentence_transformers.json put before each text (default: its
+        default_prompt_name). An input longer than the model's maximum is cut when `truncate`,
+        else refused (MlxlisError, field "input[i]")."""
+        return self._encoder("embed").embed(
+            texts, dimensions=dimensions, prompt_name=prompt_name, truncate=truncate
+        )
+
+    def rerank(self, query: str, documents: Sequence[str], *, truncate: bool = True) -> list[float]:
+        """A cross-encoder's relevance score of each document to `query`, in the documents'
+        order (sigmoid of its logit, as sentence-transformers' CrossEncoder.predict gives)."""
+        return self._encoder("rerank").rerank(query, documents, truncate=truncate)
 
     def make_cache(self, kv: KVChoice = "model") -> list[Cache]:
         """Fresh caches of one sequence, in the model's KV format or the one `kv` names."""
@@ -164,6 +202,11 @@ class Model:
         """[len(ids), vocab] float32 logits of one full forward pass, no cache (pipelined:
         on the last rank; the others return their hidden states, passed on). `images`: the
         preprocessed images whose placeholder runs `ids` hold (`encode_chat`'s prompt)."""
+        if self.task != "generate":
+            raise UnsupportedError(
+                f"{self.name} is an encoder ({self.task}): it has no logits; use model.{self.task}",
+                field="model",
+            )
         inputs = mx.array([list(ids)], dtype=mx.int32)
         spans = self.image_spans(ids, images)
         if not spans:
@@ -385,6 +428,8 @@ class Model:
             "dtype": str(self.dtype).replace("mlx.core.", ""),
             "template": self.template_source or "none",
         }
+        if self.task != "generate":
+            details["task"] = self.task  # an encoder: embed or rerank, no chat
         if self.adapters:
             details["adapters"] = "; ".join(a.describe() for a in self.adapters)
             if self.fused:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -228,8 +229,12 @@ def remove_catalog(name: str) -> int:
     from mlxlis.loading import catalog
 
     path = catalog.model_path(name)
-    if not path.is_file():
+    if not catalog.is_pulled(name):
         raise ModelNotFoundError("catalog model not pulled", path=name)
+    if path.is_dir():  # an unpacked folder (a sentence-transformers model)
+        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        shutil.rmtree(path)
+        return size
     size = path.stat().st_size
     path.unlink()
     return size

@@ -1,0 +1,170 @@
+"""BERT and XLM-RoBERTa: post-norm encoders with absolute positions (embedding models such as
+all-MiniLM, bge-*-en-v1.5, e5, bge-m3, multilingual-e5) and their sequence-classification heads
+(cross-encoders such as ms-marco MiniLM and bge-reranker).
+
+One unit, two model types: they share the forward; XLM-R counts positions from past its padding
+index and, as a classifier, has RoBERTa's head (dense + tanh + out_proj) instead of BERT's pooler
+and linear classifier. HF `bert` and `xlm-roberta` (also `roberta`); no GGUF reader yet.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from mlxlis.errors import ConfigError, UnsupportedError
+from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
+from mlxlis.models.config import ModelConfig
+from mlxlis.models.encoder import ACTIVATIONS, Encoder, EncoderConfig
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# architectures whose checkpoint holds a classification head, and which head
+_HEADS = {
+    "BertForSequenceClassification": "pooler",
+    "XLMRobertaForSequenceClassification": "roberta",
+    "RobertaForSequenceClassification": "roberta",
+}
+
+
+def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
+    model_type = cfg["model_type"]
+    if cfg.get("position_embedding_type", "absolute") != "absolute":
+        raise UnsupportedError(
+            f"position_embedding_type {cfg['position_embedding_type']!r} (only absolute)",
+            path=path,
+            field="position_embedding_type",
+        )
+    act = cfg.get("hidden_act", "gelu")
+    if act not in ACTIVATIONS:
+        raise UnsupportedError(
+            f"activation {act!r} is not implemented", path=path, field="hidden_act"
+        )
+    heads = [_HEADS[a] for a in cfg.get("architectures") or () if a in _HEADS]
+    labels = cfg.get("id2label")
+    num_labels = len(labels) if isinstance(labels, dict) else cfg.get("num_labels", 1)
+    pad = cfg.get("pad_token_id")
+    pad = (1 if model_type != "bert" else 0) if pad is None else pad
+    if not isinstance(pad, int) or pad < 0:
+        raise ConfigError(f"expected an id, got {pad!r}", path=path, field="pad_token_id")
+    eps = cfg.get("layer_norm_eps", 1e-12)
+    if not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+        raise ConfigError(
+            f"expected a small number, got {eps!r}", path=path, field="layer_norm_eps"
+        )
+    types = cfg.get("type_vocab_size", 2)
+    if not isinstance(types, int) or isinstance(types, bool) or not 0 <= types <= 1 << 16:
+        raise ConfigError(
+            f"expected a count, got {types!r}"[:200], path=path, field="type_vocab_size"
+        )
+    if not isinstance(num_labels, int) or not 1 <= num_labels <= 1 << 16:
+        raise ConfigError(
+            f"expected a count, got {num_labels!r}"[:200], path=path, field="num_labels"
+        )
+    enc = EncoderConfig(
+        layer_norm_eps=float(eps),
+        type_vocab_size=types,
+        pad_token_id=pad,
+        position_offset=0 if model_type == "bert" else pad + 1,
+        hidden_act=act,
+        head=heads[0] if heads else "",
+        num_labels=num_labels,
+    )
+    if enc.position_offset >= base.max_position_embeddings:
+        raise ConfigError(
+            "no positions past the padding index", path=path, field="max_position_embeddings"
+        )
+    mlp = replace(base.mlp, hidden_act=act, bias=True)
+    attention = replace(base.attention, bias=True, o_bias=True, causal=False)
+    return base.with_(family_config=enc, mlp=mlp, attention=attention)
+
+
+def _parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
+    raise UnsupportedError(
+        "BERT GGUF files are not read yet", path=meta.path, field="general.architecture"
+    )
+
+
+# checkpoint names (after the prefix a task model adds) -> ours, first match wins
+_RENAMES = [
+    (r"^(bert|roberta)\.", ""),
+    (r"\.gamma$", ".weight"),  # checkpoints from before LayerNorm's weight was so called
+    (r"\.beta$", ".bias"),
+    (r"^embeddings\.word_embeddings\.", "encoder.embeddings.words."),
+    (r"^embeddings\.position_embeddings\.", "encoder.embeddings.positions."),
+    (r"^embeddings\.token_type_embeddings\.", "encoder.embeddings.types."),
+    (r"^embeddings\.LayerNorm\.", "encoder.embeddings.norm."),
+    (r"^encoder\.layer\.(\d+)\.attention\.self\.", r"encoder.layers.\1.attention."),
+    (r"^encoder\.layer\.(\d+)\.attention\.output\.dense\.", r"encoder.layers.\1.attention.out."),
+    (
+        r"^encoder\.layer\.(\d+)\.attention\.output\.LayerNorm\.",
+        r"encoder.layers.\1.attention_norm.",
+    ),
+    (r"^encoder\.layer\.(\d+)\.intermediate\.dense\.", r"encoder.layers.\1.up."),
+    (r"^encoder\.layer\.(\d+)\.output\.dense\.", r"encoder.layers.\1.down."),
+    (r"^encoder\.layer\.(\d+)\.output\.LayerNorm\.", r"encoder.layers.\1.mlp_norm."),
+    (r"^pooler\.dense\.", "pooler."),
+    (r"^classifier\.dense\.", "head_dense."),
+    (r"^classifier\.out_proj\.", "classifier."),
+]
+_RENAMES_RE = [(re.compile(p), r) for p, r in _RENAMES]
+
+
+def checkpoint_name(name: str) -> str:
+    """A checkpoint tensor name under our module names (each rule applied once, in order)."""
+    for pattern, repl in _RENAMES_RE:
+        name = pattern.sub(repl, name)
+    return name
+
+
+class BertNetwork(nn.Module):
+    """The encoder, and a cross-encoder's head where the checkpoint has one."""
+
+    def __init__(self, cfg: ModelConfig, family: Family | None = None):
+        super().__init__()
+        self.config = cfg
+        self._enc = cfg.own(EncoderConfig)
+        self.encoder = Encoder(cfg)
+        h = cfg.hidden_size
+        if self._enc.head == "pooler":
+            self.pooler = nn.Linear(h, h)
+        elif self._enc.head == "roberta":
+            self.head_dense = nn.Linear(h, h)
+        if self._enc.head:
+            self.classifier = nn.Linear(h, self._enc.num_labels)
+
+    def __call__(self, ids: mx.array, mask: mx.array, types: mx.array | None = None) -> mx.array:
+        return self.encoder(ids, mask, types)  # (B, T, hidden)
+
+    def classify(self, h: mx.array) -> mx.array:
+        """(B, T, hidden) -> (B, num_labels): the head on the first token ([CLS] / <s>)."""
+        if not self._enc.head:
+            raise UnsupportedError(
+                "this checkpoint has no classification head", field="architectures"
+            )
+        first = h[:, 0]
+        dense = self.pooler if self._enc.head == "pooler" else self.head_dense
+        return self.classifier(mx.tanh(dense(first)))
+
+    def sanitize(self, weights: dict) -> dict:
+        """Checkpoint names under ours; what this network does not use dropped (a base model's
+        pooler when there is no head, the position_ids buffer)."""
+        ours = {}
+        has_pooler = self._enc.head == "pooler"
+        for name, value in weights.items():
+            new = checkpoint_name(name)
+            if new.endswith("position_ids") or (new.startswith("pooler.") and not has_pooler):
+                continue
+            ours[new] = value
+        return ours
+
+
+BERT = Family(
+    name="bert",
+    hf=HFFormat(model_types=("bert", "xlm-roberta", "roberta"), parse=_parse_hf),
+    gguf=GGUFFormat(archs=(), parse=_parse_gguf),
+    network=BertNetwork,
+    export=Export(model_type="bert", architecture="BertModel"),
+    kind="encoder",
+)

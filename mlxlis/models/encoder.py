@@ -1,0 +1,175 @@
+"""Encoder blocks: bidirectional self-attention over a padded batch, the embeddings of absolute
+positions (and token types), a post-norm block, and the stack an encoder family composes.
+
+A batch is (B, T) ids padded on the right with a (B, T) mask (1: a token, 0: padding). Padding
+is never attended to, so each row's outputs equal those of the row run alone; the outputs at
+padded positions are whatever they are and poolers must ignore them (pooling.py).
+
+Hooks for the encoders still to come: `EncoderConfig.positions` ("absolute" now; rotary families
+apply their RoPE to q and k through `EncoderAttention.rope`) and `EncoderConfig.norm`
+("post" now; a pre-norm family composes its own block from the same attention).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from mlxlis.errors import UnsupportedError
+from mlxlis.models.config import FamilyConfig, ModelConfig
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# the hidden activations of encoder MLPs by config.json name
+ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
+    "gelu": nn.gelu,  # exact, erf-based (transformers' GELUActivation)
+    "gelu_new": nn.gelu_approx,  # tanh approximation
+    "gelu_pytorch_tanh": nn.gelu_approx,
+    "relu": nn.relu,
+}
+
+
+@dataclass(frozen=True)
+class EncoderConfig(FamilyConfig):
+    """What an encoder needs beyond ModelConfig's shared fields (ModelConfig.family_config)."""
+
+    layer_norm_eps: float = 1e-12
+    type_vocab_size: int = 2  # token type (segment) embeddings rows; 0: none
+    pad_token_id: int = 0
+    # first position id: 0 (BERT), padding_idx + 1 (RoBERTa / XLM-R count positions from
+    # past the padding index, as transformers' create_position_ids_from_input_ids does)
+    position_offset: int = 0
+    positions: str = "absolute"  # "absolute" (learnt table) | a rotary family's own kind
+    norm: str = "post"  # "post": add & LayerNorm after each sublayer (BERT)
+    hidden_act: str = "gelu"
+    # the classification head of a cross-encoder: "" (none: an embedding model), "pooler"
+    # (BERT: tanh dense on the first token, then a linear classifier), "roberta" (a tanh
+    # dense then out_proj on the first token, no pooler)
+    head: str = ""
+    num_labels: int = 1
+
+
+def max_tokens(cfg: ModelConfig) -> int:
+    """How many tokens one input may hold: the position table's rows past the offset."""
+    return cfg.max_position_embeddings - cfg.own(EncoderConfig).position_offset
+
+
+def attention_mask(mask: mx.array) -> mx.array:
+    """(B, T) 1/0 token mask -> (B, 1, 1, T) boolean: every query sees the row's tokens only."""
+    return (mask > 0)[:, None, None, :]
+
+
+class EncoderAttention(nn.Module):
+    """Bidirectional multi-head self-attention with biases on q, k, v and the output."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.query = nn.Linear(hidden, heads * head_dim)
+        self.key = nn.Linear(hidden, heads * head_dim)
+        self.value = nn.Linear(hidden, heads * head_dim)
+        self.out = nn.Linear(heads * head_dim, hidden)
+        self.scale = head_dim**-0.5
+        # (q, k) -> (q, k) with positions applied; identity for absolute-position encoders
+        self.rope: Callable[[mx.array, mx.array], tuple[mx.array, mx.array]] | None = None
+
+    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+        B, T, _ = x.shape
+
+        def split(t: mx.array) -> mx.array:
+            return t.reshape(B, T, self.heads, self.head_dim).transpose(0, 2, 1, 3)
+
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))  # (B, H, T, D)
+        if self.rope is not None:
+            q, k = self.rope(q, k)
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.out(o.transpose(0, 2, 1, 3).reshape(B, T, -1))  # (B, T, hidden)
+
+
+class PostNormLayer(nn.Module):
+    """BERT's block: attention -> add & LayerNorm -> MLP (act) -> add & LayerNorm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        enc = cfg.own(EncoderConfig)
+        h = cfg.hidden_size
+        self.attention = EncoderAttention(h, cfg.num_attention_heads, cfg.head_dim)
+        self.attention_norm = nn.LayerNorm(h, eps=enc.layer_norm_eps)
+        self.up = nn.Linear(h, cfg.mlp.intermediate_size)
+        self.down = nn.Linear(cfg.mlp.intermediate_size, h)
+        self.mlp_norm = nn.LayerNorm(h, eps=enc.layer_norm_eps)
+        self.act = ACTIVATIONS[enc.hidden_act]
+
+    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+        x = self.attention_norm(x + self.attention(x, mask))
+        return self.mlp_norm(x + self.down(self.act(self.up(x))))
+
+
+class AbsoluteEmbeddings(nn.Module):
+    """Word + learnt absolute position (+ token type) embeddings, then LayerNorm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        enc = cfg.own(EncoderConfig)
+        h = cfg.hidden_size
+        self.enc = enc
+        self.words = nn.Embedding(cfg.vocab_size, h)
+        self.positions = nn.Embedding(cfg.max_position_embeddings, h)
+        if enc.type_vocab_size:
+            self.types = nn.Embedding(enc.type_vocab_size, h)
+        self.norm = nn.LayerNorm(h, eps=enc.layer_norm_eps)
+
+    def position_ids(self, ids: mx.array, mask: mx.array) -> mx.array:
+        """(B, T) position ids: 0.. for BERT; for an offset (XLM-R) transformers' count of the
+        non-pad ids so far plus the padding index, the padding index itself at pad ids."""
+        enc = self.enc
+        if enc.position_offset == 0:
+            return mx.broadcast_to(mx.arange(ids.shape[1])[None], ids.shape)
+        real = (ids != enc.pad_token_id).astype(mx.int32)
+        return mx.cumsum(real, axis=1) * real + enc.pad_token_id
+
+    def __call__(self, ids: mx.array, mask: mx.array, types: mx.array | None) -> mx.array:
+        x = self.words(ids) + self.positions(self.position_ids(ids, mask))
+        if self.enc.type_vocab_size:
+            # one type (XLM-R): its tokenizer states none, whatever a pair encoding says
+            one = types is None or self.enc.type_vocab_size == 1
+            types = mx.zeros_like(ids) if one else types
+            x = x + self.types(types)
+        return self.norm(x)  # (B, T, hidden)
+
+
+class EncoderNetwork(Protocol):
+    """What an encoder family's network is to the embedding runtime (embedding.py)."""
+
+    config: ModelConfig
+
+    def __call__(self, ids: mx.array, mask: mx.array, types: mx.array | None = None) -> mx.array:
+        """(B, T) ids, mask, token types -> (B, T, hidden) last hidden states."""
+        ...
+
+    def classify(self, h: mx.array) -> mx.array:
+        """(B, T, hidden) hidden states -> (B, num_labels) logits (cross-encoders)."""
+        ...
+
+
+class Encoder(nn.Module):
+    """Embeddings and a stack of blocks: the body every absolute-position encoder shares."""
+
+    def __init__(self, cfg: ModelConfig, block: type[nn.Module] = PostNormLayer):
+        super().__init__()
+        enc = cfg.own(EncoderConfig)
+        if enc.positions != "absolute" or enc.norm != "post":
+            raise UnsupportedError(
+                f"{enc.positions} positions with {enc.norm}-norm blocks", field="encoder"
+            )
+        self.embeddings = AbsoluteEmbeddings(cfg)
+        self.layers = [block(cfg) for _ in range(cfg.num_hidden_layers)]
+
+    def __call__(self, ids: mx.array, mask: mx.array, types: mx.array | None = None) -> mx.array:
+        x = self.embeddings(ids, mask, types)
+        m = attention_mask(mask)
+        for layer in self.layers:
+            x = layer(x, m)
+        return x  # (B, T, hidden)

@@ -1,0 +1,122 @@
+"""An encoder's folder as a Model that embeds or reranks: the network from config.json and the
+safetensors, the pooling / Dense / Normalize / prompts from the sentence-transformers files.
+
+A checkpoint with a classification head (BertForSequenceClassification, ...) is a reranker
+(task "rerank"): one logit per (query, document) pair, through the activation sentence-
+transformers' CrossEncoder applies (its saved activation_fn, else sigmoid for one label).
+Any other is an embedding model (task "embed"). A plain Hugging Face folder (no modules.json)
+pools as sentence-transformers does when it wraps one: mean pooling, no normalisation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlxlis.bounded import check_folder_json
+from mlxlis.errors import ConfigError, UnsupportedError
+from mlxlis.loading.binding import bind
+from mlxlis.loading.safetensors import load_tensors
+from mlxlis.loading.sentence_folder import DenseFile, max_seq_length, read_sentence_folder
+from mlxlis.models import build_model
+from mlxlis.models.config import ModelConfig, read_json
+from mlxlis.models.embedding import Embedder
+from mlxlis.models.encoder import EncoderConfig, max_tokens
+from mlxlis.models.model import Model
+from mlxlis.models.pooling import Dense, Pooling, dense_activation
+from mlxlis.tokenizer import Tokenizer
+from mlxlis.tokenizer.pairs import EncoderTokenizer
+
+import mlx.core as mx
+
+_ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.linear.Identity": "identity",
+}
+
+
+def _dense(d: DenseFile, width: int, dtype: mx.Dtype) -> Dense:
+    path = d.path / "config.json"
+    weight = d.tensors.get("linear.weight")
+    bias = d.tensors.get("linear.bias")
+    if weight is None or weight.ndim != 2 or weight.shape[1] != width:
+        raise ConfigError(
+            f"linear.weight must be (out, {width})",
+            path=d.path / "model.safetensors",
+            field="linear.weight",
+        )
+    if d.config.get("bias", True) and bias is None:
+        raise ConfigError("the config has a bias the file lacks", path=path, field="bias")
+    act = dense_activation(d.config.get("activation_function"), path)
+    return Dense(weight.astype(dtype), None if bias is None else bias.astype(dtype), act)
+
+
+def _activation(folder: Path, cfg: dict, saved: str | None, labels: int) -> str:
+    """The CrossEncoder activation: config_sentence_transformers.json's, config.json's (4.x-5.x:
+    sentence_transformers.activation_fn; earlier: sbert_ce_default_activation_function), else
+    sigmoid for one label."""
+    st = cfg.get("sentence_transformers")
+    path = saved or (st.get("activation_fn") if isinstance(st, dict) else None)
+    path = path or cfg.get("sbert_ce_default_activation_function")
+    if path is None:
+        return "sigmoid" if labels == 1 else "identity"
+    if path not in _ACTIVATIONS:
+        raise UnsupportedError(
+            f"activation {path!r} is not implemented (Sigmoid, Identity)",
+            path=folder / "config_sentence_transformers.json",
+            field="activation_fn",
+        )
+    return _ACTIVATIONS[path]
+
+
+def load_encoder_folder(folder: Path, cfg: ModelConfig, dtype: mx.Dtype) -> Model:
+    """`folder` (config.json parsed into `cfg` by an encoder family) as an embed or rerank
+    Model."""
+    enc = cfg.own(EncoderConfig)
+    net = build_model(cfg)
+    bind(net, net.sanitize(load_tensors(folder)), folder, dtype)
+    st = read_sentence_folder(folder)
+    limit = max_tokens(cfg)
+    wanted = st.max_seq_length if st is not None else max_seq_length(folder)
+    length = min(limit, wanted) if wanted else limit
+    check_folder_json(folder)
+    if not (folder / "tokenizer.json").is_file():
+        raise UnsupportedError(
+            "an encoder needs its tokenizer.json", path=folder, field="tokenizer.json"
+        )
+    pairs = EncoderTokenizer(folder / "tokenizer.json", length)
+    common = dict(net=net, tokenizer=pairs, pad_id=enc.pad_token_id)
+    if enc.head:
+        if enc.num_labels != 1:
+            raise UnsupportedError(
+                f"a classifier of {enc.num_labels} labels (a reranker has one)",
+                path=folder / "config.json",
+                field="id2label",
+            )
+        raw = read_json(folder / "config.json")
+        act = _activation(folder, raw, st.activation_fn if st else None, enc.num_labels)
+        embedder = Embedder(task="rerank", activation=act, **common)
+    else:
+        if st is not None and st.pooling is not None:
+            pooling = Pooling.from_st(st.pooling, st.pooling_path)
+        else:
+            pooling = Pooling(("mean",))
+        dense, width = [], cfg.hidden_size * len(pooling.modes)
+        for d in st.dense if st else ():
+            dense.append(_dense(d, width, dtype))
+            width = dense[-1].weight.shape[0]
+        pooling = Pooling(pooling.modes, bool(st and st.normalize), tuple(dense))
+        prompts = st.prompts if st else {}
+        default = st.default_prompt_name if st else None
+        embedder = Embedder(
+            task="embed", pooling=pooling, prompts=prompts, default_prompt=default, **common
+        )
+    return Model(
+        cfg,
+        net,
+        Tokenizer.from_folder(folder),
+        dtype=dtype,
+        path=folder,
+        fmt="safetensors",
+        task=embedder.task,
+        embedder=embedder,
+    )

@@ -1,0 +1,128 @@
+"""Tiny random encoders saved the way their users save them: sentence-transformers folders
+built with sentence-transformers' own modules, and CrossEncoder folders (tests of embeddings
+and reranking compare mlxlis against sentence-transformers on these)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+WORDS = (
+    "the a of and to in is it that for on with as this was query document passage search "
+    "retrieval embedding model vector sentence text short long local server apple silicon"
+).split()
+SPECIAL = ["[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]"]  # [PAD] = 1: XLM-R's padding index too
+MAX_SEQ = 40  # the folders' max_seq_length: inputs past it are cut (both sides must agree)
+
+
+def word_piece_tokenizer(folder: Path):
+    """A BERT WordPiece tokenizer whose vocabulary covers any lower-case ASCII text."""
+    from transformers import BertTokenizerFast
+
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list(".,!?'0123456789")
+    vocab = SPECIAL + WORDS + letters + ["##" + c for c in letters]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(dict.fromkeys(vocab)) + "\n")
+    tok = BertTokenizerFast(
+        str(folder / "vocab.txt"),
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        mask_token="[MASK]",
+    )
+    return tok
+
+
+def spread(model, seed: int) -> None:
+    """Random weights wide enough that a wrong mask or pooling shows: matrices N(0, 0.08),
+    LayerNorm weights 1 + N(0, 0.1), biases N(0, 0.1)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "LayerNorm.weight" in name:
+                p.copy_(1 + 0.1 * noise)
+            elif p.ndim == 1:
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(0.3 * noise if "embeddings" in name else 0.08 * noise)
+
+
+def encoder_config(kind: str, vocab: int, **kw):
+    """A tiny config: 3 heads of 16 (odd), 2 layers, a short position table."""
+    from transformers import BertConfig, XLMRobertaConfig
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=48,
+        num_attention_heads=3,
+        num_hidden_layers=2,
+        intermediate_size=80,
+        pad_token_id=1,
+        **kw,
+    )
+    if kind == "bert":
+        return BertConfig(max_position_embeddings=64, **common)
+    # XLM-R: positions start at padding_idx + 1; one token type, unless the caller pairs texts
+    # with this BERT tokenizer (its pairs have types 0 and 1)
+    return XLMRobertaConfig(**{"max_position_embeddings": 66, "type_vocab_size": 1, **common})
+
+
+def sentence_folder(
+    folder: Path,
+    kind: str,
+    modes: str | tuple[str, ...],
+    *,
+    dense: int = 0,
+    normalize: bool = True,
+    prompts: dict[str, str] | None = None,
+    seed: int = 0,
+):
+    """A SentenceTransformer of a random `kind` encoder, `modes` pooling, an optional Dense to
+    `dense` dims and Normalize, saved to `folder`; returns the SentenceTransformer (float32)."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Dense, Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+    from transformers import AutoModel
+
+    raw = folder.parent / f"{folder.name}-raw"
+    tok = word_piece_tokenizer(raw)
+    torch.manual_seed(seed)
+    model = AutoModel.from_config(encoder_config(kind, len(tok)))
+    spread(model, seed)
+    model.save_pretrained(raw)
+    tok.save_pretrained(raw)
+    modules = [Transformer(str(raw), max_seq_length=MAX_SEQ)]
+    modules.append(Pooling(48, modes))
+    if dense:
+        width = 48 * (len(modes) if isinstance(modes, tuple) else 1)
+        layer = Dense(width, dense)
+        spread(layer, seed + 1)
+        modules.append(layer)
+    if normalize:
+        modules.append(Normalize())
+    st = SentenceTransformer(modules=modules, device="cpu", prompts=prompts)
+    st.save(str(folder))
+    return st.eval()
+
+
+def cross_encoder_folder(folder: Path, kind: str, seed: int = 0):
+    """A CrossEncoder (one label) of a random `kind` classifier, saved; returns it."""
+    import torch
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoModelForSequenceClassification
+
+    raw = folder.parent / f"{folder.name}-raw"
+    tok = word_piece_tokenizer(raw)
+    torch.manual_seed(seed)
+    cfg = encoder_config(kind, len(tok), num_labels=1, type_vocab_size=2)
+    model = AutoModelForSequenceClassification.from_config(cfg)
+    spread(model, seed)
+    model.save_pretrained(raw)
+    tok.save_pretrained(raw)
+    ce = CrossEncoder(str(raw), max_length=MAX_SEQ, device="cpu")
+    ce.save(str(folder))
+    return ce
