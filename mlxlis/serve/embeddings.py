@@ -127,7 +127,7 @@ def router(svc: Service, auth: list) -> APIRouter:
         served = await svc.model(req.model, req.keep_alive, task="embed")
         with served.held():
             vectors = await embed(served, texts, False, req.dimensions, "input")
-            tokens = count_tokens(served.model, texts)
+            tokens = count_tokens(served.model, texts, False)
         data = []
         for i, v in enumerate(vectors):
             if (
@@ -149,7 +149,7 @@ def router(svc: Service, auth: list) -> APIRouter:
         t1 = time.perf_counter_ns()
         with served.held():
             vectors = await embed(served, texts, req.truncate, req.dimensions, "input")
-            tokens = count_tokens(served.model, texts)
+            tokens = count_tokens(served.model, texts, req.truncate)
         return {
             "model": req.model,
             "embeddings": vectors.tolist(),
@@ -179,7 +179,7 @@ def router(svc: Service, auth: list) -> APIRouter:
                 scores = await on_mlx_thread(lambda: list(model.rerank(req.query, docs)))
             except MlxlisError as e:
                 raise refused(e, "documents") from None
-            tokens = count_tokens(model, [req.query, *docs])
+            tokens = count_pairs(model, req.query, docs)
         order = sorted(range(len(docs)), key=lambda i: -scores[i])[: req.top_n or len(docs)]
         results = []
         for i in order:
@@ -195,6 +195,11 @@ def router(svc: Service, auth: list) -> APIRouter:
     return r
 
 
-def count_tokens(model: Any, texts: list) -> int:
-    """The tokens of the inputs as given (texts tokenized, id lists counted)."""
-    return sum(len(t) if isinstance(t, list) else len(model.tokenizer.encode(t)) for t in texts)
+def count_tokens(model: Any, texts: list, truncate: bool) -> int:
+    """The tokens the inputs are fed as (special tokens included, cut where truncated)."""
+    return sum(len(ids) for ids, _ in model.embedder.rows(texts, "", truncate))
+
+
+def count_pairs(model: Any, query: str, documents: list[str]) -> int:
+    """The tokens of each (query, document) pair as the cross-encoder reads it."""
+    return sum(len(model.embedder.tokenizer.encode(query, d)[0]) for d in documents)
