@@ -2217,6 +2217,22 @@ MUTANTS = (
         "serve: llama.cpp's per-request adapter scale ignored",
     ),
     Mutant(
+        "serve-embed-dimensions-dropped",
+        "mlxlis/serve/embeddings.py",
+        "model.embed(texts, dimensions=dimensions, truncate=truncate)",
+        "model.embed(texts, truncate=truncate)",
+        ("tests/test_serve_embed.py",),
+        "serve: an embeddings request's dimensions ignored",
+    ),
+    Mutant(
+        "serve-rerank-unsorted",
+        "mlxlis/serve/embeddings.py",
+        "order = sorted(range(len(docs)), key=lambda i: -scores[i])[: req.top_n or len(docs)]",
+        "order = list(range(len(docs)))[: req.top_n or len(docs)]",
+        ("tests/test_serve_embed.py",),
+        "serve: rerank results left in the documents' order, not best first",
+    ),
+    Mutant(
         "prefix-cache-crosses-adapters",
         "mlxlis/cache/prefix.py",
         "if fmt != kv or made != tag or not (n := common_prefix(held, ids)):",
