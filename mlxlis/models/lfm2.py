@@ -275,8 +275,8 @@ def _describe(c: ModelConfig) -> dict[str, Any]:
 
 
 def _rows(config: dict[str, Any]) -> list[tuple[str, str]]:
-    s, n = config["short_conv"], config["layers"]
-    state = f"a state of the last {s['kernel'] - 1} gated inputs per layer"
+    s, n, d = config["short_conv"], config["layers"], config["hidden_size"]
+    state = f"a state of the last {s['kernel'] - 1} gated inputs ({s['kernel'] - 1} × {d}) each"
     text = f"gated short convolution C·conv{s['kernel']}(B·x) in {s['layers']} of {n} layers"
     return [("conv", f"{text}, {state}; per-head q/k norms on the attention layers")]
 
