@@ -1,19 +1,15 @@
-"""LFM2 (Liquid AI): a pre-norm hybrid of gated short convolutions (shortconv.py: y = C ⊙
-conv_L(B ⊙ x), a state of the last L − 1 gated inputs) and GQA attention layers whose q and k
-are RMSNormed per head before RoPE, each followed by a SwiGLU MLP (w1 gate, w3 up, w2 down).
-
-  layers   `layer_types` ("conv" | "full_attention"), else `full_attn_idxs` (transformers'
-           default when neither is given: every layer attention)
-  MLP      `block_auto_adjust_ff_dim`: width int(2·ff/3), then, with a multiplier, int(mult·w)
-           rounded up to `block_multiple_of` (transformers rounds only inside the multiplier
-           branch; llama.cpp and mlx-lm always do: the same for every released config)
-  names    operator_norm / ffn_norm around the sublayers; the final norm is called
-           `embedding_norm` though it follows the last layer; a tied head by default
-HF `lfm2` (hub configs also spell block_ff_dim for intermediate_size, tie_embedding for
-tie_word_embeddings, norm_eps for the RMSNorm epsilon). mlx-lm's lfm2 has the same names, its
-conv kernel saved as (C, L, 1). GGUF: llama.cpp's LFM2Model writes arch `lfm2`, the conv kernel
-squeezed to (C, L), head_count_kv per layer (0 on conv layers), shortconv.l_cache, the MLP width
-already adjusted, and the final norm as token_embd_norm.
+"""LFM2 (Liquid AI): pre-norm blocks (operator_norm, ffn_norm) whose mixer is a gated short
+convolution (shortconv.py: C ⊙ conv_L(B ⊙ x), a state of the last L − 1 gated inputs) or GQA
+attention with per-head q/k RMSNorms before RoPE, as `layer_types` says ("conv" |
+"full_attention"; else `full_attn_idxs`, transformers' default: all attention); a SwiGLU MLP
+(w1 gate, w3 up, w2 down) whose width `block_auto_adjust_ff_dim` makes int(2·ff/3), then with a
+multiplier int(mult·w) rounded up to `block_multiple_of` (transformers rounds only inside the
+multiplier branch, llama.cpp and mlx-lm always: alike for released configs); the final norm
+is named `embedding_norm` though it follows the last layer; a tied head by default.
+HF `lfm2` (hub configs also spell block_ff_dim, tie_embedding, norm_eps); mlx-lm's lfm2 has the
+same names, its kernel saved (C, L, 1). GGUF: llama.cpp's LFM2Model writes arch `lfm2`, the
+kernel squeezed to (C, L), head_count_kv per layer (0 on conv layers), shortconv.l_cache, the
+MLP width already adjusted, the final norm as token_embd_norm.
 """
 
 from __future__ import annotations
@@ -205,8 +201,8 @@ def _kernel(value: Any, field: str, path: str) -> int:
 
 def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     ff = _ff_width(cfg, base.mlp.intermediate_size, path)
-    own = ShortConvConfig(_kernel(cfg.get("conv_L_cache", 3), "conv_L_cache", path))
-    own = replace(own, bias=bool(cfg.get("conv_bias", False)))
+    kernel = _kernel(cfg.get("conv_L_cache", 3), "conv_L_cache", path)
+    own = ShortConvConfig(kernel, bool(cfg.get("conv_bias", False)))
     return check_act(
         base.with_(
             mlp=replace(base.mlp, intermediate_size=ff, bias=False),
@@ -226,15 +222,8 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     if len(counts) != n or len({c for c in counts if c}) != 1:
         raise UnsupportedError(f"expected {n} counts, one nonzero value", path=m.path, field=field)
     kernel = _kernel(m.get("shortconv.l_cache"), m.key("shortconv.l_cache"), m.path)
-    bias = any(k.endswith("shortconv.conv.bias") for k in m.shapes)
-    return base.with_(
-        layer_types=tuple(FULL if c else CONV for c in counts),
-        family_config=ShortConvConfig(kernel, bias),
-    )
-
-
-def _gguf_names(name: str) -> str | None:
-    return "model.norm.weight" if name == "token_embd_norm.weight" else None
+    own = ShortConvConfig(kernel, any(k.endswith("shortconv.conv.bias") for k in m.shapes))
+    return base.with_(layer_types=tuple(FULL if c else CONV for c in counts), family_config=own)
 
 
 # llama.cpp's converter squeezes the conv kernel to (C, L): back to torch's (C, 1, L)
@@ -295,7 +284,7 @@ LFM2 = Family(
         parse=parse_gguf,
         block=GGUF_BLOCK,
         conventions=(CONV_UNSQUEEZED,),
-        names=_gguf_names,
+        names=lambda n: "model.norm.weight" if n == "token_embd_norm.weight" else None,
         per_layer_keys=("attention.head_count_kv",),
     ),
     network=Lfm2,
