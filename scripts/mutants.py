@@ -70,6 +70,11 @@ OLMO3_HF = "tests/test_olmo3.py::test_logits_match_transformers_fp32"
 OLMO3_LOCAL = "tests/test_olmo3.py::test_sliding_layers_keep_their_own_rope"
 OLMO3_GGUF = "tests/test_olmo3.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
 LORA_FUSE = "tests/test_lora_fuse.py"
+LFM2_HF = "tests/test_lfm2.py::test_logits_match_transformers_fp32"
+LFM2_CACHE = "tests/test_lfm2.py::test_chunked_prefill_decode_and_batches_equal_the_full_forward"
+LFM2_REWIND = "tests/test_lfm2.py::test_a_rejection_at_each_position_rewinds_the_conv_state_exactly"
+LFM2_ENGINE = "tests/test_lfm2.py::test_speculation_and_engine_batches_give_the_lone_greedy_tokens"
+LFM2_GGUF = "tests/test_lfm2.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
 Q4X_CACHE = (
     "tests/test_qwen4_exp.py::test_a_trimmed_verification_and_a_saved_cache_decode_on_exactly"
 )
@@ -1254,6 +1259,54 @@ MUTANTS = (
         "RopeConfig(theta=base.rope.theta)",
         (OLMO3_GGUF,),
         "OLMo 3 GGUF: rope.freq_base_swa ignored (the sliding layers on the full θ)",
+    ),
+    Mutant(
+        "lfm2-conv-state-one-short",
+        "mlxlis/models/shortconv.py",
+        "        cache.conv_state = xp[:, -n:]",
+        "        cache.conv_state = xp[:, -n - 1 : -1]",
+        (LFM2_CACHE,),
+        "LFM2: the conv state kept one token behind (the newest gated input left out)",
+    ),
+    Mutant(
+        "lfm2-b-gate-dropped",
+        "mlxlis/models/shortconv.py",
+        "xp = self._with_state(b_gate * h, cache)",
+        "xp = self._with_state(h, cache)",
+        (LFM2_HF,),
+        "LFM2: the convolution's input not gated by B",
+    ),
+    Mutant(
+        "lfm2-conv-state-not-rewound",
+        "mlxlis/models/shortconv.py",
+        "mx.contiguous(xp[:, i + 1 : i + 1 + n])",
+        "mx.contiguous(xp[:, -n:])",
+        (LFM2_REWIND,),
+        "LFM2: a verification's kept conv states all the newest (a trim leaves it unrewound)",
+    ),
+    Mutant(
+        "lfm2-batch-rows-share-state",
+        "mlxlis/models/shortconv.py",
+        "            c.conv_state = both.conv_state[i : i + 1]",
+        "            c.conv_state = both.conv_state[:1]",
+        (LFM2_ENGINE,),
+        "LFM2: a batched decode step hands every row the first row's conv state",
+    ),
+    Mutant(
+        "lfm2-qk-norm-dropped",
+        "mlxlis/models/lfm2.py",
+        "        return self.q_layernorm(q), self.k_layernorm(k)",
+        "        return q, self.k_layernorm(k)",
+        (LFM2_HF,),
+        "LFM2: the per-head q norm left out",
+    ),
+    Mutant(
+        "lfm2-gguf-kernel-reversed",
+        "mlxlis/models/lfm2.py",
+        "    lambda w, c, _: w.reshape(w.shape[0], 1, -1),",
+        "    lambda w, c, _: w.reshape(w.shape[0], 1, -1)[..., ::-1],",
+        (LFM2_GGUF,),
+        "LFM2 GGUF: the squeezed conv kernel's taps read in reverse",
     ),
     Mutant(
         "phi3-qkv-k-v-swapped",

@@ -1,5 +1,6 @@
-"""The state of a linear-attention (Gated DeltaNet) layer, which cannot forget tokens: it
-returns to a position only through a snapshot taken there."""
+"""The state of a linear-attention (Gated DeltaNet) layer or of a gated short convolution
+(its conv state alone), which cannot forget tokens: it returns to a position only through
+a snapshot taken there."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import mlx.core as mx
 
 class RecurrentCache:
     """A linear-attention layer's state: the last kernel−1 inputs of its convolution and the
-    (B, heads, k_dim, v_dim) recurrent state, after `offset` tokens. A recurrent state cannot
+    (B, heads, k_dim, v_dim) recurrent state (None for a short convolution), after `offset`
+    tokens. A recurrent state cannot
     forget tokens: to go back, it restores a snapshot taken at that position (the newest
     SNAPSHOTS are kept; each costs one copy of the state)."""
 

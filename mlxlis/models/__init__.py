@@ -20,6 +20,7 @@ from mlxlis.models.gemma3n import GEMMA3N
 from mlxlis.models.gemma4 import GEMMA4
 from mlxlis.models.gemma4_assistant import GEMMA4_ASSISTANT, OUTER_KEYS
 from mlxlis.models.gpt_oss import GPT_OSS
+from mlxlis.models.lfm2 import LFM2
 from mlxlis.models.llama import LLAMA
 from mlxlis.models.llama4 import LLAMA4
 from mlxlis.models.mistral3 import MISTRAL3
@@ -51,6 +52,7 @@ REGISTRY: dict[str, Family] = {
             QWEN4_EXP,
             SMOLLM3,
             OLMO3,
+            LFM2,
             PHI3,
             GPT_OSS,
         ),

@@ -26,6 +26,8 @@ from mlxlis.models.config_groups import (
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 PER_TYPE_ROPE_TYPES = ("default", "linear", "llama3")  # under rope_parameters' layer types
+# layer types whose state is recurrent: Gated DeltaNet, a gated short convolution (LFM2)
+RECURRENT_TYPES = ("linear_attention", "conv")
 
 
 class FamilyConfig:
@@ -55,7 +57,7 @@ class ModelConfig:
     # block structure (defaults are the Llama behaviour)
     attention: AttentionConfig = AttentionConfig()
     # per layer: "full_attention" | "sliding_attention" | "chunked_attention" |
-    # "linear_attention" (Gated DeltaNet)
+    # "linear_attention" (Gated DeltaNet) | "conv" (a gated short convolution)
     layer_types: tuple[str, ...] = ()
     moe: MoEConfig | None = None  # a mixture of experts in its sparse layers
     deltanet: DeltaNetConfig | None = None  # Gated DeltaNet (linear attention) layers
@@ -93,7 +95,8 @@ class ModelConfig:
         return not (nope and nope[layer])
 
     def is_linear(self, layer: int) -> bool:
-        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+        """The layer keeps a recurrent state instead of keys (a RecurrentCache)."""
+        return bool(self.layer_types) and self.layer_types[layer] in RECURRENT_TYPES
 
     @property
     def rewinds_anywhere(self) -> bool:

@@ -41,10 +41,11 @@ def config_from_gguf(
         )
     spec = GGUF_ARCHS[arch]
     # keys a family reads per layer itself (Gemma 4: head_count_kv, feed_forward_length): the
-    # shared fields take layer 0's value, the family's parser gets the whole array
+    # shared fields take the first layer's nonzero value (LFM2's conv layers state 0 KV heads),
+    # the family's parser gets the whole array
     keys = {f"{arch}.{k}" for k in spec.gguf.per_layer_keys}
     per_layer = {
-        k: v.flat[0].item()
+        k: (v[v != 0] if (v != 0).any() else v).flat[0].item()
         for k, v in md.items()
         if k in keys and isinstance(v, np.ndarray) and v.size
     }
