@@ -2278,6 +2278,14 @@ MUTANTS = (
         "serve: an embeddings request's dimensions ignored",
     ),
     Mutant(
+        "serve-embed-chunk-misplaced",
+        "mlxlis/serve/embeddings.py",
+        "for k, i in enumerate(part):",
+        "for k, i in enumerate(sorted(part)):",
+        ("tests/test_serve_embed.py",),
+        "serve: vectors of a job of inputs sorted by length put back in the wrong places",
+    ),
+    Mutant(
         "serve-rerank-unsorted",
         "mlxlis/serve/embeddings.py",
         "order = sorted(range(len(docs)), key=lambda i: -scores[i])[: req.top_n or len(docs)]",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import time
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
@@ -30,6 +31,8 @@ import numpy as np
 from fastapi import APIRouter, Request
 
 MAX_INPUTS = 2048  # inputs (texts, documents) a request; more is a 400 naming the field
+# inputs a job on the MLX thread: the chat engines step between a large request's jobs
+CHUNK = 32
 T = TypeVar("T")
 
 
@@ -111,14 +114,28 @@ def router(svc: Service, auth: list) -> APIRouter:
     r = APIRouter()
     state = svc.state
 
-    async def embed(served: Served, texts: list, truncate: bool, dimensions: int | None, name: str):
+    async def embed(
+        served: Served, texts: list, truncate: bool, dimensions: int | None, name: str
+    ) -> tuple[np.ndarray, int]:
+        """(n, d) vectors and the tokens fed. The inputs are tokenized first (off the event
+        loop: a refusal names the input's own index), then run in jobs of CHUNK inputs of
+        similar lengths, so that a request of thousands never holds the MLX thread."""
         model = served.model
         try:
-            return await on_mlx_thread(
-                lambda: np.array(model.embed(texts, dimensions=dimensions, truncate=truncate))
-            )
+            rows = await asyncio.to_thread(token_rows, model, texts, truncate)
+            order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+            out: list[np.ndarray | None] = [None] * len(rows)
+            for start in range(0, len(order), CHUNK):
+                part = order[start : start + CHUNK]
+                ids = [rows[i] for i in part]
+                v = await on_mlx_thread(
+                    lambda ids=ids: np.array(model.embed(ids, dimensions=dimensions))
+                )
+                for k, i in enumerate(part):
+                    out[i] = v[k]
         except MlxlisError as e:
             raise refused(e, name) from None
+        return np.stack(out), sum(len(r) for r in rows)
 
     @r.post("/v1/embeddings", dependencies=auth)
     async def openai_embeddings(request: Request) -> dict[str, Any]:
@@ -126,8 +143,7 @@ def router(svc: Service, auth: list) -> APIRouter:
         texts = inputs_of(req.input, "input")
         served = await svc.model(req.model, req.keep_alive, task="embed")
         with served.held():
-            vectors = await embed(served, texts, False, req.dimensions, "input")
-            tokens = count_tokens(served.model, texts, False)
+            vectors, tokens = await embed(served, texts, False, req.dimensions, "input")
         data = []
         for i, v in enumerate(vectors):
             if (
@@ -148,8 +164,7 @@ def router(svc: Service, auth: list) -> APIRouter:
         served = await svc.model(req.model, req.keep_alive, task="embed")
         t1 = time.perf_counter_ns()
         with served.held():
-            vectors = await embed(served, texts, req.truncate, req.dimensions, "input")
-            tokens = count_tokens(served.model, texts, req.truncate)
+            vectors, tokens = await embed(served, texts, req.truncate, req.dimensions, "input")
         return {
             "model": req.model,
             "embeddings": vectors.tolist(),
@@ -163,7 +178,7 @@ def router(svc: Service, auth: list) -> APIRouter:
         req = await read_body(request, OllamaEmbeddingsRequest, state.max_body)
         served = await svc.model(req.model, req.keep_alive, task="embed")
         with served.held():
-            vectors = await embed(served, inputs_of(req.prompt, "prompt"), True, None, "prompt")
+            vectors, _ = await embed(served, inputs_of(req.prompt, "prompt"), True, None, "prompt")
         return {"embedding": vectors[0].tolist()}
 
     async def rerank(request: Request) -> dict[str, Any]:
@@ -175,10 +190,15 @@ def router(svc: Service, auth: list) -> APIRouter:
         served = await svc.model(req.model, task="rerank")
         with served.held():
             model = served.model
-            try:
-                scores = await on_mlx_thread(lambda: list(model.rerank(req.query, docs)))
-            except MlxlisError as e:
-                raise refused(e, "documents") from None
+            scores: list[float] = []
+            for start in range(0, len(docs), CHUNK):  # jobs of CHUNK documents, as embed's
+                part = docs[start : start + CHUNK]
+                try:
+                    scores += await on_mlx_thread(
+                        lambda part=part: list(model.rerank(req.query, part))
+                    )
+                except MlxlisError as e:
+                    raise refused(shifted(e, start), "documents") from None
             tokens = count_pairs(model, req.query, docs)
         order = sorted(range(len(docs)), key=lambda i: -scores[i])[: req.top_n or len(docs)]
         results = []
@@ -195,9 +215,21 @@ def router(svc: Service, auth: list) -> APIRouter:
     return r
 
 
-def count_tokens(model: Any, texts: list, truncate: bool) -> int:
-    """The tokens the inputs are fed as (special tokens included, cut where truncated)."""
-    return sum(len(ids) for ids, _ in model.embedder.rows(texts, "", truncate))
+def token_rows(model: Any, texts: list, truncate: bool) -> list[list[int]]:
+    """Each input's token ids as the model's `embed` feeds them: its default prompt before a
+    text, special tokens added, cut where `truncate` (else a refusal naming `input[i]`)."""
+    embedder = model.embedder
+    name = embedder.default_prompt
+    prefix = embedder.prompts.get(name, "") if name is not None else ""
+    return [ids for ids, _ in embedder.rows(texts, prefix, truncate)]
+
+
+def shifted(e: MlxlisError, start: int) -> MlxlisError:
+    """A refusal naming `documents[k]` of a job that began at `start`: the request's index."""
+    m = re.fullmatch(r"documents\[(\d+)\]", e.field or "")
+    if m is not None:
+        e.field = f"documents[{start + int(m.group(1))}]"
+    return e
 
 
 def count_pairs(model: Any, query: str, documents: list[str]) -> int:
