@@ -107,7 +107,8 @@ def inputs_of(value: str | list[str] | list[int] | list[list[int]], name: str) -
 def refused(e: MlxlisError, name: str) -> APIError:
     """A model's refusal as a 400 naming the request's field (`input[3]`, `dimensions`)."""
     field = (e.field or name).replace("input", name, 1)
-    return bad(f"{field}: {e.message}", field.split("[")[0])
+    said = e.message if e.message.startswith(field.split("[")[0]) else f"{field}: {e.message}"
+    return bad(said, field.split("[")[0])
 
 
 def router(svc: Service, auth: list) -> APIRouter:
