@@ -16,12 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mlxlis import Event, Stats
-from mlxlis.errors import ContextLimitError, ModelNotFoundError, NoChatTemplateError
+from mlxlis.errors import ContextLimitError, MlxlisError, ModelNotFoundError, NoChatTemplateError
 from mlxlis.generation.sampling import SamplingError, SamplingParams
 from mlxlis.generation.session import Turn
 from mlxlis.runtime.mlx_thread import shared as mlx_thread
 
 import pytest
+from conftest import need_pulled
 
 from tui.app import ChatApp, parse_args
 from tui.commands import CommandError, complete, parse_command
@@ -889,6 +890,17 @@ def test_main_argument_parsing():
     assert e.value.code == 2
 
 
+def test_an_embedding_model_is_refused_by_the_chat_app_by_name():
+    """`mlxlis chat -m all-minilm-l6-v2` (or /model to it): one clear error naming the model
+    and what uses it, not a failure at the first message."""
+    import tui.engine as engine
+
+    need_pulled("all-minilm-l6-v2")
+    with pytest.raises(MlxlisError) as e:
+        engine.load_model(Options(model="all-minilm-l6-v2"), lambda *a: None)
+    assert "all-minilm-l6-v2 is an embedding model" in str(e.value) and e.value.field == "model"
+
+
 def test_load_model_pulls_a_missing_catalog_model_with_progress(monkeypatch):
     """load_model pulls a catalog model that is not in the store yet (reporting the pull's
     progress) before mlxlis.load; a pulled one is loaded directly."""
@@ -902,7 +914,13 @@ def test_load_model_pulls_a_missing_catalog_model_with_progress(monkeypatch):
         pulled.append(name)
 
     monkeypatch.setattr(engine.catalog, "pull", pull)
-    monkeypatch.setattr(engine.mlxlis, "load", lambda name, dtype, **kw: ("model", name, kw))
+
+    class Loaded(tuple):
+        task = "generate"  # a chat model (an embedding one is refused: the next test)
+
+    monkeypatch.setattr(
+        engine.mlxlis, "load", lambda name, dtype, **kw: Loaded(("model", name, kw))
+    )
     opts = Options(model="smollm2-135m", chat_template="chatml")
     got = engine.load_model(opts, lambda *a: seen.append(a))
     assert pulled == ["smollm2-135m"] and seen[0] == ("downloading x", 0, 1)

@@ -26,6 +26,8 @@ from mlxlis.runtime import process
 
 from tui.store import data_dir
 
+# a model that does not generate, in words
+KINDS = {"embed": "an embedding model", "rerank": "a reranking model"}
 Progress = Callable[[str, int, int], None]  # (stage, done, total), as catalog.pull reports
 
 
@@ -128,6 +130,13 @@ def load_model(options: Options, progress: Progress):
         name = str(resolve(name, progress=progress, vision=vision))  # a Hub repo, scanned name
     progress("loading weights", 0, 0)
     model = mlxlis.load(name, **options.kwargs())
+    if model.task != "generate":  # an embedding or reranking model: nothing to chat with
+        raise MlxlisError(
+            f"{options.model} is {KINDS.get(model.task, 'not a chat model')}: the chat app needs "
+            "a chat model "
+            "(mlxlis embed, or mlxlis serve's /v1/embeddings and /v1/rerank, use it)",
+            field="model",
+        )
     if options.draft_model:  # --draft-model: fetched and loaded the same way
         draft = Options(**{**vars(options), "model": options.draft_model, "draft_model": None})
         draft.chat_template = draft.bindings = None
