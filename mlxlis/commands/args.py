@@ -30,6 +30,25 @@ def adapter_scale(text: str) -> float:
     return value
 
 
+def add_adapter_args(p: argparse.ArgumentParser, how: str) -> None:
+    """--adapter (several) and --adapter-scale; `how`: what is done with an adapter."""
+    p.add_argument(
+        "--adapter",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help=f"a LoRA adapter {how}: PEFT's or mlx-lm's folder, llama.cpp's GGUF LoRA, or a "
+        "Hugging Face name; may be given several times",
+    )
+    p.add_argument(
+        "--adapter-scale",
+        type=adapter_scale,
+        default=1.0,
+        metavar="S",
+        help="a multiplier on every --adapter's scale (above 0; default 1)",
+    )
+
+
 def add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     """The model's flags; `several`: -m may be given more than once, as [NAME=]REF (a server's
     models), and defaults to none."""
@@ -51,22 +70,7 @@ def add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
             default=catalog.DEFAULT_MODEL,
             help=f"{MODEL_HELP} (default {catalog.DEFAULT_MODEL})",
         )
-        p.add_argument(
-            "--adapter",
-            action="append",
-            default=None,
-            metavar="PATH",
-            help="a LoRA adapter applied unmerged to the model (--fuse merges it): PEFT's or "
-            "mlx-lm's folder, llama.cpp's GGUF LoRA, or a Hugging Face name; may be given "
-            "several times",
-        )
-        p.add_argument(
-            "--adapter-scale",
-            type=adapter_scale,
-            default=1.0,
-            metavar="S",
-            help="a multiplier on every --adapter's scale (above 0; default 1)",
-        )
+        add_adapter_args(p, "applied unmerged to the model (--fuse merges it)")
         p.add_argument(
             "--fuse",
             action="store_true",

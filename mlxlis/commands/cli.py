@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mlxlis.commands.args import (
-    adapter_scale,
+    add_adapter_args,
     add_model_args,
     check_thinking,
     sampling_params,
@@ -159,21 +159,7 @@ def run_convert(argv: list[str]) -> int:
     p.add_argument("--dtype", default=None, help="compute dtype of dense tensors and scales")
     p.add_argument("--dequantize", action="store_true", help="write every weight dense")
     p.add_argument("--force", action="store_true", help="replace an existing destination")
-    p.add_argument(
-        "--adapter",
-        action="append",
-        default=None,
-        metavar="FOLDER",
-        help="a LoRA adapter (PEFT's or mlx-lm's folder) merged into the written weights; "
-        "may be given several times",
-    )
-    p.add_argument(
-        "--adapter-scale",
-        type=adapter_scale,
-        default=1.0,
-        metavar="S",
-        help="a multiplier on every --adapter's scale (above 0; default 1)",
-    )
+    add_adapter_args(p, "merged into the written weights")
     p.add_argument("--debug", action="store_true")
     a = p.parse_args(argv)
 

@@ -133,7 +133,7 @@ Names = Callable[[str], str | None]  # an adapter's "<module>.weight" -> the net
 def adapt(
     net: nn.Module,
     adapter: Adapter,
-    names: Callable[[str], str | None],
+    names: Names,
     dtype: mx.Dtype,
     undo: Undo | None = None,
 ) -> None:
@@ -143,9 +143,7 @@ def adapt(
     apply(net, targets(adapter, names, undo), dtype, str(adapter.path), labels(adapter, names))
 
 
-def naming(
-    adapter: Adapter, spec: Family, cfg: ModelConfig
-) -> tuple[Callable[[str], str | None], Undo | None]:
+def naming(adapter: Adapter, spec: Family, cfg: ModelConfig) -> tuple[Names, Undo | None]:
     """How `adapter`'s module names map onto a `spec` network (`names`), and what puts its
     LoRAs in that network's layout (`undo`): nothing for a checkpoint-named adapter; for a
     llama.cpp one, the family's GGUF names and the row conventions its converter folded
@@ -188,9 +186,7 @@ def naming(
     return spec.gguf.module_name, undo
 
 
-def targets(
-    adapter: Adapter, names: Callable[[str], str | None], undo: Undo | None = None
-) -> dict[str, LoRA]:
+def targets(adapter: Adapter, names: Names, undo: Undo | None = None) -> dict[str, LoRA]:
     """The adapter's LoRAs by the network's module names (`names`: Family.hf.name, or the
     GGUF names `naming` gives), in its layout (`undo`)."""
     layers = {}
@@ -204,7 +200,7 @@ def targets(
     return layers
 
 
-def labels(adapter: Adapter, names: Callable[[str], str | None]) -> dict[str, str]:
+def labels(adapter: Adapter, names: Names) -> dict[str, str]:
     """The network's module name -> the adapter's own name for it (errors name the latter)."""
     out = {}
     for name in adapter.layers:
@@ -290,7 +286,7 @@ class SwitchLoRA(nn.Module):
 def select(
     net: nn.Module,
     adapter: Adapter,
-    names: Callable[[str], str | None],
+    names: Names,
     dtype: mx.Dtype,
     undo: Undo | None = None,
 ) -> None:
