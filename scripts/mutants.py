@@ -2352,8 +2352,8 @@ MUTANTS = (
     Mutant(
         "lora-row-scale-dropped",
         "mlxlis/models/lora.py",
-        "(lora.b.T.astype(mx.float32) * lora.scale).astype(dtype)",
-        "lora.b.T.astype(dtype)",
+        "b[:k, :] = (lora.b.T.astype(mx.float32) * lora.scale).astype(dtype)",
+        "b[:k, :] = lora.b.T.astype(dtype)",
         (LORA,),
         "LoRA: a selectable adapter's B stacked without its scale",
     ),
