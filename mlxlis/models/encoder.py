@@ -7,7 +7,7 @@ padded positions are whatever they are and poolers must ignore them (pooling.py)
 
 Absolute-position families (BERT) use `Encoder`; rotary ones (ModernBERT, nomic-bert) compose
 their own stack from the same pieces: `EncoderAttention` with a `rotary` hook, `GLU` MLPs,
-`PreNormLayer` blocks and `window_mask` for local (sliding-window) attention.
+`PreNormLayer` / `PostNormBlock` blocks and `window_mask` for local (sliding-window) attention.
 """
 
 from __future__ import annotations
@@ -156,6 +156,25 @@ class PreNormLayer(nn.Module):
         h = self.attention_norm(x) if "attention_norm" in self else x
         x = x + self.attention(h, mask)
         return x + self.mlp(self.mlp_norm(x))
+
+
+class PostNormBlock(nn.Module):
+    """A post-norm block of given parts: norm(x + attention(x)), then norm(x + mlp(x))."""
+
+    def __init__(
+        self,
+        attention: EncoderAttention,
+        mlp: nn.Module,
+        attention_norm: nn.Module,
+        mlp_norm: nn.Module,
+    ):
+        super().__init__()
+        self.attention, self.mlp = attention, mlp
+        self.attention_norm, self.mlp_norm = attention_norm, mlp_norm
+
+    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+        x = self.attention_norm(x + self.attention(x, mask))
+        return self.mlp_norm(x + self.mlp(x))
 
 
 class PostNormLayer(nn.Module):
