@@ -54,3 +54,15 @@ def test_rerank_matches_cross_encoder_predict(tmp_path, pooling):
     query = "search the local server"
     ref = ce.predict([(query, d) for d in TEXTS])
     np.testing.assert_allclose(model.rerank(query, TEXTS), ref, atol=1e-5, rtol=0)
+
+
+def test_plain_hugging_face_folder_pools_as_sentence_transformers_wraps_it(tmp_path):
+    """A ModernBERT folder without modules.json: mean pooling, no normalisation, as
+    SentenceTransformer(folder) builds it."""
+    from sentence_transformers import SentenceTransformer
+
+    sentence_folder(tmp_path / "st", "modernbert", "cls", max_seq=MAX_SEQ, seed=3)
+    raw = tmp_path / "st-raw"
+    assert not (raw / "modules.json").exists()
+    ref = SentenceTransformer(str(raw), device="cpu").encode(TEXTS, convert_to_numpy=True)
+    close(np.array(mlxlis.load(raw).embed(TEXTS)), ref)

@@ -42,18 +42,21 @@ class EncoderConfig(FamilyConfig):
     # first position id: 0 (BERT), padding_idx + 1 (RoBERTa / XLM-R count positions from
     # past the padding index, as transformers' create_position_ids_from_input_ids does)
     position_offset: int = 0
-    positions: str = "absolute"  # "absolute" (learnt table) | a rotary family's own kind
-    norm: str = "post"  # "post": add & LayerNorm after each sublayer (BERT)
+    positions: str = "absolute"  # "absolute" (learnt table) | "rotary" (RoPE on q and k)
+    # "post": add & LayerNorm after each sublayer (BERT, nomic-bert); "pre": LayerNorm before
+    # each sublayer, added to the residual (ModernBERT)
+    norm: str = "post"
     hidden_act: str = "gelu"
     # the classification head of a cross-encoder: "" (none: an embedding model), "pooler"
     # (BERT: tanh dense on the first token, then a linear classifier), "roberta" (a tanh
-    # dense then out_proj on the first token, no pooler)
+    # dense then out_proj on the first token, no pooler), "modernbert" (its family's head)
     head: str = ""
     num_labels: int = 1
 
 
 def max_tokens(cfg: ModelConfig) -> int:
-    """How many tokens one input may hold: the position table's rows past the offset."""
+    """How many tokens one input may hold: the position table's rows past the offset (a
+    rotary encoder's: the length it was trained to, max_position_embeddings)."""
     return cfg.max_position_embeddings - cfg.own(EncoderConfig).position_offset
 
 
