@@ -2542,6 +2542,14 @@ MUTANTS = (
         (NOMIC_ST,),
         "nomic-bert's embeddings leave out the token-type row",
     ),
+    Mutant(
+        "nomic-rerank-pooler-no-tanh",
+        "mlxlis/models/nomic_bert.py",
+        "return self.classifier(mx.tanh(self.pooler(h[:, 0])))",
+        "return self.classifier(self.pooler(h[:, 0]))",
+        ("tests/test_embed_nomic_bert.py::test_rerank_matches_cross_encoder_predict",),
+        "a nomic-bert reranker's pooler leaves out its tanh",
+    ),
 )
 
 IGNORE = shutil.ignore_patterns(

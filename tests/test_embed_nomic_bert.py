@@ -1,8 +1,9 @@
 """nomic-bert embeddings against sentence-transformers on transformers' NomicBertModel: tiny
 random encoders (3 heads, rotary on the whole head, SwiGLU, post-norm) saved as
 sentence-transformers folders by that library (transformers writes nomic's own tensor names:
-Wqkv, fc11 / fc12 / fc2, norm1 / norm2, emb_ln). Each vector within cosine 1 − 1e-6 and
-max |Δ| 1e-5 of `SentenceTransformer.encode` in float32."""
+Wqkv, fc11 / fc12 / fc2, norm1 / norm2, emb_ln), and a CrossEncoder folder. Each vector
+within cosine 1 − 1e-6 and max |Δ| 1e-5 of `SentenceTransformer.encode` in float32; scores
+within 1e-5 of `CrossEncoder.predict`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from mlxlis.errors import MlxlisError
 
 import numpy as np
 import pytest
-from encoders import sentence_folder
+from encoders import cross_encoder_folder, sentence_folder
 from test_embed_bert import close
 from test_embed_modernbert import MAX_SEQ, TEXTS
 
@@ -74,3 +75,14 @@ def test_nomic_spelling_of_the_config_reads_alike(folder_and_st, tmp_path):
     with pytest.raises(MlxlisError) as e:
         mlxlis.load(out)
     assert e.value.field == "rotary_emb_interleaved"
+
+
+def test_rerank_matches_cross_encoder_predict(tmp_path):
+    """NomicBertForSequenceClassification's head (BERT's tanh pooler on the first token, then
+    the classifier), token types 0 / 1 of the pair, through CrossEncoder's sigmoid."""
+    ce = cross_encoder_folder(tmp_path / "ce", "nomic_bert", max_seq=MAX_SEQ)
+    model = mlxlis.load(tmp_path / "ce")
+    assert model.task == "rerank"
+    query = "search the local server"
+    ref = ce.predict([(query, d) for d in TEXTS])
+    np.testing.assert_allclose(model.rerank(query, TEXTS), ref, atol=1e-5, rtol=0)

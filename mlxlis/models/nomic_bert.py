@@ -7,7 +7,8 @@ Wqkv and no biases in attention or MLP; the embeddings are words + token types, 
 spellings: nomic's own (n_embd, n_head, rotary_emb_base, qkv_proj_bias, ...) on the Hub and
 transformers' (hidden_size, rope_parameters, ...) in transformers' NomicBertConfig; both are
 read. What neither reference computes (a partial or interleaved rotary, biases, pre-norm,
-scaled rotary) is refused naming the field. HF `nomic_bert`; no GGUF reader, no reranker head.
+scaled rotary) is refused naming the field. NomicBertForSequenceClassification (BERT's pooler
+and classifier on the first token) is a reranker. HF `nomic_bert`; no GGUF reader.
 """
 
 from __future__ import annotations
@@ -112,7 +113,16 @@ def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     pad = cfg.get("pad_token_id", 0)
     if not isinstance(pad, int) or pad < 0:
         raise ConfigError(f"expected an id, got {pad!r}", path=path, field="pad_token_id")
+    labels = cfg.get("id2label")
+    num_labels = len(labels) if isinstance(labels, dict) else cfg.get("num_labels", 1)
+    if not isinstance(num_labels, int) or not 1 <= num_labels <= 1 << 16:
+        raise ConfigError(
+            f"expected a count, got {num_labels!r}"[:200], path=path, field="num_labels"
+        )
+    head = "NomicBertForSequenceClassification" in (cfg.get("architectures") or ())
     enc = NomicConfig(
+        head="pooler" if head else "",
+        num_labels=num_labels,
         layer_norm_eps=float(eps),
         type_vocab_size=types,
         pad_token_id=pad,
@@ -166,7 +176,8 @@ class NomicEmbeddings(nn.Module):
 
 
 class NomicBertNetwork(nn.Module):
-    """Embeddings and the post-norm rotary SwiGLU layers (an embedding model: no head)."""
+    """Embeddings and the post-norm rotary SwiGLU layers; a reranker's head where the
+    checkpoint has one."""
 
     def __init__(self, cfg: ModelConfig, family: Family | None = None):
         super().__init__()
@@ -184,6 +195,10 @@ class NomicBertNetwork(nn.Module):
             )
             for _ in range(cfg.num_hidden_layers)
         ]
+        self._head = enc.head
+        if enc.head:  # BERT's: a tanh dense on the first token, then a linear classifier
+            self.pooler = nn.Linear(h, h)
+            self.classifier = nn.Linear(h, enc.num_labels)
 
     def __call__(self, ids: mx.array, mask: mx.array, types: mx.array | None = None) -> mx.array:
         x = self.embeddings(ids, types)
@@ -193,9 +208,12 @@ class NomicBertNetwork(nn.Module):
         return x  # (B, T, hidden)
 
     def classify(self, h: mx.array, mask: mx.array) -> mx.array:
-        raise UnsupportedError(
-            "a nomic-bert classification head is not implemented", field="architectures"
-        )
+        """(B, T, hidden) -> (B, num_labels): the pooler and classifier on the first token."""
+        if not self._head:
+            raise UnsupportedError(
+                "this checkpoint has no classification head", field="architectures"
+            )
+        return self.classifier(mx.tanh(self.pooler(h[:, 0])))
 
     def sanitize(self, weights: dict) -> dict:
         """Checkpoint names under ours: each fused Wqkv split into query, key and value (rows
@@ -218,6 +236,8 @@ class NomicBertNetwork(nn.Module):
                 name = pattern.sub(repl, name)
             if name.startswith(("embeddings.", "layers.")) and not name.endswith("position_ids"):
                 ours[name] = value
+            elif self._head and name.startswith(("pooler.dense.", "classifier.")):
+                ours[name.replace("pooler.dense.", "pooler.")] = value
         return ours
 
 
