@@ -113,9 +113,11 @@ def sentence_folder(
     prompts: dict[str, str] | None = None,
     seed: int = 0,
     max_seq: int = MAX_SEQ,
+    **kw,
 ):
     """A SentenceTransformer of a random `kind` encoder, `modes` pooling, an optional Dense to
-    `dense` dims and Normalize, saved to `folder`; returns the SentenceTransformer (float32)."""
+    `dense` dims and Normalize, saved to `folder` (`kw`: more config fields); returns the
+    SentenceTransformer (float32)."""
     import torch
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Dense, Normalize, Transformer
@@ -125,7 +127,7 @@ def sentence_folder(
     raw = folder.parent / f"{folder.name}-raw"
     tok = word_piece_tokenizer(raw)
     torch.manual_seed(seed)
-    model = AutoModel.from_config(encoder_config(kind, len(tok)))
+    model = AutoModel.from_config(encoder_config(kind, len(tok), **kw))
     spread(model, seed)
     model.save_pretrained(raw)
     tok.save_pretrained(raw)

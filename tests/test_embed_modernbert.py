@@ -25,13 +25,19 @@ TEXTS = [
 ]
 
 
-@pytest.mark.parametrize("modes", ["mean", "cls"])
-def test_embed_matches_sentence_transformers_and_batches_equal_each_alone(tmp_path, modes):
+BIASES = dict(attention_bias=True, mlp_bias=True, norm_bias=True, global_attn_every_n_layers=2)
+
+
+@pytest.mark.parametrize(
+    ("modes", "kw"), [("mean", {}), ("cls", {}), ("mean", BIASES)], ids=["mean", "cls", "biases"]
+)
+def test_embed_matches_sentence_transformers_and_batches_equal_each_alone(tmp_path, modes, kw):
     """The global and local layers (each with its own RoPE base), GeGLU, the pre-norm blocks
-    and the final norm as transformers computes them, pooled and normalised as
-    sentence-transformers does; a batch of mixed lengths gives each row what the row alone
-    gives, both against sentence-transformers."""
-    st = sentence_folder(tmp_path / "st", "modernbert", modes, max_seq=MAX_SEQ)
+    and the final norm as transformers computes them (also with the biases a config may ask
+    and another global / local pattern), pooled and normalised as sentence-transformers does;
+    a batch of mixed lengths gives each row what the row alone gives, both against
+    sentence-transformers."""
+    st = sentence_folder(tmp_path / "st", "modernbert", modes, max_seq=MAX_SEQ, **kw)
     model = mlxlis.load(tmp_path / "st")
     assert model.task == "embed" and model.config.family == "modernbert"
     lengths = [len(st.tokenizer(t)["input_ids"]) for t in TEXTS]
