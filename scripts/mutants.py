@@ -41,6 +41,15 @@ EMBED_ST = (
 )
 EMBED_MATRYOSHKA = "tests/test_embed_bert.py::test_matryoshka_dimensions_truncate_and_renormalise"
 EMBED_RERANK = "tests/test_embed_bert.py::test_rerank_matches_cross_encoder_predict"
+MODERNBERT_ST = (
+    "tests/test_embed_modernbert.py::"
+    "test_embed_matches_sentence_transformers_and_batches_equal_each_alone"
+)
+MODERNBERT_RERANK = "tests/test_embed_modernbert.py::test_rerank_matches_cross_encoder_predict"
+NOMIC_ST = (
+    "tests/test_embed_nomic_bert.py::"
+    "test_embed_matches_sentence_transformers_and_batches_equal_each_alone"
+)
 LLAMA4_HF = "tests/test_llama4.py::test_logits_match_transformers_fp32"
 LLAMA4_CACHE = "tests/test_llama4.py::test_cached_decode_and_batches_equal_the_full_forward"
 OSS_HF = "tests/test_gpt_oss.py::test_logits_match_transformers_fp32"
@@ -2468,6 +2477,86 @@ MUTANTS = (
         "return logits",
         (EMBED_RERANK,),
         "a cross-encoder's scores are its raw logits, not CrossEncoder's sigmoid of them",
+    ),
+    Mutant(
+        "modernbert-local-window-ignored",
+        "mlxlis/models/modernbert.py",
+        "full, local = attention_mask(mask), window_mask(mask, self._enc.window)",
+        "full, local = attention_mask(mask), attention_mask(mask)",
+        (MODERNBERT_ST,),
+        "ModernBERT's local layers attend to the whole row instead of their window",
+    ),
+    Mutant(
+        "encoder-window-edge-excluded",
+        "mlxlis/models/encoder.py",
+        "near = mx.abs(i[:, None] - i[None, :]) <= half",
+        "near = mx.abs(i[:, None] - i[None, :]) < half",
+        (MODERNBERT_ST,),
+        "a local window leaves out the keys exactly local_attention / 2 away",
+    ),
+    Mutant(
+        "modernbert-rope-thetas-swapped",
+        "mlxlis/models/modernbert.py",
+        "theta = enc.global_theta if full else enc.local_theta",
+        "theta = enc.local_theta if full else enc.global_theta",
+        (MODERNBERT_ST,),
+        "ModernBERT's global layers take the local RoPE base and the local ones the global",
+    ),
+    Mutant(
+        "glu-halves-swapped",
+        "mlxlis/models/encoder.py",
+        "return self.down(self.act(a) * b)",
+        "return self.down(self.act(b) * a)",
+        (MODERNBERT_ST, NOMIC_ST),
+        "a GLU activates the multiplier half instead of the gate half (GeGLU, SwiGLU)",
+    ),
+    Mutant(
+        "encoder-rope-interleaved",
+        "mlxlis/models/encoder.py",
+        "mx.fast.rope(x, dims, traditional=False,",
+        "mx.fast.rope(x, dims, traditional=True,",
+        (MODERNBERT_ST, NOMIC_ST),
+        "an encoder's RoPE rotates interleaved pairs instead of halves",
+    ),
+    Mutant(
+        "modernbert-final-norm-dropped",
+        "mlxlis/models/modernbert.py",
+        "return self.final_norm(x)  # (B, T, hidden)",
+        "return x  # (B, T, hidden)",
+        (MODERNBERT_ST,),
+        "ModernBERT's last hidden states skip the final LayerNorm",
+    ),
+    Mutant(
+        "modernbert-classifier-always-cls",
+        "mlxlis/models/modernbert.py",
+        "pooled = POOLERS[self._enc.classifier_pooling](h, mask)",
+        'pooled = POOLERS["cls"](h, mask)',
+        (MODERNBERT_RERANK,),
+        "a ModernBERT reranker with classifier_pooling mean takes the first token",
+    ),
+    Mutant(
+        "nomic-gate-up-swapped",
+        "mlxlis/models/nomic_bert.py",
+        "mx.concatenate([value, up])",
+        "mx.concatenate([up, value])",
+        (NOMIC_ST,),
+        "nomic-bert's SwiGLU activates fc11 instead of fc12",
+    ),
+    Mutant(
+        "nomic-token-types-dropped",
+        "mlxlis/models/nomic_bert.py",
+        "x = x + self.types(mx.zeros_like(ids) if types is None else types)",
+        "x = x",
+        (NOMIC_ST,),
+        "nomic-bert's embeddings leave out the token-type row",
+    ),
+    Mutant(
+        "nomic-rerank-pooler-no-tanh",
+        "mlxlis/models/nomic_bert.py",
+        "return self.classifier(mx.tanh(self.pooler(h[:, 0])))",
+        "return self.classifier(self.pooler(h[:, 0]))",
+        ("tests/test_embed_nomic_bert.py::test_rerank_matches_cross_encoder_predict",),
+        "a nomic-bert reranker's pooler leaves out its tanh",
     ),
 )
 

@@ -39,10 +39,15 @@ def spread(model, seed: int) -> None:
     import torch
 
     g = torch.Generator().manual_seed(seed)
+    norms = {
+        f"{m}.weight" if m else "weight"
+        for m, mod in model.named_modules()
+        if isinstance(mod, torch.nn.LayerNorm)
+    }
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            if "LayerNorm.weight" in name:
+            if name in norms:
                 p.copy_(1 + 0.1 * noise)
             elif p.ndim == 1:
                 p.copy_(0.1 * noise)
@@ -51,8 +56,36 @@ def spread(model, seed: int) -> None:
 
 
 def encoder_config(kind: str, vocab: int, **kw):
-    """A tiny config: 3 heads of 16 (odd), 2 layers, a short position table."""
-    from transformers import BertConfig, XLMRobertaConfig
+    """A tiny config: 3 heads of 16 (odd), 2 layers (ModernBERT: 4, global / local / local /
+    global, a local window of ±4 positions, shorter than the inputs), a short position table."""
+    from transformers import BertConfig, ModernBertConfig, NomicBertConfig, XLMRobertaConfig
+
+    if kind == "modernbert":
+        kw.pop("type_vocab_size", None)
+        special = dict(bos_token_id=0, cls_token_id=0, eos_token_id=2, sep_token_id=2)
+        return ModernBertConfig(
+            vocab_size=vocab,
+            hidden_size=48,
+            num_attention_heads=3,
+            num_hidden_layers=4,
+            intermediate_size=40,
+            max_position_embeddings=128,
+            local_attention=8,
+            pad_token_id=1,
+            **{**special, **kw},
+        )
+    if kind == "nomic_bert":
+        kw.pop("type_vocab_size", None)
+        return NomicBertConfig(
+            vocab_size=vocab,
+            hidden_size=48,
+            num_attention_heads=3,
+            num_hidden_layers=2,
+            intermediate_size=40,
+            max_position_embeddings=128,
+            pad_token_id=1,
+            **kw,
+        )
 
     common = dict(
         vocab_size=vocab,
@@ -79,9 +112,12 @@ def sentence_folder(
     normalize: bool = True,
     prompts: dict[str, str] | None = None,
     seed: int = 0,
+    max_seq: int = MAX_SEQ,
+    **kw,
 ):
     """A SentenceTransformer of a random `kind` encoder, `modes` pooling, an optional Dense to
-    `dense` dims and Normalize, saved to `folder`; returns the SentenceTransformer (float32)."""
+    `dense` dims and Normalize, saved to `folder` (`kw`: more config fields); returns the
+    SentenceTransformer (float32)."""
     import torch
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Dense, Normalize, Transformer
@@ -91,11 +127,11 @@ def sentence_folder(
     raw = folder.parent / f"{folder.name}-raw"
     tok = word_piece_tokenizer(raw)
     torch.manual_seed(seed)
-    model = AutoModel.from_config(encoder_config(kind, len(tok)))
+    model = AutoModel.from_config(encoder_config(kind, len(tok), **kw))
     spread(model, seed)
     model.save_pretrained(raw)
     tok.save_pretrained(raw)
-    modules = [Transformer(str(raw), max_seq_length=MAX_SEQ)]
+    modules = [Transformer(str(raw), max_seq_length=max_seq)]
     modules.append(Pooling(48, modes))
     if dense:
         width = 48 * (len(modes) if isinstance(modes, tuple) else 1)
@@ -109,8 +145,9 @@ def sentence_folder(
     return st.eval()
 
 
-def cross_encoder_folder(folder: Path, kind: str, seed: int = 0):
-    """A CrossEncoder (one label) of a random `kind` classifier, saved; returns it."""
+def cross_encoder_folder(folder: Path, kind: str, seed: int = 0, max_seq: int = MAX_SEQ, **kw):
+    """A CrossEncoder (one label) of a random `kind` classifier (`kw`: more config fields),
+    saved; returns it."""
     import torch
     from sentence_transformers import CrossEncoder
     from transformers import AutoModelForSequenceClassification
@@ -118,11 +155,11 @@ def cross_encoder_folder(folder: Path, kind: str, seed: int = 0):
     raw = folder.parent / f"{folder.name}-raw"
     tok = word_piece_tokenizer(raw)
     torch.manual_seed(seed)
-    cfg = encoder_config(kind, len(tok), num_labels=1, type_vocab_size=2)
+    cfg = encoder_config(kind, len(tok), num_labels=1, type_vocab_size=2, **kw)
     model = AutoModelForSequenceClassification.from_config(cfg)
     spread(model, seed)
     model.save_pretrained(raw)
     tok.save_pretrained(raw)
-    ce = CrossEncoder(str(raw), max_length=MAX_SEQ, device="cpu")
+    ce = CrossEncoder(str(raw), max_length=max_seq, device="cpu")
     ce.save(str(folder))
     return ce

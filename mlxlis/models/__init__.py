@@ -24,6 +24,8 @@ from mlxlis.models.lfm2 import LFM2
 from mlxlis.models.llama import LLAMA
 from mlxlis.models.llama4 import LLAMA4
 from mlxlis.models.mistral3 import MISTRAL3
+from mlxlis.models.modernbert import MODERNBERT
+from mlxlis.models.nomic_bert import NOMIC_BERT
 from mlxlis.models.olmo3 import OLMO3
 from mlxlis.models.phi3 import PHI3
 from mlxlis.models.qwen2 import QWEN2
@@ -57,6 +59,8 @@ REGISTRY: dict[str, Family] = {
             GPT_OSS,
         ),
         BERT,
+        MODERNBERT,
+        NOMIC_BERT,
         *(GEMMA, GEMMA2, GEMMA3, GEMMA3N, GEMMA4, GEMMA4_ASSISTANT),
     )
 }

@@ -137,7 +137,7 @@ class BertNetwork(nn.Module):
     def __call__(self, ids: mx.array, mask: mx.array, types: mx.array | None = None) -> mx.array:
         return self.encoder(ids, mask, types)  # (B, T, hidden)
 
-    def classify(self, h: mx.array) -> mx.array:
+    def classify(self, h: mx.array, mask: mx.array | None = None) -> mx.array:
         """(B, T, hidden) -> (B, num_labels): the head on the first token ([CLS] / <s>)."""
         if not self._enc.head:
             raise UnsupportedError(

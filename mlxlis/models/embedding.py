@@ -164,7 +164,7 @@ class Embedder:
             return []
 
         def score(h: mx.array, mask: mx.array) -> mx.array:
-            logits = self.net.classify(h).astype(mx.float32)[:, :1]  # (B, 1)
+            logits = self.net.classify(h, mask).astype(mx.float32)[:, :1]  # (B, 1)
             return mx.sigmoid(logits) if self.activation == "sigmoid" else logits
 
         return self.hidden(rows, score)[:, 0].tolist()

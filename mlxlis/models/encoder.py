@@ -5,9 +5,9 @@ A batch is (B, T) ids padded on the right with a (B, T) mask (1: a token, 0: pad
 is never attended to, so each row's outputs equal those of the row run alone; the outputs at
 padded positions are whatever they are and poolers must ignore them (pooling.py).
 
-Hooks for the encoders still to come: `EncoderConfig.positions` ("absolute" now; rotary families
-apply their RoPE to q and k through `EncoderAttention.rope`) and `EncoderConfig.norm`
-("post" now; a pre-norm family composes its own block from the same attention).
+Absolute-position families (BERT) use `Encoder`; rotary ones (ModernBERT, nomic-bert) compose
+their own stack from the same pieces: `EncoderAttention` with a `rotary` hook, `GLU` MLPs,
+`PreNormLayer` / `PostNormBlock` blocks and `window_mask` for local (sliding-window) attention.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
     "gelu_new": nn.gelu_approx,  # tanh approximation
     "gelu_pytorch_tanh": nn.gelu_approx,
     "relu": nn.relu,
+    "silu": nn.silu,
 }
 
 
@@ -41,18 +42,21 @@ class EncoderConfig(FamilyConfig):
     # first position id: 0 (BERT), padding_idx + 1 (RoBERTa / XLM-R count positions from
     # past the padding index, as transformers' create_position_ids_from_input_ids does)
     position_offset: int = 0
-    positions: str = "absolute"  # "absolute" (learnt table) | a rotary family's own kind
-    norm: str = "post"  # "post": add & LayerNorm after each sublayer (BERT)
+    positions: str = "absolute"  # "absolute" (learnt table) | "rotary" (RoPE on q and k)
+    # "post": add & LayerNorm after each sublayer (BERT, nomic-bert); "pre": LayerNorm before
+    # each sublayer, added to the residual (ModernBERT)
+    norm: str = "post"
     hidden_act: str = "gelu"
     # the classification head of a cross-encoder: "" (none: an embedding model), "pooler"
     # (BERT: tanh dense on the first token, then a linear classifier), "roberta" (a tanh
-    # dense then out_proj on the first token, no pooler)
+    # dense then out_proj on the first token, no pooler), "modernbert" (its family's head)
     head: str = ""
     num_labels: int = 1
 
 
 def max_tokens(cfg: ModelConfig) -> int:
-    """How many tokens one input may hold: the position table's rows past the offset."""
+    """How many tokens one input may hold: the position table's rows past the offset (a
+    rotary encoder's: the length it was trained to, max_position_embeddings)."""
     return cfg.max_position_embeddings - cfg.own(EncoderConfig).position_offset
 
 
@@ -62,18 +66,26 @@ def attention_mask(mask: mx.array) -> mx.array:
 
 
 class EncoderAttention(nn.Module):
-    """Bidirectional multi-head self-attention with biases on q, k, v and the output."""
+    """Bidirectional multi-head self-attention, with biases on q, k, v and the output unless
+    `bias` is False; `rope` (see `rotary`) applies positions to q and k, None for
+    absolute-position encoders (their positions are in the embeddings)."""
 
-    def __init__(self, hidden: int, heads: int, head_dim: int):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        head_dim: int,
+        bias: bool = True,
+        rope: Callable[[mx.array, mx.array], tuple[mx.array, mx.array]] | None = None,
+    ):
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
-        self.query = nn.Linear(hidden, heads * head_dim)
-        self.key = nn.Linear(hidden, heads * head_dim)
-        self.value = nn.Linear(hidden, heads * head_dim)
-        self.out = nn.Linear(heads * head_dim, hidden)
+        self.query = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.key = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.value = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.out = nn.Linear(heads * head_dim, hidden, bias=bias)
         self.scale = head_dim**-0.5
-        # (q, k) -> (q, k) with positions applied; identity for absolute-position encoders
-        self.rope: Callable[[mx.array, mx.array], tuple[mx.array, mx.array]] | None = None
+        self.rope = rope
 
     def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
         B, T, _ = x.shape
@@ -86,6 +98,86 @@ class EncoderAttention(nn.Module):
             q, k = self.rope(q, k)
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.out(o.transpose(0, 2, 1, 3).reshape(B, T, -1))  # (B, T, hidden)
+
+
+def rotary(dims: int, base: float) -> Callable[[mx.array, mx.array], tuple[mx.array, mx.array]]:
+    """RoPE on (B, H, T, D) q and k: the first `dims` of each head rotated in halves (x1, x2)
+    as transformers' rotate_half does (not interleaved pairs), position t for the t-th token of
+    each row (rows are right-padded, so every row starts at 0)."""
+
+    def apply(q: mx.array, k: mx.array) -> tuple[mx.array, mx.array]:
+        def r(x: mx.array) -> mx.array:
+            return mx.fast.rope(x, dims, traditional=False, base=base, scale=1.0, offset=0)
+
+        return r(q), r(k)
+
+    return apply
+
+
+def window_mask(mask: mx.array, half: int) -> mx.array:
+    """(B, T) 1/0 token mask -> (B, 1, T, T) boolean: local attention, each query sees the
+    row's tokens at most `half` positions away on either side."""
+    i = mx.arange(mask.shape[1])
+    near = mx.abs(i[:, None] - i[None, :]) <= half  # (T, T)
+    return attention_mask(mask) & near[None, None]
+
+
+class GLU(nn.Module):
+    """A gated MLP: down(act(a) * b) where [a | b] = gate_up(x), the two halves of one matmul
+    (GeGLU with gelu, SwiGLU with silu)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        a, b = mx.split(self.gate_up(x), 2, axis=-1)  # (B, T, intermediate) each
+        return self.down(self.act(a) * b)
+
+
+class PreNormLayer(nn.Module):
+    """A pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)). `attention_norm`
+    None: the attention reads x as it is (ModernBERT's first layer, whose input the embeddings
+    just normalised)."""
+
+    def __init__(
+        self,
+        attention: EncoderAttention,
+        mlp: nn.Module,
+        attention_norm: nn.Module | None,
+        mlp_norm: nn.Module,
+    ):
+        super().__init__()
+        self.attention, self.mlp = attention, mlp
+        if attention_norm is not None:
+            self.attention_norm = attention_norm
+        self.mlp_norm = mlp_norm
+
+    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+        h = self.attention_norm(x) if "attention_norm" in self else x
+        x = x + self.attention(h, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class PostNormBlock(nn.Module):
+    """A post-norm block of given parts: norm(x + attention(x)), then norm(x + mlp(x))."""
+
+    def __init__(
+        self,
+        attention: EncoderAttention,
+        mlp: nn.Module,
+        attention_norm: nn.Module,
+        mlp_norm: nn.Module,
+    ):
+        super().__init__()
+        self.attention, self.mlp = attention, mlp
+        self.attention_norm, self.mlp_norm = attention_norm, mlp_norm
+
+    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
+        x = self.attention_norm(x + self.attention(x, mask))
+        return self.mlp_norm(x + self.mlp(x))
 
 
 class PostNormLayer(nn.Module):
@@ -149,8 +241,9 @@ class EncoderNetwork(Protocol):
         """(B, T) ids, mask, token types -> (B, T, hidden) last hidden states."""
         ...
 
-    def classify(self, h: mx.array) -> mx.array:
-        """(B, T, hidden) hidden states -> (B, num_labels) logits (cross-encoders)."""
+    def classify(self, h: mx.array, mask: mx.array) -> mx.array:
+        """(B, T, hidden) hidden states, (B, T) mask -> (B, num_labels) logits
+        (cross-encoders)."""
         ...
 
 

@@ -1,0 +1,251 @@
+"""nomic-bert: a post-norm encoder with rotary positions and a SwiGLU MLP (nomic-embed-text v1 /
+v1.5 embedding models).
+
+Per layer: LayerNorm(x + attention(x)), LayerNorm(x + fc2(silu(fc12(x)) * fc11(x))); one fused
+Wqkv and no biases in attention or MLP; the embeddings are words + token types, then LayerNorm
+(no position table: RoPE on the whole head, rotate-half layout). Config keys come in two
+spellings: nomic's own (n_embd, n_head, rotary_emb_base, qkv_proj_bias, ...) on the Hub and
+transformers' (hidden_size, rope_parameters, ...) in transformers' NomicBertConfig; both are
+read. What neither reference computes (a partial or interleaved rotary, biases, pre-norm,
+scaled rotary) is refused naming the field. NomicBertForSequenceClassification (BERT's pooler
+and classifier on the first token) is a reranker. HF `nomic_bert`; no GGUF reader.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from mlxlis.errors import ConfigError, UnsupportedError
+from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
+from mlxlis.models.config import ModelConfig
+from mlxlis.models.encoder import (
+    ACTIVATIONS,
+    GLU,
+    EncoderAttention,
+    EncoderConfig,
+    PostNormBlock,
+    attention_mask,
+    rotary,
+)
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@dataclass(frozen=True)
+class NomicConfig(EncoderConfig):
+    """nomic-bert's own field beside the encoder's."""
+
+    rope_theta: float = 1000.0
+
+
+# nomic's config.json keys -> transformers' (the shared parser reads the latter)
+_KEYS = {
+    "n_embd": "hidden_size",
+    "n_head": "num_attention_heads",
+    "n_layer": "num_hidden_layers",
+    "n_inner": "intermediate_size",
+    "n_positions": "max_position_embeddings",
+    "layer_norm_epsilon": "layer_norm_eps",
+}
+# nomic's activation_function names: the gate's activation of the GLU
+_GLU_ACTS = {"swiglu": "silu", "geglu": "gelu"}
+# settings whose other values neither reference implements: key -> the value supported
+_FIXED = {
+    "rotary_emb_fraction": 1.0,
+    "rotary_emb_interleaved": False,
+    "rotary_scaling_factor": None,
+    "qkv_proj_bias": False,
+    "mlp_fc1_bias": False,
+    "mlp_fc2_bias": False,
+    "prenorm": False,
+    "causal": False,
+}
+
+
+def _base(cfg: dict) -> dict:
+    """config.json under transformers' key names (nomic's spelling mapped where it is used)."""
+    out = dict(cfg)
+    for old, new in _KEYS.items():
+        if new not in out and old in out:
+            out[new] = out[old]
+    if "intermediate_size" not in out and "hidden_size" in out:
+        out["intermediate_size"] = 4 * out["hidden_size"]  # nomic's n_inner default
+    return out
+
+
+def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
+    cfg = _base(cfg)
+    for key, value in _FIXED.items():
+        if cfg.get(key, value) != value:
+            raise UnsupportedError(
+                f"{key} {cfg[key]!r} is not implemented (only {value!r})", path=path, field=key
+            )
+    act = cfg.get("hidden_act") or _GLU_ACTS.get(cfg.get("activation_function", "swiglu"))
+    if act not in ACTIVATIONS:
+        field = "hidden_act" if "hidden_act" in cfg else "activation_function"
+        raise UnsupportedError(
+            f"activation {cfg.get(field)!r} is not implemented", path=path, field=field
+        )
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise UnsupportedError(
+            f"rope_type {rope['rope_type']!r} (only the default)",
+            path=path,
+            field="rope_parameters",
+        )
+    theta = rope.get("rope_theta", cfg.get("rope_theta", cfg.get("rotary_emb_base", 1000.0)))
+    if not isinstance(theta, (int, float)) or not theta > 1:
+        raise ConfigError(
+            f"expected a RoPE base, got {theta!r}", path=path, field="rotary_emb_base"
+        )
+    eps = cfg.get("layer_norm_eps", 1e-12)
+    if not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+        raise ConfigError(
+            f"expected a small number, got {eps!r}", path=path, field="layer_norm_eps"
+        )
+    types = cfg.get("type_vocab_size", 2)
+    if not isinstance(types, int) or isinstance(types, bool) or not 0 <= types <= 1 << 16:
+        raise ConfigError(
+            f"expected a count, got {types!r}"[:200], path=path, field="type_vocab_size"
+        )
+    pad = cfg.get("pad_token_id", 0)
+    if not isinstance(pad, int) or pad < 0:
+        raise ConfigError(f"expected an id, got {pad!r}", path=path, field="pad_token_id")
+    labels = cfg.get("id2label")
+    num_labels = len(labels) if isinstance(labels, dict) else cfg.get("num_labels", 1)
+    if not isinstance(num_labels, int) or not 1 <= num_labels <= 1 << 16:
+        raise ConfigError(
+            f"expected a count, got {num_labels!r}"[:200], path=path, field="num_labels"
+        )
+    head = "NomicBertForSequenceClassification" in (cfg.get("architectures") or ())
+    enc = NomicConfig(
+        head="pooler" if head else "",
+        num_labels=num_labels,
+        layer_norm_eps=float(eps),
+        type_vocab_size=types,
+        pad_token_id=pad,
+        positions="rotary",
+        hidden_act=act,
+        rope_theta=float(theta),
+    )
+    mlp = replace(base.mlp, hidden_act=act, bias=False)
+    attention = replace(base.attention, bias=False, causal=False)
+    return base.with_(family_config=enc, mlp=mlp, attention=attention)
+
+
+def _parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
+    raise UnsupportedError(
+        "nomic-bert GGUF files are not read yet", path=meta.path, field="general.architecture"
+    )
+
+
+# checkpoint names -> ours, first match wins (nomic's names, which transformers also saves)
+_RENAMES = [
+    (r"^nomic_bert\.", ""),
+    (r"^embeddings\.word_embeddings\.", "embeddings.words."),
+    (r"^embeddings\.token_type_embeddings\.", "embeddings.types."),
+    (r"^emb_ln\.", "embeddings.norm."),
+    (r"^encoder\.layers\.(\d+)\.attn\.out_proj\.", r"layers.\1.attention.out."),
+    (r"^encoder\.layers\.(\d+)\.mlp\.fc2\.", r"layers.\1.mlp.down."),
+    (r"^encoder\.layers\.(\d+)\.norm1\.", r"layers.\1.attention_norm."),
+    (r"^encoder\.layers\.(\d+)\.norm2\.", r"layers.\1.mlp_norm."),
+]
+_RENAMES_RE = [(re.compile(p), r) for p, r in _RENAMES]
+_QKV = re.compile(r"^encoder\.layers\.(\d+)\.attn\.Wqkv\.weight$")
+_FC = re.compile(r"^encoder\.layers\.(\d+)\.mlp\.fc1([12])\.weight$")
+
+
+class NomicEmbeddings(nn.Module):
+    """Word + token type embeddings, then LayerNorm (positions are rotary)."""
+
+    def __init__(self, cfg: ModelConfig, enc: EncoderConfig):
+        super().__init__()
+        self.words = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.type_rows = enc.type_vocab_size
+        if enc.type_vocab_size:
+            self.types = nn.Embedding(enc.type_vocab_size, cfg.hidden_size)
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=enc.layer_norm_eps)
+
+    def __call__(self, ids: mx.array, types: mx.array | None) -> mx.array:
+        x = self.words(ids)
+        if self.type_rows:
+            x = x + self.types(mx.zeros_like(ids) if types is None else types)
+        return self.norm(x)  # (B, T, hidden)
+
+
+class NomicBertNetwork(nn.Module):
+    """Embeddings and the post-norm rotary SwiGLU layers; a reranker's head where the
+    checkpoint has one."""
+
+    def __init__(self, cfg: ModelConfig, family: Family | None = None):
+        super().__init__()
+        self.config = cfg
+        enc = cfg.own(NomicConfig)
+        h, eps = cfg.hidden_size, enc.layer_norm_eps
+        self.embeddings = NomicEmbeddings(cfg, enc)
+        rope = rotary(cfg.head_dim, enc.rope_theta)
+        self.layers = [
+            PostNormBlock(
+                EncoderAttention(h, cfg.num_attention_heads, cfg.head_dim, bias=False, rope=rope),
+                GLU(h, cfg.mlp.intermediate_size, enc.hidden_act),
+                nn.LayerNorm(h, eps=eps),
+                nn.LayerNorm(h, eps=eps),
+            )
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        self._head = enc.head
+        if enc.head:  # BERT's: a tanh dense on the first token, then a linear classifier
+            self.pooler = nn.Linear(h, h)
+            self.classifier = nn.Linear(h, enc.num_labels)
+
+    def __call__(self, ids: mx.array, mask: mx.array, types: mx.array | None = None) -> mx.array:
+        x = self.embeddings(ids, types)
+        m = attention_mask(mask)
+        for layer in self.layers:
+            x = layer(x, m)
+        return x  # (B, T, hidden)
+
+    def classify(self, h: mx.array, mask: mx.array) -> mx.array:
+        """(B, T, hidden) -> (B, num_labels): the pooler and classifier on the first token."""
+        if not self._head:
+            raise UnsupportedError(
+                "this checkpoint has no classification head", field="architectures"
+            )
+        return self.classifier(mx.tanh(self.pooler(h[:, 0])))
+
+    def sanitize(self, weights: dict) -> dict:
+        """Checkpoint names under ours: each fused Wqkv split into query, key and value (rows
+        [q | k | v]); fc12 (the gate, activated) and fc11 joined as the GLU's [gate | up];
+        a masked-LM head and a pooler dropped."""
+        weights = {re.sub(r"^nomic_bert\.", "", k): v for k, v in weights.items()}
+        ours = {}
+        for name, value in weights.items():
+            if (m := _QKV.match(name)) is not None:
+                q, k, v = mx.split(value, 3, axis=0)
+                for part, t in (("query", q), ("key", k), ("value", v)):
+                    ours[f"layers.{m[1]}.attention.{part}.weight"] = t
+                continue
+            if (m := _FC.match(name)) is not None:
+                up = weights.get(f"encoder.layers.{m[1]}.mlp.fc11.weight")
+                if m[2] == "2" and up is not None:  # without fc11 the binding names gate_up
+                    ours[f"layers.{m[1]}.mlp.gate_up.weight"] = mx.concatenate([value, up])
+                continue
+            for pattern, repl in _RENAMES_RE:
+                name = pattern.sub(repl, name)
+            if name.startswith(("embeddings.", "layers.")) and not name.endswith("position_ids"):
+                ours[name] = value
+            elif self._head and name.startswith(("pooler.dense.", "classifier.")):
+                ours[name.replace("pooler.dense.", "pooler.")] = value
+        return ours
+
+
+NOMIC_BERT = Family(
+    name="nomic_bert",
+    hf=HFFormat(model_types=("nomic_bert",), parse=_parse_hf, base=_base),
+    gguf=GGUFFormat(archs=(), parse=_parse_gguf),
+    network=NomicBertNetwork,
+    export=Export(model_type="nomic_bert", architecture="NomicBertModel"),
+    kind="encoder",
+)
