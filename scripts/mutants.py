@@ -2281,8 +2281,8 @@ MUTANTS = (
     Mutant(
         "serve-embed-dimensions-dropped",
         "mlxlis/serve/embeddings.py",
-        "model.embed(texts, dimensions=dimensions, truncate=truncate)",
-        "model.embed(texts, truncate=truncate)",
+        "np.array(model.embed(ids, dimensions=dimensions))",
+        "np.array(model.embed(ids))",
         ("tests/test_serve_embed.py",),
         "serve: an embeddings request's dimensions ignored",
     ),
