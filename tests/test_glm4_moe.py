@@ -95,6 +95,23 @@ def model(glm):
     return mlxlis.load(glm()[0], "float32")
 
 
+@pytest.fixture(scope="module")
+def with_mtp(glm, tmp_path_factory):
+    """A copy holding a next-token layer (model.layers.3.*: a decoder layer's tensors, eh_proj,
+    enorm, hnorm, shared_head.norm), as the released checkpoints do."""
+    from safetensors.numpy import load_file, save_file
+
+    copy = tmp_path_factory.mktemp("glm4_moe_mtp") / "mtp"
+    shutil.copytree(glm()[0], copy)
+    tensors = load_file(copy / "model.safetensors")
+    extra = {k.replace("layers.2.", "layers.3."): v for k, v in tensors.items() if ".2." in k}
+    extra["model.layers.3.eh_proj.weight"] = np.full((96, 192), 0.01, np.float32)
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        extra[f"model.layers.3.{name}.weight"] = np.ones(96, np.float32)
+    save_file({**tensors, **extra}, copy / "model.safetensors", metadata={"format": "pt"})
+    return copy
+
+
 def reference_logits(ref, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return ref(torch.tensor([ids])).logits[0].float().numpy()
@@ -156,12 +173,16 @@ def test_cached_decode_batches_and_speculation(model):
     assert seq.usage.draft_tokens > 0
 
 
-def test_gguf_from_llama_cpp_converter_equals_the_folder(glm, model, tmp_path):
+def test_gguf_from_llama_cpp_converter_equals_the_folder(with_mtp, model, tmp_path):
     """llama.cpp's convert_hf_to_gguf.py (arch glm4moe: Q/K rows as they are, experts stacked,
     the correction bias as exp_probs_b, the group counts, the routed scale, a next-token layer
     counted in block_count) at f32: the GGUF loads with the folder's structure and gives the
-    folder's logits (measured equal; bound 1e-6)."""
-    path = llama_cpp_convert(glm()[0], tmp_path / "glm.gguf")
+    folder's logits (measured equal; bound 1e-6). Converted from the copy holding a
+    next-token layer: its blk.3.* tensors (nextn.*) are skipped."""
+    from gguf import GGUFReader
+
+    path = llama_cpp_convert(with_mtp, tmp_path / "glm.gguf")
+    assert any(t.name.startswith("blk.3.nextn.") for t in GGUFReader(str(path)).tensors)
     g, s = mlxlis.load(path, "float32"), model.config
     c = g.config
     assert c.family == "glm4_moe" and c.num_hidden_layers == 3 and not c.tie_word_embeddings
@@ -237,21 +258,14 @@ def test_convert_writes_what_mlx_lm_reads_and_inspect_says_it(model, glm, tmp_pa
     assert "first 16 dims" in text and "not loaded" in text
 
 
-def test_next_token_layers_are_skipped_and_refused_as_drafter(glm, model, tmp_path):
-    """A checkpoint holding its next-token layer (model.layers.3.*, as the released ones do)
-    loads without it and gives the same logits; `--speculative mtp` is refused saying why."""
+def test_next_token_layers_are_skipped_and_refused_as_drafter(with_mtp, model):
+    """A checkpoint holding its next-token layer loads without it and gives the same logits;
+    `--speculative mtp` is refused saying why."""
     from mlxlis.errors import MlxlisError
     from mlxlis.generation.mtp import mtp_head_of
 
-    from safetensors.numpy import load_file, save_file
-
-    copy = tmp_path / "mtp"
-    shutil.copytree(glm()[0], copy)
-    tensors = load_file(copy / "model.safetensors")
-    extra = {k.replace("layers.2.", "layers.3."): v for k, v in tensors.items() if ".2." in k}
-    extra["model.layers.3.eh_proj.weight"] = np.zeros((96, 192), np.float32)
-    save_file({**tensors, **extra}, copy / "model.safetensors", metadata={"format": "pt"})
-    again = mlxlis.load(copy, "float32")
+    again = mlxlis.load(with_mtp, "float32")
+    assert again.config.own(type(model.config.family_config)).mtp_layers == 1
     ids = trajectory(24, vocab=model.config.vocab_size)
     assert np.array_equal(np.array(again.logits(ids)), np.array(model.logits(ids)))
     with pytest.raises(MlxlisError, match="not implemented"):
