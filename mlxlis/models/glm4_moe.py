@@ -238,11 +238,13 @@ def _no_mtp(model: Any, spec: Family) -> Any:
 
 
 def _describe(c: ModelConfig) -> dict[str, Any]:
-    r, own = c.own(Glm4MoeConfig).routing, c.own(Glm4MoeConfig)
+    own = c.own(Glm4MoeConfig)
+    r = own.routing
     return {
         "grouped_routing": {
             "groups": r.n_group,
             "groups_used": r.topk_group,
+            "renormalised": c.moe.norm_topk_prob,
             "routed_scale": r.routed_scaling_factor,
             "shared_width": r.shared_intermediate_size,
             "rotary_dim": c.attention.rotary_dim or c.head_dim,
@@ -253,19 +255,22 @@ def _describe(c: ModelConfig) -> dict[str, Any]:
 
 def _rows(config: dict[str, Any]) -> list[tuple[str, str]]:
     g = config["grouped_routing"]
+    weights = "renormalised, then" if g["renormalised"] else "then"
     rows = [
         (
             "routing",
             "sigmoid scores; a per-expert correction bias sways the choice, not the weights; "
             f"experts from the best {g['groups_used']} of {g['groups']} groups (each worth its "
-            f"two best scores); the weights × {g['routed_scale']:g}",
+            f"two best scores); the weights {weights} × {g['routed_scale']:g}",
         ),
-        ("rope", f"on the first {g['rotary_dim']} dims of each head"),
+        ("rotary", f"RoPE on the first {g['rotary_dim']} dims of each head"),
     ]
     if g["shared_width"]:
-        rows.append(("shared experts", f"one MLP of width {g['shared_width']} on every token"))
+        rows.append(
+            ("shared", f"shared experts: one MLP of width {g['shared_width']}, every token")
+        )
     if g["mtp_layers"]:
-        rows.append(("next-token", f"{g['mtp_layers']} layer(s) in the checkpoint, not loaded"))
+        rows.append(("mtp", f"{g['mtp_layers']} next-token layer(s) in the checkpoint, not loaded"))
     return rows
 
 
