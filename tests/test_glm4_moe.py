@@ -5,7 +5,8 @@ Reference parity: a tiny random `glm4_moe` checkpoint written by transformers' s
 dense layer then two MoE layers of 8 experts in 2 groups with 1 group used, top 2 renormalised
 and scaled by 2.5, a shared expert, a random correction bias of spread 0.3 on the routers, an
 untied head) against its float32 forward over 72 tokens; each routing mechanism is shown to
-bite (turned off, the logits move). GGUF: the folder converted by llama.cpp's own
+bite (turned off, the logits move); transformers 5's fused expert layout and a checkpoint
+holding its next-token layer load to the same logits. GGUF: the folder converted by llama.cpp's own
 convert_hf_to_gguf.py (its Glm4MoeModel; tests/llama_cpp_convert.py) gives the folder's logits.
 MLX-quantized: mlx-lm's 4-bit conversion against transformers on the weights dequantized from
 that very folder. `convert` writes what mlx-lm's glm4_moe reads. Self-consistency: chunked
@@ -270,6 +271,22 @@ def test_next_token_layers_are_skipped_and_refused_as_drafter(with_mtp, model):
     assert np.array_equal(np.array(again.logits(ids)), np.array(model.logits(ids)))
     with pytest.raises(MlxlisError, match="not implemented"):
         mtp_head_of(again)
+
+
+def test_transformers_fused_expert_layout_loads_the_same(glm, model, tmp_path):
+    """A checkpoint in transformers 5's in-memory layout (experts.gate_up_proj (E, 2·F, hidden),
+    experts.down_proj (E, hidden, F), as its state_dict holds them) gives the same logits."""
+    from safetensors.torch import save_file
+
+    folder, ref = glm()
+    fused = tmp_path / "fused"
+    shutil.copytree(folder, fused)
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
+    ids = trajectory(24, vocab=model.config.vocab_size)
+    got = np.array(mlxlis.load(fused, "float32").logits(ids))
+    assert np.array_equal(got, np.array(model.logits(ids)))
 
 
 @pytest.mark.parametrize(
