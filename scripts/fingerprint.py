@@ -50,6 +50,8 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
     from test_gemma4 import SPECS as G4
     from test_gemma4 import build as build_g4
     from test_gemma_parity import SPECS as GEMMA
+    from test_glm4_moe import SPECS as GLM4
+    from test_glm4_moe import build as build_glm4
     from test_gpt_oss import SPECS as OSS
     from test_gpt_oss import _sinks_of_unit_size
     from test_lfm2 import SPECS as LFM2
@@ -99,6 +101,7 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
         "gemma4_assistant": (G4["e2b"], build_assistants),
         "olmo3": (OLMO3["olmo3"], pad1),  # post-norm, whole q/k norms, window, YaRN on full
         "lfm2": (LFM2["lfm2_bias"], build_tiny),  # short convolutions with a bias, untied
+        "glm4_moe": (GLM4["glm4_moe"], build_glm4),  # grouped sigmoid routing, partial RoPE
     }
 
 

@@ -79,6 +79,8 @@ OLMO3_HF = "tests/test_olmo3.py::test_logits_match_transformers_fp32"
 OLMO3_LOCAL = "tests/test_olmo3.py::test_sliding_layers_keep_their_own_rope"
 OLMO3_GGUF = "tests/test_olmo3.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
 LORA_FUSE = "tests/test_lora_fuse.py"
+GLM4_HF = "tests/test_glm4_moe.py::test_logits_match_transformers_fp32"
+GLM4_GGUF = "tests/test_glm4_moe.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
 LFM2_HF = "tests/test_lfm2.py::test_logits_match_transformers_fp32"
 LFM2_CACHE = "tests/test_lfm2.py::test_chunked_prefill_decode_and_batches_equal_the_full_forward"
 LFM2_REWIND = "tests/test_lfm2.py::test_a_rejection_at_each_position_rewinds_the_conv_state_exactly"
@@ -2557,6 +2559,46 @@ MUTANTS = (
         "return self.classifier(self.pooler(h[:, 0]))",
         ("tests/test_embed_nomic_bert.py::test_rerank_matches_cross_encoder_predict",),
         "a nomic-bert reranker's pooler leaves out its tanh",
+    ),
+    Mutant(
+        "glm4-bias-in-weights",
+        "mlxlis/models/grouped_experts.py",
+        "weights = mx.take_along_axis(scores, inds, axis=-1)",
+        "weights = mx.take_along_axis(choice, inds, axis=-1)",
+        (GLM4_HF,),
+        "GLM-4.5: the correction bias added to the routed weights, not only to the choice",
+    ),
+    Mutant(
+        "glm4-group-limit-ignored",
+        "mlxlis/models/grouped_experts.py",
+        "        if r.topk_group < r.n_group:",
+        "        if False:",
+        (GLM4_HF,),
+        "GLM-4.5: experts chosen from every group (topk_group ignored)",
+    ),
+    Mutant(
+        "glm4-routed-scale-dropped",
+        "mlxlis/models/grouped_experts.py",
+        "return mx.stop_gradient(inds), weights * r.routed_scaling_factor",
+        "return mx.stop_gradient(inds), weights",
+        (GLM4_HF,),
+        "GLM-4.5: routed_scaling_factor dropped",
+    ),
+    Mutant(
+        "glm4-rope-whole-head",
+        "mlxlis/models/glm4_moe.py",
+        "        rotary_dim=rotary if rotary < hd else None,",
+        "        rotary_dim=None,",
+        (GLM4_HF,),
+        "GLM-4.5: RoPE applied to the whole head, not its first partial_rotary_factor share",
+    ),
+    Mutant(
+        "glm4-gguf-groups-unread",
+        "mlxlis/models/glm4_moe.py",
+        '        m.get("expert_group_count", 1),',
+        "        1,",
+        (GLM4_GGUF,),
+        "GLM-4.5 GGUF: expert_group_count not read (one group: the limit off)",
     ),
 )
 

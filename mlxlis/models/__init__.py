@@ -19,6 +19,7 @@ from mlxlis.models.gemma import GEMMA, GEMMA2, GEMMA3
 from mlxlis.models.gemma3n import GEMMA3N
 from mlxlis.models.gemma4 import GEMMA4
 from mlxlis.models.gemma4_assistant import GEMMA4_ASSISTANT, OUTER_KEYS
+from mlxlis.models.glm4_moe import GLM4_MOE
 from mlxlis.models.gpt_oss import GPT_OSS
 from mlxlis.models.lfm2 import LFM2
 from mlxlis.models.llama import LLAMA
@@ -57,6 +58,7 @@ REGISTRY: dict[str, Family] = {
             LFM2,
             PHI3,
             GPT_OSS,
+            GLM4_MOE,
         ),
         BERT,
         MODERNBERT,

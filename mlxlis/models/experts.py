@@ -141,6 +141,24 @@ class QuantizedSwitchLinear(nn.Module):
         return _add_bias(y, self, indices)
 
 
+def expert_stacks(prefix: str, n: int) -> dict[str, ExpertSource]:
+    """The stacked `switch_mlp` parameters of the n experts under `prefix` -> their Hugging
+    Face sources: one tensor per expert, or transformers 5's fused gate_up_proj / down_proj."""
+    fused = {
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+        "down_proj": ("down_proj", None),
+    }
+    return {
+        f"{prefix}.switch_mlp.{p}.weight": ExpertSource(
+            tuple(f"{prefix}.experts.{e}.{p}.weight" for e in range(n)),
+            f"{prefix}.experts.{fused[p][0]}",
+            fused[p][1],
+        )
+        for p in PROJECTIONS
+    }
+
+
 class SwitchGLU(nn.Module):
     """The experts: down(act(gate(x)) · up(x)) with each token's own k experts; `act` a
     family's own gated activation (gpt-oss), else cfg.mlp.hidden_act's."""
@@ -190,20 +208,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def expert_stacks(self, prefix: str) -> dict[str, ExpertSource]:
-        n = self.gate.weight.shape[0]
-        fused = {
-            "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", 1),
-            "down_proj": ("down_proj", None),
-        }
-        return {
-            f"{prefix}.switch_mlp.{p}.weight": ExpertSource(
-                tuple(f"{prefix}.experts.{e}.{p}.weight" for e in range(n)),
-                f"{prefix}.experts.{fused[p][0]}",
-                fused[p][1],
-            )
-            for p in PROJECTIONS
-        }
+        return expert_stacks(prefix, self.gate.weight.shape[0])
 
     def __call__(self, x: mx.array) -> mx.array:
         k = self.top_k
