@@ -162,9 +162,10 @@ class Embedder:
             rows.append(row)
         if not rows:
             return []
+        return self.hidden(rows, self.score)[:, 0].tolist()
 
-        def score(h: mx.array, mask: mx.array) -> mx.array:
-            logits = self.net.classify(h).astype(mx.float32)[:, :1]  # (B, 1)
-            return mx.sigmoid(logits) if self.activation == "sigmoid" else logits
-
-        return self.hidden(rows, score)[:, 0].tolist()
+    def score(self, h: mx.array, mask: mx.array) -> mx.array:
+        """(B, T, hidden) states of a bucket of pairs, (B, T) mask -> (B, 1) scores: the
+        classification head's logit, through `activation`."""
+        logits = self.net.classify(h).astype(mx.float32)[:, :1]  # (B, 1)
+        return mx.sigmoid(logits) if self.activation == "sigmoid" else logits
