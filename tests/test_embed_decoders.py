@@ -118,3 +118,20 @@ def test_task_the_folder_is_not_is_refused(folders):
     with pytest.raises(UnsupportedError) as e:
         mlxlis.load(folders["rerank"][0], task="embed")
     assert e.value.field == "task"
+
+
+def test_reranker_cuts_the_document_and_keeps_the_suffix(folders):
+    """Past the model's maximum the middle part is cut from its end (the prompt's suffix, where
+    the answer is read, kept); with truncate=False it is refused naming the document."""
+    from mlxlis.errors import MlxlisError
+    from mlxlis.models.decoder_rerank import SUFFIX
+
+    model = mlxlis.load(folders["rerank"][0], task="rerank")
+    long = " ".join([TEXTS[1]] * 40)
+    ids = model.embedder.tokenizer.encode("a query", long)[0]
+    suffix = model.tokenizer.encode(SUFFIX, special=True)
+    assert len(ids) == model.config.max_position_embeddings and ids[-len(suffix) :] == suffix
+    assert 0 < model.rerank("a query", [long])[0] < 1
+    with pytest.raises(MlxlisError) as e:
+        model.rerank("a query", ["short", long], truncate=False)
+    assert e.value.field == "documents[1]"

@@ -10,7 +10,6 @@ must hold "yes" and "no" as single tokens, else the load is refused naming them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mlxlis.errors import UnsupportedError
@@ -101,9 +100,3 @@ def as_reranker(model: Model, instruction: str = INSTRUCTION) -> Model:
     )
     model.task = "rerank"
     return model
-
-
-def rerank_prompts(model: Model, query: str, documents: Sequence[str]) -> list[list[int]]:
-    """The prompt ids each (query, document) pair is scored on (what a reference reads)."""
-    pairs = model.embedder.tokenizer
-    return [pairs.encode(query, d)[0] for d in documents]

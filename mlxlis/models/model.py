@@ -128,8 +128,9 @@ class Model:
         )
 
     def rerank(self, query: str, documents: Sequence[str], *, truncate: bool = True) -> list[float]:
-        """A cross-encoder's relevance score of each document to `query`, in the documents'
-        order (sigmoid of its logit, as sentence-transformers' CrossEncoder.predict gives)."""
+        """A reranker's relevance score of each document to `query`, in the documents' order: a
+        cross-encoder's sigmoid of its logit (as sentence-transformers' CrossEncoder.predict
+        gives), a causal LM loaded with task="rerank" its p(yes) (models/decoder_rerank.py)."""
         return self._encoder("rerank").rerank(query, documents, truncate=truncate)
 
     def make_cache(self, kv: KVChoice = "model") -> list[Cache]:
