@@ -111,6 +111,13 @@ def test_yes_no_reranker_matches_the_recipe(folders):
     got = model.rerank(query, docs)
     assert np.abs(np.array(got) - np.array(ref)).max() <= 1e-5
     assert max(ref) - min(ref) > 1e-3  # the documents score apart: a swap would show
+    task = "judge the apple silicon passages"
+    text = SYSTEM + BODY.format(instruction=task, query=query, doc=docs[0]) + SUFFIX
+    with torch.no_grad():
+        last = hf(torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])).logits[0, -1]
+    want = torch.softmax(torch.stack([last[no], last[yes]]), 0)[1].item()
+    assert abs(model.rerank(query, docs[:1], instruction=task)[0] - want) <= 1e-5
+    assert abs(want - ref[0]) > 1e-4  # the instruction reached the prompt
 
 
 def test_task_the_folder_is_not_is_refused(folders):

@@ -10,9 +10,10 @@ must hold "yes" and "no" as single tokens, else the load is refused naming them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
-from mlxlis.errors import UnsupportedError
+from mlxlis.errors import MlxlisError, UnsupportedError
 from mlxlis.models.decoder_encoder import DecoderEncoder
 from mlxlis.models.embedding import Embedder
 from mlxlis.models.model import Model
@@ -44,6 +45,10 @@ class PromptPairs:
         self._prefix = tokenizer.encode(SYSTEM, special=True)
         self._suffix = tokenizer.encode(SUFFIX, special=True)
 
+    def with_instruction(self, instruction: str) -> PromptPairs:
+        """The same prompt for another task."""
+        return PromptPairs(self.tokenizer, self.max_length, instruction)
+
     def encode(
         self, query: str, doc: str | None = None, truncate: bool = True
     ) -> tuple[list[int], list[int]]:
@@ -62,6 +67,22 @@ class YesNoReranker(Embedder):
 
     yes_id: int = -1
     no_id: int = -1
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        truncate: bool = True,
+        instruction: str | None = None,
+    ) -> list[float]:
+        """As Embedder.rerank, the prompt stating `instruction` (default: the load's)."""
+        if instruction is None:
+            return super().rerank(query, documents, truncate=truncate)
+        if not isinstance(instruction, str):
+            raise MlxlisError("expected a string", field="instruction")
+        asked = replace(self, tokenizer=self.tokenizer.with_instruction(instruction))
+        return Embedder.rerank(asked, query, documents, truncate=truncate)
 
     def score(self, h: mx.array, mask: mx.array) -> mx.array:
         last = POOLERS["lasttoken"](h, mask)  # (B, hidden), before the final norm

@@ -149,8 +149,19 @@ class Embedder:
             return int(self.pooling.dense[-1].weight.shape[0])
         return self.net.config.hidden_size * len(self.pooling.modes)
 
-    def rerank(self, query: str, documents: Sequence[str], *, truncate: bool = True) -> list[float]:
-        """Relevance of each document to `query`, in the documents' order."""
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        truncate: bool = True,
+        instruction: str | None = None,
+    ) -> list[float]:
+        """Relevance of each document to `query`, in the documents' order. `instruction`: the
+        task, for a reranker whose prompt states one (decoder_rerank.py); a cross-encoder
+        takes none."""
+        if instruction is not None:
+            raise MlxlisError("this reranker takes no instruction", field="instruction")
         if not isinstance(query, str):
             raise MlxlisError("expected a string", field="query")
         rows = []
