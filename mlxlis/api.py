@@ -56,6 +56,7 @@ class LoadOptions:
     adapters: tuple[str | Path, ...] = ()
     adapter_scale: float = 1.0
     fuse: bool = False
+    task: str | None = None
 
     def kwargs(self) -> dict[str, Any]:
         """The options by `load`'s keyword names (a subclass's own fields left out)."""
@@ -77,6 +78,7 @@ def load(
     adapters: Sequence[str | Path] = (),
     adapter_scale: float = 1.0,
     fuse: bool = False,
+    task: str | None = None,
 ) -> Model:
     """Load a model folder, GGUF file or catalog name. dtype None = the device default. The
     keyword arguments, gathered: LoadOptions (`load(ref, **options.kwargs())`).
@@ -110,6 +112,11 @@ def load(
     adapters merged into the weights once applied (lora.fuse: a quantized weight requantized
     with its bits and group size, or made dense where MLX has no such format); the model's
     `fused` says how.
+
+    `task` (folders): None = what the folder says (an encoder embeds or reranks by its head; a
+    decoder's sentence-transformers folder with a Pooling module embeds; a causal LM
+    generates); "rerank" makes a causal LM a yes / no reranker (Qwen3-Reranker's recipe:
+    models/decoder_rerank.py); "generate" / "embed" insist, refused where the folder is not so.
     """
     scale_ok = isinstance(adapter_scale, (int, float)) and math.isfinite(adapter_scale)
     if not scale_ok or adapter_scale <= 0:
@@ -125,6 +132,8 @@ def load(
     pipeline = Pipeline.from_env(layers_split)  # a bad split fails before the file is read
     path = resolve(path_or_name, vision=mmproj is not False)
     if path.is_file() and path.suffix.lower() == ".gguf":
+        if task not in (None, "generate"):
+            raise UnsupportedError(f"task {task!r} applies to folders", path=path, field="task")
         if bindings is not None:
             raise BindingError(
                 "binding manifests apply to safetensors folders, not GGUF files", path=path
@@ -160,7 +169,13 @@ def load(
             field="dequantize",
         )
     model = load_folder(
-        path, dt, chat_template=chat_template, bindings=manifest, strict=strict, placement=pipeline
+        path,
+        dt,
+        chat_template=chat_template,
+        bindings=manifest,
+        strict=strict,
+        placement=pipeline,
+        task=task,
     )
     return _ready(model, pipeline, kv, read, fuse)
 

@@ -50,6 +50,9 @@ NOMIC_ST = (
     "tests/test_embed_nomic_bert.py::"
     "test_embed_matches_sentence_transformers_and_batches_equal_each_alone"
 )
+DEC_ST = "tests/test_embed_decoders.py::test_embed_matches_sentence_transformers"
+DEC_ALONE = "tests/test_embed_decoders.py::test_mixed_lengths_batch_equals_each_alone"
+DEC_RERANK = "tests/test_embed_decoders.py::test_yes_no_reranker_matches_the_recipe"
 LLAMA4_HF = "tests/test_llama4.py::test_logits_match_transformers_fp32"
 LLAMA4_CACHE = "tests/test_llama4.py::test_cached_decode_and_batches_equal_the_full_forward"
 OSS_HF = "tests/test_gpt_oss.py::test_logits_match_transformers_fp32"
@@ -2599,6 +2602,46 @@ MUTANTS = (
         "        1,",
         (GLM4_GGUF,),
         "GLM-4.5 GGUF: expert_group_count not read (one group: the limit off)",
+    ),
+    Mutant(
+        "lasttoken-takes-a-pad",
+        "mlxlis/models/pooling.py",
+        "return mx.take_along_axis(h, mx.maximum(last, 0)[:, None, None], axis=1)[:, 0]",
+        "return h[:, -1]",
+        (f"{DEC_ST}[qwen3]", f"{DEC_ALONE}[qwen3]"),
+        "last-token pooling takes each row's last position, a pad in a shorter row",
+    ),
+    Mutant(
+        "embedding-gemma-causal",
+        "mlxlis/models/gemma.py",
+        "causal=not bidirectional,",
+        "causal=True,",
+        (f"{DEC_ST}[gemma]",),
+        "EmbeddingGemma's attention left causal (use_bidirectional_attention not read)",
+    ),
+    Mutant(
+        "embedding-gemma-window-not-halved",
+        "mlxlis/models/gemma.py",
+        "window = int(window) // 2 + 1",
+        "window = int(window)",
+        (f"{DEC_ST}[gemma]",),
+        "a bidirectional Gemma's sliding window taken as the file's number, not w // 2 + 1",
+    ),
+    Mutant(
+        "bidirectional-window-one-sided",
+        "mlxlis/models/decoder_encoder.py",
+        "near = mx.abs(pos[:, None] - pos[None, :]) < window",
+        "near = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)",
+        (f"{DEC_ST}[gemma]",),
+        "a bidirectional sliding layer sees its window on the past side only",
+    ),
+    Mutant(
+        "rerank-yes-no-swapped",
+        "mlxlis/models/decoder_rerank.py",
+        "pair = mx.stack([logits[:, self.no_id], logits[:, self.yes_id]], axis=-1)",
+        "pair = mx.stack([logits[:, self.yes_id], logits[:, self.no_id]], axis=-1)",
+        (DEC_RERANK,),
+        "the yes / no reranker scores p(no) instead of p(yes)",
     ),
 )
 

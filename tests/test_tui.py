@@ -939,6 +939,7 @@ def test_load_model_pulls_a_missing_catalog_model_with_progress(monkeypatch):
             "adapters": (),
             "adapter_scale": 1.0,
             "fuse": False,
+            "task": None,
         },
     )
     engine.load_model(opts, lambda *a: seen.append(a))

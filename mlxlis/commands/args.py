@@ -77,6 +77,13 @@ def add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
             help="merge the --adapters into the weights once (a quantized weight is "
             "requantized with its bits and group size): the base's decode speed",
         )
+        p.add_argument(
+            "--task",
+            choices=("generate", "embed", "rerank"),
+            default=None,
+            help="what the model does (default: what its folder says); rerank: a causal LM "
+            "such as Qwen3-Reranker scoring by p(yes)",
+        )
     p.add_argument(
         "--dtype", default=None, help="float32 | float16 | bfloat16 (default: per device)"
     )

@@ -20,8 +20,9 @@ def say(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
 
-def load_model(a: argparse.Namespace, ref: str | None = None):
-    """The model `ref` (default: the -m flag's) names, loaded with the flags' options."""
+def load_model(a: argparse.Namespace, ref: str | None = None, task: str | None = None):
+    """The model `ref` (default: the -m flag's) names, loaded with the flags' options; `task`
+    (default: the --task flag's) as `mlxlis.load` takes it."""
     import warnings
 
     from mlxlis import load
@@ -41,6 +42,7 @@ def load_model(a: argparse.Namespace, ref: str | None = None):
         adapters=tuple(getattr(a, "adapter", None) or ()),
         adapter_scale=getattr(a, "adapter_scale", 1.0),
         fuse=getattr(a, "fuse", False),
+        task=task if task is not None else getattr(a, "task", None),
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnboundTensorsWarning)

@@ -176,6 +176,14 @@ def serve_parser() -> argparse.ArgumentParser:
         "(several times)",
     )
     p.add_argument(
+        "--rerank",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="the -m model of this NAME loaded as a reranker: a causal LM such as "
+        "Qwen3-Reranker scoring by p(yes) (load's task rerank; several times)",
+    )
+    p.add_argument(
         "--keep-alive",
         type=_keep_alive,
         default=UNSET,
@@ -281,13 +289,23 @@ def run_serve(argv: list[str]) -> int:
             )
         if a.adapters and launched():
             raise MlxlisError("adapters on a pipelined model", field="--adapter")
+        for r in a.rerank or ():
+            if r not in names:
+                raise MlxlisError(f"no model named {r!r} to rerank with", field="--rerank")
+        rerankers = {names[r].name for r in a.rerank or ()}
+
+        def task_of(listing) -> str | None:
+            return "rerank" if listing.name in rerankers else None
+
         adapters = adapters_of(a.adapters or [], names, listings[0].name if refs else None)
         with_adapters(names, adapters)
         started = []
         if refs:  # the first -m is loaded now, with the speculation flags: errors show at once
             main = listings[0]
             # the model is built on the thread the engines run on (MLX streams are per thread)
-            model = mlx_thread.shared().submit(lambda: load_model(a, main.ref)).result()
+            model = (
+                mlx_thread.shared().submit(lambda: load_model(a, main.ref, task_of(main))).result()
+            )
             if launched() and model.rank != 0:  # rank 0 serves; the others run its steps
                 mlx_thread.shared().submit(lambda: follow(model)).result()
                 return 0
@@ -325,7 +343,7 @@ def run_serve(argv: list[str]) -> int:
                 keep,
                 a.keep_alive if given else None,
             ),
-            lambda listing: load_model(a, listing.ref),
+            lambda listing: load_model(a, listing.ref, task_of(listing)),
             started,
             default,
             adapters,

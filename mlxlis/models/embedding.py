@@ -149,8 +149,19 @@ class Embedder:
             return int(self.pooling.dense[-1].weight.shape[0])
         return self.net.config.hidden_size * len(self.pooling.modes)
 
-    def rerank(self, query: str, documents: Sequence[str], *, truncate: bool = True) -> list[float]:
-        """Relevance of each document to `query`, in the documents' order."""
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        truncate: bool = True,
+        instruction: str | None = None,
+    ) -> list[float]:
+        """Relevance of each document to `query`, in the documents' order. `instruction`: the
+        task, for a reranker whose prompt states one (decoder_rerank.py); a cross-encoder
+        takes none."""
+        if instruction is not None:
+            raise MlxlisError("this reranker takes no instruction", field="instruction")
         if not isinstance(query, str):
             raise MlxlisError("expected a string", field="query")
         rows = []
@@ -162,9 +173,10 @@ class Embedder:
             rows.append(row)
         if not rows:
             return []
+        return self.hidden(rows, self.score)[:, 0].tolist()
 
-        def score(h: mx.array, mask: mx.array) -> mx.array:
-            logits = self.net.classify(h, mask).astype(mx.float32)[:, :1]  # (B, 1)
-            return mx.sigmoid(logits) if self.activation == "sigmoid" else logits
-
-        return self.hidden(rows, score)[:, 0].tolist()
+    def score(self, h: mx.array, mask: mx.array) -> mx.array:
+        """(B, T, hidden) states of a bucket of pairs, (B, T) mask -> (B, 1) scores: the
+        classification head's logit, through `activation`."""
+        logits = self.net.classify(h, mask).astype(mx.float32)[:, :1]  # (B, 1)
+        return mx.sigmoid(logits) if self.activation == "sigmoid" else logits

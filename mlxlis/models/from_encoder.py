@@ -16,7 +16,12 @@ from mlxlis.bounded import check_folder_json
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.loading.binding import bind
 from mlxlis.loading.safetensors import load_tensors
-from mlxlis.loading.sentence_folder import DenseFile, max_seq_length, read_sentence_folder
+from mlxlis.loading.sentence_folder import (
+    DenseFile,
+    SentenceFolder,
+    max_seq_length,
+    read_sentence_folder,
+)
 from mlxlis.models import build_model
 from mlxlis.models.config import ModelConfig, read_json
 from mlxlis.models.embedding import Embedder
@@ -68,6 +73,20 @@ def _activation(folder: Path, cfg: dict, saved: str | None, labels: int) -> str:
     return _ACTIVATIONS[path]
 
 
+def sentence_pooling(st: SentenceFolder | None, hidden: int, dtype: mx.Dtype) -> Pooling:
+    """The folder's Pooling, Dense modules and Normalize (a plain folder: mean, as
+    sentence-transformers wraps one), over hidden states `hidden` wide."""
+    if st is not None and st.pooling is not None:
+        pooling = Pooling.from_st(st.pooling, st.pooling_path)
+    else:
+        pooling = Pooling(("mean",))
+    dense, width = [], hidden * len(pooling.modes)
+    for d in st.dense if st else ():
+        dense.append(_dense(d, width, dtype))
+        width = dense[-1].weight.shape[0]
+    return Pooling(pooling.modes, bool(st and st.normalize), tuple(dense))
+
+
 def load_encoder_folder(folder: Path, cfg: ModelConfig, dtype: mx.Dtype) -> Model:
     """`folder` (config.json parsed into `cfg` by an encoder family) as an embed or rerank
     Model."""
@@ -96,15 +115,7 @@ def load_encoder_folder(folder: Path, cfg: ModelConfig, dtype: mx.Dtype) -> Mode
         act = _activation(folder, raw, st.activation_fn if st else None, enc.num_labels)
         embedder = Embedder(task="rerank", activation=act, **common)
     else:
-        if st is not None and st.pooling is not None:
-            pooling = Pooling.from_st(st.pooling, st.pooling_path)
-        else:
-            pooling = Pooling(("mean",))
-        dense, width = [], cfg.hidden_size * len(pooling.modes)
-        for d in st.dense if st else ():
-            dense.append(_dense(d, width, dtype))
-            width = dense[-1].weight.shape[0]
-        pooling = Pooling(pooling.modes, bool(st and st.normalize), tuple(dense))
+        pooling = sentence_pooling(st, cfg.hidden_size, dtype)
         prompts = st.prompts if st else {}
         default = st.default_prompt_name if st else None
         embedder = Embedder(

@@ -36,16 +36,25 @@ def load_folder(
     bindings: Manifest | str | Path | dict | None = None,
     strict: bool = True,
     placement: Placement | None = None,
+    task: str | None = None,
 ) -> Model:
     """A safetensors folder as a Model: config.json parsed by its family, the tensors bound
     through the manifest (validated from the headers first), the tokenizer and the chat
-    template found beside them. Under a `placement` (a pipeline), this rank's share only."""
+    template found beside them. Under a `placement` (a pipeline), this rank's share only.
+    `task`: None (what the folder says: decoder_encoder.decoder_task), "generate", "embed"
+    or "rerank"."""
     manifest = as_manifest(bindings)
     cfg_path = folder / "config.json"
     gen_path = folder / "generation_config.json"
     generation = read_json(gen_path) if gen_path.is_file() else None
     cfg = config_from_hf(read_json(cfg_path), str(cfg_path), generation)
     spec = family(cfg.family)
+    if spec.kind == "decoder":  # an embedding model or reranker where the folder or task says
+        from mlxlis.models.decoder_encoder import decoder_task
+
+        model = decoder_task(folder, cfg, task, dtype)
+        if model is not None:
+            return model
     # an encoder embeds or reranks: its own files beside the weights; loaded whole on every
     # rank of a launcher (small models: nothing to gain from splitting them)
     if spec.kind == "encoder":
@@ -55,7 +64,12 @@ def load_folder(
             )
         from mlxlis.models.from_encoder import load_encoder_folder
 
-        return load_encoder_folder(folder, cfg, dtype)
+        model = load_encoder_folder(folder, cfg, dtype)
+        if task not in (None, model.task):
+            raise UnsupportedError(
+                f"an encoder that does {model.task}, not {task}", path=folder, field="task"
+            )
+        return model
     part = None
     if placement is not None:  # under a launcher: this rank's share of the layers only
         part = placement.place(cfg, module_sizes(folder, spec.hf.name), str(folder))
@@ -94,7 +108,7 @@ def load_folder(
             skipped = [n for n in skipped if not vision.uses(n)]
     if part is not None:
         net = placement.wrap(net, part, dtype)
-    return Model(
+    model = Model(
         cfg,
         net,
         tokenizer,
@@ -107,3 +121,8 @@ def load_folder(
         vision=vision,
         sees=spec.vision is not None,
     )
+    if task == "rerank":
+        from mlxlis.models.decoder_rerank import as_reranker
+
+        return as_reranker(model)
+    return model

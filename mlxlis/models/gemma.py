@@ -155,9 +155,10 @@ def _ropes(cfg: dict, path: str) -> tuple[RopeConfig, RopeConfig]:
 
 def _hf_parser(v: _Version):
     def parse(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
-        if cfg.get("use_bidirectional_attention"):
-            raise UnsupportedError(
-                "bidirectional (embedding) Gemma models are not implemented",
+        bidirectional = cfg.get("use_bidirectional_attention") or False
+        if not isinstance(bidirectional, bool):
+            raise ConfigError(
+                f"expected true or false, got {bidirectional!r}"[:200],
                 path=path,
                 field="use_bidirectional_attention",
             )
@@ -165,6 +166,8 @@ def _hf_parser(v: _Version):
         window = _positive(cfg, "sliding_window", v.sliding_window, path)
         if window is not None:
             check_sizes({"sliding_window": ("sliding_window", window)}, path)
+            if bidirectional:  # transformers: |q − k| < w // 2 + 1
+                window = int(window) // 2 + 1
         if "sliding_attention" in layer_types and window is None:
             raise ConfigError(
                 "sliding-window layers need a sliding_window", path=path, field="sliding_window"
@@ -181,6 +184,8 @@ def _hf_parser(v: _Version):
                 float(qpas) if qpas is not None and v.query_pre_attn_scalar else None
             ),
             logit_softcapping=attn_cap,
+            # EmbeddingGemma: every position sees both ways (an encoder: decoder_encoder.py)
+            causal=not bidirectional,
         )
         return base.with_(
             **_structure(v, base, final, **attention),
@@ -230,6 +235,9 @@ def _export(v: _Version):
         if v.pattern is not None:
             out["sliding_window"] = cfg.attention.sliding_window
             out["layer_types"] = list(cfg.layer_types)
+            if not cfg.attention.causal and cfg.attention.sliding_window:  # as the file said
+                out["use_bidirectional_attention"] = True
+                out["sliding_window"] = (cfg.attention.sliding_window - 1) * 2
         if v.attn_softcap is not None:
             out["attn_logit_softcapping"] = cfg.attention.logit_softcapping
             out["final_logit_softcapping"] = cfg.norms.final_logit_softcapping

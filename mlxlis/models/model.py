@@ -127,10 +127,21 @@ class Model:
             texts, dimensions=dimensions, prompt_name=prompt_name, truncate=truncate
         )
 
-    def rerank(self, query: str, documents: Sequence[str], *, truncate: bool = True) -> list[float]:
-        """A cross-encoder's relevance score of each document to `query`, in the documents'
-        order (sigmoid of its logit, as sentence-transformers' CrossEncoder.predict gives)."""
-        return self._encoder("rerank").rerank(query, documents, truncate=truncate)
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        truncate: bool = True,
+        instruction: str | None = None,
+    ) -> list[float]:
+        """A reranker's relevance score of each document to `query`, in the documents' order: a
+        cross-encoder's sigmoid of its logit (as sentence-transformers' CrossEncoder.predict
+        gives), a causal LM loaded with task="rerank" its p(yes) (models/decoder_rerank.py),
+        its prompt stating `instruction` (default: Qwen3-Reranker's web search task)."""
+        return self._encoder("rerank").rerank(
+            query, documents, truncate=truncate, instruction=instruction
+        )
 
     def make_cache(self, kv: KVChoice = "model") -> list[Cache]:
         """Fresh caches of one sequence, in the model's KV format or the one `kv` names."""
