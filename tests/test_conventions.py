@@ -189,13 +189,18 @@ def test_gemma_norm_minus_one_exactly_where_it_belongs(fam: str):
 def test_every_family_declares_exactly_llama_cpps_conventions():
     """Each family's GGUF conventions are what llama.cpp's converter did to its architecture:
     the Q/K un-permute for llama, the norm offset for Gemma 1/2/3, Qwen3.5's and Qwen3-Next's
-    own sets, nothing for the rest."""
+    own sets, LFM2's squeezed conv kernel, nothing for the rest."""
     for fam, spec in REGISTRY.items():
         if qwen35_layout(fam):
             assert spec.gguf.conventions == conventions.QWEN35_GGUF, fam
             continue
         if "qwen3next" in spec.gguf.archs:  # Qwen3.5's set without its value-head reorder
             assert spec.gguf.conventions == conventions.QWEN3NEXT_GGUF, fam
+            continue
+        if "lfm2" in spec.gguf.archs:  # Lfm2Model.modify_tensors squeezes the conv kernel
+            from mlxlis.models.lfm2 import CONV_UNSQUEEZED
+
+            assert spec.gguf.conventions == (CONV_UNSQUEEZED,), fam
             continue
         want = []
         if permuted_by_llama_cpp(fam):

@@ -92,9 +92,9 @@ def read_sentence_folder(folder: Path) -> SentenceFolder | None:
     """The folder's sentence-transformers layout, or None for a plain Hugging Face folder (no
     modules.json). A module type not in KNOWN is refused naming modules.json and its index."""
     modules_path = folder / MODULES
-    limit = max_seq_length(folder)
     if not modules_path.is_file():
         return None
+    limit = max_seq_length(folder)
     modules = read_json_file(modules_path)
     if not isinstance(modules, list):
         raise ConfigError("expected a JSON list", path=modules_path)
