@@ -80,6 +80,18 @@ def test_embed_matches_sentence_transformers_and_batches_equal_each_alone(embedd
         close(np.array(model.embed([text])), row[None])
 
 
+def test_attention_a_row_at_a_time_matches_sentence_transformers(embedders, monkeypatch):
+    """The encoder's attention split into chunks of one row (as long inputs run: see
+    encoder.SCORES_PER_CHUNK) keeps each row's own padding mask: a mixed-length batch still
+    equals sentence-transformers."""
+    from mlxlis.models import encoder
+
+    monkeypatch.setattr(encoder, "SCORES_PER_CHUNK", 1)
+    folder, st = embedders("bert-mean")
+    texts = ["hello world", "the query is short", "x", "search the local server", "a b c d"]
+    close(np.array(mlxlis.load(folder).embed(texts)), st.encode(texts, convert_to_numpy=True))
+
+
 def test_matryoshka_dimensions_truncate_and_renormalise(embedders):
     """`dimensions` = sentence-transformers' vectors cut to d and renormalised (the model
     normalises); an unnormalised model's are cut only."""
