@@ -73,6 +73,7 @@ bench: install-test models
 	$(PY) scripts/bench_tool_stream.py
 	$(PY) scripts/bench_models.py
 	$(PY) scripts/bench_lora.py
+	$(PY) scripts/bench_embed.py
 
 # does the suite notice small wrong changes to the numerics? (before a refactor, after a family)
 mutants: install-test models references

@@ -19,7 +19,9 @@ from mlxlis.tokenizer.pairs import EncoderTokenizer
 
 import mlx.core as mx
 
-BUCKET_TOKENS = 8192  # padded tokens per forward: (B, T) activations stay a few MB per layer
+# padded tokens per forward: on the CPU each temporary then fits in cache (all-MiniLM, 32
+# inputs of 256 tokens: 11.2 sentences/s at 1024, 8.0 at 8192, same run)
+BUCKET_TOKENS = 1024
 BUCKET_GROWTH = 1.25  # a bucket takes inputs up to this × its shortest (+ BUCKET_SLACK) long
 BUCKET_SLACK = 8
 

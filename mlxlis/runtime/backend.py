@@ -1,5 +1,6 @@
 """The operations model code runs around the matrix products (RMSNorm, RoPE, the attention of a
-few queries, the gated activations, the attention's softmax), behind one seam chosen once.
+few queries, the gated activations, exact GELU, the attention's softmax), behind one seam
+chosen once.
 
 `select(device, settings)` picks the backend when a model is loaded (api.load, the warm-up);
 `current()` is the one chosen, picked on first use from the device and settings of that moment
@@ -60,6 +61,8 @@ class Backend(Protocol):
 
     def gated(self, act: str, gate: mx.array, up: mx.array) -> mx.array: ...
 
+    def gelu(self, x: mx.array) -> mx.array: ...
+
     def softmax(self, x: mx.array) -> mx.array: ...
 
 
@@ -88,6 +91,9 @@ class MLX:
 
     def gated(self, act: str, gate: mx.array, up: mx.array) -> mx.array:
         return PLAIN_GATED[act](gate, up)
+
+    def gelu(self, x: mx.array) -> mx.array:
+        return nn.gelu(x)
 
     def softmax(self, x: mx.array) -> mx.array:
         return mx.softmax(x, axis=-1, precise=True)
@@ -119,6 +125,9 @@ class CPU(MLX):
         if self.nodes and (out := nodes.gated(act, gate, up)) is not None:
             return out
         return (FAST_GATED if self.fast_math else PLAIN_GATED)[act](gate, up)
+
+    def gelu(self, x: mx.array) -> mx.array:
+        return fastmath.gelu(x) if self.fast_math else super().gelu(x)
 
     def softmax(self, x: mx.array) -> mx.array:
         return fastmath.softmax(x) if self.fast_math else super().softmax(x)

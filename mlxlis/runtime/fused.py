@@ -57,3 +57,8 @@ def attend(
 def gated(act: str, gate: mx.array, up: mx.array) -> mx.array:
     """act(gate)·up for `act` "silu" or "gelu_tanh"."""
     return current().gated(act, gate, up)
+
+
+def gelu(x: mx.array) -> mx.array:
+    """Exact (erf) GELU, x·(1 + erf(x/√2))/2: nn.gelu, or fastmath's compiled erf on the CPU."""
+    return current().gelu(x)
