@@ -131,11 +131,9 @@ TASKS = (None, "generate", "embed", "rerank")
 def decoder_task(folder: Path, cfg: ModelConfig, task: str | None, dtype: mx.Dtype) -> Model | None:
     """The rule for a decoder family's folder: a sentence-transformers folder that pools is an
     embedding model (unless `task` says "generate" or "rerank"); a causal LM folder generates,
-    or reranks when `task` is "rerank" (decoder_rerank.py); a bidirectional one that states no
-    pooling is refused (EmbeddingGemma's flag without its pooling), save Gemma 4's encoder
-    (use_bidirectional_attention "all"), whose logits are read whole (Model.logits). The
-    embedding Model, or None where the folder loads as a network of its family; what `task`
-    asks that the folder is not, refused."""
+    or reranks when `task` is "rerank" (decoder_rerank.py). The embedding Model, or None where
+    the folder loads as a network of its family; what `task` asks that the folder is not,
+    refused."""
     if task not in TASKS:
         raise MlxlisError(f"task {task!r}: expected generate, embed or rerank", field="task")
     st = embedding_folder(folder) if task in (None, "embed") else None
@@ -146,12 +144,5 @@ def decoder_task(folder: Path, cfg: ModelConfig, task: str | None, dtype: mx.Dty
             "not an embedding model: no sentence-transformers Pooling module (modules.json)",
             path=folder,
             field="task",
-        )
-    if not cfg.attention.causal and cfg.family != "gemma4":  # Gemma 4's "all": read whole
-        raise UnsupportedError(
-            "a bidirectional decoder embeds only: its folder needs modules.json with a Pooling "
-            "module",
-            path=folder / "config.json",
-            field="use_bidirectional_attention",
         )
     return None

@@ -138,10 +138,13 @@ def rotary(dims: int, base: float) -> Callable[[mx.array, mx.array], tuple[mx.ar
 
 def window_mask(mask: mx.array, half: int) -> mx.array:
     """(B, T) 1/0 token mask -> (B, 1, T, T) boolean: local attention, each query sees the
-    row's tokens at most `half` positions away on either side."""
+    row's tokens at most `half` positions away on either side. A pad query far past its row's
+    end sees no token: it sees itself, so its scores are never all masked (their NaN would
+    reach the real rows through a product with its zero weight)."""
     i = mx.arange(mask.shape[1])
     near = mx.abs(i[:, None] - i[None, :]) <= half  # (T, T)
-    return attention_mask(mask) & near[None, None]
+    itself = (i[:, None] == i[None, :])[None, None]  # (1, 1, T, T)
+    return (attention_mask(mask) & near[None, None]) | itself
 
 
 class GLU(nn.Module):

@@ -14,6 +14,7 @@ settings: gemma3_vision.py); GGUF `gemma` / `gemma2` / `gemma3`. llama.cpp's con
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from mlxlis.errors import ConfigError, UnsupportedError
@@ -159,6 +160,13 @@ def _hf_parser(v: _Version):
         if not isinstance(bidirectional, bool):
             raise ConfigError(
                 f"expected true or false, got {bidirectional!r}"[:200],
+                path=path,
+                field="use_bidirectional_attention",
+            )
+        if bidirectional and not (Path(path).parent / "modules.json").is_file():
+            raise UnsupportedError(  # EmbeddingGemma's flag: it pools, it never generates
+                "a bidirectional Gemma embeds only: its folder needs modules.json with a "
+                "Pooling module",
                 path=path,
                 field="use_bidirectional_attention",
             )
