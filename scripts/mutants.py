@@ -2300,6 +2300,14 @@ MUTANTS = (
         "serve: vectors of a job of inputs sorted by length put back in the wrong places",
     ),
     Mutant(
+        "encoder-window-pad-row-all-masked",
+        "mlxlis/models/encoder.py",
+        "    return (attention_mask(mask) & near[None, None]) | itself",
+        "    return attention_mask(mask) & near[None, None]",
+        ("tests/test_embed_modernbert.py",),
+        "local attention: a pad query past the window sees nothing (its NaN reaches real rows)",
+    ),
+    Mutant(
         "serve-rerank-unsorted",
         "mlxlis/serve/embeddings.py",
         "order = sorted(range(len(docs)), key=lambda i: -scores[i])[: req.top_n or len(docs)]",
