@@ -13,9 +13,9 @@ import re
 from dataclasses import replace
 
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
+from mlxlis.models.base import Export, Family, HFFormat
 from mlxlis.models.config import ModelConfig
-from mlxlis.models.encoder import ACTIVATIONS, Encoder, EncoderConfig
+from mlxlis.models.encoder import ACTIVATIONS, NO_GGUF, Encoder, EncoderConfig
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -78,12 +78,6 @@ def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     mlp = replace(base.mlp, hidden_act=act, bias=True)
     attention = replace(base.attention, bias=True, o_bias=True, causal=False)
     return base.with_(family_config=enc, mlp=mlp, attention=attention)
-
-
-def _parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
-    raise UnsupportedError(
-        "BERT GGUF files are not read yet", path=meta.path, field="general.architecture"
-    )
 
 
 # checkpoint names (after the prefix a task model adds) -> ours, first match wins
@@ -163,7 +157,7 @@ class BertNetwork(nn.Module):
 BERT = Family(
     name="bert",
     hf=HFFormat(model_types=("bert", "xlm-roberta", "roberta"), parse=_parse_hf),
-    gguf=GGUFFormat(archs=(), parse=_parse_gguf),
+    gguf=NO_GGUF,
     network=BertNetwork,
     export=Export(model_type="bert", architecture="BertModel"),
     kind="encoder",

@@ -17,11 +17,12 @@ import re
 from dataclasses import dataclass, replace
 
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
+from mlxlis.models.base import Export, Family, HFFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.encoder import (
     ACTIVATIONS,
     GLU,
+    NO_GGUF,
     EncoderAttention,
     EncoderConfig,
     PreNormLayer,
@@ -146,12 +147,6 @@ def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     return base.with_(family_config=enc, mlp=mlp, attention=attention)
 
 
-def _parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
-    raise UnsupportedError(
-        "ModernBERT GGUF files are not read yet", path=meta.path, field="general.architecture"
-    )
-
-
 # checkpoint names (after the task model's "model." prefix) -> ours, first match wins
 _RENAMES = [
     (r"^model\.", ""),
@@ -250,7 +245,7 @@ class ModernBertNetwork(nn.Module):
 MODERNBERT = Family(
     name="modernbert",
     hf=HFFormat(model_types=("modernbert",), parse=_parse_hf),
-    gguf=GGUFFormat(archs=(), parse=_parse_gguf),
+    gguf=NO_GGUF,
     network=ModernBertNetwork,
     export=Export(model_type="modernbert", architecture="ModernBertModel"),
     kind="encoder",

@@ -17,11 +17,12 @@ import re
 from dataclasses import dataclass, replace
 
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
+from mlxlis.models.base import Export, Family, HFFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.encoder import (
     ACTIVATIONS,
     GLU,
+    NO_GGUF,
     EncoderAttention,
     EncoderConfig,
     PostNormBlock,
@@ -135,12 +136,6 @@ def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     return base.with_(family_config=enc, mlp=mlp, attention=attention)
 
 
-def _parse_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
-    raise UnsupportedError(
-        "nomic-bert GGUF files are not read yet", path=meta.path, field="general.architecture"
-    )
-
-
 # checkpoint names -> ours, first match wins (nomic's names, which transformers also saves)
 _RENAMES = [
     (r"^nomic_bert\.", ""),
@@ -244,7 +239,7 @@ class NomicBertNetwork(nn.Module):
 NOMIC_BERT = Family(
     name="nomic_bert",
     hf=HFFormat(model_types=("nomic_bert",), parse=_parse_hf, base=_base),
-    gguf=GGUFFormat(archs=(), parse=_parse_gguf),
+    gguf=NO_GGUF,
     network=NomicBertNetwork,
     export=Export(model_type="nomic_bert", architecture="NomicBertModel"),
     kind="encoder",
