@@ -108,7 +108,8 @@ class CommandsMixin:
 
     async def cmd_model(self, arg: str) -> None:
         """`/model`: the models on the disk; `/model NAME`: a new conversation on NAME (the
-        model in use is let go first; --draft-model's speculation stays with the first)."""
+        model in use is let go first; --draft-model's speculation and --adapter's adapters
+        stay with the first: they were made for it)."""
         names = await asyncio.to_thread(model_names)
         if not arg:
             rows = "\n".join(
@@ -123,6 +124,7 @@ class CommandsMixin:
         self.options.model = arg
         self.options.speculative = self.options.draft_model = self.options.draft = None
         self.options.chat_template = self.options.bindings = self.options.mmproj = None
+        self.options.adapters, self.options.fuse = (), False
         self.engine = None  # the old model goes once nothing else holds it
         await self.conversation.remove_children()
         self.record_id = new_id()
