@@ -15,7 +15,16 @@ from dataclasses import replace
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.models.base import Export, Family, HFFormat
 from mlxlis.models.config import ModelConfig
-from mlxlis.models.encoder import ACTIVATIONS, NO_GGUF, Encoder, EncoderConfig
+from mlxlis.models.encoder import (
+    ACTIVATIONS,
+    NO_GGUF,
+    Encoder,
+    EncoderConfig,
+    label_count,
+    norm_eps,
+    pad_id,
+    type_vocab,
+)
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,28 +51,12 @@ def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
             f"activation {act!r} is not implemented", path=path, field="hidden_act"
         )
     heads = [_HEADS[a] for a in cfg.get("architectures") or () if a in _HEADS]
-    labels = cfg.get("id2label")
-    num_labels = len(labels) if isinstance(labels, dict) else cfg.get("num_labels", 1)
-    pad = cfg.get("pad_token_id")
-    pad = (1 if model_type != "bert" else 0) if pad is None else pad
-    if not isinstance(pad, int) or pad < 0:
-        raise ConfigError(f"expected an id, got {pad!r}", path=path, field="pad_token_id")
-    eps = cfg.get("layer_norm_eps", 1e-12)
-    if not isinstance(eps, (int, float)) or not 0 <= eps < 1:
-        raise ConfigError(
-            f"expected a small number, got {eps!r}", path=path, field="layer_norm_eps"
-        )
-    types = cfg.get("type_vocab_size", 2)
-    if not isinstance(types, int) or isinstance(types, bool) or not 0 <= types <= 1 << 16:
-        raise ConfigError(
-            f"expected a count, got {types!r}"[:200], path=path, field="type_vocab_size"
-        )
-    if not isinstance(num_labels, int) or not 1 <= num_labels <= 1 << 16:
-        raise ConfigError(
-            f"expected a count, got {num_labels!r}"[:200], path=path, field="num_labels"
-        )
+    pad = pad_id(cfg, 1 if model_type != "bert" else 0, path, null_is_default=True)
+    eps = norm_eps(cfg, "layer_norm_eps", 1e-12, path)
+    types = type_vocab(cfg, path)
+    num_labels = label_count(cfg, path)
     enc = EncoderConfig(
-        layer_norm_eps=float(eps),
+        layer_norm_eps=eps,
         type_vocab_size=types,
         pad_token_id=pad,
         position_offset=0 if model_type == "bert" else pad + 1,

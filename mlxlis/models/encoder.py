@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from mlxlis.errors import UnsupportedError
+from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.models.attention import attend
 from mlxlis.models.base import GGUFFormat, GGUFMeta
 from mlxlis.models.config import FamilyConfig, ModelConfig
@@ -60,6 +60,43 @@ class EncoderConfig(FamilyConfig):
     # dense then out_proj on the first token, no pooler), "modernbert" (its family's head)
     head: str = ""
     num_labels: int = 1
+
+
+# --- config values every encoder family reads, checked alike (config.json is untrusted) ---
+
+
+def norm_eps(cfg: dict, key: str, default: float, path: str) -> float:
+    eps = cfg.get(key, default)
+    if not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+        raise ConfigError(f"expected a small number, got {eps!r}", path=path, field=key)
+    return float(eps)
+
+
+def pad_id(cfg: dict, default: int, path: str, null_is_default: bool = False) -> int:
+    """pad_token_id (absent: `default`; null too where `null_is_default`)."""
+    pad = cfg.get("pad_token_id", default)
+    pad = default if pad is None and null_is_default else pad
+    if not isinstance(pad, int) or pad < 0:
+        raise ConfigError(f"expected an id, got {pad!r}", path=path, field="pad_token_id")
+    return pad
+
+
+def type_vocab(cfg: dict, path: str) -> int:
+    types = cfg.get("type_vocab_size", 2)
+    if not isinstance(types, int) or isinstance(types, bool) or not 0 <= types <= 1 << 16:
+        raise ConfigError(
+            f"expected a count, got {types!r}"[:200], path=path, field="type_vocab_size"
+        )
+    return types
+
+
+def label_count(cfg: dict, path: str) -> int:
+    """A classification head's outputs: id2label's size, else num_labels (1: a reranker)."""
+    labels = cfg.get("id2label")
+    count = len(labels) if isinstance(labels, dict) else cfg.get("num_labels", 1)
+    if not isinstance(count, int) or not 1 <= count <= 1 << 16:
+        raise ConfigError(f"expected a count, got {count!r}"[:200], path=path, field="num_labels")
+    return count
 
 
 def max_tokens(cfg: ModelConfig) -> int:

@@ -27,6 +27,9 @@ from mlxlis.models.encoder import (
     EncoderConfig,
     PreNormLayer,
     attention_mask,
+    label_count,
+    norm_eps,
+    pad_id,
     rotary,
     window_mask,
 )
@@ -108,22 +111,13 @@ def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     window = cfg.get("local_attention", 128)
     if not isinstance(window, int) or window < 2:
         raise ConfigError(f"expected a window, got {window!r}", path=path, field="local_attention")
-    eps = cfg.get("norm_eps", 1e-5)
-    if not isinstance(eps, (int, float)) or not 0 <= eps < 1:
-        raise ConfigError(f"expected a small number, got {eps!r}", path=path, field="norm_eps")
-    pad = cfg.get("pad_token_id", 50283)
-    if not isinstance(pad, int) or pad < 0:
-        raise ConfigError(f"expected an id, got {pad!r}", path=path, field="pad_token_id")
-    labels = cfg.get("id2label")
-    num_labels = len(labels) if isinstance(labels, dict) else cfg.get("num_labels", 1)
-    if not isinstance(num_labels, int) or not 1 <= num_labels <= 1 << 16:
-        raise ConfigError(
-            f"expected a count, got {num_labels!r}"[:200], path=path, field="num_labels"
-        )
+    eps = norm_eps(cfg, "norm_eps", 1e-5, path)
+    pad = pad_id(cfg, 50283, path)
+    num_labels = label_count(cfg, path)
     head = "ModernBertForSequenceClassification" in (cfg.get("architectures") or ())
     act = cfg.get("hidden_activation", "gelu")
     enc = ModernBertConfig(
-        layer_norm_eps=float(eps),
+        layer_norm_eps=eps,
         type_vocab_size=0,
         pad_token_id=pad,
         positions="rotary",

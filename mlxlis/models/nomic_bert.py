@@ -27,7 +27,11 @@ from mlxlis.models.encoder import (
     EncoderConfig,
     PostNormBlock,
     attention_mask,
+    label_count,
+    norm_eps,
+    pad_id,
     rotary,
+    type_vocab,
 )
 
 import mlx.core as mx
@@ -101,30 +105,15 @@ def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         raise ConfigError(
             f"expected a RoPE base, got {theta!r}", path=path, field="rotary_emb_base"
         )
-    eps = cfg.get("layer_norm_eps", 1e-12)
-    if not isinstance(eps, (int, float)) or not 0 <= eps < 1:
-        raise ConfigError(
-            f"expected a small number, got {eps!r}", path=path, field="layer_norm_eps"
-        )
-    types = cfg.get("type_vocab_size", 2)
-    if not isinstance(types, int) or isinstance(types, bool) or not 0 <= types <= 1 << 16:
-        raise ConfigError(
-            f"expected a count, got {types!r}"[:200], path=path, field="type_vocab_size"
-        )
-    pad = cfg.get("pad_token_id", 0)
-    if not isinstance(pad, int) or pad < 0:
-        raise ConfigError(f"expected an id, got {pad!r}", path=path, field="pad_token_id")
-    labels = cfg.get("id2label")
-    num_labels = len(labels) if isinstance(labels, dict) else cfg.get("num_labels", 1)
-    if not isinstance(num_labels, int) or not 1 <= num_labels <= 1 << 16:
-        raise ConfigError(
-            f"expected a count, got {num_labels!r}"[:200], path=path, field="num_labels"
-        )
+    eps = norm_eps(cfg, "layer_norm_eps", 1e-12, path)
+    types = type_vocab(cfg, path)
+    pad = pad_id(cfg, 0, path)
+    num_labels = label_count(cfg, path)
     head = "NomicBertForSequenceClassification" in (cfg.get("architectures") or ())
     enc = NomicConfig(
         head="pooler" if head else "",
         num_labels=num_labels,
-        layer_norm_eps=float(eps),
+        layer_norm_eps=eps,
         type_vocab_size=types,
         pad_token_id=pad,
         positions="rotary",
