@@ -309,6 +309,42 @@ def check_batched_decode(model, ids: list[int], at: int, bound: float) -> None:
     assert np.abs(both[1] - np.array(model.logits(ids[3:14]))[-1]).max() < bound
 
 
+def greedy_tokens(model, prompt: list[int], n: int, spec=None):
+    """(the greedy tokens of `prompt` through a core of its own, speculating with `spec` or
+    plainly, its sequence): what speculation's greedy identity compares."""
+    from mlxlis.cache.prefix import PrefixCache
+    from mlxlis.generation.core import Core, Request
+    from mlxlis.generation.generate import run
+    from mlxlis.generation.sampling import SamplingParams
+    from mlxlis.generation.steps import steps_for
+
+    core = Core(model, steps_for(model, PrefixCache(0)))
+    seq = core.start(Request(prompt, SamplingParams(max_tokens=n), frozenset(), speculation=spec))
+    return [e.token for e in run(core, seq) if e.token is not None], seq
+
+
+def dequantized_folder(folder: Path) -> dict[str, np.ndarray]:
+    """An MLX-quantized folder's tensors (model.safetensors) in float32, each quantized weight
+    dequantized as its config.json's quantization says: the weights a reference runs on."""
+    import json
+
+    import mlx.core as mx
+
+    tensors = mx.load(str(folder / "model.safetensors"))
+    q = json.loads((folder / "config.json").read_text())["quantization"]
+    dense = {}
+    for name, w in tensors.items():
+        stem = name.rsplit(".", 1)[0]
+        if name.endswith((".scales", ".biases")):
+            continue
+        if name.endswith(".weight") and f"{stem}.scales" in tensors:
+            w = mx.dequantize(
+                w, tensors[f"{stem}.scales"], tensors[f"{stem}.biases"], q["group_size"], q["bits"]
+            )
+        dense[name] = np.array(w.astype(mx.float32))
+    return dense
+
+
 def trajectory(n: int = 72, seed: int = 1, vocab: int = 400) -> list[int]:
     """A fixed pseudo-random token trajectory (the same ids fed to both implementations)."""
     import random

@@ -24,12 +24,11 @@ from mlxlis.cache import RecurrentCache
 from mlxlis.cache.disk import DiskCache
 from mlxlis.cache.prefix import PrefixCache
 from mlxlis.cache.rewind import snapshot
-from mlxlis.generation.core import Core, Request
+from mlxlis.generation.core import Request
 from mlxlis.generation.engine import Engine
-from mlxlis.generation.generate import run
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import Speculation
-from mlxlis.generation.steps import StepKind, forward, prefill, steps_for
+from mlxlis.generation.steps import StepKind, forward, prefill
 
 import mlx.core as mx
 import numpy as np
@@ -40,6 +39,8 @@ from conftest import (
     check_batched_decode,
     check_cached_decode,
     check_config_refused,
+    dequantized_folder,
+    greedy_tokens,
     tiny_models,
     trajectory,
 )
@@ -126,12 +127,6 @@ def test_chunked_prefill_decode_and_batches_equal_the_full_forward(model):
     assert kinds == {"RecurrentCache", "KVCache"}
 
 
-def greedy(model, prompt, spec=None, n=24):
-    core = Core(model, steps_for(model, PrefixCache(0)))
-    seq = core.start(Request(prompt, SamplingParams(max_tokens=n), frozenset(), speculation=spec))
-    return [e.token for e in run(core, seq) if e.token is not None], seq
-
-
 def test_speculation_and_engine_batches_give_the_lone_greedy_tokens(model):
     """Greedy n-gram speculation gives the plain greedy tokens (proposals verified, some
     rejected: the conv states rewound); 4 requests in the serving engine (two speculating,
@@ -139,8 +134,8 @@ def test_speculation_and_engine_batches_give_the_lone_greedy_tokens(model):
     tokens."""
     vocab = model.config.vocab_size
     prompt = (trajectory(12, seed=3, vocab=vocab) * 4)[:40]
-    plain, _ = greedy(model, prompt)
-    got, seq = greedy(model, prompt, Speculation("ngram", tokens=4))
+    plain, _ = greedy_tokens(model, prompt, 24)
+    got, seq = greedy_tokens(model, prompt, 24, Speculation("ngram", tokens=4))
     assert got == plain and len(plain) == 24 and seq.usage.draft_tokens > 0
     prompts = [prompt[: 24 + 5 * i] for i in range(4)]
     specs = [Speculation("ngram", tokens=3), None, Speculation("ngram", tokens=4), None]
@@ -154,7 +149,7 @@ def test_speculation_and_engine_batches_give_the_lone_greedy_tokens(model):
         events = [[e.token for e in st if e.token is not None] for st in streams]
     finally:
         engine.shutdown()
-    assert events == [greedy(model, p, n=16)[0] for p in prompts]
+    assert events == [greedy_tokens(model, p, 16)[0] for p in prompts]
 
 
 def test_a_rejection_at_each_position_rewinds_the_conv_state_exactly(model):
@@ -251,20 +246,11 @@ def test_mlx_quantized_folder_matches_its_dequantized_weights(lfm2, tmp_path):
     mlx_lm_convert(src, str(out), quantize=True, q_group_size=32, q_bits=4, dtype="float32")
     m = mlxlis.load(out, "float32")
     assert m.format == "safetensors (MLX quantized)"
-    tensors = mx.load(str(out / "model.safetensors"))
-    q = json.loads((out / "config.json").read_text())["quantization"]
     dense = {}
-    for name, w in tensors.items():
-        stem = name.rsplit(".", 1)[0]
-        if name.endswith((".scales", ".biases")):
-            continue
-        if f"{stem}.scales" in tensors:
-            w = mx.dequantize(
-                w, tensors[f"{stem}.scales"], tensors[f"{stem}.biases"], q["group_size"], q["bits"]
-            )
+    for name, w in dequantized_folder(out).items():
         if name.endswith("conv.conv.weight"):
-            w = w.transpose(0, 2, 1)  # back to torch's (C, 1, L)
-        dense[name] = torch.from_numpy(np.array(w.astype(mx.float32)))
+            w = np.ascontiguousarray(w.transpose(0, 2, 1))  # back to torch's (C, 1, L)
+        dense[name] = torch.from_numpy(w)
     twin = ref.__class__(ref.config).eval()
     twin.load_state_dict(dense, strict=False)
     twin.tie_weights()

@@ -19,12 +19,7 @@ import shutil
 from dataclasses import replace
 
 import mlxlis
-from mlxlis.cache.prefix import PrefixCache
-from mlxlis.generation.core import Core, Request
-from mlxlis.generation.generate import run
-from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import Speculation
-from mlxlis.generation.steps import steps_for
 
 import mlx.core as mx
 import numpy as np
@@ -35,6 +30,8 @@ from conftest import (
     check_batched_decode,
     check_cached_decode,
     check_config_refused,
+    dequantized_folder,
+    greedy_tokens,
     tiny_models,
     trajectory,
 )
@@ -142,16 +139,8 @@ def test_cached_decode_batches_and_speculation_past_the_window(olmo):
     check_cached_decode(model, ids, full, 1e-4)
     check_batched_decode(model, ids, 35, 1e-4)
     prompt = (trajectory(12, seed=3, vocab=model.config.vocab_size) * 4)[:40]
-
-    def greedy(spec):
-        core = Core(model, steps_for(model, PrefixCache(0)))
-        seq = core.start(
-            Request(prompt, SamplingParams(max_tokens=30), frozenset(), speculation=spec)
-        )
-        return [e.token for e in run(core, seq) if e.token is not None], seq
-
-    plain, _ = greedy(None)
-    got, seq = greedy(Speculation("ngram", tokens=4))
+    plain, _ = greedy_tokens(model, prompt, 30)
+    got, seq = greedy_tokens(model, prompt, 30, Speculation("ngram", tokens=4))
     assert got == plain and len(plain) == 30
     assert seq.usage.draft_tokens > 0
 
@@ -186,18 +175,7 @@ def test_mlx_quantized_folder_matches_its_dequantized_weights(olmo, tmp_path):
     )
     model = mlxlis.load(out, "float32")
     assert model.format == "safetensors (MLX quantized)"
-    tensors = mx.load(str(out / "model.safetensors"))
-    q = json.loads((out / "config.json").read_text())["quantization"]
-    dense = {}
-    for name, w in tensors.items():
-        stem = name.rsplit(".", 1)[0]
-        if name.endswith((".scales", ".biases")):
-            continue
-        if f"{stem}.scales" in tensors:
-            w = mx.dequantize(
-                w, tensors[f"{stem}.scales"], tensors[f"{stem}.biases"], q["group_size"], q["bits"]
-            )
-        dense[name] = torch.from_numpy(np.array(w.astype(mx.float32)))
+    dense = {k: torch.from_numpy(w) for k, w in dequantized_folder(out).items()}
     twin = ref.__class__(ref.config).eval()
     twin.load_state_dict(dense)
     ids = trajectory(48, vocab=model.config.vocab_size)
