@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -198,7 +199,34 @@ def serve_parser() -> argparse.ArgumentParser:
         help="fetch the http(s) image URLs requests name (at most 20 MiB, 10 s each); by "
         "default only data: URLs and base64 images are read, and a URL is refused",
     )
+    p.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=None,
+        metavar="ORIGIN[,ORIGIN...]",
+        help="web pages of these origins (scheme://host[:port], or * for any) may call the "
+        "server from a browser: CORS headers and preflights answered (default: none, no CORS "
+        "header at all; several times)",
+    )
     return p
+
+
+ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")
+
+
+def allowed_origins(given: list[str]) -> tuple[str, ...]:
+    """--allowed-origins' origins, each checked: `*`, or scheme://host[:port] as a browser
+    sends it in `Origin` (no path, not even a trailing slash: it would never match)."""
+    out: list[str] = []
+    for text in given:
+        for origin in (x.strip() for x in text.split(",")):
+            if origin != "*" and not ORIGIN.fullmatch(origin):
+                raise MlxlisError(
+                    f"expected * or scheme://host[:port] (no path), got {origin!r}",
+                    field="--allowed-origins",
+                )
+            out.append(origin)
+    return ("*",) if "*" in out else tuple(dict.fromkeys(out))
 
 
 def named_adapter(text: str) -> tuple[str | None, str, str]:
@@ -270,6 +298,7 @@ def run_serve(argv: list[str]) -> int:
         from mlxlis.serve.pool import DEFAULT_KEEP_ALIVE
         from mlxlis.serve.server import ServeOptions, Started, serve
 
+        origins = allowed_origins(a.allowed_origins or [])  # refused before any loading
         refs = [named(text) for text in a.model or []]
         aliases = dict(named_alias(text) for text in a.alias or [])
         dirs = [Path(d).expanduser() for d in a.models_dir or []]
@@ -342,6 +371,7 @@ def run_serve(argv: list[str]) -> int:
                 a.head_timeout,
                 keep,
                 a.keep_alive if given else None,
+                origins,
             ),
             lambda listing: load_model(a, listing.ref, task_of(listing)),
             started,

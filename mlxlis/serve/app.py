@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mlxlis.serve import anthropic, embeddings, ollama, responses
+from mlxlis.serve import anthropic, embeddings, metrics, ollama, responses
 from mlxlis.serve.listings import Listing
 from mlxlis.serve.openai_format import APIError, Head, new_id, sse, usage_dict
 from mlxlis.serve.pool import PoolError, Served
@@ -31,9 +31,11 @@ from mlxlis.serve.service import (
     pool_error,
     read_body,
 )
+from mlxlis.serve.tracing import HEADER, RequestIds, current
 
 import mlx.core as mx
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -106,7 +108,10 @@ def create_app(state: State) -> FastAPI:
     async def _bug(request: Request, e: Exception) -> JSONResponse:
         log.error("%s %s 500 %s: %s", request.method, request.url.path, type(e).__name__, e)
         err = APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
-        return JSONResponse(error_shape(request.url.path, err), status_code=500)
+        # answered outside RequestIds (by Starlette's outermost middleware): its id added here
+        traced = current()
+        headers = {HEADER: traced.id} if traced is not None else {}
+        return JSONResponse(error_shape(request.url.path, err), status_code=500, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
@@ -226,7 +231,19 @@ def create_app(state: State) -> FastAPI:
 
     for api in (anthropic, responses, ollama, embeddings):
         app.include_router(api.router(svc, auth))
+    app.include_router(metrics.router(state.metrics, auth))
     app.add_middleware(HeadAsGet)
+    if state.allowed_origins:  # none by default: no CORS header at all, browsers refuse
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(state.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=[HEADER],
+            max_age=600,
+        )
+    # the outermost of ours: a CORS refusal and a HEAD get an id too, and are counted
+    app.add_middleware(RequestIds, on_answer=state.metrics.answered)
     return app
 
 

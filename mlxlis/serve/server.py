@@ -38,6 +38,7 @@ from mlxlis.serve.listings import Listing, describe
 from mlxlis.serve.pool import DEFAULT_KEEP_ALIVE, Idle, Pool, Served, attach
 from mlxlis.serve.prepare import Target
 from mlxlis.serve.service import MAX_VISION_BODY_BYTES
+from mlxlis.serve.tracing import RequestIdFilter
 
 import uvicorn
 
@@ -69,6 +70,7 @@ class ServeOptions:
     # start (-m) stays loaded unless --keep-alive says otherwise (`start_keep_alive`)
     keep_alive: float | None = DEFAULT_KEEP_ALIVE
     start_keep_alive: float | None = None
+    allowed_origins: tuple[str, ...] = ()  # CORS: the browser origins allowed ("*": any)
 
 
 @dataclass
@@ -139,7 +141,8 @@ class Clipped(logging.Formatter):
 
 def setup_logging(verbose: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(Clipped("mlxlis serve: %(message)s"))
+    handler.setFormatter(Clipped("mlxlis serve: %(request_tag)s%(message)s"))
+    handler.addFilter(RequestIdFilter())  # a request's lines start with its x-request-id
     log.addHandler(handler)
     log.setLevel(logging.DEBUG if verbose else logging.INFO)
     log.propagate = False
@@ -309,6 +312,7 @@ def serve(
     state.responses_store_bytes = opts.responses_store_mb << 20
     state.keepalive = opts.keepalive
     state.allow_image_urls = opts.allow_image_urls
+    state.allowed_origins = opts.allowed_origins
     if several or any(s.model.vision is not None for s in pool.loaded.values()):  # images
         state.max_body = MAX_VISION_BODY_BYTES
     config = uvicorn.Config(

@@ -33,6 +33,7 @@ from mlxlis.generation.engine import (
 from mlxlis.generation.events import Event, Usage
 from mlxlis.generation.speculative import speculation_line
 from mlxlis.serve.images import FETCHERS, SCHEMES, fetch
+from mlxlis.serve.metrics import Metrics
 from mlxlis.serve.openai_format import APIError
 from mlxlis.serve.pool import Pool, PoolError, Served, keep_alive_seconds
 from mlxlis.serve.prepare import Prepared
@@ -45,6 +46,7 @@ from mlxlis.serve.schemas import (
     offending,
     param_path,
 )
+from mlxlis.serve.tracing import note_model
 
 from fastapi import Request
 from pydantic import ValidationError
@@ -75,10 +77,15 @@ class State:
     responses_store_bytes: int = 64 << 20  # /v1/responses kept for previous_response_id
     keepalive: float = 10.0  # seconds between keep-alive events of a stream that is quiet
     allow_image_urls: bool = False  # http(s) image URLs fetched (else refused)
+    allowed_origins: tuple[str, ...] = ()  # --allowed-origins: browser pages' origins (CORS)
     # prompts are rendered and tokenized off the event loop, one at a time
     worker: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="mlxlis-prepare")
     )
+    metrics: Metrics = field(init=False)  # /metrics: this server's own registry
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.pool)
 
 
 def validation_error(e: ValidationError, names: frozenset[str] = FIELD_NAMES) -> APIError:
@@ -140,6 +147,7 @@ class Run:
         self.state, self.served, self.rid, self.stream, self.prompt = state, served, rid, stream, n
         served.holds += 1  # not unloaded under it (released in close)
         self.tokens, self.final = 0, None
+        self.counted = False  # told to the metrics (at its last event, or when it closes)
         self.watcher = asyncio.create_task(self._watch(request.receive))
         self.closed = False
 
@@ -155,7 +163,15 @@ class Run:
                 self.tokens += 1
             if ev.finish_reason is not None:
                 self.final = ev
+                self.count()  # before the client reads its end
             yield ev
+
+    def count(self) -> None:
+        """Its tokens and latencies told to /metrics, once."""
+        if not self.counted:
+            self.counted = True
+            usage = self.final.usage if self.final is not None else None
+            self.state.metrics.ended(self.served.name, usage, self.prompt, self.tokens)
 
     async def paced(self, every: float) -> AsyncIterator[Event | Usage | None]:
         """The events, with the request's Usage the moment the engine admits it (before its
@@ -193,6 +209,7 @@ class Run:
         self.served.release()
         self.watcher.cancel()
         self.stream.cancel()  # a no-op once it finished; otherwise the client left
+        self.count()
         ev = self.final
         if ev is None or ev.usage is None:
             log.info("%s cancelled prompt=%d generated=%d", self.rid, self.prompt, self.tokens)
@@ -299,6 +316,7 @@ class Service:
         if task is not None and have != task:
             kind, route = TASKS.get(have, (f"a {have} model", "?"))
             raise APIError(400, f"{served.name!r} is {kind}: send it to {route}", param="model")
+        note_model(served.name)  # its label in /metrics' request counts
         return served
 
     async def unload(self, name: str | None) -> None:
