@@ -78,6 +78,9 @@ SERVE_MODELS = "tests/test_serve_models.py"
 LORA = "tests/test_lora.py"
 LORA_ENGINE = "tests/test_lora_engine.py"
 LORA_GGUF = "tests/test_lora_gguf.py"
+OPS_LOAD = "tests/test_serve_ops.py::test_metrics_count_a_mixed_load_as_the_clients_saw_it"
+OPS_IDS = "tests/test_serve_ops.py::test_request_ids_echoed_generated_or_replaced_and_logged"
+OPS_CORS = "tests/test_serve_ops.py::test_cors_preflight_allowed_for_a_listed_origin_only"
 OLMO3_HF = "tests/test_olmo3.py::test_logits_match_transformers_fp32"
 OLMO3_LOCAL = "tests/test_olmo3.py::test_sliding_layers_keep_their_own_rope"
 OLMO3_GGUF = "tests/test_olmo3.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
@@ -2674,6 +2677,86 @@ MUTANTS = (
         "pair = mx.stack([logits[:, self.yes_id], logits[:, self.no_id]], axis=-1)",
         (DEC_RERANK,),
         "the yes / no reranker scores p(no) instead of p(yes)",
+    ),
+    Mutant(
+        "metrics-generated-from-prompt",
+        "mlxlis/serve/metrics.py",
+        "t.generated += usage.completion_tokens",
+        "t.generated += usage.prompt_tokens",
+        (OPS_LOAD,),
+        "/metrics: generated tokens counted from the prompt",
+    ),
+    Mutant(
+        "metrics-cached-as-prompt",
+        "mlxlis/serve/metrics.py",
+        "t.cached += usage.cached_tokens",
+        "t.cached += usage.prompt_tokens - usage.cached_tokens",
+        (OPS_LOAD,),
+        "/metrics: the prefilled prompt tokens counted as the cached ones",
+    ),
+    Mutant(
+        "metrics-hit-ratio-inverted",
+        "mlxlis/serve/metrics.py",
+        "ratio.add_metric([model], t.cached / t.prompt)",
+        "ratio.add_metric([model], 1 - t.cached / t.prompt)",
+        (OPS_LOAD,),
+        "/metrics: the prefix cache's miss ratio given as its hit ratio",
+    ),
+    Mutant(
+        "metrics-tpot-one-token",
+        "mlxlis/serve/metrics.py",
+        "if usage.completion_tokens >= 2:",
+        "if usage.completion_tokens >= 1:",
+        (OPS_LOAD,),
+        "/metrics: a one-token reply observed in the per-token latency histogram",
+    ),
+    Mutant(
+        "metrics-status-mislabelled",
+        "mlxlis/serve/tracing.py",
+        'tell(message["status"])',
+        "tell(200)",
+        (OPS_LOAD,),
+        "/metrics: every request counted with status 200",
+    ),
+    Mutant(
+        "metrics-ollama-as-openai",
+        "mlxlis/serve/tracing.py",
+        'return "ollama"',
+        'return "openai"',
+        (OPS_LOAD,),
+        "/metrics: Ollama's requests counted as OpenAI's",
+    ),
+    Mutant(
+        "metrics-model-unnamed",
+        "mlxlis/serve/service.py",
+        "note_model(served.name)",
+        "note_model('')",
+        (OPS_LOAD,),
+        "/metrics: requests counted without the model they ran on",
+    ),
+    Mutant(
+        "request-id-unbounded",
+        "mlxlis/serve/tracing.py",
+        "0 < len(sent) <= MAX_ID_CHARS and",
+        "0 < len(sent) and",
+        (OPS_IDS,),
+        "x-request-id: a client's id of any length echoed and logged",
+    ),
+    Mutant(
+        "request-id-control-chars",
+        "mlxlis/serve/tracing.py",
+        "all(0x21 <= b <= 0x7E for b in sent)",
+        "all(0x09 <= b <= 0xFF for b in sent)",
+        (OPS_IDS,),
+        "x-request-id: a client's id with tabs, spaces or non-ASCII bytes echoed and logged",
+    ),
+    Mutant(
+        "cors-any-origin",
+        "mlxlis/serve/app.py",
+        "allow_origins=list(state.allowed_origins),",
+        'allow_origins=["*"],',
+        (OPS_CORS,),
+        "--allowed-origins: every origin allowed, a listed one or not",
     ),
 )
 

@@ -26,6 +26,7 @@ TINY_TEMPLATE = (
     "{% if enable_thinking is defined and enable_thinking %}<think>\n{% endif %}{% endif %}"
 )
 TINY_CONTEXT = 4096
+TINY_ORIGINS = ("http://good.example", "http://other.example:8080")
 STARTUP_S = 180.0  # hang guards, not speed checks: a busy 2-core machine loads slowly
 STOP_S = 60.0
 
@@ -163,7 +164,8 @@ def events(resp: http.client.HTTPResponse):
 
 def tiny_server(folder: Path, tmp: Path) -> ServeProcess:
     """The tiny random Llama at `folder` served as "llama_long" with TINY_TEMPLATE, a batch of
-    4, a context of TINY_CONTEXT and keep-alive pings after 0.05 s of quiet."""
+    4, a context of TINY_CONTEXT, keep-alive pings after 0.05 s of quiet and TINY_ORIGINS
+    allowed (CORS)."""
     (tmp / "llama_long").symlink_to(folder)
     (tmp / "template.jinja").write_text(TINY_TEMPLATE)
     return ServeProcess(
@@ -179,4 +181,6 @@ def tiny_server(folder: Path, tmp: Path) -> ServeProcess:
         "--verbose",  # the log's per-request reuse lines (test_serve)
         "--keepalive",  # an Anthropic stream's pings while it waits (test_serve_anthropic)
         "0.05",
+        "--allowed-origins",  # browser pages' calls (test_serve_ops)
+        ",".join(TINY_ORIGINS),
     )

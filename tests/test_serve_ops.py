@@ -1,13 +1,14 @@
 """What an operator watches on `mlxlis serve`: /metrics, CORS and request ids, on a real server
 process (the tiny random Llama) driven by the official `openai` and `ollama` clients.
 
+The server is the one every API's tests share (`tiny_server`, serving TINY_ORIGINS).
 /metrics is read with prometheus_client's own parser (`text_string_to_metric_families`), so
 what it proves is what Prometheus reads: the requests counted by API, model and status equal
 the requests sent and the statuses the clients got; the prompt, cached and generated token
 totals equal the sums of the usage fields the clients got back (OpenAI's `usage`, Ollama's
 `prompt_eval_count` / `eval_count`); each histogram counts one observation per request that
 generated (two tokens for the per-token one). Each figure is a difference between two
-scrapes, so the tests of this module may run in any order.
+scrapes taken once the server is idle, so the other tests' requests do not count.
 """
 
 from __future__ import annotations
@@ -21,28 +22,17 @@ import ollama
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serve_process import TINY_CONTEXT, TINY_TEMPLATE, ServeProcess
+from serve_process import TINY_ORIGINS
 
 MODEL = "llama_long"
-ORIGIN = "http://good.example"  # allowed, with OTHER
-OTHER = "http://other.example:8080"
+ORIGIN, OTHER = TINY_ORIGINS  # allowed
 HELLO = [{"role": "user", "content": "Hello, world!"}]
 Samples = dict[tuple[str, frozenset], float]
 
 
 @pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ops")
-    (tmp / MODEL).symlink_to(tiny(MODEL)[0])
-    (tmp / "template.jinja").write_text(TINY_TEMPLATE)
-    srv = ServeProcess(
-        tmp,
-        *("-m", str(tmp / MODEL), "--max-batch", "4", "--max-context", str(TINY_CONTEXT)),
-        *("--chat-template", str(tmp / "template.jinja")),
-        *("--allowed-origins", f"{ORIGIN},{OTHER}"),
-    )
-    yield srv
-    assert srv.stop() == 0, srv.log()
+def server(tiny_server):
+    return tiny_server
 
 
 def raw(server, method: str, path: str, headers: dict[str, str] | None = None):
@@ -90,12 +80,11 @@ def test_metrics_count_a_mixed_load_as_the_clients_saw_it(server):
     where the API reports them), the histograms count one per request that generated, and
     the hit ratio is cached / prompt tokens."""
     client = server.client()
+    server.wait_idle()  # the other tests' requests ended (their /health calls counted)
     before = scrape(server)
     usages = []
     for _ in range(2):  # the second prompt is held by the prefix cache
-        r = client.chat.completions.create(
-            model=MODEL, messages=HELLO, max_tokens=6, temperature=0
-        )
+        r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0)
         usages.append(r.usage)
     chunks = list(
         client.chat.completions.create(
@@ -107,7 +96,8 @@ def test_metrics_count_a_mixed_load_as_the_clients_saw_it(server):
         )
     )
     usages.append(chunks[-1].usage)
-    usages.append(client.completions.create(model=MODEL, prompt="Once", max_tokens=4).usage)
+    for n in (4, 1):  # one token: a first token and no time per token after it
+        usages.append(client.completions.create(model=MODEL, prompt="Once", max_tokens=n).usage)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=HELLO, max_tokens=2)
     with pytest.raises(openai.BadRequestError):
@@ -115,7 +105,7 @@ def test_metrics_count_a_mixed_load_as_the_clients_saw_it(server):
     middle = scrape(server)
     assert request_deltas(before, middle) == {
         ("server", "", "200"): 1,  # the first scrape, counted as it answered
-        ("openai", MODEL, "200"): 4,
+        ("openai", MODEL, "200"): 5,
         ("openai", "", "404"): 1,  # refused before a served model was named
         ("openai", MODEL, "400"): 1,  # the sampling values are checked on its model
     }
@@ -123,6 +113,7 @@ def test_metrics_count_a_mixed_load_as_the_clients_saw_it(server):
     cached = sum(u.prompt_tokens_details.cached_tokens or 0 for u in usages)
     generated = sum(u.completion_tokens for u in usages)
     assert cached > 0, usages  # the repeated prompt's
+    assert usages[-1].completion_tokens == 1
     assert delta(before, middle, "mlxlis_prompt_tokens_total", model=MODEL) == prompt
     assert delta(before, middle, "mlxlis_prompt_cached_tokens_total", model=MODEL) == cached
     assert delta(before, middle, "mlxlis_generated_tokens_total", model=MODEL) == generated
@@ -252,3 +243,20 @@ def test_request_ids_echoed_generated_or_replaced_and_logged(server):
     assert raw(server, "GET", "/health", {"x-request-id": edge})[1]["x-request-id"] == edge
     status, headers, _ = raw(server, "GET", "/v1/models/nope", {"x-request-id": "missing-1"})
     assert status == 404 and headers["x-request-id"] == "missing-1"
+
+
+def test_allowed_origins_are_checked_as_browsers_send_them():
+    """--allowed-origins: origins split on commas across repeats, duplicates dropped, `*`
+    standing for all; a path, a trailing slash, a bare host or an empty item is refused by the
+    flag's name (it could never match a browser's Origin)."""
+    from mlxlis.commands.serve_command import allowed_origins
+    from mlxlis.errors import MlxlisError
+
+    assert allowed_origins([]) == ()
+    got = allowed_origins([f"{ORIGIN}, {OTHER}", ORIGIN])
+    assert got == (ORIGIN, OTHER)
+    assert allowed_origins([ORIGIN, "*"]) == ("*",)
+    for bad in ("http://a.example/", "http://a.example/app", "a.example", f"{ORIGIN},"):
+        with pytest.raises(MlxlisError) as e:
+            allowed_origins([bad])
+        assert e.value.field == "--allowed-origins" and repr(bad.split(",")[-1]) in str(e.value)
