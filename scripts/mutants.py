@@ -2727,6 +2727,22 @@ MUTANTS = (
         "/metrics: Ollama's requests counted as OpenAI's",
     ),
     Mutant(
+        "metrics-responses-as-openai",
+        "mlxlis/serve/tracing.py",
+        'return "responses"',
+        'return "openai"',
+        (OPS_LOAD,),
+        "/metrics: Responses' requests counted as OpenAI's chat routes'",
+    ),
+    Mutant(
+        "request-id-not-logged",
+        "mlxlis/serve/tracing.py",
+        'record.request_tag = f"[{traced.id}] " if traced is not None else ""',
+        'record.request_tag = ""',
+        (OPS_IDS,),
+        "x-request-id: a request's log lines without its id",
+    ),
+    Mutant(
         "metrics-model-unnamed",
         "mlxlis/serve/service.py",
         "note_model(served.name)",

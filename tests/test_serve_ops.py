@@ -74,11 +74,12 @@ def request_deltas(before: Samples, after: Samples) -> dict[tuple[str, str, str]
 
 
 def test_metrics_count_a_mixed_load_as_the_clients_saw_it(server):
-    """OpenAI (whole, streamed, completions, a 404 and a 400) then Ollama (whole, streamed,
-    a 404): the request counts by API/model/status are exactly those requests (the scrape
-    before them included), token totals equal the clients' usage sums (cached tokens too,
-    where the API reports them), the histograms count one per request that generated, and
-    the hit ratio is cached / prompt tokens."""
+    """OpenAI (whole, streamed, completions, a one-token reply, a 404 and a 400), then Ollama
+    (whole, streamed, a 404), then Anthropic's Messages and OpenAI's Responses: the request
+    counts by API/model/status are exactly those requests (the scrape before them included),
+    token totals equal the clients' usage sums (cached tokens too, where the API reports
+    them), the histograms count one per request that generated (two tokens for the per-token
+    one, the buckets cumulative up to +Inf), and the hit ratio is cached / prompt tokens."""
     client = server.client()
     server.wait_idle()  # the other tests' requests ended (their /health calls counted)
     before = scrape(server)
@@ -154,6 +155,26 @@ def test_metrics_count_a_mixed_load_as_the_clients_saw_it(server):
     ]
     assert max(buckets)[1] == after[(ttft, frozenset({("model", MODEL)}))]  # +Inf: all
     assert [v for _, v in sorted(buckets)] == sorted(v for _, v in buckets)  # cumulative
+
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 5}
+    status, message = server.request("POST", "/v1/messages", body)  # no client: a quick import
+    assert status == 200, message
+    response = client.responses.create(model=MODEL, input="Hello", max_output_tokens=5)
+    end = scrape(server)
+    assert request_deltas(after, end) == {
+        ("server", "", "200"): 1,
+        ("anthropic", MODEL, "200"): 1,
+        ("responses", MODEL, "200"): 1,
+    }
+    a, r = message["usage"], response.usage
+    cached = a["cache_read_input_tokens"] + r.input_tokens_details.cached_tokens
+    assert delta(after, end, "mlxlis_prompt_tokens_total", model=MODEL) == (
+        a["input_tokens"] + a["cache_read_input_tokens"] + r.input_tokens  # Anthropic's: uncached
+    )
+    assert delta(after, end, "mlxlis_prompt_cached_tokens_total", model=MODEL) == cached
+    assert delta(after, end, "mlxlis_generated_tokens_total", model=MODEL) == (
+        a["output_tokens"] + r.output_tokens
+    )
 
 
 def test_metrics_show_each_loaded_model_and_the_memory_budget(server):
