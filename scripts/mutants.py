@@ -81,6 +81,7 @@ LORA_GGUF = "tests/test_lora_gguf.py"
 OPS_LOAD = "tests/test_serve_ops.py::test_metrics_count_a_mixed_load_as_the_clients_saw_it"
 OPS_IDS = "tests/test_serve_ops.py::test_request_ids_echoed_generated_or_replaced_and_logged"
 OPS_CORS = "tests/test_serve_ops.py::test_cors_preflight_allowed_for_a_listed_origin_only"
+OPS_BUG = "tests/test_serve_ops.py::test_a_server_error_keeps_its_request_id_and_is_counted"
 OLMO3_HF = "tests/test_olmo3.py::test_logits_match_transformers_fp32"
 OLMO3_LOCAL = "tests/test_olmo3.py::test_sliding_layers_keep_their_own_rope"
 OLMO3_GGUF = "tests/test_olmo3.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
@@ -2741,6 +2742,22 @@ MUTANTS = (
         'record.request_tag = ""',
         (OPS_IDS,),
         "x-request-id: a request's log lines without its id",
+    ),
+    Mutant(
+        "request-id-lost-on-500",
+        "mlxlis/serve/app.py",
+        "headers = {HEADER: traced.id} if traced is not None else {}",
+        "headers = {}",
+        (OPS_BUG,),
+        "x-request-id: a server error's answer without the request's id",
+    ),
+    Mutant(
+        "metrics-500-uncounted",
+        "mlxlis/serve/tracing.py",
+        "tell(500)",
+        "tell(None)",
+        (OPS_BUG,),
+        "/metrics: a request that failed in its route counted without its 500",
     ),
     Mutant(
         "metrics-model-unnamed",

@@ -224,21 +224,50 @@ def test_cors_preflight_allowed_for_a_listed_origin_only(server):
     assert "access-control-allow-origin" not in headers
 
 
-def test_no_cors_by_default():
-    """Without --allowed-origins no answer has a CORS header, a preflight included (the app
-    as `mlxlis serve` builds it, with no model: CORS is decided before any route)."""
+def bare_app():
+    """The app as `mlxlis serve` builds it, with no model (CORS and ids come before routes)."""
     from mlxlis.serve.app import create_app
     from mlxlis.serve.pool import Pool
     from mlxlis.serve.service import State
 
+    state = State(Pool({}, None, None, 1 << 30, 0, 0))
+    return state, create_app(state)
+
+
+def test_no_cors_by_default():
+    """Without --allowed-origins no answer has a CORS header, a preflight included."""
     from starlette.testclient import TestClient
 
-    client = TestClient(create_app(State(Pool({}, None, None, 1 << 30, 0, 0))))
+    client = TestClient(bare_app()[1])
     ask = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
     answers = [client.options("/v1/chat/completions", headers=ask), client.get("/health")]
     for r in answers:
         assert not [k for k in r.headers if k.lower().startswith("access-control-")], r.headers
         assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+
+
+def test_a_server_error_keeps_its_request_id_and_is_counted():
+    """A route that fails (answered by Starlette's outermost handler, outside the id
+    middleware) still answers with the request's id, and counts as a 500."""
+    from starlette.testclient import TestClient
+
+    state, app = bare_app()
+
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/boom", boom)
+    client = TestClient(app, raise_server_exceptions=False)
+    r = client.get("/boom", headers={"x-request-id": "bug-7"})
+    assert r.status_code == 500 and r.headers["x-request-id"] == "bug-7"
+    assert "RuntimeError: a bug" in r.json()["error"]["message"]
+    counted = {
+        (s.labels["api"], s.labels["status"]): s.value
+        for family in text_string_to_metric_families(state.metrics.text().decode())
+        for s in family.samples
+        if s.name == "mlxlis_requests_total"
+    }
+    assert counted == {("server", "500"): 1}
 
 
 def test_request_ids_echoed_generated_or_replaced_and_logged(server):
