@@ -13,6 +13,7 @@ from mlxlis.cache.store import BITS, KVChoice, KVFormat
 from mlxlis.errors import ContextLimitError, MlxlisError, NoChatTemplateError, TemplateError
 from mlxlis.generation.context import ContextOverflow, fit_context
 from mlxlis.generation.core import Request
+from mlxlis.generation.processors import check_vocabulary
 from mlxlis.generation.request import Ask, RequestError, build, masks
 from mlxlis.generation.sampling import SamplingError, SamplingParams
 from mlxlis.generation.speculative import Speculation
@@ -56,25 +57,73 @@ class Prepared:
     asked: int | None = None  # the max_tokens asked for, when the context cut it (logged)
 
 
+# the body's sampling fields -> SamplingParams' (llama-server's names included)
+SAMPLING_FIELDS = {
+    **{
+        name: name
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "logit_bias",
+            "typical_p",
+            "top_n_sigma",
+            "dry_multiplier",
+            "dry_base",
+            "dry_allowed_length",
+            "dry_penalty_last_n",
+            "dry_sequence_breakers",
+            "xtc_probability",
+            "xtc_threshold",
+            "mirostat",
+            "mirostat_tau",
+            "mirostat_eta",
+            "seed",
+        )
+    },
+    "repeat_penalty": "repetition_penalty",
+    "repeat_last_n": "repetition_context",
+}
+
+
 def sampling(
-    req: _Sampling, defaults: SamplingParams, max_field: str, max_tokens: int | None
+    req: _Sampling,
+    defaults: SamplingParams,
+    max_field: str,
+    max_tokens: int | None,
+    vocab: int | None = None,
 ) -> SamplingParams:
-    """The request's sampling values over the server's defaults (max_tokens set later)."""
+    """The request's sampling values over the server's defaults (max_tokens set later);
+    logit_bias's ids checked against a vocabulary of `vocab` tokens."""
     if req.n is not None and req.n != 1:
         raise bad(f"n: only n=1 is supported, not {req.n}", "n")
     changes: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
-        value = getattr(req, name)
+    named: dict[str, str] = {}  # our field -> the body's name for it (what a refusal names)
+    for theirs, ours in SAMPLING_FIELDS.items():
+        value = getattr(req, theirs)
         if value is not None:
-            changes[name] = value
+            changes[ours], named[ours] = value, theirs
     if changes.get("top_k") == -1:  # vLLM's and llama.cpp's "off"
         changes["top_k"] = 0
+    if changes.get("top_n_sigma") == -1:  # llama.cpp's "off"
+        changes["top_n_sigma"] = 0.0
+    if changes.get("repetition_context") == 0:  # llama.cpp's repeat_last_n 0: no penalty
+        changes["repetition_context"], changes["repetition_penalty"] = 1, 1.0
+    elif changes.get("repetition_context") == -1:  # llama.cpp's "the whole context"
+        changes["repetition_context"] = 2**31 - 1
     if max_tokens is not None:
         changes["max_tokens"] = max_tokens
     try:
-        return defaults.replace(**changes)
+        params = defaults.replace(**changes)
+        if vocab is not None:
+            check_vocabulary(params, vocab)
+        return params
     except SamplingError as e:
-        param = max_field if e.field == "max_tokens" else e.field
+        param = max_field if e.field == "max_tokens" else named.get(e.field or "", e.field)
         raise bad(f"{param}: {str(e).split(': ', 1)[-1]}", param) from None
 
 
@@ -210,7 +259,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
     explicit = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
-    params = sampling(req, t.defaults, max_field, explicit)
+    params = sampling(req, t.defaults, max_field, explicit, model.tokenizer.vocab_size)
     variables = dict(req.chat_template_kwargs or {})
     if clash := sorted(RESERVED_TEMPLATE_VARS & variables.keys()):
         raise bad(f"chat_template_kwargs: {', '.join(clash)} cannot be set", "chat_template_kwargs")
@@ -265,7 +314,7 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
         raise bad(f"best_of: only 1 is supported, not {req.best_of}", "best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise bad(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}], not {req.logprobs}", "logprobs")
-    params = sampling(req, t.defaults, "max_tokens", req.max_tokens)
+    params = sampling(req, t.defaults, "max_tokens", req.max_tokens, model.tokenizer.vocab_size)
     stops = stop_strings(req.stop)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):

@@ -1,10 +1,12 @@
 """Request bodies of the OpenAI API, as pydantic models: types only, strictly (no "1" for 1).
 
 Ranges are checked where they are defined once, `mlxlis.SamplingParams` (prepare.py), so the
-server refuses exactly what the CLI and the library refuse. Fields the API has and mlxlis
-does not use (presence_penalty, user, ...) and unknown fields are ignored; those that would
-change the answer in a way mlxlis cannot honour (a body's REFUSED: logit_bias, the legacy
-functions) are a 400 naming them when set (service.read_body), never ignored.
+server refuses exactly what the CLI and the library refuse. Every field of the API is used,
+accepted as a no-op that does not change the answer (docs/api-fields.md lists them and why:
+user, metadata, service_tier, …; `NO_OPS` here) or refused: a body's REFUSED fields (the
+legacy functions, …) are a 400 naming them when set (service.read_body), never ignored.
+Unknown fields (another server's extensions) are ignored, as OpenAI's SDKs send them only on
+request (`extra_body`).
 """
 
 from __future__ import annotations
@@ -81,6 +83,25 @@ class _Sampling(_Body):
     top_k: int | None = None  # not in OpenAI's API; vLLM's and llama.cpp's (-1 = off)
     min_p: float | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None  # token id (as text) -> bias in [-100, 100]
+    # llama-server's names for its samplers (prepare.LLAMA_CPP maps them): the same body
+    # that llama.cpp takes samples the same way here
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    typical_p: float | None = None
+    top_n_sigma: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None
@@ -110,11 +131,9 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # enforced calls: one unless true
     chat_template_kwargs: dict[str, Any] | None = None
-    logit_bias: dict[str, Any] | None = None
     functions: list[Any] | None = None  # the API's first, deprecated, form of tools
     function_call: str | dict[str, Any] | None = None
     REFUSED: ClassVar[dict[str, str]] = {
-        "logit_bias": "not supported: a token's bias would be ignored",
         "functions": "the deprecated functions API is not served: send tools",
         "function_call": "the deprecated functions API is not served: send tool_choice",
     }
