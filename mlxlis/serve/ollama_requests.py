@@ -44,26 +44,8 @@ NAMES = {
 NO_LIMIT = (-1, -2)  # num_predict: Ollama's "until the end" and "fill the context"
 
 
-# options that tune Ollama's runner, not the answer: accepted as no-ops (docs/api-fields.md)
-# num_ctx: the runner's KV allocation (caches here grow as needed; every request is bounded
-# by --max-context); num_keep: what a context shift keeps (there is none: a request past the
-# context is refused or its max_tokens cut); the rest are hardware and loading switches
-OPTION_NO_OPS = (
-    "num_ctx",
-    "num_keep",
-    "numa",
-    "num_batch",
-    "num_gpu",
-    "main_gpu",
-    "low_vram",
-    "f16_kv",
-    "logits_all",
-    "vocab_only",
-    "use_mmap",
-    "use_mlock",
-    "embedding_only",
-    "num_thread",
-)
+# the options Ollama's runner reads and that cannot change the answer are accepted as
+# no-ops (fields.NO_OPS["ollama"] says why for each)
 # options that would change the answer and are not honoured here -> why: set, a 400
 OPTION_REFUSED = {
     "tfs_z": "tail-free sampling is not implemented (llama.cpp removed it): leave it unset or 1",

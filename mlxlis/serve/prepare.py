@@ -23,6 +23,15 @@ from mlxlis.serve.openai_format import MAX_TOP_LOGPROBS, APIError, bad
 from mlxlis.serve.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 
 MAX_STOP_STRINGS = 16
+# reasoning_effort -> the template's thinking switch (where it has one)
+EFFORT_THINKS = {
+    "none": False,
+    "minimal": False,
+    "low": False,
+    "medium": True,
+    "high": True,
+    "xhigh": True,
+}
 # template variables a request may not set through chat_template_kwargs (render_chat's own)
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
@@ -261,6 +270,10 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
     )
     params = sampling(req, t.defaults, max_field, explicit, model.tokenizer.vocab_size)
     variables = dict(req.chat_template_kwargs or {})
+    if (effort := req.reasoning_effort) is not None:
+        if effort not in EFFORT_THINKS:
+            raise bad(f"reasoning_effort: one of {', '.join(EFFORT_THINKS)}", "reasoning_effort")
+        variables = {**model.thinking_vars(EFFORT_THINKS[effort]), **variables}
     if clash := sorted(RESERVED_TEMPLATE_VARS & variables.keys()):
         raise bad(f"chat_template_kwargs: {', '.join(clash)} cannot be set", "chat_template_kwargs")
     adapter, scale = adapter_choice(t, req)

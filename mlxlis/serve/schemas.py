@@ -19,13 +19,15 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     # fields of the API that change the answer and cannot be honoured here -> why: set (not
-    # null, false or empty), a 400 naming the field
+    # null, false or empty, nor one of its ALLOWED values), a 400 naming the field
     REFUSED: ClassVar[dict[str, str]] = {}
+    ALLOWED: ClassVar[dict[str, tuple[Any, ...]]] = {}  # a REFUSED field's values that are fine
 
     def refused(self) -> tuple[str, str] | None:
         """(field, why) of the first REFUSED field this body sets."""
         for name, why in self.REFUSED.items():
-            if getattr(self, name) not in (None, False, "", [], {}):
+            value = getattr(self, name)
+            if value not in (None, False, "", [], {}) and value not in self.ALLOWED.get(name, ()):
                 return name, why
         return None
 
@@ -131,11 +133,28 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # enforced calls: one unless true
     chat_template_kwargs: dict[str, Any] | None = None
+    # the thinking switch of the model's template, where it has one (a template without one
+    # thinks as it does: docs/api-fields.md)
+    reasoning_effort: str | None = None
     functions: list[Any] | None = None  # the API's first, deprecated, form of tools
     function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: str | None = None
+    moderation: dict[str, Any] | None = None
     REFUSED: ClassVar[dict[str, str]] = {
         "functions": "the deprecated functions API is not served: send tools",
         "function_call": "the deprecated functions API is not served: send tool_choice",
+        "audio": "audio output is not served: the models here write text",
+        "modalities": 'only ["text"] is served',
+        "web_search_options": "web search is not served here",
+        "verbosity": 'not supported: the reply is as long as the model makes it ("medium")',
+        "moderation": "moderation is not run here",
+    }
+    ALLOWED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "modalities": (["text"],),
+        "verbosity": ("medium",),
     }
 
 
