@@ -317,9 +317,10 @@ def make_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
             logits = _xtc(logits, params.xtc_threshold, fire)
         if params.temperature == 0:
             return mx.argmax(logits, axis=-1)
+        logits = logits * inv_t
         if mirostat is not None:
-            return mirostat(logits * inv_t, sub)
-        return mx.random.categorical(logits * inv_t, axis=-1, key=sub)
+            return mirostat(logits, sub)
+        return mx.random.categorical(logits, axis=-1, key=sub)
 
     return sample
 
