@@ -84,7 +84,18 @@ def test_inspect_reports_on_stdout_and_json_matches_config(tiny):
 
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--min-p", "1"), ("--top-p", "0"), ("--temp", "-1"), ("--max-tokens", "0"), ("--seed", "x")],
+    [
+        ("--min-p", "1"),
+        ("--top-p", "0"),
+        ("--temp", "-1"),
+        ("--max-tokens", "0"),
+        ("--seed", "x"),
+        ("--presence-penalty", "3"),
+        ("--logit-bias", "5"),
+        ("--mirostat", "1"),
+        ("--xtc-threshold", "0.9"),
+        ("--dry-sequence-breakers", "[1]"),
+    ],
 )
 def test_bad_sampling_flag_refused_before_loading(flag, value, tmp_path):
     """The model path does not exist: a flag check that ran after loading would report that
