@@ -99,6 +99,7 @@ class Dry:
         self.multiplier, self.base, self.allowed = multiplier, base, allowed
         self.last_n, self.breakers = last_n, breakers
         self.max_exponent = int(FLOAT_MAX_LOG / math.log(base)) if base > 1.000001 else 0
+        self._heads = np.array(sorted(breakers), np.int64)
 
     def fork(self) -> Dry:
         return self  # holds no state
@@ -131,15 +132,13 @@ class Dry:
         """How long a repeat may be: the tokens after the last breaker in the window (its
         length when there is none)."""
         n = len(window)
-        for back in range(n):  # back: how far from the end the breaker's head is
-            tails = self.breakers.get(window[n - 1 - back])
-            if not tails:
-                continue
+        heads = np.flatnonzero(np.isin(np.asarray(window), self._heads))
+        for at in heads[::-1].tolist():  # the breakers' heads, the last first
+            back = n - 1 - at  # how far from the end the head is
             longest = -1
-            for tail in tails:
+            for tail in self.breakers[window[at]]:
                 k = len(tail)
-                after = window[n - back : n - back + k]  # the tokens after the head
-                if longest < k <= back and tuple(after) == tail:
+                if longest < k <= back and tuple(window[at + 1 : at + 1 + k]) == tail:
                     longest = k
             if longest >= 0:
                 return back - longest
