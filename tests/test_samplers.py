@@ -379,3 +379,39 @@ def test_params_text_and_aliases():
     p = SamplingParams().with_text(text + ' dry_sequence_breakers=["\\n"]')
     assert (p.repetition_context, p.typical_p, p.mirostat) == (32, 0.9, 2)
     assert p.logit_bias == ((2, 1.5), (5, -100.0)) and p.dry_sequence_breakers == ("\n",)
+
+
+@pytest.mark.parametrize(
+    ("setting", "field"),
+    [(dict(xtc_probability=0.5), "xtc_probability"), (dict(mirostat=2), "mirostat")],
+)
+def test_samplers_with_draws_of_their_own_have_no_fixed_filter(setting, field):
+    """XTC's coin and mirostat's state are no fixed filter of the logits: the filter a
+    speculative ratio test reads (make_filter) is refused naming the field, never built
+    without them (the core refuses such a request with speculation the same way)."""
+    with pytest.raises(SamplingError) as e:
+        make_filter(SamplingParams(temperature=1.0, **setting))
+    assert e.value.field == field
+
+
+def test_core_refuses_xtc_with_speculation_and_checks_the_bias(tiny):
+    """Through the library's generate on the tiny Llama: XTC with speculative decoding is a
+    SamplingError naming xtc_probability, a logit_bias id past the vocabulary one naming
+    logit_bias, and DRY runs with the model's tokenizer's breakers."""
+    import mlxlis
+    from mlxlis.generation.speculative import Speculation
+
+    model = mlxlis.load(tiny("llama")[0], "float32")
+    ids = [1, 2, 3, 4]
+    with pytest.raises(SamplingError) as e:
+        list(
+            mlxlis.generate(
+                model, ids, temperature=1.0, xtc_probability=0.5, speculation=Speculation("ngram")
+            )
+        )
+    assert e.value.field == "xtc_probability"
+    with pytest.raises(SamplingError) as e:
+        list(mlxlis.generate(model, ids, logit_bias={model.tokenizer.vocab_size: 1.0}))
+    assert e.value.field == "logit_bias"
+    out = list(mlxlis.generate(model, ids, max_tokens=4, dry_multiplier=1.0, stop_ids=set()))
+    assert len(out) == 5
