@@ -358,6 +358,7 @@ def test_mirostat_v2_follows_its_definition():
         (dict(frequency_penalty=-3), "frequency_penalty"),
         (dict(logit_bias=((1, 101.0),)), "logit_bias"),
         (dict(logit_bias={"x": 1}), "logit_bias"),
+        (dict(logit_bias=((3, 1.0), (3, 2.0))), "logit_bias"),
         (dict(mirostat=1), "mirostat"),
         (dict(xtc_threshold=0.6), "xtc_threshold"),
         (dict(typical_p=0), "typical_p"),

@@ -68,7 +68,7 @@ def _is_bias(v: object) -> bool:
         and _is_num(p[1])
         and -100 <= p[1] <= 100
         for p in v
-    )
+    ) and len({p[0] for p in v}) == len(v)  # one bias a token
 
 
 def _breakers(text: str) -> tuple[str, ...]:
@@ -105,7 +105,11 @@ FIELDS: dict[str, tuple[Callable[[str], object], Callable[[object], bool], str]]
         lambda v: _is_num(v) and -2 <= v <= 2,
         "a number in [-2, 2] (0 = off)",
     ),
-    "logit_bias": (_bias, _is_bias, "token id:bias pairs, biases in [-100, 100] (15339:-100,…)"),
+    "logit_bias": (
+        _bias,
+        _is_bias,
+        "token id:bias pairs, one a token, biases in [-100, 100] (15339:-100,…)",
+    ),
     "dry_multiplier": (float, lambda v: _is_num(v) and v >= 0, "a number >= 0 (0 = off)"),
     "dry_base": (float, lambda v: _is_num(v) and v >= 1, "a number >= 1"),
     "dry_allowed_length": (int, lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
