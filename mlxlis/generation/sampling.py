@@ -60,15 +60,19 @@ def _bias(text: str) -> tuple[tuple[int, float], ...]:
 
 
 def _is_bias(v: object) -> bool:
-    return isinstance(v, tuple) and all(
-        isinstance(p, tuple)
-        and len(p) == 2
-        and _is_int(p[0])
-        and p[0] >= 0
-        and _is_num(p[1])
-        and -100 <= p[1] <= 100
-        for p in v
-    ) and len({p[0] for p in v}) == len(v)  # one bias a token
+    return (
+        isinstance(v, tuple)
+        and all(
+            isinstance(p, tuple)
+            and len(p) == 2
+            and _is_int(p[0])
+            and p[0] >= 0
+            and _is_num(p[1])
+            and -100 <= p[1] <= 100
+            for p in v
+        )
+        and len({p[0] for p in v}) == len(v)
+    )  # one bias a token
 
 
 def _breakers(text: str) -> tuple[str, ...]:
