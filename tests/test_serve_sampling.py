@@ -221,3 +221,22 @@ def test_ollama_refusals_name_the_option(server, path, body, param):
     status, got = server.request("POST", path, {**base, **body})
     assert status == 400 and set(got) == {"error"}, got
     assert got["error"].startswith(f"{param}:"), got
+
+
+def test_ollama_num_ctx_bounds_the_request(server):
+    """options.num_ctx is this request's context: with room for 3 tokens after the prompt,
+    num_predict 10 gives 3 (the reply the unbounded request starts with); a num_ctx the
+    prompt does not fit in is a 400; one past --max-context is bounded by it (no change)."""
+    client = ollama.Client(host=f"http://127.0.0.1:{server.port}", timeout=120)
+    messages = [{"role": "user", "content": "Hello, world!"}]
+    greedy = {"temperature": 0, "num_predict": 10}
+    whole = client.chat(model=MODEL, messages=messages, options=greedy)
+    n = whole.prompt_eval_count
+    cut = client.chat(model=MODEL, messages=messages, options={**greedy, "num_ctx": n + 3})
+    assert cut.eval_count == 3 and whole.eval_count == 10
+    assert whole.message.content.startswith(cut.message.content)
+    big = client.chat(model=MODEL, messages=messages, options={**greedy, "num_ctx": 10**6})
+    assert big.message.content == whole.message.content
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model=MODEL, messages=messages, options={**greedy, "num_ctx": n - 1})
+    assert e.value.status_code == 400

@@ -56,8 +56,6 @@ NO_OPS: dict[str, dict[str, str]] = {
         "workspace_id": "the provider's workspace: a local server has one",
     },
     "ollama": {
-        "num_ctx": "the runner's KV allocation: caches here grow as needed, every request "
-        "bounded by --max-context",
         "num_keep": "what a context shift keeps: there is none here (a request past the "
         "context is refused or its max_tokens cut)",
         **{

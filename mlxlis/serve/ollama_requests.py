@@ -30,6 +30,7 @@ OPTIONS = {
     "mirostat_tau": "mirostat_tau",
     "mirostat_eta": "mirostat_eta",
     "num_predict": "max_tokens",
+    "num_ctx": "num_ctx",
     "stop": "stop",
     "kv_bits": "kv_bits",  # mlxlis' extension: this request's KV cache format
     "kv_group_size": "kv_group_size",

@@ -247,9 +247,21 @@ def fit(
     return fitted, params.max_tokens if cut else None
 
 
+def within(t: Target, req: _Sampling) -> Target:
+    """`t` with the request's own context (num_ctx, Ollama's) when it is smaller than the
+    server's: the prompt and max_tokens bounded by it as by --max-context."""
+    n = req.num_ctx
+    if n is None:
+        return t
+    if n < 1:
+        raise bad(f"num_ctx: must be an integer > 0, not {n}", "num_ctx")
+    return replace(t, max_context=min(n, t.max_context))
+
+
 def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
     """A chat request's checks in OpenAI's terms, then the one request builder
     (generation/request.py), its refusals worded as OpenAI words them."""
+    t = within(t, req)
     model = t.model
     if not req.messages:
         raise bad("messages: at least one message is required", "messages")
@@ -318,6 +330,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
 
 
 def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
+    t = within(t, req)
     model = t.model
     if req.echo:
         raise bad("echo: not supported", "echo")

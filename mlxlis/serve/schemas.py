@@ -116,6 +116,8 @@ class _Sampling(_Body):
     # mlxlis' extension, as Ollama's: how long the model stays loaded once idle (a duration
     # such as 5m, seconds, -1 forever, 0 at once)
     keep_alive: float | str | None = None
+    # Ollama's options.num_ctx: this request's context, within the server's (--max-context)
+    num_ctx: int | None = None
     # llama.cpp's: the LoRA adapter this request runs under, by id, and its scale (the
     # model's name may choose one too: BASE:NAME); [] the base
     lora: list[LoraChoice] | None = None
