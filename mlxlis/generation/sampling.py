@@ -71,8 +71,8 @@ def _is_bias(v: object) -> bool:
             and -100 <= p[1] <= 100
             for p in v
         )
-        and len({p[0] for p in v}) == len(v)
-    )  # one bias a token
+        and len({p[0] for p in v}) == len(v)  # one bias a token
+    )
 
 
 def _breakers(text: str) -> tuple[str, ...]:
