@@ -200,6 +200,14 @@ MUTANTS = (
         "mirostat v2: mu moves away from the target surprise",
     ),
     Mutant(
+        "temperature-before-truncation",
+        "mlxlis/generation/sampling.py",
+        "return lambda logits: truncated(logits) * inv_t",
+        "return lambda logits: truncated(logits * inv_t)",
+        ("tests/test_samplers.py",),
+        "temperature applied before the truncation samplers (llama.cpp's chain: last)",
+    ),
+    Mutant(
         "chatml-newline",
         "mlxlis/prompt/templates/chatml.jinja",
         "message['content'] + '<|im_end|>' + '\\n'",

@@ -274,23 +274,38 @@ def sigma_set(logits: np.ndarray, n: float) -> set[int]:
     return set(np.flatnonzero(logits >= logits.max() - n * logits.std()).tolist())
 
 
+def top_p_set(probs: np.ndarray, p: float) -> set[int]:
+    order = np.argsort(-probs)
+    return set(order[: int(np.searchsorted(np.cumsum(probs[order]), p) + 1)].tolist())
+
+
+T = 2.0  # a temperature at which typical-p's and top-p's sets differ from those at 1
+
+
 @pytest.mark.parametrize(
-    ("setting", "keep"),
+    ("setting", "keep", "at_t"),
     [
-        (dict(typical_p=0.6), typical_set(softmax64(LOGITS), 0.6)),
-        (dict(top_n_sigma=1.0), sigma_set(LOGITS, 1.0)),
+        (
+            dict(typical_p=0.6),
+            typical_set(softmax64(LOGITS), 0.6),
+            typical_set(softmax64(LOGITS / T), 0.6),
+        ),
+        (dict(top_p=0.8), top_p_set(softmax64(LOGITS), 0.8), top_p_set(softmax64(LOGITS / T), 0.8)),
+        (dict(top_n_sigma=1.0), sigma_set(LOGITS, 1.0), None),  # scale-free: the same at T
     ],
-    ids=["typical_p", "top_n_sigma"],
+    ids=["typical_p", "top_p", "top_n_sigma"],
 )
-def test_filter_draws_follow_the_definition(setting, keep):
-    """N seeded draws from make_filter's logits at temperature 0.7 fall in the numpy set and
-    follow softmax(logits / T) renormalised over it within Z binomial errors (temperature
-    last, as llama.cpp's chain: the set is taken at T = 1)."""
+def test_filter_draws_follow_the_definition(setting, keep, at_t):
+    """N seeded draws from make_filter's logits at temperature 2 fall in the numpy set and
+    follow softmax(logits / T) renormalised over it within Z binomial errors. Temperature
+    comes last, as in llama.cpp's chain: the set is taken at T = 1 (for typical-p and top-p
+    the set at T = 2 is larger, asserted, so a filter applied after temperature fails)."""
     assert 1 < len(keep) < len(LOGITS)
-    filtered = make_filter(SamplingParams(temperature=0.7, **setting))(row(LOGITS))
+    assert at_t is None or at_t > keep
+    filtered = make_filter(SamplingParams(temperature=T, **setting))(row(LOGITS))
     draws = np.array(mx.random.categorical(filtered, num_samples=N_DRAWS, key=mx.random.key(0)))
     inside = np.isin(np.arange(len(LOGITS)), sorted(keep))
-    ref = np.where(inside, softmax64(LOGITS / 0.7), 0)
+    ref = np.where(inside, softmax64(LOGITS / T), 0)
     ref /= ref.sum()
     f = np.bincount(draws[0], minlength=len(LOGITS)) / N_DRAWS
     assert set(draws[0].tolist()) <= keep
