@@ -107,6 +107,24 @@ def test_bad_sampling_flag_refused_before_loading(flag, value, tmp_path):
     assert "missing" not in res.stderr
 
 
+def test_xtc_with_speculative_refused_before_loading(tmp_path):
+    """--xtc-probability with --speculative: exit 2 naming the flag before any model loads
+    (XTC's coin has no fixed distribution for the speculative ratio test)."""
+    res = run(
+        "-m",
+        str(tmp_path / "missing"),
+        "--speculative",
+        "ngram",
+        "--temp",
+        "1",
+        "--xtc-probability",
+        "0.5",
+        "Hi",
+    )
+    assert res.returncode == 2 and "--xtc-probability" in res.stderr, res.stderr
+    assert "missing" not in res.stderr
+
+
 MALLOPT_PROBE = """
 import ctypes, sys
 import mlxlis

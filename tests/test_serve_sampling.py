@@ -240,3 +240,20 @@ def test_ollama_num_ctx_bounds_the_request(server):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model=MODEL, messages=messages, options={**greedy, "num_ctx": n - 1})
     assert e.value.status_code == 400
+
+
+def test_a_speculating_server_refuses_xtc_and_mirostat_by_name():
+    """With the server's speculative decoding, a request's XTC or mirostat is a 400 naming
+    it (their draws have no fixed distribution for the ratio test); without it, they pass."""
+    from mlxlis.generation.sampling import SamplingParams
+    from mlxlis.generation.speculative import Speculation
+    from mlxlis.serve.openai_format import APIError
+    from mlxlis.serve.prepare import Target, speculable
+
+    t = Target(None, SamplingParams(), 64, frozenset(), speculation=Speculation("ngram"))
+    for name, value in (("xtc_probability", 0.5), ("mirostat", 2)):
+        params = SamplingParams(temperature=1.0, **{name: value})
+        with pytest.raises(APIError) as e:
+            speculable(t, params)
+        assert e.value.param == name
+        assert speculable(Target(None, SamplingParams(), 64, frozenset()), params) is params

@@ -259,17 +259,22 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_params(p: argparse.ArgumentParser, a: argparse.Namespace):
     """SamplingParams from the flags; a bad value ends the command (exit 2) naming the flag."""
-    from mlxlis.generation.sampling import SamplingError, SamplingParams, parse_value
+    from mlxlis.generation import sampling as s
 
     changes = {}
     for flag, name in SAMPLING_FLAGS.items():
         raw = getattr(a, name)
         if raw is not None:
             try:
-                changes[name] = parse_value(name, raw)
-            except SamplingError as e:
+                changes[name] = s.parse_value(name, raw)
+            except s.SamplingError as e:
                 p.exit(2, f"{p.prog}: error: {flag}: {str(e).split(': ', 1)[1]}\n")
-    return SamplingParams(**changes)
+    params = s.SamplingParams(**changes)
+    speculating = getattr(a, "speculative", None) or getattr(a, "draft_model", None)
+    if speculating and (name := s.draws_of_its_own(params)) is not None:
+        flag = next(f for f, n in SAMPLING_FLAGS.items() if n == name)
+        p.exit(2, f"{p.prog}: error: {flag}: not with speculative decoding\n")
+    return params
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:

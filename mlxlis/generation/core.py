@@ -40,13 +40,8 @@ from mlxlis.cache import Cache
 from mlxlis.cache.store import KVChoice, by_format, resolve
 from mlxlis.errors import MlxlisError, PipelineError, UnsupportedError
 from mlxlis.generation.events import Event, Usage
-from mlxlis.generation.processors import (
-    LogitsProcessor,
-    VocabularyLimit,
-    check_vocabulary,
-    processors_for,
-)
-from mlxlis.generation.sampling import SamplingError, SamplingParams, draws_of_its_own, make_sampler
+from mlxlis.generation.processors import LogitsProcessor, VocabularyLimit, check, processors_for
+from mlxlis.generation.sampling import SamplingParams, make_sampler
 from mlxlis.generation.speculative import SpecState, Speculation
 from mlxlis.generation.steps import PREFILL_CHUNK, StepKind, Steps, lanes
 from mlxlis.generation.stops import StopMatcher
@@ -119,7 +114,7 @@ class Sequence:
         self.snapshot_end = not asked or n in asked
         self.sampler = make_sampler(req.params)
         limit = [VocabularyLimit(model.tokenizer.vocab_size)]  # before any processor reads it
-        own = processors_for(req.params, model.tokenizer)
+        own = processors_for(req.params, model.tokenizer)  # DRY reads its breakers' tokens
         self.processors = [*limit, *own, *req.processors]
         self.decoder = StreamDecoder(model.tokenizer)
         self.stops = StopMatcher(req.stop_strings)
@@ -260,11 +255,7 @@ class Core:
         them)."""
         if not req.prompt:
             raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
-        req.params.validate()
-        check_vocabulary(req.params, self.model.tokenizer.vocab_size)
-        if req.speculation is not None and (name := draws_of_its_own(req.params)):
-            why = "not with speculative decoding (it makes draws of its own)"
-            raise SamplingError(why, field=name)
+        check(req.params.validate(), self.model.tokenizer.vocab_size, req.speculation is not None)
         task = getattr(self.model, "task", "generate")  # the tests' stand-in models have none
         if task != "generate":
             kind = "an embedding model" if task == "embed" else "a reranking model"

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from mlxlis.generation.dry import Dry, Vocabulary, dry_breakers
-from mlxlis.generation.sampling import SamplingError, SamplingParams
+from mlxlis.generation.sampling import SamplingError, SamplingParams, draws_of_its_own
 
 import mlx.core as mx
 
@@ -142,6 +142,16 @@ def processors_for(
             )
         )
     return out
+
+
+def check(params: SamplingParams, size: int, speculating: bool) -> None:
+    """What only a model and its request can tell: logit_bias's ids in the vocabulary
+    (check_vocabulary), and no sampler that makes draws of its own (XTC, mirostat) with
+    speculative decoding; a SamplingError naming the field otherwise."""
+    check_vocabulary(params, size)
+    if speculating and (name := draws_of_its_own(params)) is not None:
+        why = "not with speculative decoding (it makes draws of its own)"
+        raise SamplingError(why, field=name)
 
 
 def check_vocabulary(params: SamplingParams, size: int) -> None:

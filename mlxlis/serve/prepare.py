@@ -15,7 +15,7 @@ from mlxlis.generation.context import ContextOverflow, fit_context
 from mlxlis.generation.core import Request
 from mlxlis.generation.processors import check_vocabulary
 from mlxlis.generation.request import Ask, RequestError, build, masks
-from mlxlis.generation.sampling import SamplingError, SamplingParams
+from mlxlis.generation.sampling import SamplingError, SamplingParams, draws_of_its_own
 from mlxlis.generation.speculative import Speculation
 from mlxlis.prompt.tool_formats import ToolFormat
 from mlxlis.serve.chat_messages import message_dict
@@ -67,33 +67,14 @@ class Prepared:
 
 
 # the body's sampling fields -> SamplingParams' (llama-server's names included)
+SAME_NAMES = """
+temperature top_p top_k min_p repetition_penalty presence_penalty
+frequency_penalty logit_bias typical_p top_n_sigma dry_multiplier dry_base
+dry_allowed_length dry_penalty_last_n dry_sequence_breakers xtc_probability xtc_threshold mirostat
+mirostat_tau mirostat_eta seed
+"""
 SAMPLING_FIELDS = {
-    **{
-        name: name
-        for name in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-            "logit_bias",
-            "typical_p",
-            "top_n_sigma",
-            "dry_multiplier",
-            "dry_base",
-            "dry_allowed_length",
-            "dry_penalty_last_n",
-            "dry_sequence_breakers",
-            "xtc_probability",
-            "xtc_threshold",
-            "mirostat",
-            "mirostat_tau",
-            "mirostat_eta",
-            "seed",
-        )
-    },
+    **{name: name for name in SAME_NAMES.split()},
     "repeat_penalty": "repetition_penalty",
     "repeat_last_n": "repetition_context",
 }
@@ -247,6 +228,14 @@ def fit(
     return fitted, params.max_tokens if cut else None
 
 
+def speculable(t: Target, params: SamplingParams) -> SamplingParams:
+    """`params`, or a 400 naming the sampler a speculating server cannot run (XTC's coin and
+    mirostat's state are no fixed distribution for the ratio test)."""
+    if t.speculation is not None and (name := draws_of_its_own(params)) is not None:
+        raise bad(f"{name}: not with this server's speculative decoding", name)
+    return params
+
+
 def within(t: Target, req: _Sampling) -> Target:
     """`t` with the request's own context (num_ctx, Ollama's) when it is smaller than the
     server's: the prompt and max_tokens bounded by it as by --max-context."""
@@ -280,7 +269,8 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
     explicit = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
-    params = sampling(req, t.defaults, max_field, explicit, model.tokenizer.vocab_size)
+    vocab = model.tokenizer.vocab_size
+    params = speculable(t, sampling(req, t.defaults, max_field, explicit, vocab))
     variables = dict(req.chat_template_kwargs or {})
     if (effort := req.reasoning_effort) is not None:
         if effort not in EFFORT_THINKS:
@@ -340,7 +330,9 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
         raise bad(f"best_of: only 1 is supported, not {req.best_of}", "best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise bad(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}], not {req.logprobs}", "logprobs")
-    params = sampling(req, t.defaults, "max_tokens", req.max_tokens, model.tokenizer.vocab_size)
+    params = speculable(
+        t, sampling(req, t.defaults, "max_tokens", req.max_tokens, model.tokenizer.vocab_size)
+    )
     stops = stop_strings(req.stop)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
