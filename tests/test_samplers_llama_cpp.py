@@ -45,16 +45,18 @@ def apply(chain: list, history: list[int], logits: np.ndarray) -> dict[int, floa
     """llama.cpp's samplers applied in order after accepting `history`: the surviving ids
     and their logits."""
     n = len(logits)
-    data = (L.llama_token_data * n)(
-        *[L.llama_token_data(i, float(x), 0.0) for i, x in enumerate(logits)]
-    )
+    rows = np.zeros(n, [("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
+    assert rows.itemsize == ctypes.sizeof(L.llama_token_data)
+    rows["id"], rows["logit"] = np.arange(n), logits
+    data = rows.ctypes.data_as(ctypes.POINTER(L.llama_token_data))
     cur = L.llama_token_data_array(data, n, -1, False)
     for s in chain:
         for t in history:
             L.llama_sampler_accept(s, t)
         L.llama_sampler_apply(s, ctypes.byref(cur))
         L.llama_sampler_free(s)
-    return {int(cur.data[i].id): float(cur.data[i].logit) for i in range(cur.size)}
+    out = np.ctypeslib.as_array(cur.data, shape=(cur.size,))
+    return dict(zip(out["id"].tolist(), out["logit"].tolist(), strict=True))
 
 
 def dry_init(vocab, breakers, mult, base, allowed, last_n):
