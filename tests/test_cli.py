@@ -84,7 +84,18 @@ def test_inspect_reports_on_stdout_and_json_matches_config(tiny):
 
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--min-p", "1"), ("--top-p", "0"), ("--temp", "-1"), ("--max-tokens", "0"), ("--seed", "x")],
+    [
+        ("--min-p", "1"),
+        ("--top-p", "0"),
+        ("--temp", "-1"),
+        ("--max-tokens", "0"),
+        ("--seed", "x"),
+        ("--presence-penalty", "3"),
+        ("--logit-bias", "5"),
+        ("--mirostat", "1"),
+        ("--xtc-threshold", "0.9"),
+        ("--dry-sequence-breakers", "[1]"),
+    ],
 )
 def test_bad_sampling_flag_refused_before_loading(flag, value, tmp_path):
     """The model path does not exist: a flag check that ran after loading would report that
@@ -93,6 +104,24 @@ def test_bad_sampling_flag_refused_before_loading(flag, value, tmp_path):
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0] and "must be" in lines[0], res.stderr
+    assert "missing" not in res.stderr
+
+
+def test_xtc_with_speculative_refused_before_loading(tmp_path):
+    """--xtc-probability with --speculative: exit 2 naming the flag before any model loads
+    (XTC's coin has no fixed distribution for the speculative ratio test)."""
+    res = run(
+        "-m",
+        str(tmp_path / "missing"),
+        "--speculative",
+        "ngram",
+        "--temp",
+        "1",
+        "--xtc-probability",
+        "0.5",
+        "Hi",
+    )
+    assert res.returncode == 2 and "--xtc-probability" in res.stderr, res.stderr
     assert "missing" not in res.stderr
 
 

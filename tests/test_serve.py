@@ -247,14 +247,13 @@ def test_tools_reach_the_template(client):
     assert chat(client, max_tokens=1, tools=tools, messages=messages).choices[0].message
 
 
-def test_unknown_fields_are_ignored(server):
-    """Fields mlxlis does not know or use (user, presence_penalty, a made-up one) are
-    ignored: the request succeeds."""
+def test_no_op_and_unknown_fields_are_accepted(server):
+    """A field accepted as a no-op (user: docs/api-fields.md) and one no API has (another
+    server's extension) do not fail the request."""
     body = {
         "messages": HELLO,
         "max_tokens": 2,
         "user": "u1",
-        "presence_penalty": 0.5,
         "made_up_field": {"x": 1},
     }
     status, r = server.request("POST", "/v1/chat/completions", body)

@@ -17,7 +17,7 @@ a plain greedy request gets exactly the answer it got before (`still_serving`):
 - a field of several types (content: text or a list of blocks) is named where it went wrong
   (messages[1].content[0].input), not at the field (messages[1].content "should be a string");
 - options that would change the answer and cannot be honoured are a 400 naming them, never
-  ignored: logit_bias, the deprecated functions / function_call, the Responses API's
+  ignored: the deprecated functions / function_call, the Responses API's
   conversation and stored prompt; an Anthropic tool_choice of "any" or "tool" without tools
   (it was ignored: the reply was free text);
 - Anthropic's structured output in the beta's place (`output_format`) is enforced as
@@ -216,7 +216,6 @@ def test_a_field_of_several_types_is_named_where_it_went_wrong(oai, claude, stil
 
 def test_options_that_cannot_be_honoured_are_refused(oai, claude, still_serving):
     for extra in (
-        {"logit_bias": {"5": -100}},
         {"functions": [{"name": "f", "parameters": {"type": "object"}}]},
         {"function_call": {"name": "f"}},
     ):

@@ -41,7 +41,9 @@ Ctrl+Q quit
 | `/system TEXT` | set the system prompt (`/system` alone shows it, `/system -` clears it) |
 | `/clear` | start a new conversation (the system prompt stays) |
 | `/temp X` | set the sampling temperature (0 = greedy) |
-| `/params [k=v ...]` | show/set max_tokens, temp, top_p, top_k, min_p, repetition_penalty, seed |
+| `/params [k=v ...]` | show/set max_tokens, temp, top_p, top_k, min_p, repetition_penalty, \
+seed and every other sampler (presence_penalty, logit_bias=ID:BIAS,…, typical_p, top_n_sigma, \
+dry_*, xtc_*, mirostat*) |
 | `/think on` · `off` · `default` | reasoning models: the template's thinking switch \
 (`enable_thinking`, `thinking_budget`, `reasoning_effort`, … as it spells it) for the next \
 messages; `/think` shows it |
@@ -92,8 +94,23 @@ def complete(typed: str, names: list[str]) -> str | None:
     return f"/model {shared}" if len(shared) > len(prefix.lstrip()) else None
 
 
+ALWAYS_SHOWN = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+)
+
+
 def format_params(params: SamplingParams) -> str:
-    return " · ".join(f"{k}={v}" for k, v in params.as_dict().items())
+    """The common values, then the other samplers' where they differ from their default."""
+    default = SamplingParams().as_dict()
+    return " · ".join(
+        f"{k}={v}" for k, v in params.as_dict().items() if k in ALWAYS_SHOWN or v != default[k]
+    )
 
 
 THINKING_WORDS = {"on": True, "off": False, "default": None}

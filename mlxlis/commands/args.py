@@ -222,6 +222,22 @@ SAMPLING_FLAGS = {
     "--top-k": "top_k",
     "--min-p": "min_p",
     "--repetition-penalty": "repetition_penalty",
+    "--repeat-last-n": "repetition_context",
+    "--presence-penalty": "presence_penalty",
+    "--frequency-penalty": "frequency_penalty",
+    "--logit-bias": "logit_bias",
+    "--typical-p": "typical_p",
+    "--top-n-sigma": "top_n_sigma",
+    "--dry-multiplier": "dry_multiplier",
+    "--dry-base": "dry_base",
+    "--dry-allowed-length": "dry_allowed_length",
+    "--dry-penalty-last-n": "dry_penalty_last_n",
+    "--dry-sequence-breakers": "dry_sequence_breakers",
+    "--xtc-probability": "xtc_probability",
+    "--xtc-threshold": "xtc_threshold",
+    "--mirostat": "mirostat",
+    "--mirostat-tau": "mirostat_tau",
+    "--mirostat-eta": "mirostat_eta",
     "--seed": "seed",
 }
 
@@ -243,17 +259,22 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_params(p: argparse.ArgumentParser, a: argparse.Namespace):
     """SamplingParams from the flags; a bad value ends the command (exit 2) naming the flag."""
-    from mlxlis.generation.sampling import SamplingError, SamplingParams, parse_value
+    from mlxlis.generation import sampling as s
 
     changes = {}
     for flag, name in SAMPLING_FLAGS.items():
         raw = getattr(a, name)
         if raw is not None:
             try:
-                changes[name] = parse_value(name, raw)
-            except SamplingError as e:
+                changes[name] = s.parse_value(name, raw)
+            except s.SamplingError as e:
                 p.exit(2, f"{p.prog}: error: {flag}: {str(e).split(': ', 1)[1]}\n")
-    return SamplingParams(**changes)
+    params = s.SamplingParams(**changes)
+    speculating = getattr(a, "speculative", None) or getattr(a, "draft_model", None)
+    if speculating and (name := s.draws_of_its_own(params)) is not None:
+        flag = next(f for f, n in SAMPLING_FLAGS.items() if n == name)
+        p.exit(2, f"{p.prog}: error: {flag}: not with speculative decoding\n")
+    return params
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:

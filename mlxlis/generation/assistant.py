@@ -56,7 +56,7 @@ class AssistantDrafter(Drafter):
         self.slots = self.target.kv_slots()  # layer type -> cache index
         self.caches = caches  # the target sequence's (the core hands them over)
         self.last: mx.array | None = None  # (1, hidden) the newest state the target kept
-        self.processors: list[LogitsProcessor] = processors_for(params)
+        self.processors: list[LogitsProcessor] = processors_for(params, target.tokenizer)
         self.pick = Picker(params)
 
     def feed_hidden(self, ids: Sequence[int], hidden: mx.array) -> None:

@@ -40,7 +40,7 @@ from mlxlis.cache import Cache
 from mlxlis.cache.store import KVChoice, by_format, resolve
 from mlxlis.errors import MlxlisError, PipelineError, UnsupportedError
 from mlxlis.generation.events import Event, Usage
-from mlxlis.generation.processors import LogitsProcessor, VocabularyLimit, processors_for
+from mlxlis.generation.processors import LogitsProcessor, VocabularyLimit, check, processors_for
 from mlxlis.generation.sampling import SamplingParams, make_sampler
 from mlxlis.generation.speculative import SpecState, Speculation
 from mlxlis.generation.steps import PREFILL_CHUNK, StepKind, Steps, lanes
@@ -114,7 +114,8 @@ class Sequence:
         self.snapshot_end = not asked or n in asked
         self.sampler = make_sampler(req.params)
         limit = [VocabularyLimit(model.tokenizer.vocab_size)]  # before any processor reads it
-        self.processors = [*limit, *processors_for(req.params), *req.processors]
+        own = processors_for(req.params, model.tokenizer)  # DRY reads its breakers' tokens
+        self.processors = [*limit, *own, *req.processors]
         self.decoder = StreamDecoder(model.tokenizer)
         self.stops = StopMatcher(req.stop_strings)
         self.pending: mx.array | None = None  # (1,) the sampled token, not read yet
@@ -254,7 +255,7 @@ class Core:
         them)."""
         if not req.prompt:
             raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
-        req.params.validate()
+        check(req.params.validate(), self.model.tokenizer.vocab_size, req.speculation is not None)
         task = getattr(self.model, "task", "generate")  # the tests' stand-in models have none
         if task != "generate":
             kind = "an embedding model" if task == "embed" else "a reranking model"

@@ -53,7 +53,7 @@ class MTPDrafter(Drafter):
     def __init__(self, target: Model, params: SamplingParams):
         self.head = mtp_head_of(target)
         self.cache = self.head.make_cache()
-        self.processors: list[LogitsProcessor] = processors_for(params)
+        self.processors: list[LogitsProcessor] = processors_for(params, target.tokenizer)
         self.pick = Picker(params)
         self.pending: mx.array | None = None  # (1, hidden) g of the last position, unpaired
         self.known = 0  # positions of the sequence the block has a state for

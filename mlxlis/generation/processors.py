@@ -1,6 +1,7 @@
-"""Logits processors: per-row changes to a step's logits before sampling (the repetition
-penalty here; grammar masks and others plug in the same way). Outside the model, as sampling
-is: each request keeps a list, applied in order to its own row."""
+"""Logits processors: per-row changes to a step's logits before sampling (logit bias, the
+penalties and DRY here, the chain's head as sampling.py states it; grammar masks and others
+plug in the same way). Outside the model, as sampling is: each request keeps a list, applied
+in order to its own row."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import copy
 from collections.abc import Sequence
 from typing import Protocol
 
-from mlxlis.generation.sampling import SamplingParams
+from mlxlis.generation.dry import Dry, Vocabulary, dry_breakers
+from mlxlis.generation.sampling import SamplingError, SamplingParams, draws_of_its_own
 
 import mlx.core as mx
 
@@ -72,11 +74,94 @@ class VocabularyLimit(LogitsProcessor):
         return logits + self._mask
 
 
-def processors_for(params: SamplingParams) -> list[LogitsProcessor]:
-    """The processors a request's sampling parameters ask for, in the order they apply."""
-    if params.repetition_penalty == 1.0:
-        return []
-    return [RepetitionPenalty(params.repetition_penalty, params.repetition_context)]
+class LogitBias(LogitsProcessor):
+    """OpenAI's logit_bias: each listed token's logit plus its bias (-100 bans it in practice,
+    100 all but forces it)."""
+
+    def __init__(self, bias: Sequence[tuple[int, float]]):
+        self.ids = mx.array([i for i, _ in bias], mx.int32)
+        self.bias = mx.array([b for _, b in bias], mx.float32)
+
+    def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
+        logits[:, self.ids] = logits[:, self.ids] + self.bias
+        return logits
+
+
+class Penalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the generated tokens (the prompt's do
+    not count, as OpenAI defines them): logit[j] −= c[j] × frequency + (c[j] > 0) × presence,
+    c[j] the times token j was generated. `start`: where the reply begins in the history (None:
+    the history's length at the first call, made on the prompt)."""
+
+    def __init__(self, presence: float, frequency: float, start: int | None = None):
+        self.presence, self.frequency, self.start = presence, frequency, start
+
+    def fork(self) -> Penalties:
+        """A copy that knows where the reply starts (a drafter's proposals)."""
+        return copy.copy(self)
+
+    def __call__(self, logits: mx.array, history: Sequence[int]) -> mx.array:
+        if self.start is None:
+            self.start = len(history)
+        counts: dict[int, int] = {}
+        for t in history[self.start :]:
+            counts[t] = counts.get(t, 0) + 1
+        if not counts:
+            return logits
+        idx = mx.array(list(counts), mx.int32)
+        c = mx.array(list(counts.values()), mx.float32)
+        logits[:, idx] = logits[:, idx] - (c * self.frequency + self.presence)
+        return logits
+
+
+def processors_for(
+    params: SamplingParams, tokenizer: Vocabulary | None = None
+) -> list[LogitsProcessor]:
+    """The processors a request's sampling parameters ask for, in the chain's order (logit
+    bias, penalties, DRY); DRY reads its sequence breakers through `tokenizer`."""
+    out: list[LogitsProcessor] = []
+    if params.logit_bias:
+        out.append(LogitBias(params.logit_bias))
+    if params.repetition_penalty != 1.0:
+        out.append(RepetitionPenalty(params.repetition_penalty, params.repetition_context))
+    if params.presence_penalty or params.frequency_penalty:
+        out.append(Penalties(params.presence_penalty, params.frequency_penalty))
+    if params.dry_multiplier > 0 and params.dry_penalty_last_n != 0:
+        if tokenizer is None:
+            raise SamplingError(
+                "needs the model's tokenizer (its sequence breakers)", field="dry_multiplier"
+            )
+        breakers = dry_breakers(tokenizer, params.dry_sequence_breakers)
+        out.append(
+            Dry(
+                params.dry_multiplier,
+                params.dry_base,
+                params.dry_allowed_length,
+                params.dry_penalty_last_n,
+                breakers,
+            )
+        )
+    return out
+
+
+def check(params: SamplingParams, size: int, speculating: bool) -> None:
+    """What only a model and its request can tell: logit_bias's ids in the vocabulary
+    (check_vocabulary), and no sampler that makes draws of its own (XTC, mirostat) with
+    speculative decoding; a SamplingError naming the field otherwise."""
+    check_vocabulary(params, size)
+    if speculating and (name := draws_of_its_own(params)) is not None:
+        why = "not with speculative decoding (it makes draws of its own)"
+        raise SamplingError(why, field=name)
+
+
+def check_vocabulary(params: SamplingParams, size: int) -> None:
+    """A SamplingError naming logit_bias when one of its ids is not a token of a vocabulary
+    of `size`."""
+    for i, _ in params.logit_bias:
+        if not 0 <= i < size:
+            raise SamplingError(
+                f"token id {i} is outside the vocabulary ({size} tokens)", field="logit_bias"
+            )
 
 
 class ReasoningBudget(LogitsProcessor):

@@ -92,7 +92,8 @@ class ModelDrafter(Drafter):
         self.params = params
         self.caches: list[Cache] = model.make_cache()
         self.fed: list[int] = []  # ids the caches hold
-        self.processors = list(processors_for(params) if processors is None else processors)
+        own = processors_for(params, model.tokenizer) if processors is None else processors
+        self.processors = list(own)
         self.pick = Picker(params)
         self.vocab = vocab or model.config.vocab_size
 

@@ -5,10 +5,10 @@ template takes them, system turns inside `messages` where the template takes the
 (system_turns.py), `tool_use` blocks as tool calls, `tool_result` blocks as tool messages,
 `thinking` as the template's own thinking switch, `image` blocks as image parts), prepared and
 generated like any other; the events become content blocks (`thinking`, `text`, `tool_use`),
-streamed as Anthropic's event sequence. Fields a local model has no use for (`metadata`,
-`cache_control`, `service_tier`, `speed`, `container`, …) are accepted and ignored, as a proxy
-would; what cannot be honoured (an Anthropic-defined tool, an image to a model that does not
-see) is a 400 naming it.
+streamed as Anthropic's event sequence. Fields that cannot change the reply here (`metadata`,
+`cache_control`, `service_tier`, `speed`, `container`, …) are accepted as no-ops, each with
+its reason in fields.NO_OPS (docs/api-fields.md); what cannot be honoured (an
+Anthropic-defined tool, an image to a model that does not see) is a 400 naming it.
 """
 
 from __future__ import annotations

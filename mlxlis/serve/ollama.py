@@ -7,10 +7,10 @@ as reasoning_content, tool calls with object arguments, `tool_name` as the tool 
 sampling values), prepared and generated like any other; /api/generate renders its prompt as a
 user turn through the chat template, or (`raw`) tokenizes it as it is. Replies stream as
 NDJSON, one object a line, the last with `done` and Ollama's counts and durations (in
-nanoseconds). Options a local engine has no use for (num_ctx, num_gpu, mirostat, …) and
-`keep_alive` are accepted and ignored; `images` (base64) become image parts; what cannot be
-honoured (images to a model that does not see, a suffix, a template of the request's own, a
-`context` array) is a 400 naming it.
+nanoseconds). The runner's own options (num_gpu, num_thread, …) are accepted as no-ops, each
+with its reason in fields.NO_OPS; `keep_alive` says how long the model stays loaded; `images`
+(base64) become image parts; what cannot be honoured (images to a model that does not see, a
+suffix, a template of the request's own, a `context` array, tfs_z) is a 400 naming it.
 """
 
 from __future__ import annotations

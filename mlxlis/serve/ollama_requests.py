@@ -22,7 +22,15 @@ OPTIONS = {
     "min_p": "min_p",
     "seed": "seed",
     "repeat_penalty": "repetition_penalty",
+    "repeat_last_n": "repeat_last_n",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "typical_p": "typical_p",
+    "mirostat": "mirostat",
+    "mirostat_tau": "mirostat_tau",
+    "mirostat_eta": "mirostat_eta",
     "num_predict": "max_tokens",
+    "num_ctx": "num_ctx",
     "stop": "stop",
     "kv_bits": "kv_bits",  # mlxlis' extension: this request's KV cache format
     "kv_group_size": "kv_group_size",
@@ -37,19 +45,49 @@ NAMES = {
 NO_LIMIT = (-1, -2)  # num_predict: Ollama's "until the end" and "fill the context"
 
 
+# the options Ollama's runner reads and that cannot change the answer are accepted as
+# no-ops (fields.NO_OPS["ollama"] says why for each)
+# options that would change the answer and are not honoured here -> why: set, a 400
+OPTION_REFUSED = {
+    "tfs_z": "tail-free sampling is not implemented (llama.cpp removed it): leave it unset or 1",
+    "penalize_newline": "not implemented: the repetition penalty counts every token",
+}
+
+
 class Options(_Body):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    typical_p: float | None = None
     seed: int | None = None
     repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
     num_predict: int | None = None
     stop: list[str] | None = None
     kv_bits: int | None = None
     kv_group_size: int | None = None
-    # accepted and ignored: every request is bounded by the server's context (--max-context)
+    tfs_z: float | None = None
+    penalize_newline: bool | None = None
     num_ctx: int | None = None
+    num_keep: int | None = None
+    numa: bool | None = None
+    num_batch: int | None = None
+    num_gpu: int | None = None
+    main_gpu: int | None = None
+    low_vram: bool | None = None
+    f16_kv: bool | None = None
+    logits_all: bool | None = None
+    vocab_only: bool | None = None
+    use_mmap: bool | None = None
+    use_mlock: bool | None = None
+    embedding_only: bool | None = None
+    num_thread: int | None = None
 
 
 class ToolCallFunction(_Body):
@@ -112,6 +150,9 @@ class GenerateRequest(_Request):
     images: list[str] | None = None
     template: str | None = None
     context: list[int] | None = None
+    width: int | None = None  # image generation's: refused (check_generate)
+    height: int | None = None
+    steps: int | None = None
 
 
 class ShowRequest(_Body):
@@ -128,6 +169,10 @@ def sampling(req: _Request) -> dict[str, Any]:
     """The options and `format` as the server's request fields (chat and generate alike)."""
     body: dict[str, Any] = {}
     if req.options is not None:
+        for name, why in OPTION_REFUSED.items():
+            value = getattr(req.options, name)
+            if value is not None and not (name == "tfs_z" and value == 1.0):
+                raise bad(why, f"options.{name}")
         for theirs, ours in OPTIONS.items():
             if (v := getattr(req.options, theirs)) is not None:
                 body[ours] = v
@@ -214,6 +259,9 @@ def check_generate(req: GenerateRequest) -> None:
         raise bad("not supported: the model's own chat template renders every prompt", "template")
     if req.context:
         raise bad("not supported (deprecated by Ollama): send the turns to /api/chat", "context")
+    for name in ("width", "height", "steps"):
+        if getattr(req, name) is not None:
+            raise bad("image generation is not served here", name)
     if req.raw and req.system:
         raise bad("not with raw: a raw prompt is used as it is", "system")
 

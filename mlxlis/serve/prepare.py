@@ -13,8 +13,9 @@ from mlxlis.cache.store import BITS, KVChoice, KVFormat
 from mlxlis.errors import ContextLimitError, MlxlisError, NoChatTemplateError, TemplateError
 from mlxlis.generation.context import ContextOverflow, fit_context
 from mlxlis.generation.core import Request
+from mlxlis.generation.processors import check_vocabulary
 from mlxlis.generation.request import Ask, RequestError, build, masks
-from mlxlis.generation.sampling import SamplingError, SamplingParams
+from mlxlis.generation.sampling import SamplingError, SamplingParams, draws_of_its_own
 from mlxlis.generation.speculative import Speculation
 from mlxlis.prompt.tool_formats import ToolFormat
 from mlxlis.serve.chat_messages import message_dict
@@ -22,6 +23,15 @@ from mlxlis.serve.openai_format import MAX_TOP_LOGPROBS, APIError, bad
 from mlxlis.serve.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 
 MAX_STOP_STRINGS = 16
+# reasoning_effort -> the template's thinking switch (where it has one)
+EFFORT_THINKS = {
+    "none": False,
+    "minimal": False,
+    "low": False,
+    "medium": True,
+    "high": True,
+    "xhigh": True,
+}
 # template variables a request may not set through chat_template_kwargs (render_chat's own)
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
@@ -56,25 +66,54 @@ class Prepared:
     asked: int | None = None  # the max_tokens asked for, when the context cut it (logged)
 
 
+# the body's sampling fields -> SamplingParams' (llama-server's names included)
+SAME_NAMES = """
+temperature top_p top_k min_p repetition_penalty presence_penalty
+frequency_penalty logit_bias typical_p top_n_sigma dry_multiplier dry_base
+dry_allowed_length dry_penalty_last_n dry_sequence_breakers xtc_probability xtc_threshold mirostat
+mirostat_tau mirostat_eta seed
+"""
+SAMPLING_FIELDS = {
+    **{name: name for name in SAME_NAMES.split()},
+    "repeat_penalty": "repetition_penalty",
+    "repeat_last_n": "repetition_context",
+}
+
+
 def sampling(
-    req: _Sampling, defaults: SamplingParams, max_field: str, max_tokens: int | None
+    req: _Sampling,
+    defaults: SamplingParams,
+    max_field: str,
+    max_tokens: int | None,
+    vocab: int | None = None,
 ) -> SamplingParams:
-    """The request's sampling values over the server's defaults (max_tokens set later)."""
+    """The request's sampling values over the server's defaults (max_tokens set later);
+    logit_bias's ids checked against a vocabulary of `vocab` tokens."""
     if req.n is not None and req.n != 1:
         raise bad(f"n: only n=1 is supported, not {req.n}", "n")
     changes: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
-        value = getattr(req, name)
+    named: dict[str, str] = {}  # our field -> the body's name for it (what a refusal names)
+    for theirs, ours in SAMPLING_FIELDS.items():
+        value = getattr(req, theirs)
         if value is not None:
-            changes[name] = value
+            changes[ours], named[ours] = value, theirs
     if changes.get("top_k") == -1:  # vLLM's and llama.cpp's "off"
         changes["top_k"] = 0
+    if changes.get("top_n_sigma") == -1:  # llama.cpp's "off"
+        changes["top_n_sigma"] = 0.0
+    if changes.get("repetition_context") == 0:  # llama.cpp's repeat_last_n 0: no penalty
+        changes["repetition_context"], changes["repetition_penalty"] = 1, 1.0
+    elif changes.get("repetition_context") == -1:  # llama.cpp's "the whole context"
+        changes["repetition_context"] = 2**31 - 1
     if max_tokens is not None:
         changes["max_tokens"] = max_tokens
     try:
-        return defaults.replace(**changes)
+        params = defaults.replace(**changes)
+        if vocab is not None:
+            check_vocabulary(params, vocab)
+        return params
     except SamplingError as e:
-        param = max_field if e.field == "max_tokens" else e.field
+        param = max_field if e.field == "max_tokens" else named.get(e.field or "", e.field)
         raise bad(f"{param}: {str(e).split(': ', 1)[-1]}", param) from None
 
 
@@ -189,9 +228,29 @@ def fit(
     return fitted, params.max_tokens if cut else None
 
 
+def speculable(t: Target, params: SamplingParams) -> SamplingParams:
+    """`params`, or a 400 naming the sampler a speculating server cannot run (XTC's coin and
+    mirostat's state are no fixed distribution for the ratio test)."""
+    if t.speculation is not None and (name := draws_of_its_own(params)) is not None:
+        raise bad(f"{name}: not with this server's speculative decoding", name)
+    return params
+
+
+def within(t: Target, req: _Sampling) -> Target:
+    """`t` with the request's own context (num_ctx, Ollama's) when it is smaller than the
+    server's: the prompt and max_tokens bounded by it as by --max-context."""
+    n = req.num_ctx
+    if n is None:
+        return t
+    if n < 1:
+        raise bad(f"num_ctx: must be an integer > 0, not {n}", "num_ctx")
+    return replace(t, max_context=min(n, t.max_context))
+
+
 def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
     """A chat request's checks in OpenAI's terms, then the one request builder
     (generation/request.py), its refusals worded as OpenAI words them."""
+    t = within(t, req)
     model = t.model
     if not req.messages:
         raise bad("messages: at least one message is required", "messages")
@@ -210,8 +269,13 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
     explicit = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
-    params = sampling(req, t.defaults, max_field, explicit)
+    vocab = model.tokenizer.vocab_size
+    params = speculable(t, sampling(req, t.defaults, max_field, explicit, vocab))
     variables = dict(req.chat_template_kwargs or {})
+    if (effort := req.reasoning_effort) is not None:
+        if effort not in EFFORT_THINKS:
+            raise bad(f"reasoning_effort: one of {', '.join(EFFORT_THINKS)}", "reasoning_effort")
+        variables = {**model.thinking_vars(EFFORT_THINKS[effort]), **variables}
     if clash := sorted(RESERVED_TEMPLATE_VARS & variables.keys()):
         raise bad(f"chat_template_kwargs: {', '.join(clash)} cannot be set", "chat_template_kwargs")
     adapter, scale = adapter_choice(t, req)
@@ -256,6 +320,7 @@ def prepare_chat(t: Target, req: ChatCompletionRequest) -> Prepared:
 
 
 def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
+    t = within(t, req)
     model = t.model
     if req.echo:
         raise bad("echo: not supported", "echo")
@@ -265,7 +330,9 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
         raise bad(f"best_of: only 1 is supported, not {req.best_of}", "best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise bad(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}], not {req.logprobs}", "logprobs")
-    params = sampling(req, t.defaults, "max_tokens", req.max_tokens)
+    params = speculable(
+        t, sampling(req, t.defaults, "max_tokens", req.max_tokens, model.tokenizer.vocab_size)
+    )
     stops = stop_strings(req.stop)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
+from mlxlis.serve.fields import INCLUDE_LOGPROBS, INCLUDE_NO_OPS
 from mlxlis.serve.openai_format import APIError, new_id
 from mlxlis.serve.prepare import prepare_chat
 from mlxlis.serve.reply import ChatReply
@@ -177,6 +178,11 @@ def to_chat(
         body["tool_choice"] = tool_choice(req.tool_choice, tools)
     if req.text and req.text.format and (fmt := _format(req.text.format)) is not None:
         body["response_format"] = fmt
+    include = set(req.include or ())
+    if unknown := sorted(include - INCLUDE_NO_OPS - {INCLUDE_LOGPROBS}):
+        raise bad(f"{unknown[0]!r} is not a value this server knows", "include")
+    if INCLUDE_LOGPROBS in include or req.top_logprobs is not None:
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     effort = req.reasoning.effort if req.reasoning else None
     if effort in THINKS and model is not None and (switch := model.thinking_vars(THINKS[effort])):
         body["chat_template_kwargs"] = switch  # the template's own spelling
@@ -334,7 +340,7 @@ def router(svc: Service, auth: list) -> APIRouter:
             chat, conversation, spaces = to_chat(req, history, served.model)
             prep = await svc.prepare(served, prepare_chat, chat, names=NAMES)
             rid = new_id("resp").replace("-", "_")
-            reply = svc.chat_reply(served, prep)
+            reply = svc.chat_reply(served, prep, bool(chat.logprobs))
             run = svc.submit(served, prep, rid, request)
         if req.stream:
             return StreamingResponse(

@@ -26,6 +26,7 @@ class Output:
         # streamed: a call's item opens as it begins (its arguments follow as they come); else
         # each call is an item once whole, and a call the reply was cut in is none
         self.streaming = streaming
+        self.logprobs: list[dict[str, Any]] = []  # the reply's tokens not yet in a message
 
     def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         out = self.stop()
@@ -59,7 +60,9 @@ class Output:
             kind = "output_text" if item["type"] == "message" else "reasoning_text"
             done = {**head, "content_index": 0, "text": part["text"]}
             if kind == "output_text":
-                done["logprobs"] = []
+                part["logprobs"] += self.logprobs
+                self.logprobs = []
+                done["logprobs"] = part["logprobs"]
             out.append({"type": f"response.{kind}.done", **done})
             out.append(
                 {"type": "response.content_part.done", **head, "content_index": 0, "part": part}
@@ -78,6 +81,8 @@ class Output:
 
     def feed(self, d: Delta) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
+        if not d.reasoning:  # a message's tokens (logprobs asked for): with its next text
+            self.logprobs += d.logprobs
         for kind, text in (("reasoning", d.reasoning), ("message", d.content)):
             if not text:
                 continue
@@ -94,7 +99,8 @@ class Output:
                 "delta": text,
             }
             if kind == "message":
-                delta["logprobs"] = []
+                delta["logprobs"], self.logprobs = self.logprobs, []
+                part["logprobs"] += delta["logprobs"]
             out.append(delta)
         pieces = d.call_pieces if self.streaming else [whole(c) for c in d.tool_calls]
         for piece in pieces:  # a call's first piece opens its item (tool_calls.py)

@@ -55,10 +55,31 @@ class ResponsesRequest(_Body):
     store: bool = True
     previous_response_id: str | None = None
     stream: bool = False
+    # output_text's logprobs ("message.output_text.logprobs"); what else it may name is
+    # never made here (fields.INCLUDE_NO_OPS)
+    include: list[str] | None = None
+    top_logprobs: int | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
+    background: bool | None = None
+    context_management: list[Any] | dict[str, Any] | None = None
+    max_tool_calls: int | None = None
+    truncation: str | None = None
+    moderation: dict[str, Any] | None = None
+    image: dict[str, Any] | None = None
+    access_programs: Any = None
     REFUSED: ClassVar[dict[str, str]] = {
         "conversation": "conversations are not kept here: send previous_response_id, or the "
         "whole input",
         "prompt": "stored prompts are not kept here: send instructions and input",
+        "background": "background runs are not served: the reply comes with the request",
+        "context_management": "the context is not compacted here: a request past it is refused",
+        "max_tool_calls": "not enforced here: the model's calls come back to the client, "
+        "which decides",
+        "truncation": 'only "disabled" is served: a conversation past the context is '
+        "refused, never cut",
+        "moderation": "moderation is not run here",
+        "image": "image generation is not served here",
+        "access_programs": "the provider's access programs are not served here",
     }
+    ALLOWED: ClassVar[dict[str, tuple[Any, ...]]] = {"truncation": ("disabled",)}

@@ -1,10 +1,12 @@
 """Request bodies of the OpenAI API, as pydantic models: types only, strictly (no "1" for 1).
 
 Ranges are checked where they are defined once, `mlxlis.SamplingParams` (prepare.py), so the
-server refuses exactly what the CLI and the library refuse. Fields the API has and mlxlis
-does not use (presence_penalty, user, ...) and unknown fields are ignored; those that would
-change the answer in a way mlxlis cannot honour (a body's REFUSED: logit_bias, the legacy
-functions) are a 400 naming them when set (service.read_body), never ignored.
+server refuses exactly what the CLI and the library refuse. Every field of the API is used,
+accepted as a no-op that does not change the answer (docs/api-fields.md lists them and why:
+user, metadata, service_tier, …; `NO_OPS` here) or refused: a body's REFUSED fields (the
+legacy functions, …) are a 400 naming them when set (service.read_body), never ignored.
+Unknown fields (another server's extensions) are ignored, as OpenAI's SDKs send them only on
+request (`extra_body`).
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     # fields of the API that change the answer and cannot be honoured here -> why: set (not
-    # null, false or empty), a 400 naming the field
+    # null, false or empty, nor one of its ALLOWED values), a 400 naming the field
     REFUSED: ClassVar[dict[str, str]] = {}
+    ALLOWED: ClassVar[dict[str, tuple[Any, ...]]] = {}  # a REFUSED field's values that are fine
 
     def refused(self) -> tuple[str, str] | None:
         """(field, why) of the first REFUSED field this body sets."""
         for name, why in self.REFUSED.items():
-            if getattr(self, name) not in (None, False, "", [], {}):
+            value = getattr(self, name)
+            if value not in (None, False, "", [], {}) and value not in self.ALLOWED.get(name, ()):
                 return name, why
         return None
 
@@ -81,6 +85,25 @@ class _Sampling(_Body):
     top_k: int | None = None  # not in OpenAI's API; vLLM's and llama.cpp's (-1 = off)
     min_p: float | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None  # token id (as text) -> bias in [-100, 100]
+    # llama-server's names for its samplers (prepare.LLAMA_CPP maps them): the same body
+    # that llama.cpp takes samples the same way here
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    typical_p: float | None = None
+    top_n_sigma: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None
@@ -93,6 +116,8 @@ class _Sampling(_Body):
     # mlxlis' extension, as Ollama's: how long the model stays loaded once idle (a duration
     # such as 5m, seconds, -1 forever, 0 at once)
     keep_alive: float | str | None = None
+    # Ollama's options.num_ctx: this request's context, within the server's (--max-context)
+    num_ctx: int | None = None
     # llama.cpp's: the LoRA adapter this request runs under, by id, and its scale (the
     # model's name may choose one too: BASE:NAME); [] the base
     lora: list[LoraChoice] | None = None
@@ -110,13 +135,28 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # enforced calls: one unless true
     chat_template_kwargs: dict[str, Any] | None = None
-    logit_bias: dict[str, Any] | None = None
+    # the thinking switch of the model's template, where it has one (a template without one
+    # thinks as it does: docs/api-fields.md)
+    reasoning_effort: str | None = None
     functions: list[Any] | None = None  # the API's first, deprecated, form of tools
     function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: str | None = None
+    moderation: dict[str, Any] | None = None
     REFUSED: ClassVar[dict[str, str]] = {
-        "logit_bias": "not supported: a token's bias would be ignored",
         "functions": "the deprecated functions API is not served: send tools",
         "function_call": "the deprecated functions API is not served: send tool_choice",
+        "audio": "audio output is not served: the models here write text",
+        "modalities": 'only ["text"] is served',
+        "web_search_options": "web search is not served here",
+        "verbosity": 'not supported: the reply is as long as the model makes it ("medium")',
+        "moderation": "moderation is not run here",
+    }
+    ALLOWED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "modalities": (["text"],),
+        "verbosity": ("medium",),
     }
 
 
