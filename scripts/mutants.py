@@ -84,6 +84,7 @@ OLMO3_GGUF = "tests/test_olmo3.py::test_gguf_from_llama_cpp_converter_equals_the
 LORA_FUSE = "tests/test_lora_fuse.py"
 GLM4_HF = "tests/test_glm4_moe.py::test_logits_match_transformers_fp32"
 GLM4_GGUF = "tests/test_glm4_moe.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
+GLM4_DTYPE = "tests/test_glm4_moe.py::test_router_keeps_float32_under_bfloat16_and_float16"
 MM2_HF = "tests/test_minimax_m2.py::test_logits_match_transformers_fp32"
 MM2_GGUF = "tests/test_minimax_m2.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
 LFM2_HF = "tests/test_lfm2.py::test_logits_match_transformers_fp32"
@@ -2636,6 +2637,22 @@ MUTANTS = (
         "        1,",
         (GLM4_GGUF,),
         "GLM-4.5 GGUF: expert_group_count not read (one group: the limit off)",
+    ),
+    Mutant(
+        "glm4-router-in-compute-dtype",
+        "mlxlis/loading/binding.py",
+        "        target = mx.float32 if name in wide else dtype",
+        "        target = dtype",
+        (GLM4_DTYPE,),
+        "GLM-4.5: the router's weight and correction bias cast to the compute dtype at load",
+    ),
+    Mutant(
+        "glm4-gguf-router-in-compute-dtype",
+        "mlxlis/models/from_gguf.py",
+        '            want = mx.float32 if f"{module}.{part}" in wide else dtype',
+        "            want = dtype",
+        (GLM4_DTYPE,),
+        "GLM-4.5 GGUF: the router's tensors cast to the compute dtype as they convert",
     ),
     Mutant(
         "minimax-k-norm-per-head",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxlis.errors import ConfigError
+from mlxlis.loading.binding import Float32Parameters
 from mlxlis.models.config import ModelConfig, MoEConfig, number
 from mlxlis.models.experts import ExpertSource, SwitchGLU, expert_stacks
 from mlxlis.models.layers import MLP
@@ -62,9 +63,13 @@ def checked_routing(
     return GroupRouting(groups, used, float(scale), shared)
 
 
-class GroupRouter(nn.Module):
-    """weight (E, hidden) and e_score_correction_bias (E,), under the checkpoints' names;
+class GroupRouter(nn.Module, Float32Parameters):
+    """weight (E, hidden) and e_score_correction_bias (E,), under the checkpoints' names,
+    held in float32 whatever the compute dtype (transformers keeps both so: in bfloat16 a
+    near-tie between two experts' biased scores can go the other way);
     x (B, T, hidden) -> (indices (B, T, k), weights (B, T, k) float32)."""
+
+    float32 = ("weight", "e_score_correction_bias")
 
     def __init__(self, cfg: ModelConfig, routing: GroupRouting):
         super().__init__()
@@ -75,6 +80,7 @@ class GroupRouter(nn.Module):
         self._routing = routing
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        # the input widened, as the reference's router does: every product in float32
         logits = x.astype(mx.float32) @ self.weight.astype(mx.float32).T  # (B, T, E)
         return sigmoid_route(
             logits, self.e_score_correction_bias, self._k, self._norm, self._routing
