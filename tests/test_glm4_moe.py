@@ -303,7 +303,7 @@ def near_tie(ref, layer: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[int]
             s = torch.sigmoid(x @ gate.weight.T)[0]
             kept = gate.e_score_correction_bias.clone()
             order = torch.argsort(s + kept, descending=True).tolist()
-            # a and b: the last chosen and the first left out, in a group the token uses
+            # a and b: k-th and (k+1)-th by biased score (kept only where rounding tells)
             a, b = order[k - 1], order[k]
             for delta in (1e-5, -1e-5):
                 bias = kept.clone()
