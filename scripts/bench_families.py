@@ -18,17 +18,27 @@ loads it in a fresh process (mlxlis first, so both run on the same BLAS) and run
 PROMPT-token prefill and DECODE greedy steps, best of --rounds. Prints a Markdown table and
 writes bench-results/families.json.
 
-usage: python scripts/bench_families.py [--layers N] [--hidden N] [--rounds N] [--models M ...]
+The newer families (scripts/family_shapes.py: OLMo 3, LFM2, GLM-4.5, MiniMax-M2, and DeepSeek-V3,
+Granite 4.0-H and Nemotron-H where the registry has them, found there by model_type) run the
+same way at --wide width over --wide-layers layers, against mlx-lm where mlx-lm has the type;
+their table also gives each engine's cache bytes per prompt token (its caches' state after the
+prefill) and, for an MLA family, the bytes K and V would take expanded per head.
+
+usage: python scripts/bench_families.py [--layers N] [--hidden N] [--wide N] [--wide-layers N]
+       [--rounds N] [--models M ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from family_shapes import expanded_kv_bytes, new_family_configs, write_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT, DECODE = 256, 64
@@ -41,6 +51,7 @@ engine, folder = sys.argv[1], sys.argv[2]
 import mlxlis
 from mlxlis.runtime.device import select_device, setup_process
 import mlx.core as mx
+from mlx.utils import tree_flatten
 setup_process(); select_device()
 if engine == "mlxlis":
     net = mlxlis.load(folder, "float32").net
@@ -55,15 +66,18 @@ def step(x, cache):
     return out[:, -1, :]
 ids = mx.random.randint(0, 1000, (1, {prompt}))
 best = (0.0, 0.0)
+kv = 0.0
 for _ in range(3):
     cache = make_cache()
     t0 = time.perf_counter(); logits = step(ids, cache); mx.eval(logits)
     prefill = {prompt} / (time.perf_counter() - t0)
+    held = tree_flatten([c.state for c in cache])  # every cache's arrays after the prefill
+    kv = sum(a.nbytes for _, a in held if isinstance(a, mx.array)) / {prompt}
     t0 = time.perf_counter()
     for _ in range({decode}):
         logits = step(logits.argmax(-1).reshape(1, 1), cache); mx.eval(logits)
     best = max(best[0], prefill), max(best[1], {decode} / (time.perf_counter() - t0))
-print(json.dumps(best))
+print(json.dumps([*best, kv]))
 """
 
 
@@ -281,100 +295,102 @@ def raw_configs(layers: int, hidden: int) -> dict[str, dict]:
     }
 
 
-def write_model(folder: Path, raw: dict) -> None:
-    """Random weights under Hugging Face names, config.json as `convert` writes it."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    sys.path.insert(0, str(ROOT))
-    from mlxlis.commands.convert import hf_config
-    from mlxlis.models import build_model, config_from_hf, family
-
-    folder.mkdir()
-    cfg = config_from_hf(raw)
-    net = build_model(cfg)
-    mx.random.seed(0)
-    spec = family(cfg.family)  # the tensors named as `convert` writes them
-    params = dict(tree_flatten(net.parameters()))
-    for copy, src in (spec.export.copies(cfg) if spec.export.copies else {}).items():
-        params.update({copy + k[len(src) :]: v for k, v in params.items() if k.startswith(src)})
-    params = {  # integer buffers (Qwen4-Exp's hash constants) as the model computes them
-        k: (mx.random.normal(v.shape) * 0.02 if v.ndim > 1 else mx.ones(v.shape) * 0.5)
-        if mx.issubdtype(v.dtype, mx.floating)
-        else v
-        for k, v in params.items()
-    }
-    for k in params:
-        if k.endswith("A_log"):
-            params[k] = mx.log(mx.random.uniform(0.5, 4.0, params[k].shape))
-    if spec.export.layout is not None:
-        params = {k: spec.export.layout(k, v) for k, v in params.items()}
-    params = {spec.export.name(k): v for k, v in params.items()}
-    mx.save_safetensors(str(folder / "model.safetensors"), params, {"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(hf_config(cfg, mx.float32, None)))
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())  # mlxlis opens a folder with its tokenizer; any will do
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
-    tok.train_from_iterator(["a small text for a tokenizer"] * 4, trainers.BpeTrainer())
-    tok.save(str(folder / "tokenizer.json"))
-
-
-def run(engine: str, folder: Path) -> tuple[float, float]:
+def run(engine: str, folder: Path) -> tuple[float, float, float]:
     code = WORKER.format(root=str(ROOT), prompt=PROMPT, decode=DECODE)
     out = subprocess.run(
         [sys.executable, "-c", code, engine, str(folder)],
         capture_output=True,
         text=True,
-        check=True,
     )
+    if out.returncode:
+        raise SystemExit(f"{engine} on {folder.name} failed:\n{out.stderr[-2000:]}")
     return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def mlx_lm_has(model_type: str) -> bool:
+    """Whether mlx-lm has a module for config.json's `model_type` (its own remapping applied)."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    name = MODEL_REMAPPING.get(model_type, model_type)
+    return importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
+
+
+def registered(raw: dict) -> bool:
+    sys.path.insert(0, str(ROOT))
+    from mlxlis.models import HF_MODEL_TYPES
+
+    return raw["model_type"] in HF_MODEL_TYPES
+
+
+def bench(shapes: dict[str, dict], rounds: int, tmp: Path, only) -> list[dict]:
+    """Each shape written once, each engine run `rounds` times alternating: the best rows."""
+    rows = []
+    for model, raw in shapes.items():
+        if only and model not in only:
+            continue
+        folder = tmp / model
+        write_model(folder, raw)
+        engines = ("mlxlis", "mlx-lm") if mlx_lm_has(raw["model_type"]) else ("mlxlis",)
+        if model in MLXLIS_ONLY:
+            engines = ("mlxlis",)
+        best: dict[str, tuple[float, float, float]] = {}
+        for _ in range(rounds):  # alternate the engines, best of rounds
+            for engine in engines:
+                p, d, kv = run(engine, folder)
+                old = best.get(engine, (0.0, 0.0, kv))
+                best[engine] = (max(old[0], p), max(old[1], d), kv)
+        for engine, (p, d, kv) in best.items():
+            rows.append(
+                {
+                    "model": model,
+                    "engine": engine,
+                    "prefill_tok_s": round(p, 1),
+                    "decode_tok_s": round(d, 1),
+                    "cache_bytes_per_token": round(kv),
+                    "expanded_kv_bytes_per_token": expanded_kv_bytes(raw),
+                }
+            )
+    return rows
+
+
+def table(rows: list[dict], title: str, kv: bool) -> None:
+    """A Markdown table of `rows`, each engine's speeds relative to mlx-lm's on its model."""
+    extra = " | cache B/token | expanded K/V B/token" if kv else ""
+    print(f"| {title} | engine | prefill tok/s ({PROMPT}) | decode tok/s ({DECODE}){extra} |")
+    print("|---|---|---|---" + ("|---|---|" if kv else "|"))
+    for r in rows:
+        base = next((b for b in rows if b["model"] == r["model"] and b["engine"] == "mlx-lm"), r)
+        p, d = r["prefill_tok_s"], r["decode_tok_s"]
+        cells = f"{p} ({p / base['prefill_tok_s']:.2f}×) | {d} ({d / base['decode_tok_s']:.2f}×)"
+        if kv:
+            expanded = r["expanded_kv_bytes_per_token"]
+            cells += f" | {r['cache_bytes_per_token']} | {expanded if expanded else '—'}"
+        print(f"| {r['model']} | {r['engine']} | {cells} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--wide", type=int, default=2048, help="the newer families' hidden size")
+    ap.add_argument("--wide-layers", type=int, default=4, help="the newer families' layers")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--models", nargs="*", help="only these (default: all)")
     args = ap.parse_args()
-    rows = []
+    newer = {
+        k: v for k, v in new_family_configs(args.wide_layers, args.wide).items() if registered(v)
+    }
     with tempfile.TemporaryDirectory(prefix="mlxlis-bench-families-") as tmp:
-        for model, raw in raw_configs(args.layers, args.hidden).items():
-            if args.models and model not in args.models:
-                continue
-            folder = Path(tmp) / model
-            write_model(folder, raw)
-            best: dict[str, tuple[float, float]] = {}
-            for _ in range(args.rounds):  # alternate the engines, best of rounds
-                for engine in ("mlxlis",) if model in MLXLIS_ONLY else ("mlxlis", "mlx-lm"):
-                    p, d = run(engine, folder)
-                    old = best.get(engine, (0.0, 0.0))
-                    best[engine] = (max(old[0], p), max(old[1], d))
-            for engine, (p, d) in best.items():
-                rows.append(
-                    {
-                        "model": model,
-                        "engine": engine,
-                        "prefill_tok_s": round(p, 1),
-                        "decode_tok_s": round(d, 1),
-                    }
-                )
-    print(
-        f"| model ({args.layers} layers, hidden {args.hidden}, float32) | engine | "
-        f"prefill tok/s ({PROMPT}) | decode tok/s ({DECODE}) |"
-    )
-    print("|---|---|---|---|")
-    for r in rows:
-        base = next((b for b in rows if b["model"] == r["model"] and b["engine"] == "mlx-lm"), r)
-        p, d = r["prefill_tok_s"], r["decode_tok_s"]
-        print(
-            f"| {r['model']} | {r['engine']} | {p} ({p / base['prefill_tok_s']:.2f}×) "
-            f"| {d} ({d / base['decode_tok_s']:.2f}×) |"
-        )
+        rows = bench(raw_configs(args.layers, args.hidden), args.rounds, Path(tmp), args.models)
+        wide = bench(newer, args.rounds, Path(tmp), args.models)
+    if rows:
+        table(rows, f"model ({args.layers} layers, hidden {args.hidden}, float32)", False)
+    if wide:
+        print()
+        table(wide, f"model ({args.wide_layers} layers, hidden {args.wide}, float32)", True)
     out = ROOT / "bench-results"
     out.mkdir(exist_ok=True)
-    (out / "families.json").write_text(json.dumps(rows, indent=2))
+    (out / "families.json").write_text(json.dumps(rows + wide, indent=2))
 
 
 if __name__ == "__main__":

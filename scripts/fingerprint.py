@@ -56,6 +56,8 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
     from test_gpt_oss import _sinks_of_unit_size
     from test_lfm2 import SPECS as LFM2
     from test_llama4 import SPECS as L4
+    from test_minimax_m2 import SPECS as MM2
+    from test_minimax_m2 import build as build_mm2
     from test_mistral3 import SPECS as MISTRAL
     from test_olmo3 import SPECS as OLMO3
     from test_phi3 import SPECS as PHI
@@ -102,6 +104,7 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
         "olmo3": (OLMO3["olmo3"], pad1),  # post-norm, whole q/k norms, window, YaRN on full
         "lfm2": (LFM2["lfm2_bias"], build_tiny),  # short convolutions with a bias, untied
         "glm4_moe": (GLM4["glm4_moe"], build_glm4),  # grouped sigmoid routing, partial RoPE
+        "minimax_m2": (MM2["minimax_m2"], build_mm2),  # whole q/k norms, biased sigmoid routing
     }
 
 

@@ -88,6 +88,9 @@ OLMO3_GGUF = "tests/test_olmo3.py::test_gguf_from_llama_cpp_converter_equals_the
 LORA_FUSE = "tests/test_lora_fuse.py"
 GLM4_HF = "tests/test_glm4_moe.py::test_logits_match_transformers_fp32"
 GLM4_GGUF = "tests/test_glm4_moe.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
+GLM4_DTYPE = "tests/test_glm4_moe.py::test_router_keeps_float32_under_bfloat16_and_float16"
+MM2_HF = "tests/test_minimax_m2.py::test_logits_match_transformers_fp32"
+MM2_GGUF = "tests/test_minimax_m2.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
 LFM2_HF = "tests/test_lfm2.py::test_logits_match_transformers_fp32"
 LFM2_CACHE = "tests/test_lfm2.py::test_chunked_prefill_decode_and_batches_equal_the_full_forward"
 LFM2_REWIND = "tests/test_lfm2.py::test_a_rejection_at_each_position_rewinds_the_conv_state_exactly"
@@ -2702,6 +2705,71 @@ MUTANTS = (
         "        1,",
         (GLM4_GGUF,),
         "GLM-4.5 GGUF: expert_group_count not read (one group: the limit off)",
+    ),
+    Mutant(
+        "glm4-router-in-compute-dtype",
+        "mlxlis/loading/binding.py",
+        "        target = mx.float32 if name in wide else dtype",
+        "        target = dtype",
+        (GLM4_DTYPE,),
+        "GLM-4.5: the router's weight and correction bias cast to the compute dtype at load",
+    ),
+    Mutant(
+        "glm4-gguf-router-in-compute-dtype",
+        "mlxlis/models/from_gguf.py",
+        '            want = mx.float32 if f"{module}.{part}" in wide else dtype',
+        "            want = dtype",
+        (GLM4_DTYPE,),
+        "GLM-4.5 GGUF: the router's tensors cast to the compute dtype as they convert",
+    ),
+    Mutant(
+        "minimax-k-norm-per-head",
+        "mlxlis/models/layers.py",
+        "self.k_norm(self.k_proj(x)), self.v_proj(x))",
+        "mx.fast.rms_norm(self.k_proj(x).reshape(*x.shape[:2], self.n_kv_heads, -1), None, "
+        "1e-6).reshape(*x.shape[:2], -1) * self.k_norm.weight, self.v_proj(x))",
+        (MM2_HF,),
+        "MiniMax-M2: k RMSNormed per head over head_dim, not over the whole projection",
+    ),
+    Mutant(
+        "minimax-rope-whole-head",
+        "mlxlis/models/minimax_m2.py",
+        "    return rotary if rotary < hd else None",
+        "    return None",
+        (MM2_HF,),
+        "MiniMax-M2: RoPE over the whole head, not its first rotary_dim dims",
+    ),
+    Mutant(
+        "minimax-weights-not-renormalised",
+        "mlxlis/models/minimax_m2.py",
+        "sigmoid_route(self.gate(x), bias, self._k, True, GroupRouting())",
+        "sigmoid_route(self.gate(x), bias, self._k, False, GroupRouting())",
+        (MM2_HF,),
+        "MiniMax-M2: the chosen experts' sigmoid scores used as they are, not renormalised",
+    ),
+    Mutant(
+        "minimax-bias-ignored",
+        "mlxlis/models/minimax_m2.py",
+        "        bias = self.e_score_correction_bias",
+        "        bias = mx.zeros_like(self.e_score_correction_bias)",
+        (MM2_HF,),
+        "MiniMax-M2: the correction bias left out of the choice",
+    ),
+    Mutant(
+        "minimax-gate-up-swapped",
+        "mlxlis/models/minimax_m2.py",
+        'EXPERT_PARTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}',
+        'EXPERT_PARTS = {"gate_proj": "w3", "up_proj": "w1", "down_proj": "w2"}',
+        (MM2_HF,),
+        "MiniMax-M2: the experts' w1 read as the up projection and w3 as the gate",
+    ),
+    Mutant(
+        "minimax-gguf-rotary-unread",
+        "mlxlis/models/minimax_m2.py",
+        'rotary = _rotary(hd, m.get("rope.dimension_count", hd),',
+        "rotary = _rotary(hd, hd,",
+        (MM2_GGUF,),
+        "MiniMax-M2 GGUF: rope.dimension_count not read (RoPE over whole heads)",
     ),
     Mutant(
         "lasttoken-takes-a-pad",

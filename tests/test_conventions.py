@@ -238,6 +238,11 @@ def test_name_tables():
     assert k_norm == "model.layers.0.self_attn.k_norm.weight"
     ffn_norm = module_name("gemma2", "blk.1.ffn_norm.weight")
     assert ffn_norm == "model.layers.1.pre_feedforward_layernorm.weight"
+    # llama.cpp's minimax-m2: the router's correction bias, the stacked experts
+    bias = module_name("minimax_m2", "blk.1.exp_probs_b.bias")
+    assert bias == "model.layers.1.block_sparse_moe.e_score_correction_bias"
+    gate = module_name("minimax_m2", "blk.1.ffn_gate_exps.weight")
+    assert gate == "model.layers.1.block_sparse_moe.switch_mlp.gate_proj.weight"
     assert module_name("llama", "blk.0.attn_q_norm.weight") is None  # no such llama module
     assert module_name("llama", "blk.0.nonsense.weight") is None
 

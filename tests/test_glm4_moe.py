@@ -287,3 +287,63 @@ def test_bad_configs_are_refused_naming_the_field(glm, tmp_path, change, field):
     from mlxlis.errors import MlxlisError
 
     check_config_refused(glm()[0], tmp_path, change, MlxlisError, field)
+
+
+def near_tie(ref, layer: int = 1) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A router input x (1, hidden; bfloat16 values) and a correction bias for `layer` that
+    put two experts within 1e-5 of each other at the top-k boundary of the reference's own
+    float32 scores, on the side where a bfloat16 copy of the router's weight and bias picks
+    the other one: (x, bias, the float32 reference's chosen experts, sorted)."""
+    gate = ref.model.layers[layer].mlp.gate
+    k = gate.top_k
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for _ in range(32):
+            x = torch.randn(1, gate.hidden_dim, generator=g).bfloat16().float()
+            s = torch.sigmoid(x @ gate.weight.T)[0]
+            kept = gate.e_score_correction_bias.clone()
+            order = torch.argsort(s + kept, descending=True).tolist()
+            # a and b: k-th and (k+1)-th by biased score (kept only where rounding tells)
+            a, b = order[k - 1], order[k]
+            for delta in (1e-5, -1e-5):
+                bias = kept.clone()
+                bias[b] = (s[a] + bias[a]) - s[b] - delta  # b just behind a, or just ahead
+                gate.e_score_correction_bias.copy_(bias)
+                want = sorted(gate(x)[2][0].tolist())
+                w32 = gate.weight.clone()
+                gate.weight.copy_(w32.bfloat16().float())
+                gate.e_score_correction_bias.copy_(bias.bfloat16().float())
+                rounded = sorted(gate(x)[2][0].tolist())
+                gate.weight.copy_(w32)
+                gate.e_score_correction_bias.copy_(kept)
+                if rounded != want:
+                    return x, bias, want
+    raise AssertionError("no near-tie that bfloat16 rounding breaks")
+
+
+def test_router_keeps_float32_under_bfloat16_and_float16(glm, tmp_path):
+    """transformers keeps GLM-4.5's router weight and correction bias in float32 whatever the
+    model's dtype (_keep_in_fp32_modules_strict). On a near-tie built from the reference's own
+    float32 scores (two experts 1e-5 apart at the top-k boundary, where a bfloat16 copy of the
+    router picks the other), the bfloat16 and float16 loads of the folder, and of llama.cpp's
+    f32 GGUF of it, choose the experts of the float32 reference, as transformers' own bfloat16
+    model does."""
+    from safetensors.numpy import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    folder, ref = glm()
+    x, bias, want = near_tie(ref)
+    tied = tmp_path / "tied"
+    shutil.copytree(folder, tied)
+    tensors = load_file(tied / "model.safetensors")
+    tensors["model.layers.1.mlp.gate.e_score_correction_bias"] = bias.numpy()
+    save_file(tensors, tied / "model.safetensors", metadata={"format": "pt"})
+    theirs = AutoModelForCausalLM.from_pretrained(tied, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        assert sorted(theirs.model.layers[1].mlp.gate(x.bfloat16())[2][0].tolist()) == want
+    gguf = llama_cpp_convert(tied, tmp_path / "tied.gguf")
+    for source, dtype in ((tied, "bfloat16"), (tied, "float16"), (gguf, "bfloat16")):
+        router = mlxlis.load(source, dtype).net.model.layers[1].mlp.gate
+        inds, _ = router(mx.array(x.numpy()).astype(getattr(mx, dtype))[None])
+        assert sorted(np.array(inds)[0, 0].tolist()) == want, (source, dtype)
+        assert router.weight.dtype == router.e_score_correction_bias.dtype == mx.float32

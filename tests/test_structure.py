@@ -310,6 +310,7 @@ NAMES_FAMILIES = {
     "mlxlis.prompt.tool_formats.partial": "tool-call argument syntaxes (gemma4's)",
     "mlxlis.prompt.tool_formats.json_calls": "tool-call formats named for who writes them",
     "mlxlis.prompt.tool_formats.table": "tool-call formats named for who writes them",
+    "mlxlis.prompt.tool_formats.xml_calls": "tool-call formats named for who writes them",
     "mlxlis.generation.tool_grammar.lark": "tool-call argument syntaxes (gemma4's)",
     "mlxlis.generation.tool_grammar.values": "tool-call argument syntaxes (gemma4's)",
     "mlxlis.tokenizer.gguf": "GGUF tokenizer kinds and pre-tokenizers (llama.cpp's names)",

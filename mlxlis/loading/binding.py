@@ -7,7 +7,7 @@ Which tensor feeds which parameter is decided and validated beforehand by `manif
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from mlxlis.errors import ConfigError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from mlxlis.runtime import kernels
@@ -36,6 +36,25 @@ class Bindable(Protocol):
         """Stacked expert parameters -> where Hugging Face checkpoints keep them (an
         ExpertSource of models/experts.py, or a tuple of alternatives); empty when none."""
         ...
+
+
+class Float32Parameters:
+    """A module whose parameters named in `float32` are held in float32 whatever the compute
+    dtype, as transformers keeps them (`_keep_in_fp32_modules_strict`): GLM-4.5's router,
+    whose near-ties a float16 / bfloat16 copy of its weight or correction bias would break.
+    `bind` (and the GGUF conversion) cast them to float32 instead of the compute dtype."""
+
+    float32: ClassVar[tuple[str, ...]] = ()
+
+
+def float32_names(model: nn.Module) -> set[str]:
+    """The full names of the parameters `model`'s Float32Parameters modules keep in float32."""
+    return {
+        f"{path}.{p}" if path else p
+        for path, m in model.named_modules()
+        if isinstance(m, Float32Parameters)
+        for p in m.float32
+    }
 
 
 class Quantizer(Protocol):
@@ -194,11 +213,13 @@ def bind(
     dtype: mx.Dtype,
     ignore: tuple[str, ...] = (),
 ) -> None:
-    """Check names and shapes against the model, cast floats to `dtype`, load, materialise.
+    """Check names and shapes against the model, cast floats to `dtype` (float32 for those a
+    Float32Parameters module keeps), load, materialise.
 
     Arrays are popped from `weights` as they are bound so the caller's references drop.
     """
     expected = dict(tree_flatten(model.parameters()))
+    wide = float32_names(model)
     for name in ignore:
         weights.pop(name, None)
     missing = sorted(set(expected) - set(weights))
@@ -225,15 +246,16 @@ def bind(
                 path=path,
                 field=name,
             )
-        narrow = kept_narrow(name, arr.dtype, dtype)
+        target = mx.float32 if name in wide else dtype
+        narrow = kept_narrow(name, arr.dtype, target)
         if (
             arr.dtype in FLOAT_DTYPES
             and ref.dtype in FLOAT_DTYPES
-            and arr.dtype != dtype
+            and arr.dtype != target
             and not narrow
         ):
             if id(arr) not in cast:
-                cast[id(arr)] = (arr, arr.astype(dtype))
+                cast[id(arr)] = (arr, arr.astype(target))
             arr = cast[id(arr)][1]
         items.append((name, arr))
     del cast

@@ -24,6 +24,7 @@ from mlxlis.models.gpt_oss import GPT_OSS
 from mlxlis.models.lfm2 import LFM2
 from mlxlis.models.llama import LLAMA
 from mlxlis.models.llama4 import LLAMA4
+from mlxlis.models.minimax_m2 import MINIMAX_M2
 from mlxlis.models.mistral3 import MISTRAL3
 from mlxlis.models.modernbert import MODERNBERT
 from mlxlis.models.nomic_bert import NOMIC_BERT
@@ -59,6 +60,7 @@ REGISTRY: dict[str, Family] = {
             PHI3,
             GPT_OSS,
             GLM4_MOE,
+            MINIMAX_M2,
         ),
         BERT,
         MODERNBERT,

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mlxlis.errors import UnexpectedTensorError, UnsupportedError
-from mlxlis.loading.binding import bind, kept_narrow, quantize_like
+from mlxlis.loading.binding import bind, float32_names, kept_narrow, quantize_like
 from mlxlis.loading.gguf import GGUFFile
 from mlxlis.loading.gguf_split import read_gguf
 from mlxlis.loading.quants import QUANTIZABLE, allocate, convert_tensor
@@ -103,7 +103,10 @@ def load_gguf(
         held = part.holds if part is not None else None
         dense, sub_blocks = _dense_policy(gf, cfg, dtype, dequantize, part)
         spec = family(cfg.family)
-        weights, quant, specials, ignored = _convert(gf, cfg, dtype, dense, clock, held, sub_blocks)
+        wide = float32_names(build_model(cfg))  # names only: its arrays are never evaluated
+        weights, quant, specials, ignored = _convert(
+            gf, cfg, dtype, dense, clock, held, sub_blocks, wide
+        )
         rope_freqs = specials.pop("rope_freqs.weight", None)
         if spec.gguf.tensor_config is not None:
             cfg = spec.gguf.tensor_config(cfg, specials)
@@ -221,7 +224,14 @@ def module_sizes(gf: GGUFFile, cfg: ModelConfig) -> dict[str, int]:
 
 
 def _convert(
-    gf: GGUFFile, cfg: ModelConfig, dtype: mx.Dtype, dense, clock: _Clock, held=None, sub=None
+    gf: GGUFFile,
+    cfg: ModelConfig,
+    dtype: mx.Dtype,
+    dense,
+    clock: _Clock,
+    held=None,
+    sub=None,
+    wide: frozenset[str] | set[str] = frozenset(),
 ):
     """Every tensor under its module name, conventions undone: (weights, quant, the tensors
     that are config — rope_freqs, the family's gguf.config_tensors — by name, names of the
@@ -229,7 +239,7 @@ def _convert(
     dense(name): convert that tensor dense (else quantized where MLX can hold it).
     sub(name): hold a K-quant tensor as stored (the CPU kernels' layout; None: never).
     held(module name): whether this pipeline rank reads it (None: every tensor); the others
-    are never read."""
+    are never read. wide: the parameters kept in float32 (binding.Float32Parameters)."""
     weights: dict[str, mx.array] = {}
     quant: dict[str, dict] = {}
     specials: dict[str, mx.array] = {}
@@ -276,7 +286,7 @@ def _convert(
             continue
         target = targets[name]
         # 1-D tensors (norms, biases) convert in fp32 so `w - 1` happens before rounding
-        conv_dtype = mx.float32 if len(t.shape) == 1 else dtype
+        conv_dtype = mx.float32 if len(t.shape) == 1 or target in wide else dtype
         conv = convert_tensor(
             t,
             gf.raw(name),
@@ -299,9 +309,10 @@ def _convert(
         del conv
         for part, arr in parts.items():
             new = spec.undo(target, arr, cfg, part)
-            if new.dtype in (mx.float32, mx.float16, mx.bfloat16) and new.dtype != dtype:
-                if not kept_narrow(f"{module}.{part}", new.dtype, dtype):
-                    new = new.astype(dtype)
+            want = mx.float32 if f"{module}.{part}" in wide else dtype
+            if new.dtype in (mx.float32, mx.float16, mx.bfloat16) and new.dtype != want:
+                if not kept_narrow(f"{module}.{part}", new.dtype, want):
+                    new = new.astype(want)
             if new is not arr:
                 mx.eval(new)  # materialise now so the converted original can go
             if stacked:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxlis.errors import ConfigError
+from mlxlis.loading.binding import Float32Parameters
 from mlxlis.models.config import ModelConfig, MoEConfig, number
 from mlxlis.models.experts import ExpertSource, SwitchGLU, expert_stacks
 from mlxlis.models.layers import MLP
@@ -62,9 +63,13 @@ def checked_routing(
     return GroupRouting(groups, used, float(scale), shared)
 
 
-class GroupRouter(nn.Module):
-    """weight (E, hidden) and e_score_correction_bias (E,), under the checkpoints' names;
+class GroupRouter(nn.Module, Float32Parameters):
+    """weight (E, hidden) and e_score_correction_bias (E,), under the checkpoints' names,
+    held in float32 whatever the compute dtype (transformers keeps both so: in bfloat16 a
+    near-tie between two experts' biased scores can go the other way);
     x (B, T, hidden) -> (indices (B, T, k), weights (B, T, k) float32)."""
+
+    float32 = ("weight", "e_score_correction_bias")
 
     def __init__(self, cfg: ModelConfig, routing: GroupRouting):
         super().__init__()
@@ -75,24 +80,35 @@ class GroupRouter(nn.Module):
         self._routing = routing
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        r, k = self._routing, self._k
+        # the input widened, as the reference's router does: every product in float32
         logits = x.astype(mx.float32) @ self.weight.astype(mx.float32).T  # (B, T, E)
-        scores = mx.sigmoid(logits)
-        choice = scores + self.e_score_correction_bias.astype(mx.float32)  # for the choice only
-        if r.topk_group < r.n_group:
-            *lead, e = choice.shape
-            groups = choice.reshape(*lead, r.n_group, e // r.n_group)  # (B, T, G, E / G)
-            worth = mx.topk(groups, 2, axis=-1).sum(axis=-1)  # (B, T, G): the best two's sum
-            # the topk_group-th best worth and those above it (a tie admits both groups)
-            floor = mx.topk(worth, r.topk_group, axis=-1).min(axis=-1, keepdims=True)
-            kept = (worth >= floor)[..., None]  # (B, T, G, 1)
-            groups = mx.where(kept, groups, mx.array(-mx.inf, mx.float32))
-            choice = groups.reshape(*lead, e)
-        inds = mx.argpartition(-choice, kth=k - 1, axis=-1)[..., :k]  # (B, T, k), any order
-        weights = mx.take_along_axis(scores, inds, axis=-1)  # uncorrected scores
-        if self._norm:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return mx.stop_gradient(inds), weights * r.routed_scaling_factor
+        return sigmoid_route(
+            logits, self.e_score_correction_bias, self._k, self._norm, self._routing
+        )
+
+
+def sigmoid_route(
+    logits: mx.array, bias: mx.array, k: int, norm: bool, r: GroupRouting
+) -> tuple[mx.array, mx.array]:
+    """The router's logits (B, T, E) and correction bias (E,) -> the k chosen experts (B, T, k)
+    and their weights (B, T, k) float32: sigmoid scores, the bias added for the choice only,
+    the choice within the best groups, the weights renormalised when `norm`, then scaled."""
+    scores = mx.sigmoid(logits.astype(mx.float32))
+    choice = scores + bias.astype(mx.float32)  # for the choice only
+    if r.topk_group < r.n_group:
+        *lead, e = choice.shape
+        groups = choice.reshape(*lead, r.n_group, e // r.n_group)  # (B, T, G, E / G)
+        worth = mx.topk(groups, 2, axis=-1).sum(axis=-1)  # (B, T, G): the best two's sum
+        # the topk_group-th best worth and those above it (a tie admits both groups)
+        floor = mx.topk(worth, r.topk_group, axis=-1).min(axis=-1, keepdims=True)
+        kept = (worth >= floor)[..., None]  # (B, T, G, 1)
+        groups = mx.where(kept, groups, mx.array(-mx.inf, mx.float32))
+        choice = groups.reshape(*lead, e)
+    inds = mx.argpartition(-choice, kth=k - 1, axis=-1)[..., :k]  # (B, T, k), any order
+    weights = mx.take_along_axis(scores, inds, axis=-1)  # uncorrected scores
+    if norm:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return mx.stop_gradient(inds), weights * r.routed_scaling_factor
 
 
 class GroupedMoE(nn.Module):
