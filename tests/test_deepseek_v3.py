@@ -262,21 +262,25 @@ def test_quantized_latent_cache(model):
         model.make_cache(KVFormat(bits=8, group_size=128))
 
 
-def test_gguf_from_llama_cpp_converter_equals_the_folder(ds, model, tmp_path):
+def test_gguf_from_llama_cpp_converter_equals_the_folder(ds, tmp_path):
     """llama.cpp's convert_hf_to_gguf.py (arch deepseek2: one KV head of key_length
     kv_lora_rank + rope, kv_b_proj split into k_b (n_heads, kv_lora_rank, nope) and v_b, the
     experts stacked, the correction bias as exp_probs_b, yarn_log_multiplier = 0.1 ·
     mscale_all_dim) at f32: the GGUF loads with the folder's structure and gives the folder's
-    logits (bound 1e-5: the split up-projections multiply in another order)."""
-    path = llama_cpp_convert(ds("q_lora")[0], tmp_path / "ds.gguf")
-    g, s = mlxlis.load(path, "float32"), model.config
-    c = g.config
-    assert c.family == "deepseek_v3" and c.num_hidden_layers == 3
+    logits (bound 1e-5: the split up-projections multiply in another order). A GGUF states
+    mscale_all_dim only (llama.cpp takes mscale equal to it, as the released checkpoints
+    have it): the folder converted has mscale = mscale_all_dim."""
+    folder = edited(ds("q_lora")[0], tmp_path / "even", rope_parameters={**YARN, "mscale": 0.707})
+    path = llama_cpp_convert(folder, tmp_path / "ds.gguf")
+    g, src = mlxlis.load(path, "float32"), mlxlis.load(folder, "float32")
+    c, s = g.config, src.config
+    assert c.family == "deepseek_v3" and c.num_hidden_layers == 3 and c.rope == s.rope
     assert c.moe == s.moe and c.family_config.routing == s.family_config.routing
     gm, sm = c.family_config.mla, s.family_config.mla
-    assert gm.split and not sm.split and abs(gm.scale - sm.scale) < 1e-9
+    # the file keeps 0.1 · mscale_all_dim as a float32
+    assert gm.split and not sm.split and abs(gm.scale / sm.scale - 1) < 1e-6
     ids = trajectory(72, vocab=s.vocab_size)
-    assert np.abs(np.array(g.logits(ids)) - np.array(model.logits(ids))).max() < 1e-5
+    assert np.abs(np.array(g.logits(ids)) - np.array(src.logits(ids))).max() < 1e-5
 
 
 def mlx_lm_folder(folder, dest):
@@ -330,7 +334,8 @@ def test_convert_writes_what_mlx_lm_reads_and_inspect_says_it(model, ds, tmp_pat
     again = mlxlis.load(out, "float32")
     assert np.array_equal(np.array(again.logits(ids)), ours)
     a, s = again.config, model.config
-    assert (a.moe, a.rope, a.family_config) == (s.moe, s.rope, s.family_config)
+    af, sf = a.family_config, s.family_config
+    assert (a.moe, a.rope, af.mla, af.routing) == (s.moe, s.rope, sf.mla, sf.routing)
     text = format_report(model_report(model))
     # 16-bit: (64 + 32) · 2 held, 3 · (64 + 32) · 2 expanded
     assert "192 bytes per token and layer" in text and "against 576" in text

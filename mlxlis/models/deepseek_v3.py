@@ -17,6 +17,7 @@ bias as exp_probs_b, yarn_log_multiplier = 0.1·mscale_all_dim, its next-token l
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,7 +32,7 @@ from mlxlis.models.base import (
     GGUFMeta,
     HFFormat,
 )
-from mlxlis.models.config import FamilyConfig, ModelConfig, yarn_mscale
+from mlxlis.models.config import FamilyConfig, ModelConfig, RopeConfig, yarn_keys, yarn_mscale
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.experts import ExpertSource
 from mlxlis.models.glm4_moe import BOUNDS, SIGMOID, _past
@@ -174,10 +175,9 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     q_lora, r, nope, rope_d, v = _mla_dims(cfg, path)
     rope_params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     fld = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-    scale = _softmax_scale(
-        nope + rope_d, base.rope, rope_params.get("mscale_all_dim", 0), path, fld
-    )
-    dims = LatentDims(q_lora, r, nope, rope_d, v, scale, split="quantization" in cfg)
+    m_all = rope_params.get("mscale_all_dim", 0)
+    scale = _softmax_scale(nope + rope_d, base.rope, m_all, path, fld)
+    dims = LatentDims(q_lora, r, nope, rope_d, v, scale, "quantization" in cfg, float(m_all))
     keys = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
     sizes = {
         "num_experts": (keys[0], cfg.get(keys[0], 256)),
@@ -238,7 +238,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
         qk, base.rope, log_mul / 0.1, m.path, m.key("rope.scaling.yarn_log_multiplier")
     )
     split = "blk.0.attn_k_b.weight" in m.shapes
-    dims = LatentDims(q_lora, r, qk - rope_d, rope_d, v, scale, split)
+    dims = LatentDims(q_lora, r, qk - rope_d, rope_d, v, scale, split, log_mul / 0.1)
     size = gguf_expert_sizes(m)
     dense = m.get("leading_dense_block_count", 0)
     sparse = tuple(i >= dense for i in range(n))
@@ -259,7 +259,13 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     attention = replace(
         base.attention, rope_interleaved=True, rotary_dim=None
     )  # llama.cpp's NORM rope
+    rope = base.rope
+    if rope.type == "yarn":  # llama.cpp's deepseek2 turns q and k's rope dims unscaled:
+        # transformers' mscale(factor, mscale) / mscale(factor, mscale_all_dim), the two equal
+        # in the released checkpoints (a GGUF states mscale_all_dim only)
+        rope = replace(rope, attention_factor=1.0)
     return base.with_(
+        rope=rope,
         head_dim=rope_d,
         num_key_value_heads=1,
         attention=attention,
@@ -298,8 +304,17 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         "topk_method": "noaux_tc",
         "scoring_func": "sigmoid",
         "num_nextn_predict_layers": 0,  # not written
-        **({"rope_scaling": None} if cfg.rope.type == "default" else {}),
+        "rope_scaling": _yarn(cfg.rope, d.mscale_all_dim) if cfg.rope.type == "yarn" else None,
     }
+
+
+def _yarn(rope: RopeConfig, m_all: float) -> dict[str, Any]:
+    """yarn's keys with mscale_all_dim, and the mscale that gives its attention factor
+    (mlx-lm reads those two, not attention_factor)."""
+    m = (rope.attention_factor * yarn_mscale(rope.factor, m_all) - 1) / (
+        0.1 * math.log(rope.factor)
+    )
+    return {**yarn_keys(rope), "mscale": m, "mscale_all_dim": m_all}
 
 
 def _no_mtp(model: Any, spec: Family) -> Any:

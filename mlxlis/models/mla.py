@@ -54,6 +54,7 @@ class LatentDims:
     v_head_dim: int
     scale: float  # 1/√(nope + rope), times yarn's mscale(factor, mscale_all_dim)²
     split: bool = False  # embed_q / unembed_out, not kv_b_proj
+    mscale_all_dim: float = 0.0  # yarn's, as the config states it (what `scale` came from)
 
     @property
     def qk_head_dim(self) -> int:
