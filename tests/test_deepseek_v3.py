@@ -99,9 +99,13 @@ def with_bias(model) -> None:
         layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=g))
 
 
+def build(folder, spec):
+    return build_tiny(folder, spec, adjust=with_bias)
+
+
 @pytest.fixture(scope="module")
 def ds(tmp_path_factory):
-    return tiny_models(tmp_path_factory, SPECS, lambda f, s: build_tiny(f, s, adjust=with_bias))
+    return tiny_models(tmp_path_factory, SPECS, build)
 
 
 @pytest.fixture(scope="module")
