@@ -84,6 +84,13 @@ OLMO3_GGUF = "tests/test_olmo3.py::test_gguf_from_llama_cpp_converter_equals_the
 LORA_FUSE = "tests/test_lora_fuse.py"
 GLM4_HF = "tests/test_glm4_moe.py::test_logits_match_transformers_fp32"
 GLM4_GGUF = "tests/test_glm4_moe.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
+DSV3_HF = "tests/test_deepseek_v3.py::test_logits_match_transformers_fp32[q_lora]"
+DSV3_CACHE = "tests/test_deepseek_v3.py::test_latent_cache_chunks_decode_and_batches"
+DSV3_ENGINE = (
+    "tests/test_deepseek_v3.py::test_speculation_and_engine_batches_give_the_lone_greedy_tokens"
+)
+DSV3_GGUF = "tests/test_deepseek_v3.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
+DSV3_MLX = "tests/test_deepseek_v3.py::test_mlx_quantized_folder_matches_its_dequantized_weights"
 LFM2_HF = "tests/test_lfm2.py::test_logits_match_transformers_fp32"
 LFM2_CACHE = "tests/test_lfm2.py::test_chunked_prefill_decode_and_batches_equal_the_full_forward"
 LFM2_REWIND = "tests/test_lfm2.py::test_a_rejection_at_each_position_rewinds_the_conv_state_exactly"
@@ -2600,7 +2607,7 @@ MUTANTS = (
         "mlxlis/models/grouped_experts.py",
         "weights = mx.take_along_axis(scores, inds, axis=-1)",
         "weights = mx.take_along_axis(choice, inds, axis=-1)",
-        (GLM4_HF,),
+        (GLM4_HF, DSV3_HF),
         "GLM-4.5: the correction bias added to the routed weights, not only to the choice",
     ),
     Mutant(
@@ -2608,7 +2615,7 @@ MUTANTS = (
         "mlxlis/models/grouped_experts.py",
         "        if r.topk_group < r.n_group:",
         "        if False:",
-        (GLM4_HF,),
+        (GLM4_HF, DSV3_HF),
         "GLM-4.5: experts chosen from every group (topk_group ignored)",
     ),
     Mutant(
@@ -2634,6 +2641,54 @@ MUTANTS = (
         "        1,",
         (GLM4_GGUF,),
         "GLM-4.5 GGUF: expert_group_count not read (one group: the limit off)",
+    ),
+    Mutant(
+        "dsv3-w-uk-slice-wrong",
+        "mlxlis/models/mla.py",
+        "        rows = slice(None, nope) if keys else slice(nope, None)",
+        "        rows = slice(nope, 2 * nope) if keys else slice(nope, None)",
+        (DSV3_HF,),
+        "MLA: the query absorbed into latent space through W_uv's rows, not W_uk's",
+    ),
+    Mutant(
+        "dsv3-w-uk-split-untransposed",
+        "mlxlis/models/mla.py",
+        "            return self.embed_q(x) if keys else self.unembed_out(x)",
+        "            return self.embed_q(x, False) if keys else self.unembed_out(x)",
+        (DSV3_GGUF, DSV3_MLX),
+        "MLA: the split W_uk (embed_q, llama.cpp's k_b) applied untransposed",
+    ),
+    Mutant(
+        "dsv3-causal-off-by-one",
+        "mlxlis/models/mla.py",
+        "        mask = window_mask(s - t, t, 0, s, None) if t > 1 else None",
+        "        mask = window_mask(s - t + 1, t, 0, s, None) if t > 1 else None",
+        (DSV3_HF,),
+        "MLA: a prompt chunk's queries each see the next position's latent too",
+    ),
+    Mutant(
+        "dsv3-batch-rope-one-offset",
+        "mlxlis/models/mla.py",
+        "            offsets = mx.array([c.offset + c.shift for c in caches])",
+        "            offsets = mx.array([caches[0].offset for c in caches])",
+        (DSV3_CACHE, DSV3_ENGINE),
+        "MLA: a batched decode step turns every row's rope key at the first row's position",
+    ),
+    Mutant(
+        "dsv3-yarn-mscale-dropped",
+        "mlxlis/models/deepseek_v3.py",
+        "        scale = scale * m * m",
+        "        scale = scale * m",
+        (DSV3_HF,),
+        "DeepSeek V3: yarn's mscale(factor, mscale_all_dim) on the softmax scale once, not squared",
+    ),
+    Mutant(
+        "dsv3-gguf-rope-factor-kept",
+        "mlxlis/models/deepseek_v3.py",
+        "        rope = replace(rope, attention_factor=1.0)",
+        "        rope = rope",
+        (DSV3_GGUF,),
+        "DeepSeek V3 GGUF: yarn's attention factor kept on the rope dims (llama.cpp cancels it)",
     ),
     Mutant(
         "lasttoken-takes-a-pad",

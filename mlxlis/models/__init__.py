@@ -14,8 +14,8 @@ from __future__ import annotations
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.models.base import Family, Projector
 from mlxlis.models.bert import BERT
-from mlxlis.models.deepseek_v3 import DEEPSEEK_V3
 from mlxlis.models.config import ModelConfig, SpecialTokens, base_config, eos_list
+from mlxlis.models.deepseek_v3 import DEEPSEEK_V3
 from mlxlis.models.gemma import GEMMA, GEMMA2, GEMMA3
 from mlxlis.models.gemma3n import GEMMA3N
 from mlxlis.models.gemma4 import GEMMA4

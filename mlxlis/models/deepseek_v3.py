@@ -1,30 +1,25 @@
 """DeepSeek V3 / V3.1 / R1, Kimi K2: pre-norm blocks over multi-head latent attention (mla.py:
-a cache of one latent and one rope key per position, the up-projections absorbed; the query
-full-rank or through q_lora_rank; RoPE on the rope dims only, on interleaved pairs where
-rope_interleave; YaRN's mscale(factor, mscale_all_dim)² on the softmax scale, its attention
-factor on q and k's rope dims); the first first_k_dense_replace layers a dense SwiGLU, the
-rest GLM-4.5's mixture (grouped_experts.py: sigmoid scores, a correction bias for the choice
-only, the best topk_group of n_group groups, renormalised and scaled weights, shared experts).
+a latent cache, the up-projections absorbed, q full-rank or through q_lora_rank, RoPE on the
+rope dims (interleaved pairs where rope_interleave), yarn's mscale(factor, mscale_all_dim)² on
+the softmax scale); the first first_k_dense_replace layers a dense SwiGLU, the rest GLM-4.5's
+grouped sigmoid mixture with shared experts (grouped_experts.py).
 
-HF `deepseek_v3` (experts one tensor each, or transformers 5's fused ones; the next-token
-layers `model.layers.{num_hidden_layers}...` skipped: drafting with them is not
-implemented); mlx-lm's deepseek_v3 saves kv_b_proj split as embed_q / unembed_out, which a
-folder with a quantization block is read as. GGUF: llama.cpp's converter writes `deepseek2`
-(one KV head of key_length kv_lora_rank + rope, kv_b_proj split into k_b (n_heads,
-kv_lora_rank, nope) and v_b (n_heads, v, kv_lora_rank), the experts stacked, the correction
-bias as exp_probs_b, yarn_log_multiplier = 0.1·mscale_all_dim, its next-token layers left out).
+HF `deepseek_v3` (the next-token layers skipped: drafting with them is not implemented);
+mlx-lm's folders hold kv_b_proj split as embed_q / unembed_out, read so. GGUF: llama.cpp's
+`deepseek2` (one KV head of key_length kv_lora_rank + rope, kv_b_proj split into k_b
+(n_heads, kv_lora_rank, nope) and v_b (n_heads, v, kv_lora_rank), experts stacked, the
+correction bias as exp_probs_b, yarn_log_multiplier = 0.1·mscale_all_dim).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from mlxlis.cache import KVFormat
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models.base import (
-    GGUF_LLAMA_BLOCK,
     Description,
     Export,
     Family,
@@ -32,15 +27,21 @@ from mlxlis.models.base import (
     GGUFMeta,
     HFFormat,
 )
-from mlxlis.models.config import FamilyConfig, ModelConfig, RopeConfig, yarn_keys, yarn_mscale
-from mlxlis.models.decoder import Decoder
-from mlxlis.models.experts import ExpertSource
-from mlxlis.models.glm4_moe import BOUNDS, SIGMOID, _past
-from mlxlis.models.grouped_experts import GroupedMoE, GroupRouting, checked_routing
+from mlxlis.models.config import FamilyConfig, ModelConfig
+from mlxlis.models.glm4_moe import GGUF_BLOCK as GLM4_BLOCK
+from mlxlis.models.glm4_moe import SIGMOID, Glm4Moe
+from mlxlis.models.grouped_experts import GroupedMoE, GroupRouting, read_gguf, read_hf
 from mlxlis.models.layers import MLP, Cache, PreNormBlock
-from mlxlis.models.mla import LatentAttention, LatentDims, latent_caches
+from mlxlis.models.mla import (
+    LatentAttention,
+    LatentDims,
+    latent_caches,
+    softmax_scale,
+    stored_split,
+    yarn_keys_of,
+)
 from mlxlis.models.network import NoDraftHead
-from mlxlis.models.reading import check_act, expert_sizes, flag, gguf_expert_sizes, moe_config
+from mlxlis.models.reading import check_act, flag
 from mlxlis.models.rope import Rope
 
 import mlx.nn as nn
@@ -55,33 +56,36 @@ HF_DEFAULTS = {  # transformers' DeepseekV3Config, for the keys the shared parse
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
-MLA_DEFAULTS = {  # DeepseekV3Config's
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-}
-GGUF_BLOCK = {
-    **{k: v for k, v in GGUF_LLAMA_BLOCK.items() if not k.startswith("attn_")},
+GGUF_BLOCK = {  # GLM-4.5's MLP and expert rows, MLA's attention rows
+    **{k: v for k, v in GLM4_BLOCK.items() if not k.startswith("attn_")},
     "attn_norm": "input_layernorm",
-    "attn_output": "self_attn.o_proj",
-    "attn_q": "self_attn.q_proj",
-    "attn_q_a": "self_attn.q_a_proj",
-    "attn_q_a_norm": "self_attn.q_a_layernorm",
-    "attn_q_b": "self_attn.q_b_proj",
-    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
-    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
-    "attn_kv_b": "self_attn.kv_b_proj",
-    "attn_k_b": "self_attn.embed_q",
-    "attn_v_b": "self_attn.unembed_out",
-    "ffn_gate_inp": "mlp.gate",
-    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
-    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
-    "ffn_up_exps": "mlp.switch_mlp.up_proj",
-    "ffn_down_exps": "mlp.switch_mlp.down_proj",
-    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-    "ffn_up_shexp": "mlp.shared_experts.up_proj",
-    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    **{
+        f"attn_{k}": f"self_attn.{v}"
+        for k, v in (
+            ("output", "o_proj"),
+            ("q", "q_proj"),
+            ("q_a", "q_a_proj"),
+            ("q_a_norm", "q_a_layernorm"),
+            ("q_b", "q_b_proj"),
+            ("kv_a_mqa", "kv_a_proj_with_mqa"),
+            ("kv_a_norm", "kv_a_layernorm"),
+            ("kv_b", "kv_b_proj"),
+            ("k_b", "embed_q"),  # (n_heads, kv_lora_rank, nope): W_ukᵀ per head
+            ("v_b", "unembed_out"),  # (n_heads, v, kv_lora_rank)
+        )
+    },
+}
+
+
+ROUTER_DEFAULTS = {  # DeepseekV3Config's
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 2048,
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 3,
 }
 
 
@@ -108,47 +112,25 @@ class DeepseekV3Layer(PreNormBlock):
         super().__init__(cfg, rope, GroupedMoE(cfg, routing) if cfg.is_sparse(layer) else MLP(cfg))
 
 
-class DeepseekV3(Decoder):
-    """The shared decoder with DeepSeek V3's blocks; one latent KVCache per layer."""
+class DeepseekV3(Glm4Moe):
+    """GLM-4.5's decoder (next-token layers dropped, experts stacked) with DeepSeek V3's
+    blocks; one latent KVCache per layer."""
 
     layer: type[nn.Module] = DeepseekV3Layer
 
-    def make_cache(self, kv=None) -> list[Cache]:
+    def make_cache(self, kv: KVFormat | None = None) -> list[Cache]:
         return latent_caches(len(self._held), self.config.own(DeepseekV3Config).mla, kv)
-
-    def sanitize(self, weights: dict) -> dict:
-        n = self.config.num_hidden_layers
-        return {k: v for k, v in super().sanitize(weights).items() if not _past(k, n)}
-
-    def expert_stacks(self) -> dict[str, ExpertSource]:
-        stacks: dict[str, ExpertSource] = {}
-        for i, layer in enumerate(self.model.layers):
-            if layer is not None and isinstance(layer.mlp, GroupedMoE):
-                stacks.update(layer.mlp.expert_stacks(f"model.layers.{i}.mlp"))
-        return stacks
-
-
-def _softmax_scale(qk: int, rope: Any, mscale_all_dim: Any, path: str, fld: str) -> float:
-    """transformers' yarn_apply_mscale: 1/√qk, times mscale(factor, mscale_all_dim)² when the
-    RoPE is scaled and mscale_all_dim is nonzero."""
-    if not isinstance(mscale_all_dim, (int, float)) or isinstance(mscale_all_dim, bool):
-        raise ConfigError(f"expected a number, got {mscale_all_dim!r}"[:200], path=path, field=fld)
-    scale = qk**-0.5
-    if rope.type != "default" and mscale_all_dim:
-        m = yarn_mscale(rope.factor, float(mscale_all_dim))
-        scale = scale * m * m
-    return scale
 
 
 def _mla_dims(cfg: dict, path: str) -> tuple[int | None, int, int, int, int]:
     """(q_lora_rank or None, kv_lora_rank, nope, rope, v), each checked."""
     got = [
-        check_sizes({bound: (key, cfg.get(key, MLA_DEFAULTS[key]))}, path)[bound]
-        for key, bound in (
-            ("kv_lora_rank", "hidden_size"),
-            ("qk_nope_head_dim", "head_dim"),
-            ("qk_rope_head_dim", "head_dim"),
-            ("v_head_dim", "head_dim"),
+        check_sizes({bound: (key, cfg.get(key, default))}, path)[bound]
+        for key, bound, default in (  # DeepseekV3Config's defaults
+            ("kv_lora_rank", "hidden_size", 512),
+            ("qk_nope_head_dim", "head_dim", 128),
+            ("qk_rope_head_dim", "head_dim", 64),
+            ("v_head_dim", "head_dim", 128),
         )
     ]
     q_lora = cfg.get("q_lora_rank", 1536)
@@ -160,52 +142,21 @@ def _mla_dims(cfg: dict, path: str) -> tuple[int | None, int, int, int, int]:
 
 
 def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
-    n = base.num_hidden_layers
-    for key, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+    for key, want in (
+        ("topk_method", "noaux_tc"),
+        ("scoring_func", "sigmoid"),
+        ("moe_layer_freq", 1),
+    ):
         if cfg.get(key, want) != want:
-            raise UnsupportedError(
-                f"only {want!r} routing is implemented, got {cfg[key]!r}"[:200],
-                path=path,
-                field=key,
-            )
-    if cfg.get("moe_layer_freq", 1) != 1:
-        raise UnsupportedError(
-            "expert layers other than every layer", path=path, field="moe_layer_freq"
-        )
+            got = f"only {key} {want!r} is implemented, got {cfg[key]!r}"[:200]
+            raise UnsupportedError(got, path=path, field=key)
     q_lora, r, nope, rope_d, v = _mla_dims(cfg, path)
     rope_params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     fld = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     m_all = rope_params.get("mscale_all_dim", 0)
-    scale = _softmax_scale(nope + rope_d, base.rope, m_all, path, fld)
-    dims = LatentDims(q_lora, r, nope, rope_d, v, scale, "quantization" in cfg, float(m_all))
-    keys = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
-    sizes = {
-        "num_experts": (keys[0], cfg.get(keys[0], 256)),
-        "num_experts_per_tok": (keys[1], cfg.get(keys[1], 8)),
-        "moe_intermediate_size": (keys[2], cfg.get(keys[2], 2048)),
-    }
-    size = expert_sizes(sizes, path, BOUNDS)
-    shared = cfg.get("n_shared_experts", 1) or 0
-    if shared:
-        shared = check_sizes({"n_group": ("n_shared_experts", shared)}, path, BOUNDS)["n_group"]
-    dense = cfg.get("first_k_dense_replace", 3)
-    if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense <= n:
-        raise ConfigError(
-            f"expected 0 to {n}, got {dense!r}"[:200], path=path, field="first_k_dense_replace"
-        )
-    norm = flag({"norm_topk_prob": True, **cfg}, "norm_topk_prob", path)
-    base = base.with_(
-        moe=moe_config(size, tuple(i >= dense for i in range(n)), norm_topk_prob=norm)
-    )
-    routing = checked_routing(
-        base.moe,
-        cfg.get("n_group", 8),
-        cfg.get("topk_group", 4),
-        cfg.get("routed_scaling_factor", 2.5),
-        shared * size["moe_intermediate_size"],
-        path,
-        ("n_group", "topk_group", "routed_scaling_factor"),
-    )
+    scale = softmax_scale(nope + rope_d, base.rope, m_all, path, fld)
+    dims = LatentDims(q_lora, r, nope, rope_d, v, scale, stored_split(path), float(m_all))
+    base, routing = read_hf(cfg, base, path, ROUTER_DEFAULTS)
     interleave = flag({"rope_interleave": True, **cfg}, "rope_interleave", path)
     mtp = cfg.get("num_nextn_predict_layers", 0) or 0
     own = DeepseekV3Config(dims, routing, mtp if isinstance(mtp, int) else 0)
@@ -223,7 +174,6 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
 
 
 def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
-    n = base.num_hidden_layers
     if m.get("expert_gating_func", SIGMOID) != SIGMOID:
         raise UnsupportedError(
             "only sigmoid routing", path=m.path, field=m.key("expert_gating_func")
@@ -234,31 +184,14 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     v = m.get("attention.value_length_mla")
     q_lora = m.get("attention.q_lora_rank", 0) or None
     log_mul = m.get("rope.scaling.yarn_log_multiplier", 0.0, float)
-    scale = _softmax_scale(
+    scale = softmax_scale(
         qk, base.rope, log_mul / 0.1, m.path, m.key("rope.scaling.yarn_log_multiplier")
     )
     split = "blk.0.attn_k_b.weight" in m.shapes
     dims = LatentDims(q_lora, r, qk - rope_d, rope_d, v, scale, split, log_mul / 0.1)
-    size = gguf_expert_sizes(m)
-    dense = m.get("leading_dense_block_count", 0)
-    sparse = tuple(i >= dense for i in range(n))
-    norm = bool(m.md.get(m.key("expert_weights_norm"), False))
-    base = base.with_(moe=moe_config(size, sparse, norm_topk_prob=norm))
-    routing = checked_routing(
-        base.moe,
-        m.get("expert_group_count", 1),
-        m.get("expert_group_used_count", 1),
-        m.get("expert_weights_scale", 1.0, float),
-        m.get("expert_shared_count", 0) * size["moe_intermediate_size"],
-        m.path,
-        tuple(
-            m.key(k)
-            for k in ("expert_group_count", "expert_group_used_count", "expert_weights_scale")
-        ),
-    )
-    attention = replace(
-        base.attention, rope_interleaved=True, rotary_dim=None
-    )  # llama.cpp's NORM rope
+    base, routing = read_gguf(base, m, 0)
+    # llama.cpp's deepseek2 turns interleaved pairs (its NORM rope)
+    attention = replace(base.attention, rope_interleaved=True, rotary_dim=None)
     rope = base.rope
     if rope.type == "yarn":  # llama.cpp's deepseek2 turns q and k's rope dims unscaled:
         # transformers' mscale(factor, mscale) / mscale(factor, mscale_all_dim), the two equal
@@ -276,6 +209,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
 def export(cfg: ModelConfig) -> dict[str, Any]:
     own = cfg.own(DeepseekV3Config)
     d, r, moe = own.mla, own.routing, cfg.moe
+    yarn = cfg.rope.type == "yarn"
     if cfg.rope.type not in ("default", "yarn"):
         raise UnsupportedError(
             f"writing deepseek_v3 with {cfg.rope.type} RoPE is not supported",
@@ -298,23 +232,12 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         "topk_group": r.topk_group,
         "routed_scaling_factor": r.routed_scaling_factor,
         "norm_topk_prob": moe.norm_topk_prob,
-        "first_k_dense_replace": moe.sparse_layers.index(True)
-        if any(moe.sparse_layers)
-        else cfg.num_hidden_layers,
+        "first_k_dense_replace": (moe.sparse_layers + (True,)).index(True),
         "topk_method": "noaux_tc",
         "scoring_func": "sigmoid",
         "num_nextn_predict_layers": 0,  # not written
-        "rope_scaling": _yarn(cfg.rope, d.mscale_all_dim) if cfg.rope.type == "yarn" else None,
+        "rope_scaling": yarn_keys_of(cfg.rope, d.mscale_all_dim) if yarn else None,
     }
-
-
-def _yarn(rope: RopeConfig, m_all: float) -> dict[str, Any]:
-    """yarn's keys with mscale_all_dim, and the mscale that gives its attention factor
-    (mlx-lm reads those two, not attention_factor)."""
-    m = (rope.attention_factor * yarn_mscale(rope.factor, m_all) - 1) / (
-        0.1 * math.log(rope.factor)
-    )
-    return {**yarn_keys(rope), "mscale": m, "mscale_all_dim": m_all}
 
 
 def _no_mtp(model: Any, spec: Family) -> Any:
@@ -328,21 +251,13 @@ def _no_mtp(model: Any, spec: Family) -> Any:
 def _describe(c: ModelConfig) -> dict[str, Any]:
     own = c.own(DeepseekV3Config)
     d, r = own.mla, own.routing
-    held, expanded = d.kv_bytes(c.num_attention_heads, 2)
+    held, expanded = d.kv_bytes(c.num_attention_heads, 2)  # at 16 bits
     return {
         "latent_attention": {
-            "q_lora_rank": d.q_lora_rank,
-            "kv_lora_rank": d.kv_lora_rank,
-            "rope_dims": d.qk_rope_head_dim,
-            "nope_dims": d.qk_nope_head_dim,
-            "v_dims": d.v_head_dim,
-            "kv_bytes_per_token_layer": held,  # 16-bit
+            **asdict(d),
+            **asdict(r),
+            "kv_bytes_per_token_layer": held,
             "expanded_bytes_per_token_layer": expanded,
-            "softmax_scale": d.scale,
-            "groups": r.n_group,
-            "groups_used": r.topk_group,
-            "routed_scale": r.routed_scaling_factor,
-            "shared_width": r.shared_intermediate_size,
             "mtp_layers": own.mtp_layers,
         }
     }
@@ -356,14 +271,15 @@ def _rows(config: dict[str, Any]) -> list[tuple[str, str]]:
         (
             "latent kv",
             f"MLA: {q}; the cache holds a {a['kv_lora_rank']}-dim latent and a "
-            f"{a['rope_dims']}-dim rope key per token: {held} bytes per token and layer at 16 "
-            f"bits, against {full} for the expanded keys and values ({full / held:.1f}×)",
+            f"{a['qk_rope_head_dim']}-dim rope key per token: {held} bytes per token and "
+            f"layer at 16 bits, against {full} for the expanded keys and values "
+            f"({full / held:.1f}×)",
         ),
         (
             "routing",
             "sigmoid scores; a per-expert correction bias sways the choice, not the weights; "
-            f"experts from the best {a['groups_used']} of {a['groups']} groups; the weights × "
-            f"{a['routed_scale']:g}; shared experts of width {a['shared_width']}",
+            f"experts from the best {a['topk_group']} of {a['n_group']} groups; weights × "
+            f"{a['routed_scaling_factor']:g}; shared width {a['shared_intermediate_size']}",
         ),
     ]
     if a["mtp_layers"]:

@@ -28,12 +28,17 @@ W_ukᵀ and unembed_out (n_heads, v, kv_lora_rank) = W_uv.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from mlxlis.cache import CacheBatch, KVBatch, KVCache, window_mask
 from mlxlis.cache.store import Stored, Tailed
+from mlxlis.errors import ConfigError, MlxlisError
+from mlxlis.loading.safetensors import read_header, weight_files
 from mlxlis.models.attention import product
-from mlxlis.models.config import ModelConfig
+from mlxlis.models.config import ModelConfig, RopeConfig, yarn_keys, yarn_mscale
 from mlxlis.models.layers import Cache, Mask, RMSNorm
 from mlxlis.models.rope import Rope
 
@@ -251,6 +256,38 @@ class LatentAttention(nn.Module):
 
     def _rope(self, x: mx.array, offset: int | mx.array) -> mx.array:
         return x if self.rope is None else self.rope(x, offset)
+
+
+def softmax_scale(qk: int, rope: RopeConfig, mscale_all_dim: object, path: str, fld: str) -> float:
+    """transformers' yarn_apply_mscale: 1/√qk, times mscale(factor, mscale_all_dim)² when the
+    RoPE is scaled and mscale_all_dim is nonzero."""
+    if not isinstance(mscale_all_dim, (int, float)) or isinstance(mscale_all_dim, bool):
+        raise ConfigError(f"expected a number, got {mscale_all_dim!r}"[:200], path=path, field=fld)
+    scale = qk**-0.5
+    if rope.type != "default" and mscale_all_dim:
+        m = yarn_mscale(rope.factor, float(mscale_all_dim))
+        scale = scale * m * m
+    return scale
+
+
+def stored_split(path: str) -> bool:
+    """The folder of config.json `path` holds the up-projections split as embed_q /
+    unembed_out (mlx-lm's sanitized layout: its conversions, and `convert` of them), by its
+    tensor names; False for transformers' kv_b_proj, or no folder to read."""
+    try:
+        files = weight_files(Path(path).parent)
+        return any(n.endswith("self_attn.embed_q.weight") for f in files for n in read_header(f))
+    except MlxlisError:
+        return False
+
+
+def yarn_keys_of(rope: RopeConfig, m_all: float) -> dict[str, Any]:
+    """yarn's keys with mscale_all_dim, and the mscale that gives its attention factor
+    (mlx-lm reads those two, not attention_factor)."""
+    m = (rope.attention_factor * yarn_mscale(rope.factor, m_all) - 1) / (
+        0.1 * math.log(rope.factor)
+    )
+    return {**yarn_keys(rope), "mscale": m, "mscale_all_dim": m_all}
 
 
 def latent_caches(n: int, dims: LatentDims, kv) -> list[KVCache]:
