@@ -34,6 +34,7 @@ from mlxlis.generation.engine import Engine
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import Speculation
 from mlxlis.generation.steps import StepKind, forward, prefill
+from mlxlis.models.footprint import footprint
 from mlxlis.models.mla import join_kv_b
 
 import mlx.core as mx
@@ -157,7 +158,8 @@ def test_logits_match_transformers_fp32(ds, name, tmp_path):
 
 
 def test_latent_cache_chunks_decode_and_batches(model):
-    """The cache holds the latent and the rope key only; self-consistency: a chunked prefill
+    """The cache holds the latent and the rope key only (the footprint counts those);
+    self-consistency: a chunked prefill
     (9, 11) then token-by-token decode equals the full forward; two sequences at different
     offsets decoded together equal each alone."""
     ids = trajectory(48, vocab=model.config.vocab_size)
@@ -166,6 +168,8 @@ def test_latent_cache_chunks_decode_and_batches(model):
     assert all(isinstance(c, KVCache) for c in caches)
     assert caches[0].keys[..., :20, :].shape == (1, 1, 20, 64)  # the latent
     assert caches[0].values[..., :20, :].shape == (1, 1, 20, 32)  # the rope key
+    # what the memory plan counts: 3 layers of float32 latent + rope key per token
+    assert footprint(model).per_token == 3 * (64 + 32) * 4
     full = np.array(model.logits(ids))
     check_cached_decode(model, ids, full, 1e-4)
     check_batched_decode(model, ids, 35, 1e-4)
@@ -264,6 +268,24 @@ def test_quantized_latent_cache(model):
     assert 0 < np.abs(a - b).max() < 0.05
     with pytest.raises(MlxlisError, match="kv_lora_rank"):
         model.make_cache(KVFormat(bits=8, group_size=128))
+
+
+def test_quantized_kv_b_proj_absorbs_in_its_packed_form(ds):
+    """A kv_b_proj quantized along kv_lora_rank (8 bits, groups of 32: an older llama.cpp
+    file's attn_kv_b, or MLX's quantizer) is sliced into W_uk / W_uv rows in its packed form:
+    the logits equal those of the same model whose kv_b_proj is the dequantized weight, taking
+    the dense path transformers' parity proves (bound 1e-4)."""
+    import mlx.nn as nn
+
+    packed, dense = (mlxlis.load(ds("q_lora")[0], "float32") for _ in range(2))
+    for a, b in zip(packed.net.model.layers, dense.net.model.layers, strict=True):
+        q = nn.QuantizedLinear.from_linear(a.self_attn.kv_b_proj, group_size=32, bits=8)
+        a.self_attn.kv_b_proj = q
+        w = mx.dequantize(q.weight, q.scales, q.biases, group_size=32, bits=8)
+        b.self_attn.kv_b_proj.weight = w
+    ids = trajectory(40, vocab=dense.config.vocab_size)
+    got, want = np.array(packed.logits(ids)), np.array(dense.logits(ids))
+    assert np.abs(got - want).max() < 1e-4
 
 
 def test_gguf_from_llama_cpp_converter_equals_the_folder(ds, tmp_path):
