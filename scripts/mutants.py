@@ -91,6 +91,9 @@ DSV3_ENGINE = (
 )
 DSV3_GGUF = "tests/test_deepseek_v3.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
 DSV3_MLX = "tests/test_deepseek_v3.py::test_mlx_quantized_folder_matches_its_dequantized_weights"
+DSV32_HF = "tests/test_deepseek_v32.py::test_logits_match_transformers_fp32"
+DSV32_TIES = "tests/test_deepseek_v32.py::test_ties_at_the_cut_go_to_the_earlier_keys"
+DSV32_CACHE = "tests/test_deepseek_v32.py::test_indexed_cache_chunks_decode_and_batches"
 LFM2_HF = "tests/test_lfm2.py::test_logits_match_transformers_fp32"
 LFM2_CACHE = "tests/test_lfm2.py::test_chunked_prefill_decode_and_batches_equal_the_full_forward"
 LFM2_REWIND = "tests/test_lfm2.py::test_a_rejection_at_each_position_rewinds_the_conv_state_exactly"
@@ -2676,11 +2679,35 @@ MUTANTS = (
     ),
     Mutant(
         "dsv3-yarn-mscale-dropped",
-        "mlxlis/models/deepseek_v3.py",
+        "mlxlis/models/mla.py",
         "        scale = scale * m * m",
         "        scale = scale * m",
         (DSV3_HF,),
         "DeepSeek V3: yarn's mscale(factor, mscale_all_dim) on the softmax scale once, not squared",
+    ),
+    Mutant(
+        "dsv32-ties-to-later-keys",
+        "mlxlis/models/deepseek_v32.py",
+        "    return above | (tied & (mx.cumsum(tied, axis=-1) <= room))",
+        "    return above | (tied & (mx.cumsum(tied[..., ::-1], axis=-1)[..., ::-1] <= room))",
+        (DSV32_TIES,),
+        "DeepSeek V3.2: ties at the indexer's cut given to the later keys",
+    ),
+    Mutant(
+        "dsv32-future-keys-selectable",
+        "mlxlis/models/deepseek_v32.py",
+        "        index = mx.where(causal, index, -mx.inf)",
+        "        index = index",
+        (DSV32_HF,),
+        "DeepSeek V3.2: the indexer's top k taken over future keys too (fewer past keys kept)",
+    ),
+    Mutant(
+        "dsv32-indexer-rope-interleaved",
+        "mlxlis/models/deepseek_v32.py",
+        "        self.rope = Rope(dims.qk_rope_head_dim, cfg.rope)",
+        "        self.rope = Rope(dims.qk_rope_head_dim, cfg.rope, None, True)",
+        (DSV32_HF,),
+        "DeepSeek V3.2: the indexer's RoPE on interleaved pairs, as the attention's",
     ),
     Mutant(
         "dsv3-gguf-rope-factor-kept",

@@ -187,9 +187,13 @@ class LatentAttention(nn.Module):
     def __call__(
         self, x: mx.array, mask: Mask, cache: Cache | None, positions: mx.array | None = None
     ) -> mx.array:
+        return self.forward(x, self.query(x), mask, cache)
+
+    def forward(self, x: mx.array, q: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
+        """x (B, T, hidden) and its queries (`query`) over the cache -> (B, T, hidden)."""
         b, t, _ = x.shape
         dims = self.dims
-        q = self.query(x).reshape(b, t, self.n_heads, dims.qk_head_dim).transpose(0, 2, 1, 3)
+        q = q.reshape(b, t, self.n_heads, dims.qk_head_dim).transpose(0, 2, 1, 3)
         q_nope, q_pe = mx.split(q, [dims.qk_nope_head_dim], axis=-1)  # (B, H, T, nope | rope)
         kv = self.kv_a_proj_with_mqa(x)
         latent, k_pe = mx.split(kv, [dims.kv_lora_rank], axis=-1)
