@@ -183,7 +183,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
 
 def _no_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     raise UnsupportedError(
-        "DeepSeek V3.2 GGUF files are not read yet", path=m.path, field="general.architecture"
+        "DeepSeek V3.2 GGUF files are not read", path=m.path, field="general.architecture"
     )
 
 
@@ -210,7 +210,7 @@ def _rows(config: dict[str, Any]) -> list[tuple[str, str]]:
 DEEPSEEK_V32 = Family(
     name="deepseek_v32",
     hf=HFFormat(model_types=("deepseek_v32",), parse=parse_hf, defaults=HF_DEFAULTS),
-    gguf=GGUFFormat(archs=("deepseek32",), parse=_no_gguf),
+    gguf=GGUFFormat(archs=(), parse=_no_gguf),  # llama.cpp's deepseek32: not read
     network=DeepseekV32,
     export=Export(model_type="deepseek_v32", architecture="DeepseekV32ForCausalLM", config=export),
     describe=Description((*V3.keys, "sparse_attention"), _describe, _rows),
