@@ -288,6 +288,7 @@ def test_quantized_kv_b_proj_absorbs_in_its_packed_form(ds):
     assert np.abs(got - want).max() < 1e-4
 
 
+@pytest.mark.extended  # `make test-all`: llama.cpp's converter takes ~20 s here
 def test_gguf_from_llama_cpp_converter_equals_the_folder(ds, tmp_path):
     """llama.cpp's convert_hf_to_gguf.py (arch deepseek2: one KV head of key_length
     kv_lora_rank + rope, kv_b_proj split into k_b (n_heads, kv_lora_rank, nope) and v_b, the

@@ -210,3 +210,27 @@ def test_full_rank_query_is_refused(ds, tmp_path):
     from conftest import check_config_refused
 
     check_config_refused(ds("v32")[0], tmp_path, {"q_lora_rank": None}, MlxlisError, "q_lora_rank")
+
+
+def test_convert_round_trips_and_inspect_says_it(model, ds, tmp_path):
+    """`convert`'s folder reloads to the same config (the indexer's sizes included) and
+    bit-identical logits; `inspect` says the sparse attention and the latent cache."""
+    from mlxlis.commands.convert import convert
+    from mlxlis.commands.report import format_report, model_report
+
+    out = convert(ds("v32")[0], tmp_path / "out", dtype="float32")
+    again = mlxlis.load(out, "float32")
+    a, s = again.config, model.config
+    af, sf = a.family_config, s.family_config
+    assert (a.moe, a.rope, af.mla, af.routing, af.index) == (
+        s.moe,
+        s.rope,
+        sf.mla,
+        sf.routing,
+        sf.index,
+    )
+    ids = trajectory(48, vocab=s.vocab_size)
+    assert np.array_equal(np.array(again.logits(ids)), np.array(model.logits(ids)))
+    text = format_report(model_report(model))
+    assert "its 16 best keys by a lightning indexer of 8 heads" in text
+    assert "192 bytes per token and layer" in text
