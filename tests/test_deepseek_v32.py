@@ -11,7 +11,8 @@ logits). The cut's ties go to the earlier keys (checked against numpy's stable s
 Self-consistency: chunked prefill ≡ decode ≡ full forward (the indexer's keys cached beside
 the latents); batched decode ≡ each alone; greedy n-gram speculation ≡ plain greedy and in
 the serving engine; a rejection at each position rewinds both caches exactly; a prefix reused
-from memory and from the disk cache continues exactly.
+from memory and from the disk cache continues exactly. MLX-quantized: mlx-lm's 4-bit conversion
+against transformers on the weights dequantized from that very folder. `convert` round-trips.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from conftest import (
     build_tiny,
     check_batched_decode,
     check_cached_decode,
+    dequantized_folder,
     greedy_tokens,
     tiny_models,
     trajectory,
@@ -234,3 +236,36 @@ def test_convert_round_trips_and_inspect_says_it(model, ds, tmp_path):
     text = format_report(model_report(model))
     assert "its 16 best keys by a lightning indexer of 8 heads" in text
     assert "192 bytes per token and layer" in text
+
+
+def test_mlx_quantized_folder_matches_its_dequantized_weights(ds, tmp_path):
+    """mlx-lm's own 4-bit conversion (group 32; kv_b_proj split into embed_q / unembed_out,
+    the indexer's projections quantized too) loads as it is, and gives the logits of
+    transformers on the weights dequantized from its files, kv_b_proj joined again."""
+    from mlxlis.models.mla import join_kv_b
+
+    from mlx_lm import convert as mlx_lm_convert
+    from test_deepseek_v3 import mlx_lm_folder
+
+    folder, ref = ds("v32")
+    out = tmp_path / "q4"
+    src = mlx_lm_folder(folder, tmp_path / "classic")
+    mlx_lm_convert(str(src), str(out), quantize=True, q_group_size=32, q_bits=4, dtype="float32")
+    model = mlxlis.load(out, "float32")
+    assert model.format == "safetensors (MLX quantized)"
+    dense = dequantized_folder(out)
+    for i in range(3):
+        p = f"model.layers.{i}."
+        eq, uo = (dense.pop(p + f"self_attn.{k}.weight") for k in ("embed_q", "unembed_out"))
+        dense[p + "self_attn.kv_b_proj.weight"] = np.array(join_kv_b(mx.array(eq), mx.array(uo)))
+        if i:  # transformers 5 keeps the experts fused: gate rows, then up rows
+            gate, up = (dense.pop(p + f"mlp.switch_mlp.{k}_proj.weight") for k in ("gate", "up"))
+            dense[p + "mlp.experts.gate_up_proj"] = np.concatenate([gate, up], axis=1)
+            dense[p + "mlp.experts.down_proj"] = dense.pop(p + "mlp.switch_mlp.down_proj.weight")
+    twin = ref.__class__(ref.config).eval()
+    twin.load_state_dict({k: torch.from_numpy(v) for k, v in dense.items()})
+    ids = trajectory(48, vocab=model.config.vocab_size)
+    with torch.no_grad():
+        theirs = twin(torch.tensor([ids])).logits[0].float().numpy()
+    delta = np.abs(np.array(model.logits(ids)) - theirs).max()
+    assert delta < BOUND, f"max |Δ| = {delta}"

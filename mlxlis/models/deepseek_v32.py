@@ -13,8 +13,8 @@ the earlier positions. The indexer's keys are cached beside the latents (a Joint
 latent KVCache, and a dense KVCache of one head whose values are empty).
 
 HF `deepseek_v32` (q_lora_rank required: transformers drops the full-rank query; the expert
-layers as mlp_layer_types says, which must be first_k_dense_replace's). GGUF and mlx-lm's
-layout are not read: refused by name.
+layers as mlp_layer_types says, which must be first_k_dense_replace's); mlx-lm's folders as
+DeepSeek V3's. GGUF (llama.cpp's deepseek32) is not read.
 """
 
 from __future__ import annotations
