@@ -2639,8 +2639,8 @@ MUTANTS = (
     ),
     Mutant(
         "glm4-gguf-groups-unread",
-        "mlxlis/models/glm4_moe.py",
-        '        m.get("expert_group_count", 1),',
+        "mlxlis/models/grouped_experts.py",
+        "        m.get(keys[0], 1),",
         "        1,",
         (GLM4_GGUF,),
         "GLM-4.5 GGUF: expert_group_count not read (one group: the limit off)",
