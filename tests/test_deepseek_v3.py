@@ -308,15 +308,17 @@ def test_quantized_kv_b_proj_absorbs_in_its_packed_form(ds):
 
 
 @pytest.mark.extended  # `make test-all`: llama.cpp's converter takes ~20 s here
-def test_gguf_from_llama_cpp_converter_equals_the_folder(ds, tmp_path):
+@pytest.mark.parametrize("name", ["q_lora", "no_q_lora"])
+def test_gguf_from_llama_cpp_converter_equals_the_folder(ds, name, tmp_path):
     """llama.cpp's convert_hf_to_gguf.py (arch deepseek2: one KV head of key_length
     kv_lora_rank + rope, kv_b_proj split into k_b (n_heads, kv_lora_rank, nope) and v_b, the
     experts stacked, the correction bias as exp_probs_b, yarn_log_multiplier = 0.1 ·
     mscale_all_dim) at f32: the GGUF loads with the folder's structure and gives the folder's
     logits (bound 1e-5: the split up-projections multiply in another order). A GGUF states
     mscale_all_dim only (llama.cpp takes mscale equal to it, as the released checkpoints
-    have it): the folder converted has mscale = mscale_all_dim."""
-    folder = edited(ds("q_lora")[0], tmp_path / "even", rope_parameters={**YARN, "mscale": 0.707})
+    have it): the folder converted has mscale = mscale_all_dim. With q_lora_rank (attn_q_a,
+    attn_q_a_norm, attn_q_b) and without (attn_q)."""
+    folder = edited(ds(name)[0], tmp_path / "even", rope_parameters={**YARN, "mscale": 0.707})
     path = llama_cpp_convert(folder, tmp_path / "ds.gguf")
     g, src = mlxlis.load(path, "float32"), mlxlis.load(folder, "float32")
     c, s = g.config, src.config
@@ -405,3 +407,27 @@ def test_bad_configs_are_refused_naming_the_field(ds, tmp_path, change, field):
     from mlxlis.errors import MlxlisError
 
     check_config_refused(ds("q_lora")[0], tmp_path, change, MlxlisError, field)
+
+
+def test_next_token_layers_are_skipped_and_refused_as_drafter(ds, model, tmp_path):
+    """A checkpoint holding a next-token layer (model.layers.3.*: a decoder layer's tensors,
+    eh_proj, enorm, hnorm, shared_head.norm, as the released checkpoints do) loads without
+    it and gives the same logits; `--speculative mtp` is refused saying why."""
+    from mlxlis.errors import MlxlisError
+    from mlxlis.generation.mtp import mtp_head_of
+
+    from safetensors.numpy import load_file, save_file
+
+    copy = edited(ds("q_lora")[0], tmp_path / "mtp", num_nextn_predict_layers=1)
+    tensors = load_file(copy / "model.safetensors")
+    extra = {k.replace("layers.2.", "layers.3."): v for k, v in tensors.items() if ".2." in k}
+    extra["model.layers.3.eh_proj.weight"] = np.full((64, 128), 0.01, np.float32)
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        extra[f"model.layers.3.{name}.weight"] = np.ones(64, np.float32)
+    save_file({**tensors, **extra}, copy / "model.safetensors", metadata={"format": "pt"})
+    again = mlxlis.load(copy, "float32")
+    assert again.config.family_config.mtp_layers == 1
+    ids = trajectory(24, vocab=model.config.vocab_size)
+    assert np.array_equal(np.array(again.logits(ids)), np.array(model.logits(ids)))
+    with pytest.raises(MlxlisError, match="not implemented"):
+        mtp_head_of(again)
