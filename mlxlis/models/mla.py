@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxlis.cache import CacheBatch, KVBatch, KVCache, window_mask
+from mlxlis.cache import CacheBatch, KVBatch, KVCache, KVFormat, window_mask
 from mlxlis.cache.store import Stored, Tailed
 from mlxlis.errors import ConfigError, MlxlisError
 from mlxlis.loading.safetensors import read_header, weight_files
@@ -113,16 +113,9 @@ class QuantizedMultiLinear(nn.Module):
         )
 
 
-def split_kv_b(w: mx.array, heads: int, dims: LatentDims) -> tuple[mx.array, mx.array]:
-    """kv_b_proj's weight (n_heads·(nope + v), kv_lora_rank) -> (embed_q (n_heads,
-    kv_lora_rank, nope), unembed_out (n_heads, v, kv_lora_rank))."""
-    w = w.reshape(heads, dims.qk_nope_head_dim + dims.v_head_dim, -1)  # (H, nope + v, r)
-    w_uk, w_uv = w[:, : dims.qk_nope_head_dim], w[:, dims.qk_nope_head_dim :]
-    return mx.contiguous(w_uk.swapaxes(1, 2)), mx.contiguous(w_uv)
-
-
 def join_kv_b(embed_q: mx.array, unembed_out: mx.array) -> mx.array:
-    """split_kv_b undone: kv_b_proj's weight (n_heads·(nope + v), kv_lora_rank)."""
+    """embed_q (n_heads, kv_lora_rank, nope) and unembed_out (n_heads, v, kv_lora_rank) as
+    kv_b_proj's weight (n_heads·(nope + v), kv_lora_rank)."""
     w = mx.concatenate([embed_q.swapaxes(1, 2), unembed_out], axis=1)  # (H, nope + v, r)
     return w.reshape(-1, w.shape[-1])
 
@@ -288,13 +281,15 @@ def stored_split(path: str) -> bool:
 def yarn_keys_of(rope: RopeConfig, m_all: float) -> dict[str, Any]:
     """yarn's keys with mscale_all_dim, and the mscale that gives its attention factor
     (mlx-lm reads those two, not attention_factor)."""
+    if rope.factor <= 1:  # mscale(factor, ·) is 1 whatever mscale is
+        return {**yarn_keys(rope), "mscale": 1.0, "mscale_all_dim": m_all}
     m = (rope.attention_factor * yarn_mscale(rope.factor, m_all) - 1) / (
         0.1 * math.log(rope.factor)
     )
     return {**yarn_keys(rope), "mscale": m, "mscale_all_dim": m_all}
 
 
-def latent_caches(n: int, dims: LatentDims, kv) -> list[KVCache]:
+def latent_caches(n: int, dims: LatentDims, kv: KVFormat | None) -> list[KVCache]:
     """n latent caches in KV format `kv` (None: dense), whose groups must divide the latent
     and the rope key (each quantized along its own last axis)."""
     if kv is not None:
