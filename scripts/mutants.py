@@ -2704,6 +2704,14 @@ MUTANTS = (
         "DeepSeek V3.2: the indexer's top k taken over future keys too (fewer past keys kept)",
     ),
     Mutant(
+        "dsv32-indexer-keys-at-position-zero",
+        "mlxlis/models/deepseek_v32.py",
+        "        offset = cache.offset if cache is not None else 0",
+        "        offset = 0",
+        (DSV32_CACHE,),
+        "DeepSeek V3.2: a cached chunk's indexer queries and keys turned from position 0",
+    ),
+    Mutant(
         "dsv32-indexer-rope-interleaved",
         "mlxlis/models/deepseek_v32.py",
         "        self.rope = Rope(dims.qk_rope_head_dim, cfg.rope)",
