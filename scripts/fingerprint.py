@@ -45,6 +45,10 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
     """name -> (spec, build(folder, spec)): the tiny checkpoints, each family's richest spec
     from its test module, built as that module builds it."""
     from conftest import TINY, build_tiny
+    from test_deepseek_v3 import SPECS as DSV3
+    from test_deepseek_v3 import build as build_dsv3
+    from test_deepseek_v32 import SPECS as DSV32
+    from test_deepseek_v32 import build as build_dsv32
     from test_gemma3n import SPECS as G3N
     from test_gemma3n import build as build_g3n
     from test_gemma4 import SPECS as G4
@@ -105,6 +109,8 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
         "lfm2": (LFM2["lfm2_bias"], build_tiny),  # short convolutions with a bias, untied
         "glm4_moe": (GLM4["glm4_moe"], build_glm4),  # grouped sigmoid routing, partial RoPE
         "minimax_m2": (MM2["minimax_m2"], build_mm2),  # whole q/k norms, biased sigmoid routing
+        "deepseek_v3": (DSV3["q_lora"], build_dsv3),  # latent attention, YaRN mscale, groups
+        "deepseek_v32": (DSV32["v32"], build_dsv32),  # + the indexer's top-k keys
     }
 
 

@@ -91,6 +91,18 @@ GLM4_GGUF = "tests/test_glm4_moe.py::test_gguf_from_llama_cpp_converter_equals_t
 GLM4_DTYPE = "tests/test_glm4_moe.py::test_router_keeps_float32_under_bfloat16_and_float16"
 MM2_HF = "tests/test_minimax_m2.py::test_logits_match_transformers_fp32"
 MM2_GGUF = "tests/test_minimax_m2.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
+DSV3_HF = "tests/test_deepseek_v3.py::test_logits_match_transformers_fp32[q_lora]"
+DSV3_CACHE = "tests/test_deepseek_v3.py::test_latent_cache_chunks_decode_and_batches"
+DSV3_ENGINE = (
+    "tests/test_deepseek_v3.py::test_speculation_and_engine_batches_give_the_lone_greedy_tokens"
+)
+DSV3_GGUF = (
+    "tests/test_deepseek_v3.py::test_gguf_from_llama_cpp_converter_equals_the_folder[q_lora]"
+)
+DSV3_MLX = "tests/test_deepseek_v3.py::test_mlx_quantized_folder_matches_its_dequantized_weights"
+DSV32_HF = "tests/test_deepseek_v32.py::test_logits_match_transformers_fp32"
+DSV32_TIES = "tests/test_deepseek_v32.py::test_ties_at_the_cut_go_to_the_earlier_keys"
+DSV32_CACHE = "tests/test_deepseek_v32.py::test_indexed_cache_chunks_decode_and_batches"
 LFM2_HF = "tests/test_lfm2.py::test_logits_match_transformers_fp32"
 LFM2_CACHE = "tests/test_lfm2.py::test_chunked_prefill_decode_and_batches_equal_the_full_forward"
 LFM2_REWIND = "tests/test_lfm2.py::test_a_rejection_at_each_position_rewinds_the_conv_state_exactly"
@@ -2671,15 +2683,15 @@ MUTANTS = (
         "mlxlis/models/grouped_experts.py",
         "weights = mx.take_along_axis(scores, inds, axis=-1)",
         "weights = mx.take_along_axis(choice, inds, axis=-1)",
-        (GLM4_HF,),
+        (GLM4_HF, DSV3_HF),
         "GLM-4.5: the correction bias added to the routed weights, not only to the choice",
     ),
     Mutant(
         "glm4-group-limit-ignored",
         "mlxlis/models/grouped_experts.py",
-        "        if r.topk_group < r.n_group:",
-        "        if False:",
-        (GLM4_HF,),
+        "    if r.topk_group < r.n_group:",
+        "    if False:",
+        (GLM4_HF, DSV3_HF),
         "GLM-4.5: experts chosen from every group (topk_group ignored)",
     ),
     Mutant(
@@ -2700,8 +2712,8 @@ MUTANTS = (
     ),
     Mutant(
         "glm4-gguf-groups-unread",
-        "mlxlis/models/glm4_moe.py",
-        '        m.get("expert_group_count", 1),',
+        "mlxlis/models/grouped_experts.py",
+        "        m.get(keys[0], 1),",
         "        1,",
         (GLM4_GGUF,),
         "GLM-4.5 GGUF: expert_group_count not read (one group: the limit off)",
@@ -2770,6 +2782,86 @@ MUTANTS = (
         "rotary = _rotary(hd, hd,",
         (MM2_GGUF,),
         "MiniMax-M2 GGUF: rope.dimension_count not read (RoPE over whole heads)",
+    ),
+    Mutant(
+        "dsv3-w-uk-slice-wrong",
+        "mlxlis/models/mla.py",
+        "        rows = slice(None, nope) if keys else slice(nope, None)",
+        "        rows = slice(nope, 2 * nope) if keys else slice(nope, None)",
+        (DSV3_HF,),
+        "MLA: the query absorbed into latent space through W_uv's rows, not W_uk's",
+    ),
+    Mutant(
+        "dsv3-w-uk-split-untransposed",
+        "mlxlis/models/mla.py",
+        "            return self.embed_q(x) if keys else self.unembed_out(x)",
+        "            return self.embed_q(x, False) if keys else self.unembed_out(x)",
+        (DSV3_GGUF, DSV3_MLX),
+        "MLA: the split W_uk (embed_q, llama.cpp's k_b) applied untransposed",
+    ),
+    Mutant(
+        "dsv3-causal-off-by-one",
+        "mlxlis/models/mla.py",
+        "        mask = window_mask(s - t, t, 0, s, None) if t > 1 else None",
+        "        mask = window_mask(s - t + 1, t, 0, s, None) if t > 1 else None",
+        (DSV3_HF,),
+        "MLA: a prompt chunk's queries each see the next position's latent too",
+    ),
+    Mutant(
+        "dsv3-batch-rope-one-offset",
+        "mlxlis/models/mla.py",
+        "            offsets = mx.array([c.offset + c.shift for c in caches])",
+        "            offsets = mx.array([caches[0].offset for c in caches])",
+        (DSV3_CACHE, DSV3_ENGINE),
+        "MLA: a batched decode step turns every row's rope key at the first row's position",
+    ),
+    Mutant(
+        "dsv3-yarn-mscale-dropped",
+        "mlxlis/models/mla.py",
+        "        scale = scale * m * m",
+        "        scale = scale * m",
+        (DSV3_HF,),
+        "DeepSeek V3: yarn's mscale(factor, mscale_all_dim) on the softmax scale once, not squared",
+    ),
+    Mutant(
+        "dsv32-ties-to-later-keys",
+        "mlxlis/models/deepseek_v32.py",
+        "    return above | (tied & (mx.cumsum(tied, axis=-1) <= room))",
+        "    return above | (tied & (mx.cumsum(tied[..., ::-1], axis=-1)[..., ::-1] <= room))",
+        (DSV32_TIES,),
+        "DeepSeek V3.2: ties at the indexer's cut given to the later keys",
+    ),
+    Mutant(
+        "dsv32-future-keys-selectable",
+        "mlxlis/models/deepseek_v32.py",
+        "        index = mx.where(causal, index, -mx.inf)",
+        "        index = index",
+        (DSV32_HF,),
+        "DeepSeek V3.2: the indexer's top k taken over future keys too (fewer past keys kept)",
+    ),
+    Mutant(
+        "dsv32-indexer-keys-at-position-zero",
+        "mlxlis/models/deepseek_v32.py",
+        "        offset = cache.offset if cache is not None else 0",
+        "        offset = 0",
+        (DSV32_CACHE,),
+        "DeepSeek V3.2: a cached chunk's indexer queries and keys turned from position 0",
+    ),
+    Mutant(
+        "dsv32-indexer-rope-interleaved",
+        "mlxlis/models/deepseek_v32.py",
+        "        self.rope = Rope(dims.qk_rope_head_dim, cfg.rope)",
+        "        self.rope = Rope(dims.qk_rope_head_dim, cfg.rope, None, True)",
+        (DSV32_HF,),
+        "DeepSeek V3.2: the indexer's RoPE on interleaved pairs, as the attention's",
+    ),
+    Mutant(
+        "dsv3-gguf-rope-factor-kept",
+        "mlxlis/models/deepseek_v3.py",
+        "        rope = replace(rope, attention_factor=1.0)",
+        "        rope = rope",
+        (DSV3_GGUF,),
+        "DeepSeek V3 GGUF: yarn's attention factor kept on the rope dims (llama.cpp cancels it)",
     ),
     Mutant(
         "lasttoken-takes-a-pad",

@@ -247,6 +247,24 @@ def test_name_tables():
     assert module_name("llama", "blk.0.nonsense.weight") is None
 
 
+def test_deepseek2_split_up_projections_map_to_the_latent_attention():
+    """llama.cpp's deepseek2 writes kv_b_proj split (attn_k_b: W_uk transposed per head,
+    attn_v_b: W_uv per head), the layouts of mlx-lm's embed_q / unembed_out, which the
+    latent attention binds as they are (no convention to undo); an older file's whole
+    attn_kv_b binds to kv_b_proj."""
+    at = "model.layers.2.self_attn."
+    assert module_name("deepseek_v3", "blk.2.attn_k_b.weight") == at + "embed_q.weight"
+    assert module_name("deepseek_v3", "blk.2.attn_v_b.weight") == at + "unembed_out.weight"
+    assert module_name("deepseek_v3", "blk.2.attn_kv_b.weight") == at + "kv_b_proj.weight"
+    assert module_name("deepseek_v3", "blk.2.attn_kv_a_mqa.weight") == (
+        at + "kv_a_proj_with_mqa.weight"
+    )
+    assert module_name("deepseek_v3", "blk.2.exp_probs_b.bias") == (
+        "model.layers.2.mlp.gate.e_score_correction_bias"
+    )
+    assert REGISTRY["deepseek_v3"].gguf.conventions == ()
+
+
 # --- a synthetic llama GGUF, written as llama.cpp's converter writes it ---
 
 TINY_LLAMA = dict(

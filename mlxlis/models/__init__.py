@@ -15,6 +15,8 @@ from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.models.base import Family, Projector
 from mlxlis.models.bert import BERT
 from mlxlis.models.config import ModelConfig, SpecialTokens, base_config, eos_list
+from mlxlis.models.deepseek_v3 import DEEPSEEK_V3
+from mlxlis.models.deepseek_v32 import DEEPSEEK_V32
 from mlxlis.models.gemma import GEMMA, GEMMA2, GEMMA3
 from mlxlis.models.gemma3n import GEMMA3N
 from mlxlis.models.gemma4 import GEMMA4
@@ -61,6 +63,8 @@ REGISTRY: dict[str, Family] = {
             GPT_OSS,
             GLM4_MOE,
             MINIMAX_M2,
+            DEEPSEEK_V3,
+            DEEPSEEK_V32,
         ),
         BERT,
         MODERNBERT,

@@ -106,9 +106,9 @@ def _explicit(q, k, v, scale, mask, cap, fast, sinks=None) -> mx.array:
     n_kv, s = k.shape[1], k.shape[2]
     q = q.reshape(b, n_kv, h // n_kv, t, hd)  # (B, n_kv_heads, group, T, head_dim)
     if cap is None:  # scale q, the smaller operand, as the fused kernel does
-        scores = _product(q * mx.array(scale, q.dtype), k, True)  # (B, n_kv, group, T, S)
+        scores = product(q * mx.array(scale, q.dtype), k, True)  # (B, n_kv, group, T, S)
     else:  # Gemma 2 as transformers: scale the scores, then tanh(s / c)·c, then mask, softmax
-        scores = softcap(_product(q, k, True) * scale, cap)
+        scores = softcap(product(q, k, True) * scale, cap)
     if isinstance(mask, str):  # "causal", aligned to the newest keys as the fused kernel does
         mask = window_mask(s - t, t, 0, s, None) if t > 1 else None
     if mask is not None:
@@ -123,19 +123,19 @@ def _explicit(q, k, v, scale, mask, cap, fast, sinks=None) -> mx.array:
         probs = probs.astype(v.dtype)
     if sinks is not None:
         probs = probs[..., :-1]
-    out = _product(probs, v, False)  # (B, n_kv, group, T, head_dim)
+    out = product(probs, v, False)  # (B, n_kv, group, T, head_dim)
     return out.reshape(b, h, t, hd)
 
 
-def _product(x: mx.array, kv: Stored | Tailed, keys: bool) -> mx.array:
+def product(x: mx.array, kv: Stored | Tailed, keys: bool) -> mx.array:
     """x (B, n_kv, group, T, ·) times one KV head's keys transposed (`keys`) or its values,
     broadcast over the group; quantized operands multiply in their packed form, a tailed one
     in its two parts (scores side by side; probabilities split at the tail)."""
     if isinstance(kv, Tailed):
         if keys:
-            return mx.concatenate([_product(x, kv.head, True), _product(x, kv.tail, True)], -1)
+            return mx.concatenate([product(x, kv.head, True), product(x, kv.tail, True)], -1)
         n = kv.head.shape[2]
-        return _product(x[..., :n], kv.head, False) + _product(x[..., n:], kv.tail, False)
+        return product(x[..., :n], kv.head, False) + product(x[..., n:], kv.tail, False)
     if isinstance(kv, QArray):
         f = kv.fmt
         parts = [p[:, :, None] for p in kv.parts]

@@ -18,9 +18,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlxlis import limits
 from mlxlis.errors import ConfigError
-from mlxlis.limits import check_sizes
 from mlxlis.models.base import (
     GGUF_LLAMA_BLOCK,
     Description,
@@ -33,10 +31,10 @@ from mlxlis.models.base import (
 from mlxlis.models.config import FamilyConfig, ModelConfig
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.experts import ExpertSource
-from mlxlis.models.grouped_experts import GroupedMoE, GroupRouting, checked_routing
+from mlxlis.models.grouped_experts import GroupedMoE, GroupRouting, read_gguf, read_hf
 from mlxlis.models.layers import MLP, PreNormBlock
 from mlxlis.models.network import NoDraftHead
-from mlxlis.models.reading import check_act, expert_sizes, flag, gguf_expert_sizes, moe_config
+from mlxlis.models.reading import check_act
 from mlxlis.models.rope import Rope
 
 import mlx.core as mx
@@ -69,8 +67,16 @@ GGUF_BLOCK = {
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
-# the router's sizes, beside limits.SIZE_BOUNDS
-BOUNDS = {"n_group": limits.CONFIG_MAX_EXPERTS, "topk_group": limits.CONFIG_MAX_EXPERTS}
+ROUTER_DEFAULTS = {  # Glm4MoeConfig's
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 1408,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+}
 _LAYER = re.compile(r"^(?:model\.layers|blk)\.(\d+)\.")
 
 
@@ -115,7 +121,7 @@ def _past(name: str, n: int) -> bool:
 
 
 def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
-    n, hd = base.num_hidden_layers, base.head_dim
+    hd = base.head_dim
     rope = cfg.get("rope_parameters")
     rope = rope if isinstance(rope, dict) else {}
     factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", PARTIAL))
@@ -124,37 +130,8 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
             f"bad partial_rotary_factor {factor!r}", path=path, field="partial_rotary_factor"
         )
     rotary = int(hd * factor)
-    experts = cfg.get("n_routed_experts", cfg.get("num_local_experts", 128))
-    keys = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
-    sizes = {
-        "num_experts": (keys[0], experts),
-        "num_experts_per_tok": (keys[1], cfg.get(keys[1], 8)),
-        "moe_intermediate_size": (keys[2], cfg.get(keys[2], 1408)),
-        "n_group": ("n_group", cfg.get("n_group", 1)),
-        "topk_group": ("topk_group", cfg.get("topk_group", 1)),
-    }
-    size = expert_sizes(sizes, path, BOUNDS)
-    shared = cfg.get("n_shared_experts", 1) or 0
-    if shared:
-        shared = check_sizes({"n_group": ("n_shared_experts", shared)}, path, BOUNDS)["n_group"]
-    dense = cfg.get("first_k_dense_replace", 1)
-    if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense <= n:
-        raise ConfigError(
-            f"expected 0 to {n}, got {dense!r}"[:200], path=path, field="first_k_dense_replace"
-        )
     mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 1)) or 0
-    norm = flag({"norm_topk_prob": True, **cfg}, "norm_topk_prob", path)  # True by default
-    sparse = tuple(i >= dense for i in range(n))
-    base = base.with_(moe=moe_config(size, sparse, norm_topk_prob=norm))
-    routing = checked_routing(
-        base.moe,
-        size["n_group"],
-        size["topk_group"],
-        cfg.get("routed_scaling_factor", 1.0),
-        shared * size["moe_intermediate_size"],
-        path,
-        ("n_group", "topk_group", "routed_scaling_factor"),
-    )
+    base, routing = read_hf(cfg, base, path, ROUTER_DEFAULTS)
     attention = replace(
         base.attention,
         o_bias=False,  # attention_bias covers q, k and v only
@@ -179,23 +156,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
         raise ConfigError(
             "glm4moe routes by sigmoid", path=m.path, field=m.key("expert_gating_func")
         )
-    size = gguf_expert_sizes(m)
-    dense = m.get("leading_dense_block_count", 1)
-    sparse = tuple(i >= dense for i in range(n))
-    norm = bool(m.md.get(m.key("expert_weights_norm"), False))
-    base = base.with_(num_hidden_layers=n, moe=moe_config(size, sparse, norm_topk_prob=norm))
-    routing = checked_routing(
-        base.moe,
-        m.get("expert_group_count", 1),
-        m.get("expert_group_used_count", 1),
-        m.get("expert_weights_scale", 1.0, float),
-        m.get("expert_shared_count", 0) * size["moe_intermediate_size"],
-        m.path,
-        tuple(
-            m.key(k)
-            for k in ("expert_group_count", "expert_group_used_count", "expert_weights_scale")
-        ),
-    )
+    base, routing = read_gguf(base.with_(num_hidden_layers=n), m, 1)
     rotary = m.get("rope.dimension_count", base.head_dim)
     attention = replace(
         base.attention,

@@ -17,14 +17,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mlxlis import limits
 from mlxlis.errors import ConfigError
+from mlxlis.limits import check_sizes
 from mlxlis.loading.binding import Float32Parameters
+from mlxlis.models.base import GGUFMeta
 from mlxlis.models.config import ModelConfig, MoEConfig, number
 from mlxlis.models.experts import ExpertSource, SwitchGLU, expert_stacks
 from mlxlis.models.layers import MLP
+from mlxlis.models.reading import expert_sizes, flag, gguf_expert_sizes, moe_config
 
 import mlx.core as mx
 import mlx.nn as nn
+
+# the router's sizes, beside limits.SIZE_BOUNDS
+BOUNDS = {"n_group": limits.CONFIG_MAX_EXPERTS, "topk_group": limits.CONFIG_MAX_EXPERTS}
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,61 @@ def checked_routing(
             f"expected a positive scale, got {scale!r}"[:200], path=path, field=keys[2]
         )
     return GroupRouting(groups, used, float(scale), shared)
+
+
+def read_hf(
+    cfg: dict, base: ModelConfig, path: str, defaults: dict[str, Any]
+) -> tuple[ModelConfig, GroupRouting]:
+    """`base` with its experts (the first first_k_dense_replace layers dense) and the router's
+    options, from config.json's keys (`defaults`: the family config's, for those absent)."""
+    n, d = base.num_hidden_layers, {**defaults, **cfg}
+    experts = cfg.get("num_local_experts", defaults["n_routed_experts"])
+    experts = cfg.get("n_routed_experts", experts)
+    keys = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+    sizes = {
+        "num_experts": (keys[0], experts),
+        "num_experts_per_tok": (keys[1], d[keys[1]]),
+        "moe_intermediate_size": (keys[2], d[keys[2]]),
+        "n_group": ("n_group", d["n_group"]),
+        "topk_group": ("topk_group", d["topk_group"]),
+    }
+    size = expert_sizes(sizes, path, BOUNDS)
+    shared = d["n_shared_experts"] or 0
+    if shared:
+        shared = check_sizes({"n_group": ("n_shared_experts", shared)}, path, BOUNDS)["n_group"]
+    dense = d["first_k_dense_replace"]
+    if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense <= n:
+        raise ConfigError(
+            f"expected 0 to {n}, got {dense!r}"[:200], path=path, field="first_k_dense_replace"
+        )
+    norm = flag({"norm_topk_prob": True, **cfg}, "norm_topk_prob", path)  # True by default
+    sparse = tuple(i >= dense for i in range(n))
+    base = base.with_(moe=moe_config(size, sparse, norm_topk_prob=norm))
+    keys = ("n_group", "topk_group", "routed_scaling_factor")
+    shared *= size["moe_intermediate_size"]
+    return base, checked_routing(
+        base.moe, size["n_group"], size["topk_group"], d[keys[2]], shared, path, keys
+    )
+
+
+def read_gguf(base: ModelConfig, m: GGUFMeta, dense: int) -> tuple[ModelConfig, GroupRouting]:
+    """read_hf's result from llama.cpp's keys (`dense`: leading_dense_block_count's default)."""
+    size = gguf_expert_sizes(m)
+    dense = m.get("leading_dense_block_count", dense)
+    sparse = tuple(i >= dense for i in range(base.num_hidden_layers))
+    norm = bool(m.md.get(m.key("expert_weights_norm"), False))
+    base = base.with_(moe=moe_config(size, sparse, norm_topk_prob=norm))
+    keys = ("expert_group_count", "expert_group_used_count", "expert_weights_scale")
+    routing = checked_routing(
+        base.moe,
+        m.get(keys[0], 1),
+        m.get(keys[1], 1),
+        m.get(keys[2], 1.0, float),
+        m.get("expert_shared_count", 0) * size["moe_intermediate_size"],
+        m.path,
+        tuple(m.key(k) for k in keys),
+    )
+    return base, routing
 
 
 class GroupRouter(nn.Module, Float32Parameters):
