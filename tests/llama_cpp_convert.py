@@ -10,6 +10,7 @@ conventions, metadata keys — is llama.cpp's own.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +18,14 @@ from pathlib import Path
 import pytest
 
 RUNNER = """
-import runpy, sys
+import json, runpy, sys
 script, pre, *args = sys.argv[1:]
 sys.path.insert(0, script.rsplit("/", 1)[0])
 import conversion.base
 conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
-sys.argv = [script, *args]
-runpy.run_path(script, run_name="__main__")
+for one in json.loads(args[0]) if args[0].startswith("[") else [args]:
+    sys.argv = [script, *one]
+    runpy.run_path(script, run_name="__main__")
 """
 
 
@@ -41,12 +43,18 @@ def converter() -> Path:
 def convert(folder: Path, out: Path, outtype: str = "f32", pre: str = "gpt-2") -> Path:
     """`folder` converted to the GGUF `out` by llama.cpp's converter (`--outtype outtype`), the
     tokenizer's pre-tokenizer named `pre`; the converter's log in the failure message."""
-    args = [str(folder), "--outtype", outtype, "--outfile", str(out)]
+    convert_all([(folder, out, outtype)], pre)
+    return out
+
+
+def convert_all(jobs: list[tuple[Path, Path, str]], pre: str = "gpt-2") -> None:
+    """Each (folder, out, outtype) converted as `convert` does, in one process (the
+    converter's imports, most of a tiny conversion's time, paid once)."""
+    args = [[str(f), "--outtype", t, "--outfile", str(o)] for f, o, t in jobs]
     run = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(converter()), pre, *args],
+        [sys.executable, "-c", RUNNER, str(converter()), pre, json.dumps(args)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=120 * len(jobs),
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    return out

@@ -1,0 +1,164 @@
+"""Encoder GGUF files (llama.cpp's `bert` architecture) against sentence-transformers and
+llama.cpp's own tokenizer tests.
+
+Reference parity: tiny random sentence-transformers / CrossEncoder folders (tests/encoders.py,
+built by that library from transformers 5 models) converted by llama.cpp's own
+convert_hf_to_gguf.py (tests/llama_cpp_convert.py) in F32: BERT with mean and with CLS pooling
+(the file's pooling_type), and an XLM-RoBERTa reranker with its own SentencePiece unigram
+vocabulary (the converter's `t5` vocabulary, its position table cut past the padding index, its
+head as cls / cls.output). Each vector within cosine 1 − 1e-6 and max |Δ| 1e-5 of
+`SentenceTransformer.encode`, scores within 1e-5 of `CrossEncoder.predict`; a mixed-length batch
+gives each input what it gives alone. The GGUF vocabularies encode texts and pairs to the
+folders' own tokenizer.json ids, and llama.cpp's WordPiece test suite (ggml-vocab-bert-bge) to
+llama.cpp's ids. The real all-MiniLM-L6-v2 (`extended`): F32 against sentence-transformers;
+Q8_0 (blocks kept quantized) against sentence-transformers run on gguf-py's dequantization of
+those very blocks, and against llama.cpp's own embeddings where llama-cpp-python is installed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlxlis
+from mlxlis.errors import MlxlisError
+from mlxlis.loading.gguf_split import read_gguf
+from mlxlis.models.encoder import EncoderConfig
+from mlxlis.models.from_encoder import gguf_pooling
+from mlxlis.tokenizer.gguf_encoder import encoder_vocab
+
+import numpy as np
+import pytest
+from conftest import llama_cpp_reference
+from encoders import cross_encoder_folder, sentence_folder
+from llama_cpp_convert import convert_all
+from test_embed_bert import close
+
+# within the folders' max_seq_length (40): a GGUF has no such limit, only its position table
+TEXTS = [
+    "hello world",
+    "the query is short",
+    "a passage about local embedding models on apple silicon and the retrieval of text",
+    "x",
+    "search the local server for a sentence",
+]
+QUERY = "search the local server"
+DOCS = ["hello world", "a passage about local models and the retrieval of text", "x", "query"]
+SCORE_BOUND = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    """name -> (GGUF path, the sentence-transformers model it was converted from): all
+    converted in one run of llama.cpp's converter."""
+    root = tmp_path_factory.mktemp("gguf-enc")
+    refs = {
+        "bert-mean": sentence_folder(root / "bert-mean", "bert", "mean", seed=1),
+        "bert-cls": sentence_folder(root / "bert-cls", "bert", "cls", seed=2),
+        "xlmr-rerank": cross_encoder_folder(root / "xlmr-rerank", "xlm-roberta", unigram=True),
+        "bert-rerank": cross_encoder_folder(root / "bert-rerank", "bert", seed=3),
+    }
+    jobs = [(root / n, root / f"{n}.gguf", "f32") for n in refs]
+    convert_all(jobs, pre="default")
+    return {n: (root / f"{n}.gguf", ref) for n, ref in refs.items()}
+
+
+@pytest.mark.parametrize("name,mode", [("bert-mean", "mean"), ("bert-cls", "cls")])
+def test_embed_matches_sentence_transformers_and_batches_equal_each_alone(ggufs, name, mode):
+    """The converted file embeds as sentence-transformers does on the folder: the pooling its
+    pooling_type states, L2-normalised; a mixed-length batch (padded, masked) gives each
+    input what it gives alone, both against sentence-transformers."""
+    path, st = ggufs[name]
+    model = mlxlis.load(path, "float32")
+    assert model.task == "embed" and model.format == "gguf"
+    assert model.embedder.pooling.modes == (mode,) and model.embedder.pooling.normalize
+    ref = st.encode(TEXTS, convert_to_numpy=True)
+    close(np.array(model.embed(TEXTS)), ref)
+    for text, row in zip(TEXTS, ref, strict=True):
+        close(np.array(model.embed([text])), row[None])
+
+
+def test_pooling_types_differ_on_the_same_weights(ggufs):
+    """The parity above is not blind to pooling: the CLS model's vectors pooled by mean
+    (a misread pooling_type) are far from sentence-transformers'."""
+    from dataclasses import replace
+
+    path, st = ggufs["bert-cls"]
+    model = mlxlis.load(path, "float32")
+    model.embedder.pooling = replace(model.embedder.pooling, modes=("mean",))
+    delta = np.abs(np.array(model.embed(TEXTS)) - st.encode(TEXTS, convert_to_numpy=True)).max()
+    assert delta > 1e-2
+
+
+def test_xlmr_reranker_matches_cross_encoder_predict(ggufs):
+    """XLM-R's classifier from the file (cls: dense + tanh, cls.output: out_proj) over its
+    unigram pairs <s> q </s></s> d </s>, positions from the cut table: CrossEncoder.predict's
+    sigmoid scores within 1e-5, in any batch; the scores spread far wider than the bound."""
+    path, ce = ggufs["xlmr-rerank"]
+    model = mlxlis.load(path, "float32")
+    assert model.task == "rerank" and model.config.own(EncoderConfig).head == "roberta"
+    ref = ce.predict([(QUERY, d) for d in DOCS])
+    ours = np.array(model.rerank(QUERY, DOCS))
+    assert np.abs(ours - ref).max() <= SCORE_BOUND, (ours, ref)
+    assert np.ptp(ref) > 100 * SCORE_BOUND
+    alone = [model.rerank(QUERY, [d])[0] for d in DOCS]
+    assert np.abs(np.array(alone) - ref).max() <= SCORE_BOUND
+
+
+def test_vocabularies_encode_as_the_folders_tokenizers(ggufs):
+    """The GGUF's `bert` and `t5` vocabularies give the ids (and token types) of the folder's
+    tokenizer.json, for texts and for (query, document) pairs."""
+    for name in ("bert-mean", "xlmr-rerank"):
+        path, ref = ggufs[name]
+        hf = ref.tokenizer
+        with read_gguf(path) as g:
+            md = dict(g.metadata)
+        tk = encoder_vocab(md, path)
+        for text in TEXTS:
+            assert tk.encode(text).ids == hf(text)["input_ids"], (name, text)
+        for d in DOCS:
+            enc, want = tk.encode(QUERY, d), hf(QUERY, d)
+            assert enc.ids == want["input_ids"], (name, d)
+            if "token_type_ids" in want:
+                assert enc.type_ids == want["token_type_ids"], (name, d)
+
+
+def _vocab_cases(name: str) -> list[tuple[str, list[int]]]:
+    """llama.cpp's test-tokenizer-0 inputs and ids for ggml-vocab-`name`.gguf."""
+    sep = "\n__ggml_vocab_test__\n"
+    raw = llama_cpp_reference(f"ggml-vocab-{name}.gguf.inp").read_bytes().decode("utf-8")
+    inputs = raw.split(sep)
+    if inputs[-1] == "":
+        inputs.pop()
+    lines = llama_cpp_reference(f"ggml-vocab-{name}.gguf.out").read_text().split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    assert len(inputs) == len(lines) == 46
+    return [(s, [int(t) for t in line.split()]) for s, line in zip(inputs, lines, strict=True)]
+
+
+def test_wordpiece_gives_llama_cpp_ids():
+    """llama.cpp's own WordPiece test (bge's vocabulary: lowercasing, accents stripped, CJK and
+    punctuation split, unknown words as [UNK]): every one of its 46 inputs encodes to its ids,
+    and a text gets [CLS] ... [SEP] as llama.cpp adds them."""
+    tok = mlxlis.load_tokenizer(llama_cpp_reference("ggml-vocab-bert-bge.gguf"))
+    bad = [
+        (t, ids)
+        for t, ids in _vocab_cases("bert-bge")
+        if tok.encode(t, add_bos=False, add_eos=False) != ids
+    ]
+    assert not bad, bad[:3]
+    assert tok.encode("Hello world") == [101, 7592, 2088, 102]
+
+
+def test_refusals_name_the_file_and_field(ggufs):
+    """A BERT cross-encoder's GGUF lost its pooler (cls.output without cls): refused naming
+    cls.weight; a pooling type the embedder cannot run: refused naming the key."""
+    path, _ = ggufs["bert-rerank"]
+    with pytest.raises(MlxlisError) as e:
+        mlxlis.load(path, "float32")
+    assert e.value.field == "cls.weight" and str(path) in str(e.value)
+    for kind, head in ((0, False), (4, False), (9, True)):
+        with pytest.raises(MlxlisError) as e:
+            gguf_pooling({"bert.pooling_type": kind}, "bert", Path("x.gguf"), head)
+        assert e.value.field == "bert.pooling_type"
+    assert gguf_pooling({}, "bert", Path("x.gguf"), False).modes == ("mean",)
