@@ -41,6 +41,10 @@ EMBED_ST = (
 )
 EMBED_MATRYOSHKA = "tests/test_embed_bert.py::test_matryoshka_dimensions_truncate_and_renormalise"
 EMBED_RERANK = "tests/test_embed_bert.py::test_rerank_matches_cross_encoder_predict"
+GGUF_ENC = "tests/test_gguf_encoders.py::"
+GGUF_ENC_EMBED = GGUF_ENC + "test_embed_matches_sentence_transformers_and_batches_equal_each_alone"
+GGUF_ENC_RERANK = GGUF_ENC + "test_xlmr_reranker_matches_cross_encoder_predict"
+GGUF_ENC_VOCAB = GGUF_ENC + "test_vocabularies_encode_as_the_folders_tokenizers"
 MODERNBERT_ST = (
     "tests/test_embed_modernbert.py::"
     "test_embed_matches_sentence_transformers_and_batches_equal_each_alone"
@@ -2674,6 +2678,64 @@ MUTANTS = (
         "pair = mx.stack([logits[:, self.yes_id], logits[:, self.no_id]], axis=-1)",
         (DEC_RERANK,),
         "the yes / no reranker scores p(no) instead of p(yes)",
+    ),
+    Mutant(
+        "gguf-enc-pooling-type-misread",
+        "mlxlis/models/from_encoder.py",
+        'GGUF_POOLING = {1: "mean", 2: "cls", 3: "lasttoken"}',
+        'GGUF_POOLING = {1: "mean", 2: "mean", 3: "lasttoken"}',
+        (GGUF_ENC_EMBED,),
+        "a GGUF's CLS pooling_type read as mean",
+    ),
+    Mutant(
+        "gguf-enc-not-normalised",
+        "mlxlis/models/from_encoder.py",
+        "return Pooling((GGUF_POOLING[kind],), normalize=True)",
+        "return Pooling((GGUF_POOLING[kind],), normalize=False)",
+        (GGUF_ENC_EMBED,),
+        "a GGUF embedder's vectors left unnormalised",
+    ),
+    Mutant(
+        "gguf-enc-q-k-swapped",
+        "mlxlis/models/bert.py",
+        '(r"blk\\.(\\d+)\\.attn_q", r"encoder.layers.\\1.attention.query"),\n'
+        '    (r"blk\\.(\\d+)\\.attn_k", r"encoder.layers.\\1.attention.key"),',
+        '(r"blk\\.(\\d+)\\.attn_q", r"encoder.layers.\\1.attention.key"),\n'
+        '    (r"blk\\.(\\d+)\\.attn_k", r"encoder.layers.\\1.attention.query"),',
+        (GGUF_ENC_EMBED,),
+        "llama.cpp's attn_q / attn_k bound to the other projection",
+    ),
+    Mutant(
+        "gguf-enc-position-cut-not-undone",
+        "mlxlis/models/bert.py",
+        "position_offset=0,  # the converter cut",
+        "position_offset=pad + 1,  # the converter cut",
+        (GGUF_ENC_RERANK,),
+        "XLM-R's GGUF position table (cut past the padding index) read from pad + 1 again",
+    ),
+    Mutant(
+        "gguf-enc-phantom-space-kept",
+        "mlxlis/tokenizer/gguf_encoder.py",
+        "spelled.append(t[len(PHANTOM) :])",
+        "spelled.append(t)",
+        (GGUF_ENC_VOCAB,),
+        "WordPiece's word-initial pieces keep the converter's phantom space",
+    ),
+    Mutant(
+        "gguf-enc-pair-one-separator",
+        "mlxlis/tokenizer/gguf_encoder.py",
+        'pair=f"{b} $A {e} {e} $B {e}"',
+        'pair=f"{b} $A {e} $B {e}"',
+        (GGUF_ENC_VOCAB, GGUF_ENC_RERANK),
+        "XLM-R pairs with one </s> between query and document instead of two",
+    ),
+    Mutant(
+        "enc-classifier-bias-dropped",
+        "mlxlis/models/bert.py",
+        "return self.classifier(mx.tanh(dense(first)))",
+        "return mx.tanh(dense(first)) @ self.classifier.weight.T",
+        (GGUF_ENC_RERANK, EMBED_RERANK),
+        "the cross-encoder classifier's bias dropped",
     ),
 )
 
