@@ -164,6 +164,29 @@ def test_refusals_name_the_file_and_field(ggufs):
     assert gguf_pooling({}, "bert", Path("x.gguf"), False).modes == ("mean",)
 
 
+def test_unread_encoders_are_refused_by_name(tmp_path):
+    """A RoBERTa GGUF's byte-level BPE vocabulary (no pair template read) is refused naming
+    tokenizer.ggml.model; ModernBERT's and nomic-bert's architectures naming
+    general.architecture."""
+    import gguf
+
+    md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"]}
+    with pytest.raises(MlxlisError) as e:
+        encoder_vocab(md, tmp_path / "roberta.gguf")
+    assert e.value.field == "tokenizer.ggml.model"
+    for arch in ("modern-bert", "nomic-bert"):
+        path = tmp_path / f"{arch}.gguf"
+        w = gguf.GGUFWriter(str(path), arch)
+        w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        with pytest.raises(MlxlisError) as e:
+            mlxlis.load(path, "float32")
+        assert e.value.field == "general.architecture", arch
+
+
 # --- the real all-MiniLM-L6-v2, converted by llama.cpp's converter ---
 
 REAL_TEXTS = ["A man is eating food.", "The new movie is awesome", "word " * 200, "Hi"]
