@@ -2730,6 +2730,22 @@ MUTANTS = (
         "XLM-R pairs with one </s> between query and document instead of two",
     ),
     Mutant(
+        "gguf-enc-qkv-split-order",
+        "mlxlis/models/encoder.py",
+        "q, k, v = mx.split(self.qkv(x), 3, axis=-1)",
+        "k, q, v = mx.split(self.qkv(x), 3, axis=-1)",
+        (GGUF_ENC_EMBED,),
+        "llama.cpp's fused attn_qkv split in the wrong order (nomic-bert GGUF)",
+    ),
+    Mutant(
+        "gguf-enc-gate-up-swapped",
+        "mlxlis/models/encoder.py",
+        "a, b = self.gate(x), self.up(x)",
+        "a, b = self.up(x), self.gate(x)",
+        (GGUF_ENC_EMBED,),
+        "nomic-bert GGUF's ffn_up activated instead of ffn_gate",
+    ),
+    Mutant(
         "enc-classifier-bias-dropped",
         "mlxlis/models/bert.py",
         "return self.classifier(mx.tanh(dense(first)))",

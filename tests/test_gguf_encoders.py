@@ -1,10 +1,11 @@
-"""Encoder GGUF files (llama.cpp's `bert` architecture) against sentence-transformers and
-llama.cpp's own tokenizer tests.
+"""Encoder GGUF files (llama.cpp's `bert` and `nomic-bert` architectures) against
+sentence-transformers, llama.cpp's own tokenizer tests and llama.cpp itself.
 
 Reference parity: tiny random sentence-transformers / CrossEncoder folders (tests/encoders.py,
 built by that library from transformers 5 models) converted by llama.cpp's own
 convert_hf_to_gguf.py (tests/llama_cpp_convert.py) in F32: BERT with mean and with CLS pooling
-(the file's pooling_type), and an XLM-RoBERTa reranker with its own SentencePiece unigram
+(the file's pooling_type), nomic-bert (given the config keys the converter asserts), and an
+XLM-RoBERTa reranker with its own SentencePiece unigram
 vocabulary (the converter's `t5` vocabulary, its position table cut past the padding index, its
 head as cls / cls.output). Each vector within cosine 1 − 1e-6 and max |Δ| 1e-5 of
 `SentenceTransformer.encode`, scores within 1e-5 of `CrossEncoder.predict`; a mixed-length batch
@@ -46,6 +47,29 @@ DOCS = ["hello world", "a passage about local models and the retrieval of text",
 SCORE_BOUND = 1e-5
 
 
+def nomic_keys(folder: Path) -> None:
+    """`folder`'s config.json given the keys of nomic's own configuration that llama.cpp's
+    converter asserts (transformers' NomicBertConfig saves none of them), stating what the
+    transformers model computes: SwiGLU, post-norm, no biases, the whole head rotated."""
+    import json
+
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(
+        n_positions=8192,  # with max_trained_positions 2048: nomic-embed v1.5's, as asserted
+        max_trained_positions=2048,
+        activation_function="swiglu",
+        causal=False,
+        qkv_proj_bias=False,
+        mlp_fc1_bias=False,
+        mlp_fc2_bias=False,
+        prenorm=False,
+        rotary_emb_fraction=1.0,
+        rotary_emb_interleaved=False,
+        rotary_emb_scale_base=None,
+    )
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory):
     """name -> (GGUF path, the sentence-transformers model it was converted from): all
@@ -56,16 +80,21 @@ def ggufs(tmp_path_factory):
         "bert-cls": sentence_folder(root / "bert-cls", "bert", "cls", seed=2),
         "xlmr-rerank": cross_encoder_folder(root / "xlmr-rerank", "xlm-roberta", unigram=True),
         "bert-rerank": cross_encoder_folder(root / "bert-rerank", "bert", seed=3),
+        "nomic": sentence_folder(root / "nomic", "nomic_bert", "mean", seed=4),
     }
+    nomic_keys(root / "nomic")
     jobs = [(root / n, root / f"{n}.gguf", "f32") for n in refs]
     convert_all(jobs, pre="default")
     return {n: (root / f"{n}.gguf", ref) for n, ref in refs.items()}
 
 
-@pytest.mark.parametrize("name,mode", [("bert-mean", "mean"), ("bert-cls", "cls")])
+@pytest.mark.parametrize(
+    "name,mode", [("bert-mean", "mean"), ("bert-cls", "cls"), ("nomic", "mean")]
+)
 def test_embed_matches_sentence_transformers_and_batches_equal_each_alone(ggufs, name, mode):
     """The converted file embeds as sentence-transformers does on the folder: the pooling its
-    pooling_type states, L2-normalised; a mixed-length batch (padded, masked) gives each
+    pooling_type states, L2-normalised (nomic-bert: its fused attn_qkv and its ffn_gate /
+    ffn_up apart, RoPE on the whole head); a mixed-length batch (padded, masked) gives each
     input what it gives alone, both against sentence-transformers."""
     path, st = ggufs[name]
     model = mlxlis.load(path, "float32")
@@ -166,15 +195,14 @@ def test_refusals_name_the_file_and_field(ggufs):
 
 def test_unread_encoders_are_refused_by_name(tmp_path):
     """A RoBERTa GGUF's byte-level BPE vocabulary (no pair template read) is refused naming
-    tokenizer.ggml.model; ModernBERT's and nomic-bert's architectures naming
-    general.architecture."""
+    tokenizer.ggml.model; ModernBERT's architecture naming general.architecture."""
     import gguf
 
     md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"]}
     with pytest.raises(MlxlisError) as e:
         encoder_vocab(md, tmp_path / "roberta.gguf")
     assert e.value.field == "tokenizer.ggml.model"
-    for arch in ("modern-bert", "nomic-bert"):
+    for arch in ("modern-bert",):
         path = tmp_path / f"{arch}.gguf"
         w = gguf.GGUFWriter(str(path), arch)
         w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
@@ -329,6 +357,22 @@ def test_xlmr_reranker_matches_llama_cpp_rank_pooling(ggufs):
     ours, ref = np.array(model.rerank(QUERY, DOCS)), ce.predict([(QUERY, d) for d in DOCS])
     within_llama_cpp(ours[:, None], theirs[:, None], ref[:, None])
     assert np.abs(ours - theirs).max() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["bert-cls", "nomic"])
+def test_tiny_embedders_match_llama_cpp_embeddings(ggufs, name):
+    """llama.cpp's embeddings of the tiny files (BERT with CLS pooling; nomic-bert's rotary,
+    fused-QKV graph): its tokenizer gives our ids, our vectors are within its own distance to
+    sentence-transformers'."""
+    llama_cpp = llama_cpp_or_skip()
+    path, st = ggufs[name]
+    llm = llama_cpp.Llama(str(path), embedding=True, n_ctx=64, n_batch=64, verbose=False)
+    model = mlxlis.load(path, "float32")
+    for text in TEXTS:
+        assert llm.tokenize(text.encode()) == model.embedder.tokenizer.encode(text)[0]
+    theirs = np.array(llm.embed(TEXTS, normalize=True))
+    ours, ref = np.array(model.embed(TEXTS)), st.encode(TEXTS, convert_to_numpy=True)
+    within_llama_cpp(ours, theirs, ref)
 
 
 @pytest.mark.extended
