@@ -43,7 +43,7 @@ EMBED_MATRYOSHKA = "tests/test_embed_bert.py::test_matryoshka_dimensions_truncat
 EMBED_RERANK = "tests/test_embed_bert.py::test_rerank_matches_cross_encoder_predict"
 GGUF_ENC = "tests/test_gguf_encoders.py::"
 GGUF_ENC_EMBED = GGUF_ENC + "test_embed_matches_sentence_transformers_and_batches_equal_each_alone"
-GGUF_ENC_RERANK = GGUF_ENC + "test_xlmr_reranker_matches_cross_encoder_predict"
+GGUF_ENC_RERANK = GGUF_ENC + "test_reranker_matches_cross_encoder_predict"
 GGUF_ENC_VOCAB = GGUF_ENC + "test_vocabularies_encode_as_the_folders_tokenizers"
 MODERNBERT_ST = (
     "tests/test_embed_modernbert.py::"
@@ -2709,7 +2709,7 @@ MUTANTS = (
         "gguf-enc-position-cut-not-undone",
         "mlxlis/models/bert.py",
         "position_offset=0,  # the converter cut",
-        "position_offset=pad + 1,  # the converter cut",
+        "position_offset=gguf_pad(m) + 1,  # the converter cut",
         (GGUF_ENC_RERANK,),
         "XLM-R's GGUF position table (cut past the padding index) read from pad + 1 again",
     ),

@@ -1,19 +1,21 @@
-"""Encoder GGUF files (llama.cpp's `bert` and `nomic-bert` architectures) against
-sentence-transformers, llama.cpp's own tokenizer tests and llama.cpp itself.
+"""Encoder GGUF files (llama.cpp's `bert`, `nomic-bert` and `modern-bert` architectures)
+against sentence-transformers, llama.cpp's own tokenizer tests and llama.cpp itself.
 
 Reference parity: tiny random sentence-transformers / CrossEncoder folders (tests/encoders.py,
 built by that library from transformers 5 models) converted by llama.cpp's own
 convert_hf_to_gguf.py (tests/llama_cpp_convert.py) in F32: BERT with mean and with CLS pooling
-(the file's pooling_type), nomic-bert (given the config keys the converter asserts), and an
-XLM-RoBERTa reranker with its own SentencePiece unigram
-vocabulary (the converter's `t5` vocabulary, its position table cut past the padding index, its
-head as cls / cls.output). Each vector within cosine 1 − 1e-6 and max |Δ| 1e-5 of
-`SentenceTransformer.encode`, scores within 1e-5 of `CrossEncoder.predict`; a mixed-length batch
-gives each input what it gives alone. The GGUF vocabularies encode texts and pairs to the
-folders' own tokenizer.json ids, and llama.cpp's WordPiece test suite (ggml-vocab-bert-bge) to
-llama.cpp's ids. The real all-MiniLM-L6-v2 (`extended`): F32 against sentence-transformers;
-Q8_0 (blocks kept quantized) against sentence-transformers run on gguf-py's dequantization of
-those very blocks, and against llama.cpp's own embeddings where llama-cpp-python is installed.
+(the file's pooling_type); nomic-bert (given the config keys the converter asserts); a
+ModernBERT embedder and reranker (a byte-level BPE vocabulary, global and local layers); an
+XLM-RoBERTa reranker with its own SentencePiece unigram vocabulary (the converter's `t5`
+vocabulary, its position table cut past the padding index, its head as cls / cls.output).
+Each vector within cosine 1 − 1e-6 and max |Δ| 1e-5 of `SentenceTransformer.encode`, scores
+within 1e-5 of `CrossEncoder.predict`; a mixed-length batch gives each input what it gives
+alone. The GGUF vocabularies encode texts and pairs to the folders' own tokenizer.json ids,
+and llama.cpp's WordPiece test suite (ggml-vocab-bert-bge) to llama.cpp's ids. The real
+all-MiniLM-L6-v2 (`extended`): F32 against sentence-transformers; Q8_0 (blocks kept
+quantized) against sentence-transformers run on gguf-py's dequantization of those very
+blocks. Where llama-cpp-python is installed, llama.cpp's own embeddings and rank scores on
+the same files: ours within llama.cpp's own distance to the reference.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from pathlib import Path
 import mlxlis
 from mlxlis.errors import MlxlisError
 from mlxlis.loading.gguf_split import read_gguf
-from mlxlis.models.encoder import EncoderConfig
 from mlxlis.models.from_encoder import gguf_pooling
 from mlxlis.tokenizer.gguf_encoder import encoder_vocab
 
@@ -79,23 +80,28 @@ def ggufs(tmp_path_factory):
         "bert-mean": sentence_folder(root / "bert-mean", "bert", "mean", seed=1),
         "bert-cls": sentence_folder(root / "bert-cls", "bert", "cls", seed=2),
         "xlmr-rerank": cross_encoder_folder(root / "xlmr-rerank", "xlm-roberta", unigram=True),
-        "bert-rerank": cross_encoder_folder(root / "bert-rerank", "bert", seed=3),
         "nomic": sentence_folder(root / "nomic", "nomic_bert", "mean", seed=4),
+        "modernbert": sentence_folder(root / "modernbert", "modernbert", "cls", seed=5, bpe=True),
+        "modernbert-rerank": cross_encoder_folder(
+            root / "modernbert-rerank", "modernbert", seed=6, bpe=True, classifier_pooling="mean"
+        ),
     }
     nomic_keys(root / "nomic")
     jobs = [(root / n, root / f"{n}.gguf", "f32") for n in refs]
-    convert_all(jobs, pre="default")
+    convert_all(jobs, pre="modern-bert")  # ModernBERT's BPE split; the others' take none
     return {n: (root / f"{n}.gguf", ref) for n, ref in refs.items()}
 
 
 @pytest.mark.parametrize(
-    "name,mode", [("bert-mean", "mean"), ("bert-cls", "cls"), ("nomic", "mean")]
+    "name,mode",
+    [("bert-mean", "mean"), ("bert-cls", "cls"), ("nomic", "mean"), ("modernbert", "cls")],
 )
 def test_embed_matches_sentence_transformers_and_batches_equal_each_alone(ggufs, name, mode):
     """The converted file embeds as sentence-transformers does on the folder: the pooling its
     pooling_type states, L2-normalised (nomic-bert: its fused attn_qkv and its ffn_gate /
-    ffn_up apart, RoPE on the whole head); a mixed-length batch (padded, masked) gives each
-    input what it gives alone, both against sentence-transformers."""
+    ffn_up apart, RoPE on the whole head; ModernBERT: its fused attn_qkv, a window of ±4 on
+    the local layers, two RoPE bases, no norm before layer 0); a mixed-length batch (padded,
+    masked) gives each input what it gives alone, both against sentence-transformers."""
     path, st = ggufs[name]
     model = mlxlis.load(path, "float32")
     assert model.task == "embed" and model.format == "gguf"
@@ -118,13 +124,17 @@ def test_pooling_types_differ_on_the_same_weights(ggufs):
     assert delta > 1e-2
 
 
-def test_xlmr_reranker_matches_cross_encoder_predict(ggufs):
-    """XLM-R's classifier from the file (cls: dense + tanh, cls.output: out_proj) over its
-    unigram pairs <s> q </s></s> d </s>, positions from the cut table: CrossEncoder.predict's
-    sigmoid scores within 1e-5, in any batch; the scores spread far wider than the bound."""
-    path, ce = ggufs["xlmr-rerank"]
+@pytest.mark.parametrize("name", ["xlmr-rerank", "modernbert-rerank"])
+def test_reranker_matches_cross_encoder_predict(ggufs, name):
+    """The classifier from the file over the vocabulary's pairs: XLM-R's (cls: dense + tanh,
+    cls.output: out_proj; <s> q </s></s> d </s>, positions from the cut table) and
+    ModernBERT's (mean of the real tokens as classifier.pooling_type says, cls + GELU +
+    cls.norm + cls.output): CrossEncoder.predict's sigmoid scores within 1e-5, in any batch;
+    the scores spread far wider than the bound."""
+    path, ce = ggufs[name]
     model = mlxlis.load(path, "float32")
-    assert model.task == "rerank" and model.config.own(EncoderConfig).head == "roberta"
+    head = "roberta" if name == "xlmr-rerank" else "modernbert"
+    assert model.task == "rerank" and model.config.family_config.head == head
     ref = ce.predict([(QUERY, d) for d in DOCS])
     ours = np.array(model.rerank(QUERY, DOCS))
     assert np.abs(ours - ref).max() <= SCORE_BOUND, (ours, ref)
@@ -134,9 +144,9 @@ def test_xlmr_reranker_matches_cross_encoder_predict(ggufs):
 
 
 def test_vocabularies_encode_as_the_folders_tokenizers(ggufs):
-    """The GGUF's `bert` and `t5` vocabularies give the ids (and token types) of the folder's
-    tokenizer.json, for texts and for (query, document) pairs."""
-    for name in ("bert-mean", "xlmr-rerank"):
+    """The GGUF's `bert`, `t5` and (ModernBERT's) `gpt2` vocabularies give the ids (and token
+    types) of the folder's tokenizer.json, for texts and for (query, document) pairs."""
+    for name in ("bert-mean", "xlmr-rerank", "modernbert"):
         path, ref = ggufs[name]
         hf = ref.tokenizer
         with read_gguf(path) as g:
@@ -180,11 +190,16 @@ def test_wordpiece_gives_llama_cpp_ids():
 
 
 def test_refusals_name_the_file_and_field(ggufs):
-    """A BERT cross-encoder's GGUF lost its pooler (cls.output without cls): refused naming
-    cls.weight; a pooling type the embedder cannot run: refused naming the key."""
-    path, _ = ggufs["bert-rerank"]
+    """A BERT cross-encoder's GGUF has lost its pooler (the converter drops pooler.dense:
+    cls.output without cls): refused naming cls.weight; a pooling type the embedder cannot
+    run: refused naming the key."""
+    from mlxlis.models.gguf_config import config_from_gguf
+
+    path, _ = ggufs["bert-cls"]
+    with read_gguf(path) as g:
+        md, shapes = dict(g.metadata), {n: t.shape for n, t in g.tensors.items()}
     with pytest.raises(MlxlisError) as e:
-        mlxlis.load(path, "float32")
+        config_from_gguf(md, {**shapes, "cls.output.weight": (1, 48)}, str(path))
     assert e.value.field == "cls.weight" and str(path) in str(e.value)
     for kind, head in ((0, False), (4, False), (9, True)):
         with pytest.raises(MlxlisError) as e:
@@ -195,14 +210,15 @@ def test_refusals_name_the_file_and_field(ggufs):
 
 def test_unread_encoders_are_refused_by_name(tmp_path):
     """A RoBERTa GGUF's byte-level BPE vocabulary (no pair template read) is refused naming
-    tokenizer.ggml.model; ModernBERT's architecture naming general.architecture."""
+    tokenizer.ggml.model; an encoder architecture not read (NeoBERT) naming
+    general.architecture."""
     import gguf
 
     md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"]}
     with pytest.raises(MlxlisError) as e:
         encoder_vocab(md, tmp_path / "roberta.gguf")
     assert e.value.field == "tokenizer.ggml.model"
-    for arch in ("modern-bert",):
+    for arch in ("neo-bert",):
         path = tmp_path / f"{arch}.gguf"
         w = gguf.GGUFWriter(str(path), arch)
         w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))

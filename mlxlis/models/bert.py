@@ -27,6 +27,8 @@ from mlxlis.models.encoder import (
     ACTIVATIONS,
     Encoder,
     EncoderConfig,
+    gguf_names,
+    gguf_pad,
     label_count,
     norm_eps,
     pad_id,
@@ -93,11 +95,6 @@ def _parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
             path=m.path,
             field="cls.weight",
         )
-    pad = m.md.get("tokenizer.ggml.padding_token_id", 0)
-    if not isinstance(pad, int) or pad < 0:
-        raise ConfigError(
-            f"expected an id, got {pad!r}", path=m.path, field="tokenizer.ggml.padding_token_id"
-        )
     eps = m.get("attention.layer_norm_epsilon", kind=float)
     if not 0 <= eps < 1:
         raise ConfigError(
@@ -109,7 +106,7 @@ def _parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     enc = EncoderConfig(
         layer_norm_eps=eps,
         type_vocab_size=shapes["token_types.weight"][0] if "token_types.weight" in shapes else 0,
-        pad_token_id=pad,
+        pad_token_id=gguf_pad(m),
         position_offset=0,  # the converter cut XLM-R's table to start at its first position
         hidden_act="gelu",
         head="roberta" if head else "",
@@ -137,18 +134,7 @@ _GGUF_NAMES = [
     (r"cls", "head_dense"),  # RoBERTa's head: dense (+ tanh), then out_proj
     (r"cls\.output", "classifier"),
 ]
-_GGUF_NAMES_RE = [(re.compile(p), r) for p, r in _GGUF_NAMES]
-
-
-def gguf_name(name: str) -> str | None:
-    """A GGUF tensor name under our module names; None for one no module takes."""
-    stem, _, part = name.rpartition(".")
-    if part not in ("weight", "bias"):
-        return None
-    for pattern, repl in _GGUF_NAMES_RE:
-        if m := pattern.fullmatch(stem):
-            return f"{m.expand(repl)}.{part}"
-    return None
+gguf_name = gguf_names(_GGUF_NAMES)
 
 
 # checkpoint names (after the prefix a task model adds) -> ours, first match wins

@@ -12,6 +12,7 @@ their own stack from the same pieces: `EncoderAttention` with a `rotary` hook, `
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -90,6 +91,13 @@ def type_vocab(cfg: dict, path: str) -> int:
     return types
 
 
+def flag(cfg: dict, key: str, default: bool, path: str) -> bool:
+    value = cfg.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"expected true or false, got {value!r}", path=path, field=key)
+    return value
+
+
 def label_count(cfg: dict, path: str) -> int:
     """A classification head's outputs: id2label's size, else num_labels (1: a reranker)."""
     labels = cfg.get("id2label")
@@ -114,6 +122,31 @@ def _no_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
 # an encoder family's GGUF format while none is read (no architecture maps to it: a GGUF of
 # llama.cpp's bert / nomic-bert / modern-bert is refused naming general.architecture)
 NO_GGUF = GGUFFormat(archs=(), parse=_no_gguf)
+
+
+def gguf_pad(m: GGUFMeta) -> int:
+    """tokenizer.ggml.padding_token_id (absent: 0, llama.cpp's default)."""
+    pad = m.md.get("tokenizer.ggml.padding_token_id", 0)
+    if not isinstance(pad, int) or pad < 0:
+        raise ConfigError(
+            f"expected an id, got {pad!r}", path=m.path, field="tokenizer.ggml.padding_token_id"
+        )
+    return pad
+
+
+def gguf_names(table: list[tuple[str, str]]) -> Callable[[str], str | None]:
+    """A family's GGUF name reader (GGUFFormat.names) from (llama.cpp's tensor name less
+    .weight / .bias as a regular expression, our module as its replacement) rows."""
+    rows = [(re.compile(p), r) for p, r in table]
+
+    def name(gguf_name: str) -> str | None:
+        stem, _, part = gguf_name.rpartition(".")
+        for pattern, repl in rows:
+            if part in ("weight", "bias") and (m := pattern.fullmatch(stem)):
+                return f"{m.expand(repl)}.{part}"
+        return None
+
+    return name
 
 
 def attention_mask(mask: mx.array) -> mx.array:

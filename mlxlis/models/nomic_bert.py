@@ -30,6 +30,8 @@ from mlxlis.models.encoder import (
     EncoderConfig,
     PostNormBlock,
     attention_mask,
+    gguf_names,
+    gguf_pad,
     label_count,
     norm_eps,
     pad_id,
@@ -132,12 +134,11 @@ def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
 def _parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     if m.md.get(m.key("attention.causal"), False) is not False:
         raise UnsupportedError("a causal encoder", path=m.path, field=m.key("attention.causal"))
-    pad = m.md.get("tokenizer.ggml.padding_token_id", 0)
     types = m.shapes.get("token_types.weight", (0,))[0]
     enc = NomicConfig(
         layer_norm_eps=norm_eps(m.md, m.key("attention.layer_norm_epsilon"), 1e-12, m.path),
         type_vocab_size=types,
-        pad_token_id=pad if isinstance(pad, int) and pad >= 0 else 0,
+        pad_token_id=gguf_pad(m),
         positions="rotary",
         hidden_act="silu",  # the converter takes swiglu only
         rope_theta=base.rope.theta,
@@ -161,16 +162,7 @@ _GGUF_NAMES = [
     (r"blk\.(\d+)\.ffn_down", r"layers.\1.mlp.down"),
     (r"blk\.(\d+)\.layer_output_norm", r"layers.\1.mlp_norm"),
 ]
-_GGUF_NAMES_RE = [(re.compile(p), r) for p, r in _GGUF_NAMES]
-
-
-def gguf_name(name: str) -> str | None:
-    """A GGUF tensor name under our module names; None for one no module takes."""
-    stem, _, part = name.rpartition(".")
-    for pattern, repl in _GGUF_NAMES_RE:
-        if part in ("weight", "bias") and (m := pattern.fullmatch(stem)):
-            return f"{m.expand(repl)}.{part}"
-    return None
+gguf_name = gguf_names(_GGUF_NAMES)
 
 
 # checkpoint names -> ours, first match wins (nomic's names, which transformers also saves)

@@ -12,6 +12,9 @@ post-processor a cross-encoder's pairs need ([CLS] a [SEP] b [SEP] / <s> a </s><
   them. [CLS] is bos_token_id (absent: 101), [SEP] seperator_token_id (absent: 102).
   llama.cpp puts no length limit on a word (transformers' WordPiece: 100 characters): none
   here either.
+- "gpt2" of a ModernBERT (`modern-bert`) file: byte-level BPE from tokens + merges behind the
+  split llama.cpp uses for the file's pre-tokenizer (tokenizer.gguf.PRE_SPLITS), [CLS] a [SEP]
+  b [SEP] around it. (A RoBERTa file's BPE would need RoBERTa's pairs: refused.)
 - "t5" (llama.cpp's UGM, XLM-RoBERTa's SentencePiece unigram): `tokenizers`' Unigram over the
   pieces and scores, normalised by the file's precompiled_charsmap, extra whitespace removed
   where remove_extra_whitespaces says, a "▁" prefixed where add_space_prefix says.
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxlis.errors import TokenizerError
+from mlxlis.tokenizer.gguf import PRE_SPLITS
 from mlxlis.tokenizer.vocab import CONTROL, UNKNOWN, USER_DEFINED
 
 import numpy as np
@@ -134,16 +138,50 @@ def unigram(
     return tk
 
 
+def byte_bpe(
+    md: dict[str, Any], tokens: list[str], types: list[int], path: Path
+) -> tokenizers.Tokenizer:
+    """A ModernBERT "gpt2" vocabulary: single texts as [CLS] text [SEP], pairs as [CLS] a
+    [SEP] b [SEP]."""
+    n, pre = len(tokens), md.get(K + "pre", "default")
+    if pre not in PRE_SPLITS:
+        raise TokenizerError(f"unknown pre-tokenizer {pre!r}", path=path, field=K + "pre")
+    merges = md.get(K + "merges")
+    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+        raise TokenizerError("a gpt2 vocabulary needs merges", path=path, field=K + "merges")
+    try:
+        pairs = [tuple(m.split(" ")) for m in merges]
+        tk = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, pairs))
+    except Exception as e:
+        raise TokenizerError(f"bad merges: {e}", path=path, field=K + "merges") from e
+    split = [pre_tokenizers.Split(tokenizers.Regex(r), "isolated") for r in PRE_SPLITS[pre]]
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [*split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tk.decoder = decoders.ByteLevel()
+    cls = _id(md, "bos_token_id", n, path)
+    sep = _id(md, "seperator_token_id", n, path, md.get(K + "eos_token_id"))
+    c, s = tokens[cls], tokens[sep]
+    tk.post_processor = processors.TemplateProcessing(
+        single=f"{c} $A {s}", pair=f"{c} $A {s} $B {s}", special_tokens=[(c, cls), (s, sep)]
+    )
+    _specials(tk, tokens, types)
+    return tk
+
+
 # tokenizer.ggml.model -> its builder (metadata, tokens, types, path) -> tokenizers.Tokenizer
-ENCODER_VOCABS = {"bert": wordpiece, "t5": unigram}
+ENCODER_VOCABS = {"bert": wordpiece, "t5": unigram, "modern-bert": byte_bpe}
 
 
 def encoder_vocab(md: dict[str, Any], path: Path) -> tokenizers.Tokenizer:
     """The file's encoder vocabulary with its post-processor; any other kind refused by name."""
     kind = md.get(K + "model")
+    if kind == "gpt2" and md.get("general.architecture") == "modern-bert":
+        kind = "modern-bert"
     if kind not in ENCODER_VOCABS:
         raise TokenizerError(
-            f"an encoder's vocabulary of kind {kind!r} is not read (known: bert, t5)",
+            f"an encoder's vocabulary of kind {kind!r} is not read (known: bert, t5; gpt2 for"
+            " modern-bert)",
             path=path,
             field=K + "model",
         )
