@@ -13,17 +13,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 RUNNER = """
 import json, runpy, sys
-script, pre, *args = sys.argv[1:]
+script, pre = sys.argv[1:]
 sys.path.insert(0, script.rsplit("/", 1)[0])
-import conversion.base
+import torch, transformers, conversion.base  # imported while the caller gets the jobs ready
 conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
-for one in json.loads(args[0]) if args[0].startswith("[") else [args]:
+for one in json.loads(sys.stdin.read()):
     sys.argv = [script, *one]
     runpy.run_path(script, run_name="__main__")
 """
@@ -50,11 +51,26 @@ def convert(folder: Path, out: Path, outtype: str = "f32", pre: str = "gpt-2") -
 def convert_all(jobs: list[tuple[Path, Path, str]], pre: str = "gpt-2") -> None:
     """Each (folder, out, outtype) converted as `convert` does, in one process (the
     converter's imports, most of a tiny conversion's time, paid once)."""
-    args = [[str(f), "--outtype", t, "--outfile", str(o)] for f, o, t in jobs]
-    run = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(converter()), pre, json.dumps(args)],
-        capture_output=True,
+    start_converter(pre)(jobs)
+
+
+def start_converter(pre: str = "gpt-2") -> Callable[[list[tuple[Path, Path, str]]], None]:
+    """llama.cpp's converter started now, importing what it needs while the caller builds its
+    folders; the function returned converts each (folder, out, outtype) as `convert` does."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RUNNER, str(converter()), pre],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=120 * len(jobs),
     )
-    assert run.returncode == 0, run.stderr[-3000:]
+
+    def run(jobs: list[tuple[Path, Path, str]]) -> None:
+        args = [[str(f), "--outtype", t, "--outfile", str(o)] for f, o, t in jobs]
+        try:
+            _, err = proc.communicate(json.dumps(args), timeout=120 * len(jobs))
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, err[-3000:]
+
+    return run

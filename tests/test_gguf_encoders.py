@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from conftest import llama_cpp_reference
 from encoders import cross_encoder_folder, sentence_folder
-from llama_cpp_convert import convert_all
+from llama_cpp_convert import convert_all, start_converter
 from test_embed_bert import close
 
 # within the folders' max_seq_length (40): a GGUF has no such limit, only its position table
@@ -76,6 +76,7 @@ def ggufs(tmp_path_factory):
     """name -> (GGUF path, the sentence-transformers model it was converted from): all
     converted in one run of llama.cpp's converter."""
     root = tmp_path_factory.mktemp("gguf-enc")
+    convert = start_converter("modern-bert")  # ModernBERT's BPE split; the others take none
     refs = {
         "bert-mean": sentence_folder(root / "bert-mean", "bert", "mean", seed=1),
         "bert-cls": sentence_folder(root / "bert-cls", "bert", "cls", seed=2),
@@ -88,7 +89,7 @@ def ggufs(tmp_path_factory):
     }
     nomic_keys(root / "nomic")
     jobs = [(root / n, root / f"{n}.gguf", "f32") for n in refs]
-    convert_all(jobs, pre="modern-bert")  # ModernBERT's BPE split; the others' take none
+    convert(jobs)
     return {n: (root / f"{n}.gguf", ref) for n, ref in refs.items()}
 
 
