@@ -19,7 +19,7 @@ from typing import Protocol
 
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.models.attention import attend
-from mlxlis.models.base import GGUFFormat, GGUFMeta
+from mlxlis.models.base import GGUFMeta
 from mlxlis.models.config import FamilyConfig, ModelConfig
 from mlxlis.runtime import fused
 
@@ -111,17 +111,6 @@ def max_tokens(cfg: ModelConfig) -> int:
     """How many tokens one input may hold: the position table's rows past the offset (a
     rotary encoder's: the length it was trained to, max_position_embeddings)."""
     return cfg.max_position_embeddings - cfg.own(EncoderConfig).position_offset
-
-
-def _no_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
-    raise UnsupportedError(
-        "this encoder's GGUF files are not read yet", path=meta.path, field="general.architecture"
-    )
-
-
-# an encoder family's GGUF format while none is read (no architecture maps to it: a GGUF of
-# llama.cpp's bert / nomic-bert / modern-bert is refused naming general.architecture)
-NO_GGUF = GGUFFormat(archs=(), parse=_no_gguf)
 
 
 def gguf_pad(m: GGUFMeta) -> int:

@@ -34,7 +34,7 @@ from mlxlis.loading.sentence_folder import (
 from mlxlis.models import build_model
 from mlxlis.models.config import ModelConfig, read_json
 from mlxlis.models.embedding import Embedder
-from mlxlis.models.encoder import EncoderConfig, max_tokens
+from mlxlis.models.encoder import EncoderConfig, EncoderNetwork, max_tokens
 from mlxlis.models.model import Model
 from mlxlis.models.pooling import Dense, Pooling, dense_activation
 from mlxlis.tokenizer import Tokenizer
@@ -168,7 +168,13 @@ def gguf_pooling(md: dict, arch: str, path: Path, head: bool) -> Pooling:
 
 
 def load_encoder_gguf(
-    path: Path, cfg: ModelConfig, net, tokenizer: Tokenizer, md: dict, dtype: mx.Dtype, **model
+    path: Path,
+    cfg: ModelConfig,
+    net: EncoderNetwork,
+    tokenizer: Tokenizer,
+    md: dict,
+    dtype: mx.Dtype,
+    **model,
 ) -> Model:
     """The GGUF at `path` (metadata `md`, its network `net` built and bound) as an embed or
     rerank Model; `model`: more of Model's fields (the quantization summary...)."""
