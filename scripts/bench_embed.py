@@ -1,6 +1,8 @@
 """`make bench` (embeddings part): sentences per second embedding with the catalog's
 all-MiniLM-L6-v2, against sentence-transformers (torch, as many threads as CPUs) on the same
-folder and llama.cpp (llama-cpp-python) on its GGUF when `llama_cpp` is importable.
+folder and llama.cpp (llama-cpp-python) on its GGUF when `llama_cpp` is importable: the file
+MINILM_GGUF names, else the folder converted to F32 by llama.cpp's own converter
+(scripts/fetch_references.py fetches it) into a temporary folder for the run.
 
 Inputs of about 32 and 256 tokens (a repeated sentence, cut to the length), at batch 1 and 32;
 each engine in its own process (so one's threads never wait on the other's), a warm-up call,
@@ -14,10 +16,12 @@ usage: python scripts/bench_embed.py [--rounds 5] [--mlxlis-path DIR]
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,6 +88,23 @@ def engine(name: str, rounds: int) -> dict[str, float | None]:
     return {f"{t}x{b}": best(fn, [text(t)] * b, rounds) for t, b in CASES}
 
 
+def minilm_gguf(folder: Path) -> str:
+    """MINILM_GGUF, else the catalog's all-MiniLM-L6-v2 converted to F32 by llama.cpp's
+    converter into `folder`; "" where llama_cpp is not installed (nothing to compare)."""
+    if os.environ.get("MINILM_GGUF") or importlib.util.find_spec("llama_cpp") is None:
+        return os.environ.get("MINILM_GGUF", "")
+    from mlxlis.loading.catalog import model_path
+
+    from fetch_references import converter
+
+    out = folder / "all-minilm-l6-v2-f32.gguf"
+    cmd = [sys.executable, str(converter()), str(model_path("all-minilm-l6-v2"))]
+    subprocess.run(
+        [*cmd, "--outtype", "f32", "--outfile", str(out)], check=True, capture_output=True
+    )
+    return str(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
@@ -96,11 +117,13 @@ def main() -> None:
         return
     names = ["mlxlis", "sentence-transformers", "llama.cpp"]
     got = {}
-    for name in names:
-        cmd = [sys.executable, __file__, "--engine", name, "--rounds", str(args.rounds)]
-        cmd += ["--mlxlis-path", args.mlxlis_path]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        got[name] = json.loads(out.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "MINILM_GGUF": minilm_gguf(Path(tmp))}
+        for name in names:
+            cmd = [sys.executable, __file__, "--engine", name, "--rounds", str(args.rounds)]
+            cmd += ["--mlxlis-path", args.mlxlis_path]
+            run = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+            got[name] = json.loads(run.stdout.strip().splitlines()[-1])
     load = os.getloadavg()[0]
     print(f"all-MiniLM-L6-v2, sentences/s, best of {args.rounds}; load average {load:.2f}\n")
     print("| tokens | batch | " + " | ".join(names) + " | mlxlis / ST | mlxlis / llama.cpp |")

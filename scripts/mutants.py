@@ -41,6 +41,10 @@ EMBED_ST = (
 )
 EMBED_MATRYOSHKA = "tests/test_embed_bert.py::test_matryoshka_dimensions_truncate_and_renormalise"
 EMBED_RERANK = "tests/test_embed_bert.py::test_rerank_matches_cross_encoder_predict"
+GGUF_ENC = "tests/test_gguf_encoders.py::"
+GGUF_ENC_EMBED = GGUF_ENC + "test_embed_matches_sentence_transformers_and_batches_equal_each_alone"
+GGUF_ENC_RERANK = GGUF_ENC + "test_reranker_matches_cross_encoder_predict"
+GGUF_ENC_VOCAB = GGUF_ENC + "test_vocabularies_encode_as_the_folders_tokenizers"
 MODERNBERT_ST = (
     "tests/test_embed_modernbert.py::"
     "test_embed_matches_sentence_transformers_and_batches_equal_each_alone"
@@ -3014,6 +3018,104 @@ MUTANTS = (
         'allow_origins=["*"],',
         (OPS_CORS,),
         "--allowed-origins: every origin allowed, a listed one or not",
+    ),
+    Mutant(
+        "gguf-enc-pooling-type-misread",
+        "mlxlis/models/from_encoder.py",
+        'GGUF_POOLING = {1: "mean", 2: "cls", 3: "lasttoken"}',
+        'GGUF_POOLING = {1: "mean", 2: "mean", 3: "lasttoken"}',
+        (GGUF_ENC_EMBED,),
+        "a GGUF's CLS pooling_type read as mean",
+    ),
+    Mutant(
+        "gguf-enc-not-normalised",
+        "mlxlis/models/from_encoder.py",
+        "return Pooling((GGUF_POOLING[kind],), normalize=True)",
+        "return Pooling((GGUF_POOLING[kind],), normalize=False)",
+        (GGUF_ENC_EMBED,),
+        "a GGUF embedder's vectors left unnormalised",
+    ),
+    Mutant(
+        "gguf-enc-q-k-swapped",
+        "mlxlis/models/bert.py",
+        '(r"blk\\.(\\d+)\\.attn_q", r"encoder.layers.\\1.attention.query"),\n'
+        '    (r"blk\\.(\\d+)\\.attn_k", r"encoder.layers.\\1.attention.key"),',
+        '(r"blk\\.(\\d+)\\.attn_q", r"encoder.layers.\\1.attention.key"),\n'
+        '    (r"blk\\.(\\d+)\\.attn_k", r"encoder.layers.\\1.attention.query"),',
+        (GGUF_ENC_EMBED,),
+        "llama.cpp's attn_q / attn_k bound to the other projection",
+    ),
+    Mutant(
+        "gguf-enc-position-cut-not-undone",
+        "mlxlis/models/bert.py",
+        "position_offset=0,  # the converter cut",
+        "position_offset=gguf_pad(m) + 1,  # the converter cut",
+        (GGUF_ENC_RERANK,),
+        "XLM-R's GGUF position table (cut past the padding index) read from pad + 1 again",
+    ),
+    Mutant(
+        "gguf-enc-phantom-space-kept",
+        "mlxlis/tokenizer/gguf_encoder.py",
+        "spelled.append(t[len(PHANTOM) :])",
+        "spelled.append(t)",
+        (GGUF_ENC_VOCAB,),
+        "WordPiece's word-initial pieces keep the converter's phantom space",
+    ),
+    Mutant(
+        "gguf-enc-pair-one-separator",
+        "mlxlis/tokenizer/gguf_encoder.py",
+        'pair=f"{b} $A {e} {e} $B {e}"',
+        'pair=f"{b} $A {e} $B {e}"',
+        (GGUF_ENC_VOCAB, GGUF_ENC_RERANK),
+        "XLM-R pairs with one </s> between query and document instead of two",
+    ),
+    Mutant(
+        "gguf-enc-qkv-split-order",
+        "mlxlis/models/encoder.py",
+        "q, k, v = mx.split(self.qkv(x), 3, axis=-1)",
+        "k, q, v = mx.split(self.qkv(x), 3, axis=-1)",
+        (GGUF_ENC_EMBED,),
+        "llama.cpp's fused attn_qkv split in the wrong order (nomic-bert GGUF)",
+    ),
+    Mutant(
+        "gguf-enc-gate-up-swapped",
+        "mlxlis/models/encoder.py",
+        "a, b = self.gate(x), self.up(x)",
+        "a, b = self.up(x), self.gate(x)",
+        (GGUF_ENC_EMBED,),
+        "nomic-bert GGUF's ffn_up activated instead of ffn_gate",
+    ),
+    Mutant(
+        "gguf-enc-modernbert-global-layers",
+        "mlxlis/models/modernbert.py",
+        "global_layers=tuple(i % every == 0 for i in range(base.num_hidden_layers)),",
+        "global_layers=tuple(i % every == 1 for i in range(base.num_hidden_layers)),",
+        (GGUF_ENC_EMBED,),
+        "a ModernBERT GGUF's global layers counted from the second instead of the first",
+    ),
+    Mutant(
+        "gguf-enc-modernbert-local-theta",
+        "mlxlis/models/modernbert.py",
+        'local_theta=m.get("rope.freq_base_swa", base.rope.theta, float),',
+        "local_theta=base.rope.theta,",
+        (GGUF_ENC_EMBED,),
+        "a ModernBERT GGUF's local layers turned by the global RoPE base",
+    ),
+    Mutant(
+        "gguf-enc-modernbert-classifier-pooling",
+        "mlxlis/models/modernbert.py",
+        'pooling = {1: "mean", 2: "cls"}.get(',
+        'pooling = {1: "cls", 2: "cls"}.get(',
+        (GGUF_ENC_RERANK,),
+        "a ModernBERT reranker GGUF's mean classifier pooling read as cls",
+    ),
+    Mutant(
+        "enc-classifier-bias-dropped",
+        "mlxlis/models/bert.py",
+        "return self.classifier(mx.tanh(dense(first)))",
+        "return mx.tanh(dense(first)) @ self.classifier.weight.T",
+        (GGUF_ENC_RERANK, EMBED_RERANK),
+        "the cross-encoder classifier's bias dropped",
     ),
 )
 

@@ -4,6 +4,7 @@ and reranking compare mlxlis against sentence-transformers on these)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 WORDS = (
@@ -31,6 +32,65 @@ def word_piece_tokenizer(folder: Path):
         mask_token="[MASK]",
     )
     return tok
+
+
+def byte_bpe_tokenizer(folder: Path):
+    """A byte-level BPE tokenizer (ModernBERT's kind: GPT-2's split, [CLS] text [SEP]) trained
+    here on sentences of WORDS, the same special tokens at the same ids as word_piece_tokenizer."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    rng = random.Random(0)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tk.train_from_iterator([" ".join(rng.choices(WORDS, k=8)) for _ in range(400)], trainer)
+    tk.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", 0), ("[SEP]", 2)],
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    names = ("cls", "pad", "sep", "unk", "mask")
+    special = {f"{n}_token": t for n, t in zip(names, SPECIAL, strict=True)}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="[CLS]", eos_token="[SEP]", **special
+    )
+
+
+def unigram_tokenizer(folder: Path):
+    """An XLM-RoBERTa tokenizer over a SentencePiece unigram model trained here on sentences of
+    WORDS (saved beside it as sentencepiece.bpe.model, the file XLM-R checkpoints ship and
+    llama.cpp's converter reads): fairseq's ids, <s> 0, <pad> 1, </s> 2, <unk> 3."""
+    import io
+    import random
+
+    import sentencepiece as spm
+    from transformers import XLMRobertaTokenizer
+
+    rng = random.Random(0)
+    sentences = [" ".join(rng.choices(WORDS, k=8)) for _ in range(400)]
+    sentences += ["x, y. z! 0123456789 ?'"] * 5
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_writer=proto,
+        vocab_size=72,
+        model_type="unigram",
+        character_coverage=1.0,
+        minloglevel=2,
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sentencepiece.bpe.model").write_bytes(proto.getvalue())
+    return XLMRobertaTokenizer.from_pretrained(str(folder))
 
 
 def spread(model, seed: int) -> None:
@@ -113,11 +173,12 @@ def sentence_folder(
     prompts: dict[str, str] | None = None,
     seed: int = 0,
     max_seq: int = MAX_SEQ,
+    bpe: bool = False,
     **kw,
 ):
     """A SentenceTransformer of a random `kind` encoder, `modes` pooling, an optional Dense to
     `dense` dims and Normalize, saved to `folder` (`kw`: more config fields); returns the
-    SentenceTransformer (float32)."""
+    SentenceTransformer (float32). `bpe`: a byte-level BPE tokenizer, else WordPiece."""
     import torch
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Dense, Normalize, Transformer
@@ -125,7 +186,7 @@ def sentence_folder(
     from transformers import AutoModel
 
     raw = folder.parent / f"{folder.name}-raw"
-    tok = word_piece_tokenizer(raw)
+    tok = byte_bpe_tokenizer(raw) if bpe else word_piece_tokenizer(raw)
     torch.manual_seed(seed)
     model = AutoModel.from_config(encoder_config(kind, len(tok), **kw))
     spread(model, seed)
@@ -145,21 +206,35 @@ def sentence_folder(
     return st.eval()
 
 
-def cross_encoder_folder(folder: Path, kind: str, seed: int = 0, max_seq: int = MAX_SEQ, **kw):
+def cross_encoder_folder(
+    folder: Path,
+    kind: str,
+    seed: int = 0,
+    max_seq: int = MAX_SEQ,
+    unigram: bool = False,
+    bpe: bool = False,
+    **kw,
+):
     """A CrossEncoder (one label) of a random `kind` classifier (`kw`: more config fields),
-    saved; returns it."""
+    saved; returns it. `unigram`: XLM-R's own tokenizer (unigram_tokenizer; one token type,
+    sentencepiece.bpe.model copied into the folder); `bpe`: byte_bpe_tokenizer; else the
+    WordPiece one."""
     import torch
     from sentence_transformers import CrossEncoder
     from transformers import AutoModelForSequenceClassification
 
     raw = folder.parent / f"{folder.name}-raw"
-    tok = word_piece_tokenizer(raw)
+    make = unigram_tokenizer if unigram else byte_bpe_tokenizer if bpe else word_piece_tokenizer
+    tok = make(raw)
     torch.manual_seed(seed)
-    cfg = encoder_config(kind, len(tok), num_labels=1, type_vocab_size=2, **kw)
+    types = 1 if unigram else 2
+    cfg = encoder_config(kind, len(tok), num_labels=1, type_vocab_size=types, **kw)
     model = AutoModelForSequenceClassification.from_config(cfg)
     spread(model, seed)
     model.save_pretrained(raw)
     tok.save_pretrained(raw)
     ce = CrossEncoder(str(raw), max_length=max_seq, device="cpu")
     ce.save(str(folder))
+    if unigram:
+        shutil.copy(raw / "sentencepiece.bpe.model", folder)
     return ce

@@ -10,20 +10,23 @@ conventions, metadata keys — is llama.cpp's own.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 RUNNER = """
-import runpy, sys
-script, pre, *args = sys.argv[1:]
+import json, runpy, sys
+script, pre = sys.argv[1:]
 sys.path.insert(0, script.rsplit("/", 1)[0])
-import conversion.base
+import torch, transformers, conversion.base  # imported while the caller gets the jobs ready
 conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
-sys.argv = [script, *args]
-runpy.run_path(script, run_name="__main__")
+for one in json.loads(sys.stdin.read()):
+    sys.argv = [script, *one]
+    runpy.run_path(script, run_name="__main__")
 """
 
 
@@ -41,12 +44,33 @@ def converter() -> Path:
 def convert(folder: Path, out: Path, outtype: str = "f32", pre: str = "gpt-2") -> Path:
     """`folder` converted to the GGUF `out` by llama.cpp's converter (`--outtype outtype`), the
     tokenizer's pre-tokenizer named `pre`; the converter's log in the failure message."""
-    args = [str(folder), "--outtype", outtype, "--outfile", str(out)]
-    run = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(converter()), pre, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    convert_all([(folder, out, outtype)], pre)
     return out
+
+
+def convert_all(jobs: list[tuple[Path, Path, str]], pre: str = "gpt-2") -> None:
+    """Each (folder, out, outtype) converted as `convert` does, in one process (the
+    converter's imports, most of a tiny conversion's time, paid once)."""
+    start_converter(pre)(jobs)
+
+
+def start_converter(pre: str = "gpt-2") -> Callable[[list[tuple[Path, Path, str]]], None]:
+    """llama.cpp's converter started now, importing what it needs while the caller builds its
+    folders; the function returned converts each (folder, out, outtype) as `convert` does."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RUNNER, str(converter()), pre],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def run(jobs: list[tuple[Path, Path, str]]) -> None:
+        args = [[str(f), "--outtype", t, "--outfile", str(o)] for f, o, t in jobs]
+        try:
+            _, err = proc.communicate(json.dumps(args), timeout=120 * len(jobs))
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, err[-3000:]
+
+    return run

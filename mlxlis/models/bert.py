@@ -4,7 +4,15 @@ all-MiniLM, bge-*-en-v1.5, e5, bge-m3, multilingual-e5) and their sequence-class
 
 One unit, two model types: they share the forward; XLM-R counts positions from past its padding
 index and, as a classifier, has RoBERTa's head (dense + tanh + out_proj) instead of BERT's pooler
-and linear classifier. HF `bert` and `xlm-roberta` (also `roberta`); no GGUF reader yet.
+and linear classifier. HF `bert` and `xlm-roberta` (also `roberta`).
+
+GGUF `bert`, as llama.cpp's converter writes BertModel, XLMRobertaModel and
+XLMRobertaForSequenceClassification: q, k, v kept apart (no fusion, no permutation); for XLM-R
+the position table cut to start past the padding index, so a GGUF counts positions from 0;
+a RoBERTa head's dense and out_proj as `cls` and `cls.output`. The file does not say the
+activation: exact (erf) GELU, BertConfig's default, the one the released checkpoints use
+(llama.cpp's graph runs GELU too). A BertForSequenceClassification GGUF has lost its pooler
+(the converter drops pooler.dense: `cls.output` without `cls`): refused, not run headless.
 """
 
 from __future__ import annotations
@@ -13,13 +21,14 @@ import re
 from dataclasses import replace
 
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.models.base import Export, Family, HFFormat
+from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.encoder import (
     ACTIVATIONS,
-    NO_GGUF,
     Encoder,
     EncoderConfig,
+    gguf_names,
+    gguf_pad,
     label_count,
     norm_eps,
     pad_id,
@@ -71,6 +80,61 @@ def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     mlp = replace(base.mlp, hidden_act=act, bias=True)
     attention = replace(base.attention, bias=True, o_bias=True, causal=False)
     return base.with_(family_config=enc, mlp=mlp, attention=attention)
+
+
+def _parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
+    if m.md.get(m.key("attention.causal"), False) is not False:
+        raise UnsupportedError(
+            "only a bidirectional encoder is read", path=m.path, field=m.key("attention.causal")
+        )
+    shapes = m.shapes
+    if "cls.output.weight" in shapes and "cls.weight" not in shapes:
+        raise UnsupportedError(
+            "a classifier without its pooler (llama.cpp's converter drops a "
+            "BertForSequenceClassification's pooler.dense): convert the folder's safetensors",
+            path=m.path,
+            field="cls.weight",
+        )
+    eps = m.get("attention.layer_norm_epsilon", kind=float)
+    if not 0 <= eps < 1:
+        raise ConfigError(
+            f"expected a small number, got {eps!r}",
+            path=m.path,
+            field=m.key("attention.layer_norm_epsilon"),
+        )
+    head = "cls.output.weight" in shapes
+    enc = EncoderConfig(
+        layer_norm_eps=eps,
+        type_vocab_size=shapes["token_types.weight"][0] if "token_types.weight" in shapes else 0,
+        pad_token_id=gguf_pad(m),
+        position_offset=0,  # the converter cut XLM-R's table to start at its first position
+        hidden_act="gelu",
+        head="roberta" if head else "",
+        num_labels=shapes["cls.output.weight"][0] if head else 1,
+    )
+    mlp = replace(base.mlp, hidden_act="gelu", bias=True)
+    attention = replace(base.attention, bias=True, o_bias=True, causal=False)
+    return base.with_(family_config=enc, mlp=mlp, attention=attention, tie_word_embeddings=False)
+
+
+# llama.cpp's tensor names (less .weight / .bias) -> our modules
+_GGUF_NAMES = [
+    (r"token_embd", "encoder.embeddings.words"),
+    (r"position_embd", "encoder.embeddings.positions"),
+    (r"token_types", "encoder.embeddings.types"),
+    (r"token_embd_norm", "encoder.embeddings.norm"),
+    (r"blk\.(\d+)\.attn_q", r"encoder.layers.\1.attention.query"),
+    (r"blk\.(\d+)\.attn_k", r"encoder.layers.\1.attention.key"),
+    (r"blk\.(\d+)\.attn_v", r"encoder.layers.\1.attention.value"),
+    (r"blk\.(\d+)\.attn_output", r"encoder.layers.\1.attention.out"),
+    (r"blk\.(\d+)\.attn_output_norm", r"encoder.layers.\1.attention_norm"),
+    (r"blk\.(\d+)\.ffn_up", r"encoder.layers.\1.up"),
+    (r"blk\.(\d+)\.ffn_down", r"encoder.layers.\1.down"),
+    (r"blk\.(\d+)\.layer_output_norm", r"encoder.layers.\1.mlp_norm"),
+    (r"cls", "head_dense"),  # RoBERTa's head: dense (+ tanh), then out_proj
+    (r"cls\.output", "classifier"),
+]
+gguf_name = gguf_names(_GGUF_NAMES)
 
 
 # checkpoint names (after the prefix a task model adds) -> ours, first match wins
@@ -150,7 +214,7 @@ class BertNetwork(nn.Module):
 BERT = Family(
     name="bert",
     hf=HFFormat(model_types=("bert", "xlm-roberta", "roberta"), parse=_parse_hf),
-    gguf=NO_GGUF,
+    gguf=GGUFFormat(archs=("bert",), parse=_parse_gguf, block={}, names=gguf_name),
     network=BertNetwork,
     export=Export(model_type="bert", architecture="BertModel"),
     kind="encoder",

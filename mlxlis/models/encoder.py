@@ -12,13 +12,14 @@ their own stack from the same pieces: `EncoderAttention` with a `rotary` hook, `
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.models.attention import attend
-from mlxlis.models.base import GGUFFormat, GGUFMeta
+from mlxlis.models.base import GGUFMeta
 from mlxlis.models.config import FamilyConfig, ModelConfig
 from mlxlis.runtime import fused
 
@@ -90,6 +91,13 @@ def type_vocab(cfg: dict, path: str) -> int:
     return types
 
 
+def flag(cfg: dict, key: str, default: bool, path: str) -> bool:
+    value = cfg.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"expected true or false, got {value!r}", path=path, field=key)
+    return value
+
+
 def label_count(cfg: dict, path: str) -> int:
     """A classification head's outputs: id2label's size, else num_labels (1: a reranker)."""
     labels = cfg.get("id2label")
@@ -105,15 +113,29 @@ def max_tokens(cfg: ModelConfig) -> int:
     return cfg.max_position_embeddings - cfg.own(EncoderConfig).position_offset
 
 
-def _no_gguf(base: ModelConfig, meta: GGUFMeta) -> ModelConfig:
-    raise UnsupportedError(
-        "this encoder's GGUF files are not read yet", path=meta.path, field="general.architecture"
-    )
+def gguf_pad(m: GGUFMeta) -> int:
+    """tokenizer.ggml.padding_token_id (absent: 0, llama.cpp's default)."""
+    pad = m.md.get("tokenizer.ggml.padding_token_id", 0)
+    if not isinstance(pad, int) or pad < 0:
+        raise ConfigError(
+            f"expected an id, got {pad!r}", path=m.path, field="tokenizer.ggml.padding_token_id"
+        )
+    return pad
 
 
-# an encoder family's GGUF format while none is read (no architecture maps to it: a GGUF of
-# llama.cpp's bert / nomic-bert / modern-bert is refused naming general.architecture)
-NO_GGUF = GGUFFormat(archs=(), parse=_no_gguf)
+def gguf_names(table: list[tuple[str, str]]) -> Callable[[str], str | None]:
+    """A family's GGUF name reader (GGUFFormat.names) from (llama.cpp's tensor name less
+    .weight / .bias as a regular expression, our module as its replacement) rows."""
+    rows = [(re.compile(p), r) for p, r in table]
+
+    def name(gguf_name: str) -> str | None:
+        stem, _, part = gguf_name.rpartition(".")
+        for pattern, repl in rows:
+            if part in ("weight", "bias") and (m := pattern.fullmatch(stem)):
+                return f"{m.expand(repl)}.{part}"
+        return None
+
+    return name
 
 
 def attention_mask(mask: mx.array) -> mx.array:
@@ -124,7 +146,8 @@ def attention_mask(mask: mx.array) -> mx.array:
 class EncoderAttention(nn.Module):
     """Bidirectional multi-head self-attention, with biases on q, k, v and the output unless
     `bias` is False; `rope` (see `rotary`) applies positions to q and k, None for
-    absolute-position encoders (their positions are in the embeddings)."""
+    absolute-position encoders (their positions are in the embeddings). `fused`: q, k, v as
+    one projection `qkv` (rows [q | k | v]: llama.cpp's attn_qkv), else three."""
 
     def __init__(
         self,
@@ -133,12 +156,16 @@ class EncoderAttention(nn.Module):
         head_dim: int,
         bias: bool = True,
         rope: Callable[[mx.array, mx.array], tuple[mx.array, mx.array]] | None = None,
+        fused: bool = False,
     ):
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
-        self.query = nn.Linear(hidden, heads * head_dim, bias=bias)
-        self.key = nn.Linear(hidden, heads * head_dim, bias=bias)
-        self.value = nn.Linear(hidden, heads * head_dim, bias=bias)
+        if fused:
+            self.qkv = nn.Linear(hidden, 3 * heads * head_dim, bias=bias)
+        else:
+            self.query = nn.Linear(hidden, heads * head_dim, bias=bias)
+            self.key = nn.Linear(hidden, heads * head_dim, bias=bias)
+            self.value = nn.Linear(hidden, heads * head_dim, bias=bias)
         self.out = nn.Linear(heads * head_dim, hidden, bias=bias)
         self.scale = head_dim**-0.5
         self.rope = rope
@@ -149,7 +176,11 @@ class EncoderAttention(nn.Module):
         def split(t: mx.array) -> mx.array:
             return t.reshape(B, T, self.heads, self.head_dim).transpose(0, 2, 1, 3)
 
-        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))  # (B, H, T, D)
+        if "qkv" in self:
+            q, k, v = mx.split(self.qkv(x), 3, axis=-1)  # (B, T, H * D) each
+        else:
+            q, k, v = self.query(x), self.key(x), self.value(x)
+        q, k, v = split(q), split(k), split(v)  # (B, H, T, D)
         if self.rope is not None:
             q, k = self.rope(q, k)
         # the shared attention: on the CPU explicit scores with fastmath's softmax (MLX's fused
@@ -198,16 +229,26 @@ def window_mask(mask: mx.array, half: int) -> mx.array:
 
 class GLU(nn.Module):
     """A gated MLP: down(act(a) * b) where [a | b] = gate_up(x), the two halves of one matmul
-    (GeGLU with gelu, SwiGLU with silu)."""
+    (GeGLU with gelu, SwiGLU with silu); `apart`: a = gate(x), b = up(x), two projections
+    (llama.cpp's ffn_gate and ffn_up)."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
+    def __init__(
+        self, hidden: int, intermediate: int, act: str, bias: bool = False, apart: bool = False
+    ):
         super().__init__()
-        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        if apart:
+            self.gate = nn.Linear(hidden, intermediate, bias=bias)
+            self.up = nn.Linear(hidden, intermediate, bias=bias)
+        else:
+            self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down = nn.Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
 
     def __call__(self, x: mx.array) -> mx.array:
-        a, b = mx.split(self.gate_up(x), 2, axis=-1)  # (B, T, intermediate) each
+        if "gate" in self:
+            a, b = self.gate(x), self.up(x)
+        else:
+            a, b = mx.split(self.gate_up(x), 2, axis=-1)  # (B, T, intermediate) each
         return self.down(self.act(a) * b)
 
 

@@ -6,6 +6,15 @@ A checkpoint with a classification head (BertForSequenceClassification, ...) is 
 transformers' CrossEncoder applies (its saved activation_fn, else sigmoid for one label).
 Any other is an embedding model (task "embed"). A plain Hugging Face folder (no modules.json)
 pools as sentence-transformers does when it wraps one: mean pooling, no normalisation.
+
+A GGUF of llama.cpp's converter (`load_encoder_gguf`) states its pooling (`{arch}.pooling_type`,
+written from the folder's 1_Pooling: mean, cls or last token; absent: mean, as for a plain
+folder) but neither a Normalize module nor max_seq_length, and no CrossEncoder activation.
+Embeddings are L2-normalised, as llama.cpp's server returns them by default (embd_normalize
+2; llama-cpp-python's `embed` only with normalize=True), and as every sentence-transformers
+embedder in the catalog ends; inputs may be as long as the position table (llama.cpp's
+limit); a reranker's logit goes through sigmoid, CrossEncoder's default for one label
+(llama.cpp's rank pooling returns the logit itself: the same order).
 """
 
 from __future__ import annotations
@@ -25,10 +34,11 @@ from mlxlis.loading.sentence_folder import (
 from mlxlis.models import build_model
 from mlxlis.models.config import ModelConfig, read_json
 from mlxlis.models.embedding import Embedder
-from mlxlis.models.encoder import EncoderConfig, max_tokens
+from mlxlis.models.encoder import EncoderConfig, EncoderNetwork, max_tokens
 from mlxlis.models.model import Model
 from mlxlis.models.pooling import Dense, Pooling, dense_activation
 from mlxlis.tokenizer import Tokenizer
+from mlxlis.tokenizer.gguf_encoder import encoder_vocab
 from mlxlis.tokenizer.pairs import EncoderTokenizer
 
 import mlx.core as mx
@@ -130,4 +140,66 @@ def load_encoder_folder(folder: Path, cfg: ModelConfig, dtype: mx.Dtype) -> Mode
         fmt="safetensors",
         task=embedder.task,
         embedder=embedder,
+    )
+
+
+# llama.cpp's pooling types (enum llama_pooling_type) an embedder's GGUF may state
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "lasttoken"}
+RANK = 4  # llama.cpp's rank pooling: a classifier head's score
+
+
+def gguf_pooling(md: dict, arch: str, path: Path, head: bool) -> Pooling:
+    """An embedder's pooling from `{arch}.pooling_type` (absent: mean), L2-normalised (see
+    the module's doc); a reranker's (head) needs none."""
+    key = f"{arch}.pooling_type"
+    kind = md.get(key)
+    if head:
+        if kind not in (None, RANK, *GGUF_POOLING):
+            raise UnsupportedError(f"pooling type {kind!r} for a reranker", path=path, field=key)
+        return Pooling()
+    if kind is None:
+        return Pooling(("mean",), normalize=True)
+    if kind not in GGUF_POOLING:
+        known = ", ".join(f"{k} ({m})" for k, m in GGUF_POOLING.items())
+        raise UnsupportedError(
+            f"pooling type {kind!r} for an embedder (known: {known})", path=path, field=key
+        )
+    return Pooling((GGUF_POOLING[kind],), normalize=True)
+
+
+def load_encoder_gguf(
+    path: Path,
+    cfg: ModelConfig,
+    net: EncoderNetwork,
+    tokenizer: Tokenizer,
+    md: dict,
+    dtype: mx.Dtype,
+    **model,
+) -> Model:
+    """The GGUF at `path` (metadata `md`, its network `net` built and bound) as an embed or
+    rerank Model; `model`: more of Model's fields (the quantization summary...)."""
+    enc = cfg.own(EncoderConfig)
+    pairs = EncoderTokenizer(path, max_tokens(cfg), built=encoder_vocab(md, path))
+    common = dict(net=net, tokenizer=pairs, pad_id=enc.pad_token_id)
+    pooling = gguf_pooling(md, md.get("general.architecture", ""), path, bool(enc.head))
+    if enc.head:
+        if enc.num_labels != 1:
+            raise UnsupportedError(
+                f"a classifier of {enc.num_labels} labels (a reranker has one)",
+                path=path,
+                field="cls.output.weight",
+            )
+        embedder = Embedder(task="rerank", activation="sigmoid", **common)
+    else:
+        embedder = Embedder(task="embed", pooling=pooling, **common)
+    return Model(
+        cfg,
+        net,
+        tokenizer,
+        dtype=dtype,
+        path=path,
+        fmt="gguf",
+        task=embedder.task,
+        embedder=embedder,
+        **model,
     )

@@ -98,7 +98,8 @@ def load_gguf(
         clock("read")
         tokenizer = side.submit(_tokenizer, md, path, timings)
         part = None
-        if placement is not None:
+        encoder = family(cfg.family).kind == "encoder"  # loaded whole on every rank
+        if placement is not None and not encoder:
             part = placement.place(cfg, module_sizes(gf, cfg), str(path))
         held = part.holds if part is not None else None
         dense, sub_blocks = _dense_policy(gf, cfg, dtype, dequantize, part)
@@ -122,6 +123,11 @@ def load_gguf(
         clock("bind")
         tok = tokenizer.result()
         clock("tokenizer (wait)")
+        if encoder:  # embeds or reranks (from_encoder.py)
+            from mlxlis.models.from_encoder import load_encoder_gguf
+
+            summary = _summary(gf, dense, quant)
+            return load_encoder_gguf(path, cfg, net, tok, md, dtype, quant_summary=summary)
     vision = None
     if mmproj is not False and part is None and cfg.family in PROJECTORS:
         kind = PROJECTORS[cfg.family].kind
@@ -140,13 +146,6 @@ def load_gguf(
     template = _template(chat_template, md, path)
     diagnosis = None if template is not None else _diagnose(path, md)
     clock("template")
-    types: dict[str, int] = {}
-    for t in gf.tensors.values():
-        types[t.type_name] = types.get(t.type_name, 0) + 1
-    summary = ", ".join(f"{k}×{v}" for k, v in sorted(types.items()))
-    kept = f"{len(quant)} quantized modules" if quant else "dense"
-    if quant and any(dense(n) for n in gf.tensors if _quantizable(gf.tensors[n])):
-        kept += ", the rest dense"
     return Model(
         cfg,
         net if part is None else placement.wrap(net, part, dtype),
@@ -155,13 +154,25 @@ def load_gguf(
         path=path,
         fmt="gguf",
         template=template,
-        quant_summary=f"{summary} ({kept})",
+        quant_summary=_summary(gf, dense, quant),
         diagnosis=diagnosis,
         skipped=sorted(ignored),
         part=part,
         vision=vision,
         sees=family(cfg.family).vision is not None,
     )
+
+
+def _summary(gf: GGUFFile, dense: Callable[[str], bool], quant: dict) -> str:
+    """The file's tensor types and what stayed quantized, for `inspect`."""
+    types: dict[str, int] = {}
+    for t in gf.tensors.values():
+        types[t.type_name] = types.get(t.type_name, 0) + 1
+    summary = ", ".join(f"{k}×{v}" for k, v in sorted(types.items()))
+    kept = f"{len(quant)} quantized modules" if quant else "dense"
+    if quant and any(dense(n) for n in gf.tensors if _quantizable(gf.tensors[n])):
+        kept += ", the rest dense"
+    return f"{summary} ({kept})"
 
 
 def _quantizable(t) -> bool:

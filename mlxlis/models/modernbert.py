@@ -8,7 +8,11 @@ theta; the others attend within `local_attention // 2` positions either side, wi
 theta. The embeddings are normalised and the last layer's output takes a final norm.
 A sequence classifier (rerankers) pools the first token or the mean over the real tokens, then
 dense -> activation -> LayerNorm -> classifier. transformers unpads the batch; the math is that
-of the padded batch with masks, which is what runs here. HF `modernbert`; no GGUF reader.
+of the padded batch with masks, which is what runs here. HF `modernbert`.
+
+GGUF `modern-bert` (llama.cpp's converter): one attn_qkv (taken as it is: `gguf_layout`); every
+sliding_window_pattern-th layer global from the first (absent: every 3rd), the head pooled as
+classifier.pooling_type says (absent: mean), as llama.cpp reads them.
 """
 
 from __future__ import annotations
@@ -17,16 +21,18 @@ import re
 from dataclasses import dataclass, replace
 
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.models.base import Export, Family, HFFormat
+from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.encoder import (
     ACTIVATIONS,
     GLU,
-    NO_GGUF,
     EncoderAttention,
     EncoderConfig,
     PreNormLayer,
     attention_mask,
+    flag,
+    gguf_names,
+    gguf_pad,
     label_count,
     norm_eps,
     pad_id,
@@ -41,8 +47,11 @@ import mlx.nn as nn
 
 @dataclass(frozen=True)
 class ModernBertConfig(EncoderConfig):
-    """ModernBERT's own fields beside the encoder's."""
+    """ModernBERT's own fields beside the encoder's (and its values of the encoder's)."""
 
+    type_vocab_size: int = 0
+    positions: str = "rotary"
+    norm: str = "pre"
     global_layers: tuple[bool, ...] = ()  # per layer: True full attention, False local
     window: int = 64  # local layers see positions at most this far on either side
     global_theta: float = 160_000.0
@@ -53,6 +62,7 @@ class ModernBertConfig(EncoderConfig):
     classifier_pooling: str = "cls"  # "cls" | "mean"
     classifier_act: str = "gelu"
     classifier_bias: bool = False
+    gguf_layout: bool = False  # one qkv projection (llama.cpp's attn_qkv)
 
 
 def _theta(cfg: dict, kind: str, classic: str, default: float, path: str) -> float:
@@ -90,13 +100,6 @@ def _layer_types(cfg: dict, n: int, path: str) -> tuple[bool, ...]:
     return tuple(i % every == 0 for i in range(n))
 
 
-def _flag(cfg: dict, key: str, default: bool, path: str) -> bool:
-    value = cfg.get(key, default)
-    if not isinstance(value, bool):
-        raise ConfigError(f"expected true or false, got {value!r}", path=path, field=key)
-    return value
-
-
 def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     for key, default in (("hidden_activation", "gelu"), ("classifier_activation", "gelu")):
         if cfg.get(key, default) not in ACTIVATIONS:
@@ -118,10 +121,7 @@ def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     act = cfg.get("hidden_activation", "gelu")
     enc = ModernBertConfig(
         layer_norm_eps=eps,
-        type_vocab_size=0,
         pad_token_id=pad,
-        positions="rotary",
-        norm="pre",
         hidden_act=act,
         head="modernbert" if head else "",
         num_labels=num_labels,
@@ -129,16 +129,67 @@ def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         window=window // 2,  # local_attention is the whole window, centred on the query
         global_theta=_theta(cfg, "full_attention", "global_rope_theta", 160_000.0, path),
         local_theta=_theta(cfg, "sliding_attention", "local_rope_theta", 10_000.0, path),
-        norm_bias=_flag(cfg, "norm_bias", False, path),
-        attention_bias=_flag(cfg, "attention_bias", False, path),
-        mlp_bias=_flag(cfg, "mlp_bias", False, path),
+        norm_bias=flag(cfg, "norm_bias", False, path),
+        attention_bias=flag(cfg, "attention_bias", False, path),
+        mlp_bias=flag(cfg, "mlp_bias", False, path),
         classifier_pooling=pooling,
         classifier_act=cfg.get("classifier_activation", "gelu"),
-        classifier_bias=_flag(cfg, "classifier_bias", False, path),
+        classifier_bias=flag(cfg, "classifier_bias", False, path),
     )
     mlp = replace(base.mlp, hidden_act=act, bias=enc.mlp_bias)
     attention = replace(base.attention, bias=enc.attention_bias, causal=False)
     return base.with_(family_config=enc, mlp=mlp, attention=attention)
+
+
+def _parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
+    shapes, act = m.shapes, m.md.get(m.key("hidden_activation"), "gelu")
+    window = m.get("attention.sliding_window", 0)
+    every = m.get("attention.sliding_window_pattern", 3) if window else 1
+    pooling = {1: "mean", 2: "cls"}.get(m.get("classifier.pooling_type", 1))
+    head = "cls.output.weight" in shapes
+    if act not in ACTIVATIONS or every < 1 or not pooling:
+        key = "hidden_activation" if act not in ACTIVATIONS else "classifier.pooling_type"
+        key = key if every >= 1 else "attention.sliding_window_pattern"
+        raise UnsupportedError("not implemented", path=m.path, field=m.key(key))
+    eps = "attention.layer_norm_epsilon"  # the converter writes the rms key
+    enc = ModernBertConfig(
+        layer_norm_eps=m.get(eps if m.has(eps) else "attention.layer_norm_rms_epsilon", kind=float),
+        pad_token_id=gguf_pad(m),
+        hidden_act=act,
+        head="modernbert" if head else "",
+        num_labels=shapes["cls.output.weight"][0] if head else 1,
+        global_layers=tuple(i % every == 0 for i in range(base.num_hidden_layers)),
+        window=window // 2,  # as local_attention: the whole window, centred on the query
+        global_theta=base.rope.theta,
+        local_theta=m.get("rope.freq_base_swa", base.rope.theta, float),
+        norm_bias="token_embd_norm.bias" in shapes,
+        attention_bias="blk.0.attn_qkv.bias" in shapes,
+        mlp_bias="blk.0.ffn_up.bias" in shapes,
+        classifier_pooling=pooling,
+        classifier_bias="cls.bias" in shapes,
+        gguf_layout=True,
+    )
+    mlp = replace(base.mlp, hidden_act=act, bias=enc.mlp_bias)
+    attention = replace(base.attention, bias=enc.attention_bias, causal=False)
+    return base.with_(family_config=enc, mlp=mlp, attention=attention, tie_word_embeddings=False)
+
+
+# llama.cpp's tensor names (less .weight / .bias) -> ours
+_GGUF_NAMES = [
+    (r"token_embd", "embeddings.words"),
+    (r"token_embd_norm", "embeddings.norm"),
+    (r"blk\.(\d+)\.attn_norm", r"layers.\1.attention_norm"),
+    (r"blk\.(\d+)\.attn_qkv", r"layers.\1.attention.qkv"),
+    (r"blk\.(\d+)\.attn_output", r"layers.\1.attention.out"),
+    (r"blk\.(\d+)\.ffn_norm", r"layers.\1.mlp_norm"),
+    (r"blk\.(\d+)\.ffn_up", r"layers.\1.mlp.gate_up"),  # Wi: [input | gate]
+    (r"blk\.(\d+)\.ffn_down", r"layers.\1.mlp.down"),
+    (r"output_norm", "final_norm"),
+    (r"cls", "head_dense"),
+    (r"cls\.norm", "head_norm"),
+    (r"cls\.output", "classifier"),
+]
+gguf_name = gguf_names(_GGUF_NAMES)
 
 
 # checkpoint names (after the task model's "model." prefix) -> ours, first match wins
@@ -188,7 +239,9 @@ class ModernBertNetwork(nn.Module):
             theta = enc.global_theta if full else enc.local_theta
             rope = rotary(cfg.head_dim, theta)
             heads = cfg.num_attention_heads
-            attn = EncoderAttention(h, heads, cfg.head_dim, bias=enc.attention_bias, rope=rope)
+            attn = EncoderAttention(
+                h, heads, cfg.head_dim, enc.attention_bias, rope, fused=enc.gguf_layout
+            )
             mlp = GLU(h, cfg.mlp.intermediate_size, enc.hidden_act, bias=enc.mlp_bias)
             self.layers.append(PreNormLayer(attn, mlp, norm() if i else None, norm()))
         self.final_norm = norm()
@@ -239,7 +292,7 @@ class ModernBertNetwork(nn.Module):
 MODERNBERT = Family(
     name="modernbert",
     hf=HFFormat(model_types=("modernbert",), parse=_parse_hf),
-    gguf=NO_GGUF,
+    gguf=GGUFFormat(archs=("modern-bert",), parse=_parse_gguf, block={}, names=gguf_name),
     network=ModernBertNetwork,
     export=Export(model_type="modernbert", architecture="ModernBertModel"),
     kind="encoder",

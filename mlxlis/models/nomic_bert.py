@@ -8,7 +8,11 @@ spellings: nomic's own (n_embd, n_head, rotary_emb_base, qkv_proj_bias, ...) on 
 transformers' (hidden_size, rope_parameters, ...) in transformers' NomicBertConfig; both are
 read. What neither reference computes (a partial or interleaved rotary, biases, pre-norm,
 scaled rotary) is refused naming the field. NomicBertForSequenceClassification (BERT's pooler
-and classifier on the first token) is a reranker. HF `nomic_bert`; no GGUF reader.
+and classifier on the first token) is a reranker. HF `nomic_bert`.
+
+GGUF `nomic-bert` (llama.cpp's converter takes nomic's config keys only): Wqkv kept as one
+attn_qkv, fc11 / fc12 as ffn_up / ffn_gate apart; the network takes that layout as it is
+(`NomicConfig.gguf_layout`), the same products.
 """
 
 from __future__ import annotations
@@ -17,16 +21,17 @@ import re
 from dataclasses import dataclass, replace
 
 from mlxlis.errors import ConfigError, UnsupportedError
-from mlxlis.models.base import Export, Family, HFFormat
+from mlxlis.models.base import Export, Family, GGUFFormat, GGUFMeta, HFFormat
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.encoder import (
     ACTIVATIONS,
     GLU,
-    NO_GGUF,
     EncoderAttention,
     EncoderConfig,
     PostNormBlock,
     attention_mask,
+    gguf_names,
+    gguf_pad,
     label_count,
     norm_eps,
     pad_id,
@@ -40,9 +45,10 @@ import mlx.nn as nn
 
 @dataclass(frozen=True)
 class NomicConfig(EncoderConfig):
-    """nomic-bert's own field beside the encoder's."""
+    """nomic-bert's own fields beside the encoder's."""
 
     rope_theta: float = 1000.0
+    gguf_layout: bool = False  # one qkv projection, gate and up apart (as llama.cpp's)
 
 
 # nomic's config.json keys -> transformers' (the shared parser reads the latter)
@@ -125,6 +131,40 @@ def _parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     return base.with_(family_config=enc, mlp=mlp, attention=attention)
 
 
+def _parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
+    if m.md.get(m.key("attention.causal"), False) is not False:
+        raise UnsupportedError("a causal encoder", path=m.path, field=m.key("attention.causal"))
+    types = m.shapes.get("token_types.weight", (0,))[0]
+    enc = NomicConfig(
+        layer_norm_eps=norm_eps(m.md, m.key("attention.layer_norm_epsilon"), 1e-12, m.path),
+        type_vocab_size=types,
+        pad_token_id=gguf_pad(m),
+        positions="rotary",
+        hidden_act="silu",  # the converter takes swiglu only
+        rope_theta=base.rope.theta,
+        gguf_layout=True,
+    )
+    mlp = replace(base.mlp, hidden_act="silu", bias=False)
+    attention = replace(base.attention, bias=False, causal=False)
+    return base.with_(family_config=enc, mlp=mlp, attention=attention, tie_word_embeddings=False)
+
+
+# llama.cpp's tensor names (less .weight / .bias) -> ours
+_GGUF_NAMES = [
+    (r"token_embd", "embeddings.words"),
+    (r"token_types", "embeddings.types"),
+    (r"token_embd_norm", "embeddings.norm"),
+    (r"blk\.(\d+)\.attn_qkv", r"layers.\1.attention.qkv"),
+    (r"blk\.(\d+)\.attn_output", r"layers.\1.attention.out"),
+    (r"blk\.(\d+)\.attn_output_norm", r"layers.\1.attention_norm"),
+    (r"blk\.(\d+)\.ffn_gate", r"layers.\1.mlp.gate"),  # fc12, activated
+    (r"blk\.(\d+)\.ffn_up", r"layers.\1.mlp.up"),  # fc11
+    (r"blk\.(\d+)\.ffn_down", r"layers.\1.mlp.down"),
+    (r"blk\.(\d+)\.layer_output_norm", r"layers.\1.mlp_norm"),
+]
+gguf_name = gguf_names(_GGUF_NAMES)
+
+
 # checkpoint names -> ours, first match wins (nomic's names, which transformers also saves)
 _RENAMES = [
     (r"^nomic_bert\.", ""),
@@ -169,11 +209,12 @@ class NomicBertNetwork(nn.Module):
         enc = cfg.own(NomicConfig)
         h, eps = cfg.hidden_size, enc.layer_norm_eps
         self.embeddings = NomicEmbeddings(cfg, enc)
-        rope = rotary(cfg.head_dim, enc.rope_theta)
+        rope, gguf = rotary(cfg.head_dim, enc.rope_theta), enc.gguf_layout
+        heads, ff = cfg.num_attention_heads, cfg.mlp.intermediate_size
         self.layers = [
             PostNormBlock(
-                EncoderAttention(h, cfg.num_attention_heads, cfg.head_dim, bias=False, rope=rope),
-                GLU(h, cfg.mlp.intermediate_size, enc.hidden_act),
+                EncoderAttention(h, heads, cfg.head_dim, bias=False, rope=rope, fused=gguf),
+                GLU(h, ff, enc.hidden_act, apart=gguf),
                 nn.LayerNorm(h, eps=eps),
                 nn.LayerNorm(h, eps=eps),
             )
@@ -228,7 +269,7 @@ class NomicBertNetwork(nn.Module):
 NOMIC_BERT = Family(
     name="nomic_bert",
     hf=HFFormat(model_types=("nomic_bert",), parse=_parse_hf, base=_base),
-    gguf=NO_GGUF,
+    gguf=GGUFFormat(archs=("nomic-bert",), parse=_parse_gguf, block={}, names=gguf_name),
     network=NomicBertNetwork,
     export=Export(model_type="nomic_bert", architecture="NomicBertModel"),
     kind="encoder",

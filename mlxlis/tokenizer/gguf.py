@@ -42,7 +42,7 @@ _QWEN35 = (
 )
 PRE_SPLITS: dict[str, tuple[str, ...]] = {
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
-    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "exaone4"), (_GPT2,)),
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "exaone4", "modern-bert"), (_GPT2,)),
     **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell"), (r"\p{N}", _GPT2)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), (_QWEN2,)),
     "qwen35": (_QWEN35,),

@@ -16,10 +16,14 @@ import tokenizers
 class EncoderTokenizer:
     """Texts and pairs -> (ids, token types), cut to `max_length` tokens where asked."""
 
-    def __init__(self, path: Path, max_length: int):
+    def __init__(self, path: Path, max_length: int, built: tokenizers.Tokenizer | None = None):
+        """tokenizer.json at `path`, or `built` (a GGUF vocabulary's; `path` names its file)."""
         try:
-            full = tokenizers.Tokenizer.from_file(str(path))
-            cut = tokenizers.Tokenizer.from_file(str(path))
+            if built is not None:
+                full, cut = (tokenizers.Tokenizer.from_str(built.to_str()) for _ in range(2))
+            else:
+                full = tokenizers.Tokenizer.from_file(str(path))
+                cut = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # the library raises bare Exceptions on a bad file
             raise TokenizerError(f"cannot read: {e}"[:300], path=path) from None
         full.no_truncation()

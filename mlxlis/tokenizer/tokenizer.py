@@ -21,6 +21,7 @@ from mlxlis.errors import TokenizerError
 from mlxlis.tokenizer import vocab as tt  # token types: tt.CONTROL, ...
 from mlxlis.tokenizer.gguf import IGNORE_MERGES, array, gguf_bpe, gguf_gemma4, gguf_spm
 from mlxlis.tokenizer.gguf import K as _K  # GGUF metadata key prefix
+from mlxlis.tokenizer.gguf_encoder import ENCODER_VOCABS
 from mlxlis.tokenizer.vocab import EOG_TEXTS, JsonVocab, PieceTable, TableVocab, spm_proto
 
 import numpy as np
@@ -197,8 +198,14 @@ class Tokenizer:
         elif kind == "gemma4":
             backend = gguf_gemma4(metadata, tokens, types, path)
             add_bos = True
+        elif kind in ENCODER_VOCABS:  # an encoder's: [CLS] / <s> and [SEP] / </s> added
+            backend = JsonVocab(ENCODER_VOCABS[kind](metadata, tokens, types, path))
+            if kind == "bert":  # llama.cpp's WPM: [CLS] and [SEP], whatever eos_token_id says
+                bos_id = special_id("bos_token_id", 101)
+                eos_id = special_id("seperator_token_id", 102)
+            add_bos = True
         else:
-            msg = f"unsupported tokenizer model {kind!r} (supported: gpt2, llama, gemma4)"
+            msg = f"unsupported tokenizer model {kind!r} (supported: gpt2, llama, gemma4, bert, t5)"
             raise TokenizerError(msg, path=path, field=_K + "model")
         add_bos = bool(metadata.get(_K + "add_bos_token", add_bos))
         add_bos |= kind == "gemma4"  # llama.cpp overrides a false add_bos_token for Gemma 4
@@ -211,7 +218,7 @@ class Tokenizer:
             eot_ids=[i for i in eot_ids if i is not None],
             pad_id=special_id("padding_token_id"),
             add_bos=add_bos,
-            add_eos=bool(metadata.get(_K + "add_eos_token", False)),
+            add_eos=bool(metadata.get(_K + "add_eos_token", kind == "bert")),
             source=str(path),
         )
 
