@@ -28,6 +28,7 @@ from mlxlis.loading.gguf_split import read_gguf
 from mlxlis.models.from_encoder import gguf_pooling
 from mlxlis.tokenizer.gguf_encoder import encoder_vocab
 
+import llama_cpp
 import numpy as np
 import pytest
 from conftest import llama_cpp_reference
@@ -328,14 +329,6 @@ def test_real_minilm_q8_0_keeps_blocks_and_matches_their_dequantization(minilm):
 # --- llama.cpp itself (llama-cpp-python) on the same files ---
 
 
-def llama_cpp_or_skip():
-    try:
-        import llama_cpp
-    except ImportError:
-        pytest.skip("llama-cpp-python is not installed (pip install llama-cpp-python)")
-    return llama_cpp
-
-
 def within_llama_cpp(ours: np.ndarray, theirs: np.ndarray, ref: np.ndarray) -> None:
     """Ours within llama.cpp's own distance to the reference (plus ours, by the triangle
     inequality; and no worse than 2e-6 in cosine): llama.cpp's F32 graph is not the reference
@@ -354,7 +347,6 @@ def test_xlmr_reranker_matches_llama_cpp_rank_pooling(ggufs):
     """llama.cpp's rank pooling on the same GGUF (its classifier head on the first token, fed
     our pair ids; sigmoid applied to its logit as CrossEncoder does): our scores within its
     own distance to CrossEncoder.predict; its tokenizer gives our ids for single texts."""
-    llama_cpp = llama_cpp_or_skip()
     path, ce = ggufs["xlmr-rerank"]
     llm = llama_cpp.Llama(
         str(path), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_RANK, verbose=False
@@ -381,7 +373,6 @@ def test_tiny_embedders_match_llama_cpp_embeddings(ggufs, name):
     """llama.cpp's embeddings of the tiny files (BERT with CLS pooling; nomic-bert's rotary,
     fused-QKV graph): its tokenizer gives our ids, our vectors are within its own distance to
     sentence-transformers'."""
-    llama_cpp = llama_cpp_or_skip()
     path, st = ggufs[name]
     llm = llama_cpp.Llama(str(path), embedding=True, n_ctx=64, n_batch=64, verbose=False)
     model = mlxlis.load(path, "float32")
@@ -400,7 +391,6 @@ def test_real_minilm_matches_llama_cpp_embeddings(minilm, kind):
     are within llama.cpp's own distance to sentence-transformers' (F32: 4.7e-4 max |Δ|,
     1 − cos 5e-6; Q8_0: its activations rounded to 8 bits too), and ours are no farther from
     sentence-transformers' than llama.cpp's."""
-    llama_cpp = llama_cpp_or_skip()
     f32, q8, st = minilm
     path = f32 if kind == "f32" else q8
     llm = llama_cpp.Llama(str(path), embedding=True, n_ctx=512, n_batch=512, verbose=False)

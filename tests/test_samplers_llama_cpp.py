@@ -1,5 +1,5 @@
 """The sampler chain against llama.cpp's own implementation (llama-cpp-python 0.3.36's
-libllama, through its C API; skipped where that package is not installed): DRY with its
+libllama, through its C API): DRY with its
 sequence breakers read from a real vocabulary (llama.cpp's Llama 3 BPE test vocabulary,
 vocab-only), and the whole chain — penalties (repetition, frequency, presence), DRY,
 top-n-sigma, top-k, typical-p, top-p, min-p, XTC (firing), temperature — on the same logits
@@ -16,12 +16,11 @@ from mlxlis.generation.truncation import _xtc
 from mlxlis.loading.gguf_split import read_gguf
 from mlxlis.tokenizer.tokenizer import Tokenizer
 
+import llama_cpp as L
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import llama_cpp_reference
-
-L = pytest.importorskip("llama_cpp")
 
 TEXT = (
     "User: say a *b* c then go home\nUser: say a *b* c then go home now\nUser: say a *b* c then go"
