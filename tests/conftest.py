@@ -325,7 +325,8 @@ def greedy_tokens(model, prompt: list[int], n: int, spec=None):
 
 def dequantized_folder(folder: Path) -> dict[str, np.ndarray]:
     """An MLX-quantized folder's tensors (model.safetensors) in float32, each quantized weight
-    dequantized as its config.json's quantization says: the weights a reference runs on."""
+    dequantized as its config.json's quantization says (per module where it says so): the
+    weights a reference runs on."""
     import json
 
     import mlx.core as mx
@@ -338,8 +339,13 @@ def dequantized_folder(folder: Path) -> dict[str, np.ndarray]:
         if name.endswith((".scales", ".biases")):
             continue
         if name.endswith(".weight") and f"{stem}.scales" in tensors:
+            own = q[stem] if isinstance(q.get(stem), dict) else q  # a per-module override
             w = mx.dequantize(
-                w, tensors[f"{stem}.scales"], tensors[f"{stem}.biases"], q["group_size"], q["bits"]
+                w,
+                tensors[f"{stem}.scales"],
+                tensors[f"{stem}.biases"],
+                own["group_size"],
+                own["bits"],
             )
         dense[name] = np.array(w.astype(mx.float32))
     return dense
