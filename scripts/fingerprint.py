@@ -54,6 +54,8 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
     from test_glm4_moe import build as build_glm4
     from test_gpt_oss import SPECS as OSS
     from test_gpt_oss import _sinks_of_unit_size
+    from test_granite4 import SPECS as GRANITE4
+    from test_granite4 import build as build_granite4
     from test_lfm2 import SPECS as LFM2
     from test_llama4 import SPECS as L4
     from test_mistral3 import SPECS as MISTRAL
@@ -102,6 +104,7 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
         "olmo3": (OLMO3["olmo3"], pad1),  # post-norm, whole q/k norms, window, YaRN on full
         "lfm2": (LFM2["lfm2_bias"], build_tiny),  # short convolutions with a bias, untied
         "glm4_moe": (GLM4["glm4_moe"], build_glm4),  # grouped sigmoid routing, partial RoPE
+        "granite4": (GRANITE4["granite4"], build_granite4),  # Mamba-2, NoPE, experts, scales
     }
 
 

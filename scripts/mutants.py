@@ -102,6 +102,12 @@ STYLES_WALKS = (
     "tests/test_tool_forcing_styles.py::test_random_calls_read_back_valid_and_write_back_the_same"
 )
 
+G4_HF = "tests/test_granite4.py::test_logits_match_transformers_fp32"
+G4_CACHE = "tests/test_granite4.py::test_chunked_prefill_decode_and_batches_equal_the_full_forward"
+G4_REWIND = (
+    "tests/test_granite4.py::test_a_rejection_at_each_position_rewinds_the_mamba_state_exactly"
+)
+
 MUTANTS = (
     Mutant(
         "rope-freqs-divide",
@@ -2674,6 +2680,74 @@ MUTANTS = (
         "pair = mx.stack([logits[:, self.yes_id], logits[:, self.no_id]], axis=-1)",
         (DEC_RERANK,),
         "the yes / no reranker scores p(no) instead of p(yes)",
+    ),
+    Mutant(
+        "mamba2-state-not-rewound",
+        "mlxlis/models/mamba2.py",
+        "steps.append((cache.offset + i + 1, conv, state))",
+        "steps.append((cache.offset + i + 1, conv, cache.recurrent))",
+        (G4_REWIND,),
+        "Mamba-2: a rejection keeps the SSM state from before the verification, not the one "
+        "after the kept token",
+    ),
+    Mutant(
+        "mamba2-conv-state-one-short",
+        "mlxlis/models/mamba2.py",
+        "cache.conv_state = xp[:, -(m.conv_kernel - 1) :]",
+        "cache.conv_state = xp[:, -m.conv_kernel : -1]",
+        (G4_CACHE,),
+        "Mamba-2: the conv state keeps the K − 1 inputs before the newest, one short",
+    ),
+    Mutant(
+        "mamba2-dt-bias-dropped",
+        "mlxlis/models/mamba2.py",
+        "dt = nn.softplus(dt.astype(f32) + self.dt_bias.astype(f32))",
+        "dt = nn.softplus(dt.astype(f32))",
+        (G4_HF,),
+        "Mamba-2: dt without its bias",
+    ),
+    Mutant(
+        "mamba2-softplus-dropped",
+        "mlxlis/models/mamba2.py",
+        "dt = nn.softplus(dt.astype(f32) + self.dt_bias.astype(f32))",
+        "dt = dt.astype(f32) + self.dt_bias.astype(f32)",
+        (G4_HF,),
+        "Mamba-2: dt without its softplus",
+    ),
+    Mutant(
+        "mamba2-d-skip-dropped",
+        "mlxlis/models/mamba2.py",
+        "y = mx.concatenate(outs, axis=2)[:, :, :t] + d[:, None, None] * x[:, :, :t]",
+        "y = mx.concatenate(outs, axis=2)[:, :, :t]",
+        (G4_HF,),
+        "Mamba-2: the chunked scan without the D skip connection",
+    ),
+    Mutant(
+        "mamba2-chunk-boundary-off-by-one",
+        "mlxlis/models/mamba2.py",
+        "to_end = xdt * mx.exp(cum[..., -1:] - cum)[..., None]",
+        "to_end = xdt * mx.exp(cum[..., -2:-1] - cum)[..., None]",
+        (G4_HF,),
+        "Mamba-2: a chunk's inputs decayed to its next-to-last position, not its end",
+    ),
+    Mutant(
+        "mamba2-gated-norm-order-flipped",
+        "mlxlis/models/mamba2.py",
+        "g = y.astype(f32) * nn.silu(z.astype(f32))  # the gate before the norm\n"
+        "        g = g.reshape(*g.shape[:-1], self.groups, -1)  # (..., G, inner / G)\n"
+        "        g = mx.fast.rms_norm(g, None, self.eps).reshape(y.shape)",
+        "g = y.astype(f32).reshape(*y.shape[:-1], self.groups, -1)\n"
+        "        g = mx.fast.rms_norm(g, None, self.eps).reshape(y.shape) * nn.silu(z.astype(f32))",
+        (G4_HF,),
+        "Mamba-2: the gated norm normalises before gating (norm_before_gate)",
+    ),
+    Mutant(
+        "granite4-residual-multiplier-dropped",
+        "mlxlis/models/granite4.py",
+        "return h + y * self.r",
+        "return h + y",
+        (G4_HF,),
+        "Granite 4.0: the MLP's output added without residual_multiplier",
     ),
 )
 

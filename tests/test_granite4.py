@@ -118,6 +118,14 @@ def model(granite):
     return mlxlis.load(granite("granite4")[0], "float32")
 
 
+@pytest.fixture(scope="module")
+def gguf(granite, tmp_path_factory):
+    """The MoE folder (hub layer names) converted once by llama.cpp's converter, at f32."""
+    tmp = tmp_path_factory.mktemp("granite4_gguf")
+    folder = hub_copy(granite("granite4")[0], tmp / "hub")
+    return folder, llama_cpp_convert(folder, tmp / "granite4.gguf")
+
+
 def reference_logits(ref, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return ref(torch.tensor([ids])).logits[0].float().numpy()
@@ -263,13 +271,12 @@ def hub_copy(folder, dest, **extra):
     return dest
 
 
-def test_gguf_from_llama_cpp_converter_equals_the_folder(granite, tmp_path):
+def test_gguf_from_llama_cpp_converter_equals_the_folder(gguf):
     """llama.cpp's convert_hf_to_gguf.py (arch granitehybrid: A stored as −exp(A_log) (H, 1),
     D as (H, 1), the conv kernel squeezed, the gated norm's weight by group, Q/K rows permuted,
     the shared MLP split, head_count_kv 0 on Mamba layers, the scales as metadata) at f32: the
     folder's structure and logits (bound 1e-5: A_log goes through exp and log)."""
-    folder = hub_copy(granite("granite4")[0], tmp_path / "hub")
-    path = llama_cpp_convert(folder, tmp_path / "granite4.gguf")
+    folder, path = gguf
     m, src = mlxlis.load(path, "float32"), mlxlis.load(folder, "float32")
     c, s = m.config, src.config
     assert c.family == "granitemoehybrid" and c.layer_types == s.layer_types
@@ -315,7 +322,7 @@ def test_mlx_quantized_folder_matches_its_dequantized_weights(granite, tmp_path)
     assert delta < BOUND, f"max |Δ| = {delta}"
 
 
-def test_convert_writes_what_mlx_lm_reads_and_inspect_says_it(granite, model, tmp_path):
+def test_convert_writes_what_mlx_lm_reads_and_inspect_says_it(granite, model, gguf, tmp_path):
     """`convert`'s folder of the dense, one-group model (mlx-lm's gated norm is over all
     channels: one group) and of the GGUF file (its split shared MLP fused back): mlx-lm's
     granitemoehybrid gives our logits on it (bound 2e-5), it reloads to the same config and
@@ -337,10 +344,7 @@ def test_convert_writes_what_mlx_lm_reads_and_inspect_says_it(granite, model, tm
     again = mlxlis.load(out, "float32")
     assert np.array_equal(np.array(again.logits(ids)), ours)
     assert again.config == dense.config.with_(source=again.config.source)
-    gguf = llama_cpp_convert(
-        hub_copy(granite("granite4")[0], tmp_path / "hub"), tmp_path / "g.gguf"
-    )
-    back = mlxlis.load(convert(gguf, tmp_path / "from_gguf", dtype="float32"), "float32")
+    back = mlxlis.load(convert(gguf[1], tmp_path / "from_gguf", dtype="float32"), "float32")
     moe_ids = trajectory(40, vocab=model.config.vocab_size)
     assert np.abs(np.array(back.logits(moe_ids)) - np.array(model.logits(moe_ids))).max() < 1e-5
     text = format_report(model_report(model))

@@ -222,3 +222,24 @@ class SparseMoE(nn.Module):
         if "shared_expert" in self:
             y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y
+
+
+class LogitTopKMoE(nn.Module):
+    """Mixtral-style routing: the top k of the router's logits, softmaxed among themselves (the
+    full softmax renormalised over those k), weight the experts; the router under Granite's
+    and JetMoE's name, `router.layer`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.moe.num_experts_per_tok
+        self.router = nn.Module()
+        self.router.layer = nn.Linear(cfg.hidden_size, cfg.moe.num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(cfg)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        k = self.top_k
+        logits = self.router.layer(x).astype(mx.float32)  # (B, T, E)
+        inds = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]  # (B, T, k)
+        weights = mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True)
+        y = self.switch_mlp(x, mx.stop_gradient(inds))  # (B, T, k, hidden)
+        return (y * weights.astype(y.dtype)[..., None]).sum(axis=-2)

@@ -24,7 +24,6 @@ from typing import Any
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models import mamba2
-from mlxlis.models.activations import gated
 from mlxlis.models.base import (
     GGUF_LLAMA_BLOCK,
     Description,
@@ -38,26 +37,17 @@ from mlxlis.models.base import (
 from mlxlis.models.config import FamilyConfig, ModelConfig
 from mlxlis.models.conventions import UNPERMUTE_K, UNPERMUTE_Q
 from mlxlis.models.decoder import Decoder
-from mlxlis.models.experts import ExpertSource, SwitchGLU
-from mlxlis.models.layers import Attention, Cache, Mask, norm
-from mlxlis.models.reading import check_act, expert_sizes, moe_config
+from mlxlis.models.experts import ExpertSource, LogitTopKMoE
+from mlxlis.models.layers import MLP, Attention, Cache, Mask, norm
+from mlxlis.models.reading import check_act, expert_sizes, moe_config, positive
 from mlxlis.models.rope import Rope
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 MAMBA, ATTN = "linear_attention", "full_attention"
 LEGACY = {"mamba": MAMBA, "attention": ATTN}  # hub configs' names (transformers remaps them)
-HF_DEFAULTS = {  # transformers' GraniteMoeHybridConfig, for the keys the shared parser reads
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-}
+HF_DEFAULTS = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6}  # transformers' defaults
 CHUNK = 256  # transformers' mamba_chunk_size default (GGUF files do not say)
 GGUF_BLOCK = {
     **GGUF_LLAMA_BLOCK,
@@ -66,14 +56,35 @@ GGUF_BLOCK = {
     "ffn_gate_exps": "block_sparse_moe.switch_mlp.gate_proj",
     "ffn_up_exps": "block_sparse_moe.switch_mlp.up_proj",
     "ffn_down_exps": "block_sparse_moe.switch_mlp.down_proj",
-    "ffn_gate_shexp": "shared_mlp.gate_proj",
-    "ffn_up_shexp": "shared_mlp.up_proj",
-    "ffn_down_shexp": "shared_mlp.output_linear",
-    "ffn_gate": "shared_mlp.gate_proj",  # a dense model's one MLP
-    "ffn_up": "shared_mlp.up_proj",
-    "ffn_down": "shared_mlp.output_linear",
+    # the shared MLP's, split; a dense model's one MLP (ffn_gate, ...)
+    **{
+        f"ffn_{p}{s}": f"shared_mlp.{p}_proj"
+        for p in ("gate", "up", "down")
+        for s in ("", "_shexp")
+    },
+}
+SCALES = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+GGUF_SCALES = ("embedding_scale", "residual_scale", "attention.scale", "logit_scale")
+BIASES = ("mamba_conv_bias", "mamba_proj_bias")
+# the stacked experts' sources in the checkpoints: (E, 2F, hidden) gate rows then up; (E, hidden, F)
+EXPERTS = {
+    "gate_proj": ("input_linear.weight", 0),
+    "up_proj": ("input_linear.weight", 1),
+    "down_proj": ("output_linear.weight", None),
+}
+MAMBA_KEYS = {  # the mixer's config.json keys and transformers' defaults
+    "heads": ("mamba_n_heads", 128),
+    "head_dim": ("mamba_d_head", "auto"),
+    "state": ("mamba_d_state", 256),
+    "groups": ("mamba_n_groups", 1),
+    "conv_kernel": ("mamba_d_conv", 4),
+    "chunk": ("mamba_chunk_size", CHUNK),
 }
 _SPLIT = re.compile(r"^(.*\.shared_mlp)\.(gate|up)_proj\.(weight|scales|biases)$")
+# the shared MLP: the checkpoints' names -> layers.MLP's (fused gate|up)
+NAMES = {"gate_up_proj": "input_linear", "down_proj": "output_linear"}
+_THEIRS = re.compile(r"(\.shared_mlp)\.(input_linear|output_linear)\.")
+_OURS = re.compile(r"(\.shared_mlp)\.(gate_up_proj|down_proj)\.")
 
 
 @dataclass(frozen=True)
@@ -98,46 +109,6 @@ class GraniteAttention(Attention):
         self.scale = cfg.own(Granite4Config).attention_multiplier
 
 
-class SharedMLP(nn.Module):
-    """output_linear(silu(gate) · up), gate|up one projection (input_linear) or two."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        own, d = cfg.own(Granite4Config), cfg.hidden_size
-        f = own.shared_width
-        if own.split_shared:
-            self.gate_proj = nn.Linear(d, f, bias=False)
-            self.up_proj = nn.Linear(d, f, bias=False)
-        else:
-            self.input_linear = nn.Linear(d, 2 * f, bias=False)
-        self.output_linear = nn.Linear(f, d, bias=False)
-        self.act = gated(cfg.mlp.hidden_act)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if "input_linear" in self:
-            return self.output_linear(self.act(*mx.split(self.input_linear(x), 2, axis=-1)))
-        return self.output_linear(self.act(self.gate_proj(x), self.up_proj(x)))
-
-
-class GraniteMoE(nn.Module):
-    """The top k of the router's logits, softmaxed among themselves, weight the experts."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.top_k = cfg.moe.num_experts_per_tok
-        self.router = nn.Module()
-        self.router.layer = nn.Linear(cfg.hidden_size, cfg.moe.num_experts, bias=False)
-        self.switch_mlp = SwitchGLU(cfg)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        k = self.top_k
-        logits = self.router.layer(x).astype(mx.float32)  # (B, T, E)
-        inds = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]  # (B, T, k)
-        weights = mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True)
-        y = self.switch_mlp(x, mx.stop_gradient(inds))  # (B, T, k, hidden)
-        return (y * weights.astype(y.dtype)[..., None]).sum(axis=-2)
-
-
 class Granite4Layer(nn.Module):
     """h += r·mixer(norm(h)); h += r·(moe(norm(h)) + shared_mlp(norm(h))), r the
     residual_multiplier."""
@@ -151,8 +122,8 @@ class Granite4Layer(nn.Module):
         else:
             self.self_attn = GraniteAttention(cfg, rope)
         if cfg.is_sparse(layer):
-            self.block_sparse_moe = GraniteMoE(cfg)
-        self.shared_mlp = SharedMLP(cfg)
+            self.block_sparse_moe = LogitTopKMoE(cfg)
+        self.shared_mlp = MLP(cfg, own.shared_width)
         self.input_layernorm = norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = norm(cfg, cfg.hidden_size)
 
@@ -177,6 +148,11 @@ class Granite4(Decoder):
 
     layer: type[nn.Module] = Granite4Layer
 
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        ours = {v: k for k, v in NAMES.items()}
+        rename = lambda m: f"{m.group(1)}.{ours[m.group(2)]}."  # noqa: E731
+        return {_THEIRS.sub(rename, k): v for k, v in super().sanitize(weights).items()}
+
     def embed(self, inputs: mx.array) -> mx.array:
         h = super().embed(inputs)
         return h * self.config.own(Granite4Config).embedding_multiplier
@@ -189,13 +165,8 @@ class Granite4(Decoder):
         for i, layer in enumerate(self.model.layers):
             if layer is not None and "block_sparse_moe" in layer:
                 p = f"model.layers.{i}.block_sparse_moe"
-                for name, fused, half in (
-                    ("gate_proj", "input_linear", 0),
-                    ("up_proj", "input_linear", 1),
-                    ("down_proj", "output_linear", None),
-                ):
-                    src = ExpertSource((), f"{p}.{fused}.weight", half)
-                    stacks[f"{p}.switch_mlp.{name}.weight"] = src
+                for name, (fused, half) in EXPERTS.items():
+                    stacks[f"{p}.switch_mlp.{name}.weight"] = ExpertSource((), f"{p}.{fused}", half)
         return stacks
 
 
@@ -203,143 +174,96 @@ def _types(cfg: dict, n: int, path: str) -> tuple[str, ...]:
     key = "layer_types" if "layer_types" in cfg else "layers_block_type"
     types = cfg.get(key)
     types = [MAMBA] * n if types is None else types  # transformers' default: all Mamba
-    if (
-        not isinstance(types, list)
-        or len(types) != n
-        or any(LEGACY.get(t, t) not in (MAMBA, ATTN) for t in types)
-    ):
+    ok = isinstance(types, list) and len(types) == n
+    if not ok or any(LEGACY.get(t, t) not in (MAMBA, ATTN) for t in types):
         raise ConfigError(
             f"expected {n} of mamba | attention, got {types!r}"[:300], path=path, field=key
         )
     return tuple(LEGACY.get(t, t) for t in types)
 
 
-def _scale(cfg: dict, key: str, path: str) -> float:
-    value = cfg.get(key, 1.0)
-    value = 1.0 if value is None else value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"expected a positive number, got {value!r}"[:200], path=path, field=key)
-    return float(value)
+def _moe(sizes: dict[str, tuple[str, Any]], n: int, path: str):
+    """The experts in every layer, or None (0 experts: the shared MLP alone)."""
+    if not sizes["num_experts"][1]:
+        return None
+    return moe_config(expert_sizes(sizes, path), (True,) * n, norm_topk_prob=True)
 
 
-SCALES = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+def _with(base: ModelConfig, own: Granite4Config, types, moe, rope: bool) -> ModelConfig:
+    nope = () if rope else (True,) * base.num_hidden_layers
+    mlp = replace(base.mlp, bias=False, fused_gate_up=not own.split_shared)
+    attention = replace(base.attention, no_rope_layers=nope)
+    return base.with_(layer_types=types, moe=moe, attention=attention, mlp=mlp, family_config=own)
 
 
 def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
-    n, d = base.num_hidden_layers, base.hidden_size
-    pos = cfg.get("position_embedding_type")
+    n, pos = base.num_hidden_layers, cfg.get("position_embedding_type")
     if pos not in (None, "nope", "rope"):
         raise UnsupportedError(
             f"position embedding {pos!r}", path=path, field="position_embedding_type"
         )
-    heads = cfg.get("mamba_n_heads", 128)
     expand = check_sizes({"intermediate_size": ("mamba_expand", cfg.get("mamba_expand", 2))}, path)
-    inner = expand["intermediate_size"] * d
-    head_dim = cfg.get("mamba_d_head", "auto")
+    inner = expand["intermediate_size"] * base.hidden_size
+    heads, head_dim = cfg.get("mamba_n_heads", 128), cfg.get("mamba_d_head", "auto")
     if head_dim == "auto" and isinstance(heads, int) and heads > 0:
         head_dim = inner // heads
-    sizes = {
-        "heads": ("mamba_n_heads", heads),
-        "head_dim": ("mamba_d_head", head_dim),
-        "state": ("mamba_d_state", cfg.get("mamba_d_state", 256)),
-        "groups": ("mamba_n_groups", cfg.get("mamba_n_groups", 1)),
-        "conv_kernel": ("mamba_d_conv", cfg.get("mamba_d_conv", 4)),
-        "chunk": ("mamba_chunk_size", cfg.get("mamba_chunk_size", CHUNK)),
-    }
-    biases = (cfg.get("mamba_conv_bias", True), cfg.get("mamba_proj_bias", False))
-    limit = (cfg.get("time_step_limit", (0.0, float("inf"))), "time_step_limit")
-    mamba = mamba2.checked(sizes, base.norms.eps, biases, limit, path)
+    cfg = {**cfg, "mamba_d_head": head_dim}
+    mamba = mamba2.from_hf(cfg, MAMBA_KEYS, BIASES, base.norms.eps, path)
     if mamba.inner != inner:  # transformers' validate_architecture
         raise ConfigError(
             f"{mamba.heads} × {mamba.head_dim} ≠ {inner}", path=path, field="mamba_d_head"
         )
     width = cfg.get("shared_intermediate_size", 1024)
     width = check_sizes({"intermediate_size": ("shared_intermediate_size", width)}, path)
-    experts = cfg.get("num_local_experts", 8) or 0
-    moe = None
-    if experts:
-        size = expert_sizes(
-            {
-                "num_experts": ("num_local_experts", experts),
-                "num_experts_per_tok": ("num_experts_per_tok", cfg.get("num_experts_per_tok", 2)),
-                "moe_intermediate_size": ("intermediate_size", base.mlp.intermediate_size),
-            },
-            path,
-        )
-        moe = moe_config(size, (True,) * n, norm_topk_prob=True)
-    scales = {k: _scale(cfg, k, path) for k in SCALES}
-    own = Granite4Config(mamba, **scales, shared_width=width["intermediate_size"])
-    return check_act(
-        base.with_(
-            layer_types=_types(cfg, n, path),
-            moe=moe,
-            attention=replace(base.attention, no_rope_layers=() if pos == "rope" else (True,) * n),
-            mlp=replace(base.mlp, bias=False),
-            family_config=own,
-        ),
+    moe = _moe(
+        {
+            "num_experts": ("num_local_experts", cfg.get("num_local_experts", 8) or 0),
+            "num_experts_per_tok": ("num_experts_per_tok", cfg.get("num_experts_per_tok", 2)),
+            "moe_intermediate_size": ("intermediate_size", base.mlp.intermediate_size),
+        },
+        n,
         path,
     )
+    scales = {k: positive(cfg, k, path) for k in SCALES}
+    own = Granite4Config(mamba, **scales, shared_width=width["intermediate_size"])
+    return check_act(_with(base, own, _types(cfg, n, path), moe, pos == "rope"), path)
 
 
 def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
-    """The Mamba layers are those stating 0 KV heads; the attention layers share one count."""
-    n, field = base.num_hidden_layers, m.key("attention.head_count_kv")
-    kv = m.md.get(field)
-    counts = kv.tolist() if isinstance(kv, np.ndarray) else [base.num_key_value_heads] * n
-    if len(counts) != n or len({c for c in counts if c}) > 1:
-        raise UnsupportedError(f"expected {n} counts, one nonzero value", path=m.path, field=field)
-    kv_heads = max(counts)
-    experts = m.get("expert_count", 0)
-    moe = None
-    if experts:
-        size = expert_sizes(
-            {
-                "num_experts": (m.key("expert_count"), experts),
-                "num_experts_per_tok": (m.key("expert_used_count"), m.get("expert_used_count")),
-                "moe_intermediate_size": (m.key("feed_forward_length"), base.mlp.intermediate_size),
-            },
-            m.path,
-        )
-        moe = moe_config(size, (True,) * n, norm_topk_prob=True)
-    width = m.get("expert_shared_feed_forward_length", base.mlp.intermediate_size)
-    scales = (
-        m.get("embedding_scale", 1.0, float),
-        m.get("residual_scale", 1.0, float),
-        m.get("attention.scale", 1.0, float),
-        m.get("logit_scale", 1.0, float),
+    """The Mamba layers are those stating 0 KV heads; RoPE where rope.scaling.finetuned (as
+    llama.cpp's GraniteHybridModel writes it)."""
+    n = base.num_hidden_layers
+    kv = m.md.get(m.key("attention.head_count_kv"), base.num_key_value_heads)
+    attn = mamba2.attention_layers(kv, n, m)
+    moe = _moe(
+        {
+            "num_experts": (m.key("expert_count"), m.get("expert_count", 0)),
+            "num_experts_per_tok": (m.key("expert_used_count"), m.get("expert_used_count", 0)),
+            "moe_intermediate_size": (m.key("feed_forward_length"), base.mlp.intermediate_size),
+        },
+        n,
+        m.path,
     )
+    width = m.get("expert_shared_feed_forward_length", base.mlp.intermediate_size)
+    scales = (m.get(k, 1.0, float) for k in GGUF_SCALES)
     own = Granite4Config(mamba2.from_gguf(m, base.norms.eps, CHUNK), *scales, width, True)
     rope = bool(m.md.get(m.key("rope.scaling.finetuned"), False))
-    return base.with_(
-        num_key_value_heads=kv_heads or base.num_attention_heads,
-        layer_types=tuple(ATTN if c else MAMBA for c in counts),
-        moe=moe,
-        attention=replace(base.attention, no_rope_layers=() if rope else (True,) * n),
-        family_config=own,
-    )
+    kv_heads = max(kv.tolist()) if hasattr(kv, "tolist") else kv
+    base = base.with_(num_key_value_heads=kv_heads or base.num_attention_heads)
+    return _with(base, own, tuple(ATTN if a else MAMBA for a in attn), moe, rope)
 
 
 def export(cfg: ModelConfig) -> dict[str, Any]:
     own = cfg.own(Granite4Config)
     m, moe = own.mamba, cfg.moe
     if cfg.rope.type != "default":
-        raise UnsupportedError(
-            f"writing granitemoehybrid with {cfg.rope.type} RoPE scaling is not supported",
-            path=cfg.source,
-            field="rope_parameters",
-        )
+        what = f"writing granitemoehybrid with {cfg.rope.type} RoPE scaling"
+        raise UnsupportedError(what, path=cfg.source, field="rope_parameters")
     return {
-        "layer_types": [
-            "mamba" if cfg.is_linear(i) else "attention" for i in range(cfg.num_hidden_layers)
-        ],
+        "layer_types": ["mamba" if t == MAMBA else "attention" for t in cfg.layer_types],
         "position_embedding_type": "nope" if cfg.attention.no_rope_layers else "rope",
         "attention_bias": cfg.attention.bias,
-        "mamba_n_heads": m.heads,
-        "mamba_d_head": m.head_dim,
-        "mamba_d_state": m.state,
-        "mamba_n_groups": m.groups,
-        "mamba_d_conv": m.conv_kernel,
-        "mamba_chunk_size": m.chunk,
+        **{key: getattr(m, name) for name, (key, _) in MAMBA_KEYS.items()},
         "mamba_expand": m.inner // cfg.hidden_size,
         "mamba_conv_bias": m.conv_bias,
         "mamba_proj_bias": m.proj_bias,
@@ -352,13 +276,14 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def fuse_shared(params: dict[str, mx.array]) -> dict[str, mx.array]:
-    """A GGUF's split shared gate and up, written as the checkpoints' one input_linear."""
+def checkpoint_names(params: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The shared MLP under the checkpoints' names (input_linear: gate rows, then up;
+    output_linear), a GGUF's split gate and up fused back."""
     out, halves = {}, {}
     for name, arr in params.items():
         m = _SPLIT.match(name)
         if m is None:
-            out[name] = arr
+            out[_OURS.sub(lambda x: f"{x.group(1)}.{NAMES[x.group(2)]}.", name)] = arr
         else:
             halves.setdefault((m.group(1), m.group(3)), {})[m.group(2)] = arr
     for (prefix, part), h in halves.items():
@@ -368,34 +293,16 @@ def fuse_shared(params: dict[str, mx.array]) -> dict[str, mx.array]:
 
 def _describe(c: ModelConfig) -> dict[str, Any]:
     own = c.own(Granite4Config)
-    m = own.mamba
-    return {
-        "mamba2": {
-            "layers": sum(c.is_linear(i) for i in range(c.num_hidden_layers)),
-            "heads": m.heads,
-            "head_dim": m.head_dim,
-            "state": m.state,
-            "groups": m.groups,
-            "conv_kernel": m.conv_kernel,
-            "chunk": m.chunk,
-            "state_bytes": m.state_bytes(),
-            "rope": not c.attention.no_rope_layers,
-            "scales": [getattr(own, k) for k in SCALES],
-        }
-    }
+    layers = sum(c.is_linear(i) for i in range(c.num_hidden_layers))
+    more = {"rope": not c.attention.no_rope_layers, "scales": [getattr(own, k) for k in SCALES]}
+    return {"mamba2": {**mamba2.describe(own.mamba, layers), **more}}
 
 
 def _rows(config: dict[str, Any]) -> list[tuple[str, str]]:
-    m, n = config["mamba2"], config["layers"]
+    m = config["mamba2"]
     e, r, a, lg = m["scales"]
     return [
-        (
-            "mamba2",
-            f"Mamba-2 state space layers in {m['layers']} of {n}: {m['heads']} heads × "
-            f"{m['head_dim']}, state {m['state']} in {m['groups']} group(s), conv of "
-            f"{m['conv_kernel']}, prompts in chunks of {m['chunk']}; a state of "
-            f"{m['state_bytes']} bytes each",
-        ),
+        mamba2.row(m, config["layers"]),
         ("attention", "RoPE" if m["rope"] else "no positional encoding (NoPE)"),
         ("scales", f"embeddings × {e:g}, residual × {r:g}, attention × {a:g}, logits ÷ {lg:g}"),
     ]
@@ -416,7 +323,7 @@ GRANITE4 = Family(
         model_type="granitemoehybrid",
         architecture="GraniteMoeHybridForCausalLM",
         config=export,
-        regroup=fuse_shared,
+        regroup=checkpoint_names,
     ),
     mlx=MLXFormat(layouts={"mamba.conv1d.weight": (0, 2, 1)}),  # mlx-lm's sanitize: (C, K, 1)
     describe=Description(("mamba2",), _describe, _rows),

@@ -323,3 +323,42 @@ CONV_UNSQUEEZED: Convention = (
     lambda w, c, _: w.reshape(w.shape[0], 1, -1),
 )
 GGUF_CONVENTIONS = (A_FROM_MINUS_EXP, D_FLAT, NORM_FLAT, CONV_UNSQUEEZED)
+
+
+def from_hf(
+    cfg: dict, keys: dict[str, tuple[str, Any]], biases: tuple[str, str], eps: float, path: str
+) -> Mamba2Config:
+    """The mixer from config.json: `keys` maps BOUNDS' names to (the family's key, its
+    default), `biases` names the conv and projection bias keys (defaults True, False); the dt
+    limit is `time_step_limit` (default: none)."""
+    sizes = {name: (key, cfg.get(key, default)) for name, (key, default) in keys.items()}
+    flags = (cfg.get(biases[0], True), cfg.get(biases[1], False))
+    limit = (cfg.get("time_step_limit", (0.0, math.inf)), "time_step_limit")
+    return checked(sizes, eps, flags, limit, path)
+
+
+def attention_layers(counts: Any, n: int, m: GGUFMeta) -> tuple[bool, ...]:
+    """llama.cpp's per-layer head_count_kv of a hybrid: the attention layers are those stating
+    KV heads (all of one count), the others Mamba layers (0)."""
+    counts = counts.tolist() if hasattr(counts, "tolist") else [counts] * n
+    if len(counts) != n or len({c for c in counts if c}) > 1:
+        field = m.key("attention.head_count_kv")
+        raise ConfigError(f"expected {n} counts, one nonzero value", path=m.path, field=field)
+    return tuple(bool(c) for c in counts)
+
+
+def describe(m: Mamba2Config, layers: int) -> dict[str, Any]:
+    """What `inspect` reports of the mixer in `layers` layers."""
+    keys = ("heads", "head_dim", "state", "groups", "conv_kernel", "chunk")
+    return {"layers": layers, **{k: getattr(m, k) for k in keys}, "state_bytes": m.state_bytes()}
+
+
+def row(m: dict[str, Any], n: int) -> tuple[str, str]:
+    """`describe`'s report as a text row, for a model of n layers."""
+    return (
+        "mamba2",
+        f"Mamba-2 state space layers in {m['layers']} of {n}: {m['heads']} heads × "
+        f"{m['head_dim']}, state {m['state']} in {m['groups']} group(s), conv of "
+        f"{m['conv_kernel']}, prompts in chunks of {m['chunk']}; a state of "
+        f"{m['state_bytes']} bytes each (conv inputs and S, float32)",
+    )
