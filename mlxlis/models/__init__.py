@@ -27,6 +27,7 @@ from mlxlis.models.llama import LLAMA
 from mlxlis.models.llama4 import LLAMA4
 from mlxlis.models.mistral3 import MISTRAL3
 from mlxlis.models.modernbert import MODERNBERT
+from mlxlis.models.nemotron_h import NEMOTRON_H
 from mlxlis.models.nomic_bert import NOMIC_BERT
 from mlxlis.models.olmo3 import OLMO3
 from mlxlis.models.phi3 import PHI3
@@ -61,6 +62,7 @@ REGISTRY: dict[str, Family] = {
             GPT_OSS,
             GLM4_MOE,
             GRANITE4,
+            NEMOTRON_H,
         ),
         BERT,
         MODERNBERT,

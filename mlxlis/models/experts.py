@@ -243,3 +243,18 @@ class LogitTopKMoE(nn.Module):
         weights = mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True)
         y = self.switch_mlp(x, mx.stop_gradient(inds))  # (B, T, k, hidden)
         return (y * weights.astype(y.dtype)[..., None]).sum(axis=-2)
+
+
+class SwitchMLP(nn.Module):
+    """Experts without a gate (Nemotron-H): fc2(act(fc1(x))) with each token's own k experts,
+    under mlx-lm's names; x (B, T, in), indices (B, T, k) -> (B, T, k, in)."""
+
+    def __init__(self, n_experts: int, dims: int, hidden: int, act):
+        super().__init__()
+        self.fc1 = SwitchLinear(n_experts, dims, hidden)
+        self.fc2 = SwitchLinear(n_experts, hidden, dims)
+        self.act = act
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        x = x[..., None, None, :]  # (B, T, 1, 1, in): one row per token, broadcast over k
+        return self.fc2(self.act(self.fc1(x, indices)), indices)[..., 0, :]
