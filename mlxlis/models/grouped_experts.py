@@ -9,7 +9,9 @@ topk_group best groups compete for the top k. The k weights are renormalised to 
 norm_topk_prob, then multiplied by routed_scaling_factor. Shared experts (one gated MLP of
 n_shared · expert width) run on every token and add to the routed sum.
 
-The routed experts are experts.py's SwitchGLU (gather_mm over the chosen experts only).
+The routed experts are experts.py's SwitchGLU (gather_mm over the chosen experts only), or
+its SwitchMLP without a gate (Nemotron-H: relu² experts, optionally between a latent down- and
+up-projection, beside a relu² shared MLP: ReluSquaredMoE).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxlis.errors import ConfigError
+from mlxlis.models.activations import relu2
 from mlxlis.models.config import ModelConfig, MoEConfig, number
-from mlxlis.models.experts import ExpertSource, SwitchGLU, expert_stacks
-from mlxlis.models.layers import MLP
+from mlxlis.models.experts import ExpertSource, SwitchGLU, SwitchMLP, expert_stacks
+from mlxlis.models.layers import MLP, UpDownMLP
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -116,3 +119,40 @@ class GroupedMoE(nn.Module):
         if "shared_experts" in self:
             y = y + self.shared_experts(x)
         return y
+
+
+class ReluSquaredMoE(nn.Module):
+    """Nemotron-H's experts: the routed relu² experts (in the latent width, when `latent`)
+    weighted by GroupRouter, plus the shared relu² MLP on the block's input; the router
+    `gate`, the experts under mlx-lm's `switch_mlp.fc1` / `fc2`."""
+
+    def __init__(self, cfg: ModelConfig, routing: GroupRouting, latent: int = 0):
+        super().__init__()
+        moe, d, bias = cfg.moe, cfg.hidden_size, cfg.mlp.bias
+        self.gate = GroupRouter(cfg, routing)
+        self.switch_mlp = SwitchMLP(moe.num_experts, latent or d, moe.intermediate_size, relu2)
+        if latent:
+            self.fc1_latent_proj = nn.Linear(d, latent, bias=bias)
+            self.fc2_latent_proj = nn.Linear(latent, d, bias=bias)
+        self.shared_experts = UpDownMLP(d, routing.shared_intermediate_size, bias, relu2)
+
+    def expert_stacks(self, prefix: str) -> dict[str, ExpertSource]:
+        """One tensor per expert (experts.{e}.up_proj / down_proj), or transformers 5's
+        stacked experts.up_proj / down_proj."""
+        n = self.gate.weight.shape[0]
+        return {
+            f"{prefix}.switch_mlp.{ours}.weight": ExpertSource(
+                tuple(f"{prefix}.experts.{e}.{theirs}.weight" for e in range(n)),
+                f"{prefix}.experts.{theirs}",
+                None,
+            )
+            for ours, theirs in (("fc1", "up_proj"), ("fc2", "down_proj"))
+        }
+
+    def __call__(self, x: mx.array) -> mx.array:
+        inds, weights = self.gate(x)
+        h = self.fc1_latent_proj(x) if "fc1_latent_proj" in self else x
+        y = self.switch_mlp(h, inds)  # (B, T, k, width)
+        y = (y * weights.astype(y.dtype)[..., None]).sum(axis=-2)
+        y = self.fc2_latent_proj(y) if "fc2_latent_proj" in self else y
+        return y + self.shared_experts(x)

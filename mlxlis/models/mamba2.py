@@ -337,14 +337,35 @@ def from_hf(
     return checked(sizes, eps, flags, limit, path)
 
 
-def attention_layers(counts: Any, n: int, m: GGUFMeta) -> tuple[bool, ...]:
-    """llama.cpp's per-layer head_count_kv of a hybrid: the attention layers are those stating
-    KV heads (all of one count), the others Mamba layers (0)."""
+def gguf_attention(m: GGUFMeta, n: int) -> tuple[tuple[bool, ...], int]:
+    """llama.cpp's per-layer head_count_kv of a hybrid: which layers attend (those stating KV
+    heads, all of one count; the others 0) and that count (0: none)."""
+    counts = m.md.get(m.key("attention.head_count_kv"), 0)
     counts = counts.tolist() if hasattr(counts, "tolist") else [counts] * n
     if len(counts) != n or len({c for c in counts if c}) > 1:
         field = m.key("attention.head_count_kv")
         raise ConfigError(f"expected {n} counts, one nonzero value", path=m.path, field=field)
-    return tuple(bool(c) for c in counts)
+    return tuple(bool(c) for c in counts), max(counts)
+
+
+# transformers' older layer names (its _LEGACY_LAYER_TYPE_REMAP)
+LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
+
+
+def layer_kinds(cfg: dict, keys: tuple[str, ...], kinds: tuple[str, ...], path: str) -> tuple:
+    """The first of `keys` config.json has: a list of `kinds` (or their LEGACY names), as
+    transformers reads it; None when it has none."""
+    key = next((k for k in keys if cfg.get(k) is not None), None)
+    if key is None:
+        return None
+    types = cfg[key]
+    if (
+        not isinstance(types, list)
+        or not types
+        or any(LEGACY.get(t, t) not in kinds for t in types)
+    ):
+        raise ConfigError(f"expected a list of {kinds}, got {types!r}"[:300], path=path, field=key)
+    return tuple(LEGACY.get(t, t) for t in types)
 
 
 def describe(m: Mamba2Config, layers: int) -> dict[str, Any]:

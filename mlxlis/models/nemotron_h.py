@@ -1,20 +1,18 @@
-"""Nemotron-H (NVIDIA Nemotron Nano v2, Nemotron 3 Nano): one mixer per block, h += mixer(norm(h)),
-the mixers as hybrid_override_pattern says — 'M' a Mamba-2 layer (mamba2.py), '*' GQA attention
-without positions (no RoPE, scale 1/√head_dim, no biases), '-' an MLP down(relu(up(x))²), 'E' a
-mixture of experts: the routed experts (non-gated relu² MLPs, optionally between a latent down-
-and up-projection) chosen by sigmoid scores with a correction bias within the best groups
-(grouped_experts.GroupRouter), plus a shared relu² MLP on every token. Plain RMSNorms; the
-final one named norm_f; an untied head by default.
+"""Nemotron-H (NVIDIA Nemotron Nano v2, Nemotron 3 Nano): blocks h += mixer(norm(h)), the mixer
+as hybrid_override_pattern says: 'M' Mamba-2 (mamba2.py), '*' GQA attention without positions
+(no RoPE, scale 1/√head_dim, no biases), '-' a relu² MLP down(relu(up(x))²), 'E' experts
+(grouped_experts.ReluSquaredMoE: relu² experts, optionally in a latent width, chosen by sigmoid
+scores with a correction bias within the best groups, and a shared relu² MLP). Plain RMSNorms,
+the final one norm_f; an untied head by default.
 
 HF `nemotron_h`: hub configs state hybrid_override_pattern, transformers 5 saves
 layers_block_type ("linear_attention" | "full_attention" | "mlp" | "moe"); tensors under
-`backbone.` (backbone.embeddings, backbone.norm_f), the experts one tensor each (or transformers
-5's fused up_proj / down_proj), the next-token layers (`mtp.*`) skipped; mlx-lm's nemotron_h has
-the same names with the experts stacked (`switch_mlp.fc1` / `fc2`) and its conv kernel saved (C,
-K, 1). GGUF: llama.cpp's NemotronHModel writes arch `nemotron_h` (MLP blocks) or
-`nemotron_h_moe` (expert blocks), head_count_kv nonzero on attention blocks and
-feed_forward_length on MLP / expert blocks, the Mamba-2 conventions of mamba2.GGUF_CONVENTIONS
-and Llama's Q/K row permute (GraniteHybridModel's undo_permute), here on `mixer.q_proj` / `k_proj`.
+`backbone.` (embeddings, norm_f), the experts one tensor each (or transformers 5's stacked
+up_proj / down_proj), the next-token layers (`mtp.*`) skipped; mlx-lm's nemotron_h has the same
+names with the experts stacked (`switch_mlp.fc1` / `fc2`), its conv kernel saved (C, K, 1).
+GGUF: llama.cpp's NemotronHModel writes `nemotron_h` (MLP blocks) or `nemotron_h_moe` (expert
+blocks), head_count_kv nonzero on attention blocks, feed_forward_length on MLP / expert blocks,
+mamba2.GGUF_CONVENTIONS and Llama's Q/K row permute (GraniteHybridModel's undo_permute).
 """
 
 from __future__ import annotations
@@ -25,8 +23,8 @@ from typing import Any
 from mlxlis.cache import CacheBatch, KVCache, KVFormat, RecurrentCache, StatelessCache
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.models import mamba2
+from mlxlis.models.activations import relu2
 from mlxlis.models.base import (
-    Convention,
     Description,
     Export,
     Family,
@@ -36,12 +34,12 @@ from mlxlis.models.base import (
     MLXFormat,
 )
 from mlxlis.models.config import FamilyConfig, ModelConfig
-from mlxlis.models.conventions import unpermute_rows
+from mlxlis.models.conventions import MIXER_UNPERMUTE_K, MIXER_UNPERMUTE_Q
 from mlxlis.models.decoder import Decoder
-from mlxlis.models.experts import ExpertSource, SwitchMLP
-from mlxlis.models.grouped_experts import GroupRouter, GroupRouting, checked_routing
-from mlxlis.models.layers import Attention, Cache, Mask, norm
-from mlxlis.models.reading import expert_sizes, flag, moe_config
+from mlxlis.models.experts import ExpertSource
+from mlxlis.models.grouped_experts import GroupRouting, ReluSquaredMoE, checked_routing
+from mlxlis.models.layers import Attention, Cache, Mask, UpDownMLP, norm
+from mlxlis.models.reading import expert_sizes, flag, gguf_expert_sizes, moe_config
 from mlxlis.models.rope import Rope
 
 import mlx.core as mx
@@ -49,7 +47,6 @@ import mlx.nn as nn
 
 MAMBA, ATTN, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 PATTERN = {"M": MAMBA, "*": ATTN, "-": MLP, "E": MOE}
-LEGACY = {"mamba": MAMBA, "attention": ATTN}  # older names transformers remaps
 CHUNK = 128  # transformers' chunk_size default (GGUF files do not say)
 MAMBA_KEYS = {  # the mixer's config.json keys and transformers' defaults
     "heads": ("mamba_num_heads", 128),
@@ -60,6 +57,17 @@ MAMBA_KEYS = {  # the mixer's config.json keys and transformers' defaults
     "chunk": ("chunk_size", CHUNK),
 }
 BIASES = ("use_conv_bias", "use_bias")  # the conv's; in_proj's and out_proj's
+EXPERT_KEYS = {  # the experts' config.json keys and transformers' defaults
+    "num_experts": ("n_routed_experts", 8),
+    "num_experts_per_tok": ("num_experts_per_tok", 2),
+    "moe_intermediate_size": ("moe_intermediate_size", 7688),
+}
+SHARED = "moe_shared_expert_intermediate_size"
+RENAMES = (  # the checkpoints' names -> ours
+    ("backbone.embeddings.", "model.embed_tokens."),
+    ("backbone.norm_f.", "model.norm."),
+    ("backbone.", "model."),
+)
 GGUF_BLOCK = {
     "attn_norm": "norm",
     **{f"attn_{p}": f"mixer.{p}_proj" for p in "qkv"},
@@ -76,17 +84,6 @@ GGUF_BLOCK = {
 }
 
 
-# llama.cpp permutes attn_q / attn_k rows for its RoPE layout even without RoPE: undone
-MIXER_Q: Convention = (
-    lambda n: ".mixer.q_proj." in n,
-    lambda w, c, _: unpermute_rows(w, c.num_attention_heads),
-)
-MIXER_K: Convention = (
-    lambda n: ".mixer.k_proj." in n,
-    lambda w, c, _: unpermute_rows(w, c.num_key_value_heads),
-)
-
-
 @dataclass(frozen=True)
 class NemotronHConfig(FamilyConfig):
     """The Mamba-2 layers' shape; the expert blocks' routing and latent width (0: none)."""
@@ -94,46 +91,6 @@ class NemotronHConfig(FamilyConfig):
     mamba: mamba2.Mamba2Config
     routing: GroupRouting | None = None
     latent: int = 0
-
-
-def relu2(x: mx.array) -> mx.array:
-    return mx.square(nn.relu(x))
-
-
-class Relu2MLP(nn.Module):
-    """down(relu(up(x))²)."""
-
-    def __init__(self, d: int, f: int, bias: bool):
-        super().__init__()
-        self.up_proj = nn.Linear(d, f, bias=bias)
-        self.down_proj = nn.Linear(f, d, bias=bias)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(relu2(self.up_proj(x)))
-
-
-class NemotronMoE(nn.Module):
-    """The routed relu² experts (in the latent width, when there is one) weighted by the
-    grouped sigmoid router, plus the shared MLP on the block's input."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        own, moe, d = cfg.own(NemotronHConfig), cfg.moe, cfg.hidden_size
-        self.gate = GroupRouter(cfg, own.routing)
-        width = own.latent or d
-        self.switch_mlp = SwitchMLP(moe.num_experts, width, moe.intermediate_size, relu2)
-        if own.latent:
-            self.fc1_latent_proj = nn.Linear(d, width, bias=cfg.mlp.bias)
-            self.fc2_latent_proj = nn.Linear(width, d, bias=cfg.mlp.bias)
-        self.shared_experts = Relu2MLP(d, own.routing.shared_intermediate_size, cfg.mlp.bias)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        inds, weights = self.gate(x)
-        h = self.fc1_latent_proj(x) if "fc1_latent_proj" in self else x
-        y = self.switch_mlp(h, inds)  # (B, T, k, width)
-        y = (y * weights.astype(y.dtype)[..., None]).sum(axis=-2)
-        y = self.fc2_latent_proj(y) if "fc2_latent_proj" in self else y
-        return y + self.shared_experts(x)
 
 
 class NemotronHBlock(nn.Module):
@@ -148,9 +105,10 @@ class NemotronHBlock(nn.Module):
         elif kind == ATTN:
             self.mixer = Attention(cfg, None)
         elif kind == MLP:
-            self.mixer = Relu2MLP(d, cfg.mlp.intermediate_size, cfg.mlp.bias)
+            self.mixer = UpDownMLP(d, cfg.mlp.intermediate_size, cfg.mlp.bias, relu2)
         else:
-            self.mixer = NemotronMoE(cfg)
+            own = cfg.own(NemotronHConfig)
+            self.mixer = ReluSquaredMoE(cfg, own.routing, own.latent)
         self._kind = kind
 
     def __call__(
@@ -181,37 +139,25 @@ class NemotronH(Decoder):
 
     def expert_stacks(self) -> dict[str, ExpertSource]:
         stacks: dict[str, ExpertSource] = {}
-        n = self.config.moe.num_experts if self.config.moe else 0
         for i, layer in enumerate(self.model.layers):
-            if layer is not None and isinstance(layer.mixer, NemotronMoE):
-                p = f"model.layers.{i}.mixer"
-                for ours, theirs in (("fc1", "up_proj"), ("fc2", "down_proj")):
-                    parts = tuple(f"{p}.experts.{e}.{theirs}.weight" for e in range(n))
-                    src = ExpertSource(parts, f"{p}.experts.{theirs}", None)
-                    stacks[f"{p}.switch_mlp.{ours}.weight"] = src
+            if layer is not None and isinstance(layer.mixer, ReluSquaredMoE):
+                stacks.update(layer.mixer.expert_stacks(f"model.layers.{i}.mixer"))
         return stacks
 
 
 def _types(cfg: dict, path: str) -> tuple[str, ...]:
     """hybrid_override_pattern (a string of M * - E), else layers_block_type's names."""
     pattern = cfg.get("hybrid_override_pattern")
-    if pattern is not None:
-        if not isinstance(pattern, str) or not pattern or set(pattern) - set(PATTERN):
-            field = "hybrid_override_pattern"
-            raise ConfigError(
-                f"expected a string of M * - E, got {pattern!r}"[:200], path=path, field=field
-            )
-        return tuple(PATTERN[c] for c in pattern)
-    key = "layers_block_type" if "layers_block_type" in cfg else "layer_types"
-    types = cfg.get(key)
-    names = (MAMBA, ATTN, MLP, MOE)
-    if (
-        not isinstance(types, list)
-        or not types
-        or any(LEGACY.get(t, t) not in names for t in types)
-    ):
-        raise ConfigError(f"expected a list of {names}, got {types!r}"[:300], path=path, field=key)
-    return tuple(LEGACY.get(t, t) for t in types)
+    if pattern is None:
+        keys = ("layers_block_type", "layer_types")
+        types = mamba2.layer_kinds(cfg, keys, (MAMBA, ATTN, MLP, MOE), path)
+        if types is None:
+            raise ConfigError("no layer pattern", path=path, field="hybrid_override_pattern")
+        return types
+    if not isinstance(pattern, str) or not pattern or set(pattern) - set(PATTERN):
+        what = f"expected a string of M * - E, got {pattern!r}"[:200]
+        raise ConfigError(what, path=path, field="hybrid_override_pattern")
+    return tuple(PATTERN[c] for c in pattern)
 
 
 def _base(cfg: dict) -> dict:
@@ -227,9 +173,8 @@ def _base(cfg: dict) -> dict:
 
 
 def _with(base: ModelConfig, own: NemotronHConfig, types: tuple[str, ...], moe) -> ModelConfig:
-    attention = replace(
-        base.attention, bias=False, o_bias=False, no_rope_layers=(True,) * len(types)
-    )
+    nope = (True,) * len(types)
+    attention = replace(base.attention, bias=False, o_bias=False, no_rope_layers=nope)
     return base.with_(layer_types=types, moe=moe, attention=attention, family_config=own)
 
 
@@ -241,30 +186,13 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     mamba = mamba2.from_hf(cfg, MAMBA_KEYS, BIASES, base.norms.eps, path)
     moe, routing, latent = None, None, 0
     if MOE in types:
-        keys = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
-        defaults = (8, 2, 7688)
-        sizes = {
-            f: (k, cfg.get(k, d))
-            for f, k, d in zip(
-                ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
-                keys,
-                defaults,
-                strict=True,
-            )
-        }
+        sizes = {f: (k, cfg.get(k, d)) for f, (k, d) in EXPERT_KEYS.items()}
         norm_topk = flag({"norm_topk_prob": True, **cfg}, "norm_topk_prob", path)
-        moe = moe_config(
-            expert_sizes(sizes, path), tuple(t == MOE for t in types), norm_topk_prob=norm_topk
-        )
-        shared = cfg.get("moe_shared_expert_intermediate_size", 7688)
+        sparse = tuple(t == MOE for t in types)
+        moe = moe_config(expert_sizes(sizes, path), sparse, norm_topk_prob=norm_topk)
+        keys = ("n_group", "topk_group", "routed_scaling_factor")
         routing = checked_routing(
-            moe,
-            cfg.get("n_group", 1),
-            cfg.get("topk_group", 1),
-            cfg.get("routed_scaling_factor", 1.0),
-            shared,
-            path,
-            ("n_group", "topk_group", "routed_scaling_factor"),
+            moe, *(cfg.get(k, 1) for k in keys), cfg.get(SHARED, 7688), path, keys
         )
         latent = cfg.get("moe_latent_size") or 0
     own = NemotronHConfig(mamba, routing, latent)
@@ -274,59 +202,33 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
 
 def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     """Attention blocks state KV heads, MLP / expert blocks a feed_forward_length, the rest
-    are Mamba blocks."""
+    are Mamba blocks; the norms' eps is layer_norm_epsilon (not the _rms_ key)."""
     n, eps = base.num_hidden_layers, m.get("attention.layer_norm_epsilon", 1e-5, float)
-    base = base.with_(norms=replace(base.norms, eps=eps))  # plain eps, not the _rms_ key
-    attn = mamba2.attention_layers(m.md.get(m.key("attention.head_count_kv"), 0), n, m)
+    attn, kv = mamba2.gguf_attention(m, n)
     ff = m.md.get(m.key("feed_forward_length"), 0)
     ff = ff.tolist() if hasattr(ff, "tolist") else [ff] * n
-    experts = m.arch == "nemotron_h_moe"
-    types = tuple(
-        ATTN if a else (MOE if experts else MLP) if f else MAMBA
-        for a, f in zip(attn, ff, strict=True)
-    )
+    dense = MLP if m.arch == "nemotron_h" else MOE
+    types = tuple(ATTN if a else dense if f else MAMBA for a, f in zip(attn, ff, strict=True))
     if m.has("moe_latent_size"):
-        raise UnsupportedError(
-            "latent expert projections in GGUF", path=m.path, field=m.key("moe_latent_size")
-        )
+        what = "latent expert projections in GGUF"
+        raise UnsupportedError(what, path=m.path, field=m.key("moe_latent_size"))
     moe, routing = None, None
-    if experts:
-        keys = {
-            "num_experts": "expert_count",
-            "num_experts_per_tok": "expert_used_count",
-            "moe_intermediate_size": "expert_feed_forward_length",
-        }
-        sizes = {f: (m.key(k), m.get(k)) for f, k in keys.items()}
+    if dense == MOE:
         norm_topk = bool(m.md.get(m.key("expert_weights_norm"), False))
-        moe = moe_config(
-            expert_sizes(sizes, m.path), tuple(t == MOE for t in types), norm_topk_prob=norm_topk
-        )
-        groups = m.get("expert_group_count", 1)
-        if groups > 1 and not m.has("expert_group_used_count"):
-            raise UnsupportedError(
-                f"{groups} expert groups, none said used",
-                path=m.path,
-                field=m.key("expert_group_used_count"),
-            )
-        routing = checked_routing(
-            moe,
-            groups,
-            m.get("expert_group_used_count", 1),
-            m.get("expert_weights_scale", 1.0, float),
-            m.get("expert_shared_feed_forward_length"),
-            m.path,
-            tuple(
-                m.key(k)
-                for k in ("expert_group_count", "expert_group_used_count", "expert_weights_scale")
-            ),
-        )
-    own = NemotronHConfig(mamba2.from_gguf(m, base.norms.eps, CHUNK), routing)
-    counts = m.md.get(m.key("attention.head_count_kv"), 0)
-    kv = max(counts.tolist()) if hasattr(counts, "tolist") else counts
-    mlp_width = max(ff) if any(ff) else base.mlp.intermediate_size
-    mlp = replace(base.mlp, intermediate_size=mlp_width, hidden_act="relu2")
-    base = base.with_(num_key_value_heads=kv or base.num_attention_heads, mlp=mlp)
-    return _with(base, own, types, moe)
+        sparse = tuple(t == MOE for t in types)
+        moe = moe_config(gguf_expert_sizes(m), sparse, norm_topk_prob=norm_topk)
+        keys = ("expert_group_count", "expert_group_used_count", "expert_weights_scale")
+        groups, scale = m.get(keys[0], 1), m.get(keys[2], 1.0, float)
+        used = m.get(keys[1]) if groups > 1 else m.get(keys[1], 1)  # required with groups
+        shared = m.get("expert_shared_feed_forward_length")
+        routing = checked_routing(moe, groups, used, scale, shared, m.path, tuple(map(m.key, keys)))
+    base = base.with_(
+        norms=replace(base.norms, eps=eps), num_key_value_heads=kv or base.num_attention_heads
+    )
+    own = NemotronHConfig(mamba2.from_gguf(m, eps, CHUNK), routing)
+    width = max(ff) if any(ff) else base.mlp.intermediate_size
+    mlp = replace(base.mlp, intermediate_size=width, hidden_act="relu2")
+    return _with(base.with_(mlp=mlp), own, types, moe)
 
 
 def export(cfg: ModelConfig) -> dict[str, Any]:
@@ -348,18 +250,11 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
         "expand": m.inner // cfg.hidden_size,
     }
     if moe is not None:
-        out |= {
-            "n_routed_experts": moe.num_experts,
-            "num_experts_per_tok": moe.num_experts_per_tok,
-            "moe_intermediate_size": moe.intermediate_size,
-            "moe_shared_expert_intermediate_size": r.shared_intermediate_size,
-            "n_shared_experts": 1,
-            "norm_topk_prob": moe.norm_topk_prob,
-            "n_group": r.n_group,
-            "topk_group": r.topk_group,
-            "routed_scaling_factor": r.routed_scaling_factor,
-            "moe_latent_size": own.latent or None,
-        }
+        sizes = (moe.num_experts, moe.num_experts_per_tok, moe.intermediate_size)
+        out |= {k: v for (k, _), v in zip(EXPERT_KEYS.values(), sizes, strict=True)}
+        out |= {SHARED: r.shared_intermediate_size, "n_shared_experts": 1, "n_group": r.n_group}
+        out |= {"topk_group": r.topk_group, "routed_scaling_factor": r.routed_scaling_factor}
+        out |= {"norm_topk_prob": moe.norm_topk_prob, "moe_latent_size": own.latent or None}
     return out
 
 
@@ -383,18 +278,14 @@ NEMOTRON_H = Family(
         parse=parse_hf,
         defaults={"max_position_embeddings": 4096, "num_key_value_heads": 8},
         base=_base,
-        renames=(
-            ("backbone.embeddings.", "model.embed_tokens."),
-            ("backbone.norm_f.", "model.norm."),
-            ("backbone.", "model."),
-        ),
+        renames=RENAMES,
         dropped=("mtp.",),  # the next-token layers: drafting with them is not implemented
     ),
     gguf=GGUFFormat(
         archs=("nemotron_h", "nemotron_h_moe"),
         parse=parse_gguf,
         block=GGUF_BLOCK,
-        conventions=(*mamba2.GGUF_CONVENTIONS, MIXER_Q, MIXER_K),
+        conventions=(*mamba2.GGUF_CONVENTIONS, MIXER_UNPERMUTE_Q, MIXER_UNPERMUTE_K),
         per_layer_keys=("attention.head_count_kv", "feed_forward_length"),
     ),
     network=NemotronH,
@@ -402,11 +293,7 @@ NEMOTRON_H = Family(
         model_type="nemotron_h",
         architecture="NemotronHForCausalLM",
         config=export,
-        renames=(
-            ("model.embed_tokens.", "backbone.embeddings."),
-            ("model.norm.", "backbone.norm_f."),
-            ("model.", "backbone."),
-        ),
+        renames=tuple((ours, theirs) for theirs, ours in RENAMES),
     ),
     mlx=MLXFormat(layouts={"mixer.conv1d.weight": (0, 2, 1)}),  # mlx-lm's sanitize: (C, K, 1)
     describe=Description(("mamba2",), _describe, _rows),
