@@ -59,6 +59,8 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
     from test_lfm2 import SPECS as LFM2
     from test_llama4 import SPECS as L4
     from test_mistral3 import SPECS as MISTRAL
+    from test_nemotron_h import SPECS as NEMOTRON_H
+    from test_nemotron_h import build as build_nemotron_h
     from test_olmo3 import SPECS as OLMO3
     from test_phi3 import SPECS as PHI
     from test_qwen3 import SPECS as QWEN3
@@ -105,6 +107,7 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
         "lfm2": (LFM2["lfm2_bias"], build_tiny),  # short convolutions with a bias, untied
         "glm4_moe": (GLM4["glm4_moe"], build_glm4),  # grouped sigmoid routing, partial RoPE
         "granite4": (GRANITE4["granite4"], build_granite4),  # Mamba-2, NoPE, experts, scales
+        "nemotron_h": (NEMOTRON_H["nemotron_h"], build_nemotron_h),  # Mamba-2, relu² experts
     }
 
 

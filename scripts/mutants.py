@@ -104,6 +104,11 @@ STYLES_WALKS = (
 
 G4_HF = "tests/test_granite4.py::test_logits_match_transformers_fp32"
 G4_CACHE = "tests/test_granite4.py::test_chunked_prefill_decode_and_batches_equal_the_full_forward"
+NH_HF = "tests/test_nemotron_h.py::test_logits_match_transformers_fp32"
+NH_GGUF = "tests/test_nemotron_h.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
+NH_REWIND = (
+    "tests/test_nemotron_h.py::test_a_rejection_at_each_position_rewinds_the_mamba_state_exactly"
+)
 G4_REWIND = (
     "tests/test_granite4.py::test_a_rejection_at_each_position_rewinds_the_mamba_state_exactly"
 )
@@ -2743,11 +2748,60 @@ MUTANTS = (
     ),
     Mutant(
         "granite4-residual-multiplier-dropped",
-        "mlxlis/models/granite4.py",
+        "mlxlis/models/granitemoehybrid.py",
         "return h + y * self.r",
         "return h + y",
         (G4_HF,),
         "Granite 4.0: the MLP's output added without residual_multiplier",
+    ),
+    Mutant(
+        "nemotron-stateless-not-advanced",
+        "mlxlis/models/nemotron_h.py",
+        "c.advance(x.shape[1])",
+        "c.advance(0)",
+        (NH_REWIND,),
+        "Nemotron-H: an MLP or expert block's cache does not count the positions fed",
+    ),
+    Mutant(
+        "stateless-trim-one-short",
+        "mlxlis/cache/stateless.py",
+        "        self.offset -= n\n",
+        "        self.offset -= n - 1\n",
+        (NH_REWIND,),
+        "a stateless layer's cache forgets one position fewer than it is trimmed by",
+    ),
+    Mutant(
+        "relu2-is-relu",
+        "mlxlis/models/activations.py",
+        "return mx.square(nn.relu(x))",
+        "return nn.relu(x)",
+        (NH_HF,),
+        "Nemotron-H: relu² MLPs and experts without the square",
+    ),
+    Mutant(
+        "nemotron-shared-experts-dropped",
+        "mlxlis/models/grouped_experts.py",
+        "return y + self.shared_experts(x)",
+        "return y",
+        (NH_HF,),
+        "Nemotron-H: the expert blocks without their shared MLP",
+    ),
+    Mutant(
+        "nemotron-gguf-eps-rms-key",
+        "mlxlis/models/nemotron_h.py",
+        'm.get("attention.layer_norm_epsilon", 1e-5, float)',
+        "base.norms.eps",
+        (NH_GGUF,),
+        "Nemotron-H GGUF: the norms' eps from the (absent) _rms_ key's default, not "
+        "layer_norm_epsilon",
+    ),
+    Mutant(
+        "nemotron-gguf-qk-permuted",
+        "mlxlis/models/nemotron_h.py",
+        "conventions=(*mamba2.GGUF_CONVENTIONS, MIXER_UNPERMUTE_Q, MIXER_UNPERMUTE_K),",
+        "conventions=mamba2.GGUF_CONVENTIONS,",
+        (NH_GGUF,),
+        "Nemotron-H GGUF: attn_q / attn_k rows left in llama.cpp's permuted order",
     ),
 )
 

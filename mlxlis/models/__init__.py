@@ -21,7 +21,7 @@ from mlxlis.models.gemma4 import GEMMA4
 from mlxlis.models.gemma4_assistant import GEMMA4_ASSISTANT, OUTER_KEYS
 from mlxlis.models.glm4_moe import GLM4_MOE
 from mlxlis.models.gpt_oss import GPT_OSS
-from mlxlis.models.granite4 import GRANITE4
+from mlxlis.models.granitemoehybrid import GRANITE4
 from mlxlis.models.lfm2 import LFM2
 from mlxlis.models.llama import LLAMA
 from mlxlis.models.llama4 import LLAMA4

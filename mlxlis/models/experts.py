@@ -141,19 +141,18 @@ class QuantizedSwitchLinear(nn.Module):
         return _add_bias(y, self, indices)
 
 
-def expert_stacks(prefix: str, n: int) -> dict[str, ExpertSource]:
+def expert_stacks(
+    prefix: str, n: int, fused: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
+) -> dict[str, ExpertSource]:
     """The stacked `switch_mlp` parameters of the n experts under `prefix` -> their Hugging
-    Face sources: one tensor per expert, or transformers 5's fused gate_up_proj / down_proj."""
-    fused = {
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-        "down_proj": ("down_proj", None),
-    }
+    Face sources: one tensor per expert, or the `fused` gate|up (gate rows first) and down
+    tensors (transformers 5's; Granite's block_sparse_moe.input_linear / output_linear)."""
+    halves = {"gate_proj": (fused[0], 0), "up_proj": (fused[0], 1), "down_proj": (fused[1], None)}
     return {
         f"{prefix}.switch_mlp.{p}.weight": ExpertSource(
             tuple(f"{prefix}.experts.{e}.{p}.weight" for e in range(n)),
-            f"{prefix}.experts.{fused[p][0]}",
-            fused[p][1],
+            f"{prefix}.{halves[p][0]}",
+            halves[p][1],
         )
         for p in PROJECTIONS
     }
@@ -235,6 +234,11 @@ class LogitTopKMoE(nn.Module):
         self.router = nn.Module()
         self.router.layer = nn.Linear(cfg.hidden_size, cfg.moe.num_experts, bias=False)
         self.switch_mlp = SwitchGLU(cfg)
+
+    def expert_stacks(self, prefix: str) -> dict[str, ExpertSource]:
+        """Granite's fused experts: input_linear (E, 2F, hidden), output_linear (E, hidden, F)."""
+        fused = ("input_linear.weight", "output_linear.weight")
+        return expert_stacks(prefix, self.router.layer.weight.shape[0], fused)
 
     def __call__(self, x: mx.array) -> mx.array:
         k = self.top_k

@@ -1,18 +1,15 @@
-"""Granite 4.0 (IBM's GraniteMoeHybrid): pre-norm blocks whose mixer is a Mamba-2 layer
-(mamba2.py) or GQA attention, without RoPE unless position_embedding_type is "rope" (released
-Granite 4.0: "nope"); then a mixture of experts (a router softmax over its top-k logits, SwiGLU
-experts) beside a shared SwiGLU MLP every token runs, or that shared MLP alone
+"""Granite 4.0 (IBM's GraniteMoeHybrid): pre-norm blocks whose mixer is Mamba-2 (mamba2.py) or
+GQA attention, without RoPE unless position_embedding_type is "rope" (released: "nope"); then
+experts (experts.LogitTopKMoE, SwiGLU) beside a shared SwiGLU MLP, or that MLP alone
 (num_local_experts 0). Granite's scales: embeddings × embedding_multiplier, each sublayer's
-output × residual_multiplier into the residual, the attention scale attention_multiplier (not
-1/√head_dim), logits ÷ logits_scaling.
+output × residual_multiplier, attention scaled by attention_multiplier, logits ÷ logits_scaling.
 
 HF `granitemoehybrid` (layer_types "mamba" / "attention", transformers 5's "linear_attention" /
 "full_attention"; experts as block_sparse_moe.input_linear (E, 2F, hidden; gate rows, then up)
-and output_linear; the shared MLP's gate|up fused in shared_mlp.input_linear); mlx-lm's
-granitemoehybrid has the same names with the experts stacked (`switch_mlp`) and its conv kernel
-saved (C, K, 1). GGUF: llama.cpp's GraniteHybridModel writes arch `granitehybrid` (head_count_kv
-0 on Mamba layers, Q/K rows permuted as for Llama, the shared MLP split into gate and up, the
-Mamba-2 conventions of mamba2.GGUF_CONVENTIONS; RoPE as rope.scaling.finetuned).
+and output_linear; the shared MLP's gate|up one shared_mlp.input_linear); mlx-lm's has the same
+names, the experts stacked (`switch_mlp`), its conv kernel saved (C, K, 1). GGUF: llama.cpp's
+GraniteHybridModel writes `granitehybrid` (head_count_kv 0 on Mamba layers, Q/K rows permuted
+as for Llama, the shared MLP split, mamba2.GGUF_CONVENTIONS; RoPE as rope.scaling.finetuned).
 """
 
 from __future__ import annotations
@@ -46,7 +43,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 MAMBA, ATTN = "linear_attention", "full_attention"
-LEGACY = {"mamba": MAMBA, "attention": ATTN}  # hub configs' names (transformers remaps them)
 HF_DEFAULTS = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6}  # transformers' defaults
 CHUNK = 256  # transformers' mamba_chunk_size default (GGUF files do not say)
 GGUF_BLOCK = {
@@ -66,12 +62,7 @@ GGUF_BLOCK = {
 SCALES = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 GGUF_SCALES = ("embedding_scale", "residual_scale", "attention.scale", "logit_scale")
 BIASES = ("mamba_conv_bias", "mamba_proj_bias")
-# the stacked experts' sources in the checkpoints: (E, 2F, hidden) gate rows then up; (E, hidden, F)
-EXPERTS = {
-    "gate_proj": ("input_linear.weight", 0),
-    "up_proj": ("input_linear.weight", 1),
-    "down_proj": ("output_linear.weight", None),
-}
+EXPERT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 MAMBA_KEYS = {  # the mixer's config.json keys and transformers' defaults
     "heads": ("mamba_n_heads", 128),
     "head_dim": ("mamba_d_head", "auto"),
@@ -101,14 +92,6 @@ class Granite4Config(FamilyConfig):
     split_shared: bool = False
 
 
-class GraniteAttention(Attention):
-    """GQA scaled by attention_multiplier."""
-
-    def __init__(self, cfg: ModelConfig, rope: Rope | None):
-        super().__init__(cfg, rope)
-        self.scale = cfg.own(Granite4Config).attention_multiplier
-
-
 class Granite4Layer(nn.Module):
     """h += r·mixer(norm(h)); h += r·(moe(norm(h)) + shared_mlp(norm(h))), r the
     residual_multiplier."""
@@ -120,7 +103,8 @@ class Granite4Layer(nn.Module):
         if cfg.is_linear(layer):
             self.mamba = mamba2.Mamba2Mixer(cfg.hidden_size, own.mamba)
         else:
-            self.self_attn = GraniteAttention(cfg, rope)
+            self.self_attn = Attention(cfg, rope)
+            self.self_attn.scale = own.attention_multiplier  # not 1/√head_dim
         if cfg.is_sparse(layer):
             self.block_sparse_moe = LogitTopKMoE(cfg)
         self.shared_mlp = MLP(cfg, own.shared_width)
@@ -164,28 +148,25 @@ class Granite4(Decoder):
         stacks: dict[str, ExpertSource] = {}
         for i, layer in enumerate(self.model.layers):
             if layer is not None and "block_sparse_moe" in layer:
-                p = f"model.layers.{i}.block_sparse_moe"
-                for name, (fused, half) in EXPERTS.items():
-                    stacks[f"{p}.switch_mlp.{name}.weight"] = ExpertSource((), f"{p}.{fused}", half)
+                stacks.update(
+                    layer.block_sparse_moe.expert_stacks(f"model.layers.{i}.block_sparse_moe")
+                )
         return stacks
 
 
 def _types(cfg: dict, n: int, path: str) -> tuple[str, ...]:
-    key = "layer_types" if "layer_types" in cfg else "layers_block_type"
-    types = cfg.get(key)
-    types = [MAMBA] * n if types is None else types  # transformers' default: all Mamba
-    ok = isinstance(types, list) and len(types) == n
-    if not ok or any(LEGACY.get(t, t) not in (MAMBA, ATTN) for t in types):
-        raise ConfigError(
-            f"expected {n} of mamba | attention, got {types!r}"[:300], path=path, field=key
-        )
-    return tuple(LEGACY.get(t, t) for t in types)
+    keys = ("layer_types", "layers_block_type")
+    types = mamba2.layer_kinds(cfg, keys, (MAMBA, ATTN), path) or (MAMBA,) * n  # all Mamba
+    if len(types) != n:
+        raise ConfigError(f"{len(types)} layer types for {n} layers", path=path, field=keys[0])
+    return types
 
 
-def _moe(sizes: dict[str, tuple[str, Any]], n: int, path: str):
+def _moe(keys: tuple[str, str, str], values: tuple, n: int, path: str):
     """The experts in every layer, or None (0 experts: the shared MLP alone)."""
-    if not sizes["num_experts"][1]:
+    if not values[0]:
         return None
+    sizes = dict(zip(EXPERT_FIELDS, zip(keys, values, strict=True), strict=True))
     return moe_config(expert_sizes(sizes, path), (True,) * n, norm_topk_prob=True)
 
 
@@ -215,15 +196,9 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         )
     width = cfg.get("shared_intermediate_size", 1024)
     width = check_sizes({"intermediate_size": ("shared_intermediate_size", width)}, path)
-    moe = _moe(
-        {
-            "num_experts": ("num_local_experts", cfg.get("num_local_experts", 8) or 0),
-            "num_experts_per_tok": ("num_experts_per_tok", cfg.get("num_experts_per_tok", 2)),
-            "moe_intermediate_size": ("intermediate_size", base.mlp.intermediate_size),
-        },
-        n,
-        path,
-    )
+    keys = ("num_local_experts", "num_experts_per_tok", "intermediate_size")
+    values = (cfg.get(keys[0], 8) or 0, cfg.get(keys[1], 2), base.mlp.intermediate_size)
+    moe = _moe(keys, values, n, path)
     scales = {k: positive(cfg, k, path) for k in SCALES}
     own = Granite4Config(mamba, **scales, shared_width=width["intermediate_size"])
     return check_act(_with(base, own, _types(cfg, n, path), moe, pos == "rope"), path)
@@ -233,22 +208,14 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     """The Mamba layers are those stating 0 KV heads; RoPE where rope.scaling.finetuned (as
     llama.cpp's GraniteHybridModel writes it)."""
     n = base.num_hidden_layers
-    kv = m.md.get(m.key("attention.head_count_kv"), base.num_key_value_heads)
-    attn = mamba2.attention_layers(kv, n, m)
-    moe = _moe(
-        {
-            "num_experts": (m.key("expert_count"), m.get("expert_count", 0)),
-            "num_experts_per_tok": (m.key("expert_used_count"), m.get("expert_used_count", 0)),
-            "moe_intermediate_size": (m.key("feed_forward_length"), base.mlp.intermediate_size),
-        },
-        n,
-        m.path,
-    )
+    attn, kv_heads = mamba2.gguf_attention(m, n)
+    keys = tuple(map(m.key, ("expert_count", "expert_used_count", "feed_forward_length")))
+    values = (m.get("expert_count", 0), m.get("expert_used_count", 0), base.mlp.intermediate_size)
+    moe = _moe(keys, values, n, m.path)
     width = m.get("expert_shared_feed_forward_length", base.mlp.intermediate_size)
     scales = (m.get(k, 1.0, float) for k in GGUF_SCALES)
     own = Granite4Config(mamba2.from_gguf(m, base.norms.eps, CHUNK), *scales, width, True)
     rope = bool(m.md.get(m.key("rope.scaling.finetuned"), False))
-    kv_heads = max(kv.tolist()) if hasattr(kv, "tolist") else kv
     base = base.with_(num_key_value_heads=kv_heads or base.num_attention_heads)
     return _with(base, own, tuple(ATTN if a else MAMBA for a in attn), moe, rope)
 
