@@ -19,7 +19,9 @@ conv_dim), `recurrent` S (B, H, P, N) in float32. Like the Gated DeltaNet's it s
 prefix reuse, keeps the state after each token of a verification (the step form, token by
 token) for a speculative rewind, batches through CacheBatch (each row its own state) and goes to
 the disk cache. Parameter names equal the Hugging Face names (`in_proj`, `conv1d`, `dt_bias`,
-`A_log`, `D`, `norm`, `out_proj`); the kernel is torch's (conv_dim, 1, K).
+`A_log`, `D`, `norm`, `out_proj`); the kernel is torch's (conv_dim, 1, K). Beside the mixer:
+its readers (config.json keys the family names, llama.cpp's ssm.* metadata), llama.cpp's
+converter conventions undone (GGUF_CONVENTIONS) and its `inspect` description.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from mlxlis.models.base import Convention, GGUFMeta
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,7 @@ class Mamba2Mixer(nn.Module):
         )  # (B, H, T, N) each
         xs, b, c = xs.astype(f32), b.astype(f32), c.astype(f32)
         dt = nn.softplus(dt.astype(f32) + self.dt_bias.astype(f32))
+        # clipped in both forms (transformers clips its chunked scan only: alike for (0, ∞))
         dt = mx.clip(dt, *m.dt_limit).transpose(0, 2, 1)  # (B, H, T)
         a, d = -mx.exp(self.A_log.astype(f32)), self.D.astype(f32)
         state = cache.recurrent if cache is not None else None
@@ -337,11 +341,16 @@ def from_hf(
     return checked(sizes, eps, flags, limit, path)
 
 
+def per_layer(m: GGUFMeta, key: str, n: int) -> list[int]:
+    """A `{arch}.key` llama.cpp writes per layer (an array), or once for all n (0: absent)."""
+    value = m.md.get(m.key(key), 0)
+    return value.tolist() if isinstance(value, np.ndarray) else [value] * n
+
+
 def gguf_attention(m: GGUFMeta, n: int) -> tuple[tuple[bool, ...], int]:
     """llama.cpp's per-layer head_count_kv of a hybrid: which layers attend (those stating KV
     heads, all of one count; the others 0) and that count (0: none)."""
-    counts = m.md.get(m.key("attention.head_count_kv"), 0)
-    counts = counts.tolist() if hasattr(counts, "tolist") else [counts] * n
+    counts = per_layer(m, "attention.head_count_kv", n)
     if len(counts) != n or len({c for c in counts if c}) > 1:
         field = m.key("attention.head_count_kv")
         raise ConfigError(f"expected {n} counts, one nonzero value", path=m.path, field=field)

@@ -205,8 +205,7 @@ def parse_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
     are Mamba blocks; the norms' eps is layer_norm_epsilon (not the _rms_ key)."""
     n, eps = base.num_hidden_layers, m.get("attention.layer_norm_epsilon", 1e-5, float)
     attn, kv = mamba2.gguf_attention(m, n)
-    ff = m.md.get(m.key("feed_forward_length"), 0)
-    ff = ff.tolist() if hasattr(ff, "tolist") else [ff] * n
+    ff = mamba2.per_layer(m, "feed_forward_length", n)
     dense = MLP if m.arch == "nemotron_h" else MOE
     types = tuple(ATTN if a else dense if f else MAMBA for a, f in zip(attn, ff, strict=True))
     if m.has("moe_latent_size"):
