@@ -366,12 +366,15 @@ def test_convert_writes_what_mlx_lm_reads_and_inspect_says_it(granite, model, gg
         ({"time_step_limit": [1.0, 0.5]}, "time_step_limit"),
         ({"position_embedding_type": "alibi"}, "position_embedding_type"),
         ({"logits_scaling": 0}, "logits_scaling"),
+        ({"layer_types": [1, 2, 3, 4, 5]}, "layer_types"),
+        ({"mamba_conv_bias": "no"}, "mamba_conv_bias"),
     ],
 )
 def test_bad_configs_are_refused_naming_the_field(granite, tmp_path, change, field):
     """An unknown or miscounted layer type, groups that do not divide the heads, heads that do
     not make the inner width, a kernel without a state, a bad chunk or dt limit, an unknown
-    position embedding, a zero scale: an MlxlisError naming config.json and the field."""
+    position embedding, a zero scale, layer types that are no names, a bias flag spelt as a
+    string: an MlxlisError naming config.json and the field."""
     from mlxlis.errors import MlxlisError
 
     check_config_refused(granite("granite4")[0], tmp_path, change, MlxlisError, field)

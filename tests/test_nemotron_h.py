@@ -372,13 +372,17 @@ def test_convert_writes_what_mlx_lm_reads_and_inspect_says_it(nemotron, model, g
         ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act"),
         ({"n_group": 3}, "n_group"),
         ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
+        ({"n_group": "2"}, "n_group"),
+        ({"use_conv_bias": "false"}, "use_conv_bias"),
+        ({"moe_latent_size": -4}, "moe_latent_size"),
     ],
 )
 def test_bad_configs_are_refused_naming_the_field(nemotron, tmp_path, change, field):
     """An unknown layer kind in the list or the pattern, groups that do not divide the heads,
     a kernel without a state, a bad chunk or dt limit, another MLP activation, expert groups
-    that do not divide the experts, more experts per token than experts: an MlxlisError
-    naming config.json and the field."""
+    that do not divide the experts or are no number, more experts per token than experts, a
+    bias flag spelt as a string, a negative latent width: an MlxlisError naming config.json
+    and the field."""
     from mlxlis.errors import MlxlisError
 
     check_config_refused(nemotron("nemotron_h")[0], tmp_path, change, MlxlisError, field)

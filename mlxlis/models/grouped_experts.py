@@ -19,7 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mlxlis import limits
 from mlxlis.errors import ConfigError
+from mlxlis.limits import check_sizes
 from mlxlis.models.activations import relu2
 from mlxlis.models.config import ModelConfig, MoEConfig, number
 from mlxlis.models.experts import ExpertSource, SwitchGLU, SwitchMLP, expert_stacks
@@ -63,6 +65,21 @@ def checked_routing(
             f"expected a positive scale, got {scale!r}"[:200], path=path, field=keys[2]
         )
     return GroupRouting(groups, used, float(scale), shared)
+
+
+def read_routing(
+    moe: MoEConfig, cfg: dict, keys: tuple[str, str, str, str], defaults: tuple, path: str
+) -> GroupRouting:
+    """GroupRouting from config.json: `keys` name the group count, the groups used, the scale
+    and the shared experts' width (`defaults` where absent), each checked."""
+    bound = {"n_group": limits.CONFIG_MAX_EXPERTS, "shared": limits.CONFIG_MAX_DIM}
+    bound["topk_group"] = limits.CONFIG_MAX_EXPERTS
+    names = ("n_group", "topk_group", None, "shared")
+    got = {n: (k, cfg.get(k, d)) for n, k, d in zip(names, keys, defaults, strict=True) if n}
+    size = check_sizes(got, path, bound)
+    scale = cfg.get(keys[2], defaults[2])
+    g, used, shared = size["n_group"], size["topk_group"], size["shared"]
+    return checked_routing(moe, g, used, scale, shared, path, keys[:3])
 
 
 class GroupRouter(nn.Module):

@@ -337,6 +337,9 @@ def from_hf(
     limit is `time_step_limit` (default: none)."""
     sizes = {name: (key, cfg.get(key, default)) for name, (key, default) in keys.items()}
     flags = (cfg.get(biases[0], True), cfg.get(biases[1], False))
+    for key, value in zip(biases, flags, strict=True):
+        if not isinstance(value, bool):  # a string "false" must not read as true
+            raise ConfigError(f"expected true or false, got {value!r}"[:200], path=path, field=key)
     limit = (cfg.get("time_step_limit", (0.0, math.inf)), "time_step_limit")
     return checked(sizes, eps, flags, limit, path)
 
@@ -368,11 +371,8 @@ def layer_kinds(cfg: dict, keys: tuple[str, ...], kinds: tuple[str, ...], path: 
     if key is None:
         return None
     types = cfg[key]
-    if (
-        not isinstance(types, list)
-        or not types
-        or any(LEGACY.get(t, t) not in kinds for t in types)
-    ):
+    ok = isinstance(types, list) and types and all(isinstance(t, str) for t in types)
+    if not ok or any(LEGACY.get(t, t) not in kinds for t in types):
         raise ConfigError(f"expected a list of {kinds}, got {types!r}"[:300], path=path, field=key)
     return tuple(LEGACY.get(t, t) for t in types)
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from mlxlis.cache import CacheBatch, KVCache, KVFormat, RecurrentCache, StatelessCache
 from mlxlis.errors import ConfigError, UnsupportedError
+from mlxlis.limits import check_sizes
 from mlxlis.models import mamba2
 from mlxlis.models.activations import relu2
 from mlxlis.models.base import (
@@ -37,7 +38,12 @@ from mlxlis.models.config import FamilyConfig, ModelConfig
 from mlxlis.models.conventions import MIXER_UNPERMUTE_K, MIXER_UNPERMUTE_Q
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.experts import ExpertSource
-from mlxlis.models.grouped_experts import GroupRouting, ReluSquaredMoE, checked_routing
+from mlxlis.models.grouped_experts import (
+    GroupRouting,
+    ReluSquaredMoE,
+    checked_routing,
+    read_routing,
+)
 from mlxlis.models.layers import Attention, Cache, Mask, UpDownMLP, norm
 from mlxlis.models.reading import expert_sizes, flag, gguf_expert_sizes, moe_config
 from mlxlis.models.rope import Rope
@@ -73,14 +79,12 @@ GGUF_BLOCK = {
     **{f"attn_{p}": f"mixer.{p}_proj" for p in "qkv"},
     "attn_output": "mixer.o_proj",
     **mamba2.gguf_block("mixer"),
-    "ffn_up": "mixer.up_proj",
-    "ffn_down": "mixer.down_proj",
+    **{f"ffn_{p}": f"mixer.{p}_proj" for p in ("up", "down")},
     "ffn_gate_inp": "mixer.gate",
     "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
     "ffn_up_exps": "mixer.switch_mlp.fc1",
     "ffn_down_exps": "mixer.switch_mlp.fc2",
-    "ffn_up_shexp": "mixer.shared_experts.up_proj",
-    "ffn_down_shexp": "mixer.shared_experts.down_proj",
+    **{f"ffn_{p}_shexp": f"mixer.shared_experts.{p}_proj" for p in ("up", "down")},
 }
 
 
@@ -162,20 +166,18 @@ def _types(cfg: dict, path: str) -> tuple[str, ...]:
 
 def _base(cfg: dict) -> dict:
     """What the shared parser reads: the layer count from the pattern, the norms' eps."""
-    out = dict(cfg)
+    n = cfg.get("num_hidden_layers") or 1
     try:
-        out["num_hidden_layers"] = len(_types(cfg, ""))
+        n = len(_types(cfg, ""))
     except ConfigError:  # parse_hf names the field
-        out["num_hidden_layers"] = cfg.get("num_hidden_layers") or 1
-    out["rms_norm_eps"] = cfg.get("layer_norm_epsilon", 1e-5)
-    out["hidden_act"] = "silu"  # the MLPs' relu² is mlp_hidden_act, checked by parse_hf
-    return out
+        pass
+    eps = cfg.get("layer_norm_epsilon", 1e-5)  # the MLPs' relu² is read by parse_hf
+    return {**cfg, "num_hidden_layers": n, "rms_norm_eps": eps, "hidden_act": "silu"}
 
 
 def _with(base: ModelConfig, own: NemotronHConfig, types: tuple[str, ...], moe) -> ModelConfig:
-    nope = (True,) * len(types)
-    attention = replace(base.attention, bias=False, o_bias=False, no_rope_layers=nope)
-    return base.with_(layer_types=types, moe=moe, attention=attention, family_config=own)
+    a = replace(base.attention, bias=False, o_bias=False, no_rope_layers=(True,) * len(types))
+    return base.with_(layer_types=types, moe=moe, attention=a, family_config=own)
 
 
 def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
@@ -190,11 +192,10 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         norm_topk = flag({"norm_topk_prob": True, **cfg}, "norm_topk_prob", path)
         sparse = tuple(t == MOE for t in types)
         moe = moe_config(expert_sizes(sizes, path), sparse, norm_topk_prob=norm_topk)
-        keys = ("n_group", "topk_group", "routed_scaling_factor")
-        routing = checked_routing(
-            moe, *(cfg.get(k, 1) for k in keys), cfg.get(SHARED, 7688), path, keys
-        )
-        latent = cfg.get("moe_latent_size") or 0
+        keys = ("n_group", "topk_group", "routed_scaling_factor", SHARED)
+        routing = read_routing(moe, cfg, keys, (1, 1, 1.0, 7688), path)
+        if latent := cfg.get("moe_latent_size") or 0:
+            latent = check_sizes({"head_dim": ("moe_latent_size", latent)}, path)["head_dim"]
     own = NemotronHConfig(mamba, routing, latent)
     mlp = replace(base.mlp, bias=flag(cfg, "mlp_bias", path), hidden_act="relu2")
     return _with(base.with_(mlp=mlp, num_hidden_layers=len(types)), own, types, moe)
