@@ -104,6 +104,7 @@ STYLES_WALKS = (
 
 G4_HF = "tests/test_granite4.py::test_logits_match_transformers_fp32"
 G4_CACHE = "tests/test_granite4.py::test_chunked_prefill_decode_and_batches_equal_the_full_forward"
+G4_GGUF = "tests/test_granite4.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
 NH_HF = "tests/test_nemotron_h.py::test_logits_match_transformers_fp32"
 NH_GGUF = "tests/test_nemotron_h.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
 NH_REWIND = (
@@ -2802,6 +2803,22 @@ MUTANTS = (
         "conventions=mamba2.GGUF_CONVENTIONS,",
         (NH_GGUF,),
         "Nemotron-H GGUF: attn_q / attn_k rows left in llama.cpp's permuted order",
+    ),
+    Mutant(
+        "granite4-gguf-qk-permuted",
+        "mlxlis/models/granitemoehybrid.py",
+        "conventions=(*mamba2.GGUF_CONVENTIONS, UNPERMUTE_Q, UNPERMUTE_K),",
+        "conventions=mamba2.GGUF_CONVENTIONS,",
+        (G4_GGUF,),
+        "Granite 4.0 GGUF: attn_q / attn_k rows left permuted (same NoPE logits, other weights)",
+    ),
+    Mutant(
+        "mamba2-gguf-a-kept-as-stored",
+        "mlxlis/models/mamba2.py",
+        "lambda w, c, _: mx.log(-w.astype(mx.float32)).reshape(-1).astype(w.dtype),",
+        "lambda w, c, _: w.reshape(-1),",
+        (G4_GGUF,),
+        "Mamba-2 GGUF: ssm_a read as A_log (llama.cpp's −exp(A_log) not undone)",
     ),
 )
 

@@ -47,6 +47,7 @@ from conftest import (
     trajectory,
 )
 from llama_cpp_convert import convert as llama_cpp_convert
+from mlx.utils import tree_flatten
 
 COMMON = dict(
     kind="granitemoehybrid",
@@ -271,11 +272,25 @@ def hub_copy(folder, dest, **extra):
     return dest
 
 
+def same_weights(m, src) -> None:
+    """A GGUF model's weights are the folder's (1e-6: A_log goes through exp and log), its
+    split shared MLP concatenated back, Q/K un-permuted (invisible in NoPE logits)."""
+    ours = dict(tree_flatten(m.net.parameters()))
+    for name, want in tree_flatten(src.net.parameters()):
+        if name.endswith("shared_mlp.gate_up_proj.weight"):  # split in the file, gate first
+            p = name.removesuffix("gate_up_proj.weight")
+            got = mx.concatenate([ours.pop(p + "gate_proj.weight"), ours.pop(p + "up_proj.weight")])
+        else:
+            got = ours.pop(name)
+        assert np.abs(np.array(got) - np.array(want)).max() < 1e-6, name
+    assert ours == {}
+
+
 def test_gguf_from_llama_cpp_converter_equals_the_folder(gguf):
     """llama.cpp's convert_hf_to_gguf.py (arch granitehybrid: A stored as −exp(A_log) (H, 1),
     D as (H, 1), the conv kernel squeezed, the gated norm's weight by group, Q/K rows permuted,
     the shared MLP split, head_count_kv 0 on Mamba layers, the scales as metadata) at f32: the
-    folder's structure and logits (bound 1e-5: A_log goes through exp and log)."""
+    folder's structure, weights and logits (bound 1e-5: A_log goes through exp and log)."""
     folder, path = gguf
     m, src = mlxlis.load(path, "float32"), mlxlis.load(folder, "float32")
     c, s = m.config, src.config
@@ -283,6 +298,7 @@ def test_gguf_from_llama_cpp_converter_equals_the_folder(gguf):
     assert c.moe == s.moe and c.num_key_value_heads == 2 and c.attention == s.attention
     # no chunk size in the file (the default, 256); eps read as float32
     assert replace(c.family_config.mamba, chunk=16, eps=1e-6) == s.family_config.mamba
+    same_weights(m, src)
     ids = trajectory(72, vocab=s.vocab_size)
     assert np.abs(np.array(m.logits(ids)) - np.array(src.logits(ids))).max() < 1e-5
 
@@ -400,3 +416,22 @@ def test_larger_shapes_match_transformers_fp32(tmp_path):
     ids = trajectory(300, vocab=m.config.vocab_size)
     delta = np.abs(np.array(m.logits(ids)) - reference_logits(ref, ids)).max()
     assert delta < 5e-5, f"max |Δ| = {delta}"
+
+
+@pytest.mark.extended  # `make test-all`: another run of llama.cpp's converter (about 10 s)
+def test_dense_gguf_from_llama_cpp_converter_equals_the_folder(granite, tmp_path):
+    """The dense model through llama.cpp's converter (its one MLP as ffn_gate / ffn_up /
+    ffn_down, a conv without bias) gives the folder's config, weights and logits (bound 1e-5).
+    The folder is stated NoPE: the converter writes RoPE (rope.scaling.finetuned) for Bamba and
+    all-attention models only, so a Granite hybrid's GGUF is NoPE, as released ones are."""
+    folder = hub_copy(
+        granite("granite4_dense")[0], tmp_path / "hub", position_embedding_type="nope"
+    )
+    path = llama_cpp_convert(folder, tmp_path / "dense.gguf")
+    m, src = mlxlis.load(path, "float32"), mlxlis.load(folder, "float32")
+    c, s = m.config, src.config
+    assert c.moe is None and c.layer_types == s.layer_types and c.attention == s.attention
+    assert not c.family_config.mamba.conv_bias and c.family_config.split_shared
+    same_weights(m, src)
+    ids = trajectory(72, vocab=s.vocab_size)
+    assert np.abs(np.array(m.logits(ids)) - np.array(src.logits(ids))).max() < 1e-5
