@@ -58,11 +58,15 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
     from test_glm4_moe import build as build_glm4
     from test_gpt_oss import SPECS as OSS
     from test_gpt_oss import _sinks_of_unit_size
+    from test_granite4 import SPECS as GRANITE4
+    from test_granite4 import build as build_granite4
     from test_lfm2 import SPECS as LFM2
     from test_llama4 import SPECS as L4
     from test_minimax_m2 import SPECS as MM2
     from test_minimax_m2 import build as build_mm2
     from test_mistral3 import SPECS as MISTRAL
+    from test_nemotron_h import SPECS as NEMOTRON_H
+    from test_nemotron_h import build as build_nemotron_h
     from test_olmo3 import SPECS as OLMO3
     from test_phi3 import SPECS as PHI
     from test_qwen3 import SPECS as QWEN3
@@ -111,6 +115,8 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
         "minimax_m2": (MM2["minimax_m2"], build_mm2),  # whole q/k norms, biased sigmoid routing
         "deepseek_v3": (DSV3["q_lora"], build_dsv3),  # latent attention, YaRN mscale, groups
         "deepseek_v32": (DSV32["v32"], build_dsv32),  # + the indexer's top-k keys
+        "granite4": (GRANITE4["granite4"], build_granite4),  # Mamba-2, NoPE, experts, scales
+        "nemotron_h": (NEMOTRON_H["nemotron_h"], build_nemotron_h),  # Mamba-2, relu² experts
     }
 
 

@@ -125,6 +125,18 @@ STYLES_WALKS = (
     "tests/test_tool_forcing_styles.py::test_random_calls_read_back_valid_and_write_back_the_same"
 )
 
+G4_HF = "tests/test_granite4.py::test_logits_match_transformers_fp32"
+G4_CACHE = "tests/test_granite4.py::test_chunked_prefill_decode_and_batches_equal_the_full_forward"
+G4_GGUF = "tests/test_granite4.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
+NH_HF = "tests/test_nemotron_h.py::test_logits_match_transformers_fp32"
+NH_GGUF = "tests/test_nemotron_h.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
+NH_REWIND = (
+    "tests/test_nemotron_h.py::test_a_rejection_at_each_position_rewinds_the_mamba_state_exactly"
+)
+G4_REWIND = (
+    "tests/test_granite4.py::test_a_rejection_at_each_position_rewinds_the_mamba_state_exactly"
+)
+
 MUTANTS = (
     Mutant(
         "rope-freqs-divide",
@@ -3116,6 +3128,139 @@ MUTANTS = (
         "return mx.tanh(dense(first)) @ self.classifier.weight.T",
         (GGUF_ENC_RERANK, EMBED_RERANK),
         "the cross-encoder classifier's bias dropped",
+    ),
+    Mutant(
+        "mamba2-state-not-rewound",
+        "mlxlis/models/mamba2.py",
+        "steps.append((cache.offset + i + 1, conv, state))",
+        "steps.append((cache.offset + i + 1, conv, cache.recurrent))",
+        (G4_REWIND,),
+        "Mamba-2: a rejection keeps the SSM state from before the verification, not the one "
+        "after the kept token",
+    ),
+    Mutant(
+        "mamba2-conv-state-one-short",
+        "mlxlis/models/mamba2.py",
+        "cache.conv_state = xp[:, -(m.conv_kernel - 1) :]",
+        "cache.conv_state = xp[:, -m.conv_kernel : -1]",
+        (G4_CACHE,),
+        "Mamba-2: the conv state keeps the K − 1 inputs before the newest, one short",
+    ),
+    Mutant(
+        "mamba2-dt-bias-dropped",
+        "mlxlis/models/mamba2.py",
+        "dt = nn.softplus(dt.astype(f32) + self.dt_bias.astype(f32))",
+        "dt = nn.softplus(dt.astype(f32))",
+        (G4_HF,),
+        "Mamba-2: dt without its bias",
+    ),
+    Mutant(
+        "mamba2-softplus-dropped",
+        "mlxlis/models/mamba2.py",
+        "dt = nn.softplus(dt.astype(f32) + self.dt_bias.astype(f32))",
+        "dt = dt.astype(f32) + self.dt_bias.astype(f32)",
+        (G4_HF,),
+        "Mamba-2: dt without its softplus",
+    ),
+    Mutant(
+        "mamba2-d-skip-dropped",
+        "mlxlis/models/mamba2.py",
+        "y = mx.concatenate(outs, axis=2)[:, :, :t] + d[:, None, None] * x[:, :, :t]",
+        "y = mx.concatenate(outs, axis=2)[:, :, :t]",
+        (G4_HF,),
+        "Mamba-2: the chunked scan without the D skip connection",
+    ),
+    Mutant(
+        "mamba2-chunk-boundary-off-by-one",
+        "mlxlis/models/mamba2.py",
+        "to_end = xdt * mx.exp(cum[..., -1:] - cum)[..., None]",
+        "to_end = xdt * mx.exp(cum[..., -2:-1] - cum)[..., None]",
+        (G4_HF,),
+        "Mamba-2: a chunk's inputs decayed to its next-to-last position, not its end",
+    ),
+    Mutant(
+        "mamba2-gated-norm-order-flipped",
+        "mlxlis/models/mamba2.py",
+        "g = y.astype(f32) * nn.silu(z.astype(f32))  # the gate before the norm\n"
+        "        g = g.reshape(*g.shape[:-1], self.groups, -1)  # (..., G, inner / G)\n"
+        "        g = mx.fast.rms_norm(g, None, self.eps).reshape(y.shape)",
+        "g = y.astype(f32).reshape(*y.shape[:-1], self.groups, -1)\n"
+        "        g = mx.fast.rms_norm(g, None, self.eps).reshape(y.shape) * nn.silu(z.astype(f32))",
+        (G4_HF,),
+        "Mamba-2: the gated norm normalises before gating (norm_before_gate)",
+    ),
+    Mutant(
+        "granite4-residual-multiplier-dropped",
+        "mlxlis/models/granitemoehybrid.py",
+        "return h + y * self.r",
+        "return h + y",
+        (G4_HF,),
+        "Granite 4.0: the MLP's output added without residual_multiplier",
+    ),
+    Mutant(
+        "nemotron-stateless-not-advanced",
+        "mlxlis/models/nemotron_h.py",
+        "c.advance(x.shape[1])",
+        "c.advance(0)",
+        (NH_REWIND,),
+        "Nemotron-H: an MLP or expert block's cache does not count the positions fed",
+    ),
+    Mutant(
+        "stateless-trim-one-short",
+        "mlxlis/cache/stateless.py",
+        "        self.offset -= n\n",
+        "        self.offset -= n - 1\n",
+        (NH_REWIND,),
+        "a stateless layer's cache forgets one position fewer than it is trimmed by",
+    ),
+    Mutant(
+        "relu2-is-relu",
+        "mlxlis/models/activations.py",
+        "return mx.square(nn.relu(x))",
+        "return nn.relu(x)",
+        (NH_HF,),
+        "Nemotron-H: relu² MLPs and experts without the square",
+    ),
+    Mutant(
+        "nemotron-shared-experts-dropped",
+        "mlxlis/models/grouped_experts.py",
+        "return y + self.shared_experts(x)",
+        "return y",
+        (NH_HF,),
+        "Nemotron-H: the expert blocks without their shared MLP",
+    ),
+    Mutant(
+        "nemotron-gguf-eps-rms-key",
+        "mlxlis/models/nemotron_h.py",
+        'm.get("attention.layer_norm_epsilon", 1e-5, float)',
+        "base.norms.eps",
+        (NH_GGUF,),
+        "Nemotron-H GGUF: the norms' eps from the (absent) _rms_ key's default, not "
+        "layer_norm_epsilon",
+    ),
+    Mutant(
+        "nemotron-gguf-qk-permuted",
+        "mlxlis/models/nemotron_h.py",
+        "conventions=(*mamba2.GGUF_CONVENTIONS, MIXER_UNPERMUTE_Q, MIXER_UNPERMUTE_K),",
+        "conventions=mamba2.GGUF_CONVENTIONS,",
+        (NH_GGUF,),
+        "Nemotron-H GGUF: attn_q / attn_k rows left in llama.cpp's permuted order",
+    ),
+    Mutant(
+        "granite4-gguf-qk-permuted",
+        "mlxlis/models/granitemoehybrid.py",
+        "conventions=(*mamba2.GGUF_CONVENTIONS, UNPERMUTE_Q, UNPERMUTE_K),",
+        "conventions=mamba2.GGUF_CONVENTIONS,",
+        (G4_GGUF,),
+        "Granite 4.0 GGUF: attn_q / attn_k rows left permuted (same NoPE logits, other weights)",
+    ),
+    Mutant(
+        "mamba2-gguf-a-kept-as-stored",
+        "mlxlis/models/mamba2.py",
+        "lambda w, c, _: mx.log(-w.astype(mx.float32)).reshape(-1).astype(w.dtype),",
+        "lambda w, c, _: w.reshape(-1),",
+        (G4_GGUF,),
+        "Mamba-2 GGUF: ssm_a read as A_log (llama.cpp's −exp(A_log) not undone)",
     ),
 )
 

@@ -58,8 +58,10 @@ def module_name(fam: str, gguf_name: str) -> str | None:
 
 def permuted_by_llama_cpp(fam: str) -> bool:
     """llama.cpp's converter permutes Q/K for its LlamaModel's architectures: `llama`, and
-    `mistral3` and `smollm3` (Ministral3Model and SmolLM3Model subclass it)."""
-    return any(a in ("llama", "mistral3", "smollm3") for a in REGISTRY[fam].gguf.archs)
+    `mistral3` and `smollm3` (Ministral3Model and SmolLM3Model subclass it), `granitehybrid`
+    (GraniteHybridModel sets undo_permute)."""
+    archs = ("llama", "mistral3", "smollm3", "granitehybrid")
+    return any(a in archs for a in REGISTRY[fam].gguf.archs)
 
 
 def norms_plus_one_in_gguf(fam: str) -> bool:
@@ -189,7 +191,8 @@ def test_gemma_norm_minus_one_exactly_where_it_belongs(fam: str):
 def test_every_family_declares_exactly_llama_cpps_conventions():
     """Each family's GGUF conventions are what llama.cpp's converter did to its architecture:
     the Q/K un-permute for llama, the norm offset for Gemma 1/2/3, Qwen3.5's and Qwen3-Next's
-    own sets, LFM2's squeezed conv kernel, nothing for the rest."""
+    own sets, LFM2's squeezed conv kernel, Granite 4.0's and Nemotron-H's Mamba-2 reshapes and
+    Q/K permute, nothing for the rest."""
     for fam, spec in REGISTRY.items():
         if qwen35_layout(fam):
             assert spec.gguf.conventions == conventions.QWEN35_GGUF, fam
@@ -201,6 +204,18 @@ def test_every_family_declares_exactly_llama_cpps_conventions():
             from mlxlis.models.lfm2 import CONV_UNSQUEEZED
 
             assert spec.gguf.conventions == (CONV_UNSQUEEZED,), fam
+            continue
+        if "granitehybrid" in spec.gguf.archs:  # Mamba2Model's A, D, conv and norm reshapes
+            from mlxlis.models import mamba2  # GraniteHybridModel: + Llama's Q/K permute
+
+            want = (*mamba2.GGUF_CONVENTIONS, conventions.UNPERMUTE_Q, conventions.UNPERMUTE_K)
+            assert spec.gguf.conventions == want, fam
+            continue
+        if "nemotron_h" in spec.gguf.archs:  # NemotronHModel: the same, its attention `mixer`
+            from mlxlis.models import mamba2
+
+            q, k = conventions.MIXER_UNPERMUTE_Q, conventions.MIXER_UNPERMUTE_K
+            assert spec.gguf.conventions == (*mamba2.GGUF_CONVENTIONS, q, k), fam
             continue
         want = []
         if permuted_by_llama_cpp(fam):

@@ -23,12 +23,14 @@ from mlxlis.models.gemma4 import GEMMA4
 from mlxlis.models.gemma4_assistant import GEMMA4_ASSISTANT, OUTER_KEYS
 from mlxlis.models.glm4_moe import GLM4_MOE
 from mlxlis.models.gpt_oss import GPT_OSS
+from mlxlis.models.granitemoehybrid import GRANITE4
 from mlxlis.models.lfm2 import LFM2
 from mlxlis.models.llama import LLAMA
 from mlxlis.models.llama4 import LLAMA4
 from mlxlis.models.minimax_m2 import MINIMAX_M2
 from mlxlis.models.mistral3 import MISTRAL3
 from mlxlis.models.modernbert import MODERNBERT
+from mlxlis.models.nemotron_h import NEMOTRON_H
 from mlxlis.models.nomic_bert import NOMIC_BERT
 from mlxlis.models.olmo3 import OLMO3
 from mlxlis.models.phi3 import PHI3
@@ -65,6 +67,8 @@ REGISTRY: dict[str, Family] = {
             MINIMAX_M2,
             DEEPSEEK_V3,
             DEEPSEEK_V32,
+            GRANITE4,
+            NEMOTRON_H,
         ),
         BERT,
         MODERNBERT,

@@ -38,3 +38,8 @@ def clamped_swiglu(alpha: float, limit: float) -> Gated:
         return gate * mx.sigmoid(gate * alpha) * (up + 1)
 
     return act
+
+
+def relu2(x: mx.array) -> mx.array:
+    """relu(x)² (Nemotron-H's MLPs and experts, transformers' "relu2")."""
+    return mx.square(nn.relu(x))

@@ -46,6 +46,16 @@ def _is_norm(name: str) -> bool:
 UNPERMUTE_Q: Convention = (_is_q, lambda w, c, _: unpermute_rows(w, c.num_attention_heads))
 UNPERMUTE_K: Convention = (_is_k, lambda w, c, _: unpermute_rows(w, c.num_key_value_heads))
 NORM_MINUS_ONE: Convention = (_is_norm, lambda w, c, _: gemma_norm_minus_one(w))
+# the same permute of a block whose attention is its `mixer` (Nemotron-H; no RoPE there, but
+# llama.cpp's converter permutes all the same)
+MIXER_UNPERMUTE_Q: Convention = (
+    lambda n: ".mixer.q_proj." in n,
+    lambda w, c, _: unpermute_rows(w, c.num_attention_heads),
+)
+MIXER_UNPERMUTE_K: Convention = (
+    lambda n: ".mixer.k_proj." in n,
+    lambda w, c, _: unpermute_rows(w, c.num_key_value_heads),
+)
 # conventions that reorder a weight's rows alone: they apply as they are to a LoRA's B (out, r),
 # since rows(B·A) = rows(B)·A (llama.cpp's converter permutes lora_b so: LoraTorchTensor.permute)
 ROW_ONLY: tuple[Convention, ...] = (UNPERMUTE_Q, UNPERMUTE_K)

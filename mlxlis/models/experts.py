@@ -141,19 +141,18 @@ class QuantizedSwitchLinear(nn.Module):
         return _add_bias(y, self, indices)
 
 
-def expert_stacks(prefix: str, n: int) -> dict[str, ExpertSource]:
+def expert_stacks(
+    prefix: str, n: int, fused: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
+) -> dict[str, ExpertSource]:
     """The stacked `switch_mlp` parameters of the n experts under `prefix` -> their Hugging
-    Face sources: one tensor per expert, or transformers 5's fused gate_up_proj / down_proj."""
-    fused = {
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-        "down_proj": ("down_proj", None),
-    }
+    Face sources: one tensor per expert, or the `fused` gate|up (gate rows first) and down
+    tensors (transformers 5's; Granite's block_sparse_moe.input_linear / output_linear)."""
+    halves = {"gate_proj": (fused[0], 0), "up_proj": (fused[0], 1), "down_proj": (fused[1], None)}
     return {
         f"{prefix}.switch_mlp.{p}.weight": ExpertSource(
             tuple(f"{prefix}.experts.{e}.{p}.weight" for e in range(n)),
-            f"{prefix}.experts.{fused[p][0]}",
-            fused[p][1],
+            f"{prefix}.{halves[p][0]}",
+            halves[p][1],
         )
         for p in PROJECTIONS
     }
@@ -222,3 +221,44 @@ class SparseMoE(nn.Module):
         if "shared_expert" in self:
             y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y
+
+
+class LogitTopKMoE(nn.Module):
+    """Mixtral-style routing: the top k of the router's logits, softmaxed among themselves (the
+    full softmax renormalised over those k), weight the experts; the router under Granite's
+    and JetMoE's name, `router.layer`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.moe.num_experts_per_tok
+        self.router = nn.Module()
+        self.router.layer = nn.Linear(cfg.hidden_size, cfg.moe.num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(cfg)
+
+    def expert_stacks(self, prefix: str) -> dict[str, ExpertSource]:
+        """Granite's fused experts: input_linear (E, 2F, hidden), output_linear (E, hidden, F)."""
+        fused = ("input_linear.weight", "output_linear.weight")
+        return expert_stacks(prefix, self.router.layer.weight.shape[0], fused)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        k = self.top_k
+        logits = self.router.layer(x).astype(mx.float32)  # (B, T, E)
+        inds = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]  # (B, T, k)
+        weights = mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True)
+        y = self.switch_mlp(x, mx.stop_gradient(inds))  # (B, T, k, hidden)
+        return (y * weights.astype(y.dtype)[..., None]).sum(axis=-2)
+
+
+class SwitchMLP(nn.Module):
+    """Experts without a gate (Nemotron-H): fc2(act(fc1(x))) with each token's own k experts,
+    under mlx-lm's names; x (B, T, in), indices (B, T, k) -> (B, T, k, in)."""
+
+    def __init__(self, n_experts: int, dims: int, hidden: int, act):
+        super().__init__()
+        self.fc1 = SwitchLinear(n_experts, dims, hidden)
+        self.fc2 = SwitchLinear(n_experts, hidden, dims)
+        self.act = act
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        x = x[..., None, None, :]  # (B, T, 1, 1, in): one row per token, broadcast over k
+        return self.fc2(self.act(self.fc1(x, indices)), indices)[..., 0, :]

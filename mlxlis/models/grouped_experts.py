@@ -9,7 +9,9 @@ topk_group best groups compete for the top k. The k weights are renormalised to 
 norm_topk_prob, then multiplied by routed_scaling_factor. Shared experts (one gated MLP of
 n_shared · expert width) run on every token and add to the routed sum.
 
-The routed experts are experts.py's SwitchGLU (gather_mm over the chosen experts only).
+The routed experts are experts.py's SwitchGLU (gather_mm over the chosen experts only), or
+its SwitchMLP without a gate (Nemotron-H: relu² experts, optionally between a latent down- and
+up-projection, beside a relu² shared MLP: ReluSquaredMoE).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from mlxlis import limits
 from mlxlis.errors import ConfigError
 from mlxlis.limits import check_sizes
 from mlxlis.loading.binding import Float32Parameters
+from mlxlis.models.activations import relu2
 from mlxlis.models.base import GGUFMeta
 from mlxlis.models.config import ModelConfig, MoEConfig, number
-from mlxlis.models.experts import ExpertSource, SwitchGLU, expert_stacks
-from mlxlis.models.layers import MLP
+from mlxlis.models.experts import ExpertSource, SwitchGLU, SwitchMLP, expert_stacks
+from mlxlis.models.layers import MLP, UpDownMLP
 from mlxlis.models.reading import expert_sizes, flag, gguf_expert_sizes, moe_config
 
 import mlx.core as mx
@@ -125,6 +128,21 @@ def read_gguf(base: ModelConfig, m: GGUFMeta, dense: int) -> tuple[ModelConfig, 
     return base, routing
 
 
+def read_routing(
+    moe: MoEConfig, cfg: dict, keys: tuple[str, str, str, str], defaults: tuple, path: str
+) -> GroupRouting:
+    """GroupRouting from config.json: `keys` name the group count, the groups used, the scale
+    and the shared experts' width (`defaults` where absent), each checked."""
+    bound = {"n_group": limits.CONFIG_MAX_EXPERTS, "shared": limits.CONFIG_MAX_DIM}
+    bound["topk_group"] = limits.CONFIG_MAX_EXPERTS
+    names = ("n_group", "topk_group", None, "shared")
+    got = {n: (k, cfg.get(k, d)) for n, k, d in zip(names, keys, defaults, strict=True) if n}
+    size = check_sizes(got, path, bound)
+    scale = cfg.get(keys[2], defaults[2])
+    g, used, shared = size["n_group"], size["topk_group"], size["shared"]
+    return checked_routing(moe, g, used, scale, shared, path, keys[:3])
+
+
 class GroupRouter(nn.Module, Float32Parameters):
     """weight (E, hidden) and e_score_correction_bias (E,), under the checkpoints' names,
     held in float32 whatever the compute dtype (transformers keeps both so: in bfloat16 a
@@ -194,3 +212,40 @@ class GroupedMoE(nn.Module):
         if "shared_experts" in self:
             y = y + self.shared_experts(x)
         return y
+
+
+class ReluSquaredMoE(nn.Module):
+    """Nemotron-H's experts: the routed relu² experts (in the latent width, when `latent`)
+    weighted by GroupRouter, plus the shared relu² MLP on the block's input; the router
+    `gate`, the experts under mlx-lm's `switch_mlp.fc1` / `fc2`."""
+
+    def __init__(self, cfg: ModelConfig, routing: GroupRouting, latent: int = 0):
+        super().__init__()
+        moe, d, bias = cfg.moe, cfg.hidden_size, cfg.mlp.bias
+        self.gate = GroupRouter(cfg, routing)
+        self.switch_mlp = SwitchMLP(moe.num_experts, latent or d, moe.intermediate_size, relu2)
+        if latent:
+            self.fc1_latent_proj = nn.Linear(d, latent, bias=bias)
+            self.fc2_latent_proj = nn.Linear(latent, d, bias=bias)
+        self.shared_experts = UpDownMLP(d, routing.shared_intermediate_size, bias, relu2)
+
+    def expert_stacks(self, prefix: str) -> dict[str, ExpertSource]:
+        """One tensor per expert (experts.{e}.up_proj / down_proj), or transformers 5's
+        stacked experts.up_proj / down_proj."""
+        n = self.gate.weight.shape[0]
+        return {
+            f"{prefix}.switch_mlp.{ours}.weight": ExpertSource(
+                tuple(f"{prefix}.experts.{e}.{theirs}.weight" for e in range(n)),
+                f"{prefix}.experts.{theirs}",
+                None,
+            )
+            for ours, theirs in (("fc1", "up_proj"), ("fc2", "down_proj"))
+        }
+
+    def __call__(self, x: mx.array) -> mx.array:
+        inds, weights = self.gate(x)
+        h = self.fc1_latent_proj(x) if "fc1_latent_proj" in self else x
+        y = self.switch_mlp(h, inds)  # (B, T, k, width)
+        y = (y * weights.astype(y.dtype)[..., None]).sum(axis=-2)
+        y = self.fc2_latent_proj(y) if "fc2_latent_proj" in self else y
+        return y + self.shared_experts(x)

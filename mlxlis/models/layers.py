@@ -1,6 +1,6 @@
 """The building blocks the decoder families share: norms, the common Attention and the kinds
-more than one family composes (gated, tempered, whole-projection q/k norms), the gated MLP, the
-pre- and post-norm blocks.
+more than one family composes (gated, tempered, whole-projection q/k norms), the gated MLP and
+one without a gate, the pre- and post-norm blocks.
 
 Module attribute names equal the Hugging Face tensor names, so a checkpoint binds by name. The
 options many families share are ModelConfig fields read here (bias, q/k norm, scale, softcap);
@@ -266,6 +266,19 @@ class MLP(nn.Module):
         if "gate_up_proj" in self:
             return self.down_proj(self.act(*mx.split(self.gate_up_proj(x), 2, axis=-1)))
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+class UpDownMLP(nn.Module):
+    """down(act(up(x))), no gate (Nemotron-H's relu² MLPs)."""
+
+    def __init__(self, d: int, f: int, bias: bool, act: Callable[[mx.array], mx.array]):
+        super().__init__()
+        self.up_proj = nn.Linear(d, f, bias=bias)
+        self.down_proj = nn.Linear(f, d, bias=bias)
+        self.act = act
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.act(self.up_proj(x)))
 
 
 class PreNormBlock(nn.Module):

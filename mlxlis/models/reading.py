@@ -85,3 +85,11 @@ def sparse_layers(cfg: dict, n: int, step: int, path: str) -> tuple[bool, ...]:
             field="mlp_only_layers",
         )
     return tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+
+
+def positive(cfg: dict, key: str, path: str, default: float = 1.0) -> float:
+    """A positive number (a scale) from config.json, `default` when absent or null."""
+    value = default if cfg.get(key) is None else cfg[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"expected a positive number, got {value!r}"[:200], path=path, field=key)
+    return float(value)
