@@ -104,10 +104,9 @@ def load_gguf(
         held = part.holds if part is not None else None
         dense, sub_blocks = _dense_policy(gf, cfg, dtype, dequantize, part)
         spec = family(cfg.family)
-        wide = float32_names(build_model(cfg))  # names only: its arrays are never evaluated
-        weights, quant, specials, ignored = _convert(
-            gf, cfg, dtype, dense, clock, held, sub_blocks, wide
-        )
+        # the tensors that are config first: the network is built from them, and its
+        # Float32Parameters say which weights convert to float32
+        specials = _specials(gf, spec.gguf.config_tensors)
         rope_freqs = specials.pop("rope_freqs.weight", None)
         if spec.gguf.tensor_config is not None:
             cfg = spec.gguf.tensor_config(cfg, specials)
@@ -117,6 +116,9 @@ def load_gguf(
         if part is not None:
             extras.update(layers=part.layers, embeds=part.first, heads=part.last)
         net = build_model(cfg, **extras)
+        weights, quant, ignored = _convert(
+            gf, cfg, dtype, dense, clock, held, sub_blocks, float32_names(net)
+        )
         if quant:
             quantize_like(net, weights, quant, quantizer=Kernels(dtype))  # mlxlis's CPU kernels
         bind(net, weights, path, dtype)
@@ -244,16 +246,14 @@ def _convert(
     sub=None,
     wide: frozenset[str] | set[str] = frozenset(),
 ):
-    """Every tensor under its module name, conventions undone: (weights, quant, the tensors
-    that are config — rope_freqs, the family's gguf.config_tensors — by name, names of the
-    tensors the family ignores).
+    """Every tensor under its module name, conventions undone: (weights, quant, names of the
+    tensors the family ignores); the tensors that are config are _specials'.
     dense(name): convert that tensor dense (else quantized where MLX can hold it).
     sub(name): hold a K-quant tensor as stored (the CPU kernels' layout; None: never).
     held(module name): whether this pipeline rank reads it (None: every tensor); the others
     are never read. wide: the parameters kept in float32 (binding.Float32Parameters)."""
     weights: dict[str, mx.array] = {}
     quant: dict[str, dict] = {}
-    specials: dict[str, mx.array] = {}
     path = str(gf.path)
     spec = family(cfg.family)
     special = SPECIAL | set(spec.gguf.config_tensors)
@@ -289,11 +289,7 @@ def _convert(
                 mx.async_eval(out)
                 ahead += sum(a.nbytes for a in out)
             started += 1
-        if name in special:
-            specials[name] = convert_tensor(
-                t, gf.raw(name), mx.float32, dequantize=True, path=path
-            ).weight.reshape(-1)
-            gf.release(name)
+        if name in special:  # read by _specials
             continue
         target = targets[name]
         # 1-D tensors (norms, biases) convert in fp32 so `w - 1` happens before rounding
@@ -332,7 +328,20 @@ def _convert(
                 weights[f"{module}.{part}"] = new
         del parts, arr, new
         clock(f"convert {t.type_name}")
-    return weights, quant, specials, ignored
+    return weights, quant, ignored
+
+
+def _specials(gf, config_tensors) -> dict[str, mx.array]:
+    """The tensors that are config, not parameters (rope_freqs, the family's
+    gguf.config_tensors), by name, as float32 vectors."""
+    out = {}
+    for name in (SPECIAL | set(config_tensors)) & set(gf.tensors):
+        t = gf.tensors[name]
+        out[name] = convert_tensor(
+            t, gf.raw(name), mx.float32, dequantize=True, path=str(gf.path)
+        ).weight.reshape(-1)
+        gf.release(name)
+    return out
 
 
 def _tokenizer(md: dict, path: Path, timings: dict[str, float] | None):
