@@ -165,8 +165,8 @@ NOT_IMPORTED = {
     "accelerate": "transformers' GGUF loader needs it (the tests' references)",
     "ruff": "`make lint`",
 }
-# imported only where installed, each import guarded (the benchmarks: llama.cpp, xgrammar)
-OPTIONAL = {"llama_cpp", "xgrammar"}
+# imported only where installed, each import guarded (the benchmarks: xgrammar)
+OPTIONAL = {"xgrammar"}
 
 
 def third_party(paths: list[Path]) -> set[str]:
@@ -315,6 +315,8 @@ NAMES_FAMILIES = {
     "mlxlis.generation.tool_grammar.values": "tool-call argument syntaxes (gemma4's)",
     "mlxlis.tokenizer.gguf": "GGUF tokenizer kinds and pre-tokenizers (llama.cpp's names)",
     "mlxlis.tokenizer.tokenizer": "GGUF tokenizer kinds (llama.cpp's names)",
+    "mlxlis.tokenizer.gguf_encoder": "GGUF tokenizer kinds (llama.cpp's names: its modern-bert "
+    "files say gpt2 and mean byte-level BPE with an encoder's post-processor)",
 }
 
 
