@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 RUNTIME := $(VENV)/.installed-runtime
 TESTDEPS := $(VENV)/.installed-test
 
-.PHONY: install install-test test test-all test-fast lint chat bench models references fuzz mutants clean
+.PHONY: install install-cuda install-test test test-all test-fast lint chat bench models references fuzz mutants clean
 
 # `make chat` installs only what the app needs; `make test` adds the test extras
 install: $(RUNTIME)
@@ -21,6 +21,15 @@ $(RUNTIME): pyproject.toml setup.py $(wildcard mlxlis/runtime/*.c mlxlis/runtime
 	$(PY) -m mlxlis.runtime.kernels
 	$(PY) -m mlxlis.generation.warmup
 	touch $(RUNTIME)
+
+# Linux + NVIDIA: MLX's CUDA backend in place of its CPU one (both ship mlx/lib/libmlx.so, so
+# mlx-cpu goes first and mlx-cuda-13 is installed again over what it left). The CPU kernels and
+# the warm-up of MLX's CPU compiler are not built: nothing CPU-specific runs on the GPU device.
+install-cuda: | $(VENV)/bin/python
+	$(PY) -m pip install -q -e '.[cuda]'
+	$(PY) -m pip uninstall -q -y mlx-cpu
+	$(PY) -m pip install -q --force-reinstall --no-deps "mlx-cuda-13==$$($(PY) -c 'from importlib.metadata import version; print(version("mlx"))')"
+	$(PY) -c "from mlxlis.runtime import device; print(device.policy(device.gpu_kind(), None))"
 
 $(TESTDEPS): $(RUNTIME)
 	# llama-cpp-python builds from source: its library only (no llava), for this CPU
