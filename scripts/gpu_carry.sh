@@ -100,6 +100,7 @@ finish() {
     echo "gpu_carry: a part is missing or damaged (was every call made while warm?)" >&2
     exit 3
   }
+  "$PY" -c "import sys, torch; print(sys.version.split()[0], 'torch', torch.__version__)" || true
   local unpack=$DEST/unpacked
   mkdir -p "$unpack"
   cat "$DEST"/part.* | tar -C "$unpack" -xf -

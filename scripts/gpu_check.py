@@ -325,11 +325,16 @@ def _answers(port: int) -> bool:
 
 
 def resolve(ref: str) -> Path | None:
+    """A GGUF path, or a pulled catalog model's; None for anything else."""
+    from mlxlis.errors import MlxlisError
     from mlxlis.loading import catalog
 
     if Path(ref).is_file():
         return Path(ref)
-    return catalog.model_path(ref) if catalog.is_pulled(ref) else None
+    try:
+        return catalog.model_path(ref) if catalog.is_pulled(ref) else None
+    except MlxlisError:  # not a catalog name
+        return None
 
 
 def table(data: dict) -> str:
@@ -385,7 +390,8 @@ def main() -> int:
     a = ap.parse_args()
     dev = a.device or ("cpu" if a.dry_run else "gpu")
     n_prompt, n_gen, n_tiny = (16, 8, 24) if a.dry_run else (512, 128, 96)
-    refs = (a.models or ("smollm2-135m" if a.dry_run else "smollm2-135m,gemma3-270m")).split(",")
+    default = "smollm2-135m" if a.dry_run else "smollm2-135m,gemma3-270m"
+    refs = [r for r in (default if a.models is None else a.models).split(",") if r]
     run = Run(Path(a.out), a.budget_s)
     work = Path(a.out) / "work"
     work.mkdir(parents=True, exist_ok=True)
