@@ -4,8 +4,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 RUNTIME := $(VENV)/.installed-runtime
 TESTDEPS := $(VENV)/.installed-test
+CUDA := $(VENV)/.installed-cuda
+# after any install into a venv `make install-cuda` made: the base `mlx[cpu]` comes back with it,
+# and both backends ship mlx/lib/libmlx.so, so mlx-cpu goes and mlx-cuda-13 is installed again
+# over what it left
+MLX_VERSION = $$($(PY) -c 'from importlib.metadata import version; print(version("mlx"))')
+CUDA_SWAP = if [ -f $(CUDA) ]; then $(PY) -m pip uninstall -q -y mlx-cpu; \
+	$(PY) -m pip install -q --force-reinstall --no-deps "mlx-cuda-13==$(MLX_VERSION)"; fi
 
-.PHONY: install install-test test test-all test-fast lint chat bench models references fuzz mutants clean
+.PHONY: install install-cuda install-test test test-all test-fast lint chat bench models references fuzz mutants clean
 
 # `make chat` installs only what the app needs; `make test` adds the test extras
 install: $(RUNTIME)
@@ -18,13 +25,25 @@ $(VENV)/bin/python:
 
 $(RUNTIME): pyproject.toml setup.py $(wildcard mlxlis/runtime/*.c mlxlis/runtime/*.h mlxlis/runtime/kernels/src/*) | $(VENV)/bin/python
 	$(PY) -m pip install -q -e .
-	$(PY) -m mlxlis.runtime.kernels
-	$(PY) -m mlxlis.generation.warmup
+	$(CUDA_SWAP)
+	[ -f $(CUDA) ] || $(PY) -m mlxlis.runtime.kernels
+	[ -f $(CUDA) ] || $(PY) -m mlxlis.generation.warmup
+	touch $(RUNTIME)
+
+# Linux + NVIDIA: MLX's CUDA backend in place of its CPU one (CUDA_SWAP above), for this venv
+# from now on. The CPU kernels and the warm-up of MLX's CPU compiler are not built: nothing
+# CPU-specific runs on the GPU device.
+install-cuda: | $(VENV)/bin/python
+	$(PY) -m pip install -q -e '.[cuda]'
+	touch $(CUDA)
+	$(CUDA_SWAP)
+	$(PY) -c "from mlxlis.runtime import device; print(device.policy(device.gpu_kind(), None))"
 	touch $(RUNTIME)
 
 $(TESTDEPS): $(RUNTIME)
 	# llama-cpp-python builds from source: its library only (no llava), for this CPU
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(PY) -m pip install -q -e '.[test]'
+	$(CUDA_SWAP)
 	touch $(TESTDEPS)
 
 models: install

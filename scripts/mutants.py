@@ -78,6 +78,7 @@ QUANTS_SUPER = "tests/test_quants.py::test_k_quants_held_as_stored_bit_exact"
 FUSED = "tests/test_fused.py"
 Q4X_HF = "tests/test_qwen4_exp.py::test_logits_match_transformers_fp32"
 THINKING_SWITCH = "tests/test_thinking_switch.py"
+DEVICE_POLICY = "tests/test_device.py::test_policy_picks_the_gpu_in_its_design_dtype"
 SERVE_MODELS = "tests/test_serve_models.py"
 LORA = "tests/test_lora.py"
 LORA_ENGINE = "tests/test_lora_engine.py"
@@ -3261,6 +3262,46 @@ MUTANTS = (
         "lambda w, c, _: w.reshape(-1),",
         (G4_GGUF,),
         "Mamba-2 GGUF: ssm_a read as A_log (llama.cpp's −exp(A_log) not undone)",
+    ),
+    Mutant(
+        "policy-cuda-float16",
+        "mlxlis/runtime/device.py",
+        'DEFAULT_DTYPE = {"metal": "float16", "cuda": "bfloat16", "cpu": "float32"}',
+        'DEFAULT_DTYPE = {"metal": "float16", "cuda": "float16", "cpu": "float32"}',
+        (DEVICE_POLICY,),
+        "CUDA computes in float16 (DESIGN's policy is bfloat16: no residual overflow)",
+    ),
+    Mutant(
+        "policy-gpu-over-cpu-override",
+        "mlxlis/runtime/device.py",
+        'use = "cpu" if want == "cpu" or gpu is None else gpu',
+        'use = "cpu" if gpu is None else gpu',
+        (DEVICE_POLICY,),
+        "MLXLIS_DEVICE=cpu ignored where MLX reports a GPU",
+    ),
+    Mutant(
+        "memory-cuda-free-only",
+        "mlxlis/runtime/memory.py",
+        'return int(info["free_memory"]) + active',
+        'return int(info["free_memory"])',
+        ("tests/test_device.py::test_memory_plan_reads_the_gpus_memory",),
+        "a CUDA budget without what MLX holds already (free memory counts it as used)",
+    ),
+    Mutant(
+        "qmv-routed-by-platform",
+        "mlxlis/runtime/kernels/__init__.py",
+        "and group_size in GROUPS and on_cpu(device)",
+        'and group_size in GROUPS and sys.platform.startswith("linux")',
+        ("tests/test_device.py::test_cpu_kernels_route_only_products_on_the_cpu",),
+        "the CPU qmv kernels chosen by the platform, so a GPU product on Linux reaches them",
+    ),
+    Mutant(
+        "gguf-dense-on-gpu",
+        "mlxlis/models/from_gguf.py",
+        "return device.on_cpu(on) and dense_bytes",
+        "return dense_bytes",
+        ("tests/test_device.py::test_gguf_blocks_stay_quantized_for_gpu_products",),
+        "GGUF blocks made dense for GPU products (MLX's quantized_matmul left unused)",
     ),
 )
 

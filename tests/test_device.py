@@ -61,3 +61,102 @@ def test_gpu_default_dtype_close_to_cpu_float32(monkeypatch):
     assert np.isfinite(got).all() and got.argmax(-1)[-1] == ref.argmax(-1)[-1]
     # float16 / bfloat16 weights and activations: the same function up to rounding
     assert np.corrcoef(got.ravel(), ref.ravel())[0, 1] > 0.999
+
+
+# The GPU branch as pure decisions, run here on the CPU: what MLX would report on a CUDA or Metal
+# machine is an argument, the expected answers are DESIGN.md's dtype policy and MLX's own
+# device_info keys (mlx/backend/cuda/device_info.cpp: free_memory, total_memory; Metal's
+# max_recommended_working_set_size).
+
+
+@pytest.mark.parametrize(
+    "gpu, want, expected",
+    [
+        (None, None, ("cpu", "float32", True)),
+        ("cuda", None, ("cuda", "bfloat16", False)),
+        ("metal", None, ("metal", "float16", False)),
+        ("cuda", "gpu", ("cuda", "bfloat16", False)),
+        ("cuda", "cpu", ("cpu", "float32", True)),
+        ("metal", "cpu", ("cpu", "float32", True)),
+        (None, "cpu", ("cpu", "float32", True)),
+    ],
+)
+def test_policy_picks_the_gpu_in_its_design_dtype(gpu, want, expected):
+    """device.policy (what MLX reports, MLXLIS_DEVICE) -> device, dtype, CPU-only pieces on:
+    the GPU whenever MLX reports one unless the variable says cpu; CUDA computes in bfloat16,
+    Metal in float16, the CPU in float32 (DESIGN.md's dtype policy); the CPU-only pieces only
+    on the CPU; and the backend chosen for that device is MLX's own operations off the CPU."""
+    from mlxlis.runtime import backend
+    from mlxlis.settings import Settings
+
+    got = device.policy(gpu, want)
+    assert (got.device, got.dtype, got.cpu_kernels) == expected
+    env = Settings(fused=True, fast_math=True)
+    if not got.cpu_kernels:
+        assert isinstance(backend.choose(got.device, env), backend.MLX)
+        assert backend.choose(got.device, env).name == "mlx"
+
+
+def test_policy_refuses_gpu_where_mlx_reports_none_by_name():
+    """MLXLIS_DEVICE=gpu with no GPU reported: an UnsupportedError naming the variable and
+    the install that provides one, never a silent CPU run."""
+    with pytest.raises(UnsupportedError, match=r"MLXLIS_DEVICE.*mlxlis\[cuda\]"):
+        device.policy(None, "gpu")
+
+
+def test_cpu_kernels_route_only_products_on_the_cpu():
+    """runtime/kernels decides by the device the product runs on: the qmv kernel for an
+    affine layout it covers on the CPU, MLX's own quantized_matmul for the same layout on a
+    GPU device (whatever platform this is), and the current stream's device by default."""
+    from mlxlis.runtime import kernels
+
+    gpu, cpu = mx.Device(mx.gpu), mx.Device(mx.cpu)
+    for bits, group in [(4, 32), (8, 32), (6, 16), (5, 64)]:
+        assert kernels.applies(bits, group, "affine", cpu)
+        assert not kernels.applies(bits, group, "affine", gpu)
+    with mx.stream(mx.cpu):
+        assert device.on_cpu() and kernels.applies(4, 32)
+    assert not device.on_cpu(gpu) and device.on_cpu(cpu)
+
+
+def test_gguf_blocks_stay_quantized_for_gpu_products():
+    """A GGUF's default on a GPU device is its blocks in MLX's quantized layout (the CPU goes
+    dense while the dense weights fit), decided by the device the products run on."""
+    from mlxlis.models.from_gguf import dense_by_default
+
+    assert dense_by_default(1 << 20, mx.Device(mx.cpu))
+    assert not dense_by_default(1 << 20, mx.Device(mx.gpu))
+
+
+@pytest.mark.parametrize(
+    "dev, info, expected",
+    [
+        ("cuda", {"free_memory": 80 << 30, "total_memory": 85 << 30}, (80 << 30) + (2 << 30)),
+        (
+            "metal",
+            {"max_recommended_working_set_size": 48 << 30, "memory_size": 64 << 30},
+            48 << 30,
+        ),
+        ("cuda", {}, (16 << 30) + (2 << 30)),
+        ("cpu", {}, (16 << 30) + (2 << 30)),
+    ],
+)
+def test_memory_plan_reads_the_gpus_memory(dev, info, expected):
+    """memory.offered: a CUDA GPU offers its free memory (NVML's system-wide figure, which
+    counts what MLX holds as used) plus what MLX holds; Metal its recommended working set; the
+    CPU, or a GPU that does not say, the host's available memory plus what MLX holds. Host
+    16 GiB available, MLX holding 2 GiB."""
+    from mlxlis.runtime import memory
+
+    assert memory.offered(dev, info, 16 << 30, 2 << 30) == expected
+
+
+def test_memory_budget_on_this_device_is_capped_by_the_variable(monkeypatch):
+    """On this machine's device the budget is what it offers, capped by MLXLIS_MAX_MEMORY."""
+    from mlxlis.runtime import memory
+
+    monkeypatch.setenv("MLXLIS_DEVICE", "cpu")
+    device.select_device()
+    assert memory.memory_budget() > 1 << 30  # this machine's available memory, at least
+    monkeypatch.setenv("MLXLIS_MAX_MEMORY", "512M")
+    assert memory.memory_budget() == 512 << 20

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Protocol
 
 from mlxlis.errors import ConfigError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from mlxlis.runtime import kernels
+from mlxlis.runtime.device import on_cpu
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -95,7 +96,7 @@ def kept_narrow(name: str, stored: mx.Dtype, dtype: mx.Dtype) -> bool:
         return False
     if any(k in module for k in ("switch_mlp", "experts", "mtp")):
         return False
-    return kernels.load() is not None
+    return on_cpu() and kernels.load() is not None  # a GPU's products are MLX's own
 
 
 def quantize_like(

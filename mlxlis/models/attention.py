@@ -28,7 +28,7 @@ from __future__ import annotations
 from mlxlis.cache import window_mask
 from mlxlis.cache.store import QArray, Stored, Tailed
 from mlxlis.runtime import backend, fused
-from mlxlis.runtime.device import device_name
+from mlxlis.runtime.device import on_cpu
 
 import mlx.core as mx
 
@@ -78,8 +78,8 @@ def _attend(
     packed: bool,
 ) -> mx.array:
     """`attend` by MLX's operations: (B, n_heads, T, head_dim)."""
-    fast = backend.current().fast_math  # its softmax is fastmath's (see above)
-    if packed and q.shape[2] > 1 and device_name() == "cpu":
+    fast = backend.current().fast_math and on_cpu()  # its softmax is fastmath's (see above)
+    if packed and q.shape[2] > 1 and on_cpu():
         k, v = k.dequantize(), v.dequantize()  # this layer's, for this chunk (see above)
         packed = False
     if cap is None and not fast and not packed:

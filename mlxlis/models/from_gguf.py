@@ -56,9 +56,12 @@ CPU_DENSE_FRACTION = 0.5  # dense on CPU while the dense weights need ≤ this m
 PREFETCH_BYTES = 256 << 20  # output buffers allocated ahead of the conversion
 
 
-def dense_by_default(dense_bytes: int) -> bool:
-    """dequantize=None: dense on CPU when `dense_bytes` fit comfortably, quantized elsewhere."""
-    return device.device_name() == "cpu" and dense_bytes <= CPU_DENSE_FRACTION * available_memory()
+def dense_by_default(dense_bytes: int, on: mx.Device | None = None) -> bool:
+    """dequantize=None: dense on CPU when `dense_bytes` fit comfortably, quantized elsewhere
+    (`on`: the device the products will run on, default the current stream's; on a GPU the
+    blocks stay in MLX's quantized layout for `mx.quantized_matmul`, the sub-blocks of 16
+    that it cannot take dense in the compute dtype)."""
+    return device.on_cpu(on) and dense_bytes <= CPU_DENSE_FRACTION * available_memory()
 
 
 class _Clock:

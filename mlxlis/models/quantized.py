@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlxlis.runtime import kernels
-from mlxlis.runtime.device import device_name
+from mlxlis.runtime.device import on_cpu
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -71,6 +71,6 @@ class Kernels:
         return self._made(QuantizedLinear.__new__(QuantizedLinear))
 
     def _made(self, layer: nn.Module) -> nn.Module:
-        if device_name() == "cpu":
+        if on_cpu():
             kernels.load()  # built (once) now, while loading, not inside the first product
         return layer

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from mlxlis.runtime import fastmath, nodes
-from mlxlis.runtime.device import device_name
+from mlxlis.runtime.device import device_name, on_cpu
 from mlxlis.settings import Settings, settings
 
 import mlx.core as mx
@@ -101,7 +101,8 @@ class MLX:
 
 class CPU(MLX):
     """The C++ nodes where `nodes` and the input fits, fastmath's kernels where `fast_math`,
-    else MLX's operations."""
+    else MLX's operations; each only for an operation on the CPU (a GPU stream, e.g. under
+    `with mx.stream(mx.gpu)`, gets MLX's operations: nodes.py and `_fast` ask its device)."""
 
     def __init__(self, nodes: bool, fast_math: bool):
         self.nodes, self.fast_math = nodes, fast_math
@@ -124,20 +125,24 @@ class CPU(MLX):
     def gated(self, act: str, gate: mx.array, up: mx.array) -> mx.array:
         if self.nodes and (out := nodes.gated(act, gate, up)) is not None:
             return out
-        return (FAST_GATED if self.fast_math else PLAIN_GATED)[act](gate, up)
+        return (FAST_GATED if self._fast() else PLAIN_GATED)[act](gate, up)
 
     def gelu(self, x: mx.array) -> mx.array:
-        return fastmath.gelu(x) if self.fast_math else super().gelu(x)
+        return fastmath.gelu(x) if self._fast() else super().gelu(x)
 
     def softmax(self, x: mx.array) -> mx.array:
-        return fastmath.softmax(x) if self.fast_math else super().softmax(x)
+        return fastmath.softmax(x) if self._fast() else super().softmax(x)
+
+    def _fast(self) -> bool:
+        return self.fast_math and on_cpu()
 
 
 _chosen: Backend | None = None
 
 
 def choose(device: str, env: Settings) -> Backend:
-    """The backend for `device` ("cpu", "metal", "cuda") under `env`, chosen by nothing else."""
+    """The backend for `device` ("cpu", "metal", "cuda") under `env`, chosen by nothing else:
+    the CPU-only pieces only for "cpu" (device.policy's `cpu_kernels`)."""
     fast = env.fast_math and device == "cpu" and fastmath.compiles()
     if device != "cpu" or not (env.fused or fast):
         return MLX()

@@ -1,16 +1,22 @@
 """Device and dtype policy, and the process-wide settings an application opts into.
 
-The device: the GPU when MLX has one that works (Metal on macOS, CUDA), else the CPU;
-`MLXLIS_DEVICE=cpu|gpu` overrides. GitHub's macOS runners, for one, may expose no usable
-Metal device. The dtype: Metal -> float16 (fast, and reductions upcast), CUDA -> bfloat16,
-CPU -> float32 (MLX's CPU float16 matmul is emulated and ~30x slower; float32 goes through
-BLAS, see blas.py).
+The device: the GPU when MLX has one that works (Metal on macOS, CUDA on Linux with the
+`mlxlis[cuda]` install), else the CPU; `MLXLIS_DEVICE=cpu|gpu` overrides, and `gpu` where MLX
+reports none is refused by name. GitHub's macOS runners, for one, may expose no usable Metal
+device. The dtype: Metal -> float16 (fast, and reductions upcast; seeds/003 L-5), CUDA ->
+bfloat16 (float32's exponent range, so no residual stream overflows, e.g. Gemma's 1.04e5, at
+float16's tensor-core speed on the NVIDIA parts MLX's CUDA backend targets), CPU -> float32
+(MLX's CPU float16 matmul is emulated and ~30x slower; float32 goes through BLAS, see blas.py).
+`policy` is that decision as a pure function of what MLX reports and the variable; the CPU-only
+pieces (the BLAS routing's products, runtime/kernels, the fused nodes, fastmath) ask `on_cpu`
+of the device their operation runs on, never of the platform.
 """
 
 from __future__ import annotations
 
 import ctypes
 import sys
+from dataclasses import dataclass
 
 from mlxlis.settings import settings
 
@@ -56,40 +62,71 @@ def setup_process() -> None:
     tune_malloc()
 
 
-def gpu_available() -> bool:
+DEFAULT_DTYPE = {"metal": "float16", "cuda": "bfloat16", "cpu": "float32"}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What runs: `device` "cpu", "metal" or "cuda", its default `dtype`, and whether the
+    CPU-only pieces (BLAS routing, runtime/kernels, fused nodes, fastmath) take part."""
+
+    device: str
+    dtype: str
+    cpu_kernels: bool
+
+
+def policy(gpu: str | None, want: str | None) -> Policy:
+    """The device and dtype for the GPU MLX reports (`gpu`: "metal", "cuda" or None) and
+    MLXLIS_DEVICE (`want`: None, "cpu" or "gpu")."""
+    from mlxlis.errors import UnsupportedError
+
+    if want == "gpu" and gpu is None:
+        raise UnsupportedError(
+            "MLXLIS_DEVICE=gpu but MLX reports no usable GPU here (on Linux + NVIDIA: "
+            "pip install 'mlxlis[cuda]')",
+            field="MLXLIS_DEVICE",
+        )
+    use = "cpu" if want == "cpu" or gpu is None else gpu
+    return Policy(use, DEFAULT_DTYPE[use], use == "cpu")
+
+
+def gpu_kind() -> str | None:
+    """The GPU MLX can run on here: "metal", "cuda", or None."""
     import mlx.core as mx
 
     try:
-        if sys.platform == "darwin":
-            return bool(mx.metal.is_available())
-        return _is_cuda()
+        return "metal" if mx.metal.is_available() else "cuda" if _is_cuda() else None
     except Exception:  # noqa: BLE001 — a backend that cannot answer has no usable GPU
-        return False
+        return None
+
+
+def gpu_available() -> bool:
+    return gpu_kind() is not None
 
 
 def select_device() -> str:
-    """Make MLX's default device the one to use ("gpu" or "cpu") and return it."""
-    from mlxlis.errors import UnsupportedError
-
+    """Make MLX's default device the one `policy` picks ("gpu" or "cpu") and return it."""
     import mlx.core as mx
 
-    want = settings().device  # None, "cpu" or "gpu" (another value is refused there)
-    if want == "gpu" and not gpu_available():
-        raise UnsupportedError(
-            "MLXLIS_DEVICE=gpu but MLX reports no usable GPU here", field="MLXLIS_DEVICE"
-        )
-    use = want or ("gpu" if gpu_available() else "cpu")
-    mx.set_default_device(mx.gpu if use == "gpu" else mx.cpu)
-    return use
+    chosen = policy(gpu_kind(), settings().device)  # a bad MLXLIS_DEVICE is refused there
+    mx.set_default_device(mx.cpu if chosen.device == "cpu" else mx.gpu)
+    return "cpu" if chosen.device == "cpu" else "gpu"
 
 
 def device_name() -> str:
+    """The device MLX's operations run on now (its default stream's): cpu, metal or cuda."""
+
+    if on_cpu():
+        return "cpu"
+    return "cuda" if _is_cuda() else "metal"
+
+
+def on_cpu(device=None) -> bool:
+    """Whether an operation on `device` (an mx.Device; default: the device of the stream
+    operations run on now, which `with mx.stream(...)` changes) runs on the CPU."""
     import mlx.core as mx
 
-    dev = mx.default_device()
-    if dev.type == mx.gpu:
-        return "cuda" if _is_cuda() else "metal"
-    return "cpu"
+    return (device or mx.default_device()).type == mx.cpu
 
 
 def _is_cuda() -> bool:
@@ -102,7 +139,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 
 def default_dtype_name() -> str:
-    return {"metal": "float16", "cuda": "bfloat16", "cpu": "float32"}[device_name()]
+    return DEFAULT_DTYPE[device_name()]
 
 
 def resolve_dtype(name: str | None):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from mlxlis.runtime import kernels
+from mlxlis.runtime.device import on_cpu
 
 import mlx.core as mx
 
@@ -27,8 +28,9 @@ ACTS = {"silu": 0, "gelu_tanh": 1}
 
 
 def _kernels(*arrays: mx.array) -> ModuleType | None:
-    """The extension when every array is float32 and it is built, else None."""
-    if any(a.dtype != mx.float32 for a in arrays):
+    """The extension when the operation runs on the CPU, every array is float32 and it is
+    built, else None (a GPU stream runs MLX's operation whatever backend was chosen)."""
+    if not on_cpu() or any(a.dtype != mx.float32 for a in arrays):
         return None
     return kernels.available()
 

@@ -11,7 +11,7 @@ def describe() -> dict[str, str]:
     details = {
         "device": device.device_name(),
         "blas": blas.state.name,
-        "kernels": kernels.describe() if device.device_name() == "cpu" else "MLX's own",
+        "kernels": kernels.describe() if device.on_cpu() else "MLX's own",
     }
     if blas.state.notice:
         details["notice"] = blas.state.notice

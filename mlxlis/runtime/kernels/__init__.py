@@ -16,7 +16,7 @@ import importlib.util
 import sys
 from types import ModuleType
 
-from mlxlis.runtime.device import device_name
+from mlxlis.runtime.device import on_cpu
 
 import mlx.core as mx
 
@@ -110,9 +110,13 @@ def describe(build: bool = False) -> str:
     return f"mlxlis qmv ({mod.isa()}, {mod.num_threads()} threads; prompts: {prompts})"
 
 
-def applies(bits: int, group_size: int, mode: str = "affine") -> bool:
-    """Whether `matmul` runs this layout through the kernel (on the CPU, once loaded)."""
-    return mode == "affine" and bits in BITS and group_size in GROUPS and device_name() == "cpu"
+def applies(
+    bits: int, group_size: int, mode: str = "affine", device: mx.Device | None = None
+) -> bool:
+    """Whether `matmul` runs this layout through the kernel (once loaded): only for a product
+    on the CPU (`device`: the one it runs on, default the current stream's); a GPU product is
+    always MLX's own `mx.quantized_matmul`, on the blocks in MLX's layout."""
+    return mode == "affine" and bits in BITS and group_size in GROUPS and on_cpu(device)
 
 
 def matmul(
