@@ -89,8 +89,6 @@ def sampling(
 ) -> SamplingParams:
     """The request's sampling values over the server's defaults (max_tokens set later);
     logit_bias's ids checked against a vocabulary of `vocab` tokens."""
-    if req.n is not None and req.n != 1:
-        raise bad(f"n: only n=1 is supported, not {req.n}", "n")
     changes: dict[str, Any] = {}
     named: dict[str, str] = {}  # our field -> the body's name for it (what a refusal names)
     for theirs, ours in SAMPLING_FIELDS.items():
