@@ -42,6 +42,7 @@ EMBED_ST = (
 EMBED_MATRYOSHKA = "tests/test_embed_bert.py::test_matryoshka_dimensions_truncate_and_renormalise"
 EMBED_RERANK = "tests/test_embed_bert.py::test_rerank_matches_cross_encoder_predict"
 GGUF_ENC = "tests/test_gguf_encoders.py::"
+SAMPLES = "tests/test_serve_samples.py::"
 GGUF_ENC_EMBED = GGUF_ENC + "test_embed_matches_sentence_transformers_and_batches_equal_each_alone"
 GGUF_ENC_RERANK = GGUF_ENC + "test_reranker_matches_cross_encoder_predict"
 GGUF_ENC_VOCAB = GGUF_ENC + "test_vocabularies_encode_as_the_folders_tokenizers"
@@ -3261,6 +3262,33 @@ MUTANTS = (
         "lambda w, c, _: w.reshape(-1),",
         (G4_GGUF,),
         "Mamba-2 GGUF: ssm_a read as A_log (llama.cpp's −exp(A_log) not undone)",
+    ),
+    Mutant(
+        "samples-one-seed-stream",
+        "mlxlis/generation/samples.py",
+        "req.params.replace(seed=seed + i)",
+        "req.params.replace(seed=seed)",
+        (f"{SAMPLES}test_seeded_samples_equal_lone_runs_with_seed_plus_index",),
+        "n > 1: every sample draws from the request's one seed stream, not seed + i",
+    ),
+    Mutant(
+        "samples-fork-shares-caches",
+        "mlxlis/generation/samples.py",
+        "t.caches = fork_caches(model, lead.caches)",
+        "t.caches = lead.caches",
+        (
+            f"{SAMPLES}test_seeded_samples_equal_lone_runs_with_seed_plus_index",
+            f"{SAMPLES}test_hybrid_model_samples_equal_lone_runs",
+        ),
+        "n > 1: the samples share the first one's caches: each one's tokens leak into the others",
+    ),
+    Mutant(
+        "samples-prompt-counted-n-times",
+        "mlxlis/serve/choices.py",
+        "prompt_tokens=first.prompt_tokens,",
+        "prompt_tokens=sum(u.prompt_tokens for u in usages),",
+        (f"{SAMPLES}test_greedy_n4_equals_n1", f"{SAMPLES}test_prompt_is_read_once"),
+        "n > 1: usage counts the prompt once per sample (OpenAI counts it once)",
     ),
 )
 
