@@ -3279,6 +3279,7 @@ MUTANTS = (
         (
             f"{SAMPLES}test_seeded_samples_equal_lone_runs_with_seed_plus_index",
             f"{SAMPLES}test_hybrid_model_samples_equal_lone_runs",
+            "tests/test_samples.py",
         ),
         "n > 1: the samples share the first one's caches: each one's tokens leak into the others",
     ),
@@ -3289,6 +3290,22 @@ MUTANTS = (
         "prompt_tokens=sum(u.prompt_tokens for u in usages),",
         (f"{SAMPLES}test_greedy_n4_equals_n1", f"{SAMPLES}test_prompt_is_read_once"),
         "n > 1: usage counts the prompt once per sample (OpenAI counts it once)",
+    ),
+    Mutant(
+        "samples-processors-shared",
+        "mlxlis/generation/samples.py",
+        "procs = tuple(forked(req.processors)) if i else req.processors",
+        "procs = req.processors",
+        (f"{SAMPLES}test_structured_output_follows_each_choice",),
+        "n > 1: the samples share one grammar mask, which follows all their tokens at once",
+    ),
+    Mutant(
+        "samples-twins-read-the-prompt",
+        "mlxlis/generation/core.py",
+        "s.pending is None and s.todo and s.lead is None:",
+        "s.pending is None and s.todo:",
+        (f"{SAMPLES}test_prompt_is_read_once", "tests/test_samples.py"),
+        "n > 1: every sample reads the prompt itself instead of waiting for the fork",
     ),
 )
 

@@ -185,3 +185,28 @@ def test_hybrid_model_samples_equal_lone_runs(hybrid):
     texts = [r.choices[0].text for r in lone]
     assert texts[0] != texts[1]
     assert [c.text for c in two.choices] == texts
+
+
+def test_structured_output_follows_each_choice(server):
+    """n = 3 under a JSON schema, sampled with seed s: choice i equals the lone run with seed
+    s + i under the same schema (each sample's grammar mask follows its own tokens)."""
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "pick",
+            "schema": {
+                "type": "object",
+                "properties": {"word": {"type": "string"}, "n": {"type": "integer"}},
+                "required": ["word", "n"],
+            },
+        },
+    }
+    msgs = [{"role": "user", "content": "Pick"}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=12, temperature=1.0, response_format=fmt)
+    three = server.client().chat.completions.create(n=3, seed=SEED, **kw)
+    lone = [
+        server.client().chat.completions.create(seed=SEED + i, **kw).choices[0].message.content
+        for i in range(3)
+    ]
+    assert len(set(lone)) > 1 and all(t.startswith("{") for t in lone), lone
+    assert [c.message.content for c in three.choices] == lone

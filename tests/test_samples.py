@@ -1,0 +1,76 @@
+"""Samples of one prompt in the serving engine (generation/samples.py: the prompt read once,
+its caches forked, the samples decoded as rows of one batch) on the cache kinds the server
+test's models do not have: sliding-window rings (a tiny Gemma 3, its prompt and reply longer
+than the window, so the forked rings rotate) and LFM2's short-convolution states.
+
+What is proved, on each: three samples seeded s, s + 1, s + 2 (samples_of) give the tokens of
+lone requests with those seeds (which differ from each other: a leak between the samples, or
+one shared seed stream, shows), and the engine's prefill counter grows by the prompt's length
+once for the three.
+"""
+
+from __future__ import annotations
+
+import mlxlis
+from mlxlis.generation.core import Request
+from mlxlis.generation.engine import Engine
+from mlxlis.generation.samples import samples_of
+from mlxlis.generation.sampling import SamplingParams
+
+import pytest
+from conftest import build_tiny
+from test_lfm2 import SPECS as LFM2_SPECS
+
+WINDOW = 8
+GEMMA3 = dict(
+    kind="gemma3",
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    sliding_window=WINDOW,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    max_position_embeddings=512,
+)
+SPECS = {"gemma3": GEMMA3, "lfm2": LFM2_SPECS["lfm2"]}
+PROMPT = [5, 17, 33, 9, 17, 5, 60, 2, 41, 8, 30, 12, 7, 19]  # longer than the window
+STEPS = 12
+SEED = 77
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def engine(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    build_tiny(folder, SPECS[request.param])
+    eng = Engine(mlxlis.load(folder, "float32"), max_active=4)
+    yield eng
+    eng.shutdown()
+
+
+def tokens(stream) -> list[int]:
+    out = []
+    for ev in stream:
+        assert ev.error is None, ev.error
+        if ev.token is not None:
+            out.append(ev.token)
+    return out
+
+
+def request(seed: int, prompt: list[int] = PROMPT) -> Request:
+    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=STEPS)
+    return Request(list(prompt), params)
+
+
+def test_samples_equal_lone_runs_and_read_the_prompt_once(engine):
+    """Sample i of three seeded SEED equals the lone run seeded SEED + i; the prompt is read
+    once for the three (the engine's prefill counter), the lone runs differ."""
+    fresh = [99, *PROMPT]  # no other request's prefix: nothing cached
+    before = engine.prefilled
+    streams = engine.submit_samples(samples_of(request(SEED, fresh), 3))
+    got = [tokens(s) for s in streams]
+    assert engine.prefilled - before == len(fresh)
+    lone = [tokens(engine.submit(request(SEED + i, fresh))) for i in range(3)]
+    assert len({tuple(t) for t in lone}) == 3
+    assert got == lone
