@@ -6,7 +6,7 @@ than the window, so the forked rings rotate) and LFM2's short-convolution states
 What is proved, on each: three samples seeded s, s + 1, s + 2 (samples_of) give the tokens of
 lone requests with those seeds (which differ from each other: a leak between the samples, or
 one shared seed stream, shows), and the engine's prefill counter grows by the prompt's length
-once for the three.
+once for the three, a prompt of one prefill chunk or of two.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from mlxlis.generation.core import Request
 from mlxlis.generation.engine import Engine
 from mlxlis.generation.samples import samples_of
 from mlxlis.generation.sampling import SamplingParams
+from mlxlis.generation.steps import PREFILL_CHUNK
 
 import pytest
 from conftest import build_tiny
@@ -40,13 +41,21 @@ STEPS = 12
 SEED = 77
 
 
-@pytest.fixture(scope="module", params=list(SPECS))
-def engine(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    build_tiny(folder, SPECS[request.param])
-    eng = Engine(mlxlis.load(folder, "float32"), max_active=4)
-    yield eng
-    eng.shutdown()
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """name -> an Engine of SPECS[name], built once."""
+    made: dict[str, Engine] = {}
+
+    def get(name: str) -> Engine:
+        if name not in made:
+            folder = tmp_path_factory.mktemp(name)
+            build_tiny(folder, SPECS[name])
+            made[name] = Engine(mlxlis.load(folder, "float32"), max_active=4)
+        return made[name]
+
+    yield get
+    for eng in made.values():
+        eng.shutdown()
 
 
 def tokens(stream) -> list[int]:
@@ -63,10 +72,15 @@ def request(seed: int, prompt: list[int] = PROMPT) -> Request:
     return Request(list(prompt), params)
 
 
-def test_samples_equal_lone_runs_and_read_the_prompt_once(engine):
+@pytest.mark.parametrize(("name", "long"), [("gemma3", False), ("gemma3", True), ("lfm2", False)])
+def test_samples_equal_lone_runs_and_read_the_prompt_once(engines, name, long):
     """Sample i of three seeded SEED equals the lone run seeded SEED + i; the prompt is read
-    once for the three (the engine's prefill counter), the lone runs differ."""
-    fresh = [99, *PROMPT]  # no other request's prefix: nothing cached
+    once for the three (the engine's prefill counter), the lone runs differ. `long`: a prompt
+    of two prefill chunks (the samples wait through both; the rings', whose prompt crosses
+    their window many times)."""
+    body = PROMPT * (PREFILL_CHUNK // len(PROMPT) + 1) if long else PROMPT
+    fresh = [98 if long else 99, *body]  # no other request's prefix: nothing cached
+    engine = engines(name)
     before = engine.prefilled
     streams = engine.submit_samples(samples_of(request(SEED, fresh), 3))
     got = [tokens(s) for s in streams]

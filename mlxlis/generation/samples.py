@@ -70,7 +70,7 @@ def fork_caches(model: Model, caches: list[Cache]) -> list[Cache]:
     if len(out) != len(caches):
         raise MlxlisError(f"a fork made {len(out)} caches for {len(caches)} layers", field="n")
     for new, old in zip(out, caches, strict=True):
-        new.restore(*old.export())  # type: ignore[attr-defined]
+        new.restore(*old.export())
         new.shift = old.shift
     return out
 
