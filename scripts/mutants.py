@@ -3292,6 +3292,14 @@ MUTANTS = (
         "n > 1: usage counts the prompt once per sample (OpenAI counts it once)",
     ),
     Mutant(
+        "best-of-lowest-first",
+        "mlxlis/serve/choices.py",
+        "key=lambda i: (-scores[i].value, i)",
+        "key=lambda i: (scores[i].value, i)",
+        (f"{SAMPLES}test_best_of_returns_the_samples_of_highest_logprob_per_token",),
+        "best_of: the samples of lowest log probability per token returned",
+    ),
+    Mutant(
         "samples-processors-shared",
         "mlxlis/generation/samples.py",
         "procs = tuple(forked(req.processors)) if i else req.processors",

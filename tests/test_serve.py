@@ -328,7 +328,9 @@ BAD_COMPLETION = [
         {"response_format": {"type": "json_schema", "json_schema": {}}},
         "response_format.json_schema.schema",
     ),
-    ({"best_of": 3}, "best_of"),
+    ({"best_of": 5}, "best_of"),  # past the server's batch of 4
+    ({"n": 2, "best_of": 1}, "best_of"),
+    ({"best_of": 2, "stream": True}, "best_of"),
 ]
 
 

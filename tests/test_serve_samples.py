@@ -210,3 +210,19 @@ def test_structured_output_follows_each_choice(server):
     ]
     assert len(set(lone)) > 1 and all(t.startswith("{") for t in lone), lone
     assert [c.message.content for c in three.choices] == lone
+
+
+def test_best_of_returns_the_samples_of_highest_logprob_per_token(server):
+    """best_of = 3, n = 2, seed s: the two choices are, best first, the lone runs (seeds s,
+    s + 1, s + 2) of highest mean token logprob; usage counts all three samples' tokens; no
+    logprobs in the reply when none were asked."""
+    got = complete(server, n=2, best_of=3, seed=SEED, temperature=1.0)
+    lone = [complete(server, seed=SEED + i, temperature=1.0, logprobs=0) for i in range(3)]
+    mean = [sum(r.choices[0].logprobs.token_logprobs) / STEPS for r in lone]
+    assert len(set(mean)) == 3
+    order = sorted(range(3), key=lambda i: -mean[i])
+    assert [c.text for c in got.choices] == [lone[k].choices[0].text for k in order[:2]]
+    assert [c.index for c in got.choices] == [0, 1]
+    assert all(c.logprobs is None for c in got.choices)
+    assert got.usage.completion_tokens == 3 * STEPS
+    assert got.usage.prompt_tokens == len(PROMPT)

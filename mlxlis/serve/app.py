@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from mlxlis.generation.samples import samples_of
@@ -160,17 +161,28 @@ def create_app(state: State) -> FastAPI:
         req = await read_body(request, CompletionRequest, state.max_body)
         served = await svc.model(req.model, req.keep_alive)
         with served.held():
-            n = choices.check_n(req.n, served.engine.max_active)
+            batch = served.engine.max_active
+            n = choices.check_n(req.n, batch)
+            runs_n = choices.check_best_of(req.best_of, n, req.stream, batch)
             prep = await svc.prepare(served, prepare_completion, req)
             head = Head(new_id("cmpl"), int(time.time()), served.name, served.fingerprint)
             logprobs = req.logprobs is not None
-            replies = [CompletionReply(served.token_text, logprobs=logprobs) for _ in range(n)]
-            runs = svc.submit_samples(served, samples_of(prep.gen, n), head.id, request)
+            replies = [CompletionReply(served.token_text, logprobs=logprobs) for _ in range(runs_n)]
+            gen = prep.gen  # best_of ranks by logprobs: every sample reads its own
+            if runs_n > n:
+                gen = replace(gen, top_logprobs=gen.top_logprobs or 0)
+            runs = svc.submit_samples(served, samples_of(gen, runs_n), head.id, request)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
             return sse_response(choices.completion_stream(runs, head, replies, include_usage))
-        finals = await choices.collect_all(runs, [r.feed for r in replies])
-        return choices.completion_response(head, replies, finals)
+        scores = [choices.Score() for _ in runs]
+        feeds = [
+            lambda ev, r=r, s=s: (r.feed(ev), s.add(ev))
+            for r, s in zip(replies, scores, strict=True)
+        ]
+        finals = await choices.collect_all(runs, feeds)
+        chosen = choices.best(scores, n) if runs_n > n else None
+        return choices.completion_response(head, replies, finals, chosen)
 
     for api in (anthropic, responses, ollama, embeddings):
         app.include_router(api.router(svc, auth))

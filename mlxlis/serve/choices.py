@@ -44,6 +44,51 @@ def check_n(n: int | None, batch: int) -> int:
     return n
 
 
+def check_best_of(best_of: int | None, n: int, stream: bool, batch: int) -> int:
+    """How many samples a completion runs: `best_of` (None: n), or a 400 naming it outside
+    n..min(MAX_N, batch), or streamed with more samples than choices (the best are known only
+    at the end)."""
+    if best_of is None:
+        return n
+    limit = min(MAX_N, batch)
+    if not n <= best_of <= limit:
+        raise APIError(
+            400,
+            f"best_of: must be in [n = {n}, {limit}] (at most {MAX_N}, and the server's batch "
+            f"of {batch}), not {best_of}",
+            param="best_of",
+            code="invalid_value",
+        )
+    if stream and best_of > n:
+        raise APIError(
+            400, "best_of: more samples than n cannot be streamed", param="best_of", code=None
+        )
+    return best_of
+
+
+class Score:
+    """A sample's log probability per token (OpenAI's best_of ranks by it): the mean of its
+    tokens' logprobs."""
+
+    def __init__(self) -> None:
+        self.total, self.tokens = 0.0, 0
+
+    def add(self, ev: Event) -> None:
+        if ev.token is not None and ev.logprob is not None:
+            self.total += ev.logprob
+            self.tokens += 1
+
+    @property
+    def value(self) -> float:
+        return self.total / self.tokens if self.tokens else float("-inf")
+
+
+def best(scores: Sequence[Score], n: int) -> list[int]:
+    """The indices of the `n` samples of highest log probability per token, best first (ties:
+    the earlier sample)."""
+    return sorted(range(len(scores)), key=lambda i: (-scores[i].value, i))[:n]
+
+
 def combined(usages: Sequence[Usage]) -> Usage:
     """One usage for the samples of one prompt: the prompt (and what a cache held of it) once,
     as the first sample read it; the completion tokens of all."""
@@ -191,12 +236,17 @@ def chat_response(
 
 
 def completion_response(
-    head: Head, replies: Sequence[CompletionReply], finals: Sequence[Event]
+    head: Head,
+    replies: Sequence[CompletionReply],
+    finals: Sequence[Event],
+    chosen: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """The whole response: a choice per sample, the usage combined."""
-    choices = [
-        completion_choice(i, r.text, ev.finish_reason or "stop", r.logprobs)
-        for i, (r, ev) in enumerate(zip(replies, finals, strict=True))
-    ]
+    """The whole response: a choice per sample (`chosen`: those samples only, in that order:
+    best_of's), the usage combined over every sample run (OpenAI counts best_of's all)."""
+    picked = list(range(len(replies))) if chosen is None else chosen
+    choices = []
+    for i, k in enumerate(picked):
+        r, finish = replies[k], finals[k].finish_reason or "stop"
+        choices.append(completion_choice(i, r.text, finish, r.logprobs))
     usage = usage_dict(combined([ev.usage for ev in finals]))  # type: ignore[misc]
     return head.response("text_completion", choices, usage)

@@ -324,8 +324,6 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
         raise bad("echo: not supported", "echo")
     if req.suffix:
         raise bad("suffix: not supported", "suffix")
-    if req.best_of is not None and req.best_of != 1:
-        raise bad(f"best_of: only 1 is supported, not {req.best_of}", "best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise bad(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}], not {req.logprobs}", "logprobs")
     params = speculable(
