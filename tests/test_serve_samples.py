@@ -173,7 +173,8 @@ def hybrid(tmp_path_factory):
 
 def test_hybrid_model_samples_equal_lone_runs(hybrid):
     """The tiny Qwen3.5 (DeltaNet recurrent + convolution states, KV caches): n = 2 greedy
-    equals n = 1 twice; n = 2 with seed s equals the lone runs with seeds s and s + 1."""
+    equals n = 1 twice; n = 2 with seed s equals the lone runs with seeds s and s + 1, with
+    dense KV caches and with 8-bit ones."""
     name = hybrid.model
     prompt = [11, 4, 29, 8, 11, 4, 60, 2, 19]
     greedy = complete(hybrid, prompt=prompt, model=name, temperature=0).choices[0].text
@@ -185,6 +186,14 @@ def test_hybrid_model_samples_equal_lone_runs(hybrid):
     texts = [r.choices[0].text for r in lone]
     assert texts[0] != texts[1]
     assert [c.text for c in two.choices] == texts
+    # the KV layers quantized (8 bits, groups of 32: the head's width), a tail kept dense
+    q = {"ignore_eos": True, "kv_bits": 8, "kv_group_size": 32}
+    kw = dict(prompt=prompt, model=name, temperature=1.0, extra_body=q)
+    two = hybrid.client().completions.create(max_tokens=STEPS, n=2, seed=SEED, **kw)
+    lone = [
+        hybrid.client().completions.create(max_tokens=STEPS, seed=SEED + i, **kw) for i in range(2)
+    ]
+    assert [c.text for c in two.choices] == [r.choices[0].text for r in lone]
 
 
 def test_structured_output_follows_each_choice(server):
