@@ -88,3 +88,25 @@ def test_samples_equal_lone_runs_and_read_the_prompt_once(engines, name, long):
     lone = [tokens(engine.submit(request(SEED + i, fresh))) for i in range(3)]
     assert len({tuple(t) for t in lone}) == 3
     assert got == lone
+
+
+class Fails:
+    """A logits processor that always fails (its forks are itself)."""
+
+    def __call__(self, logits, history):
+        raise RuntimeError("this processor fails")
+
+    def fork(self):
+        return self
+
+
+def test_samples_that_fail_end_with_an_error_and_the_engine_goes_on(engines):
+    """Samples whose processor fails (the first in its own sampling, the others in theirs at
+    the fork) each end with that error, none is left waiting; a request after them runs."""
+    engine = engines("lfm2")
+    params = SamplingParams(temperature=0, max_tokens=4)
+    req = Request([3, *PROMPT], params, processors=(Fails(),))
+    finals = [list(s)[-1] for s in engine.submit_samples(samples_of(req, 3))]
+    assert [ev.finish_reason for ev in finals] == ["error"] * 3
+    assert all("this processor fails" in ev.error for ev in finals)
+    assert len(tokens(engine.submit(request(SEED)))) == STEPS

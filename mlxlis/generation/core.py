@@ -439,6 +439,7 @@ class Core:
     def _prefill(self, s: Sequence) -> list[tuple[Sequence, Event]]:
         n, kind = s.next_chunk(self.chunk)
         chunk, rest = s.todo[:n], s.todo[n:]
+        forked: list[tuple[Sequence, Event]] = []  # the samples that failed their fork
         hidden = s.spec is not None and s.spec.wants_hidden
         try:
             tokens = mx.array(chunk, mx.int32)
@@ -455,15 +456,15 @@ class Core:
             s.todo = rest
             s.set_shift(self.model)
             if logits is not None:
-                fork(self.model, s, logits)  # the samples waiting for its prompt, if any
+                forked = fork(self.model, s, logits)  # the samples waiting for its prompt
                 s.sample(logits)
                 if s.spec is not None:
                     s.spec.drafter.prepare(s.history)  # a draft model reads the prompt now
         except PipelineError:
             raise
         except Exception as e:  # noqa: BLE001
-            return self._fail([s], e)
-        return []
+            return forked + self._fail([s], e)
+        return forked
 
     def _fail(self, seqs: list[Sequence], e: Exception) -> list[tuple[Sequence, Event]]:
         out = []

@@ -75,20 +75,28 @@ def fork_caches(model: Model, caches: list[Cache]) -> list[Cache]:
     return out
 
 
-def fork(model: Model, lead: Sequence, logits: mx.array) -> None:
+def fork(model: Model, lead: Sequence, logits: mx.array) -> list[tuple[Sequence, Event]]:
     """The lead has read the prompt (its first token's logits `logits`, (1, vocab), before its
     own processors): each twin takes a fork of its caches and samples its own first token from
-    a copy of those logits (a processor may write the row it is given)."""
+    a copy of those logits (a processor may write the row it is given). A twin that fails
+    there ends with an error, the others go on: (twin, its final event) of those."""
+    out = []
     for t in lead.twins:
         if t.done:
             continue
-        t.caches = fork_caches(model, lead.caches)
-        t.fed, t.todo = list(lead.fed), []
-        t.usage.cached_tokens = len(t.fed)  # read once, by the lead
-        t.usage.reuse_note = f"the prompt's {len(t.fed)} ids forked from its first sample"
         t.lead = None
-        t.sample(mx.array(logits))
+        try:
+            t.caches = fork_caches(model, lead.caches)
+            t.fed, t.todo = list(lead.fed), []
+            t.usage.cached_tokens = len(t.fed)  # read once, by the lead
+            t.usage.reuse_note = f"the prompt's {len(t.fed)} ids forked from its first sample"
+            t.sample(mx.array(logits))
+        except Exception as e:  # noqa: BLE001 — this sample fails, not the others
+            ev = t.final("error", flush=False, error=f"{type(e).__name__}: {e}")
+            t.fed, ev.fed = [], []  # its caches are not consistent
+            out.append((t, ev))
     lead.twins = []
+    return out
 
 
 def orphans(seqs: Seq[Sequence]) -> list[tuple[Sequence, Event]]:
