@@ -42,6 +42,7 @@ EMBED_ST = (
 EMBED_MATRYOSHKA = "tests/test_embed_bert.py::test_matryoshka_dimensions_truncate_and_renormalise"
 EMBED_RERANK = "tests/test_embed_bert.py::test_rerank_matches_cross_encoder_predict"
 GGUF_ENC = "tests/test_gguf_encoders.py::"
+SAMPLES = "tests/test_serve_samples.py::"
 GGUF_ENC_EMBED = GGUF_ENC + "test_embed_matches_sentence_transformers_and_batches_equal_each_alone"
 GGUF_ENC_RERANK = GGUF_ENC + "test_reranker_matches_cross_encoder_predict"
 GGUF_ENC_VOCAB = GGUF_ENC + "test_vocabularies_encode_as_the_folders_tokenizers"
@@ -2281,9 +2282,9 @@ MUTANTS = (
     Mutant(
         "serve-routes-to-first-model",
         "mlxlis/serve/service.py",
-        "stream = served.engine.submit(prep.gen, loop=asyncio.get_running_loop())",
-        "stream = next(iter(state.pool.loaded.values())).engine.submit(\n"
-        "                prep.gen, loop=asyncio.get_running_loop()\n            )",
+        "streams = served.engine.submit_samples(gens, loop=asyncio.get_running_loop())",
+        "streams = next(iter(state.pool.loaded.values())).engine.submit_samples(\n"
+        "                gens, loop=asyncio.get_running_loop()\n            )",
         (SERVE_MODELS,),
         "several models: a request submitted to the first loaded model's engine",
     ),
@@ -3302,6 +3303,58 @@ MUTANTS = (
         "return dense_bytes",
         ("tests/test_device.py::test_gguf_blocks_stay_quantized_for_gpu_products",),
         "GGUF blocks made dense for GPU products (MLX's quantized_matmul left unused)",
+    ),
+    Mutant(
+        "samples-one-seed-stream",
+        "mlxlis/generation/samples.py",
+        "req.params.replace(seed=seed + i)",
+        "req.params.replace(seed=seed)",
+        (f"{SAMPLES}test_seeded_samples_equal_lone_runs_with_seed_plus_index",),
+        "n > 1: every sample draws from the request's one seed stream, not seed + i",
+    ),
+    Mutant(
+        "samples-fork-shares-caches",
+        "mlxlis/generation/samples.py",
+        "t.caches = fork_caches(model, lead.caches)",
+        "t.caches = lead.caches",
+        (
+            f"{SAMPLES}test_seeded_samples_equal_lone_runs_with_seed_plus_index",
+            f"{SAMPLES}test_hybrid_model_samples_equal_lone_runs",
+            "tests/test_samples.py",
+        ),
+        "n > 1: the samples share the first one's caches: each one's tokens leak into the others",
+    ),
+    Mutant(
+        "samples-prompt-counted-n-times",
+        "mlxlis/serve/choices.py",
+        "prompt_tokens=first.prompt_tokens,",
+        "prompt_tokens=sum(u.prompt_tokens for u in usages),",
+        (f"{SAMPLES}test_greedy_n4_equals_n1", f"{SAMPLES}test_prompt_is_read_once"),
+        "n > 1: usage counts the prompt once per sample (OpenAI counts it once)",
+    ),
+    Mutant(
+        "best-of-lowest-first",
+        "mlxlis/serve/choices.py",
+        "key=lambda i: (-scores[i].value, i)",
+        "key=lambda i: (scores[i].value, i)",
+        (f"{SAMPLES}test_best_of_returns_the_samples_of_highest_logprob_per_token",),
+        "best_of: the samples of lowest log probability per token returned",
+    ),
+    Mutant(
+        "samples-processors-shared",
+        "mlxlis/generation/samples.py",
+        "procs = tuple(forked(req.processors)) if i else req.processors",
+        "procs = req.processors",
+        (f"{SAMPLES}test_structured_output_follows_each_choice",),
+        "n > 1: the samples share one grammar mask, which follows all their tokens at once",
+    ),
+    Mutant(
+        "samples-twins-read-the-prompt",
+        "mlxlis/generation/core.py",
+        "s.pending is None and s.todo and s.lead is None:",
+        "s.pending is None and s.todo:",
+        (f"{SAMPLES}test_prompt_is_read_once", "tests/test_samples.py"),
+        "n > 1: every sample reads the prompt itself instead of waiting for the fork",
     ),
 )
 

@@ -270,7 +270,8 @@ BAD_CHAT = [  # (changes to a good chat body, the field the 400 must name)
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 2.5}, "max_tokens"),
     ({"max_completion_tokens": -5}, "max_completion_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 5}, "n"),  # past the server's batch of 4
+    ({"n": 0}, "n"),
     ({"n": 10**12}, "n"),
     ({"stop": 5}, "stop"),
     ({"stop": ["x"] * 17}, "stop"),
@@ -327,7 +328,9 @@ BAD_COMPLETION = [
         {"response_format": {"type": "json_schema", "json_schema": {}}},
         "response_format.json_schema.schema",
     ),
-    ({"best_of": 3}, "best_of"),
+    ({"best_of": 5}, "best_of"),  # past the server's batch of 4
+    ({"n": 2, "best_of": 1}, "best_of"),
+    ({"best_of": 2, "stream": True}, "best_of"),
 ]
 
 
@@ -337,7 +340,7 @@ BAD_COMPLETION = [
     + [("/v1/completions", c, p) for c, p in BAD_COMPLETION],
 )
 def test_bad_values_are_400_naming_the_field(server, path, changes, param):
-    """A bad value (wrong type, out of range, unsupported n, malformed message) gets a 400
+    """A bad value (wrong type, out of range, n past the batch, malformed message) gets a 400
     with OpenAI's error body whose `param` names the field and whose message says what a
     good value is; the server keeps serving."""
     good = {"messages": HELLO} if "chat" in path else {"prompt": "Hi"}

@@ -41,6 +41,7 @@ from mlxlis.cache.store import KVChoice, by_format, resolve
 from mlxlis.errors import MlxlisError, PipelineError, UnsupportedError
 from mlxlis.generation.events import Event, Usage
 from mlxlis.generation.processors import LogitsProcessor, VocabularyLimit, check, processors_for
+from mlxlis.generation.samples import check_samples, fork, orphans
 from mlxlis.generation.sampling import SamplingParams, make_sampler
 from mlxlis.generation.speculative import SpecState, Speculation
 from mlxlis.generation.steps import PREFILL_CHUNK, StepKind, Steps, lanes
@@ -128,6 +129,9 @@ class Sequence:
         if spec is not None:  # its drafter proposes under copies of the processors
             self.spec = SpecState(spec, req.params, model, caches, self.processors)
         self.t_plain: float | None = None  # when its last plain decode step ended
+        # samples of one prompt (samples.py): the one reading it and those waiting for a fork
+        self.lead: Sequence | None = None  # the sample whose caches this one waits for
+        self.twins: list[Sequence] = []  # the samples waiting for this one's caches
 
     def next_chunk(self, size: int) -> tuple[int, StepKind]:
         """How many prompt ids the next prefill step feeds (at most `size`, ending at the next
@@ -246,6 +250,7 @@ class Core:
         self.model = model
         self.steps = steps
         self.chunk = chunk
+        self.prefilled = 0  # prompt ids its steps have read (not those a cache or fork gave)
 
     def start(
         self, req: Request, caches: list[Cache] | None = None, held: Seq[int] = ()
@@ -303,6 +308,16 @@ class Core:
         seq.set_shift(self.model)
         return seq
 
+    def start_samples(self, reqs: Seq[Request]) -> list[Sequence]:
+        """Samples of one prompt (samples.py): the first reads it as `start` does, the others
+        wait for a fork of its caches."""
+        check_samples(self.model, reqs)
+        first = self.start(reqs[0])
+        first.twins = [Sequence(r, self.model, [], (), r.prompt) for r in reqs[1:]]
+        for t in first.twins:
+            t.lead = first
+        return [first, *first.twins]
+
     def step(self, seqs: list[Sequence], emit: Emit | None = None) -> list[tuple[Sequence, Event]]:
         """One unit of work for each of `seqs` (see the module docstring); the events it made,
         each also given to `emit` as soon as it is made (before a prompt chunk runs). A
@@ -311,6 +326,7 @@ class Core:
         for s in seqs:
             if s.cancelled and not s.done:
                 out.append((s, s.final("cancelled")))
+        out += orphans(seqs)
         live = [s for s in seqs if not s.done]
         decoding = [s for s in live if s.pending is not None]
         going = [s for s in decoding if s.goes_on()]
@@ -367,7 +383,7 @@ class Core:
         self._deliver(out, 0, emit)
         sent = len(out)
         for s in live:
-            if not s.done and s.pending is None and s.todo:
+            if not s.done and s.pending is None and s.todo and s.lead is None:
                 out += self._prefill(s)
         self._deliver(out, sent, emit)
         return out
@@ -423,6 +439,7 @@ class Core:
     def _prefill(self, s: Sequence) -> list[tuple[Sequence, Event]]:
         n, kind = s.next_chunk(self.chunk)
         chunk, rest = s.todo[:n], s.todo[n:]
+        forked: list[tuple[Sequence, Event]] = []  # the samples that failed their fork
         hidden = s.spec is not None and s.spec.wants_hidden
         try:
             tokens = mx.array(chunk, mx.int32)
@@ -430,6 +447,7 @@ class Core:
             out = self.steps.run(
                 [s.id], [s.caches], tokens, kind, inserts, hidden=hidden, lanes=lanes([s])
             )
+            self.prefilled += n
             logits = out
             if hidden:  # a drafter reading the target's hidden states gets the prompt's
                 logits, states = out
@@ -438,14 +456,15 @@ class Core:
             s.todo = rest
             s.set_shift(self.model)
             if logits is not None:
+                forked = fork(self.model, s, logits)  # the samples waiting for its prompt
                 s.sample(logits)
                 if s.spec is not None:
                     s.spec.drafter.prepare(s.history)  # a draft model reads the prompt now
         except PipelineError:
             raise
         except Exception as e:  # noqa: BLE001
-            return self._fail([s], e)
-        return []
+            return forked + self._fail([s], e)
+        return forked
 
     def _fail(self, seqs: list[Sequence], e: Exception) -> list[tuple[Sequence, Event]]:
         out = []

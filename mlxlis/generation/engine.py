@@ -194,7 +194,8 @@ class Engine:
         # this engine's requests fit in its plan's room less that
         self.others: Callable[[], int] | None = None
         self._failed_rounds = 0  # in a row: MAX_FAILED_ROUNDS of them and the engine stops
-        self._queue: list[tuple[Request, Stream]] = []
+        # waiting: groups of requests with their streams (the samples of one prompt, or one)
+        self._queue: list[tuple[list[Request], list[Stream]]] = []
         self._active: list[tuple[Sequence, Stream]] = []
         self._cv = threading.Condition()
         self._stopping = False
@@ -205,11 +206,25 @@ class Engine:
 
     # --- the caller's side ---
     def submit(self, req: Request, loop: asyncio.AbstractEventLoop | None = None) -> Stream:
-        if not req.prompt:
-            raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
-        req.params.validate()
-        self.model.lane(req.adapter, req.adapter_scale)  # an adapter it has, a sane scale
-        stream = Stream(loop)
+        return self.submit_samples([req], loop)[0]
+
+    def submit_samples(
+        self, reqs: list[Request], loop: asyncio.AbstractEventLoop | None = None
+    ) -> list[Stream]:
+        """Samples of one prompt (OpenAI's `n`; generation/samples.py): admitted together, the
+        prompt read once, its caches forked for the others; at most `max_active` of them (a
+        MlxlisError naming `n` beyond)."""
+        if len(reqs) > self.max_active:
+            raise MlxlisError(
+                f"n: at most {self.max_active} samples (the server's batch), not {len(reqs)}",
+                field="n",
+            )
+        for req in reqs:
+            if not req.prompt:
+                raise MlxlisError("empty prompt: nothing to generate from", field="prompt")
+            req.params.validate()
+            self.model.lane(req.adapter, req.adapter_scale)  # an adapter it has, a sane scale
+        streams = [Stream(loop) for _ in reqs]
         others = self.others() if self.others is not None else 0
         with self._cv:
             if self._stopping:
@@ -220,29 +235,31 @@ class Engine:
                 )
             self._drop_cancelled()
             # places: the free running ones plus the waiting room (not yet admitted counts)
-            if len(self._queue) + len(self._active) >= self.max_active + self.max_queued:
-                raise QueueFullError(f"{len(self._queue)} requests are waiting already")
-            self._check_memory(req, others)
-            self._queue.append((req, stream))
+            waiting = sum(len(rs) for rs, _ in self._queue)
+            if waiting + len(self._active) + len(reqs) > self.max_active + self.max_queued:
+                raise QueueFullError(f"{waiting} requests are waiting already")
+            self._check_memory(reqs, others)
+            self._queue.append((list(reqs), streams))
         self._thread.wake()
-        return stream
+        return streams
 
     def reserved(self) -> int:
         """Bytes the caches of the requests running and waiting may reach (0 without a plan)."""
         plan = self.memory
         with self._cv:
-            held = [r for r, _ in self._queue] + [s.req for s, _ in self._active]
+            held = [r for rs, _ in self._queue for r in rs] + [s.req for s, _ in self._active]
         return plan.need(held) if plan is not None and held else 0
 
-    def _check_memory(self, req: Request, others: int = 0) -> None:
-        """Under the lock: refuse `req` if its caches, with those of the requests running and
+    def _check_memory(self, reqs: list[Request], others: int = 0) -> None:
+        """Under the lock: refuse `reqs` if their caches, with those of the requests running and
         waiting (here, and `others` bytes in other engines), could outgrow the memory plan
         (before anything is allocated)."""
         plan = self.memory
         if plan is None:
             return
         room = plan.room - others
-        alone = plan.need([req])
+        req = reqs[0]
+        alone = plan.need(reqs)
         if alone > plan.room:
             raise TooLongForMemoryError(
                 f"its caches would need {alone / 2**20:.0f} MiB at {len(req.prompt)} prompt + "
@@ -250,8 +267,8 @@ class Engine:
                 "are left for caches beside the weights (MLXLIS_MAX_MEMORY, --kv-bits)",
                 field="max_tokens",
             )
-        held = [r for r, _ in self._queue] + [s.req for s, _ in self._active]
-        need = plan.need([*held, req])
+        held = [r for rs, _ in self._queue for r in rs] + [s.req for s, _ in self._active]
+        need = plan.need([*held, *reqs])
         if need > room:
             elsewhere = (
                 f", other models' requests holding {others / 2**20:.0f} MiB" if others else ""
@@ -273,13 +290,20 @@ class Engine:
     def counts(self) -> tuple[int, int]:
         """(running, waiting)."""
         with self._cv:
-            return len(self._active), len(self._queue)
+            return len(self._active), sum(len(rs) for rs, _ in self._queue)
+
+    @property
+    def prefilled(self) -> int:
+        """Prompt ids its steps have read so far (not those a cache or a fork gave)."""
+        return self.core.prefilled
 
     def _drop_cancelled(self) -> None:
-        """Requests cancelled while waiting leave the queue at once (called under the lock)."""
-        for req, stream in [q for q in self._queue if q[1].cancelled.is_set()]:
-            self._queue.remove((req, stream))
-            stream._put(_ended("cancelled", usage=Usage(prompt_tokens=len(req.prompt))))
+        """Requests cancelled while waiting leave the queue at once (called under the lock); a
+        group of samples when all of them are."""
+        for reqs, streams in [q for q in self._queue if all(s.cancelled.is_set() for s in q[1])]:
+            self._queue.remove((reqs, streams))
+            for req, stream in zip(reqs, streams, strict=True):
+                stream._put(_ended("cancelled", usage=Usage(prompt_tokens=len(req.prompt))))
 
     # --- the MLX thread's side (mlx_thread.Worker) ---
     def has_work(self) -> bool:
@@ -309,17 +333,20 @@ class Engine:
                 self._end_all("the server is shutting down")
                 return False
             self._drop_cancelled()
-            waiting = []
-            while self._queue and len(self._active) + len(waiting) < self.max_active:
+            waiting: list[tuple[list[Request], list[Stream]]] = []
+            running = len(self._active)
+            while self._queue and running + len(self._queue[0][0]) <= self.max_active:
                 waiting.append(self._queue.pop(0))
+                running += len(waiting[-1][0])
         try:
-            for req, stream in waiting:  # each admitted or ended: never lost between
+            for reqs, streams in waiting:  # each admitted or ended: never lost between
                 try:
-                    self._admit(req, stream)
+                    self._admit(reqs, streams)
                 except PipelineError:
                     raise
                 except Exception as e:  # noqa: BLE001 — it fails, not those after it
-                    stream._put(_ended("error", f"{type(e).__name__}: {e}"))
+                    for stream in streams:
+                        stream._put(_ended("error", f"{type(e).__name__}: {e}"))
             for seq, stream in self._active:
                 if stream.cancelled.is_set():
                     seq.cancelled = True
@@ -363,23 +390,26 @@ class Engine:
         if self._failed_rounds >= MAX_FAILED_ROUNDS:
             self._fail(f"{message} ({self._failed_rounds} steps in a row)")
 
-    def _admit(self, req: Request, stream: Stream) -> None:
+    def _admit(self, reqs: list[Request], streams: list[Stream]) -> None:
         try:
-            seq = self.core.start(req)
+            seqs = self.core.start_samples(reqs) if len(reqs) > 1 else [self.core.start(reqs[0])]
         except PipelineError:
             raise
         except Exception as e:  # noqa: BLE001 — this request fails, not the server
-            stream._put(_ended("error", f"{type(e).__name__}: {e}"))
+            for stream in streams:
+                stream._put(_ended("error", f"{type(e).__name__}: {e}"))
             return
-        stream.id = seq.id
-        stream._admit(replace(seq.usage))  # a copy: the MLX thread goes on updating its own
+        for seq, stream in zip(seqs, streams, strict=True):
+            stream.id = seq.id
+            stream._admit(replace(seq.usage))  # a copy: the MLX thread goes on updating its own
         with self._cv:
-            self._active.append((seq, stream))
+            self._active += zip(seqs, streams, strict=True)
 
     def _end_all(self, message: str) -> None:
         """Under the lock: every request ends with an "error" event."""
-        for req, stream in self._queue:
-            stream._put(_ended("error", message, Usage(prompt_tokens=len(req.prompt))))
+        for reqs, streams in self._queue:
+            for req, stream in zip(reqs, streams, strict=True):
+                stream._put(_ended("error", message, Usage(prompt_tokens=len(req.prompt))))
         for seq, stream in self._active:
             stream._put(_ended("error", message, seq.usage))
         self._queue, self._active = [], []

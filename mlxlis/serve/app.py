@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
-from mlxlis.serve import anthropic, embeddings, metrics, ollama, responses
+from mlxlis.generation.samples import samples_of
+from mlxlis.serve import anthropic, choices, embeddings, metrics, ollama, responses
 from mlxlis.serve.listings import Listing
-from mlxlis.serve.openai_format import APIError, Head, new_id, sse, usage_dict
+from mlxlis.serve.openai_format import APIError, Head, new_id
 from mlxlis.serve.pool import PoolError, Served
 from mlxlis.serve.prepare import prepare_chat, prepare_completion
-from mlxlis.serve.reply import ChatReply, CompletionReply, finish_reason
+from mlxlis.serve.reply import CompletionReply
 from mlxlis.serve.schemas import ChatCompletionRequest, CompletionRequest
 from mlxlis.serve.service import (
-    Run,
     Service,
     State,
-    collect,
-    end_error,
     error_shape,
     log,
     pool_error,
@@ -40,55 +39,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 __all__ = ["State", "create_app", "log"]
-
-
-async def chat_stream(
-    run: Run, head: Head, reply: ChatReply, include_usage: bool
-) -> AsyncIterator[str]:
-    try:
-        yield sse(head.chat_chunk({"role": "assistant", "content": ""}, usage=include_usage))
-        async for ev in run.events():
-            if ev.finish_reason == "error":
-                yield sse(end_error(run.state, ev).body())
-                break
-            d = reply.feed(ev)
-            if d:
-                yield sse(
-                    head.chat_chunk(
-                        ChatReply.delta_dict(d),
-                        usage=include_usage,
-                        logprobs=d.logprobs if reply.want_logprobs else None,
-                    )
-                )
-            if ev.finish_reason is not None:
-                finish = finish_reason(ev.finish_reason, bool(reply.tool_calls))
-                yield sse(head.chat_chunk({}, finish=finish, usage=include_usage))
-                if include_usage and ev.usage is not None:
-                    usage = usage_dict(ev.usage, reply.reasoning_tokens)
-                    yield sse(head.usage_chunk("chat.completion.chunk", usage))
-        yield sse("[DONE]")
-    finally:
-        run.close()
-
-
-async def completion_stream(
-    run: Run, head: Head, reply: CompletionReply, include_usage: bool
-) -> AsyncIterator[str]:
-    try:
-        async for ev in run.events():
-            if ev.finish_reason == "error":
-                yield sse(end_error(run.state, ev).body())
-                break
-            text, lp = reply.feed(ev)
-            if text or lp is not None:
-                yield sse(head.completion_chunk(text, logprobs=lp, usage=include_usage))
-            if ev.finish_reason is not None:
-                yield sse(head.completion_chunk("", finish=ev.finish_reason, usage=include_usage))
-                if include_usage and ev.usage is not None:
-                    yield sse(head.usage_chunk("text_completion", usage_dict(ev.usage)))
-        yield sse("[DONE]")
-    finally:
-        run.close()
 
 
 def create_app(state: State) -> FastAPI:
@@ -195,39 +145,44 @@ def create_app(state: State) -> FastAPI:
         req = await read_body(request, ChatCompletionRequest, state.max_body)
         served = await svc.model(req.model, req.keep_alive)
         with served.held():
+            n = choices.check_n(req.n, served.engine.max_active)
             prep = await svc.prepare(served, prepare_chat, req)
             head = Head(new_id("chatcmpl"), int(time.time()), served.name, served.fingerprint)
-            reply = svc.chat_reply(served, prep, bool(req.logprobs))
-            run = svc.submit(served, prep, head.id, request)
+            replies = [svc.chat_reply(served, prep, bool(req.logprobs)) for _ in range(n)]
+            runs = svc.submit_samples(served, samples_of(prep.gen, n), head.id, request)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return sse_response(chat_stream(run, head, reply, include_usage))
-        ev = await collect(run, reply.feed)
-        assert ev.usage is not None
-        return head.chat_response(
-            reply.message(),
-            finish_reason(ev.finish_reason, bool(reply.tool_calls)),
-            reply.logprobs if reply.want_logprobs else None,
-            usage_dict(ev.usage, reply.reasoning_tokens),
-        )
+            return sse_response(choices.chat_stream(runs, head, replies, include_usage))
+        finals = await choices.collect_all(runs, [r.feed for r in replies])
+        return choices.chat_response(head, replies, finals)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Any:
         req = await read_body(request, CompletionRequest, state.max_body)
         served = await svc.model(req.model, req.keep_alive)
         with served.held():
+            batch = served.engine.max_active
+            n = choices.check_n(req.n, batch)
+            runs_n = choices.check_best_of(req.best_of, n, req.stream, batch)
             prep = await svc.prepare(served, prepare_completion, req)
             head = Head(new_id("cmpl"), int(time.time()), served.name, served.fingerprint)
-            reply = CompletionReply(served.token_text, logprobs=req.logprobs is not None)
-            run = svc.submit(served, prep, head.id, request)
+            logprobs = req.logprobs is not None
+            replies = [CompletionReply(served.token_text, logprobs=logprobs) for _ in range(runs_n)]
+            gen = prep.gen  # best_of ranks by logprobs: every sample reads its own
+            if runs_n > n:
+                gen = replace(gen, top_logprobs=gen.top_logprobs or 0)
+            runs = svc.submit_samples(served, samples_of(gen, runs_n), head.id, request)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
-            return sse_response(completion_stream(run, head, reply, include_usage))
-        ev = await collect(run, reply.feed)
-        assert ev.usage is not None and ev.finish_reason is not None
-        return head.completion_response(
-            reply.text, ev.finish_reason, reply.logprobs, usage_dict(ev.usage)
-        )
+            return sse_response(choices.completion_stream(runs, head, replies, include_usage))
+        scores = [choices.Score() for _ in runs]
+        feeds = [
+            lambda ev, r=r, s=s: (r.feed(ev), s.add(ev))
+            for r, s in zip(replies, scores, strict=True)
+        ]
+        finals = await choices.collect_all(runs, feeds)
+        chosen = choices.best(scores, n) if runs_n > n else None
+        return choices.completion_response(head, replies, finals, chosen)
 
     for api in (anthropic, responses, ollama, embeddings):
         app.include_router(api.router(svc, auth))

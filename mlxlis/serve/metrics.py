@@ -14,6 +14,8 @@ Series, `model` being the served name (an adapter's BASE:NAME included):
   mlxlis_prompt_tokens_total{model}         prompt tokens of ended requests, cached ones in
   mlxlis_prompt_cached_tokens_total{model}  of which the prefix cache held
   mlxlis_generated_tokens_total{model}      tokens generated (a stop token included)
+  mlxlis_prefill_tokens_total{model}        prompt tokens the model read (not those a cache
+                                            held, nor those the samples of one prompt share)
   mlxlis_prefix_cache_hit_ratio{model}      cached / prompt tokens so far
   mlxlis_time_to_first_token_seconds{model}                 histogram, one per request
   mlxlis_request_time_per_output_token_seconds{model}       histogram: each request's mean
@@ -159,14 +161,20 @@ class Live(Collector):
             "bound, its requests' caches",
             labels=["model"],
         )
+        prefilled = CounterMetricFamily(
+            "mlxlis_prefill_tokens",
+            "Prompt tokens the model read into caches (a cached prefix and a fork are not)",
+            labels=["model"],
+        )
         for name, served in pool.loaded.items():
+            prefilled.add_metric([name], served.engine.prefilled)
             r, w = served.engine.counts
             running.add_metric([name], r)
             waiting.add_metric([name], w)
             cache = served.engine.prefix
             prefix.add_metric([name], cache.bytes if cache is not None else 0)
             memory.add_metric([name], served.reserve + served.engine.reserved())
-        yield from (running, waiting, prefix, memory)
+        yield from (running, waiting, prefix, memory, prefilled)
         yield GaugeMetricFamily(
             "mlxlis_memory_held_bytes",
             "Bytes the loaded models hold against the budget",

@@ -153,9 +153,10 @@ class Head:
         logprobs: list | None = None,
         finish: str | None = None,
         usage: bool = False,
+        index: int = 0,
     ) -> dict[str, Any]:
         choice = {
-            "index": 0,
+            "index": index,
             "delta": delta,
             "logprobs": {"content": logprobs} if logprobs is not None else None,
             "finish_reason": finish,
@@ -169,9 +170,10 @@ class Head:
         logprobs: CompletionLogprobs | None = None,
         finish: str | None = None,
         usage: bool = False,
+        index: int = 0,
     ) -> dict[str, Any]:
         choice = {
-            "index": 0,
+            "index": index,
             "text": text,
             "logprobs": logprobs.as_dict() if logprobs is not None else None,
             "finish_reason": finish,
@@ -200,40 +202,49 @@ class Head:
     def chat_response(
         self, message: dict[str, Any], finish: str, logprobs: list | None, usage: dict[str, Any]
     ) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": {"content": logprobs} if logprobs is not None else None,
-            "finish_reason": finish,
-        }
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": self.fingerprint,
-            "choices": [choice],
-            "usage": usage,
-        }
+        return self.response("chat.completion", [chat_choice(0, message, finish, logprobs)], usage)
 
     def completion_response(
         self, text: str, finish: str, logprobs: CompletionLogprobs | None, usage: dict[str, Any]
     ) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": logprobs.as_dict() if logprobs is not None else None,
-            "finish_reason": finish,
-        }
+        choice = completion_choice(0, text, finish, logprobs)
+        return self.response("text_completion", [choice], usage)
+
+    def response(self, obj: str, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict:
+        """A whole response of `choices` (index 0..n-1: OpenAI's n)."""
         return {
             "id": self.id,
-            "object": "text_completion",
+            "object": obj,
             "created": self.created,
             "model": self.model,
             "system_fingerprint": self.fingerprint,
-            "choices": [choice],
+            "choices": choices,
             "usage": usage,
         }
+
+
+def chat_choice(
+    index: int, message: dict[str, Any], finish: str, logprobs: list | None
+) -> dict[str, Any]:
+    """One of a chat response's choices."""
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": {"content": logprobs} if logprobs is not None else None,
+        "finish_reason": finish,
+    }
+
+
+def completion_choice(
+    index: int, text: str, finish: str, logprobs: CompletionLogprobs | None
+) -> dict[str, Any]:
+    """One of a completion response's choices."""
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs.as_dict() if logprobs is not None else None,
+        "finish_reason": finish,
+    }
 
 
 def bad(message: str, param: str | None, code: str | None = "invalid_value") -> APIError:

@@ -106,6 +106,7 @@ class Idle:
         self.on_fatal: Callable[[str], None] | None = None
         self.prefix = None  # no prefix cache
         self.counts = (0, 0)  # its requests are its holds (Served.busy)
+        self.prefilled = 0  # no prompt is read into caches
 
     def reserved(self) -> int:
         return 0

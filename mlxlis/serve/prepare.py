@@ -89,8 +89,6 @@ def sampling(
 ) -> SamplingParams:
     """The request's sampling values over the server's defaults (max_tokens set later);
     logit_bias's ids checked against a vocabulary of `vocab` tokens."""
-    if req.n is not None and req.n != 1:
-        raise bad(f"n: only n=1 is supported, not {req.n}", "n")
     changes: dict[str, Any] = {}
     named: dict[str, str] = {}  # our field -> the body's name for it (what a refusal names)
     for theirs, ours in SAMPLING_FIELDS.items():
@@ -326,8 +324,6 @@ def prepare_completion(t: Target, req: CompletionRequest) -> Prepared:
         raise bad("echo: not supported", "echo")
     if req.suffix:
         raise bad("suffix: not supported", "suffix")
-    if req.best_of is not None and req.best_of != 1:
-        raise bad(f"best_of: only 1 is supported, not {req.best_of}", "best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise bad(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}], not {req.logprobs}", "logprobs")
     params = speculable(

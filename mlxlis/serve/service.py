@@ -23,6 +23,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from mlxlis.errors import MlxlisError
+from mlxlis.generation.core import Request as GenRequest
 from mlxlis.generation.engine import (
     Engine,
     MemoryFullError,
@@ -142,20 +143,31 @@ class Run:
     line at the end."""
 
     def __init__(
-        self, state: State, served: Served, rid: str, stream: Stream, request: Request, n: int
+        self,
+        state: State,
+        served: Served,
+        rid: str,
+        stream: Stream,
+        request: Request,
+        n: int,
+        watch: bool = True,
     ):
         self.state, self.served, self.rid, self.stream, self.prompt = state, served, rid, stream, n
         served.holds += 1  # not unloaded under it (released in close)
         self.tokens, self.final = 0, None
         self.counted = False  # told to the metrics (at its last event, or when it closes)
-        self.watcher = asyncio.create_task(self._watch(request.receive))
+        # the runs of one HTTP request (its samples, OpenAI's n): the first one's watcher
+        # ends them all when the client leaves
+        self.group: list[Run] = [self]
+        self.watcher = asyncio.create_task(self._watch(request.receive)) if watch else None
         self.closed = False
 
     async def _watch(self, receive: Callable) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        self.stream.cancel()
-        self.close()  # also where the reply never started streaming (its model released)
+        for run in self.group:
+            run.stream.cancel()
+            run.close()  # also where the reply never started streaming (its model released)
 
     async def events(self) -> AsyncIterator[Event]:
         async for ev in self.stream:
@@ -207,7 +219,9 @@ class Run:
             return
         self.closed = True
         self.served.release()
-        self.watcher.cancel()
+        watcher = self.group[0].watcher
+        if watcher is not None and all(r.closed for r in self.group):
+            watcher.cancel()
         self.stream.cancel()  # a no-op once it finished; otherwise the client left
         self.count()
         ev = self.final
@@ -378,10 +392,17 @@ class Service:
         )
 
     def submit(self, served: Served, prep: Prepared, rid: str, request: Request) -> Run:
+        return self.submit_samples(served, [prep.gen], rid, request)[0]
+
+    def submit_samples(
+        self, served: Served, gens: list[GenRequest], rid: str, request: Request
+    ) -> list[Run]:
+        """Samples of one prompt (OpenAI's n; Engine.submit_samples), a Run each: the first's
+        watcher ends them all when the client leaves."""
         state = self.state
         assert isinstance(served.engine, Engine)  # a chat route's model (Service.model's task)
         try:
-            stream = served.engine.submit(prep.gen, loop=asyncio.get_running_loop())
+            streams = served.engine.submit_samples(gens, loop=asyncio.get_running_loop())
         except QueueFullError as e:
             raise APIError(
                 429,
@@ -410,9 +431,15 @@ class Service:
                     503, str(e), type="server_error", code="server_shutting_down"
                 ) from None
             raise APIError(400, str(e), param=getattr(e, "field", None)) from None
-        n = len(prep.gen.prompt)
-        log.debug("%s %s prompt=%d %s", rid, request.url.path, n, prep.gen.params)
-        return Run(state, served, rid, stream, request, n)
+        n = len(gens[0].prompt)
+        log.debug("%s %s prompt=%d n=%d %s", rid, request.url.path, n, len(gens), gens[0].params)
+        runs = [
+            Run(state, served, rid, stream, request, n, watch=i == 0)
+            for i, stream in enumerate(streams)
+        ]
+        for run in runs:
+            run.group = runs
+        return runs
 
 
 def pool_error(e: PoolError) -> APIError:
