@@ -207,6 +207,9 @@ def _chat_launched(argv: list[str], tui_main: Callable[[list[str]], int]) -> int
     if known.layers_split:  # the app's loader reads it from there (mlxlis.distributed)
         os.environ["MLXLIS_LAYERS_SPLIT"] = ",".join(map(str, known.layers_split))
         reload()
+    if known.tensor:
+        os.environ["MLXLIS_TENSOR"] = str(known.tensor)
+        reload()
     ranks = None
 
     def join() -> int:
