@@ -5,11 +5,12 @@ Proves, against a lone process loading the same file (its float32 forward is the
 itself proved against transformers / llama.cpp in test_llama_parity.py, test_qwen3.py and
 test_gguf_models.py): on a tiny Llama (4 query heads on 2 KV heads, untied head) and a tiny
 Qwen3 (q/k norms, 4 query heads on 1 KV head: the KV head replicated on both ranks) over 2
-ranks, and the real SmolLM2 GGUF (Q4_1 blocks sliced as stored, tied head; 9 heads on 3 KV
-heads split only over 3 ranks) over 3, each step's float32 logits agree with the lone
-process's within 1e-5 relative to the largest logit (the o_proj / down_proj sums add N partial
-products where one process adds one: only the rounding order differs; measured 1e-7 to 1e-6)
-and the 64+ greedy tokens are identical; each rank holds exactly its share of the weights
+ranks (64 greedy tokens), and the real SmolLM2 GGUF (Q4_1 blocks sliced as stored, tied head;
+9 heads on 3 KV heads split only over 3 ranks) over 3 (8 tokens: make test-all), each step's
+float32 logits agree with the lone process's within 1e-5 relative to the step's largest logit
+(the o_proj / down_proj sums add N partial products where one process adds one: only the
+rounding order differs; SmolLM2 measured 3.0e-6, 5.8e-5 absolute on logits up to 38) and the
+greedy tokens are identical; each rank holds exactly its share of the weights
 ((whole − replicated) / N + replicated, the replicated part being the norms) and its KV caches
 hold only its KV heads (exactly 1/N of the whole when K ≥ N; with K < N the KV heads and their
 projections are replicated on N/K ranks, 1/K each). A killed rank ends every rank with rank 0's one-line error. A model
@@ -118,7 +119,8 @@ def jobs_for(n: int, folders: dict) -> list[dict]:
             for name, path in folders.items()
         ]
     smol = str(need_pulled("smollm2-135m"))
-    return [{"name": "smol", "model": smol, "prompt": "The capital of France is", "steps": STEPS}]
+    # 8 steps: each token is 61 collectives over 3 ranks on 2 busy cores (~4.7 s a token here)
+    return [{"name": "smol", "model": smol, "prompt": "The capital of France is", "steps": 8}]
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +129,11 @@ def launched(tmp_path_factory, folders):
     return lambda n: (_launch(n, json.dumps(jobs_for(n, folders)), tmp), jobs_for(n, folders))
 
 
-@pytest.mark.parametrize("n", [2, 3])
+# 2 ranks, the tiny models (~20 s): make test; 3 ranks, SmolLM2 (~80 s): make test-all
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.extended)])
 def test_tensor_ranks_equal_the_lone_process(launched, n):
     """Each step's logits from rank 0 (prefill, then 64 greedy decode steps through the
-    generation core led from rank 0) within 1e-5 of the lone process's relative to the step's
+    generation core led from rank 0; 8 on SmolLM2) within 1e-5 of the lone process's relative to the step's
     largest logit, the same greedy tokens; each rank's weights are (whole − norms) / N + norms
     bytes, its k/v projections and KV-cache bytes the lone ones' × its KV heads / all KV heads
     (1/N when they split; 1/K when K < N and each is replicated)."""
@@ -171,20 +174,21 @@ def test_uneven_split_is_refused_by_name_before_loading(folders):
         plan_layout(smol, 0, 2, "smol")
     llama = lone(folders["llama"]).config
     with pytest.raises(UnsupportedError, match="intermediate_size"):
-        plan_layout(llama.with_(num_attention_heads=5), 0, 5, "tiny")
+        plan_layout(llama.with_(num_attention_heads=5, vocab_size=420), 0, 5, "tiny")
     with pytest.raises(UnsupportedError, match="num_key_value_heads"):
-        plan_layout(llama.with_(num_attention_heads=6, num_key_value_heads=2), 0, 3, "tiny")
+        plan_layout(llama.with_(num_attention_heads=6, vocab_size=420), 0, 3, "tiny")
     with pytest.raises(PipelineError, match="--tensor"):
         mlxlis.load(folders["llama"], "float32", tensor=2)
 
 
-def test_killed_rank_ends_every_rank_with_a_clear_error(tmp_path):
+def test_killed_rank_ends_every_rank_with_a_clear_error(folders):
     """`mlxlis --tensor 2` under mlx.launch streaming a long reply: SIGKILL on rank 1, and the
-    launcher and rank 0 are gone within 10 s, rank 0 having said why in one line."""
-    folder = tmp_path / "long"
-    build_tiny(folder, TINY["llama_long"])
-    args = ["-m", str(folder), "--tensor", "2", "--no-chat", "--temp", "0"]
-    p = start(2, MLXLIS, *args, "--max-tokens", "3000", "Once upon a time", env=ENV)
+    launcher and rank 0 are gone within 10 s, rank 0 having said why in one line. (MLX's ring
+    backend fails a pending all_sum's tasks when a peer goes, but the sum never returns: the
+    pipeline's watchdog ends rank 0 after MLXLIS_RANK_TIMEOUT, 3 s here.)"""
+    args = ["-m", folders["llama"], "--tensor", "2", "--no-chat", "--temp", "0"]
+    env = {**ENV, "MLXLIS_RANK_TIMEOUT": "3"}
+    p = start(2, MLXLIS, *args, "--max-tokens", "480", "Once", env=env)
     try:
         pids = ranks(p, 2)
         _stdout_begins(p)
@@ -201,7 +205,11 @@ def test_killed_rank_ends_every_rank_with_a_clear_error(tmp_path):
     assert lines, err[-2000:]
     assert any(
         why in lines[0]
-        for why in ("lost the connection to another rank", "stopped by the launcher")
+        for why in (
+            "lost the connection to another rank",
+            "stopped by the launcher",
+            "no answer from the other ranks for 3 s",
+        )
     )
 
 

@@ -22,6 +22,10 @@ Bytes between ranks per token: per layer two all_sums of hidden × dtype, one fo
 embedding, and the head's gather of vocab × dtype (`bytes_per_token`). Each rank loads the
 whole file, then keeps its slices (the rest is freed): its peak during the load is the whole
 model's.
+
+A rank lost mid-step: MLX's ring backend fails the pending all_sum's tasks but the sum never
+returns (a pipeline's recv raises instead), so the ranks left are ended by group.py's
+watchdog after MLXLIS_RANK_TIMEOUT seconds, with its one-line error.
 """
 
 from __future__ import annotations
