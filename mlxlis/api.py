@@ -186,7 +186,11 @@ def load(
 
 
 def _ready(
-    model: Model, pipeline: Pipeline | Tensor, kv: KVFormat | None, adapters: list[Adapter], merge: bool
+    model: Model,
+    pipeline: Pipeline | Tensor,
+    kv: KVFormat | None,
+    adapters: list[Adapter],
+    merge: bool,
 ) -> Model:
     """The adapters applied (merged when `merge`); every rank has its share (a pipelined
     model's generation steps are led from rank 0: generation.steps_for)."""

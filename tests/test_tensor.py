@@ -13,8 +13,9 @@ rounding order differs; SmolLM2 measured 3.0e-6, 5.8e-5 absolute on logits up to
 greedy tokens are identical; each rank holds exactly its share of the weights
 ((whole − replicated) / N + replicated, the replicated part being the norms) and its KV caches
 hold only its KV heads (exactly 1/N of the whole when K ≥ N; with K < N the KV heads and their
-projections are replicated on N/K ranks, 1/K each). A killed rank ends every rank with rank 0's one-line error. A model
-whose heads or rows do not split evenly is refused by name before any weight is read.
+projections are replicated on N/K ranks, 1/K each). A killed rank ends every rank with rank
+0's one-line error. A model whose heads or rows do not split evenly is refused by name before
+any weight is read.
 """
 
 from __future__ import annotations
@@ -160,7 +161,9 @@ def test_tensor_ranks_equal_the_lone_process(launched, n):
         kv_heads = [tuple(rep["kv_heads"]) for rep in reports]
         if cfg.num_key_value_heads < n:  # replicated: each KV head on n / K ranks
             per = cfg.num_attention_heads // cfg.num_key_value_heads
-            assert all(k[0] == h // per for k, h in zip(kv_heads, heads[:: len(heads) // n]))
+            assert all(
+                k[0] == h // per for k, h in zip(kv_heads, heads[:: len(heads) // n], strict=True)
+            )
         else:
             assert sum(k[1] - k[0] for k in kv_heads) == cfg.num_key_value_heads
 

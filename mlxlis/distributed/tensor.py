@@ -169,7 +169,9 @@ def by_columns(layer: nn.Module, cols: range, what: str) -> None:
             field=what,
         )
     per_word = 32 // bits
-    layer["weight"] = _take(layer["weight"], range(cols.start // per_word, cols.stop // per_word), 1)
+    layer["weight"] = _take(
+        layer["weight"], range(cols.start // per_word, cols.stop // per_word), 1
+    )
     for name in ("scales", "biases"):
         if name in layer:
             layer[name] = _take(layer[name], range(cols.start // gs, cols.stop // gs), 1)
