@@ -134,10 +134,11 @@ def launched(tmp_path_factory, folders):
 @pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.extended)])
 def test_tensor_ranks_equal_the_lone_process(launched, n):
     """Each step's logits from rank 0 (prefill, then 64 greedy decode steps through the
-    generation core led from rank 0; 8 on SmolLM2) within 1e-5 of the lone process's relative to the step's
-    largest logit, the same greedy tokens; each rank's weights are (whole − norms) / N + norms
-    bytes, its k/v projections and KV-cache bytes the lone ones' × its KV heads / all KV heads
-    (1/N when they split; 1/K when K < N and each is replicated)."""
+    generation core led from rank 0; 8 on SmolLM2) within 1e-5 of the lone process's relative
+    to the step's largest logit, the same greedy tokens; each rank's weights are
+    (whole − norms − k/v projections) / N + norms + its k/v share bytes, its k/v projections
+    and KV-cache bytes the lone ones' × its KV heads / all KV heads (1/N when they split; 1/K
+    when K < N and each is replicated)."""
     out, jobs = launched(n)
     for job in jobs:
         tokens, logits, sizes, kv = reference(job["model"], job["prompt"], job["steps"])
