@@ -231,3 +231,25 @@ def _stdout_begins(p, timeout: float = 90) -> bytes:
             break
     kill_all(p)
     raise AssertionError(f"no output: {p.stderr.read().decode()[-2000:]}")
+
+
+def test_inspect_tensor_reports_each_ranks_slice(capsys):
+    """`inspect smollm2-135m --tensor 3 --json` from the header: three ranks whose query heads
+    cover 0-8 in order, one KV head each, bytes that add up to the file's with the norms
+    counted on every rank, and the bytes each sends per token; --tensor 2 is refused naming
+    num_attention_heads (9 heads)."""
+    from mlxlis.commands.cli import main
+
+    need_pulled("smollm2-135m")
+    assert main(["inspect", "smollm2-135m", "--tensor", "3", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert [p["rank"] for p in r["parts"]] == [0, 1, 2]
+    assert "query heads 0-2, KV heads 0-0" in r["parts"][0]["layout"]
+    assert "query heads 6-8, KV heads 2-2" in r["parts"][2]["layout"]
+    cfg = lone("smollm2-135m").config
+    assert r["bytes_per_token"] == 4 * (
+        (2 * cfg.num_hidden_layers + 1) * 2 * 2 * cfg.hidden_size // 3 + 2 * cfg.vocab_size // 3
+    )
+    assert sum(p["bytes"] for p in r["parts"]) >= r["weight_bytes"]
+    assert main(["inspect", "smollm2-135m", "--tensor", "2"]) == 2
+    assert "num_attention_heads" in capsys.readouterr().err
