@@ -4,18 +4,18 @@ every rank holds a slice of every layer (heads, MLP rows, vocabulary) and works 
 Proves, against a lone process loading the same file (its float32 forward is the reference,
 itself proved against transformers / llama.cpp in test_llama_parity.py, test_qwen3.py and
 test_gguf_models.py): on a tiny Llama (4 query heads on 2 KV heads, untied head) and a tiny
-Qwen3 (q/k norms, 4 query heads on 1 KV head: the KV head replicated on both ranks) over 2
-ranks (64 greedy tokens), and the real SmolLM2 GGUF (Q4_1 blocks sliced as stored, tied head;
-9 heads on 3 KV heads split only over 3 ranks) over 3 (8 tokens: make test-all), each step's
-float32 logits agree with the lone process's within 1e-5 relative to the step's largest logit
-(the o_proj / down_proj sums add N partial products where one process adds one: only the
-rounding order differs; SmolLM2 measured 3.0e-6, 5.8e-5 absolute on logits up to 38) and the
-greedy tokens are identical; each rank holds exactly its share of the weights
-((whole − replicated) / N + replicated, the replicated part being the norms) and its KV caches
-hold only its KV heads (exactly 1/N of the whole when K ≥ N; with K < N the KV heads and their
-projections are replicated on N/K ranks, 1/K each). A killed rank ends every rank with rank
-0's one-line error. A model whose heads or rows do not split evenly is refused by name before
-any weight is read.
+Qwen3 (q/k norms, 4 query heads on 1 KV head: the KV head replicated on both ranks; a tied
+head) over 2 ranks (64 greedy tokens), and the real SmolLM2 GGUF (Q4_1 blocks sliced as
+stored, tied head; 9 heads on 3 KV heads split only over 3 ranks) over 3 (8 tokens: make
+test-all), each step's float32 logits agree with the lone process's within 1e-5 relative to
+the step's largest logit (the o_proj / down_proj sums add N partial products where one process
+adds one: only the rounding order differs; SmolLM2 measured 3.0e-6, 5.8e-5 absolute on logits
+up to 38) and the greedy tokens are identical; each rank holds exactly its share of the
+weights ((whole − replicated) / N + replicated, the replicated part being the norms) and its KV
+caches hold only its KV heads (exactly 1/N of the whole when K ≥ N; with K < N the KV heads and
+their projections are replicated on N/K ranks, 1/K each). A killed rank ends every rank with
+rank 0's one-line error. A model whose heads or rows do not split evenly is refused by name
+before any weight is read.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ QWEN3 = dict(
     num_attention_heads=4,
     num_key_value_heads=1,
     head_dim=16,
-    tie_word_embeddings=False,
+    tie_word_embeddings=True,
     max_position_embeddings=512,
 )
 PROMPT = "Hello, world! 1234 def add(a, b):"
