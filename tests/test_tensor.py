@@ -253,3 +253,19 @@ def test_inspect_tensor_reports_each_ranks_slice(capsys):
     assert sum(p["bytes"] for p in r["parts"]) >= r["weight_bytes"]
     assert main(["inspect", "smollm2-135m", "--tensor", "2"]) == 2
     assert "num_attention_heads" in capsys.readouterr().err
+
+
+@pytest.mark.extended  # `make test-all` (~15 s): the ranks' steps are proved in make test
+def test_cli_under_the_launcher_prints_the_lone_output_once(folders):
+    """`mlx.launch -n 2 mlxlis -m M --tensor 2 --no-chat --temp 0 PROMPT` writes exactly what
+    the lone command writes, once (rank 1 prints nothing): the one-shot command runs unchanged
+    on rank 0."""
+    import subprocess
+
+    args = ["-m", folders["llama"], "--no-chat", "--temp", "0", "--max-tokens", "24", "Hello"]
+    env = {**os.environ, **ENV, "OPENBLAS_NUM_THREADS": "1"}
+    alone = subprocess.run([MLXLIS, *args], capture_output=True, text=True, timeout=120, env=env)
+    assert alone.returncode == 0, alone.stderr
+    code, out, err = launch(2, MLXLIS, *args, "--tensor", "2", env=ENV)
+    assert code == 0, err
+    assert out == alone.stdout and out.strip()
