@@ -4,8 +4,10 @@ Under a launcher with two or more ranks, `mlxlis.load` gives each rank a contigu
 the layers (split.py), reads only that share's tensors from the file, and wraps the network in
 a `PipelineNet` (stage.py) that passes hidden states rank to rank. Rank 0 runs the surface and
 its generation core, whose steps are LeaderSteps (leader.py): each step is announced to the
-other ranks, which `follow`. group.py holds the ranks and the failure handling. Outside a
-launcher nothing here runs. Imports the generation core and below; the core never imports this.
+other ranks, which `follow`. group.py holds the ranks and the failure handling. With
+`--tensor N` (MLXLIS_TENSOR) each rank holds a slice of every layer instead (tensor.py, a
+`Tensor` placement), its steps led from rank 0 alike. Outside a launcher nothing here runs.
+Imports the generation core and below; the core never imports this.
 """
 
 from __future__ import annotations

@@ -325,12 +325,20 @@ class TensorNet:
     def named_modules(self) -> list[tuple[str, nn.Module]]:
         return self.net.named_modules()
 
-    def __call__(self, inputs, cache=None, last_only=False, inserts=None) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: list[Cache] | None = None,
+        last_only: bool = False,
+        inserts: object = None,
+    ) -> mx.array:
         if inserts:  # Model.image_spans refuses a distributed model's images before this
             raise UnsupportedError("images with a tensor-parallel model", field="images")
         return self.net(inputs, cache, last_only)
 
-    def hidden_states(self, inputs, cache=None, inserts=None) -> mx.array:
+    def hidden_states(
+        self, inputs: mx.array, cache: list[Cache] | None = None, inserts: object = None
+    ) -> mx.array:
         return self.net.hidden_states(inputs, cache)
 
     def head(self, h: mx.array, last_only: bool = False) -> mx.array:
