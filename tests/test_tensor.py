@@ -269,3 +269,55 @@ def test_cli_under_the_launcher_prints_the_lone_output_once(folders):
     code, out, err = launch(2, MLXLIS, *args, "--tensor", "2", env=ENV)
     assert code == 0, err
     assert out == alone.stdout and out.strip()
+
+
+@pytest.mark.extended  # `make test-all` (~30 s)
+def test_server_under_the_launcher_answers_as_a_lone_engine(folders, tmp_path):
+    """`mlxlis serve --tensor 2` under mlx.launch (rank 0 serves, both ranks run every step of
+    its engine): concurrent greedy completions with the official `openai` client, decoded in
+    one batch, give the text of the same requests run one by one on a lone in-process Engine,
+    each token's logprob within 1e-4 of the lone run's (the tensor sums' rounding only)."""
+    import concurrent.futures
+
+    from serve_process import ServeProcess
+    from test_pipeline_serve import lone as lone_engine
+
+    model = lone(folders["llama"])
+    texts = ["Hello, world!", "def add(a, b):", "The quick brown fox jumps over"]
+    batch = [model.tokenizer.encode(t) for t in texts]
+    server = ServeProcess(
+        tmp_path,
+        "-m",
+        folders["llama"],
+        "--tensor",
+        "2",
+        "--max-batch",
+        "4",
+        ranks=2,
+        env={**ENV, "MLXLIS_RANK_TIMEOUT": "120"},
+    )
+    try:
+        client = server.client()
+
+        def complete(ids):
+            return client.completions.create(
+                model=server.model,
+                prompt=ids,
+                max_tokens=8,
+                temperature=0,
+                logprobs=0,
+                extra_body={"ignore_eos": True},
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+            served = list(pool.map(complete, batch))
+        for ids, got in zip(batch, served, strict=True):
+            text, logprobs = lone_engine(model, ids)
+            choice = got.choices[0]
+            assert choice.text == text, (ids, choice.text, text)
+            diff = max(
+                abs(a - b) for a, b in zip(choice.logprobs.token_logprobs, logprobs, strict=True)
+            )
+            assert diff <= 1e-4, diff
+    finally:
+        kill_all(server.proc)
