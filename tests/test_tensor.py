@@ -3,19 +3,23 @@ every rank holds a slice of every layer (heads, MLP rows, vocabulary) and works 
 
 Proves, against a lone process loading the same file (its float32 forward is the reference,
 itself proved against transformers / llama.cpp in test_llama_parity.py, test_qwen3.py and
-test_gguf_models.py): on a tiny Llama (4 query heads on 2 KV heads, untied head) and a tiny
-Qwen3 (q/k norms, 4 query heads on 1 KV head: the KV head replicated on both ranks; a tied
-head) over 2 ranks (64 greedy tokens), and the real SmolLM2 GGUF (Q4_1 blocks sliced as
-stored, tied head; 9 heads on 3 KV heads split only over 3 ranks) over 3 (8 tokens: make
-test-all), each step's float32 logits agree with the lone process's within 1e-5 relative to
-the step's largest logit (the o_proj / down_proj sums add N partial products where one process
-adds one: only the rounding order differs; SmolLM2 measured 3.0e-6, 5.8e-5 absolute on logits
-up to 38) and the greedy tokens are identical; each rank holds exactly its share of the
-weights ((whole − replicated) / N + replicated, the replicated part being the norms) and its KV
-caches hold only its KV heads (exactly 1/N of the whole when K ≥ N; with K < N the KV heads and
-their projections are replicated on N/K ranks, 1/K each). A killed rank ends every rank with
-rank 0's one-line error. A model whose heads or rows do not split evenly is refused by name
-before any weight is read.
+test_gguf_models.py), over 2 ranks (64 greedy tokens) on a tiny Llama (4 query heads on 2 KV
+heads, untied head), a tiny Qwen3 (q/k norms, 4 query heads on 1 KV head: the KV head
+replicated on both ranks; a tied head) and mlx-lm's 4-bit conversion of a tiny Llama (groups
+of 32: quantized layers and embedding sliced as stored), and over 3 ranks (8 tokens, make
+test-all) on the real SmolLM2 GGUF (Q4_1 blocks sliced as stored, tied head; its 9 heads on 3
+KV heads split over 3 ranks, not 2):
+- each step's float32 logits agree with the lone process's within 1e-5 relative to the step's
+  largest logit: the o_proj / down_proj sums add N partial products where one process adds
+  one, so only the rounding order differs (measured: 4.7e-7 tiny, 1.1e-6 4-bit, 3.0e-6
+  SmolLM2, 5.8e-5 absolute on its logits up to 38), and the greedy tokens are identical;
+- each rank holds exactly its share of the weights: (whole − replicated) / N + replicated,
+  the replicated part being the norms (and, when K < N, the k/v projections of its KV head,
+  1/K of them); its KV caches hold only its KV heads (1/N of the bytes when K ≥ N, 1/K when
+  each KV head is replicated on N/K ranks).
+A killed rank ends every rank with rank 0's one-line error; the one-shot command and the
+server run unchanged on rank 0 (make test-all); a model whose heads or rows do not split
+evenly is refused by name before any weight is read, and `inspect --tensor N` shows the slices.
 """
 
 from __future__ import annotations
@@ -108,9 +112,17 @@ def _launch(n: int, jobs_json: str, tmp: Path) -> Path:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tensor-models")
+    from mlx_lm import convert as mlx_lm_convert
+
     build_tiny(tmp / "llama", TINY["llama"])
     build_tiny(tmp / "qwen3", QWEN3)
-    return {"llama": str(tmp / "llama"), "qwen3": str(tmp / "qwen3")}
+    # 128 MLP rows: each rank's 64 columns of down_proj are whole groups of 32
+    build_tiny(tmp / "llama128", {**TINY["llama"], "intermediate_size": 128})
+    q4 = tmp / "llama-q4"
+    mlx_lm_convert(
+        str(tmp / "llama128"), str(q4), quantize=True, q_group_size=32, q_bits=4, dtype="float32"
+    )
+    return {"llama": str(tmp / "llama"), "qwen3": str(tmp / "qwen3"), "llama-q4": str(q4)}
 
 
 def jobs_for(n: int, folders: dict) -> list[dict]:
