@@ -13,7 +13,7 @@ from typing import Any
 
 from mlxlis.bounded import check_folder_json, read_json_file
 from mlxlis.cache import KVFormat
-from mlxlis.distributed import Pipeline, Tensor, placement
+from mlxlis.distributed import Pipeline, Tensor, placement_from_env
 from mlxlis.errors import (
     AdapterError,
     BindingError,
@@ -134,7 +134,7 @@ def load(
     dt = dtype if isinstance(dtype, mx.Dtype) else resolve_dtype(dtype)
     manifest = as_manifest(bindings)  # a bad manifest fails before anything else is read
     # a bad split fails before the file is read
-    pipeline = placement(layers_split, tensor)
+    pipeline = placement_from_env(layers_split, tensor)
     path = resolve(path_or_name, vision=mmproj is not False)
     if path.is_file() and path.suffix.lower() == ".gguf":
         if task not in (None, "generate"):

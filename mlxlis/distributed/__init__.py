@@ -36,7 +36,7 @@ import mlx.core as mx
 __all__ = [
     "Pipeline",
     "Tensor",
-    "placement",
+    "placement_from_env",
     "PipelineNet",
     "Part",
     "Ranks",
@@ -145,7 +145,7 @@ class Tensor:
             self.ranks.barrier()
 
 
-def placement(split: str | Sequence[int] | None, tensor: int | None) -> Pipeline | Tensor:
+def placement_from_env(split: str | Sequence[int] | None, tensor: int | None) -> Pipeline | Tensor:
     """How this process places a model it loads: split in tensor ranks (`tensor`, else
     MLXLIS_TENSOR), else pipelined by layers under a launcher (`split`)."""
     if tensor is None:
