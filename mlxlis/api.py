@@ -13,7 +13,7 @@ from typing import Any
 
 from mlxlis.bounded import check_folder_json, read_json_file
 from mlxlis.cache import KVFormat
-from mlxlis.distributed import Pipeline
+from mlxlis.distributed import Pipeline, Tensor, placement_from_env
 from mlxlis.errors import (
     AdapterError,
     BindingError,
@@ -50,6 +50,7 @@ class LoadOptions:
     bindings: str | Path | dict | None = None
     strict: bool = True
     layers_split: str | list[int] | None = None
+    tensor: int | None = None
     kv_bits: int | None = None
     kv_group_size: int = 64
     mmproj: str | Path | bool | None = None
@@ -72,6 +73,7 @@ def load(
     bindings: str | Path | dict | None = None,
     strict: bool = True,
     layers_split: str | list[int] | None = None,
+    tensor: int | None = None,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     mmproj: str | Path | bool | None = None,
@@ -94,7 +96,9 @@ def load(
 
     Under `mlx.launch` with several ranks, each rank loads only its share of the layers and
     the model runs pipelined (mlxlis.distributed); `layers_split` (e.g. "14,14": layers per
-    rank, in rank order) fixes the shares, else they are balanced by weight bytes.
+    rank, in rank order) fixes the shares, else they are balanced by weight bytes. `tensor`
+    (else MLXLIS_TENSOR): split every layer across that many launched ranks instead (tensor
+    parallelism, mlxlis/distributed/tensor.py: attention heads, MLP rows, vocabulary).
 
     `kv_bits` (8 or 4): every request's keys and values are stored quantized (MLX affine,
     one scale and bias per `kv_group_size` elements) and attended in that form; None: dense.
@@ -129,7 +133,8 @@ def load(
     backend.select()  # the operations around the products, for that device and the settings
     dt = dtype if isinstance(dtype, mx.Dtype) else resolve_dtype(dtype)
     manifest = as_manifest(bindings)  # a bad manifest fails before anything else is read
-    pipeline = Pipeline.from_env(layers_split)  # a bad split fails before the file is read
+    # a bad split fails before the file is read
+    pipeline = placement_from_env(layers_split, tensor)
     path = resolve(path_or_name, vision=mmproj is not False)
     if path.is_file() and path.suffix.lower() == ".gguf":
         if task not in (None, "generate"):
@@ -181,7 +186,11 @@ def load(
 
 
 def _ready(
-    model: Model, pipeline: Pipeline, kv: KVFormat | None, adapters: list[Adapter], merge: bool
+    model: Model,
+    pipeline: Pipeline | Tensor,
+    kv: KVFormat | None,
+    adapters: list[Adapter],
+    merge: bool,
 ) -> Model:
     """The adapters applied (merged when `merge`); every rank has its share (a pipelined
     model's generation steps are led from rank 0: generation.steps_for)."""

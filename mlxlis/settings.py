@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxlis.errors import ConfigError, LayersSplitError, MlxlisError
+from mlxlis.errors import ConfigError, LayersSplitError, MlxlisError, PipelineError
 
 BLAS_CHOICES = ("auto", "wheel", "system", "bundled")
 ON = ("1", "true", "yes", "on")
@@ -64,6 +64,13 @@ def parse_split(text: str, field: str = "--layers-split") -> list[int]:
             )
         counts.append(int(p))
     return counts
+
+
+def parse_tensor(text: str, field: str = "--tensor") -> int:
+    """'2' -> 2: the ranks each layer is split across (the CLI's --tensor, or MLXLIS_TENSOR)."""
+    if not re.fullmatch(r"\s*\d+\s*", str(text)) or int(text) < 1:
+        raise PipelineError(f"expected a positive number of ranks, got {text!r}", field=field)
+    return int(text)
 
 
 def _seconds(text: str) -> float:
@@ -141,6 +148,13 @@ VARS = (
         None,
         "layers per rank, in rank order (50,30)",
     ),
+    Var(
+        "MLXLIS_TENSOR",
+        "tensor",
+        lambda t: parse_tensor(t, "MLXLIS_TENSOR"),
+        None,
+        "ranks each layer is split across (tensor parallelism under mlx.launch)",
+    ),
     Var("MLXLIS_RANK_TIMEOUT", "rank_timeout", _seconds, 30.0, "seconds a rank waits for a peer"),
     # Linux CPU speed
     Var("MLXLIS_BLAS", "blas", _blas, "auto", "auto, wheel, system or bundled: the CPU BLAS"),
@@ -201,6 +215,7 @@ class Settings:
     max_memory: int | None = None
     api_key: str | None = None
     layers_split: tuple[int, ...] | None = None
+    tensor: int | None = None
     rank_timeout: float = 30.0
     blas: str = "auto"
     no_openblas: bool = False

@@ -139,7 +139,43 @@ G4_REWIND = (
     "tests/test_granite4.py::test_a_rejection_at_each_position_rewinds_the_mamba_state_exactly"
 )
 
+TENSOR_2 = "tests/test_tensor.py::test_tensor_ranks_equal_the_lone_process[2]"
+
 MUTANTS = (
+    Mutant(
+        "tensor-no-all-sum",
+        "mlxlis/distributed/tensor.py",
+        "y = mx.distributed.all_sum(self.inner(x), group=self._group)",
+        "y = self.inner(x)",
+        (TENSOR_2,),
+        "tensor parallelism: a row-parallel projection's partial products not summed over ranks",
+    ),
+    Mutant(
+        "tensor-kv-heads-off-by-one",
+        "mlxlis/distributed/tensor.py",
+        "per = self.kv // self.size\n        return range(self.rank * per, (self.rank + 1) * per)",
+        "per = self.kv // self.size\n        nxt = (self.rank + 1) % self.size\n"
+        "        return range(nxt * per, (nxt + 1) * per)",
+        (TENSOR_2,),
+        "tensor parallelism: each rank's KV-head slice one rank's share off",
+    ),
+    Mutant(
+        "tensor-head-vocab-misaligned",
+        "mlxlis/distributed/tensor.py",
+        "return gather_vocab(self.inner(x), self._group)",
+        "return gather_vocab(mx.roll(self.inner(x), 1, axis=-1), self._group)",
+        (TENSOR_2,),
+        "tensor parallelism: the head's vocabulary slice shifted by one row",
+    ),
+    Mutant(
+        "tensor-quant-group-cut",
+        "mlxlis/distributed/tensor.py",
+        "layer[name] = _take(layer[name], range(cols.start // gs, cols.stop // gs), 1)",
+        "layer[name] = _take(layer[name], range(cols.start // gs - (cols.start > 0), "
+        "cols.stop // gs - (cols.start > 0)), 1)",
+        (TENSOR_2,),
+        "tensor parallelism: a quantized column slice's scales one group off",
+    ),
     Mutant(
         "rope-freqs-divide",
         "mlxlis/models/rope.py",

@@ -150,6 +150,14 @@ def add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
         "by weight bytes)",
     )
     p.add_argument(
+        "--tensor",
+        metavar="N",
+        type=_tensor,
+        default=None,
+        help="under mlx.launch -n N: split every layer across the N ranks (tensor parallelism: "
+        "attention heads, MLP rows, vocabulary) instead of pipelining the layers",
+    )
+    p.add_argument(
         "--kv-bits",
         type=int,
         choices=(8, 4),
@@ -177,6 +185,16 @@ def _layers_split(text: str) -> list[int]:
         return parse_split(text)
     except LayersSplitError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--layers-split: ")) from None
+
+
+def _tensor(text: str) -> int:
+    from mlxlis.errors import PipelineError
+    from mlxlis.settings import parse_tensor
+
+    try:
+        return parse_tensor(text)
+    except PipelineError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--tensor: ")) from None
 
 
 def add_thinking_args(p: argparse.ArgumentParser) -> None:

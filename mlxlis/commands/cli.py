@@ -64,6 +64,15 @@ def _inspect(a: argparse.Namespace) -> int:
         split = placement_report(a.model, a.split, a.layers_split)
         print(json.dumps(split, indent=2) if a.json else format_placement(split), flush=True)
         return 0
+    if a.tensor is not None:
+        from mlxlis.distributed import world
+
+        if world() is None:  # outside a launcher: the layout N ranks would hold
+            from mlxlis.distributed.placement import format_tensor, tensor_report
+
+            layout = tensor_report(a.model, a.tensor)
+            print(json.dumps(layout, indent=2) if a.json else format_tensor(layout), flush=True)
+            return 0
     model = load_model(a)
     if model.rank != 0:  # under mlx.launch: rank 0 reports
         return 0
@@ -206,6 +215,9 @@ def _chat_launched(argv: list[str], tui_main: Callable[[list[str]], int]) -> int
     known, _ = p.parse_known_args(argv)
     if known.layers_split:  # the app's loader reads it from there (mlxlis.distributed)
         os.environ["MLXLIS_LAYERS_SPLIT"] = ",".join(map(str, known.layers_split))
+        reload()
+    if known.tensor:
+        os.environ["MLXLIS_TENSOR"] = str(known.tensor)
         reload()
     ranks = None
 

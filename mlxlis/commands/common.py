@@ -36,6 +36,7 @@ def load_model(a: argparse.Namespace, ref: str | None = None, task: str | None =
         bindings=getattr(a, "bindings", None),
         strict=getattr(a, "strict", True),
         layers_split=getattr(a, "layers_split", None),
+        tensor=getattr(a, "tensor", None),
         kv_bits=a.kv_bits,
         kv_group_size=a.kv_group_size,
         mmproj=getattr(a, "mmproj", None),

@@ -4,14 +4,16 @@ Under a launcher with two or more ranks, `mlxlis.load` gives each rank a contigu
 the layers (split.py), reads only that share's tensors from the file, and wraps the network in
 a `PipelineNet` (stage.py) that passes hidden states rank to rank. Rank 0 runs the surface and
 its generation core, whose steps are LeaderSteps (leader.py): each step is announced to the
-other ranks, which `follow`. group.py holds the ranks and the failure handling. Outside a
-launcher nothing here runs. Imports the generation core and below; the core never imports this.
+other ranks, which `follow`. group.py holds the ranks and the failure handling. With
+`--tensor N` (MLXLIS_TENSOR) each rank holds a slice of every layer instead (tensor.py, a
+`Tensor` placement), its steps led from rank 0 alike. Outside a launcher nothing here runs.
+Imports the generation core and below; the core never imports this.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxlis.distributed.group import Ranks, launched, world
@@ -23,6 +25,7 @@ from mlxlis.distributed.split import (
     plan_parts,
 )
 from mlxlis.distributed.stage import PipelineNet
+from mlxlis.distributed.tensor import Layout, TensorNet, check_group, plan_layout, shard
 from mlxlis.errors import PipelineError, TooLargeError, UnsupportedError
 from mlxlis.generation.steps import pipeline_steps
 from mlxlis.runtime.memory import memory_budget
@@ -32,6 +35,8 @@ import mlx.core as mx
 
 __all__ = [
     "Pipeline",
+    "Tensor",
+    "placement_from_env",
     "PipelineNet",
     "Part",
     "Ranks",
@@ -99,6 +104,69 @@ class Pipeline:
         """Every rank has loaded its share (an untimed wait: loads differ in length)."""
         if self.ranks is not None:
             self.ranks.barrier()
+
+
+@dataclass
+class Tensor:
+    """A tensor-parallel load (`--tensor N`, tensor.py): every rank reads the model, checks
+    that it splits evenly and that all ranks opened the same one, then keeps its slices."""
+
+    ranks: Ranks | None
+    size: int
+
+    def place(self, cfg: Any, sizes: Mapping[str, int], what: str) -> Layout | None:
+        check_group(self.size, self.ranks)
+        if self.ranks is None:  # --tensor 1 in a lone process: nothing to split
+            check_lone_fit(sum(sizes.values()), what)
+            return None
+        check_pipelinable(cfg, what)
+        ranks = self.ranks
+        layout = plan_layout(cfg, ranks.rank, ranks.size, what)
+        total = sum(sizes.values())
+        model_id = [cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, total // MiB]
+        for r, row in enumerate(ranks.gather(model_id)):
+            if row != model_id:
+                raise PipelineError(
+                    f"rank {r} opened a different model ({row[0]} layers, {row[3]} MiB of "
+                    f"weights) from rank {ranks.rank} ({model_id[0]} layers, {model_id[3]} "
+                    "MiB): every rank needs the same file",
+                    path=what,
+                )
+        return layout
+
+    def wrap(self, net: Any, layout: Layout, dtype: mx.Dtype) -> TensorNet:
+        assert self.ranks is not None
+        shard(net, layout, self.ranks.group, "model")
+        held = sum({id(a): a.nbytes for _, a in _leaves(net.parameters())}.values())
+        return TensorNet(net, self.ranks, replace(layout, nbytes=held), dtype)
+
+    def ready(self) -> None:
+        if self.ranks is not None:
+            self.ranks.barrier()
+
+
+def placement_from_env(split: str | Sequence[int] | None, tensor: int | None) -> Pipeline | Tensor:
+    """How this process places a model it loads: split in tensor ranks (`tensor`, else
+    MLXLIS_TENSOR), else pipelined by layers under a launcher (`split`)."""
+    if tensor is None:
+        tensor = settings().tensor
+    if tensor is None:
+        return Pipeline.from_env(split)
+    if split is not None or settings().layers_split is not None:
+        raise PipelineError(
+            "--layers-split and --tensor together (tensor groups inside pipeline stages) are "
+            "not supported yet",
+            field="--tensor",
+        )
+    if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1:
+        raise PipelineError(f"{tensor!r}: a positive number of ranks", field="--tensor")
+    return Tensor(world(), tensor)
+
+
+def _leaves(tree: Any) -> list:
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(tree)
 
 
 def check_lone_fit(stored: int, what: str) -> None:

@@ -33,23 +33,40 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 from mlxlis.cache import Cache, KVFormat, reachable, rewind
 from mlxlis.cache.prefix import PrefixCache
 from mlxlis.distributed.group import Ranks
-from mlxlis.distributed.stage import PipelineNet
 from mlxlis.errors import PipelineError, UnsupportedError
 from mlxlis.generation.steps import Lanes, LocalSteps, StepKind, WithHidden, forward
 from mlxlis.models.model import Model
+from mlxlis.models.network import Network
 
 import mlx.core as mx
 
 
-def _stage(model: Model) -> PipelineNet:
-    net = model.net
-    if not isinstance(net, PipelineNet):
-        raise PipelineError("the model does not run pipelined across ranks", field="model")
-    return net
+class RankedNet(Network, Protocol):
+    """A network split across ranks: a pipeline stage (stage.py) or a tensor-parallel slice
+    of every layer (tensor.py)."""
+
+    ranks: Ranks
+
+    @property
+    def logits_at_leader(self) -> bool:
+        """Rank 0's own forward returns the logits (tensor); else the last rank sends them."""
+        ...
+
+    @property
+    def sends_logits(self) -> bool:
+        """This rank sends its step's logits to rank 0 (a pipeline's last stage)."""
+        ...
+
+
+def _stage(model: Model) -> RankedNet:
+    if model.part is None:
+        raise PipelineError("the model does not run across ranks", field="model")
+    return model.net
 
 
 class LeaderSteps(LocalSteps):
@@ -112,6 +129,8 @@ class LeaderSteps(LocalSteps):
                 if sent is None:  # a chunk or a mark: evaluated, nothing comes back
                     return None
                 mx.eval(sent, [c.state for cs in caches for c in cs])
+                if self.net.logits_at_leader:  # every rank computed them (tensor.py)
+                    return sent
                 logits = mx.distributed.recv(
                     (len(rids), self.vocab), mx.float32, self.ranks.size - 1, group=self.ranks.group
                 )
@@ -207,6 +226,6 @@ def follow(model: Model) -> None:
                 out = forward(net, [live[r] for r in rids], ids, StepKind(kind), hidden=hidden)
                 if out is None:
                     continue
-                if net.is_last:  # the logits go back to rank 0, which samples
+                if net.sends_logits:  # the logits go back to rank 0, which samples
                     out = mx.distributed.send(out, 0, group=ranks.group)
                 mx.eval(out, [c.state for r in rids for c in live[r]])

@@ -1,5 +1,6 @@
 """`mlxlis inspect MODEL --split N`: where N ranks would hold a model's layers and how many
-bytes of weights each would read, from the file's header alone (no weight is read)."""
+bytes of weights each would read, from the file's header alone (no weight is read);
+`--tensor N`: each rank's slice of every layer (tensor.py) instead."""
 
 from __future__ import annotations
 
@@ -86,4 +87,42 @@ def format_placement(r: dict[str, Any]) -> str:
             f"  rank {p['rank']}: layers {first:>3}-{last:<3} ({p['count']:>3}) "
             f"{p['bytes'] / mib:>8.0f} MiB{with_}"
         )
+    return "\n".join(rows)
+
+
+def tensor_report(path_or_name: str | Path, ranks: int) -> dict[str, Any]:
+    """`inspect --tensor N` (from the header): {"ranks", "weight_bytes", "bytes_per_token"
+    (what each rank sends per float32 token), "parts": [{"rank", "layout", "bytes"}]}: a
+    rank's bytes are its share of the split tensors, its KV heads' share of k/v, and every
+    norm (replicated)."""
+    from mlxlis.distributed import check_pipelinable
+    from mlxlis.distributed.tensor import bytes_per_token, plan_layout
+
+    import mlx.core as mx
+
+    cfg, sizes, path = _header(path_or_name)
+    check_pipelinable(cfg, str(path))
+    total = sum(sizes.values())
+    norms = sum(n for k, n in sizes.items() if "norm" in k)
+    kv = sum(n for k, n in sizes.items() if ".k_proj." in k or ".v_proj." in k)
+    parts = []
+    for r in range(ranks):
+        layout = plan_layout(cfg, r, ranks, str(path))
+        share = (total - norms - kv) // ranks + norms + kv * len(layout.kv_heads) // layout.kv
+        parts.append({"rank": r, "layout": layout.describe(), "bytes": share})
+    return {
+        "ranks": ranks,
+        "weight_bytes": total,
+        "bytes_per_token": bytes_per_token(cfg, mx.float32, ranks),
+        "parts": parts,
+    }
+
+
+def format_tensor(r: dict[str, Any]) -> str:
+    mib = 2**20
+    rows = [
+        f"{r['weight_bytes'] / mib:.0f} MiB of weights split across {r['ranks']} tensor ranks "
+        f"(bytes as stored; each rank sends {r['bytes_per_token']} bytes per float32 token):"
+    ]
+    rows += [f"  {p['layout']}: {p['bytes'] / mib:.1f} MiB" for p in r["parts"]]
     return "\n".join(rows)

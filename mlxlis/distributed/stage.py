@@ -35,6 +35,8 @@ class PipelineNet(VerifiesAlone):
     Decoder's. It does not verify in batch (the core refuses to speculate on a pipelined
     model)."""
 
+    logits_at_leader = False  # the last rank sends them to rank 0
+
     def __init__(self, net: Any, ranks: Ranks, part: Part, dtype: mx.Dtype):
         self.net = net
         self.ranks = ranks
@@ -71,6 +73,10 @@ class PipelineNet(VerifiesAlone):
 
     @property
     def is_last(self) -> bool:
+        return self.part.last
+
+    @property
+    def sends_logits(self) -> bool:
         return self.part.last
 
     def hidden_bytes_per_token(self) -> int:

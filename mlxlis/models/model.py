@@ -450,7 +450,7 @@ class Model:
         if self.skipped:
             details["skipped"] = skipped_summary(self.skipped, self.vision is None)
         if self.part is not None:
-            details["pipeline"] = self.part.describe()
+            details["ranks"] = self.part.describe()  # its share: layers, or a slice of each
         return details
 
 

@@ -1,0 +1,96 @@
+"""One rank of a tensor-parallel run, started by the tests with `mlx.launch` (tests/test_tensor.py).
+
+    mlx.launch --backend ring -n N python tests/tensor_rank.py JOBS.json OUT_DIR
+
+For each job ({"name", "model", "prompt", "steps"}) every rank loads the model with
+`mlxlis.load(model, "float32", tensor=N)` (its slices of every layer); rank 0 runs
+`mlxlis.generate` (the generation core, its steps led from rank 0) for `steps` + 1 greedy tokens
+while the other ranks `follow`. Rank 0 writes each step's logits (its own: every rank holds the
+whole logits) to OUT_DIR/JOB-logits.npy; every rank writes OUT_DIR/JOB-rank-R.json with its
+layout, the tokens (rank 0), the weight bytes it holds and the KV-cache bytes of the
+prompt run again through caches of its own (every rank alike).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import mlxlis  # noqa: F401  (chooses the BLAS before mlx.core loads)
+from mlxlis.distributed import world
+from mlxlis.distributed.leader import LeaderSteps, finish, follow, ranks_of
+from mlxlis.generation.steps import pipeline_steps
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+
+class Recording(LeaderSteps):
+    """Rank 0's steps, keeping each step's logits."""
+
+    seen: list[np.ndarray] = []
+
+    def run(self, rids, caches, tokens, kind, inserts=None, *, hidden=False, lanes=None):
+        out = super().run(rids, caches, tokens, kind, inserts, hidden=hidden, lanes=lanes)
+        if out is not None:
+            Recording.seen.append(np.array(out[0]))
+        return out
+
+
+def kv_bytes(caches) -> int:
+    return sum(a.nbytes for c in caches for a in c.state)
+
+
+def run(job: dict, out: Path, size: int) -> None:
+    model = mlxlis.load(job["model"], "float32", tensor=size)
+    ids = model.tokenizer.encode(job["prompt"])
+    tokens: list[int] = []
+    if model.rank == 0:
+        pipeline_steps(Recording)
+        Recording.seen = []
+        try:
+            events = mlxlis.generate(model, ids, max_tokens=job["steps"] + 1, stop_ids=set())
+            tokens = [e.token for e in events if e.token is not None]
+        finally:
+            pipeline_steps(LeaderSteps)
+            finish(ranks_of(model))
+        np.save(out / f"{job['name']}-logits.npy", np.stack(Recording.seen))
+    else:
+        follow(model)
+    # every rank: the prompt through its own caches, outside the leader (a collective all the
+    # ranks run alike): their KV bytes per token, this rank's heads only
+    from mlxlis.generation.steps import prefill
+
+    cache = model.make_cache()
+    mx.eval(prefill(model.net, ids, cache))
+    kv = {"kv_bytes": kv_bytes(cache)}
+    layout = model.part
+    held = {id(v): v.nbytes for _, v in tree_flatten(model.net.parameters())}
+    report = {
+        "rank": layout.rank,
+        "size": layout.size,
+        "layout": layout.describe(),
+        "q_heads": [layout.q_heads.start, layout.q_heads.stop],
+        "kv_heads": [layout.kv_heads.start, layout.kv_heads.stop],
+        "ids": ids,
+        "tokens": tokens,
+        "weight_bytes": sum(held.values()),
+        **kv,
+    }
+    (out / f"{job['name']}-rank-{layout.rank}.json").write_text(json.dumps(report))
+    del model
+    mx.clear_cache()
+
+
+def main() -> None:
+    jobs = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    size = world().size
+    for job in jobs:
+        run(job, out, size)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""Tensor parallelism (mlxlis/distributed/tensor.py) with MLX's ring backend over loopback:
+every rank holds a slice of every layer (heads, MLP rows, vocabulary) and works on every token.
+
+Proves, against a lone process loading the same file (its float32 forward is the reference,
+itself proved against transformers / llama.cpp in test_llama_parity.py, test_qwen3.py and
+test_gguf_models.py), over 2 ranks (64 greedy tokens) on a tiny Llama (4 query heads on 2 KV
+heads, untied head), a tiny Qwen3 (q/k norms, 4 query heads on 1 KV head: the KV head
+replicated on both ranks; a tied head) and mlx-lm's 4-bit conversion of a tiny Llama (groups
+of 32: quantized layers and embedding sliced as stored), and over 3 ranks (8 tokens, make
+test-all) on the real SmolLM2 GGUF (Q4_1 blocks sliced as stored, tied head; its 9 heads on 3
+KV heads split over 3 ranks, not 2):
+- each step's float32 logits agree with the lone process's within 1e-5 relative to the step's
+  largest logit: the o_proj / down_proj sums add N partial products where one process adds
+  one, so only the rounding order differs (measured: 4.7e-7 tiny, 1.1e-6 4-bit, 3.0e-6
+  SmolLM2, 5.8e-5 absolute on its logits up to 38), and the greedy tokens are identical;
+- each rank holds exactly its share of the weights: (whole − replicated) / N + replicated,
+  the replicated part being the norms (and, when K < N, the k/v projections of its KV head,
+  1/K of them); its KV caches hold only its KV heads (1/N of the bytes when K ≥ N, 1/K when
+  each KV head is replicated on N/K ranks).
+A killed rank ends every rank with rank 0's one-line error; the one-shot command and the
+server run unchanged on rank 0 (make test-all); a model whose heads or rows do not split
+evenly is refused by name before any weight is read, and `inspect --tensor N` shows the slices.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import mlxlis
+from mlxlis.distributed.tensor import plan_layout
+from mlxlis.errors import PipelineError, UnsupportedError
+from mlxlis.generation.steps import prefill
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import TINY, build_tiny, need_pulled
+from launch import MLXLIS, alive, kill_all, ranks, start
+from launch import run as launch
+from mlx.utils import tree_flatten
+
+pytestmark = pytest.mark.real
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+ENV = {"PYTHONPATH": str(ROOT)}  # the ranks import this checkout's mlxlis
+STEPS = 64
+BOUND = 1e-5  # relative to the largest |logit| of the step
+QWEN3 = dict(
+    kind="qwen3",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+)
+PROMPT = "Hello, world! 1234 def add(a, b):"
+
+
+@functools.cache
+def lone(model: str):
+    return mlxlis.load(model, "float32")
+
+
+@functools.cache
+def reference(model: str, prompt: str, steps: int) -> tuple[list[int], np.ndarray, dict, int]:
+    """(greedy tokens, per-step float32 logits, weight bytes {"whole", "norms", "kv": of the
+    k/v projections}, KV-cache bytes of the prompt) of a lone process."""
+    m = lone(model)
+    ids = m.tokenizer.encode(prompt)
+    cache = m.make_cache()
+    out = prefill(m.net, ids, cache)
+    kv = sum(a.nbytes for c in cache for a in c.state)
+    tokens, logits = [], []
+    for i in range(steps + 1):
+        logits.append(np.array(out[0]))
+        tokens.append(int(mx.argmax(out, axis=-1).item()))
+        if i < steps:
+            step = mx.array([[tokens[-1]]], dtype=mx.int32)
+            out = m.net(step, cache=cache, last_only=True)[:, -1, :].astype(mx.float32)
+    arrays = {id(a): (k, a) for k, a in tree_flatten(m.net.parameters())}.values()
+    sizes = {
+        "whole": sum(a.nbytes for _, a in arrays),
+        "norms": sum(a.nbytes for k, a in arrays if "norm" in k),
+        "kv": sum(a.nbytes for k, a in arrays if ".k_proj." in k or ".v_proj." in k),
+    }
+    return tokens, np.stack(logits), sizes, kv
+
+
+@functools.cache
+def _launch(n: int, jobs_json: str, tmp: Path) -> Path:
+    out = tmp / f"tensor-{n}"
+    out.mkdir()
+    jobs = tmp / f"tensor-jobs-{n}.json"
+    jobs.write_text(jobs_json)
+    code, _, err = launch(
+        n, sys.executable, str(HERE / "tensor_rank.py"), str(jobs), str(out), env=ENV, timeout=150
+    )
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tensor-models")
+    from mlx_lm import convert as mlx_lm_convert
+
+    build_tiny(tmp / "llama", TINY["llama"])
+    build_tiny(tmp / "qwen3", QWEN3)
+    # 128 MLP rows: each rank's 64 columns of down_proj are whole groups of 32
+    build_tiny(tmp / "llama128", {**TINY["llama"], "intermediate_size": 128})
+    q4 = tmp / "llama-q4"
+    mlx_lm_convert(
+        str(tmp / "llama128"), str(q4), quantize=True, q_group_size=32, q_bits=4, dtype="float32"
+    )
+    return {"llama": str(tmp / "llama"), "qwen3": str(tmp / "qwen3"), "llama-q4": str(q4)}
+
+
+def jobs_for(n: int, folders: dict) -> list[dict]:
+    if n == 2:
+        return [
+            {"name": name, "model": path, "prompt": PROMPT, "steps": STEPS}
+            for name, path in folders.items()
+        ]
+    smol = str(need_pulled("smollm2-135m"))
+    # 8 steps: each token is 61 collectives over 3 ranks on 2 busy cores (~4.7 s a token here)
+    return [{"name": "smol", "model": smol, "prompt": "The capital of France is", "steps": 8}]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, folders):
+    tmp = tmp_path_factory.mktemp("tensor")
+    return lambda n: (_launch(n, json.dumps(jobs_for(n, folders)), tmp), jobs_for(n, folders))
+
+
+# 2 ranks, the tiny models (~20 s): make test; 3 ranks, SmolLM2 (~80 s): make test-all
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.extended)])
+def test_tensor_ranks_equal_the_lone_process(launched, n):
+    """Each step's logits from rank 0 (prefill, then 64 greedy decode steps through the
+    generation core led from rank 0; 8 on SmolLM2) within 1e-5 of the lone process's relative
+    to the step's largest logit, the same greedy tokens; each rank's weights are
+    (whole − norms − k/v projections) / N + norms + its k/v share bytes, its k/v projections
+    and KV-cache bytes the lone ones' × its KV heads / all KV heads (1/N when they split; 1/K
+    when K < N and each is replicated)."""
+    out, jobs = launched(n)
+    for job in jobs:
+        tokens, logits, sizes, kv = reference(job["model"], job["prompt"], job["steps"])
+        got = np.load(out / f"{job['name']}-logits.npy")
+        assert got.shape == logits.shape
+        rel = float((np.abs(got - logits).max(axis=-1) / np.abs(logits).max(axis=-1)).max())
+        print(f"{job['name']} on {n} ranks: logits within {rel:.2e} of the largest, relative")
+        assert rel <= BOUND, f"{job['name']}: {rel}"
+        reports = [json.loads((out / f"{job['name']}-rank-{r}.json").read_text()) for r in range(n)]
+        assert reports[0]["tokens"] == tokens, job["name"]
+        cfg = lone(job["model"]).config
+        k_all = cfg.num_key_value_heads
+        for rep in reports:
+            k = rep["kv_heads"][1] - rep["kv_heads"][0]
+            split = sizes["whole"] - sizes["norms"] - sizes["kv"]
+            held = split // n + sizes["norms"] + sizes["kv"] * k // k_all
+            assert rep["weight_bytes"] == held, rep
+            assert rep["kv_bytes"] == kv * k // k_all, rep
+        heads = [h for rep in reports for h in range(*rep["q_heads"])]
+        assert heads == list(range(cfg.num_attention_heads))
+        kv_heads = [tuple(rep["kv_heads"]) for rep in reports]
+        if cfg.num_key_value_heads < n:  # replicated: each KV head on n / K ranks
+            per = cfg.num_attention_heads // cfg.num_key_value_heads
+            assert all(
+                k[0] == h // per for k, h in zip(kv_heads, heads[:: len(heads) // n], strict=True)
+            )
+        else:
+            assert sum(k[1] - k[0] for k in kv_heads) == cfg.num_key_value_heads
+
+
+def test_uneven_split_is_refused_by_name_before_loading(folders):
+    """SmolLM2's 9 query heads over 2 ranks, the tiny Llama's 144 MLP rows over 5 (and its 2 KV
+    heads over 3), refused naming the field; --tensor 2 in one process names the flag."""
+    need_pulled("smollm2-135m")
+    smol = lone("smollm2-135m").config
+    with pytest.raises(UnsupportedError, match="num_attention_heads"):
+        plan_layout(smol, 0, 2, "smol")
+    llama = lone(folders["llama"]).config
+    with pytest.raises(UnsupportedError, match="intermediate_size"):
+        plan_layout(llama.with_(num_attention_heads=5, vocab_size=420), 0, 5, "tiny")
+    with pytest.raises(UnsupportedError, match="num_key_value_heads"):
+        plan_layout(llama.with_(num_attention_heads=6, vocab_size=420), 0, 3, "tiny")
+    with pytest.raises(PipelineError, match="--tensor"):
+        mlxlis.load(folders["llama"], "float32", tensor=2)
+
+
+def test_killed_rank_ends_every_rank_with_a_clear_error(folders):
+    """`mlxlis --tensor 2` under mlx.launch streaming a long reply: SIGKILL on rank 1, and the
+    launcher and rank 0 are gone within 10 s, rank 0 having said why in one line. (MLX's ring
+    backend fails a pending all_sum's tasks when a peer goes, but the sum never returns: the
+    pipeline's watchdog ends rank 0 after MLXLIS_RANK_TIMEOUT, 3 s here.)"""
+    args = ["-m", folders["llama"], "--tensor", "2", "--no-chat", "--temp", "0"]
+    env = {**ENV, "MLXLIS_RANK_TIMEOUT": "3"}
+    p = start(2, MLXLIS, *args, "--max-tokens", "480", "Once", env=env)
+    try:
+        pids = ranks(p, 2)
+        _stdout_begins(p)
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        p.wait(timeout=10)
+        while any(alive(pid) for pid in pids.values()) and time.monotonic() - killed < 10:
+            time.sleep(0.05)
+        assert not [r for r, pid in pids.items() if alive(pid)], "ranks still running"
+        err = p.stderr.read().decode()
+    finally:
+        kill_all(p)
+    lines = [ln for ln in err.splitlines() if ln.startswith("mlxlis: error: rank 0 of 2")]
+    assert lines, err[-2000:]
+    assert any(
+        why in lines[0]
+        for why in (
+            "lost the connection to another rank",
+            "stopped by the launcher",
+            "no answer from the other ranks for 3 s",
+        )
+    )
+
+
+def _stdout_begins(p, timeout: float = 90) -> bytes:
+    import select
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([p.stdout], [], [], 0.5)
+        if ready:
+            data = os.read(p.stdout.fileno(), 4096)
+            if data.strip():
+                return data
+        if p.poll() is not None:
+            break
+    kill_all(p)
+    raise AssertionError(f"no output: {p.stderr.read().decode()[-2000:]}")
+
+
+def test_inspect_tensor_reports_each_ranks_slice(capsys):
+    """`inspect smollm2-135m --tensor 3 --json` from the header: three ranks whose query heads
+    cover 0-8 in order, one KV head each, bytes that add up to the file's with the norms
+    counted on every rank, and the bytes each sends per token; --tensor 2 is refused naming
+    num_attention_heads (9 heads)."""
+    from mlxlis.commands.cli import main
+
+    need_pulled("smollm2-135m")
+    assert main(["inspect", "smollm2-135m", "--tensor", "3", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert [p["rank"] for p in r["parts"]] == [0, 1, 2]
+    assert "query heads 0-2, KV heads 0-0" in r["parts"][0]["layout"]
+    assert "query heads 6-8, KV heads 2-2" in r["parts"][2]["layout"]
+    cfg = lone("smollm2-135m").config
+    assert r["bytes_per_token"] == 4 * (
+        (2 * cfg.num_hidden_layers + 1) * 2 * 2 * cfg.hidden_size // 3 + 2 * cfg.vocab_size // 3
+    )
+    assert sum(p["bytes"] for p in r["parts"]) >= r["weight_bytes"]
+    assert main(["inspect", "smollm2-135m", "--tensor", "2"]) == 2
+    assert "num_attention_heads" in capsys.readouterr().err
+
+
+@pytest.mark.extended  # `make test-all` (~15 s): the ranks' steps are proved in make test
+def test_cli_under_the_launcher_prints_the_lone_output_once(folders):
+    """`mlx.launch -n 2 mlxlis -m M --tensor 2 --no-chat --temp 0 PROMPT` writes exactly what
+    the lone command writes, once (rank 1 prints nothing): the one-shot command runs unchanged
+    on rank 0."""
+    import subprocess
+
+    args = ["-m", folders["llama"], "--no-chat", "--temp", "0", "--max-tokens", "24", "Hello"]
+    env = {**os.environ, **ENV, "OPENBLAS_NUM_THREADS": "1"}
+    alone = subprocess.run([MLXLIS, *args], capture_output=True, text=True, timeout=120, env=env)
+    assert alone.returncode == 0, alone.stderr
+    code, out, err = launch(2, MLXLIS, *args, "--tensor", "2", env=ENV)
+    assert code == 0, err
+    assert out == alone.stdout and out.strip()
+
+
+@pytest.mark.extended  # `make test-all` (~30 s)
+def test_server_under_the_launcher_answers_as_a_lone_engine(folders, tmp_path):
+    """`mlxlis serve --tensor 2` under mlx.launch (rank 0 serves, both ranks run every step of
+    its engine): concurrent greedy completions with the official `openai` client, decoded in
+    one batch, give the text of the same requests run one by one on a lone in-process Engine,
+    each token's logprob within 1e-4 of the lone run's (the tensor sums' rounding only)."""
+    import concurrent.futures
+
+    from serve_process import ServeProcess
+    from test_pipeline_serve import lone as lone_engine
+
+    model = lone(folders["llama"])
+    texts = ["Hello, world!", "def add(a, b):", "The quick brown fox jumps over"]
+    batch = [model.tokenizer.encode(t) for t in texts]
+    server = ServeProcess(
+        tmp_path,
+        "-m",
+        folders["llama"],
+        "--tensor",
+        "2",
+        "--max-batch",
+        "4",
+        ranks=2,
+        env={**ENV, "MLXLIS_RANK_TIMEOUT": "120"},
+    )
+    try:
+        client = server.client()
+
+        def complete(ids):
+            return client.completions.create(
+                model=server.model,
+                prompt=ids,
+                max_tokens=8,
+                temperature=0,
+                logprobs=0,
+                extra_body={"ignore_eos": True},
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+            served = list(pool.map(complete, batch))
+        for ids, got in zip(batch, served, strict=True):
+            text, logprobs = lone_engine(model, ids)
+            choice = got.choices[0]
+            assert choice.text == text, (ids, choice.text, text)
+            diff = max(
+                abs(a - b) for a, b in zip(choice.logprobs.token_logprobs, logprobs, strict=True)
+            )
+            assert diff <= 1e-4, diff
+    finally:
+        kill_all(server.proc)
