@@ -36,7 +36,7 @@ from mlxlis.cache.compressed import EntryCache
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
 from mlxlis.models.base import Description, Export, Family, GGUFFormat, GGUFMeta, HFFormat
-from mlxlis.models.config import ModelConfig, parse_rope
+from mlxlis.models.config import ModelConfig, RopeConfig, parse_rope
 from mlxlis.models.decoder import Decoder
 from mlxlis.models.deepseek_v4_net import (
     CSA,
@@ -65,18 +65,10 @@ HF_DEFAULTS = {  # transformers' DeepseekV4Config, for the keys the shared parse
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
-V4_DEFAULTS = {
-    "q_lora_rank": 1024,
-    "o_groups": 8,
-    "o_lora_rank": 1024,
-    "sliding_window": 128,
-    "index_n_heads": 64,
-    "index_head_dim": 128,
-    "index_topk": 512,
-    "moe_intermediate_size": 2048,
-    "n_routed_experts": 256,
-    "num_experts_per_tok": 6,
-    "hc_mult": 4,
+V4_DEFAULTS = {  # DeepseekV4Config's
+    **{"q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024, "sliding_window": 128},
+    **{"index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4},
+    **{"moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 6},
     "hc_sinkhorn_iters": 20,
 }
 RATES = {CSA: 4, HCA: 128}
@@ -131,9 +123,7 @@ class DeepseekV4(Decoder):
             )
         own = self.config.own(DeepseekV4Config)
         x = self.embed(inputs)  # (B, T, hidden)
-        h = mx.broadcast_to(
-            x[:, :, None], (*x.shape[:2], own.hc_mult, x.shape[-1])
-        )  # (B, T, N, hidden)
+        h = mx.broadcast_to(x[:, :, None], (*x.shape[:2], own.hc_mult, x.shape[-1]))  # (B, T, N, D)
         for j, layer in enumerate(self.model.layers):
             h = layer(h, inputs, cache[j] if cache is not None else None)
         head = self.model.hc_head
@@ -171,6 +161,21 @@ def _types(cfg: dict, n: int, path: str) -> tuple[tuple[str, ...], tuple[bool, .
     return tuple(kinds), tuple(m == "hash_moe" for m in mlp)
 
 
+def _ropes(cfg: dict, path: str) -> tuple[RopeConfig, RopeConfig]:
+    """(the sliding layers' RoPE, the compressed layers')."""
+    params = cfg.get("rope_parameters") or {}
+    main = parse_rope(params.get("main"), cfg.get("rope_theta", 1e4), path, "rope_parameters.main")
+    theta, fld = cfg.get("compress_rope_theta", 1.6e5), "rope_parameters.compress"
+    compress = parse_rope(params.get("compress"), theta, path, fld)
+    if compress.type == "yarn" and "attention_factor" not in (params.get("compress") or {}):
+        compress = replace(compress, attention_factor=1.0)  # DeepseekV4Config's: no mscale
+    for r, f in ((main, "main"), (compress, "compress")):
+        if r.type not in ("default", "yarn") or r.attention_factor not in (None, 1.0):
+            got = f"{r.type} RoPE with factor {r.attention_factor}"
+            raise UnsupportedError(got, path=path, field=f"rope_parameters.{f}")
+    return main, compress
+
+
 def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
     for key, want in (
         ("scoring_func", "sqrtsoftplus"),
@@ -194,25 +199,7 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         raise ConfigError(
             f"a rope width of {rope_d} in heads of {hd}", path=path, field="partial_rotary_factor"
         )
-    params = cfg.get("rope_parameters") or {}
-    main = parse_rope(
-        params.get("main"), cfg.get("rope_theta", 10000.0), path, "rope_parameters.main"
-    )
-    compress = parse_rope(
-        params.get("compress"),
-        cfg.get("compress_rope_theta", 160000.0),
-        path,
-        "rope_parameters.compress",
-    )
-    if compress.type == "yarn" and "attention_factor" not in (params.get("compress") or {}):
-        compress = replace(compress, attention_factor=1.0)  # DeepseekV4Config's: no mscale
-    for r, f in ((main, "main"), (compress, "compress")):
-        if r.type not in ("default", "yarn") or r.attention_factor not in (None, 1.0):
-            raise UnsupportedError(
-                f"{r.type} RoPE with factor {r.attention_factor}",
-                path=path,
-                field=f"rope_parameters.{f}",
-            )
+    main, compress = _ropes(cfg, path)
     q_lora = _size(cfg, "q_lora_rank", "hidden_size", path)
     groups = _size(cfg, "o_groups", "num_attention_heads", path)
     if (base.num_attention_heads * hd) % groups:
@@ -234,17 +221,9 @@ def parse_hf(cfg: dict, base: ModelConfig, path: str) -> ModelConfig:
         float(cfg.get("routed_scaling_factor", 1.5)),
         base.norms.eps,
     )
-    size = expert_sizes(
-        {
-            "num_experts": ("n_routed_experts", cfg.get("n_routed_experts", 256)),
-            "num_experts_per_tok": ("num_experts_per_tok", cfg.get("num_experts_per_tok", 6)),
-            "moe_intermediate_size": (
-                "moe_intermediate_size",
-                cfg.get("moe_intermediate_size", 2048),
-            ),
-        },
-        path,
-    )
+    keys = {"num_experts": "n_routed_experts", "num_experts_per_tok": "num_experts_per_tok"}
+    keys["moe_intermediate_size"] = "moe_intermediate_size"
+    size = expert_sizes({m: (k, cfg.get(k, V4_DEFAULTS[k])) for m, k in keys.items()}, path)
     hc = _size(cfg, "hc_mult", "num_attention_heads", path)
     iters = _size(cfg, "hc_sinkhorn_iters", "num_hidden_layers", path)
     own = DeepseekV4Config(dims, kinds, hashed, hc, iters, float(cfg.get("hc_eps", 1e-6)), compress)
@@ -292,8 +271,9 @@ def _rows(config: dict[str, Any]) -> list[tuple[str, str]]:
         (
             "attention",
             f"{kinds[SLIDING]} sliding ({a['sliding_window']}), {kinds[CSA]} compressed sparse "
-            f"(1 entry per {a['rates'][CSA]}, top {a['index_topk']} by an indexer), {kinds[HCA]} heavily "
-            f"compressed (1 entry per {a['rates'][HCA]}); shared K = V, a sink per head",
+            f"(1 entry per {a['rates'][CSA]}, top {a['index_topk']} by an indexer), "
+            f"{kinds[HCA]} heavily compressed (1 entry per {a['rates'][HCA]}); "
+            "shared K = V, a sink per head",
         ),
         ("residual", f"{a['hc_mult']} hyper-connection streams, mixed doubly stochastic"),
         (
