@@ -12,7 +12,8 @@ The indexer's head weights are made positive (as DeepSeek V3.2's test does): a z
 then only comes from an entry every head's relu zeroes, and torch.topk picks among such ties
 at the cut arbitrarily. Self-consistency: chunked prefill ≡ decode ≡ full forward; batched
 decode ≡ each alone; a rejection at each position rewinds exactly; a prefix reused from
-memory and from the disk cache continues exactly; greedy n-gram speculation ≡ plain greedy.
+memory and from the disk cache continues exactly; greedy n-gram speculation ≡ plain greedy;
+the hub's root tensor names load the same weights.
 mlx-lm 0.32 has no deepseek_v4 (its deepseek_v41 is another model type): no mlx-lm folder.
 """
 
@@ -134,6 +135,27 @@ def test_logits_match_transformers_fp32(ds, model, tmp_path):
     (every / "config.json").write_text(json.dumps({**cfg, "index_topk": 72}))
     other = np.array(mlxlis.load(every, "float32").logits(ids))
     assert np.abs(other - ours).max() > 1e-2
+
+
+def test_the_hubs_root_names_load_the_same(ds, model, tmp_path):
+    """DeepSeek's own files name the tensors at the root (embed, layers.*, norm, hc_head_*,
+    head: transformers' conversion mapping reads them so); the same tensors under those names
+    give the same logits bit for bit."""
+    hub = tmp_path / "hub"
+    shutil.copytree(ds("v4")[0], hub)
+    tensors = mx.load(str(hub / "model.safetensors"))
+
+    def root(name: str) -> str:
+        name = name.replace("model.embed_tokens.", "embed.").replace(
+            "model.hc_head.hc_", "hc_head_"
+        )
+        return name.removeprefix("model.")
+
+    mx.save_safetensors(str(hub / "model.safetensors"), {root(k): v for k, v in tensors.items()})
+    assert "layers.2.ffn.gate.bias" in mx.load(str(hub / "model.safetensors"))
+    ids = trajectory(40, vocab=model.config.vocab_size)
+    again = mlxlis.load(hub, "float32")
+    assert np.array_equal(np.array(again.logits(ids)), np.array(model.logits(ids)))
 
 
 def test_cache_chunks_decode_and_batches(model):

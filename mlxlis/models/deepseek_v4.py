@@ -72,6 +72,14 @@ V4_DEFAULTS = {  # DeepseekV4Config's
     "hc_sinkhorn_iters": 20,
 }
 RATES = {CSA: 4, HCA: 128}
+# transformers' save_pretrained writes model.* and head; the hub's files DeepSeek's root names
+RENAMES = (
+    ("head.", "lm_head."),
+    ("embed.", "model.embed_tokens."),
+    ("layers.", "model.layers."),
+    ("norm.", "model.norm."),
+    *((f"hc_head_{p}", f"model.hc_head.hc_{p}") for p in ("fn", "base", "scale")),
+)
 
 
 class DeepseekV4(Decoder):
@@ -118,9 +126,7 @@ class DeepseekV4(Decoder):
         self, inputs: mx.array, cache: list[Cache] | None = None, inserts=None
     ) -> mx.array:
         if inserts:
-            raise UnsupportedError(
-                "DeepSeek V4 does not see images", path=self.config.source, field="inserts"
-            )
+            raise UnsupportedError("no images", path=self.config.source, field="inserts")
         own = self.config.own(DeepseekV4Config)
         x = self.embed(inputs)  # (B, T, hidden)
         h = mx.broadcast_to(x[:, :, None], (*x.shape[:2], own.hc_mult, x.shape[-1]))  # (B, T, N, D)
@@ -251,17 +257,10 @@ def _no_gguf(base: ModelConfig, m: GGUFMeta) -> ModelConfig:
 
 def _describe(c: ModelConfig) -> dict[str, Any]:
     own = c.own(DeepseekV4Config)
-    d = own.dims
-    return {
-        "compressed_attention": {
-            "layer_types": list(own.kinds),
-            "hash_layers": sum(own.hashed),
-            "rates": dict(d.rates),
-            "sliding_window": d.window,
-            "index_topk": d.index_topk,
-            "hc_mult": own.hc_mult,
-        }
-    }
+    d, hashed = own.dims, sum(own.hashed)
+    keys = {"layer_types": list(own.kinds), "hash_layers": hashed, "rates": dict(d.rates)}
+    more = {"sliding_window": d.window, "index_topk": d.index_topk, "hc_mult": own.hc_mult}
+    return {"compressed_attention": {**keys, **more}}
 
 
 def _rows(config: dict[str, Any]) -> list[tuple[str, str]]:
@@ -290,7 +289,7 @@ DEEPSEEK_V4 = Family(
         parse=parse_hf,
         defaults=HF_DEFAULTS,
         base=_base,
-        renames=(("head.", "lm_head."),),
+        renames=RENAMES,
         dropped=("mtp.", "model.mtp."),
     ),
     gguf=GGUFFormat(archs=(), parse=_no_gguf),
