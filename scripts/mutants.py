@@ -2941,8 +2941,8 @@ MUTANTS = (
     Mutant(
         "dsv4-window-off-by-one",
         "mlxlis/models/deepseek_v4_net.py",
-        "(kpos[None] > pos[:, None] - d.window)",
-        "(kpos[None] >= pos[:, None] - d.window)",
+        "window_mask(0, t, 0, t, d.window)",
+        "window_mask(0, t, 0, t, d.window + 1)",
         (DSV4_HF,),
         "DeepSeek V4: the sliding window one key wider",
     ),

@@ -23,7 +23,7 @@ import json
 import shutil
 
 import mlxlis
-from mlxlis.cache import JointCache
+from mlxlis.cache import JointCache, RotatingKVCache
 from mlxlis.cache.compressed import EntryCache
 from mlxlis.cache.disk import DiskCache
 from mlxlis.cache.prefix import PrefixCache
@@ -159,14 +159,16 @@ def test_the_hubs_root_names_load_the_same(ds, model, tmp_path):
 
 
 def test_cache_chunks_decode_and_batches(model):
-    """Each layer's cache: the window's keys, and per compressor its raw projections and
-    entries; self-consistency: a chunked prefill (9, 11) then token-by-token decode equals the
-    full forward over 72 tokens (entries closing mid-chunk and during decode); two sequences
-    decoded together equal each alone."""
+    """Each layer's cache: the window's keys (a ring of 12), and per compressor its raw
+    projections and entries; self-consistency: a chunked prefill (9, 11) then token-by-token
+    decode equals the full forward over 72 tokens (entries closing mid-chunk and during
+    decode); two sequences decoded together equal each alone."""
     ids = trajectory(72, vocab=model.config.vocab_size)
     caches = model.make_cache()
     model.net(mx.array([ids[:20]]), caches)
     assert [len(c.parts) for c in caches] == [1, 5, 3, 5]
+    ring = caches[0].parts[0]
+    assert isinstance(ring, RotatingKVCache) and ring.keys.shape[2] == 12  # the window only
     entries = caches[1].parts[2]
     assert isinstance(entries, EntryCache) and entries.windows.offset == 5
     assert caches[2].parts[2].windows.offset == 1  # one HCA window of 16 closed
@@ -197,12 +199,13 @@ def test_a_rejection_at_each_position_rewinds_exactly(model):
 
 
 def test_a_prefix_reused_from_memory_and_from_disk_continues_exactly(model, tmp_path):
-    """Turn 1 (60 tokens) kept by a prefix cache with a disk tier; turn 2 shares its first
-    50 (an open window of each compressor): from memory and, after a restart, from the file,
-    the rest's logits are bit for bit equal, and equal to a cold prefill (bound 1e-4)."""
+    """Turn 1 (58 tokens: the window's ring full, an open window in each compressor) kept by
+    a prefix cache with a disk tier; turn 2 continues it: from memory and, after a restart,
+    from the file, the rest's logits are bit for bit equal, and equal to a cold prefill
+    (bound 1e-4)."""
     vocab = model.config.vocab_size
-    one = trajectory(60, seed=1, vocab=vocab)
-    two = one[:50] + trajectory(30, seed=2, vocab=vocab)
+    one = trajectory(58, seed=1, vocab=vocab)
+    two = one + trajectory(30, seed=2, vocab=vocab)
     warns: list[str] = []
 
     def tier():
@@ -216,8 +219,8 @@ def test_a_prefix_reused_from_memory_and_from_disk_continues_exactly(model, tmp_
     outs = []
     for cache in (first, tier()):
         kept, reused = cache.take(two, None)
-        assert reused == 50
-        outs.append(np.array(model.net(mx.array([two[50:]]), cache=kept)[0, -1]))
+        assert reused == 58
+        outs.append(np.array(model.net(mx.array([two[58:]]), cache=kept)[0, -1]))
     assert "read from disk" in cache.note and warns == []
     assert np.array_equal(outs[0], outs[1])
     cold = np.array(model.net(mx.array([two]), cache=model.make_cache())[0, -1])

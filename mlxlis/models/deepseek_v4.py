@@ -18,12 +18,12 @@
 - experts: sqrt(softplus) scores; the first hash_moe layers route by a frozen token → experts
   table (tid2eid), the others by top-k of score + bias; weights renormalised × routed scale;
   experts and shared expert a SwiGLU clamped at swiglu_limit.
-Cache per layer: a JointCache of the window's keys (a KVCache: every position is kept, the
-mask reads the window) and, per compressor, its raw projections (KVCache) and entries
-(cache/compressed.py), so every position is reachable (speculation, prefix, disk cache,
-batching: each sequence's attention on its own caches). HF folders only: mlx-lm 0.32 has no
-deepseek_v4 (its deepseek_v41 is another model type); no GGUF, no KV quantization, no
-pipelining, the next-token (MTP) layers skipped.
+Cache per layer: a JointCache of the window's keys (a RotatingKVCache of sliding_window) and,
+per compressor, its raw projections (a KVCache of every position, so a trim into a closed
+window recomputes its entry) and entries (cache/compressed.py): speculation, the prefix and
+disk caches and batching (each sequence's attention on its own caches) work as the ring
+allows them. HF folders only: mlx-lm 0.32 has no deepseek_v4 (its deepseek_v41 is another
+model type); no GGUF, no KV quantization, no pipelining, the next-token (MTP) layers skipped.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from mlxlis.cache import JointCache, KVCache, KVFormat
+from mlxlis.cache import JointCache, KVCache, KVFormat, RotatingKVCache
 from mlxlis.cache.compressed import EntryCache
 from mlxlis.errors import ConfigError, UnsupportedError
 from mlxlis.limits import check_sizes
@@ -103,7 +103,7 @@ class DeepseekV4(Decoder):
             )
         own, out = self.config.own(DeepseekV4Config), []
         for kind in own.kinds:
-            parts: list = [KVCache()]
+            parts: list = [RotatingKVCache(own.dims.window)]
             if kind != SLIDING:
                 parts += [KVCache(), EntryCache(own.dims.rate(kind))]
             if kind == CSA:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mlxlis.cache import CacheBatch, JointCache, KVCache
+from mlxlis.cache import CacheBatch, JointCache, KVCache, window_mask
 from mlxlis.cache.compressed import EntryCache
 from mlxlis.loading.binding import Float32Parameters
 from mlxlis.models.config import FamilyConfig, ModelConfig, RopeConfig
@@ -188,17 +188,21 @@ class V4Attention(nn.Module, Float32Parameters):
         b, t, _ = x.shape
         d, h = self.d, self.n_heads
         parts = cache.parts if isinstance(cache, JointCache) else (None,) * 5
-        start = parts[0].offset if parts[0] is not None else 0
+        ring = parts[0]
+        start = ring.offset if ring is not None else 0
         pos = start + mx.arange(t)
         q_res = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_res).reshape(b, t, h, d.head_dim).transpose(0, 2, 1, 3)  # (B, H, T, D)
         q = q * mx.rsqrt(mx.square(q).mean(axis=-1, keepdims=True) + d.eps)  # no weight
         q = rope_tail(q, pos, inv_freq)
         kv = rope_tail(self.norm(self.wkv(x))[:, None], pos, inv_freq)  # (B, 1, T, D)
-        if parts[0] is not None:  # K = V: no values kept
-            kv, _ = parts[0].update_and_fetch(kv, mx.zeros((b, 1, t, 0), kv.dtype))
-        kpos = mx.arange(kv.shape[2])
-        mask = (kpos[None] <= pos[:, None]) & (kpos[None] > pos[:, None] - d.window)  # (T, S)
+        if ring is None:
+            mask = window_mask(0, t, 0, t, d.window)  # (T, T)
+        else:  # the ring's mask is read before its update; K = V: no values kept
+            mask = ring.mask(t)  # (T, held + T), None: one query sees every held key
+            kv, _ = ring.update_and_fetch(kv, mx.zeros((b, 1, t, 0), kv.dtype))
+        if mask is None:
+            mask = mx.ones((t, kv.shape[2]), mx.bool_)
         mask = mx.broadcast_to(mask, (b, 1, t, kv.shape[2]))
         if self.kind != SLIDING:
             entries = self.compressor(x, parts[1], parts[2], inv_freq)  # (B, W, D)
