@@ -47,6 +47,8 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
     from conftest import TINY, build_tiny
     from test_deepseek_v3 import SPECS as DSV3
     from test_deepseek_v3 import build as build_dsv3
+    from test_deepseek_v4 import SPECS as DSV4
+    from test_deepseek_v4 import build as build_dsv4
     from test_deepseek_v32 import SPECS as DSV32
     from test_deepseek_v32 import build as build_dsv32
     from test_gemma3n import SPECS as G3N
@@ -115,6 +117,7 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
         "minimax_m2": (MM2["minimax_m2"], build_mm2),  # whole q/k norms, biased sigmoid routing
         "deepseek_v3": (DSV3["q_lora"], build_dsv3),  # latent attention, YaRN mscale, groups
         "deepseek_v32": (DSV32["v32"], build_dsv32),  # + the indexer's top-k keys
+        "deepseek_v4": (DSV4["v4"], build_dsv4),  # CSA / HCA / window, hyper-connections, hash
         "granite4": (GRANITE4["granite4"], build_granite4),  # Mamba-2, NoPE, experts, scales
         "nemotron_h": (NEMOTRON_H["nemotron_h"], build_nemotron_h),  # Mamba-2, relu² experts
     }

@@ -109,6 +109,9 @@ DSV3_MLX = "tests/test_deepseek_v3.py::test_mlx_quantized_folder_matches_its_deq
 DSV32_HF = "tests/test_deepseek_v32.py::test_logits_match_transformers_fp32"
 DSV32_TIES = "tests/test_deepseek_v32.py::test_ties_at_the_cut_go_to_the_earlier_keys"
 DSV32_CACHE = "tests/test_deepseek_v32.py::test_indexed_cache_chunks_decode_and_batches"
+DSV4_HF = "tests/test_deepseek_v4.py::test_logits_match_transformers_fp32"
+DSV4_CACHE = "tests/test_deepseek_v4.py::test_cache_chunks_decode_and_batches"
+DSV4_REWIND = "tests/test_deepseek_v4.py::test_a_rejection_at_each_position_rewinds_exactly"
 LFM2_HF = "tests/test_lfm2.py::test_logits_match_transformers_fp32"
 LFM2_CACHE = "tests/test_lfm2.py::test_chunked_prefill_decode_and_batches_equal_the_full_forward"
 LFM2_REWIND = "tests/test_lfm2.py::test_a_rejection_at_each_position_rewinds_the_conv_state_exactly"
@@ -2916,6 +2919,86 @@ MUTANTS = (
         "        rope = rope",
         (DSV3_GGUF,),
         "DeepSeek V3 GGUF: yarn's attention factor kept on the rope dims (llama.cpp cancels it)",
+    ),
+    Mutant(
+        "dsv4-hc-comb-transposed",
+        "mlxlis/models/hyper_connections.py",
+        "    mixed = comb.astype(dt).swapaxes(-1, -2) @ h  # (B, T, N, hidden)",
+        "    mixed = comb.astype(dt) @ h  # (B, T, N, hidden)",
+        (DSV4_HF,),
+        "DeepSeek V4: the hyper-connection's residual mix comb applied untransposed",
+    ),
+    Mutant(
+        "dsv4-hca-boundary-off-by-one",
+        "mlxlis/models/deepseek_v4_net.py",
+        "((pos + 1) // d.rate(HCA))",
+        "(pos // d.rate(HCA))",
+        (DSV4_HF,),
+        "DeepSeek V4: an HCA entry seen one position after its window closes",
+    ),
+    Mutant(
+        "dsv4-csa-boundary-off-by-one",
+        "mlxlis/models/deepseek_v4_net.py",
+        "((pos + 1) // self.d.rate(CSA))",
+        "(pos // self.d.rate(CSA))",
+        (DSV4_HF,),
+        "DeepSeek V4: a CSA entry selectable one position after its window closes",
+    ),
+    Mutant(
+        "dsv4-hash-table-misread",
+        "mlxlis/models/deepseek_v4_net.py",
+        "self.tid2eid[ids]",
+        "self.tid2eid[(ids + 1) % self.tid2eid.shape[0]]",
+        (DSV4_HF,),
+        "DeepSeek V4: the hash layers' token → experts table read at the next token's row",
+    ),
+    Mutant(
+        "dsv4-topk-off-by-one",
+        "mlxlis/models/deepseek_v4_net.py",
+        "        return (top_keys(index, self.d.index_topk) & closed)[:, None]",
+        "        return (top_keys(index, self.d.index_topk - 1) & closed)[:, None]",
+        (DSV4_HF,),
+        "DeepSeek V4: the indexer keeps one entry fewer than index_topk",
+    ),
+    Mutant(
+        "dsv4-csa-overlap-halves-swapped",
+        "mlxlis/models/deepseek_v4_net.py",
+        "[prev_kv[..., :d], cur_kv[..., d:]]",
+        "[prev_kv[..., d:], cur_kv[..., :d]]",
+        (DSV4_HF,),
+        "DeepSeek V4: CSA's overlapping windows mix the wrong channel halves",
+    ),
+    Mutant(
+        "dsv4-output-rope-not-undone",
+        "mlxlis/models/deepseek_v4_net.py",
+        "        out = rope_tail(out, pos, inv_freq, -1.0)",
+        "        out = rope_tail(out, pos, inv_freq, 1.0)",
+        (DSV4_HF,),
+        "DeepSeek V4: the attention output's rope dims turned forward, not back",
+    ),
+    Mutant(
+        "dsv4-window-off-by-one",
+        "mlxlis/models/deepseek_v4_net.py",
+        "window_mask(0, t, 0, t, d.window)",
+        "window_mask(0, t, 0, t, d.window + 1)",
+        (DSV4_HF,),
+        "DeepSeek V4: the sliding window one key wider",
+    ),
+    Mutant(
+        "dsv4-entries-trim-keeps-open-window",
+        "mlxlis/cache/compressed.py",
+        "        drop = self.windows.offset - self.offset // self.rate",
+        "        drop = self.windows.offset - -(-self.offset // self.rate)",
+        (DSV4_REWIND,),
+        "DeepSeek V4: a trim keeps the entry of a window it reopened",
+    ),
+    Mutant(
+        "dsv4-raw-not-cached",
+        "mlxlis/models/deepseek_v4_net.py",
+        "        start = raw.offset if raw is not None else 0",
+        "        start = 0",
+        (DSV4_CACHE,),
+        "DeepSeek V4: a cached chunk's compressor counts its windows from position 0",
     ),
     Mutant(
         "lasttoken-takes-a-pad",

@@ -280,6 +280,19 @@ def test_deepseek2_split_up_projections_map_to_the_latent_attention():
     assert REGISTRY["deepseek_v3"].gguf.conventions == ()
 
 
+def test_deepseek_v4_reads_deepseeks_own_names_and_no_gguf():
+    """transformers 5.25 saves DeepSeek V4 under DeepSeek's own names: the head `head` (ours
+    lm_head), the next-token layers `mtp.*` dropped, the rest as they are (the per-expert w1,
+    w3, w2 stacked at load: test_deepseek_v4's parity binds them); llama.cpp converts no V4,
+    so no GGUF architecture and no convention."""
+    spec = REGISTRY["deepseek_v4"]
+    assert spec.hf.name("head.weight") == "lm_head.weight"
+    assert spec.hf.name("mtp.0.attn.wkv.weight") is None
+    at = "model.layers.3.attn.compressor.indexer.compressor.ape"
+    assert spec.hf.name(at) == at
+    assert spec.gguf.archs == () and spec.gguf.conventions == ()
+
+
 # --- a synthetic llama GGUF, written as llama.cpp's converter writes it ---
 
 TINY_LLAMA = dict(

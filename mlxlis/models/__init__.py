@@ -16,6 +16,7 @@ from mlxlis.models.base import Family, Projector
 from mlxlis.models.bert import BERT
 from mlxlis.models.config import ModelConfig, SpecialTokens, base_config, eos_list
 from mlxlis.models.deepseek_v3 import DEEPSEEK_V3
+from mlxlis.models.deepseek_v4 import DEEPSEEK_V4
 from mlxlis.models.deepseek_v32 import DEEPSEEK_V32
 from mlxlis.models.gemma import GEMMA, GEMMA2, GEMMA3
 from mlxlis.models.gemma3n import GEMMA3N
@@ -67,6 +68,7 @@ REGISTRY: dict[str, Family] = {
             MINIMAX_M2,
             DEEPSEEK_V3,
             DEEPSEEK_V32,
+            DEEPSEEK_V4,
             GRANITE4,
             NEMOTRON_H,
         ),
