@@ -149,8 +149,9 @@ class SubsampleConvProjection(nn.Module):
         super().__init__()
         self.conv_0, self.conv_1 = ConvBlock(cfg, 0), ConvBlock(cfg, 1)
         f = cfg.input_feat_size
-        for (_, kf), (_, sf) in zip(cfg.sscp_conv_kernel_size, cfg.sscp_conv_stride_size):
-            f = (f + 2 - kf) // sf + 1
+        kernels, strides = cfg.sscp_conv_kernel_size, cfg.sscp_conv_stride_size
+        for (_, kf), (_, sf) in zip(kernels, strides, strict=True):
+            f = (f + 2 - kf) // sf + 1  # one bin of padding each side
         width = f * cfg.sscp_conv_channel_size[1]
         self.input_proj_linear = nn.Linear(width, cfg.hidden_size, bias=False)
 
