@@ -105,3 +105,96 @@ def test_features_of_our_extractor_through_the_tower():
         want = enc(ref["input_features"], ~ref["input_features_mask"]).last_hidden_state.numpy()
     h, _ = ours(cfg, enc, emb).audio_tower(mx.array(mels)[None], mx.array(valid)[None])
     np.testing.assert_allclose(np.array(h), want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def build_wrapped(folder, monkeypatch, seed: int = 0):
+    """A tiny random Gemma3nForConditionalGeneration written by transformers: a gemma3n text
+    model (4 AltUp streams, KV sharing, per-layer inputs), the tiny audio tower, and the text
+    vocabulary's last ids the vision and audio ranges as on the hub (the vision tower, a timm
+    network, left empty: nothing here reads images). Returns (model, config)."""
+    import transformers.models.gemma3n.modeling_gemma3n as modeling
+    from conftest import randomize, train_tokenizer
+    from transformers import Gemma3nConfig, Gemma3nForConditionalGeneration
+
+    vocab = train_tokenizer(folder)
+    real = modeling.AutoModel.from_config
+
+    def towers(config, **kw):
+        if config.model_type == "gemma3n_vision":
+            return torch.nn.Module()
+        return real(config, **kw)
+
+    monkeypatch.setattr(modeling.AutoModel, "from_config", towers)
+    text = dict(
+        vocab_size=vocab,
+        vocab_size_per_layer_input=vocab - 16,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=4,
+        intermediate_size=96,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=8,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=16,
+        laurel_rank=8,
+        altup_num_inputs=4,
+        activation_sparsity_pattern=[0.9, 0.0, 0.0, 0.0],
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
+    cfg = Gemma3nConfig(
+        text_config=text,
+        audio_config={**TINY, "vocab_size": 8, "vocab_offset": vocab - 8},
+        vision_config={"vocab_size": 8, "vocab_offset": vocab - 16},
+        boa_token_id=5,
+        eoa_token_id=vocab - 8,
+        audio_token_id=vocab - 7,
+    )
+    cfg.text_config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Gemma3nForConditionalGeneration(cfg).eval()
+    randomize(model, seed)
+    model.save_pretrained(folder)
+    return model, cfg
+
+
+def test_logits_after_audio_match_transformers(tmp_path, monkeypatch):
+    """Proves the whole path in float32: transformers' Gemma3nForConditionalGeneration on ids
+    holding boa + 188 audio placeholders + eoa (the processor's expansion) and a 2.1 s chirp's
+    features, against mlxlis' text model with the audio soft tokens (padded to 188 with the
+    audio vocabulary's last embedding) and the eoa token's audio-vocabulary embedding put in
+    place: every position's logits within 1e-4 (relative to their scale)."""
+    import mlxlis
+    from mlxlis.models.gemma3n_audio import load_gemma3n_audio
+    from mlxlis.models.multimodal import Inserts
+
+    from transformers import Gemma3nAudioFeatureExtractor
+
+    ref, cfg = build_wrapped(tmp_path, monkeypatch)
+    wave = signal("chirp", 16000, 2.1)
+    feats = Gemma3nAudioFeatureExtractor()(wave, return_tensors="pt")
+    run = [cfg.boa_token_id] + [cfg.audio_token_id] * 188 + [cfg.eoa_token_id]
+    ids = [0, 17, 40, 9, 33] + run + [60, 12, 77, 3]
+    with torch.no_grad():
+        want = (
+            ref(
+                input_ids=torch.tensor([ids]),
+                input_features=feats["input_features"],
+                input_features_mask=feats["input_features_mask"],
+            )
+            .logits[0]
+            .numpy()
+        )
+    model = mlxlis.load(tmp_path, "float32")
+    audio = load_gemma3n_audio(tmp_path, mx.float32)
+    mels, valid = Gemma3nAudioFeatures()(wave)
+    soft = audio(mx.array(mels)[None], mx.array(valid)[None])[0]  # (188, hidden)
+    eoa = audio.embed_audio.hard(mx.array([cfg.eoa_token_id]))
+    start = ids.index(cfg.audio_token_id)
+    inserts = Inserts([(start, mx.concatenate([soft, eoa]))], fill=0, bidirectional=False)
+    got = np.array(model.net(mx.array([ids]), inserts=inserts)[0])
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 1e-4, err

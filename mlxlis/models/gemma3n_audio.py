@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mlxlis.errors import ConfigError
@@ -353,3 +354,26 @@ class Gemma3nAudio(nn.Module):
                 arr = arr.transpose(0, 2, 1)
             out[name] = arr
         return out
+
+
+def load_gemma3n_audio(folder: Path, dtype: mx.Dtype = mx.float32) -> Gemma3nAudio | None:
+    """The audio tower and embedder of a Gemma3nForConditionalGeneration folder, in `dtype`;
+    None for a folder without `audio_config`. A missing, extra or misshapen tensor is a
+    FileFormatError naming it."""
+    from mlxlis.loading.safetensors import load_tensors
+    from mlxlis.models.config import read_json
+    from mlxlis.models.multimodal import bind_vision
+
+    where = str(folder / "config.json")
+    cfg = read_json(folder / "config.json")
+    audio, text = cfg.get("audio_config"), cfg.get("text_config")
+    if not isinstance(audio, dict) or not isinstance(text, dict):
+        return None
+    tokens = cfg.get("audio_soft_tokens_per_image", 188)
+    hidden, vocab = text.get("hidden_size", 2048), text.get("vocab_size", 262400)
+    for k, v in (("audio_soft_tokens_per_image", tokens), ("text_config.vocab_size", vocab)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= 1 << 24:
+            raise ConfigError(f"bad value {v!r}"[:100], path=where, field=k)
+    net = Gemma3nAudio(AudioConfig.from_hf(audio, where), hidden, vocab - 1, tokens)
+    bind_vision(net, Gemma3nAudio.sanitize(load_tensors(folder)), folder, dtype)
+    return net
