@@ -107,7 +107,7 @@ def test_features_of_our_extractor_through_the_tower():
     np.testing.assert_allclose(np.array(h), want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
-def build_wrapped(folder, monkeypatch, seed: int = 0):
+def build_wrapped(folder, monkeypatch, seed: int = 0, vocab: int | None = None):
     """A tiny random Gemma3nForConditionalGeneration written by transformers: a gemma3n text
     model (4 AltUp streams, KV sharing, per-layer inputs), the tiny audio tower, and the text
     vocabulary's last ids the vision and audio ranges as on the hub (the vision tower, a timm
@@ -116,7 +116,8 @@ def build_wrapped(folder, monkeypatch, seed: int = 0):
     from conftest import randomize, train_tokenizer
     from transformers import Gemma3nConfig, Gemma3nForConditionalGeneration
 
-    vocab = train_tokenizer(folder)
+    if vocab is None:  # the ids of the three audio tokens: the last two and a text id
+        vocab = train_tokenizer(folder)
     real = modeling.AutoModel.from_config
 
     def towers(config, **kw):
@@ -127,7 +128,7 @@ def build_wrapped(folder, monkeypatch, seed: int = 0):
     monkeypatch.setattr(modeling.AutoModel, "from_config", towers)
     text = dict(
         vocab_size=vocab,
-        vocab_size_per_layer_input=vocab - 16,
+        vocab_size_per_layer_input=vocab - 3,
         hidden_size=64,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -147,11 +148,11 @@ def build_wrapped(folder, monkeypatch, seed: int = 0):
     )
     cfg = Gemma3nConfig(
         text_config=text,
-        audio_config={**TINY, "vocab_size": 8, "vocab_offset": vocab - 8},
-        vision_config={"vocab_size": 8, "vocab_offset": vocab - 16},
-        boa_token_id=5,
-        eoa_token_id=vocab - 8,
-        audio_token_id=vocab - 7,
+        audio_config={**TINY, "vocab_size": 2, "vocab_offset": vocab - 2},
+        vision_config={"vocab_size": 1, "vocab_offset": vocab - 3},
+        boa_token_id=3,
+        eoa_token_id=vocab - 2,
+        audio_token_id=vocab - 1,
     )
     cfg.text_config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -198,3 +199,105 @@ def test_logits_after_audio_match_transformers(tmp_path, monkeypatch):
     got = np.array(model.net(mx.array([ids]), inserts=inserts)[0])
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < 1e-4, err
+
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'audio' %}<audio_soft_token>{% elif p.type == 'text' %}{{ p.text }}"
+    "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+SPECIAL = {
+    "image_token": "<image_soft_token>",
+    "eoa_token": "<end_of_audio>",
+    "audio_token": "<audio_soft_token>",
+}
+
+
+@pytest.fixture(scope="module")
+def heard(tmp_path_factory):
+    """A tiny Gemma 3n folder that hears, as a hub folder holds it: the wrapper's weights, a
+    tokenizer whose last ids are the image soft token, <end_of_audio> and <audio_soft_token>
+    (the vision and audio vocabularies' ranges, as on the hub), <start_of_audio> a text id,
+    the feature extractor's preprocessor_config.json and a chat template writing the audio
+    marker. Returns (folder, transformers model, Gemma3nProcessor)."""
+    from conftest import train_tokenizer
+    from transformers import (
+        Gemma3nAudioFeatureExtractor,
+        Gemma3nProcessor,
+        PreTrainedTokenizerFast,
+        SiglipImageProcessor,
+    )
+
+    folder = tmp_path_factory.mktemp("heard")
+    train_tokenizer(folder, extra_special=("<start_of_audio>",))
+    tok = PreTrainedTokenizerFast.from_pretrained(folder)
+    tok.add_special_tokens({"additional_special_tokens": list(SPECIAL.values())})
+    ids = {k: tok.convert_tokens_to_ids(v) for k, v in SPECIAL.items()}
+    vocab = len(tok)
+    assert ids["audio_token"] == vocab - 1 and ids["eoa_token"] == vocab - 2
+    tok = PreTrainedTokenizerFast.from_pretrained(
+        folder,
+        # the image markers the processor also wants, unused here: two ChatML tokens
+        extra_special_tokens={
+            **SPECIAL,
+            "boa_token": "<start_of_audio>",
+            "boi_token": "<|im_start|>",
+            "eoi_token": "<|endoftext|>",
+        },
+        additional_special_tokens=list(SPECIAL.values()),
+    )
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(folder)
+    with pytest.MonkeyPatch.context() as mp:
+        ref, cfg = build_wrapped(folder, mp, vocab=vocab)
+    extractor = Gemma3nAudioFeatureExtractor()
+    extractor.save_pretrained(folder)
+    processor = Gemma3nProcessor(
+        feature_extractor=extractor,
+        image_processor=SiglipImageProcessor(),
+        tokenizer=tok,
+        chat_template=TEMPLATE,
+    )
+    return folder, ref, processor
+
+
+def test_folder_hears_as_transformers_does(heard):
+    """Proves, through mlxlis.load on a hub-shaped folder: the audio tower is loaded (no longer
+    skipped); encode_chat with an audio part (a 2.1 s stereo 44.1 kHz chirp + tone WAV, and the
+    same as OpenAI's base64 input_audio) gives the ids Gemma3nProcessor gives for the same text
+    (its audio expansion); the logits after the audio equal Gemma3nForConditionalGeneration's
+    on the processor's own features within 1e-4 (relative); greedy generation equals
+    transformers' generate, prefilled in chunks."""
+    import base64
+
+    import mlxlis
+    from mlxlis.generation.generate import generate
+
+    from test_audio import encoded, reference_samples
+
+    folder, ref, processor = heard
+    model = mlxlis.load(folder, "float32")
+    assert not any("audio" in n for n in model.skipped) and model.hearing is not None
+    stereo = np.stack([signal("chirp", 44100, 2.1), signal("tone", 44100, 2.1)], axis=1)
+    data = encoded(stereo, 44100)
+    parts = [{"type": "text", "text": "what is said?"}, {"type": "audio", "audio": data}]
+    messages = [{"role": "user", "content": parts}]
+    prompt = model.encode_chat(messages)
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want = processor(text=text, audio=[reference_samples(data, 16000)], return_tensors="pt")
+    assert prompt.ids == want["input_ids"][0].tolist()
+    b64 = {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode()}}
+    again = model.encode_chat([{"role": "user", "content": [parts[0], b64]}])
+    assert again.ids == prompt.ids and again.images[0].digest == prompt.images[0].digest
+    with torch.no_grad():
+        logits = ref(**want).logits[0].numpy()
+    got = np.array(model.logits(prompt.ids, prompt.images))
+    assert np.abs(got - logits).max() / np.abs(logits).max() < 1e-4
+    with torch.no_grad():
+        out = ref.generate(**want, max_new_tokens=8, do_sample=False)
+    expected = out[0, len(prompt.ids) :].tolist()
+    # prefilled in chunks of 64: the audio's run is never split (the core's image rule)
+    events = generate(model, prompt, max_tokens=len(expected), temperature=0.0, prefill_step=64)
+    assert [e.token for e in events if e.token is not None] == expected

@@ -17,6 +17,8 @@ into the extractor's 30 s windows.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import math
 from dataclasses import dataclass
@@ -101,6 +103,29 @@ def resample(mono: np.ndarray, rate: int, to: int) -> np.ndarray:
     import soxr
 
     return soxr.resample(mono, rate, to, quality="HQ").astype(np.float32)
+
+
+def part_source(part: Any, field: str) -> Any:
+    """What a chat content part holds as audio: {"type": "audio", "audio" | "path": PATH |
+    bytes | a prepared clip}, or OpenAI's {"type": "input_audio", "input_audio": {"data":
+    base64, "format"}} decoded to bytes (the format is the file's own to say); None for
+    another part. An AudioError naming `field` for one without its audio."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "input_audio":
+        inner = part.get("input_audio")
+        data = inner.get("data") if isinstance(inner, dict) else None
+        if not isinstance(data, str):
+            raise AudioError("an input_audio part needs its base64 data", field=field)
+        try:
+            return base64.b64decode(data, validate=True)
+        except (ValueError, binascii.Error):
+            raise AudioError("input_audio data is not base64", field=field) from None
+    if kind != "audio":
+        return None
+    source = part.get("audio", part.get("path"))
+    if source is None:
+        raise AudioError("an audio part needs its audio", field=field)
+    return source
 
 
 def load_audio(source: str | Path | bytes, rate: int, field: str = "audio") -> np.ndarray:
