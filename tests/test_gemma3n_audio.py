@@ -301,3 +301,47 @@ def test_folder_hears_as_transformers_does(heard):
     # prefilled in chunks of 64: the audio's run is never split (the core's image rule)
     events = generate(model, prompt, max_tokens=len(expected), temperature=0.0, prefill_step=64)
     assert [e.token for e in events if e.token is not None] == expected
+
+
+def test_server_chat_hears_input_audio(heard, tmp_path):
+    """Proves OpenAI chat's input_audio part (base64 + format), sent by the openai client to a
+    real `mlxlis serve`, reaches the model through the one request builder: the greedy reply
+    equals the library's for the same messages; a model without audio refuses the part in
+    OpenAI's error shape (here: bad base64, named by its field)."""
+    import base64
+
+    import mlxlis
+    from mlxlis.generation.generate import generate
+
+    import openai
+    from serve_process import ServeProcess
+    from test_audio import encoded
+
+    folder, _, _ = heard
+    data = encoded(signal("chirp", 16000, 1.3), 16000, "FLAC", "PCM_16")
+    b64 = base64.b64encode(data).decode()
+    text = {"type": "text", "text": "what is said?"}
+    audio = {"type": "input_audio", "input_audio": {"data": b64, "format": "flac"}}
+    model = mlxlis.load(folder, "float32")
+    prompt = model.encode_chat([{"role": "user", "content": [text, audio]}])
+    events = list(generate(model, prompt, max_tokens=6, temperature=0.0))
+    want = "".join(e.text for e in events if e.text)
+    assert want  # a reply to compare
+    srv = ServeProcess(tmp_path, "-m", str(folder))
+    try:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="none")
+        reply = client.chat.completions.create(
+            model=srv.model,
+            messages=[{"role": "user", "content": [text, audio]}],
+            max_tokens=6,
+            temperature=0.0,
+        )
+        assert reply.choices[0].message.content == want
+        broken = {"type": "input_audio", "input_audio": {"data": "@@@", "format": "wav"}}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model=srv.model, messages=[{"role": "user", "content": [text, broken]}]
+            )
+        assert e.value.body["param"] == "messages[0].content[1].input_audio.data"
+    finally:
+        assert srv.stop() == 0, srv.log()
