@@ -345,3 +345,36 @@ def test_server_chat_hears_input_audio(heard, tmp_path):
         assert e.value.body["param"] == "messages[0].content[1].input_audio.data"
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+def test_cli_audio_flag_equals_transformers(heard, tmp_path):
+    """Proves `mlxlis -m M --audio FILE "…"` prints transformers' greedy reply to the same
+    chat (the processor's ids and features of the file's samples at 16 kHz), and a file that
+    is not audio is refused naming the flag and file (exit 2)."""
+    import subprocess
+    import sys
+
+    from mlxlis.tokenizer import Tokenizer
+
+    from test_audio import encoded, reference_samples
+
+    folder, ref, processor = heard
+    path, bad = tmp_path / "said.ogg", tmp_path / "bad.wav"
+    path.write_bytes(encoded(signal("chirp", 48000, 1.1), 48000, "OGG", "VORBIS"))
+    bad.write_bytes(b"RIFF not really")
+    parts = [{"type": "audio", "audio": "x"}, {"type": "text", "text": "what"}]
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+    )
+    samples = reference_samples(path.read_bytes(), 16000)
+    inputs = processor(text=text, audio=[samples], return_tensors="pt")
+    with torch.no_grad():
+        greedy = ref.generate(**inputs, max_new_tokens=4, do_sample=False)
+    want = Tokenizer.from_folder(folder).decode(greedy[0, inputs["input_ids"].shape[1] :].tolist())
+    cmd = [sys.executable, "-m", "mlxlis", "-m", str(folder), "--dtype", "float32"]
+    cmd += ["--temp", "0", "--max-tokens", "4"]
+    out = subprocess.run([*cmd, "--audio", str(path), "what"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == want + "\n"
+    out = subprocess.run([*cmd, "--audio", str(bad), "what"], capture_output=True, text=True)
+    assert out.returncode == 2 and f"--audio {bad}: not audio" in out.stderr, out.stderr
