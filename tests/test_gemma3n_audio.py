@@ -378,3 +378,55 @@ def test_cli_audio_flag_equals_transformers(heard, tmp_path):
     assert out.stdout == want + "\n"
     out = subprocess.run([*cmd, "--audio", str(bad), "what"], capture_output=True, text=True)
     assert out.returncode == 2 and f"--audio {bad}: not audio" in out.stderr, out.stderr
+
+
+def test_server_transcribes_as_the_library_does(heard, tmp_path):
+    """Proves `POST /v1/audio/transcriptions`, called by the openai client's
+    `client.audio.transcriptions.create` on a real `mlxlis serve`, returns what the library
+    generates (greedy) for the same file and Gemma's documented transcription prompt, in every
+    response_format (json, text, verbose_json, srt, vtt: the same text, a cue spanning the
+    clip); a `prompt` replaces the instruction; a file that is not audio is a 400 naming
+    `file`."""
+    import mlxlis
+    from mlxlis.generation.generate import generate
+    from mlxlis.serve.transcriptions import INSTRUCTION, WINDOW_TOKENS
+
+    import openai
+    from serve_process import ServeProcess
+    from test_audio import encoded
+
+    folder, _, _ = heard
+    path = tmp_path / "said.wav"
+    path.write_bytes(encoded(signal("chirp", 16000, 2.5), 16000))
+    model = mlxlis.load(folder, "float32")
+
+    def library(ask: str) -> str:
+        parts = [{"type": "audio", "audio": str(path)}, {"type": "text", "text": ask}]
+        prompt = model.encode_chat([{"role": "user", "content": parts}])
+        events = generate(model, prompt, temperature=0.0, max_tokens=WINDOW_TOKENS)
+        return "".join(e.text for e in events if e.text).strip()
+
+    want = library(INSTRUCTION.format(language="English"))
+    assert want
+    srv = ServeProcess(tmp_path, "-m", str(folder))
+    try:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="none")
+
+        def ask(**kw):
+            with open(path, "rb") as f:
+                return client.audio.transcriptions.create(
+                    model=srv.model, file=f, language="en", temperature=0.0, **kw
+                )
+
+        assert ask().text == want
+        assert ask(response_format="text") == want
+        verbose = ask(response_format="verbose_json")
+        assert verbose.text == want and verbose.duration == 2.5
+        assert ask(response_format="srt") == f"1\n00:00:00,000 --> 00:00:02,500\n{want}\n"
+        assert ask(response_format="vtt") == f"WEBVTT\n\n00:00:00.000 --> 00:00:02.500\n{want}\n"
+        assert ask(prompt="Say what you hear.").text == library("Say what you hear.")
+        with pytest.raises(openai.BadRequestError) as e:
+            client.audio.transcriptions.create(model=srv.model, file=("x.wav", b"not audio"))
+        assert e.value.body["param"] == "file"
+    finally:
+        assert srv.stop() == 0, srv.log()

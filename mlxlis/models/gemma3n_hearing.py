@@ -47,6 +47,7 @@ class Gemma3nHearing(BlockPositions):
         dtype: mx.Dtype,
     ):
         self.net, self.extractor, self.dtype = net, extractor, dtype
+        self.rate = extractor.sampling_rate
         self.boa, self.soft, self.eoa = markers
         self.image_token_id = ids[1]
 

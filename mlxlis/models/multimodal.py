@@ -141,6 +141,8 @@ class Hearing(Protocol):
     """A multimodal part whose clips are audio (gemma3n_hearing.Gemma3nHearing): the seam
     audio content parts go through."""
 
+    rate: int  # the sample rate in Hz the tower's features are made at
+
     def prepare_audio(self, source: Any, field: str, name: str) -> PromptImage:
         """A path or bytes decoded, resampled and turned into the tower's input; an
         AudioError naming `field` for bad audio."""

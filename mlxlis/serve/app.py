@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mlxlis.serve import anthropic, embeddings, metrics, ollama, responses
+from mlxlis.serve import anthropic, embeddings, metrics, ollama, responses, transcriptions
 from mlxlis.serve.listings import Listing
 from mlxlis.serve.openai_format import APIError, Head, new_id, sse, usage_dict
 from mlxlis.serve.pool import PoolError, Served
@@ -229,7 +229,7 @@ def create_app(state: State) -> FastAPI:
             reply.text, ev.finish_reason, reply.logprobs, usage_dict(ev.usage)
         )
 
-    for api in (anthropic, responses, ollama, embeddings):
+    for api in (anthropic, responses, ollama, embeddings, transcriptions):
         app.include_router(api.router(svc, auth))
     app.include_router(metrics.router(state.metrics, auth))
     app.add_middleware(HeadAsGet)
