@@ -91,7 +91,7 @@ AUDIO_MEL = "tests/test_audio.py::test_mel_filters_equal_transformers"
 AUDIO_FEATURES = "tests/test_audio.py::test_features_equal_transformers"
 AUDIO_DECODE = "tests/test_audio.py::test_formats_decode_mix_and_resample_as_the_libraries_do"
 AUDIO_TOWER = "tests/test_gemma3n_audio.py::test_tower_and_embedder_match_transformers"
-AUDIO_LOGITS = "tests/test_gemma3n_audio.py::test_logits_after_audio_match_transformers"
+AUDIO_HEARS = "tests/test_gemma3n_audio.py::test_folder_hears_as_transformers_does"
 OLMO3_LOCAL = "tests/test_olmo3.py::test_sliding_layers_keep_their_own_rope"
 OLMO3_GGUF = "tests/test_olmo3.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
 LORA_FUSE = "tests/test_lora_fuse.py"
@@ -3306,6 +3306,23 @@ MUTANTS = (
         "band = (f >= 0) & (f < self.back + self.ahead)",
         (AUDIO_TOWER,),
         "Gemma 3n audio attention: the context's far edge dropped (one key short per query)",
+    ),
+    Mutant(
+        "gemma3n-audio-eoa-text-embedding",
+        "mlxlis/models/gemma3n_net.py",
+        "        heard = inputs >= offset",
+        "        heard = inputs > offset",
+        (AUDIO_HEARS,),
+        "Gemma 3n: the end-of-audio token (the audio vocabulary's first id) read from the text "
+        "embedding",
+    ),
+    Mutant(
+        "gemma3n-audio-expansion-no-newlines",
+        "mlxlis/models/gemma3n_hearing.py",
+        '        run = f"\\n\\n{self.boa}{self.soft * self.net.tokens}{self.eoa}\\n\\n"',
+        '        run = f"{self.boa}{self.soft * self.net.tokens}{self.eoa}"',
+        (AUDIO_HEARS,),
+        "Gemma 3n: an audio marker expanded without the processor's blank lines around it",
     ),
     Mutant(
         "gemma3n-audio-group-norm-whole",

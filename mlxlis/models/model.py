@@ -476,7 +476,7 @@ class Model:
             if self.fused:
                 details["adapters"] += f" — in the weights: {self.fused}"
         if self.vision is not None:
-            details["vision"] = self.vision.describe()
+            details["audio" if self.hearing is not None else "vision"] = self.vision.describe()
         if self.skipped:
             details["skipped"] = skipped_summary(self.skipped, self.vision is None)
         if self.part is not None:
