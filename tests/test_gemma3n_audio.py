@@ -385,23 +385,24 @@ def test_server_transcribes_as_the_library_does(heard, tmp_path):
     `client.audio.transcriptions.create` on a real `mlxlis serve`, returns what the library
     generates (greedy) for the same file and Gemma's documented transcription prompt, in every
     response_format (json, text, verbose_json, srt, vtt: the same text, a cue spanning the
-    clip); a `prompt` replaces the instruction; a file that is not audio is a 400 naming
-    `file`."""
+    clip); a `prompt` replaces the instruction; 34 s of audio read as two windows (30 s and
+    4 s), each transcribed as the library transcribes it alone, joined; a file that is not
+    audio is a 400 naming `file`."""
     import mlxlis
     from mlxlis.generation.generate import generate
     from mlxlis.serve.transcriptions import INSTRUCTION, WINDOW_TOKENS
 
     import openai
     from serve_process import ServeProcess
-    from test_audio import encoded
+    from test_audio import encoded, reference_samples
 
     folder, _, _ = heard
     path = tmp_path / "said.wav"
     path.write_bytes(encoded(signal("chirp", 16000, 2.5), 16000))
     model = mlxlis.load(folder, "float32")
 
-    def library(ask: str) -> str:
-        parts = [{"type": "audio", "audio": str(path)}, {"type": "text", "text": ask}]
+    def library(ask: str, file=path) -> str:
+        parts = [{"type": "audio", "audio": str(file)}, {"type": "text", "text": ask}]
         prompt = model.encode_chat([{"role": "user", "content": parts}])
         events = generate(model, prompt, temperature=0.0, max_tokens=WINDOW_TOKENS)
         return "".join(e.text for e in events if e.text).strip()
@@ -425,6 +426,21 @@ def test_server_transcribes_as_the_library_does(heard, tmp_path):
         assert ask(response_format="srt") == f"1\n00:00:00,000 --> 00:00:02,500\n{want}\n"
         assert ask(response_format="vtt") == f"WEBVTT\n\n00:00:00.000 --> 00:00:02.500\n{want}\n"
         assert ask(prompt="Say what you hear.").text == library("Say what you hear.")
+        # 34 s at 8 kHz: two windows (30 s, 4 s), each asked alone, joined
+        long = signal("chirp", 8000, 34.0)
+        path.write_bytes(encoded(long, 8000))
+        heard16 = reference_samples(path.read_bytes(), 16000)
+        parts = [heard16[:480_000], heard16[480_000:]]
+        wants = []
+        for w in parts:
+            (tmp_path / "w.wav").write_bytes(encoded(w, 16000))
+            wants.append(library(INSTRUCTION.format(language="English"), tmp_path / "w.wav"))
+        verbose = ask(response_format="verbose_json")
+        assert [(x.start, x.end, x.text) for x in verbose.segments] == [
+            (0.0, 30.0, wants[0]),
+            (30.0, 34.0, wants[1]),
+        ]
+        assert verbose.text == " ".join(wants)
         with pytest.raises(openai.BadRequestError) as e:
             client.audio.transcriptions.create(model=srv.model, file=("x.wav", b"not audio"))
         assert e.value.body["param"] == "file"
