@@ -303,50 +303,135 @@ def test_folder_hears_as_transformers_does(heard):
     assert [e.token for e in events if e.token is not None] == expected
 
 
-def test_server_chat_hears_input_audio(heard, tmp_path):
-    """Proves OpenAI chat's input_audio part (base64 + format), sent by the openai client to a
-    real `mlxlis serve`, reaches the model through the one request builder: the greedy reply
-    equals the library's for the same messages; a model without audio refuses the part in
-    OpenAI's error shape (here: bad base64, named by its field)."""
-    import base64
-
+@pytest.fixture(scope="module")
+def served(heard, tmp_path_factory):
+    """(the heard folder served by a real `mlxlis serve`, an openai client of it, the folder
+    loaded by the library)."""
     import mlxlis
-    from mlxlis.generation.generate import generate
 
     import openai
     from serve_process import ServeProcess
-    from test_audio import encoded
 
-    folder, _, _ = heard
-    data = encoded(signal("chirp", 16000, 1.3), 16000, "FLAC", "PCM_16")
-    b64 = base64.b64encode(data).decode()
-    text = {"type": "text", "text": "what is said?"}
-    audio = {"type": "input_audio", "input_audio": {"data": b64, "format": "flac"}}
-    model = mlxlis.load(folder, "float32")
-    prompt = model.encode_chat([{"role": "user", "content": [text, audio]}])
-    events = list(generate(model, prompt, max_tokens=6, temperature=0.0))
-    want = "".join(e.text for e in events if e.text)
-    assert want  # a reply to compare
-    srv = ServeProcess(tmp_path, "-m", str(folder))
+    folder = heard[0]
+    srv = ServeProcess(tmp_path_factory.mktemp("served"), "-m", str(folder))
     try:
         client = openai.OpenAI(base_url=srv.base_url, api_key="none")
-        reply = client.chat.completions.create(
-            model=srv.model,
-            messages=[{"role": "user", "content": [text, audio]}],
-            max_tokens=6,
-            temperature=0.0,
-        )
-        assert reply.choices[0].message.content == want
-        broken = {"type": "input_audio", "input_audio": {"data": "@@@", "format": "wav"}}
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(
-                model=srv.model, messages=[{"role": "user", "content": [text, broken]}]
-            )
-        assert e.value.body["param"] == "messages[0].content[1].input_audio.data"
+        yield srv, client, mlxlis.load(folder, "float32")
     finally:
         assert srv.stop() == 0, srv.log()
 
 
+def library_transcript(model, file, ask: str) -> str:
+    """The library's greedy reply to `file` and `ask`, as a transcription window's."""
+    from mlxlis.generation.generate import generate
+    from mlxlis.serve.transcriptions import WINDOW_TOKENS
+
+    parts = [{"type": "audio", "audio": str(file)}, {"type": "text", "text": ask}]
+    prompt = model.encode_chat([{"role": "user", "content": parts}])
+    events = generate(model, prompt, temperature=0.0, max_tokens=WINDOW_TOKENS)
+    return "".join(e.text for e in events if e.text).strip()
+
+
+def test_server_chat_hears_input_audio(served):
+    """Proves OpenAI chat's input_audio part (base64 + format), sent by the openai client to a
+    real `mlxlis serve`, reaches the model through the one request builder: the greedy reply
+    equals the library's for the same messages; bad base64 is a 400 naming its field."""
+    import base64
+
+    from mlxlis.generation.generate import generate
+
+    import openai
+    from test_audio import encoded
+
+    srv, client, model = served
+    data = encoded(signal("chirp", 16000, 1.3), 16000, "FLAC", "PCM_16")
+    b64 = base64.b64encode(data).decode()
+    text = {"type": "text", "text": "what is said?"}
+    audio = {"type": "input_audio", "input_audio": {"data": b64, "format": "flac"}}
+    prompt = model.encode_chat([{"role": "user", "content": [text, audio]}])
+    events = list(generate(model, prompt, max_tokens=6, temperature=0.0))
+    want = "".join(e.text for e in events if e.text)
+    assert want  # a reply to compare
+    reply = client.chat.completions.create(
+        model=srv.model,
+        messages=[{"role": "user", "content": [text, audio]}],
+        max_tokens=6,
+        temperature=0.0,
+    )
+    assert reply.choices[0].message.content == want
+    broken = {"type": "input_audio", "input_audio": {"data": "@@@", "format": "wav"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=srv.model, messages=[{"role": "user", "content": [text, broken]}]
+        )
+    assert e.value.body["param"] == "messages[0].content[1].input_audio.data"
+
+
+def transcribe(served, path, **kw):
+    srv, client, _ = served
+    with open(path, "rb") as f:
+        return client.audio.transcriptions.create(
+            model=srv.model, file=f, language="en", temperature=0.0, **kw
+        )
+
+
+def test_server_transcribes_as_the_library_does(served, tmp_path):
+    """Proves `POST /v1/audio/transcriptions`, called by the openai client's
+    `client.audio.transcriptions.create` on a real `mlxlis serve`, returns what the library
+    generates (greedy) for the same file and Gemma's documented transcription prompt, in every
+    response_format (json, text, verbose_json, srt, vtt: the same text, a cue spanning the
+    clip); a `prompt` replaces the instruction; a file that is not audio is a 400 naming
+    `file`."""
+    from mlxlis.serve.transcriptions import INSTRUCTION
+
+    import openai
+    from test_audio import encoded
+
+    srv, client, model = served
+    path = tmp_path / "said.wav"
+    path.write_bytes(encoded(signal("chirp", 16000, 2.5), 16000))
+    want = library_transcript(model, path, INSTRUCTION.format(language="English"))
+    assert want
+    assert transcribe(served, path).text == want
+    assert transcribe(served, path, response_format="text") == want
+    verbose = transcribe(served, path, response_format="verbose_json")
+    assert verbose.text == want and verbose.duration == 2.5
+    srt = transcribe(served, path, response_format="srt")
+    assert srt == f"1\n00:00:00,000 --> 00:00:02,500\n{want}\n"
+    vtt = transcribe(served, path, response_format="vtt")
+    assert vtt == f"WEBVTT\n\n00:00:00.000 --> 00:00:02.500\n{want}\n"
+    said = transcribe(served, path, prompt="Say what you hear.").text
+    assert said == library_transcript(model, path, "Say what you hear.")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.audio.transcriptions.create(model=srv.model, file=("x.wav", b"not audio"))
+    assert e.value.body["param"] == "file"
+
+
+@pytest.mark.extended
+def test_server_transcribes_long_audio_window_by_window(served, tmp_path):
+    """Proves 34 s of 8 kHz audio is transcribed as two windows (30 s and 4 s of its 16 kHz
+    samples), each as the library transcribes that window alone, their replies joined and
+    each a verbose_json segment with its times."""
+    from mlxlis.serve.transcriptions import INSTRUCTION
+
+    from test_audio import encoded, reference_samples
+
+    model = served[2]
+    path = tmp_path / "long.wav"
+    path.write_bytes(encoded(signal("chirp", 8000, 34.0), 8000))
+    at16 = reference_samples(path.read_bytes(), 16000)
+    wants = []
+    for k, window in enumerate((at16[:480_000], at16[480_000:])):
+        (tmp_path / f"w{k}.wav").write_bytes(encoded(window, 16000))
+        ask = INSTRUCTION.format(language="English")
+        wants.append(library_transcript(model, tmp_path / f"w{k}.wav", ask))
+    verbose = transcribe(served, path, response_format="verbose_json")
+    got = [(x.start, x.end, x.text) for x in verbose.segments]
+    assert got == [(0.0, 30.0, wants[0]), (30.0, 34.0, wants[1])]
+    assert verbose.text == " ".join(wants)
+
+
+@pytest.mark.extended  # two processes that load the model: the suite's budget
 def test_cli_audio_flag_equals_transformers(heard, tmp_path):
     """Proves `mlxlis -m M --audio FILE "…"` prints transformers' greedy reply to the same
     chat (the processor's ids and features of the file's samples at 16 kHz), and a file that
@@ -378,71 +463,3 @@ def test_cli_audio_flag_equals_transformers(heard, tmp_path):
     assert out.stdout == want + "\n"
     out = subprocess.run([*cmd, "--audio", str(bad), "what"], capture_output=True, text=True)
     assert out.returncode == 2 and f"--audio {bad}: not audio" in out.stderr, out.stderr
-
-
-def test_server_transcribes_as_the_library_does(heard, tmp_path):
-    """Proves `POST /v1/audio/transcriptions`, called by the openai client's
-    `client.audio.transcriptions.create` on a real `mlxlis serve`, returns what the library
-    generates (greedy) for the same file and Gemma's documented transcription prompt, in every
-    response_format (json, text, verbose_json, srt, vtt: the same text, a cue spanning the
-    clip); a `prompt` replaces the instruction; 34 s of audio read as two windows (30 s and
-    4 s), each transcribed as the library transcribes it alone, joined; a file that is not
-    audio is a 400 naming `file`."""
-    import mlxlis
-    from mlxlis.generation.generate import generate
-    from mlxlis.serve.transcriptions import INSTRUCTION, WINDOW_TOKENS
-
-    import openai
-    from serve_process import ServeProcess
-    from test_audio import encoded, reference_samples
-
-    folder, _, _ = heard
-    path = tmp_path / "said.wav"
-    path.write_bytes(encoded(signal("chirp", 16000, 2.5), 16000))
-    model = mlxlis.load(folder, "float32")
-
-    def library(ask: str, file=path) -> str:
-        parts = [{"type": "audio", "audio": str(file)}, {"type": "text", "text": ask}]
-        prompt = model.encode_chat([{"role": "user", "content": parts}])
-        events = generate(model, prompt, temperature=0.0, max_tokens=WINDOW_TOKENS)
-        return "".join(e.text for e in events if e.text).strip()
-
-    want = library(INSTRUCTION.format(language="English"))
-    assert want
-    srv = ServeProcess(tmp_path, "-m", str(folder))
-    try:
-        client = openai.OpenAI(base_url=srv.base_url, api_key="none")
-
-        def ask(**kw):
-            with open(path, "rb") as f:
-                return client.audio.transcriptions.create(
-                    model=srv.model, file=f, language="en", temperature=0.0, **kw
-                )
-
-        assert ask().text == want
-        assert ask(response_format="text") == want
-        verbose = ask(response_format="verbose_json")
-        assert verbose.text == want and verbose.duration == 2.5
-        assert ask(response_format="srt") == f"1\n00:00:00,000 --> 00:00:02,500\n{want}\n"
-        assert ask(response_format="vtt") == f"WEBVTT\n\n00:00:00.000 --> 00:00:02.500\n{want}\n"
-        assert ask(prompt="Say what you hear.").text == library("Say what you hear.")
-        # 34 s at 8 kHz: two windows (30 s, 4 s), each asked alone, joined
-        long = signal("chirp", 8000, 34.0)
-        path.write_bytes(encoded(long, 8000))
-        heard16 = reference_samples(path.read_bytes(), 16000)
-        parts = [heard16[:480_000], heard16[480_000:]]
-        wants = []
-        for w in parts:
-            (tmp_path / "w.wav").write_bytes(encoded(w, 16000))
-            wants.append(library(INSTRUCTION.format(language="English"), tmp_path / "w.wav"))
-        verbose = ask(response_format="verbose_json")
-        assert [(x.start, x.end, x.text) for x in verbose.segments] == [
-            (0.0, 30.0, wants[0]),
-            (30.0, 34.0, wants[1]),
-        ]
-        assert verbose.text == " ".join(wants)
-        with pytest.raises(openai.BadRequestError) as e:
-            client.audio.transcriptions.create(model=srv.model, file=("x.wav", b"not audio"))
-        assert e.value.body["param"] == "file"
-    finally:
-        assert srv.stop() == 0, srv.log()
