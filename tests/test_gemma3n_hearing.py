@@ -6,6 +6,8 @@ library; the CLI's --audio."""
 
 from __future__ import annotations
 
+from mlxlis.prompt.audio import AudioError
+
 import numpy as np
 import pytest
 import torch
@@ -78,7 +80,8 @@ def test_folder_hears_as_transformers_does(heard):
     """Proves, through mlxlis.load on a hub-shaped folder: the audio tower is loaded (no longer
     skipped); encode_chat with an audio part (a 2.1 s stereo 44.1 kHz chirp + tone WAV, and the
     same as OpenAI's base64 input_audio) gives the ids Gemma3nProcessor gives for the same text
-    (its audio expansion); the logits after the audio equal Gemma3nForConditionalGeneration's
+    (its audio expansion), and a clip past the processor's 30 s is refused naming its part
+    (not cut); the logits after the audio equal Gemma3nForConditionalGeneration's
     on the processor's own features within 1e-4 (relative); greedy generation equals
     transformers' generate, prefilled in chunks."""
     import base64
@@ -102,6 +105,10 @@ def test_folder_hears_as_transformers_does(heard):
     b64 = {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode()}}
     again = model.encode_chat([{"role": "user", "content": [parts[0], b64]}])
     assert again.ids == prompt.ids and again.images[0].digest == prompt.images[0].digest
+    long = [parts[0], {"type": "audio", "audio": encoded(signal("tone", 8000, 30.5), 8000)}]
+    with pytest.raises(AudioError, match="at most 30 s") as e:
+        model.encode_chat([{"role": "user", "content": long}])
+    assert e.value.field == "messages[0].content[1]"
     with torch.no_grad():
         logits = ref(**want).logits[0].numpy()
     got = np.array(model.logits(prompt.ids, prompt.images))

@@ -3,12 +3,13 @@ an audio clip is a run of placeholders its soft tokens replace), loaded where th
 an `audio_config`, the tower's tensors and the feature extractor's settings
 (preprocessor_config.json / processor_config.json).
 
-A clip is decoded and resampled to the extractor's rate (prompt/audio.py), cut to its 30 s
-window, turned into log-mels; the prompt's audio marker (the chat template's
-`<audio_soft_token>`) is expanded as Gemma3nProcessor does: "\\n\\n<start_of_audio>", 188
-placeholders, "<end_of_audio>\\n\\n". The placeholders are causal text positions for the
-language model (no bidirectional block, unlike images in Gemma 3), and the end-of-audio token,
-an id of the audio vocabulary, is embedded by the audio embedder (`attach`).
+A clip is decoded and resampled to the extractor's rate (prompt/audio.py) and turned into
+log-mels (a clip longer than the processor's 30 s window is refused, not cut); the prompt's
+audio marker (the chat template's `<audio_soft_token>`) is expanded as Gemma3nProcessor does:
+"\\n\\n<start_of_audio>", 188 placeholders, "<end_of_audio>\\n\\n". The placeholders are
+causal text positions for the language model (no bidirectional block, unlike images in
+Gemma 3), and the end-of-audio token, an id of the audio vocabulary, is embedded by the audio
+embedder (`attach`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from mlxlis.models.multimodal import (
     expand_markers,
     marker_tokens,
 )
-from mlxlis.prompt.audio import Gemma3nAudioFeatures, load_audio
+from mlxlis.prompt.audio import AudioError, Gemma3nAudioFeatures, load_audio
 
 import mlx.core as mx
 import numpy as np
@@ -66,7 +67,15 @@ class Gemma3nHearing(BlockPositions):
 
     def prepare_audio(self, source: Any, field: str, name: str) -> PromptImage:
         x = load_audio(source, self.extractor.sampling_rate, field)
-        mels, valid = self.extractor(x)  # the first window (the processor's 30 s)
+        most = self.extractor.max_samples
+        if len(x) > most:  # the processor would cut it silently
+            raise AudioError(
+                f"{len(x) / self.rate:.1f} s of audio: a clip is at most "
+                f"{most / self.rate:g} s (/v1/audio/transcriptions reads longer audio window "
+                "by window)",
+                field=field,
+            )
+        mels, valid = self.extractor(x)  # (frames, mel bins), (frames,)
         if not name:
             name = Path(source).name if isinstance(source, (str, Path)) else "audio"
         # `positions` carries each frame's validity (the padding's frames are False)
