@@ -89,6 +89,11 @@ OPS_IDS = "tests/test_serve_ops.py::test_request_ids_echoed_generated_or_replace
 OPS_CORS = "tests/test_serve_ops.py::test_cors_preflight_allowed_for_a_listed_origin_only"
 OPS_BUG = "tests/test_serve_ops.py::test_a_server_error_keeps_its_request_id_and_is_counted"
 OLMO3_HF = "tests/test_olmo3.py::test_logits_match_transformers_fp32"
+AUDIO_MEL = "tests/test_audio.py::test_mel_filters_equal_transformers"
+AUDIO_FEATURES = "tests/test_audio.py::test_features_equal_transformers"
+AUDIO_DECODE = "tests/test_audio.py::test_formats_decode_mix_and_resample_as_the_libraries_do"
+AUDIO_TOWER = "tests/test_gemma3n_audio.py::test_tower_and_embedder_match_transformers"
+AUDIO_HEARS = "tests/test_gemma3n_hearing.py::test_folder_hears_as_transformers_does"
 OLMO3_LOCAL = "tests/test_olmo3.py::test_sliding_layers_keep_their_own_rope"
 OLMO3_GGUF = "tests/test_olmo3.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
 LORA_FUSE = "tests/test_lora_fuse.py"
@@ -3474,6 +3479,71 @@ MUTANTS = (
         "s.pending is None and s.todo:",
         (f"{SAMPLES}test_prompt_is_read_once", "tests/test_samples.py"),
         "n > 1: every sample reads the prompt itself instead of waiting for the fork",
+    ),
+    Mutant(
+        "audio-mel-bin-shift",
+        "mlxlis/prompt/audio.py",
+        "freqs = np.arange(n_freqs, dtype=np.float32) * (rate / fft)",
+        "freqs = np.arange(1, n_freqs + 1, dtype=np.float32) * (rate / fft)",
+        (AUDIO_MEL, AUDIO_FEATURES),
+        "Gemma 3n log-mels: the mel filters one FFT bin off",
+    ),
+    Mutant(
+        "audio-stereo-not-mixed",
+        "mlxlis/prompt/audio.py",
+        "samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else",
+        "samples[:, 0] if True else",
+        (AUDIO_DECODE,),
+        "audio in: stereo read as its left channel, not mixed",
+    ),
+    Mutant(
+        "audio-resampler-skipped",
+        "mlxlis/prompt/audio.py",
+        "    if rate == to:\n        return mono",
+        "    if True:\n        return mono",
+        (AUDIO_DECODE,),
+        "audio in: the file's rate kept (no resampling to the model's)",
+    ),
+    Mutant(
+        "audio-window-drops-sample",
+        "mlxlis/prompt/audio.py",
+        "    return [samples[i : i + size] for i in range(0, len(samples), size)]",
+        "    return [samples[i : i + size - 1] for i in range(0, len(samples), size)]",
+        ("tests/test_audio.py::test_windows_cover_the_samples_in_order",),
+        "audio in: each 30 s window's last sample dropped at the boundary",
+    ),
+    Mutant(
+        "gemma3n-audio-context-edge",
+        "mlxlis/models/gemma3n_audio.py",
+        "band = (f >= 0) & (f <= self.back + self.ahead)",
+        "band = (f >= 0) & (f < self.back + self.ahead)",
+        (AUDIO_TOWER,),
+        "Gemma 3n audio attention: the context's far edge dropped (one key short per query)",
+    ),
+    Mutant(
+        "gemma3n-audio-eoa-text-embedding",
+        "mlxlis/models/gemma3n_net.py",
+        "        heard = inputs >= offset",
+        "        heard = inputs > offset",
+        (AUDIO_HEARS,),
+        "Gemma 3n: the end-of-audio token (the audio vocabulary's first id) read from the text "
+        "embedding",
+    ),
+    Mutant(
+        "gemma3n-audio-expansion-no-newlines",
+        "mlxlis/models/gemma3n_hearing.py",
+        '        run = f"\\n\\n{self.boa}{self.soft * self.net.tokens}{self.eoa}\\n\\n"',
+        '        run = f"{self.boa}{self.soft * self.net.tokens}{self.eoa}"',
+        (AUDIO_HEARS,),
+        "Gemma 3n: an audio marker expanded without the processor's blank lines around it",
+    ),
+    Mutant(
+        "gemma3n-audio-group-norm-whole",
+        "mlxlis/models/gemma3n_audio.py",
+        "mean = mx.cumsum(x32.sum(axis=(2, 3), keepdims=True), axis=1) / count",
+        "mean = x32.mean(axis=(1, 2, 3), keepdims=True) + 0 * count",
+        (AUDIO_TOWER,),
+        "Gemma 3n audio subsampling: the group norm over the whole clip, not cumulative",
     ),
 )
 

@@ -53,6 +53,14 @@ def one_shot_parser() -> argparse.ArgumentParser:
         help="an image the prompt is about (repeatable; before the prompt's text, in order): "
         "a model that sees (Gemma 3 multimodal)",
     )
+    p.add_argument(
+        "--audio",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an audio file the prompt is about (WAV, FLAC, OGG, MP3; repeatable; after the "
+        "images): a model that hears (Gemma 3n)",
+    )
     add_thinking_args(p)
     add_format_args(p)
     add_speculative_args(p)
@@ -97,13 +105,18 @@ def one_shot_request(
     spec: Speculation | None,
 ) -> Built:
     """The one-shot chat turn through the request builder (generation/request.py): `prompt`
-    after the system prompt, the --image files before it."""
+    after the system prompt, the --image then --audio files before it."""
     user: str | list[dict] = prompt
-    if a.image:
+    if a.image or a.audio:
         user = [  # opened here so that a refusal names the flag
             {"type": "image", "image": model.prepare_image(path, f"--image {path}")}
             for path in a.image
         ]
+        for path in a.audio:
+            clip = model.audio_part({"type": "audio", "audio": path}, f"--audio {path}")
+            if clip is None:
+                raise MlxlisError(f"{model.name} takes no audio", field=f"--audio {path}")
+            user.append({"type": "audio", "audio": clip})
         user.append({"type": "text", "text": prompt})
     messages = [{"role": "system", "content": a.system}] if a.system else []
     messages.append({"role": "user", "content": user})
@@ -188,8 +201,9 @@ def one_shot(a: argparse.Namespace, params: SamplingParams, model: Model, prompt
     spec = load_speculation(a, model)
     events: Iterator[Event]
     if a.no_chat:
-        if a.image:
-            raise MlxlisError("images need the chat template (not --no-chat)", field="--image")
+        if a.image or a.audio:
+            flag = "--image" if a.image else "--audio"
+            raise MlxlisError("images and audio need the chat template (not --no-chat)", field=flag)
         text = None
         ids = model.tokenizer.encode(prompt)
         events = generate(model, ids, params, response_format=fmt, speculation=spec)

@@ -295,15 +295,22 @@ def turn_start(
     return (n,) if 0 < n < len(ids) else ()
 
 
+AUDIO_PARTS = ("audio", "input_audio")
+
+
 def with_prepared(messages: list[dict[str, Any]], encoded: Any) -> list[dict[str, Any]]:
-    """`messages` with each image part holding its prepared image (so that rendering them
-    again, as turn_start does, reads no image twice)."""
+    """`messages` with each image or audio part holding its prepared image or clip (so that
+    rendering them again, as turn_start does, decodes nothing twice)."""
     prepared = iter(encoded.images[encoded.sources.index(k)] for k in sorted(set(encoded.sources)))
     out = []
     for m in messages:
         if isinstance(m["content"], list):
             content = [
-                {**p, "image": next(prepared)} if p.get("type") == "image" else p
+                {**p, "image": next(prepared)}
+                if p.get("type") == "image"
+                else {"type": "audio", "audio": next(prepared), "name": p.get("name", "")}
+                if p.get("type") in AUDIO_PARTS
+                else p
                 for p in m["content"]
             ]
             m = {**m, "content": content}
@@ -312,11 +319,11 @@ def with_prepared(messages: list[dict[str, Any]], encoded: Any) -> list[dict[str
 
 
 def image_parts(messages: list[dict[str, Any]]) -> list[str]:
-    """Where each image part is (messages[i].content[j]), in the prompt's order."""
+    """Where each image or audio part is (messages[i].content[j]), in the prompt's order."""
     return [
         f"messages[{i}].content[{j}]"
         for i, m in enumerate(messages)
         if isinstance(m["content"], list)
         for j, p in enumerate(m["content"])
-        if p.get("type") == "image"
+        if p.get("type") in ("image", *AUDIO_PARTS)
     ]

@@ -19,7 +19,7 @@ from mlxlis.loading.safetensors import module_sizes
 from mlxlis.models import build_model, config_from_hf, family
 from mlxlis.models.config import read_json
 from mlxlis.models.model import Model
-from mlxlis.models.multimodal import CachedVision
+from mlxlis.models.multimodal import CachedVision, Hearing
 from mlxlis.models.placement import Placement
 from mlxlis.models.quantized import Kernels
 from mlxlis.prompt.template import discover_template
@@ -103,6 +103,8 @@ def load_folder(
     vision = None
     if spec.vision is not None and part is None:  # a pipeline's ranks read text only
         vision = spec.vision(folder, read_json(cfg_path), tokenizer, dtype)
+        if isinstance(vision, Hearing):  # its own vocabulary's ids, embedded by its embedder
+            vision.attach(net)
         if vision is not None:
             vision = CachedVision(vision)  # an image's features kept for the next requests
             skipped = [n for n in skipped if not vision.uses(n)]

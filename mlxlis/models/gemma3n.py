@@ -3,13 +3,14 @@
 with AltUp streams, LAuReL and the sparse MLP gate).
 
 HF `gemma3n_text` and the multimodal `gemma3n` wrapper (the language model under
-`model.language_model.`; the vision tower, audio tower and their embedders are skipped and
-said). config.json: layer_types (default: every 5th layer full), RoPE θ per layer type from
-rope_parameters or rope_theta / rope_local_base_freq (default RoPE only), intermediate_size one
-value or one per layer, activation_sparsity_pattern one per layer (default: 0.95 on the first
-10 of more than 10 layers), altup_num_inputs / altup_active_idx / altup_correct_scale,
-laurel_rank, num_kv_shared_layers (the last layers reuse the K/V of the last earlier layer of
-their type), hidden_size_per_layer_input, final_logit_softcapping.
+`model.language_model.`; the audio tower and its embedder are read where the folder has the
+feature extractor's settings (gemma3n_hearing.py), the vision tower and its embedder are
+skipped and said). config.json: layer_types (default: every 5th layer full), RoPE θ per layer
+type from rope_parameters or rope_theta / rope_local_base_freq (default RoPE only),
+intermediate_size one value or one per layer, activation_sparsity_pattern one per layer
+(default: 0.95 on the first 10 of more than 10 layers), altup_num_inputs / altup_active_idx /
+altup_correct_scale, laurel_rank, num_kv_shared_layers (the last layers reuse the K/V of the
+last earlier layer of their type), hidden_size_per_layer_input, final_logit_softcapping.
 GGUF `gemma3n` (llama.cpp's Gemma3NModel): norms as they are (x̂·w), the altup projections
 stacked on one tensor each, per-layer Φ⁻¹ values (`activation_sparsity_scale`, −∞ for a dense
 layer), the embeddings padded with zero rows to the whole vocabulary. llama.cpp's graph fixes
@@ -38,6 +39,7 @@ from mlxlis.models.base import (
 )
 from mlxlis.models.config import MLPConfig, ModelConfig, RopeConfig
 from mlxlis.models.gemma3n_describe import DESCRIPTION
+from mlxlis.models.gemma3n_hearing import load_hearing
 from mlxlis.models.gemma3n_net import AltUpStructure, Gemma3n
 from mlxlis.models.gemma4 import int_key, kv_sources
 from mlxlis.models.gemma4_gguf import BOUNDS as GEMMA4_BOUNDS
@@ -422,6 +424,7 @@ GEMMA3N = Family(
         },
     ),
     network=Gemma3n,
+    vision=load_hearing,  # the audio tower, where the folder has it and its extractor's settings
     export=Export(
         model_type="gemma3n_text",
         architecture="Gemma3nForConditionalGeneration",

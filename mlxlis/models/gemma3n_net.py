@@ -19,6 +19,7 @@ Attention, KV sharing, per-layer inputs, RoPE per layer type, the caches: Gemma 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -196,11 +197,31 @@ class Gemma3nModel(Gemma4Model):
         self.altup_unembed_projections = [nn.Linear(d, d, bias=False) for _ in range(n - 1)]
 
 
+@dataclass(frozen=True)
+class HardTokens:
+    """A modality's own vocabulary: ids from `offset` on, `embed` (B, T) ids -> embeddings."""
+
+    offset: int
+    embed: Callable[[mx.array], mx.array]
+
+
 class Gemma3n(Gemma4):
     """inputs (B, T) token ids -> logits (B, T, vocab); `hidden_states` gives the streams
     (B, T, streams, hidden) that `head` merges."""
 
     model_class = Gemma3nModel
+    # ids from this one on are the audio vocabulary's, embedded by its embedder (unscaled), as
+    # Gemma3nModel embeds them (its end-of-audio token); set where the audio tower is loaded
+    hard_audio: HardTokens | None = None
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        h = super().embed(inputs)
+        if self.hard_audio is None:
+            return h
+        offset, embed = self.hard_audio.offset, self.hard_audio.embed
+        heard = inputs >= offset
+        hard = embed(mx.where(heard, inputs, offset)).astype(h.dtype)  # (B, T, hidden)
+        return mx.where(heard[..., None], hard, h)
 
     def _expand(self, h: mx.array) -> mx.array:
         """The embedding (B, T, hidden) -> the streams (B, T, streams, hidden)."""

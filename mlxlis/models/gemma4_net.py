@@ -437,8 +437,7 @@ class Gemma4(VerifiesAlone, nn.Module):
             offset = cache[0].offset if cache else 0
         if inserts:
             inputs = inserts.ids(inputs)
-        h = m.embed_tokens(inputs)  # (B, T, hidden); √hidden rounded to the dtype, as transformers
-        h = h * mx.array(cfg.hidden_size**0.5, mx.float32).astype(h.dtype)
+        h = self.embed(inputs)  # (B, T, hidden)
         if inserts:
             h = inserts.place(h)
         per_layer = self._per_layer_inputs(inputs, h) if s.per_layer_dim else None

@@ -23,9 +23,19 @@ from mlxlis.models import lora
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.embedding import Embedder
 from mlxlis.models.experts import QuantizedSwitchLinear, SwitchLinear
-from mlxlis.models.multimodal import ImageSpan, Inserts, Prompt, PromptImage, Vision, image_spans
+from mlxlis.models.multimodal import (
+    CachedVision,
+    Hearing,
+    ImageSpan,
+    Inserts,
+    Prompt,
+    PromptImage,
+    Vision,
+    image_spans,
+)
 from mlxlis.models.network import Network
 from mlxlis.models.placement import Share
+from mlxlis.prompt.audio import part_source
 from mlxlis.prompt.images import ImageError, open_image
 from mlxlis.prompt.template import ChatTemplate, diagnose_missing_template, end_of_turn_tokens
 from mlxlis.prompt.thinking_switch import has_thinking_switch, thinking_vars
@@ -284,6 +294,21 @@ class Model:
             raise MlxlisError("an image part needs its image", field=field)
         return self.prepare_image(source, field, part.get("name", ""))
 
+    @property
+    def hearing(self) -> Hearing | None:
+        """The model's audio part (multimodal.Hearing), None where it hears nothing."""
+        v = self.vision
+        tower = v.tower if isinstance(v, CachedVision) else v
+        return tower if isinstance(tower, Hearing) else None
+
+    def audio_part(self, part: Any, field: str) -> PromptImage | None:
+        """A content part's audio (prompt.audio.part_source's forms) prepared, None for
+        another part or where the model hears nothing; MlxlisError naming `field`."""
+        source = part_source(part, field) if self.hearing is not None else None
+        if source is None or isinstance(source, PromptImage):
+            return source  # not audio, or prepared already (a chat's earlier turn)
+        return self.hearing.prepare_audio(source, field, part.get("name", ""))
+
     def text_only_reason(self) -> str:
         """Why this model takes no images, in words."""
         if self.part is not None:
@@ -328,6 +353,8 @@ class Model:
             for j, part in enumerate(content):
                 field = f"messages[{i}].content[{j}]"
                 image = self.image_part(part, field)
+                if image is None:
+                    image = self.audio_part(part, field)
                 if image is not None:
                     spent += sum(run.tokens for run in image.runs())
                     if max_image_tokens is not None and spent > max_image_tokens:
@@ -337,7 +364,8 @@ class Model:
                             field=field,
                         )
                     images.append(image)
-                    part = {"type": "image"}  # the template writes the marker only
+                    # the template writes the marker only
+                    part = {"type": "audio" if self.hearing is not None else "image"}
                 parts.append(part)
             shown.append({**m, "content": parts})
         text = self.render_chat(shown, add_generation_prompt, **template_vars)
@@ -413,6 +441,8 @@ class Model:
                 if kind in ("text", "image"):
                     continue
                 if kind in ("audio", "input_audio"):
+                    if self.hearing is not None:
+                        continue
                     towers = any("audio" in n for n in self.skipped)
                     why = "its audio tower is not loaded" if towers else "it takes no audio"
                     message = f"{self.name} cannot hear this audio part: {why}"
@@ -446,7 +476,7 @@ class Model:
             if self.fused:
                 details["adapters"] += f" — in the weights: {self.fused}"
         if self.vision is not None:
-            details["vision"] = self.vision.describe()
+            details["audio" if self.hearing is not None else "vision"] = self.vision.describe()
         if self.skipped:
             details["skipped"] = skipped_summary(self.skipped, self.vision is None)
         if self.part is not None:

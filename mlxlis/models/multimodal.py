@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from mlxlis.errors import ConfigError, FileFormatError, MlxlisError
 
@@ -134,6 +134,23 @@ class Vision(Protocol):
 
 
 FEATURES_KEPT = 8  # images whose features a tower keeps (a second request about one)
+
+
+@runtime_checkable
+class Hearing(Protocol):
+    """A multimodal part whose clips are audio (gemma3n_hearing.Gemma3nHearing): the seam
+    audio content parts go through."""
+
+    rate: int  # the sample rate in Hz the tower's features are made at
+
+    def prepare_audio(self, source: Any, field: str, name: str) -> PromptImage:
+        """A path or bytes decoded, resampled and turned into the tower's input; an
+        AudioError naming `field` for bad audio."""
+        ...
+
+    def attach(self, net: Any) -> None:
+        """Give the language model what it embeds of the part's own vocabulary."""
+        ...
 
 
 class CachedVision:

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from mlxlis.generation.samples import samples_of
-from mlxlis.serve import anthropic, choices, embeddings, metrics, ollama, responses
+from mlxlis.serve import anthropic, choices, embeddings, metrics, ollama, responses, transcriptions
 from mlxlis.serve.listings import Listing
 from mlxlis.serve.openai_format import APIError, Head, new_id
 from mlxlis.serve.pool import PoolError, Served
@@ -184,7 +184,7 @@ def create_app(state: State) -> FastAPI:
         chosen = choices.best(scores, n) if runs_n > n else None
         return choices.completion_response(head, replies, finals, chosen)
 
-    for api in (anthropic, responses, ollama, embeddings):
+    for api in (anthropic, responses, ollama, embeddings, transcriptions):
         app.include_router(api.router(svc, auth))
     app.include_router(metrics.router(state.metrics, auth))
     app.add_middleware(HeadAsGet)

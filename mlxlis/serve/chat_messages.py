@@ -3,6 +3,8 @@ serve/prepare.py): roles, content parts (images read and checked), tool calls an
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +15,20 @@ from mlxlis.serve.schemas import ChatMessage
 
 if TYPE_CHECKING:
     from mlxlis.models.model import Model
+
+
+MAX_AUDIO_BYTES = 64 << 20  # one clip's encoded bytes
+
+
+def audio_bytes(data: str, field: str) -> bytes:
+    """An input_audio part's base64 data as bytes; a 400 naming `field` where it is not
+    base64 or past MAX_AUDIO_BYTES."""
+    if len(data) > MAX_AUDIO_BYTES * 4 // 3 + 4:
+        raise bad(f"{field}: more than {MAX_AUDIO_BYTES >> 20} MiB of audio", field)
+    try:
+        return base64.b64decode(data, validate=True)
+    except (ValueError, binascii.Error):
+        raise bad(f"{field}: not base64", field) from None
 
 
 def message_dict(m: ChatMessage, i: int, model: Model | None = None) -> dict[str, Any]:
@@ -31,14 +47,20 @@ def message_dict(m: ChatMessage, i: int, model: Model | None = None) -> dict[str
                     raise bad(f"{where}: {model.text_only_reason()}", where)
                 data = image_bytes(part.image_url.url, f"{where}.image_url.url")
                 parts.append({"type": "image", "image": data, "name": f"image {j + 1}"})
-            elif part.type in ("text", "image_url"):  # without the field its type names
+            elif part.type == "input_audio" and part.input_audio is not None:
+                if model is not None and model.hearing is None:
+                    raise bad(f"{where}: {model.name} takes no audio", f"{where}.type")
+                data = audio_bytes(part.input_audio.data, f"{where}.input_audio.data")
+                parts.append({"type": "audio", "audio": data, "name": f"audio {j + 1}"})
+            elif part.type in ("text", "image_url", "input_audio"):  # without the field it names
                 raise bad(f"{where}: a {part.type} part needs {part.type}", f"{where}.{part.type}")
             else:
                 raise bad(
-                    f"{where}: only text and image_url parts are supported, not {part.type!r}",
+                    f"{where}: only text, image_url and input_audio parts are supported, not "
+                    f"{part.type!r}",
                     f"{where}.type",
                 )
-        seen = any(p["type"] == "image" for p in parts)
+        seen = any(p["type"] in ("image", "audio") for p in parts)
         content: Any = parts if seen else "".join(p["text"] for p in parts)
     else:
         content = m.content or ""

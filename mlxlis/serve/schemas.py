@@ -41,10 +41,16 @@ class ImageURL(_Body):
     detail: str | None = None  # "auto" / "low" / "high": the model's processor decides
 
 
+class InputAudio(_Body):
+    data: str  # base64 of the file's bytes
+    format: str | None = None  # "wav", "mp3", ...: the file's header says; not trusted over it
+
+
 class ContentPart(_Body):
-    type: str  # "text" or "image_url"
+    type: str  # "text", "image_url" or "input_audio"
     text: str | None = None
     image_url: ImageURL | None = None
+    input_audio: InputAudio | None = None
 
 
 class ToolCallFunction(_Body):
