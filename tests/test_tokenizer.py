@@ -394,7 +394,7 @@ def test_tiny_gpt2_vocabulary_and_missing_model_key():
     ("extra", "field", "word"),
     [
         ({"tokenizer.ggml.model": "rwkv"}, "tokenizer.ggml.model", "rwkv"),
-        ({"tokenizer.ggml.model": "bert"}, "tokenizer.ggml.model", "bert"),
+        ({"tokenizer.ggml.model": "plamo2"}, "tokenizer.ggml.model", "plamo2"),
         ({"tokenizer.ggml.pre": "nonesuch"}, "tokenizer.ggml.pre", "nonesuch"),
         ({"tokenizer.ggml.tokens": None}, "tokenizer.ggml.tokens", "missing"),
         ({"tokenizer.ggml.merges": None}, "tokenizer.ggml.merges", "merges"),
