@@ -463,7 +463,7 @@ MUTANTS = (
     ),
     Mutant(
         "prefill-ignores-snapshot-at",
-        "mlxlis/generation/core.py",
+        "mlxlis/generation/sequence.py",
         "n = size if mark is None else min(size, mark - at)",
         "n = size",
         ("tests/test_agent_reuse.py::test_agent_session_reuses_every_cached_token_exactly",),
@@ -735,7 +735,7 @@ MUTANTS = (
     ),
     Mutant(
         "image-chunk-splits",
-        "mlxlis/generation/core.py",
+        "mlxlis/generation/sequence.py",
         "                n = s.start - at if s.start > at else s.end - at",
         "                pass",
         ("tests/test_images.py",),
@@ -1930,7 +1930,7 @@ MUTANTS = (
     ),
     Mutant(
         "vocabulary-limit-dropped",
-        "mlxlis/generation/core.py",
+        "mlxlis/generation/sequence.py",
         "        limit = [VocabularyLimit(model.tokenizer.vocab_size)]",
         "        limit = []",
         ("tests/test_serve_hostile.py::test_padded_ids_are_never_sampled",),

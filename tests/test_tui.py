@@ -933,6 +933,7 @@ def test_load_model_pulls_a_missing_catalog_model_with_progress(monkeypatch):
             "bindings": None,
             "strict": True,
             "layers_split": None,
+            "tensor": None,
             "kv_bits": None,
             "kv_group_size": 64,
             "mmproj": None,

@@ -27,8 +27,8 @@ from mlxlis.generation.processors import forked
 import mlx.core as mx
 
 if TYPE_CHECKING:
-    from mlxlis.generation.core import Request, Sequence
     from mlxlis.generation.events import Event
+    from mlxlis.generation.sequence import Request, Sequence
     from mlxlis.models.model import Model
 
 __all__ = ["check_samples", "fork", "fork_caches", "orphans", "samples_of"]
