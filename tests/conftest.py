@@ -309,6 +309,83 @@ def check_batched_decode(model, ids: list[int], at: int, bound: float) -> None:
     assert np.abs(both[1] - np.array(model.logits(ids[3:14]))[-1]).max() < bound
 
 
+def check_rewinds(model, state_check=None) -> None:
+    """Self-consistency of a recurrent family's rewind: a verification of 1 + 5 tokens after a
+    70-token prompt, trimmed back to its first 1 + j, leaves every cache as a verification of
+    those 1 + j tokens only (offsets equal; conv and recurrent states within 1e-5;
+    `state_check(cache)` asserts the family's state shapes), and so the next step's logits
+    (bound 1e-5: fewer rows take other matmul kernels)."""
+    from mlxlis.cache import RecurrentCache
+    from mlxlis.generation.steps import StepKind, forward, prefill
+
+    import mlx.core as mx
+    import numpy as np
+
+    vocab = model.config.vocab_size
+    prompt = trajectory(70, seed=7, vocab=vocab)
+    step = trajectory(6, seed=8, vocab=vocab)
+    k = len(step) - 1
+    for j in range(k + 1):
+        caches, ref = model.make_cache(), model.make_cache()
+        prefill(model.net, prompt, caches)
+        prefill(model.net, prompt, ref)
+        forward(model.net, [caches], mx.array(step, mx.int32), StepKind.VERIFY)
+        assert all(c.trim(k - j) == k - j for c in caches)
+        forward(model.net, [ref], mx.array(step[: j + 1], mx.int32), StepKind.VERIFY)
+        for a, b in zip(caches, ref, strict=True):
+            assert a.offset == b.offset == len(prompt) + j + 1
+            if isinstance(a, RecurrentCache):
+                if state_check is not None:
+                    state_check(a)
+                pairs = [(a.conv_state, b.conv_state)]
+                if a.recurrent is not None:
+                    pairs.append((a.recurrent, b.recurrent))
+                for x, y in pairs:
+                    assert np.abs(np.array(x) - np.array(y)).max() < 1e-5, j
+        after = mx.array([step[0]], mx.int32)
+        got = forward(model.net, [caches], after, StepKind.DECODE)
+        want = forward(model.net, [ref], after, StepKind.DECODE)
+        assert np.abs(np.array(got) - np.array(want)).max() < 1e-5, j
+
+
+def check_prefix_reuse(model, tmp_path) -> None:
+    """Turn 1 (60 tokens, a snapshot at 50) kept by a prefix cache with a disk tier; turn 2
+    shares its first 50: the cache returns there (recurrent states from their snapshot), from
+    memory and, after a restart, from the file — the logits of the rest bit for bit equal,
+    and equal to a cold prefill up to the chunking's rounding (bound 1e-4)."""
+    from mlxlis.cache.disk import DiskCache
+    from mlxlis.cache.prefix import PrefixCache
+    from mlxlis.cache.rewind import snapshot
+
+    import mlx.core as mx
+    import numpy as np
+
+    vocab = model.config.vocab_size
+    one = trajectory(60, seed=1, vocab=vocab)
+    two = one[:50] + trajectory(30, seed=2, vocab=vocab)
+    warns: list[str] = []
+
+    def tier():
+        disk = DiskCache(tmp_path, 1 << 30, "fp", model.make_cache, warns.append)
+        return PrefixCache(1 << 30, disk=disk)
+
+    first = tier()
+    caches = model.make_cache()
+    model.net(mx.array([one[:50]]), cache=caches)
+    snapshot(caches)
+    mx.eval(model.net(mx.array([one[50:]]), cache=caches))
+    first.put(one, caches)
+    outs = []
+    for cache in (first, tier()):  # the second: a restart, nothing in memory
+        kept, reused = cache.take(two, None)
+        assert reused == 50
+        outs.append(np.array(model.net(mx.array([two[50:]]), cache=kept)[0, -1]))
+    assert "read from disk" in cache.note and warns == []
+    assert np.array_equal(outs[0], outs[1])
+    cold = np.array(model.net(mx.array([two]), cache=model.make_cache())[0, -1])
+    assert np.abs(outs[0] - cold).max() < 1e-4
+
+
 def greedy_tokens(model, prompt: list[int], n: int, spec=None):
     """(the greedy tokens of `prompt` through a core of its own, speculating with `spec` or
     plainly, its sequence): what speculation's greedy identity compares."""

@@ -23,14 +23,10 @@ from dataclasses import replace
 
 import mlxlis
 from mlxlis.cache import RecurrentCache
-from mlxlis.cache.disk import DiskCache
-from mlxlis.cache.prefix import PrefixCache
-from mlxlis.cache.rewind import snapshot
 from mlxlis.generation.core import Request
 from mlxlis.generation.engine import Engine
 from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.speculative import Speculation
-from mlxlis.generation.steps import StepKind, forward, prefill
 
 import mlx.core as mx
 import numpy as np
@@ -41,6 +37,8 @@ from conftest import (
     check_batched_decode,
     check_cached_decode,
     check_config_refused,
+    check_prefix_reuse,
+    check_rewinds,
     dequantized_folder,
     greedy_tokens,
     tiny_models,
@@ -207,27 +205,11 @@ def test_a_rejection_at_each_position_rewinds_the_mamba_state_exactly(model):
     """A verification of 1 + 5 tokens trimmed back to its first 1 + j: every conv state, SSM
     state and KV cache equals that of a verification of those 1 + j tokens only, and so do the
     next step's logits (bound 1e-5: fewer rows take other matmul kernels)."""
-    vocab = model.config.vocab_size
-    prompt = trajectory(70, seed=7, vocab=vocab)
-    step = trajectory(6, seed=8, vocab=vocab)
-    k = len(step) - 1
-    for j in range(k + 1):
-        caches, ref = model.make_cache(), model.make_cache()
-        prefill(model.net, prompt, caches)
-        prefill(model.net, prompt, ref)
-        forward(model.net, [caches], mx.array(step, mx.int32), StepKind.VERIFY)
-        assert all(c.trim(k - j) == k - j for c in caches)
-        forward(model.net, [ref], mx.array(step[: j + 1], mx.int32), StepKind.VERIFY)
-        for a, b in zip(caches, ref, strict=True):
-            assert a.offset == b.offset == len(prompt) + j + 1
-            if isinstance(a, RecurrentCache):
-                assert a.conv_state.shape[1] == 3 and a.recurrent.shape == (1, 8, 16, 16)
-                for x, y in ((a.conv_state, b.conv_state), (a.recurrent, b.recurrent)):
-                    assert np.abs(np.array(x) - np.array(y)).max() < 1e-5, j
-        after = mx.array([step[0]], mx.int32)
-        got = forward(model.net, [caches], after, StepKind.DECODE)
-        want = forward(model.net, [ref], after, StepKind.DECODE)
-        assert np.abs(np.array(got) - np.array(want)).max() < 1e-5, j
+
+    def shapes(c) -> None:
+        assert c.conv_state.shape[1] == 3 and c.recurrent.shape == (1, 8, 16, 16)
+
+    check_rewinds(model, shapes)
 
 
 def test_a_prefix_reused_from_memory_and_from_disk_continues_exactly(model, tmp_path):
@@ -235,30 +217,7 @@ def test_a_prefix_reused_from_memory_and_from_disk_continues_exactly(model, tmp_
     shares its first 50: the cache returns there (the Mamba states from their snapshot), from
     memory and, after a restart, from the file — the logits of the rest bit for bit equal,
     and equal to a cold prefill up to the chunking's rounding (bound 1e-4)."""
-    vocab = model.config.vocab_size
-    one = trajectory(60, seed=1, vocab=vocab)
-    two = one[:50] + trajectory(30, seed=2, vocab=vocab)
-    warns: list[str] = []
-
-    def tier():
-        disk = DiskCache(tmp_path, 1 << 30, "fp", model.make_cache, warns.append)
-        return PrefixCache(1 << 30, disk=disk)
-
-    first = tier()
-    caches = model.make_cache()
-    model.net(mx.array([one[:50]]), cache=caches)
-    snapshot(caches)
-    mx.eval(model.net(mx.array([one[50:]]), cache=caches))
-    first.put(one, caches)
-    outs = []
-    for cache in (first, tier()):  # the second: a restart, nothing in memory
-        kept, reused = cache.take(two, None)
-        assert reused == 50
-        outs.append(np.array(model.net(mx.array([two[50:]]), cache=kept)[0, -1]))
-    assert "read from disk" in cache.note and warns == []
-    assert np.array_equal(outs[0], outs[1])
-    cold = np.array(model.net(mx.array([two]), cache=model.make_cache())[0, -1])
-    assert np.abs(outs[0] - cold).max() < 1e-4
+    check_prefix_reuse(model, tmp_path)
 
 
 def hub_copy(folder, dest, **extra):
