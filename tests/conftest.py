@@ -309,6 +309,36 @@ def check_batched_decode(model, ids: list[int], at: int, bound: float) -> None:
     assert np.abs(both[1] - np.array(model.logits(ids[3:14]))[-1]).max() < bound
 
 
+def check_speculation_and_engine(model) -> None:
+    """Self-consistency of speculation and batching: greedy n-gram speculation (proposals
+    verified, some rejected, the caches trimmed) gives the plain greedy tokens; 4 requests of
+    different lengths in the serving engine (two speculating, their verification batched; two
+    plain, in the batched decode step) each get their lone tokens."""
+    from mlxlis.generation.core import Request
+    from mlxlis.generation.engine import Engine
+    from mlxlis.generation.sampling import SamplingParams
+    from mlxlis.generation.speculative import Speculation
+
+    vocab = model.config.vocab_size
+    prompt = (trajectory(12, seed=3, vocab=vocab) * 4)[:40]
+    plain, _ = greedy_tokens(model, prompt, 24)
+    got, seq = greedy_tokens(model, prompt, 24, Speculation("ngram", tokens=4))
+    assert got == plain and len(plain) == 24 and seq.usage.draft_tokens > 0
+    prompts = [prompt[: 24 + 5 * i] for i in range(4)]
+    specs = [Speculation("ngram", tokens=3), None, Speculation("ngram", tokens=4), None]
+    params = SamplingParams(max_tokens=16)
+    engine = Engine(model, max_active=4, prefix_cache_bytes=0)
+    try:
+        streams = [
+            engine.submit(Request(p, params, speculation=s))
+            for p, s in zip(prompts, specs, strict=True)
+        ]
+        events = [[e.token for e in st if e.token is not None] for st in streams]
+    finally:
+        engine.shutdown()
+    assert events == [greedy_tokens(model, p, 16)[0] for p in prompts]
+
+
 def check_rewinds(model, state_check=None) -> None:
     """Self-consistency of a recurrent family's rewind: a verification of 1 + 5 tokens after a
     70-token prompt, trimmed back to its first 1 + j, leaves every cache as a verification of

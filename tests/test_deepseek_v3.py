@@ -29,10 +29,6 @@ import mlxlis
 from mlxlis.cache import KVCache, KVFormat
 from mlxlis.cache.disk import DiskCache
 from mlxlis.cache.prefix import PrefixCache
-from mlxlis.generation.core import Request
-from mlxlis.generation.engine import Engine
-from mlxlis.generation.sampling import SamplingParams
-from mlxlis.generation.speculative import Speculation
 from mlxlis.generation.steps import StepKind, forward, prefill
 from mlxlis.models.footprint import footprint
 from mlxlis.models.mla import join_kv_b
@@ -46,8 +42,8 @@ from conftest import (
     check_batched_decode,
     check_cached_decode,
     check_config_refused,
+    check_speculation_and_engine,
     dequantized_folder,
-    greedy_tokens,
     tiny_models,
     trajectory,
 )
@@ -179,23 +175,7 @@ def test_speculation_and_engine_batches_give_the_lone_greedy_tokens(model):
     """Greedy n-gram speculation gives the plain greedy tokens (proposals verified, some
     rejected: the latent caches trimmed); 4 requests in the serving engine (two speculating,
     two plain, batched) each get their lone tokens."""
-    vocab = model.config.vocab_size
-    prompt = (trajectory(12, seed=3, vocab=vocab) * 4)[:40]
-    plain, _ = greedy_tokens(model, prompt, 24)
-    got, seq = greedy_tokens(model, prompt, 24, Speculation("ngram", tokens=4))
-    assert got == plain and len(plain) == 24 and seq.usage.draft_tokens > 0
-    prompts = [prompt[: 24 + 5 * i] for i in range(4)]
-    specs = [Speculation("ngram", tokens=3), None, Speculation("ngram", tokens=4), None]
-    engine = Engine(model, max_active=4, prefix_cache_bytes=0)
-    try:
-        streams = [
-            engine.submit(Request(p, SamplingParams(max_tokens=16), speculation=s))
-            for p, s in zip(prompts, specs, strict=True)
-        ]
-        events = [[e.token for e in st if e.token is not None] for st in streams]
-    finally:
-        engine.shutdown()
-    assert events == [greedy_tokens(model, p, 16)[0] for p in prompts]
+    check_speculation_and_engine(model)
 
 
 def test_a_rejection_at_each_position_rewinds_exactly(model):
