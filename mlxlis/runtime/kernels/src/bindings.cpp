@@ -92,6 +92,17 @@ NB_MODULE(_qmv, m) {
       }, "min_m"_a = 0, "tile_rows"_a = 0, "gemm"_a = true,
       "M >= min_m (0: automatic): the ISA's own prefill product (AVX-512) if gemm, else "
       "dequantized tiles of tile_rows rows (0: automatic) into sgemm.");
+  m.def("pool_stats", [] {
+    const qmv::PoolStats s = qmv::pool_stats();
+    nb::dict d;
+    d["runs"] = s.runs;
+    d["joined"] = s.joined;
+    d["wait_ns"] = s.wait_ns;
+    d["slept"] = s.slept;
+    d["alone"] = s.alone;
+    return d;
+  }, "The pool since the process started: runs, runs a worker joined, the caller's wait for "
+     "joined workers (ns), how often it slept for one, and jobs it then ran alone.");
   m.def("counters", [] {
     auto c = qmv::counters();
     nb::dict d;

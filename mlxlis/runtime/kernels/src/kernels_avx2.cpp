@@ -124,6 +124,71 @@ inline float bias_get(const Problem& p, size_t idx, float sv) {
   return -(_cvtsh_ss(p.kd[2 * (idx >> p.gshift) + 1]) * sub_min(p, idx));
 }
 
+// software prefetch distance, bytes ahead of the chunk being summed (the AVX-512 kernels'
+// measured best; the hardware prefetcher alone stops at each row's end)
+constexpr int kAheadW = 2048;
+
+// A super-block format's row n: each group's scale d·sc and bias −dmin·m (zero without
+// biases: the symmetric bias is then bias_of's) in float32 into s and b, 8 groups at a time,
+// the values scale_get / bias_get give one by one (the same products, so the same bits).
+template <int ST>
+inline void expand_row(const Problem& p, int n, float* s, float* b) {
+  const int G = p.K / p.group, per = 256 / p.group;  // groups a row, a super-block (8 or 16)
+  const size_t g0 = size_t(n) * G;
+  const uint16_t* kd = p.kd + 2 * (g0 / per);
+  const auto* sc = static_cast<const uint8_t*>(p.scales) + g0;
+  const auto* mn = p.biases ? static_cast<const uint8_t*>(p.biases) + g0 : nullptr;
+  for (int g = 0; g < G; g += 8) {  // 8 groups share one super-block (per >= 8, G % 8 == 0)
+    const int sbk = g / per;
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(kd[2 * sbk]));
+    const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + g));
+    const __m256i q = ST == SB_U8 ? _mm256_cvtepu8_epi32(q8) : _mm256_cvtepi8_epi32(q8);
+    _mm256_storeu_ps(s + g, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
+    if (mn) {  // −(dmin·m): the product, then its sign (exact)
+      const __m256 dm = _mm256_set1_ps(_cvtsh_ss(kd[2 * sbk + 1]));
+      const __m256i m = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + g)));
+      const __m256 prod = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(m));
+      _mm256_storeu_ps(b + g, _mm256_xor_ps(prod, _mm256_set1_ps(-0.0f)));
+    }
+  }
+}
+
+// out[m0..m0+MB, n0..n1]. Per group: t_m = sum q*x (FMA, 8 lanes), then
+// acc_m += t_m * scale; the bias term is bias * (sum of x over the group).
+// The weight bytes of a row are read once for all MB rows of x.
+// A row's group scales and biases as the kernels read them: a super-block format's expanded
+// once a row (expand_row: vector work, no per-group conversions), the others read a group
+// at a time.
+struct RowScales {
+  alignas(32) float s[kMaxSuperGroups], b[kMaxSuperGroups];
+  bool expanded = false;
+
+  void load(const Problem& p, int n) {
+    expanded = sb_super(p.sb_type) && p.K / p.group <= kMaxSuperGroups;
+    if (!expanded) return;
+    if (p.sb_type == SB_U8) {
+      expand_row<SB_U8>(p, n, s, b);
+    } else {
+      expand_row<SB_I8>(p, n, s, b);
+    }
+  }
+  // group g of row n (gi = n·G + g, flat): its scale, then its bias given the scale
+  float scale(const Problem& p, size_t gi, int g) const {
+    return expanded ? s[g] : scale_get(p, gi);
+  }
+  float bias(const Problem& p, size_t gi, int g, float sv) const {
+    return expanded && p.biases ? b[g] : bias_get(p, gi, sv);
+  }
+};
+
+// Prefetches the line kAheadW bytes past the chunk at cp once a line: from the chunk that
+// starts within the line's first `bytes` bytes (a chunk's size).
+inline void prefetch_ahead(const uint8_t* base, const uint8_t* cp, int bytes) {
+  if (size_t(cp - base) % 64 < size_t(bytes))
+    _mm_prefetch(reinterpret_cast<const char*>(cp + kAheadW), _MM_HINT_T0);
+}
+
 // out[m0..m0+MB, n0..n1]. Per group: t_m = sum q*x (FMA, 8 lanes), then
 // acc_m += t_m * scale; the bias term is bias * (sum of x over the group).
 // The weight bytes of a row are read once for all MB rows of x.
@@ -133,21 +198,24 @@ void rows(const Problem& p, int m0, int n0, int n1) {
   const size_t row_bytes = size_t(K) * B / 8;
   const float* x0 = p.x + size_t(m0) * K;
   const float* xs0 = p.xsum + size_t(m0) * G;
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(p.wq);
+  RowScales rs;
   for (int n = n0; n < n1; ++n) {
-    const uint8_t* wrow = reinterpret_cast<const uint8_t*>(p.wq) + size_t(n) * row_bytes;
+    const uint8_t* wrow = base + size_t(n) * row_bytes;
+    rs.load(p, n);
     __m256 acc[MB];
     float bsum[MB];
     for (int m = 0; m < MB; ++m) {
       acc[m] = _mm256_setzero_ps();
       bsum[m] = 0.0f;
     }
-    if (n + 1 < n1) _mm_prefetch(reinterpret_cast<const char*>(wrow + row_bytes), _MM_HINT_T0);
     for (int g = 0; g < G; ++g) {
       __m256 t[MB];
       for (int m = 0; m < MB; ++m) t[m] = _mm256_setzero_ps();
       for (int c = 0; c < cpg; ++c) {
         const int chunk = g * cpg + c;
         const uint8_t* cp = wrow + size_t(chunk) * 4 * B;
+        prefetch_ahead(base, cp, 4 * B);
         const float* xk = x0 + chunk * 32;
 #define QMV_SUB(J)                                                          \
   {                                                                         \
@@ -159,9 +227,9 @@ void rows(const Problem& p, int m0, int n0, int n1) {
 #undef QMV_SUB
       }
       const size_t gi = size_t(n) * G + g;
-      const float sv = scale_get(p, gi);
+      const float sv = rs.scale(p, gi, g);
       const __m256 s = _mm256_set1_ps(sv);
-      const float b = bias_get(p, gi, sv);
+      const float b = rs.bias(p, gi, g, sv);
       for (int m = 0; m < MB; ++m) {
         acc[m] = _mm256_fmadd_ps(t[m], s, acc[m]);
         bsum[m] += b * xs0[size_t(m) * G + g];
@@ -178,24 +246,27 @@ void rows16(const Problem& p, int m0, int n0, int n1) {
   const size_t row_bytes = size_t(K) * B / 8;
   const float* x0 = p.x + size_t(m0) * K;
   const float* xs0 = p.xsum + size_t(m0) * G;
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(p.wq);
+  RowScales rs;
   for (int n = n0; n < n1; ++n) {
-    const uint8_t* wrow = reinterpret_cast<const uint8_t*>(p.wq) + size_t(n) * row_bytes;
+    const uint8_t* wrow = base + size_t(n) * row_bytes;
+    rs.load(p, n);
     __m256 acc[MB];
     float bsum[MB];
     for (int m = 0; m < MB; ++m) {
       acc[m] = _mm256_setzero_ps();
       bsum[m] = 0.0f;
     }
-    if (n + 1 < n1) _mm_prefetch(reinterpret_cast<const char*>(wrow + row_bytes), _MM_HINT_T0);
     for (int chunk = 0; chunk < K / 32; ++chunk) {
       const uint8_t* cp = wrow + size_t(chunk) * 4 * B;
+      prefetch_ahead(base, cp, 4 * B);
       const float* xk = x0 + chunk * 32;
       const __m256 q0 = codes<B, 0>(cp), q1 = codes<B, 1>(cp);
       const __m256 q2 = codes<B, 2>(cp), q3 = codes<B, 3>(cp);
       const size_t gi = size_t(n) * G + 2 * chunk;
-      const float sv0 = scale_get(p, gi), sv1 = scale_get(p, gi + 1);
+      const float sv0 = rs.scale(p, gi, 2 * chunk), sv1 = rs.scale(p, gi + 1, 2 * chunk + 1);
       const __m256 s0 = _mm256_set1_ps(sv0), s1 = _mm256_set1_ps(sv1);
-      const float b0 = bias_get(p, gi, sv0), b1 = bias_get(p, gi + 1, sv1);
+      const float b0 = rs.bias(p, gi, 2 * chunk, sv0), b1 = rs.bias(p, gi + 1, 2 * chunk + 1, sv1);
       for (int m = 0; m < MB; ++m) {
         const float* xm = xk + size_t(m) * K;
         const __m256 t0 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xm + 8),

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -24,6 +25,32 @@ namespace qmv {
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+// How long a worker waits for the next job before it sleeps: spinning (pause) for spin_us,
+// then giving its time slice away (sched_yield) for yield_us; $QMV_SPIN_US / $QMV_YIELD_US.
+// Timed, not counted: a pause is ~10 cycles on some x86 cores and ~140 on others.
+struct Waits {
+  int64_t spin_ns, yield_ns;
+};
+
+int64_t env_us(const char* name, int64_t fallback) {
+  const char* v = getenv(name);
+  return v && *v ? atoll(v) : fallback;
+}
+
+const Waits& waits() {
+  static const Waits w{env_us("QMV_SPIN_US", 100) * 1000, env_us("QMV_YIELD_US", 2000) * 1000};
+  return w;
+}
+
+std::atomic<long> s_runs{0}, s_joined{0}, s_wait_ns{0}, s_slept{0};
+
 constexpr uint64_t kClosed = 1ull << 31;   // job state: no more joins
 constexpr uint64_t kCountMask = kClosed - 1;  // job state: workers inside
 
@@ -42,7 +69,8 @@ class Pool {
   }
   int size() const { return int(threads_.size()); }
 
-  void run(int ntasks, TaskFn fn, void* ctx) {
+  // Runs the job; returns how long the caller then waited for joined workers (ns).
+  int64_t run(int ntasks, TaskFn fn, void* ctx) {
     fn_ = fn;
     ctx_ = ctx;
     ntasks_ = ntasks;
@@ -56,14 +84,22 @@ class Pool {
     work();
     // close the job; wait for the workers that joined to finish their task
     uint64_t s = job_.fetch_or(kClosed, std::memory_order_acq_rel) | kClosed;
+    s_runs.fetch_add(1, std::memory_order_relaxed);
+    if ((s & kCountMask) == 0) return 0;  // nobody joined, or all are done
+    s_joined.fetch_add(1, std::memory_order_relaxed);
+    const int64_t t0 = now_ns();
     for (int spin = 0; (s & kCountMask) != 0 && spin < 1 << 16; ++spin) {
       QMV_PAUSE();
       s = job_.load(std::memory_order_acquire);
     }
     if ((s & kCountMask) != 0) {
+      s_slept.fetch_add(1, std::memory_order_relaxed);
       std::unique_lock<std::mutex> lk(mu_);
       done_.wait(lk, [&] { return (job_.load(std::memory_order_acquire) & kCountMask) == 0; });
     }
+    const int64_t waited = now_ns() - t0;
+    s_wait_ns.fetch_add(waited, std::memory_order_relaxed);
+    return waited;
   }
 
  private:
@@ -74,13 +110,21 @@ class Pool {
   void worker() {
     uint64_t seen = 0;  // generation last looked at
     for (;;) {
-      // wait for a new generation: spin (~50-100 us), then sleep
+      // wait for a new generation: spin, then yield, then sleep (waits())
       uint64_t s = job_.load(std::memory_order_acquire);
-      for (int spin = 0; (s >> 32) == seen && spin < 20000; ++spin) {
-        if (spin < 2000) {
-          QMV_PAUSE();
-        } else {
+      const Waits& w = waits();
+      const int64_t t0 = now_ns();
+      bool yielding = false;
+      for (int spin = 1; (s >> 32) == seen; ++spin) {
+        if (yielding || (spin & 63) == 0) {  // the clock every 64 pauses, or every yield
+          const int64_t t = now_ns() - t0;
+          if (t >= w.spin_ns + w.yield_ns) break;
+          yielding = t >= w.spin_ns;
+        }
+        if (yielding) {
           sched_yield();
+        } else {
+          QMV_PAUSE();
         }
         s = job_.load(std::memory_order_acquire);
       }
@@ -124,10 +168,29 @@ class Pool {
   int ntasks_ = 0;
 };
 
+// Cores shared with other work (another process, this one's Python thread building the next
+// step): a worker preempted inside its task holds the caller until it runs again, a time
+// slice, far longer than the product. Where the caller spent over a quarter of a window of
+// runs waiting so ($QMV_ADAPT: the fraction, 0 never), it runs the next kAlone jobs on its
+// own, then tries the workers again.
+constexpr int kWindow = 64, kAlone = 1024;
+
+double adapt_fraction() {
+  static const double f = [] {
+    const char* v = getenv("QMV_ADAPT");
+    return v && *v ? atof(v) : 0.25;
+  }();
+  return f;
+}
+
+std::atomic<long> s_alone{0};
+
 // Everything a fork must reset lives here; the child handler replaces it.
 struct State {
   std::mutex mu;  // one caller at a time uses the pool
   Pool* pool = nullptr;
+  int64_t busy_ns = 0, wait_ns = 0;  // this window's jobs: their time, the caller's waits
+  int runs = 0, alone = 0;           // jobs in this window; jobs left to run alone
 };
 
 State* g_state = nullptr;
@@ -179,6 +242,10 @@ int num_threads() {
   return n;
 }
 
+PoolStats pool_stats() {
+  return {s_runs.load(), s_joined.load(), s_wait_ns.load(), s_slept.load(), s_alone.load()};
+}
+
 void set_num_threads(int n) { g_threads.store(n > 0 ? n : default_threads()); }
 
 void parallel_for(int ntasks, TaskFn fn, void* ctx) {
@@ -193,11 +260,24 @@ void parallel_for(int ntasks, TaskFn fn, void* ctx) {
     for (int t = 0; t < ntasks; ++t) fn(ctx, t);
     return;
   }
+  if (st->alone > 0) {
+    --st->alone;
+    s_alone.fetch_add(1, std::memory_order_relaxed);
+    for (int t = 0; t < ntasks; ++t) fn(ctx, t);
+    return;
+  }
   if (!st->pool || st->pool->size() != want) {
     delete st->pool;
     st->pool = new Pool(want);
   }
-  st->pool->run(ntasks, fn, ctx);
+  const int64_t t0 = now_ns();
+  st->wait_ns += st->pool->run(ntasks, fn, ctx);
+  st->busy_ns += now_ns() - t0;
+  if (++st->runs == kWindow) {
+    const double f = adapt_fraction();
+    if (f > 0 && double(st->wait_ns) > f * double(st->busy_ns)) st->alone = kAlone;
+    st->runs = 0, st->busy_ns = st->wait_ns = 0;
+  }
 }
 
 }  // namespace qmv
