@@ -279,8 +279,10 @@ def _rows(config: dict[str, Any]) -> list[tuple[str, str]]:
             f"{a['routed_scaling_factor']:g}; shared width {a['shared_intermediate_size']}",
         ),
     ]
-    if a["mtp_layers"]:
-        rows.append(("mtp", f"{a['mtp_layers']} next-n layer(s): drafts for --speculative mtp"))
+    if n := a["mtp_layers"]:  # the config's count: a conversion may have dropped them
+        rows.append(
+            ("mtp", f"{n} next-n layer(s): drafts for --speculative mtp if the file has it")
+        )
     return rows
 
 

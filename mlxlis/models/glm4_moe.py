@@ -224,8 +224,10 @@ def _rows(config: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(
             ("shared", f"shared experts: one MLP of width {g['shared_width']}, every token")
         )
-    if g["mtp_layers"]:
-        rows.append(("mtp", f"{g['mtp_layers']} next-n layer(s): drafts for --speculative mtp"))
+    if n := g["mtp_layers"]:  # the config's count: a conversion may have dropped them
+        rows.append(
+            ("mtp", f"{n} next-n layer(s): drafts for --speculative mtp if the file has it")
+        )
     return rows
 
 

@@ -85,9 +85,8 @@ class NextNBlock(nn.Module):
         self.hnorm = norm(cfg, d)
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
         a = cfg.attention
-        self.layer = layer(
-            one, Rope(a.rotary_dim or cfg.head_dim, cfg.rope, None, a.rope_interleaved)
-        )
+        rope = Rope(a.rotary_dim or cfg.head_dim, cfg.rope, None, a.rope_interleaved)
+        self.layer = layer(one, rope, 0)
         self.shared_head = SharedHead(cfg, own_head)
         self._one, self._caches = one, caches  # underscores: plain data, not parameters
         self._prefix = f"model.layers.{cfg.num_hidden_layers}."
