@@ -234,7 +234,7 @@ def test_convert_writes_what_mlx_lm_reads_and_inspect_says_it(model, glm, tmp_pa
     assert a.own(type(s.family_config)).routing == s.family_config.routing
     text = format_report(model_report(model))
     assert "correction bias sways the choice" in text and "best 1 of 2 groups" in text
-    assert "first 16 dims" in text and "drafts for --speculative mtp, if in the file" in text
+    assert "first 16 dims" in text and "drafts for --speculative mtp if the file has it" in text
 
 
 def test_next_token_layers_are_skipped_at_load_and_read_as_the_drafter(with_mtp, model):
