@@ -103,6 +103,10 @@ GLM4_DTYPE = "tests/test_glm4_moe.py::test_router_keeps_float32_under_bfloat16_a
 MM2_HF = "tests/test_minimax_m2.py::test_logits_match_transformers_fp32"
 MM2_GGUF = "tests/test_minimax_m2.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
 DSV3_HF = "tests/test_deepseek_v3.py::test_logits_match_transformers_fp32[q_lora]"
+NEXTN = (
+    "tests/test_speculative_nextn.py::test_drafter_logits_match_the_formula_on_transformers_modules"
+)
+NEXTN_DSV3, NEXTN_GLM4 = NEXTN + "[deepseek_v3]", NEXTN + "[glm4_moe]"
 DSV3_CACHE = "tests/test_deepseek_v3.py::test_latent_cache_chunks_decode_and_batches"
 DSV3_ENGINE = (
     "tests/test_deepseek_v3.py::test_speculation_and_engine_batches_give_the_lone_greedy_tokens"
@@ -908,11 +912,44 @@ MUTANTS = (
     ),
     Mutant(
         "spec-mtp-prenorm-hidden",
-        "mlxlis/models/qwen3_5_mtp.py",
+        "mlxlis/models/mtp_load.py",
         "return self.net.model.norm(hidden)",
         "return hidden",
-        ("tests/test_speculative_mtp.py::test_drafting_steps_match_the_reference",),
-        "Qwen3.5 MTP: the block reads the target's state before its final norm",
+        ("tests/test_speculative_mtp.py::test_drafting_steps_match_the_reference", NEXTN_GLM4),
+        "MTP drafters (Qwen3.5's, the next-n layer): the block reads the target's state before"
+        " its final norm",
+    ),
+    Mutant(
+        "nextn-concat-swapped",
+        "mlxlis/models/nextn.py",
+        "u = self.eh_proj(mx.concatenate([e, h], axis=-1))",
+        "u = self.eh_proj(mx.concatenate([h, e], axis=-1))",
+        (NEXTN_DSV3, NEXTN_GLM4),
+        "next-n drafter: eh_proj over concat(hidden, embedding), not (embedding, hidden)",
+    ),
+    Mutant(
+        "nextn-norms-swapped",
+        "mlxlis/models/nextn.py",
+        "        e = self.enorm(embeds)\n        h = self.hnorm(hidden)",
+        "        e = self.hnorm(embeds)\n        h = self.enorm(hidden)",
+        (NEXTN_DSV3, NEXTN_GLM4),
+        "next-n drafter: the embedding normed by hnorm and the target's state by enorm",
+    ),
+    Mutant(
+        "nextn-head-norm-skipped",
+        "mlxlis/models/nextn.py",
+        "return self.shared_head.norm(u)",
+        "return u",
+        (NEXTN_DSV3, NEXTN_GLM4),
+        "next-n drafter: the layer's output reaches the head without shared_head.norm",
+    ),
+    Mutant(
+        "nextn-own-head-ignored",
+        "mlxlis/models/nextn.py",
+        'if "head" in self.shared_head:',
+        "if False:",
+        (NEXTN_DSV3, NEXTN_GLM4),
+        "next-n drafter: the target's head instead of the layer's own shared_head.head",
     ),
     Mutant(
         "spec-mtp-chain-kept",

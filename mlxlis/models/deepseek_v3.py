@@ -4,7 +4,7 @@ rope dims (interleaved pairs where rope_interleave), yarn's mscale(factor, mscal
 the softmax scale); the first first_k_dense_replace layers a dense SwiGLU, the rest GLM-4.5's
 grouped sigmoid mixture with shared experts (grouped_experts.py).
 
-HF `deepseek_v3` (the next-token layers skipped: drafting with them is not implemented);
+HF `deepseek_v3` (the next-n layer skipped, read when drafting with it: nextn.py);
 mlx-lm's folders hold kv_b_proj split as embed_q / unembed_out, read so. GGUF: llama.cpp's
 `deepseek2` (one KV head of key_length kv_lora_rank + rope, kv_b_proj split into k_b
 (n_heads, kv_lora_rank, nope) and v_b (n_heads, v, kv_lora_rank), experts stacked, the
@@ -40,7 +40,7 @@ from mlxlis.models.mla import (
     stored_split,
     yarn_keys_of,
 )
-from mlxlis.models.network import NoDraftHead
+from mlxlis.models.nextn import nextn_drafter
 from mlxlis.models.reading import check_act, flag
 from mlxlis.models.rope import Rope
 
@@ -91,7 +91,7 @@ ROUTER_DEFAULTS = {  # DeepseekV3Config's
 
 @dataclass(frozen=True)
 class DeepseekV3Config(FamilyConfig):
-    """MLA's sizes, the router's options, the next-token layers the checkpoint holds."""
+    """MLA's sizes, the router's options, the next-n layers the checkpoint holds."""
 
     mla: LatentDims
     routing: GroupRouting
@@ -113,7 +113,7 @@ class DeepseekV3Layer(PreNormBlock):
 
 
 class DeepseekV3(Glm4Moe):
-    """GLM-4.5's decoder (next-token layers dropped, experts stacked) with DeepSeek V3's
+    """GLM-4.5's decoder (next-n layers skipped, experts stacked) with DeepSeek V3's
     blocks; one latent KVCache per layer."""
 
     layer: type[nn.Module] = DeepseekV3Layer
@@ -240,12 +240,9 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _no_mtp(model: Any, spec: Family) -> Any:
-    n = model.config.own(DeepseekV3Config).mtp_layers
-    raise NoDraftHead(
-        f"{model.name}: DeepSeek V3's next-token layers ({n} in the checkpoint) are skipped at "
-        "load; drafting with them is not implemented"
-    )
+def _mtp_caches(one: ModelConfig) -> list[Cache]:
+    """The next-n layer's (nextn.py): a latent cache."""
+    return latent_caches(1, one.own(DeepseekV3Config).mla, None)
 
 
 def _describe(c: ModelConfig) -> dict[str, Any]:
@@ -282,8 +279,10 @@ def _rows(config: dict[str, Any]) -> list[tuple[str, str]]:
             f"{a['routed_scaling_factor']:g}; shared width {a['shared_intermediate_size']}",
         ),
     ]
-    if a["mtp_layers"]:
-        rows.append(("mtp", f"{a['mtp_layers']} next-token layer(s) in the checkpoint, not loaded"))
+    if n := a["mtp_layers"]:  # the config's count: a conversion may have dropped them
+        rows.append(
+            ("mtp", f"{n} next-n layer(s): drafts for --speculative mtp if the file has it")
+        )
     return rows
 
 
@@ -294,5 +293,5 @@ DEEPSEEK_V3 = Family(
     network=DeepseekV3,
     export=Export(model_type="deepseek_v3", architecture="DeepseekV3ForCausalLM", config=export),
     describe=Description(("latent_attention",), _describe, _rows),
-    mtp=_no_mtp,
+    mtp=nextn_drafter(DeepseekV3Layer, _mtp_caches, "llama.cpp's deepseek2 drops the layer"),
 )

@@ -5,11 +5,12 @@ mixture of experts routed by sigmoid scores within the best groups, with a corre
 sways the choice only, scaled routed weights and shared experts (grouped_experts.py).
 
 HF `glm4_moe` (experts one tensor each, or transformers 5's fused ones; the checkpoints' extra
-next-token layers, `model.layers.{num_hidden_layers}...`, are skipped at load: drafting with
-them is not implemented); mlx-lm's glm4_moe has the same names (`switch_mlp` stacked). GGUF:
+next-n layer, `model.layers.{num_hidden_layers}...`, skipped at load and read when
+`--speculative mtp` drafts with it: nextn.py); mlx-lm's glm4_moe has the same names
+(`switch_mlp` stacked). GGUF:
 llama.cpp's converter writes `glm4moe` (its Glm4MoeModel: Q/K rows as they are, experts
-stacked 3-D, the correction bias as `exp_probs_b`, the next-token layers as extra blocks
-counted in block_count).
+stacked 3-D, the correction bias as `exp_probs_b`, the next-n layer as an extra block
+counted in block_count, with its blk.N.nextn.* tensors).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from mlxlis.cache import KVCache
 from mlxlis.errors import ConfigError
 from mlxlis.models.base import (
     GGUF_LLAMA_BLOCK,
@@ -33,7 +35,7 @@ from mlxlis.models.decoder import Decoder
 from mlxlis.models.experts import ExpertSource
 from mlxlis.models.grouped_experts import GroupedMoE, GroupRouting, read_gguf, read_hf
 from mlxlis.models.layers import MLP, PreNormBlock
-from mlxlis.models.network import NoDraftHead
+from mlxlis.models.nextn import nextn_drafter
 from mlxlis.models.reading import check_act
 from mlxlis.models.rope import Rope
 
@@ -82,7 +84,7 @@ _LAYER = re.compile(r"^(?:model\.layers|blk)\.(\d+)\.")
 
 @dataclass(frozen=True)
 class Glm4MoeConfig(FamilyConfig):
-    """The router's options, and the next-token layers the checkpoint holds (skipped)."""
+    """The router's options, and the next-n layers the checkpoint holds (drafters)."""
 
     routing: GroupRouting
     mtp_layers: int = 0
@@ -190,14 +192,6 @@ def export(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _no_mtp(model: Any, spec: Family) -> Any:
-    n = model.config.own(Glm4MoeConfig).mtp_layers
-    raise NoDraftHead(
-        f"{model.name}: GLM-4.5's next-token layers ({n} in the checkpoint) are skipped at "
-        "load; drafting with them is not implemented"
-    )
-
-
 def _describe(c: ModelConfig) -> dict[str, Any]:
     own = c.own(Glm4MoeConfig)
     r = own.routing
@@ -230,8 +224,10 @@ def _rows(config: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(
             ("shared", f"shared experts: one MLP of width {g['shared_width']}, every token")
         )
-    if g["mtp_layers"]:
-        rows.append(("mtp", f"{g['mtp_layers']} next-token layer(s) in the checkpoint, not loaded"))
+    if n := g["mtp_layers"]:  # the config's count: a conversion may have dropped them
+        rows.append(
+            ("mtp", f"{n} next-n layer(s): drafts for --speculative mtp if the file has it")
+        )
     return rows
 
 
@@ -247,5 +243,5 @@ GLM4_MOE = Family(
     network=Glm4Moe,
     export=Export(model_type="glm4_moe", architecture="Glm4MoeForCausalLM", config=export),
     describe=Description(("grouped_routing",), _describe, _rows),
-    mtp=_no_mtp,
+    mtp=nextn_drafter(Glm4MoeLayer, lambda one: [KVCache()]),  # the next-n layer: nextn.py
 )

@@ -31,6 +31,7 @@ from mlxlis.models.config import ModelConfig
 from mlxlis.models.experts import ExpertSource, SparseMoE
 from mlxlis.models.hybrid import HybridLayer
 from mlxlis.models.layers import norm
+from mlxlis.models.mtp_load import target_head
 from mlxlis.models.network import Network
 from mlxlis.models.rope import Rope
 
@@ -48,7 +49,6 @@ GGUF_NEXTN = {
 }
 GGUF_NEXTN_COPIES = ("embed_tokens", "shared_head_head")  # the target's own, when present
 _HF_LAYER = re.compile(r"^(?:model\.(?:language_model\.)?)?mtp\.layers\.(\d+)\.")
-_GGUF_FC = re.compile(r"^blk\.(\d+)\.nextn\.eh_proj\.weight$")
 
 
 def block_config(cfg: ModelConfig) -> ModelConfig:
@@ -102,34 +102,9 @@ class MTPBlock(nn.Module):
         mlp = self.layers[0].mlp
         return mlp.expert_stacks("layers.0.mlp") if isinstance(mlp, SparseMoE) else {}
 
-
-class MTPHead:
-    """The block on its target: the target's embedding, final norm and head around it."""
-
-    def __init__(self, block: MTPBlock, net: Network):
-        self.block = block
-        self.net = net
-
-    def make_cache(self) -> list[KVCache]:
-        return self.block.make_cache()
-
-    def target_states(self, hidden: mx.array) -> mx.array:
-        """The target's last-layer outputs (T, hidden), before its final norm -> after it
-        (what the block reads)."""
-        return self.net.model.norm(hidden)
-
-    def step(self, ids: list[int], states: mx.array, cache: list[KVCache]) -> mx.array:
-        """Pairs (ids[i], states[i]) (states (T, hidden)) through the block: (T, hidden)."""
-        embeds = self.net.embed(mx.array([ids], mx.int32))  # (1, T, hidden)
-        return self.block(embeds, states[None].astype(embeds.dtype), cache)[0]
-
-    def logits(self, out: mx.array) -> mx.array:
-        """(T, hidden) block states -> (T, vocab) float32 logits (the target's head, no norm:
-        the block normed them)."""
-        net = self.net
-        if net.config.tie_word_embeddings:
-            return net.model.embed_tokens.as_linear(out).astype(mx.float32)
-        return net.lm_head(out).astype(mx.float32)
+    def project(self, out: mx.array, net: Network) -> mx.array:
+        """The target's head (the block has none of its own)."""
+        return target_head(out, net)
 
 
 def hf_block_layers(names: list[str]) -> int:
@@ -137,12 +112,6 @@ def hf_block_layers(names: list[str]) -> int:
     if not any(n.endswith("mtp.fc.weight") for n in names):
         return 0
     return len({m.group(1) for n in names if (m := _HF_LAYER.match(n))})
-
-
-def gguf_block_index(names: list[str]) -> int | None:
-    """The block index N of a GGUF's nextn tensors (None: no block)."""
-    found = [int(m.group(1)) for n in names if (m := _GGUF_FC.match(n))]
-    return min(found) if found else None
 
 
 def gguf_name(name: str, first: int, block_name) -> str | None:
