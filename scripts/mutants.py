@@ -1856,10 +1856,18 @@ MUTANTS = (
     Mutant(
         "super-avx2-bias-sign",
         "mlxlis/runtime/kernels/src/kernels_avx2.cpp",
-        "  return -(_cvtsh_ss(p.kd[2 * (idx >> p.gshift) + 1]) * sub_min(p, idx));",
-        "  return _cvtsh_ss(p.kd[2 * (idx >> p.gshift) + 1]) * sub_min(p, idx);",
+        "      _mm256_storeu_ps(b + g, _mm256_xor_ps(prod, _mm256_set1_ps(-0.0f)));",
+        "      _mm256_storeu_ps(b + g, prod);",
         (QMV_SUPER,),
-        "super-block formats (AVX2): the bias +dmin·m instead of −dmin·m",
+        "super-block formats (AVX2): a row's expanded biases +dmin·m instead of −dmin·m",
+    ),
+    Mutant(
+        "super-avx2-expanded-scale-dmin",
+        "mlxlis/runtime/kernels/src/kernels_avx2.cpp",
+        "    const __m256 d = _mm256_set1_ps(_cvtsh_ss(kd[2 * sbk]));",
+        "    const __m256 d = _mm256_set1_ps(_cvtsh_ss(kd[2 * sbk + 1]));",
+        (QMV_SUPER,),
+        "super-block formats (AVX2): a row's expanded scales dmin·sc instead of d·sc",
     ),
     Mutant(
         "super-mins-high-bits",
