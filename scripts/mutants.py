@@ -148,6 +148,10 @@ G4_REWIND = (
 )
 
 TENSOR_2 = "tests/test_tensor.py::test_tensor_ranks_equal_the_lone_process[2]"
+TENSOR_SLICES = (
+    "tests/test_tensor_slices.py::test_gguf_rank_reads_its_blocks",
+    "tests/test_tensor_slices.py::test_safetensors_rank_reads_its_rows_and_columns",
+)
 
 MUTANTS = (
     Mutant(
@@ -177,12 +181,29 @@ MUTANTS = (
     ),
     Mutant(
         "tensor-quant-group-cut",
+        "mlxlis/loading/slices.py",
+        "return range(self.part.start // per, self.part.stop // per)",
+        "return range(self.part.start // per - (self.part.start > 0), "
+        "self.part.stop // per - (self.part.start > 0))",
+        (TENSOR_2, *TENSOR_SLICES),
+        "tensor parallelism: a column slice's packed words, scales and blocks one entry off",
+    ),
+    Mutant(
+        "tensor-gguf-rows-shifted",
+        "mlxlis/loading/slices.py",
+        "rows = rows[(slice(None),) * axis + (slice(cut.part.start, cut.part.stop),)]",
+        "rows = rows[(slice(None),) * axis + (slice(cut.part.start - (cut.part.start > 0), "
+        "cut.part.stop - (cut.part.start > 0)),)]",
+        (TENSOR_SLICES[0],),
+        "tensor parallelism: a GGUF row slice read one row early",
+    ),
+    Mutant(
+        "tensor-down-proj-by-rows",
         "mlxlis/distributed/tensor.py",
-        "layer[name] = _take(layer[name], range(cols.start // gs, cols.stop // gs), 1)",
-        "layer[name] = _take(layer[name], range(cols.start // gs - (cols.start > 0), "
-        "cols.stop // gs - (cols.start > 0)), 1)",
-        (TENSOR_2,),
-        "tensor parallelism: a quantized column slice's scales one group off",
+        'if module in ("o_proj", "down_proj"):  # row parallel: input columns',
+        'if module == "o_proj":',
+        (TENSOR_2, *TENSOR_SLICES),
+        "tensor parallelism: down_proj read by output rows instead of input columns",
     ),
     Mutant(
         "rope-freqs-divide",

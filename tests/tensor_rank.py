@@ -44,7 +44,10 @@ def kv_bytes(caches) -> int:
 
 
 def run(job: dict, out: Path, size: int) -> None:
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()  # what an earlier job still holds
     model = mlxlis.load(job["model"], "float32", tensor=size)
+    load_peak = mx.get_peak_memory() - before  # MLX's memory at its highest during the load
     ids = model.tokenizer.encode(job["prompt"])
     tokens: list[int] = []
     if model.rank == 0:
@@ -77,6 +80,8 @@ def run(job: dict, out: Path, size: int) -> None:
         "ids": ids,
         "tokens": tokens,
         "weight_bytes": sum(held.values()),
+        "load_peak": load_peak,
+        "largest": max(held.values()),
         **kv,
     }
     (out / f"{job['name']}-rank-{layout.rank}.json").write_text(json.dumps(report))

@@ -169,6 +169,8 @@ def test_tensor_ranks_equal_the_lone_process(launched, n):
             held = split // n + sizes["norms"] + sizes["kv"] * k // k_all
             assert rep["weight_bytes"] == held, rep
             assert rep["kv_bytes"] == kv * k // k_all, rep
+            # read slice by slice: the load's peak is the share and one tensor's transient copy
+            assert rep["load_peak"] <= held + rep["largest"] < sizes["whole"], rep
         heads = [h for rep in reports for h in range(*rep["q_heads"])]
         assert heads == list(range(cfg.num_attention_heads))
         kv_heads = [tuple(rep["kv_heads"]) for rep in reports]

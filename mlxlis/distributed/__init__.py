@@ -108,11 +108,12 @@ class Pipeline:
 
 @dataclass
 class Tensor:
-    """A tensor-parallel load (`--tensor N`, tensor.py): every rank reads the model, checks
-    that it splits evenly and that all ranks opened the same one, then keeps its slices."""
+    """A tensor-parallel load (`--tensor N`, tensor.py): every rank checks that the model
+    splits evenly and that all ranks opened the same one, then reads its slices only."""
 
     ranks: Ranks | None
     size: int
+    config: Any = None  # the whole model's, once placed
 
     def place(self, cfg: Any, sizes: Mapping[str, int], what: str) -> Layout | None:
         check_group(self.size, self.ranks)
@@ -122,6 +123,7 @@ class Tensor:
         check_pipelinable(cfg, what)
         ranks = self.ranks
         layout = plan_layout(cfg, ranks.rank, ranks.size, what)
+        self.config = cfg
         total = sum(sizes.values())
         model_id = [cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, total // MiB]
         for r, row in enumerate(ranks.gather(model_id)):
@@ -138,7 +140,7 @@ class Tensor:
         assert self.ranks is not None
         shard(net, layout, self.ranks.group, "model")
         held = sum({id(a): a.nbytes for _, a in _leaves(net.parameters())}.values())
-        return TensorNet(net, self.ranks, replace(layout, nbytes=held), dtype)
+        return TensorNet(net, self.ranks, replace(layout, nbytes=held), dtype, self.config)
 
     def ready(self) -> None:
         if self.ranks is not None:

@@ -10,18 +10,19 @@ The split is data (`Layout`), checked against the config before a weight is read
   vocabulary the embedding and the head by rows [r·V/N, (r+1)·V/N): a lookup takes the rows
              this rank holds (zeros elsewhere) and one all_sum; the head's slices of the
              logits are gathered (all_gather), so every rank holds the whole logits.
-Quantized layers (MLX's, and GGUF blocks, which loading puts in MLX's packed layout) are
-sliced as stored: rows whole, columns only at group boundaries (and super-block boundaries
-where a K-quant keeps its float16 pair per 256 weights), never dequantized.
+Each rank builds the network of its share (`Layout.local`) and reads only its slices from the
+file (`Layout.cut`, loading/slices.py): GGUF blocks by rows or by whole blocks along K,
+safetensors rows and columns through a memory map, MLX-quantized layers' words, scales and
+biases at whole groups; a cut inside a block or group is refused by name. Nothing is
+dequantized, and a rank's peak memory while loading is its share (replicated: the norms,
+o_proj's and down_proj's biases, and the k/v projections of a KV head held on N/K ranks).
 
 Each rank's KV caches hold its own KV heads only (K/N of the bytes per token; 1/K when
 replicated). The sums of o_proj and down_proj add N partial products instead of one product
 over the whole width: float32 results differ from a lone process in the last bits.
 
 Bytes between ranks per token: per layer two all_sums of hidden × dtype, one for the
-embedding, and the head's gather of vocab × dtype (`bytes_per_token`). Each rank loads the
-whole file, then keeps its slices (the rest is freed): its peak during the load is the whole
-model's.
+embedding, and the head's gather of vocab × dtype (`bytes_per_token`).
 
 A rank lost mid-step: MLX's ring backend fails the pending all_sum's tasks but the sum never
 returns (a pipeline's recv raises instead), so the ranks left are ended by group.py's
@@ -30,19 +31,19 @@ watchdog after MLXLIS_RANK_TIMEOUT seconds, with its one-line error.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxlis.cache import Cache, KVFormat
 from mlxlis.distributed.group import Ranks
 from mlxlis.errors import PipelineError, UnsupportedError
+from mlxlis.loading.slices import Cut
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.layers import MLP, Attention
 
 import mlx.core as mx
 import mlx.nn as nn
-
-SUPER_BLOCK = 256  # weights per K-quant super-block (its float16 d, dmin pair)
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class Layout:
     inter: int
     vocab: int
     n_layers: int
-    nbytes: int = 0  # weight bytes this rank holds, set once sliced
+    head_dim: int
+    nbytes: int = 0  # weight bytes this rank holds, set once loaded
 
     @property
     def q_heads(self) -> range:
@@ -91,6 +93,38 @@ class Layout:
 
     def holds(self, name: str) -> bool:
         return True
+
+    def local(self, cfg: ModelConfig) -> ModelConfig:
+        """The network this rank builds: its query and KV heads, MLP rows and vocabulary."""
+        mlp = replace(cfg.mlp, intermediate_size=len(self.mlp_rows))
+        n_q, n_kv, n_v = len(self.q_heads), len(self.kv_heads), len(self.vocab_rows)
+        return cfg.with_(num_attention_heads=n_q, num_key_value_heads=n_kv, vocab_size=n_v, mlp=mlp)
+
+    def cut(self, name: str) -> Cut | None:
+        """The slice of module tensor `name` this rank reads: q/k/v, gate/up, the embedding
+        and the head by output rows (a bias too), o_proj and down_proj by input columns (their
+        bias whole: added once after the sum); norms whole."""
+        m = _SLICED.match(name)
+        if m is None:
+            return None
+        module, part = m.group("module"), m.group("part")
+        hd = self.head_dim
+        rows = {
+            "q_proj": (self.q_heads, self.heads, hd),
+            "k_proj": (self.kv_heads, self.kv, hd),
+            "v_proj": (self.kv_heads, self.kv, hd),
+            "o_proj": (self.q_heads, self.heads, hd),
+            "gate_proj": (self.mlp_rows, self.inter, 1),
+            "up_proj": (self.mlp_rows, self.inter, 1),
+            "down_proj": (self.mlp_rows, self.inter, 1),
+            "embed_tokens": (self.vocab_rows, self.vocab, 1),
+            "lm_head": (self.vocab_rows, self.vocab, 1),
+        }
+        span, whole, per = rows[module]
+        part_range = range(span.start * per, span.stop * per)
+        if module in ("o_proj", "down_proj"):  # row parallel: input columns
+            return None if part == "bias" else Cut(-1, part_range, whole * per)
+        return Cut(-1 if part == "bias" else -2, part_range, whole * per)
 
     def describe(self) -> str:
         q, k, f, v = self.q_heads, self.kv_heads, self.mlp_rows, self.vocab_rows
@@ -138,46 +172,15 @@ def plan_layout(cfg: ModelConfig, rank: int, size: int, what: str) -> Layout:
             field="layers",
         )
     inter, layers = cfg.mlp.intermediate_size, cfg.num_hidden_layers
-    return Layout(rank, size, cfg.num_attention_heads, k, inter, cfg.vocab_size, layers)
+    heads, hd = cfg.num_attention_heads, cfg.head_dim
+    return Layout(rank, size, heads, k, inter, cfg.vocab_size, layers, hd)
 
 
-def _take(a: mx.array, rows: range, axis: int) -> mx.array:
-    """A copy of `rows` of `a` along `axis` (a gather: a slice would keep the whole buffer)."""
-    return mx.take(a, mx.arange(rows.start, rows.stop), axis=axis)
-
-
-def by_rows(layer: nn.Module, rows: range) -> None:
-    """Keep output rows `rows` of a Linear, QuantizedLinear or (Quantized)Embedding: its
-    weight, scales, biases, super-scales and bias, as stored."""
-    for name in ("weight", "scales", "biases", "super_scales", "bias"):
-        if name in layer:
-            layer[name] = _take(layer[name], rows, 0)
-
-
-def by_columns(layer: nn.Module, cols: range, what: str) -> None:
-    """Keep input columns `cols` of a Linear or QuantizedLinear (its bias untouched): packed
-    words, scales and biases at whole groups (and whole super-blocks); an UnsupportedError
-    naming the module where a boundary would cut one."""
-    if "scales" not in layer:
-        layer["weight"] = _take(layer["weight"], cols, 1)
-        return
-    gs, bits = layer.group_size, layer.bits
-    step = SUPER_BLOCK if "super_scales" in layer else gs
-    if cols.start % step or len(cols) % step:
-        raise UnsupportedError(
-            f"columns {cols.start}-{cols.stop - 1} cut a quantization group of {step} weights",
-            field=what,
-        )
-    per_word = 32 // bits
-    layer["weight"] = _take(
-        layer["weight"], range(cols.start // per_word, cols.stop // per_word), 1
-    )
-    for name in ("scales", "biases"):
-        if name in layer:
-            layer[name] = _take(layer[name], range(cols.start // gs, cols.stop // gs), 1)
-    if "super_scales" in layer:
-        sup = range(cols.start // SUPER_BLOCK, cols.stop // SUPER_BLOCK)
-        layer["super_scales"] = _take(layer["super_scales"], sup, 1)
+_SLICED = re.compile(
+    r"^(?:model\.layers\.\d+\.(?:self_attn|mlp)\.|model\.)?"
+    r"(?P<module>[qkvo]_proj|gate_proj|up_proj|down_proj|embed_tokens|lm_head)"
+    r"\.(?P<part>weight|scales|biases|bias)$"
+)
 
 
 class SumRanks(nn.Module):
@@ -240,8 +243,9 @@ def gather_vocab(local: mx.array, group: mx.distributed.Group) -> mx.array:
 
 
 def shard(net: Any, layout: Layout, group: mx.distributed.Group, what: str) -> None:
-    """Slice a loaded Decoder in place to `layout`: the sliced arrays are copies, so the whole
-    ones are freed when the loader drops them."""
+    """Join a Decoder built and loaded for `layout` (its slices only: Layout.local and
+    Layout.cut) to its ranks: o_proj and down_proj summed over them, the vocabulary's
+    lookups summed and its logits gathered."""
     for i, layer in enumerate(net.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         if type(attn) is not Attention or type(mlp) is not MLP:
@@ -251,26 +255,12 @@ def shard(net: Any, layout: Layout, group: mx.distributed.Group, what: str) -> N
                 path=what,
                 field=f"model.layers.{i}",
             )
-        hd = net.config.head_dim
-        q, k = layout.q_heads, layout.kv_heads
-        by_rows(attn.q_proj, range(q.start * hd, q.stop * hd))
-        for proj in (attn.k_proj, attn.v_proj):
-            by_rows(proj, range(k.start * hd, k.stop * hd))
-        by_columns(attn.o_proj, range(q.start * hd, q.stop * hd), f"model.layers.{i}.o_proj")
         attn.o_proj = SumRanks(attn.o_proj, group)
-        attn.n_heads, attn.n_kv_heads = len(q), len(k)
-        f = layout.mlp_rows
-        by_rows(mlp.gate_proj, f)
-        by_rows(mlp.up_proj, f)
-        by_columns(mlp.down_proj, f, f"model.layers.{i}.mlp.down_proj")
         mlp.down_proj = SumRanks(mlp.down_proj, group)
     v = layout.vocab_rows
-    by_rows(net.model.embed_tokens, v)
     net.model.embed_tokens = VocabEmbedding(net.model.embed_tokens, v, group)
     if "lm_head" in net:
-        by_rows(net.lm_head, v)
         net.lm_head = VocabHead(net.lm_head, group)
-    mx.eval(net.parameters())
 
 
 def bytes_per_token(cfg: ModelConfig, dtype: mx.Dtype, size: int) -> int:
@@ -289,15 +279,19 @@ class TensorNet:
     verifies_in_batch = False
     logits_at_leader = True  # rank 0's own call returns the logits (nothing is sent to it)
 
-    def __init__(self, net: Any, ranks: Ranks, layout: Layout, dtype: mx.Dtype):
+    def __init__(
+        self, net: Any, ranks: Ranks, layout: Layout, dtype: mx.Dtype, config: ModelConfig
+    ):
         self.net = net
         self.ranks = ranks
         self.part = layout
         self.hidden_dtype = net.hidden_dtype(dtype)
+        self._config = config
 
     @property
     def config(self) -> ModelConfig:
-        return self.net.config
+        """The whole model's (the network's own holds this rank's heads and rows)."""
+        return self._config
 
     @property
     def heads(self) -> bool:
