@@ -2,7 +2,9 @@
 
     mlx.launch --backend ring -n N python tests/tensor_rank.py JOBS.json OUT_DIR
 
-For each job ({"name", "model", "prompt", "steps"}) every rank loads the model with
+A job {"name", "models": [one per rank]} loads a different file on each rank and writes
+OUT_DIR/JOB-rank-R.json with the error the load raised. For each other job ({"name", "model",
+"prompt", "steps"}) every rank loads the model with
 `mlxlis.load(model, "float32", tensor=N)` (its slices of every layer); rank 0 runs
 `mlxlis.generate` (the generation core, its steps led from rank 0) for `steps` + 1 greedy tokens
 while the other ranks `follow`. Rank 0 writes each step's logits (its own: every rank holds the
@@ -20,6 +22,7 @@ from pathlib import Path
 import mlxlis  # noqa: F401  (chooses the BLAS before mlx.core loads)
 from mlxlis.distributed import world
 from mlxlis.distributed.leader import LeaderSteps, finish, follow, ranks_of
+from mlxlis.errors import MlxlisError
 from mlxlis.generation.steps import pipeline_steps
 
 import mlx.core as mx
@@ -46,6 +49,15 @@ def kv_bytes(caches) -> int:
 def run(job: dict, out: Path, size: int) -> None:
     mx.reset_peak_memory()
     before = mx.get_active_memory()  # what an earlier job still holds
+    if "models" in job:  # one file per rank: the load is expected to refuse them
+        rank = world().rank
+        try:
+            mlxlis.load(job["models"][rank], "float32", tensor=size)
+            error = ""
+        except MlxlisError as e:
+            error = f"{type(e).__name__}: {e}"
+        (out / f"{job['name']}-rank-{rank}.json").write_text(json.dumps({"error": error}))
+        return
     model = mlxlis.load(job["model"], "float32", tensor=size)
     load_peak = mx.get_peak_memory() - before  # MLX's memory at its highest during the load
     ids = model.tokenizer.encode(job["prompt"])

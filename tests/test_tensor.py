@@ -122,12 +122,15 @@ def folders(tmp_path_factory):
     mlx_lm_convert(
         str(tmp / "llama128"), str(q4), quantize=True, q_group_size=32, q_bits=4, dtype="float32"
     )
+    build_tiny(tmp / "llama-seed1", TINY["llama"], seed=1)  # the same headers, other weights
     return {"llama": str(tmp / "llama"), "qwen3": str(tmp / "qwen3"), "llama-q4": str(q4)}
 
 
 def jobs_for(n: int, folders: dict) -> list[dict]:
     if n == 2:
-        return [
+        other = str(Path(folders["llama"]).with_name("llama-seed1"))
+        mismatch = {"name": "mismatch", "models": [folders["llama"], other]}
+        return [mismatch] + [
             {"name": name, "model": path, "prompt": PROMPT, "steps": STEPS}
             for name, path in folders.items()
         ]
@@ -153,6 +156,8 @@ def test_tensor_ranks_equal_the_lone_process(launched, n):
     when K < N and each is replicated)."""
     out, jobs = launched(n)
     for job in jobs:
+        if "models" in job:
+            continue  # test_mismatched_files_are_refused_on_every_rank
         tokens, logits, sizes, kv = reference(job["model"], job["prompt"], job["steps"])
         got = np.load(out / f"{job['name']}-logits.npy")
         assert got.shape == logits.shape
@@ -181,6 +186,20 @@ def test_tensor_ranks_equal_the_lone_process(launched, n):
             )
         else:
             assert sum(k[1] - k[0] for k in kv_heads) == cfg.num_key_value_heads
+
+
+def test_mismatched_files_are_refused_on_every_rank(launched):
+    """Two tiny Llamas with the same config and headers but other weights (seed 0 and 1), one
+    per rank: each rank's load raises the one PipelineError naming rank 1 and its own file
+    before a weight is read (the digests compared first), and the same ranks then go on to
+    the parity jobs of the same launch (nobody left waiting)."""
+    out, jobs = launched(2)
+    for r in range(2):
+        error = json.loads((out / f"mismatch-rank-{r}.json").read_text())["error"]
+        assert error.startswith("PipelineError: "), error
+        assert "rank 1 of 2 opened a different model from rank 0" in error, error
+        assert jobs[0]["models"][r] in error, error
+    assert (out / "llama-logits.npy").is_file()
 
 
 def test_uneven_split_is_refused_by_name_before_loading(folders):

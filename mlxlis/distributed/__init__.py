@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from mlxlis.distributed.digest import check_same_model
 from mlxlis.distributed.group import Ranks, launched, world
 from mlxlis.distributed.leader import LeaderSteps
 from mlxlis.distributed.split import (
@@ -78,6 +79,7 @@ class Pipeline:
                 check_split(self.split, layers, 1)
             check_lone_fit(sum(sizes.values()), what)
             return None
+        check_same_model(self.ranks, what)  # first: a different file may fail what follows
         check_pipelinable(cfg, what)
         ranks = self.ranks
         parts = plan_parts(sizes, layers, ranks.size, cfg.tie_word_embeddings, self.split)
@@ -120,6 +122,7 @@ class Tensor:
         if self.ranks is None:  # --tensor 1 in a lone process: nothing to split
             check_lone_fit(sum(sizes.values()), what)
             return None
+        check_same_model(self.ranks, what)  # first: a different file may fail what follows
         check_pipelinable(cfg, what)
         ranks = self.ranks
         layout = plan_layout(cfg, ranks.rank, ranks.size, what)
