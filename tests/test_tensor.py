@@ -250,6 +250,43 @@ def test_killed_rank_ends_every_rank_with_a_clear_error(folders):
     )
 
 
+@pytest.mark.extended  # `make test-all` (~15 s): a killed rank is proved in make test
+def test_frozen_rank_ends_every_rank_within_the_watchdogs_time(folders):
+    """`mlxlis --tensor 2` under mlx.launch streaming a long reply: SIGSTOP on rank 1 (its
+    sockets stay open, so no collective fails: the all_sum just never completes). Rank 0's
+    watchdog ends it with its one line after MLXLIS_RANK_TIMEOUT=2 s (within 1.5-6 s); rank 1,
+    continued, is gone within 5 s (the launcher's SIGTERM waited for it), then the launcher."""
+    args = ["-m", folders["llama"], "--tensor", "2", "--no-chat", "--temp", "0"]
+    p = start(2, MLXLIS, *args, "--max-tokens", "3000", "Once", env={**ENV, **FROZEN})
+    try:
+        pids = ranks(p, 2)
+        _stdout_begins(p)
+        os.kill(pids[1], signal.SIGSTOP)
+        frozen = time.monotonic()
+        while alive(pids[0]) and time.monotonic() - frozen < 10:
+            time.sleep(0.05)
+        took = time.monotonic() - frozen
+        assert not alive(pids[0]), "rank 0 still running"
+        os.kill(pids[1], signal.SIGCONT)  # the launcher's SIGTERM waits for it
+        while alive(pids[1]) and time.monotonic() - frozen < took + 5:
+            time.sleep(0.05)
+        assert not alive(pids[1]), "rank 1 still running once continued"
+        p.wait(timeout=10)
+        err = p.stderr.read().decode()
+    finally:
+        kill_all(p)
+    assert 1.5 < took < 6, took
+    lines = [ln for ln in err.splitlines() if ln.startswith("mlxlis: error: rank 0 of 2")]
+    assert lines == [FROZEN_WHY], err[-2000:]
+
+
+FROZEN = {"MLXLIS_RANK_TIMEOUT": "2"}
+FROZEN_WHY = (
+    "mlxlis: error: rank 0 of 2: no answer from the other ranks for 2 s (a rank stopped or its "
+    "link went down; MLXLIS_RANK_TIMEOUT sets the limit); ending the job"
+)
+
+
 def _stdout_begins(p, timeout: float = 90) -> bytes:
     import select
 
