@@ -206,6 +206,22 @@ MUTANTS = (
         "tensor parallelism: down_proj read by output rows instead of input columns",
     ),
     Mutant(
+        "tensor-moe-no-sum",
+        "mlxlis/distributed/tensor.py",
+        "layer.mlp = SumRanks(mlp, group)",
+        "layer.mlp = mlp",
+        (TENSOR_2,),
+        "tensor parallelism: the experts' partial outputs not summed over ranks",
+    ),
+    Mutant(
+        "tensor-expert-rows-of-rank-0",
+        "mlxlis/distributed/tensor.py",
+        "span = self.share(whole)",
+        "span = range(0, len(self.share(whole)))",
+        (TENSOR_2, *TENSOR_SLICES),
+        "tensor parallelism: every rank reads rank 0's rows of each expert",
+    ),
+    Mutant(
         "rope-freqs-divide",
         "mlxlis/models/rope.py",
         "periods = periods * freq_factors.astype(mx.float32)",

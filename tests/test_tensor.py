@@ -63,6 +63,23 @@ QWEN3 = dict(
     tie_word_embeddings=True,
     max_position_embeddings=512,
 )
+# top-2 of 8 experts in layers 0 and 2 (layer 1 dense), renormalised top-k, untied head
+QWEN3_MOE = dict(
+    kind="qwen3_moe",
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    num_hidden_layers=3,
+    mlp_only_layers=[1],
+    norm_topk_prob=True,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    tie_word_embeddings=False,
+    max_position_embeddings=512,
+)
 PROMPT = "Hello, world! 1234 def add(a, b):"
 
 
@@ -73,8 +90,9 @@ def lone(model: str):
 
 @functools.cache
 def reference(model: str, prompt: str, steps: int) -> tuple[list[int], np.ndarray, dict, int]:
-    """(greedy tokens, per-step float32 logits, weight bytes {"whole", "norms", "kv": of the
-    k/v projections}, KV-cache bytes of the prompt) of a lone process."""
+    """(greedy tokens, per-step float32 logits, weight bytes {"whole", "replicated": of the
+    norms and the experts' routers, "kv": of the k/v projections}, KV-cache bytes of the
+    prompt) of a lone process."""
     m = lone(model)
     ids = m.tokenizer.encode(prompt)
     cache = m.make_cache()
@@ -90,7 +108,7 @@ def reference(model: str, prompt: str, steps: int) -> tuple[list[int], np.ndarra
     arrays = {id(a): (k, a) for k, a in tree_flatten(m.net.parameters())}.values()
     sizes = {
         "whole": sum(a.nbytes for _, a in arrays),
-        "norms": sum(a.nbytes for k, a in arrays if "norm" in k),
+        "replicated": sum(a.nbytes for k, a in arrays if "norm" in k or ".mlp.gate." in k),
         "kv": sum(a.nbytes for k, a in arrays if ".k_proj." in k or ".v_proj." in k),
     }
     return tokens, np.stack(logits), sizes, kv
@@ -116,6 +134,7 @@ def folders(tmp_path_factory):
 
     build_tiny(tmp / "llama", TINY["llama"])
     build_tiny(tmp / "qwen3", QWEN3)
+    build_tiny(tmp / "qwen3-moe", QWEN3_MOE)
     # 128 MLP rows: each rank's 64 columns of down_proj are whole groups of 32
     build_tiny(tmp / "llama128", {**TINY["llama"], "intermediate_size": 128})
     q4 = tmp / "llama-q4"
@@ -123,7 +142,8 @@ def folders(tmp_path_factory):
         str(tmp / "llama128"), str(q4), quantize=True, q_group_size=32, q_bits=4, dtype="float32"
     )
     build_tiny(tmp / "llama-seed1", TINY["llama"], seed=1)  # the same headers, other weights
-    return {"llama": str(tmp / "llama"), "qwen3": str(tmp / "qwen3"), "llama-q4": str(q4)}
+    names = ("llama", "qwen3", "qwen3-moe")
+    return {**{name: str(tmp / name) for name in names}, "llama-q4": str(q4)}
 
 
 def jobs_for(n: int, folders: dict) -> list[dict]:
@@ -151,7 +171,8 @@ def test_tensor_ranks_equal_the_lone_process(launched, n):
     """Each step's logits from rank 0 (prefill, then 64 greedy decode steps through the
     generation core led from rank 0; 8 on SmolLM2) within 1e-5 of the lone process's relative
     to the step's largest logit, the same greedy tokens; each rank's weights are
-    (whole − norms − k/v projections) / N + norms + its k/v share bytes, its k/v projections
+    (whole − norms − routers − k/v projections) / N + norms + routers + its k/v share bytes,
+    its k/v projections
     and KV-cache bytes the lone ones' × its KV heads / all KV heads (1/N when they split; 1/K
     when K < N and each is replicated)."""
     out, jobs = launched(n)
@@ -170,8 +191,8 @@ def test_tensor_ranks_equal_the_lone_process(launched, n):
         k_all = cfg.num_key_value_heads
         for rep in reports:
             k = rep["kv_heads"][1] - rep["kv_heads"][0]
-            split = sizes["whole"] - sizes["norms"] - sizes["kv"]
-            held = split // n + sizes["norms"] + sizes["kv"] * k // k_all
+            split = sizes["whole"] - sizes["replicated"] - sizes["kv"]
+            held = split // n + sizes["replicated"] + sizes["kv"] * k // k_all
             assert rep["weight_bytes"] == held, rep
             assert rep["kv_bytes"] == kv * k // k_all, rep
             # read slice by slice: the load's peak is the share and one tensor's transient copy
@@ -204,7 +225,8 @@ def test_mismatched_files_are_refused_on_every_rank(launched):
 
 def test_uneven_split_is_refused_by_name_before_loading(folders):
     """SmolLM2's 9 query heads over 2 ranks, the tiny Llama's 144 MLP rows over 5 (and its 2 KV
-    heads over 3), refused naming the field; --tensor 2 in one process names the flag."""
+    heads over 3), the tiny Qwen3-MoE's 64 rows per expert over 3, refused naming the field;
+    --tensor 2 in one process names the flag."""
     need_pulled("smollm2-135m")
     smol = lone("smollm2-135m").config
     with pytest.raises(UnsupportedError, match="num_attention_heads"):
@@ -214,6 +236,11 @@ def test_uneven_split_is_refused_by_name_before_loading(folders):
         plan_layout(llama.with_(num_attention_heads=5, vocab_size=420), 0, 5, "tiny")
     with pytest.raises(UnsupportedError, match="num_key_value_heads"):
         plan_layout(llama.with_(num_attention_heads=6, vocab_size=420), 0, 3, "tiny")
+    moe = lone(folders["qwen3-moe"]).config  # 64 rows per expert over 3 ranks
+    with pytest.raises(UnsupportedError, match="moe_intermediate_size"):
+        plan_layout(
+            moe.with_(num_attention_heads=6, num_key_value_heads=3, vocab_size=420), 0, 3, "moe"
+        )
     with pytest.raises(PipelineError, match="--tensor"):
         mlxlis.load(folders["llama"], "float32", tensor=2)
 

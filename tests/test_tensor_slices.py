@@ -29,6 +29,8 @@ import mlx.core as mx
 import pytest
 from conftest import TINY, build_tiny, need_pulled
 from mlx.utils import tree_flatten
+from test_qwen3 import SPECS
+from test_qwen3_gguf import files  # noqa: F401  (the fixture: llama.cpp-layout Qwen3-MoE files)
 
 
 @dataclass
@@ -90,6 +92,7 @@ def folders(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("slices")
     build_tiny(tmp / "llama", TINY["llama"])
+    build_tiny(tmp / "qwen3-moe", SPECS["qwen3_moe"])  # one tensor per expert, stacked at load
     build_tiny(tmp / "llama128", {**TINY["llama"], "intermediate_size": 128})
     q4 = tmp / "llama-q4"
     mlx_lm_convert(
@@ -98,11 +101,23 @@ def folders(tmp_path_factory):
     return tmp
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-q4"])
+@pytest.mark.parametrize("name", ["llama", "llama-q4", "qwen3-moe"])
 def test_safetensors_rank_reads_its_rows_and_columns(folders, name):
-    """A float32 folder and its 4-bit conversion (groups of 32) over 2 ranks: each rank's
-    parameters (packed words, scales, biases) are the lone load's slices, exactly."""
+    """A float32 folder, its 4-bit conversion (groups of 32) and a Qwen3-MoE folder (8
+    experts, each its own tensors) over 2 ranks: each rank's parameters (packed words,
+    scales, biases; every expert's rows of gate/up and columns of down) are the lone load's
+    slices, exactly."""
     check_ranks(folders / name, 2)
+
+
+def test_gguf_experts_are_cut_per_expert(files):  # noqa: F811
+    """llama.cpp's 3-D expert tensors (E, rows, K) of a Q8_0 Qwen3-MoE file over 2 ranks: each
+    rank's experts are the lone load's rows / whole blocks, exactly. Its K-quant twin, whose
+    down experts hold 256 weights per block, cannot give each rank 128 columns: refused
+    naming the tensor before a weight is read."""
+    check_ranks(files("qwen3moe-q8_0")[0], 2)
+    with pytest.raises(UnsupportedError, match=r"ffn_down_exps\.weight"):
+        load_gguf(files("qwen3moe-k")[0], mx.float32, placement=PlaceOnly(0, 2))
 
 
 def test_a_cut_inside_a_block_is_refused_by_name():

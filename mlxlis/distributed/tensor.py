@@ -40,6 +40,7 @@ from mlxlis.distributed.group import Ranks
 from mlxlis.errors import PipelineError, UnsupportedError
 from mlxlis.loading.slices import Cut
 from mlxlis.models.config import ModelConfig
+from mlxlis.models.experts import SparseMoE
 from mlxlis.models.layers import MLP, Attention
 
 import mlx.core as mx
@@ -59,7 +60,14 @@ class Layout:
     vocab: int
     n_layers: int
     head_dim: int
+    experts: int = 0  # each expert's rows (MoE layers), 0 without
+    shared: int = 0  # the shared expert's rows, 0 without
     nbytes: int = 0  # weight bytes this rank holds, set once loaded
+
+    def share(self, n: int) -> range:
+        """This rank's rows of `n` split evenly."""
+        per = n // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
 
     @property
     def q_heads(self) -> range:
@@ -98,7 +106,12 @@ class Layout:
         """The network this rank builds: its query and KV heads, MLP rows and vocabulary."""
         mlp = replace(cfg.mlp, intermediate_size=len(self.mlp_rows))
         n_q, n_kv, n_v = len(self.q_heads), len(self.kv_heads), len(self.vocab_rows)
-        return cfg.with_(num_attention_heads=n_q, num_key_value_heads=n_kv, vocab_size=n_v, mlp=mlp)
+        own = cfg.with_(num_attention_heads=n_q, num_key_value_heads=n_kv, vocab_size=n_v, mlp=mlp)
+        if cfg.moe is None:
+            return own
+        e, sh = len(self.share(self.experts)), len(self.share(self.shared))
+        moe = replace(cfg.moe, intermediate_size=e, shared_expert_intermediate_size=sh)
+        return own.with_(moe=moe)
 
     def cut(self, name: str) -> Cut | None:
         """The slice of module tensor `name` this rank reads: q/k/v, gate/up, the embedding
@@ -107,7 +120,7 @@ class Layout:
         m = _SLICED.match(name)
         if m is None:
             return None
-        module, part = m.group("module"), m.group("part")
+        module, part, block = m.group("module"), m.group("part"), m.group("block")
         hd = self.head_dim
         rows = {
             "q_proj": (self.q_heads, self.heads, hd),
@@ -121,6 +134,9 @@ class Layout:
             "lm_head": (self.vocab_rows, self.vocab, 1),
         }
         span, whole, per = rows[module]
+        if block is not None:  # every expert's rows (E, F, hidden) alike; the shared expert's
+            whole = self.experts if block == "switch_mlp" else self.shared
+            span = self.share(whole)
         part_range = range(span.start * per, span.stop * per)
         if module in ("o_proj", "down_proj"):  # row parallel: input columns
             return None if part == "bias" else Cut(-1, part_range, whole * per)
@@ -164,20 +180,31 @@ def plan_layout(cfg: ModelConfig, rank: int, size: int, what: str) -> Layout:
             path=what,
             field="mlp",
         )
-    if any(cfg.is_linear(i) or cfg.is_sparse(i) for i in range(cfg.num_hidden_layers)):
+    if any(cfg.is_linear(i) for i in range(cfg.num_hidden_layers)):
         raise UnsupportedError(
-            "linear-attention and expert layers are not split across tensor ranks yet; run it "
-            "in one process or pipelined",
+            "linear-attention layers are not split across tensor ranks yet; run it in one "
+            "process or pipelined",
             path=what,
             field="layers",
         )
+    experts = shared = 0
+    if cfg.moe is not None and any(cfg.is_sparse(i) for i in range(cfg.num_hidden_layers)):
+        experts, shared = cfg.moe.intermediate_size, cfg.moe.shared_expert_intermediate_size
+        for field, n in (("moe_intermediate_size", experts), ("shared_expert", shared)):
+            if n % size:
+                raise UnsupportedError(
+                    f"{n} expert rows do not split evenly across {size} tensor ranks",
+                    path=what,
+                    field=field,
+                )
     inter, layers = cfg.mlp.intermediate_size, cfg.num_hidden_layers
     heads, hd = cfg.num_attention_heads, cfg.head_dim
-    return Layout(rank, size, heads, k, inter, cfg.vocab_size, layers, hd)
+    return Layout(rank, size, heads, k, inter, cfg.vocab_size, layers, hd, experts, shared)
 
 
 _SLICED = re.compile(
-    r"^(?:model\.layers\.\d+\.(?:self_attn|mlp)\.|model\.)?"
+    r"^(?:model\.layers\.\d+\.(?:self_attn|mlp)\.(?:(?P<block>switch_mlp|shared_expert)\.)?"
+    r"|model\.)?"
     r"(?P<module>[qkvo]_proj|gate_proj|up_proj|down_proj|embed_tokens|lm_head)"
     r"\.(?P<part>weight|scales|biases|bias)$"
 )
@@ -248,7 +275,10 @@ def shard(net: Any, layout: Layout, group: mx.distributed.Group, what: str) -> N
     lookups summed and its logits gathered."""
     for i, layer in enumerate(net.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if type(attn) is not Attention or type(mlp) is not MLP:
+        # the experts' partial outputs (each its columns of down_proj, weighted by the same
+        # routing on every rank) and the shared expert's add up: one sum for the whole block
+        moe = type(mlp) is SparseMoE and "bias" not in mlp.switch_mlp.down_proj
+        if type(attn) is not Attention or not (type(mlp) is MLP or moe):
             raise UnsupportedError(
                 f"layer {i}'s {type(attn).__name__} / {type(mlp).__name__} is not split across "
                 "tensor ranks yet",
@@ -256,7 +286,10 @@ def shard(net: Any, layout: Layout, group: mx.distributed.Group, what: str) -> N
                 field=f"model.layers.{i}",
             )
         attn.o_proj = SumRanks(attn.o_proj, group)
-        mlp.down_proj = SumRanks(mlp.down_proj, group)
+        if moe:
+            layer.mlp = SumRanks(mlp, group)
+        else:
+            mlp.down_proj = SumRanks(mlp.down_proj, group)
     v = layout.vocab_rows
     net.model.embed_tokens = VocabEmbedding(net.model.embed_tokens, v, group)
     if "lm_head" in net:
