@@ -15,6 +15,7 @@ prompt run again through caches of its own (every rank alike).
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -47,6 +48,8 @@ def kv_bytes(caches) -> int:
 
 
 def run(job: dict, out: Path, size: int) -> None:
+    gc.collect()  # an earlier job's model, freed before this load is measured
+    mx.clear_cache()
     mx.reset_peak_memory()
     before = mx.get_active_memory()  # what an earlier job still holds
     if "models" in job:  # one file per rank: the load is expected to refuse them
