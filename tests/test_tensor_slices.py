@@ -104,9 +104,9 @@ def folders(tmp_path_factory):
 @pytest.mark.parametrize("name", ["llama", "llama-q4", "qwen3-moe"])
 def test_safetensors_rank_reads_its_rows_and_columns(folders, name):
     """A float32 folder, its 4-bit conversion (groups of 32) and a Qwen3-MoE folder (8
-    experts, each its own tensors) over 2 ranks: each rank's parameters (packed words,
-    scales, biases; every expert's rows of gate/up and columns of down) are the lone load's
-    slices, exactly."""
+    experts, each its own tensors, stacked at load) over 2 ranks: each rank's parameters
+    (packed words, scales, biases; every expert's rows of gate/up and columns of down) are
+    the lone load's slices, exactly."""
     check_ranks(folders / name, 2)
 
 
@@ -130,3 +130,14 @@ def test_a_cut_inside_a_block_is_refused_by_name():
         Cut(-1, range(16, 48), 64).stored(2, "mlp.down_proj.scales", "folder")
     assert Cut(-1, range(32, 64), 64).stored(2, "x", "y") == range(1, 2)
     assert Cut(-1, range(32, 64), 64).stored(8, "x", "y") == range(4, 8)  # 4-bit words
+
+
+@pytest.mark.real
+def test_real_k_quant_file_that_cannot_split_is_refused_before_reading():
+    """Qwen2.5-Coder-0.5B Q4_K_M over 2 ranks: its ffn_down rows of 4864 weights in K-quant
+    blocks of 256 cannot give each rank 2432 columns; refused naming the file and the tensor
+    before a weight converts (the cuts are all planned first)."""
+    path = need_pulled("qwen2.5-coder-0.5b")
+    with pytest.raises(UnsupportedError, match=r"ffn_down\.weight: weights 0-2431 of 4864") as e:
+        load_gguf(path, mx.float32, placement=PlaceOnly(0, 2))
+    assert str(path) in str(e.value)
