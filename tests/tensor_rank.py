@@ -61,7 +61,8 @@ def run(job: dict, out: Path, size: int) -> None:
             error = f"{type(e).__name__}: {e}"
         (out / f"{job['name']}-rank-{rank}.json").write_text(json.dumps({"error": error}))
         return
-    model = mlxlis.load(job["model"], "float32", tensor=size)
+    # "tensor": a group smaller than the ranks (2 × 2: tensor pairs inside pipeline stages)
+    model = mlxlis.load(job["model"], "float32", tensor=job.get("tensor", size))
     load_peak = mx.get_peak_memory() - before  # MLX's memory at its highest during the load
     ids = model.tokenizer.encode(job["prompt"])
     tokens: list[int] = []
@@ -92,6 +93,7 @@ def run(job: dict, out: Path, size: int) -> None:
         "layout": layout.describe(),
         "q_heads": [layout.q_heads.start, layout.q_heads.stop],
         "kv_heads": [layout.kv_heads.start, layout.kv_heads.stop],
+        "layers": [layout.layers.start, layout.layers.stop],
         "ids": ids,
         "tokens": tokens,
         "weight_bytes": sum(held.values()),

@@ -11,12 +11,13 @@ layer: every expert's rows split, the router replicated) and mlx-lm's 4-bit conv
 tiny Llama (groups of 32: quantized layers and embedding sliced as stored); over 3 ranks (8
 tokens, make test-all) on the real SmolLM2 GGUF (Q4_1 blocks sliced as stored, tied head; its
 9 heads on 3 KV heads split over 3 ranks, not 2); over 4 ranks (16 tokens, make test-all) on
-the tiny Llama (each KV head on 2 ranks) and Qwen3-MoE:
+the tiny Llama (each KV head on 2 ranks) and Qwen3-MoE, and the tiny Llama as 2 pipeline
+stages of a tensor pair each (2 × 2):
 - each step's float32 logits agree with the lone process's within 1e-5 relative to the step's
   largest logit: the o_proj / down_proj / expert sums add N partial products where one process
   adds one, so only the rounding order differs (measured: 4.5e-7 Llama, 3.9e-7 Qwen3-MoE,
   1.1e-6 4-bit on 2 ranks; 3.0e-6 SmolLM2 on 3, 5.8e-5 absolute on its logits up to 38;
-  4.7e-7 on 4), and the greedy tokens are identical;
+  4.7e-7 on 4, 3.6e-7 on 2 × 2), and the greedy tokens are identical;
 - each rank holds exactly its share of the weights: (whole − replicated) / N + replicated,
   the replicated part being the norms and routers (and, when K < N, the k/v projections of its
   KV head, 1/K of them); its KV caches hold only its KV heads (1/N of the bytes when K ≥ N,
@@ -43,6 +44,7 @@ from pathlib import Path
 
 import mlxlis
 from mlxlis.distributed.tensor import plan_layout
+from mlxlis.distributed.tensor_stage import check_shape
 from mlxlis.errors import PipelineError, UnsupportedError
 from mlxlis.generation.steps import prefill
 
@@ -173,6 +175,14 @@ def jobs_for(n: int, folders: dict) -> list[dict]:
         return [
             {"name": name, "model": folders[name], "prompt": PROMPT, "steps": 16}
             for name in ("llama", "qwen3-moe")
+        ] + [  # 2 × 2: tensor pairs inside 2 pipeline stages
+            {
+                "name": "llama-2x2",
+                "model": folders["llama"],
+                "prompt": PROMPT,
+                "steps": 16,
+                "tensor": 2,
+            }
         ]
     smol = str(need_pulled("smollm2-135m"))
     # 8 steps: each token is 61 collectives over 3 ranks on 2 busy cores (~4.7 s a token here)
@@ -212,6 +222,14 @@ def test_tensor_ranks_equal_the_lone_process(launched, n):
         reports = [json.loads((out / f"{job['name']}-rank-{r}.json").read_text()) for r in range(n)]
         assert reports[0]["tokens"] == tokens, job["name"]
         cfg = lone(job["model"]).config
+        if "tensor" in job:  # 2 × 2: each pair holds its stage's layers, split between them
+            layers = [tuple(rep["layers"]) for rep in reports]
+            assert layers[0] == layers[1] and layers[2] == layers[3], layers
+            assert layers[0][0] == 0 and layers[0][1] == layers[2][0], layers
+            assert layers[2][1] == cfg.num_hidden_layers, layers
+            heads = [tuple(rep["q_heads"]) for rep in reports]
+            assert heads[0] == heads[2] == (0, 2) and heads[1] == heads[3] == (2, 4), heads
+            continue
         k_all = cfg.num_key_value_heads
         for rep in reports:
             k = rep["kv_heads"][1] - rep["kv_heads"][0]
@@ -250,7 +268,8 @@ def test_mismatched_files_are_refused_on_every_rank(launched):
 def test_uneven_split_is_refused_by_name_before_loading(folders):
     """SmolLM2's 9 query heads over 2 ranks, the tiny Llama's 144 MLP rows over 5 (and its 2 KV
     heads over 3), the tiny Qwen3-MoE's 64 rows per expert over 3, refused naming the field;
-    --tensor 2 in one process names the flag."""
+    --tensor 2 in one process names the flag, and so does a tensor group inside pipeline
+    stages other than 2 × 2 (6 ranks in pairs or triples, 3 ranks in a pair)."""
     need_pulled("smollm2-135m")
     smol = lone("smollm2-135m").config
     with pytest.raises(UnsupportedError, match="num_attention_heads"):
@@ -267,6 +286,10 @@ def test_uneven_split_is_refused_by_name_before_loading(folders):
         )
     with pytest.raises(PipelineError, match="--tensor"):
         mlxlis.load(folders["llama"], "float32", tensor=2)
+    check_shape(2, 4)  # two stages of a pair: what a ring of neighbours carries
+    for tensor, launched_ranks in ((2, 6), (3, 6), (2, 3)):
+        with pytest.raises(PipelineError, match="2 stages of 2 ranks"):
+            check_shape(tensor, launched_ranks)
 
 
 def test_killed_rank_ends_every_rank_with_a_clear_error(folders):
@@ -376,18 +399,20 @@ def test_inspect_tensor_reports_each_ranks_slice(capsys):
     assert "num_attention_heads" in capsys.readouterr().err
 
 
-@pytest.mark.extended  # `make test-all` (~15 s): the ranks' steps are proved in make test
-def test_cli_under_the_launcher_prints_the_lone_output_once(folders):
-    """`mlx.launch -n 2 mlxlis -m M --tensor 2 --no-chat --temp 0 PROMPT` writes exactly what
-    the lone command writes, once (rank 1 prints nothing): the one-shot command runs unchanged
-    on rank 0."""
+@pytest.mark.extended  # `make test-all` (~15 s each): the ranks' steps are proved in make test
+@pytest.mark.parametrize("n", [2, 4])
+def test_cli_under_the_launcher_prints_the_lone_output_once(folders, n):
+    """`mlx.launch -n N mlxlis -m M --tensor 2 --no-chat --temp 0 PROMPT` writes exactly what
+    the lone command writes, once (the other ranks print nothing): the one-shot command runs
+    unchanged on rank 0, over one tensor pair (N = 2) and over two pipeline stages of a pair
+    each (N = 4)."""
     import subprocess
 
     args = ["-m", folders["llama"], "--no-chat", "--temp", "0", "--max-tokens", "24", "Hello"]
     env = {**os.environ, **ENV, "OPENBLAS_NUM_THREADS": "1"}
     alone = subprocess.run([MLXLIS, *args], capture_output=True, text=True, timeout=120, env=env)
     assert alone.returncode == 0, alone.stderr
-    code, out, err = launch(2, MLXLIS, *args, "--tensor", "2", env=ENV)
+    code, out, err = launch(n, MLXLIS, *args, "--tensor", "2", env=ENV)
     assert code == 0, err
     assert out == alone.stdout and out.strip()
 

@@ -36,7 +36,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxlis.cache import Cache, KVFormat
+from mlxlis.distributed.collectives import Collectives, SumRanks, VocabEmbedding, VocabHead
 from mlxlis.distributed.group import Ranks
+from mlxlis.distributed.split import Part
 from mlxlis.errors import PipelineError, UnsupportedError
 from mlxlis.loading.slices import Cut
 from mlxlis.models.config import ModelConfig
@@ -49,8 +51,9 @@ import mlx.nn as nn
 
 @dataclass(frozen=True)
 class Layout:
-    """Rank `rank` of `size`'s share of every layer of a model of `heads` query heads, `kv`
-    KV heads, `inter` MLP rows and `vocab` rows."""
+    """Process `rank`'s share of every layer of a model of `heads` query heads, `kv` KV heads,
+    `inter` MLP rows and `vocab` rows, as member `rank % size` of a tensor group of `size`;
+    inside pipeline stages (`stage`), of that stage's layers only."""
 
     rank: int
     size: int
@@ -63,44 +66,53 @@ class Layout:
     experts: int = 0  # each expert's rows (MoE layers), 0 without
     shared: int = 0  # the shared expert's rows, 0 without
     nbytes: int = 0  # weight bytes this rank holds, set once loaded
+    stage: Part | None = None  # the pipeline stage's layers (None: every layer)
+
+    @property
+    def member(self) -> int:
+        """This rank's place in its tensor group (stages are contiguous runs of ranks)."""
+        return self.rank % self.size
 
     def share(self, n: int) -> range:
         """This rank's rows of `n` split evenly."""
         per = n // self.size
-        return range(self.rank * per, (self.rank + 1) * per)
+        return range(self.member * per, (self.member + 1) * per)
 
     @property
     def q_heads(self) -> range:
-        per = self.heads // self.size
-        return range(self.rank * per, (self.rank + 1) * per)
+        return self.share(self.heads)
 
     @property
     def kv_heads(self) -> range:
         if self.kv < self.size:  # replicated: one KV head per rank, N/K ranks share it
-            h = self.rank * self.kv // self.size
+            h = self.member * self.kv // self.size
             return range(h, h + 1)
         per = self.kv // self.size
-        return range(self.rank * per, (self.rank + 1) * per)
+        return range(self.member * per, (self.member + 1) * per)
 
     @property
     def mlp_rows(self) -> range:
-        per = self.inter // self.size
-        return range(self.rank * per, (self.rank + 1) * per)
+        return self.share(self.inter)
 
     @property
     def vocab_rows(self) -> range:
-        per = self.vocab // self.size
-        return range(self.rank * per, (self.rank + 1) * per)
+        return self.share(self.vocab)
 
-    # what loaders ask of a rank's share (split.Part's questions): every layer, both ends
-    first = last = True
+    # what loaders ask of a rank's share (split.Part's questions): its stage's layers and ends
+    @property
+    def first(self) -> bool:
+        return self.stage is None or self.stage.first
+
+    @property
+    def last(self) -> bool:
+        return self.stage is None or self.stage.last
 
     @property
     def layers(self) -> range:
-        return range(self.n_layers)
+        return range(self.n_layers) if self.stage is None else self.stage.layers
 
     def holds(self, name: str) -> bool:
-        return True
+        return self.stage is None or self.stage.holds(name)
 
     def local(self, cfg: ModelConfig) -> ModelConfig:
         """The network this rank builds: its query and KV heads, MLP rows and vocabulary."""
@@ -146,7 +158,8 @@ class Layout:
         q, k, f, v = self.q_heads, self.kv_heads, self.mlp_rows, self.vocab_rows
         shared = f" (replicated on {self.size // self.kv} ranks)" if self.kv < self.size else ""
         return (
-            f"tensor rank {self.rank} of {self.size}: query heads {q.start}-{q.stop - 1}, "
+            (self.stage.describe().replace("rank", "stage", 1) + ", " if self.stage else "")
+            + f"tensor rank {self.member} of {self.size}: query heads {q.start}-{q.stop - 1}, "
             f"KV heads {k.start}-{k.stop - 1}{shared}, MLP rows {f.start}-{f.stop - 1}, "
             f"vocabulary {v.start}-{v.stop - 1}"
             + (f", {self.nbytes / 2**20:.1f} MiB of weights" if self.nbytes else "")
@@ -210,70 +223,13 @@ _SLICED = re.compile(
 )
 
 
-class SumRanks(nn.Module):
-    """A row-parallel projection: this rank's input columns of `inner`, the partial products
-    summed over the ranks (one all_sum), then the bias once."""
-
-    def __init__(self, inner: nn.Module, group: mx.distributed.Group):
-        super().__init__()
-        if "bias" in inner:  # added once, after the sum
-            self.bias = inner.pop("bias")
-        self.inner = inner
-        self._group = group
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = mx.distributed.all_sum(self.inner(x), group=self._group)
-        return y + self["bias"] if "bias" in self else y
-
-
-class VocabEmbedding(nn.Module):
-    """This rank's rows [lo, hi) of the embedding: a lookup sums, over the ranks, the rows
-    each holds (zeros for ids outside them: adding zeros is exact); `as_linear` (a tied head)
-    gathers every rank's slice of the logits in vocabulary order."""
-
-    def __init__(self, inner: nn.Module, rows: range, group: mx.distributed.Group):
-        super().__init__()
-        self.inner = inner
-        self._lo, self._n = rows.start, len(rows)
-        self._group = group
-
-    def __call__(self, ids: mx.array) -> mx.array:
-        local = ids - self._lo
-        mine = (local >= 0) & (local < self._n)
-        rows = self.inner(mx.where(mine, local, 0))  # (B, T, hidden)
-        rows = mx.where(mine[..., None], rows, mx.zeros((), rows.dtype))
-        return mx.distributed.all_sum(rows, group=self._group)
-
-    def as_linear(self, x: mx.array) -> mx.array:
-        return gather_vocab(self.inner.as_linear(x), self._group)
-
-
-class VocabHead(nn.Module):
-    """An untied head's rows [lo, hi) of the vocabulary: the logits' slices gathered."""
-
-    def __init__(self, inner: nn.Module, group: mx.distributed.Group):
-        super().__init__()
-        self.inner = inner
-        self._group = group
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return gather_vocab(self.inner(x), self._group)
-
-
-def gather_vocab(local: mx.array, group: mx.distributed.Group) -> mx.array:
-    """(B, T, V/N) logits on each rank -> (B, T, V) in vocabulary (rank) order."""
-    n = group.size()
-    b, t, v = local.shape
-    every = mx.distributed.all_gather(local, group=group)  # (N·B, T, V/N), rank-major
-    every = every.reshape(n, b, t, v).transpose(1, 2, 0, 3)  # (B, T, N, V/N)
-    return every.reshape(b, t, n * v)
-
-
-def shard(net: Any, layout: Layout, group: mx.distributed.Group, what: str) -> None:
+def shard(net: Any, layout: Layout, group: Collectives, what: str) -> None:
     """Join a Decoder built and loaded for `layout` (its slices only: Layout.local and
     Layout.cut) to its ranks: o_proj and down_proj summed over them, the vocabulary's
     lookups summed and its logits gathered."""
     for i, layer in enumerate(net.model.layers):
+        if layer is None:  # another pipeline stage's
+            continue
         attn, mlp = layer.self_attn, layer.mlp
         # the experts' partial outputs (each its columns of down_proj, weighted by the same
         # routing on every rank) and the shared expert's add up: one sum for the whole block
@@ -291,7 +247,8 @@ def shard(net: Any, layout: Layout, group: mx.distributed.Group, what: str) -> N
         else:
             mlp.down_proj = SumRanks(mlp.down_proj, group)
     v = layout.vocab_rows
-    net.model.embed_tokens = VocabEmbedding(net.model.embed_tokens, v, group)
+    if "embed_tokens" in net.model:  # a pipeline stage embeds only first (or as a tied head)
+        net.model.embed_tokens = VocabEmbedding(net.model.embed_tokens, v, group)
     if "lm_head" in net:
         net.lm_head = VocabHead(net.lm_head, group)
 
@@ -379,12 +336,12 @@ class TensorNet:
 
 
 def check_group(size: int, ranks: Ranks | None) -> None:
-    """PipelineError unless `--tensor size` matches the launched ranks (a tensor group inside
-    pipeline stages is not built yet)."""
+    """PipelineError unless `--tensor size` matches the launched ranks (more ranks than the
+    group: tensor_stage.py's placement)."""
     have = 1 if ranks is None else ranks.size
     if size != have:
         raise PipelineError(
             f"{size} tensor ranks asked for but {have} run: start them with mlx.launch -n "
-            f"{size} (tensor groups inside pipeline stages are not supported yet)",
+            f"{size} (or -n {2 * size} for two pipeline stages of {size})",
             field="--tensor",
         )
