@@ -6,7 +6,9 @@ a `PipelineNet` (stage.py) that passes hidden states rank to rank. Rank 0 runs t
 its generation core, whose steps are LeaderSteps (leader.py): each step is announced to the
 other ranks, which `follow`. group.py holds the ranks and the failure handling. With
 `--tensor N` (MLXLIS_TENSOR) each rank holds a slice of every layer instead (tensor.py, a
-`Tensor` placement), its steps led from rank 0 alike. Outside a launcher nothing here runs.
+`Tensor` placement), its steps led from rank 0 alike; with twice N ranks, two pipeline
+stages of a tensor pair each (tensor_stage.py, a `TensorStages` placement; 2 × 2 only).
+Outside a launcher nothing here runs.
 Imports the generation core and below; the core never imports this.
 """
 
