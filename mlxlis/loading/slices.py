@@ -44,10 +44,17 @@ class Cut:
         if length == self.whole:
             return self.part
         per, rest = divmod(self.whole, length)
-        if rest or self.part.start % per or len(self.part) % per:
+        if rest or not per:
+            raise UnsupportedError(
+                f"{length} stored entries do not hold the {self.whole} weights the split "
+                "expects in whole groups",
+                path=where,
+                field=what,
+            )
+        if self.part.start % per or len(self.part) % per:
             raise UnsupportedError(
                 f"weights {self.part.start}-{self.part.stop - 1} of {self.whole} cut a "
-                f"quantization group or packed word of {per if not rest else '?'} weights",
+                f"quantization group or packed word of {per} weights",
                 path=where,
                 field=what,
             )
