@@ -152,12 +152,17 @@ G4_REWIND = (
 )
 
 TENSOR_2 = "tests/test_tensor.py::test_tensor_ranks_equal_the_lone_process[2]"
+TENSOR_4 = "tests/test_tensor.py::test_tensor_ranks_equal_the_lone_process[4]"
+TENSOR_SLICES = (
+    "tests/test_tensor_slices.py::test_gguf_rank_reads_its_blocks",
+    "tests/test_tensor_slices.py::test_safetensors_rank_reads_its_rows_and_columns",
+)
 
 MUTANTS = (
     Mutant(
         "tensor-no-all-sum",
-        "mlxlis/distributed/tensor.py",
-        "y = mx.distributed.all_sum(self.inner(x), group=self._group)",
+        "mlxlis/distributed/collectives.py",
+        "y = self._group.all_sum(self.inner(x))",
         "y = self.inner(x)",
         (TENSOR_2,),
         "tensor parallelism: a row-parallel projection's partial products not summed over ranks",
@@ -165,15 +170,16 @@ MUTANTS = (
     Mutant(
         "tensor-kv-heads-off-by-one",
         "mlxlis/distributed/tensor.py",
-        "per = self.kv // self.size\n        return range(self.rank * per, (self.rank + 1) * per)",
-        "per = self.kv // self.size\n        nxt = (self.rank + 1) % self.size\n"
+        "per = self.kv // self.size\n"
+        "        return range(self.member * per, (self.member + 1) * per)",
+        "per = self.kv // self.size\n        nxt = (self.member + 1) % self.size\n"
         "        return range(nxt * per, (nxt + 1) * per)",
         (TENSOR_2,),
         "tensor parallelism: each rank's KV-head slice one rank's share off",
     ),
     Mutant(
         "tensor-head-vocab-misaligned",
-        "mlxlis/distributed/tensor.py",
+        "mlxlis/distributed/collectives.py",
         "return gather_vocab(self.inner(x), self._group)",
         "return gather_vocab(mx.roll(self.inner(x), 1, axis=-1), self._group)",
         (TENSOR_2,),
@@ -181,12 +187,53 @@ MUTANTS = (
     ),
     Mutant(
         "tensor-quant-group-cut",
+        "mlxlis/loading/slices.py",
+        "return range(self.part.start // per, self.part.stop // per)",
+        "return range(self.part.start // per - (self.part.start > 0), "
+        "self.part.stop // per - (self.part.start > 0))",
+        (TENSOR_2, *TENSOR_SLICES),
+        "tensor parallelism: a column slice's packed words, scales and blocks one entry off",
+    ),
+    Mutant(
+        "tensor-gguf-rows-shifted",
+        "mlxlis/loading/slices.py",
+        "rows = rows[(slice(None),) * axis + (slice(cut.part.start, cut.part.stop),)]",
+        "rows = rows[(slice(None),) * axis + (slice(cut.part.start - (cut.part.start > 0), "
+        "cut.part.stop - (cut.part.start > 0)),)]",
+        (TENSOR_SLICES[0],),
+        "tensor parallelism: a GGUF row slice read one row early",
+    ),
+    Mutant(
+        "tensor-down-proj-by-rows",
         "mlxlis/distributed/tensor.py",
-        "layer[name] = _take(layer[name], range(cols.start // gs, cols.stop // gs), 1)",
-        "layer[name] = _take(layer[name], range(cols.start // gs - (cols.start > 0), "
-        "cols.stop // gs - (cols.start > 0)), 1)",
+        'if module in ("o_proj", "down_proj"):  # row parallel: input columns',
+        'if module == "o_proj":',
+        (TENSOR_2, *TENSOR_SLICES),
+        "tensor parallelism: down_proj read by output rows instead of input columns",
+    ),
+    Mutant(
+        "tensor-moe-no-sum",
+        "mlxlis/distributed/tensor.py",
+        "layer.mlp = SumRanks(mlp, group)",
+        "layer.mlp = mlp",
         (TENSOR_2,),
-        "tensor parallelism: a quantized column slice's scales one group off",
+        "tensor parallelism: the experts' partial outputs not summed over ranks",
+    ),
+    Mutant(
+        "tensor-expert-rows-of-rank-0",
+        "mlxlis/distributed/tensor.py",
+        "span = self.share(whole)",
+        "span = range(0, len(self.share(whole)))",
+        (TENSOR_2, *TENSOR_SLICES),
+        "tensor parallelism: every rank reads rank 0's rows of each expert",
+    ),
+    Mutant(
+        "tensor-pair-sum-own-half",
+        "mlxlis/distributed/collectives.py",
+        "low, high = self._both(x)\n        return low + high",
+        "low, high = self._both(x)\n        return low + low",
+        (TENSOR_4,),
+        "tensor × pipeline: a pair's sum adds the lower rank's partial twice",
     ),
     Mutant(
         "rope-freqs-divide",

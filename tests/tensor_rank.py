@@ -2,7 +2,9 @@
 
     mlx.launch --backend ring -n N python tests/tensor_rank.py JOBS.json OUT_DIR
 
-For each job ({"name", "model", "prompt", "steps"}) every rank loads the model with
+A job {"name", "models": [one per rank]} loads a different file on each rank and writes
+OUT_DIR/JOB-rank-R.json with the error the load raised. For each other job ({"name", "model",
+"prompt", "steps"}) every rank loads the model with
 `mlxlis.load(model, "float32", tensor=N)` (its slices of every layer); rank 0 runs
 `mlxlis.generate` (the generation core, its steps led from rank 0) for `steps` + 1 greedy tokens
 while the other ranks `follow`. Rank 0 writes each step's logits (its own: every rank holds the
@@ -13,6 +15,7 @@ prompt run again through caches of its own (every rank alike).
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -20,6 +23,7 @@ from pathlib import Path
 import mlxlis  # noqa: F401  (chooses the BLAS before mlx.core loads)
 from mlxlis.distributed import world
 from mlxlis.distributed.leader import LeaderSteps, finish, follow, ranks_of
+from mlxlis.errors import MlxlisError
 from mlxlis.generation.steps import pipeline_steps
 
 import mlx.core as mx
@@ -44,7 +48,22 @@ def kv_bytes(caches) -> int:
 
 
 def run(job: dict, out: Path, size: int) -> None:
-    model = mlxlis.load(job["model"], "float32", tensor=size)
+    gc.collect()  # an earlier job's model, freed before this load is measured
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()  # what an earlier job still holds
+    if "models" in job:  # one file per rank: the load is expected to refuse them
+        rank = world().rank
+        try:
+            mlxlis.load(job["models"][rank], "float32", tensor=size)
+            error = ""
+        except MlxlisError as e:
+            error = f"{type(e).__name__}: {e}"
+        (out / f"{job['name']}-rank-{rank}.json").write_text(json.dumps({"error": error}))
+        return
+    # "tensor": a group smaller than the ranks (2 × 2: tensor pairs inside pipeline stages)
+    model = mlxlis.load(job["model"], "float32", tensor=job.get("tensor", size))
+    load_peak = mx.get_peak_memory() - before  # MLX's memory at its highest during the load
     ids = model.tokenizer.encode(job["prompt"])
     tokens: list[int] = []
     if model.rank == 0:
@@ -74,9 +93,12 @@ def run(job: dict, out: Path, size: int) -> None:
         "layout": layout.describe(),
         "q_heads": [layout.q_heads.start, layout.q_heads.stop],
         "kv_heads": [layout.kv_heads.start, layout.kv_heads.stop],
+        "layers": [layout.layers.start, layout.layers.stop],
         "ids": ids,
         "tokens": tokens,
         "weight_bytes": sum(held.values()),
+        "load_peak": load_peak,
+        "largest": max(held.values()),
         **kv,
     }
     (out / f"{job['name']}-rank-{layout.rank}.json").write_text(json.dumps(report))

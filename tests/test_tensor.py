@@ -1,25 +1,35 @@
 """Tensor parallelism (mlxlis/distributed/tensor.py) with MLX's ring backend over loopback:
-every rank holds a slice of every layer (heads, MLP rows, vocabulary) and works on every token.
+every rank holds a slice of every layer (heads, MLP rows, expert rows, vocabulary) and works on
+every token.
 
 Proves, against a lone process loading the same file (its float32 forward is the reference,
 itself proved against transformers / llama.cpp in test_llama_parity.py, test_qwen3.py and
 test_gguf_models.py), over 2 ranks (64 greedy tokens) on a tiny Llama (4 query heads on 2 KV
 heads, untied head), a tiny Qwen3 (q/k norms, 4 query heads on 1 KV head: the KV head
-replicated on both ranks; a tied head) and mlx-lm's 4-bit conversion of a tiny Llama (groups
-of 32: quantized layers and embedding sliced as stored), and over 3 ranks (8 tokens, make
-test-all) on the real SmolLM2 GGUF (Q4_1 blocks sliced as stored, tied head; its 9 heads on 3
-KV heads split over 3 ranks, not 2):
+replicated on both ranks; a tied head), a tiny Qwen3-MoE (top-2 of 8 experts, one dense
+layer: every expert's rows split, the router replicated) and mlx-lm's 4-bit conversion of a
+tiny Llama (groups of 32: quantized layers and embedding sliced as stored); over 3 ranks (8
+tokens, make test-all) on the real SmolLM2 GGUF (Q4_1 blocks sliced as stored, tied head; its
+9 heads on 3 KV heads split over 3 ranks, not 2); over 4 ranks (16 tokens, make test-all) on
+the tiny Llama (each KV head on 2 ranks) and Qwen3-MoE, and the tiny Llama as 2 pipeline
+stages of a tensor pair each (2 × 2):
 - each step's float32 logits agree with the lone process's within 1e-5 relative to the step's
-  largest logit: the o_proj / down_proj sums add N partial products where one process adds
-  one, so only the rounding order differs (measured: 4.7e-7 tiny, 1.1e-6 4-bit, 3.0e-6
-  SmolLM2, 5.8e-5 absolute on its logits up to 38), and the greedy tokens are identical;
+  largest logit: the o_proj / down_proj / expert sums add N partial products where one process
+  adds one, so only the rounding order differs (measured: 4.5e-7 Llama, 3.9e-7 Qwen3-MoE,
+  1.1e-6 4-bit on 2 ranks; 3.0e-6 SmolLM2 on 3, 5.8e-5 absolute on its logits up to 38;
+  4.7e-7 on 4, 3.6e-7 on 2 × 2), and the greedy tokens are identical;
 - each rank holds exactly its share of the weights: (whole − replicated) / N + replicated,
-  the replicated part being the norms (and, when K < N, the k/v projections of its KV head,
-  1/K of them); its KV caches hold only its KV heads (1/N of the bytes when K ≥ N, 1/K when
-  each KV head is replicated on N/K ranks).
-A killed rank ends every rank with rank 0's one-line error; the one-shot command and the
-server run unchanged on rank 0 (make test-all); a model whose heads or rows do not split
-evenly is refused by name before any weight is read, and `inspect --tensor N` shows the slices.
+  the replicated part being the norms and routers (and, when K < N, the k/v projections of its
+  KV head, 1/K of them); its KV caches hold only its KV heads (1/N of the bytes when K ≥ N,
+  1/K when each KV head is replicated on N/K ranks);
+- each rank reads only its slices: MLX's peak memory during its load is at most its share
+  plus its largest tensor (one transient copy), less than the whole model (SmolLM2 on 3
+  ranks: 39.5 MB peak, 32.9 MB held, 98.3 MB whole).
+Two different files on two ranks are refused on both before a weight is read, naming the rank;
+a killed rank ends every rank with rank 0's one-line error, and a frozen one (make test-all)
+with the watchdog's; the one-shot command and the server run unchanged on rank 0 (make
+test-all); a model whose heads or rows do not split evenly is refused by name before any
+weight is read, and `inspect --tensor N` shows the slices.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from pathlib import Path
 
 import mlxlis
 from mlxlis.distributed.tensor import plan_layout
+from mlxlis.distributed.tensor_stage import check_shape
 from mlxlis.errors import PipelineError, UnsupportedError
 from mlxlis.generation.steps import prefill
 
@@ -63,6 +74,23 @@ QWEN3 = dict(
     tie_word_embeddings=True,
     max_position_embeddings=512,
 )
+# top-2 of 8 experts in layers 0 and 2 (layer 1 dense), renormalised top-k, untied head
+QWEN3_MOE = dict(
+    kind="qwen3_moe",
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    num_hidden_layers=3,
+    mlp_only_layers=[1],
+    norm_topk_prob=True,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    tie_word_embeddings=False,
+    max_position_embeddings=512,
+)
 PROMPT = "Hello, world! 1234 def add(a, b):"
 
 
@@ -73,8 +101,9 @@ def lone(model: str):
 
 @functools.cache
 def reference(model: str, prompt: str, steps: int) -> tuple[list[int], np.ndarray, dict, int]:
-    """(greedy tokens, per-step float32 logits, weight bytes {"whole", "norms", "kv": of the
-    k/v projections}, KV-cache bytes of the prompt) of a lone process."""
+    """(greedy tokens, per-step float32 logits, weight bytes {"whole", "replicated": of the
+    norms and the experts' routers, "kv": of the k/v projections}, KV-cache bytes of the
+    prompt) of a lone process."""
     m = lone(model)
     ids = m.tokenizer.encode(prompt)
     cache = m.make_cache()
@@ -90,7 +119,7 @@ def reference(model: str, prompt: str, steps: int) -> tuple[list[int], np.ndarra
     arrays = {id(a): (k, a) for k, a in tree_flatten(m.net.parameters())}.values()
     sizes = {
         "whole": sum(a.nbytes for _, a in arrays),
-        "norms": sum(a.nbytes for k, a in arrays if "norm" in k),
+        "replicated": sum(a.nbytes for k, a in arrays if "norm" in k or ".mlp.gate." in k),
         "kv": sum(a.nbytes for k, a in arrays if ".k_proj." in k or ".v_proj." in k),
     }
     return tokens, np.stack(logits), sizes, kv
@@ -103,7 +132,13 @@ def _launch(n: int, jobs_json: str, tmp: Path) -> Path:
     jobs = tmp / f"tensor-jobs-{n}.json"
     jobs.write_text(jobs_json)
     code, _, err = launch(
-        n, sys.executable, str(HERE / "tensor_rank.py"), str(jobs), str(out), env=ENV, timeout=150
+        n,
+        sys.executable,
+        str(HERE / "tensor_rank.py"),
+        str(jobs),
+        str(out),
+        env=ENV,
+        timeout=150 if n == 2 else 300,  # 4 ranks on 2 busy cores: ~2 s a token
     )
     assert code == 0 and "Traceback" not in err, err[-3000:]
     return out
@@ -116,20 +151,38 @@ def folders(tmp_path_factory):
 
     build_tiny(tmp / "llama", TINY["llama"])
     build_tiny(tmp / "qwen3", QWEN3)
+    build_tiny(tmp / "qwen3-moe", QWEN3_MOE)
     # 128 MLP rows: each rank's 64 columns of down_proj are whole groups of 32
     build_tiny(tmp / "llama128", {**TINY["llama"], "intermediate_size": 128})
     q4 = tmp / "llama-q4"
     mlx_lm_convert(
         str(tmp / "llama128"), str(q4), quantize=True, q_group_size=32, q_bits=4, dtype="float32"
     )
-    return {"llama": str(tmp / "llama"), "qwen3": str(tmp / "qwen3"), "llama-q4": str(q4)}
+    build_tiny(tmp / "llama-seed1", TINY["llama"], seed=1)  # the same headers, other weights
+    names = ("llama", "qwen3", "qwen3-moe")
+    return {**{name: str(tmp / name) for name in names}, "llama-q4": str(q4)}
 
 
 def jobs_for(n: int, folders: dict) -> list[dict]:
     if n == 2:
-        return [
+        other = str(Path(folders["llama"]).with_name("llama-seed1"))
+        mismatch = {"name": "mismatch", "models": [folders["llama"], other]}
+        return [mismatch] + [
             {"name": name, "model": path, "prompt": PROMPT, "steps": STEPS}
             for name, path in folders.items()
+        ]
+    if n == 4:  # KV heads replicated on 2 ranks each; 16 rows of each expert per rank
+        return [
+            {"name": name, "model": folders[name], "prompt": PROMPT, "steps": 16}
+            for name in ("llama", "qwen3-moe")
+        ] + [  # 2 × 2: tensor pairs inside 2 pipeline stages
+            {
+                "name": "llama-2x2",
+                "model": folders["llama"],
+                "prompt": PROMPT,
+                "steps": 16,
+                "tensor": 2,
+            }
         ]
     smol = str(need_pulled("smollm2-135m"))
     # 8 steps: each token is 61 collectives over 3 ranks on 2 busy cores (~4.7 s a token here)
@@ -142,17 +195,24 @@ def launched(tmp_path_factory, folders):
     return lambda n: (_launch(n, json.dumps(jobs_for(n, folders)), tmp), jobs_for(n, folders))
 
 
-# 2 ranks, the tiny models (~20 s): make test; 3 ranks, SmolLM2 (~80 s): make test-all
-@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.extended)])
+# 2 ranks, the tiny models (~20 s): make test; 3 ranks, SmolLM2 (~80 s), and 4 ranks, the
+# tiny Llama and Qwen3-MoE: make test-all
+@pytest.mark.parametrize(
+    "n",
+    [2, pytest.param(3, marks=pytest.mark.extended), pytest.param(4, marks=pytest.mark.extended)],
+)
 def test_tensor_ranks_equal_the_lone_process(launched, n):
     """Each step's logits from rank 0 (prefill, then 64 greedy decode steps through the
     generation core led from rank 0; 8 on SmolLM2) within 1e-5 of the lone process's relative
     to the step's largest logit, the same greedy tokens; each rank's weights are
-    (whole − norms − k/v projections) / N + norms + its k/v share bytes, its k/v projections
+    (whole − norms − routers − k/v projections) / N + norms + routers + its k/v share bytes,
+    its k/v projections
     and KV-cache bytes the lone ones' × its KV heads / all KV heads (1/N when they split; 1/K
     when K < N and each is replicated)."""
     out, jobs = launched(n)
     for job in jobs:
+        if "models" in job:
+            continue  # test_mismatched_files_are_refused_on_every_rank
         tokens, logits, sizes, kv = reference(job["model"], job["prompt"], job["steps"])
         got = np.load(out / f"{job['name']}-logits.npy")
         assert got.shape == logits.shape
@@ -162,13 +222,23 @@ def test_tensor_ranks_equal_the_lone_process(launched, n):
         reports = [json.loads((out / f"{job['name']}-rank-{r}.json").read_text()) for r in range(n)]
         assert reports[0]["tokens"] == tokens, job["name"]
         cfg = lone(job["model"]).config
+        if "tensor" in job:  # 2 × 2: each pair holds its stage's layers, split between them
+            layers = [tuple(rep["layers"]) for rep in reports]
+            assert layers[0] == layers[1] and layers[2] == layers[3], layers
+            assert layers[0][0] == 0 and layers[0][1] == layers[2][0], layers
+            assert layers[2][1] == cfg.num_hidden_layers, layers
+            heads = [tuple(rep["q_heads"]) for rep in reports]
+            assert heads[0] == heads[2] == (0, 2) and heads[1] == heads[3] == (2, 4), heads
+            continue
         k_all = cfg.num_key_value_heads
         for rep in reports:
             k = rep["kv_heads"][1] - rep["kv_heads"][0]
-            split = sizes["whole"] - sizes["norms"] - sizes["kv"]
-            held = split // n + sizes["norms"] + sizes["kv"] * k // k_all
+            split = sizes["whole"] - sizes["replicated"] - sizes["kv"]
+            held = split // n + sizes["replicated"] + sizes["kv"] * k // k_all
             assert rep["weight_bytes"] == held, rep
             assert rep["kv_bytes"] == kv * k // k_all, rep
+            # read slice by slice: the load's peak is the share and one tensor's transient copy
+            assert rep["load_peak"] <= held + rep["largest"] < sizes["whole"], rep
         heads = [h for rep in reports for h in range(*rep["q_heads"])]
         assert heads == list(range(cfg.num_attention_heads))
         kv_heads = [tuple(rep["kv_heads"]) for rep in reports]
@@ -181,9 +251,25 @@ def test_tensor_ranks_equal_the_lone_process(launched, n):
             assert sum(k[1] - k[0] for k in kv_heads) == cfg.num_key_value_heads
 
 
+def test_mismatched_files_are_refused_on_every_rank(launched):
+    """Two tiny Llamas with the same config and headers but other weights (seed 0 and 1), one
+    per rank: each rank's load raises the one PipelineError naming rank 1 and its own file
+    before a weight is read (the digests compared first), and the same ranks then go on to
+    the parity jobs of the same launch (nobody left waiting)."""
+    out, jobs = launched(2)
+    for r in range(2):
+        error = json.loads((out / f"mismatch-rank-{r}.json").read_text())["error"]
+        assert error.startswith("PipelineError: "), error
+        assert "rank 1 of 2 opened a different model from rank 0" in error, error
+        assert jobs[0]["models"][r] in error, error
+    assert (out / "llama-logits.npy").is_file()
+
+
 def test_uneven_split_is_refused_by_name_before_loading(folders):
     """SmolLM2's 9 query heads over 2 ranks, the tiny Llama's 144 MLP rows over 5 (and its 2 KV
-    heads over 3), refused naming the field; --tensor 2 in one process names the flag."""
+    heads over 3), the tiny Qwen3-MoE's 64 rows per expert over 3, refused naming the field;
+    --tensor 2 in one process names the flag, and so does a tensor group inside pipeline
+    stages other than 2 × 2 (6 ranks in pairs or triples, 3 ranks in a pair)."""
     need_pulled("smollm2-135m")
     smol = lone("smollm2-135m").config
     with pytest.raises(UnsupportedError, match="num_attention_heads"):
@@ -193,8 +279,17 @@ def test_uneven_split_is_refused_by_name_before_loading(folders):
         plan_layout(llama.with_(num_attention_heads=5, vocab_size=420), 0, 5, "tiny")
     with pytest.raises(UnsupportedError, match="num_key_value_heads"):
         plan_layout(llama.with_(num_attention_heads=6, vocab_size=420), 0, 3, "tiny")
+    moe = lone(folders["qwen3-moe"]).config  # 64 rows per expert over 3 ranks
+    with pytest.raises(UnsupportedError, match="moe_intermediate_size"):
+        plan_layout(
+            moe.with_(num_attention_heads=6, num_key_value_heads=3, vocab_size=420), 0, 3, "moe"
+        )
     with pytest.raises(PipelineError, match="--tensor"):
         mlxlis.load(folders["llama"], "float32", tensor=2)
+    check_shape(2, 4)  # two stages of a pair: what a ring of neighbours carries
+    for tensor, launched_ranks in ((2, 6), (3, 6), (2, 3)):
+        with pytest.raises(PipelineError, match="2 stages of 2 ranks"):
+            check_shape(tensor, launched_ranks)
 
 
 def test_killed_rank_ends_every_rank_with_a_clear_error(folders):
@@ -227,6 +322,43 @@ def test_killed_rank_ends_every_rank_with_a_clear_error(folders):
             "no answer from the other ranks for 3 s",
         )
     )
+
+
+@pytest.mark.extended  # `make test-all` (~15 s): a killed rank is proved in make test
+def test_frozen_rank_ends_every_rank_within_the_watchdogs_time(folders):
+    """`mlxlis --tensor 2` under mlx.launch streaming a long reply: SIGSTOP on rank 1 (its
+    sockets stay open, so no collective fails: the all_sum just never completes). Rank 0's
+    watchdog ends it with its one line after MLXLIS_RANK_TIMEOUT=2 s (within 1.5-6 s); rank 1,
+    continued, is gone within 5 s (the launcher's SIGTERM waited for it), then the launcher."""
+    args = ["-m", folders["llama"], "--tensor", "2", "--no-chat", "--temp", "0"]
+    p = start(2, MLXLIS, *args, "--max-tokens", "3000", "Once", env={**ENV, **FROZEN})
+    try:
+        pids = ranks(p, 2)
+        _stdout_begins(p)
+        os.kill(pids[1], signal.SIGSTOP)
+        frozen = time.monotonic()
+        while alive(pids[0]) and time.monotonic() - frozen < 10:
+            time.sleep(0.05)
+        took = time.monotonic() - frozen
+        assert not alive(pids[0]), "rank 0 still running"
+        os.kill(pids[1], signal.SIGCONT)  # the launcher's SIGTERM waits for it
+        while alive(pids[1]) and time.monotonic() - frozen < took + 5:
+            time.sleep(0.05)
+        assert not alive(pids[1]), "rank 1 still running once continued"
+        p.wait(timeout=10)
+        err = p.stderr.read().decode()
+    finally:
+        kill_all(p)
+    assert 1.5 < took < 6, took
+    lines = [ln for ln in err.splitlines() if ln.startswith("mlxlis: error: rank 0 of 2")]
+    assert lines == [FROZEN_WHY], err[-2000:]
+
+
+FROZEN = {"MLXLIS_RANK_TIMEOUT": "2"}
+FROZEN_WHY = (
+    "mlxlis: error: rank 0 of 2: no answer from the other ranks for 2 s (a rank stopped or its "
+    "link went down; MLXLIS_RANK_TIMEOUT sets the limit); ending the job"
+)
 
 
 def _stdout_begins(p, timeout: float = 90) -> bytes:
@@ -267,18 +399,20 @@ def test_inspect_tensor_reports_each_ranks_slice(capsys):
     assert "num_attention_heads" in capsys.readouterr().err
 
 
-@pytest.mark.extended  # `make test-all` (~15 s): the ranks' steps are proved in make test
-def test_cli_under_the_launcher_prints_the_lone_output_once(folders):
-    """`mlx.launch -n 2 mlxlis -m M --tensor 2 --no-chat --temp 0 PROMPT` writes exactly what
-    the lone command writes, once (rank 1 prints nothing): the one-shot command runs unchanged
-    on rank 0."""
+@pytest.mark.extended  # `make test-all` (~15 s each): the ranks' steps are proved in make test
+@pytest.mark.parametrize("n", [2, 4])
+def test_cli_under_the_launcher_prints_the_lone_output_once(folders, n):
+    """`mlx.launch -n N mlxlis -m M --tensor 2 --no-chat --temp 0 PROMPT` writes exactly what
+    the lone command writes, once (the other ranks print nothing): the one-shot command runs
+    unchanged on rank 0, over one tensor pair (N = 2) and over two pipeline stages of a pair
+    each (N = 4)."""
     import subprocess
 
     args = ["-m", folders["llama"], "--no-chat", "--temp", "0", "--max-tokens", "24", "Hello"]
     env = {**os.environ, **ENV, "OPENBLAS_NUM_THREADS": "1"}
     alone = subprocess.run([MLXLIS, *args], capture_output=True, text=True, timeout=120, env=env)
     assert alone.returncode == 0, alone.stderr
-    code, out, err = launch(2, MLXLIS, *args, "--tensor", "2", env=ENV)
+    code, out, err = launch(n, MLXLIS, *args, "--tensor", "2", env=ENV)
     assert code == 0, err
     assert out == alone.stdout and out.strip()
 

@@ -155,7 +155,8 @@ def add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
         type=_tensor,
         default=None,
         help="under mlx.launch -n N: split every layer across the N ranks (tensor parallelism: "
-        "attention heads, MLP rows, vocabulary) instead of pipelining the layers",
+        "attention heads, MLP and expert rows, vocabulary) instead of pipelining the layers; "
+        "--tensor 2 under -n 4: two pipeline stages of 2 tensor ranks",
     )
     p.add_argument(
         "--kv-bits",

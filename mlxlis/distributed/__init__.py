@@ -6,7 +6,9 @@ a `PipelineNet` (stage.py) that passes hidden states rank to rank. Rank 0 runs t
 its generation core, whose steps are LeaderSteps (leader.py): each step is announced to the
 other ranks, which `follow`. group.py holds the ranks and the failure handling. With
 `--tensor N` (MLXLIS_TENSOR) each rank holds a slice of every layer instead (tensor.py, a
-`Tensor` placement), its steps led from rank 0 alike. Outside a launcher nothing here runs.
+`Tensor` placement), its steps led from rank 0 alike; with twice N ranks, two pipeline
+stages of a tensor pair each (tensor_stage.py, a `TensorStages` placement; 2 × 2 only).
+Outside a launcher nothing here runs.
 Imports the generation core and below; the core never imports this.
 """
 
@@ -16,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from mlxlis.distributed.collectives import Pair, World
+from mlxlis.distributed.digest import check_same_model
 from mlxlis.distributed.group import Ranks, launched, world
 from mlxlis.distributed.leader import LeaderSteps
 from mlxlis.distributed.split import (
@@ -26,6 +30,7 @@ from mlxlis.distributed.split import (
 )
 from mlxlis.distributed.stage import PipelineNet
 from mlxlis.distributed.tensor import Layout, TensorNet, check_group, plan_layout, shard
+from mlxlis.distributed.tensor_stage import TensorStageNet, check_shape
 from mlxlis.errors import PipelineError, TooLargeError, UnsupportedError
 from mlxlis.generation.steps import pipeline_steps
 from mlxlis.runtime.memory import memory_budget
@@ -78,6 +83,7 @@ class Pipeline:
                 check_split(self.split, layers, 1)
             check_lone_fit(sum(sizes.values()), what)
             return None
+        check_same_model(self.ranks, what)  # first: a different file may fail what follows
         check_pipelinable(cfg, what)
         ranks = self.ranks
         parts = plan_parts(sizes, layers, ranks.size, cfg.tie_word_embeddings, self.split)
@@ -108,20 +114,23 @@ class Pipeline:
 
 @dataclass
 class Tensor:
-    """A tensor-parallel load (`--tensor N`, tensor.py): every rank reads the model, checks
-    that it splits evenly and that all ranks opened the same one, then keeps its slices."""
+    """A tensor-parallel load (`--tensor N`, tensor.py): every rank checks that the model
+    splits evenly and that all ranks opened the same one, then reads its slices only."""
 
     ranks: Ranks | None
     size: int
+    config: Any = None  # the whole model's, once placed
 
     def place(self, cfg: Any, sizes: Mapping[str, int], what: str) -> Layout | None:
         check_group(self.size, self.ranks)
         if self.ranks is None:  # --tensor 1 in a lone process: nothing to split
             check_lone_fit(sum(sizes.values()), what)
             return None
+        check_same_model(self.ranks, what)  # first: a different file may fail what follows
         check_pipelinable(cfg, what)
         ranks = self.ranks
         layout = plan_layout(cfg, ranks.rank, ranks.size, what)
+        self.config = cfg
         total = sum(sizes.values())
         model_id = [cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, total // MiB]
         for r, row in enumerate(ranks.gather(model_id)):
@@ -136,13 +145,46 @@ class Tensor:
 
     def wrap(self, net: Any, layout: Layout, dtype: mx.Dtype) -> TensorNet:
         assert self.ranks is not None
-        shard(net, layout, self.ranks.group, "model")
+        shard(net, layout, World(self.ranks.group), "model")
         held = sum({id(a): a.nbytes for _, a in _leaves(net.parameters())}.values())
-        return TensorNet(net, self.ranks, replace(layout, nbytes=held), dtype)
+        return TensorNet(net, self.ranks, replace(layout, nbytes=held), dtype, self.config)
 
     def ready(self) -> None:
         if self.ranks is not None:
             self.ranks.barrier()
+
+
+@dataclass
+class TensorStages:
+    """Tensor groups inside pipeline stages (tensor_stage.py): 2 stages of 2 tensor ranks,
+    the layers split between the stages as a pipeline's (`split`, else balanced), each
+    stage's layers sliced between its pair."""
+
+    ranks: Ranks
+    size: int
+    split: Sequence[int] | None = None
+    config: Any = None
+
+    def place(self, cfg: Any, sizes: Mapping[str, int], what: str) -> Layout:
+        ranks = self.ranks
+        check_same_model(ranks, what)  # first: a different file may fail what follows
+        check_pipelinable(cfg, what)
+        stages = ranks.size // self.size
+        tied = cfg.tie_word_embeddings
+        parts = plan_parts(sizes, cfg.num_hidden_layers, stages, tied, self.split)
+        layout = plan_layout(cfg, ranks.rank, self.size, what)
+        self.config = cfg
+        return replace(layout, stage=parts[ranks.rank // self.size])
+
+    def wrap(self, net: Any, layout: Layout, dtype: mx.Dtype) -> TensorStageNet:
+        peer = self.ranks.rank ^ 1  # the other rank of its pair: 0-1, 2-3
+        shard(net, layout, Pair(self.ranks.group, self.ranks.rank, peer), "model")
+        held = sum({id(a): a.nbytes for _, a in _leaves(net.parameters())}.values())
+        layout = replace(layout, nbytes=held)
+        return TensorStageNet(net, self.ranks, layout, dtype, self.config)
+
+    def ready(self) -> None:
+        self.ranks.barrier()
 
 
 def placement_from_env(split: str | Sequence[int] | None, tensor: int | None) -> Pipeline | Tensor:
@@ -152,15 +194,19 @@ def placement_from_env(split: str | Sequence[int] | None, tensor: int | None) ->
         tensor = settings().tensor
     if tensor is None:
         return Pipeline.from_env(split)
-    if split is not None or settings().layers_split is not None:
-        raise PipelineError(
-            "--layers-split and --tensor together (tensor groups inside pipeline stages) are "
-            "not supported yet",
-            field="--tensor",
-        )
     if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1:
         raise PipelineError(f"{tensor!r}: a positive number of ranks", field="--tensor")
-    return Tensor(world(), tensor)
+    ranks = world()
+    if ranks is not None and ranks.size > tensor:  # tensor groups inside pipeline stages
+        check_shape(tensor, ranks.size)
+        return TensorStages(ranks, tensor, Pipeline.from_env(split).split)
+    if split is not None or settings().layers_split is not None:
+        raise PipelineError(
+            "--layers-split with --tensor needs more ranks than the tensor group (stages of "
+            f"{tensor} ranks)",
+            field="--tensor",
+        )
+    return Tensor(ranks, tensor)
 
 
 def _leaves(tree: Any) -> list:

@@ -94,7 +94,7 @@ def tensor_report(path_or_name: str | Path, ranks: int) -> dict[str, Any]:
     """`inspect --tensor N` (from the header): {"ranks", "weight_bytes", "bytes_per_token"
     (what each rank sends per float32 token), "parts": [{"rank", "layout", "bytes"}]}: a
     rank's bytes are its share of the split tensors, its KV heads' share of k/v, and every
-    norm (replicated)."""
+    norm and router (replicated)."""
     from mlxlis.distributed import check_pipelinable
     from mlxlis.distributed.tensor import bytes_per_token, plan_layout
 
@@ -103,7 +103,7 @@ def tensor_report(path_or_name: str | Path, ranks: int) -> dict[str, Any]:
     cfg, sizes, path = _header(path_or_name)
     check_pipelinable(cfg, str(path))
     total = sum(sizes.values())
-    norms = sum(n for k, n in sizes.items() if "norm" in k)
+    norms = sum(n for k, n in sizes.items() if "norm" in k or ".mlp.gate." in k)  # + routers
     kv = sum(n for k, n in sizes.items() if ".k_proj." in k or ".v_proj." in k)
     parts = []
     for r in range(ranks):

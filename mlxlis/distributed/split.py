@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mlxlis.errors import DoesNotFitError, LayersSplitError
+from mlxlis.loading.slices import Cut
+from mlxlis.models.config import ModelConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 HEAD_PREFIXES = ("model.norm.", "lm_head.")
@@ -59,6 +61,12 @@ class Part:
         if name.startswith(HEAD_PREFIXES):
             return self.last
         return True
+
+    def local(self, cfg: ModelConfig) -> ModelConfig:
+        return cfg
+
+    def cut(self, name: str) -> Cut | None:
+        return None  # a stage reads its tensors whole
 
     def describe(self) -> str:
         what = [f"layers {self.start}-{self.stop - 1}"]

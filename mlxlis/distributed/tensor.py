@@ -10,18 +10,19 @@ The split is data (`Layout`), checked against the config before a weight is read
   vocabulary the embedding and the head by rows [r·V/N, (r+1)·V/N): a lookup takes the rows
              this rank holds (zeros elsewhere) and one all_sum; the head's slices of the
              logits are gathered (all_gather), so every rank holds the whole logits.
-Quantized layers (MLX's, and GGUF blocks, which loading puts in MLX's packed layout) are
-sliced as stored: rows whole, columns only at group boundaries (and super-block boundaries
-where a K-quant keeps its float16 pair per 256 weights), never dequantized.
+Each rank builds the network of its share (`Layout.local`) and reads only its slices from the
+file (`Layout.cut`, loading/slices.py): GGUF blocks by rows or by whole blocks along K,
+safetensors rows and columns through a memory map, MLX-quantized layers' words, scales and
+biases at whole groups; a cut inside a block or group is refused by name. Nothing is
+dequantized, and a rank's peak memory while loading is its share (replicated: the norms,
+o_proj's and down_proj's biases, and the k/v projections of a KV head held on N/K ranks).
 
 Each rank's KV caches hold its own KV heads only (K/N of the bytes per token; 1/K when
 replicated). The sums of o_proj and down_proj add N partial products instead of one product
 over the whole width: float32 results differ from a lone process in the last bits.
 
 Bytes between ranks per token: per layer two all_sums of hidden × dtype, one for the
-embedding, and the head's gather of vocab × dtype (`bytes_per_token`). Each rank loads the
-whole file, then keeps its slices (the rest is freed): its peak during the load is the whole
-model's.
+embedding, and the head's gather of vocab × dtype (`bytes_per_token`).
 
 A rank lost mid-step: MLX's ring backend fails the pending all_sum's tasks but the sum never
 returns (a pipeline's recv raises instead), so the ranks left are ended by group.py's
@@ -30,25 +31,29 @@ watchdog after MLXLIS_RANK_TIMEOUT seconds, with its one-line error.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxlis.cache import Cache, KVFormat
+from mlxlis.distributed.collectives import Collectives, SumRanks, VocabEmbedding, VocabHead
 from mlxlis.distributed.group import Ranks
+from mlxlis.distributed.split import Part
 from mlxlis.errors import PipelineError, UnsupportedError
+from mlxlis.loading.slices import Cut
 from mlxlis.models.config import ModelConfig
+from mlxlis.models.experts import SparseMoE
 from mlxlis.models.layers import MLP, Attention
 
 import mlx.core as mx
 import mlx.nn as nn
 
-SUPER_BLOCK = 256  # weights per K-quant super-block (its float16 d, dmin pair)
-
 
 @dataclass(frozen=True)
 class Layout:
-    """Rank `rank` of `size`'s share of every layer of a model of `heads` query heads, `kv`
-    KV heads, `inter` MLP rows and `vocab` rows."""
+    """Process `rank`'s share of every layer of a model of `heads` query heads, `kv` KV heads,
+    `inter` MLP rows and `vocab` rows, as member `rank % size` of a tensor group of `size`;
+    inside pipeline stages (`stage`), of that stage's layers only."""
 
     rank: int
     size: int
@@ -57,46 +62,104 @@ class Layout:
     inter: int
     vocab: int
     n_layers: int
-    nbytes: int = 0  # weight bytes this rank holds, set once sliced
+    head_dim: int
+    experts: int = 0  # each expert's rows (MoE layers), 0 without
+    shared: int = 0  # the shared expert's rows, 0 without
+    nbytes: int = 0  # weight bytes this rank holds, set once loaded
+    stage: Part | None = None  # the pipeline stage's layers (None: every layer)
+
+    @property
+    def member(self) -> int:
+        """This rank's place in its tensor group (stages are contiguous runs of ranks)."""
+        return self.rank % self.size
+
+    def share(self, n: int) -> range:
+        """This rank's rows of `n` split evenly."""
+        per = n // self.size
+        return range(self.member * per, (self.member + 1) * per)
 
     @property
     def q_heads(self) -> range:
-        per = self.heads // self.size
-        return range(self.rank * per, (self.rank + 1) * per)
+        return self.share(self.heads)
 
     @property
     def kv_heads(self) -> range:
         if self.kv < self.size:  # replicated: one KV head per rank, N/K ranks share it
-            h = self.rank * self.kv // self.size
+            h = self.member * self.kv // self.size
             return range(h, h + 1)
         per = self.kv // self.size
-        return range(self.rank * per, (self.rank + 1) * per)
+        return range(self.member * per, (self.member + 1) * per)
 
     @property
     def mlp_rows(self) -> range:
-        per = self.inter // self.size
-        return range(self.rank * per, (self.rank + 1) * per)
+        return self.share(self.inter)
 
     @property
     def vocab_rows(self) -> range:
-        per = self.vocab // self.size
-        return range(self.rank * per, (self.rank + 1) * per)
+        return self.share(self.vocab)
 
-    # what loaders ask of a rank's share (split.Part's questions): every layer, both ends
-    first = last = True
+    # what loaders ask of a rank's share (split.Part's questions): its stage's layers and ends
+    @property
+    def first(self) -> bool:
+        return self.stage is None or self.stage.first
+
+    @property
+    def last(self) -> bool:
+        return self.stage is None or self.stage.last
 
     @property
     def layers(self) -> range:
-        return range(self.n_layers)
+        return range(self.n_layers) if self.stage is None else self.stage.layers
 
     def holds(self, name: str) -> bool:
-        return True
+        return self.stage is None or self.stage.holds(name)
+
+    def local(self, cfg: ModelConfig) -> ModelConfig:
+        """The network this rank builds: its query and KV heads, MLP rows and vocabulary."""
+        mlp = replace(cfg.mlp, intermediate_size=len(self.mlp_rows))
+        n_q, n_kv, n_v = len(self.q_heads), len(self.kv_heads), len(self.vocab_rows)
+        own = cfg.with_(num_attention_heads=n_q, num_key_value_heads=n_kv, vocab_size=n_v, mlp=mlp)
+        if cfg.moe is None:
+            return own
+        e, sh = len(self.share(self.experts)), len(self.share(self.shared))
+        moe = replace(cfg.moe, intermediate_size=e, shared_expert_intermediate_size=sh)
+        return own.with_(moe=moe)
+
+    def cut(self, name: str) -> Cut | None:
+        """The slice of module tensor `name` this rank reads: q/k/v, gate/up, the embedding
+        and the head by output rows (a bias too), o_proj and down_proj by input columns (their
+        bias whole: added once after the sum); norms whole."""
+        m = _SLICED.match(name)
+        if m is None:
+            return None
+        module, part, block = m.group("module"), m.group("part"), m.group("block")
+        hd = self.head_dim
+        rows = {
+            "q_proj": (self.q_heads, self.heads, hd),
+            "k_proj": (self.kv_heads, self.kv, hd),
+            "v_proj": (self.kv_heads, self.kv, hd),
+            "o_proj": (self.q_heads, self.heads, hd),
+            "gate_proj": (self.mlp_rows, self.inter, 1),
+            "up_proj": (self.mlp_rows, self.inter, 1),
+            "down_proj": (self.mlp_rows, self.inter, 1),
+            "embed_tokens": (self.vocab_rows, self.vocab, 1),
+            "lm_head": (self.vocab_rows, self.vocab, 1),
+        }
+        span, whole, per = rows[module]
+        if block is not None:  # every expert's rows (E, F, hidden) alike; the shared expert's
+            whole = self.experts if block == "switch_mlp" else self.shared
+            span = self.share(whole)
+        part_range = range(span.start * per, span.stop * per)
+        if module in ("o_proj", "down_proj"):  # row parallel: input columns
+            return None if part == "bias" else Cut(-1, part_range, whole * per)
+        return Cut(-1 if part == "bias" else -2, part_range, whole * per)
 
     def describe(self) -> str:
         q, k, f, v = self.q_heads, self.kv_heads, self.mlp_rows, self.vocab_rows
         shared = f" (replicated on {self.size // self.kv} ranks)" if self.kv < self.size else ""
         return (
-            f"tensor rank {self.rank} of {self.size}: query heads {q.start}-{q.stop - 1}, "
+            (self.stage.describe().replace("rank", "stage", 1) + ", " if self.stage else "")
+            + f"tensor rank {self.member} of {self.size}: query heads {q.start}-{q.stop - 1}, "
             f"KV heads {k.start}-{k.stop - 1}{shared}, MLP rows {f.start}-{f.stop - 1}, "
             f"vocabulary {v.start}-{v.stop - 1}"
             + (f", {self.nbytes / 2**20:.1f} MiB of weights" if self.nbytes else "")
@@ -130,147 +193,64 @@ def plan_layout(cfg: ModelConfig, rank: int, size: int, what: str) -> Layout:
             path=what,
             field="mlp",
         )
-    if any(cfg.is_linear(i) or cfg.is_sparse(i) for i in range(cfg.num_hidden_layers)):
+    if any(cfg.is_linear(i) for i in range(cfg.num_hidden_layers)):
         raise UnsupportedError(
-            "linear-attention and expert layers are not split across tensor ranks yet; run it "
-            "in one process or pipelined",
+            "linear-attention layers are not split across tensor ranks yet; run it in one "
+            "process or pipelined",
             path=what,
             field="layers",
         )
+    experts = shared = 0
+    if cfg.moe is not None and any(cfg.is_sparse(i) for i in range(cfg.num_hidden_layers)):
+        experts, shared = cfg.moe.intermediate_size, cfg.moe.shared_expert_intermediate_size
+        for field, n in (("moe_intermediate_size", experts), ("shared_expert", shared)):
+            if n % size:
+                raise UnsupportedError(
+                    f"{n} expert rows do not split evenly across {size} tensor ranks",
+                    path=what,
+                    field=field,
+                )
     inter, layers = cfg.mlp.intermediate_size, cfg.num_hidden_layers
-    return Layout(rank, size, cfg.num_attention_heads, k, inter, cfg.vocab_size, layers)
+    heads, hd = cfg.num_attention_heads, cfg.head_dim
+    return Layout(rank, size, heads, k, inter, cfg.vocab_size, layers, hd, experts, shared)
 
 
-def _take(a: mx.array, rows: range, axis: int) -> mx.array:
-    """A copy of `rows` of `a` along `axis` (a gather: a slice would keep the whole buffer)."""
-    return mx.take(a, mx.arange(rows.start, rows.stop), axis=axis)
+_SLICED = re.compile(
+    r"^(?:model\.layers\.\d+\.(?:self_attn|mlp)\.(?:(?P<block>switch_mlp|shared_expert)\.)?"
+    r"|model\.)?"
+    r"(?P<module>[qkvo]_proj|gate_proj|up_proj|down_proj|embed_tokens|lm_head)"
+    r"\.(?P<part>weight|scales|biases|bias)$"
+)
 
 
-def by_rows(layer: nn.Module, rows: range) -> None:
-    """Keep output rows `rows` of a Linear, QuantizedLinear or (Quantized)Embedding: its
-    weight, scales, biases, super-scales and bias, as stored."""
-    for name in ("weight", "scales", "biases", "super_scales", "bias"):
-        if name in layer:
-            layer[name] = _take(layer[name], rows, 0)
-
-
-def by_columns(layer: nn.Module, cols: range, what: str) -> None:
-    """Keep input columns `cols` of a Linear or QuantizedLinear (its bias untouched): packed
-    words, scales and biases at whole groups (and whole super-blocks); an UnsupportedError
-    naming the module where a boundary would cut one."""
-    if "scales" not in layer:
-        layer["weight"] = _take(layer["weight"], cols, 1)
-        return
-    gs, bits = layer.group_size, layer.bits
-    step = SUPER_BLOCK if "super_scales" in layer else gs
-    if cols.start % step or len(cols) % step:
-        raise UnsupportedError(
-            f"columns {cols.start}-{cols.stop - 1} cut a quantization group of {step} weights",
-            field=what,
-        )
-    per_word = 32 // bits
-    layer["weight"] = _take(
-        layer["weight"], range(cols.start // per_word, cols.stop // per_word), 1
-    )
-    for name in ("scales", "biases"):
-        if name in layer:
-            layer[name] = _take(layer[name], range(cols.start // gs, cols.stop // gs), 1)
-    if "super_scales" in layer:
-        sup = range(cols.start // SUPER_BLOCK, cols.stop // SUPER_BLOCK)
-        layer["super_scales"] = _take(layer["super_scales"], sup, 1)
-
-
-class SumRanks(nn.Module):
-    """A row-parallel projection: this rank's input columns of `inner`, the partial products
-    summed over the ranks (one all_sum), then the bias once."""
-
-    def __init__(self, inner: nn.Module, group: mx.distributed.Group):
-        super().__init__()
-        if "bias" in inner:  # added once, after the sum
-            self.bias = inner.pop("bias")
-        self.inner = inner
-        self._group = group
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = mx.distributed.all_sum(self.inner(x), group=self._group)
-        return y + self["bias"] if "bias" in self else y
-
-
-class VocabEmbedding(nn.Module):
-    """This rank's rows [lo, hi) of the embedding: a lookup sums, over the ranks, the rows
-    each holds (zeros for ids outside them: adding zeros is exact); `as_linear` (a tied head)
-    gathers every rank's slice of the logits in vocabulary order."""
-
-    def __init__(self, inner: nn.Module, rows: range, group: mx.distributed.Group):
-        super().__init__()
-        self.inner = inner
-        self._lo, self._n = rows.start, len(rows)
-        self._group = group
-
-    def __call__(self, ids: mx.array) -> mx.array:
-        local = ids - self._lo
-        mine = (local >= 0) & (local < self._n)
-        rows = self.inner(mx.where(mine, local, 0))  # (B, T, hidden)
-        rows = mx.where(mine[..., None], rows, mx.zeros((), rows.dtype))
-        return mx.distributed.all_sum(rows, group=self._group)
-
-    def as_linear(self, x: mx.array) -> mx.array:
-        return gather_vocab(self.inner.as_linear(x), self._group)
-
-
-class VocabHead(nn.Module):
-    """An untied head's rows [lo, hi) of the vocabulary: the logits' slices gathered."""
-
-    def __init__(self, inner: nn.Module, group: mx.distributed.Group):
-        super().__init__()
-        self.inner = inner
-        self._group = group
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return gather_vocab(self.inner(x), self._group)
-
-
-def gather_vocab(local: mx.array, group: mx.distributed.Group) -> mx.array:
-    """(B, T, V/N) logits on each rank -> (B, T, V) in vocabulary (rank) order."""
-    n = group.size()
-    b, t, v = local.shape
-    every = mx.distributed.all_gather(local, group=group)  # (N·B, T, V/N), rank-major
-    every = every.reshape(n, b, t, v).transpose(1, 2, 0, 3)  # (B, T, N, V/N)
-    return every.reshape(b, t, n * v)
-
-
-def shard(net: Any, layout: Layout, group: mx.distributed.Group, what: str) -> None:
-    """Slice a loaded Decoder in place to `layout`: the sliced arrays are copies, so the whole
-    ones are freed when the loader drops them."""
+def shard(net: Any, layout: Layout, group: Collectives, what: str) -> None:
+    """Join a Decoder built and loaded for `layout` (its slices only: Layout.local and
+    Layout.cut) to its ranks: o_proj and down_proj summed over them, the vocabulary's
+    lookups summed and its logits gathered."""
     for i, layer in enumerate(net.model.layers):
+        if layer is None:  # another pipeline stage's
+            continue
         attn, mlp = layer.self_attn, layer.mlp
-        if type(attn) is not Attention or type(mlp) is not MLP:
+        # the experts' partial outputs (each its columns of down_proj, weighted by the same
+        # routing on every rank) and the shared expert's add up: one sum for the whole block
+        moe = type(mlp) is SparseMoE and "bias" not in mlp.switch_mlp.down_proj
+        if type(attn) is not Attention or not (type(mlp) is MLP or moe):
             raise UnsupportedError(
                 f"layer {i}'s {type(attn).__name__} / {type(mlp).__name__} is not split across "
                 "tensor ranks yet",
                 path=what,
                 field=f"model.layers.{i}",
             )
-        hd = net.config.head_dim
-        q, k = layout.q_heads, layout.kv_heads
-        by_rows(attn.q_proj, range(q.start * hd, q.stop * hd))
-        for proj in (attn.k_proj, attn.v_proj):
-            by_rows(proj, range(k.start * hd, k.stop * hd))
-        by_columns(attn.o_proj, range(q.start * hd, q.stop * hd), f"model.layers.{i}.o_proj")
         attn.o_proj = SumRanks(attn.o_proj, group)
-        attn.n_heads, attn.n_kv_heads = len(q), len(k)
-        f = layout.mlp_rows
-        by_rows(mlp.gate_proj, f)
-        by_rows(mlp.up_proj, f)
-        by_columns(mlp.down_proj, f, f"model.layers.{i}.mlp.down_proj")
-        mlp.down_proj = SumRanks(mlp.down_proj, group)
+        if moe:
+            layer.mlp = SumRanks(mlp, group)
+        else:
+            mlp.down_proj = SumRanks(mlp.down_proj, group)
     v = layout.vocab_rows
-    by_rows(net.model.embed_tokens, v)
-    net.model.embed_tokens = VocabEmbedding(net.model.embed_tokens, v, group)
+    if "embed_tokens" in net.model:  # a pipeline stage embeds only first (or as a tied head)
+        net.model.embed_tokens = VocabEmbedding(net.model.embed_tokens, v, group)
     if "lm_head" in net:
-        by_rows(net.lm_head, v)
         net.lm_head = VocabHead(net.lm_head, group)
-    mx.eval(net.parameters())
 
 
 def bytes_per_token(cfg: ModelConfig, dtype: mx.Dtype, size: int) -> int:
@@ -289,15 +269,19 @@ class TensorNet:
     verifies_in_batch = False
     logits_at_leader = True  # rank 0's own call returns the logits (nothing is sent to it)
 
-    def __init__(self, net: Any, ranks: Ranks, layout: Layout, dtype: mx.Dtype):
+    def __init__(
+        self, net: Any, ranks: Ranks, layout: Layout, dtype: mx.Dtype, config: ModelConfig
+    ):
         self.net = net
         self.ranks = ranks
         self.part = layout
         self.hidden_dtype = net.hidden_dtype(dtype)
+        self._config = config
 
     @property
     def config(self) -> ModelConfig:
-        return self.net.config
+        """The whole model's (the network's own holds this rank's heads and rows)."""
+        return self._config
 
     @property
     def heads(self) -> bool:
@@ -352,12 +336,12 @@ class TensorNet:
 
 
 def check_group(size: int, ranks: Ranks | None) -> None:
-    """PipelineError unless `--tensor size` matches the launched ranks (a tensor group inside
-    pipeline stages is not built yet)."""
+    """PipelineError unless `--tensor size` matches the launched ranks (more ranks than the
+    group: tensor_stage.py's placement)."""
     have = 1 if ranks is None else ranks.size
     if size != have:
         raise PipelineError(
             f"{size} tensor ranks asked for but {have} run: start them with mlx.launch -n "
-            f"{size} (tensor groups inside pipeline stages are not supported yet)",
+            f"{size} (or -n {2 * size} for two pipeline stages of {size})",
             field="--tensor",
         )

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxlis import limits
-from mlxlis.errors import ConfigError, FileFormatError
+from mlxlis.errors import ConfigError, FileFormatError, UnsupportedError
 from mlxlis.loading.binding import Bindable, Quantizer, quantize_like
 from mlxlis.loading.manifest import (
     _QUANT_PARTS,
@@ -34,6 +34,7 @@ from mlxlis.loading.manifest import (
     UnknownParameterError,
 )
 from mlxlis.loading.safetensors import read_header, weight_files
+from mlxlis.loading.slices import Cut, read_cut
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -130,11 +131,25 @@ class BindingPlan:
     origin: str | None = None
     relaid: list[str] = field(default_factory=list)  # parameters bound through `layouts`
     dropped: list[str] = field(default_factory=list)  # checkpoint tensors the family skips
+    cuts: dict[str, Cut] = field(default_factory=dict)  # a tensor rank's slices (slices.py)
+    entries: dict[tuple[Path, str], dict] = field(default_factory=dict)  # their headers
 
     def load(self) -> dict[str, mx.array]:
-        """Lazy arrays under parameter names (nothing is read until evaluated)."""
+        """Lazy arrays under parameter names (nothing is read until evaluated); the `cuts`
+        read now, their slices only."""
+        out: dict[str, mx.array] = {}
+        for p, c in self.cuts.items():
+            b = self.bindings[p]
+            pieces = [
+                read_cut(f, self.entries[(f, k)], c, p, self.origin or str(f))
+                for f, k in zip(b.part_files or (b.file,), b.parts or (b.key,), strict=True)
+            ]
+            out[p] = mx.stack(pieces) if b.parts else pieces[0]
+            mx.eval(out[p])
         files: dict[Path, None] = {}
         for b in self.bindings.values():
+            if b.param in self.cuts:
+                continue
             files.update(dict.fromkeys(b.part_files or (b.file,)))
         loaded: dict[Path, dict[str, mx.array]] = {}
         for path in files:
@@ -148,8 +163,9 @@ class BindingPlan:
                 raise FileFormatError("tensor missing from MLX's reading", path=path, field=key)
             return loaded[path][key]
 
-        out: dict[str, mx.array] = {}
         for b in self.bindings.values():
+            if b.param in self.cuts:
+                continue
             if b.parts:  # (n_experts, out, in) from n_experts (out, in) tensors, or row shards
                 experts = [tensor(f, k) for f, k in zip(b.part_files, b.parts, strict=True)]
                 out[b.param] = mx.concatenate(experts) if b.joined else mx.stack(experts)
@@ -233,12 +249,14 @@ def plan_bindings(
     layouts: dict[str, tuple[int, ...]] | None = None,
     held: Callable[[str], bool] | None = None,
     quantizer: Quantizer | None = None,
+    cut: Callable[[str], Cut | None] | None = None,
 ) -> BindingPlan:
     """Validate `manifest` against the model and the sources' headers (reads headers only);
     quantize the modules whose scales are bound (mutates `net`, `quantizer` building them, None:
     MLX's); return the plan. `layouts`: parameter name suffix -> the axes of a transpose at load
     (another converter's layout, e.g. mlx-lm's conv1d). `held(param)`: a pipeline rank's share
-    (`net` holds only it); the other ranks' parameters' tensors are neither bound nor reported."""
+    (`net` holds only it); the other ranks' parameters' tensors are neither bound nor reported.
+    `cut(param)`: the slice of it a tensor rank reads (`net` is built for the slices)."""
     folder = Path(folder)
     where = manifest.origin or str(folder)  # what errors about the mapping name
     sources = {spec.name: _open_source(spec, manifest, folder) for spec in manifest.sources}
@@ -365,16 +383,21 @@ def plan_bindings(
 
     # dtype, rank, dimensions
     relaid: list[str] = []
+    cuts: dict[str, Cut] = {}
     for p, ref in expected.items():
         b = bindings[p]
         entry = sources[b.source].tensors[b.key][1]
         st = entry["dtype"]
         dt = ST_DTYPES.get(st)
         shape = tuple(entry["shape"])
+        if cut is not None and (c := cut(p)) is not None:  # a tensor rank's slice
+            shape = _cut_shape(b, shape, c, where)
+            cuts[p] = c
         if b.parts and b.joined:  # row shards: their rows add up
             shape = _joined_shape(b, sources[b.source], where)
         elif b.parts:  # each expert's tensor: the parameter's shape without the expert axis
-            _check_parts(b, sources[b.source], ref, where)
+            if p not in cuts:
+                _check_parts(b, sources[b.source], ref, where)
             shape = (len(b.parts), *shape)
         elif b.half is not None and len(shape) > b.half_axis and shape[b.half_axis] % 2 == 0:
             shape = tuple(n // 2 if i == b.half_axis else n for i, n in enumerate(shape))
@@ -455,7 +478,29 @@ def plan_bindings(
             ),
             stacklevel=3,
         )
-    return BindingPlan(bindings, unbound, quantized, manifest.origin, relaid, sorted(dropped))
+    entries = {
+        (f, k): sources[b.source].tensors[k][1]
+        for p, b in bindings.items()
+        if p in cuts
+        for f, k in zip(b.part_files or (b.file,), b.parts or (b.key,), strict=True)
+    }
+    origin = manifest.origin
+    return BindingPlan(bindings, unbound, quantized, origin, relaid, sorted(dropped), cuts, entries)
+
+
+def _cut_shape(b: Binding, shape: tuple[int, ...], c: Cut, where: str) -> tuple[int, ...]:
+    """The shape of the slice `c` of a bound tensor of `shape` (per expert when stacked);
+    an UnsupportedError for a binding whose tensor is reshaped at load (halves, transposes,
+    joined shards, MXFP4 blocks): those are not split across tensor ranks."""
+    if b.half is not None or b.axes is not None or b.blocks or b.joined or not shape:
+        raise UnsupportedError(
+            f"tensor {b.key!r} is reshaped at load, and is not split across tensor ranks",
+            path=where,
+            field=b.param,
+        )
+    ax = c.axis % len(shape)
+    taken = c.stored(shape[ax], b.param, where)
+    return (*shape[:ax], len(taken), *shape[ax + 1 :])
 
 
 def _expert_binding(

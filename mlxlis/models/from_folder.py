@@ -74,7 +74,8 @@ def load_folder(
     if placement is not None:  # under a launcher: this rank's share of the layers only
         part = placement.place(cfg, module_sizes(folder, spec.hf.name), str(folder))
     stage = {} if part is None else dict(layers=part.layers, embeds=part.first, heads=part.last)
-    net = build_model(cfg, **stage)
+    own = cfg if part is None else part.local(cfg)  # a tensor rank's heads and rows only
+    net = build_model(own, **stage)
     # validates names, dtypes and shapes from the headers (family renames such as Gemma 3's
     # multimodal prefixes via net.sanitize), and quantizes the modules whose scales are bound
     plan = plan_bindings(
@@ -86,11 +87,12 @@ def load_folder(
         layouts=spec.mlx.layouts,
         held=part.holds if part is not None else None,
         quantizer=Kernels(dtype),  # products through mlxlis's CPU kernels where they apply
+        cut=part.cut if part is not None else None,  # a tensor rank reads its slices only
     )
     weights = plan.load()
     if plan.relaid:  # saved by mlx-lm after its sanitize: undo what that folded in
         weights = {
-            n: spec.undo(n, a, cfg, n.rsplit(".", 1)[1], spec.mlx.conventions)
+            n: spec.undo(n, a, own, n.rsplit(".", 1)[1], spec.mlx.conventions)
             for n, a in weights.items()
         }
     bind(net, weights, plan.origin or folder, dtype)

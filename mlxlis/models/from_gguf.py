@@ -22,6 +22,7 @@ from mlxlis.loading.binding import bind, float32_names, kept_narrow, quantize_li
 from mlxlis.loading.gguf import GGUFFile
 from mlxlis.loading.gguf_split import read_gguf
 from mlxlis.loading.quants import QUANTIZABLE, allocate, convert_tensor
+from mlxlis.loading.slices import Cut, cut_gguf, cut_gguf_bytes
 from mlxlis.models import PROJECTORS, build_model, family
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.gguf_config import config_from_gguf
@@ -116,11 +117,14 @@ def load_gguf(
         if rope_freqs is not None and spec.gguf.rope_freqs is not None:
             cfg, rope_freqs = spec.gguf.rope_freqs(cfg, rope_freqs)
         extras = {} if rope_freqs is None else {"rope_freq_factors": rope_freqs}
+        own = cfg  # the network this rank builds: a tensor rank's heads and rows only
         if part is not None:
             extras.update(layers=part.layers, embeds=part.first, heads=part.last)
-        net = build_model(cfg, **extras)
+            own = part.local(cfg)
+        net = build_model(own, **extras)
+        cut = part.cut if part is not None else None
         weights, quant, ignored = _convert(
-            gf, cfg, dtype, dense, clock, held, sub_blocks, float32_names(net)
+            gf, own, dtype, dense, clock, held, sub_blocks, float32_names(net), cut
         )
         if quant:
             quantize_like(net, weights, quant, quantizer=Kernels(dtype))  # mlxlis's CPU kernels
@@ -248,9 +252,11 @@ def _convert(
     held=None,
     sub=None,
     wide: frozenset[str] | set[str] = frozenset(),
+    cut: Callable[[str], Cut | None] | None = None,
 ):
     """Every tensor under its module name, conventions undone: (weights, quant, names of the
     tensors the family ignores); the tensors that are config are _specials'.
+    cut(module name): the slice of it this rank reads (a tensor rank's; slices.py), None whole.
     dense(name): convert that tensor dense (else quantized where MLX can hold it).
     sub(name): hold a K-quant tensor as stored (the CPU kernels' layout; None: never).
     held(module name): whether this pipeline rank reads it (None: every tensor); the others
@@ -277,14 +283,16 @@ def _convert(
     # a long list blocks on MLX's cap on in-flight tasks). They are the loaded weights, so this
     # costs no extra memory.
     names = [n for n in gf.tensors if n in targets]
+    cuts = {n: c for n, m in targets.items() if m and cut and (c := cut(m)) is not None}
+    tensors = {n: cut_gguf(t, cuts[n], path) if n in cuts else t for n, t in gf.tensors.items()}
     buffers = {
         name: allocate(t, dequantize=dense(name), sub_blocks=bool(sub and sub(name)))
-        for name, t in gf.tensors.items()
+        for name, t in tensors.items()
         if name not in special and name in targets
     }
     ahead, started = 0, 0  # bytes started and not yet converted; tensors started
     for i, name in enumerate(names):
-        t = gf.tensors[name]
+        t = tensors[name]
         ahead -= sum(a.nbytes for a in buffers.get(name, ()))
         while started < len(names) and (started <= i or ahead < PREFETCH_BYTES):
             out = buffers.get(names[started], ())
@@ -297,16 +305,21 @@ def _convert(
         target = targets[name]
         # 1-D tensors (norms, biases) convert in fp32 so `w - 1` happens before rounding
         conv_dtype = mx.float32 if len(t.shape) == 1 or target in wide else dtype
+        raw, done = gf.raw(name), lambda i, j, name=name: gf.release(name, i, j)
+        if name in cuts:  # this rank's slice only, its pages released once copied
+            raw, done = cut_gguf_bytes(gf.tensors[name], raw, cuts[name], path), None
+            gf.release(name)
         conv = convert_tensor(
             t,
-            gf.raw(name),
+            raw,
             conv_dtype,
             dequantize=dense(name),
             path=path,
             out=buffers.pop(name, ()),
-            done=lambda i, j, name=name: gf.release(name, i, j),
+            done=done,
             sub_blocks=bool(sub and sub(name)),
         )
+        del raw
         gf.release(name)  # the file pages of this tensor are no longer needed
         module = target.rsplit(".", 1)[0]
         parts = conv.parts(target.rsplit(".", 1)[1])

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
+from mlxlis.loading.slices import Cut
 from mlxlis.models.config import ModelConfig
 from mlxlis.models.network import Network
 
@@ -33,6 +34,15 @@ class Share(Protocol):
         ...
 
     def describe(self) -> str: ...
+
+    def local(self, cfg: ModelConfig) -> ModelConfig:
+        """The config of the network this rank builds (a tensor rank's heads and rows; a
+        pipeline stage's is the whole model's)."""
+        ...
+
+    def cut(self, name: str) -> Cut | None:
+        """The slice of module tensor `name` this rank reads (None: all of it)."""
+        ...
 
 
 class Placement(Protocol):
