@@ -75,6 +75,7 @@ QMV_GRID = "tests/test_qmv.py::test_every_width_and_group_matches_float64_and_ml
 QMV_PREFILL = "tests/test_qmv.py::test_prefill_dequantizes_tiles_into_sgemm"
 QMV_GEMM = "tests/test_qmv.py::test_prompt_rows_through_the_isas_own_product"
 QMV_SUPER = "tests/test_qmv.py::test_super_block_formats_equal_the_float_scales_layout"
+QMV_MANY = "tests/test_qmv.py::test_several_products_of_one_x_as_one_node_equal_each_alone"
 QUANTS_SUPER = "tests/test_quants.py::test_k_quants_held_as_stored_bit_exact"
 FUSED = "tests/test_fused.py"
 Q4X_HF = "tests/test_qwen4_exp.py::test_logits_match_transformers_fp32"
@@ -1907,6 +1908,23 @@ MUTANTS = (
         "      _mm256_storeu_ps(b + g, prod);",
         (QMV_SUPER,),
         "super-block formats (AVX2): a row's expanded biases +dmin·m instead of −dmin·m",
+    ),
+    Mutant(
+        "qmv-many-task-of-previous-part",
+        "mlxlis/runtime/kernels/src/compute.cpp",
+        "  while (t >= c->first[i + 1]) ++i;",
+        "  while (t > c->first[i + 1]) ++i;",
+        (QMV_MANY,),
+        "CPU kernels, several products as one node: a part's first task run as the previous "
+        "part's last",
+    ),
+    Mutant(
+        "qmv-many-group-sums-shared",
+        "mlxlis/runtime/kernels/src/compute.cpp",
+        "      prepare_x(p[i], ip, i);",
+        "      prepare_x(p[i], ip, 0);",
+        (QMV_MANY,),
+        "CPU kernels, several products as one node: every part's group sums of x in one slot",
     ),
     Mutant(
         "super-avx2-expanded-scale-dmin",

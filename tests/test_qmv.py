@@ -507,3 +507,38 @@ def test_an_embedding_with_float16_scales_looks_up_float32_rows():
     got = narrow(ids)
     assert got.dtype == mx.float32 and mx.array_equal(got, wide(ids)).item()
     assert not mx.array_equal(nn.QuantizedEmbedding.__call__(narrow, ids), got).item()
+
+
+def test_several_products_of_one_x_as_one_node_equal_each_alone():
+    """Self-consistency (each product alone is proven against the references above): a
+    layer's projections of one x as one node (`qmv_many`, what `models.quantized.products`
+    runs for q/k/v and gate/up) give each product's own bits, on every ISA, for the mixes a
+    GGUF holds (K-quants with integer scales beside Q6_K's groups of 16 and plain float16
+    scales, 8-bit codes), decode rows (one job over all the products' rows, small products
+    included) and prompt rows (each product's own path), on 1-3 threads."""
+    k = 512
+    parts = []
+    for i, (n, bits, group) in enumerate([(96, 4, 32), (40, 6, 16), (72, 4, 32), (200, 8, 32)]):
+        if group == 16 or i == 0:  # stored as a K-quant: integer scales, (d, dmin) pairs
+            _, wq, (sc, mins, kd), _, _ = make_super(n, k, bits, group, 1, seed=i)
+            parts.append((wq, sc, mins, group, bits, kd))
+        else:
+            _, wq, s, b = make(n, k, bits, group, 1, seed=i, sb_dtype=mx.float16)
+            parts.append((wq, s, b, group, bits, None))
+    threads = ext.num_threads()
+    try:
+        for isa in ISAS:
+            assert ext.set_isa(isa)
+            for m, th in [(1, 1), (1, 2), (3, 3), (8, 2), (40, 2)]:
+                ext.set_num_threads(th)
+                x = mx.array(np.random.default_rng(m).standard_normal((m, k)).astype(np.float32))
+                alone = [ext.qmv(x, *p) for p in parts]
+                many = ext.qmv_many(x, *(list(col) for col in zip(*parts, strict=True)))
+                mx.eval(alone, many)
+                for i, (a, b) in enumerate(zip(alone, many, strict=True)):
+                    assert np.array_equal(np.array(a), np.array(b)), f"{isa} M={m} part {i}"
+    finally:
+        ext.set_num_threads(threads)
+        ext.set_isa("auto")
+    with pytest.raises(ValueError, match="between 1 and 4 products"):
+        ext.qmv_many(x, *(list(col) * 2 for col in zip(*parts[:3], strict=True)))

@@ -15,6 +15,7 @@ from mlxlis.cache import CacheBatch, KVBatch, KVCache, RecurrentCache, RotatingK
 from mlxlis.models.activations import gated
 from mlxlis.models.attention import attend
 from mlxlis.models.config import ModelConfig
+from mlxlis.models.quantized import products
 from mlxlis.models.rope import Rope
 from mlxlis.runtime import fused
 
@@ -102,7 +103,7 @@ class Attention(nn.Module):
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """x (B, T, hidden) -> q, k, v by heads (`heads`)."""
-        return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        return self.heads(*products(x, (self.q_proj, self.k_proj, self.v_proj)))
 
     def heads(self, q, k, v) -> tuple[mx.array, mx.array, mx.array]:
         """The projections (B, T, heads·width) by heads: q (B, T, n_heads, width), k (B, T,
@@ -265,7 +266,7 @@ class MLP(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         if "gate_up_proj" in self:
             return self.down_proj(self.act(*mx.split(self.gate_up_proj(x), 2, axis=-1)))
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act(*products(x, (self.gate_proj, self.up_proj))))
 
 
 class UpDownMLP(nn.Module):

@@ -7,6 +7,7 @@ makes): ours in place of MLX's QuantizedLinear / QuantizedEmbedding, MLX's own f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from mlxlis.runtime import kernels
@@ -20,6 +21,31 @@ def _product(m: nn.Module, x: mx.array) -> mx.array:
     """x @ wᵀ for the quantized weight of `m` (a QuantizedLinear or QuantizedEmbedding)."""
     w, scales, biases = m["weight"], m["scales"], m.get("biases")
     return kernels.matmul(x, w, scales, biases, m.group_size, m.bits, m.mode, m.get("super_scales"))
+
+
+def products(x: mx.array, layers: Sequence[nn.Module]) -> list[mx.array]:
+    """Each layer of `layers` on x (a layer's q, k and v projections; its gate and up): where
+    every one is one of these QuantizedLinear layers whose product the CPU kernels take, one
+    graph node for all (a decode step: one job for the kernels' threads, not one a product,
+    and the small k and v spread over them too; the same results), else each layer's own."""
+    mod = kernels.load() if on_cpu() and 1 < len(layers) <= kernels.MAX_PRODUCTS else None
+    if mod is None or not all(
+        type(m) is QuantizedLinear and kernels.applies(m.bits, m.group_size, m.mode) for m in layers
+    ):
+        return [m(x) for m in layers]
+    ys = mod.qmv_many(
+        x,
+        [m["weight"] for m in layers],
+        [m["scales"] for m in layers],
+        [m.get("biases") for m in layers],
+        [m.group_size for m in layers],
+        [m.bits for m in layers],
+        [m.get("super_scales") for m in layers],
+    )
+    return [
+        y.astype(x.dtype) + m["bias"] if "bias" in m else y.astype(x.dtype)
+        for y, m in zip(ys, layers, strict=True)
+    ]
 
 
 class QuantizedLinear(nn.QuantizedLinear):

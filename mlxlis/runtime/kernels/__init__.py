@@ -21,6 +21,7 @@ from mlxlis.runtime.device import on_cpu
 import mlx.core as mx
 
 BITS = (2, 3, 4, 5, 6, 8)
+MAX_PRODUCTS = 4  # products of one x a node takes (src/compute.h kMaxProducts)
 GROUPS = (16, 32, 64, 128)  # 16: Q6_K's sub-blocks (MLX's own products take 32+)
 
 _module: ModuleType | None = None

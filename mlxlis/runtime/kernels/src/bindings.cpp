@@ -6,6 +6,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <stdexcept>
@@ -16,6 +17,7 @@
 #include "qmv.h"
 
 namespace nb = nanobind;
+namespace mx = mlx::core;
 using namespace nb::literals;
 
 NB_MODULE(_qmv, m) {
@@ -28,6 +30,22 @@ NB_MODULE(_qmv, m) {
         "float16: a super-block format, uint8/int8 scales sc and uint8 biases m, the group's "
         "scale d*sc and bias -dmin*m.");
 
+  m.def("qmv_many",
+        [](const mx::array& x, const std::vector<mx::array>& wq, const std::vector<mx::array>& scales,
+           const std::vector<std::optional<mx::array>>& biases, const std::vector<int>& group_size,
+           const std::vector<int>& bits, const std::vector<std::optional<mx::array>>& supers) {
+          const size_t n = wq.size();
+          if (scales.size() != n || biases.size() != n || group_size.size() != n ||
+              bits.size() != n || supers.size() != n)
+            throw std::invalid_argument("[qmv] one scales, biases, group_size, bits and supers a w");
+          std::vector<qmv::QuantPart> parts;
+          for (size_t i = 0; i < n; ++i)
+            parts.push_back({wq[i], scales[i], biases[i], supers[i], group_size[i], bits[i]});
+          return qmv::quantized_matvecs(x, parts);
+        },
+        "x"_a, "wq"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a, "supers"_a,
+        "qmv of one x by each w (lists, one entry a product, at most 4): one node, one job for "
+        "the threads on a decode's rows; the same results as qmv's.");
   m.def("rms_norm", &qmv::fused_rms_norm, "x"_a, "w"_a.none(), "eps"_a,
         "x / sqrt(mean(x^2, -1) + eps) * w, float32, one CPU node.");
   m.def("rope", &qmv::fused_rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a,

@@ -106,21 +106,43 @@ void decode_task(void* vctx, int t) {
   for (int m0 = 0; m0 < p.M; m0 += kMaxMB) c->rows(p, m0, std::min(kMaxMB, p.M - m0), n0, n1);
 }
 
-void run_decode(const Problem& p, const Isa& isa) {
+// The decode tasks of p: ~16 KiB of weights each (L1-resident across the m-blocks), >= 1
+// row, and at least ~4 a thread for balance when N is small.
+int decode_tasks(const Problem& p, RowsFn rows, DecodeCtx& ctx) {
   const size_t row_bytes = size_t(p.K) * p.bits / 8;
-  // ~16 KiB of weights per task (L1-resident across the m-blocks), >= 1 row
   int rpt = int(std::max<size_t>(1, (16 << 10) / row_bytes));
-  // at least ~4 tasks per thread for balance when N is small
   const int nth = num_threads();
   rpt = std::max(1, std::min(rpt, (p.N + 4 * nth - 1) / (4 * nth)));
-  DecodeCtx ctx{&p, isa.rows, rpt};
-  const int ntasks = (p.N + rpt - 1) / rpt;
-  // tiny products: not worth waking anyone
-  if (size_t(p.N) * row_bytes < (64u << 10)) {
+  ctx = DecodeCtx{&p, rows, rpt};
+  return (p.N + rpt - 1) / rpt;
+}
+
+// tiny products: not worth waking anyone
+bool tiny(const Problem& p) { return size_t(p.N) * p.K * p.bits / 8 < (64u << 10); }
+
+void run_decode(const Problem& p, const Isa& isa) {
+  DecodeCtx ctx;
+  const int ntasks = decode_tasks(p, isa.rows, ctx);
+  if (tiny(p)) {
     for (int t = 0; t < ntasks; ++t) decode_task(&ctx, t);
   } else {
     parallel_for(ntasks, decode_task, &ctx);
   }
+}
+
+// Several products of one x (a layer's q, k and v; its gate and up) as one job: one hand-off
+// to the pool instead of one each, and the small ones (k, v) spread over the threads too.
+struct ManyCtx {
+  DecodeCtx parts[kMaxProducts];
+  int first[kMaxProducts + 1];  // the parts' first task; first[n]: all of them
+  int n;
+};
+
+void many_task(void* vctx, int t) {
+  auto* c = static_cast<ManyCtx*>(vctx);
+  int i = 0;
+  while (t >= c->first[i + 1]) ++i;
+  decode_task(&c->parts[i], t - c->first[i]);
 }
 
 // ---- prefill path: dequantize a tile of rows, sgemm on it -------------------
@@ -280,8 +302,10 @@ Counters counters() {
   return {c_decode.load(), c_prefill.load(), c_gemm.load(), c_fallback.load()};
 }
 
-void compute(const Problem& p_in) {
-  Problem p = p_in;
+namespace {
+
+// The ISA whose decode kernels take p (the CPU's, unless they cannot).
+const Isa* decode_isa(const Problem& p) {
   const Isa* ip = &cur_isa();
 #if defined(__aarch64__)
   // the NEON kernels go a group of 32+ at a time, with stored float biases
@@ -291,13 +315,66 @@ void compute(const Problem& p_in) {
   // the AVX-512 kernels expand a row's super-block scales on the stack (kMaxSuperGroups)
   if (ip == &kAvx512 && sb_super(p.sb_type) && p.K / p.group > kMaxSuperGroups) ip = &kAvx2;
 #endif
+  return ip;
+}
+
+// From how many rows of x a product takes the prompt route.
+int prompt_min_m() {
   const Gemm* gemm = prompt_gemm();
   // automatic: the ISA's product's own threshold, else from 17 rows the sgemm route
-  const int min_m = g_settings.prefill_min_m > 0 ? g_settings.prefill_min_m
-                    : gemm                       ? gemm->min_m
-                                                 : 17;
-  if (p.M >= min_m) {
-    if (gemm) {  // (no limit on a row's super-block groups)
+  return g_settings.prefill_min_m > 0 ? g_settings.prefill_min_m : gemm ? gemm->min_m : 17;
+}
+
+// Scratch of the caller's thread (MLX's stream thread), reused across calls: x as the decode
+// kernels read it, a part of a job each (compute_many) where the kinds differ.
+struct XScratch {
+  std::vector<float> xsum[kMaxProducts], xe, xs4;
+  std::vector<int8_t> xd;
+};
+thread_local XScratch t_x;
+
+// x as the decode kernels of `isa` read it, written into p: AVX-512's digits, else the sums
+// of x over each group (the float kernels' bias term), in slot `slot` of the scratch.
+void prepare_x(Problem& p, const Isa* isa, int slot) {
+#if defined(__x86_64__)
+  if (isa == &kAvx512) {
+    const size_t blocks = size_t(p.M) * ((p.K + 63) / 64);
+    if (t_x.xd.size() < blocks * 192) t_x.xd.resize(blocks * 192);
+    if (t_x.xe.size() < blocks * 16) t_x.xe.resize(blocks * 16), t_x.xs4.resize(blocks * 16);
+    prep_x_avx512(p.x, p.M, p.K, t_x.xd.data(), t_x.xe.data(), t_x.xs4.data());
+    p.xd = t_x.xd.data(), p.xe = t_x.xe.data(), p.xs4 = t_x.xs4.data();
+    return;
+  }
+#endif
+  (void)isa;
+  const int G = p.K / p.group;
+  std::vector<float>& xs = t_x.xsum[slot];
+  if (xs.size() < size_t(p.M) * G) xs.resize(size_t(p.M) * G);
+  for (int m = 0; m < p.M; ++m)
+    for (int g = 0; g < G; ++g) {
+      const float* xg = p.x + size_t(m) * p.K + size_t(g) * p.group;
+      float s = 0.0f;
+      for (int k = 0; k < p.group; ++k) s += xg[k];
+      xs[size_t(m) * G + g] = s;
+    }
+  p.xsum = xs.data();
+}
+
+// A prompt's digits (the decode kernels without BLAS) are not kept.
+void release_x() {
+  if (t_x.xd.size() > (4u << 20)) {
+    std::vector<int8_t>().swap(t_x.xd);
+    std::vector<float>().swap(t_x.xe), std::vector<float>().swap(t_x.xs4);
+  }
+}
+
+}  // namespace
+
+void compute(const Problem& p_in) {
+  Problem p = p_in;
+  const Isa* ip = decode_isa(p);
+  if (p.M >= prompt_min_m()) {
+    if (const Gemm* gemm = prompt_gemm()) {  // (no limit on a row's super-block groups)
       c_gemm.fetch_add(1, std::memory_order_relaxed);
       run_gemm(p, *gemm);
       return;
@@ -311,36 +388,39 @@ void compute(const Problem& p_in) {
   } else {
     c_decode.fetch_add(1, std::memory_order_relaxed);
   }
-  // scratch of the caller's thread (MLX's stream thread), reused across calls
-  thread_local std::vector<float> xsum, xe, xs4;
-  thread_local std::vector<int8_t> xd;
-#if defined(__x86_64__)
-  if (ip == &kAvx512) {
-    const size_t blocks = size_t(p.M) * ((p.K + 63) / 64);
-    if (xd.size() < blocks * 192) xd.resize(blocks * 192);
-    if (xe.size() < blocks * 16) xe.resize(blocks * 16), xs4.resize(blocks * 16);
-    prep_x_avx512(p.x, p.M, p.K, xd.data(), xe.data(), xs4.data());
-    p.xd = xd.data(), p.xe = xe.data(), p.xs4 = xs4.data();
-    run_decode(p, *ip);
-    if (xd.size() > (4u << 20)) {  // a prompt through the fused kernel (no BLAS): not kept
-      std::vector<int8_t>().swap(xd);
-      std::vector<float>().swap(xe), std::vector<float>().swap(xs4);
-    }
+  prepare_x(p, ip, 0);
+  run_decode(p, *ip);
+  release_x();
+}
+
+void compute_many(const Problem* ps, int n) {
+  if (n < 1 || n > kMaxProducts || ps[0].M >= prompt_min_m()) {
+    for (int i = 0; i < n; ++i) compute(ps[i]);
     return;
   }
-#endif
-  // group sums of x, for the bias term of the float kernels
-  const int G = p.K / p.group;
-  if (xsum.size() < size_t(p.M) * G) xsum.resize(size_t(p.M) * G);
-  for (int m = 0; m < p.M; ++m)
-    for (int g = 0; g < G; ++g) {
-      const float* xg = p.x + size_t(m) * p.K + size_t(g) * p.group;
-      float s = 0.0f;
-      for (int k = 0; k < p.group; ++k) s += xg[k];
-      xsum[size_t(m) * G + g] = s;
+  c_decode.fetch_add(n, std::memory_order_relaxed);
+  Problem p[kMaxProducts];
+  ManyCtx ctx{};
+  ctx.n = n;
+  bool all_tiny = true;
+  const Problem* digits = nullptr;  // the part whose AVX-512 digits of x the others share
+  for (int i = 0; i < n; ++i) {
+    p[i] = ps[i];
+    const Isa* ip = decode_isa(p[i]);
+    if (digits && ip == decode_isa(*digits) && digits->xd) {
+      p[i].xd = digits->xd, p[i].xe = digits->xe, p[i].xs4 = digits->xs4;
+    } else {
+      prepare_x(p[i], ip, i);
+      if (p[i].xd) digits = &p[i];
     }
-  p.xsum = xsum.data();
-  run_decode(p, *ip);
+    ctx.first[i + 1] = ctx.first[i] + decode_tasks(p[i], ip->rows, ctx.parts[i]);
+    all_tiny = all_tiny && tiny(p[i]);
+  }
+  if (all_tiny) {
+    for (int t = 0; t < ctx.first[n]; ++t) many_task(&ctx, t);
+  } else {
+    parallel_for(ctx.first[n], many_task, &ctx);
+  }
 }
 
 }  // namespace qmv

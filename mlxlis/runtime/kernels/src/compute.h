@@ -41,4 +41,9 @@ Counters counters();
 // out (M x N) = x (M x K) @ w.T. p.xsum is computed here (p.xsum ignored).
 void compute(const Problem& p);
 
+// Several products of one x (each Problem's x, M and K the same), up to kMaxProducts: as
+// compute() on each, the decode rows as one job for the pool (the same bits).
+constexpr int kMaxProducts = 4;
+void compute_many(const Problem* ps, int n);
+
 }  // namespace qmv

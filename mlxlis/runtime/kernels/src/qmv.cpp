@@ -56,9 +56,10 @@ const void* dense_data(const mx::array& a, std::vector<char>& keep) {
 }
 
 
-mx::array quantized_matvec(const mx::array& x_in, const mx::array& wq, const mx::array& scales,
-                           const std::optional<mx::array>& biases, int group_size, int bits,
-                           const std::optional<mx::array>& supers) {
+// N of a product of x_in by (wq, scales, biases, supers), every argument checked.
+int checked_rows(const mx::array& x_in, const mx::array& wq, const mx::array& scales,
+                 const std::optional<mx::array>& biases, int group_size, int bits,
+                 const std::optional<mx::array>& supers) {
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     fail("bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
   if (group_size != 16 && group_size != 32 && group_size != 64 && group_size != 128)
@@ -99,6 +100,13 @@ mx::array quantized_matvec(const mx::array& x_in, const mx::array& wq, const mx:
     fail("x must have last dimension K = " + std::to_string(K) + ", got " + shape_str(x_in));
   if (!mx::issubdtype(x_in.dtype(), mx::Dtype::Category::floating)) fail("x must be floating point");
 
+  return N;
+}
+
+mx::array quantized_matvec(const mx::array& x_in, const mx::array& wq, const mx::array& scales,
+                           const std::optional<mx::array>& biases, int group_size, int bits,
+                           const std::optional<mx::array>& supers) {
+  const int N = checked_rows(x_in, wq, scales, biases, group_size, bits, supers);
   const auto s = mx::to_stream({}, mx::Device::cpu);
   mx::array x = x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, s);
   mx::Shape out_shape = x.shape();
@@ -174,6 +182,106 @@ std::vector<mx::Shape> QuantizedMatVec::output_shapes(const std::vector<mx::arra
   mx::Shape s = inputs[0].shape();
   s.back() = inputs[1].shape(0);
   return {s};
+}
+
+std::vector<mx::array> quantized_matvecs(const mx::array& x_in, const std::vector<QuantPart>& parts) {
+  if (parts.empty() || parts.size() > size_t(kMaxProducts))
+    fail("between 1 and " + std::to_string(kMaxProducts) + " products, got " +
+         std::to_string(parts.size()));
+  const auto s = mx::to_stream({}, mx::Device::cpu);
+  mx::array x = x_in.dtype() == mx::float32 ? x_in : mx::astype(x_in, mx::float32, s);
+  std::vector<mx::array> in{x};
+  std::vector<mx::Shape> shapes;
+  std::vector<PartSpec> specs;
+  for (const QuantPart& q : parts) {
+    const int N = checked_rows(x_in, q.wq, q.scales, q.biases, q.group_size, q.bits, q.supers);
+    mx::Shape shape = x.shape();
+    shape.back() = N;
+    shapes.push_back(std::move(shape));
+    specs.push_back({q.group_size, q.bits, bool(q.biases), bool(q.supers)});
+    in.push_back(q.wq);
+    in.push_back(q.scales);
+    if (q.biases) in.push_back(*q.biases);
+    if (q.supers) in.push_back(*q.supers);
+  }
+  return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(parts.size(), mx::float32),
+                                std::make_shared<QuantizedMatVecs>(s, std::move(specs)),
+                                std::move(in));
+}
+
+void QuantizedMatVecs::eval_cpu(const std::vector<mx::array>& inputs,
+                                std::vector<mx::array>& outputs) {
+  for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+  if (outputs[0].size() == 0) return;
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  std::vector<float*> outs;
+  for (auto& o : outputs) {
+    enc.set_output_array(o);
+    outs.push_back(o.data<float>());
+  }
+  enc.dispatch([inputs, outs, specs = specs_]() {
+    // Arrays captured by value keep their buffers alive until the task ran.
+    const mx::array& x = inputs[0];
+    const int K = x.shape(-1), M = int(x.size() / K);
+    std::vector<char> kx;
+    std::vector<std::vector<char>> keep(4 * specs.size());
+    const float* xp = static_cast<const float*>(dense_data(x, kx));
+    Problem ps[kMaxProducts]{};
+    size_t at = 1;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const PartSpec& sp = specs[i];
+      Problem& p = ps[i];
+      const mx::array& wq = inputs[at];
+      const mx::array& sc = inputs[at + 1];
+      p.x = xp;
+      p.wq = static_cast<const uint32_t*>(dense_data(wq, keep[4 * i]));
+      p.scales = dense_data(sc, keep[4 * i + 1]);
+      at += 2;
+      p.biases = sp.biases ? dense_data(inputs[at++], keep[4 * i + 2]) : nullptr;
+      if (sp.supers) {
+        p.sb_type = sc.dtype() == mx::uint8 ? SB_U8 : SB_I8;
+        p.kd = static_cast<const uint16_t*>(dense_data(inputs[at++], keep[4 * i + 3]));
+        p.gshift = sp.group == 16 ? 4 : 3;
+      } else {
+        p.sb_type = sb_type_of(sc.dtype());
+      }
+      p.M = M;
+      p.N = wq.shape(0);
+      p.K = K;
+      p.group = sp.group;
+      p.bits = sp.bits;
+      p.out = outs[i];
+    }
+    compute_many(ps, int(specs.size()));
+  });
+}
+
+void QuantizedMatVecs::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[qmv] QuantizedMatVecs has no GPU implementation");
+}
+
+bool QuantizedMatVecs::is_equivalent(const mx::Primitive& other) const {
+  auto* o = dynamic_cast<const QuantizedMatVecs*>(&other);
+  if (!o || o->specs_.size() != specs_.size()) return false;
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    const PartSpec &a = specs_[i], &b = o->specs_[i];
+    if (a.group != b.group || a.bits != b.bits || a.biases != b.biases || a.supers != b.supers)
+      return false;
+  }
+  return true;
+}
+
+std::vector<mx::Shape> QuantizedMatVecs::output_shapes(const std::vector<mx::array>& inputs) {
+  std::vector<mx::Shape> out;
+  size_t at = 1;
+  for (const PartSpec& sp : specs_) {
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[at].shape(0);
+    out.push_back(std::move(shape));
+    at += 2 + sp.biases + sp.supers;
+  }
+  return out;
 }
 
 }  // namespace qmv

@@ -24,6 +24,17 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& wq, const mx::ar
                            const std::optional<mx::array>& biases, int group_size, int bits,
                            const std::optional<mx::array>& supers);
 
+// One product of several of one x (quantized_matvecs): w as quantized_matvec takes it.
+struct QuantPart {
+  mx::array wq, scales;
+  std::optional<mx::array> biases, supers;
+  int group_size, bits;
+};
+
+// x @ w.T for each part (at most kMaxProducts, compute.h), one node: one job for the CPU
+// kernels' threads where x has a decode's rows, results the same bits as quantized_matvec's.
+std::vector<mx::array> quantized_matvecs(const mx::array& x, const std::vector<QuantPart>& parts);
+
 // A pointer to a's elements in dense row-major order: a's own data when it is
 // row-contiguous, else a gathered copy kept in `keep`.
 const void* dense_data(const mx::array& a, std::vector<char>& keep);
@@ -55,6 +66,29 @@ class QuantizedMatVec : public mx::UnaryPrimitive {
  private:
   int group_size_, bits_;
   bool biases_, supers_;  // which of the optional inputs follow x, wq, scales
+};
+
+// A part's layout, for QuantizedMatVecs: its inputs after x are wq, scales, then biases and
+// supers where it has them.
+struct PartSpec {
+  int group, bits;
+  bool biases, supers;
+};
+
+class QuantizedMatVecs : public mx::Primitive {
+ public:
+  QuantizedMatVecs(mx::Stream stream, std::vector<PartSpec> specs)
+      : mx::Primitive(stream), specs_(std::move(specs)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override { return "QuantizedMatVecs"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  std::vector<PartSpec> specs_;
 };
 
 }  // namespace qmv
