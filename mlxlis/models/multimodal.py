@@ -142,6 +142,7 @@ class Hearing(Protocol):
     audio content parts go through."""
 
     rate: int  # the sample rate in Hz the tower's features are made at
+    tasks: tuple[str, ...]  # what /v1/audio/* may ask of it: "transcribe", "translate"
 
     def prepare_audio(self, source: Any, field: str, name: str) -> PromptImage:
         """A path or bytes decoded, resampled and turned into the tower's input; an

@@ -1,4 +1,5 @@
-"""OpenAI's `POST /v1/audio/transcriptions` for a model that hears (Gemma 3n).
+"""OpenAI's `POST /v1/audio/transcriptions` and `POST /v1/audio/translations` for a model
+that hears (Gemma 3n).
 
 The multipart form (`file`, `model`, `prompt`, `language`, `response_format`, `temperature`)
 becomes one chat request through the same builder as /v1/chat/completions: the file's
@@ -6,7 +7,12 @@ samples (mono, at the model's rate) cut into its 30 s windows, each a user turn 
 input_audio part and the instruction — Google's documented transcription prompt for Gemma
 ("Transcribe the following speech segment in {language} into {language} text." and its
 formatting rules), or the request's `prompt` in its place — each window's reply a segment,
-joined with spaces. `response_format`: json ({"text"}), text, verbose_json (duration,
+joined with spaces. A translation (into English, as OpenAI's endpoint) asks Google's
+documented speech-translation prompt ("Transcribe the following speech segment in …, then
+translate it into English." and its format: the transcription, a newline, "English: " and
+the translation); the text after "English: " is the translation (the whole reply where the
+model did not write it). A model whose hearing does not list the task (`Hearing.tasks`) is
+refused naming it. `response_format`: json ({"text"}), text, verbose_json (duration,
 language, segments with their times), srt or vtt (a cue per segment).
 """
 
@@ -39,6 +45,12 @@ INSTRUCTION = (
     "* When transcribing numbers, write the digits, i.e. write 1.7 and not one point seven, "
     "and write 3 instead of three."
 )
+TRANSLATION = (
+    "Transcribe the following speech segment in {language}, then translate it into English.\n"
+    "When formatting the answer, first output the transcription in {language}, then one "
+    "newline, then output the string 'English: ', then the translation in English."
+)
+TRANSLATED = "English: "  # what comes before the translation in the reply
 LANGUAGES = {  # ISO-639-1 codes OpenAI's `language` takes -> the names the prompt says
     "en": "English", "de": "German", "fr": "French", "es": "Spanish", "it": "Italian",
     "pt": "Portuguese", "nl": "Dutch", "ru": "Russian", "ja": "Japanese", "ko": "Korean",
@@ -77,6 +89,12 @@ def instruction(language: str | None, prompt: str | None) -> str:
     return INSTRUCTION.format(language=LANGUAGES[language])
 
 
+def translation(reply: str) -> str:
+    """The translation in a reply to TRANSLATION: the text after its last "English: "."""
+    _, found, after = reply.rpartition(TRANSLATED)
+    return after.strip() if found else reply.strip()
+
+
 def window_wav(samples: np.ndarray, rate: int) -> str:
     """One window as base64 float WAV (its samples exactly)."""
     import soundfile as sf
@@ -93,7 +111,9 @@ def stamp(t: float, sep: str) -> str:
     )
 
 
-def rendered(segments: list[tuple[float, float, str]], fmt: str, language: str | None) -> Any:
+def rendered(
+    segments: list[tuple[float, float, str]], fmt: str, language: str | None, task: str
+) -> Any:
     text = " ".join(s for _, _, s in segments)
     if fmt == "json":
         return {"text": text}
@@ -101,7 +121,7 @@ def rendered(segments: list[tuple[float, float, str]], fmt: str, language: str |
         return PlainTextResponse(text)
     if fmt == "verbose_json":
         return {
-            "task": "transcribe",
+            "task": task,
             "language": LANGUAGES.get(language or "", language or "").lower() or None,
             "duration": segments[-1][1] if segments else 0.0,
             "text": text,
@@ -122,15 +142,15 @@ def rendered(segments: list[tuple[float, float, str]], fmt: str, language: str |
 def router(svc: Service, auth: list) -> APIRouter:
     r = APIRouter()
 
-    @r.post("/v1/audio/transcriptions", dependencies=auth)
-    async def transcriptions(request: Request) -> Any:
+    async def heard(request: Request, task: str) -> Any:
+        """The request's audio transcribed or translated (`task`), window by window."""
         body = await request.body()
         if len(body) > svc.state.max_body:
             raise APIError(413, f"the request body is over {svc.state.max_body} bytes")
         form = form_fields(body, request.headers.get("content-type", ""))
         text = {k: v.decode("utf-8", "replace") for k, (v, f) in form.items() if f is None}
         if "file" not in form:
-            raise bad("a transcription needs the audio file", "file")
+            raise bad(f"a {task} request needs the audio file", "file")
         fmt = text.get("response_format", "json")
         if fmt not in FORMATS:
             raise bad(f"expected one of {', '.join(FORMATS)}", "response_format")
@@ -142,11 +162,18 @@ def router(svc: Service, auth: list) -> APIRouter:
         hearing = served.model.hearing
         if hearing is None:
             raise bad(f"{served.name} takes no audio", "model")
+        if task not in hearing.tasks:
+            raise bad(
+                f"{served.name} cannot {task} audio (it does {', '.join(hearing.tasks)})", "model"
+            )
         try:
             samples = load_audio(form["file"][0], hearing.rate, "file")
         except MlxlisError as e:
             raise bad(e.message, "file") from None
-        ask = instruction(text.get("language"), text.get("prompt"))
+        if task == "translate":
+            ask = text.get("prompt") or TRANSLATION.format(language="its spoken language")
+        else:
+            ask = instruction(text.get("language"), text.get("prompt"))
         size, segments = WINDOW_SECONDS * hearing.rate, []
         for k, window in enumerate(windows(samples, size)):
             audio = {"data": window_wav(window, hearing.rate), "format": "wav"}
@@ -163,8 +190,18 @@ def router(svc: Service, auth: list) -> APIRouter:
                 run = svc.submit(served, prep, new_id("transcribe"), request)
             await collect(run, reply.feed)
             said = (reply.message().get("content") or "").strip()
+            if task == "translate":
+                said = translation(said)
             start = k * WINDOW_SECONDS
             segments.append((float(start), start + len(window) / hearing.rate, said))
-        return rendered(segments, fmt, text.get("language"))
+        return rendered(segments, fmt, text.get("language"), task)
+
+    @r.post("/v1/audio/transcriptions", dependencies=auth)
+    async def transcriptions(request: Request) -> Any:
+        return await heard(request, "transcribe")
+
+    @r.post("/v1/audio/translations", dependencies=auth)
+    async def translations(request: Request) -> Any:
+        return await heard(request, "translate")
 
     return r
