@@ -1,0 +1,149 @@
+"""Voxtral hears: a tiny random VoxtralForConditionalGeneration (transformers 5.25) saved as a
+hub folder with WhisperFeatureExtractor's settings, loaded by mlxlis.load, against
+transformers: the tower's soft tokens, the logits after a clip, greedy generation, the
+transcription request's layout (mistral_common's, as VoxtralProcessor builds it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_audio import encoded, reference_samples, signal
+
+SPECIAL = ("<s>", "[INST]", "[/INST]", "[BEGIN_AUDIO]", "[AUDIO]", "[TRANSCRIBE]")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST]"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'audio' %}[AUDIO]{% elif p.type == 'text' %}{{ p.text }}{% endif %}"
+    "{% endfor %}{% endif %}[/INST]{% else %}{{ m.content }}</s>{% endif %}{% endfor %}"
+)
+
+
+SPECS = {  # 2 s chunks: a tower of 100 positions, 25 soft tokens a chunk
+    "voxtral": {
+        "audio_config": {
+            "hidden_size": 16,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "max_source_positions": 100,
+        },
+        "text_config": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "max_position_embeddings": 1024,
+        },
+        "chunk_length": 2,
+    }
+}
+
+
+def build(folder, spec: dict):
+    """A hub-shaped Voxtral folder (weights, a tokenizer with Mistral's specials and a
+    template writing [AUDIO] once per clip, preprocessor_config.json); returns the model."""
+    from conftest import randomize, train_tokenizer
+    from transformers import (
+        PreTrainedTokenizerFast,
+        VoxtralConfig,
+        VoxtralForConditionalGeneration,
+        WhisperFeatureExtractor,
+    )
+
+    vocab = train_tokenizer(folder, 400, extra_special=(*SPECIAL, "</s>"))
+    tok = PreTrainedTokenizerFast.from_pretrained(folder)
+    tok.bos_token, tok.eos_token, tok.chat_template = "<s>", "</s>", TEMPLATE
+    tok.save_pretrained(folder)
+    text = {
+        **spec["text_config"],
+        "vocab_size": vocab,
+        "bos_token_id": tok.convert_tokens_to_ids("<s>"),
+        "eos_token_id": tok.convert_tokens_to_ids("</s>"),
+    }
+    cfg = VoxtralConfig(
+        audio_config=spec["audio_config"],
+        text_config=text,
+        audio_token_id=tok.convert_tokens_to_ids("[AUDIO]"),
+    )
+    torch.manual_seed(0)
+    ref = VoxtralForConditionalGeneration(cfg).eval()
+    randomize(ref, 1)
+    ref.save_pretrained(folder)
+    WhisperFeatureExtractor(feature_size=128, chunk_length=spec["chunk_length"]).save_pretrained(
+        folder
+    )
+    return ref
+
+
+@pytest.fixture(scope="module")
+def voxtral(tmp_path_factory):
+    """(folder, transformers model, tokenizer, ids of the specials)."""
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("voxtral")
+    ref = build(folder, SPECS["voxtral"])
+    tok = PreTrainedTokenizerFast.from_pretrained(folder)
+    return folder, ref, tok, {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
+
+
+def reference_features(samples: np.ndarray) -> torch.Tensor:
+    """(chunks, 128, 200) as VoxtralProcessor._retrieve_input_features makes them."""
+    from transformers import WhisperFeatureExtractor
+
+    fe = WhisperFeatureExtractor(feature_size=128, chunk_length=2)
+    out = fe(
+        samples,
+        sampling_rate=16000,
+        padding=True,
+        truncation=False,
+        pad_to_multiple_of=fe.n_samples,
+        return_tensors="pt",
+    )["input_features"]
+    return out.reshape(128, -1, fe.nb_max_frames).transpose(0, 1)
+
+
+def test_voxtral_hears_as_transformers_does(voxtral):
+    """Proves, through mlxlis.load: the tower (Whisper encoder + projector) is loaded, not
+    skipped; a 4.7 s stereo 44.1 kHz clip becomes 3 chunks of 25 soft tokens, and the soft
+    tokens equal transformers' get_audio_features on the processor's features within 1e-4
+    (relative); encode_chat expands the template's [AUDIO] into [BEGIN_AUDIO] and a run of
+    75 [AUDIO]; the logits of that prompt equal VoxtralForConditionalGeneration's within
+    1e-4 (relative, float32); greedy generation prefilled in chunks of 16 equals
+    transformers' generate; the transcription request is mistral_common's layout.
+    Measured: soft tokens within 1.5e-6, logits within 1.3e-6 (relative to the largest)."""
+    import mlxlis
+    from mlxlis.generation.generate import generate
+
+    folder, ref, tok, ids = voxtral
+    model = mlxlis.load(folder, "float32")
+    assert not any("audio_tower" in n for n in model.skipped) and model.hearing is not None
+    stereo = np.stack([signal("chirp", 44100, 4.7), signal("tone", 44100, 4.7)], axis=1)
+    data = encoded(stereo, 44100)
+    feats = reference_features(reference_samples(data, 16000))
+    assert feats.shape == (3, 128, 200)
+    parts = [{"type": "audio", "audio": data}, {"type": "text", "text": "what is said?"}]
+    prompt = model.encode_chat([{"role": "user", "content": parts}])
+    (clip,) = prompt.images
+    assert clip.tokens == 75
+    with torch.no_grad():
+        want = ref.get_audio_features(feats).pooler_output.numpy()
+    got = np.array(model.hearing.features(clip))
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+    text = "<s>[INST][BEGIN_AUDIO]" + "[AUDIO]" * 75 + "what is said?[/INST]"
+    assert prompt.ids == tok(text, add_special_tokens=False)["input_ids"]
+    inputs = {"input_ids": torch.tensor([prompt.ids]), "input_features": feats}
+    with torch.no_grad():
+        logits = ref(**inputs).logits[0].numpy()
+        out = ref.generate(**inputs, max_new_tokens=8, do_sample=False)
+    mine = np.array(model.logits(prompt.ids, prompt.images))
+    assert np.abs(mine - logits).max() / np.abs(logits).max() < 1e-4
+    expected = out[0, len(prompt.ids) :].tolist()
+    events = generate(model, prompt, max_tokens=len(expected), temperature=0.0, prefill_step=16)
+    assert [e.token for e in events if e.token is not None] == expected
+    request = model.hearing.transcription(clip, "en")
+    lang = tok("lang:en", add_special_tokens=False)["input_ids"]
+    head = [ids["<s>"], ids["[INST]"], ids["[BEGIN_AUDIO]"], *[ids["[AUDIO]"]] * 75]
+    assert request == [*head, ids["[/INST]"], *lang, ids["[TRANSCRIBE]"]]
