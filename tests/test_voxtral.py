@@ -147,3 +147,50 @@ def test_voxtral_hears_as_transformers_does(voxtral):
     lang = tok("lang:en", add_special_tokens=False)["input_ids"]
     head = [ids["<s>"], ids["[INST]"], ids["[BEGIN_AUDIO]"], *[ids["[AUDIO]"]] * 75]
     assert request == [*head, ids["[/INST]"], *lang, ids["[TRANSCRIBE]"]]
+
+
+def test_server_transcribes_with_voxtrals_own_request(voxtral, tmp_path):
+    """Proves `POST /v1/audio/transcriptions` on a real `mlxlis serve` of the Voxtral folder,
+    called by the openai client, returns the library's greedy continuation of mistral_common's
+    transcription request for the file ("lang:en" given) in json and srt; and that what
+    Voxtral cannot do is refused naming the field, in OpenAI's error shape: a translation
+    (`model`), a `prompt`, a language that is not an ISO-639-1 code."""
+    import mlxlis
+    from mlxlis.generation.generate import generate
+    from mlxlis.models.multimodal import Prompt
+    from mlxlis.serve.transcriptions import WINDOW_TOKENS
+
+    import openai
+    from serve_process import ServeProcess
+
+    folder = voxtral[0]
+    path = tmp_path / "said.flac"
+    path.write_bytes(encoded(signal("chirp", 16000, 3.1), 16000, "FLAC", "PCM_16"))
+    model = mlxlis.load(folder, "float32")
+    clip = model.hearing.prepare_audio(str(path), "file", "said.flac")
+    prompt = Prompt(model.hearing.transcription(clip, "en"), (clip,))
+    events = generate(model, prompt, temperature=0.0, max_tokens=WINDOW_TOKENS)
+    want = "".join(e.text for e in events if e.text).strip()
+    assert want
+    (tmp_path / "served").mkdir()
+    srv = ServeProcess(tmp_path / "served", "-m", str(folder))
+    try:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="none")
+
+        def ask(kind: str = "transcriptions", **kw):
+            with open(path, "rb") as f:
+                return getattr(client.audio, kind).create(model=srv.model, file=f, **kw)
+
+        assert ask(language="en", temperature=0.0).text == want
+        srt = ask(language="en", response_format="srt")
+        assert srt == f"1\n00:00:00,000 --> 00:00:03,100\n{want}\n"
+        for kind, kw, field in (
+            ("translations", {}, "model"),
+            ("transcriptions", {"prompt": "Say it."}, "prompt"),
+            ("transcriptions", {"language": "english"}, "language"),
+        ):
+            with pytest.raises(openai.BadRequestError) as e:
+                ask(kind, **kw)
+            assert e.value.body["param"] == field, e.value.body
+    finally:
+        assert srv.stop() == 0, srv.log()

@@ -154,6 +154,20 @@ class Hearing(Protocol):
         ...
 
 
+@runtime_checkable
+class Transcribes(Protocol):
+    """A Hearing with a transcription request of its own, not a chat (Voxtral's)."""
+
+    rate: int
+
+    def prepare_audio(self, source: Any, field: str, name: str) -> PromptImage: ...
+
+    def transcription(self, clip: PromptImage, language: str | None) -> list[int]:
+        """The request's prompt ids for `clip` (its placeholder run included), in `language`
+        (an ISO-639-1 code) or the model's own detection (None)."""
+        ...
+
+
 class CachedVision:
     """A vision tower that keeps the features of the last FEATURES_KEPT images it gave, by
     digest (a chat's later turns, a second request about one image); the rest is the tower's."""

@@ -1,5 +1,5 @@
 """OpenAI's `POST /v1/audio/transcriptions` and `POST /v1/audio/translations` for a model
-that hears (Gemma 3n).
+that hears (Gemma 3n, Voxtral).
 
 The multipart form (`file`, `model`, `prompt`, `language`, `response_format`, `temperature`)
 becomes one chat request through the same builder as /v1/chat/completions: the file's
@@ -12,8 +12,11 @@ documented speech-translation prompt ("Transcribe the following speech segment i
 translate it into English." and its format: the transcription, a newline, "English: " and
 the translation); the text after "English: " is the translation (the whole reply where the
 model did not write it). A model whose hearing does not list the task (`Hearing.tasks`) is
-refused naming it. `response_format`: json ({"text"}), text, verbose_json (duration,
-language, segments with their times), srt or vtt (a cue per segment).
+refused naming it. A model with a transcription request of its own (multimodal.Transcribes:
+Voxtral's mistral_common request, "lang:xx" where `language` is given) is asked it instead of a
+chat, window by window; a `prompt` it cannot take is refused. `response_format`: json
+({"text"}), text, verbose_json (duration, language, segments with their times), srt or vtt (a
+cue per segment).
 """
 
 from __future__ import annotations
@@ -25,9 +28,13 @@ from email.policy import HTTP
 from typing import Any
 
 from mlxlis.errors import MlxlisError
+from mlxlis.generation.sampling import SamplingParams
+from mlxlis.generation.sequence import Request as GenRequest
+from mlxlis.models.multimodal import Transcribes
 from mlxlis.prompt.audio import load_audio, windows
 from mlxlis.serve.openai_format import APIError, new_id
-from mlxlis.serve.prepare import prepare_chat
+from mlxlis.serve.prepare import Prepared, Target, fit, prepare_chat
+from mlxlis.serve.reply import CompletionReply
 from mlxlis.serve.schemas import ChatCompletionRequest
 from mlxlis.serve.service import Service, collect
 
@@ -95,13 +102,52 @@ def translation(reply: str) -> str:
     return after.strip() if found else reply.strip()
 
 
-def window_wav(samples: np.ndarray, rate: int) -> str:
-    """One window as base64 float WAV (its samples exactly)."""
+def window_bytes(samples: np.ndarray, rate: int) -> bytes:
+    """One window as a float WAV file (its samples exactly)."""
     import soundfile as sf
 
     buf = io.BytesIO()
     sf.write(buf, samples, rate, format="WAV", subtype="FLOAT")
-    return base64.b64encode(buf.getvalue()).decode()
+    return buf.getvalue()
+
+
+def window_wav(samples: np.ndarray, rate: int) -> str:
+    """One window as base64 float WAV."""
+    return base64.b64encode(window_bytes(samples, rate)).decode()
+
+
+def prepare_request(
+    t: Target, hearing: Transcribes, wav: bytes, language: str | None, temperature: float
+) -> Prepared:
+    """The model's own transcription request for one window (on the preparing thread)."""
+    clip = hearing.prepare_audio(wav, "file", "audio")
+    ids = hearing.transcription(clip, language)
+    params = SamplingParams(temperature=temperature, max_tokens=WINDOW_TOKENS)
+    params, _ = fit(t, ids, params, False, "file")
+    spans = t.model.image_spans(ids, (clip,))
+    return Prepared(GenRequest(ids, params, stop_ids=t.stop_ids, images=spans), None, None)
+
+
+async def own_request(svc: Service, served: Any, wav: bytes, text: dict, request: Any) -> str:
+    """One window transcribed by the model's own request (Transcribes)."""
+    language = text.get("language")
+    if text.get("prompt"):
+        raise bad(f"{served.name}'s transcription request takes no prompt", "prompt")
+    if language is not None and not (len(language) == 2 and language.isalpha()):
+        raise bad(f"{language!r} is not an ISO-639-1 code", "language")
+    try:
+        temperature = float(text.get("temperature", "0"))
+    except ValueError:
+        raise bad("expected a number", "temperature") from None
+    hearing = served.model.hearing
+    with served.held():
+        prep = await svc.prepare(
+            served, prepare_request, hearing, wav, language and language.lower(), temperature
+        )
+        run = svc.submit(served, prep, new_id("transcribe"), request)
+    reply = CompletionReply(served.token_text, logprobs=False)
+    await collect(run, reply.feed)
+    return reply.text.strip()
 
 
 def stamp(t: float, sep: str) -> str:
@@ -172,10 +218,18 @@ def router(svc: Service, auth: list) -> APIRouter:
             raise bad(e.message, "file") from None
         if task == "translate":
             ask = text.get("prompt") or TRANSLATION.format(language="its spoken language")
-        else:
+        elif not isinstance(hearing, Transcribes):
             ask = instruction(text.get("language"), text.get("prompt"))
         size, segments = WINDOW_SECONDS * hearing.rate, []
         for k, window in enumerate(windows(samples, size)):
+            start = k * WINDOW_SECONDS
+            end = start + len(window) / hearing.rate
+            if task == "transcribe" and isinstance(hearing, Transcribes):
+                wav = window_bytes(window, hearing.rate)
+                segments.append(
+                    (float(start), end, await own_request(svc, served, wav, text, request))
+                )
+                continue
             audio = {"data": window_wav(window, hearing.rate), "format": "wav"}
             content = [{"type": "input_audio", "input_audio": audio}, {"type": "text", "text": ask}]
             req = ChatCompletionRequest(
@@ -192,8 +246,7 @@ def router(svc: Service, auth: list) -> APIRouter:
             said = (reply.message().get("content") or "").strip()
             if task == "translate":
                 said = translation(said)
-            start = k * WINDOW_SECONDS
-            segments.append((float(start), start + len(window) / hearing.rate, said))
+            segments.append((float(start), end, said))
         return rendered(segments, fmt, text.get("language"), task)
 
     @r.post("/v1/audio/transcriptions", dependencies=auth)
