@@ -95,6 +95,7 @@ AUDIO_DECODE = "tests/test_audio.py::test_formats_decode_mix_and_resample_as_the
 AUDIO_TOWER = "tests/test_gemma3n_audio.py::test_tower_and_embedder_match_transformers"
 WHISPER_MEL = "tests/test_whisper_features.py::test_mel_filters_equal_transformers"
 WHISPER_FEATURES = "tests/test_whisper_features.py::test_features_equal_transformers"
+VOXTRAL = "tests/test_voxtral.py::test_voxtral_hears_as_transformers_does"
 AUDIO_HEARS = "tests/test_gemma3n_hearing.py::test_folder_hears_as_transformers_does"
 OLMO3_LOCAL = "tests/test_olmo3.py::test_sliding_layers_keep_their_own_rope"
 OLMO3_GGUF = "tests/test_olmo3.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
@@ -3583,6 +3584,46 @@ MUTANTS = (
         "return reply.strip()",
         ("tests/test_gemma3n_hearing.py::test_server_translates_and_responses_hear",),
         "/v1/audio/translations: the transcription before 'English: ' kept in the answer",
+    ),
+    Mutant(
+        "voxtral-regroup-transposed",
+        "mlxlis/models/voxtral.py",
+        "self.multi_modal_projector(states.reshape(-1, self.inner))",
+        "self.multi_modal_projector(states.transpose(0, 2, 1).reshape(-1, self.inner))",
+        (VOXTRAL,),
+        "Voxtral: the encoder's states regrouped across the width, not four positions a row",
+    ),
+    Mutant(
+        "voxtral-audio-bidirectional",
+        "mlxlis/models/voxtral.py",
+        "    bidirectional = False",
+        "    bidirectional = True",
+        (VOXTRAL,),
+        "Voxtral: a clip's positions see each other both ways (the decoder reads them causally)",
+    ),
+    Mutant(
+        "whisper-positions-skipped",
+        "mlxlis/models/whisper_encoder.py",
+        "x = x + self.embed_positions.weight.astype(x.dtype)",
+        "x = x + 0 * self.embed_positions.weight.astype(x.dtype)",
+        (VOXTRAL,),
+        "Whisper encoder: the learned positions not added",
+    ),
+    Mutant(
+        "whisper-attention-scale",
+        "mlxlis/models/whisper_encoder.py",
+        "scale=1 / math.sqrt(D // self.heads)",
+        "scale=1 / math.sqrt(D)",
+        (VOXTRAL,),
+        "Whisper encoder: queries scaled by the width, not the head size",
+    ),
+    Mutant(
+        "voxtral-request-no-end-inst",
+        "mlxlis/models/voxtral.py",
+        '*[i["audio"]] * clip.tokens, i["end_inst"]]',
+        '*[i["audio"]] * clip.tokens]',
+        (VOXTRAL,),
+        "Voxtral's transcription request without [/INST] after the clip",
     ),
     Mutant(
         "gemma3n-audio-context-edge",
