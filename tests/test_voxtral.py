@@ -194,3 +194,42 @@ def test_server_transcribes_with_voxtrals_own_request(voxtral, tmp_path):
             assert e.value.body["param"] == field, e.value.body
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+def test_voxtral_settings_it_cannot_honour_are_refused(voxtral, tmp_path):
+    """Proves a Voxtral folder whose tower or projector cannot be built as configured is
+    refused by mlxlis.load with a ConfigError naming config.json (or the extractor's file)
+    and the field: heads that do not divide the width, an activation mlxlis lacks, a text
+    decoder that is not Llama's, states that do not regroup, and an extractor whose chunks
+    are not the encoder's input."""
+    import json
+    import shutil
+
+    import mlxlis
+    from mlxlis.errors import ConfigError, UnsupportedError
+
+    from conftest import check_config_refused
+
+    folder = voxtral[0]
+    audio = json.loads((folder / "config.json").read_text())["audio_config"]
+    text = json.loads((folder / "config.json").read_text())["text_config"]
+    for k, (change, error, field) in enumerate(
+        (
+            ({"num_attention_heads": 3}, ConfigError, "num_attention_heads"),
+            ({"activation_function": "swish"}, ConfigError, "activation_function"),
+            ({"intermediate_size": 48}, ConfigError, "audio_config.intermediate_size"),
+        )
+    ):
+        change = {"audio_config": {**audio, **change}}
+        check_config_refused(folder, tmp_path / str(k), change, error, field)
+    act = {"projector_hidden_act": "tanh"}
+    check_config_refused(folder, tmp_path / "a", act, ConfigError, "projector_hidden_act")
+    change = {"text_config": {**text, "model_type": "qwen2"}}
+    check_config_refused(folder, tmp_path / "t", change, UnsupportedError, "text_config.model_type")
+    bad = tmp_path / "chunks"
+    shutil.copytree(folder, bad)
+    pre = json.loads((bad / "preprocessor_config.json").read_text())
+    (bad / "preprocessor_config.json").write_text(json.dumps({**pre, "chunk_length": 3}))
+    with pytest.raises(ConfigError) as e:
+        mlxlis.load(bad, "float32")
+    assert e.value.field == "chunk_length" and "preprocessor_config.json" in str(e.value)
