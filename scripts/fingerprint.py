@@ -122,7 +122,7 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
         "deepseek_v4": (DSV4["v4"], build_dsv4),  # CSA / HCA / window, hyper-connections, hash
         "granite4": (GRANITE4["granite4"], build_granite4),  # Mamba-2, NoPE, experts, scales
         "nemotron_h": (NEMOTRON_H["nemotron_h"], build_nemotron_h),  # Mamba-2, relu² experts
-        "voxtral": (VOXTRAL["voxtral"], build_voxtral),  # a Llama decoder under a Whisper tower
+        "voxtral": (VOXTRAL["text"], build_voxtral),  # the Llama decoder a Whisper tower feeds
     }
 
 

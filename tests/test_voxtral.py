@@ -40,11 +40,13 @@ SPECS = {  # 2 s chunks: a tower of 100 positions, 25 soft tokens a chunk
         "chunk_length": 2,
     }
 }
+SPECS["text"] = {k: v for k, v in SPECS["voxtral"].items() if k != "chunk_length"}
 
 
 def build(folder, spec: dict):
     """A hub-shaped Voxtral folder (weights, a tokenizer with Mistral's specials and a
-    template writing [AUDIO] once per clip, preprocessor_config.json); returns the model."""
+    template writing [AUDIO] once per clip, preprocessor_config.json where `spec` says the
+    chunks); returns the model."""
     from conftest import randomize, train_tokenizer
     from transformers import (
         PreTrainedTokenizerFast,
@@ -72,9 +74,9 @@ def build(folder, spec: dict):
     ref = VoxtralForConditionalGeneration(cfg).eval()
     randomize(ref, 1)
     ref.save_pretrained(folder)
-    WhisperFeatureExtractor(feature_size=128, chunk_length=spec["chunk_length"]).save_pretrained(
-        folder
-    )
+    if "chunk_length" in spec:  # without it, a text-only folder (the fingerprint's)
+        extractor = WhisperFeatureExtractor(feature_size=128, chunk_length=spec["chunk_length"])
+        extractor.save_pretrained(folder)
     return ref
 
 
