@@ -111,11 +111,12 @@ def test_voxtral_hears_as_transformers_does(voxtral):
     """Proves, through mlxlis.load: the tower (Whisper encoder + projector) is loaded, not
     skipped (inspect's report says so); a 4.7 s stereo 44.1 kHz clip becomes 3 chunks of 25
     soft tokens, and the soft tokens equal transformers' get_audio_features on the
-    processor's features within 1e-4 (relative); encode_chat expands the template's [AUDIO] into [BEGIN_AUDIO] and a run of
-    75 [AUDIO]; the logits of that prompt equal VoxtralForConditionalGeneration's within
-    1e-4 (relative, float32); greedy generation prefilled in chunks of 16 equals
-    transformers' generate; the transcription request is mistral_common's layout.
-    Measured: soft tokens within 1.5e-6, logits within 1.3e-6 (relative to the largest)."""
+    processor's features within 1e-4 (relative); encode_chat expands the template's [AUDIO]
+    into [BEGIN_AUDIO] and a run of 75 [AUDIO]; the logits of that prompt equal
+    VoxtralForConditionalGeneration's within 1e-4 (relative, float32); greedy generation
+    prefilled in chunks of 16 equals transformers' generate; the transcription request is
+    mistral_common's layout. Measured: soft tokens within 1.5e-6, logits within 1.3e-6
+    (relative to the largest)."""
     import mlxlis
     from mlxlis.commands.report import model_report
     from mlxlis.generation.generate import generate
