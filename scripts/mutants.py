@@ -3618,6 +3618,14 @@ MUTANTS = (
         "Whisper encoder: queries scaled by the width, not the head size",
     ),
     Mutant(
+        "voxtral-clip-no-begin-audio",
+        "mlxlis/models/voxtral.py",
+        "lambda a: self.boa + self.soft * a.tokens",
+        "lambda a: self.soft * a.tokens",
+        (VOXTRAL,),
+        "Voxtral: a clip's run in a chat without [BEGIN_AUDIO] before it",
+    ),
+    Mutant(
         "voxtral-request-no-end-inst",
         "mlxlis/models/voxtral.py",
         '*[i["audio"]] * clip.tokens, i["end_inst"]]',
