@@ -79,6 +79,8 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
     from test_qwen4_exp import SPECS as Q4
     from test_qwen4_exp import ple_weights
     from test_smollm3 import SPECS as SMOL
+    from test_voxtral import SPECS as VOXTRAL
+    from test_voxtral import build as build_voxtral
 
     def pad1(f, s):
         return build_tiny(f, s, pad_token_id=1)
@@ -120,6 +122,7 @@ def tiny_specs() -> dict[str, tuple[dict, object]]:
         "deepseek_v4": (DSV4["v4"], build_dsv4),  # CSA / HCA / window, hyper-connections, hash
         "granite4": (GRANITE4["granite4"], build_granite4),  # Mamba-2, NoPE, experts, scales
         "nemotron_h": (NEMOTRON_H["nemotron_h"], build_nemotron_h),  # Mamba-2, relu² experts
+        "voxtral": (VOXTRAL["text"], build_voxtral),  # the Llama decoder a Whisper tower feeds
     }
 
 

@@ -94,6 +94,9 @@ AUDIO_MEL = "tests/test_audio.py::test_mel_filters_equal_transformers"
 AUDIO_FEATURES = "tests/test_audio.py::test_features_equal_transformers"
 AUDIO_DECODE = "tests/test_audio.py::test_formats_decode_mix_and_resample_as_the_libraries_do"
 AUDIO_TOWER = "tests/test_gemma3n_audio.py::test_tower_and_embedder_match_transformers"
+WHISPER_MEL = "tests/test_whisper_features.py::test_mel_filters_equal_transformers"
+WHISPER_FEATURES = "tests/test_whisper_features.py::test_features_equal_transformers"
+VOXTRAL = "tests/test_voxtral.py::test_voxtral_hears_as_transformers_does"
 AUDIO_HEARS = "tests/test_gemma3n_hearing.py::test_folder_hears_as_transformers_does"
 OLMO3_LOCAL = "tests/test_olmo3.py::test_sliding_layers_keep_their_own_rope"
 OLMO3_GGUF = "tests/test_olmo3.py::test_gguf_from_llama_cpp_converter_equals_the_folder"
@@ -3621,6 +3624,87 @@ MUTANTS = (
         "    return [samples[i : i + size - 1] for i in range(0, len(samples), size)]",
         ("tests/test_audio.py::test_windows_cover_the_samples_in_order",),
         "audio in: each 30 s window's last sample dropped at the boundary",
+    ),
+    Mutant(
+        "whisper-mel-bin-shift",
+        "mlxlis/prompt/whisper_features.py",
+        "freqs = np.linspace(0.0, rate / 2, n_freqs)",
+        "freqs = np.linspace(0.0, rate / 2, n_freqs) + rate / (2 * (n_freqs - 1))",
+        (WHISPER_MEL, WHISPER_FEATURES),
+        "Whisper log-mels (Voxtral): the mel filters one FFT bin off",
+    ),
+    Mutant(
+        "whisper-chunk-drops-samples",
+        "mlxlis/prompt/whisper_features.py",
+        "padded = max(1, -(-len(x) // size)) * size",
+        "padded = max(1, len(x) // size) * size",
+        (WHISPER_FEATURES,),
+        "Whisper log-mels (Voxtral): the samples past the last whole chunk dropped",
+    ),
+    Mutant(
+        "whisper-floor-per-chunk",
+        "mlxlis/prompt/whisper_features.py",
+        "logmel = np.maximum(logmel, logmel.max() - 8.0)",
+        "logmel = np.maximum(logmel, logmel.reshape(-1, self.chunk_frames, self.feature_size)"
+        ".max(axis=(1, 2)).repeat(self.chunk_frames)[:, None] - 8.0)",
+        ("tests/test_whisper_features.py::test_thirty_second_chunks_and_settings",),
+        "Whisper log-mels (Voxtral): the 8-below-the-peak floor taken per chunk, not per clip",
+    ),
+    Mutant(
+        "audio-translation-whole-reply",
+        "mlxlis/serve/transcriptions.py",
+        "return after.strip() if found else reply.strip()",
+        "return reply.strip()",
+        ("tests/test_gemma3n_hearing.py::test_server_translates_and_responses_hear",),
+        "/v1/audio/translations: the transcription before 'English: ' kept in the answer",
+    ),
+    Mutant(
+        "voxtral-regroup-transposed",
+        "mlxlis/models/voxtral.py",
+        "self.multi_modal_projector(states.reshape(-1, self.inner))",
+        "self.multi_modal_projector(states.transpose(0, 2, 1).reshape(-1, self.inner))",
+        (VOXTRAL,),
+        "Voxtral: the encoder's states regrouped across the width, not four positions a row",
+    ),
+    Mutant(
+        "voxtral-audio-bidirectional",
+        "mlxlis/models/voxtral.py",
+        "    bidirectional = False",
+        "    bidirectional = True",
+        (VOXTRAL,),
+        "Voxtral: a clip's positions see each other both ways (the decoder reads them causally)",
+    ),
+    Mutant(
+        "whisper-positions-skipped",
+        "mlxlis/models/whisper_encoder.py",
+        "x = x + self.embed_positions.weight.astype(x.dtype)",
+        "x = x + 0 * self.embed_positions.weight.astype(x.dtype)",
+        (VOXTRAL,),
+        "Whisper encoder: the learned positions not added",
+    ),
+    Mutant(
+        "whisper-attention-scale",
+        "mlxlis/models/whisper_encoder.py",
+        "scale=1 / math.sqrt(D // self.heads)",
+        "scale=1 / math.sqrt(D)",
+        (VOXTRAL,),
+        "Whisper encoder: queries scaled by the width, not the head size",
+    ),
+    Mutant(
+        "voxtral-clip-no-begin-audio",
+        "mlxlis/models/voxtral.py",
+        "lambda a: self.boa + self.soft * a.tokens",
+        "lambda a: self.soft * a.tokens",
+        (VOXTRAL,),
+        "Voxtral: a clip's run in a chat without [BEGIN_AUDIO] before it",
+    ),
+    Mutant(
+        "voxtral-request-no-end-inst",
+        "mlxlis/models/voxtral.py",
+        '*[i["audio"]] * clip.tokens, i["end_inst"]]',
+        '*[i["audio"]] * clip.tokens]',
+        (VOXTRAL,),
+        "Voxtral's transcription request without [/INST] after the clip",
     ),
     Mutant(
         "gemma3n-audio-context-edge",

@@ -155,3 +155,23 @@ def test_bad_audio_is_refused_by_name(tmp_path):
             load_audio(str(long), 16000)
     finally:
         audio.MAX_SECONDS = bound
+
+
+def test_chat_app_audio_refused_where_it_cannot_be_heard(tiny, tmp_path):
+    """The chat app's /audio on a model that hears nothing is an MlxlisError naming the
+    command and file and the model, said before the file is read; in raw completion it is
+    refused naming /audio; nothing is attached either way."""
+    import mlxlis
+    from mlxlis.errors import MlxlisError
+
+    from tui.engine import Engine, Options
+
+    folder, _ = tiny("llama")
+    model = mlxlis.load(folder, "float32")
+    path = tmp_path / "said.wav"  # never read: the refusal comes first
+    for raw, field, said in ((False, f"/audio {path}", "takes no audio"), (True, "/audio", "raw")):
+        engine = Engine(model, Options(model=str(folder), no_chat=raw))
+        with pytest.raises(MlxlisError) as e:
+            engine.attach_audio(str(path))
+        assert e.value.field == field and said in e.value.message
+        assert not engine.attachments

@@ -281,3 +281,119 @@ def test_cli_audio_flag_equals_transformers(heard, tmp_path):
     assert out.stdout == want + "\n"
     out = subprocess.run([*cmd, "--audio", str(bad), "what"], capture_output=True, text=True)
     assert out.returncode == 2 and f"--audio {bad}: not audio" in out.stderr, out.stderr
+
+
+def test_server_translates_and_responses_hear(served, tmp_path):
+    """Proves, on a real `mlxlis serve` through the openai client: `POST
+    /v1/audio/translations` (`client.audio.translations.create`) returns the library's greedy
+    reply to Google's speech-translation prompt for the file, cut after "English: " as the
+    endpoint documents, in json and verbose_json (task "translate"); Responses' input_audio
+    part (base64 + format) gives the library's greedy reply to the same message; bad base64
+    in it and an input_audio part without its audio are 400s naming the Responses field."""
+    import base64
+
+    from mlxlis.generation.generate import generate
+    from mlxlis.serve.transcriptions import TRANSLATION, translation
+
+    import openai
+    from test_audio import encoded
+
+    srv, client, model = served
+    path = tmp_path / "said.flac"
+    path.write_bytes(encoded(signal("chirp", 16000, 1.7), 16000, "FLAC", "PCM_16"))
+    ask = TRANSLATION.format(language="its spoken language")
+    want = translation(library_transcript(model, path, ask))
+    assert want and translation("hola\nEnglish: hello") == "hello"
+    with open(path, "rb") as f:
+        assert client.audio.translations.create(model=srv.model, file=f).text == want
+    with open(path, "rb") as f:
+        verbose = client.audio.translations.create(
+            model=srv.model, file=f, response_format="verbose_json"
+        )
+    assert verbose.text == want and verbose.task == "translate" and verbose.duration == 1.7
+    with pytest.raises(openai.BadRequestError) as e:
+        client.audio.translations.create(model=srv.model, file=("x.mp3", b"ID3 nothing"))
+    assert e.value.body["param"] == "file"
+
+    b64 = base64.b64encode(path.read_bytes()).decode()
+    text = {"type": "text", "text": "what is said?"}
+    audio = {"type": "input_audio", "input_audio": {"data": b64, "format": "flac"}}
+    prompt = model.encode_chat([{"role": "user", "content": [text, audio]}])
+    events = generate(model, prompt, max_tokens=6, temperature=0.0)
+    said = "".join(e.text for e in events if e.text)
+    assert said
+    asked = [{"type": "input_text", "text": "what is said?"}, audio]
+    reply = client.responses.create(
+        model=srv.model,
+        input=[{"role": "user", "content": asked}],
+        max_output_tokens=6,
+        temperature=0.0,
+    )
+    assert reply.output_text == said
+    for part, field in (
+        ({"type": "input_audio", "input_audio": {"data": "@@", "format": "wav"}}, "data"),
+        ({"type": "input_audio"}, "input_audio"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(
+                model=srv.model, input=[{"role": "user", "content": [asked[0], part]}]
+            )
+        param = e.value.body["error"]["param"] if "error" in e.value.body else e.value.body["param"]
+        assert param.startswith("input[0].content[1].input_audio") and param.endswith(field)
+
+
+def test_chat_app_attaches_audio_to_the_next_message(heard, tmp_path):
+    """The chat app's /audio: a file that is not audio is an error notification naming it; a
+    clip is a note with its name and duration, shown in the user's bubble and sent in the
+    next message, whose prompt is the processor's expansion for that message (its token
+    count); the saved record names the clip and its duration. Real app, real ChatSession."""
+    import asyncio
+
+    import mlxlis
+
+    from test_audio import encoded, reference_samples
+    from test_tui import SIZE, bubbles, errors, record_notes, wait_for
+
+    from tui.app import ChatApp
+    from tui.engine import Options
+    from tui.widgets import Note
+
+    folder, _, processor = heard
+    path, bad = tmp_path / "said.wav", tmp_path / "bad.wav"
+    path.write_bytes(encoded(signal("tone", 44100, 2.3), 44100))
+    bad.write_bytes(b"RIFF not really")
+    sampling = mlxlis.SamplingParams(temperature=0.0, max_tokens=3)
+    opts = Options(model=str(folder), sampling=sampling, dtype="float32")
+    app = record_notes(ChatApp(opts, data_dir=tmp_path / "conversations"))
+    parts = [{"type": "audio", "audio": "x"}, {"type": "text", "text": "what"}]
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+    )
+    samples = reference_samples(path.read_bytes(), 16000)
+    want = processor(text=text, audio=[samples], return_tensors="np")["input_ids"][0]
+
+    async def scenario(pilot):
+        await wait_for(pilot, lambda: app.engine is not None or app.notes, 120, "model load")
+        app.prompt_input.insert(f"/audio {bad}")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: errors(app), 10, "the refusal")
+        assert f"/audio {bad}: not audio" in errors(app)[-1]
+        app.prompt_input.clear()
+        app.prompt_input.insert(f"/audio {path}")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.engine.attachments, 10, "the attachment")
+        assert "[audio: said.wav, 2.3 s]" in app.query(Note)[-1].source
+        app.prompt_input.insert("what")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.engine.turns) == 2 and not app.generating, 60)
+        assert "[audio: said.wav, 2.3 s]" in bubbles(app, "user")[-1].text
+        assert app.engine.session.last_prompt_tokens == len(want)
+        assert not app.engine.attachments
+        rec = app.engine.record("r")
+        assert rec["turns"][0]["content"] == "[audio: said.wav, 2.3 s]\nwhat"
+
+    async def main():
+        async with app.run_test(size=SIZE) as pilot:
+            await scenario(pilot)
+
+    asyncio.run(main())

@@ -207,6 +207,23 @@ class CommandsMixin:
             await self.conversation.mount(Thumbnail(opened))
             self.conversation.scroll_end(animate=False)
 
+    async def cmd_audio(self, arg: str) -> None:
+        pending = self.engine.attachments
+        if not arg:
+            lines = [f"- {attachment_line(a)}" for a in pending]
+            await self.add_note(
+                "**Attached to your next message:**\n\n" + "\n".join(lines)
+                if lines
+                else "*No audio attached.* `/audio PATH` attaches a clip to your next message."
+            )
+            return
+        if arg == "-":
+            pending.clear()
+            self.notify("attachments dropped")
+            return
+        clip = await asyncio.to_thread(self.engine.attach_audio, arg)  # off the UI thread
+        await self.add_note(f"🔊 {attachment_line(clip)} — goes with your next message")
+
     async def cmd_save(self, arg: str) -> None:
         path = Path(arg).expanduser() if arg else Path.cwd() / f"mlxlis-chat-{self.record_id}.md"
         atomic_write(path, to_markdown(self.engine.record(self.record_id)))

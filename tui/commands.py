@@ -28,6 +28,7 @@ COMMANDS = (
     "history",
     "open",
     "image",
+    "audio",
     "model",
 )
 
@@ -55,6 +56,8 @@ JSON schema in FILE, or free (`off`), enforced token by token; `/json` shows it 
 | `/open N` | reopen conversation N from `/history` |
 | `/image PATH` | attach an image to your next message (a model that sees); `/image` lists \
 the attached ones, `/image -` drops them |
+| `/audio PATH` | attach an audio clip (WAV, FLAC, OGG, MP3) to your next message (a model \
+that hears); a note says its duration; `/audio` lists the attachments, `/audio -` drops them |
 | `/model [NAME]` | switch to another model (a new conversation; Tab completes the names \
 of the models on the disk); `/model` lists them |
 | `/help` | this help |

@@ -21,6 +21,7 @@ from mlxlis.generation.sampling import SamplingParams
 from mlxlis.generation.session import Turn
 from mlxlis.loading import catalog
 from mlxlis.models.model import Model
+from mlxlis.models.multimodal import PromptImage
 from mlxlis.prompt.images import open_image
 from mlxlis.runtime import process
 
@@ -239,7 +240,8 @@ class Engine:
                 self.thinking = options.thinking
         self.info = {**model.describe(), **process.describe()}  # the model and what runs it
         self._turns_before = 0
-        self.attachments: list = []  # images (PromptImage) the next message carries: /image
+        # what the next message carries: images (PromptImage, /image) and clips (/audio)
+        self.attachments: list = []
         self._sent_attachments: list = []
         self.speculation = None
         if options.speculative is not None:  # the draft must speak the target's vocabulary
@@ -340,13 +342,36 @@ class Engine:
         self.attachments.append(image)
         return image, opened
 
+    def attach_audio(self, path: str) -> Clip:
+        """A clip for the next message (`/audio PATH`), decoded, resampled and turned into
+        the model's features now; MlxlisError for bad audio, raw completion or a model that
+        does not hear."""
+        field = f"/audio {path}"
+        if self.raw:
+            raise MlxlisError("raw completion takes no audio (chat mode does)", field="/audio")
+        hearing = self.model.hearing
+        if hearing is None:  # said before the file is read
+            raise MlxlisError(f"{self.model.name} takes no audio", field=field)
+        prepared = hearing.prepare_audio(str(Path(path).expanduser()), field, Path(path).name)
+        clip = Clip(prepared, prepared.size[0] / hearing.rate)  # size: (samples at its rate, 1)
+        self.attachments.append(clip)
+        return clip
+
+    def _parts(self) -> list[dict]:
+        return [
+            {"type": "audio", "audio": a.prepared, "seconds": a.seconds}
+            if isinstance(a, Clip)
+            else {"type": "image", "image": a}
+            for a in self.attachments
+        ]
+
     def send(self, text: str, should_stop: Callable[[], bool]) -> Iterator[Event]:
         """The reply's events, each split into reasoning and answer (all answer when the
         session does not split); the attached images go first in the message."""
         self._turns_before = len(self.session.turns)
         content: str | list[dict] = text
         if self.attachments:
-            content = [{"type": "image", "image": im} for im in self.attachments]
+            content = self._parts()
             content.append({"type": "text", "text": text})
         self._sent_attachments, self.attachments = self.attachments, []
         return self.session.send(content, should_stop=should_stop, **self.sampling.as_dict())
@@ -360,7 +385,7 @@ class Engine:
     def preview(self, pending: str | None = None) -> str:
         """The prompt the next message gives: `pending` with the attached images first."""
         if self.attachments and not self.raw:
-            parts = [{"type": "image", "image": im} for im in self.attachments]
+            parts = self._parts()
             return self.session.prompt_preview([*parts, {"type": "text", "text": pending or ""}])
         return self.session.prompt_preview(pending)
 
@@ -394,24 +419,40 @@ class Engine:
 
 
 def _turn_record(turn: Turn) -> dict:
-    """A turn as saved: its text; a message's images by name and size only (a reopened
-    conversation has their description, not the pixels)."""
+    """A turn as saved: its text; a message's images by name and size only, its clips by
+    name and duration (a reopened conversation has their description, not the media)."""
     content = turn.content
     if isinstance(content, list):
-        content = "\n".join(
-            attachment_line(p["image"]) if p.get("type") == "image" else p.get("text", "")
-            for p in content
-        )
+        content = "\n".join(_part_line(p) for p in content)
     rec = {"role": turn.role, "content": content, "stopped": turn.stopped}
     if turn.reasoning is not None:
         rec["reasoning"] = turn.reasoning
     return rec
 
 
-def attachment_line(image) -> str:
-    """How an attached image shows in the conversation and in a saved record."""
-    w, h = image.size
-    return f"[image: {image.name}, {w} x {h}]"
+@dataclass(frozen=True)
+class Clip:
+    """An attached audio clip: its prepared features and its duration in seconds."""
+
+    prepared: PromptImage
+    seconds: float
+
+
+def _part_line(part: dict) -> str:
+    if part.get("type") == "image":
+        return attachment_line(part["image"])
+    if part.get("type") == "audio":
+        return attachment_line(Clip(part["audio"], part["seconds"]))
+    return part.get("text", "")
+
+
+def attachment_line(attached: PromptImage | Clip) -> str:
+    """How an attachment shows in the conversation: an image's name and size, a clip's
+    name and duration."""
+    if isinstance(attached, Clip):
+        return f"[audio: {attached.prepared.name}, {attached.seconds:.1f} s]"
+    w, h = attached.size
+    return f"[image: {attached.name}, {w} x {h}]"
 
 
 def _reasoning(turn: dict) -> str | None:

@@ -15,6 +15,8 @@ The JSON shape (`schema` 1) is stable: keys are only ever added, never renamed o
                                                     # left out (a vision tower, an MTP head)
      "vision": null,                                # or how it sees ("SigLIP 896 px, 256
                                                     # tokens per image")
+     "audio": null,                                 # or how it hears ("Whisper encoder, 32
+                                                    # layers, 375 tokens per 30 s chunk")
      "config": {"layers": 30, "hidden_size": 576, "intermediate_size": 1536,
                 "attention_heads": 9, "kv_heads": 3, "head_dim": 64, "vocab_size": 49152,
                 "context_length": 8192, "tie_word_embeddings": true,
@@ -77,6 +79,7 @@ def model_report(model: Model) -> dict[str, Any]:
         "template": model.template_source,
         "skipped": d.get("skipped"),
         "vision": d.get("vision"),
+        "audio": d.get("audio"),
         "config": {
             "layers": c.num_hidden_layers,
             "hidden_size": c.hidden_size,
@@ -164,6 +167,7 @@ def format_report(r: dict[str, Any]) -> str:
         ("kernels", r["kernels"]),
         ("template", r["template"] or "none (chat needs --chat-template, or use --no-chat)"),
         *([("vision", r["vision"])] if r.get("vision") else []),
+        *([("audio", r["audio"])] if r.get("audio") else []),
         *([("skipped", r["skipped"])] if r.get("skipped") else []),
         ("layers", f"{c['layers']}, hidden {c['hidden_size']}, mlp {c['intermediate_size']}"),
         (

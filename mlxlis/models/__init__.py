@@ -42,6 +42,7 @@ from mlxlis.models.qwen3_moe import QWEN3_MOE
 from mlxlis.models.qwen3_next import QWEN3_NEXT
 from mlxlis.models.qwen4_exp import QWEN4_EXP
 from mlxlis.models.smollm3 import SMOLLM3
+from mlxlis.models.voxtral import VOXTRAL
 
 import mlx.nn as nn
 
@@ -71,6 +72,7 @@ REGISTRY: dict[str, Family] = {
             DEEPSEEK_V4,
             GRANITE4,
             NEMOTRON_H,
+            VOXTRAL,
         ),
         BERT,
         MODERNBERT,

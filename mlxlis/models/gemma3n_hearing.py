@@ -37,6 +37,7 @@ class Gemma3nHearing(BlockPositions):
     """multimodal.Vision and multimodal.Hearing for Gemma 3n's audio tower."""
 
     bidirectional = False
+    tasks = ("transcribe", "translate")  # Google documents both prompts for Gemma 3n
     fill_id = 0  # Gemma3nModel's per-layer inputs read a placeholder past their table as 0
 
     def __init__(

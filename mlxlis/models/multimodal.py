@@ -142,6 +142,7 @@ class Hearing(Protocol):
     audio content parts go through."""
 
     rate: int  # the sample rate in Hz the tower's features are made at
+    tasks: tuple[str, ...]  # what /v1/audio/* may ask of it: "transcribe", "translate"
 
     def prepare_audio(self, source: Any, field: str, name: str) -> PromptImage:
         """A path or bytes decoded, resampled and turned into the tower's input; an
@@ -150,6 +151,20 @@ class Hearing(Protocol):
 
     def attach(self, net: Any) -> None:
         """Give the language model what it embeds of the part's own vocabulary."""
+        ...
+
+
+@runtime_checkable
+class Transcribes(Protocol):
+    """A Hearing with a transcription request of its own, not a chat (Voxtral's)."""
+
+    rate: int
+
+    def prepare_audio(self, source: Any, field: str, name: str) -> PromptImage: ...
+
+    def transcription(self, clip: PromptImage, language: str | None) -> list[int]:
+        """The request's prompt ids for `clip` (its placeholder run included), in `language`
+        (an ISO-639-1 code) or the model's own detection (None)."""
         ...
 
 

@@ -49,7 +49,7 @@ def _text(content: str | list[Part] | None, where: str) -> str:
     for j, p in enumerate(content):
         if p.type not in TEXT_PARTS or p.text is None:
             raise bad(
-                f"only text and input_image parts are supported, not {p.type!r}",
+                f"only text, input_image and input_audio parts are supported, not {p.type!r}",
                 f"{where}[{j}].type",
             )
         out.append(p.text)
@@ -57,13 +57,21 @@ def _text(content: str | list[Part] | None, where: str) -> str:
 
 
 def _content(content: str | list[Part] | None, where: str) -> str | list[dict[str, Any]]:
-    """A message's content: its text, or (with an input_image) its parts in order, each
-    image part carrying `_from`, its place (for the names of refusals)."""
-    if not isinstance(content, list) or not any(p.type == "input_image" for p in content):
+    """A message's content: its text, or (with an input_image or input_audio) its parts in
+    order, each image or audio part carrying `_from`, its place (for the names of
+    refusals)."""
+    media = ("input_image", "input_audio")
+    if not isinstance(content, list) or not any(p.type in media for p in content):
         return _text(content, where)
     parts: list[dict[str, Any]] = []
     for j, p in enumerate(content):
-        if p.type == "input_image":
+        if p.type == "input_audio":
+            if p.input_audio is None:
+                raise bad("an input_audio part needs input_audio", f"{where}[{j}].input_audio")
+            parts.append(
+                {"type": "input_audio", "input_audio": p.input_audio, "_from": f"{where}[{j}]"}
+            )
+        elif p.type == "input_image":
             if p.image_url is None:
                 raise bad(
                     "an input_image needs image_url (file_id is not supported)",
@@ -78,13 +86,15 @@ def _content(content: str | list[Part] | None, where: str) -> str | list[dict[st
 
 
 def _renames(messages: list[dict[str, Any]]) -> dict[str, str]:
-    """Where each image part came from (ours -> the input's), its URL first."""
+    """Where each image or audio part came from (ours -> the input's), an image's URL
+    first."""
     out = {}
     for k, m in enumerate(messages):
         for n, part in enumerate(m["content"] if isinstance(m["content"], list) else []):
             if "_from" in part:
                 src = part.pop("_from")
-                out[f"messages[{k}].content[{n}].image_url.url"] = f"{src}.image_url"
+                if part["type"] == "image_url":
+                    out[f"messages[{k}].content[{n}].image_url.url"] = f"{src}.image_url"
                 out[f"messages[{k}].content[{n}]"] = src
     return out
 

@@ -13,6 +13,7 @@ class Part(_Body):
     text: str | None = None
     image_url: str | None = None  # an input_image's (a data: URL, or http(s))
     file_id: str | None = None  # an input_image from the Files API: refused
+    input_audio: dict[str, Any] | None = None  # an input_audio's {"data": base64, "format"}
 
 
 class Item(_Body):
