@@ -1699,8 +1699,8 @@ MUTANTS = (
     Mutant(
         "qmv-decode-remainder-skipped",
         "mlxlis/runtime/kernels/src/compute.cpp",
-        "  const int ntasks = (p.N + rpt - 1) / rpt;",
-        "  const int ntasks = p.N / rpt;",
+        "  return (p.N + rpt - 1) / rpt;",
+        "  return p.N / rpt;",
         (QMV_GRID,),
         "CPU kernels: the rows after the last whole task never computed",
     ),
