@@ -172,6 +172,9 @@ NATIVE = (
     Var("MLXLIS_SKINNY_THREADS", None, None, None, "the batch kernel's threads (_skinny_gemm.c)"),
     Var("QMV_ISA", None, None, None, "avx2 or scalar: the kernels' ISA (kernels/src/compute.cpp)"),
     Var("QMV_NUM_THREADS", None, None, None, "the kernels' threads (kernels/src/pool.cpp)"),
+    Var("QMV_SPIN_US", None, None, None, "µs a kernel thread spins for the next job (pool.cpp)"),
+    Var("QMV_YIELD_US", None, None, None, "µs it then yields before it sleeps (pool.cpp)"),
+    Var("QMV_ADAPT", None, None, None, "0, or the share of waiting that runs jobs alone (pool.cpp)"),
 )
 
 # read by the tests and scripts, never by mlxlis

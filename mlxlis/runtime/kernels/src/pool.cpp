@@ -39,13 +39,11 @@ struct Waits {
   int64_t spin_ns, yield_ns;
 };
 
-int64_t env_us(const char* name, int64_t fallback) {
-  const char* v = getenv(name);
-  return v && *v ? atoll(v) : fallback;
-}
+int64_t us_or(const char* v, int64_t fallback) { return v && *v ? atoll(v) : fallback; }
 
 const Waits& waits() {
-  static const Waits w{env_us("QMV_SPIN_US", 100) * 1000, env_us("QMV_YIELD_US", 2000) * 1000};
+  static const Waits w{us_or(getenv("QMV_SPIN_US"), 100) * 1000,
+                       us_or(getenv("QMV_YIELD_US"), 2000) * 1000};
   return w;
 }
 
