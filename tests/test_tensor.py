@@ -92,6 +92,13 @@ QWEN3_MOE = dict(
     max_position_embeddings=512,
 )
 PROMPT = "Hello, world! 1234 def add(a, b):"
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 40}, "n": {"type": "integer"}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+JSON = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": True}}
 
 
 @functools.cache
@@ -167,10 +174,19 @@ def jobs_for(n: int, folders: dict) -> list[dict]:
     if n == 2:
         other = str(Path(folders["llama"]).with_name("llama-seed1"))
         mismatch = {"name": "mismatch", "models": [folders["llama"], other]}
-        return [mismatch] + [
-            {"name": name, "model": path, "prompt": PROMPT, "steps": STEPS}
-            for name, path in folders.items()
-        ]
+        llama = {"model": folders["llama"], "prompt": PROMPT, "steps": STEPS}
+        return (
+            [mismatch]
+            + [
+                {"name": name, "model": path, "prompt": PROMPT, "steps": STEPS}
+                for name, path in folders.items()
+            ]
+            + [  # speculation and constraints, checked against the lone greedy tokens
+                {"name": "llama-ngram", **llama, "speculative": "ngram"},
+                {"name": "llama-draft", **llama, "speculative": other},
+                {"name": "llama-json", **llama, "format": JSON},
+            ]
+        )
     if n == 4:  # KV heads replicated on 2 ranks each; 16 rows of each expert per rank
         return [
             {"name": name, "model": folders[name], "prompt": PROMPT, "steps": 16}
@@ -211,8 +227,8 @@ def test_tensor_ranks_equal_the_lone_process(launched, n):
     when K < N and each is replicated)."""
     out, jobs = launched(n)
     for job in jobs:
-        if "models" in job:
-            continue  # test_mismatched_files_are_refused_on_every_rank
+        if "models" in job or "speculative" in job or "format" in job:
+            continue  # test_mismatched_files_…, test_speculation_and_constraints_…
         tokens, logits, sizes, kv = reference(job["model"], job["prompt"], job["steps"])
         got = np.load(out / f"{job['name']}-logits.npy")
         assert got.shape == logits.shape
@@ -249,6 +265,36 @@ def test_tensor_ranks_equal_the_lone_process(launched, n):
             )
         else:
             assert sum(k[1] - k[0] for k in kv_heads) == cfg.num_key_value_heads
+
+
+def test_speculation_and_constraints_under_tensor_ranks_give_the_lone_tokens(launched):
+    """Over 2 ranks (the tiny Llama, the 2-rank launch's own jobs), rank 0's core speculating
+    4 tokens a verification, each verification a VERIFY step every rank runs on its slices:
+    with prompt lookup (n-gram) and with a draft model held whole on rank 0 (the tiny Llama of
+    seed 1: another model, whose proposals are mostly rejected, so the other rank drops
+    rejected positions from its caches at nearly every verification), the 65 greedy tokens are
+    the lone process's plain greedy tokens, some proposals kept and some rejected. Under a JSON
+    schema (llguidance's mask on rank 0, as a lone process applies it) the tokens are the lone
+    process's constrained tokens."""
+    out, jobs = launched(2)
+    for job in jobs:
+        if "speculative" not in job and "format" not in job:
+            continue
+        rep = json.loads((out / f"{job['name']}-rank-0.json").read_text())
+        if "format" in job:
+            m = lone(job["model"])
+            ids = m.tokenizer.encode(job["prompt"])
+            events = mlxlis.generate(
+                m, ids, max_tokens=job["steps"] + 1, response_format=job["format"]
+            )
+            want = [e.token for e in events if e.token is not None]
+            assert rep["tokens"] == want and len(want) > 8, job["name"]
+            continue
+        tokens = reference(job["model"], job["prompt"], job["steps"])[0]
+        assert rep["tokens"] == tokens, job["name"]
+        print(f"{job['name']}: {rep['accepted_tokens']} of {rep['draft_tokens']} drafts kept")
+        assert 0 < rep["accepted_tokens"] or job["speculative"] != "ngram", rep
+        assert rep["accepted_tokens"] < rep["draft_tokens"], rep  # some positions trimmed
 
 
 def test_mismatched_files_are_refused_on_every_rank(launched):

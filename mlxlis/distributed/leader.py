@@ -8,7 +8,8 @@ JSON message, then run by every rank on its own layers, hidden states passing ra
 as in a lone generation (stage.py). The message carries the request ids, the tokens to feed,
 the step's kind (its StepKind's value) and whether it wants the hidden states, and the cache
 changes since the last one ("fresh" caches for a request, "keep" a finished request's caches
-as prefix-cache entry K, "drop" them, "evict" entry K), so
+as prefix-cache entry K, "drop" them, "evict" entry K, "trim" the positions a speculative
+verdict rejected: the core trims rank 0's caches after a VERIFY step, which every rank ran), so
 each rank's caches are those of rank 0's engine, request by request. Taking a prefix-cache
 entry is a step of its own: the ranks agree on the furthest position every one of their
 layers can return to exactly (their layers differ: a recurrent state returns only to a
@@ -78,9 +79,20 @@ class LeaderSteps(LocalSteps):
         self.ranks: Ranks = self.net.ranks
         self.vocab = self.net.config.vocab_size
         self.pending: list[list] = []  # cache changes the other ranks hear of with the next step
+        # request id -> (its caches, their length after its latest verification)
+        self.verified: dict[int, tuple[list[Cache], int]] = {}
         prefix.on_drop = lambda key: self.pending.append(["evict", key])
 
+    def _trims(self) -> None:
+        """The positions each verdict dropped from rank 0's caches since the verification
+        (the core trims them, not a step): the other ranks drop as many from theirs."""
+        for rid, (caches, fed) in self.verified.items():
+            if (drop := fed - caches[0].offset) > 0:
+                self.pending.append(["trim", rid, drop])
+        self.verified.clear()
+
     def _tell(self, **step) -> None:
+        self._trims()
         step["ops"], self.pending = self.pending, []
         with self.ranks.waiting():
             self.ranks.broadcast(json.dumps(step).encode())
@@ -126,6 +138,9 @@ class LeaderSteps(LocalSteps):
             self._tell(run=[list(rids), tokens.tolist(), kind.value, hidden])
             with self.ranks.waiting():
                 sent = forward(self.net, caches, tokens, kind, hidden=hidden)
+                if kind == StepKind.VERIFY:  # the verdict trims rank 0's caches later
+                    for rid, cs in zip(rids, caches, strict=True):
+                        self.verified[rid] = (cs, cs[0].offset)
                 if sent is None:  # a chunk or a mark: evaluated, nothing comes back
                     return None
                 mx.eval(sent, [c.state for cs in caches for c in cs])
@@ -138,6 +153,7 @@ class LeaderSteps(LocalSteps):
                 return logits
 
     def release(self, rid: int, ids: list[int] | None, caches: list[Cache], tag: str = "") -> None:
+        self._trims()  # before its caches are kept: the other ranks' must hold what these do
         key = self.prefix.put(ids, caches) if ids else None
         self.pending.append(["keep", rid, key] if key is not None else ["drop", rid])
 
@@ -213,6 +229,13 @@ def follow(model: Model) -> None:
                 live.pop(args[0], None)
             elif op == "evict":
                 kept.pop(args[0], None)
+            elif op == "trim":  # a verdict kept fewer positions than were verified
+                rid, drop = args
+                if not all(c.trim(drop) == drop for c in live[rid]):
+                    raise PipelineError(
+                        f"rank {ranks.rank} could not drop {drop} verified positions",
+                        field="cache",
+                    )
         if "take" in step:
             key, rid, held, position = step["take"]
             caches = kept.pop(key)

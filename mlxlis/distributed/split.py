@@ -45,6 +45,8 @@ class Part:
     def layers(self) -> range:
         return range(self.start, self.stop)
 
+    speculates = False  # the last stage sends (B, vocab): no positions' logits to verify
+
     @property
     def embeds(self) -> bool:
         """Holds the embedding table: to embed (first) or as the tied head (last)."""

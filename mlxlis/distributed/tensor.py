@@ -114,6 +114,12 @@ class Layout:
     def holds(self, name: str) -> bool:
         return self.stage is None or self.stage.holds(name)
 
+    @property
+    def speculates(self) -> bool:
+        """Every rank computes the whole logits of every verified position (rank 0's own);
+        inside pipeline stages the last stage sends (B, vocab) only."""
+        return self.stage is None
+
     def local(self, cfg: ModelConfig) -> ModelConfig:
         """The network this rank builds: its query and KV heads, MLP rows and vocabulary."""
         mlp = replace(cfg.mlp, intermediate_size=len(self.mlp_rows))
