@@ -153,6 +153,9 @@ G4_REWIND = (
 
 TENSOR_2 = "tests/test_tensor.py::test_tensor_ranks_equal_the_lone_process[2]"
 TENSOR_4 = "tests/test_tensor.py::test_tensor_ranks_equal_the_lone_process[4]"
+TENSOR_SPEC = (
+    "tests/test_tensor.py::test_speculation_and_constraints_under_tensor_ranks_give_the_lone_tokens"
+)
 TENSOR_SLICES = (
     "tests/test_tensor_slices.py::test_gguf_rank_reads_its_blocks",
     "tests/test_tensor_slices.py::test_safetensors_rank_reads_its_rows_and_columns",
@@ -226,6 +229,22 @@ MUTANTS = (
         "span = range(0, len(self.share(whole)))",
         (TENSOR_2, *TENSOR_SLICES),
         "tensor parallelism: every rank reads rank 0's rows of each expert",
+    ),
+    Mutant(
+        "tensor-verdict-trim-short",
+        "mlxlis/distributed/leader.py",
+        "if (drop := fed - caches[0].offset) > 0:",
+        "if (drop := fed - caches[0].offset - 1) > 0:",
+        (TENSOR_SPEC,),
+        "speculation under --tensor: the other ranks keep one rejected position per verdict",
+    ),
+    Mutant(
+        "tensor-verify-untracked",
+        "mlxlis/distributed/leader.py",
+        "self.verified[rid] = (cs, cs[0].offset)",
+        "self.verified[rid] = (cs, 0)",
+        (TENSOR_SPEC,),
+        "speculation under --tensor: the other ranks never drop the rejected positions",
     ),
     Mutant(
         "tensor-pair-sum-own-half",

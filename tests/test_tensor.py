@@ -463,6 +463,24 @@ def test_cli_under_the_launcher_prints_the_lone_output_once(folders, n):
     assert out == alone.stdout and out.strip()
 
 
+@pytest.mark.extended  # `make test-all` (~30 s): the ranks' verifications are proved in make test
+def test_cli_speculating_under_the_launcher_prints_the_lone_greedy_output(folders):
+    """`mlx.launch -n 2 mlxlis -m M --tensor 2 --no-chat --temp 0` with `--speculative ngram`
+    and with `--draft-model OTHER` (loaded whole on rank 0 only, by the command's own loader)
+    writes what the lone command writes without speculating, once."""
+    import subprocess
+
+    args = ["-m", folders["llama"], "--no-chat", "--temp", "0", "--max-tokens", "32", "Hello"]
+    env = {**os.environ, **ENV, "OPENBLAS_NUM_THREADS": "1"}
+    alone = subprocess.run([MLXLIS, *args], capture_output=True, text=True, timeout=120, env=env)
+    assert alone.returncode == 0, alone.stderr
+    other = str(Path(folders["llama"]).with_name("llama-seed1"))
+    for flags in (["--speculative", "ngram"], ["--draft-model", other, "--draft-tokens", "3"]):
+        code, out, err = launch(2, MLXLIS, *args, "--tensor", "2", *flags, env=ENV)
+        assert code == 0, err
+        assert out == alone.stdout and out.strip(), flags
+
+
 @pytest.mark.extended  # `make test-all` (~30 s)
 def test_server_under_the_launcher_answers_as_a_lone_engine(folders, tmp_path):
     """`mlxlis serve --tensor 2` under mlx.launch (rank 0 serves, both ranks run every step of
