@@ -8,7 +8,8 @@ OUT_DIR/JOB-rank-R.json with the error the load raised. For each other job ({"na
 `mlxlis.load(model, "float32", tensor=N)` (its slices of every layer); rank 0 runs
 `mlxlis.generate` (the generation core, its steps led from rank 0) for `steps` + 1 greedy tokens
 while the other ranks `follow` — speculating when the job says "speculative" (n-gram, or a
-draft model held whole on rank 0), constrained when it gives a "format". Rank 0 writes each
+draft model held whole on rank 0), constrained when it gives a "format", a chat turn with an
+image before the prompt when it gives an "image" (rank 0 runs the tower). Rank 0 writes each
 step's logits (its own: every rank holds the whole logits) to OUT_DIR/JOB-logits.npy; every
 rank writes OUT_DIR/JOB-rank-R.json with its layout, the tokens and the drafts proposed and
 kept (rank 0), the weight bytes it holds and the KV-cache bytes of the prompt run again
@@ -48,6 +49,13 @@ class Recording(LeaderSteps):
 
 def kv_bytes(caches) -> int:
     return sum(a.nbytes for c in caches for a in c.state)
+
+
+def seen_prompt(model, job: dict):
+    """A chat turn holding the job's "image" (a file) before its prompt, as the model's
+    template and processor make it (the same call a lone process makes)."""
+    content = [{"type": "image", "path": job["image"]}, {"type": "text", "text": job["prompt"]}]
+    return model.encode_chat([{"role": "user", "content": content}])
 
 
 def asked(job: dict) -> dict:
@@ -90,7 +98,8 @@ def run(job: dict, out: Path, size: int) -> None:
         pipeline_steps(Recording)
         Recording.seen = []
         try:
-            events = list(mlxlis.generate(model, ids, max_tokens=job["steps"] + 1, **asked(job)))
+            prompt = seen_prompt(model, job) if "image" in job else ids
+            events = list(mlxlis.generate(model, prompt, max_tokens=job["steps"] + 1, **asked(job)))
             tokens = [e.token for e in events if e.token is not None]
             u = events[-1].usage
             usage = {"draft_tokens": u.draft_tokens, "accepted_tokens": u.accepted_tokens}

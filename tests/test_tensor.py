@@ -463,6 +463,40 @@ def test_cli_under_the_launcher_prints_the_lone_output_once(folders, n):
     assert out == alone.stdout and out.strip()
 
 
+@pytest.mark.extended  # `make test-all` (~25 s: a launch of its own)
+def test_images_under_tensor_ranks_give_the_lone_tokens(tmp_path):
+    """A tiny random multimodal Gemma 3 (tests/seeing.py: its text part's 2 query heads on 1
+    KV head, replicated; a tied head) over 2 ranks, a chat turn holding a 40 × 56 image: rank 0
+    runs the vision tower and sends the image's features with the prompt's step, every rank
+    places them in its embeddings; the prompt's logits within 1e-5 of the lone process's
+    (`Model.logits` with the image, itself proved against transformers in test_images.py)
+    relative to the largest, and the 17 greedy tokens equal the lone process's."""
+    from PIL import Image
+    from seeing import build_gemma3
+
+    folder = tmp_path / "gemma3"
+    build_gemma3(folder)
+    image = tmp_path / "photo.png"
+    pixels = np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(image)
+    job = {"name": "gemma3", "model": str(folder), "prompt": "What is it?", "steps": 16}
+    job["image"] = str(image)
+    out = _launch.__wrapped__(2, json.dumps([job]), tmp_path)
+    m = mlxlis.load(str(folder), "float32")
+    content = [{"type": "image", "path": str(image)}, {"type": "text", "text": job["prompt"]}]
+    prompt = m.encode_chat([{"role": "user", "content": content}])
+    assert prompt.images
+    events = mlxlis.generate(m, prompt, max_tokens=job["steps"] + 1, stop_ids=set())
+    want = [e.token for e in events if e.token is not None]
+    rep = json.loads((out / "gemma3-rank-0.json").read_text())
+    assert rep["tokens"] == want
+    first = np.array(m.logits(prompt.ids, images=prompt.images)[-1])
+    got = np.load(out / "gemma3-logits.npy")[0]
+    rel = float(np.abs(got - first).max() / np.abs(first).max())
+    print(f"gemma3 with an image on 2 ranks: prompt logits within {rel:.2e}, relative")
+    assert rel <= BOUND, rel
+
+
 @pytest.mark.extended  # `make test-all` (~30 s): the ranks' verifications are proved in make test
 def test_cli_speculating_under_the_launcher_prints_the_lone_greedy_output(folders):
     """`mlx.launch -n 2 mlxlis -m M --tensor 2 --no-chat --temp 0` with `--speculative ngram`

@@ -17,6 +17,9 @@ snapshot, a sliding window within its ring or to a snapshot) before trimming. Sn
 taken on every rank at the same steps (a MARK chunk, a prompt's end), so the ranks' layers
 return to the same positions.
 
+A prompt chunk holding images (tensor ranks only: Share.sees) carries their placement in the
+message and their features in one collective after it (images.py).
+
 The last rank sends the step's float32 logits (B, vocab) to rank 0 (its neighbour in the
 ring), which samples, stops and streams exactly as a lone core does: per step that is
 B × vocab × 4 bytes on top of the hidden states (B × hidden × the residual dtype's size per
@@ -38,6 +41,7 @@ from typing import Protocol
 
 from mlxlis.cache import Cache, KVFormat, reachable, rewind
 from mlxlis.cache.prefix import PrefixCache
+from mlxlis.distributed import images
 from mlxlis.distributed.group import Ranks
 from mlxlis.errors import PipelineError, UnsupportedError
 from mlxlis.generation.steps import Lanes, LocalSteps, StepKind, WithHidden, forward
@@ -131,13 +135,16 @@ class LeaderSteps(LocalSteps):
     ) -> mx.array | WithHidden | None:
         if lanes is not None:
             raise UnsupportedError("adapters on a pipelined model", field="adapter")
-        if inserts:  # Model.image_spans refuses a pipelined model's images before this
+        if inserts and not self.model.part.sees:  # Model.image_spans refuses them before
             raise UnsupportedError("images with a pipelined model", field="images")
         with collective():
             # waits for the sampled ids
-            self._tell(run=[list(rids), tokens.tolist(), kind.value, hidden])
+            told = images.describe(inserts) if inserts else None
+            self._tell(run=[list(rids), tokens.tolist(), kind.value, hidden, told])
             with self.ranks.waiting():
-                sent = forward(self.net, caches, tokens, kind, hidden=hidden)
+                if inserts:
+                    images.send(self.ranks, inserts)
+                sent = forward(self.net, caches, tokens, kind, inserts, hidden=hidden)
                 if kind == StepKind.VERIFY:  # the verdict trims rank 0's caches later
                     for rid, cs in zip(rids, caches, strict=True):
                         self.verified[rid] = (cs, cs[0].offset)
@@ -243,10 +250,12 @@ def follow(model: Model) -> None:
                 if take(ranks, caches, held, position):
                     live[rid] = caches
         if "run" in step:
-            rids, tokens, kind, hidden = step["run"]
+            rids, tokens, kind, hidden, told = step["run"]
             with ranks.waiting():
+                seen = images.receive(ranks, told) if told else None
                 ids = mx.array(tokens, mx.int32)
-                out = forward(net, [live[r] for r in rids], ids, StepKind(kind), hidden=hidden)
+                caches = [live[r] for r in rids]
+                out = forward(net, caches, ids, StepKind(kind), seen, hidden=hidden)
                 if out is None:
                     continue
                 if net.sends_logits:  # the logits go back to rank 0, which samples

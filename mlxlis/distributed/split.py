@@ -46,6 +46,7 @@ class Part:
         return range(self.start, self.stop)
 
     speculates = False  # the last stage sends (B, vocab): no positions' logits to verify
+    sees = False  # the first stage would need the tower's features: not yet
 
     @property
     def embeds(self) -> bool:
