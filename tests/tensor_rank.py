@@ -89,7 +89,8 @@ def run(job: dict, out: Path, size: int) -> None:
         (out / f"{job['name']}-rank-{rank}.json").write_text(json.dumps({"error": error}))
         return
     # "tensor": a group smaller than the ranks (2 × 2: tensor pairs inside pipeline stages)
-    model = mlxlis.load(job["model"], "float32", tensor=job.get("tensor", size))
+    tensor, template = job.get("tensor", size), job.get("template")  # a GGUF without one
+    model = mlxlis.load(job["model"], "float32", tensor=tensor, chat_template=template)
     load_peak = mx.get_peak_memory() - before  # MLX's memory at its highest during the load
     ids = model.tokenizer.encode(job["prompt"])
     tokens: list[int] = []
@@ -130,6 +131,7 @@ def run(job: dict, out: Path, size: int) -> None:
         "weight_bytes": sum(held.values()),
         "load_peak": load_peak,
         "largest": max(held.values()),
+        "vision": model.vision is not None,  # the tower loaded on this rank
         **usage,
         **kv,
     }

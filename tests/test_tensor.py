@@ -463,38 +463,61 @@ def test_cli_under_the_launcher_prints_the_lone_output_once(folders, n):
     assert out == alone.stdout and out.strip()
 
 
-@pytest.mark.extended  # `make test-all` (~25 s: a launch of its own)
+@pytest.mark.extended  # `make test-all` (~40 s: a launch of its own)
 def test_images_under_tensor_ranks_give_the_lone_tokens(tmp_path):
     """A tiny random multimodal Gemma 3 (tests/seeing.py: its text part's 2 query heads on 1
     KV head, replicated; a tied head) over 2 ranks, a chat turn holding a 40 × 56 image: rank 0
     runs the vision tower and sends the image's features with the prompt's step, every rank
-    places them in its embeddings; the prompt's logits within 1e-5 of the lone process's
-    (`Model.logits` with the image, itself proved against transformers in test_images.py)
-    relative to the largest, and the 17 greedy tokens equal the lone process's."""
+    places them in its embeddings. As a folder, and as a text GGUF with llama.cpp's mmproj
+    beside it (written as test_mmproj.py writes them); rank 0 alone loads the tower. The
+    prompt's logits within 1e-5 of the lone process's (`Model.logits` with the image, itself
+    proved against transformers in test_images.py and test_mmproj.py) relative to the
+    largest, and the 17 greedy tokens equal the lone process's."""
     from PIL import Image
     from seeing import build_gemma3
+    from test_gguf_tiny import write_gemma_gguf
+    from test_mmproj import write_gemma3
+    from transformers import Gemma3ForCausalLM
 
     folder = tmp_path / "gemma3"
     build_gemma3(folder)
+    # as a Gemma 3 GGUF holds it (test_mmproj.py): every layer sliding, scale 1/√head_dim
+    hf = tmp_path / "gemma3-hf"
+    ref = build_gemma3(
+        hf, exact16=True, layer_types=["sliding_attention"] * 3, query_pre_attn_scalar=24
+    )
+    text = Gemma3ForCausalLM(ref.config.text_config).eval()
+    text.model.load_state_dict(ref.model.language_model.state_dict())
+    text.lm_head.weight = text.model.embed_tokens.weight
+    (tmp_path / "gguf").mkdir()
+    gguf_file = tmp_path / "gguf" / "tiny-F32.gguf"
+    write_gemma_gguf(gguf_file, text, hf, "gemma3")
+    write_gemma3(tmp_path / "gguf" / "mmproj-tiny-F16.gguf", ref)
     image = tmp_path / "photo.png"
     pixels = np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8)
     Image.fromarray(pixels).save(image)
-    job = {"name": "gemma3", "model": str(folder), "prompt": "What is it?", "steps": 16}
-    job["image"] = str(image)
-    out = _launch.__wrapped__(2, json.dumps([job]), tmp_path)
-    m = mlxlis.load(str(folder), "float32")
-    content = [{"type": "image", "path": str(image)}, {"type": "text", "text": job["prompt"]}]
-    prompt = m.encode_chat([{"role": "user", "content": content}])
-    assert prompt.images
-    events = mlxlis.generate(m, prompt, max_tokens=job["steps"] + 1, stop_ids=set())
-    want = [e.token for e in events if e.token is not None]
-    rep = json.loads((out / "gemma3-rank-0.json").read_text())
-    assert rep["tokens"] == want
-    first = np.array(m.logits(prompt.ids, images=prompt.images)[-1])
-    got = np.load(out / "gemma3-logits.npy")[0]
-    rel = float(np.abs(got - first).max() / np.abs(first).max())
-    print(f"gemma3 with an image on 2 ranks: prompt logits within {rel:.2e}, relative")
-    assert rel <= BOUND, rel
+    ask = {"prompt": "What is it?", "steps": 16, "image": str(image)}
+    jobs = [
+        {"name": "gemma3", "model": str(folder), **ask},
+        {"name": "gemma3-gguf", "model": str(gguf_file), "template": "gemma", **ask},
+    ]
+    out = _launch.__wrapped__(2, json.dumps(jobs), tmp_path)
+    for job in jobs:
+        m = mlxlis.load(job["model"], "float32", chat_template=job.get("template"))
+        content = [{"type": "image", "path": str(image)}, {"type": "text", "text": ask["prompt"]}]
+        prompt = m.encode_chat([{"role": "user", "content": content}])
+        assert prompt.images
+        events = mlxlis.generate(m, prompt, max_tokens=ask["steps"] + 1, stop_ids=set())
+        want = [e.token for e in events if e.token is not None]
+        rep = json.loads((out / f"{job['name']}-rank-0.json").read_text())
+        assert rep["tokens"] == want, job["name"]
+        other = json.loads((out / f"{job['name']}-rank-1.json").read_text())
+        assert rep["vision"] and not other["vision"], job["name"]  # the tower on rank 0 only
+        first = np.array(m.logits(prompt.ids, images=prompt.images)[-1])
+        got = np.load(out / f"{job['name']}-logits.npy")[0]
+        rel = float(np.abs(got - first).max() / np.abs(first).max())
+        print(f"{job['name']} with an image on 2 ranks: prompt logits within {rel:.2e}")
+        assert rel <= BOUND, (job["name"], rel)
 
 
 @pytest.mark.extended  # `make test-all` (~30 s): the ranks' verifications are proved in make test
