@@ -524,7 +524,8 @@ def test_images_under_tensor_ranks_give_the_lone_tokens(tmp_path):
 def test_cli_speculating_under_the_launcher_prints_the_lone_greedy_output(folders):
     """`mlx.launch -n 2 mlxlis -m M --tensor 2 --no-chat --temp 0` with `--speculative ngram`
     and with `--draft-model OTHER` (loaded whole on rank 0 only, by the command's own loader)
-    writes what the lone command writes without speculating, once."""
+    writes what the lone command writes without speculating, once; over 2 × 2 (4 ranks) it is
+    refused naming speculative decoding before a token is written, every rank ending."""
     import subprocess
 
     args = ["-m", folders["llama"], "--no-chat", "--temp", "0", "--max-tokens", "32", "Hello"]
@@ -536,6 +537,9 @@ def test_cli_speculating_under_the_launcher_prints_the_lone_greedy_output(folder
         code, out, err = launch(2, MLXLIS, *args, "--tensor", "2", *flags, env=ENV)
         assert code == 0, err
         assert out == alone.stdout and out.strip(), flags
+    # 2 × 2: the last stage sends one position's logits, so no verification: refused by name
+    code, out, err = launch(4, MLXLIS, *args, "--tensor", "2", "--speculative", "ngram", env=ENV)
+    assert not out.strip() and "speculative decoding of a pipelined model" in err, err[-2000:]
 
 
 @pytest.mark.extended  # `make test-all` (~30 s)
