@@ -157,6 +157,10 @@ G4_REWIND = (
 
 TENSOR_2 = "tests/test_tensor.py::test_tensor_ranks_equal_the_lone_process[2]"
 TENSOR_4 = "tests/test_tensor.py::test_tensor_ranks_equal_the_lone_process[4]"
+TENSOR_SPEC = (
+    "tests/test_tensor.py::test_speculation_and_constraints_under_tensor_ranks_give_the_lone_tokens"
+)
+TENSOR_IMAGES = "tests/test_tensor.py::test_images_under_tensor_ranks_give_the_lone_tokens"
 TENSOR_SLICES = (
     "tests/test_tensor_slices.py::test_gguf_rank_reads_its_blocks",
     "tests/test_tensor_slices.py::test_safetensors_rank_reads_its_rows_and_columns",
@@ -230,6 +234,38 @@ MUTANTS = (
         "span = range(0, len(self.share(whole)))",
         (TENSOR_2, *TENSOR_SLICES),
         "tensor parallelism: every rank reads rank 0's rows of each expert",
+    ),
+    Mutant(
+        "tensor-verdict-trim-short",
+        "mlxlis/distributed/leader.py",
+        "if (drop := fed - caches[0].offset) > 0:",
+        "if (drop := fed - caches[0].offset - 1) > 0:",
+        (TENSOR_SPEC,),
+        "speculation under --tensor: the other ranks keep one rejected position per verdict",
+    ),
+    Mutant(
+        "tensor-verify-untracked",
+        "mlxlis/distributed/leader.py",
+        "self.verified[rid] = (cs, cs[0].offset)",
+        "self.verified[rid] = (cs, 0)",
+        (TENSOR_SPEC,),
+        "speculation under --tensor: the other ranks never drop the rejected positions",
+    ),
+    Mutant(
+        "tensor-image-features-lost",
+        "mlxlis/distributed/images.py",
+        "parts.append((offset, flat[at : at + n].reshape(shape)))",
+        "parts.append((offset, mx.zeros(shape)))",
+        (TENSOR_IMAGES,),
+        "images under --tensor: the other ranks place zeros where the image's features go",
+    ),
+    Mutant(
+        "tensor-image-offset-shifted",
+        "mlxlis/distributed/images.py",
+        '"parts": [[o, list(f.shape)] for o, f in inserts.parts],',
+        '"parts": [[o + 1, list(f.shape)] for o, f in inserts.parts],',
+        (TENSOR_IMAGES,),
+        "images under --tensor: the other ranks place the features one position late",
     ),
     Mutant(
         "tensor-pair-sum-own-half",

@@ -7,10 +7,13 @@ OUT_DIR/JOB-rank-R.json with the error the load raised. For each other job ({"na
 "prompt", "steps"}) every rank loads the model with
 `mlxlis.load(model, "float32", tensor=N)` (its slices of every layer); rank 0 runs
 `mlxlis.generate` (the generation core, its steps led from rank 0) for `steps` + 1 greedy tokens
-while the other ranks `follow`. Rank 0 writes each step's logits (its own: every rank holds the
-whole logits) to OUT_DIR/JOB-logits.npy; every rank writes OUT_DIR/JOB-rank-R.json with its
-layout, the tokens (rank 0), the weight bytes it holds and the KV-cache bytes of the
-prompt run again through caches of its own (every rank alike).
+while the other ranks `follow` — speculating when the job says "speculative" (n-gram, or a
+draft model held whole on rank 0), constrained when it gives a "format", a chat turn with an
+image before the prompt when it gives an "image" (rank 0 runs the tower). Rank 0 writes each
+step's logits (its own: every rank holds the whole logits) to OUT_DIR/JOB-logits.npy; every
+rank writes OUT_DIR/JOB-rank-R.json with its layout, the tokens and the drafts proposed and
+kept (rank 0), the weight bytes it holds and the KV-cache bytes of the prompt run again
+through caches of its own (every rank alike).
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import sys
 from pathlib import Path
 
 import mlxlis  # noqa: F401  (chooses the BLAS before mlx.core loads)
-from mlxlis.distributed import world
+from mlxlis.distributed import held_alone, world
 from mlxlis.distributed.leader import LeaderSteps, finish, follow, ranks_of
 from mlxlis.errors import MlxlisError
+from mlxlis.generation.speculative import Speculation
 from mlxlis.generation.steps import pipeline_steps
 
 import mlx.core as mx
@@ -47,6 +51,29 @@ def kv_bytes(caches) -> int:
     return sum(a.nbytes for c in caches for a in c.state)
 
 
+def seen_prompt(model, job: dict):
+    """A chat turn holding the job's "image" (a file) before its prompt, as the model's
+    template and processor make it (the same call a lone process makes)."""
+    content = [{"type": "image", "path": job["image"]}, {"type": "text", "text": job["prompt"]}]
+    return model.encode_chat([{"role": "user", "content": content}])
+
+
+def asked(job: dict) -> dict:
+    """generate's keywords for a job: greedy with no stop ids, or with "speculative" ("ngram",
+    or a draft model's folder: loaded whole on rank 0 only) drafting 4 tokens a verification,
+    or with "format" (a response_format: the model's own stop ids end the reply)."""
+    if "format" in job:
+        return {"response_format": job["format"]}
+    if "speculative" not in job:
+        return {"stop_ids": set()}
+    kind, draft = job["speculative"], None
+    if kind != "ngram":
+        with held_alone():
+            draft = mlxlis.load(kind, "float32")
+        kind = "draft"
+    return {"stop_ids": set(), "speculation": Speculation(kind, draft, tokens=4)}
+
+
 def run(job: dict, out: Path, size: int) -> None:
     gc.collect()  # an earlier job's model, freed before this load is measured
     mx.clear_cache()
@@ -62,16 +89,21 @@ def run(job: dict, out: Path, size: int) -> None:
         (out / f"{job['name']}-rank-{rank}.json").write_text(json.dumps({"error": error}))
         return
     # "tensor": a group smaller than the ranks (2 × 2: tensor pairs inside pipeline stages)
-    model = mlxlis.load(job["model"], "float32", tensor=job.get("tensor", size))
+    tensor, template = job.get("tensor", size), job.get("template")  # a GGUF without one
+    model = mlxlis.load(job["model"], "float32", tensor=tensor, chat_template=template)
     load_peak = mx.get_peak_memory() - before  # MLX's memory at its highest during the load
     ids = model.tokenizer.encode(job["prompt"])
     tokens: list[int] = []
+    usage = {}
     if model.rank == 0:
         pipeline_steps(Recording)
         Recording.seen = []
         try:
-            events = mlxlis.generate(model, ids, max_tokens=job["steps"] + 1, stop_ids=set())
+            prompt = seen_prompt(model, job) if "image" in job else ids
+            events = list(mlxlis.generate(model, prompt, max_tokens=job["steps"] + 1, **asked(job)))
             tokens = [e.token for e in events if e.token is not None]
+            u = events[-1].usage
+            usage = {"draft_tokens": u.draft_tokens, "accepted_tokens": u.accepted_tokens}
         finally:
             pipeline_steps(LeaderSteps)
             finish(ranks_of(model))
@@ -99,6 +131,8 @@ def run(job: dict, out: Path, size: int) -> None:
         "weight_bytes": sum(held.values()),
         "load_peak": load_peak,
         "largest": max(held.values()),
+        "vision": model.vision is not None,  # the tower loaded on this rank
+        **usage,
         **kv,
     }
     (out / f"{job['name']}-rank-{layout.rank}.json").write_text(json.dumps(report))

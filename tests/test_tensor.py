@@ -92,6 +92,13 @@ QWEN3_MOE = dict(
     max_position_embeddings=512,
 )
 PROMPT = "Hello, world! 1234 def add(a, b):"
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 40}, "n": {"type": "integer"}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+JSON = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": True}}
 
 
 @functools.cache
@@ -167,10 +174,19 @@ def jobs_for(n: int, folders: dict) -> list[dict]:
     if n == 2:
         other = str(Path(folders["llama"]).with_name("llama-seed1"))
         mismatch = {"name": "mismatch", "models": [folders["llama"], other]}
-        return [mismatch] + [
-            {"name": name, "model": path, "prompt": PROMPT, "steps": STEPS}
-            for name, path in folders.items()
-        ]
+        llama = {"model": folders["llama"], "prompt": PROMPT, "steps": STEPS}
+        return (
+            [mismatch]
+            + [
+                {"name": name, "model": path, "prompt": PROMPT, "steps": STEPS}
+                for name, path in folders.items()
+            ]
+            + [  # speculation and constraints, checked against the lone greedy tokens
+                {"name": "llama-ngram", **llama, "speculative": "ngram"},
+                {"name": "llama-draft", **llama, "speculative": other},
+                {"name": "llama-json", **llama, "format": JSON},
+            ]
+        )
     if n == 4:  # KV heads replicated on 2 ranks each; 16 rows of each expert per rank
         return [
             {"name": name, "model": folders[name], "prompt": PROMPT, "steps": 16}
@@ -211,8 +227,8 @@ def test_tensor_ranks_equal_the_lone_process(launched, n):
     when K < N and each is replicated)."""
     out, jobs = launched(n)
     for job in jobs:
-        if "models" in job:
-            continue  # test_mismatched_files_are_refused_on_every_rank
+        if "models" in job or "speculative" in job or "format" in job:
+            continue  # test_mismatched_files_…, test_speculation_and_constraints_…
         tokens, logits, sizes, kv = reference(job["model"], job["prompt"], job["steps"])
         got = np.load(out / f"{job['name']}-logits.npy")
         assert got.shape == logits.shape
@@ -249,6 +265,36 @@ def test_tensor_ranks_equal_the_lone_process(launched, n):
             )
         else:
             assert sum(k[1] - k[0] for k in kv_heads) == cfg.num_key_value_heads
+
+
+def test_speculation_and_constraints_under_tensor_ranks_give_the_lone_tokens(launched):
+    """Over 2 ranks (the tiny Llama, the 2-rank launch's own jobs), rank 0's core speculating
+    4 tokens a verification, each verification a VERIFY step every rank runs on its slices:
+    with prompt lookup (n-gram) and with a draft model held whole on rank 0 (the tiny Llama of
+    seed 1: another model, whose proposals are mostly rejected, so the other rank drops
+    rejected positions from its caches at nearly every verification), the 65 greedy tokens are
+    the lone process's plain greedy tokens, some proposals kept and some rejected. Under a JSON
+    schema (llguidance's mask on rank 0, as a lone process applies it) the tokens are the lone
+    process's constrained tokens."""
+    out, jobs = launched(2)
+    for job in jobs:
+        if "speculative" not in job and "format" not in job:
+            continue
+        rep = json.loads((out / f"{job['name']}-rank-0.json").read_text())
+        if "format" in job:
+            m = lone(job["model"])
+            ids = m.tokenizer.encode(job["prompt"])
+            events = mlxlis.generate(
+                m, ids, max_tokens=job["steps"] + 1, response_format=job["format"]
+            )
+            want = [e.token for e in events if e.token is not None]
+            assert rep["tokens"] == want and len(want) > 8, job["name"]
+            continue
+        tokens = reference(job["model"], job["prompt"], job["steps"])[0]
+        assert rep["tokens"] == tokens, job["name"]
+        print(f"{job['name']}: {rep['accepted_tokens']} of {rep['draft_tokens']} drafts kept")
+        assert 0 < rep["accepted_tokens"] or job["speculative"] != "ngram", rep
+        assert rep["accepted_tokens"] < rep["draft_tokens"], rep  # some positions trimmed
 
 
 def test_mismatched_files_are_refused_on_every_rank(launched):
@@ -415,6 +461,85 @@ def test_cli_under_the_launcher_prints_the_lone_output_once(folders, n):
     code, out, err = launch(n, MLXLIS, *args, "--tensor", "2", env=ENV)
     assert code == 0, err
     assert out == alone.stdout and out.strip()
+
+
+@pytest.mark.extended  # `make test-all` (~40 s: a launch of its own)
+def test_images_under_tensor_ranks_give_the_lone_tokens(tmp_path):
+    """A tiny random multimodal Gemma 3 (tests/seeing.py: its text part's 2 query heads on 1
+    KV head, replicated; a tied head) over 2 ranks, a chat turn holding a 40 × 56 image: rank 0
+    runs the vision tower and sends the image's features with the prompt's step, every rank
+    places them in its embeddings. As a folder, and as a text GGUF with llama.cpp's mmproj
+    beside it (written as test_mmproj.py writes them); rank 0 alone loads the tower. The
+    prompt's logits within 1e-5 of the lone process's (`Model.logits` with the image, itself
+    proved against transformers in test_images.py and test_mmproj.py) relative to the
+    largest, and the 17 greedy tokens equal the lone process's."""
+    from PIL import Image
+    from seeing import build_gemma3
+    from test_gguf_tiny import write_gemma_gguf
+    from test_mmproj import write_gemma3
+    from transformers import Gemma3ForCausalLM
+
+    folder = tmp_path / "gemma3"
+    build_gemma3(folder)
+    # as a Gemma 3 GGUF holds it (test_mmproj.py): every layer sliding, scale 1/√head_dim
+    hf = tmp_path / "gemma3-hf"
+    ref = build_gemma3(
+        hf, exact16=True, layer_types=["sliding_attention"] * 3, query_pre_attn_scalar=24
+    )
+    text = Gemma3ForCausalLM(ref.config.text_config).eval()
+    text.model.load_state_dict(ref.model.language_model.state_dict())
+    text.lm_head.weight = text.model.embed_tokens.weight
+    (tmp_path / "gguf").mkdir()
+    gguf_file = tmp_path / "gguf" / "tiny-F32.gguf"
+    write_gemma_gguf(gguf_file, text, hf, "gemma3")
+    write_gemma3(tmp_path / "gguf" / "mmproj-tiny-F16.gguf", ref)
+    image = tmp_path / "photo.png"
+    pixels = np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(image)
+    ask = {"prompt": "What is it?", "steps": 16, "image": str(image)}
+    jobs = [
+        {"name": "gemma3", "model": str(folder), **ask},
+        {"name": "gemma3-gguf", "model": str(gguf_file), "template": "gemma", **ask},
+    ]
+    out = _launch.__wrapped__(2, json.dumps(jobs), tmp_path)
+    for job in jobs:
+        m = mlxlis.load(job["model"], "float32", chat_template=job.get("template"))
+        content = [{"type": "image", "path": str(image)}, {"type": "text", "text": ask["prompt"]}]
+        prompt = m.encode_chat([{"role": "user", "content": content}])
+        assert prompt.images
+        events = mlxlis.generate(m, prompt, max_tokens=ask["steps"] + 1, stop_ids=set())
+        want = [e.token for e in events if e.token is not None]
+        rep = json.loads((out / f"{job['name']}-rank-0.json").read_text())
+        assert rep["tokens"] == want, job["name"]
+        other = json.loads((out / f"{job['name']}-rank-1.json").read_text())
+        assert rep["vision"] and not other["vision"], job["name"]  # the tower on rank 0 only
+        first = np.array(m.logits(prompt.ids, images=prompt.images)[-1])
+        got = np.load(out / f"{job['name']}-logits.npy")[0]
+        rel = float(np.abs(got - first).max() / np.abs(first).max())
+        print(f"{job['name']} with an image on 2 ranks: prompt logits within {rel:.2e}")
+        assert rel <= BOUND, (job["name"], rel)
+
+
+@pytest.mark.extended  # `make test-all` (~30 s): the ranks' verifications are proved in make test
+def test_cli_speculating_under_the_launcher_prints_the_lone_greedy_output(folders):
+    """`mlx.launch -n 2 mlxlis -m M --tensor 2 --no-chat --temp 0` with `--speculative ngram`
+    and with `--draft-model OTHER` (loaded whole on rank 0 only, by the command's own loader)
+    writes what the lone command writes without speculating, once; over 2 × 2 (4 ranks) it is
+    refused naming speculative decoding before a token is written, every rank ending."""
+    import subprocess
+
+    args = ["-m", folders["llama"], "--no-chat", "--temp", "0", "--max-tokens", "32", "Hello"]
+    env = {**os.environ, **ENV, "OPENBLAS_NUM_THREADS": "1"}
+    alone = subprocess.run([MLXLIS, *args], capture_output=True, text=True, timeout=120, env=env)
+    assert alone.returncode == 0, alone.stderr
+    other = str(Path(folders["llama"]).with_name("llama-seed1"))
+    for flags in (["--speculative", "ngram"], ["--draft-model", other, "--draft-tokens", "3"]):
+        code, out, err = launch(2, MLXLIS, *args, "--tensor", "2", *flags, env=ENV)
+        assert code == 0, err
+        assert out == alone.stdout and out.strip(), flags
+    # 2 × 2: the last stage sends one position's logits, so no verification: refused by name
+    code, out, err = launch(4, MLXLIS, *args, "--tensor", "2", "--speculative", "ngram", env=ENV)
+    assert not out.strip() and "speculative decoding of a pipelined model" in err, err[-2000:]
 
 
 @pytest.mark.extended  # `make test-all` (~30 s)

@@ -366,9 +366,11 @@ def load_speculation(a: argparse.Namespace, target, load_draft=None):
     if kind == "draft":
         if load_draft is None:
             from mlxlis import load
+            from mlxlis.distributed import held_alone
 
             def load_draft(ref: str):
-                return load(ref, a.dtype, dequantize=a.dequantize)
+                with held_alone():  # on rank 0 only, whole, beside a target split across ranks
+                    return load(ref, a.dtype, dequantize=a.dequantize)
 
         draft = load_draft(a.draft_model)
         check_vocabulary(target, draft)

@@ -14,7 +14,8 @@ Imports the generation core and below; the core never imports this.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,6 +41,7 @@ import mlx.core as mx
 
 __all__ = [
     "Pipeline",
+    "held_alone",
     "Tensor",
     "placement_from_env",
     "PipelineNet",
@@ -187,9 +189,27 @@ class TensorStages:
         self.ranks.barrier()
 
 
+_alone: list[bool] = []  # inside `held_alone`
+
+
+@contextlib.contextmanager
+def held_alone() -> Iterator[None]:
+    """Loads within it place the whole model in this process, as a lone process does, even
+    under a launcher: a draft model held on rank 0 beside a target split across the ranks
+    (the other ranks never load it: nothing collective runs)."""
+    _alone.append(True)
+    try:
+        yield
+    finally:
+        _alone.pop()
+
+
 def placement_from_env(split: str | Sequence[int] | None, tensor: int | None) -> Pipeline | Tensor:
     """How this process places a model it loads: split in tensor ranks (`tensor`, else
-    MLXLIS_TENSOR), else pipelined by layers under a launcher (`split`)."""
+    MLXLIS_TENSOR), else pipelined by layers under a launcher (`split`); whole in this
+    process inside `held_alone`."""
+    if _alone:
+        return Pipeline(None)
     if tensor is None:
         tensor = settings().tensor
     if tensor is None:

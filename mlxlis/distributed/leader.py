@@ -8,13 +8,17 @@ JSON message, then run by every rank on its own layers, hidden states passing ra
 as in a lone generation (stage.py). The message carries the request ids, the tokens to feed,
 the step's kind (its StepKind's value) and whether it wants the hidden states, and the cache
 changes since the last one ("fresh" caches for a request, "keep" a finished request's caches
-as prefix-cache entry K, "drop" them, "evict" entry K), so
+as prefix-cache entry K, "drop" them, "evict" entry K, "trim" the positions a speculative
+verdict rejected: the core trims rank 0's caches after a VERIFY step, which every rank ran), so
 each rank's caches are those of rank 0's engine, request by request. Taking a prefix-cache
 entry is a step of its own: the ranks agree on the furthest position every one of their
 layers can return to exactly (their layers differ: a recurrent state returns only to a
 snapshot, a sliding window within its ring or to a snapshot) before trimming. Snapshots are
 taken on every rank at the same steps (a MARK chunk, a prompt's end), so the ranks' layers
 return to the same positions.
+
+A prompt chunk holding images (tensor ranks only: Share.sees) carries their placement in the
+message and their features in one collective after it (images.py).
 
 The last rank sends the step's float32 logits (B, vocab) to rank 0 (its neighbour in the
 ring), which samples, stops and streams exactly as a lone core does: per step that is
@@ -37,6 +41,7 @@ from typing import Protocol
 
 from mlxlis.cache import Cache, KVFormat, reachable, rewind
 from mlxlis.cache.prefix import PrefixCache
+from mlxlis.distributed import images
 from mlxlis.distributed.group import Ranks
 from mlxlis.errors import PipelineError, UnsupportedError
 from mlxlis.generation.steps import Lanes, LocalSteps, StepKind, WithHidden, forward
@@ -78,9 +83,20 @@ class LeaderSteps(LocalSteps):
         self.ranks: Ranks = self.net.ranks
         self.vocab = self.net.config.vocab_size
         self.pending: list[list] = []  # cache changes the other ranks hear of with the next step
+        # request id -> (its caches, their length after its latest verification)
+        self.verified: dict[int, tuple[list[Cache], int]] = {}
         prefix.on_drop = lambda key: self.pending.append(["evict", key])
 
+    def _trims(self) -> None:
+        """The positions each verdict dropped from rank 0's caches since the verification
+        (the core trims them, not a step): the other ranks drop as many from theirs."""
+        for rid, (caches, fed) in self.verified.items():
+            if (drop := fed - caches[0].offset) > 0:
+                self.pending.append(["trim", rid, drop])
+        self.verified.clear()
+
     def _tell(self, **step) -> None:
+        self._trims()
         step["ops"], self.pending = self.pending, []
         with self.ranks.waiting():
             self.ranks.broadcast(json.dumps(step).encode())
@@ -119,13 +135,19 @@ class LeaderSteps(LocalSteps):
     ) -> mx.array | WithHidden | None:
         if lanes is not None:
             raise UnsupportedError("adapters on a pipelined model", field="adapter")
-        if inserts:  # Model.image_spans refuses a pipelined model's images before this
+        if inserts and not self.model.part.sees:  # Model.image_spans refuses them before
             raise UnsupportedError("images with a pipelined model", field="images")
         with collective():
             # waits for the sampled ids
-            self._tell(run=[list(rids), tokens.tolist(), kind.value, hidden])
+            told = images.describe(inserts) if inserts else None
+            self._tell(run=[list(rids), tokens.tolist(), kind.value, hidden, told])
             with self.ranks.waiting():
-                sent = forward(self.net, caches, tokens, kind, hidden=hidden)
+                if inserts:
+                    images.send(self.ranks, inserts)
+                sent = forward(self.net, caches, tokens, kind, inserts, hidden=hidden)
+                if kind == StepKind.VERIFY:  # the verdict trims rank 0's caches later
+                    for rid, cs in zip(rids, caches, strict=True):
+                        self.verified[rid] = (cs, cs[0].offset)
                 if sent is None:  # a chunk or a mark: evaluated, nothing comes back
                     return None
                 mx.eval(sent, [c.state for cs in caches for c in cs])
@@ -138,6 +160,7 @@ class LeaderSteps(LocalSteps):
                 return logits
 
     def release(self, rid: int, ids: list[int] | None, caches: list[Cache], tag: str = "") -> None:
+        self._trims()  # before its caches are kept: the other ranks' must hold what these do
         key = self.prefix.put(ids, caches) if ids else None
         self.pending.append(["keep", rid, key] if key is not None else ["drop", rid])
 
@@ -213,6 +236,13 @@ def follow(model: Model) -> None:
                 live.pop(args[0], None)
             elif op == "evict":
                 kept.pop(args[0], None)
+            elif op == "trim":  # a verdict kept fewer positions than were verified
+                rid, drop = args
+                if not all(c.trim(drop) == drop for c in live[rid]):
+                    raise PipelineError(
+                        f"rank {ranks.rank} could not drop {drop} verified positions",
+                        field="cache",
+                    )
         if "take" in step:
             key, rid, held, position = step["take"]
             caches = kept.pop(key)
@@ -220,10 +250,12 @@ def follow(model: Model) -> None:
                 if take(ranks, caches, held, position):
                     live[rid] = caches
         if "run" in step:
-            rids, tokens, kind, hidden = step["run"]
+            rids, tokens, kind, hidden, told = step["run"]
             with ranks.waiting():
+                seen = images.receive(ranks, told) if told else None
                 ids = mx.array(tokens, mx.int32)
-                out = forward(net, [live[r] for r in rids], ids, StepKind(kind), hidden=hidden)
+                caches = [live[r] for r in rids]
+                out = forward(net, caches, ids, StepKind(kind), seen, hidden=hidden)
                 if out is None:
                     continue
                 if net.sends_logits:  # the logits go back to rank 0, which samples

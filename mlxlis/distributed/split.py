@@ -45,6 +45,9 @@ class Part:
     def layers(self) -> range:
         return range(self.start, self.stop)
 
+    speculates = False  # the last stage sends (B, vocab): no positions' logits to verify
+    sees = False  # the first stage would need the tower's features: not yet
+
     @property
     def embeds(self) -> bool:
         """Holds the embedding table: to embed (first) or as the tied head (last)."""

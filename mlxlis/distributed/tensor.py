@@ -114,6 +114,18 @@ class Layout:
     def holds(self, name: str) -> bool:
         return self.stage is None or self.stage.holds(name)
 
+    @property
+    def speculates(self) -> bool:
+        """Every rank computes the whole logits of every verified position (rank 0's own);
+        inside pipeline stages the last stage sends (B, vocab) only."""
+        return self.stage is None
+
+    @property
+    def sees(self) -> bool:
+        """Rank 0 holds the vision tower and sends a chunk's image features to every rank
+        (images.py); inside pipeline stages not yet."""
+        return self.stage is None
+
     def local(self, cfg: ModelConfig) -> ModelConfig:
         """The network this rank builds: its query and KV heads, MLP rows and vocabulary."""
         mlp = replace(cfg.mlp, intermediate_size=len(self.mlp_rows))
@@ -316,14 +328,14 @@ class TensorNet:
         last_only: bool = False,
         inserts: object = None,
     ) -> mx.array:
-        if inserts:  # Model.image_spans refuses a distributed model's images before this
-            raise UnsupportedError("images with a tensor-parallel model", field="images")
-        return self.net(inputs, cache, last_only)
+        seen = {"inserts": inserts} if inserts else {}  # images: every rank has the features
+        return self.net(inputs, cache, last_only, **seen)
 
     def hidden_states(
         self, inputs: mx.array, cache: list[Cache] | None = None, inserts: object = None
     ) -> mx.array:
-        return self.net.hidden_states(inputs, cache)
+        seen = {"inserts": inserts} if inserts else {}
+        return self.net.hidden_states(inputs, cache, **seen)
 
     def head(self, h: mx.array, last_only: bool = False) -> mx.array:
         return self.net.head(h, last_only)

@@ -85,7 +85,8 @@ class Core:
                 path=self.model.path,
                 field="use_bidirectional_attention",
             )
-        if req.speculation is not None and self.model.part is not None:
+        part = self.model.part
+        if req.speculation is not None and part is not None and not part.speculates:
             raise MlxlisError(
                 "speculative decoding of a pipelined model is not supported", field="speculative"
             )

@@ -103,7 +103,8 @@ def load_folder(
     fmt = "safetensors (MLX quantized)" if quantized else "safetensors"
     skipped = plan.dropped
     vision = None
-    if spec.vision is not None and part is None:  # a pipeline's ranks read text only
+    # a pipeline's ranks read text only; of tensor ranks rank 0 holds the tower (Share.sees)
+    if spec.vision is not None and (part is None or (part.sees and part.rank == 0)):
         vision = spec.vision(folder, read_json(cfg_path), tokenizer, dtype)
         if isinstance(vision, Hearing):  # its own vocabulary's ids, embedded by its embedder
             vision.attach(net)

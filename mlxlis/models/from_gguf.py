@@ -138,16 +138,18 @@ def load_gguf(
             summary = _summary(gf, dense, quant)
             return load_encoder_gguf(path, cfg, net, tok, md, dtype, quant_summary=summary)
     vision = None
-    if mmproj is not False and part is None and cfg.family in PROJECTORS:
+    # of tensor ranks rank 0 holds the tower (Share.sees); a pipeline's ranks read text only
+    tower_here = part is None or (part.sees and part.rank == 0)
+    if mmproj is not False and tower_here and cfg.family in PROJECTORS:
         kind = PROJECTORS[cfg.family].kind
         proj = beside(path, cfg, kind) if mmproj in (None, True) else Path(mmproj)
         if proj is not None:
             vision = CachedVision(load_mmproj(proj, cfg, tok, md, dtype, PROJECTORS))
             clock("vision")
-    elif mmproj not in (None, False, True):
-        raise UnsupportedError(
+    elif mmproj not in (None, False, True) and (cfg.family not in PROJECTORS or not part.sees):
+        raise UnsupportedError(  # (a tensor rank other than 0 leaves the tower to rank 0)
             f"a {cfg.family} model takes no images"
-            if part is None
+            if cfg.family not in PROJECTORS
             else "images with a model pipelined across ranks are not supported",
             path=mmproj,
             field="mmproj",

@@ -256,7 +256,7 @@ class Model:
             if images:
                 raise UnsupportedError(self.text_only_reason(), path=self.path, field="images")
             return ()
-        if self.part is not None and images:
+        if self.part is not None and not self.part.sees and images:
             raise UnsupportedError(
                 "images with a model pipelined across ranks are not supported", field="images"
             )
@@ -311,7 +311,7 @@ class Model:
 
     def text_only_reason(self) -> str:
         """Why this model takes no images, in words."""
-        if self.part is not None:
+        if self.part is not None and not self.part.sees:
             return "images with a model pipelined across ranks are not supported"
         if any(n.startswith(VISION_NAMES) or ".vision" in n for n in self.skipped):
             if not self.sees:

@@ -35,6 +35,19 @@ class Share(Protocol):
 
     def describe(self) -> str: ...
 
+    @property
+    def speculates(self) -> bool:
+        """Whether its steps verify speculative drafts (rank 0 holds every verified position's
+        logits and the other ranks trim their caches to the verdict: tensor ranks; not a
+        pipeline's stages yet)."""
+        ...
+
+    @property
+    def sees(self) -> bool:
+        """Whether images reach its steps: rank 0 loads the vision tower and sends each
+        chunk's image features with the step (tensor ranks; not a pipeline's stages yet)."""
+        ...
+
     def local(self, cfg: ModelConfig) -> ModelConfig:
         """The config of the network this rank builds (a tensor rank's heads and rows; a
         pipeline stage's is the whole model's)."""
