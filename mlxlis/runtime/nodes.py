@@ -23,7 +23,8 @@ from mlxlis.runtime.device import on_cpu
 
 import mlx.core as mx
 
-MAX_QUERIES = 16  # attention: more queries (a prompt) go to BLAS through MLX's products
+MAX_QUERIES = 16  # attention: more queries (a prompt's chunk) take the kernel's blocked form
+PROMPTS = True  # prompt chunks' attention by the blocked kernel; False: MLX's (BLAS) products
 ACTS = {"silu": 0, "gelu_tanh": 1}
 
 
@@ -81,10 +82,14 @@ def attend(
     mask: str | mx.array | None,
     heads_last: bool = False,
 ) -> mx.array | None:
-    """softmax((q·scale)·kᵀ, masked)·v for up to MAX_QUERIES queries (q (B, H, T, D), k and v
-    (B, Hkv, S, ·), `mask` "causal" aligned to the newest keys, or boolean broadcasting to
-    (B, 1, T, S)): (B, H, T, Dv), or (B, T, H·Dv) if `heads_last`."""
-    if q.shape[2] > MAX_QUERIES or (isinstance(mask, mx.array) and mask.dtype != mx.bool_):
+    """softmax((q·scale)·kᵀ, masked)·v (q (B, H, T, D), k and v (B, Hkv, S, ·), `mask`
+    "causal" aligned to the newest keys, or boolean broadcasting to (B, 1, T, S)): (B, H, T,
+    Dv), or (B, T, H·Dv) if `heads_last`. Up to MAX_QUERIES queries (a decode step, a
+    verification) one query at a time; more (a prompt's chunk, unless PROMPTS is off) in
+    blocks of queries against blocks of keys with a streaming softmax, on all cores."""
+    if q.shape[2] > MAX_QUERIES and not PROMPTS:
+        return None
+    if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
         return None
     if (kern := _kernels(q, k, v)) is None:
         return None
