@@ -182,8 +182,9 @@ QMV_CLONES void flash_task(void* vctx, int task) {
   for (int i = 0; i < nh; ++i)
     for (int u = 0; u < nt; ++u) {
       const int h = h0 + i, t = t0 + u, row = i * nt + u;
-      float* o = a.out + (a.heads_last ? (int64_t(b) * T + t) * H + h : (int64_t(b) * H + h) * T + t) * Dv;
-      const float total = float(den[row]);  // 0 where every key is hidden: 0/0, NaN as MLX's
+      float* o = a.out +
+                 (a.heads_last ? (int64_t(b) * T + t) * H + h : (int64_t(b) * H + h) * T + t) * Dv;
+      const float total = float(den[row]);  // 0 where every key is hidden: NaN, as attend's
       for (int d = 0; d < Dv; ++d) o[d] = acc[size_t(row) * Dv + d] / total;
     }
 }
