@@ -78,6 +78,8 @@ QMV_SUPER = "tests/test_qmv.py::test_super_block_formats_equal_the_float_scales_
 QMV_MANY = "tests/test_qmv.py::test_several_products_of_one_x_as_one_node_equal_each_alone"
 QUANTS_SUPER = "tests/test_quants.py::test_k_quants_held_as_stored_bit_exact"
 FUSED = "tests/test_fused.py"
+FUSED_PROMPT = "tests/test_fused_prompt.py"
+FLASH = "mlxlis/runtime/kernels/src/fused_flash.cpp"
 Q4X_HF = "tests/test_qwen4_exp.py::test_logits_match_transformers_fp32"
 THINKING_SWITCH = "tests/test_thinking_switch.py"
 DEVICE_POLICY = "tests/test_device.py::test_policy_picks_the_gpu_in_its_design_dtype"
@@ -2060,6 +2062,78 @@ MUTANTS = (
         "((int64_t(b) * H + h) * T + t)",
         (FUSED,),
         "fused attention: heads-last output written in the heads-first order",
+    ),
+    Mutant(
+        "prompt-attention-output-not-rescaled",
+        FLASH,
+        "        for (int d = 0; d < Dv; ++d) o[d] = o[d] * alpha + blk[d];",
+        "        for (int d = 0; d < Dv; ++d) o[d] = o[d] + blk[d];",
+        (FUSED_PROMPT,),
+        "prompt attention: the output so far not rescaled when a key block raises the maximum",
+    ),
+    Mutant(
+        "prompt-attention-denominator-not-rescaled",
+        FLASH,
+        "        den[row] = den[row] * alpha + sum;",
+        "        den[row] = den[row] + sum;",
+        (FUSED_PROMPT,),
+        "prompt attention: the softmax denominator not rescaled when the maximum grows",
+    ),
+    Mutant(
+        "prompt-attention-sees-the-next-key",
+        FLASH,
+        "      const int last = a.causal ? lo + t0 + u : S - 1;",
+        "      const int last = a.causal ? lo + t0 + u + 1 : S - 1;",
+        (FUSED_PROMPT,),
+        "prompt attention: a causal query also sees the key after its own",
+    ),
+    Mutant(
+        "prompt-attention-own-key-dropped",
+        FLASH,
+        "      const int jn = std::min(nj, last - j0 + 1);",
+        "      const int jn = std::min(nj, last - j0);",
+        (FUSED_PROMPT,),
+        "prompt attention: a query's own (newest) key left out of the weighted values",
+    ),
+    Mutant(
+        "prompt-attention-other-kv-head",
+        FLASH,
+        "      const float* kr = j < nj ? a.k.row(b, g, j0 + j) : nullptr;",
+        "      const float* kr = j < nj ? a.k.row(b, (g + 1) % Hkv, j0 + j) : nullptr;",
+        (FUSED_PROMPT,),
+        "prompt attention: a KV head's query heads score against the next KV head's keys",
+    ),
+    Mutant(
+        "prompt-attention-window-block-by-last-query",
+        FLASH,
+        "      for (int u = 0; u < nt && !any; ++u)",
+        "      for (int u = nt - 1; u < nt && !any; ++u)",
+        (FUSED_PROMPT,),
+        "prompt attention: a key block skipped when the block's last query sees none of it",
+    ),
+    Mutant(
+        "prompt-attention-sum-lane-dropped",
+        FLASH,
+        "  for (int l = 0; l < L; ++l) sum += lane[l];",
+        "  for (int l = 0; l + 1 < L; ++l) sum += lane[l];",
+        (FUSED_PROMPT,),
+        "prompt attention: the denominator without one of its partial sums",
+    ),
+    Mutant(
+        "prompt-attention-narrow-columns-last-key",
+        FLASH,
+        "  for (int j = 0; j < n && d0 < Dv; ++j)",
+        "  for (int j = 0; j + 1 < n && d0 < Dv; ++j)",
+        (FUSED_PROMPT,),
+        "prompt attention: columns past the last 64 (a width of 80) without a block's last key",
+    ),
+    Mutant(
+        "prompt-attention-heads-last-ignored",
+        FLASH,
+        "(a.heads_last ? (int64_t(b) * T + t) * H + h : (int64_t(b) * H + h) * T + t)",
+        "((int64_t(b) * H + h) * T + t)",
+        (FUSED_PROMPT,),
+        "prompt attention: heads-last output written in the heads-first order",
     ),
     Mutant(
         "fused-rope-flat-head-stride",

@@ -3,8 +3,9 @@ logit softcap (Gemma 2), optional per-head sinks (gpt-oss: a logit each head's s
 normalises over, whose share of the probability goes to no value), the softmax in float32.
 
 Three ways, same mathematics:
-  kernel   runtime/nodes.py's one CPU node, for up to 16 float32 queries (a decode step, a
-           speculative verification) over dense keys, without cap or sinks.
+  kernel   runtime/nodes.py's one CPU node, for float32 queries (a decode step, a
+           speculative verification; a prompt's chunk in blocks of queries and keys, on all
+           cores) over dense keys, without cap or sinks.
   fused    mx.fast.scaled_dot_product_attention (no cap) — Metal and CUDA, or when the
            backend's fast_math is off (runtime/backend.py).
   explicit scores = q·kᵀ, mask, softmax, ·v — on the CPU with fastmath's softmax (MLX's CPU

@@ -1,6 +1,5 @@
-"""The operations model code runs around the matrix products (RMSNorm, RoPE, the attention of a
-few queries, the gated activations, exact GELU, the attention's softmax), behind one seam
-chosen once.
+"""The operations model code runs around the matrix products (RMSNorm, RoPE, attention, the
+gated activations, exact GELU, the attention's softmax), behind one seam chosen once.
 
 `select(device, settings)` picks the backend when a model is loaded (api.load, the warm-up);
 `current()` is the one chosen, picked on first use from the device and settings of that moment
@@ -11,9 +10,10 @@ runtime/fused.py's functions, which forward to it, and reads `current()` itself 
   variables below off.
 - `CPU`: runtime/nodes.py's single C++ nodes (unless MLXLIS_FUSED=0) and fastmath's compiled
   exp/softmax/GLUs (unless MLXLIS_FAST_MATH=0, or MLX cannot compile here). A node falls back
-  per call only for what it cannot take (a dtype other than float32, a prompt's queries, a
-  non-boolean mask), or while the kernels are not built: a quantized load builds them after
-  this choice, so `kernels.available()` is asked per call (a module global once probed).
+  per call only for what it cannot take (a dtype other than float32, a non-boolean mask; a
+  prompt's queries while nodes.PROMPTS is off), or while the kernels are not built: a
+  quantized load builds them after this choice, so `kernels.available()` is asked per call
+  (a module global once probed).
 """
 
 from __future__ import annotations

@@ -201,7 +201,10 @@ void Fused::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
           a.mask_s[2] = m.strides()[3];
         }
         a.out = o;
-        attend(a);
+        if (a.q.n[2] > kFewQueries)
+          attend_blocks(a);  // a prompt's chunk
+        else
+          attend(a);
       });
       return;
     case FusedOp::Gated:

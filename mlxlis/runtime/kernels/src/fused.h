@@ -1,7 +1,8 @@
 // Fused CPU primitives for the per-token work around the quantized products: RMSNorm,
-// RoPE, attention of a few queries over a cache, the gated activations. Each is one
-// node where MLX's CPU backend runs a chain of small operations (~7-13 us each
-// there), so a decode step costs far fewer of them. float32 in and out; the callers
+// RoPE, attention over a cache, the gated activations. Each is one node where MLX's CPU
+// backend runs a chain of small operations (~7-13 us each there), so a decode step costs
+// far fewer of them (and a prompt's attention runs on every core). float32 in and out; the
+// callers
 // (mlxlis/runtime/fused.py) keep MLX's own operations for anything else.
 #pragma once
 
@@ -26,7 +27,8 @@ mx::array fused_rope(const mx::array& x, int dims, bool traditional, float base,
                      const std::optional<mx::array>& periods, int heads);
 // q (B, H, T, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv) -> (B, H, T, Dv), or (B, T, H * Dv)
 // when `heads_last` (the output projection's input, without a transpose and a reshape);
-// mask: bool broadcastable to (B, 1, T, S), True = attend
+// mask: bool broadcastable to (B, 1, T, S), True = attend. T > kFewQueries (a prompt's
+// chunk): attend_blocks, else attend (fused_kernels.h)
 mx::array fused_attend(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                        bool causal, const std::optional<mx::array>& mask, bool heads_last);
 // act(g) * u, act 0 silu, 1 gelu_tanh

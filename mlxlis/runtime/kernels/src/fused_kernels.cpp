@@ -11,16 +11,6 @@
 
 namespace qmv {
 
-// The loops below are compiled for the baseline x86-64 (this file must load on any CPU)
-// and, with GCC, cloned for AVX2 and AVX-512 machines, the copy picked at load time by the
-// CPU (ifunc): the attention of one query over a few hundred keys was ~8% of a decoding
-// step in 4-wide SSE.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
-#define QMV_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define QMV_CLONES
-#endif
-
 namespace {
 
 // a . b over n floats, 8 partial sums (so the compiler vectorises it without -ffast-math)
@@ -36,27 +26,6 @@ inline float dot(const float* a, const float* b, int n) {
 
 // work past which a call is split across the pool (below: waking workers costs more)
 constexpr int64_t kParallelWork = 1 << 16;
-
-// exp_f32's body, inlined where a loop of them is to be vectorised
-inline float exp_inline(float x) {
-  // branch-free like fastmath._exp_parts: clip, n = round(x log2 e), r = x - n ln2 (two
-  // parts), e^r by the polynomial, times 2^(n-1) * 2 assembled in the exponent bits
-  const float xc = std::min(std::max(x, -86.0f), 88.72284f);
-  const float n = (xc * 1.4426950408889634f + 12582912.0f) - 12582912.0f;
-  const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float m = (p * r * r + r + 1.0f) * 2.0f;
-  const uint32_t bits = uint32_t(int32_t(n) + 126) << 23;
-  float two;
-  memcpy(&two, &bits, 4);
-  const float y = m * two;
-  return x < -86.0f ? 0.0f : (x > 88.72284f ? INFINITY : (x != x ? x : y));
-}
 
 }  // namespace
 
