@@ -72,19 +72,24 @@ def profile(name: str, context: int, steps: int) -> dict:
     cache = model.make_cache()
     mx.eval(prefill(net, ids[:-1], cache))
     tok = mx.array(ids[-1:], mx.int32)
-    calls: list[tuple] = []
-    real = kernels.matmul
+    calls: list[tuple] = []  # (x's shape, w, scales, biases, group, bits, supers) a product
+    real, real_many = kernels.matmul, mod.qmv_many
 
-    def record(x, *rest):
-        calls.append((x.shape, *rest))
-        return real(x, *rest)
+    def record(x, w, scales, biases, group, bits, mode="affine", supers=None):
+        calls.append((x.shape, w, scales, biases, group, bits, supers))
+        return real(x, w, scales, biases, group, bits, mode, supers)
+
+    def record_many(x, *columns):  # a layer's q/k/v or gate/up as one node (products())
+        calls.append((x.shape, *columns))
+        return real_many(x, *columns)
 
     def step(record_products: bool = False):
-        kernels.matmul = record if record_products else real
+        if record_products:
+            kernels.matmul, mod.qmv_many = record, record_many
         try:
             return forward(net, [cache], tok, StepKind.DECODE)
         finally:
-            kernels.matmul = real
+            kernels.matmul, mod.qmv_many = real, real_many
 
     builds, evals = [], []
     for i in range(steps):
@@ -106,14 +111,23 @@ def profile(name: str, context: int, steps: int) -> dict:
     out["nodes"] = sum(kinds.values())
     out["node_kinds"] = dict(kinds.most_common())
 
+    out["product_nodes"] = len(calls)
     xs = [mx.random.normal(c[0]) for c in calls]
     mx.eval(xs)
-    out["products"] = len(calls)
-    held = [a for c in calls for a in (*c[1:4], c[7]) if a is not None]  # w, scales, biases, supers
+    out["products"] = sum(len(c[1]) if isinstance(c[1], list) else 1 for c in calls)
+    held = []  # w, scales, biases, supers of every product
+    for c in calls:
+        for col in (c[1], c[2], c[3], c[6]):
+            held += [a for a in (col if isinstance(col, list) else [col]) if a is not None]
     out["product_mib"] = sum(a.nbytes for a in held) / 2**20
 
+    def node(x: mx.array, c: tuple):
+        if isinstance(c[1], list):
+            return real_many(x, *c[1:])
+        return real(x, c[1], c[2], c[3], c[4], c[5], "affine", c[6])
+
     def products() -> float:
-        ys = [real(x, *c[1:]) for x, c in zip(xs, calls, strict=True)]
+        ys = [node(x, c) for x, c in zip(xs, calls, strict=True)]
         t = time.perf_counter()
         mx.eval(ys)
         return time.perf_counter() - t
@@ -137,7 +151,7 @@ def main() -> int:
     print(f"cpu: {cpu_name()}; kernels: {kernels.describe(build=True)}\n")
     print(
         "| model | step (core) ms | Python graph ms | eval ms | products ms (1 thread) | GB/s "
-        "| rest of eval ms | nodes (products) "
+        "| rest of eval ms | nodes (product nodes) "
         "| pool a token: runs / joined / caller's wait µs / run alone |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
@@ -150,7 +164,7 @@ def main() -> int:
         print(
             f"| {name} | {r['core_ms']:.2f} | {r['build_ms']:.2f} | {r['eval_ms']:.2f} | "
             f"{r['products_ms']:.2f} ({r['products_1thread_ms']:.2f}) | {gbs:.1f} | "
-            f"{r['eval_ms'] - r['products_ms']:.2f} | {r['nodes']} ({r['products']}) | "
+            f"{r['eval_ms'] - r['products_ms']:.2f} | {r['nodes']} ({r['product_nodes']}) | "
             f"{p['runs']:.0f} / {p['joined']:.0f} / {p['wait_ns'] / 1e3:.0f} / {p['alone']:.0f} |",
             flush=True,
         )
