@@ -90,6 +90,8 @@ bench: install-test models
 	$(PY) scripts/bench_kv.py
 	$(PY) scripts/bench_spec.py
 	$(PY) scripts/bench_qmv.py
+	$(PY) scripts/bench_qmv.py --steady --prompts 512 8192
+	$(PY) scripts/profile_decode.py
 	$(PY) scripts/bench_tool_stream.py
 	$(PY) scripts/bench_models.py
 	$(PY) scripts/bench_lora.py

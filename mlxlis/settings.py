@@ -174,7 +174,7 @@ NATIVE = (
     Var("QMV_NUM_THREADS", None, None, None, "the kernels' threads (kernels/src/pool.cpp)"),
     Var("QMV_SPIN_US", None, None, None, "µs a kernel thread spins for the next job (pool.cpp)"),
     Var("QMV_YIELD_US", None, None, None, "µs it then yields before it sleeps (pool.cpp)"),
-    Var("QMV_ADAPT", None, None, None, "0, or the share of waiting that runs jobs alone (pool.cpp)"),
+    Var("QMV_ADAPT", None, None, None, "0, or the waiting share that runs jobs alone (pool.cpp)"),
 )
 
 # read by the tests and scripts, never by mlxlis

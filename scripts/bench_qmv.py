@@ -41,7 +41,9 @@ PROMPT, DECODE = 64, 128
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    pulled = [n for n in catalog.CATALOG if catalog.is_pulled(n)]
+    pulled = [  # the decoders' GGUF files (not the embedding model's folder)
+        n for n in catalog.CATALOG if catalog.is_pulled(n) and catalog.model_path(n).is_file()
+    ]
     ap.add_argument("--models", nargs="*", default=pulled)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens (at most 512)")

@@ -142,7 +142,9 @@ def profile(name: str, context: int, steps: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    pulled = [n for n in catalog.CATALOG if catalog.is_pulled(n)]
+    pulled = [  # the decoders' GGUF files (not the embedding model's folder)
+        n for n in catalog.CATALOG if catalog.is_pulled(n) and catalog.model_path(n).is_file()
+    ]
     ap.add_argument("--models", nargs="*", default=pulled)
     ap.add_argument("--context", type=int, default=512, help="tokens in the cache before decoding")
     ap.add_argument("--steps", type=int, default=64, help="tokens decoded a round")
@@ -156,8 +158,6 @@ def main() -> int:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for name in a.models:
-        if not str(catalog.model_path(name)).endswith(".gguf"):
-            continue
         r = profile(name, a.context, a.steps)
         gbs = r["product_mib"] * 2**20 / (r["products_ms"] / 1e3) / 1e9
         p = r["pool"]

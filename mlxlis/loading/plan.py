@@ -33,7 +33,7 @@ from mlxlis.loading.manifest import (
     UnexpectedBindingError,
     UnknownParameterError,
 )
-from mlxlis.loading.safetensors import read_header, weight_files
+from mlxlis.loading.safetensors import ST_DTYPES, read_header, weight_files
 from mlxlis.loading.slices import Cut, read_cut
 
 import mlx.core as mx
@@ -218,17 +218,6 @@ def _quantizable(net: nn.Module) -> set[str]:
 
 def _float(dtype: mx.Dtype) -> bool:
     return dtype in (mx.float32, mx.float16, mx.bfloat16)
-
-
-ST_DTYPES = {
-    "F32": mx.float32,
-    "F16": mx.float16,
-    "BF16": mx.bfloat16,
-    "U32": mx.uint32,
-    "I32": mx.int32,
-    "I64": mx.int64,
-    "U8": mx.uint8,
-}
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:

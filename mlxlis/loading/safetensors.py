@@ -33,6 +33,15 @@ DTYPE_SIZES = {
     "BOOL": 1,
 }
 SUPPORTED_DTYPES = ("F32", "F16", "BF16", "U32", "I32", "I64", "U8")  # I64: index buffers
+ST_DTYPES = {  # the MLX dtype a supported one is read as
+    "F32": mx.float32,
+    "F16": mx.float16,
+    "BF16": mx.bfloat16,
+    "U32": mx.uint32,
+    "I32": mx.int32,
+    "I64": mx.int64,
+    "U8": mx.uint8,
+}
 MAX_DIMS = limits.SAFETENSORS_MAX_DIMS  # tensors of rank > 8 do not occur in decoders
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mlxlis.errors import UnsupportedError
 from mlxlis.loading.gguf import GGML_TYPES, GGUFTensor
-from mlxlis.loading.safetensors import DTYPE_SIZES
+from mlxlis.loading.safetensors import DTYPE_SIZES, ST_DTYPES
 
 import mlx.core as mx
 import numpy as np
@@ -112,16 +112,5 @@ def read_cut(file: Path, entry: dict, cut: Cut, name: str, where: str) -> mx.arr
     data = np.ascontiguousarray(words[index])
     del words
     out = mx.array(data)
-    dtype = _MLX_DTYPES[entry["dtype"]]
+    dtype = ST_DTYPES[entry["dtype"]]
     return out if out.dtype == dtype else out.view(dtype)
-
-
-_MLX_DTYPES = {
-    "F32": mx.float32,
-    "F16": mx.float16,
-    "BF16": mx.bfloat16,
-    "U32": mx.uint32,
-    "I32": mx.int32,
-    "I64": mx.int64,
-    "U8": mx.uint8,
-}
