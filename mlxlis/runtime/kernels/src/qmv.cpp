@@ -212,7 +212,7 @@ std::vector<mx::array> quantized_matvecs(const mx::array& x_in, const std::vecto
 void QuantizedMatVecs::eval_cpu(const std::vector<mx::array>& inputs,
                                 std::vector<mx::array>& outputs) {
   for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-  if (outputs[0].size() == 0) return;
+  if (inputs[0].size() == 0) return;  // no rows of x: every output is empty
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) enc.set_input_array(a);
   std::vector<float*> outs;
