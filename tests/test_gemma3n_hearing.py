@@ -193,6 +193,9 @@ def transcribe(served, path, **kw):
         )
 
 
+# a real server, every response format: make test-all (Voxtral's server test runs the endpoint
+# in make test)
+@pytest.mark.extended
 def test_server_transcribes_as_the_library_does(served, tmp_path):
     """Proves `POST /v1/audio/transcriptions`, called by the openai client's
     `client.audio.transcriptions.create` on a real `mlxlis serve`, returns what the library
