@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import select
 import signal
 import socket
 import subprocess
@@ -110,3 +111,28 @@ def _env(pid: int) -> dict[str, str]:
         return {}
     pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def stdout_begins(p: subprocess.Popen, timeout: float = 90) -> bytes:
+    """The first bytes rank 0 prints (the reply has begun), or a failure."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([p.stdout], [], [], 0.5)
+        if ready:
+            data = os.read(p.stdout.fileno(), 4096)
+            if data.strip():
+                return data
+        if p.poll() is not None:
+            break
+    kill_all(p)
+    raise AssertionError(f"no output: {p.stderr.read().decode()[-2000:]}")
+
+
+def freeze(pids: dict[int, int]) -> float:
+    """SIGSTOP on rank 1 (its sockets stay open, so no collective fails); the seconds until
+    rank 0 ended (its watchdog), at most 10."""
+    os.kill(pids[1], signal.SIGSTOP)
+    frozen = time.monotonic()
+    while alive(pids[0]) and time.monotonic() - frozen < 10:
+        time.sleep(0.05)
+    return time.monotonic() - frozen

@@ -19,26 +19,11 @@ from mlxlis.commands.cli import main
 
 import pytest
 from conftest import need_pulled
-from launch import MLXLIS, alive, kill_all, ranks, start
+from launch import MLXLIS, alive, freeze, kill_all, ranks, start, stdout_begins
 from launch import run as launch
 
 pytestmark = pytest.mark.real
 ARGS = ["-m", "smollm2-135m", "--no-chat", "--temp", "0"]
-
-
-def _stdout_begins(p, timeout: float = 90) -> bytes:
-    """The first bytes rank 0 prints (the reply has begun), or a failure."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([p.stdout], [], [], 0.5)
-        if ready:
-            data = os.read(p.stdout.fileno(), 4096)
-            if data.strip():
-                return data
-        if p.poll() is not None:
-            break
-    kill_all(p)
-    raise AssertionError(f"no output: {p.stderr.read().decode()[-2000:]}")
 
 
 def _stderr_until(p, text: str, timeout: float = 10) -> str:
@@ -63,7 +48,7 @@ def test_killed_rank_ends_every_rank_with_a_clear_error():
     p = start(3, MLXLIS, *ARGS, "--max-tokens", "3000", "Once upon a time")
     try:
         pids = ranks(p, 3)
-        _stdout_begins(p)
+        stdout_begins(p)
         os.kill(pids[1], signal.SIGKILL)
         killed = time.monotonic()
         p.wait(timeout=10)
@@ -99,12 +84,8 @@ def test_frozen_rank_is_noticed_by_the_watchdog():
     )
     try:
         pids = ranks(p, 2)
-        _stdout_begins(p)
-        os.kill(pids[1], signal.SIGSTOP)
-        frozen = time.monotonic()
-        while alive(pids[0]) and time.monotonic() - frozen < 10:
-            time.sleep(0.05)
-        took = time.monotonic() - frozen
+        stdout_begins(p)
+        took = freeze(pids)
         assert not alive(pids[0])
         err = _stderr_until(p, WHY)
     finally:

@@ -52,7 +52,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import TINY, build_tiny, need_pulled
-from launch import MLXLIS, alive, kill_all, ranks, start
+from launch import MLXLIS, alive, freeze, kill_all, ranks, start, stdout_begins
 from launch import run as launch
 from mlx.utils import tree_flatten
 
@@ -348,7 +348,7 @@ def test_killed_rank_ends_every_rank_with_a_clear_error(folders):
     p = start(2, MLXLIS, *args, "--max-tokens", "480", "Once", env=env)
     try:
         pids = ranks(p, 2)
-        _stdout_begins(p)
+        stdout_begins(p)
         os.kill(pids[1], signal.SIGKILL)
         killed = time.monotonic()
         p.wait(timeout=10)
@@ -380,15 +380,12 @@ def test_frozen_rank_ends_every_rank_within_the_watchdogs_time(folders):
     p = start(2, MLXLIS, *args, "--max-tokens", "3000", "Once", env={**ENV, **FROZEN})
     try:
         pids = ranks(p, 2)
-        _stdout_begins(p)
-        os.kill(pids[1], signal.SIGSTOP)
-        frozen = time.monotonic()
-        while alive(pids[0]) and time.monotonic() - frozen < 10:
-            time.sleep(0.05)
-        took = time.monotonic() - frozen
+        stdout_begins(p)
+        took = freeze(pids)
         assert not alive(pids[0]), "rank 0 still running"
         os.kill(pids[1], signal.SIGCONT)  # the launcher's SIGTERM waits for it
-        while alive(pids[1]) and time.monotonic() - frozen < took + 5:
+        continued = time.monotonic()
+        while alive(pids[1]) and time.monotonic() - continued < 5:
             time.sleep(0.05)
         assert not alive(pids[1]), "rank 1 still running once continued"
         p.wait(timeout=10)
@@ -405,22 +402,6 @@ FROZEN_WHY = (
     "mlxlis: error: rank 0 of 2: no answer from the other ranks for 2 s (a rank stopped or its "
     "link went down; MLXLIS_RANK_TIMEOUT sets the limit); ending the job"
 )
-
-
-def _stdout_begins(p, timeout: float = 90) -> bytes:
-    import select
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([p.stdout], [], [], 0.5)
-        if ready:
-            data = os.read(p.stdout.fileno(), 4096)
-            if data.strip():
-                return data
-        if p.poll() is not None:
-            break
-    kill_all(p)
-    raise AssertionError(f"no output: {p.stderr.read().decode()[-2000:]}")
 
 
 def test_inspect_tensor_reports_each_ranks_slice(capsys):
