@@ -187,19 +187,25 @@ class CommandsMixin:
             f"JSON: {describe_json_format(self.engine.response_format)} (from the next message)"
         )
 
-    async def cmd_image(self, arg: str) -> None:
+    async def _listed_or_dropped(self, arg: str, none: str) -> bool:
+        """`/image` or `/audio` without a path (the attachments listed, or `none` said) or with
+        `-` (all of them dropped): True when that was the command."""
         pending = self.engine.attachments
         if not arg:
-            lines = [f"- {attachment_line(im)}" for im in pending]
+            lines = [f"- {attachment_line(a)}" for a in pending]
             await self.add_note(
-                "**Attached to your next message:**\n\n" + "\n".join(lines)
-                if lines
-                else "*No image attached.* `/image PATH` attaches one to your next message."
+                "**Attached to your next message:**\n\n" + "\n".join(lines) if lines else none
             )
-            return
+            return True
         if arg == "-":
             pending.clear()
             self.notify("attachments dropped")
+            return True
+        return False
+
+    async def cmd_image(self, arg: str) -> None:
+        none = "*No image attached.* `/image PATH` attaches one to your next message."
+        if await self._listed_or_dropped(arg, none):
             return
         image, opened = await asyncio.to_thread(self.engine.attach, arg)  # off the UI thread
         await self.add_note(f"📎 {attachment_line(image)} — goes with your next message")
@@ -208,18 +214,8 @@ class CommandsMixin:
             self.conversation.scroll_end(animate=False)
 
     async def cmd_audio(self, arg: str) -> None:
-        pending = self.engine.attachments
-        if not arg:
-            lines = [f"- {attachment_line(a)}" for a in pending]
-            await self.add_note(
-                "**Attached to your next message:**\n\n" + "\n".join(lines)
-                if lines
-                else "*No audio attached.* `/audio PATH` attaches a clip to your next message."
-            )
-            return
-        if arg == "-":
-            pending.clear()
-            self.notify("attachments dropped")
+        none = "*No audio attached.* `/audio PATH` attaches a clip to your next message."
+        if await self._listed_or_dropped(arg, none):
             return
         clip = await asyncio.to_thread(self.engine.attach_audio, arg)  # off the UI thread
         await self.add_note(f"🔊 {attachment_line(clip)} — goes with your next message")
